@@ -1,0 +1,376 @@
+"""The define-by-run graph: grad mode, nodes, the backward engine and ``GradientMap``.
+
+Every differentiable op that runs with grad mode on and an input requiring grad records one
+``Node`` for its (single) output. A node points at what produced its inputs: the producing
+node for an interior tensor, the tensor itself for a leaf. It holds only what its backward rule
+saved, never the input tensors themselves, so interior activations are freed as soon as nothing
+else refers to them.
+
+``backward`` walks the graph iteratively (Kahn's algorithm on consumer counts), so a graph
+thousands of nodes deep needs no recursion. Gradients of interior tensors are freed as soon as
+their node has run; gradients of leaves are accumulated into a ``GradientMap``.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_state, "enabled", True)
+
+
+def set_grad_enabled(mode: bool) -> None:
+    _state.enabled = bool(mode)
+
+
+class _GradMode:
+    """Context manager and decorator that sets grad mode for the current thread."""
+
+    _mode = True
+
+    def __enter__(self):
+        self._prev = is_grad_enabled()
+        set_grad_enabled(self._mode)
+        return self
+
+    def __exit__(self, *exc):
+        set_grad_enabled(self._prev)
+        return False
+
+    def __call__(self, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with type(self)():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+class no_grad(_GradMode):
+    """Disable graph recording in this thread: ``with flame.no_grad(): ...`` or ``@flame.no_grad()``."""
+
+    _mode = False
+
+
+class enable_grad(_GradMode):
+    """Re-enable graph recording inside a ``no_grad`` region."""
+
+    _mode = True
+
+
+class RemovableHandle:
+    def __init__(self, hooks: list, fn):
+        self._hooks = hooks
+        self._fn = fn
+
+    def remove(self) -> None:
+        if self._fn in self._hooks:
+            self._hooks.remove(self._fn)
+
+
+class Node:
+    """One recorded op. ``backward(node, grad_out)`` returns one gradient (or None) per input."""
+
+    __slots__ = ("backward_fn", "edges", "input_meta", "saved", "attrs", "hooks", "name", "released")
+
+    def __init__(self, backward_fn, edges, input_meta, saved, attrs):
+        self.backward_fn = backward_fn
+        self.edges = edges
+        self.input_meta = input_meta
+        self.saved = saved
+        self.attrs = attrs
+        self.hooks = None
+        self.name = backward_fn.__name__
+        self.released = False
+
+    @property
+    def needs_input_grad(self):
+        return tuple(e is not None for e in self.edges)
+
+    def __repr__(self):
+        return f"<Node {self.name}>"
+
+
+def needs_grad(*tensors) -> bool:
+    """True when an op over these inputs must be recorded."""
+    if not is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+def record(out, inputs, backward_fn, saved=(), **attrs):
+    """Attach a node to ``out``; ``inputs`` are the op's tensor inputs (None for non-tensors)."""
+    edges = []
+    meta = []
+    for t in inputs:
+        if t is None or not t.requires_grad:
+            edges.append(None)
+            meta.append(None)
+        else:
+            edges.append(t._node if t._node is not None else t)
+            meta.append((t.shape, t.dtype))
+    out._node = Node(backward_fn, tuple(edges), tuple(meta), saved, attrs)
+    out.requires_grad = True
+    return out
+
+
+class GradientMap:
+    """Gradients of leaf tensors, keyed by tensor id and indexable by the tensor itself.
+
+    ``grads[w]``, ``w in grads``, ``grads.get(w)``, ``len(grads)``, iteration over
+    ``(tensor_id, grad)`` pairs, and ``grads += other`` / ``grads.accumulate(other)`` for gradient
+    accumulation across micro-batches (sums in place, adds new keys).
+    """
+
+    def __init__(self):
+        self._grads = {}
+
+    @staticmethod
+    def _key(t):
+        return t if isinstance(t, int) else t.id
+
+    def __getitem__(self, t):
+        key = self._key(t)
+        if key not in self._grads:
+            raise KeyError(f"no gradient for tensor id {key} (not a leaf that requires grad in this graph?)")
+        return self._grads[key]
+
+    def __setitem__(self, t, grad):
+        self._grads[self._key(t)] = grad
+
+    def __contains__(self, t):
+        return self._key(t) in self._grads
+
+    def get(self, t, default=None):
+        return self._grads.get(self._key(t), default)
+
+    def __len__(self):
+        return len(self._grads)
+
+    def __iter__(self):
+        return iter(self._grads.items())
+
+    def keys(self):
+        return self._grads.keys()
+
+    def values(self):
+        return self._grads.values()
+
+    def items(self):
+        return self._grads.items()
+
+    def accumulate(self, other: "GradientMap") -> "GradientMap":
+        from .ops.elementwise import add_
+        for key, grad in other:
+            mine = self._grads.get(key)
+            if mine is None:
+                self._grads[key] = grad.clone()
+            else:
+                if mine.shape != grad.shape:
+                    raise RuntimeError(f"gradient for tensor id {key} has shape {mine.shape} here and {grad.shape} in the other map")
+                add_(mine, grad)
+        return self
+
+    def __iadd__(self, other):
+        return self.accumulate(other)
+
+    def __repr__(self):
+        return f"GradientMap({len(self)} tensors)"
+
+
+def _leaf_grad_dtype(dtype):
+    """Gradients of fp16/bf16 leaves are accumulated in fp32."""
+    import torch
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _collect(root_node):
+    """Count, for each node and each leaf (by id), how many edges of the reachable graph point at it."""
+    node_deps = {root_node: 0}
+    leaf_deps = {}
+    stack = [root_node]
+    while stack:
+        node = stack.pop()
+        if node.released:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors "
+                "after they have already been freed). Saved intermediate values of the graph are freed "
+                "when you call backward(); pass retain_graph=True to backward the first time if you need "
+                f"to backward through it again (node {node.name})."
+            )
+        for edge in node.edges:
+            if edge is None:
+                continue
+            if isinstance(edge, Node):
+                if edge in node_deps:
+                    node_deps[edge] += 1
+                else:
+                    node_deps[edge] = 1
+                    stack.append(edge)
+            else:
+                leaf_deps[edge.id] = leaf_deps.get(edge.id, 0) + 1
+    return node_deps, leaf_deps
+
+
+def _fit(grad, meta):
+    """Reduce a broadcast gradient to its input's shape and cast it to its input's dtype."""
+    shape, dtype = meta
+    if grad.shape != shape:
+        from .ops.reduce import sum_to_shape
+        grad = sum_to_shape(grad, shape)
+    if grad.dtype != dtype:
+        grad = grad.to(dtype)
+    return grad
+
+
+def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_leaves=True):
+    """The engine behind ``Tensor.backward`` and ``flame.grad``.
+
+    ``capture`` holds nodes and leaf ids whose total gradient the caller wants back; returns
+    ``(GradientMap, {node or leaf id: gradient})``.
+    """
+    from .tensor import Tensor
+    from .ops.elementwise import add
+    from .ops.creation import ones_like
+
+    if not isinstance(root, Tensor):
+        raise TypeError(f"backward() needs a flame Tensor, got {type(root).__name__}")
+    if not root.requires_grad:
+        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+    if grad is None:
+        if root.numel() != 1:
+            raise RuntimeError(
+                f"grad can be implicitly created only for scalar outputs; got shape {root.shape}: "
+                "pass grad= with the output's shape"
+            )
+        grad = ones_like(root)
+    else:
+        if not isinstance(grad, Tensor):
+            raise TypeError(f"grad must be a flame Tensor, got {type(grad).__name__}")
+        if grad.shape != root.shape:
+            raise RuntimeError(f"grad has shape {grad.shape} but the output has shape {root.shape}")
+        if grad.dtype != root.dtype:
+            grad = grad.to(root.dtype)
+    captured = {}
+    grads = GradientMap()
+
+    with no_grad():
+        if root._node is None:  # backward of a leaf onto itself
+            _finish_leaf(root, grad, grads, capture, captured, accumulate_leaves)
+            return grads, captured
+
+        node_deps, leaf_deps = _collect(root._node)
+        pending = {root._node: grad}  # gradient flowing into each node's output, summed over consumers
+        leaf_pending = {}  # leaf id -> gradient so far
+        ready = [root._node]
+        while ready:
+            node = ready.pop()
+            g = pending.pop(node)
+            for hook in node.hooks or ():
+                new = hook(g)
+                if new is not None:
+                    g = new
+            if node in capture:
+                captured[node] = g
+            in_grads = node.backward_fn(node, g)
+            del g
+            if not isinstance(in_grads, tuple):
+                in_grads = (in_grads,)
+            for edge, meta, ig in zip(node.edges, node.input_meta, in_grads):
+                if edge is None:
+                    continue
+                if ig is not None:
+                    ig = _fit(ig, meta)
+                if isinstance(edge, Node):
+                    _add_pending(pending, edge, ig, add)
+                    node_deps[edge] -= 1
+                    if node_deps[edge] == 0:
+                        if edge in pending:
+                            ready.append(edge)
+                        else:  # no gradient flowed into this branch: nothing to propagate
+                            _skip(edge, node_deps, leaf_deps, pending, ready)
+                else:
+                    _add_pending(leaf_pending, edge.id, ig, add)
+                    leaf_deps[edge.id] -= 1
+                    if leaf_deps[edge.id] == 0 and edge.id in leaf_pending:
+                        lg = leaf_pending.pop(edge.id)
+                        _finish_leaf(edge, lg, grads, capture, captured, accumulate_leaves)
+            if not retain_graph:
+                node.saved = None
+                node.released = True
+    return grads, captured
+
+
+def _skip(node, node_deps, leaf_deps, pending, ready):
+    """Propagate 'no gradient' through a branch whose every consumer produced None."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for edge in n.edges:
+            if edge is None:
+                continue
+            if isinstance(edge, Node):
+                node_deps[edge] -= 1
+                if node_deps[edge] == 0:
+                    if edge in pending:
+                        ready.append(edge)
+                    else:
+                        stack.append(edge)
+            else:
+                leaf_deps[edge.id] -= 1
+
+
+def _add_pending(pending, key, grad, add):
+    if grad is None:
+        return
+    prev = pending.get(key)
+    pending[key] = grad if prev is None else add(prev, grad)
+
+
+def _finish_leaf(leaf, grad, grads, capture, captured, accumulate):
+    """A leaf's gradient is complete: run its hooks, store it, run its post-accumulate hooks."""
+    for hook in leaf._hooks or ():
+        new = hook(grad)
+        if new is not None:
+            grad = new
+    want = _leaf_grad_dtype(leaf.dtype)
+    if grad.dtype != want:
+        grad = grad.to(want)
+    if leaf.id in capture:
+        captured[leaf.id] = grad
+    if accumulate:
+        grads[leaf] = grad
+        for hook in leaf._post_hooks or ():
+            hook(leaf, grad)
+
+
+def grad(outputs, inputs, grad_outputs=None, retain_graph=False, allow_unused=False):
+    """Gradients of ``outputs`` with respect to ``inputs`` (leaves or interior tensors).
+
+    Returns a tuple aligned with ``inputs``; an input the output does not depend on raises unless
+    ``allow_unused=True`` (then its entry is None).
+    """
+    from .tensor import Tensor
+    single = isinstance(inputs, Tensor)
+    inputs = (inputs,) if single else tuple(inputs)
+    for t in inputs:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"flame.grad inputs must be Tensors, got {type(t).__name__}")
+        if not t.requires_grad:
+            raise RuntimeError(f"flame.grad: input tensor {t.id} does not require grad")
+    keys = [t._node if t._node is not None else t.id for t in inputs]
+    _, captured = run_backward(outputs, grad_outputs, retain_graph=retain_graph, capture=set(keys),
+                               accumulate_leaves=False)
+    result = []
+    for t, key in zip(inputs, keys):
+        g = captured.get(key)
+        if g is None and not allow_unused:
+            raise RuntimeError(f"flame.grad: input tensor {t.id} was not used in the graph (pass allow_unused=True)")
+        result.append(g)
+    return result[0] if single else tuple(result)

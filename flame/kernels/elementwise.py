@@ -1,0 +1,362 @@
+"""Elementwise map kernels: one kernel per memory layout, every operation a constexpr switch.
+
+A map reads up to three tensor operands ``a, b, c`` and writes one output. Operands that are not
+tensors come from the two scalar arguments in order (``NIN == 1``: ``b = s0, c = s1``;
+``NIN == 2``: ``c = s0``; ``NIN == 0``: ``a = s0``), so ``x + 2`` is ``ADD`` with one tensor input,
+``clamp(x, lo, hi)`` is ``CLAMP(a, lo, hi)`` and a fill is ``IDENTITY`` with none.
+
+Values are converted to the compute dtype ``CD`` (fp32 for 16/32-bit floats, fp64 for fp64,
+int64 for integer and bool work), combined, and stored in the output's dtype.
+
+Two layouts share the same op switch:
+- ``_map_contiguous_kernel``: every operand dense with the same layout (a 1-D stream), few
+  arguments so the host launch stays cheap;
+- ``_map_strided_kernel``: up to four (collapsed) dimensions with any strides per operand,
+  broadcasting by stride 0, tiled 2-D so that the innermost dimension is read in rows.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+
+# ---- op codes (forward) -------------------------------------------------------------------
+IDENTITY, NEG, ABS, EXP, LOG, SQRT, RSQRT, SIN, COS, TANH, SIGMOID, RELU, SILU, GELU, GELU_TANH = range(15)
+ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV = range(20, 33)
+EQ, NE, LT, LE, GT, GE = range(40, 46)
+# ---- op codes (backward: the incoming gradient is always operand a) ------------------------
+(ABS_BWD, SQRT_BWD, RSQRT_BWD, SIN_BWD, COS_BWD, TANH_BWD, SIGMOID_BWD, RELU_BWD, SILU_BWD,
+ GELU_BWD, GELU_TANH_BWD, CLAMP_BWD, DIV_BWD_B, POW_BWD_BASE, POW_BWD_EXP, MAXIMUM_BWD,
+ MINIMUM_BWD, SCALE_MUL) = range(60, 78)
+
+COMPARISONS = (EQ, NE, LT, LE, GT, GE)
+
+_SQRT_2_OVER_PI = 0.7978845608028654
+_INV_SQRT_2 = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from exp, accurate near 0 by a short odd series (|x| < 0.1: error < 1e-10 relative)
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    big = (1.0 - e) / (1.0 + e)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    t = tl.where(ax < 0.1, small, big)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _pow(a, b):
+    # a ** b for real a, b with PyTorch's conventions: x ** 0 == 1, negative base only for
+    # integral exponents (sign from the exponent's parity), NaN otherwise.
+    mag = tl.exp(b * tl.log(tl.abs(a)))
+    b_int = tl.floor(b) == b
+    b_odd = b_int & (tl.floor(b * 0.5) * 2.0 != b)
+    signed = tl.where(b_odd, -mag, mag)
+    res = tl.where(a < 0, tl.where(b_int, signed, float("nan")), mag)
+    return tl.where(b == 0, 1.0, res)
+
+
+@triton.jit
+def _apply(a, b, c, s0, s1, OP: tl.constexpr):
+    if OP == IDENTITY:
+        return a
+    elif OP == NEG:
+        return -a
+    elif OP == ABS:
+        return tl.abs(a)
+    elif OP == EXP:
+        return tl.exp(a)
+    elif OP == LOG:
+        return tl.log(a)
+    elif OP == SQRT:
+        return tl.sqrt(a)
+    elif OP == RSQRT:
+        return 1.0 / tl.sqrt(a)
+    elif OP == SIN:
+        return tl.sin(a)
+    elif OP == COS:
+        return tl.cos(a)
+    elif OP == TANH:
+        return _tanh(a)
+    elif OP == SIGMOID:
+        return _sigmoid(a)
+    elif OP == RELU:
+        return tl.where(a > 0, a, 0)
+    elif OP == SILU:
+        return a * _sigmoid(a)
+    elif OP == GELU:
+        return 0.5 * a * (1.0 + tl.math.erf(a * _INV_SQRT_2))
+    elif OP == GELU_TANH:
+        return 0.5 * a * (1.0 + _tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)))
+    elif OP == ADD:
+        return a + b
+    elif OP == SUB:
+        return a - b
+    elif OP == RSUB:
+        return b - a
+    elif OP == MUL:
+        return a * b
+    elif OP == DIV:
+        return a / b
+    elif OP == RDIV:
+        return b / a
+    elif OP == POW:
+        return _pow(a, b)
+    elif OP == RPOW:
+        return _pow(b, a)
+    elif OP == MAXIMUM:
+        # NaN propagates, as in torch.maximum
+        return tl.where((a > b) | (a != a), a, b)
+    elif OP == MINIMUM:
+        return tl.where((a < b) | (a != a), a, b)
+    elif OP == CLAMP:
+        return tl.where(a < b, b, tl.where(a > c, c, a))
+    elif OP == WHERE:
+        return tl.where(a != 0, b, c)
+    elif OP == WHERE_INV:
+        return tl.where(a != 0, c, b)
+    elif OP == EQ:
+        return a == b
+    elif OP == NE:
+        return a != b
+    elif OP == LT:
+        return a < b
+    elif OP == LE:
+        return a <= b
+    elif OP == GT:
+        return a > b
+    elif OP == GE:
+        return a >= b
+    # Backward ops. a = dL/dy; x = the op's input, y = its output.
+    elif OP == ABS_BWD:  # d|x|/dx = sign(x), 0 at 0
+        return tl.where(b > 0, a, tl.where(b < 0, -a, 0.0))
+    elif OP == SQRT_BWD:  # y = sqrt(x): dx = g / (2y)
+        return a * 0.5 / b
+    elif OP == RSQRT_BWD:  # y = x^-1/2: dx = -g y^3 / 2
+        return -0.5 * a * b * b * b
+    elif OP == SIN_BWD:  # dx = g cos(x)
+        return a * tl.cos(b)
+    elif OP == COS_BWD:  # dx = -g sin(x)
+        return -a * tl.sin(b)
+    elif OP == TANH_BWD:  # dx = g (1 - y^2)
+        return a * (1.0 - b * b)
+    elif OP == SIGMOID_BWD:  # dx = g y (1 - y)
+        return a * b * (1.0 - b)
+    elif OP == RELU_BWD:  # dx = g [x > 0]
+        return tl.where(b > 0, a, 0.0)
+    elif OP == SILU_BWD:  # s = sigmoid(x): dx = g (s + x s (1 - s))
+        s = _sigmoid(b)
+        return a * (s + b * s * (1.0 - s))
+    elif OP == GELU_BWD:  # dx = g (Phi(x) + x phi(x))
+        cdf = 0.5 * (1.0 + tl.math.erf(b * _INV_SQRT_2))
+        pdf = _INV_SQRT_2PI * tl.exp(-0.5 * b * b)
+        return a * (cdf + b * pdf)
+    elif OP == GELU_TANH_BWD:
+        # u = k (x + 0.044715 x^3), t = tanh(u): dx = g (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2))
+        t = _tanh(_SQRT_2_OVER_PI * (b + 0.044715 * b * b * b))
+        du = _SQRT_2_OVER_PI * (1.0 + 0.134145 * b * b)
+        return a * (0.5 * (1.0 + t) + 0.5 * b * (1.0 - t * t) * du)
+    elif OP == CLAMP_BWD:  # operands (g, x), bounds (s0, s1): dx = g [lo <= x <= hi]
+        return tl.where((b >= s0) & (b <= s1), a, 0.0)
+    elif OP == DIV_BWD_B:  # y = p / q: dq = -g y / q   (operands g, y, q)
+        return -a * b / c
+    elif OP == POW_BWD_BASE:  # y = p ** q: dp = g q p^(q-1)   (operands g, p, q)
+        return a * c * _pow(b, c - 1.0)
+    elif OP == POW_BWD_EXP:  # y = p ** q: dq = g y log(p)   (operands g, y, p); 0 where y == 0
+        return tl.where(b == 0, 0.0, a * b * tl.log(c))
+    elif OP == MAXIMUM_BWD:  # dx = g [x > z] + g/2 [x == z]   (operands g, x, z)
+        return tl.where(b > c, a, tl.where(b == c, 0.5 * a, 0.0))
+    elif OP == MINIMUM_BWD:
+        return tl.where(b < c, a, tl.where(b == c, 0.5 * a, 0.0))
+    elif OP == SCALE_MUL:  # g * y * s   (rpow backward: y = s0 ** x, s = log(s0))
+        return a * b * c
+    else:
+        tl.static_assert(False, "unknown elementwise op")
+
+
+@triton.jit
+def _operands(a_ptr, b_ptr, c_ptr, a_off, b_off, c_off, mask, s0, s1, NIN: tl.constexpr, CD: tl.constexpr):
+    if NIN == 0:
+        a = tl.cast(s0, CD)
+        b = tl.cast(s1, CD)
+        c = tl.cast(s1, CD)
+    elif NIN == 1:
+        a = tl.load(a_ptr + a_off, mask=mask).to(CD)
+        b = tl.cast(s0, CD)
+        c = tl.cast(s1, CD)
+    elif NIN == 2:
+        a = tl.load(a_ptr + a_off, mask=mask).to(CD)
+        b = tl.load(b_ptr + b_off, mask=mask).to(CD)
+        c = tl.cast(s0, CD)
+    else:
+        a = tl.load(a_ptr + a_off, mask=mask).to(CD)
+        b = tl.load(b_ptr + b_off, mask=mask).to(CD)
+        c = tl.load(c_ptr + c_off, mask=mask).to(CD)
+    return a, b, c
+
+
+@triton.jit
+def _store(out_ptr, off, value, mask, OUT_BOOL: tl.constexpr):
+    if OUT_BOOL:
+        tl.store(out_ptr + off, value != 0, mask=mask)
+    else:
+        tl.store(out_ptr + off, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["s0", "s1"])
+def _map_contiguous_kernel(out_ptr, a_ptr, b_ptr, c_ptr, n, s0, s1,
+                           NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr,
+                           OUT_BOOL: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a, b, c = _operands(a_ptr, b_ptr, c_ptr, offs, offs, offs, mask, s0, s1, NIN, CD)
+    out = _apply(a, b, c, s0, s1, OP)
+    _store(out_ptr, offs, out, mask, OUT_BOOL)
+
+
+@triton.jit(do_not_specialize=["s0", "s1"])
+def _map_strided_kernel(out_ptr, a_ptr, b_ptr, c_ptr, s0, s1,
+                        rows, D1, D2, D3,
+                        os0, os1, os2, os3, as0, as1, as2, as3,
+                        bs0, bs1, bs2, bs3, cs0, cs1, cs2, cs3,
+                        NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr,
+                        OUT_BOOL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Logical shape (D0, D1, D2, D3); rows = D0 * D1 * D2 run along grid axis 0.
+    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    col = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    i2 = r % D2
+    rest = r // D2
+    i1 = rest % D1
+    i0 = rest // D1
+    mask = (r < rows)[:, None] & (col < D3)[None, :]
+    o_off = (i0 * os0 + i1 * os1 + i2 * os2)[:, None] + (col * os3)[None, :]
+    a_off = (i0 * as0 + i1 * as1 + i2 * as2)[:, None] + (col * as3)[None, :]
+    b_off = (i0 * bs0 + i1 * bs1 + i2 * bs2)[:, None] + (col * bs3)[None, :]
+    c_off = (i0 * cs0 + i1 * cs1 + i2 * cs2)[:, None] + (col * cs3)[None, :]
+    a, b, c = _operands(a_ptr, b_ptr, c_ptr, a_off, b_off, c_off, mask, s0, s1, NIN, CD)
+    out = _apply(a, b, c, s0, s1, OP)
+    _store(out_ptr, o_off, out, mask, OUT_BOOL)
+
+
+# ---- host side ------------------------------------------------------------------------------
+
+_MAX_DIMS = 4
+
+
+def collapse(shape, stride_lists):
+    """Drop size-1 dims and merge dims that are contiguous with each other in every operand.
+
+    Returns (shape, [strides per operand]) with at least one dim.
+    """
+    dims = [(s, [st[i] for st in stride_lists]) for i, s in enumerate(shape) if s != 1]
+    if not dims:
+        return [1], [[0] for _ in stride_lists]
+    out_shape = [dims[0][0]]
+    out_strides = [[st] for st in dims[0][1]]
+    for size, strides in dims[1:]:
+        if all(prev[-1] == st * size for prev, st in zip(out_strides, strides)):
+            out_shape[-1] *= size
+            for prev, st in zip(out_strides, strides):
+                prev[-1] = st
+        else:
+            out_shape.append(size)
+            for prev, st in zip(out_strides, strides):
+                prev.append(st)
+    return out_shape, out_strides
+
+
+def compute_dtype(*dtypes):
+    """fp64 if any operand is fp64, else fp32 if any is floating, else int64."""
+    if torch.float64 in dtypes:
+        return tl.float64
+    if any(d.is_floating_point for d in dtypes):
+        return tl.float32
+    return tl.int64
+
+
+def _pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
+    """out[...] = op(*inputs, s0, s1) over torch buffers with any strides.
+
+    ``inputs`` are torch tensors already broadcast (expanded) to ``out``'s shape; ``cd`` is the
+    compute dtype (a ``tl`` dtype), by default derived from all operands' dtypes.
+    """
+    n = out.numel()
+    if n == 0:
+        return out
+    if cd is None:
+        cd = compute_dtype(out.dtype, *(t.dtype for t in inputs))
+    out_bool = out.dtype == torch.bool
+    cast = float if cd in (tl.float32, tl.float64) else int
+    s0, s1 = cast(s0), cast(s1)
+    nin = len(inputs)
+    ptrs = list(inputs) + [out] * (3 - nin)
+    shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
+    if len(shape) == 1 and all(st[0] == 1 for st in strides):
+        block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else 2048
+        grid = (triton.cdiv(n, block),)
+        _map_contiguous_kernel[grid](out, *ptrs, n, s0, s1, NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool,
+                                     BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        return out
+    if len(shape) > _MAX_DIMS:
+        # Peel the leading dims off in Python: each slice is a map of rank _MAX_DIMS.
+        lead = len(shape) - _MAX_DIMS
+        for idx in _ndindex(shape[:lead]):
+            views = [t.as_strided(shape[lead:], st[lead:], t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
+                     for t, st in zip([out] + list(inputs), strides)]
+            map_(views[0], views[1:], op, s0, s1, cd)
+        return out
+    pad = _MAX_DIMS - len(shape)
+    shape = [1] * pad + shape
+    strides = [[0] * pad + st for st in strides] + [[0] * _MAX_DIMS] * (3 - nin)
+    d3 = shape[3]
+    rows = shape[0] * shape[1] * shape[2]
+    if runtime.INTERPRETER:
+        block_c = _pow2(min(d3, 1 << 12))
+        block_r = _pow2(min(rows, max(1, (1 << 14) // block_c)))
+    elif any(st[3] not in (0, 1) for st in strides):
+        # some operand is not unit-stride innermost (a transpose): square tiles so both
+        # the load and the store side get whole rows
+        block_c = min(64, _pow2(d3))
+        block_r = min(64, _pow2(rows))
+    else:
+        block_c = min(1024, _pow2(d3))
+        block_r = min(_pow2(rows), max(1, 2048 // block_c))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(d3, block_c))
+    flat = [s for st in strides for s in st]
+    _map_strided_kernel[grid](out, *ptrs, s0, s1, rows, shape[1], shape[2], d3, *flat,
+                              NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool,
+                              BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    return out
+
+
+def _ndindex(shape):
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _ndindex(shape[1:]):
+            yield (i,) + rest
+
+
+def fill_(out, value):
+    """Write ``value`` into every element of ``out`` (any strides)."""
+    return map_(out, [], IDENTITY, value, 0.0)
+
+
+def copy_(dst, src):
+    """dst[...] = src, casting to dst's dtype; src must already have dst's shape (expand it)."""
+    return map_(dst, [src], IDENTITY)
+

@@ -1,0 +1,59 @@
+"""Generators: Philox random numbers (uniform, normal) and arithmetic sequences.
+
+Random numbers come from Triton's Philox-4x32 (``tl.rand``/``tl.randn``) keyed by a 64-bit seed
+and the element's counter offset, so a (seed, offset) pair fully determines a tensor: results are
+reproducible under ``flame.manual_seed`` and independent of launch configuration.
+"""
+import triton
+import triton.language as tl
+
+from .. import runtime
+
+UNIFORM, NORMAL = 0, 1
+
+
+@triton.jit(do_not_specialize=["seed", "offset", "a", "b"])
+def _random_kernel(out_ptr, n, seed, offset, a, b, DIST: tl.constexpr, BLOCK: tl.constexpr):
+    # uniform: a + (b - a) * U[0, 1);  normal: a + b * N(0, 1)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    counters = (offs + offset).to(tl.uint32)
+    if DIST == UNIFORM:
+        r = a + (b - a) * tl.rand(seed, counters)
+    else:
+        r = a + b * tl.randn(seed, counters)
+    tl.store(out_ptr + offs, r.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["start", "step"])
+def _arange_kernel(out_ptr, n, start, step, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, (start + offs * step).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(n):
+    if runtime.INTERPRETER:
+        return max(16, 1 << max(0, (min(n, 1 << 16) - 1).bit_length()))
+    return 1024
+
+
+def random_(out, dist, seed, offset, a, b):
+    """Fill contiguous ``out`` with uniform [a, b) or normal (mean a, std b) numbers."""
+    n = out.numel()
+    if n == 0:
+        return out
+    block = _block(n)
+    _random_kernel[(triton.cdiv(n, block),)](out, n, seed, offset, float(a), float(b), DIST=dist, BLOCK=block)
+    return out
+
+
+def arange_(out, start, step):
+    """out[i] = start + i * step for contiguous ``out`` (computed in fp32/fp64 or int64)."""
+    n = out.numel()
+    if n == 0:
+        return out
+    block = _block(n)
+    cast = float if out.dtype.is_floating_point else int
+    _arange_kernel[(triton.cdiv(n, block),)](out, n, cast(start), cast(step), BLOCK=block)
+    return out

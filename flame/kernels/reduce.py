@@ -1,0 +1,130 @@
+"""Reductions over one (collapsed) axis of an (outer, R, inner) view with any strides.
+
+One kernel serves sum, max, min and the squared-deviation sum used by ``var``; the op is a
+constexpr switch. Each program owns one ``outer`` index, a block of ``inner`` columns and one
+split of ``R``; when there are too few programs to fill the GPU the R axis is split and the
+partial results, laid out as (outer, splits, inner) in the accumulation dtype, are reduced again
+by the same kernel. No atomics: results are bitwise reproducible run to run.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .elementwise import compute_dtype
+
+SUM, MAX, MIN, SQDEV = range(4)
+
+
+@triton.jit(do_not_specialize=["scale"])
+def _reduce_kernel(x_ptr, out_ptr, mean_ptr, R, INNER, r_per_split, splits, scale,
+                   xs_outer, xs_r, xs_inner,
+                   OP: tl.constexpr, CD: tl.constexpr, IDENT: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+    split = tl.program_id(2).to(tl.int64)
+    col_mask = cols < INNER
+    r_lo = split * r_per_split
+    r_hi = tl.minimum(r_lo + r_per_split, R)
+    base = x_ptr + o * xs_outer + (cols * xs_inner)[None, :]
+    if OP == SQDEV:
+        mean = tl.load(mean_ptr + o * INNER + cols, mask=col_mask, other=0.0).to(CD)
+    acc = tl.full((BLOCK_R, BLOCK_I), IDENT, CD)
+    for r0 in range(r_lo, r_hi, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows < r_hi)[:, None] & col_mask[None, :]
+        x = tl.load(base + (rows * xs_r)[:, None], mask=mask, other=0).to(CD)
+        if OP == SUM:
+            acc += x
+        elif OP == SQDEV:
+            d = tl.where(mask, x - mean[None, :], 0.0)
+            acc += d * d
+        elif OP == MAX:
+            x = tl.where(mask, x, IDENT)
+            acc = tl.where((x > acc) | (x != x), x, acc)
+        else:
+            x = tl.where(mask, x, IDENT)
+            acc = tl.where((x < acc) | (x != x), x, acc)
+    if OP == MAX or OP == MIN:
+        if OP == MAX:
+            res = tl.max(acc, axis=0)
+        else:
+            res = tl.min(acc, axis=0)
+        if CD != tl.int64:  # a NaN anywhere in the column wins, as in torch.amax
+            has_nan = tl.max((acc != acc).to(tl.int32), axis=0) > 0
+            res = tl.where(has_nan, float("nan"), res)
+    else:
+        res = tl.sum(acc, axis=0) * scale
+    tl.store(out_ptr + (o * splits + split) * INNER + cols, res.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def accumulation_dtype(dtype):
+    if dtype == torch.float64:
+        return torch.float64
+    return torch.float32 if dtype.is_floating_point else torch.int64
+
+
+def _identity(op, cd):
+    if op in (SUM, SQDEV):
+        return 0.0 if cd != tl.int64 else 0
+    if cd == tl.int64:
+        return -(2 ** 63) if op == MAX else 2 ** 63 - 1
+    return -math.inf if op == MAX else math.inf
+
+
+_TARGET_PROGRAMS = None
+
+
+def _target_programs():
+    global _TARGET_PROGRAMS
+    if _TARGET_PROGRAMS is None:
+        sms = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
+        _TARGET_PROGRAMS = 4 * sms
+    return _TARGET_PROGRAMS
+
+
+def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
+    """Reduce ``x`` viewed as (outer, R, inner) with ``strides`` over R into contiguous ``out``
+    of ``outer * inner`` elements. ``scale`` multiplies sums; ``mean`` (outer*inner, contiguous)
+    is subtracted before squaring for SQDEV."""
+    if outer * inner == 0:
+        return out
+    cd = compute_dtype(x.dtype, out.dtype)
+    ident = _identity(op, cd)
+    if R == 0:  # empty sum: 0 (times scale, so an empty mean is NaN)
+        from .elementwise import fill_
+        return fill_(out, 0.0 * scale)
+    if inner == 1:
+        block_i = 1
+        block_r = _pow2(min(R, 1 << 14 if runtime.INTERPRETER else 2048))
+    else:
+        block_i = _pow2(min(inner, 1 << 10 if runtime.INTERPRETER else 64))
+        block_r = _pow2(min(R, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_i)))
+    programs = outer * triton.cdiv(inner, block_i)
+    splits = 1
+    if not runtime.INTERPRETER and programs < _target_programs() and R > 4 * block_r:
+        splits = min(triton.cdiv(_target_programs(), programs), triton.cdiv(R, 4 * block_r), 1024)
+    mean_arg = mean if mean is not None else x
+    s_outer, s_r, s_inner = strides
+    if splits == 1:
+        grid = (outer, triton.cdiv(inner, block_i), 1)
+        _reduce_kernel[grid](x, out, mean_arg, R, inner, R, 1, float(scale), s_outer, s_r, s_inner,
+                             OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r, BLOCK_I=block_i,
+                             num_warps=4 if block_r * block_i <= 1024 else 8)
+        return out
+    r_per_split = triton.cdiv(triton.cdiv(R, splits), block_r) * block_r
+    splits = triton.cdiv(R, r_per_split)
+    partial = runtime.empty((outer, splits, inner), accumulation_dtype(x.dtype))
+    grid = (outer, triton.cdiv(inner, block_i), splits)
+    _reduce_kernel[grid](x, partial, mean_arg, R, inner, r_per_split, splits, 1.0, s_outer, s_r, s_inner,
+                         OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r, BLOCK_I=block_i,
+                         num_warps=4 if block_r * block_i <= 1024 else 8)
+    second = SUM if op == SQDEV else op
+    return reduce_(out, partial, outer, splits, inner, (splits * inner, inner, 1), second, scale)

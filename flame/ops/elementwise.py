@@ -1,0 +1,346 @@
+"""Elementwise ops with NumPy broadcasting: unary math, binary arithmetic, comparisons, where,
+clamp and casts. Each op's backward rule sits right under it; all run through the two map
+kernels of ``flame.kernels.elementwise``."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..autograd import needs_grad, record
+from ..kernels import elementwise as K
+from ..tensor import Tensor, broadcast_shapes, check_dtype, result_type
+from ._util import check_tensor, is_scalar, new
+
+
+def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
+    """Run elementwise ``op`` over broadcast tensor ``operands``; returns a new contiguous tensor."""
+    if len(operands) == 1:
+        shape = operands[0].shape
+        bufs = [operands[0]._data]
+    else:
+        shape = broadcast_shapes(*(t.shape for t in operands))
+        bufs = [t._data if t.shape == shape else t._data.expand(shape) for t in operands]
+    out = new(shape, out_dtype)
+    K.map_(out._data, bufs, op, s0, s1)
+    return out
+
+
+# ---- unary ------------------------------------------------------------------------------------
+
+def _unary(name, op, grad_op, save_output, keeps_int=False):
+    """Build a unary op whose gradient is ``grad_op(g, saved)`` with saved = output or input."""
+
+    def backward(node, g):
+        return map_op(grad_op, (g, node.saved[0]), g.dtype)
+
+    backward.__name__ = f"{name}_backward"
+
+    def fn(x):
+        check_tensor(x, "input", name)
+        dtype = x.dtype if (keeps_int or x.dtype.is_floating_point) else result_type(x, 1.0)
+        y = map_op(op, (x,), dtype)
+        if needs_grad(x):
+            record(y, (x,), backward, saved=(y if save_output else x,))
+        return y
+
+    fn.__name__ = name
+    fn.__doc__ = f"Elementwise {name}."
+    return fn
+
+
+abs = _unary("abs", K.ABS, K.ABS_BWD, save_output=False, keeps_int=True)  # noqa: A001
+exp = _unary("exp", K.EXP, K.MUL, save_output=True)
+log = _unary("log", K.LOG, K.DIV, save_output=False)
+sqrt = _unary("sqrt", K.SQRT, K.SQRT_BWD, save_output=True)
+rsqrt = _unary("rsqrt", K.RSQRT, K.RSQRT_BWD, save_output=True)
+sin = _unary("sin", K.SIN, K.SIN_BWD, save_output=False)
+cos = _unary("cos", K.COS, K.COS_BWD, save_output=False)
+tanh = _unary("tanh", K.TANH, K.TANH_BWD, save_output=True)
+sigmoid = _unary("sigmoid", K.SIGMOID, K.SIGMOID_BWD, save_output=True)
+relu = _unary("relu", K.RELU, K.RELU_BWD, save_output=True, keeps_int=True)
+silu = _unary("silu", K.SILU, K.SILU_BWD, save_output=False)
+_gelu_exact = _unary("gelu", K.GELU, K.GELU_BWD, save_output=False)
+_gelu_tanh = _unary("gelu_tanh", K.GELU_TANH, K.GELU_TANH_BWD, save_output=False)
+
+
+def gelu(x, approximate: str = "none"):
+    """GELU, exact (erf) by default or the tanh approximation with ``approximate='tanh'``."""
+    if approximate == "none":
+        return _gelu_exact(x)
+    if approximate == "tanh":
+        return _gelu_tanh(x)
+    raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _neg_backward(node, g):
+    return map_op(K.NEG, (g,), g.dtype)
+
+
+def neg(x):
+    check_tensor(x, "input", "neg")
+    if x.dtype == torch.bool:
+        raise TypeError("neg: negation of a bool tensor is not supported; use logical_not")
+    y = map_op(K.NEG, (x,), x.dtype)
+    if needs_grad(x):
+        record(y, (x,), _neg_backward)
+    return y
+
+
+# ---- binary arithmetic -------------------------------------------------------------------------
+
+def _operands(a, b, name):
+    """Validate and split the two operands: at least one tensor; scalars become kernel scalars."""
+    ta, tb = isinstance(a, Tensor), isinstance(b, Tensor)
+    if not ta and not tb:
+        raise TypeError(f"{name}: at least one operand must be a flame Tensor, got {type(a).__name__} and {type(b).__name__}")
+    for x in (a, b):
+        if not isinstance(x, Tensor) and not is_scalar(x):
+            raise TypeError(f"{name}: unsupported operand type {type(x).__name__}")
+    return ta, tb
+
+
+def _scalar_for(value, dtype):
+    return float(value) if dtype.is_floating_point else int(value)
+
+
+def _binary(name, op, rop, a, b, dtype=None):
+    """Forward of a binary op: returns (out, ta, tb)."""
+    ta, tb = _operands(a, b, name)
+    out_dtype = dtype or result_type(a, b)
+    cdtype = result_type(a, b)
+    if ta and tb:
+        return map_op(op, (a, b), out_dtype), ta, tb
+    if ta:
+        return map_op(op, (a,), out_dtype, _scalar_for(b, cdtype)), ta, tb
+    return map_op(rop, (b,), out_dtype, _scalar_for(a, cdtype)), ta, tb
+
+
+def _add_backward(node, g):
+    return g, g
+
+
+def add(a, b):
+    """a + b with broadcasting; either may be a Python scalar."""
+    out, ta, tb = _binary("add", K.ADD, K.ADD, a, b)
+    if needs_grad(a if ta else None, b if tb else None):
+        record(out, (a if ta else None, b if tb else None), _add_backward)
+    return out
+
+
+def _sub_backward(node, g):
+    need_a, need_b = node.needs_input_grad
+    return g if need_a else None, map_op(K.NEG, (g,), g.dtype) if need_b else None
+
+
+def sub(a, b):
+    """a - b with broadcasting; either may be a Python scalar."""
+    out, ta, tb = _binary("sub", K.SUB, K.RSUB, a, b)
+    if needs_grad(a if ta else None, b if tb else None):
+        record(out, (a if ta else None, b if tb else None), _sub_backward)
+    return out
+
+
+def _mul_backward(node, g):
+    a, b = node.saved  # tensors or Python scalars
+    need_a, need_b = node.needs_input_grad
+    return (_times(g, b) if need_a else None), (_times(g, a) if need_b else None)
+
+
+def _times(g, x):
+    return map_op(K.MUL, (g, x), g.dtype) if isinstance(x, Tensor) else map_op(K.MUL, (g,), g.dtype, float(x))
+
+
+def mul(a, b):
+    """a * b with broadcasting; either may be a Python scalar."""
+    out, ta, tb = _binary("mul", K.MUL, K.MUL, a, b)
+    if needs_grad(a if ta else None, b if tb else None):
+        record(out, (a if ta else None, b if tb else None), _mul_backward, saved=(a, b))
+    return out
+
+
+def _div_backward(node, g):
+    a, b, y = node.saved
+    need_a, need_b = node.needs_input_grad
+    ga = gb = None
+    if need_a:  # d(a/b)/da = 1/b
+        ga = map_op(K.DIV, (g, b), g.dtype) if isinstance(b, Tensor) else map_op(K.DIV, (g,), g.dtype, float(b))
+    if need_b:  # d(a/b)/db = -y/b
+        gb = map_op(K.DIV_BWD_B, (g, y, b), g.dtype)
+    return ga, gb
+
+
+def div(a, b):
+    """True division a / b (integer inputs give a floating result)."""
+    dtype = result_type(a, b)
+    if not dtype.is_floating_point:
+        dtype = result_type(a, b, 1.0)
+    out, ta, tb = _binary("div", K.DIV, K.RDIV, a, b, dtype)
+    if needs_grad(a if ta else None, b if tb else None):
+        record(out, (a if ta else None, b if tb else None), _div_backward, saved=(a, b, out))
+    return out
+
+
+def _pow_backward(node, g):
+    a, b, y = node.saved
+    need_a, need_b = node.needs_input_grad
+    ga = gb = None
+    if need_a:  # d(a^b)/da = b a^(b-1)
+        ga = (map_op(K.POW_BWD_BASE, (g, a, b), g.dtype) if isinstance(b, Tensor)
+              else map_op(K.POW_BWD_BASE, (g, a), g.dtype, float(b)))
+    if need_b:  # d(a^b)/db = y log(a)
+        gb = (map_op(K.POW_BWD_EXP, (g, y, a), g.dtype) if isinstance(a, Tensor)
+              else map_op(K.SCALE_MUL, (g, y), g.dtype, math.log(a) if a > 0 else float("nan")))
+    return ga, gb
+
+
+def pow(a, b):  # noqa: A001
+    """a ** b with broadcasting; either may be a Python scalar."""
+    out, ta, tb = _binary("pow", K.POW, K.RPOW, a, b)
+    if needs_grad(a if ta else None, b if tb else None):
+        record(out, (a if ta else None, b if tb else None), _pow_backward, saved=(a, b, out))
+    return out
+
+
+def _extremum(name, op, grad_op):
+    def backward(node, g):
+        a, b = node.saved
+        need_a, need_b = node.needs_input_grad
+        return (map_op(grad_op, (g, a, b), g.dtype) if need_a else None,
+                map_op(grad_op, (g, b, a), g.dtype) if need_b else None)
+
+    backward.__name__ = f"{name}_backward"
+
+    def fn(a, b):
+        check_tensor(a, "input", name)
+        check_tensor(b, "other", name)
+        out = map_op(op, (a, b), result_type(a, b))
+        if needs_grad(a, b):
+            record(out, (a, b), backward, saved=(a, b))
+        return out
+
+    fn.__name__ = name
+    fn.__doc__ = f"Elementwise {name} of two tensors (NaN propagates; ties split the gradient evenly)."
+    return fn
+
+
+maximum = _extremum("maximum", K.MAXIMUM, K.MAXIMUM_BWD)
+minimum = _extremum("minimum", K.MINIMUM, K.MINIMUM_BWD)
+
+
+# ---- comparisons (no gradient) -----------------------------------------------------------------
+
+_MIRROR = {K.EQ: K.EQ, K.NE: K.NE, K.LT: K.GT, K.GT: K.LT, K.LE: K.GE, K.GE: K.LE}
+
+
+def _comparison(name, op):
+    def fn(a, b):
+        ta, tb = _operands(a, b, name)
+        cdtype = result_type(a, b)
+        if ta and tb:
+            return map_op(op, (a, b), torch.bool)
+        if ta:
+            return map_op(op, (a,), torch.bool, _scalar_for(b, cdtype))
+        return map_op(_MIRROR[op], (b,), torch.bool, _scalar_for(a, cdtype))
+
+    fn.__name__ = name
+    fn.__doc__ = f"Elementwise comparison ({name}); returns a bool tensor."
+    return fn
+
+
+eq = _comparison("eq", K.EQ)
+ne = _comparison("ne", K.NE)
+lt = _comparison("lt", K.LT)
+le = _comparison("le", K.LE)
+gt = _comparison("gt", K.GT)
+ge = _comparison("ge", K.GE)
+
+
+# ---- where, clamp, cast -------------------------------------------------------------------------
+
+def _where_backward(node, g):
+    (cond,) = node.saved
+    need_a, need_b = node.needs_input_grad[1:]
+    return (None,
+            map_op(K.WHERE, (cond, g), g.dtype, 0.0) if need_a else None,
+            map_op(K.WHERE_INV, (cond, g), g.dtype, 0.0) if need_b else None)
+
+
+def where(condition, a, b):
+    """Elements of ``a`` where ``condition`` is true, else of ``b`` (tensors or scalars, broadcast)."""
+    check_tensor(condition, "condition", "where")
+    if condition.dtype != torch.bool:
+        raise TypeError(f"where: condition must be a bool tensor, got dtype {condition.dtype}")
+    ta, tb = isinstance(a, Tensor), isinstance(b, Tensor)
+    for x, name in ((a, "input"), (b, "other")):
+        if not isinstance(x, Tensor) and not is_scalar(x):
+            raise TypeError(f"where: {name} must be a Tensor or a number, got {type(x).__name__}")
+    dtype = result_type(a, b)
+    if ta and tb:
+        out = map_op(K.WHERE, (condition, a, b), dtype)
+    elif ta:
+        out = map_op(K.WHERE, (condition, a), dtype, _scalar_for(b, dtype))
+    elif tb:
+        out = map_op(K.WHERE_INV, (condition, b), dtype, _scalar_for(a, dtype))
+    else:
+        out = map_op(K.WHERE, (condition,), dtype, _scalar_for(a, dtype), _scalar_for(b, dtype))
+    if needs_grad(a if ta else None, b if tb else None):
+        record(out, (None, a if ta else None, b if tb else None), _where_backward, saved=(condition,))
+    return out
+
+
+def _clamp_backward(node, g):
+    (x,) = node.saved
+    lo, hi = node.attrs["bounds"]
+    return map_op(K.CLAMP_BWD, (g, x), g.dtype, lo, hi)
+
+
+def clamp(x, min=None, max=None):  # noqa: A002
+    """Clamp every element into [min, max] (either bound may be None)."""
+    check_tensor(x, "input", "clamp")
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min or max must not be None")
+    if x.dtype.is_floating_point:
+        lo = -math.inf if min is None else float(min)
+        hi = math.inf if max is None else float(max)
+    else:
+        info = torch.iinfo(x.dtype) if x.dtype != torch.bool else None
+        if info is None:
+            raise TypeError("clamp: bool tensors are not supported")
+        lo = info.min if min is None else int(min)
+        hi = info.max if max is None else int(max)
+    y = map_op(K.CLAMP, (x,), x.dtype, lo, hi)
+    if needs_grad(x):
+        record(y, (x,), _clamp_backward, saved=(x,), bounds=(lo, hi))
+    return y
+
+
+def _to_backward(node, g):
+    return g  # the engine casts the gradient back to the input's dtype
+
+
+def to(x, *args, dtype=None, device=None, copy=False):
+    """Cast to ``dtype`` (a copy kernel); ``device`` may only name flame's own device."""
+    from .. import runtime
+    for arg in args:
+        if isinstance(arg, torch.dtype):
+            dtype = arg
+        else:
+            device = arg
+    runtime.resolve_device(device)
+    if dtype is None or (dtype == x.dtype and not copy):
+        return x
+    check_dtype(dtype)
+    y = map_op(K.IDENTITY, (x,), dtype)
+    if dtype.is_floating_point and needs_grad(x):
+        record(y, (x,), _to_backward)
+    return y
+
+
+def add_(dst: Tensor, src: Tensor) -> Tensor:
+    """In place ``dst += src`` (src broadcast to dst), outside the graph (gradient accumulation)."""
+    if needs_grad(dst, src):
+        raise RuntimeError("add_: in-place ops on tensors that require grad are not recorded; use no_grad()")
+    bufs = [dst._data, src._data if src.shape == dst.shape else src._data.expand(dst.shape)]
+    K.map_(dst._data, bufs, K.ADD)
+    return dst

@@ -1,0 +1,9 @@
+"""Matmul ops. Placeholder until implemented."""
+
+
+def matmul(a, b):
+    raise NotImplementedError
+
+
+def bmm(a, b):
+    raise NotImplementedError

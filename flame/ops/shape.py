@@ -1,0 +1,367 @@
+"""Shape ops. Views (reshape of compatible strides, permute, transpose, narrow, expand, squeeze,
+unsqueeze, flatten, basic indexing) share storage and launch nothing; materialising ops (contiguous,
+clone, cat, stack, pad) go through the strided copy kernel."""
+from __future__ import annotations
+
+import math
+import numbers
+
+from ..autograd import needs_grad, record
+from ..kernels import elementwise as KE
+from ..tensor import Tensor
+from ._util import check_tensor, new, normalize_dim
+
+
+def _view(x: Tensor, buf, backward, **attrs) -> Tensor:
+    out = Tensor(buf)
+    if needs_grad(x):
+        record(out, (x,), backward, **attrs)
+    return out
+
+
+def _dense_copy(buf):
+    out = new(buf.shape, buf.dtype)
+    KE.copy_(out._data, buf)
+    return out._data
+
+
+def _grad_into_zeros(shape, g, region):
+    """A zero tensor of ``shape`` with ``g`` written into the view ``region(buf)``."""
+    gx = new(shape, g.dtype)
+    KE.fill_(gx._data, 0)
+    KE.copy_(region(gx._data), g._data)
+    return gx
+
+
+# ---- reshape family ---------------------------------------------------------------------------
+
+def _infer_shape(shape, numel, op):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    shape = list(shape)
+    unknown = [i for i, s in enumerate(shape) if s == -1]
+    if len(unknown) > 1:
+        raise RuntimeError(f"{op}: only one dimension can be inferred, got shape {tuple(shape)}")
+    for s in shape:
+        if not isinstance(s, numbers.Integral) or s < -1:
+            raise RuntimeError(f"{op}: invalid shape {tuple(shape)}")
+    known = math.prod(s for s in shape if s != -1)
+    if unknown:
+        if known == 0 or numel % known:
+            raise RuntimeError(f"{op}: shape {tuple(shape)} is invalid for input of size {numel}")
+        shape[unknown[0]] = numel // known
+    if math.prod(shape) != numel:
+        raise RuntimeError(f"{op}: shape {tuple(shape)} is invalid for input of size {numel}")
+    return tuple(int(s) for s in shape)
+
+
+def _reshape_backward(node, g):
+    return reshape(g, node.attrs["shape"])
+
+
+def reshape(x, *shape):
+    """A tensor with ``shape`` and the same elements; a view when the strides allow, else a copy."""
+    check_tensor(x, "input", "reshape")
+    shape = _infer_shape(shape, x.numel(), "reshape")
+    try:
+        buf = x._data.view(shape)
+    except RuntimeError:
+        buf = _dense_copy(x._data).view(shape)
+    return _view(x, buf, _reshape_backward, shape=x.shape)
+
+
+view = reshape
+
+
+def flatten(x, start_dim=0, end_dim=-1):
+    check_tensor(x, "input", "flatten")
+    if x.ndim == 0:
+        return reshape(x, 1)
+    s = normalize_dim(start_dim, x.ndim, "flatten")
+    e = normalize_dim(end_dim, x.ndim, "flatten")
+    if s > e:
+        raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
+    return reshape(x, x.shape[:s] + (math.prod(x.shape[s:e + 1]),) + x.shape[e + 1:])
+
+
+def unsqueeze(x, dim):
+    check_tensor(x, "input", "unsqueeze")
+    d = normalize_dim(dim, x.ndim + 1, "unsqueeze")
+    return reshape(x, x.shape[:d] + (1,) + x.shape[d:])
+
+
+def squeeze(x, dim=None):
+    check_tensor(x, "input", "squeeze")
+    if dim is None:
+        shape = tuple(s for s in x.shape if s != 1)
+    else:
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        dims = {normalize_dim(d, x.ndim, "squeeze") for d in dims} if x.ndim else set()
+        shape = tuple(s for i, s in enumerate(x.shape) if not (i in dims and s == 1))
+    return reshape(x, shape)
+
+
+# ---- permutations -----------------------------------------------------------------------------
+
+def _permute_backward(node, g):
+    inverse = [0] * len(node.attrs["dims"])
+    for i, d in enumerate(node.attrs["dims"]):
+        inverse[d] = i
+    return permute(g, inverse)
+
+
+def permute(x, *dims):
+    check_tensor(x, "input", "permute")
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    if len(dims) != x.ndim:
+        raise RuntimeError(f"permute: number of dims {len(dims)} doesn't match the input's {x.ndim} dims")
+    dims = tuple(normalize_dim(d, x.ndim, "permute") for d in dims)
+    if len(set(dims)) != len(dims):
+        raise RuntimeError(f"permute: repeated dim in {dims}")
+    return _view(x, x._data.permute(dims), _permute_backward, dims=dims)
+
+
+def transpose(x, dim0, dim1):
+    check_tensor(x, "input", "transpose")
+    if x.ndim == 0:
+        return x
+    d0, d1 = normalize_dim(dim0, x.ndim, "transpose"), normalize_dim(dim1, x.ndim, "transpose")
+    dims = list(range(x.ndim))
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return permute(x, dims)
+
+
+def t(x):
+    """Transpose of a tensor of at most 2 dims."""
+    check_tensor(x, "input", "t")
+    if x.ndim > 2:
+        raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {x.ndim}D")
+    return transpose(x, 0, 1) if x.ndim == 2 else x
+
+
+# ---- expand -----------------------------------------------------------------------------------
+
+def _expand_backward(node, g):
+    return g  # the engine sums the broadcast dims back to the input's shape
+
+
+def expand(x, *shape):
+    """Broadcast ``x`` to ``shape`` as a stride-0 view (-1 keeps a dim)."""
+    check_tensor(x, "input", "expand")
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if len(shape) < x.ndim:
+        raise RuntimeError(f"expand: the number of sizes provided ({len(shape)}) must be >= the number of dims ({x.ndim})")
+    lead = len(shape) - x.ndim
+    full = []
+    for i, s in enumerate(shape):
+        src = x.shape[i - lead] if i >= lead else 1
+        if s == -1:
+            if i < lead:
+                raise RuntimeError(f"expand: -1 is not allowed in a new leading dim (shape {shape})")
+            s = src
+        if src != 1 and src != s:
+            raise RuntimeError(f"expand: the expanded size {s} must match the existing size {src} at dim {i} (input {x.shape}, target {tuple(shape)})")
+        full.append(int(s))
+    full = tuple(full)
+    if full == x.shape:
+        return x
+    return _view(x, x._data.expand(full), _expand_backward)
+
+
+broadcast_to = expand
+
+
+# ---- narrow and basic indexing ----------------------------------------------------------------
+
+def _narrow_backward(node, g):
+    dim, start, length = node.attrs["dim"], node.attrs["start"], node.attrs["length"]
+    return _grad_into_zeros(node.attrs["shape"], g, lambda b: b.narrow(dim, start, length))
+
+
+def narrow(x, dim, start, length):
+    check_tensor(x, "input", "narrow")
+    d = normalize_dim(dim, x.ndim, "narrow")
+    size = x.shape[d]
+    if start < 0:
+        start += size
+    if not (0 <= start <= size and 0 <= length <= size - start):
+        raise IndexError(f"narrow: start {start} + length {length} exceeds dimension {d} of size {size}")
+    return _view(x, x._data.narrow(d, start, length), _narrow_backward, dim=d, start=start, length=length,
+                 shape=x.shape)
+
+
+def _check_index(index, x):
+    items = index if isinstance(index, tuple) else (index,)
+    for it in items:
+        if isinstance(it, Tensor):
+            raise TypeError("indexing with a tensor is not basic indexing: use index_select or gather")
+        if isinstance(it, slice) and it.step is not None and it.step <= 0:
+            raise ValueError(f"slice step must be positive, got {it.step}")
+        if not (it is None or it is Ellipsis or isinstance(it, (slice, numbers.Integral))):
+            raise TypeError(f"unsupported index {it!r} (basic indexing: ints, slices, None, ...)")
+    return index
+
+
+def _getitem_backward(node, g):
+    index = node.attrs["index"]
+    return _grad_into_zeros(node.attrs["shape"], g, lambda b: b[index])
+
+
+def getitem(x, index):
+    """Basic indexing (ints, slices with positive steps, None, Ellipsis) as a view."""
+    _check_index(index, x)
+    return _view(x, x._data[index], _getitem_backward, index=index, shape=x.shape)
+
+
+# ---- materialising ops ------------------------------------------------------------------------
+
+def _identity_backward(node, g):
+    return g
+
+
+def contiguous(x):
+    """``x`` itself if already contiguous, else a dense copy."""
+    check_tensor(x, "input", "contiguous")
+    if x._data.is_contiguous():
+        return x
+    return clone(x)
+
+
+def clone(x):
+    check_tensor(x, "input", "clone")
+    out = new(x.shape, x.dtype)
+    KE.copy_(out._data, x._data)
+    if needs_grad(x):
+        record(out, (x,), _identity_backward)
+    return out
+
+
+def _cat_backward(node, g):
+    dim = node.attrs["dim"]
+    grads, start = [], 0
+    for size in node.attrs["sizes"]:
+        grads.append(Tensor(g._data.narrow(dim, start, size)))
+        start += size
+    return tuple(grads)
+
+
+def cat(tensors, dim=0):
+    """Concatenate along ``dim``; every other dim must match. Dtypes promote."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("cat: expected a non-empty list of tensors")
+    for i, x in enumerate(tensors):
+        check_tensor(x, f"tensors[{i}]", "cat")
+    ref = next((x for x in tensors if x.shape != (0,)), tensors[0])  # PyTorch skips legacy 1-D empties
+    d = normalize_dim(dim, ref.ndim, "cat")
+    from ..tensor import result_type
+    dtype = result_type(*tensors)
+    parts = [x for x in tensors if not (x.shape == (0,) and ref.ndim != 1)]
+    for x in parts:
+        if x.ndim != ref.ndim or any(a != b for i, (a, b) in enumerate(zip(x.shape, ref.shape)) if i != d):
+            raise RuntimeError(f"cat: sizes of tensors must match except in dimension {d}; got {ref.shape} and {x.shape}")
+    sizes = [x.shape[d] for x in parts]
+    out_shape = ref.shape[:d] + (sum(sizes),) + ref.shape[d + 1:]
+    out = new(out_shape, dtype)
+    start = 0
+    for x, size in zip(parts, sizes):
+        KE.copy_(out._data.narrow(d, start, size), x._data)
+        start += size
+    if needs_grad(*parts):
+        record(out, tuple(parts), _cat_backward, dim=d, sizes=sizes)
+    return out
+
+
+def stack(tensors, dim=0):
+    """Stack equally shaped tensors along a new ``dim``."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack: expected a non-empty list of tensors")
+    for i, x in enumerate(tensors):
+        check_tensor(x, f"tensors[{i}]", "stack")
+        if x.shape != tensors[0].shape:
+            raise RuntimeError(f"stack expects each tensor to be equal size, but got {tensors[0].shape} at entry 0 and {x.shape} at entry {i}")
+    d = normalize_dim(dim, tensors[0].ndim + 1, "stack")
+    return cat([unsqueeze(x, d) for x in tensors], d)
+
+
+def split(x, split_size_or_sections, dim=0):
+    """Views of consecutive pieces along ``dim`` (an int piece size, or a list of sizes)."""
+    check_tensor(x, "input", "split")
+    d = normalize_dim(dim, x.ndim, "split")
+    size = x.shape[d]
+    if isinstance(split_size_or_sections, numbers.Integral):
+        step = int(split_size_or_sections)
+        if step <= 0:
+            raise ValueError(f"split: split_size must be positive, got {step}")
+        sections = [min(step, size - s) for s in range(0, size, step)] or [0]
+    else:
+        sections = [int(s) for s in split_size_or_sections]
+        if sum(sections) != size:
+            raise RuntimeError(f"split: sections {sections} don't sum to dimension {d}'s size {size}")
+    pieces, start = [], 0
+    for s in sections:
+        pieces.append(narrow(x, d, start, s))
+        start += s
+    return tuple(pieces)
+
+
+def chunk(x, chunks, dim=0):
+    """``chunks`` views along ``dim`` (the last may be smaller), as torch.chunk."""
+    check_tensor(x, "input", "chunk")
+    if chunks <= 0:
+        raise ValueError(f"chunk: chunks must be positive, got {chunks}")
+    d = normalize_dim(dim, x.ndim, "chunk")
+    step = max(1, -(-x.shape[d] // chunks))
+    return split(x, step, d)
+
+
+def _pad_amounts(ndim, pad, d):
+    i = ndim - 1 - d  # pad lists the last dim first
+    return (pad[2 * i], pad[2 * i + 1]) if 2 * i < len(pad) else (0, 0)
+
+
+def _pad_regions(shape, pad):
+    """Per dim: (input start, output start, length) of the region the input and output share."""
+    regions = []
+    for d, size in enumerate(shape):
+        left, right = _pad_amounts(len(shape), pad, d)
+        regions.append((max(-left, 0), max(left, 0), max(size + min(left, 0) + min(right, 0), 0)))
+    return regions
+
+
+def _region(buf, regions, which):
+    for d, r in enumerate(regions):
+        buf = buf.narrow(d, r[which], r[2])
+    return buf
+
+
+def _pad_backward(node, g):
+    regions = node.attrs["regions"]
+    return _grad_into_zeros(node.attrs["shape"], Tensor(_region(g._data, regions, 1)), lambda b: _region(b, regions, 0))
+
+
+def pad(x, pad, mode="constant", value=0.0):
+    """Constant padding as torch.nn.functional.pad: ``pad`` = (last_left, last_right, ...);
+    negative entries crop."""
+    check_tensor(x, "input", "pad")
+    if mode != "constant":
+        raise NotImplementedError(f"pad: mode {mode!r} is not implemented (only 'constant')")
+    pad = tuple(int(p) for p in pad)
+    if len(pad) % 2 or len(pad) // 2 > x.ndim:
+        raise ValueError(f"pad: padding length {len(pad)} must be even and at most 2 * ndim ({2 * x.ndim})")
+    regions = _pad_regions(x.shape, pad)
+    out_shape = []
+    for d, s in enumerate(x.shape):
+        left, right = _pad_amounts(x.ndim, pad, d)
+        if s + left + right < 0:
+            raise RuntimeError(f"pad: padding {pad} gives a negative size for dim {d} of input {x.shape}")
+        out_shape.append(s + left + right)
+    out = new(out_shape, x.dtype)
+    KE.fill_(out._data, value)
+    KE.copy_(_region(out._data, regions, 1), _region(x._data, regions, 0))
+    if needs_grad(x):
+        record(out, (x,), _pad_backward, regions=regions, shape=x.shape)
+    return out

@@ -1,0 +1,106 @@
+"""Backend selection, allocation and device bookkeeping.
+
+The backend is chosen once, when flame is imported: CUDA when ``torch.cuda.is_available()``,
+otherwise Triton's interpreter on CPU tensors. ``FLAME_DEVICE=cpu|cuda`` overrides the choice.
+``TRITON_INTERPRET=1`` must be set before ``triton`` is imported for the interpreter to take
+effect, so this module must be imported before any kernel module (``flame/__init__.py`` does so).
+
+Allocation goes through ``torch.empty*`` only: zero-filling is a Triton kernel like everything
+else that touches values.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _choose_device() -> str:
+    requested = os.environ.get("FLAME_DEVICE", "").strip().lower()
+    if requested not in ("", "cpu", "cuda"):
+        raise RuntimeError(f"FLAME_DEVICE must be 'cpu' or 'cuda', got {requested!r}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("FLAME_DEVICE=cuda but torch.cuda.is_available() is False")
+    if requested:
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+DEVICE_TYPE: str = _choose_device()
+INTERPRETER: bool = DEVICE_TYPE == "cpu"
+
+if INTERPRETER:
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "flame must be imported before triton when running on the CPU: the interpreter is "
+            "selected by TRITON_INTERPRET=1, which triton reads at import time"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+device = torch.device(DEVICE_TYPE)
+_default_dtype = torch.float32
+
+
+def is_interpreter() -> bool:
+    """True when kernels run through Triton's interpreter on CPU tensors."""
+    return INTERPRETER
+
+
+def default_device() -> torch.device:
+    return device
+
+
+def get_default_dtype() -> torch.dtype:
+    return _default_dtype
+
+
+def set_default_dtype(dtype: torch.dtype) -> None:
+    global _default_dtype
+    if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise TypeError(f"default dtype must be a floating dtype, got {dtype}")
+    _default_dtype = dtype
+
+
+def resolve_device(dev) -> torch.device:
+    """Map a user's device argument to flame's one device, or raise a clear error."""
+    if dev is None:
+        return device
+    d = torch.device(dev)
+    if d.type != device.type:
+        raise RuntimeError(
+            f"flame runs on {device.type!r} in this process (FLAME_DEVICE/CUDA availability); "
+            f"got device={str(dev)!r}"
+        )
+    return device
+
+
+def empty(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def empty_strided(shape, strides, dtype) -> torch.Tensor:
+    return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+
+
+def synchronize() -> None:
+    if not INTERPRETER:
+        torch.cuda.synchronize()
+
+
+def memory_allocated() -> int:
+    """Bytes currently held by tensors (CUDA only; 0 on the interpreter backend)."""
+    return torch.cuda.memory_allocated() if not INTERPRETER else 0
+
+
+def max_memory_allocated() -> int:
+    return torch.cuda.max_memory_allocated() if not INTERPRETER else 0
+
+
+def reset_peak_memory_stats() -> None:
+    if not INTERPRETER:
+        torch.cuda.reset_peak_memory_stats()
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if not INTERPRETER else "cpu-interpreter"
