@@ -1,0 +1,29 @@
+import os
+import warnings
+
+import pytest
+
+import flame  # noqa: F401 - selects the backend before triton is imported
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 numerics, SDXL shapes, speed paths)")
+    # The interpreter evaluates masked-out lanes too (log(0), x/0): NumPy warns about them.
+    warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\..*")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not flame.is_interpreter():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with FLAME_DEVICE=cuda on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import torch
+    torch.manual_seed(0)
+    flame.manual_seed(0)
+    os.environ.setdefault("PYTHONHASHSEED", "0")
