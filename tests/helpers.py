@@ -49,7 +49,7 @@ def assert_close(got, want, dtype=None, **kw):
     got, want = to_torch(got), to_torch(want)
     dtype = dtype or want.dtype
     tol = dict(TOL.get(dtype, dict(rtol=0, atol=0)))
-    tol.update(kw)
+    tol.update({k: v for k, v in kw.items() if v is not None})
     assert tuple(got.shape) == tuple(want.shape), f"shape {tuple(got.shape)} != {tuple(want.shape)}"
     assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
     torch.testing.assert_close(got.detach().cpu(), want.detach().cpu(), equal_nan=True, **tol)

@@ -90,7 +90,7 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
     elif OP == SIGMOID:
         return _sigmoid(a)
     elif OP == RELU:
-        return tl.where(a > 0, a, 0)
+        return tl.where(a < 0, 0, a)  # NaN passes through, as in torch.relu
     elif OP == SILU:
         return a * _sigmoid(a)
     elif OP == GELU:

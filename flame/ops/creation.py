@@ -161,7 +161,7 @@ def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
             raise TypeError(f"tensor: unsupported data of NumPy dtype {arr.dtype}")
         if arr.dtype.kind == "u" or arr.dtype == np.int16 or arr.dtype == np.int8:
             arr = arr.astype(np.int64)
-        src = torch.from_numpy(np.ascontiguousarray(arr))
+        src = torch.from_numpy(arr.copy())  # C order; keeps 0-d arrays 0-d
     if src.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool):
         raise TypeError(f"tensor: unsupported dtype {src.dtype}")
     data_dev = src.detach().to(runtime.device, copy=True).contiguous()  # host transfer

@@ -57,7 +57,7 @@ def _reduce(x, dims, keepdim, op, scale=1.0, mean=None, out_dtype=None):
         buf = runtime.empty(tuple(perm.shape), perm.dtype)
         KE.copy_(buf, perm)
         r = math.prod(shape[d] for d in dims)
-        plan = (buf.numel() // max(r, 1) if r else math.prod(kept_shape), r, 1, (r, 1, 0))
+        plan = (math.prod(kept_shape), r, 1, (r, 1, 0))
     outer, r, inner, strides = plan
     K.reduce_(out._data, buf, outer, r, inner, strides, op, scale, None if mean is None else mean._data)
     return out

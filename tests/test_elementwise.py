@@ -1,0 +1,262 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame.testing import gradcheck
+from helpers import FLOAT_DTYPES_CPU, assert_close, pair
+
+UNARY = {
+    "neg": (flame.neg, torch.neg, None),
+    "abs": (flame.abs, torch.abs, None),
+    "exp": (flame.exp, torch.exp, None),
+    "log": (flame.log, torch.log, (0.1, 3.0)),
+    "sqrt": (flame.sqrt, torch.sqrt, (0.1, 3.0)),
+    "rsqrt": (flame.rsqrt, torch.rsqrt, (0.1, 3.0)),
+    "sin": (flame.sin, torch.sin, None),
+    "cos": (flame.cos, torch.cos, None),
+    "tanh": (flame.tanh, torch.tanh, None),
+    "sigmoid": (flame.sigmoid, torch.sigmoid, None),
+    "relu": (flame.relu, torch.relu, None),
+    "silu": (flame.silu, torch.nn.functional.silu, None),
+    "gelu": (flame.gelu, torch.nn.functional.gelu, None),
+    "gelu_tanh": (lambda x: flame.gelu(x, approximate="tanh"),
+                  lambda x: torch.nn.functional.gelu(x, approximate="tanh"), None),
+    "clamp": (lambda x: flame.clamp(x, -0.5, 0.7), lambda x: torch.clamp(x, -0.5, 0.7), None),
+    "clamp_min": (lambda x: x.clamp(min=0.1), lambda x: x.clamp(min=0.1), None),
+    "pow_scalar": (lambda x: x ** 3, lambda x: x ** 3, None),
+    "pow_frac": (lambda x: x ** 1.5, lambda x: x ** 1.5, (0.1, 3.0)),
+    "rpow": (lambda x: 2.0 ** x, lambda x: 2.0 ** x, None),
+    "to_fp64_and_back": (lambda x: x.to(flame.float64).to(x.dtype), lambda x: x.double().to(x.dtype), None),
+}
+
+
+@pytest.mark.parametrize("name", list(UNARY))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("noncontig", [False, True])
+def test_unary_forward_backward(name, dtype, noncontig):
+    f_op, t_op, rng = UNARY[name]
+    low, high = rng if rng else (None, None)
+    x, xt = pair((7, 33), dtype, requires_grad=True, noncontig=noncontig, low=low, high=high)
+    y, yt = f_op(x), t_op(xt)
+    assert_close(y, yt)
+    g, gt = pair((7, 33), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    # gradients of fp16 leaves come back in fp32: compare in fp32 with fp16's tolerance
+    assert_close(grads[x].to(dtype), xt.grad, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(UNARY))
+def test_unary_bf16(name):
+    test_unary_forward_backward(name, torch.bfloat16, False)
+
+
+@pytest.mark.parametrize("name", [n for n in UNARY if n not in ("to_fp64_and_back",)])
+def test_unary_gradcheck(name):
+    f_op, _, rng = UNARY[name]
+    low, high = rng if rng else (-2.0, 2.0)
+    x = flame.tensor(np.random.default_rng(1).uniform(low, high, (3, 4)), requires_grad=True)
+    if name in ("relu", "abs", "clamp", "clamp_min"):  # keep away from the kinks
+        x = flame.tensor(np.where(np.abs(x.numpy()) < 0.05, 0.3, x.numpy()), requires_grad=True)
+        if name.startswith("clamp"):
+            v = x.numpy()
+            v = np.where(np.abs(v + 0.5) < 0.05, 0.0, v)
+            v = np.where(np.abs(v - 0.7) < 0.05, 0.0, v)
+            v = np.where(np.abs(v - 0.1) < 0.05, 0.0, v)
+            x = flame.tensor(v, requires_grad=True)
+    assert gradcheck(f_op, [x])
+
+
+BINARY = {
+    "add": (flame.add, torch.add),
+    "sub": (flame.sub, torch.sub),
+    "mul": (flame.mul, torch.mul),
+    "div": (flame.div, torch.div),
+    "pow": (lambda a, b: flame.abs(a) ** b, lambda a, b: torch.abs(a) ** b),
+    "maximum": (flame.maximum, torch.maximum),
+    "minimum": (flame.minimum, torch.minimum),
+}
+
+SHAPES = [((5, 6), (5, 6)), ((5, 6), (6,)), ((4, 1, 3), (5, 1)), ((1,), (3, 4)), ((), (2, 3)), ((2, 0, 3), (3,))]
+
+
+@pytest.mark.parametrize("name", list(BINARY))
+@pytest.mark.parametrize("shapes", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_binary_broadcast(name, shapes, dtype):
+    f_op, t_op = BINARY[name]
+    a, at = pair(shapes[0], dtype, requires_grad=True)
+    b, bt = pair(shapes[1], dtype, requires_grad=True, low=0.5, high=2.0)
+    y, yt = f_op(a, b), t_op(at, bt)
+    assert_close(y, yt)
+    if y.numel() == 0:
+        return
+    g, gt = pair(tuple(yt.shape), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    assert_close(grads[a].to(dtype), at.grad, dtype)
+    assert_close(grads[b].to(dtype), bt.grad, dtype, rtol=2e-2 if name == "pow" and dtype == torch.float16 else None)
+
+
+@pytest.mark.parametrize("name", list(BINARY))
+def test_binary_gradcheck(name):
+    f_op = BINARY[name][0]
+    rng = np.random.default_rng(2)
+    a = flame.tensor(rng.uniform(0.5, 2.0, (3, 4)), requires_grad=True)
+    b = flame.tensor(rng.uniform(0.5, 2.0, (4,)), requires_grad=True)
+    assert gradcheck(f_op, [a, b])
+
+
+@pytest.mark.parametrize("op", ["+", "-", "*", "/", "**"])
+@pytest.mark.parametrize("scalar", [2, 0.5, -1.5])
+def test_scalar_operands_both_sides(op, scalar):
+    x, xt = pair((4, 5), torch.float32, requires_grad=True, low=0.5, high=2.0)
+    f = eval(f"lambda x, s: (x {op} s) + (s {op} x)")
+    y, yt = f(x, scalar), f(xt, scalar)
+    assert_close(y, yt)
+    grads = y.sum().backward()
+    yt.sum().backward()
+    assert_close(grads[x], xt.grad)
+
+
+def test_scalar_gradcheck():
+    x = flame.tensor(np.random.default_rng(3).uniform(0.5, 2.0, (3, 3)), requires_grad=True)
+    assert gradcheck(lambda x: (3.0 - x) * 2.5 / (x + 1) + 2.0 / x - x ** 2 + 1.5 ** x, [x])
+
+
+@pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge"])
+def test_comparisons(op):
+    a, at = pair((6, 7), torch.float32)
+    b, bt = pair((7,), torch.float32)
+    assert_close(getattr(flame, op)(a, b), getattr(torch, op)(at, bt))
+    assert_close(getattr(a, op)(0.25), getattr(at, op)(0.25))
+    # reflected: 0.25 < a is a > 0.25
+    assert_close(0.25 < a, 0.25 < at)
+    ai, ait = pair((5,), torch.int64)
+    assert_close(getattr(ai, op)(1), getattr(ait, op)(1))
+
+
+def test_where_forward_backward_and_gradcheck():
+    c, ct = pair((4, 5), torch.bool)
+    a, at = pair((4, 5), torch.float32, requires_grad=True)
+    b, bt = pair((5,), torch.float32, requires_grad=True)
+    y, yt = flame.where(c, a, b), torch.where(ct, at, bt)
+    assert_close(y, yt)
+    grads = (y * y).sum().backward()
+    (yt * yt).sum().backward()
+    assert_close(grads[a], at.grad)
+    assert_close(grads[b], bt.grad)
+    assert_close(flame.where(c, a, 0.0), torch.where(ct, at, 0.0))
+    assert_close(flame.where(c, 1.0, b), torch.where(ct, 1.0, bt))
+    assert_close(flame.where(c, 1.0, 2.0), torch.where(ct, 1.0, 2.0))
+    a64 = flame.tensor(np.random.default_rng(0).standard_normal((4, 5)), requires_grad=True)
+    assert gradcheck(lambda a: flame.where(c, a, a * 2), [a64])
+
+
+def test_nan_propagation():
+    x = flame.tensor([1.0, float("nan"), -1.0])
+    y = flame.tensor([0.0, 0.0, float("nan")])
+    assert np.isnan(flame.maximum(x, y).numpy()[1:]).all()
+    assert np.isnan(flame.relu(x).numpy()[1])
+    assert np.isnan(flame.exp(x).numpy()[1])
+
+
+def test_extreme_values_are_stable():
+    x = flame.tensor([-1000.0, -50.0, 0.0, 50.0, 1000.0])
+    xt = torch.tensor([-1000.0, -50.0, 0.0, 50.0, 1000.0])
+    assert_close(flame.sigmoid(x), torch.sigmoid(xt))
+    assert_close(flame.tanh(x), torch.tanh(xt))
+    assert_close(flame.silu(x), torch.nn.functional.silu(xt))
+    assert_close(flame.gelu(x), torch.nn.functional.gelu(xt))
+    small = flame.tensor([1e-6, -3e-5, 1e-3, 0.09, 0.11])
+    assert_close(flame.tanh(small), torch.tanh(torch.tensor([1e-6, -3e-5, 1e-3, 0.09, 0.11])))
+
+
+def test_negative_base_integer_powers():
+    x = flame.tensor([-2.0, -0.5, 0.0, 3.0])
+    xt = torch.tensor([-2.0, -0.5, 0.0, 3.0])
+    for p in (0, 1, 2, 3, -1):
+        assert_close(x ** p, xt ** p)
+    assert np.isnan((x ** 0.5).numpy()[:2]).all()
+
+
+def test_integer_arithmetic_and_promotion():
+    a, at = pair((3, 4), torch.int64)
+    b, bt = pair((3, 4), torch.int32)
+    assert_close(a + b, at + bt)
+    assert_close(a * 3, at * 3)
+    assert_close(a - b, at - bt)
+    assert (a / 2).dtype == torch.float32
+    assert_close(a / 2, at / 2)
+    assert (a + 1.5).dtype == torch.float32
+    h, ht = pair((3,), torch.float16)
+    bf = flame.ones(3, dtype=flame.bfloat16)
+    assert (h + bf).dtype == torch.float32
+    assert (h * 2.0).dtype == torch.float16
+    assert (h + flame.tensor(1.0)).dtype == torch.float16  # zero-dim tensors don't promote within a category
+    assert (a + flame.tensor(1.0)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("src", [torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.float64])
+@pytest.mark.parametrize("dst", [torch.float32, torch.float16, torch.int64, torch.int32, torch.bool, torch.float64])
+def test_casts(src, dst):
+    x, xt = pair((5, 3), src, noncontig=True)
+    if src.is_floating_point:
+        x, xt = x * 3, xt * 3
+    assert_close(x.to(dst), xt.to(dst))
+
+
+def test_cast_backward_returns_input_dtype():
+    x, xt = pair((4,), torch.float16, requires_grad=True)
+    y = x.to(flame.float32) * 2
+    grads = y.sum().backward()
+    assert grads[x].dtype == torch.float32  # fp16 leaves accumulate in fp32
+    assert_close(grads[x], torch.full((4,), 2.0))
+
+
+def test_empty_tensors():
+    x = flame.empty(0, 3, requires_grad=True)
+    y = (x * 2).exp()
+    assert y.shape == (0, 3)
+    g = y.sum().backward()
+    assert g[x].shape == (0, 3)
+
+
+def test_high_rank_strided_operands():
+    # more than four non-mergeable dims goes through the peeled path
+    x, xt = pair((2, 3, 2, 3, 2, 3), torch.float32)
+    y, yt = pair((3, 3, 3, 2, 2, 2), torch.float32)
+    xp, xtp = x.permute(0, 2, 4, 1, 3, 5), xt.permute(0, 2, 4, 1, 3, 5)
+    yp, ytp = y.permute(5, 4, 3, 2, 1, 0), yt.permute(5, 4, 3, 2, 1, 0)
+    assert_close(xp + yp, xtp + ytp)
+
+
+def test_bad_inputs_raise_clearly():
+    x = flame.ones(3, 4)
+    with pytest.raises(ValueError, match="broadcast"):
+        x + flame.ones(5)
+    with pytest.raises(TypeError, match="operand"):
+        x + "a"
+    with pytest.raises(TypeError):
+        flame.add(1, 2)
+    with pytest.raises(TypeError, match="bool"):
+        flame.where(x, x, x)
+    with pytest.raises(ValueError, match="approximate"):
+        flame.gelu(x, approximate="fast")
+    with pytest.raises(RuntimeError, match="only floating-point"):
+        flame.ones(3, dtype=flame.int64, requires_grad=True)
+    with pytest.raises(ValueError):
+        flame.clamp(x)
+
+
+def test_large_contiguous_uses_many_programs():
+    n = (1 << 16) + 3
+    x = flame.rand(n)
+    y = x * 2 + 1
+    xt = x.to_torch()
+    assert_close(y, xt * 2 + 1)
+    assert math.isclose(float(y.numpy()[-1]), float(xt[-1]) * 2 + 1, rel_tol=1e-6)
