@@ -149,7 +149,8 @@ def _var_backward(node, g):
     from .elementwise import map_op
     x, m = node.saved
     diff = map_op(KE.SUB, (x, _expand_back(m, node)), g.dtype)
-    gs = map_op(KE.MUL, (g,), g.dtype, 2.0 / node.attrs["denom"])
+    denom = node.attrs["denom"]
+    gs = map_op(KE.MUL, (g,), g.dtype, 2.0 / denom if denom > 0 else math.inf)
     return map_op(KE.MUL, (diff, _expand_back(gs, node)), g.dtype)
 
 
