@@ -1,0 +1,112 @@
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame.testing import gradcheck
+from helpers import FLOAT_DTYPES_CPU, assert_close, pair
+
+
+def _check(f_op, t_op, shapes, dtype=torch.float32, noncontig=False):
+    pairs = [pair(s, dtype, requires_grad=True, noncontig=noncontig) for s in shapes]
+    y = f_op(*[p[0] for p in pairs])
+    yt = t_op(*[p[1] for p in pairs])
+    assert_close(y, yt)
+    g, gt = pair(tuple(yt.shape), dtype)
+    # multiply by a non-trivial gradient through a mul so views' backward sees real values
+    grads = (y * g).sum().backward()
+    (yt * gt).sum().backward()
+    for (x, xt) in pairs:
+        assert_close(grads[x].to(dtype), xt.grad, dtype)
+    return y
+
+
+VIEWS = {
+    "reshape": (lambda x: x.reshape(3, -1), lambda x: x.reshape(3, -1), [(6, 4)]),
+    "reshape_copy": (lambda x: x.t().reshape(-1), lambda x: x.t().reshape(-1), [(6, 4)]),
+    "view_tuple": (lambda x: x.view((2, 12)), lambda x: x.reshape((2, 12)), [(6, 4)]),
+    "permute": (lambda x: x.permute(2, 0, 1), lambda x: x.permute(2, 0, 1), [(2, 3, 4)]),
+    "transpose": (lambda x: x.transpose(0, -1), lambda x: x.transpose(0, -1), [(2, 3, 4)]),
+    "T": (lambda x: x.T, lambda x: x.T, [(3, 5)]),
+    "narrow": (lambda x: x.narrow(1, 1, 2), lambda x: x.narrow(1, 1, 2), [(3, 5)]),
+    "expand": (lambda x: x.expand(4, 3, 5), lambda x: x.expand(4, 3, 5), [(3, 1)]),
+    "expand_keep": (lambda x: x.expand(-1, 5), lambda x: x.expand(-1, 5), [(3, 1)]),
+    "unsqueeze": (lambda x: x.unsqueeze(-1), lambda x: x.unsqueeze(-1), [(3, 5)]),
+    "squeeze": (lambda x: x.squeeze(1), lambda x: x.squeeze(1), [(3, 1, 5)]),
+    "squeeze_all": (lambda x: x.squeeze(), lambda x: x.squeeze(), [(1, 3, 1, 5)]),
+    "flatten": (lambda x: x.flatten(1), lambda x: x.flatten(1), [(2, 3, 4)]),
+    "getitem": (lambda x: x[1:, ::2, None, -1], lambda x: x[1:, ::2, None, -1], [(4, 5, 3)]),
+    "getitem_int": (lambda x: x[2], lambda x: x[2], [(4, 5)]),
+    "getitem_ellipsis": (lambda x: x[..., 1:3], lambda x: x[..., 1:3], [(2, 3, 4)]),
+    "contiguous": (lambda x: x.t().contiguous(), lambda x: x.t().contiguous(), [(3, 5)]),
+    "clone": (lambda x: x.clone(), lambda x: x.clone(), [(3, 5)]),
+    "cat0": (lambda a, b: flame.cat([a, b]), lambda a, b: torch.cat([a, b]), [(2, 3), (4, 3)]),
+    "cat1": (lambda a, b: flame.cat([a, b], dim=-1), lambda a, b: torch.cat([a, b], dim=-1), [(2, 3), (2, 1)]),
+    "stack": (lambda a, b: flame.stack([a, b], 1), lambda a, b: torch.stack([a, b], 1), [(2, 3), (2, 3)]),
+    "split": (lambda x: x.split(2, 1)[1] * 3 + x.split(2, 1)[2].sum(), lambda x: x.split(2, 1)[1] * 3 + x.split(2, 1)[2].sum(), [(3, 5)]),
+    "split_sections": (lambda x: flame.split(x, [1, 4], 1)[1], lambda x: torch.split(x, [1, 4], 1)[1], [(3, 5)]),
+    "chunk": (lambda x: x.chunk(3, 0)[2], lambda x: x.chunk(3, 0)[2], [(7, 2)]),
+    "pad": (lambda x: flame.pad(x, (1, 2, 0, 3), value=0.5),
+            lambda x: torch.nn.functional.pad(x, (1, 2, 0, 3), value=0.5), [(3, 4)]),
+    "pad_crop": (lambda x: flame.pad(x, (-1, 2)), lambda x: torch.nn.functional.pad(x, (-1, 2)), [(3, 4)]),
+}
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("noncontig", [False, True])
+def test_shape_ops(name, dtype, noncontig):
+    f_op, t_op, shapes = VIEWS[name]
+    _check(f_op, t_op, shapes, dtype, noncontig)
+
+
+@pytest.mark.parametrize("name", list(VIEWS))
+def test_shape_gradcheck(name):
+    f_op, _, shapes = VIEWS[name]
+    rng = np.random.default_rng(7)
+    xs = [flame.tensor(rng.standard_normal(s), requires_grad=True) for s in shapes]
+    assert gradcheck(lambda *a: f_op(*a) * 1.0, xs)
+
+
+def test_views_share_memory_and_launch_nothing():
+    x = flame.randn(4, 6)
+    for v in (x.reshape(2, 12), x.t(), x[1:3], x.narrow(1, 2, 3), x.unsqueeze(0).expand(5, 4, 6), x.permute(1, 0)):
+        base = x.data_ptr()
+        span = x.numel() * x.element_size()
+        assert base <= v.data_ptr() < base + span
+
+
+def test_cat_promotes_and_skips_legacy_empty():
+    a = flame.ones(2, 3, dtype=flame.float16)
+    b = flame.ones(1, 3)
+    assert flame.cat([a, b]).dtype == torch.float32
+    assert flame.cat([a, flame.empty(0)]).shape == (2, 3)
+
+
+def test_bad_shapes_raise():
+    x = flame.ones(2, 3)
+    with pytest.raises(RuntimeError, match="invalid for input of size"):
+        x.reshape(4, -1)
+    with pytest.raises(RuntimeError, match="only one dimension"):
+        x.reshape(-1, -1)
+    with pytest.raises(RuntimeError, match="must match"):
+        x.expand(4, 4)
+    with pytest.raises(RuntimeError, match="sizes of tensors must match"):
+        flame.cat([x, flame.ones(2, 4)])
+    with pytest.raises(IndexError):
+        x.narrow(1, 2, 2)
+    with pytest.raises(RuntimeError, match="dims"):
+        x.permute(0)
+    with pytest.raises(ValueError, match="step"):
+        x[::-1]
+    with pytest.raises(RuntimeError, match="equal size"):
+        flame.stack([x, flame.ones(3, 2)])
+    with pytest.raises(NotImplementedError, match="reflect"):
+        flame.pad(x, (1, 1), mode="reflect")
+
+
+def test_empty_shape_ops():
+    x = flame.empty(0, 3, requires_grad=True)
+    y = flame.cat([x, x], 0).reshape(-1, 3).t()
+    assert y.shape == (3, 0)
+    assert flame.pad(x, (1, 1)).shape == (0, 5)
