@@ -1,0 +1,359 @@
+#!/usr/bin/env python3
+"""Benchmark flame's kernels against PyTorch eager, on one card, in one run.
+
+    PYTHONPATH=. python3 scripts/bench.py                        # every family
+    PYTHONPATH=. python3 scripts/bench.py --family elementwise --dtype bf16 --out out/bench.json
+    python scripts/bench.py --quick --family elementwise,overhead  # small shapes (CPU smoke test)
+
+Device-time cases use ``triton.testing.do_bench`` (median of ``--rep`` ms after ``--warmup`` ms) for
+flame and for PyTorch alike; host-time cases (the ``overhead`` family) time a Python loop with
+``time.perf_counter`` after a warm-up and synchronise at the end. Each case first checks that flame
+and PyTorch agree, so a fast wrong kernel cannot post a number. On the interpreter backend (no GPU)
+times measure Triton's interpreter and mean nothing; that mode exists to smoke-test this script.
+
+Adding a family: write a function that takes a ``Ctx`` and returns a list of ``Case``, and decorate
+it with ``@family("name", "one-line description")``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+# isort: off
+import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
+import torch
+import triton
+import triton.testing
+# isort: on
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Loose agreement bounds for the pre-timing check (kernels have their own tests; this only catches
+# a benchmark that measures something broken).
+CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+@dataclasses.dataclass
+class Ctx:
+    dtype: torch.dtype
+    quick: bool
+    warmup: int  # ms for do_bench; iterations for host timing
+    rep: int
+    interpreter: bool = flame.is_interpreter()
+
+    def shape(self, full, quick_gpu, interp):
+        """The problem size for this run: ``full`` normally, smaller under --quick."""
+        if not self.quick:
+            return full
+        return interp if self.interpreter else quick_gpu
+
+
+@dataclasses.dataclass
+class Case:
+    """One row: the same computation in flame and in PyTorch.
+
+    ``flame`` and ``torch`` take no arguments and return what they computed (a flame Tensor / a
+    torch tensor, or a tuple of them), compared once before timing. ``nbytes`` (memory traffic:
+    inputs read + outputs written) or ``flops`` turn times into GB/s or TFLOP/s. ``timer='host'``
+    times a Python loop instead (``ops`` flame ops per call; reported as µs per op).
+    """
+
+    name: str
+    flame: Callable
+    torch: Callable
+    nbytes: int | None = None
+    flops: int | None = None
+    timer: str = "device"
+    ops: int = 1
+    check: bool = True
+    note: str = ""
+
+
+FAMILIES: dict[str, tuple[Callable[[Ctx], list[Case]], str]] = {}
+
+
+def family(name: str, description: str = ""):
+    """Register ``fn(ctx) -> list[Case]`` as the benchmark family ``name``."""
+
+    def deco(fn):
+        if name in FAMILIES:
+            raise ValueError(f"benchmark family {name!r} registered twice")
+        FAMILIES[name] = (fn, description or (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+
+    return deco
+
+
+# ---- families ----------------------------------------------------------------------------------
+
+def _randn(*shape, dtype, requires_grad=False):
+    """A flame tensor and the torch tensor sharing its memory."""
+    x = flame.randn(*shape, dtype=dtype)
+    t = x.to_torch()
+    if requires_grad:
+        x.requires_grad_()
+        t = t.detach().clone().requires_grad_()
+    return x, t
+
+
+@family("elementwise", "bandwidth on 16M elements: add, broadcast mul, exact gelu, row sum, transpose copy")
+def elementwise_family(ctx: Ctx) -> list[Case]:
+    m, n = ctx.shape((4096, 4096), (1024, 1024), (64, 96))
+    dt, es = ctx.dtype, torch.empty((), dtype=ctx.dtype).element_size()
+    numel = m * n
+    a, ta = _randn(m, n, dtype=dt)
+    b, tb = _randn(m, n, dtype=dt)
+    row, trow = _randn(n, dtype=dt)
+    gelu = torch.nn.functional.gelu
+    shape = f"{m}x{n}"
+    return [
+        Case(f"add {shape}", lambda: a + b, lambda: ta + tb, nbytes=3 * numel * es),
+        Case(f"mul {shape} * ({n},)", lambda: a * row, lambda: ta * trow, nbytes=(2 * numel + n) * es),
+        Case(f"gelu {shape}", lambda: flame.gelu(a), lambda: gelu(ta), nbytes=2 * numel * es),
+        Case(f"sum(-1) {shape}", lambda: a.sum(-1), lambda: ta.sum(-1), nbytes=(numel + m) * es),
+        Case(f"t().contiguous() {shape}", lambda: a.t().contiguous(), lambda: ta.t().contiguous(),
+             nbytes=2 * numel * es),
+    ]
+
+
+def _chain(lib, x, w, b, blocks):
+    """``blocks`` x 5 elementwise ops plus a final sum: values stay bounded (tanh, then exp <= e)."""
+    for _ in range(blocks):
+        x = lib.exp(lib.tanh(x * w + b)) * 0.3
+    return x.sum()
+
+
+@family("overhead", "host time per op: a chain of ~50 small ops, forward and forward+backward")
+def overhead_family(ctx: Ctx) -> list[Case]:
+    blocks = 10
+    n_ops = 5 * blocks + 1
+    size = 64
+    dt = torch.float32  # host cost does not depend on dtype; fp32 keeps the pre-timing check strict
+    x, tx = _randn(size, size, dtype=dt)
+    w, tw = _randn(size, size, dtype=dt, requires_grad=True)
+    b, tb = _randn(size, dtype=dt, requires_grad=True)
+
+    def flame_nograd():
+        with flame.no_grad():
+            return _chain(flame, x, w, b, blocks)
+
+    def torch_nograd():
+        with torch.no_grad():
+            return _chain(torch, tx, tw, tb, blocks)
+
+    def flame_fwd():
+        return _chain(flame, x, w, b, blocks).detach()
+
+    def torch_fwd():
+        return _chain(torch, tx, tw, tb, blocks).detach()
+
+    def flame_fwd_bwd():
+        grads = _chain(flame, x, w, b, blocks).backward()
+        return grads[w], grads[b]
+
+    def torch_fwd_bwd():
+        return torch.autograd.grad(_chain(torch, tx, tw, tb, blocks), (tw, tb))
+
+    tag = f"{n_ops} ops on {size}x{size}"
+    return [
+        Case(f"fwd no_grad, {tag}", flame_nograd, torch_nograd, timer="host", ops=n_ops),
+        Case(f"fwd recording, {tag}", flame_fwd, torch_fwd, timer="host", ops=n_ops),
+        Case(f"fwd+bwd, {tag}", flame_fwd_bwd, torch_fwd_bwd, timer="host", ops=n_ops,
+             note="per forward op"),
+    ]
+
+
+# ---- measurement -------------------------------------------------------------------------------
+
+def _sync():
+    flame.synchronize()
+    if torch.cuda.is_available() and not flame.is_interpreter():
+        torch.cuda.synchronize()
+
+
+def time_device(fn, ctx: Ctx) -> float:
+    """Median milliseconds per call."""
+    if not ctx.interpreter:
+        return float(triton.testing.do_bench(fn, warmup=ctx.warmup, rep=ctx.rep, return_mode="median"))
+    # do_bench needs CUDA events; on the interpreter time a few calls on the host.
+    fn()
+    times = []
+    for _ in range(3 if ctx.quick else 5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def time_host(fn, ctx: Ctx, ops: int) -> float:
+    """Microseconds of host time per op, averaged over a loop that is synchronised at the end."""
+    warmup, iters = (2, 3) if ctx.interpreter else ((5, 20) if ctx.quick else (20, 200))
+    for _ in range(warmup):
+        fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync()
+    return 1e6 * (time.perf_counter() - t0) / (iters * ops)
+
+
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def check_case(case: Case) -> str | None:
+    """None when flame's and PyTorch's outputs agree, else a description of the mismatch."""
+    got, want = _as_tuple(case.flame()), _as_tuple(case.torch())
+    if len(got) != len(want):
+        return f"flame returned {len(got)} outputs, torch {len(want)}"
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = g.to_torch() if isinstance(g, flame.Tensor) else g
+        if tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
+            return f"output {i}: flame {tuple(g.shape)} {g.dtype} vs torch {tuple(w.shape)} {w.dtype}"
+        g64, w64 = g.detach().double().cpu(), w.detach().double().cpu()
+        err = float((g64 - w64).abs().max()) if g64.numel() else 0.0
+        scale = float(w64.abs().max()) if w64.numel() else 0.0
+        tol = CHECK_TOL.get(w.dtype, 1e-4) * max(1.0, scale)
+        if not err <= tol:
+            return f"output {i}: max abs error {err:.3g} > {tol:.3g}"
+    return None
+
+
+def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
+    row = {"family": fam, "case": case.name, "note": case.note}
+    problem = check_case(case) if case.check else None
+    if problem:
+        row.update(error=f"flame and torch disagree: {problem}")
+        return row
+    if case.timer == "host":
+        f, t = time_host(case.flame, ctx, case.ops), time_host(case.torch, ctx, case.ops)
+        row.update(unit="us/op", flame=f, torch=t)
+    else:
+        f, t = time_device(case.flame, ctx), time_device(case.torch, ctx)
+        row.update(unit="ms", flame=f, torch=t)
+        if case.nbytes:
+            row.update(bytes=case.nbytes, flame_gbps=case.nbytes / f / 1e6, torch_gbps=case.nbytes / t / 1e6)
+        if case.flops:
+            row.update(flops=case.flops, flame_tflops=case.flops / f / 1e9, torch_tflops=case.flops / t / 1e9)
+    row["ratio"] = f / t if t > 0 else math.inf
+    return row
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+def _fmt(v, digits=4):
+    if v is None:
+        return "-"
+    return f"{v:.{digits}g}" if abs(v) < 1e5 else f"{v:.0f}"
+
+
+def _rate(row, who):
+    if f"{who}_tflops" in row:
+        return f"{row[f'{who}_tflops']:.1f} TFLOP/s"
+    if f"{who}_gbps" in row:
+        return f"{row[f'{who}_gbps']:.0f} GB/s"
+    return "-"
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ("case", "flame", "torch", "unit", "flame/torch", "flame rate", "torch rate")
+    lines = []
+    for r in rows:
+        if "error" in r:
+            lines.append((f"{r['family']}: {r['case']}", "ERROR", r["error"], "", "", "", ""))
+            continue
+        lines.append((f"{r['family']}: {r['case']}", _fmt(r["flame"]), _fmt(r["torch"]), r["unit"],
+                      f"{r['ratio']:.2f}x", _rate(r, "flame"), _rate(r, "torch")))
+    widths = [max(len(header[i]), *(len(str(line[i])) for line in lines)) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    print(fmt.format(*header))
+    print("  ".join("-" * w for w in widths))
+    for line in lines:
+        if line[1] == "ERROR":
+            print(f"{line[0]:<{widths[0]}}  ERROR: {line[2]}")
+        else:
+            print(fmt.format(*line))
+
+
+def environment(argv) -> dict:
+    return {
+        "gpu": torch.cuda.get_device_name() if not flame.is_interpreter() else None,
+        "device": flame.device_name(),
+        "backend": "interpreter" if flame.is_interpreter() else "cuda",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "flame": flame.__version__,
+        "python": platform.python_version(),
+        "command": " ".join(["scripts/bench.py", *argv]),
+    }
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="families:\n" + "\n".join(f"  {k:<12} {d}" for k, (_, d) in FAMILIES.items()))
+    p.add_argument("--family", action="append", default=[],
+                   help="family to run (repeatable or comma-separated; default: all)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="element type (default: bf16 on a GPU, fp32 on the interpreter)")
+    p.add_argument("--out", type=Path, default=None, help="write results as JSON to this file")
+    p.add_argument("--quick", action="store_true", help="small shapes and few repetitions (smoke test)")
+    p.add_argument("--warmup", type=int, default=None, help="do_bench warm-up in ms (default 25, quick 5)")
+    p.add_argument("--rep", type=int, default=None, help="do_bench measurement time in ms (default 100, quick 20)")
+    p.add_argument("--list", action="store_true", help="list the families and exit")
+    args = p.parse_args(argv)
+    names = [n.strip() for spec in args.family for n in spec.split(",") if n.strip()] or list(FAMILIES)
+    unknown = [n for n in names if n not in FAMILIES]
+    if unknown:
+        p.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
+    args.family = list(dict.fromkeys(names))
+    return args
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.list:
+        for name, (_, desc) in FAMILIES.items():
+            print(f"{name:<12} {desc}")
+        return 0
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if flame.is_interpreter() else torch.bfloat16)
+    ctx = Ctx(dtype=dtype, quick=args.quick,
+              warmup=args.warmup if args.warmup is not None else (5 if args.quick else 25),
+              rep=args.rep if args.rep is not None else (20 if args.quick else 100))
+    env = environment(argv)
+    print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
+          f"dtype {dtype}; {env['date']}")
+    if ctx.interpreter:
+        print("note: no GPU -- kernels run in Triton's interpreter, so these times mean nothing")
+    rows = []
+    for name in args.family:
+        fn, _ = FAMILIES[name]
+        flame.manual_seed(0)
+        for case in fn(ctx):
+            rows.append(run_case(name, case, ctx))
+    print_table(rows)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick,
+               "families": args.family, "results": rows}
+        args.out.write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    failed = [r for r in rows if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

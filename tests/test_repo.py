@@ -1,0 +1,188 @@
+"""Repository-level checks: the README's commands, the scripts, and the rule that flame/ calls no
+PyTorch compute."""
+import ast
+import itertools
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import flame
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(args, timeout=600, **kw):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL, **kw)
+
+
+def _readme_commands():
+    """Command lines of the README's first fenced block, without their trailing comments."""
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```(?:bash|sh|console)?\n(.*?)```", text, re.S)
+    assert block, "README.md has no fenced code block"
+    lines = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines()]
+    return [line for line in lines if line]
+
+
+# ---- README -------------------------------------------------------------------------------------
+
+def test_readme_starts_with_main_job_and_tests():
+    text = (ROOT / "README.md").read_text()
+    # The two commands come before any prose section.
+    assert text.index("```") < text.index("\n## "), "the commands must be at the very top of README.md"
+    cmds = _readme_commands()
+    assert len(cmds) >= 2, cmds
+    main_job, tests = cmds[0].split(), cmds[1].split()
+    assert main_job[0] in ("python", "python3"), cmds[0]
+    assert (ROOT / main_job[1]).is_file(), f"README's first command runs {main_job[1]}, which does not exist"
+    assert tests[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]), cmds[1]
+
+
+def test_ci_runs_the_readme_test_command():
+    test_cmd = _readme_commands()[1]
+    args = test_cmd.split()[1:]  # "-m pytest ..." as .ci/run writes it after "$PY"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '"$PY" ' + " ".join(args) in ci, f".ci/run does not run the README's test command {test_cmd!r}"
+
+
+# ---- scripts ------------------------------------------------------------------------------------
+
+def test_train_mlp_loss_goes_down():
+    r = _run(["scripts/train_mlp.py", "--steps", "3"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses = [float(m) for m in re.findall(r"^step\s+\d+\s+loss\s+(\S+)$", r.stdout, re.M)]
+    assert len(losses) == 3, r.stdout
+    assert all(b < a for a, b in itertools.pairwise(losses)), f"loss did not decrease every step: {losses}"
+    first, final = map(float, re.search(r"loss (\S+) -> (\S+) ", r.stdout).groups())
+    assert final < first, r.stdout
+
+
+def test_train_mlp_rejects_bad_flags():
+    r = _run(["scripts/train_mlp.py", "--steps", "0"], timeout=120)
+    assert r.returncode == 2 and "--steps" in r.stderr, r.stderr
+
+
+def test_bench_quick_elementwise_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run(["scripts/bench.py", "--quick", "--family", "elementwise", "--out", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    for key in ("gpu", "device", "date", "torch", "triton", "command", "dtype", "results"):
+        assert key in doc, f"bench JSON lacks {key!r}"
+    assert "--family elementwise" in doc["command"]
+    names = [row["case"].split()[0] for row in doc["results"]]
+    assert names == ["add", "mul", "gelu", "sum(-1)", "t().contiguous()"], names
+    for row in doc["results"]:
+        assert "error" not in row, row
+        assert row["family"] == "elementwise" and row["unit"] == "ms"
+        assert row["flame"] > 0 and row["torch"] > 0 and row["bytes"] > 0
+        assert row["ratio"] == pytest.approx(row["flame"] / row["torch"])
+        assert row["flame_gbps"] == pytest.approx(row["bytes"] / row["flame"] / 1e6)
+    assert "flame/torch" in r.stdout and "add " in r.stdout  # the table
+
+
+def test_bench_rejects_unknown_family():
+    r = _run(["scripts/bench.py", "--quick", "--family", "elementwise,nope"], timeout=120)
+    assert r.returncode == 2 and "unknown family nope" in r.stderr, r.stderr
+
+
+# ---- no PyTorch compute in flame/ ---------------------------------------------------------------
+# The scanner's logic from ../shared/tools/torch_usage.py, copied so the test does not depend on
+# where shared/ lies. It reads the source with `ast` and reports every `torch.<name>` reference
+# outside the allow-list (allocation, views, dtype/device objects, host transfers, torch.cuda and
+# torch.distributed). It cannot see methods called on tensor objects: a tripwire, not a proof.
+
+ALLOWED_TOP = {
+    "empty", "empty_strided", "empty_like", "from_numpy", "is_tensor", "Tensor", "Size", "dtype",
+    "device", "finfo", "iinfo", "float16", "bfloat16", "float32", "float64", "half", "float",
+    "int8", "int16", "int32", "int64", "uint8", "bool", "long", "int", "cuda", "distributed",
+    "utils", "version", "__version__", "float8_e4m3fn", "float8_e5m2", "Stream", "Event",
+}
+ALLOWED_MODULES = ("torch.cuda", "torch.distributed", "torch.utils.dlpack")
+
+
+def _dotted(node):
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def scan_torch_usage(root):
+    found = []
+    for path in sorted(pathlib.Path(root).rglob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except SyntaxError as e:
+            found.append(f"{path}:{e.lineno}: cannot parse: {e.msg}")
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+                if not node.module.startswith(ALLOWED_MODULES) and node.module != "torch":
+                    found.append(f"{path}:{node.lineno}: from {node.module} import ...")
+                elif node.module == "torch":
+                    bad = [a.name for a in node.names if a.name not in ALLOWED_TOP]
+                    if bad:
+                        found.append(f"{path}:{node.lineno}: from torch import {', '.join(bad)}")
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("torch.") and not a.name.startswith(ALLOWED_MODULES):
+                        found.append(f"{path}:{node.lineno}: import {a.name}")
+            elif isinstance(node, ast.Attribute):
+                name = _dotted(node)
+                if (name and name.startswith("torch.") and name.count(".") == 1
+                        and name.split(".")[1] not in ALLOWED_TOP):
+                    found.append(f"{path}:{node.lineno}: {name}")
+    return found
+
+
+def test_flame_calls_no_torch_compute():
+    hits = scan_torch_usage(ROOT / "flame")
+    assert not hits, "PyTorch compute in flame/ (only allocation, views, dtypes/devices, host transfers " \
+                     "and torch.cuda/torch.distributed are allowed):\n" + "\n".join(hits)
+
+
+def test_torch_usage_scanner_catches_compute(tmp_path):
+    (tmp_path / "bad.py").write_text(
+        "import torch\nimport torch.nn.functional as F\nfrom torch import matmul, empty\n"
+        "def f(x):\n    return torch.exp(x) + torch.empty(3).sum()\n")
+    (tmp_path / "good.py").write_text(
+        "import torch\nfrom torch.cuda import Stream\n"
+        "def g(n):\n    return torch.empty(n, dtype=torch.float32, device=torch.device('cpu'))\n")
+    hits = scan_torch_usage(tmp_path)
+    assert [h.split(": ", 1)[1] for h in hits] == ["import torch.nn.functional", "from torch import matmul",
+                                                   "torch.exp"], hits
+
+
+@pytest.mark.skipif(not (ROOT.parent / "shared" / "tools" / "torch_usage.py").is_file(),
+                    reason="../shared/tools/torch_usage.py not beside the repo")
+def test_scanner_copy_matches_shared_tool():
+    """The copy above agrees with the shared tool it was taken from, when that tool is present."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("torch_usage", ROOT.parent / "shared" / "tools" / "torch_usage.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.ALLOWED_TOP == ALLOWED_TOP and mod.ALLOWED_MODULES == ALLOWED_MODULES
+    assert mod.scan(ROOT / "flame") == scan_torch_usage(ROOT / "flame")
+
+
+def test_flame_imported_before_triton_selects_backend():
+    # conftest imports flame first; on a machine without CUDA that must have chosen the interpreter.
+    if flame.is_interpreter():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        assert flame.device.type == "cpu"
+    else:
+        assert flame.device.type == "cuda"
