@@ -152,7 +152,10 @@ def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
     elif isinstance(data, torch.Tensor):
         src = data
     else:
-        arr = np.asarray(data)
+        try:
+            arr = np.asarray(data)
+        except ValueError as e:
+            raise TypeError(f"tensor: cannot build a tensor from ragged data ({e})") from None
         if arr.dtype == object:
             raise TypeError(f"tensor: cannot build a tensor from {type(data).__name__} holding mixed or ragged data")
         if not isinstance(data, np.ndarray) and arr.dtype == np.float64:
