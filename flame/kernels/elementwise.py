@@ -20,20 +20,24 @@ import triton.language as tl
 
 from .. import runtime
 
+
+
+def _codes(start, count):
+    # jit code may only read globals that are tl.constexpr; launchers pass ``.value``
+    return tuple(tl.constexpr(start + i) for i in range(count))
+
+
 # ---- op codes (forward) -------------------------------------------------------------------
-IDENTITY, NEG, ABS, EXP, LOG, SQRT, RSQRT, SIN, COS, TANH, SIGMOID, RELU, SILU, GELU, GELU_TANH = range(15)
-ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV = range(20, 33)
-EQ, NE, LT, LE, GT, GE = range(40, 46)
+IDENTITY, NEG, ABS, EXP, LOG, SQRT, RSQRT, SIN, COS, TANH, SIGMOID, RELU, SILU, GELU, GELU_TANH = _codes(0, 15)
+ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV = _codes(20, 13)
+EQ, NE, LT, LE, GT, GE = _codes(40, 6)
 # ---- op codes (backward: the incoming gradient is always operand a) ------------------------
 (ABS_BWD, SQRT_BWD, RSQRT_BWD, SIN_BWD, COS_BWD, TANH_BWD, SIGMOID_BWD, RELU_BWD, SILU_BWD,
  GELU_BWD, GELU_TANH_BWD, CLAMP_BWD, DIV_BWD_B, POW_BWD_BASE, POW_BWD_EXP, MAXIMUM_BWD,
- MINIMUM_BWD, SCALE_MUL) = range(60, 78)
+ MINIMUM_BWD, SCALE_MUL) = _codes(60, 18)
 
-COMPARISONS = (EQ, NE, LT, LE, GT, GE)
-
-_SQRT_2_OVER_PI = 0.7978845608028654
-_INV_SQRT_2 = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
+# GELU constants, written inline in jit code: sqrt(2/pi) = 0.7978845608028654,
+# 1/sqrt(2) = 0.7071067811865476, 1/sqrt(2 pi) = 0.3989422804014327
 
 
 @triton.jit
@@ -94,9 +98,9 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
     elif OP == SILU:
         return a * _sigmoid(a)
     elif OP == GELU:
-        return 0.5 * a * (1.0 + tl.math.erf(a * _INV_SQRT_2))
+        return 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
     elif OP == GELU_TANH:
-        return 0.5 * a * (1.0 + _tanh(_SQRT_2_OVER_PI * (a + 0.044715 * a * a * a)))
+        return 0.5 * a * (1.0 + _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
     elif OP == ADD:
         return a + b
     elif OP == SUB:
@@ -157,13 +161,13 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
         s = _sigmoid(b)
         return a * (s + b * s * (1.0 - s))
     elif OP == GELU_BWD:  # dx = g (Phi(x) + x phi(x))
-        cdf = 0.5 * (1.0 + tl.math.erf(b * _INV_SQRT_2))
-        pdf = _INV_SQRT_2PI * tl.exp(-0.5 * b * b)
+        cdf = 0.5 * (1.0 + tl.math.erf(b * 0.7071067811865476))
+        pdf = 0.3989422804014327 * tl.exp(-0.5 * b * b)
         return a * (cdf + b * pdf)
     elif OP == GELU_TANH_BWD:
         # u = k (x + 0.044715 x^3), t = tanh(u): dx = g (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2))
-        t = _tanh(_SQRT_2_OVER_PI * (b + 0.044715 * b * b * b))
-        du = _SQRT_2_OVER_PI * (1.0 + 0.134145 * b * b)
+        t = _tanh(0.7978845608028654 * (b + 0.044715 * b * b * b))
+        du = 0.7978845608028654 * (1.0 + 0.134145 * b * b)
         return a * (0.5 * (1.0 + t) + 0.5 * b * (1.0 - t * t) * du)
     elif OP == CLAMP_BWD:  # operands (g, x), bounds (s0, s1): dx = g [lo <= x <= hi]
         return tl.where((b >= s0) & (b <= s1), a, 0.0)
@@ -296,6 +300,7 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     n = out.numel()
     if n == 0:
         return out
+    op = tl.constexpr(op).value
     if cd is None:
         cd = compute_dtype(out.dtype, *(t.dtype for t in inputs))
     out_bool = out.dtype == torch.bool

@@ -9,7 +9,7 @@ import triton.language as tl
 
 from .. import runtime
 
-UNIFORM, NORMAL = 0, 1
+UNIFORM, NORMAL = tl.constexpr(0), tl.constexpr(1)
 
 
 @triton.jit(do_not_specialize=["seed", "offset", "a", "b"])
@@ -44,7 +44,7 @@ def random_(out, dist, seed, offset, a, b):
     if n == 0:
         return out
     block = _block(n)
-    _random_kernel[(triton.cdiv(n, block),)](out, n, seed, offset, float(a), float(b), DIST=dist, BLOCK=block)
+    _random_kernel[(triton.cdiv(n, block),)](out, n, seed, offset, float(a), float(b), DIST=tl.constexpr(dist).value, BLOCK=block)
     return out
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from .. import runtime
 from .elementwise import compute_dtype
 
-SUM, MAX, MIN, SQDEV = range(4)
+SUM, MAX, MIN, SQDEV = (tl.constexpr(i) for i in range(4))
 
 
 @triton.jit(do_not_specialize=["scale"])
@@ -96,6 +96,7 @@ def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
     is subtracted before squaring for SQDEV."""
     if outer * inner == 0:
         return out
+    op = tl.constexpr(op).value
     cd = compute_dtype(x.dtype, out.dtype)
     ident = _identity(op, cd)
     if R == 0:  # empty sum: 0 (times scale, so an empty mean is NaN)
@@ -126,5 +127,5 @@ def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
     _reduce_kernel[grid](x, partial, mean_arg, R, inner, r_per_split, splits, 1.0, s_outer, s_r, s_inner,
                          OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r, BLOCK_I=block_i,
                          num_warps=4 if block_r * block_i <= 1024 else 8)
-    second = SUM if op == SQDEV else op
+    second = SUM.value if op == SQDEV else op
     return reduce_(out, partial, outer, splits, inner, (splits * inner, inner, 1), second, scale)

@@ -1,0 +1,226 @@
+"""Batched GEMM: ``C[b] = A[b] @ B[b]`` over buffers with arbitrary strides.
+
+One kernel, ``_matmul_kernel``, computes a (BLOCK_M, BLOCK_N) tile of one batch entry per program:
+- A, B and C each come with two batch strides, a row stride and a column stride, so a transposed
+  or sliced operand (a weight read as ``W^T``, ``dC @ B^T`` in the backward) and a broadcast batch
+  dim (stride 0) are read in place, never copied. More batch dims than two are collapsed on the
+  host where the strides allow, else peeled off in Python.
+- Tiles are visited in grouped order (GROUP_M row-tiles share the same column tiles in a row of
+  the launch order) so consecutive programs reuse A and B panels from L2.
+- Accumulation is fp32 (fp64 for fp64 inputs, with ``input_precision="ieee"``); fp32 inputs use
+  tf32 tensor cores on the GPU and exact products in the interpreter; fp16/bf16 inputs go to the
+  tensor cores as they are. The tile is stored in C's dtype.
+
+Launch configs come from ``_config(M, N, K, dtype)``; the tuning layer can replace it with tables.
+The kernel is deliberately general (no epilogue yet): the fused-epilogue GEMM grows from here.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .elementwise import collapse, fill_
+from .reduce import SUM, accumulation_dtype, reduce_
+
+
+@triton.jit
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, B1,
+                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn,
+                   ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
+    # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
+    # over two (collapsed) batch dims of size (B0, B1).
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles = num_pid_m * num_pid_n
+    batch = pid // tiles
+    tile = pid % tiles
+    # grouped ordering: walk GROUP_M row-tiles down a column before moving right
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_m
+    pid_n = (tile % per_group) // group_m
+
+    i0 = (batch // B1).to(tl.int64)
+    i1 = (batch % B1).to(tl.int64)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    a_ptrs = a_ptr + (i0 * sa0 + i1 * sa1) + offs_m[:, None] * sam + offs_k[None, :].to(tl.int64) * sak
+    b_ptrs = b_ptr + (i0 * sb0 + i1 * sb1) + offs_k[:, None].to(tl.int64) * sbk + offs_n[None, :] * sbn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        a_ptrs += BLOCK_K * sak
+        b_ptrs += BLOCK_K * sbk
+
+    c_ptrs = c_ptr + (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ---- launch configuration ---------------------------------------------------------------------
+
+def _pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a, b):
+    return -(-a // b)  # triton.cdiv is a constexpr function: ~8 us per host call
+
+
+_SMS = None
+
+
+def _num_sms():
+    global _SMS
+    if _SMS is None:
+        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
+    return _SMS
+
+
+def _config(M, N, K, dtype, batch=1):
+    """Launch config for one problem: BLOCK_M/N/K, GROUP_M, num_warps, num_stages.
+
+    Heuristic for now (a later tuning layer swaps in measured tables): big tiles for big
+    problems, tiles shrunk to the problem for small ones, and on the GPU smaller tiles when the
+    big ones would leave most SMs idle. In the interpreter every program costs ~1.5 ms of Python,
+    so one big block covers as much of the problem as numpy handles comfortably.
+    """
+    if runtime.INTERPRETER:
+        return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 256)), BLOCK_K=_pow2(min(K, 512)),
+                    GROUP_M=8, num_warps=4, num_stages=1)
+    if dtype == torch.float64:
+        bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
+    elif dtype == torch.float32:  # tf32
+        bm, bn, bk, warps, stages = 128, 128, 32, 8, 3
+    else:  # fp16 / bf16
+        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+    bm = min(bm, max(16, _pow2(M)))
+    bn = min(bn, max(16, _pow2(N)))
+    bk = min(bk, max(16, _pow2(K)))
+    # too few tiles to fill the GPU: halve the tile (the longer side first) down to 64
+    while batch * _cdiv(M, bm) * _cdiv(N, bn) < _num_sms() and max(bm, bn) > 64:
+        if bm >= bn:
+            bm //= 2
+        else:
+            bn //= 2
+    if bm * bn <= 64 * 64:
+        warps = 4
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+def _kernel_switches(dtype):
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    precision = "ieee" if (dtype == torch.float64 or runtime.INTERPRETER) else "tf32"
+    upcast = runtime.INTERPRETER and dtype == torch.bfloat16
+    return acc, precision, upcast
+
+
+# ---- launchers --------------------------------------------------------------------------------
+
+def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc):
+    """One launch. ``a``, ``b``, ``out`` give the base pointers and the dtype; the problem is
+    (at most two) batch dims ``batch_shape`` and per-operand strides ``s* = (batch strides...,
+    row stride, column stride)``, so no torch view needs to be built on the hot path."""
+    pad = 2 - len(batch_shape)
+    if pad:
+        batch_shape = (1,) * pad + tuple(batch_shape)
+        z = (0,) * pad
+        sa, sb, sc = z + tuple(sa), z + tuple(sb), z + tuple(sc)
+    B0, B1 = batch_shape
+    dtype = a.dtype
+    cfg = _config(M, N, K, dtype, B0 * B1)
+    acc, precision, upcast = _kernel_switches(dtype)
+    grid = (B0 * B1 * _cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
+    _matmul_kernel[grid](a, b, out, M, N, K, B1, *sa, *sb, *sc,
+                         ACC=acc, PRECISION=precision, UPCAST=upcast, **cfg)
+
+
+def matmul_(out, a, b):
+    """``out[..., M, N] = a[..., M, K] @ b[..., K, N]`` over torch buffers with any strides.
+
+    ``a``, ``b`` and ``out`` have the same batch shape (broadcast batch dims are stride-0
+    expanded views) and ``a`` and ``b`` the same dtype; ``out`` may be any float dtype.
+    Returns ``out``.
+    """
+    shape_a = a.shape
+    M, K = shape_a[-2], shape_a[-1]
+    N = b.shape[-1]
+    if out.numel() == 0:
+        return out
+    if K == 0:
+        return fill_(out, 0.0)
+    st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
+    if len(shape_a) == 2:
+        _launch(out, a, b, M, N, K, (), st_a, st_b, st_c)
+        return out
+    batch = list(shape_a[:-2])
+    # B does not vary over the batch: fold the batch into M (one big GEMM, no batch index)
+    if all(s == 0 or d == 1 for s, d in zip(st_b[:-2], batch)):
+        shape, (sa, sc) = collapse(batch + [M], [st_a[:-1], st_c[:-1]])
+        if len(shape) == 1:
+            _launch(out, a, b, shape[0], N, K, (), (sa[0], st_a[-1]), st_b[-2:], (sc[0], st_c[-1]))
+            return out
+    shape, (a_bs, b_bs, c_bs) = collapse(batch, [st_a[:-2], st_b[:-2], st_c[:-2]])
+    if len(shape) <= 2:
+        _launch(out, a, b, M, N, K, shape, a_bs + list(st_a[-2:]), b_bs + list(st_b[-2:]), c_bs + list(st_c[-2:]))
+        return out
+    # Batch dims that do not collapse: peel the leading ones off in Python.
+    lead = len(shape) - 2
+    for idx in _ndindex(shape[:lead]):
+        views = [t.as_strided(t.shape[-2:], t.stride()[-2:],
+                              t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
+                 for t, st in ((a, a_bs), (b, b_bs), (out, c_bs))]
+        _launch(views[2], views[0], views[1], M, N, K, shape[lead:], a_bs[lead:] + list(st_a[-2:]),
+                b_bs[lead:] + list(st_b[-2:]), c_bs[lead:] + list(st_c[-2:]))
+    return out
+
+
+def matmul_sum_batch_(out, a, b):
+    """``out[M, N] = sum_i a[i] @ b[i]`` over every batch index ``i`` of ``a[..., M, K]`` and
+    ``b[..., K, N]`` (same batch shape): the gradient of an operand that was broadcast over the
+    batch. When the batch dims collapse into K for both operands (the usual case: contiguous
+    activations), this is one GEMM with a longer reduction; otherwise a batched GEMM into an
+    fp32 (fp64) scratch buffer and a sum over the batch."""
+    *batch, M, K = a.shape
+    N = b.shape[-1]
+    if out.numel() == 0:
+        return out
+    nb = math.prod(batch)
+    if nb == 0 or K == 0:
+        return fill_(out, 0.0)
+    st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
+    if nb == 1:
+        _launch(out, a, b, M, N, K, (), st_a[-2:], st_b[-2:], st_c)
+        return out
+    shape, (sa, sb) = collapse(batch + [K], [list(st_a[:-2]) + [st_a[-1]], list(st_b[:-2]) + [st_b[-2]]])
+    if len(shape) == 1:
+        _launch(out, a, b, M, N, shape[0], (), (st_a[-2], sa[0]), (sb[0], st_b[-1]), st_c)
+        return out
+    scratch = runtime.empty(tuple(batch) + (M, N), accumulation_dtype(a.dtype))
+    matmul_(scratch, a, b)
+    return reduce_(out, scratch, 1, nb, M * N, (0, M * N, 1), SUM)
+
+
+def _ndindex(shape):
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _ndindex(shape[1:]):
+            yield (i,) + rest
