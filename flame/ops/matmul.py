@@ -1,9 +1,167 @@
-"""Matmul ops. Placeholder until implemented."""
+"""Matrix products with ``torch.matmul`` semantics: ``matmul`` (``@``) and ``bmm``.
+
+Every case is brought to one batched problem ``C[..., M, N] = A[..., M, K] @ B[..., K, N]`` on
+views: a 1-D left operand is a (1, K) row, a 1-D right operand a (K, 1) column, and the batch dims
+broadcast by stride-0 ``expand`` views. The kernel reads any strides, so nothing is copied: a
+transposed weight, a sliced activation and a broadcast operand are all read in place. Mixed
+float dtypes promote (one cast kernel per operand, before the product).
+"""
+from __future__ import annotations
+
+import math
+
+from .. import runtime
+from ..autograd import needs_grad, record
+from ..kernels import matmul as KM
+from ..tensor import Tensor, broadcast_shapes, promote_types
+from ._util import check_tensor
+from .elementwise import to
+
+
+def _check(a, b, op):
+    check_tensor(a, "input", op)
+    check_tensor(b, "other", op)
+    if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
+        raise TypeError(f"{op}: expected floating-point tensors, got {a.dtype} (shape {a.shape}) "
+                        f"and {b.dtype} (shape {b.shape})")
+    if a.ndim == 0 or b.ndim == 0:
+        raise RuntimeError(f"{op}: both arguments need at least 1 dimension, got shapes {a.shape} and {b.shape}")
+
+
+def _problem(a, b, op):
+    """Batched views of ``a`` and ``b`` and the output's shapes.
+
+    Returns (a_view, b_view, batch, M, K, N, out_shape) where the views have shapes
+    ``batch + (M, K)`` and ``batch + (K, N)`` (stride-0 where broadcast)."""
+    ab = a._data if a.ndim >= 2 else a._data.unsqueeze(0)
+    bb = b._data if b.ndim >= 2 else b._data.unsqueeze(-1)
+    M, K = ab.shape[-2], ab.shape[-1]
+    K2, N = bb.shape[-2], bb.shape[-1]
+    if K != K2:
+        raise RuntimeError(f"{op}: shapes {a.shape} and {b.shape} cannot be multiplied "
+                           f"({M}x{K} and {K2}x{N}: inner dimensions {K} != {K2})")
+    try:
+        batch = broadcast_shapes(tuple(ab.shape[:-2]), tuple(bb.shape[:-2]))
+    except ValueError:
+        raise RuntimeError(f"{op}: batch dimensions of shapes {a.shape} and {b.shape} are not broadcastable "
+                           f"({tuple(ab.shape[:-2])} vs {tuple(bb.shape[:-2])})") from None
+    if tuple(ab.shape[:-2]) != batch:
+        ab = ab.expand(batch + (M, K))
+    if tuple(bb.shape[:-2]) != batch:
+        bb = bb.expand(batch + (K, N))
+    out_shape = batch + ((M,) if a.ndim >= 2 else ()) + ((N,) if b.ndim >= 2 else ())
+    return ab, bb, batch, M, K, N, out_shape
+
+
+# C = A @ B over broadcast batch dims, with A: (..., M, K), B: (..., K, N), G = dL/dC: (..., M, N).
+#   dA = G @ B^T   (..., M, N) x (..., N, K)
+#   dB = A^T @ G   (..., K, M) x (..., M, N)
+# B^T and A^T are transposed views (swap the last two strides), never copies. A 1-D operand is
+# the (1, K) row / (K, 1) column view used in the forward, so its gradient is that view's
+# gradient with the size-1 dim dropped. An operand broadcast over the whole batch gets
+# sum_i G[i] @ B[i]^T (resp. A[i]^T @ G[i]), which the kernel computes as one GEMM with the batch
+# folded into the reduction when strides allow; a partially broadcast operand gets the full
+# batched gradient and the engine sums the broadcast dims back (autograd._fit). The Linear case,
+# a 2-D B with A's and G's leading dims merging into R rows (A2: (R, K), G2: (R, N)), is two plain
+# GEMMs: dA = G2 @ B^T and dB = A2^T @ G2, the batch sum being part of dB's reduction over R.
+def _matmul_backward(node, g):
+    a, b = node.saved
+    need_a, need_b = node.needs_input_grad
+    da, db = a._data, b._data
+    if g.dtype != da.dtype:
+        g = to(g, da.dtype)
+    if db.dim() == 2 and da.dim() >= 2:
+        # (..., M, K) @ (K, N) with the leading dims of A and G folding into rows: two 2-D GEMMs
+        a2, g2 = _rows(da), _rows(g._data)
+        if a2 is not None and g2 is not None:
+            ga = gbw = None
+            if need_a:
+                ga = runtime.empty(a2.shape, da.dtype)
+                KM.matmul_(ga, g2, db.t())
+                ga = Tensor(ga.view(da.shape))
+            if need_b:
+                gbw = runtime.empty(db.shape, da.dtype)
+                KM.matmul_(gbw, a2.t(), g2)
+                gbw = Tensor(gbw)
+            return ga, gbw
+    ab, bb, batch, M, K, N, _ = _problem(a, b, "matmul")
+    gb = g._data.view(batch + (M, N))  # re-insert the dims dropped for 1-D operands (a view)
+    ga = gbw = None
+    if need_a:
+        ga = _grad_operand(gb, bb.transpose(-1, -2), a, batch, (M, K))
+    if need_b:
+        gbw = _grad_operand(ab.transpose(-1, -2), gb, b, batch, (K, N))
+    return ga, gbw
+
+
+def _rows(buf):
+    """``buf`` (..., n) as a (rows, n) view when its strides allow one, else None."""
+    if buf.dim() == 2:
+        return buf
+    try:
+        return buf.view(-1, buf.shape[-1])
+    except RuntimeError:  # leading dims that do not merge (or an empty tensor)
+        return None
+
+
+def _grad_operand(x, y, operand, batch, mat_shape):
+    """Gradient of ``operand`` = x @ y summed over the batch dims ``operand`` was broadcast along."""
+    lead = operand.shape[:-2] if operand.ndim >= 2 else ()
+    if math.prod(lead) == 1:  # broadcast over the whole batch (or no batch): one reduction GEMM
+        out = runtime.empty(mat_shape, x.dtype)
+        KM.matmul_sum_batch_(out, x, y)
+        return Tensor(out.view(operand.shape))
+    out = runtime.empty(batch + mat_shape, x.dtype)
+    KM.matmul_(out, x, y)
+    return Tensor(out)  # broadcast shape: the engine reduces it to the operand's shape
+
+
+def _matmul(a, b, op):
+    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dtype != b.dtype or not a.dtype.is_floating_point:
+        _check(a, b, op)
+        dtype = promote_types(a.dtype, b.dtype)
+        a, b = to(a, dtype), to(b, dtype)
+    da, db = a._data, b._data
+    y = None
+    if db.dim() == 2 and da.dim() >= 2:  # the common case (..., M, K) @ (K, N), kept thin on the host
+        K, (K2, N) = da.shape[-1], db.shape
+        if K != K2:
+            raise RuntimeError(f"{op}: shapes {a.shape} and {b.shape} cannot be multiplied "
+                               f"({da.shape[-2]}x{K} and {K2}x{N}: inner dimensions {K} != {K2})")
+        a2 = _rows(da)
+        if a2 is not None:
+            out = runtime.empty((a2.shape[0], N), da.dtype)
+            KM.matmul_(out, a2, db)
+            y = Tensor(out if da.dim() == 2 else out.view(da.shape[:-1] + (N,)))
+    if y is None:
+        if da.dim() == 0 or db.dim() == 0:
+            _check(a, b, op)
+        ab, bb, batch, M, K, N, out_shape = _problem(a, b, op)
+        out = runtime.empty(batch + (M, N), da.dtype)
+        KM.matmul_(out, ab, bb)
+        y = Tensor(out.view(out_shape))
+    if needs_grad(a, b):
+        record(y, (a, b), _matmul_backward, saved=(a, b))
+    return y
 
 
 def matmul(a, b):
-    raise NotImplementedError
+    """Matrix product with ``torch.matmul`` semantics.
+
+    1-D x 1-D is a dot product (0-d result); a 1-D left (right) operand is treated as a row
+    (column) and that dim is dropped from the result; operands with more than 2 dims are batches
+    of matrices whose leading dims broadcast. Float dtypes promote; accumulation is fp32 (fp64
+    for fp64 inputs).
+    """
+    return _matmul(a, b, "matmul")
 
 
 def bmm(a, b):
-    raise NotImplementedError
+    """Batched matrix product of two 3-D tensors (B, M, K) @ (B, K, N) -> (B, M, N); no broadcasting."""
+    check_tensor(a, "input", "bmm")
+    check_tensor(b, "mat2", "bmm")
+    if a.ndim != 3 or b.ndim != 3:
+        raise RuntimeError(f"bmm: expected 3-D tensors, got shapes {a.shape} and {b.shape}")
+    if a.shape[0] != b.shape[0]:
+        raise RuntimeError(f"bmm: batch sizes differ: shapes {a.shape} and {b.shape}")
+    return _matmul(a, b, "bmm")

@@ -1,0 +1,283 @@
+"""matmul / bmm: values against PyTorch, torch.matmul's shape semantics, gradients, errors."""
+import math
+
+import pytest
+import torch
+
+import flame
+import flame.kernels.elementwise as KE
+from tests.helpers import DEVICE, assert_within_torch_error, pair
+
+ON_GPU = not flame.is_interpreter()
+
+
+def _tol(dtype, K):
+    """Per-dtype tolerance against a float64 reference rounded to ``dtype``. Outputs are sums of
+    K products of N(0, 1) values (typical size sqrt(K)), so the absolute part scales with sqrt(K)."""
+    s = math.sqrt(max(K, 1))
+    if dtype == torch.float64:
+        return dict(rtol=1e-10, atol=1e-10 * s)
+    if dtype == torch.float32:
+        if ON_GPU:  # tf32 products: inputs rounded to 10 mantissa bits
+            return dict(rtol=5e-3, atol=5e-3 * s)
+        return dict(rtol=1e-5, atol=2e-6 * s)
+    if dtype == torch.float16:  # one fp16 ulp of the output, fp32 accumulation
+        return dict(rtol=2e-3, atol=1e-3)
+    return dict(rtol=1.6e-2, atol=1e-2)  # bfloat16
+
+
+def _ref(ta, tb):
+    """torch.matmul in float64, rounded to the inputs' promoted dtype."""
+    dtype = torch.promote_types(ta.dtype, tb.dtype)
+    return torch.matmul(ta.detach().double(), tb.detach().double()).to(dtype)
+
+
+def _check(got, want, K):
+    got = got.to_torch() if isinstance(got, flame.Tensor) else got
+    assert tuple(got.shape) == tuple(want.shape), f"shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
+    torch.testing.assert_close(got.detach().cpu(), want.detach().cpu(), **_tol(want.dtype, K))
+
+
+def _no_copies(monkeypatch):
+    """Make any elementwise kernel launch (the strided copy included) fail."""
+    def forbidden(*args, **kwargs):
+        raise AssertionError("matmul launched an elementwise/copy kernel")
+    monkeypatch.setattr(KE, "map_", forbidden)
+
+
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
+
+# (M, N, K): none of them multiples of the block; 1 and 130 cross the small/large edges
+ODD_SHAPES = [(1, 1, 1), (7, 33, 77), (33, 130, 7), (130, 77, 33), (77, 1, 130), (1, 7, 33), (130, 130, 130)]
+
+
+# ---- forward values ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", ODD_SHAPES)
+def test_matmul_2d_values(dtype, M, N, K):
+    a, ta = pair((M, K), dtype)
+    b, tb = pair((K, N), dtype)
+    _check(a @ b, _ref(ta, tb), K)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matmul_fp64_and_mixed_dtypes(dtype):
+    a, ta = pair((33, 77), torch.float64)
+    b, tb = pair((77, 7), torch.float64)
+    _check(flame.matmul(a, b), _ref(ta, tb), 77)
+    # mixed: promoted once, result in the promoted dtype (fp32 for fp16/bf16 x fp32)
+    c, tc = pair((7, 33), dtype)
+    d, td = pair((33, 5), torch.float32)
+    out = c @ d
+    assert out.dtype == torch.promote_types(dtype, torch.float32)
+    _check(out, _ref(tc, td), 33)
+
+
+def test_noncontiguous_operands_read_in_place(monkeypatch):
+    x, tx = pair((77, 33))
+    w, tw = pair((130, 33))  # a Linear weight (out, in): y = x @ w^T
+    at, tat = pair((33, 77), noncontig=True)  # column-major storage
+    big, tbig = pair((40, 70))
+    _no_copies(monkeypatch)
+    _check(x @ w.t(), _ref(tx, tw.t()), 33)
+    _check(at @ x, _ref(tat, tx), 77)
+    _check(big[3:36:2, 1:70:3] @ x[:23, :7], _ref(tbig[3:36:2, 1:70:3], tx[:23, :7]), 23)
+    _check(w.t().t() @ x.t(), _ref(tw, tx.t()), 33)
+
+
+@pytest.mark.parametrize("sa,sb", [
+    ((2, 3, 7, 33), (33, 5)),           # weight broadcast over the batch: folded into M
+    ((4, 7, 33), (4, 33, 5)),           # plain batch
+    ((2, 1, 7, 9), (1, 3, 9, 5)),       # two batch dims that do not collapse
+    ((2, 1, 3, 4, 5), (2, 1, 5, 6)),    # three batch dims, broadcast in two of them
+    ((1, 7, 9), (3, 9, 5)),             # size-1 batch on the left
+    ((5, 9), (2, 3, 9, 4)),             # matrix times a batch
+])
+def test_matmul_broadcast_batch(sa, sb, monkeypatch):
+    a, ta = pair(sa)
+    b, tb = pair(sb)
+    _no_copies(monkeypatch)
+    _check(a @ b, _ref(ta, tb), sa[-1])
+
+
+def test_matmul_batch_strides():
+    # batch dims with strides that collapse neither with each other nor with M
+    x, tx = pair((5, 4, 3, 9))
+    w, tw = pair((4, 9, 6))
+    xv, txv = x.permute(1, 2, 0, 3), tx.permute(1, 2, 0, 3)  # (4, 3, 5, 9)
+    wv, twv = w.unsqueeze(1), tw.unsqueeze(1)  # (4, 1, 9, 6)
+    u, tu = pair((5, 9, 6))
+    _check(xv @ wv, _ref(txv, twv), 9)
+    _check(x.transpose(0, 1) @ u, _ref(tx.transpose(0, 1), tu), 9)  # (4, 5, 3, 9) @ (5, 9, 6)
+
+
+@pytest.mark.parametrize("sa,sb", [
+    ((33,), (33,)), ((7,), (7, 5)), ((5, 7), (7,)), ((7,), (3, 7, 5)), ((2, 3, 5, 7), (7,)), ((1,), (1,)),
+])
+def test_matmul_1d(sa, sb):
+    a, ta = pair(sa)
+    b, tb = pair(sb)
+    out = a @ b
+    want = _ref(ta, tb)
+    assert out.shape == tuple(want.shape)
+    _check(out, want, sa[-1])
+
+
+def test_bmm_values():
+    a, ta = pair((3, 7, 33), torch.float16)
+    b, tb = pair((3, 33, 77), torch.float16, noncontig=True)
+    _check(flame.bmm(a, b), torch.bmm(ta.float(), tb.float()).half(), 33)
+
+
+def test_empty_dims():
+    # K == 0: a sum of nothing is zero
+    a, ta = pair((3, 0))
+    b, tb = pair((0, 4))
+    out = a @ b
+    assert out.shape == (3, 4)
+    assert (out.to_torch() == 0).all()
+    e, _ = pair((0,))
+    assert (e @ e).shape == () and (e @ e).item() == 0.0
+    # M == 0 / N == 0 / empty batch: empty results of the right shape
+    m, _ = pair((0, 5))
+    n, _ = pair((5, 0))
+    w, _ = pair((5, 4))
+    assert (m @ w).shape == (0, 4)
+    assert (w.t() @ n).shape == (4, 0)
+    z, _ = pair((0, 3, 5))
+    assert (z @ w).shape == (0, 3, 4)
+
+
+# ---- gradients --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sa,sb", [
+    ((7, 33), (33, 77)),
+    ((2, 3, 7, 33), (33, 5)),        # weight gradient: batch folded into the reduction
+    ((4, 7, 9), (4, 9, 5)),
+    ((2, 1, 7, 9), (1, 3, 9, 5)),    # partial broadcast: engine sums the broadcast dims
+    ((1, 7, 9), (3, 9, 5)),
+    ((33,), (33,)), ((7,), (3, 7, 5)), ((2, 5, 7), (7,)),
+])
+def test_matmul_grads_vs_torch(sa, sb):
+    a, ta = pair(sa, requires_grad=True)
+    b, tb = pair(sb, requires_grad=True)
+    ref = ta @ tb
+    v, tv = pair(tuple(ref.shape))
+    out = a @ b
+    grads = (out * v).sum().backward()
+    (ref * tv).sum().backward()
+    _check(out, ref.detach(), sa[-1])
+    # dA reduces over N, dB over the batch and M: the longest reduction sets the tolerance
+    reduction = max(ref.numel(), sa[-1])
+    _check(grads[a], ta.grad, reduction)
+    _check(grads[b], tb.grad, reduction)
+
+
+def test_matmul_grads_noncontiguous_and_fp16():
+    # activations stored (M, B, K) and read as (B, M, K): the weight gradient cannot fold the
+    # batch into one reduction and goes through the batched GEMM + sum path
+    x, tx = pair((9, 4, 33), requires_grad=True)
+    w, tw = pair((5, 33), requires_grad=True)
+    out = x.transpose(0, 1) @ w.t()
+    ref = tx.transpose(0, 1) @ tw.t()
+    v, tv = pair(tuple(ref.shape))
+    grads = (out * v).sum().backward()
+    (ref * tv).sum().backward()
+    _check(out, ref.detach(), 33)
+    _check(grads[x], tx.grad, 5)
+    _check(grads[w], tw.grad, 36)
+    # fp16 leaves
+    a, ta = pair((4, 7, 33), torch.float16, requires_grad=True)
+    b, tb = pair((33, 6), torch.float16, requires_grad=True)
+    grads = (a @ b).sum().backward()
+    (ta.float() @ tb.float()).sum().backward()
+    torch.testing.assert_close(grads[a].to_torch(), ta.grad.float(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(grads[b].to_torch(), tb.grad.float(), rtol=2e-3, atol=2e-2)
+
+
+def test_matmul_grads_mixed_dtypes_and_empty():
+    a, ta = pair((3, 5), torch.float16, requires_grad=True)
+    b, tb = pair((5, 4), torch.float32, requires_grad=True)
+    grads = (a @ b).sum().backward()
+    (ta.float() @ tb).sum().backward()
+    assert grads[a].dtype == torch.float32 and grads[b].dtype == torch.float32
+    torch.testing.assert_close(grads[a].to_torch(), ta.grad.float(), rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(grads[b].to_torch(), tb.grad, rtol=1e-3, atol=1e-3)
+    # M == 0: dB is a sum over nothing; K == 0: empty gradients
+    m, _ = pair((0, 5), requires_grad=True)
+    w, _ = pair((5, 4), requires_grad=True)
+    grads = (m @ w).sum().backward()
+    assert grads[m].shape == (0, 5)
+    assert grads[w].shape == (5, 4) and (grads[w].to_torch() == 0).all()
+    k, _ = pair((3, 0), requires_grad=True)
+    k2, _ = pair((0, 4), requires_grad=True)
+    grads = (k @ k2).sum().backward()
+    assert grads[k].shape == (3, 0) and grads[k2].shape == (0, 4)
+
+
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 2)), ((2, 1, 3, 2), (3, 2, 2)), ((3,), (2, 3, 2)), ((2, 3), (3,))])
+def test_gradcheck_float64(sa, sb):
+    a, _ = pair(sa, torch.float64, requires_grad=True)
+    b, _ = pair(sb, torch.float64, requires_grad=True)
+    assert flame.testing.gradcheck(flame.matmul, (a, b))
+
+
+def test_gradcheck_bmm_transposed():
+    a, _ = pair((2, 3, 2), torch.float64, requires_grad=True)
+    b, _ = pair((2, 4, 2), torch.float64, requires_grad=True)
+    assert flame.testing.gradcheck(lambda x, y: flame.bmm(x, y.transpose(1, 2)), (a, b))
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def test_bad_inputs_raise_clear_errors():
+    a, _ = pair((3, 4))
+    b, _ = pair((5, 6))
+    with pytest.raises(RuntimeError, match=r"\(3, 4\).*\(5, 6\)"):
+        a @ b
+    v, _ = pair((5,))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        a @ v
+    s = flame.tensor(2.0)
+    with pytest.raises(RuntimeError, match="at least 1 dimension"):
+        flame.matmul(s, a)
+    c, _ = pair((2, 3, 4))
+    d, _ = pair((3, 4, 5))
+    with pytest.raises(RuntimeError, match="not broadcastable"):
+        c @ d
+    i, _ = pair((3, 4), torch.int64)
+    with pytest.raises(TypeError, match="floating-point.*int64"):
+        flame.matmul(i, a.t())
+    with pytest.raises(TypeError, match="flame Tensor"):
+        flame.matmul(a, torch.ones(4, 2))
+    with pytest.raises(RuntimeError, match=r"bmm: expected 3-D.*\(3, 4\)"):
+        flame.bmm(a, a.t())
+    e, _ = pair((3, 4, 5))
+    with pytest.raises(RuntimeError, match=r"bmm: batch sizes differ"):
+        flame.bmm(c, e)
+
+
+# ---- GPU: bf16 numerics on a real problem ------------------------------------------------------
+
+@pytest.mark.gpu
+def test_bf16_1024x1280x1280_within_torch_error():
+    M, K, N = 1024, 1280, 1280
+    a32 = torch.randn(M, K, device=DEVICE)
+    w32 = torch.randn(N, K, device=DEVICE) / math.sqrt(K)  # Linear weight, read transposed
+    a16, w16 = a32.bfloat16(), w32.bfloat16()
+    ref = a16.float() @ w16.float().t()
+    a = flame.from_torch(a16, requires_grad=True)
+    w = flame.from_torch(w16, requires_grad=True)
+    out = a @ w.t()
+    assert out.dtype == torch.bfloat16
+    assert_within_torch_error(out, a16 @ w16.t(), ref, 2)
+    # gradients (3x rule): dA = G W, dW = G^T A
+    g32 = torch.randn(M, N, device=DEVICE)
+    g16 = g32.bfloat16()
+    grads = out.backward(flame.from_torch(g16))
+    ref_da = g16.float() @ w16.float()
+    ref_dw = g16.float().t() @ a16.float()
+    assert_within_torch_error(grads[a], (g16 @ w16).float(), ref_da, 3)
+    assert_within_torch_error(grads[w], (g16.t() @ a16).float(), ref_dw, 3)
