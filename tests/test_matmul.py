@@ -133,8 +133,8 @@ def test_bmm_values():
 
 def test_empty_dims():
     # K == 0: a sum of nothing is zero
-    a, ta = pair((3, 0))
-    b, tb = pair((0, 4))
+    a, _ = pair((3, 0))
+    b, _ = pair((0, 4))
     out = a @ b
     assert out.shape == (3, 4)
     assert (out.to_torch() == 0).all()
@@ -248,7 +248,7 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(RuntimeError, match="not broadcastable"):
         c @ d
     i, _ = pair((3, 4), torch.int64)
-    with pytest.raises(TypeError, match="floating-point.*int64"):
+    with pytest.raises(TypeError, match=r"floating-point.*int64"):
         flame.matmul(i, a.t())
     with pytest.raises(TypeError, match="flame Tensor"):
         flame.matmul(a, torch.ones(4, 2))
