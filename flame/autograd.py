@@ -165,7 +165,7 @@ class GradientMap:
     def items(self):
         return self._grads.items()
 
-    def accumulate(self, other: "GradientMap") -> "GradientMap":
+    def accumulate(self, other: GradientMap) -> GradientMap:
         from .ops.elementwise import add_
         for key, grad in other:
             mine = self._grads.get(key)
@@ -235,9 +235,9 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
     ``capture`` holds nodes and leaf ids whose total gradient the caller wants back; returns
     ``(GradientMap, {node or leaf id: gradient})``.
     """
-    from .tensor import Tensor
-    from .ops.elementwise import add
     from .ops.creation import ones_like
+    from .ops.elementwise import add
+    from .tensor import Tensor
 
     if not isinstance(root, Tensor):
         raise TypeError(f"backward() needs a flame Tensor, got {type(root).__name__}")

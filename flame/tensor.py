@@ -60,6 +60,10 @@ def result_type(*operands) -> torch.dtype:
     """Result dtype of an op over Tensors and Python scalars, following PyTorch's rules:
     dimensioned tensors decide; zero-dim tensors and then Python scalars only raise the category
     (a float scalar turns an integer result into the default float dtype)."""
+    if len(operands) == 2:  # fast path: two dimensioned tensors of one dtype
+        a, b = operands
+        if type(a) is Tensor and type(b) is Tensor and a.dtype == b.dtype and a.ndim and b.ndim:
+            return a.dtype
     dim_dtype = zero_dtype = None
     scalar_cat = -1
     for x in operands:
@@ -175,7 +179,7 @@ class Tensor:
             raise RuntimeError("requires_grad can only be changed on leaf tensors; use detach()")
         self._requires_grad = bool(value)
 
-    def requires_grad_(self, value: bool = True) -> "Tensor":
+    def requires_grad_(self, value: bool = True) -> Tensor:
         self.requires_grad = value
         return self
 
@@ -187,11 +191,11 @@ class Tensor:
     def grad_fn(self):
         return self._node
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """A new leaf sharing this tensor's memory, outside the graph."""
         return Tensor(self._data)
 
-    def backward(self, grad: "Tensor | None" = None, retain_graph: bool = False):
+    def backward(self, grad: Tensor | None = None, retain_graph: bool = False):
         """Backpropagate from this tensor; returns a ``GradientMap`` of leaf gradients."""
         grads, _ = run_backward(self, grad, retain_graph=retain_graph)
         return grads
@@ -274,7 +278,9 @@ class Tensor:
 
 
 def _bind_methods():
-    from .ops import creation, elementwise as ew, reduce as red, shape, index
+    from .ops import creation, index, shape
+    from .ops import elementwise as ew
+    from .ops import reduce as red
     from .ops.matmul import matmul
 
     def rbinary(fn):

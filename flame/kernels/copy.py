@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import _pow2, collapse, compute_dtype
+from .elementwise import _pow2, cdiv, collapse, compute_dtype
+from .launch import launch
 
 _MAX_DIMS = 4
 
@@ -122,10 +123,9 @@ def _launch_gather(out, x, idx, shape, strides, x_dim_stride):
     else:
         block_c = min(256, _pow2(d3))
         block_r = min(_pow2(rows), max(1, 2048 // block_c))
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(d3, block_c))
-    _gather_kernel[grid](out, x, idx, rows, shape[1], shape[2], d3, x_dim_stride,
-                         *strides[0], *strides[1], *strides[2],
-                         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    grid = (cdiv(rows, block_r), cdiv(d3, block_c))
+    launch(_gather_kernel, grid, out, x, idx, rows, shape[1], shape[2], d3, x_dim_stride,
+           *strides[0], *strides[1], *strides[2], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out
 
 
@@ -153,9 +153,9 @@ def index_add_(gx, g, idx, g_strides, idx_strides, pad=-1):
         block_i = min(64, _pow2(inner))
         block_n = min(8 if block_i >= 32 else 32, _pow2(max(n, 1)))
         block_v = min(_pow2(V), max(1, 4096 // (block_i * block_n)))
-    n_vblocks, n_iblocks = triton.cdiv(V, block_v), triton.cdiv(inner, block_i)
+    n_vblocks, n_iblocks = cdiv(V, block_v), cdiv(inner, block_i)
     grid = (outer * n_vblocks * n_iblocks,)
-    _index_add_kernel[grid](gx, g, idx, V, n, inner, n_vblocks, n_iblocks, pad, *g_strides, *idx_strides,
-                            CD=cd, IDX_1D=idx_1d, UPCAST=runtime.INTERPRETER or cd == tl.float64,
-                            BLOCK_V=block_v, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=4)
+    launch(_index_add_kernel, grid, gx, g, idx, V, n, inner, n_vblocks, n_iblocks, pad, *g_strides, *idx_strides,
+           CD=cd, IDX_1D=idx_1d, UPCAST=runtime.INTERPRETER or cd == tl.float64,
+           BLOCK_V=block_v, BLOCK_N=block_n, BLOCK_I=block_i, num_warps=4)
     return gx

@@ -14,12 +14,14 @@ Two layouts share the same op switch:
 - ``_map_strided_kernel``: up to four (collapsed) dimensions with any strides per operand,
   broadcasting by stride 0, tiled 2-D so that the innermost dimension is read in rows.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from .. import runtime
-
+from .launch import launch
 
 
 def _codes(start, count):
@@ -216,11 +218,20 @@ def _store(out_ptr, off, value, mask, OUT_BOOL: tl.constexpr):
         tl.store(out_ptr + off, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _index(pid, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    # int32 index math unless some offset can reach 2**31 (64-bit multiplies cost real time)
+    if WIDE:
+        return pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        return pid * BLOCK + tl.arange(0, BLOCK)
+
+
 @triton.jit(do_not_specialize=["s0", "s1"])
 def _map_contiguous_kernel(out_ptr, a_ptr, b_ptr, c_ptr, n, s0, s1,
                            NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr,
-                           OUT_BOOL: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                           OUT_BOOL: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = _index(tl.program_id(0), BLOCK, WIDE)
     mask = offs < n
     a, b, c = _operands(a_ptr, b_ptr, c_ptr, offs, offs, offs, mask, s0, s1, NIN, CD)
     out = _apply(a, b, c, s0, s1, OP)
@@ -232,11 +243,11 @@ def _map_strided_kernel(out_ptr, a_ptr, b_ptr, c_ptr, s0, s1,
                         rows, D1, D2, D3,
                         os0, os1, os2, os3, as0, as1, as2, as3,
                         bs0, bs1, bs2, bs3, cs0, cs1, cs2, cs3,
-                        NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr,
-                        OUT_BOOL: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                        NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr, OUT_BOOL: tl.constexpr,
+                        WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     # Logical shape (D0, D1, D2, D3); rows = D0 * D1 * D2 run along grid axis 0.
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r = _index(tl.program_id(0), BLOCK_R, WIDE)
+    col = _index(tl.program_id(1), BLOCK_C, WIDE)
     i2 = r % D2
     rest = r // D2
     i1 = rest % D1
@@ -278,13 +289,25 @@ def collapse(shape, stride_lists):
     return out_shape, out_strides
 
 
+_compute_dtypes: dict = {}
+
+
 def compute_dtype(*dtypes):
     """fp64 if any operand is fp64, else fp32 if any is floating, else int64."""
-    if torch.float64 in dtypes:
-        return tl.float64
-    if any(d.is_floating_point for d in dtypes):
-        return tl.float32
-    return tl.int64
+    cd = _compute_dtypes.get(dtypes)
+    if cd is None:
+        if torch.float64 in dtypes:
+            cd = tl.float64
+        elif any(d.is_floating_point for d in dtypes):
+            cd = tl.float32
+        else:
+            cd = tl.int64
+        _compute_dtypes[dtypes] = cd
+    return cd
+
+
+def cdiv(a, b):
+    return -(-a // b)
 
 
 def _pow2(n):
@@ -300,20 +323,26 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     n = out.numel()
     if n == 0:
         return out
-    op = tl.constexpr(op).value
+    if not isinstance(op, int):
+        op = op.value
     if cd is None:
-        cd = compute_dtype(out.dtype, *(t.dtype for t in inputs))
+        cd = compute_dtype(out.dtype, *[t.dtype for t in inputs])
     out_bool = out.dtype == torch.bool
-    cast = float if cd in (tl.float32, tl.float64) else int
-    s0, s1 = cast(s0), cast(s1)
+    if cd is tl.int64:
+        s0, s1 = int(s0), int(s1)
+    else:
+        s0, s1 = float(s0), float(s1)
     nin = len(inputs)
     ptrs = list(inputs) + [out] * (3 - nin)
-    shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
-    if len(shape) == 1 and all(st[0] == 1 for st in strides):
+    dense = out.is_contiguous() and all(t.is_contiguous() and t.shape == out.shape for t in inputs)
+    if not dense:
+        shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
+        dense = len(shape) == 1 and all(st[0] == 1 for st in strides)
+    if dense:
         block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else 2048
-        grid = (triton.cdiv(n, block),)
-        _map_contiguous_kernel[grid](out, *ptrs, n, s0, s1, NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool,
-                                     BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        launch(_map_contiguous_kernel, (cdiv(n, block),), out, *ptrs, n, s0, s1,
+               NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool, WIDE=n + block >= 2 ** 31,
+               BLOCK=block, num_warps=8 if block >= 2048 else 4)
         return out
     if len(shape) > _MAX_DIMS:
         # Peel the leading dims off in Python: each slice is a map of rank _MAX_DIMS.
@@ -339,12 +368,19 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     else:
         block_c = min(1024, _pow2(d3))
         block_r = min(_pow2(rows), max(1, 2048 // block_c))
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(d3, block_c))
+    grid = (cdiv(rows, block_r), cdiv(d3, block_c))
     flat = [s for st in strides for s in st]
-    _map_strided_kernel[grid](out, *ptrs, s0, s1, rows, shape[1], shape[2], d3, *flat,
-                              NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool,
-                              BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+    launch(_map_strided_kernel, grid, out, *ptrs, s0, s1, rows, shape[1], shape[2], d3, *flat,
+           NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool, WIDE=needs_int64(shape, strides, block_r, block_c),
+           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
     return out
+
+
+def needs_int64(shape, strides, *blocks):
+    """True when an index or offset of this launch can reach 2**31 (blocks overshoot by one tile)."""
+    span = max(sum((s - 1) * abs(st) for s, st in zip(shape, sts)) for sts in strides)
+    overshoot = max(blocks) * (1 + max(abs(st) for sts in strides for st in sts))
+    return max(span, math.prod(shape)) + overshoot >= 2 ** 31
 
 
 def _ndindex(shape):

@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import collapse, fill_
+from .elementwise import cdiv, collapse, fill_
+from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
 
@@ -79,10 +80,6 @@ def _pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def _cdiv(a, b):
-    return -(-a // b)  # triton.cdiv is a constexpr function: ~8 us per host call
-
-
 _SMS = None
 
 
@@ -111,14 +108,14 @@ def _config(M, N, K, dtype, batch=1):
         bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
     elif dtype == torch.float32:  # tf32
         bm, bn, bk, warps, stages = 128, 128, 32, 4, 3
-    elif batch * _cdiv(M, 128) * _cdiv(N, 256) >= 2 * sms and K >= 256:  # fp16 / bf16, large
+    elif batch * cdiv(M, 128) * cdiv(N, 256) >= 2 * sms and K >= 256:  # fp16 / bf16, large
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 4
     bm = min(bm, max(16, _pow2(M)))
     bn = min(bn, max(16, _pow2(N)))
     bk = min(bk, max(16, _pow2(K)))
-    while batch * _cdiv(M, bm) * _cdiv(N, bn) < sms // 2 and max(bm, bn) > 64:
+    while batch * cdiv(M, bm) * cdiv(N, bn) < sms // 2 and max(bm, bn) > 64:
         if bm >= bn:
             bm //= 2
         else:
@@ -157,8 +154,8 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc):
         if len(_launch_cache) > 4096:
             _launch_cache.clear()
         _launch_cache[key] = cfg
-    grid = (B0 * B1 * _cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"]),)
-    _matmul_kernel[grid](a, b, out, M, N, K, B1, *sa, *sb, *sc, **cfg)
+    grid = (B0 * B1 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    launch(_matmul_kernel, grid, a, b, out, M, N, K, B1, *sa, *sb, *sc, **cfg)
 
 
 def matmul_(out, a, b):

@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
+from .elementwise import cdiv
+from .launch import launch
 
 UNIFORM, NORMAL = tl.constexpr(0), tl.constexpr(1)
 
@@ -44,7 +46,8 @@ def random_(out, dist, seed, offset, a, b):
     if n == 0:
         return out
     block = _block(n)
-    _random_kernel[(triton.cdiv(n, block),)](out, n, seed, offset, float(a), float(b), DIST=tl.constexpr(dist).value, BLOCK=block)
+    launch(_random_kernel, (cdiv(n, block),), out, n, seed, offset, float(a), float(b),
+           DIST=tl.constexpr(dist).value, BLOCK=block)
     return out
 
 
@@ -55,5 +58,5 @@ def arange_(out, start, step):
         return out
     block = _block(n)
     cast = float if out.dtype.is_floating_point else int
-    _arange_kernel[(triton.cdiv(n, block),)](out, n, cast(start), cast(step), BLOCK=block)
+    launch(_arange_kernel, (cdiv(n, block),), out, n, cast(start), cast(step), BLOCK=block)
     return out

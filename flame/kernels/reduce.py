@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import compute_dtype
+from .elementwise import cdiv, compute_dtype
+from .launch import launch
 
 SUM, MAX, MIN, SQDEV = (tl.constexpr(i) for i in range(4))
 
@@ -23,24 +24,39 @@ def _reduce_kernel(x_ptr, out_ptr, mean_ptr, R, INNER, r_per_split, splits, scal
                    xs_outer, xs_r, xs_inner,
                    OP: tl.constexpr, CD: tl.constexpr, IDENT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+    # BLOCK_I == 1 (reducing rows: inner == 1) keeps a 1-D accumulator along R; otherwise a
+    # (BLOCK_R, BLOCK_I) tile is reduced over its first axis.
     o = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
     split = tl.program_id(2).to(tl.int64)
-    col_mask = cols < INNER
     r_lo = split * r_per_split
     r_hi = tl.minimum(r_lo + r_per_split, R)
-    base = x_ptr + o * xs_outer + (cols * xs_inner)[None, :]
+    if BLOCK_I == 1:
+        cols = tl.program_id(1).to(tl.int64)
+        col_mask = cols < INNER
+        base = x_ptr + o * xs_outer + cols * xs_inner
+        acc = tl.full((BLOCK_R,), IDENT, CD)
+    else:
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)
+        col_mask = cols < INNER
+        base = x_ptr + o * xs_outer + (cols * xs_inner)[None, :]
+        acc = tl.full((BLOCK_R, BLOCK_I), IDENT, CD)
     if OP == SQDEV:
         mean = tl.load(mean_ptr + o * INNER + cols, mask=col_mask, other=0.0).to(CD)
-    acc = tl.full((BLOCK_R, BLOCK_I), IDENT, CD)
     for r0 in range(r_lo, r_hi, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
-        mask = (rows < r_hi)[:, None] & col_mask[None, :]
-        x = tl.load(base + (rows * xs_r)[:, None], mask=mask, other=0).to(CD)
+        if BLOCK_I == 1:
+            mask = rows < r_hi
+            x = tl.load(base + rows * xs_r, mask=mask, other=0).to(CD)
+        else:
+            mask = (rows < r_hi)[:, None] & col_mask[None, :]
+            x = tl.load(base + (rows * xs_r)[:, None], mask=mask, other=0).to(CD)
         if OP == SUM:
             acc += x
         elif OP == SQDEV:
-            d = tl.where(mask, x - mean[None, :], 0.0)
+            if BLOCK_I == 1:
+                d = tl.where(mask, x - mean, 0.0)
+            else:
+                d = tl.where(mask, x - mean[None, :], 0.0)
             acc += d * d
         elif OP == MAX:
             x = tl.where(mask, x, IDENT)
@@ -53,7 +69,7 @@ def _reduce_kernel(x_ptr, out_ptr, mean_ptr, R, INNER, r_per_split, splits, scal
             res = tl.max(acc, axis=0)
         else:
             res = tl.min(acc, axis=0)
-        if CD != tl.int64:  # a NaN anywhere in the column wins, as in torch.amax
+        if tl.int64 != CD:  # a NaN anywhere in the column wins, as in torch.amax
             has_nan = tl.max((acc != acc).to(tl.int32), axis=0) > 0
             res = tl.where(has_nan, float("nan"), res)
     else:
@@ -104,28 +120,26 @@ def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
         return fill_(out, 0.0 * scale)
     if inner == 1:
         block_i = 1
-        block_r = _pow2(min(R, 1 << 14 if runtime.INTERPRETER else 2048))
+        block_r = _pow2(min(R, 1 << 14 if runtime.INTERPRETER else 4096))
     else:
         block_i = _pow2(min(inner, 1 << 10 if runtime.INTERPRETER else 64))
         block_r = _pow2(min(R, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_i)))
-    programs = outer * triton.cdiv(inner, block_i)
+    programs = outer * cdiv(inner, block_i)
     splits = 1
-    if not runtime.INTERPRETER and programs < _target_programs() and R > 4 * block_r:
-        splits = min(triton.cdiv(_target_programs(), programs), triton.cdiv(R, 4 * block_r), 1024)
+    if not runtime.INTERPRETER and programs < _target_programs() and 4 * block_r < R:
+        splits = min(cdiv(_target_programs(), programs), cdiv(R, 4 * block_r), 1024)
     mean_arg = mean if mean is not None else x
     s_outer, s_r, s_inner = strides
     if splits == 1:
-        grid = (outer, triton.cdiv(inner, block_i), 1)
-        _reduce_kernel[grid](x, out, mean_arg, R, inner, R, 1, float(scale), s_outer, s_r, s_inner,
-                             OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r, BLOCK_I=block_i,
-                             num_warps=4 if block_r * block_i <= 1024 else 8)
+        launch(_reduce_kernel, (outer, cdiv(inner, block_i), 1), x, out, mean_arg, R, inner, R, 1,
+               float(scale), s_outer, s_r, s_inner, OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r,
+               BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
         return out
-    r_per_split = triton.cdiv(triton.cdiv(R, splits), block_r) * block_r
-    splits = triton.cdiv(R, r_per_split)
+    r_per_split = cdiv(cdiv(R, splits), block_r) * block_r
+    splits = cdiv(R, r_per_split)
     partial = runtime.empty((outer, splits, inner), accumulation_dtype(x.dtype))
-    grid = (outer, triton.cdiv(inner, block_i), splits)
-    _reduce_kernel[grid](x, partial, mean_arg, R, inner, r_per_split, splits, 1.0, s_outer, s_r, s_inner,
-                         OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r, BLOCK_I=block_i,
-                         num_warps=4 if block_r * block_i <= 1024 else 8)
+    launch(_reduce_kernel, (outer, cdiv(inner, block_i), splits), x, partial, mean_arg, R, inner,
+           r_per_split, splits, 1.0, s_outer, s_r, s_inner, OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r,
+           BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
     second = SUM.value if op == SQDEV else op
     return reduce_(out, partial, outer, splits, inner, (splits * inner, inner, 1), second, scale)

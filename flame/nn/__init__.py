@@ -1,2 +1,2 @@
 """Neural-network building blocks; ``flame.nn.functional`` holds the functional ops."""
-from . import functional  # noqa: F401
+from . import functional

@@ -124,7 +124,7 @@ def _extremum(name, op):
     def fn(x, dim=None, keepdim=False):
         check_tensor(x, "input", name)
         dims = normalize_dims(dim, x.ndim, name)
-        if x.numel() == 0 and any(x.shape[d] == 0 for d in dims) or (x.numel() == 0 and not dims):
+        if (x.numel() == 0 and any(x.shape[d] == 0 for d in dims)) or (x.numel() == 0 and not dims):
             raise RuntimeError(f"{name}: cannot reduce over a zero-size dimension (input shape {x.shape})")
         y = _reduce(x, dims, keepdim, op)
         if needs_grad(x):
