@@ -338,8 +338,11 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     if not dense:
         shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
         dense = len(shape) == 1 and all(st[0] == 1 for st in strides)
+    # GPU tiles move ~8 KiB per operand, so 16-bit dtypes get twice the elements of fp32 and
+    # each thread keeps 32 bytes in flight
+    tile = 8192 // min([out.element_size()] + [t.element_size() for t in inputs])
     if dense:
-        block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else 2048
+        block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else tile
         launch(_map_contiguous_kernel, (cdiv(n, block),), out, *ptrs, n, s0, s1,
                NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool, WIDE=n + block >= 2 ** 31,
                BLOCK=block, num_warps=8 if block >= 2048 else 4)
@@ -367,12 +370,12 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
         block_r = min(64, _pow2(rows))
     else:
         block_c = min(1024, _pow2(d3))
-        block_r = min(_pow2(rows), max(1, 2048 // block_c))
+        block_r = min(_pow2(rows), max(1, tile // block_c))
     grid = (cdiv(rows, block_r), cdiv(d3, block_c))
     flat = [s for st in strides for s in st]
     launch(_map_strided_kernel, grid, out, *ptrs, s0, s1, rows, shape[1], shape[2], d3, *flat,
            NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool, WIDE=needs_int64(shape, strides, block_r, block_c),
-           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=4)
+           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_r * block_c >= 4096 else 4)
     return out
 
 

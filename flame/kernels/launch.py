@@ -24,37 +24,35 @@ from .. import runtime
 if not runtime.INTERPRETER:
     from triton.runtime.driver import driver as _driver
 
-_INT32 = (-(2 ** 31), 2 ** 31)
 _direct = not runtime.INTERPRETER and os.environ.get("FLAME_TRITON_LAUNCH", "") != "1"
-_cache: dict = {}
-_no_spec: dict = {}
+_caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, constexpr values)}
+_no_spec: dict = {}  # id(kernel) -> per-argument "do not specialize" flags
+_device = None
 
 
 def _nospec_flags(kernel, nargs):
-    flags = _no_spec.get(kernel)
-    if flags is None:
-        names = kernel.arg_names
-        dns = set(kernel.do_not_specialize or ())
-        flags = tuple((names[i] in dns or i in dns) for i in range(nargs))
-        _no_spec[kernel] = flags
-    return flags
+    names = kernel.arg_names
+    dns = set(kernel.do_not_specialize or ())
+    return tuple((names[i] in dns or i in dns) for i in range(nargs))
 
 
 def _arg_key(args, nospec):
+    """What Triton specialises on, per argument (see the module docstring)."""
     key = []
     append = key.append
     for a, ns in zip(args, nospec):
-        if isinstance(a, torch.Tensor):
-            append((a.dtype, a.data_ptr() & 15 == 0))
-        elif isinstance(a, bool):
+        t = type(a)
+        if t is int:
+            fits = -2147483648 <= a < 2147483648
+            append(fits if ns else fits + 2 * (a == 1) + 4 * (a & 15 == 0))
+        elif t is float:
+            append(-1)
+        elif t is bool:
             append(("b", a))
-        elif isinstance(a, int):
-            fits = _INT32[0] <= a < _INT32[1]
-            append(fits if ns else (fits, a == 1, a & 15 == 0))
-        elif isinstance(a, float):
-            append("f")
+        elif isinstance(a, torch.Tensor):
+            append((a.dtype, a.data_ptr() & 15 == 0))
         else:
-            append((type(a), a))
+            append((t, a))
     return tuple(key)
 
 
@@ -64,23 +62,29 @@ def launch(kernel, grid, *args, **meta):
     ``args`` are the kernel's leading runtime arguments in order; ``meta`` holds its trailing
     constexprs and launch options (num_warps, num_stages).
     """
-    global _direct
+    global _direct, _device
     if not _direct:
         kernel[grid](*args, **meta)
         return
-    key = (kernel, _arg_key(args, _nospec_flags(kernel, len(args))), tuple(meta.items()))
-    entry = _cache.get(key)
+    kid = id(kernel)
+    cache = _caches.get(kid)
+    if cache is None:
+        cache = _caches[kid] = {}
+        _no_spec[kid] = _nospec_flags(kernel, len(args))
+    key = (_arg_key(args, _no_spec[kid]), tuple(meta.items()))
+    entry = cache.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **meta)
         try:
             consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
-            _cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+            cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
         except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
             _direct = False
         return
     run, function, packed, consts = entry
-    active = _driver.active
-    stream = active.get_current_stream(active.get_current_device())
-    g1 = grid[1] if len(grid) > 1 else 1
-    g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, stream, function, packed, None, None, None, *args, *consts)
+    if _device is None:
+        _device = _driver.active.get_current_device()
+    stream = _driver.active.get_current_stream(_device)
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, packed, None, None, None,
+        *args, *consts)
