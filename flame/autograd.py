@@ -98,7 +98,7 @@ def needs_grad(*tensors) -> bool:
     """True when an op over these inputs must be recorded."""
     if not is_grad_enabled():
         return False
-    for t in tensors:
+    for t in tensors:  # noqa: SIM110 - a plain loop: this runs for every op
         if t is not None and t.requires_grad:
             return True
     return False
@@ -173,7 +173,8 @@ class GradientMap:
                 self._grads[key] = grad.clone()
             else:
                 if mine.shape != grad.shape:
-                    raise RuntimeError(f"gradient for tensor id {key} has shape {mine.shape} here and {grad.shape} in the other map")
+                    raise RuntimeError(f"gradient for tensor id {key} has shape {mine.shape} here and "
+                                       f"{grad.shape} in the other map")
                 add_(mine, grad)
         return self
 

@@ -79,9 +79,8 @@ def result_type(*operands) -> torch.dtype:
         elif isinstance(x, (float, np.floating)):
             scalar_cat = max(scalar_cat, 2)
     dtype = dim_dtype
-    if zero_dtype is not None:
-        if dtype is None or _category(zero_dtype) > _category(dtype):
-            dtype = zero_dtype
+    if zero_dtype is not None and (dtype is None or _category(zero_dtype) > _category(dtype)):
+        dtype = zero_dtype
     if scalar_cat >= 0:
         scalar_dtype = (bool_, int64, runtime.get_default_dtype())[scalar_cat]
         if dtype is None or scalar_cat > _category(dtype):
@@ -98,7 +97,8 @@ def broadcast_shapes(*shapes) -> tuple:
         for i, d in enumerate(s, ndim - len(s)):
             if d != 1:
                 if out[i] != 1 and out[i] != d:
-                    raise ValueError(f"shapes {[tuple(x) for x in shapes]} are not broadcastable (dim {i - ndim}: {out[i]} vs {d})")
+                    raise ValueError(f"shapes {[tuple(x) for x in shapes]} are not broadcastable "
+                                     f"(dim {i - ndim}: {out[i]} vs {d})")
                 out[i] = d
     return tuple(out)
 

@@ -4,17 +4,23 @@ one GPU, to pick the heuristics in flame/kernels/{elementwise,reduce}.py. Prints
 
     PYTHONPATH=. python3 scripts/sweep_basic.py
 """
+# ruff: noqa: B023, E501
+# (each lambda is timed before its loop moves on; table lines are long)
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flame  # noqa: E402,I001
-import torch  # noqa: E402
-import triton.testing  # noqa: E402
-import triton.language as tl  # noqa: E402
+# isort: off
+import flame  # noqa: F401 - first: selects the backend before triton is imported
+import torch
+import triton
+import triton.language as tl
+import triton.testing
+# isort: on
 
-from flame.kernels import elementwise as KE, reduce as KR  # noqa: E402
-from flame.kernels.launch import launch  # noqa: E402
+from flame.kernels import elementwise as KE
+from flame.kernels import reduce as KR
+from flame.kernels.launch import launch
 
 
 def bench(fn):

@@ -3,7 +3,7 @@ import warnings
 
 import pytest
 
-import flame  # noqa: F401 - selects the backend before triton is imported
+import flame
 
 
 def pytest_configure(config):

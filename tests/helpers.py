@@ -64,7 +64,8 @@ def assert_within_torch_error(got, torch_lowp, ref32, factor):
     """DESIGN.md's low-precision rule: flame's error against an fp32 reference is at most
     ``factor`` times PyTorch's own error in the same dtype (plus a floor of one bf16 ulp)."""
     e_flame, e_torch = rel_err(got, ref32), rel_err(torch_lowp, ref32)
-    assert e_flame <= factor * max(e_torch, 2 ** -9), f"flame error {e_flame:.3g} > {factor} x torch error {e_torch:.3g}"
+    assert e_flame <= factor * max(e_torch, 2 ** -9), \
+        f"flame error {e_flame:.3g} > {factor} x torch error {e_torch:.3g}"
 
 
 def numpy64(x):

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import _pow2, cdiv, collapse, compute_dtype
+from .elementwise import _pow2, cdiv, collapse, compute_dtype, offsets_4d, tile_4d
 from .launch import launch
 
 _MAX_DIMS = 4
@@ -29,20 +29,11 @@ _MAX_DIMS = 4
 def _gather_kernel(out_ptr, x_ptr, idx_ptr, rows, D1, D2, D3, x_dim_stride,
                    os0, os1, os2, os3, xs0, xs1, xs2, xs3, is0, is1, is2, is3,
                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Logical shape (D0, D1, D2, D3); rows = D0 * D1 * D2 run along grid axis 0.
-    r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    col = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    i2 = r % D2
-    rest = r // D2
-    i1 = rest % D1
-    i0 = rest // D1
-    mask = (r < rows)[:, None] & (col < D3)[None, :]
-    i_off = (i0 * is0 + i1 * is1 + i2 * is2)[:, None] + (col * is3)[None, :]
-    idx = tl.load(idx_ptr + i_off, mask=mask, other=0).to(tl.int64)
-    x_off = (i0 * xs0 + i1 * xs1 + i2 * xs2)[:, None] + (col * xs3)[None, :] + idx * x_dim_stride
+    i0, i1, i2, col, mask = tile_4d(rows, D1, D2, D3, BLOCK_R, BLOCK_C, True)
+    idx = tl.load(idx_ptr + offsets_4d(i0, i1, i2, col, is0, is1, is2, is3), mask=mask, other=0).to(tl.int64)
+    x_off = offsets_4d(i0, i1, i2, col, xs0, xs1, xs2, xs3) + idx * x_dim_stride
     value = tl.load(x_ptr + x_off, mask=mask, other=0)
-    o_off = (i0 * os0 + i1 * os1 + i2 * os2)[:, None] + (col * os3)[None, :]
-    tl.store(out_ptr + o_off, value, mask=mask)
+    tl.store(out_ptr + offsets_4d(i0, i1, i2, col, os0, os1, os2, os3), value, mask=mask)
 
 
 # Backward of out[o, n, i] = x[o, idx[o, n, i], i] (x viewed as (OUTER, V, INNER)):

@@ -14,6 +14,7 @@ Two layouts share the same op switch:
 - ``_map_strided_kernel``: up to four (collapsed) dimensions with any strides per operand,
   broadcasting by stride 0, tiled 2-D so that the innermost dimension is read in rows.
 """
+import itertools
 import math
 
 import torch
@@ -227,6 +228,25 @@ def _index(pid, BLOCK: tl.constexpr, WIDE: tl.constexpr):
         return pid * BLOCK + tl.arange(0, BLOCK)
 
 
+@triton.jit
+def tile_4d(rows, D1, D2, D3, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, WIDE: tl.constexpr):
+    """This program's tile of a logical (D0, D1, D2, D3) array whose rows = D0 * D1 * D2 run along
+    grid axis 0 and whose last dim runs along axis 1: row coordinates (i0, i1, i2), columns, mask."""
+    r = _index(tl.program_id(0), BLOCK_R, WIDE)
+    col = _index(tl.program_id(1), BLOCK_C, WIDE)
+    i2 = r % D2
+    rest = r // D2
+    i1 = rest % D1
+    i0 = rest // D1
+    mask = (r < rows)[:, None] & (col < D3)[None, :]
+    return i0, i1, i2, col, mask
+
+
+@triton.jit
+def offsets_4d(i0, i1, i2, col, s0, s1, s2, s3):
+    return (i0 * s0 + i1 * s1 + i2 * s2)[:, None] + (col * s3)[None, :]
+
+
 @triton.jit(do_not_specialize=["s0", "s1"])
 def _map_contiguous_kernel(out_ptr, a_ptr, b_ptr, c_ptr, n, s0, s1,
                            NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr,
@@ -245,18 +265,11 @@ def _map_strided_kernel(out_ptr, a_ptr, b_ptr, c_ptr, s0, s1,
                         bs0, bs1, bs2, bs3, cs0, cs1, cs2, cs3,
                         NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr, OUT_BOOL: tl.constexpr,
                         WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # Logical shape (D0, D1, D2, D3); rows = D0 * D1 * D2 run along grid axis 0.
-    r = _index(tl.program_id(0), BLOCK_R, WIDE)
-    col = _index(tl.program_id(1), BLOCK_C, WIDE)
-    i2 = r % D2
-    rest = r // D2
-    i1 = rest % D1
-    i0 = rest // D1
-    mask = (r < rows)[:, None] & (col < D3)[None, :]
-    o_off = (i0 * os0 + i1 * os1 + i2 * os2)[:, None] + (col * os3)[None, :]
-    a_off = (i0 * as0 + i1 * as1 + i2 * as2)[:, None] + (col * as3)[None, :]
-    b_off = (i0 * bs0 + i1 * bs1 + i2 * bs2)[:, None] + (col * bs3)[None, :]
-    c_off = (i0 * cs0 + i1 * cs1 + i2 * cs2)[:, None] + (col * cs3)[None, :]
+    i0, i1, i2, col, mask = tile_4d(rows, D1, D2, D3, BLOCK_R, BLOCK_C, WIDE)
+    o_off = offsets_4d(i0, i1, i2, col, os0, os1, os2, os3)
+    a_off = offsets_4d(i0, i1, i2, col, as0, as1, as2, as3)
+    b_off = offsets_4d(i0, i1, i2, col, bs0, bs1, bs2, bs3)
+    c_off = offsets_4d(i0, i1, i2, col, cs0, cs1, cs2, cs3)
     a, b, c = _operands(a_ptr, b_ptr, c_ptr, a_off, b_off, c_off, mask, s0, s1, NIN, CD)
     out = _apply(a, b, c, s0, s1, OP)
     _store(out_ptr, o_off, out, mask, OUT_BOOL)
@@ -350,9 +363,10 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     if len(shape) > _MAX_DIMS:
         # Peel the leading dims off in Python: each slice is a map of rank _MAX_DIMS.
         lead = len(shape) - _MAX_DIMS
-        for idx in _ndindex(shape[:lead]):
-            views = [t.as_strided(shape[lead:], st[lead:], t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
-                     for t, st in zip([out] + list(inputs), strides)]
+        for idx in itertools.product(*(range(s) for s in shape[:lead])):
+            views = [t.as_strided(shape[lead:], st[lead:],
+                                  t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
+                     for t, st in zip([out, *inputs], strides)]
             map_(views[0], views[1:], op, s0, s1, cd)
         return out
     pad = _MAX_DIMS - len(shape)
@@ -385,14 +399,6 @@ def needs_int64(shape, strides, *blocks):
     overshoot = max(blocks) * (1 + max(abs(st) for sts in strides for st in sts))
     return max(span, math.prod(shape)) + overshoot >= 2 ** 31
 
-
-def _ndindex(shape):
-    if not shape:
-        yield ()
-        return
-    for i in range(shape[0]):
-        for rest in _ndindex(shape[1:]):
-            yield (i,) + rest
 
 
 def fill_(out, value):

@@ -14,6 +14,7 @@ One kernel, ``_matmul_kernel``, computes a (BLOCK_M, BLOCK_N) tile of one batch 
 Launch configs come from ``_config(M, N, K, dtype)``; the tuning layer can replace it with tables.
 The kernel is deliberately general (no epilogue yet): the fused-epilogue GEMM grows from here.
 """
+import itertools
 import math
 
 import torch
@@ -189,7 +190,7 @@ def matmul_(out, a, b):
         return out
     # Batch dims that do not collapse: peel the leading ones off in Python.
     lead = len(shape) - 2
-    for idx in _ndindex(shape[:lead]):
+    for idx in itertools.product(*(range(s) for s in shape[:lead])):
         views = [t.as_strided(t.shape[-2:], t.stride()[-2:],
                               t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
                  for t, st in ((a, a_bs), (b, b_bs), (out, c_bs))]
@@ -223,11 +224,3 @@ def matmul_sum_batch_(out, a, b):
     matmul_(scratch, a, b)
     return reduce_(out, scratch, 1, nb, M * N, (0, M * N, 1), SUM)
 
-
-def _ndindex(shape):
-    if not shape:
-        yield ()
-        return
-    for i in range(shape[0]):
-        for rest in _ndindex(shape[1:]):
-            yield (i,) + rest

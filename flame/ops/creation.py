@@ -10,7 +10,7 @@ import torch
 from .. import runtime
 from ..kernels import elementwise as KE
 from ..kernels import random as KR
-from ..tensor import Tensor, check_dtype
+from ..tensor import SUPPORTED_DTYPES, Tensor, check_dtype
 
 _generator = {"seed": 0x5EED, "offset": 0}
 
@@ -47,6 +47,11 @@ def _shape(size) -> tuple:
     return tuple(int(s) for s in size)
 
 
+def _size(size) -> tuple:
+    """A shape given as an int or a sequence."""
+    return _shape((size,) if isinstance(size, int) else (tuple(size),))
+
+
 def _finish(data, requires_grad):
     return Tensor(data, requires_grad=requires_grad)
 
@@ -65,7 +70,7 @@ def full(size, fill_value, dtype=None, device=None, requires_grad=False) -> Tens
             dtype = torch.int64
         else:
             dtype = runtime.get_default_dtype()
-    out = empty(*_shape((size,) if isinstance(size, int) else (tuple(size),)), dtype=dtype, device=device)
+    out = empty(*_size(size), dtype=dtype, device=device)
     KE.fill_(out._data, fill_value)
     out.requires_grad = requires_grad
     return out
@@ -100,11 +105,11 @@ def randn(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
 
 
 def uniform(size, low=0.0, high=1.0, dtype=None, requires_grad=False) -> Tensor:
-    return _random(_shape((size,) if isinstance(size, int) else (tuple(size),)), KR.UNIFORM, low, high, dtype, None, requires_grad)
+    return _random(_size(size), KR.UNIFORM, low, high, dtype, None, requires_grad)
 
 
 def normal(size, mean=0.0, std=1.0, dtype=None, requires_grad=False) -> Tensor:
-    return _random(_shape((size,) if isinstance(size, int) else (tuple(size),)), KR.NORMAL, mean, std, dtype, None, requires_grad)
+    return _random(_size(size), KR.NORMAL, mean, std, dtype, None, requires_grad)
 
 
 def _like(fn):
@@ -165,7 +170,7 @@ def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
         if arr.dtype.kind == "u" or arr.dtype == np.int16 or arr.dtype == np.int8:
             arr = arr.astype(np.int64)
         src = torch.from_numpy(arr.copy())  # C order; keeps 0-d arrays 0-d
-    if src.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.bool):
+    if src.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"tensor: unsupported dtype {src.dtype}")
     data_dev = src.detach().to(runtime.device, copy=True).contiguous()  # host transfer
     out = Tensor(data_dev)

@@ -93,7 +93,8 @@ def _operands(a, b, name):
     """Validate and split the two operands: at least one tensor; scalars become kernel scalars."""
     ta, tb = isinstance(a, Tensor), isinstance(b, Tensor)
     if not ta and not tb:
-        raise TypeError(f"{name}: at least one operand must be a flame Tensor, got {type(a).__name__} and {type(b).__name__}")
+        raise TypeError(f"{name}: at least one operand must be a flame Tensor, "
+                        f"got {type(a).__name__} and {type(b).__name__}")
     for x in (a, b):
         if not isinstance(x, Tensor) and not is_scalar(x):
             raise TypeError(f"{name}: unsupported operand type {type(x).__name__}")
@@ -160,7 +161,7 @@ def mul(a, b):
 
 
 def _div_backward(node, g):
-    a, b, y = node.saved
+    _a, b, y = node.saved
     need_a, need_b = node.needs_input_grad
     ga = gb = None
     if need_a:  # d(a/b)/da = 1/b

@@ -2,6 +2,7 @@
 ``sum_to_shape`` which folds a broadcast gradient back onto its input's shape."""
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -19,7 +20,7 @@ def _group(shape, strides, dims):
     dims = [d for d in dims if shape[d] != 1]
     if not dims:
         return 1, 0
-    for a, b in zip(dims, dims[1:]):
+    for a, b in itertools.pairwise(dims):
         if strides[a] != strides[b] * shape[b]:
             return None
     return math.prod(shape[d] for d in dims), strides[dims[-1]]
@@ -35,7 +36,7 @@ def _plan(buf, rdims):
     first, last = real.index(red[0]), real.index(red[-1])
     if real[first:last + 1] != red:
         return None  # a kept dim sits between reduced ones
-    groups = [_group(shape, strides, real[:first]), _group(shape, strides, red), _group(shape, strides, real[last + 1:])]
+    groups = [_group(shape, strides, dims) for dims in (real[:first], red, real[last + 1:])]
     if any(g is None for g in groups):
         return None
     (outer, so), (r, sr), (inner, si) = groups

@@ -152,7 +152,8 @@ def expand(x, *shape):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
     if len(shape) < x.ndim:
-        raise RuntimeError(f"expand: the number of sizes provided ({len(shape)}) must be >= the number of dims ({x.ndim})")
+        raise RuntimeError(f"expand: the number of sizes provided ({len(shape)}) must be >= "
+                           f"the number of dims ({x.ndim})")
     lead = len(shape) - x.ndim
     full = []
     for i, s in enumerate(shape):
@@ -162,7 +163,8 @@ def expand(x, *shape):
                 raise RuntimeError(f"expand: -1 is not allowed in a new leading dim (shape {shape})")
             s = src
         if src != 1 and src != s:
-            raise RuntimeError(f"expand: the expanded size {s} must match the existing size {src} at dim {i} (input {x.shape}, target {tuple(shape)})")
+            raise RuntimeError(f"expand: the expanded size {s} must match the existing size {src} at dim {i} "
+                               f"(input {x.shape}, target {tuple(shape)})")
         full.append(int(s))
     full = tuple(full)
     if full == x.shape:
@@ -261,7 +263,8 @@ def cat(tensors, dim=0):
     parts = [x for x in tensors if not (x.shape == (0,) and ref.ndim != 1)]
     for x in parts:
         if x.ndim != ref.ndim or any(a != b for i, (a, b) in enumerate(zip(x.shape, ref.shape)) if i != d):
-            raise RuntimeError(f"cat: sizes of tensors must match except in dimension {d}; got {ref.shape} and {x.shape}")
+            raise RuntimeError(f"cat: sizes of tensors must match except in dimension {d}; "
+                               f"got {ref.shape} and {x.shape}")
     sizes = [x.shape[d] for x in parts]
     out_shape = ref.shape[:d] + (sum(sizes),) + ref.shape[d + 1:]
     out = new(out_shape, dtype)
@@ -282,7 +285,8 @@ def stack(tensors, dim=0):
     for i, x in enumerate(tensors):
         check_tensor(x, f"tensors[{i}]", "stack")
         if x.shape != tensors[0].shape:
-            raise RuntimeError(f"stack expects each tensor to be equal size, but got {tensors[0].shape} at entry 0 and {x.shape} at entry {i}")
+            raise RuntimeError(f"stack expects each tensor to be equal size, but got {tensors[0].shape} "
+                               f"at entry 0 and {x.shape} at entry {i}")
     d = normalize_dim(dim, tensors[0].ndim + 1, "stack")
     return cat([unsqueeze(x, d) for x in tensors], d)
 
