@@ -1,0 +1,584 @@
+"""Normalisation kernels: GroupNorm (+ fused SiLU), LayerNorm and RMSNorm, forward and backward.
+
+GroupNorm views its input as (N, C, S) with strides (xs_n, xs_c, xs_s): S collapses every spatial
+dim, so the same kernels read NCHW (xs_s == 1) and channels-last (xs_c == 1) memory in place, and
+the output is written with its own strides (the same memory format). A group is CG = C / G
+channels times S positions; batch 1 has only 32 groups, so statistics are split across programs:
+
+1. ``_gn_partial_kernel``: a program owns one sample, a block of channels and one split of S and
+   writes per-channel partials of that split (forward: mean and centred M2 of the split, with
+   sums shifted by the split's first value so fp32 sums do not cancel; backward: sum dz and
+   sum dz * xhat).
+2. ``_gn_combine_kernel`` (forward): one program per (n, g) merges its CG x splits partials with
+   Chan's parallel formula into the group's mean and rstd (fp32; fp64 for fp64 inputs).
+   ``_gn_bwd_combine_kernel`` (backward): one program per group reduces the partials to dW, dB
+   (over N and S, in a fixed order) and to the two per-(n, g) coefficients of dx.
+3. ``_gn_apply_kernel``: one elementwise pass, normalise + affine (+ SiLU), or the dx formula.
+
+LayerNorm / RMSNorm view the input as (M, D) rows. A program normalises BLOCK_M rows held in
+registers (a looped three-pass variant serves rows longer than one block). The backward writes dx
+and per-program dW/dB partials (rows are visited in a fixed order), reduced over programs by the
+reduce kernel afterwards: no atomics, results reproducible run to run.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .elementwise import _pow2, cdiv
+from .launch import launch
+from .reduce import SUM, accumulation_dtype, reduce_
+
+
+@triton.jit
+def _sigmoid(z):
+    return 1.0 / (1.0 + tl.exp(-z))
+
+
+# ---- GroupNorm ------------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["eps"])
+def _gn_partial_kernel(x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, p1_ptr, p2_ptr,
+                       C, S, CG, G, n_cblocks, s_per_split, splits,
+                       xs_n, xs_c, xs_s, gs_n, gs_c, gs_s,
+                       BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                       CD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    # Forward (BWD=0): per channel c of this split, p1 = mean of x, p2 = sum of (x - p1)^2.
+    #   Sums run over d = x - K with K = the channel's first value in the split:
+    #   mean = K + sum(d) / n, M2 = sum(d^2) - sum(d)^2 / n (no cancellation when K ~ mean).
+    # Backward (BWD=1): z = xhat * w + b, y = act(z), dz = dy * act'(z);
+    #   p1 = sum_s dz, p2 = sum_s dz * xhat (per channel of this split).
+    pid = tl.program_id(0)
+    n = (pid // n_cblocks).to(tl.int64)
+    cb = pid % n_cblocks
+    split = tl.program_id(1)
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    c64 = c.to(tl.int64)
+    s_lo = split * s_per_split
+    s_hi = tl.minimum(s_lo + s_per_split, S)
+    xbase = x_ptr + n * xs_n + (c64 * xs_c)[:, None]
+    acc1 = tl.zeros((BLOCK_C, BLOCK_S), CD)
+    acc2 = tl.zeros((BLOCK_C, BLOCK_S), CD)
+    if BWD:
+        gbase = dy_ptr + n * gs_n + (c64 * gs_c)[:, None]
+        grp = n * G + c // CG
+        mean = tl.load(mean_ptr + grp, mask=cmask, other=0.0).to(CD)
+        rstd = tl.load(rstd_ptr + grp, mask=cmask, other=0.0).to(CD)
+        if HAS_W:
+            w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(CD)
+        else:
+            w = tl.full((BLOCK_C,), 1.0, CD)
+        if HAS_B:
+            b = tl.load(b_ptr + c, mask=cmask, other=0.0).to(CD)
+        else:
+            b = tl.zeros((BLOCK_C,), CD)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
+            m = cmask[:, None] & (s < s_hi)[None, :]
+            x = tl.load(xbase + (s * xs_s)[None, :], mask=m, other=0.0).to(CD)
+            dz = tl.load(gbase + (s * gs_s)[None, :], mask=m, other=0.0).to(CD)
+            xhat = (x - mean[:, None]) * rstd[:, None]
+            if ACT:
+                z = xhat * w[:, None] + b[:, None]
+                sg = _sigmoid(z)
+                dz = dz * (sg * (1.0 + z * (1.0 - sg)))
+            dz = tl.where(m, dz, 0.0)
+            acc1 += dz
+            acc2 += dz * xhat
+        r1 = tl.sum(acc1, axis=1)
+        r2 = tl.sum(acc2, axis=1)
+    else:
+        k = tl.load(x_ptr + n * xs_n + c64 * xs_c + s_lo.to(tl.int64) * xs_s, mask=cmask, other=0.0).to(CD)
+        for s0 in range(s_lo, s_hi, BLOCK_S):
+            s = (s0 + tl.arange(0, BLOCK_S)).to(tl.int64)
+            m = cmask[:, None] & (s < s_hi)[None, :]
+            x = tl.load(xbase + (s * xs_s)[None, :], mask=m, other=0.0).to(CD)
+            d = tl.where(m, x - k[:, None], 0.0)
+            acc1 += d
+            acc2 += d * d
+        cnt = (s_hi - s_lo).to(CD)
+        t1 = tl.sum(acc1, axis=1)
+        r1 = k + t1 / cnt
+        r2 = tl.maximum(tl.sum(acc2, axis=1) - t1 * t1 / cnt, 0.0)
+    off = (n * C + c64) * splits + split
+    tl.store(p1_ptr + off, r1, mask=cmask)
+    tl.store(p2_ptr + off, r2, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _gn_combine_kernel(p1_ptr, p2_ptr, mean_ptr, rstd_ptr, CG, S, s_per_split, splits, eps,
+                       CD: tl.constexpr, BLOCK: tl.constexpr):
+    # Chan's merge of (count_i, mean_i, M2_i) over the group's CG x splits partials:
+    #   mean = sum(n_i mean_i) / n,  M2 = sum(M2_i + n_i (mean_i - mean)^2),  var = M2 / n
+    pid = tl.program_id(0).to(tl.int64)  # n * G + g: the group's partials are contiguous
+    E = CG * splits
+    base = pid * E
+    total = (CG * S).to(CD)
+    acc = tl.zeros((BLOCK,), CD)
+    for e0 in range(0, E, BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        m = e < E
+        sp = e % splits
+        cnt = tl.minimum(s_per_split, S - sp * s_per_split).to(CD)
+        mu = tl.load(p1_ptr + base + e, mask=m, other=0.0)
+        acc += tl.where(m, cnt * mu, 0.0)
+    mean = tl.sum(acc, axis=0) / total
+    acc2 = tl.zeros((BLOCK,), CD)
+    for e0 in range(0, E, BLOCK):
+        e = e0 + tl.arange(0, BLOCK)
+        m = e < E
+        sp = e % splits
+        cnt = tl.minimum(s_per_split, S - sp * s_per_split).to(CD)
+        mu = tl.load(p1_ptr + base + e, mask=m, other=0.0)
+        m2 = tl.load(p2_ptr + base + e, mask=m, other=0.0)
+        d = mu - mean
+        acc2 += tl.where(m, m2 + cnt * d * d, 0.0)
+    var = tl.sum(acc2, axis=0) / total
+    tl.store(mean_ptr + pid, mean)
+    tl.store(rstd_ptr + pid, 1.0 / tl.sqrt(var + eps))
+
+
+# Backward combine. With p1_c = sum_s dz, p2_c = sum_s dz * xhat for channel c of sample n:
+#   dB_c = sum_n p1_c,  dW_c = sum_n p2_c
+#   dxhat = dz * w_c;  per (n, g) over its M = CG * S elements:
+#   k1 = mean(dxhat) = sum_c w_c p1_c / M,  k2 = mean(dxhat * xhat) = sum_c w_c p2_c / M
+#   (then dx = rstd * (w_c dz - k1 - xhat k2), in _gn_apply_kernel).
+@triton.jit
+def _gn_bwd_combine_kernel(p1_ptr, p2_ptr, w_ptr, dw_ptr, db_ptr, k1_ptr, k2_ptr, N, C, CG, G, S, splits,
+                           HAS_W: tl.constexpr, NEED_WB: tl.constexpr, CD: tl.constexpr,
+                           BLOCK_CG: tl.constexpr, BLOCK_SP: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    M = (CG * S).to(CD)
+    # dW, dB: per channel of the group, summed over samples and splits
+    if NEED_WB:
+        for c0 in range(0, CG, BLOCK_CG):
+            cg = c0 + tl.arange(0, BLOCK_CG)
+            cm = cg < CG
+            accw = tl.zeros((BLOCK_CG, BLOCK_SP), CD)
+            accb = tl.zeros((BLOCK_CG, BLOCK_SP), CD)
+            for n in range(0, N):
+                base = (n * G + g) * CG * splits
+                for sp0 in range(0, splits, BLOCK_SP):
+                    sp = sp0 + tl.arange(0, BLOCK_SP)
+                    m = cm[:, None] & (sp < splits)[None, :]
+                    off = base + (cg * splits)[:, None] + sp[None, :]
+                    accb += tl.load(p1_ptr + off, mask=m, other=0.0)
+                    accw += tl.load(p2_ptr + off, mask=m, other=0.0)
+            c = g * CG + cg
+            tl.store(dw_ptr + c, tl.sum(accw, axis=1).to(dw_ptr.dtype.element_ty), mask=cm)
+            tl.store(db_ptr + c, tl.sum(accb, axis=1).to(db_ptr.dtype.element_ty), mask=cm)
+    # k1, k2 per sample
+    for n in range(0, N):
+        base = (n * G + g) * CG * splits
+        a1 = tl.zeros((BLOCK_CG, BLOCK_SP), CD)
+        a2 = tl.zeros((BLOCK_CG, BLOCK_SP), CD)
+        for c0 in range(0, CG, BLOCK_CG):
+            cg = c0 + tl.arange(0, BLOCK_CG)
+            cm = cg < CG
+            if HAS_W:
+                w = tl.load(w_ptr + g * CG + cg, mask=cm, other=0.0).to(CD)
+            else:
+                w = tl.full((BLOCK_CG,), 1.0, CD)
+            for sp0 in range(0, splits, BLOCK_SP):
+                sp = sp0 + tl.arange(0, BLOCK_SP)
+                m = cm[:, None] & (sp < splits)[None, :]
+                off = base + (cg * splits)[:, None] + sp[None, :]
+                a1 += w[:, None] * tl.load(p1_ptr + off, mask=m, other=0.0)
+                a2 += w[:, None] * tl.load(p2_ptr + off, mask=m, other=0.0)
+        tl.store(k1_ptr + n * G + g, tl.sum(tl.sum(a1, axis=1), axis=0) / M)
+        tl.store(k2_ptr + n * G + g, tl.sum(tl.sum(a2, axis=1), axis=0) / M)
+
+
+# Apply pass. Forward (BWD=0): y = act(xhat * w + b), xhat = (x - mean) * rstd.
+# Backward (BWD=1): dz = dy * act'(z) (z recomputed), dx = rstd * (w dz - k1 - xhat * k2)
+#   (the GroupNorm input gradient; k1, k2 from _gn_bwd_combine_kernel).
+@triton.jit
+def _gn_apply_kernel(x_ptr, dy_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, k1_ptr, k2_ptr,
+                     C, S, CG, G, n_cblocks,
+                     xs_n, xs_c, xs_s, gs_n, gs_c, gs_s, ys_n, ys_c, ys_s,
+                     BWD: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                     CD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    pid = tl.program_id(0)
+    n = (pid // n_cblocks).to(tl.int64)
+    cb = pid % n_cblocks
+    c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    c64 = c.to(tl.int64)
+    s = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    m = cmask[:, None] & (s < S)[None, :]
+    grp = n * G + c // CG
+    mean = tl.load(mean_ptr + grp, mask=cmask, other=0.0).to(CD)
+    rstd = tl.load(rstd_ptr + grp, mask=cmask, other=0.0).to(CD)
+    if HAS_W:
+        w = tl.load(w_ptr + c, mask=cmask, other=0.0).to(CD)
+    else:
+        w = tl.full((BLOCK_C,), 1.0, CD)
+    if HAS_B:
+        b = tl.load(b_ptr + c, mask=cmask, other=0.0).to(CD)
+    else:
+        b = tl.zeros((BLOCK_C,), CD)
+    x = tl.load(x_ptr + n * xs_n + (c64 * xs_c)[:, None] + (s * xs_s)[None, :], mask=m, other=0.0).to(CD)
+    if BWD:
+        dz = tl.load(dy_ptr + n * gs_n + (c64 * gs_c)[:, None] + (s * gs_s)[None, :], mask=m, other=0.0).to(CD)
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        if ACT:
+            z = xhat * w[:, None] + b[:, None]
+            sg = _sigmoid(z)
+            dz = dz * (sg * (1.0 + z * (1.0 - sg)))
+        k1 = tl.load(k1_ptr + grp, mask=cmask, other=0.0)
+        k2 = tl.load(k2_ptr + grp, mask=cmask, other=0.0)
+        out = rstd[:, None] * (dz * w[:, None] - k1[:, None] - xhat * k2[:, None])
+    else:
+        scale = rstd * w
+        shift = b - mean * scale
+        out = x * scale[:, None] + shift[:, None]
+        if ACT:
+            out = out * _sigmoid(out)
+    tl.store(y_ptr + n * ys_n + (c64 * ys_c)[:, None] + (s * ys_s)[None, :], out.to(y_ptr.dtype.element_ty), mask=m)
+
+
+_gn_override = None  # tests set (BLOCK_C, BLOCK_S, splits) to exercise split statistics on the CPU
+_SMS = None
+
+
+def _num_sms():
+    global _SMS
+    if _SMS is None:
+        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
+    return _SMS
+
+
+def _gn_tiles(N, C, S, channels_last):
+    """(BLOCK_C, BLOCK_S, splits) for the statistics / partial pass."""
+    if _gn_override is not None:
+        return _gn_override
+    if runtime.INTERPRETER:
+        block_s = _pow2(min(S, 1 << 12))
+        block_c = _pow2(min(C, max(1, (1 << 14) // block_s)))
+        return block_c, block_s, 1
+    if channels_last:
+        block_c = min(_pow2(C), 64)
+        block_s = max(1, min(_pow2(S), 4096 // block_c))
+    else:
+        block_s = min(_pow2(S), 1024)
+        block_c = max(1, min(_pow2(C), 4096 // block_s))
+    programs = N * cdiv(C, block_c)
+    target = 4 * _num_sms()
+    splits = 1
+    if programs < target:
+        splits = max(1, min(cdiv(target, programs), cdiv(S, block_s)))
+    return block_c, block_s, splits
+
+
+def _apply_tiles(C, S, channels_last):
+    if runtime.INTERPRETER:
+        block_s = _pow2(min(S, 1 << 12))
+        return _pow2(min(C, max(1, (1 << 15) // block_s))), block_s
+    if channels_last:
+        block_c = min(_pow2(C), 128)
+        return block_c, max(1, min(_pow2(S), 4096 // block_c))
+    block_s = min(_pow2(S), 1024)
+    return max(1, min(_pow2(C), 4096 // block_s)), block_s
+
+
+def _cd(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
+    """y = act(GroupNorm(x)) for x, y viewed as (N, C, S) with strides ``xs``, ``ys``.
+    Returns (mean, rstd), each (N, G) in fp32 (fp64 for fp64 inputs)."""
+    stat_dtype = accumulation_dtype(x.dtype)
+    mean = runtime.empty((N, G), stat_dtype)
+    rstd = runtime.empty((N, G), stat_dtype)
+    if N * C == 0:
+        return mean, rstd
+    cl = xs[1] == 1 and C > 1
+    cd = _cd(x.dtype)
+    CG = C // G
+    bc, bs, splits = _gn_tiles(N, C, S, cl)
+    s_per_split = cdiv(cdiv(S, splits), bs) * bs
+    splits = cdiv(S, s_per_split)
+    p1 = runtime.empty((N, C, splits), stat_dtype)
+    p2 = runtime.empty((N, C, splits), stat_dtype)
+    ncb = cdiv(C, bc)
+    launch(_gn_partial_kernel, (N * ncb, splits), x, x, x, x, x, x, p1, p2,
+           C, S, CG, G, ncb, s_per_split, splits, *xs, 0, 0, 0,
+           BWD=False, HAS_W=False, HAS_B=False, ACT=False, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
+           num_warps=4 if bc * bs <= 2048 else 8)
+    E = CG * splits
+    block = _pow2(min(E, 1 << 14 if runtime.INTERPRETER else 1024))
+    launch(_gn_combine_kernel, (N * G,), p1, p2, mean, rstd, CG, S, s_per_split, splits, float(eps),
+           CD=cd, BLOCK=block, num_warps=4)
+    bc, bs = _apply_tiles(C, S, cl)
+    ncb = cdiv(C, bc)
+    wp = w if w is not None else x
+    bp = b if b is not None else x
+    launch(_gn_apply_kernel, (N * ncb, cdiv(S, bs)), x, x, y, wp, bp, mean, rstd, mean, mean,
+           C, S, CG, G, ncb, *xs, 0, 0, 0, *ys,
+           BWD=False, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
+           num_warps=4 if bc * bs <= 2048 else 8)
+    return mean, rstd
+
+
+def group_norm_bwd(dx, dw, db, dy, x, w, b, mean, rstd, N, C, S, G, act, xs, gs, dxs):
+    """GroupNorm backward. ``dx`` (strides ``dxs``) may be None; ``dw``/``db`` (C,) are written
+    when not None (both or neither)."""
+    if N * C == 0:
+        return
+    cl = xs[1] == 1 and C > 1
+    cd = _cd(x.dtype)
+    CG = C // G
+    stat_dtype = accumulation_dtype(x.dtype)
+    bc, bs, splits = _gn_tiles(N, C, S, cl)
+    s_per_split = cdiv(cdiv(S, splits), bs) * bs
+    splits = cdiv(S, s_per_split)
+    p1 = runtime.empty((N, C, splits), stat_dtype)
+    p2 = runtime.empty((N, C, splits), stat_dtype)
+    ncb = cdiv(C, bc)
+    wp = w if w is not None else x
+    bp = b if b is not None else x
+    launch(_gn_partial_kernel, (N * ncb, splits), x, dy, wp, bp, mean, rstd, p1, p2,
+           C, S, CG, G, ncb, s_per_split, splits, *xs, *gs,
+           BWD=True, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
+           num_warps=4 if bc * bs <= 2048 else 8)
+    k1 = runtime.empty((N, G), stat_dtype)
+    k2 = runtime.empty((N, G), stat_dtype)
+    need_wb = dw is not None
+    block_cg = _pow2(min(CG, 1024))
+    block_sp = _pow2(min(splits, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_cg)))
+    launch(_gn_bwd_combine_kernel, (G,), p1, p2, wp, dw if need_wb else p1, db if need_wb else p1, k1, k2,
+           N, C, CG, G, S, splits, HAS_W=w is not None, NEED_WB=need_wb, CD=cd,
+           BLOCK_CG=block_cg, BLOCK_SP=block_sp, num_warps=4)
+    if dx is None:
+        return
+    bc, bs = _apply_tiles(C, S, cl)
+    ncb = cdiv(C, bc)
+    launch(_gn_apply_kernel, (N * ncb, cdiv(S, bs)), x, dy, dx, wp, bp, mean, rstd, k1, k2,
+           C, S, CG, G, ncb, *xs, *gs, *dxs,
+           BWD=True, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
+           num_warps=4 if bc * bs <= 2048 else 8)
+
+
+# ---- LayerNorm / RMSNorm ----------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["eps"])
+def _ln_fwd_kernel(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, M, D, xs_m, ys_m, eps,
+                   RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, CD: tl.constexpr,
+                   SINGLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # LayerNorm: y = (x - mean) * rstd * w + b, rstd = 1 / sqrt(var + eps) (biased var)
+    # RMSNorm:   y = x * rstd * w,              rstd = 1 / sqrt(mean(x^2) + eps)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = rows < M
+    cols = tl.arange(0, BLOCK_D)
+    xrow = x_ptr + (rows * xs_m)[:, None]
+    yrow = y_ptr + (rows * ys_m)[:, None]
+    if SINGLE:
+        cm = cols < D
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(CD)
+        if RMS:
+            mean = tl.zeros((BLOCK_M,), CD)
+            d = x
+        else:
+            mean = tl.sum(x, axis=1) / D
+            d = tl.where(m, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / D + eps)
+        y = d * rstd[:, None]
+        if HAS_W:
+            y = y * tl.load(w_ptr + cols, mask=cm, other=0.0).to(CD)[None, :]
+        if HAS_B:
+            y = y + tl.load(b_ptr + cols, mask=cm, other=0.0).to(CD)[None, :]
+        tl.store(yrow + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    else:
+        mean = tl.zeros((BLOCK_M,), CD)
+        if not RMS:
+            acc = tl.zeros((BLOCK_M, BLOCK_D), CD)
+            for d0 in range(0, D, BLOCK_D):
+                cc = d0 + cols
+                m = rm[:, None] & (cc < D)[None, :]
+                acc += tl.load(xrow + cc[None, :], mask=m, other=0.0).to(CD)
+            mean = tl.sum(acc, axis=1) / D
+        acc = tl.zeros((BLOCK_M, BLOCK_D), CD)
+        for d0 in range(0, D, BLOCK_D):
+            cc = d0 + cols
+            m = rm[:, None] & (cc < D)[None, :]
+            x = tl.load(xrow + cc[None, :], mask=m, other=0.0).to(CD)
+            d = tl.where(m, x - mean[:, None], 0.0)
+            acc += d * d
+        rstd = 1.0 / tl.sqrt(tl.sum(acc, axis=1) / D + eps)
+        for d0 in range(0, D, BLOCK_D):
+            cc = d0 + cols
+            cm = cc < D
+            m = rm[:, None] & cm[None, :]
+            x = tl.load(xrow + cc[None, :], mask=m, other=0.0).to(CD)
+            y = (x - mean[:, None]) * rstd[:, None]
+            if HAS_W:
+                y = y * tl.load(w_ptr + cc, mask=cm, other=0.0).to(CD)[None, :]
+            if HAS_B:
+                y = y + tl.load(b_ptr + cc, mask=cm, other=0.0).to(CD)[None, :]
+            tl.store(yrow + cc[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    if not RMS:
+        tl.store(mean_ptr + rows, mean, mask=rm)
+    tl.store(rstd_ptr + rows, rstd, mask=rm)
+
+
+# Backward. xhat = (x - mean) * rstd (RMSNorm: x * rstd), dxhat = dy * w, means over the row's D:
+#   LayerNorm: dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+#   RMSNorm:   dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
+#   dW = sum_rows dy * xhat, dB = sum_rows dy: each program accumulates its rows (visited in a
+#   fixed order) into one partial row of pw/pb (P, D); the partials are reduced afterwards.
+# SINGLE: rows fit one block; program p handles row blocks p, p + P, ... Otherwise each program
+# owns exactly one row (P = M) and loops over it in BLOCK_D chunks.
+@triton.jit
+def _ln_bwd_kernel(x_ptr, dy_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, pw_ptr, pb_ptr, M, D, n_rblocks, P,
+                   xs_m, gs_m, dxs_m,
+                   RMS: tl.constexpr, HAS_W: tl.constexpr, NEED_X: tl.constexpr, NEED_W: tl.constexpr,
+                   NEED_B: tl.constexpr, CD: tl.constexpr, SINGLE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    if SINGLE:
+        cm = cols < D
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cm, other=0.0).to(CD)
+        else:
+            w = tl.full((BLOCK_D,), 1.0, CD)
+        accw = tl.zeros((BLOCK_D,), CD)
+        accb = tl.zeros((BLOCK_D,), CD)
+        for rb in range(pid, n_rblocks, P):
+            rows = tl.arange(0, BLOCK_M).to(tl.int64) + rb * BLOCK_M  # rows < 2**31
+            rm = rows < M
+            m = rm[:, None] & cm[None, :]
+            x = tl.load(x_ptr + (rows * xs_m)[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
+            dy = tl.load(dy_ptr + (rows * gs_m)[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
+            rstd = tl.load(rstd_ptr + rows, mask=rm, other=0.0).to(CD)
+            if RMS:
+                xhat = x * rstd[:, None]
+            else:
+                mean = tl.load(mean_ptr + rows, mask=rm, other=0.0).to(CD)
+                xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
+            if NEED_X:
+                dxhat = dy * w[None, :]
+                k2 = tl.sum(dxhat * xhat, axis=1) / D
+                if RMS:
+                    dx = rstd[:, None] * (dxhat - xhat * k2[:, None])
+                else:
+                    k1 = tl.sum(dxhat, axis=1) / D
+                    dx = rstd[:, None] * (dxhat - k1[:, None] - xhat * k2[:, None])
+                tl.store(dx_ptr + (rows * dxs_m)[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+            if NEED_W:
+                accw += tl.sum(dy * xhat, axis=0)
+            if NEED_B:
+                accb += tl.sum(dy, axis=0)
+        poff = pid.to(tl.int64) * D + cols
+        if NEED_W:
+            tl.store(pw_ptr + poff, accw, mask=cm)
+        if NEED_B:
+            tl.store(pb_ptr + poff, accb, mask=cm)
+    else:
+        row = pid.to(tl.int64)
+        rstd = tl.load(rstd_ptr + row).to(CD)
+        if RMS:
+            mean = 0.0
+        else:
+            mean = tl.load(mean_ptr + row).to(CD)
+        a1 = tl.zeros((BLOCK_D,), CD)
+        a2 = tl.zeros((BLOCK_D,), CD)
+        for d0 in range(0, D, BLOCK_D):
+            cc = d0 + cols
+            cm = cc < D
+            x = tl.load(x_ptr + row * xs_m + cc, mask=cm, other=0.0).to(CD)
+            dy = tl.load(dy_ptr + row * gs_m + cc, mask=cm, other=0.0).to(CD)
+            xhat = tl.where(cm, (x - mean) * rstd, 0.0)
+            if HAS_W:
+                dy = dy * tl.load(w_ptr + cc, mask=cm, other=0.0).to(CD)
+            a1 += dy
+            a2 += dy * xhat
+        k1 = tl.sum(a1, axis=0) / D
+        k2 = tl.sum(a2, axis=0) / D
+        for d0 in range(0, D, BLOCK_D):
+            cc = d0 + cols
+            cm = cc < D
+            x = tl.load(x_ptr + row * xs_m + cc, mask=cm, other=0.0).to(CD)
+            dy = tl.load(dy_ptr + row * gs_m + cc, mask=cm, other=0.0).to(CD)
+            xhat = (x - mean) * rstd
+            if NEED_X:
+                if HAS_W:
+                    dxhat = dy * tl.load(w_ptr + cc, mask=cm, other=0.0).to(CD)
+                else:
+                    dxhat = dy
+                if RMS:
+                    dx = rstd * (dxhat - xhat * k2)
+                else:
+                    dx = rstd * (dxhat - k1 - xhat * k2)
+                tl.store(dx_ptr + row * dxs_m + cc, dx.to(dx_ptr.dtype.element_ty), mask=cm)
+            if NEED_W:
+                tl.store(pw_ptr + row * D + cc, dy * xhat, mask=cm)
+            if NEED_B:
+                tl.store(pb_ptr + row * D + cc, dy, mask=cm)
+
+
+_ln_override = None  # tests set (BLOCK_M, BLOCK_D, programs) to exercise the looped paths
+
+
+def _ln_tiles(M, D):
+    if _ln_override is not None:
+        return _ln_override
+    if runtime.INTERPRETER:
+        bd = _pow2(min(D, 1 << 14))
+        return _pow2(min(M, max(1, (1 << 15) // bd))), bd, 1
+    bd = min(_pow2(D), 8192)
+    return max(1, min(_pow2(M), 4096 // bd)), bd, 2 * _num_sms()
+
+
+def _warps(n):
+    return 4 if n <= 2048 else (8 if n <= 8192 else 16)
+
+
+def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
+    """Normalise the M rows of D elements of ``x`` (row stride ``xs_m``, unit column stride) into
+    ``y``. Returns (mean or None, rstd), each (M,) in fp32 (fp64 for fp64 inputs)."""
+    stat_dtype = accumulation_dtype(x.dtype)
+    rstd = runtime.empty((M,), stat_dtype)
+    mean = None if rms else runtime.empty((M,), stat_dtype)
+    if M == 0:
+        return mean, rstd
+    bm, bd, _ = _ln_tiles(M, D)
+    single = bd >= D
+    if not single:
+        bm = 1
+    launch(_ln_fwd_kernel, (cdiv(M, bm),), x, y, w if w is not None else x, b if b is not None else x,
+           mean if mean is not None else rstd, rstd, M, D, xs_m, ys_m, float(eps),
+           RMS=rms, HAS_W=w is not None, HAS_B=b is not None, CD=_cd(x.dtype), SINGLE=single,
+           BLOCK_M=bm, BLOCK_D=bd, num_warps=_warps(bm * bd))
+    return mean, rstd
+
+
+def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_m):
+    """LayerNorm/RMSNorm backward; any of dx, dw, db may be None (not wanted)."""
+    if M == 0:
+        from .elementwise import fill_
+        for t in (dw, db):
+            if t is not None:
+                fill_(t, 0.0)
+        return
+    bm, bd, programs = _ln_tiles(M, D)
+    single = bd >= D
+    if single:
+        n_rblocks = cdiv(M, bm)
+        P = max(1, min(programs, n_rblocks))
+    else:
+        bm, n_rblocks, P = 1, M, M
+    acc = accumulation_dtype(x.dtype)
+    pw = runtime.empty((P, D), acc) if dw is not None else None
+    pb = runtime.empty((P, D), acc) if db is not None else None
+    launch(_ln_bwd_kernel, (P,), x, dy, w if w is not None else x, mean if mean is not None else rstd, rstd,
+           dx if dx is not None else x, pw if pw is not None else rstd, pb if pb is not None else rstd,
+           M, D, n_rblocks, P, xs_m, gs_m, dxs_m if dx is not None else 0,
+           RMS=rms, HAS_W=w is not None, NEED_X=dx is not None, NEED_W=dw is not None, NEED_B=db is not None,
+           CD=_cd(x.dtype), SINGLE=single, BLOCK_M=bm, BLOCK_D=bd, num_warps=_warps(bm * bd))
+    for out, part in ((dw, pw), (db, pb)):
+        if out is not None:
+            reduce_(out, part, 1, P, D, (P * D, D, 1), SUM)

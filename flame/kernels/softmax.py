@@ -1,0 +1,506 @@
+"""Softmax, log-softmax, cross-entropy and elementwise regression losses.
+
+Softmax-like kernels view their input as (outer, R, inner) with any strides and reduce over R:
+"row" r of the ROWS = outer * inner rows starts at (r // inner) * s_outer + (r % inner) * s_inner
+and steps by s_r, so softmax over the last dim (inner == 1) and over any other dim (the class dim
+of an (N, C, H, W) cross-entropy) share one kernel with no transpose. A program owns BLOCK_ROWS
+rows; a row that fits one block is read once, a longer one is streamed twice with an online
+(running max, rescaled sum) log-sum-exp. Statistics are fp32 (fp64 for fp64 inputs).
+
+Cross-entropy never materialises probabilities in its forward: it stores the per-row loss (or a
+per-program partial sum and valid count) and the row's log-sum-exp; the backward recomputes
+softmax from the saved log-sum-exp. Reductions to a scalar are two-stage and deterministic.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .elementwise import _pow2, cdiv
+from .launch import launch
+
+NONE, MEAN, SUM = (tl.constexpr(i) for i in range(3))
+MSE, L1, SMOOTH_L1, HUBER = (tl.constexpr(i) for i in range(4))
+
+
+@triton.jit
+def _row_base(rows, INNER, s_o, s_i):
+    r = rows.to(tl.int64)
+    return (r // INNER) * s_o + (r % INNER) * s_i
+
+
+@triton.jit
+def _online_lse(x_ptr, xbase, rm, R, s_r, CD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                WANT_SUM: tl.constexpr):
+    # Streamed log-sum-exp of each row: per-lane running max m and rescaled sum s,
+    #   m' = max(m, x), s' = s * exp(m - m') + exp(x - m'); lanes merged at the end.
+    # Returns (row max, row sum of exp(x - max), row sum of x (if WANT_SUM)).
+    cols = tl.arange(0, BLOCK_R)
+    m = tl.full((BLOCK_ROWS, BLOCK_R), float("-inf"), CD)
+    s = tl.zeros((BLOCK_ROWS, BLOCK_R), CD)
+    sx = tl.zeros((BLOCK_ROWS, BLOCK_R), CD)
+    for r0 in range(0, R, BLOCK_R):
+        cc = (r0 + cols).to(tl.int64)
+        msk = rm[:, None] & (cc < R)[None, :]
+        x = tl.load(x_ptr + xbase[:, None] + (cc * s_r)[None, :], mask=msk, other=float("-inf")).to(CD)
+        m_new = tl.maximum(m, x)
+        finite = m_new != float("-inf")
+        alpha = tl.where(finite, tl.exp(m - m_new), 0.0)
+        s = s * alpha + tl.where(finite, tl.exp(x - m_new), 0.0)
+        m = m_new
+        if WANT_SUM:
+            sx += tl.where(msk, x, 0.0)
+    mx = tl.max(m, axis=1)
+    fin = mx != float("-inf")
+    scale = tl.where(fin[:, None] & (m != float("-inf")), tl.exp(m - mx[:, None]), 0.0)
+    tot = tl.sum(s * scale, axis=1)
+    tot = tl.where(fin, tot, 0.0)
+    return mx, tot, tl.sum(sx, axis=1)
+
+
+@triton.jit
+def _softmax_fwd_kernel(x_ptr, y_ptr, ROWS, R, INNER, xs_o, xs_r, xs_i, ys_o, ys_r, ys_i,
+                        LOG: tl.constexpr, CD: tl.constexpr, SINGLE: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    # softmax: y = exp(x - max) / sum(exp(x - max));  log_softmax: y = x - max - log(sum(exp(x - max)))
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rm = rows < ROWS
+    xbase = _row_base(rows, INNER, xs_o, xs_i)
+    ybase = _row_base(rows, INNER, ys_o, ys_i)
+    cols = tl.arange(0, BLOCK_R).to(tl.int64)
+    if SINGLE:
+        msk = rm[:, None] & (cols < R)[None, :]
+        x = tl.load(x_ptr + xbase[:, None] + (cols * xs_r)[None, :], mask=msk, other=float("-inf")).to(CD)
+        mx = tl.max(x, axis=1)
+        e = tl.where(msk, tl.exp(x - mx[:, None]), 0.0)
+        tot = tl.sum(e, axis=1)
+        if LOG:
+            y = x - mx[:, None] - tl.log(tot)[:, None]
+        else:
+            y = e / tot[:, None]
+        tl.store(y_ptr + ybase[:, None] + (cols * ys_r)[None, :], y.to(y_ptr.dtype.element_ty), mask=msk)
+    else:
+        mx, tot, _ = _online_lse(x_ptr, xbase, rm, R, xs_r, CD, BLOCK_ROWS, BLOCK_R, False)
+        lse = mx + tl.log(tot)
+        for r0 in range(0, R, BLOCK_R):
+            cc = r0 + cols
+            msk = rm[:, None] & (cc < R)[None, :]
+            x = tl.load(x_ptr + xbase[:, None] + (cc * xs_r)[None, :], mask=msk, other=0.0).to(CD)
+            y = x - lse[:, None]
+            if not LOG:
+                y = tl.exp(y)
+            tl.store(y_ptr + ybase[:, None] + (cc * ys_r)[None, :], y.to(y_ptr.dtype.element_ty), mask=msk)
+
+
+# Backward, with y the saved output and g = dL/dy:
+#   softmax:     dx = y * (g - sum_r(g * y))
+#   log_softmax: dx = g - exp(y) * sum_r(g)
+@triton.jit
+def _softmax_bwd_kernel(y_ptr, g_ptr, dx_ptr, ROWS, R, INNER, ys_o, ys_r, ys_i, gs_o, gs_r, gs_i,
+                        ds_o, ds_r, ds_i,
+                        LOG: tl.constexpr, CD: tl.constexpr, SINGLE: tl.constexpr,
+                        BLOCK_ROWS: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rm = rows < ROWS
+    ybase = _row_base(rows, INNER, ys_o, ys_i)
+    gbase = _row_base(rows, INNER, gs_o, gs_i)
+    dbase = _row_base(rows, INNER, ds_o, ds_i)
+    cols = tl.arange(0, BLOCK_R).to(tl.int64)
+    if SINGLE:
+        msk = rm[:, None] & (cols < R)[None, :]
+        y = tl.load(y_ptr + ybase[:, None] + (cols * ys_r)[None, :], mask=msk, other=0.0).to(CD)
+        g = tl.load(g_ptr + gbase[:, None] + (cols * gs_r)[None, :], mask=msk, other=0.0).to(CD)
+        if LOG:
+            dx = g - tl.exp(y) * tl.sum(g, axis=1)[:, None]
+        else:
+            dx = y * (g - tl.sum(g * y, axis=1)[:, None])
+        tl.store(dx_ptr + dbase[:, None] + (cols * ds_r)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=msk)
+    else:
+        acc = tl.zeros((BLOCK_ROWS, BLOCK_R), CD)
+        for r0 in range(0, R, BLOCK_R):
+            cc = r0 + cols
+            msk = rm[:, None] & (cc < R)[None, :]
+            g = tl.load(g_ptr + gbase[:, None] + (cc * gs_r)[None, :], mask=msk, other=0.0).to(CD)
+            if LOG:
+                acc += g
+            else:
+                acc += g * tl.load(y_ptr + ybase[:, None] + (cc * ys_r)[None, :], mask=msk, other=0.0).to(CD)
+        k = tl.sum(acc, axis=1)
+        for r0 in range(0, R, BLOCK_R):
+            cc = r0 + cols
+            msk = rm[:, None] & (cc < R)[None, :]
+            y = tl.load(y_ptr + ybase[:, None] + (cc * ys_r)[None, :], mask=msk, other=0.0).to(CD)
+            g = tl.load(g_ptr + gbase[:, None] + (cc * gs_r)[None, :], mask=msk, other=0.0).to(CD)
+            if LOG:
+                dx = g - tl.exp(y) * k[:, None]
+            else:
+                dx = y * (g - k[:, None])
+            tl.store(dx_ptr + dbase[:, None] + (cc * ds_r)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=msk)
+
+
+# ---- cross-entropy ----------------------------------------------------------------------------
+
+@triton.jit(do_not_specialize=["ignore_index", "smoothing"])
+def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, psum_ptr, pcnt_ptr, ROWS, C, INNER, xs_o, xs_c, xs_i,
+                   ignore_index, smoothing,
+                   REDUCE: tl.constexpr, SMOOTH: tl.constexpr, CD: tl.constexpr,
+                   BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    # lse = log sum_c exp(x_c);  loss = lse - (1 - eps) x_t - (eps / C) sum_c x_c  (eps = smoothing)
+    # Rows whose target is ignore_index give 0 and do not count; an out-of-range target gives NaN.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rm = rows < ROWS
+    xbase = _row_base(rows, INNER, xs_o, xs_i)
+    mx, tot, sx = _online_lse(x_ptr, xbase, rm, C, xs_c, CD, BLOCK_ROWS, BLOCK_C, SMOOTH)
+    lse = mx + tl.log(tot)
+    t = tl.load(t_ptr + rows, mask=rm, other=0).to(tl.int64)
+    valid = rm & (t != ignore_index)
+    inside = (t >= 0) & (t < C)
+    xt = tl.load(x_ptr + xbase + t * xs_c, mask=valid & inside, other=0.0).to(CD)
+    if SMOOTH:
+        loss = lse - (1.0 - smoothing) * xt - (smoothing / C) * sx
+    else:
+        loss = lse - xt
+    loss = tl.where(inside, loss, float("nan"))
+    loss = tl.where(valid, loss, 0.0)
+    tl.store(lse_ptr + rows, lse, mask=rm)
+    if REDUCE == NONE:
+        tl.store(loss_ptr + rows, loss.to(loss_ptr.dtype.element_ty), mask=rm)
+    else:
+        pid = tl.program_id(0)
+        tl.store(psum_ptr + pid, tl.sum(loss, axis=0))
+        tl.store(pcnt_ptr + pid, tl.sum(valid.to(CD), axis=0))
+
+
+# Backward: p_c = exp(x_c - lse);  dx_c = g_row * (p_c - (1 - eps) [c == t] - eps / C) for valid rows,
+# 0 for ignored ones; g_row = g[row] (reduction none), g (sum) or g / n_valid (mean).
+@triton.jit(do_not_specialize=["ignore_index", "smoothing"])
+def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, cnt_ptr, dx_ptr, ROWS, C, INNER, xs_o, xs_c, xs_i,
+                   ds_o, ds_c, ds_i, ignore_index, smoothing,
+                   REDUCE: tl.constexpr, CD: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rm = rows < ROWS
+    xbase = _row_base(rows, INNER, xs_o, xs_i)
+    dbase = _row_base(rows, INNER, ds_o, ds_i)
+    t = tl.load(t_ptr + rows, mask=rm, other=0).to(tl.int64)
+    valid = rm & (t != ignore_index)
+    lse = tl.load(lse_ptr + rows, mask=rm, other=0.0).to(CD)
+    if REDUCE == NONE:
+        g = tl.load(g_ptr + rows, mask=rm, other=0.0).to(CD)
+    else:
+        g0 = tl.load(g_ptr).to(CD)
+        if REDUCE == MEAN:
+            g0 = g0 / tl.load(cnt_ptr).to(CD)
+        g = tl.zeros((BLOCK_ROWS,), CD) + g0
+    g = tl.where(valid, g, 0.0)
+    cols = tl.arange(0, BLOCK_C).to(tl.int64)
+    for c0 in range(0, C, BLOCK_C):
+        cc = c0 + cols
+        msk = rm[:, None] & (cc < C)[None, :]
+        x = tl.load(x_ptr + xbase[:, None] + (cc * xs_c)[None, :], mask=msk, other=0.0).to(CD)
+        p = tl.exp(x - lse[:, None])
+        hot = (cc[None, :] == t[:, None]).to(CD)
+        d = p - (1.0 - smoothing) * hot - smoothing / C
+        dx = tl.where(valid[:, None], g[:, None] * d, 0.0)
+        tl.store(dx_ptr + dbase[:, None] + (cc * ds_c)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=msk)
+
+
+@triton.jit(do_not_specialize=["scale"])
+def _finalize_kernel(psum_ptr, pcnt_ptr, out_ptr, cnt_out_ptr, P, scale,
+                     HAS_COUNT: tl.constexpr, CD: tl.constexpr, BLOCK: tl.constexpr):
+    # out = scale * sum(psum) [/ sum(pcnt)], summed in a fixed order by one program
+    acc = tl.zeros((BLOCK,), CD)
+    cnt = tl.zeros((BLOCK,), CD)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        m = p < P
+        acc += tl.load(psum_ptr + p, mask=m, other=0.0).to(CD)
+        if HAS_COUNT:
+            cnt += tl.load(pcnt_ptr + p, mask=m, other=0.0).to(CD)
+    res = tl.sum(acc, axis=0) * scale
+    if HAS_COUNT:
+        c = tl.sum(cnt, axis=0)
+        res = res / c
+        tl.store(cnt_out_ptr, c)
+    tl.store(out_ptr, res.to(out_ptr.dtype.element_ty))
+
+
+# ---- elementwise regression losses ------------------------------------------------------------
+
+@triton.jit
+def _pointwise_loss(d, beta, KIND: tl.constexpr):
+    # d = x - y.  mse: d^2;  l1: |d|;
+    # smooth_l1(beta): 0.5 d^2 / beta if |d| < beta else |d| - 0.5 beta;
+    # huber(delta = beta): 0.5 d^2 if |d| < delta else delta (|d| - 0.5 delta)
+    ad = tl.abs(d)
+    if KIND == MSE:
+        return d * d
+    elif KIND == L1:
+        return ad
+    elif KIND == SMOOTH_L1:
+        return tl.where(ad < beta, 0.5 * d * d / beta, ad - 0.5 * beta)
+    else:
+        return tl.where(ad < beta, 0.5 * d * d, beta * (ad - 0.5 * beta))
+
+
+@triton.jit
+def _pointwise_grad(d, beta, KIND: tl.constexpr):
+    # d loss / d x:  mse: 2 d;  l1: sign(d);  smooth_l1: d / beta inside, sign(d) outside;
+    # huber: d inside, delta sign(d) outside  (d loss / d y is the negative)
+    sgn = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    if KIND == MSE:
+        return 2.0 * d
+    elif KIND == L1:
+        return sgn
+    elif KIND == SMOOTH_L1:
+        return tl.where(tl.abs(d) < beta, d / beta, sgn)
+    else:
+        return tl.where(tl.abs(d) < beta, d, beta * sgn)
+
+
+@triton.jit(do_not_specialize=["beta"])
+def _loss_fwd_kernel(x_ptr, y_ptr, w_ptr, out_ptr, psum_ptr, pcnt_ptr, n, per_prog, w_div, w_mod, beta,
+                     KIND: tl.constexpr, HAS_W: tl.constexpr, WSUM: tl.constexpr, REDUCE: tl.constexpr,
+                     CD: tl.constexpr, BLOCK: tl.constexpr):
+    # l = w * loss(x - y) per element (w broadcast: index (i // w_div) % w_mod); reduction none
+    # stores l, otherwise each program stores the sum of its per_prog elements (and with WSUM the
+    # sum of their weights, for PyTorch's mse/l1 weighted mean = sum(w l) / sum(w)).
+    pid = tl.program_id(0)
+    lo = pid.to(tl.int64) * per_prog
+    hi = tl.minimum(lo + per_prog, n)
+    acc = tl.zeros((BLOCK,), CD)
+    wacc = tl.zeros((BLOCK,), CD)
+    for i0 in range(lo, hi, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        m = i < hi
+        x = tl.load(x_ptr + i, mask=m, other=0.0).to(CD)
+        y = tl.load(y_ptr + i, mask=m, other=0.0).to(CD)
+        l = _pointwise_loss(x - y, beta, KIND)
+        if HAS_W:
+            w = tl.load(w_ptr + (i // w_div) % w_mod, mask=m, other=0.0).to(CD)
+            l = l * w
+            wacc += w
+        if REDUCE == NONE:
+            tl.store(out_ptr + i, l.to(out_ptr.dtype.element_ty), mask=m)
+        else:
+            acc += tl.where(m, l, 0.0)
+    if REDUCE != NONE:
+        tl.store(psum_ptr + pid, tl.sum(acc, axis=0))
+        if WSUM:
+            tl.store(pcnt_ptr + pid, tl.sum(wacc, axis=0))
+
+
+# Backward of L = reduce(w * loss(x - y)) with upstream g: per element for 'none'; for 'sum' g;
+# for 'mean' g / n, or g / sum(w) for a weight-normalised mean (L = sum(w l) / sum(w)):
+#   dx = g w loss'(x - y),  dy = -dx
+#   dw_elem = g loss(x - y)  (none, sum, unweighted mean: g already scaled),
+#   weighted mean: dw_elem = g (loss(x - y) - L) / sum(w)   (summed to w's shape afterwards)
+@triton.jit(do_not_specialize=["beta", "scale"])
+def _loss_bwd_kernel(x_ptr, y_ptr, w_ptr, g_ptr, cnt_ptr, out_ptr, dx_ptr, dy_ptr, dw_ptr, n, w_div, w_mod,
+                     beta, scale,
+                     KIND: tl.constexpr, HAS_W: tl.constexpr, G_FULL: tl.constexpr, W_MEAN: tl.constexpr,
+                     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr, CD: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    x = tl.load(x_ptr + i, mask=m, other=0.0).to(CD)
+    y = tl.load(y_ptr + i, mask=m, other=0.0).to(CD)
+    if G_FULL:
+        g = tl.load(g_ptr + i, mask=m, other=0.0).to(CD)
+    else:
+        g0 = tl.load(g_ptr).to(CD) * scale
+        if W_MEAN:
+            g0 = g0 / tl.load(cnt_ptr).to(CD)
+        g = tl.zeros((BLOCK,), CD) + g0
+    d = x - y
+    if NEED_W:
+        l = _pointwise_loss(d, beta, KIND)
+        if W_MEAN:
+            l = l - tl.load(out_ptr).to(CD)
+        tl.store(dw_ptr + i, (g * l).to(dw_ptr.dtype.element_ty), mask=m)
+    if HAS_W:
+        g = g * tl.load(w_ptr + (i // w_div) % w_mod, mask=m, other=0.0).to(CD)
+    dx = g * _pointwise_grad(d, beta, KIND)
+    if NEED_X:
+        tl.store(dx_ptr + i, dx.to(dx_ptr.dtype.element_ty), mask=m)
+    if NEED_Y:
+        tl.store(dy_ptr + i, (-dx).to(dy_ptr.dtype.element_ty), mask=m)
+
+
+# ---- launchers --------------------------------------------------------------------------------
+
+def _cd(*dtypes):
+    return tl.float64 if torch.float64 in dtypes else tl.float32
+
+
+_row_override = None  # tests set (BLOCK_ROWS, BLOCK_R) to exercise the streamed (looped) paths
+
+
+def _row_tiles(ROWS, R, itemsize):
+    """(BLOCK_ROWS, BLOCK_R, SINGLE) for a row-wise kernel."""
+    if _row_override is not None:
+        return _row_override[0], _row_override[1], _row_override[1] >= R
+    if runtime.INTERPRETER:
+        br = _pow2(min(R, 1 << 14))
+        return _pow2(min(ROWS, max(1, (1 << 15) // br))), br, br >= R
+    cap = 16384 if itemsize <= 2 else 8192
+    if cap >= R:
+        br = _pow2(R)
+        return max(1, min(_pow2(ROWS), 2048 // br)), br, True
+    return 1, 4096, False
+
+
+def _warps(n):
+    return 4 if n <= 2048 else (8 if n <= 8192 else 16)
+
+
+def softmax_fwd(y, x, outer, R, inner, xs, ys, log):
+    rows = outer * inner
+    if rows * R == 0:
+        return y
+    bm, br, single = _row_tiles(rows, R, x.element_size())
+    launch(_softmax_fwd_kernel, (cdiv(rows, bm),), x, y, rows, R, inner, *xs, *ys,
+           LOG=log, CD=_cd(x.dtype), SINGLE=single, BLOCK_ROWS=bm, BLOCK_R=br, num_warps=_warps(bm * br))
+    return y
+
+
+def softmax_bwd(dx, y, g, outer, R, inner, ys, gs, ds, log):
+    rows = outer * inner
+    if rows * R == 0:
+        return dx
+    bm, br, single = _row_tiles(rows, R, y.element_size())
+    launch(_softmax_bwd_kernel, (cdiv(rows, bm),), y, g, dx, rows, R, inner, *ys, *gs, *ds,
+           LOG=log, CD=_cd(y.dtype), SINGLE=single, BLOCK_ROWS=bm, BLOCK_R=br, num_warps=_warps(bm * br))
+    return dx
+
+
+def _ce_tiles(ROWS, C):
+    if _row_override is not None:
+        return _row_override
+    if runtime.INTERPRETER:
+        bc = _pow2(min(C, 1 << 14))
+        return _pow2(min(ROWS, max(1, (1 << 15) // bc))), bc
+    bc = min(_pow2(C), 4096)
+    return max(1, min(_pow2(ROWS), 2048 // bc)), bc
+
+
+def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smoothing, out_dtype):
+    """Returns (loss, lse, count): loss is (rows,) for 'none' else a 0-d tensor; count (0-d, the
+    number of non-ignored rows, fp32) for 'mean', else None."""
+    rows = outer * inner
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    lse = runtime.empty((rows,), acc)
+    red = {"none": NONE, "mean": MEAN, "sum": SUM}[reduction].value
+    bm, bc = _ce_tiles(rows, C)
+    P = cdiv(rows, bm)
+    if red == NONE.value:
+        loss = runtime.empty((rows,), out_dtype)
+        psum = pcnt = lse
+    else:
+        loss = runtime.empty((), out_dtype)
+        psum = runtime.empty((max(P, 1),), acc)
+        pcnt = runtime.empty((max(P, 1),), acc)
+    if rows:
+        launch(_ce_fwd_kernel, (P,), x, t, loss, lse, psum, pcnt, rows, C, inner, *xs, int(ignore_index),
+               float(smoothing), REDUCE=red, SMOOTH=smoothing != 0, CD=_cd(x.dtype), BLOCK_ROWS=bm,
+               BLOCK_C=bc, num_warps=_warps(bm * bc))
+    count = None
+    if red != NONE.value:
+        count = runtime.empty((), acc) if red == MEAN.value else None
+        _finalize(psum, pcnt, loss, count, P if rows else 0, 1.0)
+    return loss, lse, count
+
+
+def cross_entropy_bwd(dx, x, t, lse, g, count, outer, C, inner, xs, ds, reduction, ignore_index, smoothing):
+    rows = outer * inner
+    if rows * C == 0:
+        return dx
+    red = {"none": NONE, "mean": MEAN, "sum": SUM}[reduction].value
+    bm, bc = _ce_tiles(rows, C)
+    launch(_ce_bwd_kernel, (cdiv(rows, bm),), x, t, lse, g, count if count is not None else lse, dx,
+           rows, C, inner, *xs, *ds, int(ignore_index), float(smoothing),
+           REDUCE=red, CD=_cd(x.dtype), BLOCK_ROWS=bm, BLOCK_C=bc, num_warps=_warps(bm * bc))
+    return dx
+
+
+def _finalize(psum, pcnt, out, count_out, P, scale):
+    block = _pow2(min(max(P, 1), 1 << 14 if runtime.INTERPRETER else 1024))
+    launch(_finalize_kernel, (1,), psum, pcnt if pcnt is not None else psum, out,
+           count_out if count_out is not None else psum, P, float(scale),
+           HAS_COUNT=count_out is not None, CD=_cd(psum.dtype), BLOCK=block, num_warps=4)
+
+
+_KINDS = {"mse": MSE, "l1": L1, "smooth_l1": SMOOTH_L1, "huber": HUBER}
+
+
+def loss_fwd(x, y, w, w_div, w_mod, kind, beta, reduction, out_dtype, weight_norm=True):
+    """x, y contiguous with n elements; w (or None) indexed by (i // w_div) % w_mod. Returns
+    (loss, wsum): the per-element loss (reduction 'none', flat) or a 0-d tensor, and for a
+    weighted mean normalised by the weights (``weight_norm``: sum(w l) / sum(w), PyTorch's
+    mse/l1) the 0-d sum of the (broadcast) weights, else None (a weighted mean is then
+    sum(w l) / n, PyTorch's huber)."""
+    n = x.numel()
+    kind = _KINDS[kind].value
+    red = {"none": NONE, "mean": MEAN, "sum": SUM}[reduction].value
+    cd = _cd(x.dtype, y.dtype)
+    acc = torch.float64 if cd == tl.float64 else torch.float32
+    block = _pow2(min(max(n, 1), 1 << 16)) if runtime.INTERPRETER else 2048
+    wp = w if w is not None else x
+    if red == NONE.value:
+        out = runtime.empty((n,), out_dtype)
+        if n:
+            launch(_loss_fwd_kernel, (cdiv(n, block),), x, y, wp, out, out, out, n, block, w_div, w_mod,
+                   float(beta), KIND=kind, HAS_W=w is not None, WSUM=False, REDUCE=red, CD=cd, BLOCK=block,
+                   num_warps=_warps(block))
+        return out, None
+    target = 1 if runtime.INTERPRETER else 8 * _num_sms()
+    per_prog = max(block, cdiv(cdiv(max(n, 1), target), block) * block)
+    P = cdiv(n, per_prog)
+    psum = runtime.empty((max(P, 1),), acc)
+    norm = w is not None and weight_norm and red == MEAN.value
+    pcnt = runtime.empty((max(P, 1),), acc) if norm else psum
+    out = runtime.empty((), out_dtype)
+    if n:
+        launch(_loss_fwd_kernel, (P,), x, y, wp, out, psum, pcnt, n, per_prog, w_div, w_mod,
+               float(beta), KIND=kind, HAS_W=w is not None, WSUM=norm, REDUCE=red, CD=cd, BLOCK=block,
+               num_warps=_warps(block))
+    wsum = None
+    if norm:
+        wsum = runtime.empty((), acc)
+        _finalize(psum, pcnt, out, wsum, P, 1.0)
+    else:
+        scale = 1.0 if red == SUM.value else (1.0 / n if n else math.nan)
+        _finalize(psum, None, out, None, P, scale)
+    return out, wsum
+
+
+def loss_bwd(dx, dy, dw_full, x, y, w, w_div, w_mod, g, wsum, out, kind, beta, reduction):
+    # wsum is not None exactly for a weight-normalised mean (see loss_fwd)
+    """Gradients of loss_fwd: any of dx, dy, dw_full (n elements, before summing to w's shape)
+    may be None."""
+    n = x.numel()
+    if n == 0:
+        return
+    kind = _KINDS[kind].value
+    w_mean = wsum is not None
+    scale = 1.0 / n if reduction == "mean" and not w_mean else 1.0
+    block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else 2048
+    dummy = x
+    launch(_loss_bwd_kernel, (cdiv(n, block),), x, y, w if w is not None else dummy, g,
+           wsum if wsum is not None else dummy, out if out is not None else dummy,
+           dx if dx is not None else dummy, dy if dy is not None else dummy,
+           dw_full if dw_full is not None else dummy, n, w_div, w_mod, float(beta), float(scale),
+           KIND=kind, HAS_W=w is not None, G_FULL=reduction == "none", W_MEAN=w_mean, NEED_X=dx is not None,
+           NEED_Y=dy is not None, NEED_W=dw_full is not None, CD=_cd(x.dtype, y.dtype), BLOCK=block,
+           num_warps=_warps(block))
+
+
+_SMS = None
+
+
+def _num_sms():
+    global _SMS
+    if _SMS is None:
+        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
+    return _SMS

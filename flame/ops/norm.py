@@ -1,0 +1,252 @@
+"""Normalisation ops: ``group_norm`` (optionally with a fused SiLU), ``layer_norm`` and
+``rms_norm``, with PyTorch's argument order; each forward sits beside its backward rule.
+
+GroupNorm reads NCHW and channels-last inputs in place and writes its output in the same memory
+format; statistics (mean, rstd) are saved in fp32 (fp64 for fp64 inputs). Weight and bias
+gradients come from deterministic two-stage reductions (see ``flame.kernels.norms``).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+
+import torch
+
+from .. import runtime
+from ..autograd import needs_grad, record
+from ..kernels import elementwise as KE
+from ..kernels import norms as K
+from ..tensor import Tensor
+from ._util import check_tensor
+
+_ACTIVATIONS = (None, "silu")
+
+
+def _check_param(p, name, shape, x, op):
+    if p is None:
+        return None
+    if not isinstance(p, Tensor):
+        raise TypeError(f"{op}: {name} must be a flame Tensor or None, got {type(p).__name__}")
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"{op}: {name} must be floating point, got dtype {p.dtype}")
+    if tuple(p.shape) != tuple(shape):
+        raise ValueError(f"{op}: expected {name} of shape {tuple(shape)} for input of shape {x.shape}, "
+                         f"got {name} of shape {p.shape}")
+    if p.device != x.device:
+        raise RuntimeError(f"{op}: {name} is on {p.device} but the input is on {x.device}")
+    return p
+
+
+def _check_input(x, op):
+    check_tensor(x, "input", op)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{op}: expected a floating-point input, got dtype {x.dtype}")
+
+
+def _check_eps(eps, op):
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0 or math.isinf(eps):
+        raise ValueError(f"{op}: eps must be a finite non-negative number, got {eps!r}")
+    return float(eps)
+
+
+def _dense(buf):
+    out = runtime.empty(tuple(buf.shape), buf.dtype)
+    KE.copy_(out, buf)
+    return out
+
+
+def _zeros(shape, dtype):
+    t = runtime.empty(tuple(shape), dtype)
+    KE.fill_(t, 0.0)
+    return Tensor(t)
+
+
+# ---- group_norm -------------------------------------------------------------------------------
+
+def _gn_view(buf):
+    """(buf, (s_n, s_c, s_s)) viewing ``buf`` (N, C, *spatial) as (N, C, S) in place when the
+    spatial dims collapse to one stride; otherwise a contiguous copy."""
+    shape, strides = buf.shape, buf.stride()
+    sp = [(s, st) for s, st in zip(shape[2:], strides[2:]) if s != 1]
+    ok = all(a[1] == b[1] * b[0] for a, b in itertools.pairwise(sp))
+    if not ok:
+        buf = _dense(buf)
+        strides = buf.stride()
+        sp = [(s, st) for s, st in zip(shape[2:], strides[2:]) if s != 1]
+    s_s = sp[-1][1] if sp else 1
+    return buf, (strides[0], strides[1], s_s)
+
+
+def _channels_last(shape, xs):
+    """Does an (N, C, S) view with strides ``xs`` keep channels innermost (C > 1)?"""
+    return shape[1] > 1 and xs[1] == 1 and math.prod(shape[2:]) > 1
+
+
+def _like_format(shape, dtype, channels_last):
+    """Empty buffer of ``shape``: channels-last strides when ``channels_last``, else contiguous."""
+    if not channels_last:
+        return runtime.empty(tuple(shape), dtype)
+    C = shape[1]
+    strides = [0] * len(shape)
+    strides[1] = 1
+    acc = C
+    for d in range(len(shape) - 1, 1, -1):
+        strides[d] = acc
+        acc *= shape[d]
+    strides[0] = acc
+    return runtime.empty_strided(tuple(shape), tuple(strides), dtype)
+
+
+def _group_norm_backward(node, g):
+    x, w, b, mean, rstd = node.saved
+    a = node.attrs
+    N, C, S, G = a["N"], a["C"], a["S"], a["G"]
+    need_x, need_w, need_b = node.needs_input_grad
+    xbuf, xs = x, a["xs"]
+    gbuf, gs = _gn_view(g._data)
+    dx = dw = db = None
+    if need_x:
+        dx = Tensor(_like_format(a["shape"], a["dtype"], a["cl"]))
+    if need_w or need_b:
+        dw = runtime.empty((C,), w.dtype if w is not None else a["dtype"])
+        db = runtime.empty((C,), b.dtype if b is not None else a["dtype"])
+    if N * C * S == 0:
+        if dw is not None:
+            KE.fill_(dw, 0.0)
+            KE.fill_(db, 0.0)
+    else:
+        dxbuf = None
+        dxs = (0, 0, 0)
+        if dx is not None:
+            dxbuf, dxs = _gn_view(dx._data)
+        K.group_norm_bwd(dxbuf, dw, db, gbuf, xbuf, w, b, mean, rstd, N, C, S, G, a["act"], xs, gs, dxs)
+    return (dx, Tensor(dw) if need_w else None, Tensor(db) if need_b else None)
+
+
+def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None):
+    """GroupNorm over (N, C, *spatial) with ``num_groups`` groups of C / num_groups channels,
+    optional per-channel affine ``weight``/``bias`` (C,), and an optional fused ``activation``
+    (``"silu"``) applied to the normalised output. NCHW and channels-last inputs are read in place
+    and the output keeps the input's memory format."""
+    op = "group_norm"
+    _check_input(x, op)
+    if x.ndim < 2:
+        raise ValueError(f"{op}: expected an input of shape (N, C, *), got shape {x.shape}")
+    if not isinstance(num_groups, numbers.Integral) or isinstance(num_groups, bool) or num_groups <= 0:
+        raise ValueError(f"{op}: num_groups must be a positive int, got {num_groups!r}")
+    N, C = x.shape[0], x.shape[1]
+    G = int(num_groups)
+    if C % G:
+        raise ValueError(f"{op}: expected number of channels in input ({C}) to be divisible by num_groups ({G}); "
+                         f"input shape {x.shape}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{op}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    weight = _check_param(weight, "weight", (C,), x, op)
+    bias = _check_param(bias, "bias", (C,), x, op)
+    eps = _check_eps(eps, op)
+    S = math.prod(x.shape[2:])
+    act = activation == "silu"
+    xbuf, xs = _gn_view(x._data)
+    cl = _channels_last(x.shape, xs)
+    y = Tensor(_like_format(x.shape, x.dtype, cl))
+    wbuf = weight._data if weight is not None else None
+    bbuf = bias._data if bias is not None else None
+    if N * C * S == 0:
+        mean = rstd = None
+    else:
+        ybuf, ys = _gn_view(y._data)
+        mean, rstd = K.group_norm_fwd(ybuf, xbuf, wbuf, bbuf, N, C, S, G, eps, act, xs, ys)
+    if needs_grad(x, weight, bias):
+        record(y, (x, weight, bias), _group_norm_backward, saved=(xbuf, wbuf, bbuf, mean, rstd),
+               N=N, C=C, S=S, G=G, act=act, xs=xs, cl=cl, shape=x.shape, dtype=x.dtype)
+    return y
+
+
+# ---- layer_norm / rms_norm ----------------------------------------------------------------------
+
+def _normalized_shape(normalized_shape, x, op):
+    if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
+        ns = (int(normalized_shape),)
+    else:
+        try:
+            ns = tuple(int(s) for s in normalized_shape)
+        except TypeError:
+            raise TypeError(f"{op}: normalized_shape must be an int or a sequence of ints, "
+                            f"got {normalized_shape!r}") from None
+    if not ns:
+        raise ValueError(f"{op}: normalized_shape must name at least one dim")
+    if len(ns) > x.ndim or tuple(x.shape[x.ndim - len(ns):]) != ns:
+        raise ValueError(f"{op}: given normalized_shape={list(ns)}, expected input with shape [*, "
+                         f"{', '.join(str(s) for s in ns)}], but got input of size {list(x.shape)}")
+    return ns
+
+
+def _rows(buf, D):
+    """(buf, row stride) viewing ``buf`` as rows of D unit-stride elements; copies if needed."""
+    M = buf.numel() // D if D else 0
+    try:
+        view = buf.view(M, D)
+    except RuntimeError:
+        view = _dense(buf).view(M, D)
+    if D > 1 and view.stride(1) != 1:
+        view = _dense(view)
+    return view, view.stride(0)
+
+
+def _layer_norm_backward(node, g):
+    x2, w, mean, rstd = node.saved
+    a = node.attrs
+    M, D, rms = a["M"], a["D"], a["rms"]
+    need = node.needs_input_grad
+    need_x, need_w = need[0], need[1]
+    need_b = len(need) > 2 and need[2]
+    g2, gs = _rows(g._data, D)
+    dx = Tensor(runtime.empty(a["shape"], a["dtype"])) if need_x else None
+    dxv = dx._data.view(M, D) if need_x else None
+    dw = runtime.empty(a["wshape"], w.dtype) if need_w else None
+    db = runtime.empty(a["wshape"], a["bdtype"]) if need_b else None
+    K.layer_norm_bwd(dxv, dw.view(-1) if dw is not None else None, db.view(-1) if db is not None else None,
+                     g2, x2, w.reshape(-1) if w is not None else None, mean, rstd, M, D, rms, a["xs"], gs,
+                     D if need_x else 0)
+    grads = (dx, Tensor(dw) if need_w else None)
+    if not rms:
+        grads += (Tensor(db) if need_b else None,)
+    return grads
+
+
+def _norm_common(x, normalized_shape, weight, bias, eps, rms, op):
+    _check_input(x, op)
+    ns = _normalized_shape(normalized_shape, x, op)
+    weight = _check_param(weight, "weight", ns, x, op)
+    bias = _check_param(bias, "bias", ns, x, op)
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    eps = _check_eps(eps, op)
+    D = math.prod(ns)
+    M = x.numel() // D if D else 0
+    x2, xs = _rows(x._data, D)
+    y = Tensor(runtime.empty(x.shape, x.dtype))
+    wbuf = weight._data.reshape(-1) if weight is not None else None
+    bbuf = bias._data.reshape(-1) if bias is not None else None
+    if D == 0:
+        mean, rstd = None, runtime.empty((M,), torch.float32)
+    else:
+        mean, rstd = K.layer_norm_fwd(y._data.view(M, D), x2, wbuf, bbuf, M, D, eps, rms, xs, D)
+    inputs = (x, weight) if rms else (x, weight, bias)
+    if needs_grad(*inputs):
+        record(y, inputs, _layer_norm_backward, saved=(x2, weight._data if weight is not None else None, mean, rstd),
+               M=M, D=D, rms=rms, xs=xs, shape=x.shape, dtype=x.dtype, wshape=ns,
+               bdtype=bias.dtype if bias is not None else x.dtype)
+    return y
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+    """LayerNorm over the trailing ``normalized_shape`` dims (biased variance, as PyTorch)."""
+    return _norm_common(x, normalized_shape, weight, bias, eps, False, "layer_norm")
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None):
+    """RMSNorm over the trailing ``normalized_shape`` dims: x / sqrt(mean(x^2) + eps) * weight;
+    ``eps=None`` uses the input dtype's machine epsilon, as ``torch.nn.functional.rms_norm``."""
+    return _norm_common(x, normalized_shape, weight, None, eps, True, "rms_norm")

@@ -1,0 +1,338 @@
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import flame
+import flame.nn.functional as F
+from flame.kernels import norms as KN
+from flame.testing import gradcheck
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def _f(t, requires_grad=False):
+    return flame.from_torch(t.detach().clone(), requires_grad=requires_grad)
+
+
+def _leaf(t):
+    return None if t is None else t.detach().clone().requires_grad_(True)
+
+
+def _torch_run(fn, inputs, g):
+    """Run torch ``fn`` on leaf copies of ``inputs``; returns (output, grads)."""
+    leaves = [_leaf(t) for t in inputs]
+    out = fn(*leaves)
+    out.backward(g)
+    return out.detach(), [None if t is None else t.grad for t in leaves]
+
+
+def _flame_run(fn, inputs, g):
+    leaves = [None if t is None else _f(t, True) for t in inputs]
+    out = fn(*leaves)
+    grads = out.backward(_f(g))
+    return out, [None if t is None else grads[t] for t in leaves]
+
+
+def _check(f_fn, t_fn, inputs, g, dtype, factor_out=2, factor_grad=3):
+    """flame vs torch, values and every gradient. fp32/fp64: torch tolerances; fp16/bf16: DESIGN's
+    rule against an fp32 reference computed from the same (rounded) inputs."""
+    out, grads = _flame_run(f_fn, inputs, g)
+    ref, ref_grads = _torch_run(t_fn, inputs, g)
+    if dtype in (torch.float32, torch.float64):
+        assert_close(out, ref, atol=1e-5, rtol=1e-4)
+        for got, want in zip(grads, ref_grads):
+            if want is not None:
+                assert_close(got.to_torch().to(want.dtype), want, atol=1e-4, rtol=1e-4)
+        return out
+    assert out.dtype == dtype
+    ref32, ref32_grads = _torch_run(t_fn, [None if t is None else t.float() for t in inputs], g.float())
+    assert_within_torch_error(out, ref, ref32, factor_out)
+    for got, low, want in zip(grads, ref_grads, ref32_grads):
+        if want is not None:
+            assert_within_torch_error(got, low, want, factor_grad)
+    return out
+
+
+def _gn_torch(G, eps, act):
+    def fn(x, w, b):
+        y = TF.group_norm(x, G, w, b, eps)
+        return TF.silu(y) if act == "silu" else y
+    return fn
+
+
+def _gn_flame(G, eps, act):
+    return lambda x, w, b: F.group_norm(x, G, w, b, eps, act)
+
+
+def _gn_inputs(shape, dtype, affine, channels_last, offset=0.0):
+    x = (torch.randn(shape, dtype=torch.float64) + offset).to(dtype).to(DEVICE)
+    if channels_last:
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        x = x.contiguous(memory_format=fmt)
+    C = shape[1]
+    w = (1 + 0.5 * torch.randn(C)).to(dtype).to(DEVICE) if affine else None
+    b = torch.randn(C).to(dtype).to(DEVICE) if affine else None
+    g = torch.randn(shape).to(dtype).to(DEVICE)
+    return x, w, b, g
+
+
+# ---- GroupNorm ----------------------------------------------------------------------------------
+
+GN_CASES = [
+    ((2, 6, 7, 9), 3),     # spatial 7x9, 2 channels per group
+    ((2, 4, 1, 1), 4),     # spatial 1x1, groups of 1 channel
+    ((3, 10, 3, 5), 5),
+    ((1, 6, 5, 4), 1),     # one group = LayerNorm over (C, H, W)
+]
+
+
+@pytest.mark.parametrize("shape,G", GN_CASES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_group_norm(shape, G, dtype, channels_last, act):
+    x, w, b, g = _gn_inputs(shape, dtype, True, channels_last)
+    out = _check(_gn_flame(G, 1e-5, act), _gn_torch(G, 1e-5, act), [x, w, b], g, dtype)
+    # output keeps the input's memory format
+    assert out.stride() == x.stride()
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("eps", [1e-5, 1e-2])
+def test_group_norm_no_affine_and_eps(affine, eps):
+    x, w, b, g = _gn_inputs((2, 6, 3, 4), torch.float32, affine, False)
+    _check(_gn_flame(2, eps, None), _gn_torch(2, eps, None), [x, w, b], g, torch.float32)
+
+
+def test_group_norm_weight_only_and_3d_5d():
+    x, w, _, g = _gn_inputs((2, 6, 11), torch.float32, True, False)
+    _check(lambda x, w: F.group_norm(x, 3, w), lambda x, w: TF.group_norm(x, 3, w), [x, w], g, torch.float32)
+    x, w, b, g = _gn_inputs((1, 4, 2, 3, 3), torch.float32, True, True)
+    out = _check(_gn_flame(2, 1e-5, "silu"), _gn_torch(2, 1e-5, "silu"), [x, w, b], g, torch.float32)
+    assert out.stride() == x.stride()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_group_norm_split_statistics(monkeypatch, channels_last, act):
+    # batch-1 path: each group's statistics split over several programs (3 splits of S = 63, the
+    # last one short), channel blocks of 4 over C = 6 (not a multiple), then combined
+    monkeypatch.setattr(KN, "_gn_override", (4, 8, 3))
+    x, w, b, g = _gn_inputs((1, 6, 7, 9), torch.float32, True, channels_last)
+    _check(_gn_flame(3, 1e-5, act), _gn_torch(3, 1e-5, act), [x, w, b], g, torch.float32)
+
+
+def test_group_norm_large_mean_is_stable(monkeypatch):
+    # |mean| >> std: naive fp32 sum / sum-of-squares would cancel; shifted sums do not
+    monkeypatch.setattr(KN, "_gn_override", (2, 16, 4))
+    x = (torch.randn(1, 4, 8, 8, dtype=torch.float64, device=DEVICE) * 0.01 + 1000.0)
+    ref = TF.group_norm(x, 2).float()
+    y = F.group_norm(_f(x.float()), 2)
+    assert_close(y, ref, atol=2e-2, rtol=0)  # fp32 input rounding of 1000 + 0.01 z alone is ~3e-3 of std
+
+
+def test_group_norm_stats_fp32_for_fp16():
+    x = _f(torch.randn(1, 4, 3, 3, device=DEVICE).half(), True)
+    y = F.group_norm(x, 2)
+    _, _, _, mean, rstd = y.grad_fn.saved
+    assert mean.dtype == torch.float32 and rstd.dtype == torch.float32
+
+
+def test_group_norm_non_collapsible_input():
+    # a permuted view whose spatial dims don't collapse goes through a copy
+    base = torch.randn(2, 5, 6, 4, device=DEVICE)
+    x = base.permute(0, 3, 2, 1)  # (2, 4, 6, 5), odd strides
+    w, b = torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE)
+    g = torch.randn(2, 4, 6, 5, device=DEVICE)
+    _check(_gn_flame(2, 1e-5, None), _gn_torch(2, 1e-5, None), [x, w, b], g, torch.float32)
+
+
+def test_group_norm_gradcheck():
+    rng = np.random.default_rng(0)
+    x = flame.tensor(rng.standard_normal((2, 4, 2, 3)), requires_grad=True)
+    w = flame.tensor(1 + 0.3 * rng.standard_normal(4), requires_grad=True)
+    b = flame.tensor(rng.standard_normal(4), requires_grad=True)
+    assert gradcheck(lambda x, w, b: F.group_norm(x, 2, w, b, 1e-5, "silu"), [x, w, b])
+    xc = flame.from_torch(torch.from_numpy(rng.standard_normal((1, 3, 2, 2))).to(DEVICE).contiguous(
+        memory_format=torch.channels_last), requires_grad=True)
+    assert gradcheck(lambda x: F.group_norm(x, 3), [xc])
+
+
+def test_group_norm_empty():
+    for shape in [(0, 4, 3, 3), (2, 4, 0, 3)]:
+        x = _f(torch.randn(shape, device=DEVICE), True)
+        w, b = _f(torch.randn(4, device=DEVICE), True), _f(torch.randn(4, device=DEVICE), True)
+        y = F.group_norm(x, 2, w, b)
+        assert y.shape == shape
+        grads = y.sum().backward()
+        assert grads[x].shape == shape
+        assert_close(grads[w], torch.zeros(4))
+        assert_close(grads[b], torch.zeros(4))
+
+
+def test_group_norm_bad_inputs():
+    x = _f(torch.randn(2, 6, 3, 3))
+    with pytest.raises(ValueError, match="divisible"):
+        F.group_norm(x, 4)
+    with pytest.raises(ValueError, match="weight"):
+        F.group_norm(x, 3, _f(torch.randn(5)))
+    with pytest.raises(ValueError, match="bias"):
+        F.group_norm(x, 3, _f(torch.randn(6)), _f(torch.randn(6, 1)))
+    with pytest.raises(ValueError, match="activation"):
+        F.group_norm(x, 3, activation="gelu")
+    with pytest.raises(ValueError, match="num_groups"):
+        F.group_norm(x, 0)
+    with pytest.raises(ValueError, match="shape"):
+        F.group_norm(_f(torch.randn(6)), 3)
+    with pytest.raises(ValueError, match="eps"):
+        F.group_norm(x, 3, eps=-1.0)
+    with pytest.raises(TypeError, match="floating"):
+        F.group_norm(flame.from_torch(torch.ones(2, 6, 3, 3, dtype=torch.int64)), 3)
+    with pytest.raises(TypeError, match="weight"):
+        F.group_norm(x, 3, torch.randn(6))
+
+
+# ---- LayerNorm / RMSNorm ------------------------------------------------------------------------
+
+LN_CASES = [
+    ((5, 3, 20), (20,)),
+    ((7, 33), (33,)),        # D not a power of two
+    ((4, 3, 5), (3, 5)),     # two normalised dims
+    ((1, 1), (1,)),
+]
+
+
+def _ln_fns(rms, ns, eps):
+    if rms:
+        return (lambda x, w: F.rms_norm(x, ns, w, eps)), (lambda x, w: TF.rms_norm(x, ns, w, eps))
+    return (lambda x, w, b: F.layer_norm(x, ns, w, b, eps)), (lambda x, w, b: TF.layer_norm(x, ns, w, b, eps))
+
+
+def _ln_inputs(shape, ns, dtype, affine, rms, noncontig=False):
+    x = torch.randn(shape, dtype=torch.float64).to(dtype).to(DEVICE)
+    if noncontig and len(shape) >= 2:
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    w = (1 + 0.5 * torch.randn(ns)).to(dtype).to(DEVICE) if affine else None
+    b = torch.randn(ns).to(dtype).to(DEVICE) if affine else None
+    g = torch.randn(shape).to(dtype).to(DEVICE)
+    return ([x, w] if rms else [x, w, b]), g
+
+
+@pytest.mark.parametrize("shape,ns", LN_CASES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_rms_norm(shape, ns, dtype, rms):
+    inputs, g = _ln_inputs(shape, ns, dtype, True, rms)
+    f_fn, t_fn = _ln_fns(rms, ns, 1e-5)
+    _check(f_fn, t_fn, inputs, g, dtype)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+@pytest.mark.parametrize("affine", [False, True])
+def test_layer_rms_norm_no_affine_noncontig_eps(rms, affine):
+    inputs, g = _ln_inputs((6, 10), (10,), torch.float32, affine, rms, noncontig=True)
+    for eps in ([None, 1e-3] if rms else [1e-5, 0.1]):
+        f_fn, t_fn = _ln_fns(rms, (10,), eps)
+        _check(f_fn, t_fn, inputs, g, torch.float32)
+
+
+@pytest.mark.parametrize("override", [(1, 8, 1), (2, 64, 3)], ids=["looped-row", "multi-program"])
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_rms_norm_paths(monkeypatch, override, rms):
+    # (1, 8, .): rows of 37 longer than the block -> the streamed three-pass kernels;
+    # (2, 64, 3): 3 programs each reducing several row blocks into dW/dB partials
+    monkeypatch.setattr(KN, "_ln_override", override)
+    inputs, g = _ln_inputs((11, 37), (37,), torch.float32, True, rms)
+    inputs[0] = inputs[0] + 50.0  # offset mean: the looped LayerNorm's centred variance pass
+    f_fn, t_fn = _ln_fns(rms, (37,), 1e-5)
+    _check(f_fn, t_fn, inputs, g, torch.float32)
+
+
+def test_layer_rms_norm_gradcheck():
+    rng = np.random.default_rng(1)
+    x = flame.tensor(rng.standard_normal((3, 5)), requires_grad=True)
+    w = flame.tensor(1 + 0.3 * rng.standard_normal(5), requires_grad=True)
+    b = flame.tensor(rng.standard_normal(5), requires_grad=True)
+    assert gradcheck(lambda x, w, b: F.layer_norm(x, 5, w, b), [x, w, b])
+    assert gradcheck(lambda x, w: F.rms_norm(x, [5], w), [x, w])
+    assert gradcheck(lambda x: F.layer_norm(x, (3, 5)), [x])
+
+
+def test_layer_norm_empty():
+    x = _f(torch.randn(0, 8, device=DEVICE), True)
+    w, b = _f(torch.randn(8, device=DEVICE), True), _f(torch.randn(8, device=DEVICE), True)
+    y = F.layer_norm(x, 8, w, b)
+    assert y.shape == (0, 8)
+    grads = y.sum().backward()
+    assert grads[x].shape == (0, 8)
+    assert_close(grads[w], torch.zeros(8))
+    assert_close(grads[b], torch.zeros(8))
+    assert F.rms_norm(_f(torch.randn(3, 0)), 0).shape == (3, 0)
+
+
+def test_layer_norm_bad_inputs():
+    x = _f(torch.randn(4, 6))
+    with pytest.raises(ValueError, match="normalized_shape"):
+        F.layer_norm(x, 5)
+    with pytest.raises(ValueError, match="normalized_shape"):
+        F.layer_norm(x, (2, 4, 6))
+    with pytest.raises(ValueError, match="weight"):
+        F.layer_norm(x, 6, _f(torch.randn(5)))
+    with pytest.raises(ValueError, match="bias"):
+        F.layer_norm(x, 6, None, _f(torch.randn(6, 1)))
+    with pytest.raises(ValueError, match="weight"):
+        F.rms_norm(x, [6], _f(torch.randn(4)))
+    with pytest.raises(TypeError, match="floating"):
+        F.rms_norm(flame.from_torch(torch.ones(4, 6, dtype=torch.int32)), 6)
+    with pytest.raises(ValueError, match="eps"):
+        F.layer_norm(x, 6, eps=float("nan"))
+
+
+# ---- GPU: bf16 and SDXL shapes ------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_group_norm_bf16(channels_last, act):
+    x, w, b, g = _gn_inputs((2, 64, 9, 7), torch.bfloat16, True, channels_last)
+    _check(_gn_flame(32, 1e-5, act), _gn_torch(32, 1e-5, act), [x, w, b], g, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_rms_norm_bf16(rms):
+    inputs, g = _ln_inputs((300, 640), (640,), torch.bfloat16, True, rms)
+    f_fn, t_fn = _ln_fns(rms, (640,), 1e-5)
+    _check(f_fn, t_fn, inputs, g, torch.bfloat16)
+
+
+SDXL_GN = [(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32), (1, 2560, 32, 32), (4, 320, 128, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SDXL_GN, ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("act", [None, "silu"])
+def test_group_norm_sdxl_shapes(shape, channels_last, act):
+    x, w, b, g = _gn_inputs(shape, torch.bfloat16, True, channels_last)
+    out = _check(_gn_flame(32, 1e-5, act), _gn_torch(32, 1e-5, act), [x, w, b], g, torch.bfloat16)
+    assert out.stride() == x.stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 640), (1024, 1280), (16384, 320), (8192, 4096)], ids=str)
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_rms_norm_sdxl_shapes(shape, rms):
+    inputs, g = _ln_inputs(shape, shape[-1:], torch.bfloat16, True, rms)
+    f_fn, t_fn = _ln_fns(rms, shape[-1:], 1e-5)
+    _check(f_fn, t_fn, inputs, g, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_group_norm_deterministic():
+    x, w, b, g = _gn_inputs((1, 320, 64, 64), torch.bfloat16, True, True)
+    runs = [_flame_run(_gn_flame(32, 1e-5, "silu"), [x, w, b], g)[1] for _ in range(2)]
+    for a, c in zip(*runs):
+        assert torch.equal(a.to_torch(), c.to_torch())
