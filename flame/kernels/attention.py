@@ -1,0 +1,603 @@
+"""Flash attention: FlashAttention-2 forward and blockwise backward over strided q/k/v.
+
+Problem: ``O = softmax(Q K^T * scale + M) V`` per (batch, head), with Q (Lq, D), K and V (Lk, D),
+an optional mask M (additive float, or boolean where True keeps a score) and an optional causal
+mask with PyTorch's top-left alignment (query i sees keys j <= i, whatever Lq and Lk are).
+
+Layout: every operand comes as a base pointer plus (batch, head, row) strides; the head dim is
+contiguous (stride 1). A (B, L, H, D) projection permuted to (B, H, L, D) is read in place. Masks
+come with four strides (0 where broadcast). The log-sum-exp and ``delta`` buffers are dense
+(B*H, Lq) in fp32 (fp64 for fp64 inputs).
+
+Kernels (all programs of one (batch, head) pair index it as ``pid_bh = b * H + h``):
+- ``_attn_fwd_kernel``: one program per BLOCK_M query rows (or M_GROUP query blocks that share
+  one K/V block when Lk fits in BLOCK_N: the cross-attention path, K/V loaded once per program).
+  Online softmax in base 2 with the scale folded in: ``s2 = (q.k * scale + m) * log2(e)``; the
+  row statistics (max, sum) are rescaled as each key block arrives. Stores O and
+  ``lse2 = max + log2(sum)`` (base-2 log-sum-exp of the scaled scores; +inf for a row whose
+  every key is masked out: its output is 0 and so are its gradients, as in PyTorch's
+  ``_safe_softmax`` path).
+- ``_attn_bwd_preprocess_kernel``: ``delta_i = sum_d dO[i, d] * O[i, d]``.
+- ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys (and per chunk of query blocks),
+  looping over query blocks; recomputes P from lse2. With FUSED_DQ (every key in one block)
+  it also writes dQ of each query block it visits, so short K/V needs no second kernel.
+- ``_attn_bwd_dq_kernel``: one program per BLOCK_M queries, looping over key blocks.
+- ``_sum_chunks_kernel``: sums the fp32 partial dK/dV of query chunks (deterministic, no atomics).
+
+Loops are split into an unmasked stage (key blocks fully inside [0, Lk) and fully at or below
+the causal diagonal) and a masked stage (the diagonal and the ragged last block), so the common
+blocks pay no ``where``. Loads and stores are masked on both sequence ends and on the head dim
+(BLOCK_D is D rounded up to a power of 2).
+
+Interpreter notes (as in matmul.py): bf16 dot inputs are upcast (the interpreter's bf16 dot is
+wrong); fp32 dots use ``input_precision="ieee"``; fp64 inputs accumulate in fp64.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .launch import launch
+
+# log2(e) = 1.4426950408889634 (written inline in jit code)
+LOG2E = 1.4426950408889634
+
+
+# ---- forward ----------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale, smm, smn,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                ACC: tl.constexpr, PRECISION: tl.constexpr):
+    # one key block: scores in base 2, then the online-softmax rescale of (acc, m_i, l_i)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+    if MASK_KIND == 1:
+        am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                     mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0.0)
+        qk = qk + am.to(ACC) * 1.4426950408889634
+    elif MASK_KIND == 2:
+        am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                     mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0)
+        qk = tl.where(am != 0, qk, float("-inf"))
+    if MASKED:
+        keep = (offs_n < Lk)[None, :]
+        if CAUSAL:
+            keep = keep & (offs_n[None, :] <= offs_m[:, None])
+        qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION, out_dtype=ACC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _fwd_loop(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, lo, hi, Lq, Lk, qk_scale,
+              skn, svn, smm, smn,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+              MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              WIDE: tl.constexpr):
+    d_ok = offs_d < HEAD_DIM
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if WIDE:
+            offs_n = offs_n.to(tl.int64)
+        kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
+                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
+                     H, Lq, Lk, qk_scale,
+                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, smb, smh, smm, smn,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, M_GROUP: tl.constexpr, SINGLE_KV: tl.constexpr,
+                     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
+    pid_g = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_base = q_ptr + b * sqb + h * sqh
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    o_base = o_ptr + b * sob + h * soh
+    mask_base = mask_ptr + b * smb + h * smh
+    lse_base = lse_ptr + pid_bh.to(tl.int64) * Lq
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    if SINGLE_KV:  # every key in one block: load K/V once for all M_GROUP query blocks
+        offs_n = tl.arange(0, BLOCK_N)
+        if WIDE:
+            offs_n = offs_n.to(tl.int64)
+        kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+    for g in range(M_GROUP):
+        start_m = (pid_g * M_GROUP + g) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if WIDE:
+            offs_m = offs_m.to(tl.int64)
+        row_ok = offs_m < Lq
+        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                    other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
+        l_i = tl.zeros((BLOCK_M,), dtype=ACC)
+        if SINGLE_KV:
+            acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
+                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION)
+        else:
+            if CAUSAL:
+                hi = tl.minimum(Lk, start_m + BLOCK_M)
+                n_full = tl.minimum((Lk // BLOCK_N) * BLOCK_N, ((start_m + 1) // BLOCK_N) * BLOCK_N)
+            else:
+                hi = Lk
+                n_full = (Lk // BLOCK_N) * BLOCK_N
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, 0, n_full,
+                                      Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, False, CAUSAL,
+                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE)
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, n_full, hi,
+                                      Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, True, CAUSAL,
+                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE)
+        empty = l_i == 0.0  # every key masked out (or Lk == 0): output 0, lse +inf
+        l_safe = tl.where(empty, 1.0, l_i)
+        o = acc / l_safe[:, None]
+        lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
+        tl.store(o_base + offs_m[:, None] * som + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(lse_base + offs_m, lse, mask=row_ok)
+
+
+# ---- backward ---------------------------------------------------------------------------------
+# Notation per (batch, head): S = Q K^T * scale + M, P = softmax_rows(S), O = P V, dO = dL/dO.
+#   dV = P^T dO
+#   dP = dO V^T
+#   dS = P * (dP - delta),   delta_i = sum_j P_ij dP_ij = sum_d dO_id O_id   (softmax backward)
+#   dQ = dS K * scale,       dK = dS^T Q * scale
+# P is recomputed blockwise from the saved base-2 log-sum-exp: P_ij = exp2(S_ij * log2(e) - lse2_i).
+# The mask gets no gradient. Rows with lse2 = +inf (fully masked, or padding rows past Lq, which
+# load lse2 = +inf) have P = 0 and so contribute nothing.
+
+# delta_i = sum_d dO[i, d] * O[i, d]  (= rowsum(P * dP), the softmax-backward correction term)
+@triton.jit
+def _attn_bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, H, Lq, sob, soh, som, sdb, sdh, sdm,
+                                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                ACC: tl.constexpr, WIDE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if WIDE:
+        offs_m = offs_m.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m < Lq)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sdm + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(ACC) * do.to(ACC), 1)
+    tl.store(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_m, delta, mask=offs_m < Lq)
+
+
+@triton.jit
+def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n, offs_d,
+                 lo, hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm, smm, smn,
+                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 KEY_BOUND: tl.constexpr, MASK_KIND: tl.constexpr, FUSED_DQ: tl.constexpr,
+                 ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
+    # Transposed scores for one key block against query blocks lo..hi:
+    #   S^T = K Q^T (BLOCK_N, BLOCK_M), P^T = exp2(S^T - lse2), dV += P^T dO,
+    #   dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q  (scaled by `scale` at the end),
+    #   and with FUSED_DQ (the block holds every key): dQ = dS K * scale for this query block.
+    d_ok = offs_d < HEAD_DIM
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        if WIDE:
+            offs_m = offs_m.to(tl.int64)
+        row_ok = offs_m < Lq
+        ok = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=ok, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=ok, other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        if MASK_KIND == 1:
+            am = tl.load(mask_base + offs_m[None, :] * smm + offs_n[:, None] * smn,
+                         mask=row_ok[None, :] & (offs_n < Lk)[:, None], other=0.0)
+            st = st + am.to(ACC) * 1.4426950408889634
+        elif MASK_KIND == 2:
+            am = tl.load(mask_base + offs_m[None, :] * smm + offs_n[:, None] * smn,
+                         mask=row_ok[None, :] & (offs_n < Lk)[:, None], other=0)
+            st = tl.where(am != 0, st, float("-inf"))
+        if MASKED:
+            if CAUSAL:
+                keep = offs_m[None, :] >= offs_n[:, None]
+                if KEY_BOUND:
+                    keep = keep & (offs_n < Lk)[:, None]
+                st = tl.where(keep, st, float("-inf"))
+            elif KEY_BOUND:
+                st = tl.where((offs_n < Lk)[:, None], st, float("-inf"))
+        pt = tl.math.exp2(st - lse[None, :])
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=ACC)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
+        dst = pt * (dpt - delta[None, :])
+        dst_lp = dst.to(q.dtype)
+        dk = tl.dot(dst_lp, q, dk, input_precision=PRECISION, out_dtype=ACC)
+        if FUSED_DQ:
+            dq = tl.dot(tl.trans(dst_lp), k, input_precision=PRECISION, out_dtype=ACC) * sm_scale
+            tl.store(dq_base + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(dq_base.dtype.element_ty), mask=ok)
+    return dk, dv
+
+
+# dK_j = scale * sum_i dS_ij Q_i,  dV_j = sum_i P_ij dO_i,  dS = P * (dO V^T - delta)
+# (one program: BLOCK_N keys x one chunk of query blocks; FUSED_DQ also writes dQ_i = scale * dS_i K)
+@triton.jit
+def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, mask_ptr,
+                          H, Lq, Lk, qk_scale, sm_scale, blocks_per_chunk,
+                          sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+                          sdkc, sdkb, sdkh, sdkn, sdvc, sdvb, sdvh, sdvn, sdqb, sdqh, sdqm,
+                          smb, smh, smm, smn,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                          FUSED_DQ: tl.constexpr, KEY_BOUND: tl.constexpr, ACC: tl.constexpr,
+                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_c = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if WIDE:
+        offs_n = offs_n.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    kv_ok = (offs_n < Lk)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    k = tl.load(k_ptr + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(v_ptr + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    q_base = q_ptr + b * sqb + h * sqh
+    do_base = do_ptr + b * sdob + h * sdoh
+    dq_base = dq_ptr + b * sdqb + h * sdqh
+    mask_base = mask_ptr + b * smb + h * smh
+    lse_base = lse_ptr + pid_bh.to(tl.int64) * Lq
+    delta_base = delta_ptr + pid_bh.to(tl.int64) * Lq
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=ACC)
+    m_lo = pid_c * blocks_per_chunk * BLOCK_M
+    m_hi = tl.minimum(m_lo + blocks_per_chunk * BLOCK_M, Lq)
+    if CAUSAL:
+        # query blocks before the one holding row start_n see none of these keys; blocks from
+        # diag_end on see all of them (every row >= start_n + BLOCK_N - 1)
+        lo = tl.maximum(m_lo, (start_n // BLOCK_M) * BLOCK_M)
+        diag_end = ((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n,
+                              offs_d, lo, tl.minimum(diag_end, m_hi), Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm,
+                              smm, smn, HEAD_DIM, BLOCK_M, True, CAUSAL, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC,
+                              PRECISION, UPCAST, WIDE)
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n,
+                              offs_d, tl.maximum(lo, diag_end), m_hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm,
+                              smm, smn, HEAD_DIM, BLOCK_M, KEY_BOUND, False, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC,
+                              PRECISION, UPCAST, WIDE)
+    else:
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n,
+                              offs_d, m_lo, m_hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm, smm, smn,
+                              HEAD_DIM, BLOCK_M, KEY_BOUND, False, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC, PRECISION,
+                              UPCAST, WIDE)
+    dk = dk * sm_scale
+    c = pid_c.to(tl.int64)
+    tl.store(dk_ptr + c * sdkc + b * sdkb + h * sdkh + offs_n[:, None] * sdkn + offs_d[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(dv_ptr + c * sdvc + b * sdvb + h * sdvh + offs_n[:, None] * sdvn + offs_d[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=kv_ok)
+
+
+@triton.jit
+def _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, mask_base, offs_m, offs_d, lo, hi, Lq, Lk, qk_scale,
+                skn, svn, smm, smn,
+                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                WIDE: tl.constexpr):
+    # S = Q K^T (BLOCK_M, BLOCK_N), P = exp2(S - lse2), dP = dO V^T, dS = P * (dP - delta), dQ += dS K
+    d_ok = offs_d < HEAD_DIM
+    row_ok = offs_m < Lq
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if WIDE:
+            offs_n = offs_n.to(tl.int64)
+        kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+        if MASK_KIND == 1:
+            am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                         mask=row_ok[:, None] & (offs_n < Lk)[None, :], other=0.0)
+            s = s + am.to(ACC) * 1.4426950408889634
+        elif MASK_KIND == 2:
+            am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                         mask=row_ok[:, None] & (offs_n < Lk)[None, :], other=0)
+            s = tl.where(am != 0, s, float("-inf"))
+        if MASKED:
+            keep = (offs_n < Lk)[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        p = tl.math.exp2(s - lse[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION, out_dtype=ACC)
+    return dq
+
+
+# dQ_i = scale * sum_j dS_ij K_j,  dS_ij = P_ij * (dO_i . V_j - delta_i)
+# (one program: BLOCK_M queries, looping over key blocks up to the causal diagonal)
+@triton.jit
+def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, mask_ptr,
+                        H, Lq, Lk, qk_scale, sm_scale,
+                        sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+                        smb, smh, smm, smn,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
+                        ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if WIDE:
+        offs_m = offs_m.to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < Lq
+    ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :], mask=ok, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=float("inf"))
+    delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    mask_base = mask_ptr + b * smb + h * smh
+    if CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+        n_full = tl.minimum((Lk // BLOCK_N) * BLOCK_N, ((start_m + 1) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Lk
+        n_full = (Lk // BLOCK_N) * BLOCK_N
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
+    dq = _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, mask_base, offs_m, offs_d, 0, n_full, Lq, Lk,
+                     qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, False, CAUSAL, MASK_KIND, ACC, PRECISION,
+                     UPCAST, WIDE)
+    dq = _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, mask_base, offs_m, offs_d, n_full, hi, Lq, Lk,
+                     qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, True, CAUSAL, MASK_KIND, ACC, PRECISION,
+                     UPCAST, WIDE)
+    dq = dq * sm_scale
+    tl.store(dq_ptr + b * sdqb + h * sdqh + offs_m[:, None] * sdqm + offs_d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=ok)
+
+
+# out[b, h, n, :] = sum_c part[c, b*H + h, n, :]  (partial dK/dV of query chunks; fixed order)
+@triton.jit
+def _sum_chunks_kernel(part_ptr, out_ptr, H, L, C, spc, spbh, spn, sob, soh, son,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+                       ACC: tl.constexpr):
+    pid_l = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_l = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_l < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    src = part_ptr + pid_bh.to(tl.int64) * spbh + offs_l[:, None] * spn + offs_d[None, :]
+    acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=ACC)
+    for c in range(0, C):
+        acc += tl.load(src + c * spc, mask=ok, other=0.0).to(ACC)
+    tl.store(out_ptr + b * sob + h * soh + offs_l[:, None] * son + offs_d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ---- launch configuration ---------------------------------------------------------------------
+
+def _pow2(n):
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+_SMS = None
+
+
+def _num_sms():
+    global _SMS
+    if _SMS is None:
+        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
+    return _SMS
+
+
+# Lk at or below this uses the short-K/V paths (K/V in one block: forward loads them once per
+# program; backward fuses dQ into the dK/dV kernel and splits the query range over programs).
+SHORT_KV_MAX = 128
+# Tests set this to a dict of block sizes to exercise the multi-block paths in the interpreter.
+FORCE_BLOCKS = None
+
+
+def _switches(dtype):
+    acc = tl.float64 if dtype == torch.float64 else tl.float32
+    # fp32 attention is for tests: exact products (no tf32) everywhere; fp16/bf16 ignore it on the GPU
+    precision = "ieee" if (runtime.INTERPRETER or dtype in (torch.float32, torch.float64)) else "tf32"
+    upcast = runtime.INTERPRETER and dtype == torch.bfloat16
+    return acc, precision, upcast
+
+
+def stats_dtype(dtype):
+    """Dtype of the saved log-sum-exp and delta buffers."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _fwd_config(Lq, Lk, D, BH):
+    bd = max(16, _pow2(D))
+    short = Lk <= SHORT_KV_MAX
+    if FORCE_BLOCKS is not None:
+        bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
+        short = short and Lk <= bn
+        return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn if not short else max(16, _pow2(Lk)),
+                    M_GROUP=FORCE_BLOCKS.get("M_GROUP", 1) if short else 1, SINGLE_KV=short,
+                    num_warps=4, num_stages=1)
+    if runtime.INTERPRETER:  # ~1.5 ms per program: few, big programs
+        bm = max(16, _pow2(min(Lq, 128)))
+        bn = max(16, _pow2(min(Lk, 128)))
+        return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=short, num_warps=4, num_stages=1)
+    # GPU heuristics (to be tuned on the H100/H200): 128 query rows per program; 64-key blocks.
+    warps = 4 if bd <= 64 else 8
+    if bd > 128:
+        bm, bn, warps, stages = 64, 32, 4, 2
+    else:
+        bm, bn, stages = 128, 64, 3
+    if short:
+        bn = max(16, _pow2(Lk))
+        nm = _cdiv(Lq, bm)
+        group = max(1, min(8, (nm * BH) // (2 * _num_sms())))
+        return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, SINGLE_KV=True, num_warps=warps,
+                    num_stages=2)
+    return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=False, num_warps=warps, num_stages=stages)
+
+
+def _bwd_config(Lq, Lk, D, BH):
+    """(dkdv config, dq config or None for the fused short-K/V path, query blocks per chunk)."""
+    bd = max(16, _pow2(D))
+    short = Lk <= SHORT_KV_MAX
+    if FORCE_BLOCKS is not None:
+        bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
+        if short and Lk <= bn:
+            bpc = FORCE_BLOCKS.get("CHUNK", _cdiv(Lq, bm))
+            return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4, num_stages=1), None, bpc
+        kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+        return kv, dict(kv), _cdiv(Lq, bm)
+    if runtime.INTERPRETER:
+        bm = max(16, _pow2(min(Lq, 128)))
+        bn = max(16, _pow2(min(Lk, 128)))
+        kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
+        return kv, (None if short else dict(kv)), _cdiv(Lq, bm)
+    if short:
+        bm = 64
+        kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4 if bd <= 64 else 8, num_stages=2)
+        nm = _cdiv(Lq, bm)
+        chunks = max(1, min(nm, (2 * _num_sms()) // max(BH, 1)))
+        return kv, None, _cdiv(nm, chunks)
+    if bd <= 64:
+        kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)
+        dq = dict(BLOCK_D=bd, BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
+    elif bd <= 128:
+        kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
+        dq = dict(BLOCK_D=bd, BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)
+    else:
+        kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+        dq = dict(BLOCK_D=bd, BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
+    return kv, dq, _cdiv(Lq, kv["BLOCK_M"])
+
+
+# ---- launchers --------------------------------------------------------------------------------
+# Operands are described by (buffer, (batch stride, head stride, row stride)); the head dim is
+# contiguous. ``mask`` is None or (buffer, (4 strides), kind) with kind 1 = additive, 2 = boolean
+# (a uint8 view).
+
+_I32 = 2 ** 31 - 1
+
+
+def _wide(*extents):
+    return any(e > _I32 for e in extents)
+
+
+def _mask_args(mask, q):
+    if mask is None:
+        return q, (0, 0, 0, 0), 0
+    return mask
+
+
+def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causal, mask=None):
+    """O = softmax(Q K^T * scale + mask) V into ``o``; base-2 log-sum-exp into ``lse`` (B*H, Lq)."""
+    if B * H == 0 or Lq == 0:
+        return
+    mbuf, ms, kind = _mask_args(mask, q)
+    cfg = _fwd_config(Lq, Lk, D, B * H)
+    acc, precision, upcast = _switches(q.dtype)
+    wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * ms[2] + Lk * ms[3])
+    grid = (_cdiv(_cdiv(Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), B * H)
+    launch(_attn_fwd_kernel, grid, q, k, v, o, lse, mbuf, H, Lq, Lk, float(scale * LOG2E),
+           *sq, *sk, *sv, *so, *ms,
+           HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast, WIDE=wide,
+           **cfg)
+
+
+def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk, sdv,
+                  B, H, Lq, Lk, D, scale, causal, mask=None):
+    """dQ, dK, dV of ``attention_fwd`` given dO, O and the saved log-sum-exp."""
+    if B * H == 0:
+        return
+    mbuf, ms, kind = _mask_args(mask, q)
+    acc, precision, upcast = _switches(q.dtype)
+    sdt = stats_dtype(q.dtype)
+    kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H)
+    bpc = max(1, bpc)
+    wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],
+                 Lk * sdv[2], Lq * ms[2] + Lk * ms[3])
+    qk_scale, sm_scale = float(scale * LOG2E), float(scale)
+    delta = runtime.empty((B * H, max(Lq, 1)), sdt)
+    if Lq > 0:
+        bm = kv_cfg["BLOCK_M"] if runtime.INTERPRETER else 64
+        launch(_attn_bwd_preprocess_kernel, (_cdiv(Lq, bm), B * H), o, do, delta, H, Lq, *so, *sdo,
+               HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_M=bm, ACC=acc, WIDE=wide)
+    fused = dq_cfg is None
+    common = dict(HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast,
+                  WIDE=wide)
+    if Lk > 0:
+        nm = _cdiv(Lq, kv_cfg["BLOCK_M"])
+        chunks = max(1, _cdiv(nm, bpc))
+        if chunks > 1:  # fp32 partials per query chunk, (chunks, B, H, Lk, D) dense, summed below in a fixed order
+            part_k = runtime.empty((chunks, B, H, Lk, D), sdt)
+            part_v = runtime.empty((chunks, B, H, Lk, D), sdt)
+            tk, tv = part_k, part_v
+            stk = stv = (B * H * Lk * D, H * Lk * D, Lk * D, D)
+        else:
+            tk, tv, stk, stv = dk, dv, (0,) + tuple(sdk), (0,) + tuple(sdv)
+        grid = (_cdiv(Lk, kv_cfg["BLOCK_N"]), B * H, chunks)
+        key_bound = fused and Lk % kv_cfg["BLOCK_N"] != 0
+        launch(_attn_bwd_dkdv_kernel, grid, q, k, v, do, lse, delta, tk, tv, dq, mbuf,
+               H, Lq, Lk, qk_scale, sm_scale, bpc, *sq, *sk, *sv, *sdo, *stk, *stv, *sdq, *ms,
+               FUSED_DQ=fused, KEY_BOUND=key_bound, **common, **kv_cfg)
+        if chunks > 1:
+            bl = 128 if runtime.INTERPRETER else 32
+            for part, out, so_ in ((part_k, dk, sdk), (part_v, dv, sdv)):
+                launch(_sum_chunks_kernel, (_cdiv(Lk, bl), B * H), part, out, H, Lk, chunks,
+                       B * H * Lk * D, Lk * D, D, *so_, HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_L=bl, ACC=acc)
+    if Lq > 0 and (not fused or Lk == 0):
+        cfg = dq_cfg if dq_cfg is not None else kv_cfg
+        launch(_attn_bwd_dq_kernel, (_cdiv(Lq, cfg["BLOCK_M"]), B * H), q, k, v, do, lse, delta, dq, mbuf,
+               H, Lq, Lk, qk_scale, sm_scale, *sq, *sk, *sv, *sdo, *sdq, *ms, **common, **cfg)
