@@ -248,7 +248,7 @@ def offsets_4d(i0, i1, i2, col, s0, s1, s2, s3):
 
 
 @triton.jit(do_not_specialize=["s0", "s1"])
-def _map_contiguous_kernel(out_ptr, a_ptr, b_ptr, c_ptr, n, s0, s1,
+def _map_contiguous_kernel(out_ptr, a_ptr, b_ptr, c_ptr, s0, s1, n,
                            NIN: tl.constexpr, OP: tl.constexpr, CD: tl.constexpr,
                            OUT_BOOL: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
     offs = _index(tl.program_id(0), BLOCK, WIDE)
@@ -327,48 +327,62 @@ def _pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+_plans: dict = {}
+
+
 def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     """out[...] = op(*inputs, s0, s1) over torch buffers with any strides.
 
     ``inputs`` are torch tensors already broadcast (expanded) to ``out``'s shape; ``cd`` is the
-    compute dtype (a ``tl`` dtype), by default derived from all operands' dtypes.
+    compute dtype (a ``tl`` dtype), by default derived from all operands' dtypes. The launch plan
+    (kernel, grid, size and stride arguments, constexprs) depends only on op, dtypes, shape and
+    strides, so it is computed once per such combination and reused.
     """
-    n = out.numel()
-    if n == 0:
-        return out
     if not isinstance(op, int):
         op = op.value
-    if cd is None:
-        cd = compute_dtype(out.dtype, *[t.dtype for t in inputs])
-    out_bool = out.dtype == torch.bool
-    if cd is tl.int64:
+    key = (op, cd, out.dtype, out.shape, out.stride(), *[(t.dtype, t.stride()) for t in inputs])
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan_map(out, inputs, op, cd)
+        if isinstance(plan, tuple):
+            plan += (len(_plans),)  # the plan's id pins every non-tensor launch argument: launch(sig=)
+        _plans[key] = plan
+    if plan is _EMPTY:
+        return out
+    if plan is _PEEL:
+        return _map_peeled(out, inputs, op, s0, s1, cd)
+    kernel, grid, ints, meta, sig = plan
+    if meta["CD"] is tl.int64:
         s0, s1 = int(s0), int(s1)
+        sig = (sig, -2147483648 <= s0 < 2147483648, -2147483648 <= s1 < 2147483648)
     else:
         s0, s1 = float(s0), float(s1)
+    launch(kernel, grid, out, *inputs, *[out] * (3 - len(inputs)), s0, s1, *ints, sig=sig, **meta)
+    return out
+
+
+_EMPTY, _PEEL = object(), object()
+
+
+def _plan_map(out, inputs, op, cd):
+    """Choose the kernel, grid and launch arguments of one map (see map_)."""
+    n = out.numel()
+    if n == 0:
+        return _EMPTY
+    if cd is None:
+        cd = compute_dtype(out.dtype, *[t.dtype for t in inputs])
     nin = len(inputs)
-    ptrs = list(inputs) + [out] * (3 - nin)
-    dense = out.is_contiguous() and all(t.is_contiguous() and t.shape == out.shape for t in inputs)
-    if not dense:
-        shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
-        dense = len(shape) == 1 and all(st[0] == 1 for st in strides)
+    meta = dict(NIN=nin, OP=op, CD=cd, OUT_BOOL=out.dtype == torch.bool)
+    shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
     # GPU tiles move ~8 KiB per operand, so 16-bit dtypes get twice the elements of fp32 and
     # each thread keeps 32 bytes in flight
     tile = 8192 // min([out.element_size()] + [t.element_size() for t in inputs])
-    if dense:
+    if len(shape) == 1 and all(st[0] == 1 for st in strides):
         block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else tile
-        launch(_map_contiguous_kernel, (cdiv(n, block),), out, *ptrs, n, s0, s1,
-               NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool, WIDE=n + block >= 2 ** 31,
-               BLOCK=block, num_warps=8 if block >= 2048 else 4)
-        return out
+        meta.update(WIDE=n + block >= 2 ** 31, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        return _map_contiguous_kernel, (cdiv(n, block),), (n,), meta
     if len(shape) > _MAX_DIMS:
-        # Peel the leading dims off in Python: each slice is a map of rank _MAX_DIMS.
-        lead = len(shape) - _MAX_DIMS
-        for idx in itertools.product(*(range(s) for s in shape[:lead])):
-            views = [t.as_strided(shape[lead:], st[lead:],
-                                  t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
-                     for t, st in zip([out, *inputs], strides)]
-            map_(views[0], views[1:], op, s0, s1, cd)
-        return out
+        return _PEEL
     pad = _MAX_DIMS - len(shape)
     shape = [1] * pad + shape
     strides = [[0] * pad + st for st in strides] + [[0] * _MAX_DIMS] * (3 - nin)
@@ -385,11 +399,20 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     else:
         block_c = min(1024, _pow2(d3))
         block_r = min(_pow2(rows), max(1, tile // block_c))
-    grid = (cdiv(rows, block_r), cdiv(d3, block_c))
-    flat = [s for st in strides for s in st]
-    launch(_map_strided_kernel, grid, out, *ptrs, s0, s1, rows, shape[1], shape[2], d3, *flat,
-           NIN=nin, OP=op, CD=cd, OUT_BOOL=out_bool, WIDE=needs_int64(shape, strides, block_r, block_c),
-           BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_r * block_c >= 4096 else 4)
+    ints = (rows, shape[1], shape[2], d3, *[s for st in strides for s in st])
+    meta.update(WIDE=needs_int64(shape, strides, block_r, block_c), BLOCK_R=block_r, BLOCK_C=block_c,
+                num_warps=8 if block_r * block_c >= 4096 else 4)
+    return _map_strided_kernel, (cdiv(rows, block_r), cdiv(d3, block_c)), ints, meta
+
+
+def _map_peeled(out, inputs, op, s0, s1, cd):
+    """More than four dims that don't merge: peel the leading ones off in Python."""
+    shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
+    lead = len(shape) - _MAX_DIMS
+    for idx in itertools.product(*(range(s) for s in shape[:lead])):
+        views = [t.as_strided(shape[lead:], st[lead:], t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
+                 for t, st in zip([out, *inputs], strides)]
+        map_(views[0], views[1:], op, s0, s1, cd)
     return out
 
 

@@ -56,11 +56,14 @@ def _arg_key(args, nospec):
     return tuple(key)
 
 
-def launch(kernel, grid, *args, **meta):
+def launch(kernel, grid, *args, sig=None, **meta):
     """Launch ``kernel`` on ``grid`` (a tuple of up to 3 ints): ``kernel[grid](*args, **meta)``.
 
     ``args`` are the kernel's leading runtime arguments in order; ``meta`` holds its trailing
-    constexprs and launch options (num_warps, num_stages).
+    constexprs and launch options (num_warps, num_stages). A caller that has already pinned down
+    everything except the tensors may pass ``sig``: a hashable that determines the
+    specialisation of every non-tensor argument and ``meta``; the key then only adds each
+    tensor's dtype and alignment, skipping the per-argument inspection.
     """
     global _direct, _device
     if not _direct:
@@ -71,7 +74,10 @@ def launch(kernel, grid, *args, **meta):
     if cache is None:
         cache = _caches[kid] = {}
         _no_spec[kid] = _nospec_flags(kernel, len(args))
-    key = (_arg_key(args, _no_spec[kid]), tuple(meta.items()))
+    if sig is None:
+        key = (_arg_key(args, _no_spec[kid]), tuple(meta.items()))
+    else:
+        key = (sig, *[(a.dtype, a.data_ptr() & 15 == 0) for a in args if isinstance(a, torch.Tensor)])
     entry = cache.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **meta)
