@@ -1,0 +1,310 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as TF
+
+import flame
+import flame.nn.functional as F
+from flame.kernels import softmax as KS
+from flame.testing import gradcheck
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
+
+
+def _f(t, requires_grad=False):
+    return flame.from_torch(t.detach().clone(), requires_grad=requires_grad)
+
+
+def _run(f_fn, t_fn, inputs, grad_mask, g):
+    """(flame out, flame grads, torch out, torch grads); grads only where grad_mask."""
+    fl = [_f(t, m) for t, m in zip(inputs, grad_mask)]
+    out = f_fn(*fl)
+    grads = out.backward(_f(g))
+    tl_ = [t.detach().clone().requires_grad_(m) for t, m in zip(inputs, grad_mask)]
+    ref = t_fn(*tl_)
+    ref.backward(g)
+    return (out, [grads[x] if m else None for x, m in zip(fl, grad_mask)],
+            ref.detach(), [t.grad if m else None for t, m in zip(tl_, grad_mask)])
+
+
+def _check(f_fn, t_fn, inputs, grad_mask, g, dtype, atol=1e-5, rtol=1e-4):
+    out, grads, ref, ref_grads = _run(f_fn, t_fn, inputs, grad_mask, g)
+    if dtype in (torch.float32, torch.float64):
+        assert_close(out, ref, atol=atol, rtol=rtol)
+        for got, want in zip(grads, ref_grads):
+            if want is not None:
+                assert_close(got.to_torch().to(want.dtype), want, atol=atol, rtol=rtol)
+        return out
+    assert out.dtype == ref.dtype
+    up = [t.float() if t.dtype.is_floating_point else t for t in inputs]
+    _, _, ref32, ref32_grads = _run(f_fn, t_fn, up, grad_mask, g.float())
+    assert_within_torch_error(out, ref, ref32, 2)
+    for got, low, want in zip(grads, ref_grads, ref32_grads):
+        if want is not None:
+            assert_within_torch_error(got, low, want, 3)
+    return out
+
+
+def _randn(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
+
+
+# ---- softmax / log_softmax ----------------------------------------------------------------------
+
+SM_CASES = [((5, 3, 20), -1), ((5, 3, 20), 1), ((5, 3, 20), 0), ((7, 33), -1), ((6,), 0), ((), 0)]
+
+
+@pytest.mark.parametrize("shape,dim", SM_CASES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax(shape, dim, dtype, log):
+    x = _randn(*shape, dtype=dtype, scale=3.0)
+    g = _randn(*shape, dtype=dtype)
+    f_fn = (lambda x: F.log_softmax(x, dim)) if log else (lambda x: F.softmax(x, dim))
+    t_fn = (lambda x: TF.log_softmax(x, dim)) if log else (lambda x: TF.softmax(x, dim))
+    _check(f_fn, t_fn, [x], [True], g, dtype)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_softmax_streamed_large_logits_noncontig(monkeypatch, log, dim):
+    # rows longer than the block (online log-sum-exp), logits ~1e4, a transposed input
+    monkeypatch.setattr(KS, "_row_override", (2, 8))
+    x = _randn(4, 37, 3, scale=1e4).transpose(1, 2)
+    g = _randn(4, 3, 37)
+    f_fn = (lambda x: F.log_softmax(x, dim)) if log else (lambda x: F.softmax(x, dim))
+    t_fn = (lambda x: TF.log_softmax(x, dim)) if log else (lambda x: TF.softmax(x, dim))
+    _check(f_fn, t_fn, [x], [True], g, torch.float32, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_softmax_large_and_infinite_logits(monkeypatch, streamed):
+    if streamed:
+        monkeypatch.setattr(KS, "_row_override", (1, 2))
+    x = torch.tensor([[1e30, 0.0, -1e30, 5.0], [-math.inf, 2.0, -math.inf, 1.0], [88.0, 89.0, 90.0, 91.0]],
+                     device=DEVICE)
+    assert_close(F.softmax(_f(x), -1), torch.softmax(x, -1))
+    assert_close(F.log_softmax(_f(x), -1), torch.log_softmax(x, -1))
+    full = torch.full((1, 3), -math.inf, device=DEVICE)
+    assert np.isnan(F.softmax(_f(full), -1).numpy()).all()
+
+
+def test_softmax_dtype_and_errors():
+    x = _randn(3, 4)
+    y = F.softmax(_f(x), 1, dtype=flame.float64)
+    assert y.dtype == torch.float64
+    assert_close(y, torch.softmax(x, 1, dtype=torch.float64), rtol=1e-6, atol=1e-7)
+    with pytest.raises(IndexError):
+        F.softmax(_f(x), 2)
+    with pytest.raises(TypeError, match="dim"):
+        F.softmax(_f(x))
+    with pytest.raises(TypeError, match="floating"):
+        F.log_softmax(flame.from_torch(torch.ones(3, dtype=torch.int64, device=DEVICE)), 0)
+    assert F.softmax(_f(torch.randn(0, 5, device=DEVICE)), 1).shape == (0, 5)
+    assert F.log_softmax(_f(torch.randn(3, 0, device=DEVICE)), 1).shape == (3, 0)
+
+
+def test_softmax_gradcheck():
+    rng = np.random.default_rng(2)
+    x = flame.tensor(rng.standard_normal((3, 4)), requires_grad=True)
+    assert gradcheck(lambda x: F.softmax(x, 1), [x])
+    assert gradcheck(lambda x: F.log_softmax(x, 0), [x])
+
+
+# ---- cross_entropy ------------------------------------------------------------------------------
+
+def _check_ce(x, t, red, ls, dtype, ii=-100, atol=1e-5):
+    # inputs: logits (grad) and target (no grad)
+    f_ce = lambda x, t: F.cross_entropy(x, t, ignore_index=ii, reduction=red, label_smoothing=ls)
+    t_ce = lambda x, t: TF.cross_entropy(x, t, ignore_index=ii, reduction=red, label_smoothing=ls)
+    g = _randn(*(t.shape if red == "none" else ()), dtype=dtype)
+    return _check(f_ce, t_ce, [x, t], [True, False], g, dtype, atol=atol)
+
+
+@pytest.mark.parametrize("red", ["none", "mean", "sum"])
+@pytest.mark.parametrize("ls", [0.0, 0.2])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_cross_entropy(red, ls, dtype):
+    x = _randn(9, 13, dtype=dtype, scale=3.0)
+    t = torch.randint(0, 13, (9,), device=DEVICE)
+    t[[2, 5]] = -100
+    _check_ce(x, t, red, ls, dtype)
+
+
+@pytest.mark.parametrize("red", ["none", "mean"])
+def test_cross_entropy_spatial_and_1d(red):
+    x = _randn(2, 5, 3, 4, scale=2.0)
+    t = torch.randint(0, 5, (2, 3, 4), device=DEVICE)
+    t[0, 1, 2] = 3
+    _check_ce(x, t, red, 0.1, torch.float32, ii=3)
+    x1 = _randn(7)
+    t1 = torch.tensor(4, device=DEVICE)
+    _check_ce(x1, t1, red, 0.0, torch.float32)
+
+
+@pytest.mark.parametrize("red", ["none", "mean", "sum"])
+def test_cross_entropy_streamed_large_logits(monkeypatch, red):
+    # classes streamed in blocks of 8 (online log-sum-exp), logits ~1e4, int32 targets
+    monkeypatch.setattr(KS, "_row_override", (2, 8))
+    x = _randn(5, 37, scale=1e4)
+    t = torch.randint(0, 37, (5,), device=DEVICE, dtype=torch.int32)
+    _check_ce(x, t.long(), red, 0.3, torch.float32, atol=1e-2)
+    y = F.cross_entropy(_f(x), _f(t), reduction=red, label_smoothing=0.3)
+    assert_close(y, TF.cross_entropy(x, t.long(), reduction=red, label_smoothing=0.3), atol=1e-2, rtol=1e-5)
+
+
+def test_cross_entropy_all_ignored_and_empty():
+    x = _randn(3, 4)
+    t = torch.full((3,), -100, device=DEVICE)
+    assert np.isnan(F.cross_entropy(_f(x), _f(t)).item())
+    assert F.cross_entropy(_f(x), _f(t), reduction="sum").item() == 0.0
+    xe = _f(torch.randn(0, 4, device=DEVICE), True)
+    te = _f(torch.zeros(0, dtype=torch.int64, device=DEVICE))
+    assert np.isnan(F.cross_entropy(xe, te).item())
+    assert F.cross_entropy(xe, te, reduction="sum").item() == 0.0
+    out = F.cross_entropy(xe, te, reduction="none")
+    assert out.shape == (0,)
+    grads = F.cross_entropy(xe, te, reduction="sum").backward()
+    assert grads[xe].shape == (0, 4)
+
+
+def test_cross_entropy_out_of_range_target_is_nan():
+    x = _randn(2, 4)
+    out = F.cross_entropy(_f(x), _f(torch.tensor([1, 7], device=DEVICE)), reduction="none").numpy()
+    assert np.isfinite(out[0]) and np.isnan(out[1])
+
+
+def test_cross_entropy_gradcheck():
+    rng = np.random.default_rng(3)
+    x = flame.tensor(rng.standard_normal((4, 5)), requires_grad=True)
+    t = flame.tensor(np.array([0, 4, -100, 2]), dtype=flame.int64)
+    assert gradcheck(lambda x: F.cross_entropy(x, t, label_smoothing=0.1), [x])
+    assert gradcheck(lambda x: F.cross_entropy(x, t, reduction="none"), [x])
+
+
+def test_cross_entropy_bad_inputs():
+    x = _f(_randn(3, 4))
+    t = _f(torch.tensor([0, 1, 2], device=DEVICE))
+    with pytest.raises(ValueError, match="target of shape"):
+        F.cross_entropy(x, _f(torch.tensor([0, 1], device=DEVICE)))
+    with pytest.raises(TypeError, match="class-index"):
+        F.cross_entropy(x, _f(_randn(3, 4)))
+    with pytest.raises(ValueError, match="reduction"):
+        F.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        F.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(NotImplementedError):
+        F.cross_entropy(x, t, weight=_f(_randn(4)))
+    with pytest.raises(TypeError, match="floating"):
+        F.cross_entropy(t, t)
+
+
+# ---- regression losses --------------------------------------------------------------------------
+
+LOSSES = {
+    "mse": (F.mse_loss, TF.mse_loss, {}),
+    "l1": (F.l1_loss, TF.l1_loss, {}),
+    "smooth_l1": (F.smooth_l1_loss, TF.smooth_l1_loss, {"beta": 0.7}),
+    "smooth_l1_beta0": (F.smooth_l1_loss, TF.smooth_l1_loss, {"beta": 0.0}),
+    "huber": (F.huber_loss, TF.huber_loss, {"delta": 0.6}),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+@pytest.mark.parametrize("red", ["none", "mean", "sum"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_losses(name, red, dtype):
+    f_l, t_l, kw = LOSSES[name]
+    x, y = _randn(3, 4, 5, dtype=dtype), _randn(3, 4, 5, dtype=dtype)
+    g = _randn(*((3, 4, 5) if red == "none" else ()), dtype=dtype)
+    _check(lambda x, y: f_l(x, y, reduction=red, **kw), lambda x, y: t_l(x, y, reduction=red, **kw),
+           [x, y], [True, True], g, dtype)
+
+
+@pytest.mark.parametrize("name", ["mse", "l1", "huber"])
+@pytest.mark.parametrize("red", ["none", "mean", "sum"])
+@pytest.mark.parametrize("wshape", [(3, 1, 1), (4, 1), (3, 4, 5), (3, 1, 5)], ids=str)
+def test_weighted_losses(name, red, wshape):
+    # weights broadcast from (B, 1, 1) (min-SNR per sample), per channel, full and a pattern that
+    # is materialised; torch needs the full shape, so its reference gets the expanded weight
+    f_l, t_l, kw = LOSSES[name]
+    x, y = _randn(3, 4, 5), _randn(3, 4, 5)
+    w = torch.rand(wshape, device=DEVICE) + 0.5
+    g = _randn(*((3, 4, 5) if red == "none" else ()))
+    out, grads, ref, ref_grads = _run(lambda x, y, w: f_l(x, y, reduction=red, weight=w, **kw),
+                                      lambda x, y, w: t_l(x, y, reduction=red, weight=w.expand(3, 4, 5), **kw),
+                                      [x, y, w], [True, True, True], g)
+    assert_close(out, ref, atol=1e-5, rtol=1e-4)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_losses_noncontig_mixed_dtype_and_empty():
+    x = _randn(4, 6).t()
+    y = _randn(6, 4, dtype=torch.float16)
+    out = F.mse_loss(_f(x), _f(y))
+    assert out.dtype == torch.float32
+    assert_close(out, TF.mse_loss(x, y.float()))
+    e = _f(torch.randn(0, 3, device=DEVICE), True)
+    assert np.isnan(F.l1_loss(e, e.detach()).item())
+    assert F.huber_loss(e, e.detach(), reduction="sum").item() == 0.0
+    assert F.mse_loss(e, e.detach(), reduction="none").shape == (0, 3)
+    grads = F.mse_loss(e, e.detach(), reduction="sum").backward()
+    assert grads[e].shape == (0, 3)
+
+
+def test_losses_gradcheck():
+    rng = np.random.default_rng(4)
+    x = flame.tensor(rng.standard_normal((3, 4)), requires_grad=True)
+    y = flame.tensor(rng.standard_normal((3, 4)), requires_grad=True)
+    w = flame.tensor(rng.random((3, 1)) + 0.5, requires_grad=True)
+    assert gradcheck(lambda x, y: F.mse_loss(x, y), [x, y])
+    assert gradcheck(lambda x, y: F.smooth_l1_loss(x, y, beta=0.5, reduction="none"), [x, y])
+    assert gradcheck(lambda x, y, w: F.l1_loss(x, y, weight=w), [x, y, w])
+    assert gradcheck(lambda x, y, w: F.huber_loss(x, y, delta=0.8, weight=w, reduction="sum"), [x, y, w])
+
+
+def test_losses_bad_inputs():
+    x = _f(_randn(3, 4))
+    with pytest.raises(ValueError, match="same shape"):
+        F.mse_loss(x, _f(_randn(4, 3)))
+    with pytest.raises(ValueError, match="reduction"):
+        F.l1_loss(x, x, reduction="batchmean")
+    with pytest.raises(TypeError, match="floating"):
+        F.mse_loss(x, flame.from_torch(torch.ones(3, 4, dtype=torch.int64, device=DEVICE)))
+    with pytest.raises(ValueError, match="weight"):
+        F.mse_loss(x, x, weight=_f(_randn(2, 4)))
+    with pytest.raises(ValueError, match="beta"):
+        F.smooth_l1_loss(x, x, beta=-1.0)
+    with pytest.raises(ValueError, match="delta"):
+        F.huber_loss(x, x, delta=0.0)
+
+
+# ---- GPU: bf16 and bench shapes -----------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_bf16_vocab(log):
+    x = _randn(512, 32000, dtype=torch.bfloat16, scale=4.0)
+    g = _randn(512, 32000, dtype=torch.bfloat16)
+    f_fn = (lambda x: F.log_softmax(x, -1)) if log else (lambda x: F.softmax(x, -1))
+    t_fn = (lambda x: TF.log_softmax(x, -1)) if log else (lambda x: TF.softmax(x, -1))
+    _check(f_fn, t_fn, [x], [True], g, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("red", ["mean", "none"])
+def test_cross_entropy_bf16_vocab(red):
+    x = _randn(8192, 32000, dtype=torch.bfloat16, scale=4.0)
+    t = torch.randint(0, 32000, (8192,), device=DEVICE)
+    _check_ce(x, t, red, 0.1, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mse", "huber"])
+def test_losses_bf16_latents(name):
+    f_l, t_l, kw = LOSSES[name]
+    x, y = _randn(4, 4, 128, 128, dtype=torch.bfloat16), _randn(4, 4, 128, 128, dtype=torch.bfloat16)
+    _check(lambda x, y: f_l(x, y, **kw), lambda x, y: t_l(x, y, **kw), [x, y], [True, True],
+           _randn(dtype=torch.bfloat16), torch.bfloat16)
