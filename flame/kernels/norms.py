@@ -37,7 +37,7 @@ def _sigmoid(z):
 
 # ---- GroupNorm ------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["eps"])
+@triton.jit
 def _gn_partial_kernel(x_ptr, dy_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, p1_ptr, p2_ptr,
                        C, S, CG, G, n_cblocks, s_per_split, splits,
                        xs_n, xs_c, xs_s, gs_n, gs_c, gs_s,
@@ -114,7 +114,7 @@ def _gn_combine_kernel(p1_ptr, p2_ptr, mean_ptr, rstd_ptr, CG, S, s_per_split, s
     pid = tl.program_id(0).to(tl.int64)  # n * G + g: the group's partials are contiguous
     E = CG * splits
     base = pid * E
-    total = (CG * S).to(CD)
+    total = tl.cast(CG * S, CD)
     acc = tl.zeros((BLOCK,), CD)
     for e0 in range(0, E, BLOCK):
         e = e0 + tl.arange(0, BLOCK)
@@ -149,7 +149,7 @@ def _gn_bwd_combine_kernel(p1_ptr, p2_ptr, w_ptr, dw_ptr, db_ptr, k1_ptr, k2_ptr
                            HAS_W: tl.constexpr, NEED_WB: tl.constexpr, CD: tl.constexpr,
                            BLOCK_CG: tl.constexpr, BLOCK_SP: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
-    M = (CG * S).to(CD)
+    M = tl.cast(CG * S, CD)
     # dW, dB: per channel of the group, summed over samples and splits
     if NEED_WB:
         for c0 in range(0, CG, BLOCK_CG):
@@ -520,6 +520,28 @@ def _ln_bwd_kernel(x_ptr, dy_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, pw_ptr, pb_
                 tl.store(pb_ptr + row * D + cc, dy, mask=cm)
 
 
+@triton.jit
+def _colsum_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, P, D,
+                   NEED_W: tl.constexpr, NEED_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Second stage of dW/dB: dw[d] = sum_p pw[p, d], db[d] = sum_p pb[p, d], in a fixed order.
+    cols = tl.program_id(0).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    cm = cols < D
+    accw = tl.zeros((BLOCK_P, BLOCK_D), pw_ptr.dtype.element_ty)
+    accb = tl.zeros((BLOCK_P, BLOCK_D), pw_ptr.dtype.element_ty)
+    for p0 in range(0, P, BLOCK_P):
+        p = (p0 + tl.arange(0, BLOCK_P)).to(tl.int64)
+        m = (p < P)[:, None] & cm[None, :]
+        off = (p * D)[:, None] + cols[None, :]
+        if NEED_W:
+            accw += tl.load(pw_ptr + off, mask=m, other=0.0)
+        if NEED_B:
+            accb += tl.load(pb_ptr + off, mask=m, other=0.0)
+    if NEED_W:
+        tl.store(dw_ptr + cols, tl.sum(accw, axis=0).to(dw_ptr.dtype.element_ty), mask=cm)
+    if NEED_B:
+        tl.store(db_ptr + cols, tl.sum(accb, axis=0).to(db_ptr.dtype.element_ty), mask=cm)
+
+
 _ln_override = None  # tests set (BLOCK_M, BLOCK_D, programs) to exercise the looped paths
 
 
@@ -579,6 +601,20 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
            M, D, n_rblocks, P, xs_m, gs_m, dxs_m if dx is not None else 0,
            RMS=rms, HAS_W=w is not None, NEED_X=dx is not None, NEED_W=dw is not None, NEED_B=db is not None,
            CD=_cd(x.dtype), SINGLE=single, BLOCK_M=bm, BLOCK_D=bd, num_warps=_warps(bm * bd))
-    for out, part in ((dw, pw), (db, pb)):
-        if out is not None:
-            reduce_(out, part, 1, P, D, (P * D, D, 1), SUM)
+    if pw is None and pb is None:
+        return
+    if P > 4096:  # one partial row per input row (the looped path): the split reduction
+        for out, part in ((dw, pw), (db, pb)):
+            if out is not None:
+                reduce_(out, part, 1, P, D, (P * D, D, 1), SUM)
+        return
+    if runtime.INTERPRETER:
+        bd = _pow2(min(D, 1 << 12))
+        bp = _pow2(min(P, max(1, (1 << 14) // bd)))
+    else:
+        bd = min(_pow2(D), 64)
+        bp = min(_pow2(P), 64)
+    part = pw if pw is not None else pb
+    launch(_colsum_kernel, (cdiv(D, bd),), part, pb if pb is not None else part, dw if dw is not None else part,
+           db if db is not None else part, P, D, NEED_W=pw is not None, NEED_B=pb is not None,
+           BLOCK_P=bp, BLOCK_D=bd, num_warps=4)
