@@ -27,6 +27,7 @@ if not runtime.INTERPRETER:
 _direct = not runtime.INTERPRETER and os.environ.get("FLAME_TRITON_LAUNCH", "") != "1"
 _caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, constexpr values)}
 _no_spec: dict = {}  # id(kernel) -> per-argument "do not specialize" flags
+_tensor_args: dict = {}  # id(kernel) -> positions of its tensor arguments
 _device = None
 
 
@@ -74,10 +75,11 @@ def launch(kernel, grid, *args, sig=None, **meta):
     if cache is None:
         cache = _caches[kid] = {}
         _no_spec[kid] = _nospec_flags(kernel, len(args))
+        _tensor_args[kid] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if sig is None:
         key = (_arg_key(args, _no_spec[kid]), tuple(meta.items()))
     else:
-        key = (sig, *[(a.dtype, a.data_ptr() & 15 == 0) for a in args if isinstance(a, torch.Tensor)])
+        key = (sig, *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in _tensor_args[kid]])
     entry = cache.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **meta)

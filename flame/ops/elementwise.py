@@ -15,12 +15,11 @@ from ._util import check_tensor, is_scalar, new
 
 def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
     """Run elementwise ``op`` over broadcast tensor ``operands``; returns a new contiguous tensor."""
-    if len(operands) == 1:
-        shape = operands[0].shape
-        bufs = [operands[0]._data]
-    else:
-        shape = broadcast_shapes(*(t.shape for t in operands))
-        bufs = [t._data if t.shape == shape else t._data.expand(shape) for t in operands]
+    bufs = [t._data for t in operands]
+    shape = bufs[0].shape
+    if any(b.shape != shape for b in bufs):
+        shape = broadcast_shapes(*(b.shape for b in bufs))
+        bufs = [b if b.shape == shape else b.expand(shape) for b in bufs]
     out = new(shape, out_dtype)
     K.map_(out._data, bufs, op, s0, s1)
     return out
