@@ -343,6 +343,9 @@ def _finish_leaf(leaf, grad, grads, capture, captured, accumulate):
     want = _leaf_grad_dtype(leaf.dtype)
     if grad.dtype != want:
         grad = grad.to(want)
+    elif not grad._data.is_contiguous():  # e.g. a stride-0 expand from sum's backward: store it dense
+        from .ops.shape import contiguous
+        grad = contiguous(grad)
     if leaf.id in capture:
         captured[leaf.id] = grad
     if accumulate:

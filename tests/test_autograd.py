@@ -212,3 +212,14 @@ def test_branch_without_gradient_is_skipped():
     y = flame.where(c, x * 2, x * 3).sum()
     grads = y.backward()
     assert_close(grads[x], torch.full((3,), 2.0))
+
+
+def test_leaf_gradients_are_dense():
+    # sum's backward is a stride-0 expand; the stored gradient must own its memory
+    w = flame.ones(3, 4, requires_grad=True)
+    grads = w.sum().backward()
+    assert grads[w].is_contiguous() and grads[w].stride() == (4, 1)
+    total = flame.GradientMap()
+    total += grads
+    total += w.sum().backward()
+    assert_close(total[w], torch.full((3, 4), 2.0))
