@@ -20,6 +20,8 @@ registers (a looped three-pass variant serves rows longer than one block). The b
 and per-program dW/dB partials (rows are visited in a fixed order), reduced over programs by the
 reduce kernel afterwards: no atomics, results reproducible run to run.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -286,6 +288,24 @@ def _cd(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+@functools.lru_cache(maxsize=4096)
+def _gn_plan(N, C, S, G, cl, override):
+    """Launch geometry of the three GroupNorm passes (cached: the host path stays thin)."""
+    CG = C // G
+    bc, bs, splits = _gn_tiles(N, C, S, cl)
+    s_per_split = cdiv(cdiv(S, splits), bs) * bs
+    splits = cdiv(S, s_per_split)
+    ncb = cdiv(C, bc)
+    part = ((N * ncb, splits), ncb, dict(BLOCK_C=bc, BLOCK_S=bs, num_warps=4 if bc * bs <= 2048 else 8))
+    comb_block = _pow2(min(CG * splits, 1 << 14 if runtime.INTERPRETER else 1024))
+    block_cg = _pow2(min(CG, 1024))
+    block_sp = _pow2(min(splits, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_cg)))
+    abc, abs_ = _apply_tiles(C, S, cl)
+    ancb = cdiv(C, abc)
+    apply = ((N * ancb, cdiv(S, abs_)), ancb, dict(BLOCK_C=abc, BLOCK_S=abs_, num_warps=4 if abc * abs_ <= 2048 else 8))
+    return CG, splits, s_per_split, part, comb_block, (block_cg, block_sp), apply
+
+
 def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
     """y = act(GroupNorm(x)) for x, y viewed as (N, C, S) with strides ``xs``, ``ys``.
     Returns (mean, rstd), each (N, G) in fp32 (fp64 for fp64 inputs)."""
@@ -294,31 +314,19 @@ def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
     rstd = runtime.empty((N, G), stat_dtype)
     if N * C == 0:
         return mean, rstd
-    cl = xs[1] == 1 and C > 1
     cd = _cd(x.dtype)
-    CG = C // G
-    bc, bs, splits = _gn_tiles(N, C, S, cl)
-    s_per_split = cdiv(cdiv(S, splits), bs) * bs
-    splits = cdiv(S, s_per_split)
+    CG, splits, s_per_split, (pgrid, pncb, pmeta), comb_block, _, (agrid, ancb, ameta) = _gn_plan(
+        N, C, S, G, xs[1] == 1 and C > 1, _gn_override)
     p1 = runtime.empty((N, C, splits), stat_dtype)
     p2 = runtime.empty((N, C, splits), stat_dtype)
-    ncb = cdiv(C, bc)
-    launch(_gn_partial_kernel, (N * ncb, splits), x, x, x, x, x, x, p1, p2,
-           C, S, CG, G, ncb, s_per_split, splits, *xs, 0, 0, 0,
-           BWD=False, HAS_W=False, HAS_B=False, ACT=False, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
-           num_warps=4 if bc * bs <= 2048 else 8)
-    E = CG * splits
-    block = _pow2(min(E, 1 << 14 if runtime.INTERPRETER else 1024))
+    launch(_gn_partial_kernel, pgrid, x, x, x, x, x, x, p1, p2,
+           C, S, CG, G, pncb, s_per_split, splits, *xs, 0, 0, 0,
+           BWD=False, HAS_W=False, HAS_B=False, ACT=False, CD=cd, **pmeta)
     launch(_gn_combine_kernel, (N * G,), p1, p2, mean, rstd, CG, S, s_per_split, splits, float(eps),
-           CD=cd, BLOCK=block, num_warps=4)
-    bc, bs = _apply_tiles(C, S, cl)
-    ncb = cdiv(C, bc)
-    wp = w if w is not None else x
-    bp = b if b is not None else x
-    launch(_gn_apply_kernel, (N * ncb, cdiv(S, bs)), x, x, y, wp, bp, mean, rstd, mean, mean,
-           C, S, CG, G, ncb, *xs, 0, 0, 0, *ys,
-           BWD=False, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
-           num_warps=4 if bc * bs <= 2048 else 8)
+           CD=cd, BLOCK=comb_block, num_warps=4)
+    launch(_gn_apply_kernel, agrid, x, x, y, w if w is not None else x, b if b is not None else x, mean, rstd,
+           mean, mean, C, S, CG, G, ancb, *xs, 0, 0, 0, *ys,
+           BWD=False, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, **ameta)
     return mean, rstd
 
 
@@ -327,38 +335,29 @@ def group_norm_bwd(dx, dw, db, dy, x, w, b, mean, rstd, N, C, S, G, act, xs, gs,
     when not None (both or neither)."""
     if N * C == 0:
         return
-    cl = xs[1] == 1 and C > 1
     cd = _cd(x.dtype)
-    CG = C // G
     stat_dtype = accumulation_dtype(x.dtype)
-    bc, bs, splits = _gn_tiles(N, C, S, cl)
-    s_per_split = cdiv(cdiv(S, splits), bs) * bs
-    splits = cdiv(S, s_per_split)
+    CG, splits, s_per_split, (pgrid, pncb, pmeta), _, (block_cg, block_sp), (agrid, ancb, ameta) = _gn_plan(
+        N, C, S, G, xs[1] == 1 and C > 1, _gn_override)
     p1 = runtime.empty((N, C, splits), stat_dtype)
     p2 = runtime.empty((N, C, splits), stat_dtype)
-    ncb = cdiv(C, bc)
     wp = w if w is not None else x
     bp = b if b is not None else x
-    launch(_gn_partial_kernel, (N * ncb, splits), x, dy, wp, bp, mean, rstd, p1, p2,
-           C, S, CG, G, ncb, s_per_split, splits, *xs, *gs,
-           BWD=True, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
-           num_warps=4 if bc * bs <= 2048 else 8)
+    has_w, has_b = w is not None, b is not None
+    launch(_gn_partial_kernel, pgrid, x, dy, wp, bp, mean, rstd, p1, p2,
+           C, S, CG, G, pncb, s_per_split, splits, *xs, *gs,
+           BWD=True, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **pmeta)
     k1 = runtime.empty((N, G), stat_dtype)
     k2 = runtime.empty((N, G), stat_dtype)
     need_wb = dw is not None
-    block_cg = _pow2(min(CG, 1024))
-    block_sp = _pow2(min(splits, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_cg)))
     launch(_gn_bwd_combine_kernel, (G,), p1, p2, wp, dw if need_wb else p1, db if need_wb else p1, k1, k2,
-           N, C, CG, G, S, splits, HAS_W=w is not None, NEED_WB=need_wb, CD=cd,
+           N, C, CG, G, S, splits, HAS_W=has_w, NEED_WB=need_wb, CD=cd,
            BLOCK_CG=block_cg, BLOCK_SP=block_sp, num_warps=4)
     if dx is None:
         return
-    bc, bs = _apply_tiles(C, S, cl)
-    ncb = cdiv(C, bc)
-    launch(_gn_apply_kernel, (N * ncb, cdiv(S, bs)), x, dy, dx, wp, bp, mean, rstd, k1, k2,
-           C, S, CG, G, ncb, *xs, *gs, *dxs,
-           BWD=True, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, BLOCK_C=bc, BLOCK_S=bs,
-           num_warps=4 if bc * bs <= 2048 else 8)
+    launch(_gn_apply_kernel, agrid, x, dy, dx, wp, bp, mean, rstd, k1, k2,
+           C, S, CG, G, ancb, *xs, *gs, *dxs,
+           BWD=True, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **ameta)
 
 
 # ---- LayerNorm / RMSNorm ----------------------------------------------------------------------

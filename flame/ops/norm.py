@@ -68,6 +68,9 @@ def _gn_view(buf):
     """(buf, (s_n, s_c, s_s)) viewing ``buf`` (N, C, *spatial) as (N, C, S) in place when the
     spatial dims collapse to one stride; otherwise a contiguous copy."""
     shape, strides = buf.shape, buf.stride()
+    if buf.is_contiguous():
+        S = strides[1] if len(shape) > 2 else 1
+        return buf, (strides[0], S, 1)
     sp = [(s, st) for s, st in zip(shape[2:], strides[2:]) if s != 1]
     ok = all(a[1] == b[1] * b[0] for a, b in itertools.pairwise(sp))
     if not ok:
@@ -155,8 +158,8 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None)
     if N * C * S == 0:
         mean = rstd = None
     else:
-        ybuf, ys = _gn_view(y._data)
-        mean, rstd = K.group_norm_fwd(ybuf, xbuf, wbuf, bbuf, N, C, S, G, eps, act, xs, ys)
+        ys = (C * S, 1, C) if cl else (C * S, S, 1)  # the strides _like_format gave y
+        mean, rstd = K.group_norm_fwd(y._data, xbuf, wbuf, bbuf, N, C, S, G, eps, act, xs, ys)
     if needs_grad(x, weight, bias):
         record(y, (x, weight, bias), _group_norm_backward, saved=(xbuf, wbuf, bbuf, mean, rstd),
                N=N, C=C, S=S, G=G, act=act, xs=xs, cl=cl, shape=x.shape, dtype=x.dtype)
