@@ -65,10 +65,11 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         qk = tl.where(keep, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    m_use = m_new
+    if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far: subtract 0 (m_i stays -inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION, out_dtype=ACC)
@@ -461,9 +462,18 @@ def stats_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _fwd_config(Lq, Lk, D, BH):
+def _short_max(esize, bd):
+    """Largest Lk served by the short-K/V paths: K and V of that many rows must fit in shared
+    memory next to the query tiles, so 4- and 8-byte dtypes (tests only) and head dims above 128
+    get shorter ones."""
+    if runtime.INTERPRETER or (esize <= 2 and bd <= 128):
+        return SHORT_KV_MAX
+    return SHORT_KV_MAX // 4 if esize >= 8 else SHORT_KV_MAX // 2
+
+
+def _fwd_config(Lq, Lk, D, BH, esize=2):
     bd = max(16, _pow2(D))
-    short = Lk <= SHORT_KV_MAX
+    short = Lk <= _short_max(esize, bd)
     if FORCE_BLOCKS is not None:
         bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
         short = short and Lk <= bn
@@ -474,9 +484,14 @@ def _fwd_config(Lq, Lk, D, BH):
         bm = max(16, _pow2(min(Lq, 128)))
         bn = max(16, _pow2(min(Lk, 128)))
         return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=short, num_warps=4, num_stages=1)
-    # GPU heuristics (to be tuned on the H100/H200): 128 query rows per program; 64-key blocks.
+    # GPU heuristics (to be tuned on the H100/H200): 128 query rows per program, 64-key blocks
+    # for fp16/bf16; fp32/fp64 (tests) get smaller tiles so that they fit in shared memory.
     warps = 4 if bd <= 64 else 8
-    if bd > 128:
+    if esize >= 8:
+        bm, bn, warps, stages = 32, 32, 4, 1
+    elif esize == 4:
+        bm, bn, stages = 64, 32, 2
+    elif bd > 128:
         bm, bn, warps, stages = 64, 32, 4, 2
     else:
         bm, bn, stages = 128, 64, 3
@@ -485,14 +500,14 @@ def _fwd_config(Lq, Lk, D, BH):
         nm = _cdiv(Lq, bm)
         group = max(1, min(8, (nm * BH) // (2 * _num_sms())))
         return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, SINGLE_KV=True, num_warps=warps,
-                    num_stages=2)
+                    num_stages=min(stages, 2))
     return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=False, num_warps=warps, num_stages=stages)
 
 
-def _bwd_config(Lq, Lk, D, BH):
+def _bwd_config(Lq, Lk, D, BH, esize=2):
     """(dkdv config, dq config or None for the fused short-K/V path, query blocks per chunk)."""
     bd = max(16, _pow2(D))
-    short = Lk <= SHORT_KV_MAX
+    short = Lk <= _short_max(esize, bd)
     if FORCE_BLOCKS is not None:
         bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
         if short and Lk <= bn:
@@ -505,21 +520,23 @@ def _bwd_config(Lq, Lk, D, BH):
         bn = max(16, _pow2(min(Lk, 128)))
         kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
         return kv, (None if short else dict(kv)), _cdiv(Lq, bm)
+    big = esize >= 4 or bd > 128  # fp32/fp64 (tests) and D > 128: small tiles, one stage
     if short:
-        bm = 64
-        kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4 if bd <= 64 else 8, num_stages=2)
+        bm = 16 if esize >= 8 else 32 if big else 64
+        kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4 if bd <= 64 else 8,
+                  num_stages=1 if big else 2)
         nm = _cdiv(Lq, bm)
         chunks = max(1, min(nm, (2 * _num_sms()) // max(BH, 1)))
         return kv, None, _cdiv(nm, chunks)
-    if bd <= 64:
+    if big:
+        kv = dict(BLOCK_D=bd, BLOCK_M=16 if esize >= 8 else 32, BLOCK_N=32, num_warps=4, num_stages=1)
+        dq = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=16 if esize >= 8 else 32, num_warps=4, num_stages=1)
+    elif bd <= 64:
         kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3)
         dq = dict(BLOCK_D=bd, BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
-    elif bd <= 128:
+    else:
         kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)
         dq = dict(BLOCK_D=bd, BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)
-    else:
-        kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
-        dq = dict(BLOCK_D=bd, BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
     return kv, dq, _cdiv(Lq, kv["BLOCK_M"])
 
 
@@ -546,7 +563,7 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
     if B * H == 0 or Lq == 0:
         return
     mbuf, ms, kind = _mask_args(mask, q)
-    cfg = _fwd_config(Lq, Lk, D, B * H)
+    cfg = _fwd_config(Lq, Lk, D, B * H, q.element_size())
     acc, precision, upcast = _switches(q.dtype)
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * ms[2] + Lk * ms[3])
     grid = (_cdiv(_cdiv(Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), B * H)
@@ -564,7 +581,7 @@ def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk
     mbuf, ms, kind = _mask_args(mask, q)
     acc, precision, upcast = _switches(q.dtype)
     sdt = stats_dtype(q.dtype)
-    kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H)
+    kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H, q.element_size())
     bpc = max(1, bpc)
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],
                  Lk * sdv[2], Lq * ms[2] + Lk * ms[3])

@@ -38,11 +38,12 @@ _OP = "scaled_dot_product_attention"
 
 
 def _empty_like_order(buf, dtype=None):
-    """An uninitialised dense buffer shaped like ``buf`` whose dims are laid out in ``buf``'s
-    stride order (outermost = largest stride), as a permuted view of a contiguous allocation."""
+    """An uninitialised dense buffer shaped like ``buf`` whose leading dims are laid out in
+    ``buf``'s stride order (outermost = largest stride) and whose last (head) dim is innermost,
+    as a permuted view of a contiguous allocation."""
     shape, stride = buf.shape, buf.stride()
     n = len(shape)
-    order = sorted(range(n), key=lambda i: (-stride[i], i))
+    order = sorted(range(n - 1), key=lambda i: (-stride[i], i)) + [n - 1]
     if order == list(range(n)):
         return runtime.empty(tuple(shape), dtype or buf.dtype)
     base = runtime.empty(tuple(shape[i] for i in order), dtype or buf.dtype)
