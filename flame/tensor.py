@@ -60,10 +60,14 @@ def result_type(*operands) -> torch.dtype:
     """Result dtype of an op over Tensors and Python scalars, following PyTorch's rules:
     dimensioned tensors decide; zero-dim tensors and then Python scalars only raise the category
     (a float scalar turns an integer result into the default float dtype)."""
-    if len(operands) == 2:  # fast path: two dimensioned tensors of one dtype
+    if len(operands) == 2:  # fast paths: two dimensioned tensors of one dtype; a float tensor and a number
         a, b = operands
-        if type(a) is Tensor and type(b) is Tensor and a.dtype == b.dtype and a.ndim and b.ndim:
-            return a.dtype
+        if type(a) is Tensor and a.ndim:
+            if type(b) is Tensor:
+                if b.ndim and a.dtype == b.dtype:
+                    return a.dtype
+            elif type(b) in (int, float) and a.dtype.is_floating_point:
+                return a.dtype
     dim_dtype = zero_dtype = None
     scalar_cat = -1
     for x in operands:

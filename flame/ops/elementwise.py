@@ -107,8 +107,8 @@ def _scalar_for(value, dtype):
 def _binary(name, op, rop, a, b, dtype=None):
     """Forward of a binary op: returns (out, ta, tb)."""
     ta, tb = _operands(a, b, name)
-    out_dtype = dtype or result_type(a, b)
     cdtype = result_type(a, b)
+    out_dtype = dtype or cdtype
     if ta and tb:
         return map_op(op, (a, b), out_dtype), ta, tb
     if ta:
