@@ -336,3 +336,31 @@ def test_group_norm_deterministic():
     runs = [_flame_run(_gn_flame(32, 1e-5, "silu"), [x, w, b], g)[1] for _ in range(2)]
     for a, c in zip(*runs):
         assert torch.equal(a.to_torch(), c.to_torch())
+
+
+def test_strided_weight_and_bias():
+    # parameters that are strided views are read correctly (kernels index them with unit stride)
+    x, _, _, g = _gn_inputs((2, 6, 3, 4), torch.float32, False, True)
+    w = torch.randn(12, device=DEVICE)[::2]
+    b = torch.randn(6, 2, device=DEVICE)[:, 1]
+    w2 = torch.randn(3, 4, device=DEVICE).t()  # (4, 3) non-contiguous, two normalised dims
+    fw, fb, fw2 = (flame.from_torch(t, requires_grad=True) for t in (w, b, w2))
+    assert not fw.is_contiguous() and not fb.is_contiguous() and not fw2.is_contiguous()
+    cases = [
+        (lambda x: F.group_norm(x, 3, fw, fb, 1e-5, "silu"), lambda x, w, b: TF.silu(TF.group_norm(x, 3, w, b)),
+         x, g, (fw, fb), (w, b)),
+        (lambda x: F.layer_norm(x, 6, fw, fb), lambda x, w, b: TF.layer_norm(x, (6,), w, b),
+         x[:, :, 0, 0].contiguous(), g[:, :, 0, 0].contiguous(), (fw, fb), (w, b)),
+        (lambda x: F.rms_norm(x, (4, 3), fw2), lambda x, w: TF.rms_norm(x, (4, 3), w),
+         x[:, :4, :, 0].contiguous(), g[:, :4, :, 0].contiguous(), (fw2,), (w2,)),
+    ]
+    for f_fn, t_fn, xt, gt, fparams, tparams in cases:
+        fx = _f(xt, True)
+        y = f_fn(fx)
+        grads = y.backward(_f(gt))
+        leaves = [_leaf(t) for t in (xt, *tparams)]
+        ref = t_fn(*leaves)
+        ref.backward(gt)
+        assert_close(y, ref.detach(), atol=1e-5, rtol=1e-4)
+        for got, want in zip([grads[fx]] + [grads[p] for p in fparams], leaves):
+            assert_close(got, want.grad, atol=1e-4, rtol=1e-4)

@@ -45,9 +45,19 @@ def _check_input(x, op):
 
 
 def _check_eps(eps, op):
+    if type(eps) is float and 0.0 <= eps < math.inf:
+        return eps
     if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not eps >= 0 or math.isinf(eps):
         raise ValueError(f"{op}: eps must be a finite non-negative number, got {eps!r}")
     return float(eps)
+
+
+def _flat(p):
+    """A parameter's buffer as dense memory (the kernels index it with unit stride), or None."""
+    if p is None:
+        return None
+    buf = p._data
+    return buf if buf.is_contiguous() else _dense(buf)
 
 
 def _dense(buf):
@@ -153,8 +163,8 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None)
     xbuf, xs = _gn_view(x._data)
     cl = _channels_last(x.shape, xs)
     y = Tensor(_like_format(x.shape, x.dtype, cl))
-    wbuf = weight._data if weight is not None else None
-    bbuf = bias._data if bias is not None else None
+    wbuf = _flat(weight)
+    bbuf = _flat(bias)
     if N * C * S == 0:
         mean = rstd = None
     else:
@@ -169,6 +179,8 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None)
 # ---- layer_norm / rms_norm ----------------------------------------------------------------------
 
 def _normalized_shape(normalized_shape, x, op):
+    if type(normalized_shape) is int and x.ndim and x.shape[-1] == normalized_shape:
+        return (normalized_shape,)
     if isinstance(normalized_shape, numbers.Integral) and not isinstance(normalized_shape, bool):
         ns = (int(normalized_shape),)
     else:
@@ -187,6 +199,8 @@ def _normalized_shape(normalized_shape, x, op):
 
 def _rows(buf, D):
     """(buf, row stride) viewing ``buf`` as rows of D unit-stride elements; copies if needed."""
+    if buf.is_contiguous():
+        return buf, D
     M = buf.numel() // D if D else 0
     try:
         view = buf.view(M, D)
@@ -206,11 +220,10 @@ def _layer_norm_backward(node, g):
     need_b = len(need) > 2 and need[2]
     g2, gs = _rows(g._data, D)
     dx = Tensor(runtime.empty(a["shape"], a["dtype"])) if need_x else None
-    dxv = dx._data.view(M, D) if need_x else None
+    dxv = dx._data if need_x else None
     dw = runtime.empty(a["wshape"], w.dtype) if need_w else None
     db = runtime.empty(a["wshape"], a["bdtype"]) if need_b else None
-    K.layer_norm_bwd(dxv, dw.view(-1) if dw is not None else None, db.view(-1) if db is not None else None,
-                     g2, x2, w.reshape(-1) if w is not None else None, mean, rstd, M, D, rms, a["xs"], gs,
+    K.layer_norm_bwd(dxv, dw, db, g2, x2, w, mean, rstd, M, D, rms, a["xs"], gs,
                      D if need_x else 0)
     grads = (dx, Tensor(dw) if need_w else None)
     if not rms:
@@ -230,15 +243,15 @@ def _norm_common(x, normalized_shape, weight, bias, eps, rms, op):
     M = x.numel() // D if D else 0
     x2, xs = _rows(x._data, D)
     y = Tensor(runtime.empty(x.shape, x.dtype))
-    wbuf = weight._data.reshape(-1) if weight is not None else None
-    bbuf = bias._data.reshape(-1) if bias is not None else None
+    wbuf = _flat(weight)
+    bbuf = _flat(bias)
     if D == 0:
         mean, rstd = None, runtime.empty((M,), torch.float32)
     else:
-        mean, rstd = K.layer_norm_fwd(y._data.view(M, D), x2, wbuf, bbuf, M, D, eps, rms, xs, D)
+        mean, rstd = K.layer_norm_fwd(y._data, x2, wbuf, bbuf, M, D, eps, rms, xs, D)
     inputs = (x, weight) if rms else (x, weight, bias)
     if needs_grad(*inputs):
-        record(y, inputs, _layer_norm_backward, saved=(x2, weight._data if weight is not None else None, mean, rstd),
+        record(y, inputs, _layer_norm_backward, saved=(x2, wbuf, mean, rstd),
                M=M, D=D, rms=rms, xs=xs, shape=x.shape, dtype=x.dtype, wshape=ns,
                bdtype=bias.dtype if bias is not None else x.dtype)
     return y
