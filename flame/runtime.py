@@ -102,5 +102,16 @@ def reset_peak_memory_stats() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+_num_sms = None
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors on the device (1 on the interpreter backend); read once."""
+    global _num_sms
+    if _num_sms is None:
+        _num_sms = 1 if INTERPRETER else torch.cuda.get_device_properties(device).multi_processor_count
+    return _num_sms
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if not INTERPRETER else "cpu-interpreter"

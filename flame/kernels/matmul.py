@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import cdiv, collapse, fill_
+from .elementwise import _pow2, cdiv, collapse, fill_
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -77,20 +77,6 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, B1,
 
 # ---- launch configuration ---------------------------------------------------------------------
 
-def _pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
-
-
-_SMS = None
-
-
-def _num_sms():
-    global _SMS
-    if _SMS is None:
-        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
-    return _SMS
-
-
 def _config(M, N, K, dtype, batch=1):
     """Launch config for one problem: BLOCK_M/N/K, GROUP_M, num_warps, num_stages.
 
@@ -104,7 +90,7 @@ def _config(M, N, K, dtype, batch=1):
     if runtime.INTERPRETER:
         return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 256)), BLOCK_K=_pow2(min(K, 512)),
                     GROUP_M=8, num_warps=4, num_stages=1)
-    sms = _num_sms()
+    sms = runtime.num_sms()
     if dtype == torch.float64:
         bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
     elif dtype == torch.float32:  # tf32

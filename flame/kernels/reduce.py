@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import cdiv, compute_dtype
+from .elementwise import _pow2, cdiv, compute_dtype
 from .launch import launch
 
 SUM, MAX, MIN, SQDEV = (tl.constexpr(i) for i in range(4))
@@ -77,8 +77,6 @@ def _reduce_kernel(x_ptr, out_ptr, mean_ptr, R, INNER, r_per_split, splits, scal
     tl.store(out_ptr + (o * splits + split) * INNER + cols, res.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-def _pow2(n):
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def accumulation_dtype(dtype):
@@ -95,15 +93,8 @@ def _identity(op, cd):
     return -math.inf if op == MAX else math.inf
 
 
-_TARGET_PROGRAMS = None
-
-
 def _target_programs():
-    global _TARGET_PROGRAMS
-    if _TARGET_PROGRAMS is None:
-        sms = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
-        _TARGET_PROGRAMS = 4 * sms
-    return _TARGET_PROGRAMS
+    return 4 * runtime.num_sms()
 
 
 def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
