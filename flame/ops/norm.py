@@ -26,6 +26,10 @@ _ACTIVATIONS = (None, "silu")
 def _check_param(p, name, shape, x, op):
     if p is None:
         return None
+    if type(p) is Tensor and p._data.dim() == 1 and len(shape) == 1:  # fast path: a (C,) parameter
+        buf = p._data
+        if buf.shape[0] == shape[0] and buf.dtype.is_floating_point and buf.device == x._data.device:
+            return p
     if not isinstance(p, Tensor):
         raise TypeError(f"{op}: {name} must be a flame Tensor or None, got {type(p).__name__}")
     if not p.dtype.is_floating_point:
@@ -144,25 +148,29 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None)
     and the output keeps the input's memory format."""
     op = "group_norm"
     _check_input(x, op)
-    if x.ndim < 2:
-        raise ValueError(f"{op}: expected an input of shape (N, C, *), got shape {x.shape}")
-    if not isinstance(num_groups, numbers.Integral) or isinstance(num_groups, bool) or num_groups <= 0:
+    shape = x.shape
+    if len(shape) < 2:
+        raise ValueError(f"{op}: expected an input of shape (N, C, *), got shape {shape}")
+    if type(num_groups) is not int and (not isinstance(num_groups, numbers.Integral) or isinstance(num_groups, bool)):
         raise ValueError(f"{op}: num_groups must be a positive int, got {num_groups!r}")
-    N, C = x.shape[0], x.shape[1]
+    if num_groups <= 0:
+        raise ValueError(f"{op}: num_groups must be a positive int, got {num_groups!r}")
+    N, C = shape[0], shape[1]
     G = int(num_groups)
     if C % G:
         raise ValueError(f"{op}: expected number of channels in input ({C}) to be divisible by num_groups ({G}); "
-                         f"input shape {x.shape}")
+                         f"input shape {shape}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{op}: activation must be one of {_ACTIVATIONS}, got {activation!r}")
     weight = _check_param(weight, "weight", (C,), x, op)
     bias = _check_param(bias, "bias", (C,), x, op)
     eps = _check_eps(eps, op)
-    S = math.prod(x.shape[2:])
+    S = math.prod(shape[2:])
     act = activation == "silu"
     xbuf, xs = _gn_view(x._data)
-    cl = _channels_last(x.shape, xs)
-    y = Tensor(_like_format(x.shape, x.dtype, cl))
+    cl = _channels_last(shape, xs)
+    dtype = xbuf.dtype
+    y = Tensor(_like_format(shape, dtype, cl))
     wbuf = _flat(weight)
     bbuf = _flat(bias)
     if N * C * S == 0:
@@ -172,7 +180,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None)
         mean, rstd = K.group_norm_fwd(y._data, xbuf, wbuf, bbuf, N, C, S, G, eps, act, xs, ys)
     if needs_grad(x, weight, bias):
         record(y, (x, weight, bias), _group_norm_backward, saved=(xbuf, wbuf, bbuf, mean, rstd),
-               N=N, C=C, S=S, G=G, act=act, xs=xs, cl=cl, shape=x.shape, dtype=x.dtype)
+               N=N, C=C, S=S, G=G, act=act, xs=xs, cl=cl, shape=shape, dtype=dtype)
     return y
 
 
