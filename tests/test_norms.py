@@ -364,3 +364,13 @@ def test_strided_weight_and_bias():
         assert_close(y, ref.detach(), atol=1e-5, rtol=1e-4)
         for got, want in zip([grads[fx]] + [grads[p] for p in fparams], leaves):
             assert_close(got, want.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_rms_norm_deterministic(rms):
+    inputs, g = _ln_inputs((4096, 640), (640,), torch.bfloat16, True, rms)
+    f_fn, _ = _ln_fns(rms, (640,), 1e-5)
+    runs = [_flame_run(f_fn, inputs, g)[1] for _ in range(2)]
+    for a, c in zip(*runs):
+        assert torch.equal(a.to_torch(), c.to_torch())
