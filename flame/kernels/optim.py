@@ -1,0 +1,355 @@
+"""Multi-tensor kernels for optimizers and gradient clipping.
+
+Every launch here covers many tensors. The host packs, once per set of tensors, an int64 table of
+per-tensor rows ``[param ptr, grad ptr, m ptr, v ptr, numel, step slot, 0, 0]`` and a table of work
+items ``[tensor row, first element]``; program ``w`` of a launch reads work item ``w`` and updates
+``CHUNK`` elements of one tensor (``BLOCK`` at a time). Pointers are cast back to typed pointers
+inside the kernel, so each launch serves one (param dtype, grad dtype) combination.
+
+Optimizer state is fp32 (moments) plus one int64 step counter per parameter on the device
+(``steps``). The update kernel reads the step *before* this update, computes ``step + 1``, and a
+tiny second kernel (one program per tensor) then writes ``step + 1`` back: two launches per step
+for a parameter group, with no race between programs that read the counter and the one writing it.
+
+Both kernels optionally read a device flag ``found_inf`` (int32, non-zero: skip the update, the
+step counter included, as PyTorch's GradScaler skips ``optimizer.step()``) and a device fp32
+multiplier ``grad_scale`` applied to every gradient before use (a fused unscale).
+
+Scalars that need more than fp32 precision (betas and lr, which enter ``1 - beta ** step``) are
+passed as fp32 (hi, lo) pairs and recombined in fp64 inside the kernel; ``beta ** step`` is computed
+in fp64 by binary exponentiation, so bias corrections match PyTorch's double-precision ones.
+"""
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .launch import launch
+
+ROW = 8  # int64 entries per tensor row
+_ROW = tl.constexpr(ROW)
+
+NORM_2, NORM_1, NORM_INF, NORM_P = (tl.constexpr(i) for i in range(4))
+
+
+@triton.jit
+def _f64(hi, lo):
+    return tl.cast(hi, tl.float64) + tl.cast(lo, tl.float64)
+
+
+@triton.jit
+def _powi(base, e):
+    # base ** e for a float64 base and a non-negative int64 exponent (binary exponentiation)
+    result = base * 0.0 + 1.0
+    b = base
+    k = e
+    while k > 0:
+        if (k % 2) == 1:
+            result = result * b
+        b = b * b
+        k = k // 2
+    return result
+
+
+@triton.jit
+def _work(tensors_ptr, work_ptr):
+    w = tl.program_id(0).to(tl.int64)
+    t = tl.load(work_ptr + 2 * w)
+    start = tl.load(work_ptr + 2 * w + 1)
+    return tensors_ptr + _ROW * t, start
+
+
+@triton.jit(do_not_specialize=["lr_hi", "lr_lo", "b1_hi", "b1_lo", "b2_hi", "b2_lo", "eps", "wd", "decay"])
+def _adam_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr,
+                 lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps, wd, decay,
+                 P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, DECOUPLED: tl.constexpr,
+                 HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # Adam/AdamW (PyTorch's single-tensor algorithm), t = step + 1:
+    #   AdamW: p *= 1 - lr * wd            Adam: g += wd * p
+    #   m = m + (1 - b1) (g - m);  v = b2 v + (1 - b2) g^2
+    #   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+    row, start = _work(tensors_ptr, work_ptr)
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 4)
+    step = tl.load(steps_ptr + tl.load(row + 5)) + 1
+    b1 = _f64(b1_hi, b1_lo)
+    b2 = _f64(b2_hi, b2_lo)
+    step_size = (_f64(lr_hi, lr_lo) / (1.0 - _powi(b1, step))).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - _powi(b2, step)).to(tl.float32)
+    omb1 = (1.0 - b1).to(tl.float32)
+    omb2 = (1.0 - b2).to(tl.float32)
+    b2f = b2.to(tl.float32)
+    if HAS_FOUND:
+        n = tl.where(tl.load(found_ptr) == 0, n, 0)  # skip: every element masked off
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * tl.load(scale_ptr)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        if DECOUPLED:
+            p = p * decay
+        else:
+            g = g + wd * p
+        m = m + omb1 * (g - m)
+        v = v * b2f + omb2 * (g * g)
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - step_size * (m / denom)
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, v, mask=mask)
+        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+
+
+@triton.jit(do_not_specialize=["lr", "momentum", "dampening", "wd"])
+def _sgd_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, momentum, dampening, wd,
+                P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # SGD (PyTorch's algorithm): g += wd * p;
+    #   with momentum: buf = g at the first step, else buf = momentum buf + (1 - dampening) g;
+    #   g = g + momentum buf (nesterov) or g = buf;   p -= lr g
+    row, start = _work(tensors_ptr, work_ptr)
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 4)
+    prev = tl.load(steps_ptr + tl.load(row + 5))  # 0 before the first update
+    if HAS_FOUND:
+        n = tl.where(tl.load(found_ptr) == 0, n, 0)
+    n_buf = tl.where(prev != 0, n, 0)  # the momentum buffer is uninitialised before the first update
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * tl.load(scale_ptr)
+        g = g + wd * p
+        if MOMENTUM:
+            buf = tl.load(b_ptr + idx, mask=idx < n_buf, other=0.0)
+            buf = tl.where(prev == 0, g, buf * momentum + (1.0 - dampening) * g)
+            tl.store(b_ptr + idx, buf, mask=mask)
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        p = p - lr * g
+        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+
+
+@triton.jit
+def _advance_kernel(tensors_ptr, steps_ptr, found_ptr, HAS_FOUND: tl.constexpr):
+    # one program per tensor row: steps[slot] += 1 (unless found_inf)
+    row = tensors_ptr + _ROW * tl.program_id(0).to(tl.int64)
+    slot = tl.load(row + 5)
+    s = tl.load(steps_ptr + slot)
+    if HAS_FOUND:
+        s = tl.where(tl.load(found_ptr) == 0, s + 1, s)
+    else:
+        s = s + 1
+    tl.store(steps_ptr + slot, s)
+
+
+@triton.jit(do_not_specialize=["p", "part_base"])
+def _norm_partial_kernel(tensors_ptr, work_ptr, part_ptr, part_base, p,
+                         G_DTYPE: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # partial[w] = sum |g|^p over this work item's chunk (max |g| for the inf-norm), in fp32
+    row, start = _work(tensors_ptr, work_ptr)
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    n = tl.load(row + 4)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        a = tl.abs(tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32))
+        if NORM == NORM_2:
+            acc += a * a
+        elif NORM == NORM_1:
+            acc += a
+        elif NORM == NORM_INF:
+            acc = tl.where((a > acc) | (a != a), a, acc)
+        else:
+            acc += tl.where(a > 0, tl.exp(p * tl.log(a)), 0.0)
+    if NORM == NORM_INF:
+        has_nan = tl.max((acc != acc).to(tl.int32), axis=0) > 0
+        res = tl.where(has_nan, float("nan"), tl.max(acc, axis=0))
+    else:
+        res = tl.sum(acc, axis=0)
+    tl.store(part_ptr + part_base + tl.program_id(0).to(tl.int64), res)
+
+
+@triton.jit(do_not_specialize=["n", "p", "max_norm"])
+def _norm_finish_kernel(part_ptr, n, norm_ptr, coef_ptr, p, max_norm, NORM: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: norm = (sum partials)^(1/p) (max for inf); coef = min(1, max_norm / (norm + 1e-6))
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, n, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        x = tl.load(part_ptr + idx, mask=idx < n, other=0.0)
+        if NORM == NORM_INF:
+            acc = tl.where((x > acc) | (x != x), x, acc)
+        else:
+            acc += x
+    if NORM == NORM_INF:
+        has_nan = tl.max((acc != acc).to(tl.int32), axis=0) > 0
+        norm = tl.where(has_nan, float("nan"), tl.max(acc, axis=0))
+    else:
+        total = tl.sum(acc, axis=0)
+        if NORM == NORM_2:
+            norm = tl.sqrt(total)
+        elif NORM == NORM_1:
+            norm = total
+        else:
+            norm = tl.where(total > 0, tl.exp(tl.log(total) / p), 0.0)
+    coef = max_norm / (norm + 1e-6)
+    coef = tl.where(coef > 1.0, 1.0, coef)  # NaN stays NaN, as torch.clamp(max=1)
+    tl.store(norm_ptr, norm)
+    tl.store(coef_ptr, coef)
+
+
+@triton.jit
+def _scale_kernel(tensors_ptr, work_ptr, coef_ptr, G_DTYPE: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    # g *= coef (a device scalar)
+    row, start = _work(tensors_ptr, work_ptr)
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    n = tl.load(row + 4)
+    c = tl.load(coef_ptr)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        tl.store(g_ptr + idx, (g * c).to(G_DTYPE), mask=mask)
+
+
+# ---- host side ------------------------------------------------------------------------------
+
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float64: tl.float64}
+
+
+def tl_dtype(dtype):
+    if dtype not in _TL:
+        raise TypeError(f"multi-tensor kernels support fp32/fp16/bf16/fp64 buffers, got {dtype}")
+    return _TL[dtype]
+
+
+def _sizes():
+    """(BLOCK, CHUNK): one block per program on the interpreter (each program costs ~1.5 ms there),
+    GPU-sized blocks with several per program otherwise."""
+    if runtime.INTERPRETER:
+        return 4096, 4096
+    return 1024, 8192
+
+
+def _split(x):
+    """A Python float as an fp32 (hi, lo) pair whose fp64 sum is ``x`` to ~48 bits."""
+    hi = float(np.float32(x))
+    return hi, float(np.float32(x - hi))
+
+
+class Tables:
+    """Device tables for one multi-tensor launch set.
+
+    ``rows``: per tensor ``(param, grad, m, v)`` buffers (torch tensors, or None for unused slots),
+    the element count and the step slot. Keeps references to the tables so they outlive the
+    (asynchronous) launches that read them.
+    """
+
+    def __init__(self, rows):
+        block, chunk = _sizes()
+        self.block, self.chunk = block, chunk
+        self.count = len(rows)
+        table = np.zeros((len(rows), ROW), dtype=np.int64)
+        work = []
+        for i, (bufs, numel, slot) in enumerate(rows):
+            for j, b in enumerate(bufs):
+                table[i, j] = b.data_ptr() if b is not None else 0
+            table[i, 4] = numel
+            table[i, 5] = slot
+            work.extend((i, s) for s in range(0, numel, chunk))
+        self.num_work = len(work)
+        work_arr = np.asarray(work, dtype=np.int64).reshape(-1, 2)
+        self.tensors = torch.from_numpy(table).to(runtime.device)  # host transfer
+        self.work = torch.from_numpy(work_arr).to(runtime.device)
+
+
+def adam_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, eps, weight_decay, decoupled,
+              found_inf=None, grad_scale=None):
+    """One Adam/AdamW update of every tensor in ``tables`` (two launches)."""
+    if tables.num_work == 0:
+        return
+    lr_hi, lr_lo = _split(lr)
+    b1_hi, b1_lo = _split(beta1)
+    b2_hi, b2_lo = _split(beta2)
+    decay = 1.0 - lr * weight_decay
+    launch(_adam_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
+           found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
+           lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, float(eps), float(weight_decay), float(decay),
+           P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), DECOUPLED=bool(decoupled),
+           HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
+           CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+    advance(tables, steps, found_inf)
+
+
+def sgd_step(tables, steps, p_dtype, g_dtype, lr, momentum, dampening, weight_decay, nesterov,
+             found_inf=None, grad_scale=None):
+    """One SGD update of every tensor in ``tables`` (two launches)."""
+    if tables.num_work == 0:
+        return
+    launch(_sgd_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
+           found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
+           float(lr), float(momentum), float(dampening), float(weight_decay),
+           P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
+           HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
+           CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+    advance(tables, steps, found_inf)
+
+
+def advance(tables, steps, found_inf=None):
+    """steps[slot] += 1 for every tensor row (unless found_inf is set)."""
+    launch(_advance_kernel, (tables.count,), tables.tensors, steps,
+           found_inf if found_inf is not None else steps, HAS_FOUND=found_inf is not None)
+
+
+def _norm_code(norm_type):
+    if norm_type == 2.0:
+        return NORM_2.value
+    if norm_type == 1.0:
+        return NORM_1.value
+    if norm_type == float("inf"):
+        return NORM_INF.value
+    return NORM_P.value
+
+
+def grad_norm_(buckets, norm_out, coef_out, norm_type, max_norm):
+    """Total ``norm_type``-norm of every gradient in ``buckets`` ([(Tables, grad dtype)]) into
+    ``norm_out`` (fp32, 1 element) and the clip coefficient min(1, max_norm / (norm + 1e-6)) into
+    ``coef_out``: one partial-sum launch per bucket, then one finishing launch."""
+    code = _norm_code(norm_type)
+    total = sum(t.num_work for t, _ in buckets)
+    partial = runtime.empty((max(total, 1),), torch.float32)
+    base = 0
+    for tables, g_dtype in buckets:
+        if tables.num_work == 0:
+            continue
+        launch(_norm_partial_kernel, (tables.num_work,), tables.tensors, tables.work, partial, base,
+               float(norm_type) if code == NORM_P.value else 2.0, G_DTYPE=tl_dtype(g_dtype), NORM=code,
+               CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+        base += tables.num_work
+    block = 1024 if not runtime.INTERPRETER else max(16, 1 << max(0, (min(total, 1 << 16) - 1).bit_length()))
+    launch(_norm_finish_kernel, (1,), partial, total, norm_out, coef_out,
+           float(norm_type) if code == NORM_P.value else 2.0, float(max_norm), NORM=code, BLOCK=block, num_warps=4)
+
+
+def scale_(buckets, coef):
+    """g *= coef[0] for every gradient in ``buckets`` (one launch per bucket)."""
+    for tables, g_dtype in buckets:
+        if tables.num_work == 0:
+            continue
+        launch(_scale_kernel, (tables.num_work,), tables.tensors, tables.work, coef, G_DTYPE=tl_dtype(g_dtype),
+               CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)

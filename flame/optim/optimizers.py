@@ -1,0 +1,325 @@
+"""Fused multi-tensor optimizers: ``AdamW``, ``Adam`` and ``SGD``.
+
+``opt.step(grads)`` takes the ``GradientMap`` returned by ``backward()`` (there is no ``.grad``
+attribute to zero); parameters without a gradient in the map are skipped, their step counters
+included. Each step is two kernel launches per (param group, param dtype, grad dtype) bucket: the
+update of every tensor of the bucket, then the advance of their step counters (see
+``flame.kernels.optim``). The device tables that describe a bucket are built once and rebuilt only
+when its set of (param, grad, state) buffers changes.
+
+State is fp32 (moments, momentum buffers) plus an int64 step counter per parameter on the device;
+parameters may be fp32, bf16 or fp16 (fp32 math, stored back in the parameter's dtype).
+
+``step(grads, found_inf=None, grad_scale=None)``: ``found_inf`` is a 1-element int32 device tensor
+(non-zero: the kernels skip the whole update, step counters included, without a host sync);
+``grad_scale`` a 1-element fp32 device tensor every gradient is multiplied by before use (fused
+unscale for a loss scaler).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import runtime
+from ..autograd import GradientMap
+from ..kernels import elementwise as KE
+from ..kernels import optim as K
+from ..tensor import Tensor
+
+_PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_flag(x, name, dtype):
+    if x is None:
+        return None
+    if not isinstance(x, Tensor):
+        raise TypeError(f"step: {name} must be a flame Tensor or None, got {type(x).__name__}")
+    if x.dtype != dtype or x.numel() != 1:
+        raise TypeError(f"step: {name} must be a 1-element {dtype} tensor, got dtype {x.dtype} shape {x.shape}")
+    return x._data
+
+
+def _zeros(shape, dtype):
+    buf = runtime.empty(tuple(shape), dtype)
+    KE.fill_(buf, 0)
+    return buf
+
+
+def _copy_in(dst, src, what):
+    """Copy a saved state value (flame or torch tensor) into device buffer ``dst``."""
+    if isinstance(src, Tensor):
+        src = src._data
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"load_state_dict: {what} must be a tensor, got {type(src).__name__}")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"load_state_dict: {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    if src.device != dst.device:
+        src = src.to(dst.device)  # host transfer
+    KE.copy_(dst, src)
+
+
+class Optimizer:
+    """Base class: param groups, per-parameter state, bucketed multi-tensor launches."""
+
+    _state_names: tuple = ()
+
+    def __init__(self, params, defaults):
+        self.defaults = dict(defaults)
+        self.param_groups = []
+        self.state = {}  # param id -> {name: torch buffer}
+        self._slots = {}  # param id -> index into the device step counters
+        self._steps = None  # int64 device tensor, one counter per parameter
+        self._tables = {}  # bucket key -> (pointer key, Tables)
+        if isinstance(params, Tensor):
+            raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            "but got a Tensor")
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(params[0], dict):
+            params = [{"params": params}]
+        for group in params:
+            self.add_param_group(group)
+
+    # ---- groups ---------------------------------------------------------------------------
+    def add_param_group(self, group: dict) -> None:
+        if not isinstance(group, dict):
+            raise TypeError(f"param group must be a dict, got {type(group).__name__}")
+        group = dict(group)
+        ps = group.get("params")
+        if ps is None:
+            raise ValueError("param group needs a 'params' entry")
+        ps = [ps] if isinstance(ps, Tensor) else list(ps)
+        seen = set(self._slots)
+        for p in ps:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer can only optimize flame Tensors, got {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf Tensor")
+            if p.dtype not in _PARAM_DTYPES:
+                raise TypeError(f"{type(self).__name__}: parameters must be fp32, bf16 or fp16, got {p.dtype} "
+                                f"(shape {p.shape})")
+            if not p.is_contiguous():
+                raise ValueError(f"{type(self).__name__}: parameters must be contiguous, got shape {p.shape} "
+                                 f"strides {p.stride()}")
+            if p.id in seen:
+                raise ValueError("some parameters appear in more than one parameter group")
+            seen.add(p.id)
+        group["params"] = ps
+        for k, v in self.defaults.items():
+            group.setdefault(k, v)
+        self._validate(group)
+        self.param_groups.append(group)
+        old = self._steps
+        for p in ps:
+            self._slots[p.id] = len(self._slots)
+        steps = _zeros((len(self._slots),), torch.int64)
+        if old is not None and old.numel():
+            KE.copy_(steps[: old.numel()], old)
+        self._steps = steps
+        self._tables.clear()
+
+    def _validate(self, group):
+        if group["lr"] < 0:
+            raise ValueError(f"Invalid learning rate: {group['lr']}")
+        if group.get("weight_decay", 0.0) < 0:
+            raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+
+    # ---- state ----------------------------------------------------------------------------
+    def _state_for(self, p):
+        st = self.state.get(p.id)
+        if st is None:
+            st = {name: _zeros(p.shape, torch.float32) for name in self._state_names}
+            self.state[p.id] = st
+        return st
+
+    def _bucket_rows(self, group, grads):
+        """{(param dtype, grad dtype): [((p, g, m, v), numel, slot)]} for the group's params with a gradient."""
+        buckets = {}
+        for p in group["params"]:
+            g = grads.get(p) if isinstance(grads, GradientMap) else grads.get(p.id, grads.get(p))
+            if g is None:
+                continue
+            if not isinstance(g, Tensor):
+                raise TypeError(f"gradient for parameter of shape {p.shape} is a {type(g).__name__}, "
+                                "not a flame Tensor")
+            if g.shape != p.shape:
+                raise ValueError(f"gradient of shape {g.shape} for parameter of shape {p.shape}")
+            if g.dtype not in (torch.float32, p.dtype):
+                raise TypeError(f"gradient dtype {g.dtype} for a {p.dtype} parameter (expected float32 or {p.dtype})")
+            gbuf = g._data if g.is_contiguous() else g.contiguous()._data
+            st = self._state_for(p)
+            bufs = [st.get(n) for n in self._state_names][:2]
+            bufs += [None] * (2 - len(bufs))
+            buckets.setdefault((p.dtype, g.dtype), []).append(
+                ((p._data, gbuf, *bufs), p.numel(), self._slots[p.id]))
+        return buckets
+
+    def _tables_for(self, key, rows):
+        ptrs = tuple((tuple(b.data_ptr() if b is not None else 0 for b in bufs), n) for bufs, n, _ in rows)
+        hit = self._tables.get(key)
+        if hit is not None and hit[0] == ptrs:
+            return hit[1]
+        tables = K.Tables(rows)
+        self._tables[key] = (ptrs, tables)
+        return tables
+
+    def step(self, grads, found_inf: Tensor | None = None, grad_scale: Tensor | None = None):
+        """Update every parameter that has a gradient in ``grads`` (a GradientMap)."""
+        if not isinstance(grads, (GradientMap, dict)):
+            raise TypeError(f"step expects the GradientMap returned by backward(), got {type(grads).__name__}")
+        found = _check_flag(found_inf, "found_inf", torch.int32)
+        scale = _check_flag(grad_scale, "grad_scale", torch.float32)
+        for gi, group in enumerate(self.param_groups):
+            for (pd, gd), rows in self._bucket_rows(group, grads).items():
+                tables = self._tables_for((gi, pd, gd), rows)
+                self._update(group, tables, pd, gd, found, scale)
+
+    def _update(self, group, tables, p_dtype, g_dtype, found, scale):
+        raise NotImplementedError
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def _flat_params(self):
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict:
+        """``{"state": {index: {"step": int, <name>: Tensor}}, "param_groups": [...]}`` as torch,
+        with parameters named by their index across groups. State tensors are copies."""
+        steps = self._steps.cpu().numpy() if self._steps is not None else None  # host transfer
+        state = {}
+        for i, p in enumerate(self._flat_params()):
+            st = self.state.get(p.id)
+            if st is None:
+                continue
+            entry = {"step": int(steps[self._slots[p.id]])}
+            for name, buf in st.items():
+                copy = runtime.empty(tuple(buf.shape), buf.dtype)
+                KE.copy_(copy, buf)
+                entry[name] = Tensor(copy)
+            state[i] = entry
+        groups = []
+        index = 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(groups)} parameter groups, this optimizer has "
+                             f"{len(self.param_groups)}")
+        for i, (mine, saved) in enumerate(zip(self.param_groups, groups)):
+            if len(mine["params"]) != len(saved["params"]):
+                raise ValueError(f"loaded state dict contains a parameter group {i} of {len(saved['params'])} "
+                                 f"parameters that doesn't match the size of optimizer's group "
+                                 f"({len(mine['params'])})")
+        flat = self._flat_params()
+        index_of = {}
+        for mine, saved in zip(self.param_groups, groups):
+            for p, idx in zip(mine["params"], saved["params"]):
+                index_of[idx] = p
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = tuple(v) if isinstance(v, list) and k == "betas" else v
+        steps = np.zeros(len(self._slots), dtype=np.int64)
+        if self._steps is not None:
+            steps[:] = self._steps.cpu().numpy()  # host transfer
+        self.state = {}
+        for idx, entry in state_dict["state"].items():
+            p = index_of.get(int(idx))
+            if p is None:
+                raise KeyError(f"load_state_dict: state for parameter index {idx}, which no group holds "
+                               f"(this optimizer has {len(flat)} parameters)")
+            st = self._state_for(p)
+            for name in self._state_names:
+                if name not in entry:
+                    raise KeyError(f"load_state_dict: state of parameter {idx} lacks {name!r}")
+                _copy_in(st[name], entry[name], f"state[{idx}][{name!r}]")
+            step = entry.get("step", 0)
+            steps[self._slots[p.id]] = int(step.item() if hasattr(step, "item") else step)
+        self._steps = torch.from_numpy(steps).to(runtime.device)  # host transfer
+        self._tables.clear()
+
+    def __repr__(self):
+        lines = [f"{type(self).__name__} ("]
+        for i, g in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            for k in sorted(g):
+                if k != "params":
+                    lines.append(f"    {k}: {g[k]}")
+        lines.append(")")
+        return "\n".join(lines)
+
+
+class Adam(Optimizer):
+    """Adam with L2 weight decay (``weight_decay * param`` added to the gradient), as ``torch.optim.Adam``."""
+
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
+                 maximize=False):
+        if amsgrad:
+            raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported")
+        if maximize:
+            raise NotImplementedError(f"{type(self).__name__}: maximize=True is not supported")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      amsgrad=False, maximize=False))
+
+    def _validate(self, group):
+        super()._validate(group)
+        b1, b2 = group["betas"]
+        if not 0.0 <= b1 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 0: {b1}")
+        if not 0.0 <= b2 < 1.0:
+            raise ValueError(f"Invalid beta parameter at index 1: {b2}")
+        if group["eps"] < 0:
+            raise ValueError(f"Invalid epsilon value: {group['eps']}")
+
+    def _update(self, group, tables, p_dtype, g_dtype, found, scale):
+        b1, b2 = group["betas"]
+        K.adam_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
+                    float(group["eps"]), float(group["weight_decay"]), self._decoupled, found, scale)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay (``param *= 1 - lr * weight_decay``), as ``torch.optim.AdamW``."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 maximize=False):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize)
+
+
+class SGD(Optimizer):
+    """SGD with momentum, dampening, Nesterov momentum and L2 weight decay, as ``torch.optim.SGD``."""
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
+                 maximize=False):
+        if maximize:
+            raise NotImplementedError("SGD: maximize=True is not supported")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, maximize=False))
+
+    def _validate(self, group):
+        super()._validate(group)
+        if group["momentum"] < 0:
+            raise ValueError(f"Invalid momentum value: {group['momentum']}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+    @property
+    def _state_names(self):
+        return ("momentum_buffer",) if any(g["momentum"] != 0 for g in self.param_groups) or \
+            self.defaults["momentum"] != 0 else ()
+
+    def _update(self, group, tables, p_dtype, g_dtype, found, scale):
+        K.sgd_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(group["momentum"]),
+                   float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]), found, scale)
