@@ -174,22 +174,34 @@ def test_causal_matches_torch_alignment():
 
 def test_blhd_views_read_in_place(monkeypatch):
     """(B, L, H, D) projections permuted to (B, H, L, D), and q/k/v sliced out of one fused
-    (B, L, 3, H, D) buffer, are used without a copy; the output keeps q's memory order."""
+    (B, L, 3, H, D) buffer, are used without a copy; the output and the gradients keep the
+    inputs' memory order, so the gradient of a (B, L, H, D) leaf arrives without a copy too."""
     B, H, L, D = 2, 3, 21, 40
-    tq, tk, tv = _inputs(B, H, L, L, D, torch.float32, layout="blhd")
+    base = [torch.randn(B, L, H, D, device=DEVICE) for _ in range(3)]
     qkv = torch.randn(B, L, 3, H, D, device=DEVICE)
-    sq, sk, sv = (qkv[:, :, i].permute(0, 2, 1, 3) for i in range(3))
     dout = torch.randn(B, H, L, D, device=DEVICE)
+    copies = []
 
     def forbidden(*args, **kwargs):
+        copies.append(1)
         raise AssertionError("attention launched an elementwise/copy kernel")
     monkeypatch.setattr(KE, "map_", forbidden)
-    for a, b, c in ((tq, tk, tv), (sq, sk, sv)):
-        got = _flame_run(a, b, c, dout, is_causal=True)
-        _check_all(got, _rounded(_ref_run(a, b, c, dout, causal=True), torch.float32), torch.float32)
-        out = got[0]
-        assert out.permute(0, 2, 1, 3).is_contiguous(), f"output strides {out.stride()} not (B, L, H, D) ordered"
-        assert got[1][0].permute(0, 2, 1, 3).is_contiguous()
+    leaves = [flame.from_torch(t, requires_grad=True) for t in base]
+    q, k, v = (x.permute(0, 2, 1, 3) for x in leaves)
+    out = sdpa(q, k, v, is_causal=True)
+    assert out.to_torch().permute(0, 2, 1, 3).is_contiguous(), f"output strides {out.stride()}"
+    grads = out.backward(flame.from_torch(dout.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)))
+    ro, rg = _ref_run(*(t.permute(0, 2, 1, 3) for t in base), dout, causal=True)
+    assert _err(out.to_torch(), ro) < 1e-5
+    for x, r in zip(leaves, rg):
+        assert grads[x].shape == (B, L, H, D) and _err(grads[x].to_torch(), r.permute(0, 2, 1, 3)) < 1e-5
+    # slices of a fused projection: forward without a copy
+    fq = flame.from_torch(qkv)
+    sq, sk, sv = (fq[:, :, i].permute(0, 2, 1, 3) for i in range(3))
+    out = sdpa(sq, sk, sv)
+    want = _ref(*(qkv[:, :, i].permute(0, 2, 1, 3) for i in range(3)))
+    assert _err(out.to_torch(), want) < 1e-5 and out.to_torch().permute(0, 2, 1, 3).is_contiguous()
+    assert not copies
 
 
 def test_strided_upstream_gradient():
@@ -273,6 +285,18 @@ def test_query_broadcast_over_batch():
     got = _flame_run(tq, tk, tv, dout)
     assert got[0].stride(-1) == 1 and got[1][0].stride(-1) == 1
     _check_all(got, _rounded(_ref_run(tq, tk, tv, dout), torch.float32), torch.float32)
+
+
+@pytest.mark.parametrize("config", ["small", "split"])
+def test_int64_offsets_path(monkeypatch, config):
+    # the WIDE switch (int64 row offsets, used when a head's extent passes 2**31 elements)
+    monkeypatch.setattr(KA, "_I32", 0)
+    monkeypatch.setattr(KA, "FORCE_BLOCKS", BLOCKS[config])
+    tq, tk, tv = _inputs(1, 2, 21, 37, 40, torch.float32, layout="blhd")
+    mask = torch.rand(21, 37, device=DEVICE) > 0.2
+    dout = torch.randn(1, 2, 21, 40, device=DEVICE)
+    got = _flame_run(tq, tk, tv, dout, mask=mask, is_causal=True)
+    _check_all(got, _rounded(_ref_run(tq, tk, tv, dout, mask=mask, causal=True), torch.float32), torch.float32)
 
 
 def test_mask_gets_no_gradient():
