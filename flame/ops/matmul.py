@@ -1,4 +1,4 @@
-"""Matrix products with ``torch.matmul`` semantics: ``matmul`` (``@``) and ``bmm``.
+"""Matrix products with ``torch.matmul`` semantics: ``matmul`` (``@``) and ``bmm``; and ``linear``.
 
 Every case is brought to one batched problem ``C[..., M, N] = A[..., M, K] @ B[..., K, N]`` on
 views: a 1-D left operand is a (1, K) row, a 1-D right operand a (K, 1) column, and the batch dims
@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .. import runtime
 from ..autograd import needs_grad, record
+from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from ._util import check_tensor
 from .elementwise import to
+from .shape import contiguous
 
 
 def _check(a, b, op):
@@ -165,3 +169,94 @@ def bmm(a, b):
     if a.shape[0] != b.shape[0]:
         raise RuntimeError(f"bmm: batch sizes differ: shapes {a.shape} and {b.shape}")
     return _matmul(a, b, "bmm")
+
+
+# ---- linear: GEMM with bias and activation fused ------------------------------------------------
+
+_ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwise
+    None: (KE.IDENTITY.value, 0),
+    "relu": (KE.RELU.value, KE.RELU_BWD.value),
+    "silu": (KE.SILU.value, KE.SILU_BWD.value),
+    "gelu": (KE.GELU.value, KE.GELU_BWD.value),
+    "gelu_tanh": (KE.GELU_TANH.value, KE.GELU_TANH_BWD.value),
+}
+
+
+# Y = act(P), P = X W^T + b, with X: (R, K), W: (N, K), b: (N,), G = dL/dY: (R, N).
+#   G' = G * act'(P)           (elementwise; never materialised: applied to each tile of G as the
+#                               backward GEMMs load it, from the P saved by the forward)
+#   dX = G' W                  (R, N) x (N, K)
+#   dW = G'^T X                (N, R) x (R, K)
+#   db = sum_r G'[r, :]        (row sums of G'^T, accumulated in fp32 inside the dW launch)
+# Without an activation G' = G and P is not saved.
+def _linear_backward(node, g):
+    x2, w, pre = node.saved
+    need_x, need_w, need_b = node.needs_input_grad
+    grad_op = node.attrs["grad_op"]
+    g2 = g._data.reshape(-1, g.shape[-1])
+    if g2.dtype != x2.dtype:
+        g2 = to(Tensor(g2), x2.dtype)._data
+    dx = dw = db = None
+    if need_x:
+        dx = runtime.empty(x2.shape, x2.dtype)
+        KM.linear_grad_input_(dx, g2, w._data, pre, grad_op)
+        dx = Tensor(dx.view(node.attrs["x_shape"]))
+    if need_w or need_b:
+        db32 = runtime.empty((w.shape[0],), torch.float32) if need_b else None
+        dw = runtime.empty(w.shape, w.dtype)
+        KM.linear_grad_weight_(dw, g2, x2, pre, grad_op, db32)
+        dw = Tensor(dw) if need_w else None
+        db = Tensor(db32) if need_b else None
+    return dx, dw, db
+
+
+def linear(x, weight, bias=None, activation=None):
+    """``activation(x @ weight^T + bias)`` as one GEMM launch with a fused epilogue.
+
+    ``x`` is (..., in), ``weight`` (out, in) as in PyTorch, ``bias`` (out,) or None;
+    ``activation`` is None, "relu", "silu", "gelu" (exact) or "gelu_tanh". Weight and bias are
+    cast once to ``x``'s dtype (so an fp32 master weight trains under bf16 activations, its
+    gradient flowing back through the cast). The backward fuses the activation derivative into
+    both gradient GEMMs and the bias gradient into the weight-gradient GEMM.
+    """
+    check_tensor(x, "input", "linear")
+    check_tensor(weight, "weight", "linear")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
+    if not x.dtype.is_floating_point or not weight.dtype.is_floating_point:
+        raise TypeError(f"linear: expected floating-point input and weight, got {x.dtype} and {weight.dtype}")
+    if weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != weight.shape[1]:
+        raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
+                           "(expected x (..., in) and weight (out, in))")
+    n_out = weight.shape[0]
+    if bias is not None:
+        check_tensor(bias, "bias", "linear")
+        if bias.shape != (n_out,):
+            raise RuntimeError(f"linear: bias must have shape ({n_out},), got {bias.shape}")
+        if bias.dtype != x.dtype:
+            bias = to(bias, x.dtype)
+    if weight.dtype != x.dtype:
+        weight = to(weight, x.dtype)
+    act, grad_op = _ACTIVATIONS[activation]
+    x2 = _rows(x._data)
+    if x2 is None:
+        x2 = x._data.contiguous() if x.numel() == 0 else contiguous(x)._data.view(-1, x.shape[-1])
+    out_shape = x.shape[:-1] + (n_out,)
+    out = runtime.empty((x2.shape[0], n_out), x.dtype)
+    grad = needs_grad(x, weight, bias)
+    pre = runtime.empty(out.shape, x.dtype) if grad and grad_op else None
+    if x.shape[-1] == 0:  # empty reduction: act(bias) or act(0)
+        KE.fill_(out, 0.0)
+        y = Tensor(out.view(out_shape))
+        y = y if bias is None else y + bias
+        return _apply_activation(y, activation)
+    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre)
+    y = Tensor(out.view(out_shape))
+    if grad:
+        record(y, (x, weight, bias), _linear_backward, saved=(x2, weight, pre), grad_op=grad_op, x_shape=x.shape)
+    return y
+
+
+def _apply_activation(y, activation):
+    from . import elementwise as ew
+    return y if activation is None else ew.gelu(y, "tanh") if activation == "gelu_tanh" else getattr(ew, activation)(y)

@@ -1,0 +1,124 @@
+import numpy as np
+import pytest
+import torch
+
+import flame
+import flame.nn.functional as F
+from flame.testing import gradcheck
+from helpers import FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error, pair
+
+TORCH_ACT = {
+    None: lambda t: t,
+    "relu": torch.relu,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+}
+
+
+def _run(x_shape, n_out, dtype, act, bias=True, weight_t=False, noncontig_x=False):
+    x, xt = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig_x)
+    if weight_t:  # a transposed view of an (in, out) buffer: read in place
+        w0, w0t = pair((x_shape[-1], n_out), dtype)
+        w, wt = w0.t().detach().requires_grad_(), w0t.t().detach().requires_grad_()
+    else:
+        w, wt = pair((n_out, x_shape[-1]), dtype, requires_grad=True)
+    b, bt = pair((n_out,), dtype, requires_grad=True) if bias else (None, None)
+    y = F.linear(x, w, b, activation=act)
+    yt = TORCH_ACT[act](torch.nn.functional.linear(xt, wt, bt))
+    g, gt = pair(tuple(yt.shape), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    return y, yt, grads, (x, xt), (w, wt), (b, bt)
+
+
+@pytest.mark.parametrize("act", list(TORCH_ACT))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("shape,n_out", [((7, 33), 17), ((2, 5, 16), 8), ((1, 1), 1), ((3, 77, 40), 24)], ids=str)
+def test_linear_matches_torch(act, dtype, shape, n_out):
+    y, yt, grads, (x, xt), (w, wt), (b, bt) = _run(shape, n_out, dtype, act)
+    # GEMMs sum in another order than PyTorch: a few ulp of the sum, not of each element
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-5)
+    assert_close(y, yt, **tol)
+    assert_close(grads[x].to(dtype), xt.grad, dtype, **tol)
+    assert_close(grads[w].to(dtype), wt.grad, dtype, **tol)
+    assert_close(grads[b].to(dtype), bt.grad, dtype, **tol)
+
+
+@pytest.mark.parametrize("act", [None, "gelu"])
+def test_linear_strided_operands_and_no_bias(act):
+    y, yt, grads, (x, xt), (w, wt), _ = _run((9, 12), 5, torch.float32, act, bias=False, weight_t=True,
+                                             noncontig_x=True)
+    assert_close(y, yt)
+    assert_close(grads[x], xt.grad)
+    assert_close(grads[w], wt.grad)
+
+
+@pytest.mark.parametrize("act", list(TORCH_ACT))
+def test_linear_gradcheck(act):
+    rng = np.random.default_rng(11)
+    x = flame.tensor(rng.standard_normal((2, 3, 4)), requires_grad=True)
+    w = flame.tensor(rng.standard_normal((5, 4)), requires_grad=True)
+    b = flame.tensor(rng.standard_normal(5), requires_grad=True)
+    if act == "relu":  # keep pre-activations away from the kink
+        with flame.no_grad():
+            pre = (x @ w.T + b).numpy()
+        assert np.abs(pre).min() > 1e-3
+    assert gradcheck(lambda x, w, b: F.linear(x, w, b, activation=act), [x, w, b])
+
+
+def test_mixed_precision_master_weight():
+    # fp32 master weight with fp16 activations: cast once, gradient back in fp32
+    x, xt = pair((4, 8), torch.float16, requires_grad=True)
+    w, wt = pair((3, 8), torch.float32, requires_grad=True)
+    y = F.linear(x, w)
+    assert y.dtype == torch.float16
+    grads = y.float().sum().backward()
+    assert grads[w].dtype == torch.float32 and grads[x].dtype == torch.float32
+    yt = torch.nn.functional.linear(xt, wt.half())
+    yt.float().sum().backward()
+    assert_close(grads[w], wt.grad, torch.float16)
+
+
+def test_linear_empty_and_zero_k():
+    x = flame.empty(0, 4, requires_grad=True)
+    w = flame.randn(3, 4, requires_grad=True)
+    assert F.linear(x, w).shape == (0, 3)
+    xk = flame.empty(2, 0)
+    b = flame.tensor([1.0, -2.0, 3.0])
+    assert_close(F.linear(xk, flame.empty(3, 0), b, activation="relu"), torch.tensor([[1.0, 0.0, 3.0]] * 2))
+
+
+def test_linear_bad_inputs():
+    x, w = flame.ones(2, 4), flame.ones(3, 5)
+    with pytest.raises(RuntimeError, match="don't match"):
+        F.linear(x, w)
+    with pytest.raises(RuntimeError, match="bias"):
+        F.linear(x, flame.ones(3, 4), flame.ones(4))
+    with pytest.raises(ValueError, match="activation"):
+        F.linear(x, flame.ones(3, 4), activation="tanh")
+    with pytest.raises(TypeError):
+        F.linear(flame.ones(2, 4, dtype=flame.int64), flame.ones(3, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act", [None, "gelu_tanh"])
+def test_linear_bf16_sdxl_shape_error_budget(act):
+    # DESIGN rule: error vs an fp32 reference at most 2x (outputs) / 3x (gradients) PyTorch's in bf16
+    m, k, n = 1024, 1280, 1280
+    x32 = torch.randn(m, k, device="cuda")
+    w32 = torch.randn(n, k, device="cuda") / k ** 0.5
+    b32 = torch.randn(n, device="cuda")
+    g32 = torch.randn(m, n, device="cuda")
+    ref = [t.clone().requires_grad_() for t in (x32, w32, b32)]
+    y_ref = TORCH_ACT[act](torch.nn.functional.linear(*ref))
+    y_ref.backward(g32)
+    low = [t.bfloat16().requires_grad_() for t in (x32, w32, b32)]
+    y_low = TORCH_ACT[act](torch.nn.functional.linear(*low))
+    y_low.backward(g32.bfloat16())
+    fx, fw, fb = [flame.from_torch(t.detach().bfloat16(), requires_grad=True) for t in (x32, w32, b32)]
+    y = F.linear(fx, fw, fb, activation=act)
+    grads = y.backward(flame.from_torch(g32.bfloat16()))
+    assert_within_torch_error(y, y_low, y_ref, 2)
+    for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
+        assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
