@@ -91,7 +91,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, a_pre_ptr, rowsum
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
 
-    if ROWSUM:
+    if ROWSUM:  # noqa: SIM102 - a constexpr switch, then a run-time condition
         if pid_n == 0:
             tl.store(rowsum_ptr + offs_m, row_acc, mask=mask_m)
     if BIAS:
