@@ -173,6 +173,56 @@ def overhead_family(ctx: Ctx) -> list[Case]:
     ]
 
 
+LINEAR_SHAPES = [  # (M, K, N, activation): SDXL's linears at 1024x1024, batch 1 (sdxl.md), and a big square
+    (4096, 640, 640, None), (4096, 640, 5120, None), (4096, 2560, 640, None), (1024, 1280, 1280, None),
+    (1024, 1280, 10240, None), (1024, 5120, 1280, None), (77, 2048, 640, None), (77, 2048, 1280, None),
+    (16384, 320, 320, None), (4096, 640, 5120, "gelu_tanh"), (1024, 1280, 10240, "gelu_tanh"),
+    (8192, 8192, 8192, None),
+]
+_TORCH_ACT = {None: lambda t: t, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
+
+
+@family("linear", "F.linear (+bias, +activation) forward and forward+backward on SDXL shapes")
+def linear_family(ctx: Ctx) -> list[Case]:
+    import flame.nn.functional as F
+
+    cases = []
+    shapes = LINEAR_SHAPES if not ctx.quick else [(256, 128, 192, None), (64, 96, 128, "gelu_tanh")]
+    if ctx.interpreter:
+        shapes = [(16, 24, 32, None), (8, 16, 24, "gelu_tanh")]
+    for m, k, n, act in shapes:
+        x, tx = _randn(m, k, dtype=ctx.dtype, requires_grad=True)
+        w, tw = _randn(n, k, dtype=ctx.dtype, requires_grad=True)
+        b, tb = _randn(n, dtype=ctx.dtype, requires_grad=True)
+        with flame.no_grad():
+            w = (w * (1.0 / k ** 0.5)).requires_grad_()
+        tw = w.to_torch().detach().clone().requires_grad_()
+        g = flame.randn(m, n, dtype=ctx.dtype)
+        tg = g.to_torch()
+        tact = _TORCH_ACT[act]
+        name = f"{m}x{k}->{n}" + (f" +bias+{act}" if act else " +bias")
+        flops = 2 * m * k * n
+
+        def f_fwd(x=x, w=w, b=b, act=act):
+            with flame.no_grad():
+                return F.linear(x, w, b, activation=act)
+
+        def t_fwd(tx=tx, tw=tw, tb=tb, tact=tact):
+            with torch.no_grad():
+                return tact(torch.nn.functional.linear(tx, tw, tb))
+
+        def f_bwd(x=x, w=w, b=b, act=act, g=g):
+            grads = F.linear(x, w, b, activation=act).backward(g)
+            return grads[x].to(x.dtype), grads[w].to(w.dtype), grads[b].to(b.dtype)
+
+        def t_bwd(tx=tx, tw=tw, tb=tb, tact=tact, tg=tg):
+            return torch.autograd.grad(tact(torch.nn.functional.linear(tx, tw, tb)), (tx, tw, tb), tg)
+
+        cases.append(Case(f"fwd {name}", f_fwd, t_fwd, flops=flops))
+        cases.append(Case(f"fwd+bwd {name}", f_bwd, t_bwd, flops=3 * flops))
+    return cases
+
+
 # ---- measurement -------------------------------------------------------------------------------
 
 def _sync():
