@@ -116,11 +116,12 @@ def test_group_norm_weight_only_and_3d_5d():
 
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("act", [None, "silu"])
-def test_group_norm_split_statistics(monkeypatch, channels_last, act):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_group_norm_split_statistics(monkeypatch, channels_last, act, batch):
     # batch-1 path: each group's statistics split over several programs (3 splits of S = 63, the
     # last one short), channel blocks of 4 over C = 6 (not a multiple), then combined
     monkeypatch.setattr(KN, "_gn_override", (4, 8, 3))
-    x, w, b, g = _gn_inputs((1, 6, 7, 9), torch.float32, True, channels_last)
+    x, w, b, g = _gn_inputs((batch, 6, 7, 9), torch.float32, True, channels_last)
     _check(_gn_flame(3, 1e-5, act), _gn_torch(3, 1e-5, act), [x, w, b], g, torch.float32)
 
 
@@ -374,3 +375,27 @@ def test_layer_rms_norm_deterministic(rms):
     runs = [_flame_run(f_fn, inputs, g)[1] for _ in range(2)]
     for a, c in zip(*runs):
         assert torch.equal(a.to_torch(), c.to_torch())
+
+
+@pytest.mark.parametrize("which", ["x", "w", "b"])
+def test_partial_requires_grad(which):
+    # only one input requires grad: the other gradients are skipped (dx-less / dW-less kernels)
+    x, w, b, g = _gn_inputs((2, 6, 3, 4), torch.float32, True, True)
+    xl = x[:, :, 0, 0].contiguous()
+    gl = g[:, :, 0, 0].contiguous()
+    for f_fn, t_fn, xx, gg in [(_gn_flame(3, 1e-5, "silu"), _gn_torch(3, 1e-5, "silu"), x, g),
+                               (lambda x, w, b: F.layer_norm(x, 6, w, b), lambda x, w, b: TF.layer_norm(x, (6,), w, b),
+                                xl, gl),
+                               (lambda x, w, b: F.rms_norm(x, 6, w), lambda x, w, b: TF.rms_norm(x, (6,), w), xl, gl)]:
+        want = {"x": 0, "w": 1, "b": 2}[which]
+        fl = [_f(t, i == want) for i, t in enumerate((xx, w, b))]
+        y = f_fn(*fl)
+        if not y.requires_grad:  # rms_norm has no bias
+            continue
+        grads = y.backward(_f(gg))
+        # torch computes every gradient (its CPU GroupNorm backward crashes on channels-last input
+        # when the input itself does not require grad)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (xx, w, b)]
+        t_fn(*leaves).backward(gg)
+        assert_close(grads[fl[want]], leaves[want].grad, atol=1e-4, rtol=1e-4)
+        assert len(grads) == 1
