@@ -1,0 +1,417 @@
+"""Fused optimizers, LR schedulers and clip_grad_norm_ against torch.optim / torch.nn.utils."""
+import math
+import warnings
+
+import pytest
+import torch
+
+import flame
+from flame import optim
+from flame.kernels import optim as KO
+from helpers import DEVICE
+
+# odd sizes; 4500 elements span two work items of the interpreter's 4096-element chunks
+SHAPES = [(3, 5), (17,), (4, 3, 2), (1,), (4500,)]
+
+
+def _params(shapes=SHAPES, dtype=torch.float32):
+    torch_ps = [torch.nn.Parameter(torch.randn(s, dtype=torch.float64).to(dtype).to(DEVICE)) for s in shapes]
+    flame_ps = [flame.from_torch(p.detach().clone(), requires_grad=True) for p in torch_ps]
+    return flame_ps, torch_ps
+
+
+def _grads(torch_ps, skip=()):
+    return [None if i in skip else torch.randn(p.shape, dtype=torch.float32, device=DEVICE)
+            for i, p in enumerate(torch_ps)]
+
+
+def _grad_map(flame_ps, gs):
+    gm = flame.GradientMap()
+    for p, g in zip(flame_ps, gs):
+        if g is not None:
+            gm[p] = flame.from_torch(g.clone())
+    return gm
+
+
+def _torch_step(opt, torch_ps, gs):
+    for p, g in zip(torch_ps, gs):
+        p.grad = None if g is None else g.clone().to(p.dtype)
+    opt.step()
+
+
+def _assert_params(flame_ps, torch_ps, rtol=1e-6, atol=1e-6):
+    # 1e-6 relative to the O(1) parameter scale (single elements near 0 see rounding-order noise)
+    for f, t in zip(flame_ps, torch_ps):
+        torch.testing.assert_close(f.to_torch(), t.detach(), rtol=rtol, atol=atol)
+
+
+CONFIGS = [
+    ("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+    ("AdamW", dict(lr=3e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)),
+    ("Adam", dict(lr=1e-2)),
+    ("Adam", dict(lr=1e-2, weight_decay=0.05)),
+    ("SGD", dict(lr=0.1)),
+    ("SGD", dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    ("SGD", dict(lr=0.05, momentum=0.9, dampening=0.3)),
+    ("SGD", dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.02)),
+]
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CONFIGS)])
+def test_matches_torch_five_steps(name, kw):
+    fp, tp = _params()
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
+    for _ in range(5):
+        gs = _grads(tp)
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+    st = fo.state_dict()["state"]
+    assert all(st[i]["step"] == 5 for i in range(len(SHAPES)))
+
+
+def test_param_groups_with_own_hyperparameters():
+    fp, tp = _params()
+    groups = lambda ps: [dict(params=ps[:2], lr=2e-2, weight_decay=0.3, betas=(0.85, 0.95)),
+                         dict(params=ps[2:])]
+    fo = optim.AdamW(groups(fp), lr=1e-2, weight_decay=0.01)
+    to = torch.optim.AdamW(groups(tp), lr=1e-2, weight_decay=0.01)
+    assert fo.param_groups[1]["lr"] == 1e-2 and fo.param_groups[0]["betas"] == (0.85, 0.95)
+    for _ in range(4):
+        gs = _grads(tp)
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+
+
+def test_sgd_param_groups_mixed_momentum():
+    fp, tp = _params()
+    groups = lambda ps: [dict(params=ps[:3], momentum=0.0), dict(params=ps[3:], nesterov=True)]
+    fo = optim.SGD(groups(fp), lr=0.1, momentum=0.9)
+    to = torch.optim.SGD(groups(tp), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        gs = _grads(tp)
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD"])
+def test_params_without_gradient_are_skipped(name):
+    kw = dict(lr=1e-2, momentum=0.9) if name == "SGD" else dict(lr=1e-2)
+    fp, tp = _params()
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
+    for skip in [(), (1, 3), (), (0,), ()]:  # the set of params changes: tables are rebuilt
+        gs = _grads(tp, skip)
+        before = [p.to_torch().clone() for p in fp]
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+        for i in skip:
+            assert torch.equal(fp[i].to_torch(), before[i])
+    _assert_params(fp, tp)
+    steps = [fo.state_dict()["state"][i]["step"] for i in range(len(SHAPES))]
+    assert steps == [4, 4, 5, 4, 5]
+
+
+def _flag(value):
+    return flame.tensor([value], dtype=flame.int32)
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+                                     ("SGD", dict(lr=0.1, momentum=0.9))])
+def test_found_inf_skips_the_update_on_the_device(name, kw):
+    fp, tp = _params()
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
+    for i in range(4):
+        gs = _grads(tp)
+        skip = i == 2
+        if skip:  # the flag is set: nothing changes, not even the step counters
+            before = [p.to_torch().clone() for p in fp]
+            state_before = fo.state_dict()["state"]
+            fo.step(_grad_map(fp, gs), found_inf=_flag(1))
+            for p, b in zip(fp, before):
+                assert torch.equal(p.to_torch(), b)
+            state_after = fo.state_dict()["state"]
+            for k, entry in state_before.items():
+                for name_, v in entry.items():
+                    if isinstance(v, int):
+                        assert state_after[k][name_] == v
+                    else:
+                        assert torch.equal(state_after[k][name_].to_torch(), v.to_torch())
+        else:
+            fo.step(_grad_map(fp, gs), found_inf=_flag(0))
+            _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+    assert fo.state_dict()["state"][0]["step"] == 3
+
+
+def test_grad_scale_unscales_inside_the_kernel():
+    fp, tp = _params()
+    fo, to = optim.AdamW(fp, lr=1e-2), torch.optim.AdamW(tp, lr=1e-2)
+    scale = 1024.0
+    for _ in range(3):
+        gs = _grads(tp)
+        fo.step(_grad_map(fp, [g * scale for g in gs]), grad_scale=flame.tensor([1.0 / scale]))
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+                                     ("SGD", dict(lr=0.1, momentum=0.9, nesterov=True))])
+def test_state_dict_resume_continues_identically(name, kw):
+    fp, tp = _params()
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
+    all_grads = [_grads(tp) for _ in range(5)]
+    for gs in all_grads[:3]:
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+    sd = fo.state_dict()
+    # a fresh optimizer over copies of the parameters, resumed from the state dict
+    fp2 = [flame.from_torch(p.to_torch().clone(), requires_grad=True) for p in fp]
+    fo2 = getattr(optim, name)(fp2, **kw)
+    fo2.load_state_dict(sd)
+    for gs in all_grads[3:]:
+        fo.step(_grad_map(fp, gs))
+        fo2.step(_grad_map(fp2, gs))
+        _torch_step(to, tp, gs)
+    for a, b in zip(fp, fp2):
+        assert torch.equal(a.to_torch(), b.to_torch())
+    _assert_params(fp2, tp)
+
+
+def test_load_state_dict_errors():
+    fp, _ = _params()
+    fo = optim.AdamW(fp)
+    fo.step(_grad_map(fp, _grads(fp)))
+    sd = fo.state_dict()
+    with pytest.raises(ValueError, match="parameter group"):
+        optim.AdamW(fp[:2]).load_state_dict(sd)
+    bad = dict(sd, state={0: dict(sd["state"][0], exp_avg=flame.zeros(2, 2))})
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        optim.AdamW(fp).load_state_dict(bad)
+
+
+def test_optimizer_step_is_two_launches_for_any_number_of_params(monkeypatch):
+    fp, _ = _params(SHAPES + [(7, 9), (2,)])
+    count = [0]
+    real = KO.launch
+
+    def counting(*args, **kw):
+        count[0] += 1
+        return real(*args, **kw)
+
+    monkeypatch.setattr(KO, "launch", counting)
+    for opt in (optim.AdamW(fp), optim.SGD(fp, momentum=0.9)):
+        count[0] = 0
+        opt.step(_grad_map(fp, _grads(fp)))
+        assert count[0] == 2, count[0]
+    count[0] = 0
+    optim.clip_grad_norm_(_grad_map(fp, _grads(fp)), 1.0)
+    assert count[0] == 3, count[0]
+
+
+def test_bad_arguments():
+    fp, _ = _params()
+    with pytest.raises(ValueError, match="empty parameter list"):
+        optim.AdamW([])
+    with pytest.raises(TypeError, match="fp32, bf16 or fp16"):
+        optim.AdamW([flame.zeros(3, dtype=flame.float64, requires_grad=True)])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        optim.SGD([dict(params=fp[:2]), dict(params=fp[1:])])
+    with pytest.raises(ValueError, match="Nesterov"):
+        optim.SGD(fp, nesterov=True)
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        optim.AdamW(fp, amsgrad=True)
+    opt = optim.AdamW(fp)
+    with pytest.raises(TypeError, match="GradientMap"):
+        opt.step([1, 2])
+    with pytest.raises(TypeError, match="found_inf"):
+        opt.step(flame.GradientMap(), found_inf=flame.zeros(1))
+    gm = flame.GradientMap()
+    gm[fp[0]] = flame.zeros(2)
+    with pytest.raises(ValueError, match="gradient of shape"):
+        opt.step(gm)
+
+
+def test_training_a_module_end_to_end():
+    # grads from a real backward through Linear layers; flame AdamW vs torch AdamW on the same model
+    from flame import nn
+    tm = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.SiLU(), torch.nn.Linear(9, 2)).to(DEVICE)
+    fm = nn.Sequential(nn.Linear(6, 9), nn.SiLU(), nn.Linear(9, 2))
+    fm.load_state_dict(tm.state_dict())
+    fo = optim.AdamW(fm.parameters(), lr=1e-2)
+    to = torch.optim.AdamW(tm.parameters(), lr=1e-2)
+    x = torch.randn(5, 6, device=DEVICE)
+    for _ in range(3):
+        loss = (fm(flame.from_torch(x)) ** 2).mean()
+        fo.step(loss.backward())
+        to.zero_grad()
+        (tm(x) ** 2).mean().backward()
+        to.step()
+    for (k, v), (k2, v2) in zip(fm.state_dict().items(), tm.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(v.to_torch(), v2, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+                                     ("SGD", dict(lr=0.05, momentum=0.9))])
+def test_bf16_params_fp32_math(name, kw):
+    # bf16 parameters, fp32 gradients and state: each step is the fp32 update of the stored bf16
+    # value, rounded once; compare with torch running fp32 on the same bf16-rounded start
+    fp, _ = _params(dtype=torch.bfloat16)
+    ref = [torch.nn.Parameter(p.to_torch().float()) for p in fp]
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(ref, **kw)
+    for _ in range(3):
+        gs = _grads(ref)
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, ref, gs)
+        for f, r in zip(fp, ref):
+            torch.testing.assert_close(f.to_torch(), r.detach().to(torch.bfloat16), rtol=1.6e-2, atol=1e-2)
+            with torch.no_grad():
+                r.copy_(f.to_torch().float())  # follow flame's rounding so errors don't compound
+    assert all(p.dtype == torch.bfloat16 for p in fp)
+
+
+# ---- clip_grad_norm_ ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
+@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+def test_clip_grad_norm_matches_torch(norm_type, max_norm):
+    _, tp = _params()
+    gs = _grads(tp)
+    fp = [flame.from_torch(g.clone()) for g in gs]
+    for p, g in zip(tp, gs):
+        p.grad = g.clone()
+    want = torch.nn.utils.clip_grad_norm_(tp, max_norm, norm_type=norm_type)
+    got = optim.clip_grad_norm_(fp, max_norm, norm_type=norm_type)
+    assert got.shape == () and got.dtype == torch.float32
+    torch.testing.assert_close(got.to_torch(), want, rtol=1e-5, atol=0)
+    for f, p in zip(fp, tp):
+        torch.testing.assert_close(f.to_torch(), p.grad, rtol=1e-5, atol=1e-7)
+    if max_norm > 1e3:  # no clipping: the gradients are unchanged
+        for f, g in zip(fp, gs):
+            torch.testing.assert_close(f.to_torch(), g, rtol=1e-6, atol=0)
+
+
+def test_clip_grad_norm_gradient_map_and_edge_cases():
+    fp, tp = _params()
+    gs = _grads(tp)
+    gm = _grad_map(fp, gs)
+    total = optim.clip_grad_norm_(gm, 1.0)
+    expect = math.sqrt(sum(float((g.double() ** 2).sum()) for g in gs))
+    assert total.item() == pytest.approx(expect, rel=1e-5)
+    clipped = math.sqrt(sum(float((gm[p].to_torch().double() ** 2).sum()) for p in fp))
+    assert clipped == pytest.approx(1.0, rel=1e-5)
+    assert optim.clip_grad_norm_(flame.GradientMap(), 1.0).item() == 0.0
+    bad = [flame.tensor([1.0, float("nan")])]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        optim.clip_grad_norm_(bad, 1.0, error_if_nonfinite=True)
+    assert math.isnan(optim.clip_grad_norm_(bad, 1.0).item())
+
+
+# ---- LR schedulers ------------------------------------------------------------------------------
+
+def _pair_opts(name="SGD", **kw):
+    f = [flame.zeros(2, requires_grad=True), flame.zeros(3, requires_grad=True)]
+    t = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+    groups = lambda ps: [dict(params=[ps[0]]), dict(params=[ps[1]], lr=0.5)]
+    return getattr(optim, name)(groups(f), lr=0.1, **kw), getattr(torch.optim, name)(groups(t), lr=0.1, **kw)
+
+
+def _compare(make_flame, make_torch, steps=25, name="SGD", opt_kw=None, keys=("lr",)):
+    fo, to = _pair_opts(name, **(opt_kw or {}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fs, ts = make_flame(fo), make_torch(to)
+        for _ in range(steps):
+            assert fs.get_last_lr() == pytest.approx(ts.get_last_lr(), rel=1e-9, abs=1e-15)
+            for fg, tg in zip(fo.param_groups, to.param_groups):
+                for k in keys:
+                    assert fg[k] == pytest.approx(tg[k], rel=1e-9, abs=1e-15), k
+            to.step()
+            fs.step()
+            ts.step()
+
+
+S = optim.lr_scheduler
+T = torch.optim.lr_scheduler
+
+
+@pytest.mark.parametrize("case", ["step", "multistep", "exponential", "cosine", "linear", "constant", "lambda"])
+def test_torch_schedulers(case):
+    make = {
+        "step": lambda m, o: m.StepLR(o, step_size=4, gamma=0.5),
+        "multistep": lambda m, o: m.MultiStepLR(o, milestones=[3, 7, 12], gamma=0.3),
+        "exponential": lambda m, o: m.ExponentialLR(o, gamma=0.9),
+        "cosine": lambda m, o: m.CosineAnnealingLR(o, T_max=20, eta_min=1e-3),
+        "linear": lambda m, o: m.LinearLR(o, start_factor=0.1, end_factor=0.9, total_iters=10),
+        "constant": lambda m, o: m.ConstantLR(o, factor=0.25, total_iters=6),
+        "lambda": lambda m, o: m.LambdaLR(o, [lambda s: 0.9 ** s, lambda s: 1 / (1 + s)]),
+    }[case]
+    _compare(lambda o: make(S, o), lambda o: make(T, o), steps=20)
+
+
+@pytest.mark.parametrize("name,opt_kw,keys", [("SGD", dict(momentum=0.9), ("lr", "momentum")),
+                                              ("AdamW", {}, ("lr", "betas"))])
+@pytest.mark.parametrize("kw", [dict(anneal_strategy="cos"), dict(anneal_strategy="linear", three_phase=True)])
+def test_one_cycle(name, opt_kw, keys, kw):
+    make = lambda m, o: m.OneCycleLR(o, max_lr=[1.0, 0.3], total_steps=30, pct_start=0.25, **kw)
+    _compare(lambda o: make(S, o), lambda o: make(T, o), steps=30, name=name, opt_kw=opt_kw, keys=keys)
+
+
+def _diffusers_lambdas(kind, warmup, total, cycles=0.5):
+    def f(step):
+        if step < warmup:
+            return float(step) / float(max(1, warmup))
+        if kind == "constant":
+            return 1.0
+        progress = float(step - warmup) / float(max(1, total - warmup))
+        if kind == "linear":
+            return max(0.0, float(total - step) / float(max(1, total - warmup)))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(cycles) * 2.0 * progress)))
+    return f
+
+
+@pytest.mark.parametrize("kind", ["constant", "linear", "cosine"])
+def test_warmup_schedules_match_diffusers_formulas(kind):
+    make = {"constant": lambda o: S.get_constant_schedule_with_warmup(o, 5),
+            "linear": lambda o: S.get_linear_schedule_with_warmup(o, 5, 20),
+            "cosine": lambda o: S.get_cosine_schedule_with_warmup(o, 5, 20)}[kind]
+    _compare(make, lambda o: T.LambdaLR(o, _diffusers_lambdas(kind, 5, 20)), steps=22)
+    fo, _ = _pair_opts()
+    sched = S.get_scheduler(kind if kind != "constant" else "constant_with_warmup", fo, 5, 20)
+    assert type(sched) is type(make(_pair_opts()[0]))
+
+
+def test_scheduler_state_dict_resume():
+    fo, _ = _pair_opts("AdamW")
+    sched = S.OneCycleLR(fo, max_lr=0.2, total_steps=40)
+    for _ in range(13):
+        sched.step()
+    sd_sched = sched.state_dict()
+    import copy
+    sd_opt = {"param_groups": copy.deepcopy(fo.state_dict()["param_groups"]), "state": {}}
+    fo2, _ = _pair_opts("AdamW")
+    fo2.load_state_dict(sd_opt)
+    sched2 = S.OneCycleLR(fo2, max_lr=0.2, total_steps=40, last_epoch=12)
+    sched2.load_state_dict(sd_sched)
+    assert sched2.get_last_lr() == sched.get_last_lr()
+    for _ in range(10):
+        sched.step()
+        sched2.step()
+        assert sched2.get_last_lr() == sched.get_last_lr()
+        assert [g["betas"] for g in fo2.param_groups] == [g["betas"] for g in fo.param_groups]
+
+
+def test_scheduler_drives_the_optimizer_lr():
+    fp, tp = _params([(5,), (3, 2)])
+    fo, to = optim.SGD(fp, lr=0.1, momentum=0.5), torch.optim.SGD(tp, lr=0.1, momentum=0.5)
+    fs, ts = S.CosineAnnealingLR(fo, T_max=4), T.CosineAnnealingLR(to, T_max=4)
+    for _ in range(4):
+        gs = _grads(tp)
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+        fs.step()
+        ts.step()
+    _assert_params(fp, tp)
