@@ -241,14 +241,6 @@ def _gn_apply_kernel(x_ptr, dy_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, k1_
 
 
 _gn_override = None  # tests set (BLOCK_C, BLOCK_S, splits) to exercise split statistics on the CPU
-_SMS = None
-
-
-def _num_sms():
-    global _SMS
-    if _SMS is None:
-        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
-    return _SMS
 
 
 def _gn_tiles(N, C, S, channels_last):
@@ -266,7 +258,7 @@ def _gn_tiles(N, C, S, channels_last):
         block_s = min(_pow2(S), 1024)
         block_c = max(1, min(_pow2(C), 4096 // block_s))
     programs = N * cdiv(C, block_c)
-    target = 4 * _num_sms()
+    target = 4 * runtime.num_sms()
     splits = 1
     if programs < target:
         splits = max(1, min(cdiv(target, programs), cdiv(S, block_s)))
@@ -551,7 +543,7 @@ def _ln_tiles(M, D):
         bd = _pow2(min(D, 1 << 14))
         return _pow2(min(M, max(1, (1 << 15) // bd))), bd, 1
     bd = min(_pow2(D), 8192)
-    return max(1, min(_pow2(M), 4096 // bd)), bd, 2 * _num_sms()
+    return max(1, min(_pow2(M), 4096 // bd)), bd, 2 * runtime.num_sms()
 
 
 def _warps(n):

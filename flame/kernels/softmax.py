@@ -454,7 +454,7 @@ def loss_fwd(x, y, w, w_div, w_mod, kind, beta, reduction, out_dtype, weight_nor
                    float(beta), KIND=kind, HAS_W=w is not None, WSUM=False, REDUCE=red, CD=cd, BLOCK=block,
                    num_warps=_warps(block))
         return out, None
-    target = 1 if runtime.INTERPRETER else 8 * _num_sms()
+    target = 1 if runtime.INTERPRETER else 8 * runtime.num_sms()
     per_prog = max(block, cdiv(cdiv(max(n, 1), target), block) * block)
     P = cdiv(n, per_prog)
     psum = runtime.empty((max(P, 1),), acc)
@@ -494,13 +494,3 @@ def loss_bwd(dx, dy, dw_full, x, y, w, w_div, w_mod, g, wsum, out, kind, beta, r
            KIND=kind, HAS_W=w is not None, G_FULL=reduction == "none", W_MEAN=w_mean, NEED_X=dx is not None,
            NEED_Y=dy is not None, NEED_W=dw_full is not None, CD=_cd(x.dtype, y.dtype), BLOCK=block,
            num_warps=_warps(block))
-
-
-_SMS = None
-
-
-def _num_sms():
-    global _SMS
-    if _SMS is None:
-        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
-    return _SMS

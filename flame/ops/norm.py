@@ -26,7 +26,7 @@ _ACTIVATIONS = (None, "silu")
 def _check_param(p, name, shape, x, op):
     if p is None:
         return None
-    if type(p) is Tensor and p._data.dim() == 1 and len(shape) == 1:  # fast path: a (C,) parameter
+    if isinstance(p, Tensor) and p._data.dim() == 1 and len(shape) == 1:  # fast path: a (C,) parameter
         buf = p._data
         if buf.shape[0] == shape[0] and buf.dtype.is_floating_point and buf.device == x._data.device:
             return p
