@@ -107,6 +107,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
     pid_g = tl.program_id(0)
+    if CAUSAL:  # the longest rows (most key blocks) first
+        pid_g = tl.num_programs(0) - 1 - pid_g
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -364,6 +366,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                         BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
                         ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the longest rows (most key blocks) first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
