@@ -419,3 +419,30 @@ def test_scheduler_drives_the_optimizer_lr():
         fs.step()
         ts.step()
     _assert_params(fp, tp)
+
+
+def test_tables_are_reused_and_follow_swapped_buffers(monkeypatch):
+    from flame import nn
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = optim.SGD(model.parameters(), lr=0.5)
+    builds = [0]
+    real = KO.Tables
+
+    def counting(rows):
+        builds[0] += 1
+        return real(rows)
+
+    monkeypatch.setattr(KO, "Tables", counting)
+    ps = list(model.parameters())
+    gm = _grad_map(ps, _grads(ps))
+    opt.step(gm)
+    opt.step(gm)  # same gradient buffers: the tables are reused
+    assert builds[0] == 1
+    # Module.to swaps every parameter's buffer (same Parameter objects): the optimizer follows
+    model.to(flame.float16)
+    before = [p.to_torch().float().clone() for p in ps]
+    opt.step(gm)
+    assert builds[0] == 2
+    for p, b, (_, g) in zip(ps, before, sorted(gm.items())):
+        assert p.dtype == flame.float16
+        torch.testing.assert_close(p.to_torch().float(), (b - 0.5 * g.to_torch()).half().float(), rtol=1e-3, atol=1e-3)

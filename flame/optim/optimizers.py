@@ -69,7 +69,9 @@ class Optimizer:
         self.state = {}  # param id -> {name: torch buffer}
         self._slots = {}  # param id -> index into the device step counters
         self._steps = None  # int64 device tensor, one counter per parameter
-        self._tables = {}  # bucket key -> (pointer key, Tables)
+        self._tables = {}  # (group, dtypes) -> (pointer key, Tables)
+        self._plans = {}  # group index -> (version, entries); see _plan
+        self._version = 0
         if isinstance(params, Tensor):
             raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, "
                             "but got a Tensor")
@@ -118,6 +120,7 @@ class Optimizer:
             KE.copy_(steps[: old.numel()], old)
         self._steps = steps
         self._tables.clear()
+        self._plans.clear()
 
     def _validate(self, group):
         if group["lr"] < 0:
@@ -133,46 +136,73 @@ class Optimizer:
             self.state[p.id] = st
         return st
 
-    def _bucket_rows(self, group, grads):
-        """{(param dtype, grad dtype): [((p, g, m, v), numel, slot)]} for the group's params with a gradient."""
-        buckets = {}
-        for p in group["params"]:
-            g = grads.get(p) if isinstance(grads, GradientMap) else grads.get(p.id, grads.get(p))
+    def _plan(self, gi):
+        """Per-group list of (param, its buffer, id, step slot, state buffers, numel), built once
+        (and again when a parameter's buffer was swapped, e.g. by ``Module.to``)."""
+        plan = self._plans.get(gi)
+        if plan is not None and all(e[0]._data is e[1] for e in plan[1]):
+            return plan
+        entries = []
+        for p in self.param_groups[gi]["params"]:
+            st = self._state_for(p)
+            bufs = tuple(st[n] for n in self._state_names)[:2]
+            entries.append((p, p._data, p.id, self._slots[p.id], bufs + (None,) * (2 - len(bufs)), p.numel()))
+        self._version += 1
+        plan = self._plans[gi] = (self._version, entries)
+        return plan
+
+    @staticmethod
+    def _checked_grad(p, g):
+        if not isinstance(g, Tensor):
+            raise TypeError(f"gradient for parameter of shape {p.shape} is a {type(g).__name__}, "
+                            "not a flame Tensor")
+        if g.shape != p.shape:
+            raise ValueError(f"gradient of shape {g.shape} for parameter of shape {p.shape}")
+        if g.dtype not in (torch.float32, p.dtype):
+            raise TypeError(f"gradient dtype {g.dtype} for a {p.dtype} parameter (expected float32 or {p.dtype})")
+        return g._data if g.is_contiguous() else g.contiguous()._data
+
+    def _buckets(self, gi, lookup):
+        """{(param dtype, grad dtype): Tables} for group ``gi``'s parameters that have a gradient.
+        The tables are rebuilt only when the set of (parameter, gradient buffer) pairs changes."""
+        version, entries = self._plan(gi)
+        rows = {}
+        f32 = torch.float32
+        for p, pdata, pid, slot, sbufs, numel in entries:
+            g = lookup(pid)
             if g is None:
                 continue
-            if not isinstance(g, Tensor):
-                raise TypeError(f"gradient for parameter of shape {p.shape} is a {type(g).__name__}, "
-                                "not a flame Tensor")
-            if g.shape != p.shape:
-                raise ValueError(f"gradient of shape {g.shape} for parameter of shape {p.shape}")
-            if g.dtype not in (torch.float32, p.dtype):
-                raise TypeError(f"gradient dtype {g.dtype} for a {p.dtype} parameter (expected float32 or {p.dtype})")
-            gbuf = g._data if g.is_contiguous() else g.contiguous()._data
-            st = self._state_for(p)
-            bufs = [st.get(n) for n in self._state_names][:2]
-            bufs += [None] * (2 - len(bufs))
-            buckets.setdefault((p.dtype, g.dtype), []).append(
-                ((p._data, gbuf, *bufs), p.numel(), self._slots[p.id]))
-        return buckets
-
-    def _tables_for(self, key, rows):
-        ptrs = tuple((tuple(b.data_ptr() if b is not None else 0 for b in bufs), n) for bufs, n, _ in rows)
-        hit = self._tables.get(key)
-        if hit is not None and hit[0] == ptrs:
-            return hit[1]
-        tables = K.Tables(rows)
-        self._tables[key] = (ptrs, tables)
-        return tables
+            gd = g._data if isinstance(g, Tensor) else None
+            if gd is None or gd.shape != pdata.shape or (gd.dtype is not f32 and gd.dtype != pdata.dtype) \
+                    or not gd.is_contiguous():
+                gd = self._checked_grad(p, g)
+            key = (pdata.dtype, gd.dtype)
+            lst = rows.get(key)
+            if lst is None:
+                lst = rows[key] = []
+            lst.append((pdata, gd, sbufs, numel, slot))
+        out = {}
+        for key, lst in rows.items():
+            ptrs = (version, tuple((slot, gd.data_ptr()) for _, gd, _, _, slot in lst))
+            hit = self._tables.get((gi, key))
+            if hit is None or hit[0] != ptrs:
+                tables = K.Tables([((pdata, gd, *sbufs), numel, slot) for pdata, gd, sbufs, numel, slot in lst])
+                hit = self._tables[(gi, key)] = (ptrs, tables)
+            out[key] = hit[1]
+        return out
 
     def step(self, grads, found_inf: Tensor | None = None, grad_scale: Tensor | None = None):
         """Update every parameter that has a gradient in ``grads`` (a GradientMap)."""
-        if not isinstance(grads, (GradientMap, dict)):
+        if isinstance(grads, GradientMap):
+            lookup = grads._grads.get
+        elif isinstance(grads, dict):
+            lookup = {(k if isinstance(k, int) else k.id): v for k, v in grads.items()}.get
+        else:
             raise TypeError(f"step expects the GradientMap returned by backward(), got {type(grads).__name__}")
         found = _check_flag(found_inf, "found_inf", torch.int32)
         scale = _check_flag(grad_scale, "grad_scale", torch.float32)
         for gi, group in enumerate(self.param_groups):
-            for (pd, gd), rows in self._bucket_rows(group, grads).items():
-                tables = self._tables_for((gi, pd, gd), rows)
+            for (pd, gd), tables in self._buckets(gi, lookup).items():
                 self._update(group, tables, pd, gd, found, scale)
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
@@ -189,9 +219,10 @@ class Optimizer:
         state = {}
         for i, p in enumerate(self._flat_params()):
             st = self.state.get(p.id)
-            if st is None:
+            step = int(steps[self._slots[p.id]])
+            if st is None or step == 0:  # never updated: no state, as torch
                 continue
-            entry = {"step": int(steps[self._slots[p.id]])}
+            entry = {"step": step}
             for name, buf in st.items():
                 copy = runtime.empty(tuple(buf.shape), buf.dtype)
                 KE.copy_(copy, buf)
@@ -224,9 +255,7 @@ class Optimizer:
             for k, v in saved.items():
                 if k != "params":
                     mine[k] = tuple(v) if isinstance(v, list) and k == "betas" else v
-        steps = np.zeros(len(self._slots), dtype=np.int64)
-        if self._steps is not None:
-            steps[:] = self._steps.cpu().numpy()  # host transfer
+        steps = np.zeros(len(self._slots), dtype=np.int64)  # parameters without saved state start afresh
         self.state = {}
         for idx, entry in state_dict["state"].items():
             p = index_of.get(int(idx))
@@ -242,6 +271,7 @@ class Optimizer:
             steps[self._slots[p.id]] = int(step.item() if hasattr(step, "item") else step)
         self._steps = torch.from_numpy(steps).to(runtime.device)  # host transfer
         self._tables.clear()
+        self._plans.clear()
 
     def __repr__(self):
         lines = [f"{type(self).__name__} ("]
