@@ -37,8 +37,11 @@ def _run(x_shape, n_out, dtype, act, bias=True, weight_t=False, noncontig_x=Fals
 @pytest.mark.parametrize("shape,n_out", [((7, 33), 17), ((2, 5, 16), 8), ((1, 1), 1), ((3, 77, 40), 24)], ids=str)
 def test_linear_matches_torch(act, dtype, shape, n_out):
     y, yt, grads, (x, xt), (w, wt), (b, bt) = _run(shape, n_out, dtype, act)
-    # GEMMs sum in another order than PyTorch: a few ulp of the sum, not of each element
+    # GEMMs sum in another order than PyTorch: a few ulp of the sum, not of each element; fp32
+    # products run as tf32 on the GPU (10 mantissa bits), exactly in the interpreter
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-5)
+    if dtype == torch.float32 and not flame.is_interpreter():
+        tol = dict(rtol=5e-3, atol=5e-3)
     assert_close(y, yt, **tol)
     assert_close(grads[x].to(dtype), xt.grad, dtype, **tol)
     assert_close(grads[w].to(dtype), wt.grad, dtype, **tol)
@@ -49,9 +52,10 @@ def test_linear_matches_torch(act, dtype, shape, n_out):
 def test_linear_strided_operands_and_no_bias(act):
     y, yt, grads, (x, xt), (w, wt), _ = _run((9, 12), 5, torch.float32, act, bias=False, weight_t=True,
                                              noncontig_x=True)
-    assert_close(y, yt)
-    assert_close(grads[x], xt.grad)
-    assert_close(grads[w], wt.grad)
+    tol = {} if flame.is_interpreter() else dict(rtol=5e-3, atol=5e-3)  # tf32 on the GPU
+    assert_close(y, yt, **tol)
+    assert_close(grads[x], xt.grad, **tol)
+    assert_close(grads[w], wt.grad, **tol)
 
 
 @pytest.mark.parametrize("act", list(TORCH_ACT))

@@ -28,22 +28,21 @@ from .reduce import SUM, accumulation_dtype, reduce_
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, a_pre_ptr, rowsum_ptr, M, N, K, B1,
-                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, s_bias, sp0, sp1, spm, spk,
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, B1,
+                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, s_bias,
                    ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr,
-                   A_GRAD: tl.constexpr, ROWSUM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
     # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
     # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
     # over two (collapsed) batch dims of size (B0, B1).
-    # Fusions (constexpr switches, off = IDENTITY / False):
-    #   epilogue  C = ACT(acc + bias[n]); STORE_PRE also writes acc + bias (with C's strides);
-    #   prologue  A <- A_GRAD(A, P): each A tile is combined elementwise with the same tile of P
-    #             (strides sp*), e.g. dY * act'(pre) for a linear layer's backward;
-    #   ROWSUM    rowsum[m] = sum_k A[m, k] after the prologue (bias gradient), by the pid_n == 0
-    #             programs, in fp32.
+    # Fused epilogue (constexpr switches, off = IDENTITY / False): C = ACT(acc + bias[n]);
+    # STORE_PRE also writes acc + bias (with C's strides) for the activation's backward.
+    # (A prologue fusing dY * act'(pre) into the backward GEMMs' A loads, with the bias gradient
+    # as row sums of those tiles, gave wrong 16-bit results on Triton 3.6 when the loaded tile
+    # fed both tl.sum and tl.dot: measured on an H200, 2026-11-26; the backward is unfused until
+    # that is understood.)
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -66,24 +65,12 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, a_pre_ptr, rowsum
     mask_n = offs_n < N
     a_ptrs = a_ptr + (i0 * sa0 + i1 * sa1) + offs_m[:, None] * sam + offs_k[None, :].to(tl.int64) * sak
     b_ptrs = b_ptr + (i0 * sb0 + i1 * sb1) + offs_k[:, None].to(tl.int64) * sbk + offs_n[None, :] * sbn
-    p_ptrs = a_pre_ptr + (i0 * sp0 + i1 * sp1) + offs_m[:, None] * spm + offs_k[None, :].to(tl.int64) * spk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    row_acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
-        mask_a = mask_m[:, None] & mask_k[None, :]
-        a = tl.load(a_ptrs, mask=mask_a, other=0.0)
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if A_GRAD != 0:
-            p = tl.load(p_ptrs, mask=mask_a, other=0.0).to(tl.float32)
-            a32 = _apply(a.to(tl.float32), p, p, 0.0, 0.0, A_GRAD)
-            if ROWSUM:
-                row_acc += tl.sum(a32, axis=1)
-            a = a32.to(a_ptr.dtype.element_ty)
-            p_ptrs += BLOCK_K * spk
-        elif ROWSUM:
-            row_acc += tl.sum(a.to(tl.float32), axis=1)
         if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -91,9 +78,6 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, a_pre_ptr, rowsum
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
 
-    if ROWSUM:  # noqa: SIM102 - a constexpr switch, then a run-time condition
-        if pid_n == 0:
-            tl.store(rowsum_ptr + offs_m, row_acc, mask=mask_m)
     if BIAS:
         acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(ACC)[None, :]
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
@@ -173,12 +157,10 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
             _launch_cache.clear()
         _launch_cache[key] = cfg
     f = epilogue or _NO_FUSION
-    sp = (0, 0, *f.pre_strides) if f.a_pre is not None else (0, 0, 0, 0)
     grid = (B0 * B1 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
-    launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), _or(f.a_pre, out),
-           _or(f.rowsum, out), M, N, K, B1, *sa, *sb, *sc, f.bias_stride, *sp,
-           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, A_GRAD=f.a_grad,
-           ROWSUM=f.rowsum is not None, **cfg)
+    launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), M, N, K, B1,
+           *sa, *sb, *sc, f.bias_stride, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+           **cfg)
 
 
 def _or(t, default):
@@ -186,22 +168,16 @@ def _or(t, default):
 
 
 class Fusion:
-    """Work fused into one GEMM launch (see ``_matmul_kernel``): ``bias`` (N,) and ``act`` (an
-    elementwise op code) in the epilogue, ``pre_out`` receives acc + bias before the activation;
-    ``a_pre`` with ``pre_strides`` (in A's (row, col) index space) and ``a_grad`` (an elementwise
-    backward op code) transform each A tile; ``rowsum`` (M,) fp32 receives A's row sums."""
+    """Epilogue work fused into one GEMM launch (see ``_matmul_kernel``): ``bias`` (N,) and
+    ``act`` (an elementwise op code); ``pre_out`` receives acc + bias before the activation."""
 
-    __slots__ = ("bias", "bias_stride", "act", "pre_out", "a_pre", "pre_strides", "a_grad", "rowsum")
+    __slots__ = ("bias", "bias_stride", "act", "pre_out")
 
-    def __init__(self, bias=None, act=0, pre_out=None, a_pre=None, pre_strides=None, a_grad=0, rowsum=None):
+    def __init__(self, bias=None, act=0, pre_out=None):
         self.bias = bias
         self.bias_stride = bias.stride(0) if bias is not None else 0
         self.act = act
         self.pre_out = pre_out
-        self.a_pre = a_pre
-        self.pre_strides = pre_strides
-        self.a_grad = a_grad
-        self.rowsum = rowsum
 
 
 _NO_FUSION = Fusion()
@@ -257,28 +233,6 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None):
     ws = w.stride()
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(), Fusion(bias, act, pre_out))
     return out
-
-
-def linear_grad_input_(dx, g, w, pre=None, grad_op=0):
-    """``dx[R, K] = (g * act'(pre))[R, N] @ w[N, K]``; ``grad_op`` is the activation's backward op
-    code (applied to each tile of g as it is loaded), 0 for none."""
-    R, N = g.shape
-    K = w.shape[1]
-    f = Fusion(a_pre=pre, pre_strides=pre.stride() if pre is not None else None, a_grad=grad_op)
-    _launch(dx, g, w, R, K, N, (), g.stride(), w.stride(), dx.stride(), f)
-    return dx
-
-
-def linear_grad_weight_(dw, g, x, pre=None, grad_op=0, db=None):
-    """``dw[N, K] = (g * act'(pre))^T @ x`` over the R rows, and ``db[N]`` (fp32, contiguous) the
-    row sums of ``(g * act'(pre))^T``, both from one launch."""
-    R, N = g.shape
-    K = x.shape[1]
-    gs = g.stride()
-    f = Fusion(a_pre=pre, pre_strides=(pre.stride(1), pre.stride(0)) if pre is not None else None,
-               a_grad=grad_op, rowsum=db)
-    _launch(dw, g, x, N, K, R, (), (gs[1], gs[0]), x.stride(), dw.stride(), f)
-    return dw
 
 
 def matmul_sum_batch_(out, a, b):

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
 from ..tensor import Tensor, broadcast_shapes, promote_types
+from . import reduce
 from ._util import check_tensor
 from .elementwise import to
 from .shape import contiguous
@@ -183,30 +182,32 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 
 
 # Y = act(P), P = X W^T + b, with X: (R, K), W: (N, K), b: (N,), G = dL/dY: (R, N).
-#   G' = G * act'(P)           (elementwise; never materialised: applied to each tile of G as the
-#                               backward GEMMs load it, from the P saved by the forward)
-#   dX = G' W                  (R, N) x (N, K)
-#   dW = G'^T X                (N, R) x (R, K)
-#   db = sum_r G'[r, :]        (row sums of G'^T, accumulated in fp32 inside the dW launch)
-# Without an activation G' = G and P is not saved.
+#   G' = G * act'(P)       (one elementwise pass from the P saved by the forward; G' = G without
+#                           an activation, and then P is not saved)
+#   dX = G' W              (R, N) x (N, K)
+#   dW = G'^T X            (N, R) x (R, K), G'^T a transposed view
+#   db = sum_r G'[r, :]    (a column reduction, fp32 accumulation)
 def _linear_backward(node, g):
     x2, w, pre = node.saved
     need_x, need_w, need_b = node.needs_input_grad
-    grad_op = node.attrs["grad_op"]
     g2 = g._data.reshape(-1, g.shape[-1])
     if g2.dtype != x2.dtype:
         g2 = to(Tensor(g2), x2.dtype)._data
+    if pre is not None:
+        gp = runtime.empty(g2.shape, g2.dtype)
+        KE.map_(gp, [g2, pre], node.attrs["grad_op"])
+        g2 = gp
     dx = dw = db = None
     if need_x:
         dx = runtime.empty(x2.shape, x2.dtype)
-        KM.linear_grad_input_(dx, g2, w._data, pre, grad_op)
+        KM.matmul_(dx, g2, w._data)
         dx = Tensor(dx.view(node.attrs["x_shape"]))
-    if need_w or need_b:
-        db32 = runtime.empty((w.shape[0],), torch.float32) if need_b else None
+    if need_w:
         dw = runtime.empty(w.shape, w.dtype)
-        KM.linear_grad_weight_(dw, g2, x2, pre, grad_op, db32)
-        dw = Tensor(dw) if need_w else None
-        db = Tensor(db32) if need_b else None
+        KM.matmul_(dw, g2.t(), x2)
+        dw = Tensor(dw)
+    if need_b:
+        db = reduce.sum(Tensor(g2), dim=0)
     return dx, dw, db
 
 
