@@ -264,16 +264,17 @@ class Tables:
         block, chunk = _sizes()
         self.block, self.chunk = block, chunk
         self.count = len(rows)
-        table = np.zeros((len(rows), ROW), dtype=np.int64)
-        work = []
-        for i, (bufs, numel, slot) in enumerate(rows):
-            for j, b in enumerate(bufs):
-                table[i, j] = b.data_ptr() if b is not None else 0
-            table[i, 4] = numel
-            table[i, 5] = slot
-            work.extend((i, s) for s in range(0, numel, chunk))
-        self.num_work = len(work)
-        work_arr = np.asarray(work, dtype=np.int64).reshape(-1, 2)
+        n = len(rows)
+        table = np.zeros((n, ROW), dtype=np.int64)
+        if n:
+            table[:, :4] = [[b.data_ptr() if b is not None else 0 for b in bufs] for bufs, _, _ in rows]
+            table[:, 4] = [r[1] for r in rows]
+            table[:, 5] = [r[2] for r in rows]
+        chunks = (table[:, 4] + chunk - 1) // chunk
+        tensor_of = np.repeat(np.arange(n, dtype=np.int64), chunks)
+        first = np.repeat(np.cumsum(chunks) - chunks, chunks)
+        work_arr = np.stack([tensor_of, (np.arange(tensor_of.size, dtype=np.int64) - first) * chunk], axis=1)
+        self.num_work = int(tensor_of.size)
         self.tensors = torch.from_numpy(table).to(runtime.device)  # host transfer
         self.work = torch.from_numpy(work_arr).to(runtime.device)
 
