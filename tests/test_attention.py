@@ -162,6 +162,9 @@ def test_float64_and_scale_and_3d():
     got = _flame_run(tq, tk, tv, dout, scale=0.3)
     _check_all(got, _ref_run(tq, tk, tv, dout, scale=0.3), torch.float64)
     assert got[0].shape == (3, 9, 16)
+    mask = torch.rand(9, 12, device=DEVICE) > 0.3  # (Lq, Lk) broadcast over the 3 heads of a 3-D input
+    got = _flame_run(tq, tk, tv, dout, mask=mask, is_causal=True)
+    _check_all(got, _ref_run(tq, tk, tv, dout, mask=mask, causal=True), torch.float64)
 
 
 def test_causal_matches_torch_alignment():

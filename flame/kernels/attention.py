@@ -32,6 +32,8 @@ blocks pay no ``where``. Loads and stores are masked on both sequence ends and o
 Interpreter notes (as in matmul.py): bf16 dot inputs are upcast (the interpreter's bf16 dot is
 wrong); fp32 dots use ``input_precision="ieee"``; fp64 inputs accumulate in fp64.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -476,6 +478,17 @@ def _short_max(esize, bd):
 
 
 def _fwd_config(Lq, Lk, D, BH, esize=2):
+    if FORCE_BLOCKS is None:
+        return dict(_fwd_config_cached(Lq, Lk, D, BH, esize))
+    return _fwd_config_impl(Lq, Lk, D, BH, esize)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fwd_config_cached(Lq, Lk, D, BH, esize):
+    return _fwd_config_impl(Lq, Lk, D, BH, esize)
+
+
+def _fwd_config_impl(Lq, Lk, D, BH, esize):
     bd = max(16, _pow2(D))
     short = Lk <= _short_max(esize, bd)
     if FORCE_BLOCKS is not None:
@@ -510,6 +523,18 @@ def _fwd_config(Lq, Lk, D, BH, esize=2):
 
 def _bwd_config(Lq, Lk, D, BH, esize=2):
     """(dkdv config, dq config or None for the fused short-K/V path, query blocks per chunk)."""
+    if FORCE_BLOCKS is None:
+        kv, dq, bpc = _bwd_config_cached(Lq, Lk, D, BH, esize)
+        return dict(kv), (None if dq is None else dict(dq)), bpc
+    return _bwd_config_impl(Lq, Lk, D, BH, esize)
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_config_cached(Lq, Lk, D, BH, esize):
+    return _bwd_config_impl(Lq, Lk, D, BH, esize)
+
+
+def _bwd_config_impl(Lq, Lk, D, BH, esize):
     bd = max(16, _pow2(D))
     short = Lk <= _short_max(esize, bd)
     if FORCE_BLOCKS is not None:
