@@ -10,8 +10,9 @@ from flame import optim
 from flame.kernels import optim as KO
 from helpers import DEVICE
 
-# odd sizes; 4500 elements span two work items of the interpreter's 4096-element chunks
-SHAPES = [(3, 5), (17,), (4, 3, 2), (1,), (4500,)]
+# odd sizes; 4500 elements span two work items of the interpreter's 4096-element chunks, 21000
+# span three of the GPU's 8192-element chunks
+SHAPES = [(3, 5), (17,), (4, 3, 2), (1,), (4500,), (3, 7000)]
 
 
 def _params(shapes=SHAPES, dtype=torch.float32):
@@ -110,7 +111,7 @@ def test_params_without_gradient_are_skipped(name):
             assert torch.equal(fp[i].to_torch(), before[i])
     _assert_params(fp, tp)
     steps = [fo.state_dict()["state"][i]["step"] for i in range(len(SHAPES))]
-    assert steps == [4, 4, 5, 4, 5]
+    assert steps == [4, 4, 5, 4, 5, 5]
 
 
 def _flag(value):
@@ -280,7 +281,7 @@ def test_low_precision_params_fp32_math(name, kw, dtype):
 # ---- clip_grad_norm_ ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, 3.0])
-@pytest.mark.parametrize("max_norm", [0.5, 1e4])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
 def test_clip_grad_norm_matches_torch(norm_type, max_norm):
     _, tp = _params()
     gs = _grads(tp)
@@ -446,3 +447,26 @@ def test_tables_are_reused_and_follow_swapped_buffers(monkeypatch):
     for p, b, (_, g) in zip(ps, before, sorted(gm.items())):
         assert p.dtype == flame.float16
         torch.testing.assert_close(p.to_torch().float(), (b - 0.5 * g.to_torch()).half().float(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)), ("SGD", dict(lr=0.1, momentum=0.9))])
+def test_several_blocks_per_work_item(monkeypatch, name, kw):
+    # the GPU layout: each program loops over several blocks of its chunk (chunks end mid-tensor)
+    monkeypatch.setattr(KO, "_sizes", lambda: (256, 1024))
+    fp, tp = _params()
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
+    for _ in range(3):
+        gs = _grads(tp)
+        fo.step(_grad_map(fp, gs))
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+    gs = _grads(tp)
+    fg = [flame.from_torch(g.clone()) for g in gs]
+    for p, g in zip(tp, gs):
+        p.grad = g
+    want = torch.nn.utils.clip_grad_norm_(tp, 0.5)
+    optim.clip._cache.clear()
+    got = optim.clip_grad_norm_(fg, 0.5)
+    torch.testing.assert_close(got.to_torch(), want, rtol=1e-5, atol=0)
+    for f, p in zip(fg, tp):
+        torch.testing.assert_close(f.to_torch(), p.grad, rtol=1e-5, atol=1e-7)
