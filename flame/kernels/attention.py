@@ -438,16 +438,6 @@ def _cdiv(a, b):
     return -(-a // b)
 
 
-_SMS = None
-
-
-def _num_sms():
-    global _SMS
-    if _SMS is None:
-        _SMS = 1 if runtime.INTERPRETER else torch.cuda.get_device_properties(runtime.device).multi_processor_count
-    return _SMS
-
-
 # Lk at or below this uses the short-K/V paths (K/V in one block: forward loads them once per
 # program; backward fuses dQ into the dK/dV kernel and splits the query range over programs).
 SHORT_KV_MAX = 128
@@ -515,7 +505,7 @@ def _fwd_config_impl(Lq, Lk, D, BH, esize):
     if short:
         bn = max(16, _pow2(Lk))
         nm = _cdiv(Lq, bm)
-        group = max(1, min(8, (nm * BH) // (2 * _num_sms())))
+        group = max(1, min(8, (nm * BH) // (2 * runtime.num_sms())))
         return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, SINGLE_KV=True, num_warps=warps,
                     num_stages=min(stages, 2))
     return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=False, num_warps=warps, num_stages=stages)
@@ -555,7 +545,7 @@ def _bwd_config_impl(Lq, Lk, D, BH, esize):
         kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4 if bd <= 64 else 8,
                   num_stages=1 if big else 2)
         nm = _cdiv(Lq, bm)
-        chunks = max(1, min(nm, (2 * _num_sms()) // max(BH, 1)))
+        chunks = max(1, min(nm, (2 * runtime.num_sms()) // max(BH, 1)))
         return kv, None, _cdiv(nm, chunks)
     if big:
         kv = dict(BLOCK_D=bd, BLOCK_M=16 if esize >= 8 else 32, BLOCK_N=32, num_warps=4, num_stages=1)

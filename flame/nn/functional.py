@@ -1,8 +1,8 @@
 """Functional ops with PyTorch's names and argument order (``import flame.nn.functional as F``)."""
+from ..ops.attention import scaled_dot_product_attention  # noqa: F401
 from ..ops.elementwise import gelu, relu, sigmoid, silu, tanh  # noqa: F401
 from ..ops.index import embedding, gather, index_select  # noqa: F401
-from ..ops.matmul import linear, matmul  # noqa: F401
-from ..ops.shape import pad  # noqa: F401
 from ..ops.loss import cross_entropy, huber_loss, l1_loss, log_softmax, mse_loss, smooth_l1_loss, softmax  # noqa: F401
+from ..ops.matmul import linear, matmul  # noqa: F401
 from ..ops.norm import group_norm, layer_norm, rms_norm  # noqa: F401
-from ..ops.attention import scaled_dot_product_attention  # noqa: F401
+from ..ops.shape import pad  # noqa: F401
