@@ -9,7 +9,7 @@ from .. import runtime
 from ..ops import norm as N
 from ..ops.dropout import dropout
 from ..ops.elementwise import gelu, silu
-from ..ops.matmul import matmul
+from ..ops.matmul import linear
 from ..tensor import Tensor, check_dtype
 from . import init
 from .module import Module, Parameter
@@ -62,10 +62,7 @@ class Linear(Module):
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(f"Linear: input of shape {x.shape} does not end in in_features={self.in_features} "
                                f"(weight shape {self.weight.shape})")
-        y = matmul(x, self.weight.mT)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return linear(x, self.weight, self.bias)  # one GEMM with the bias in its epilogue
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
