@@ -62,8 +62,8 @@ def result_type(*operands) -> torch.dtype:
     (a float scalar turns an integer result into the default float dtype)."""
     if len(operands) == 2:  # fast paths: two dimensioned tensors of one dtype; a float tensor and a number
         a, b = operands
-        if type(a) is Tensor and a.ndim:
-            if type(b) is Tensor:
+        if isinstance(a, Tensor) and a.ndim:
+            if isinstance(b, Tensor):
                 if b.ndim and a.dtype == b.dtype:
                     return a.dtype
             elif type(b) in (int, float) and a.dtype.is_floating_point:

@@ -1,5 +1,6 @@
 """Functional ops with PyTorch's names and argument order (``import flame.nn.functional as F``)."""
 from ..ops.attention import scaled_dot_product_attention  # noqa: F401
+from ..ops.dropout import dropout  # noqa: F401
 from ..ops.elementwise import gelu, relu, sigmoid, silu, tanh  # noqa: F401
 from ..ops.index import embedding, gather, index_select  # noqa: F401
 from ..ops.loss import cross_entropy, huber_loss, l1_loss, log_softmax, mse_loss, smooth_l1_loss, softmax  # noqa: F401
