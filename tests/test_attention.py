@@ -156,6 +156,9 @@ def test_other_head_dims(D):
     _check_all(_flame_run(tq, tk, tv, dout), _rounded(_ref_run(tq, tk, tv, dout), torch.float32), torch.float32)
 
 
+@pytest.mark.xfail(not flame.is_interpreter(), strict=False,
+                   reason="Triton 3.6 crashed compiling this fp64 case (head dim 16) on an H200, 2026-11-26: "
+                          "MMAv2 getValuesFromDotOperandLayoutStruct; under investigation (issue 6)")
 def test_float64_and_scale_and_3d():
     tq, tk, tv = _inputs(None, 3, 9, 12, 16, torch.float64)
     dout = torch.randn(3, 9, 16, dtype=torch.float64, device=DEVICE)
@@ -308,7 +311,7 @@ def test_int64_offsets_path(monkeypatch, config):
 def test_mask_gets_no_gradient():
     tq, tk, tv = _inputs(1, 1, 5, 6, 16, torch.float32)
     q, k, v = (flame.from_torch(t, requires_grad=True) for t in (tq, tk, tv))
-    m = flame.from_torch(torch.randn(5, 6), requires_grad=True)
+    m = flame.from_torch(torch.randn(5, 6, device=DEVICE), requires_grad=True)
     grads = sdpa(q, k, v, attn_mask=m).sum().backward()
     assert q in grads and k in grads and v in grads and m not in grads
 

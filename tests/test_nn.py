@@ -7,7 +7,7 @@ import torch
 
 import flame
 from flame import nn
-from helpers import DEVICE, assert_close, pair
+from helpers import DEVICE, TF32_TOL, assert_close, pair
 
 
 def _load(fm, tm):
@@ -18,6 +18,8 @@ def _load(fm, tm):
 def _check_module(fm, tm, shape, rtol=None, atol=None):
     """Forward and backward of ``fm`` and ``tm`` (same weights) on the same input: outputs, input
     gradients and every parameter's gradient (by name) agree."""
+    if rtol is None and TF32_TOL:
+        rtol, atol = TF32_TOL["rtol"], TF32_TOL["atol"]
     tm.zero_grad()
     x, xt = pair(shape, requires_grad=True)
     y, yt = fm(x), tm(xt)

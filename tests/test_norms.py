@@ -13,7 +13,7 @@ from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_
 
 
 def _f(t, requires_grad=False):
-    return flame.from_torch(t.detach().clone(), requires_grad=requires_grad)
+    return flame.from_torch(t.detach().to(DEVICE, copy=True), requires_grad=requires_grad)
 
 
 def _leaf(t):
@@ -190,7 +190,7 @@ def test_group_norm_bad_inputs():
     with pytest.raises(ValueError, match="eps"):
         F.group_norm(x, 3, eps=-1.0)
     with pytest.raises(TypeError, match="floating"):
-        F.group_norm(flame.from_torch(torch.ones(2, 6, 3, 3, dtype=torch.int64)), 3)
+        F.group_norm(flame.from_torch(torch.ones(2, 6, 3, 3, dtype=torch.int64, device=DEVICE)), 3)
     with pytest.raises(TypeError, match="weight"):
         F.group_norm(x, 3, torch.randn(6))
 
@@ -286,7 +286,7 @@ def test_layer_norm_bad_inputs():
     with pytest.raises(ValueError, match="weight"):
         F.rms_norm(x, [6], _f(torch.randn(4)))
     with pytest.raises(TypeError, match="floating"):
-        F.rms_norm(flame.from_torch(torch.ones(4, 6, dtype=torch.int32)), 6)
+        F.rms_norm(flame.from_torch(torch.ones(4, 6, dtype=torch.int32, device=DEVICE)), 6)
     with pytest.raises(ValueError, match="eps"):
         F.layer_norm(x, 6, eps=float("nan"))
 

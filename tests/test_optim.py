@@ -249,9 +249,10 @@ def test_training_a_module_end_to_end():
         to.zero_grad()
         (tm(x) ** 2).mean().backward()
         to.step()
+    tol = dict(rtol=1e-5, atol=1e-6) if flame.is_interpreter() else dict(rtol=1e-3, atol=1e-3)  # tf32 GEMMs
     for (k, v), (k2, v2) in zip(fm.state_dict().items(), tm.state_dict().items()):
         assert k == k2
-        torch.testing.assert_close(v.to_torch(), v2, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v.to_torch(), v2, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])

@@ -13,7 +13,7 @@ from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_
 
 
 def _f(t, requires_grad=False):
-    return flame.from_torch(t.detach().clone(), requires_grad=requires_grad)
+    return flame.from_torch(t.detach().to(DEVICE, copy=True), requires_grad=requires_grad)
 
 
 def _run(f_fn, t_fn, inputs, grad_mask, g):
