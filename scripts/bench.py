@@ -223,6 +223,128 @@ def linear_family(ctx: Ctx) -> list[Case]:
     return cases
 
 
+def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0):
+    """A forward case (no graph) and a forward+backward case for one op; ``f_fn(*inputs)`` and
+    ``t_fn(*inputs)`` compute it, ``g``/``tg`` is the incoming gradient. Backward work is counted as
+    ``bwd_factor`` times the forward's."""
+    f_leaves = [x for x in f_inputs if isinstance(x, flame.Tensor) and x.requires_grad]
+    t_leaves = [x for x in t_inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+    def f_fwd():
+        with flame.no_grad():
+            return f_fn(*f_inputs)
+
+    def t_fwd():
+        with torch.no_grad():
+            return t_fn(*t_inputs)
+
+    def f_bwd():
+        grads = f_fn(*f_inputs).backward(g)
+        return tuple(grads[x].to(x.dtype) for x in f_leaves)
+
+    def t_bwd():
+        return torch.autograd.grad(t_fn(*t_inputs), t_leaves, tg)
+
+    scale = 1 + bwd_factor
+    return [
+        Case(f"fwd {name}", f_fwd, t_fwd, nbytes=nbytes, flops=flops),
+        Case(f"fwd+bwd {name}", f_bwd, t_bwd, nbytes=None if nbytes is None else int(nbytes * scale),
+             flops=None if flops is None else int(flops * scale)),
+    ]
+
+
+def _leaf(shape, dtype, channels_last=False):
+    x, t = _randn(*shape, dtype=dtype, requires_grad=True)
+    if channels_last:
+        t = t.detach().to(memory_format=torch.channels_last).requires_grad_()
+        x = flame.from_torch(t.detach().clone(), requires_grad=True)
+    return x, t
+
+
+@family("norms", "GroupNorm(32)(+SiLU) NCHW/channels-last, LayerNorm, RMSNorm, softmax, cross_entropy")
+def norms_family(ctx: Ctx) -> list[Case]:
+    import flame.nn.functional as F
+
+    tf = torch.nn.functional
+    dt, es = ctx.dtype, torch.empty((), dtype=ctx.dtype).element_size()
+    gn = [(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32), (1, 2560, 32, 32), (4, 320, 128, 128)]
+    rows = [(4096, 640), (1024, 1280), (16384, 320), (8192, 4096)]
+    vocab = [(8192, 32000)]
+    if ctx.quick or ctx.interpreter:
+        gn, rows, vocab = [(1, 64, 8, 8)], [(64, 96)], [(16, 100)]
+    cases = []
+    for shape in gn:
+        n = math.prod(shape)
+        for cl in (False, True):
+            for act in (None, "silu"):
+                x, tx = _leaf(shape, dt, cl)
+                w, tw = _randn(shape[1], dtype=dt, requires_grad=True)
+                b, tb = _randn(shape[1], dtype=dt, requires_grad=True)
+                g = flame.from_torch(torch.randn_like(tx))
+                name = f"group_norm {'x'.join(map(str, shape))}{' CL' if cl else ''}{' +silu' if act else ''}"
+
+                def t_fn(x, w, b, act=act):
+                    y = tf.group_norm(x, 32, w, b, 1e-5)
+                    return tf.silu(y) if act else y
+
+                cases += _fwd_bwd_cases(name, lambda x, w, b, act=act: F.group_norm(x, 32, w, b, activation=act),
+                                        t_fn, (x, w, b), (tx, tw, tb), g, g.to_torch(), nbytes=2 * n * es,
+                                        bwd_factor=1.5)
+    for m, c in rows:
+        x, tx = _randn(m, c, dtype=dt, requires_grad=True)
+        w, tw = _randn(c, dtype=dt, requires_grad=True)
+        b, tb = _randn(c, dtype=dt, requires_grad=True)
+        g = flame.randn(m, c, dtype=dt)
+        cases += _fwd_bwd_cases(f"layer_norm {m}x{c}", lambda x, w, b, c=c: F.layer_norm(x, c, w, b),
+                                lambda x, w, b, c=c: tf.layer_norm(x, (c,), w, b), (x, w, b), (tx, tw, tb),
+                                g, g.to_torch(), nbytes=2 * m * c * es, bwd_factor=1.5)
+        cases += _fwd_bwd_cases(f"rms_norm {m}x{c}", lambda x, w, c=c: F.rms_norm(x, c, w),
+                                lambda x, w, c=c: tf.rms_norm(x, (c,), w), (x, w), (tx, tw),
+                                g, g.to_torch(), nbytes=2 * m * c * es, bwd_factor=1.5)
+    for m, v in vocab:
+        x, tx = _randn(m, v, dtype=dt, requires_grad=True)
+        g = flame.randn(m, v, dtype=dt)
+        cases += _fwd_bwd_cases(f"softmax {m}x{v}", lambda x: F.softmax(x, -1), lambda x: torch.softmax(x, -1),
+                                (x,), (tx,), g, g.to_torch(), nbytes=2 * m * v * es, bwd_factor=1.5)
+        target = flame.from_torch(torch.randint(0, v, (m,), device=tx.device))
+        one = flame.ones((), dtype=dt)
+        cases += _fwd_bwd_cases(f"cross_entropy {m}x{v}", lambda x, t=target: F.cross_entropy(x, t),
+                                lambda x, t=target: tf.cross_entropy(x, t.to_torch()), (x,), (tx,), one,
+                                one.to_torch(), nbytes=m * v * es, bwd_factor=2.0)
+    return cases
+
+
+ATTENTION_SHAPES = [  # (B, H, Lq, Lk, D, causal): SDXL self/cross attention and two reference sizes
+    (1, 10, 4096, 4096, 64, False), (1, 20, 1024, 1024, 64, False), (1, 10, 4096, 77, 64, False),
+    (1, 20, 1024, 77, 64, False), (4, 10, 4096, 4096, 64, False), (2, 16, 4096, 4096, 128, False),
+    (4, 32, 2048, 2048, 128, True),
+]
+
+
+@family("attention", "scaled_dot_product_attention vs PyTorch SDPA: SDXL shapes, (B, L, H, D) inputs")
+def attention_family(ctx: Ctx) -> list[Case]:
+    import flame.nn.functional as F
+
+    shapes = ATTENTION_SHAPES
+    if ctx.quick or ctx.interpreter:
+        shapes = [(1, 2, 64, 64, 32, False), (1, 2, 64, 17, 32, False)]
+    cases = []
+    for bsz, h, lq, lk, d, causal in shapes:
+        # q/k/v as diffusers makes them: (B, L, H, D) projections viewed as (B, H, L, D)
+        qkv = []
+        for length in (lq, lk, lk):
+            x, t = _randn(bsz, length, h, d, dtype=ctx.dtype)
+            qkv.append((x.permute(0, 2, 1, 3).detach().requires_grad_(), t.permute(0, 2, 1, 3).requires_grad_()))
+        g = flame.randn(bsz, h, lq, d, dtype=ctx.dtype)
+        flops = 4 * bsz * h * lq * lk * d // (2 if causal else 1)
+        name = f"B{bsz} H{h} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
+        cases += _fwd_bwd_cases(
+            name, lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+            lambda q, k, v, c=causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c),
+            tuple(f for f, _ in qkv), tuple(t for _, t in qkv), g, g.to_torch(), flops=flops, bwd_factor=2.5)
+    return cases
+
+
 # ---- measurement -------------------------------------------------------------------------------
 
 def _sync():
