@@ -467,18 +467,20 @@ def _short_max(esize, bd):
     return SHORT_KV_MAX // 4 if esize >= 8 else SHORT_KV_MAX // 2
 
 
+def _configured(impl):
+    """``impl`` memoised per shape, except while a test forces block sizes (FORCE_BLOCKS).
+    Callers only read the returned configs."""
+    cached = functools.lru_cache(maxsize=1024)(impl)
+
+    @functools.wraps(impl)
+    def config(*args):
+        return impl(*args) if FORCE_BLOCKS is not None else cached(*args)
+
+    return config
+
+
+@_configured
 def _fwd_config(Lq, Lk, D, BH, esize=2):
-    if FORCE_BLOCKS is None:
-        return dict(_fwd_config_cached(Lq, Lk, D, BH, esize))
-    return _fwd_config_impl(Lq, Lk, D, BH, esize)
-
-
-@functools.lru_cache(maxsize=1024)
-def _fwd_config_cached(Lq, Lk, D, BH, esize):
-    return _fwd_config_impl(Lq, Lk, D, BH, esize)
-
-
-def _fwd_config_impl(Lq, Lk, D, BH, esize):
     bd = max(16, _pow2(D))
     short = Lk <= _short_max(esize, bd)
     if FORCE_BLOCKS is not None:
@@ -511,20 +513,9 @@ def _fwd_config_impl(Lq, Lk, D, BH, esize):
     return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=False, num_warps=warps, num_stages=stages)
 
 
+@_configured
 def _bwd_config(Lq, Lk, D, BH, esize=2):
     """(dkdv config, dq config or None for the fused short-K/V path, query blocks per chunk)."""
-    if FORCE_BLOCKS is None:
-        kv, dq, bpc = _bwd_config_cached(Lq, Lk, D, BH, esize)
-        return dict(kv), (None if dq is None else dict(dq)), bpc
-    return _bwd_config_impl(Lq, Lk, D, BH, esize)
-
-
-@functools.lru_cache(maxsize=1024)
-def _bwd_config_cached(Lq, Lk, D, BH, esize):
-    return _bwd_config_impl(Lq, Lk, D, BH, esize)
-
-
-def _bwd_config_impl(Lq, Lk, D, BH, esize):
     bd = max(16, _pow2(D))
     short = Lk <= _short_max(esize, bd)
     if FORCE_BLOCKS is not None:
