@@ -13,6 +13,7 @@ from ..kernels import elementwise as KE
 from ..kernels import reduce as K
 from ..tensor import Tensor
 from ._util import check_tensor, new, normalize_dims
+from .elementwise import map_op
 
 
 def _group(shape, strides, dims):
@@ -74,11 +75,11 @@ def _expand_back(g, node):
 
 # ---- sum / mean -----------------------------------------------------------------------------
 
+# y = scale * sum_{reduced dims} x  =>  dx = scale * g broadcast back over the reduced dims
+# (scaled on the small tensor, then a stride-0 expand: no full-size kernel)
 def _sum_backward(node, g):
     scale = node.attrs["scale"]
     if scale != 1.0:
-        g = Tensor(g._data)  # detached view; scaled below on the small tensor
-        from .elementwise import map_op
         g = map_op(KE.MUL, (g,), g.dtype, scale)
     return _expand_back(g, node)
 
@@ -110,9 +111,8 @@ def mean(x, dim=None, keepdim=False):
 
 # ---- max / min ------------------------------------------------------------------------------
 
+# d max/dx = g / (number of maxima) at every position equal to the maximum, 0 elsewhere
 def _extremum_backward(node, g):
-    # d max/dx = g / (number of maxima) at every position equal to the maximum, 0 elsewhere
-    from .elementwise import map_op
     x, y = node.saved
     y_full = _expand_back(y, node)
     hit = map_op(KE.EQ, (x, y_full), torch.bool)
@@ -145,9 +145,8 @@ amax, amin = max, min
 
 # ---- var ------------------------------------------------------------------------------------
 
+# d var/dx = 2 (x - mean) / (N - correction) * g
 def _var_backward(node, g):
-    # d var/dx = 2 (x - mean) / (N - correction) * g
-    from .elementwise import map_op
     x, m = node.saved
     diff = map_op(KE.SUB, (x, _expand_back(m, node)), g.dtype)
     denom = node.attrs["denom"]
