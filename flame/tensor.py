@@ -161,8 +161,8 @@ class Tensor:
     def data_ptr(self) -> int:
         return self._data.data_ptr()
 
-    @property
     def is_floating_point(self) -> bool:
+        """As torch.Tensor.is_floating_point (a method)."""
         return self.dtype.is_floating_point
 
     def __len__(self):

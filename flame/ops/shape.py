@@ -8,7 +8,7 @@ import numbers
 
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
-from ..tensor import Tensor
+from ..tensor import Tensor, result_type
 from ._util import check_tensor, new, normalize_dim
 
 
@@ -258,7 +258,6 @@ def cat(tensors, dim=0):
         check_tensor(x, f"tensors[{i}]", "cat")
     ref = next((x for x in tensors if x.shape != (0,)), tensors[0])  # PyTorch skips legacy 1-D empties
     d = normalize_dim(dim, ref.ndim, "cat")
-    from ..tensor import result_type
     dtype = result_type(*tensors)
     parts = [x for x in tensors if not (x.shape == (0,) and ref.ndim != 1)]
     for x in parts:
