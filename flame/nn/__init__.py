@@ -1,4 +1,13 @@
 """Neural-network building blocks; ``flame.nn.functional`` holds the functional ops."""
 from . import functional, init
 from .layers import GELU, Dropout, GroupNorm, Identity, LayerNorm, Linear, ModuleList, RMSNorm, Sequential, SiLU
+from .lora import (
+    LoRALinear,
+    inject_lora,
+    load_lora_state_dict,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora,
+    unmerge_lora,
+)
 from .module import Module, Parameter

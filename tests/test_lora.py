@@ -1,0 +1,189 @@
+"""LoRA: forward/backward against a PyTorch reference, frozen base, key names, merge/unmerge."""
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame import nn
+from flame.nn.lora import LoRALinear
+from helpers import DEVICE, TF32_TOL, assert_close
+
+TOL = TF32_TOL or dict(rtol=1e-5, atol=1e-5)
+
+
+class Attn(nn.Module):
+    def __init__(self, c, ctx):
+        super().__init__()
+        self.to_q = nn.Linear(c, c, bias=False)
+        self.to_k = nn.Linear(ctx, c, bias=False)
+        self.to_v = nn.Linear(ctx, c, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(c, c), nn.Dropout(0.0)])
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.attn1 = Attn(c, c)
+        self.attn2 = Attn(c, 6)
+        self.ff = nn.Module()
+        self.ff.net = nn.Sequential(nn.Linear(c, 2 * c), nn.GELU(), nn.Linear(2 * c, c))
+
+
+class Tiny(nn.Module):
+    """Module names like SDXL's: down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv_in = nn.Linear(4, c)
+        blocks = nn.ModuleList([nn.Module(), nn.Module()])
+        tr = nn.Module()
+        tr.proj_in = nn.Linear(c, c)
+        tr.transformer_blocks = nn.ModuleList([Block(c)])
+        tr.proj_out = nn.Linear(c, c)
+        blocks[1].attentions = nn.ModuleList([tr])
+        self.down_blocks = blocks
+
+
+def _ref(x, w, b, a, bb, scale):
+    y = x @ w.t() + (0 if b is None else b)
+    return y + scale * ((x @ a.t()) @ bb.t())
+
+
+def test_inject_targets_and_names():
+    m = Tiny()
+    names = nn.inject_lora(m, "attn", rank=2, alpha=4)
+    base = "down_blocks.1.attentions.0.transformer_blocks.0"
+    want = [f"{base}.attn{i}.{p}" for i in (1, 2) for p in ("to_q", "to_k", "to_v", "to_out.0")]
+    assert names == want
+    assert isinstance(m.get_submodule(f"{base}.attn1.to_out.0"), LoRALinear)
+    assert type(m.get_submodule(f"{base}.ff.net.0")) is nn.Linear
+    # base keys keep their names; the base is frozen, adapters are trainable
+    sd = m.state_dict()
+    assert f"{base}.attn1.to_out.0.weight" in sd and f"{base}.attn1.to_out.0.bias" in sd
+    layer = m.get_submodule(f"{base}.attn1.to_q")
+    assert not layer.weight.requires_grad and layer.lora_A.requires_grad and layer.lora_B.requires_grad
+    assert len(nn.lora_parameters(m)) == 16
+    # regexes and suffixes
+    m2 = Tiny()
+    got = nn.inject_lora(m2, [r".*\.attn2\.to_[kv]", "ff.net.2", re.compile(r".*proj_in")], rank=3)
+    assert got == ["down_blocks.1.attentions.0.proj_in", f"{base}.attn2.to_k", f"{base}.attn2.to_v",
+                   f"{base}.ff.net.2"]
+    with pytest.raises(ValueError, match="no Linear"):
+        nn.inject_lora(Tiny(), "nothing_here", rank=2)
+
+
+def test_state_dict_keys_and_shapes():
+    m = Tiny(c=8)
+    nn.inject_lora(m, "attn", rank=4, alpha=2)
+    p = "down_blocks.1.attentions.0.transformer_blocks.0"
+    peft = nn.lora_state_dict(m, format="peft")
+    assert len(peft) == 16
+    assert peft[f"unet.{p}.attn1.to_q.lora_A.weight"].shape == (4, 8)
+    assert peft[f"unet.{p}.attn1.to_q.lora_B.weight"].shape == (8, 4)
+    assert peft[f"unet.{p}.attn2.to_k.lora_A.weight"].shape == (4, 6)
+    assert peft[f"unet.{p}.attn2.to_out.0.lora_B.weight"].shape == (8, 4)
+    kohya = nn.lora_state_dict(m, format="kohya")
+    assert len(kohya) == 24
+    k = "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn1_to_q"
+    assert kohya[f"{k}.lora_down.weight"].shape == (4, 8)
+    assert kohya[f"{k}.lora_up.weight"].shape == (8, 4)
+    assert kohya[f"{k}.alpha"].shape == () and float(kohya[f"{k}.alpha"].item()) == 2.0
+    assert "lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn2_to_out_0.lora_up.weight" in kohya
+
+
+def test_init_zero_b_and_distributions():
+    flame.manual_seed(1)
+    lin = nn.Linear(400, 30)
+    layer = LoRALinear(lin, rank=64, alpha=64)
+    a = layer.lora_A.numpy()
+    bound = 1 / math.sqrt(400)
+    assert np.abs(a).max() <= bound and abs(a.std() - bound / math.sqrt(3)) < 0.05 * bound
+    assert np.all(layer.lora_B.numpy() == 0)
+    layer.reset_lora("gaussian")
+    a = layer.lora_A.numpy()
+    assert abs(a.std() - 1 / 64) < 0.05 / 64 and np.all(layer.lora_B.numpy() == 0)
+    # B = 0: the output equals the base layer's bit for bit
+    x = flame.randn(5, 400)
+    np.testing.assert_array_equal(layer(x).numpy(), lin(x).numpy())
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_forward_backward_matches_torch(bias):
+    lin = nn.Linear(11, 7, bias=bias)
+    layer = LoRALinear(lin, rank=3, alpha=5.0)
+    flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
+    w, a, bb = (t.to_torch().clone() for t in (layer.weight, layer.lora_A, layer.lora_B))
+    b = layer.bias.to_torch().clone() if bias else None
+    xt = torch.randn(2, 4, 11, device=DEVICE)
+    x = flame.from_torch(xt.clone(), requires_grad=True)
+    at, bt = a.clone().requires_grad_(True), bb.clone().requires_grad_(True)
+    xt.requires_grad_(True)
+    y = layer(x)
+    yt = _ref(xt, w, b, at, bt, 5.0 / 3)
+    assert_close(y, yt.detach(), **TOL)
+    gt = torch.randn(2, 4, 7, device=DEVICE)
+    grads = (y * flame.from_torch(gt)).sum().backward()
+    (yt * gt).sum().backward()
+    assert_close(grads[layer.lora_A], at.grad, **TOL)
+    assert_close(grads[layer.lora_B], bt.grad, **TOL)
+    assert_close(grads[x], xt.grad, **TOL)
+    assert layer.weight not in grads
+    if bias:
+        assert layer.bias not in grads
+
+
+def test_half_base_with_fp32_adapters():
+    lin = nn.Linear(16, 12).to(torch.float16)
+    layer = LoRALinear(lin, rank=4, alpha=8)
+    flame.nn.init.normal_(layer.lora_B, 0.0, 0.3)
+    assert layer.weight.dtype == torch.float16 and layer.lora_A.dtype == torch.float32
+    xt = torch.randn(5, 16, device=DEVICE).half()
+    x = flame.from_torch(xt.clone())
+    y = layer(x)
+    assert y.dtype == torch.float16
+    at = layer.lora_A.to_torch().clone().requires_grad_(True)
+    bt = layer.lora_B.to_torch().clone().requires_grad_(True)
+    ref = _ref(xt.float(), layer.weight.to_torch().float(), layer.bias.to_torch().float(), at, bt, 2.0)
+    assert_close(y.to(torch.float32), ref.detach(), rtol=2e-2, atol=2e-2)
+    grads = y.to(torch.float32).sum().backward()
+    ref.sum().backward()
+    assert grads[layer.lora_A].dtype == torch.float32
+    assert_close(grads[layer.lora_A], at.grad, rtol=3e-2, atol=3e-2)
+    assert_close(grads[layer.lora_B], bt.grad, rtol=3e-2, atol=3e-2)
+    assert layer.weight not in grads
+
+
+def test_dropout_only_in_training():
+    layer = LoRALinear(nn.Linear(6, 6), rank=2, alpha=2, dropout=0.5)
+    flame.nn.init.normal_(layer.lora_B, 0.0, 1.0)
+    x = flame.randn(4, 6)
+    layer.eval()
+    a, b = layer(x).numpy(), layer(x).numpy()
+    np.testing.assert_array_equal(a, b)
+    layer.train()
+    assert not np.allclose(layer(x).numpy(), a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_unmerge(dtype):
+    m = Tiny()
+    nn.inject_lora(m, "attn", rank=2, alpha=3)
+    layer = m.get_submodule("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q")
+    layer.to(dtype)
+    flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
+    w0 = layer.weight.to_torch().clone()
+    x = flame.randn(3, 8).to(dtype)
+    y_lora = layer(x).to(torch.float32).numpy()
+    nn.merge_lora(m)
+    assert layer.merged
+    want = (w0.float() + 1.5 * layer.lora_B.to_torch() @ layer.lora_A.to_torch()).to(dtype)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    assert_close(layer.weight.to_torch().clone(), want, **tol)
+    np.testing.assert_allclose(layer(x).to(torch.float32).numpy(), y_lora, **tol if dtype == torch.float32
+                               else dict(rtol=1e-2, atol=1e-2))
+    nn.unmerge_lora(m)
+    assert not layer.merged
+    assert_close(layer.weight.to_torch().clone(), w0, **tol)
