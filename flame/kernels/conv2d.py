@@ -1,0 +1,286 @@
+"""2-D convolution as implicit GEMM over channels-last data (no im2col buffer).
+
+Two kernels:
+
+- ``_conv_gemm_kernel`` computes ``out[n, oh, ow, j] = sum_{kh, kw, c} src[n, ih, iw, c] *
+  w[c, j, kh, kw]`` (+ bias[j]) for one (BLOCK_M rows of (n, oh, ow)) x (BLOCK_N columns j) tile.
+  The reduction index is ordered (kh, kw, c), c innermost, so with channels-last ``src`` each
+  A-tile load is contiguous along c. The source position of a row for tap (kh, kw) is
+  ``ih = (oh * A + B + kh * C) / D``, valid when it is an integer in [0, XH) (same for w):
+    forward:         src = x,  ih = oh * stride - pad + kh * dil            (A=s, B=-p, C=d, D=1)
+    input gradient:  src = dY, oh_src = (ih + pad - kh * dil) / stride      (A=1, B=p, C=-d, D=s)
+  so the input gradient (a transposed convolution) is the same kernel with the roles of the
+  spatial sizes swapped, the weight read as w[co, ci] -> (k=co, n=ci), and rows whose
+  ``ih + pad - kh * dil`` is not a multiple of the stride masked out (stride 2: input rows that
+  receive no gradient from some taps, odd sizes included).
+- ``_conv_wgrad_kernel``: the weight gradient, a GEMM over the N*Ho*Wo rows per tap:
+    dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*s - p + kh*d, ow*s - p + kw*d, ci]
+  one program per (co tile, ci tile, tap, split of the rows), fp32 (fp64) accumulation; with
+  more than one split the partial sums go to an fp32 scratch (split, Co, Ci, KH, KW) reduced by
+  the reduction kernel (deterministic, no atomics).
+
+All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
+(and any other strided view) work alike; channels-last is the fast layout.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .elementwise import _pow2, cdiv
+from .launch import launch
+from .matmul import _kernel_switches
+from .reduce import SUM, reduce_
+
+
+@triton.jit
+def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
+                      M, OH, OW, C, N, KH, KW, XH, XW,
+                      A_h, B_h, C_h, D_h, A_w, B_w, C_w, D_w,
+                      s_n, s_h, s_w, s_c, sw_k, sw_n, sw_h, sw_w, so_n, so_h, so_w, so_c, s_bias,
+                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                      BIAS: tl.constexpr, DIV: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    ohw = OH.to(tl.int64) * OW
+    n_idx = offs_m // ohw
+    rem = offs_m % ohw
+    oh = rem // OW
+    ow = rem % OW
+    row_base = src_ptr + n_idx * s_n
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for tap in range(0, KH * KW):
+        kh = tap // KW
+        kw = tap % KW
+        num_h = oh * A_h + B_h + kh * C_h
+        num_w = ow * A_w + B_w + kw * C_w
+        if DIV:
+            ok = (num_h >= 0) & (num_w >= 0) & (num_h % D_h == 0) & (num_w % D_w == 0)
+            ih = num_h // D_h
+            iw = num_w // D_w
+        else:
+            ok = (num_h >= 0) & (num_w >= 0)
+            ih = num_h
+            iw = num_w
+        ok = ok & (ih < XH) & (iw < XW) & mask_m
+        ih = tl.where(ok, ih, 0)
+        iw = tl.where(ok, iw, 0)
+        a_rows = row_base + ih * s_h + iw * s_w
+        w_tap = w_ptr + kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w
+        for c0 in range(0, C, BLOCK_K):
+            ck = c0 + offs_k
+            mask_k = ck < C
+            a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
+                        mask=ok[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(ACC)[None, :]
+    o_off = n_idx * so_n + oh * so_h + ow * so_w
+    c_ptrs = out_ptr + o_off[:, None] + offs_n[None, :] * so_c
+    tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+# dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw, ci]
+# (x is zero outside [0, H) x [0, W): padding contributes nothing). Rows r = (n, oh, ow) are
+# the GEMM's reduction axis; program (tile, tap, split) reduces rows [split * RPS, (split+1) * RPS).
+@triton.jit
+def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
+                       M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dw, rows_per_split,
+                       sy_n, sy_h, sy_w, sy_c, sx_n, sx_h, sx_w, sx_c,
+                       so_s, so_co, so_ci, so_h, so_w,
+                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    tap = tl.program_id(1)
+    split = tl.program_id(2)
+    num_pid_n = tl.cdiv(CI, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    kh = tap // KW
+    kw = tap % KW
+
+    offs_co = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_ci = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_co = offs_co < CO
+    mask_ci = offs_ci < CI
+    ohw = OH.to(tl.int64) * OW
+    r_start = split.to(tl.int64) * rows_per_split
+    r_end = tl.minimum(r_start + rows_per_split, M)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    for r0 in range(0, rows_per_split, BLOCK_K):
+        r = r_start + r0 + tl.arange(0, BLOCK_K)
+        mask_r = r < r_end
+        n_idx = r // ohw
+        rem = r % ohw
+        oh = rem // OW
+        ow = rem % OW
+        ih = oh * sh - ph + kh * dh
+        iw = ow * sw - pw + kw * dw
+        ok = mask_r & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        ih = tl.where(ok, ih, 0)
+        iw = tl.where(ok, iw, 0)
+        y_rows = dy_ptr + n_idx * sy_n + oh * sy_h + ow * sy_w
+        x_rows = x_ptr + n_idx * sx_n + ih * sx_h + iw * sx_w
+        a = tl.load(y_rows[None, :] + offs_co[:, None] * sy_c,
+                    mask=mask_co[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(x_rows[:, None] + offs_ci[None, :] * sx_c,
+                    mask=ok[:, None] & mask_ci[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+
+    o_ptrs = (out_ptr + split.to(tl.int64) * so_s + kh.to(tl.int64) * so_h + kw.to(tl.int64) * so_w
+              + offs_co[:, None] * so_co + offs_ci[None, :] * so_ci)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_co[:, None] & mask_ci[None, :])
+
+
+# ---- launch configuration ---------------------------------------------------------------------
+
+def _gemm_config(M, N, K, dtype):
+    """Tile config for the implicit GEMM (M rows, N columns, K channels per tap). Heuristic,
+    not yet measured on a GPU: the matmul kernel's H200 choices (128x128, BLOCK_K 64 for 16-bit,
+    32 for tf32), shrunk to the problem."""
+    if runtime.INTERPRETER:
+        return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 128)), BLOCK_K=_pow2(min(K, 128)),
+                    num_warps=4, num_stages=1)
+    if dtype == torch.float64:
+        bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
+    elif dtype == torch.float32:
+        bm, bn, bk, warps, stages = 128, 128, 32, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 4, 3
+    bm = min(bm, max(16, _pow2(M)))
+    bn = min(bn, max(16, _pow2(N)))
+    bk = min(bk, max(16, _pow2(K)))
+    sms = runtime.num_sms()
+    while cdiv(M, bm) * cdiv(N, bn) < sms and max(bm, bn) > 64:
+        if bm >= bn:
+            bm //= 2
+        else:
+            bn //= 2
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+
+
+def _nhwc(t):
+    """(n, h, w, c) strides of a 4-D (N, C, H, W) buffer."""
+    s = t.stride()
+    return s[0], s[2], s[3], s[1]
+
+
+def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
+    """One implicit-GEMM launch (see ``_conv_gemm_kernel``).
+
+    ``out`` (NB, N, OH, OW) and ``src`` (NB, C, XH, XW) are 4-D buffers with any strides;
+    ``w`` is (Co, Ci, KH, KW): read as (k=ci, n=co) for the forward and (k=co, n=ci) when
+    ``transposed``. ``geom_*`` = (A, B, C, D) of the source-position formula."""
+    NB, N = out.shape[0], out.shape[1]
+    C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
+    KH, KW = w.shape[2], w.shape[3]
+    M = NB * OH * OW
+    if out.numel() == 0:
+        return out
+    ws = w.stride()
+    sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
+    cfg = _gemm_config(M, N, C, src.dtype)
+    acc, precision, upcast = _kernel_switches(src.dtype)
+    div = geom_h[3] != 1 or geom_w[3] != 1
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    launch(_conv_gemm_kernel, grid, src, w, out, out if bias is None else bias,
+           M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
+           *_nhwc(src), sw_k, sw_n, ws[2], ws[3], *_nhwc(out), 0 if bias is None else bias.stride(0),
+           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
+    return out
+
+
+def conv2d_forward_(out, x, w, bias, stride, padding, dilation):
+    """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    return conv_gemm_(out, x, w, bias, out.shape[2], out.shape[3], (sh, -ph, dh, 1), (sw, -pw, dw, 1), False)
+
+
+def conv2d_input_grad_(dx, dy, w, stride, padding, dilation):
+    """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    return conv_gemm_(dx, dy, w, None, dx.shape[2], dx.shape[3], (1, ph, -dh, sh), (1, pw, -dw, sw), True)
+
+
+def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation):
+    """``dw_out`` (Co, Ci, KH, KW) = the gradient of conv2d's weight (any strides, any float dtype)."""
+    CO, CI, KH, KW = dw_out.shape
+    NB, _, OH, OW = dy.shape
+    H, W = x.shape[2], x.shape[3]
+    M = NB * OH * OW
+    if dw_out.numel() == 0:
+        return dw_out
+    acc, precision, upcast = _kernel_switches(x.dtype)
+    if runtime.INTERPRETER:
+        bm, bn, bk, warps, stages = _pow2(min(CO, 128)), _pow2(min(CI, 128)), _pow2(min(M, 512)), 4, 1
+    else:
+        if x.dtype == torch.float64:
+            bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
+        elif x.dtype == torch.float32:
+            bm, bn, bk, warps, stages = 128, 128, 32, 4, 3
+        else:
+            bm, bn, bk, warps, stages = 128, 128, 64, 4, 3
+        bm = min(bm, max(16, _pow2(CO)))
+        bn = min(bn, max(16, _pow2(CI)))
+        bk = min(bk, max(16, _pow2(M)))
+    tiles = cdiv(CO, bm) * cdiv(CI, bn) * KH * KW
+    splits = 1
+    if not runtime.INTERPRETER:  # split the N*Ho*Wo reduction until the GPU has ~2 programs per SM
+        target = 2 * runtime.num_sms()
+        if tiles < target:
+            splits = max(1, min(cdiv(target, tiles), cdiv(M, 4 * bk), 256))
+    rows_per_split = cdiv(cdiv(M, splits), bk) * bk
+    splits = cdiv(M, rows_per_split) if M else 1
+    if M == 0:
+        from .elementwise import fill_
+        return fill_(dw_out, 0.0)
+    if splits == 1:
+        target_buf, so = dw_out, (0,) + tuple(dw_out.stride())
+    else:
+        target_buf = runtime.empty((splits, CO, CI, KH, KW), acc_dtype(x.dtype))
+        so = target_buf.stride()
+    (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
+    launch(_conv_wgrad_kernel, (cdiv(CO, bm) * cdiv(CI, bn), KH * KW, splits), dy, x, target_buf,
+           M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dwl, rows_per_split,
+           *_nhwc(dy), *_nhwc(x), *so,
+           ACC=acc, PRECISION=precision, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+           num_warps=warps, num_stages=stages)
+    if splits > 1:
+        n = CO * CI * KH * KW
+        if dw_out.is_contiguous():
+            reduce_(dw_out, target_buf, 1, splits, n, (0, n, 1), SUM)
+        else:
+            tmp = runtime.empty((CO, CI, KH, KW), dw_out.dtype)
+            reduce_(tmp, target_buf, 1, splits, n, (0, n, 1), SUM)
+            from .elementwise import copy_
+            copy_(dw_out, tmp)
+    return dw_out
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,159 @@
+"""Convolutions with PyTorch's semantics: ``conv2d`` (forward, input, weight and bias gradients).
+
+Computed as implicit GEMMs over channels-last data (``flame.kernels.conv2d``). Inputs may be
+NCHW-contiguous or channels-last (or any strided 4-D view); the output is channels-last by
+default (logical NCHW shape, NHWC strides, as PyTorch's ``torch.channels_last``), so a model that
+keeps its activations channels-last never transposes.
+"""
+from __future__ import annotations
+
+from .. import runtime
+from ..autograd import needs_grad, record
+from ..kernels import conv2d as KC
+from ..tensor import Tensor
+from . import reduce
+from ._util import check_tensor
+from .elementwise import to
+
+
+def _pair(v, name, op):
+    if isinstance(v, bool):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
+    if isinstance(v, int):
+        return (v, v)
+    try:
+        t = tuple(v)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}") from None
+    if len(t) == 1:
+        t = (t[0], t[0])
+    if len(t) != 2 or not all(isinstance(i, int) and not isinstance(i, bool) for i in t):
+        raise TypeError(f"{op}: {name} must be an int or a pair of ints, got {v!r}")
+    return t
+
+
+def _empty_nhwc(shape, dtype):
+    n, c, h, w = shape
+    return runtime.empty((n, h, w, c), dtype).permute(0, 3, 1, 2)
+
+
+def _is_channels_last(buf):
+    return buf.shape[1] > 1 and buf.stride(1) == 1
+
+
+def _empty_like_layout(buf):
+    if _is_channels_last(buf):
+        return _empty_nhwc(tuple(buf.shape), buf.dtype)
+    return runtime.empty(tuple(buf.shape), buf.dtype)
+
+
+# Y = conv2d(X, W) + b, X: (N, Ci, H, W), W: (Co, Ci, KH, KW), G = dL/dY: (N, Co, Ho, Wo).
+#   dX[n, ci, ih, iw] = sum_{co, kh, kw} G[n, co, oh, ow] * W[co, ci, kh, kw]
+#                       over (oh, ow) with oh * s - p + kh * d = ih (a transposed convolution)
+#   dW[co, ci, kh, kw] = sum_{n, oh, ow} G[n, co, oh, ow] * X[n, ci, oh * s - p + kh * d, ...]
+#   db[co] = sum_{n, oh, ow} G[n, co, oh, ow]
+def _conv2d_backward(node, g):
+    x, w = node.saved
+    need_x, need_w, need_b = node.needs_input_grad
+    stride, padding, dilation = node.attrs["stride"], node.attrs["padding"], node.attrs["dilation"]
+    gd = g._data
+    if gd.dtype != x.dtype:
+        gd = to(Tensor(gd), x.dtype)._data
+    dx = dw = db = None
+    if need_x:
+        dxb = _empty_like_layout(x)
+        KC.conv2d_input_grad_(dxb, gd, w, stride, padding, dilation)
+        dx = Tensor(dxb)
+    if need_w:
+        dwb = runtime.empty(tuple(w.shape), w.dtype)
+        KC.conv2d_weight_grad_(dwb, gd, x, stride, padding, dilation)
+        dw = Tensor(dwb)
+    if need_b:
+        db = reduce.sum(Tensor(gd), dim=(0, 2, 3))
+    return dx, dw, db
+
+
+def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # noqa: A002
+    """2-D convolution with ``torch.nn.functional.conv2d``'s semantics.
+
+    ``input`` (N, Ci, H, W) or unbatched (Ci, H, W), NCHW-contiguous or channels-last;
+    ``weight`` (Co, Ci, KH, KW) as PyTorch stores it; ``bias`` (Co,) or None; ``stride``,
+    ``padding`` and ``dilation`` an int or a pair; ``padding`` may also be "valid" or "same"
+    (stride 1, extra padding on the bottom/right when the total is odd, as PyTorch). Weight and
+    bias are cast to the input's dtype. The output is channels-last (NHWC strides). Only
+    ``groups=1`` for now.
+    """
+    op = "conv2d"
+    check_tensor(input, "input", op)
+    check_tensor(weight, "weight", op)
+    if not input.dtype.is_floating_point or not weight.dtype.is_floating_point:
+        raise TypeError(f"{op}: expected floating-point input and weight, got {input.dtype} and {weight.dtype}")
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise ValueError(f"{op}: groups must be a positive int, got {groups!r}")
+    if weight.ndim != 4:
+        raise ValueError(f"{op}: weight must be 4-D (out_channels, in_channels/groups, kH, kW), "
+                         f"got shape {weight.shape}")
+    if input.ndim == 3:  # unbatched (C, H, W)
+        from .shape import squeeze, unsqueeze
+        return squeeze(conv2d(unsqueeze(input, 0), weight, bias, stride, padding, dilation, groups), 0)
+    if input.ndim != 4:
+        raise ValueError(f"{op}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape {input.shape}")
+    nb, ci, h, w_in = input.shape
+    co, ci_w, kh, kw = weight.shape
+    if ci % groups or co % groups:
+        raise ValueError(f"{op}: groups={groups} must divide in_channels ({ci}) and out_channels ({co}); "
+                         f"input {input.shape}, weight {weight.shape}")
+    if ci_w * groups != ci:
+        raise ValueError(f"{op}: input {input.shape} has {ci} channels but weight {weight.shape} expects "
+                         f"{ci_w * groups} (in_channels/groups={ci_w}, groups={groups})")
+    if groups != 1:
+        raise NotImplementedError(f"{op}: groups={groups} is not implemented yet (only groups=1); "
+                                  f"input {input.shape}, weight {weight.shape}")
+    stride = _pair(stride, "stride", op)
+    dilation = _pair(dilation, "dilation", op)
+    if min(stride) < 1:
+        raise ValueError(f"{op}: stride must be positive, got {stride}")
+    if min(dilation) < 1:
+        raise ValueError(f"{op}: dilation must be positive, got {dilation}")
+    if isinstance(padding, str):
+        if padding == "valid":
+            pads = ((0, 0), (0, 0))
+        elif padding == "same":
+            if stride != (1, 1):
+                raise ValueError(f"{op}: padding='same' is not supported for strided convolutions (stride {stride})")
+            pads = tuple((d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for d, k in zip(dilation, (kh, kw)))
+        else:
+            raise ValueError(f"{op}: padding must be an int, a pair, 'valid' or 'same', got {padding!r}")
+    else:
+        p = _pair(padding, "padding", op)
+        if min(p) < 0:
+            raise ValueError(f"{op}: padding must be non-negative, got {p}")
+        pads = ((p[0], p[0]), (p[1], p[1]))
+    ho = (h + pads[0][0] + pads[0][1] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (w_in + pads[1][0] + pads[1][1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    if ho <= 0 or wo <= 0:
+        raise ValueError(f"{op}: kernel ({kh}, {kw}) with dilation {dilation} is larger than the padded input "
+                         f"({h + pads[0][0] + pads[0][1]}, {w_in + pads[1][0] + pads[1][1]}); "
+                         f"input {input.shape}, weight {weight.shape}")
+    if bias is not None:
+        check_tensor(bias, "bias", op)
+        if bias.shape != (co,):
+            raise ValueError(f"{op}: bias must have shape ({co},), got {bias.shape}")
+        if bias.dtype != input.dtype:
+            bias = to(bias, input.dtype)
+    if weight.dtype != input.dtype:
+        weight = to(weight, input.dtype)
+    top_left = (pads[0][0], pads[1][0])
+    out = _empty_nhwc((nb, co, ho, wo), input.dtype)
+    x, wb = input._data, weight._data
+    if ci == 0:
+        from ..kernels.elementwise import fill_
+        fill_(out, 0.0)
+        y = Tensor(out)
+        return y if bias is None else y + bias.reshape(1, co, 1, 1)
+    KC.conv2d_forward_(out, x, wb, None if bias is None else bias._data, stride, top_left, dilation)
+    y = Tensor(out)
+    if needs_grad(input, weight, bias):
+        record(y, (input, weight, bias), _conv2d_backward, saved=(x, wb),
+               stride=stride, padding=top_left, dilation=dilation)
+    return y

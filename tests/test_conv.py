@@ -1,0 +1,175 @@
+import numpy as np
+import pytest
+import torch
+
+import flame
+import flame.nn.functional as F
+from flame.testing import gradcheck
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error, pair
+
+
+def _tol(want, dtype):
+    """Convolutions sum in another order than PyTorch: the error scales with the summands (~the
+    largest magnitude of the result), not with each element. fp32 products run as tf32 on the
+    GPU (10 mantissa bits) and exactly in the interpreter."""
+    scale = float(want.detach().abs().max()) if want.numel() else 1.0
+    if dtype == torch.float16:
+        return dict(rtol=2e-3, atol=2e-3 * max(scale, 1.0))
+    if dtype == torch.float32 and not flame.is_interpreter():
+        return dict(rtol=1e-2, atol=2e-3 * scale)
+    return dict(rtol=1e-4, atol=1e-5 * max(scale, 1.0))
+
+
+def _run(x_shape, w_shape, dtype=torch.float32, bias=True, channels_last=False, noncontig=False, **kw):
+    x, xt = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig)
+    if channels_last:
+        xt = xt.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+        x = flame.from_torch(xt.detach().clone(memory_format=torch.preserve_format), requires_grad=True)
+        assert x.stride(1) == 1
+    w, wt = pair(w_shape, dtype, requires_grad=True)
+    b, bt = pair((w_shape[0],), dtype, requires_grad=True) if bias else (None, None)
+    y = F.conv2d(x, w, b, **kw)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, **kw)
+    g, gt = pair(tuple(yt.shape), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    pairs = [("out", y, yt), ("input", grads[x], xt.grad), ("weight", grads[w], wt.grad)]
+    if bias:
+        pairs.append(("bias", grads[b], bt.grad))
+    for name, got, want in pairs:
+        got = got.to(dtype)
+        try:
+            assert_close(got, want, dtype, **_tol(want, dtype))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+    return y
+
+
+CASES = [  # (x shape, w shape, kwargs)
+    ((2, 5, 7, 9), (6, 5, 3, 3), dict(padding=1)),
+    ((2, 5, 7, 9), (6, 5, 3, 3), dict(stride=2, padding=1)),
+    ((2, 5, 8, 8), (6, 5, 3, 3), dict(stride=2, padding=1)),
+    ((2, 5, 7, 9), (4, 5, 1, 1), dict()),
+    ((1, 3, 9, 7), (4, 3, 5, 5), dict(padding=2)),
+    ((1, 3, 9, 7), (4, 3, 3, 3), dict(padding="same", dilation=2)),
+    ((1, 3, 7, 9), (4, 3, 2, 4), dict(padding="same")),
+    ((1, 3, 7, 9), (2, 3, 3, 3), dict(padding="valid")),
+    ((1, 3, 9, 7), (4, 3, 5, 3), dict(stride=(2, 3), padding=(2, 0), dilation=(1, 2))),
+    ((1, 3, 1, 1), (2, 3, 3, 3), dict(padding=1)),
+    ((1, 3, 1, 1), (2, 3, 1, 1), dict()),
+]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("x_shape,w_shape,kw", CASES, ids=str)
+def test_conv2d_matches_torch(dtype, x_shape, w_shape, kw):
+    _run(x_shape, w_shape, dtype, **kw)
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_conv2d_channels_last_input_and_output(stride):
+    y = _run((2, 5, 7, 9), (6, 5, 3, 3), channels_last=True, stride=stride, padding=1)
+    # the output is channels-last: logical NCHW shape, NHWC strides
+    _, c, h, w = y.shape
+    assert y.stride() == (h * w * c, 1, w * c, c)
+
+
+def test_conv2d_noncontiguous_input_no_bias():
+    _run((2, 4, 6, 5), (3, 4, 3, 3), bias=False, noncontig=True, padding=1)
+
+
+@pytest.mark.parametrize("kw", [dict(padding=1), dict(stride=2, padding=1)], ids=str)
+def test_conv2d_many_tiles(kw):
+    # more channels than one reduction block (130 > 128), more output channels than one column
+    # tile (136 > 128), more rows than one row tile and the weight gradient's reduction block
+    _run((2, 130, 5, 6), (136, 130, 3, 3), **kw)
+    _run((2, 3, 19, 17), (5, 3, 3, 3), **kw)
+
+
+def test_conv2d_unbatched_and_mixed_precision():
+    _run((3, 7, 9), (4, 3, 3, 3), padding=1)
+    # fp32 master weight with fp16 activations: cast once, gradient back in fp32
+    x, xt = pair((1, 3, 5, 6), torch.float16, requires_grad=True)
+    w, wt = pair((2, 3, 3, 3), torch.float32, requires_grad=True)
+    y = F.conv2d(x, w, padding=1)
+    assert y.dtype == torch.float16
+    grads = y.float().sum().backward()
+    assert grads[w].dtype == torch.float32
+    yt = torch.nn.functional.conv2d(xt, wt.half(), padding=1)
+    yt.float().sum().backward()
+    assert_close(grads[w], wt.grad, **_tol(wt.grad, torch.float16))
+
+
+@pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(padding="same", dilation=2), dict(stride=(1, 2))],
+                         ids=str)
+def test_conv2d_gradcheck(kw):
+    rng = np.random.default_rng(3)
+    x = flame.tensor(rng.standard_normal((1, 2, 5, 4)), requires_grad=True)
+    w = flame.tensor(rng.standard_normal((3, 2, 3, 3)), requires_grad=True)
+    b = flame.tensor(rng.standard_normal(3), requires_grad=True)
+    assert gradcheck(lambda x, w, b: F.conv2d(x, w, b, **kw), [x, w, b])
+
+
+def test_conv2d_bad_inputs():
+    x, w = flame.ones(1, 3, 5, 5), flame.ones(4, 3, 3, 3)
+    with pytest.raises(ValueError, match=r"3 channels.*\(4, 2, 3, 3\)"):
+        F.conv2d(x, flame.ones(4, 2, 3, 3))
+    with pytest.raises(ValueError, match=r"3-D .* or 4-D"):
+        F.conv2d(flame.ones(3, 5), w)
+    with pytest.raises(ValueError, match="weight must be 4-D"):
+        F.conv2d(x, flame.ones(4, 3, 3))
+    with pytest.raises(ValueError, match="stride must be positive"):
+        F.conv2d(x, w, stride=0)
+    with pytest.raises(TypeError, match="stride"):
+        F.conv2d(x, w, stride=(1, 2, 3))
+    with pytest.raises(ValueError, match="padding must be non-negative"):
+        F.conv2d(x, w, padding=-1)
+    with pytest.raises(ValueError, match="padding"):
+        F.conv2d(x, w, padding="full")
+    with pytest.raises(ValueError, match="strided"):
+        F.conv2d(x, w, stride=2, padding="same")
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        F.conv2d(flame.ones(1, 3, 2, 2), w)
+    with pytest.raises(ValueError, match="bias"):
+        F.conv2d(x, w, flame.ones(3))
+    with pytest.raises(ValueError, match="groups"):
+        F.conv2d(flame.ones(1, 4, 5, 5), flame.ones(4, 2, 3, 3), groups=3)
+    with pytest.raises(NotImplementedError, match="groups=2"):
+        F.conv2d(flame.ones(1, 4, 5, 5), flame.ones(4, 2, 3, 3), groups=2)
+    with pytest.raises(TypeError):
+        F.conv2d(flame.ones(1, 3, 5, 5, dtype=flame.int64), w)
+
+
+@pytest.mark.gpu
+def test_conv2d_fp32_gpu_tf32():
+    _run((2, 64, 33, 31), (96, 64, 3, 3), padding=1)
+    _run((2, 64, 33, 31), (96, 64, 3, 3), stride=2, padding=1, channels_last=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,co,kw", [
+    ((1, 320, 128, 128), 320, dict(padding=1)),
+    ((1, 640, 64, 64), 640, dict(stride=2, padding=1)),
+    ((1, 4, 128, 128), 320, dict(padding=1)),
+    ((1, 320, 128, 128), 4, dict(padding=1)),
+    ((1, 960, 128, 128), 320, dict()),
+], ids=str)
+def test_conv2d_bf16_sdxl_shape_error_budget(shape, co, kw):
+    # DESIGN rule: error vs an fp32 reference at most 2x (outputs) / 3x (gradients) PyTorch's in bf16
+    k = 1 if not kw else 3
+    x32 = torch.randn(shape, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    w32 = torch.randn(co, shape[1], k, k, device=DEVICE) / (shape[1] * k * k) ** 0.5
+    b32 = torch.randn(co, device=DEVICE)
+    ref = [t.clone().requires_grad_() for t in (x32, w32, b32)]
+    y_ref = torch.nn.functional.conv2d(*ref, **kw)
+    g32 = torch.randn(y_ref.shape, device=DEVICE)
+    y_ref.backward(g32)
+    low = [t.bfloat16().requires_grad_() for t in (x32, w32, b32)]
+    y_low = torch.nn.functional.conv2d(*low, **kw)
+    y_low.backward(g32.bfloat16())
+    fx, fw, fb = [flame.from_torch(t.detach().bfloat16(), requires_grad=True) for t in (x32, w32, b32)]
+    y = F.conv2d(fx, fw, fb, **kw)
+    grads = y.backward(flame.from_torch(g32.bfloat16()))
+    assert_within_torch_error(y, y_low, y_ref, 2)
+    for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
+        assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
