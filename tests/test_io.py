@@ -1,0 +1,166 @@
+"""safetensors read/write (bit-exact, interoperable with the safetensors package) and LoRA files."""
+import json
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame import io, nn
+from flame.nn.lora import LoRALinear
+from helpers import DEVICE
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    t = {
+        "a.f32": torch.randn(3, 5, generator=g),
+        "b.f16": torch.randn(7, generator=g).half(),
+        "c.bf16": torch.randn(2, 3, 4, generator=g).bfloat16(),
+        "d.i64": torch.randint(-2**40, 2**40, (6,), generator=g),
+        "e.i32": torch.randint(-100, 100, (2, 2), dtype=torch.int32, generator=g),
+        "f.bool": torch.rand(5, generator=g) > 0.5,
+        "g.scalar": torch.tensor(2.5),
+        "h.empty": torch.empty(0, 3),
+    }
+    t["c.bf16"][0, 0, 0] = float("nan")
+    t["a.f32"][1, 1] = float("-inf")
+    return t
+
+
+def _bits(x):
+    x = x.detach().cpu().contiguous()
+    return x.reshape(-1).view(torch.uint8) if x.numel() else x.reshape(-1).to(torch.uint8)
+
+
+def test_round_trip_bit_exact(tmp_path):
+    src = _tensors()
+    ft = {k: flame.from_torch(v.to(DEVICE)) for k, v in src.items()}
+    # a non-contiguous flame tensor is written in row-major order
+    ft["i.transposed"] = flame.from_torch(src["a.f32"].to(DEVICE)).t()
+    p = tmp_path / "x.safetensors"
+    io.save_safetensors(ft, p, metadata={"hello": "world"})
+    got = io.load_safetensors(p)
+    assert set(got) == set(ft)
+    for k, v in src.items():
+        assert got[k].dtype == v.dtype and got[k].shape == tuple(v.shape), k
+        assert torch.equal(_bits(got[k].to_torch()), _bits(v)), k
+    assert torch.equal(got["i.transposed"].to_torch().cpu(), src["a.f32"].t().contiguous())
+    assert io.read_metadata(p) == {"hello": "world"}
+    # the file layout: 8-byte length, JSON header padded to 8, offsets cover the data exactly
+    raw = p.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    assert n % 8 == 0
+    header = json.loads(raw[8:8 + n])
+    assert header["a.f32"]["dtype"] == "F32" and header["c.bf16"]["dtype"] == "BF16"
+    assert max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__") == len(raw) - 8 - n
+
+
+def test_load_options(tmp_path):
+    src = _tensors()
+    p = tmp_path / "x.safetensors"
+    io.save_safetensors(src, p)
+    got = io.load_safetensors(p, keys=["a.f32", "b.f16"], dtype=torch.float32)
+    assert set(got) == {"a.f32", "b.f16"} and got["b.f16"].dtype == torch.float32
+    np.testing.assert_array_equal(got["b.f16"].numpy(), src["b.f16"].float().numpy())
+    with pytest.raises(KeyError, match="nope"):
+        io.load_safetensors(p, keys=["nope"])
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(ValueError, match="not a safetensors"):
+        io.load_safetensors(bad)
+
+
+def test_interop_with_safetensors_package(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    src = _tensors()
+    p = tmp_path / "flame.safetensors"
+    io.save_safetensors(src, p, metadata={"k": "v"})
+    theirs = st.load_file(str(p))
+    for k, v in src.items():
+        assert theirs[k].dtype == v.dtype and torch.equal(_bits(theirs[k]), _bits(v)), k
+    q = tmp_path / "theirs.safetensors"
+    st.save_file({k: v.contiguous() for k, v in src.items()}, str(q), metadata={"format": "pt"})
+    mine = io.load_safetensors(q)
+    for k, v in src.items():
+        assert torch.equal(_bits(mine[k].to_torch()), _bits(v)), k
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        blk = nn.Module()
+        blk.attn1 = nn.Module()
+        for n in ("to_q", "to_k", "to_v"):
+            setattr(blk.attn1, n, nn.Linear(6, 6, bias=False))
+        blk.attn1.to_out = nn.ModuleList([nn.Linear(6, 6)])
+        tr = nn.Module()
+        tr.transformer_blocks = nn.ModuleList([blk])
+        self.down_blocks = nn.ModuleList([nn.Module(), nn.Module()])
+        self.down_blocks[1].attentions = nn.ModuleList([tr])
+
+
+def _random_lora(alpha):
+    m = Net()
+    nn.inject_lora(m, "attn", rank=3, alpha=alpha)
+    for p in nn.lora_parameters(m):
+        nn.init.normal_(p, 0.0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("fmt", ["peft", "kohya"])
+def test_lora_file_round_trip(tmp_path, fmt):
+    m = _random_lora(alpha=1.5)
+    p = tmp_path / f"lora_{fmt}.safetensors"
+    io.save_lora(m, p, format=fmt)
+    keys = set(io.load_safetensors(p))
+    q = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
+    if fmt == "peft":
+        assert f"unet.{q}.lora_A.weight" in keys and len(keys) == 8
+        meta = json.loads(io.read_metadata(p)["lora_adapter_metadata"])
+        assert meta["unet.lora_alpha"] == 1.5 and meta["unet.r"] == 3
+    else:
+        assert f"lora_unet_{q.replace('.', '_')}.alpha" in keys and len(keys) == 12
+    # into a fresh model with adapters (other init, other alpha) and into a plain model (injected)
+    fresh = Net()
+    nn.inject_lora(fresh, "attn", rank=3, alpha=7.0)
+    plain = Net()
+    plain.load_state_dict(m.state_dict(), strict=False)
+    fresh.load_state_dict(m.state_dict(), strict=False)
+    x = flame.randn(2, 6)
+    want = m.get_submodule(q)(x).numpy()
+    for target in (fresh, plain):
+        loaded = io.load_lora(target, p)
+        assert len(loaded) == 4
+        layer = target.get_submodule(q)
+        assert isinstance(layer, LoRALinear) and layer.alpha == 1.5 and layer.rank == 3
+        np.testing.assert_array_equal(layer.lora_A.numpy(), m.get_submodule(q).lora_A.numpy())
+        np.testing.assert_allclose(layer(x).numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_load_errors(tmp_path):
+    m = _random_lora(alpha=3)
+    p = tmp_path / "l.safetensors"
+    io.save_lora(m, p)
+    other = Net()
+    nn.inject_lora(other, "attn", rank=2)
+    with pytest.raises(ValueError, match="rank 3"):
+        io.load_lora(other, p)
+    io.save_safetensors({"unet.nowhere.lora_A.weight": flame.zeros(3, 6),
+                         "unet.nowhere.lora_B.weight": flame.zeros(6, 3)}, p)
+    with pytest.raises(KeyError, match="nowhere"):
+        io.load_lora(Net(), p)
+
+
+def test_peft_file_readable_by_safetensors_and_peft_layout(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    m = _random_lora(alpha=6)
+    p = tmp_path / "l.safetensors"
+    io.save_lora(m, p, format="peft")
+    sd = st.load_file(str(p))
+    q = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.0"
+    assert tuple(sd[f"{q}.lora_A.weight"].shape) == (3, 6) and tuple(sd[f"{q}.lora_B.weight"].shape) == (6, 3)
+    with st.safe_open(str(p), "pt") as f:
+        meta = json.loads(f.metadata()["lora_adapter_metadata"])
+    assert meta["unet.lora_alpha"] == 6
