@@ -1,0 +1,212 @@
+"""Dynamic loss scaling with PyTorch ``GradScaler`` semantics, kept entirely on the device.
+
+``scaler = DynamicLossScaler()`` (init 2**16, growth 2.0, backoff 0.5, growth interval 2000)::
+
+    grads = scaler.scale(loss).backward()
+    scaler.unscale_(grads)            # optional (e.g. before clipping): g *= 1/scale, inf/NaN check
+    scaler.step(optimizer, grads)     # skips the update on the device if any gradient is inf/NaN
+    scaler.update()                   # backoff or growth of the scale, on the device
+
+The scale (fp32), its fp32 reciprocal, the growth counter (int32) and the found-inf flag (int32)
+are device tensors; no call above reads them on the host, so a step can be captured in a CUDA
+graph. ``step`` without a prior ``unscale_`` runs only the check and lets the fused optimizer
+kernel multiply by the reciprocal (``optimizer.step(grads, found_inf=..., grad_scale=...)``).
+
+One found-inf flag serves a whole iteration: with several optimizers, a non-finite gradient seen
+by any check before ``update()`` skips every ``step`` that follows it in that iteration (PyTorch
+keeps one flag per optimizer; its ``update`` combines them the same way).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import runtime
+from .autograd import GradientMap
+from .kernels import amp as KA
+from .kernels import elementwise as KE
+from .kernels.optim import _split
+from .ops.elementwise import mul
+from .tensor import Tensor
+
+
+def _device_scalar(value, dtype):
+    host = torch.from_numpy(np.array(value, dtype=np.float32 if dtype == torch.float32 else np.int32))
+    buf = runtime.empty((), dtype)
+    KE.copy_(buf, host.to(runtime.device))  # host transfer (no sync)
+    return buf
+
+
+class DynamicLossScaler:
+    """PyTorch's ``GradScaler`` (same defaults, update rule and state dict), device-resident."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True):
+        if growth_factor <= 1.0:
+            raise ValueError("The growth factor must be > 1.0.")
+        if backoff_factor >= 1.0:
+            raise ValueError("The backoff factor must be < 1.0.")
+        if not isinstance(growth_interval, int) or growth_interval <= 0:
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self._enabled = bool(enabled)
+        self._init_scale = float(init_scale)
+        self._growth_factor = float(growth_factor)
+        self._backoff_factor = float(backoff_factor)
+        self._growth_interval = int(growth_interval)
+        self._scale = _device_scalar(self._init_scale, torch.float32)
+        self._inv_scale = _device_scalar(np.float32(1.0 / np.float64(np.float32(self._init_scale))), torch.float32)
+        self._tracker = _device_scalar(0, torch.int32)
+        self._found = runtime.empty((2,), torch.int32)  # [this iteration, last update's verdict]
+        KE.fill_(self._found, 0)
+        self._unscaled = {}  # id(grads) -> grads, for the current iteration
+        self._tables = {}
+
+    # ---- properties -----------------------------------------------------------------------
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    @property
+    def scale_tensor(self) -> Tensor:
+        """The current scale: a 0-d fp32 device tensor (no host sync)."""
+        return Tensor(self._scale)
+
+    @property
+    def inv_scale_tensor(self) -> Tensor:
+        return Tensor(self._inv_scale)
+
+    @property
+    def found_inf(self) -> Tensor:
+        """This iteration's flag (0-d int32, non-zero: a non-finite gradient was seen)."""
+        return Tensor(self._found[0])
+
+    def get_scale(self) -> float:
+        """The scale as a Python float (a host sync); 1.0 when disabled, as PyTorch."""
+        return float(self._scale.cpu().item()) if self._enabled else 1.0  # host transfer
+
+    def get_growth_tracker(self) -> int:
+        return int(self._tracker.cpu().item()) if self._enabled else 0  # host transfer
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``update()`` saw a non-finite gradient (a host sync)."""
+        return bool(self._found[1].cpu().item()) if self._enabled else False  # host transfer
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    # ---- the step -------------------------------------------------------------------------
+    def scale(self, loss):
+        """``loss * scale`` (differentiable; the scale is a device tensor)."""
+        if not self._enabled:
+            return loss
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"DynamicLossScaler.scale expects a flame Tensor, got {type(loss).__name__}")
+        return mul(loss, Tensor(self._scale))
+
+    def _buckets(self, grads):
+        if isinstance(grads, (GradientMap, dict)):
+            values = list(grads.values())
+        else:
+            raise TypeError(f"expected the GradientMap returned by backward(), got {type(grads).__name__}")
+        rows = {}
+        for g in values:
+            if g is None:
+                continue
+            if not isinstance(g, Tensor):
+                raise TypeError(f"gradient is a {type(g).__name__}, not a flame Tensor")
+            if g.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients: keep trained parameters in fp32 "
+                                 "(fp32 master weights) so their gradients are fp32")
+            if g.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+                raise TypeError(f"cannot unscale a {g.dtype} gradient of shape {g.shape}")
+            if not g.is_contiguous():
+                raise ValueError(f"gradient of shape {g.shape} is not contiguous (strides {g.stride()})")
+            if g.numel():
+                rows.setdefault(g.dtype, []).append(g._data)
+        out = []
+        for dtype, bufs in rows.items():
+            key = tuple((b.data_ptr(), b.numel()) for b in bufs)
+            hit = self._tables.get(dtype)
+            if hit is None or hit[0] != key:
+                hit = self._tables[dtype] = (key, KA.Tables([((None, b, None, None), b.numel(), 0) for b in bufs]))
+            out.append((hit[1], dtype))
+        return out
+
+    def unscale_(self, grads):
+        """Multiply every gradient by the fp32 reciprocal of the scale, in place, and record on the
+        device whether any is inf/NaN. At most once per iteration for a given GradientMap."""
+        if not self._enabled:
+            return
+        if id(grads) in self._unscaled:
+            raise RuntimeError("unscale_() has already been called on these gradients since the last update().")
+        for tables, dtype in self._buckets(grads):
+            KA.check_(tables, dtype, self._found, self._inv_scale)
+        self._unscaled[id(grads)] = grads
+
+    unscale_and_check = unscale_
+
+    def step(self, optimizer, grads):
+        """``optimizer.step(grads)`` unless a gradient is inf/NaN (decided on the device)."""
+        if not self._enabled:
+            return optimizer.step(grads)
+        found = Tensor(self._found[0])
+        if id(grads) in self._unscaled:
+            return optimizer.step(grads, found_inf=found)
+        for tables, dtype in self._buckets(grads):
+            KA.check_(tables, dtype, self._found)
+        return optimizer.step(grads, found_inf=found, grad_scale=Tensor(self._inv_scale))
+
+    def update(self, new_scale=None):
+        """Back off or grow the scale on the device (PyTorch's rule); ``new_scale`` (a float or a
+        1-element fp32 tensor, read on the host) sets it instead,
+        leaving the growth counter as it is. Clears the iteration's found-inf flag."""
+        if not self._enabled:
+            return
+        self._unscaled.clear()
+        if new_scale is not None:
+            if isinstance(new_scale, Tensor):
+                if new_scale.numel() != 1 or new_scale.dtype != torch.float32:
+                    raise ValueError("new_scale should be a float or a 1-element fp32 tensor")
+                new_scale = new_scale.item()  # host sync (rarely used)
+            v = float(new_scale)
+            KE.fill_(self._scale, v)
+            KE.fill_(self._inv_scale, float(np.float32(1.0 / np.float64(np.float32(v)))))
+            KE.copy_(self._found[1:], self._found[:1])
+            KE.fill_(self._found[:1], 0)
+            return
+        KA.update_(self._scale, self._inv_scale, self._tracker, self._found, _split(self._growth_factor),
+                   _split(self._backoff_factor), self._growth_interval)
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """PyTorch's GradScaler state dict (host values: a sync, done at checkpoint time)."""
+        if not self._enabled:
+            return {}
+        return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
+                "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
+                "_growth_tracker": self.get_growth_tracker()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError("The source state dict is empty, possibly because it was saved from a disabled "
+                               "instance of GradScaler.")
+        scale = float(state_dict["scale"])
+        self._init_scale = scale
+        self._growth_factor = float(state_dict["growth_factor"])
+        self._backoff_factor = float(state_dict["backoff_factor"])
+        self._growth_interval = int(state_dict["growth_interval"])
+        KE.fill_(self._scale, scale)
+        KE.fill_(self._inv_scale, float(np.float32(1.0 / np.float64(np.float32(scale)))))
+        KE.fill_(self._tracker, int(state_dict.get("_growth_tracker", 0)))
+        KE.fill_(self._found, 0)
+        self._unscaled.clear()
+
+
+GradScaler = DynamicLossScaler

@@ -1,0 +1,156 @@
+"""DynamicLossScaler against torch.amp.GradScaler: scale values, skipped steps, parameters, state."""
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame import amp, optim
+from helpers import DEVICE, assert_close
+
+SHAPES = [(5, 3), (7,), (130,)]
+
+
+def _torch_scaler(**kw):
+    return torch.amp.GradScaler("cuda" if DEVICE.type == "cuda" else "cpu", **kw)
+
+
+def _run_pair(script, unscale_first, **kw):
+    """Run the same scripted gradients through (flame SGD + DynamicLossScaler) and (torch SGD +
+    GradScaler). ``script``: per step, None (finite) or (tensor index, value) to inject."""
+    gen = torch.Generator().manual_seed(0)
+    tparams = [torch.randn(s, generator=gen).to(DEVICE).requires_grad_(True) for s in SHAPES]
+    fparams = [flame.from_torch(p.detach().clone(), requires_grad=True) for p in tparams]
+    topt = torch.optim.SGD(tparams, lr=0.1)
+    fopt = optim.SGD(fparams, lr=0.1)
+    ts, fs = _torch_scaler(**kw), amp.DynamicLossScaler(**kw)
+    history = []
+    for inject in script:
+        ts.scale(torch.zeros((), device=DEVICE))  # torch's scaler initialises its state lazily here
+        assert fs.get_scale() == ts.get_scale()
+        scale = ts.get_scale()
+        grads = [torch.randn(s, generator=gen).clamp(-1.5, 1.5).to(DEVICE) * scale for s in SHAPES]
+        if inject is not None:
+            i, v = inject
+            grads[i].view(-1)[1] = v
+        for p, g in zip(tparams, grads):
+            p.grad = g.clone()
+        fg = {fp: flame.from_torch(g.clone()) for fp, g in zip(fparams, grads)}
+        if unscale_first:
+            ts.unscale_(topt)
+            fs.unscale_(fg)
+            for fp, tp in zip(fparams, tparams):
+                assert_close(fg[fp], tp.grad, rtol=0, atol=0)
+        ts.step(topt)
+        fs.step(fopt, fg)
+        ts.update()
+        fs.update()
+        assert fs.last_step_skipped() == (inject is not None)
+        history.append((fs.get_scale(), ts.get_scale(), fs.get_growth_tracker(), ts._get_growth_tracker()))
+        for fp, tp in zip(fparams, tparams):
+            assert_close(fp, tp.detach(), rtol=1e-6, atol=1e-6)
+    for f_scale, t_scale, f_tr, t_tr in history:
+        assert f_scale == t_scale and f_tr == t_tr, history
+    return fs, ts, history
+
+
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_matches_grad_scaler_on_scripted_sequence(unscale_first):
+    inf, nan = float("inf"), float("nan")
+    script = [None, None, (0, inf), None, None, None, (2, nan), (1, -inf), None, None, None]
+    _, _, hist = _run_pair(script, unscale_first, init_scale=4.0, growth_factor=2.0, backoff_factor=0.25,
+                           growth_interval=2)
+    # PyTorch's own scenario: 4 -> 8 after two clean steps, then an inf backs off to 2
+    assert [h[0] for h in hist[:3]] == [4.0, 8.0, 2.0]
+
+
+def test_defaults_and_growth_to_overflow():
+    s = amp.DynamicLossScaler()
+    assert (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval()) == \
+        (65536.0, 2.0, 0.5, 2000)
+    # growth that would overflow fp32 leaves the scale as it is (and resets the counter), as torch
+    _run_pair([None, None, None], False, init_scale=2.0 ** 127, growth_interval=1)
+    # non-power-of-two factors round like torch's fp64 arithmetic
+    _run_pair([None, (0, float("inf")), None, None], True, init_scale=3.0, growth_factor=1.1, backoff_factor=0.3,
+              growth_interval=1)
+
+
+def test_skipped_step_equals_run_without_it():
+    # init 128, interval 1: 4 steps, the 3rd with an inf -> final scale 128 * 2^3 * 0.5
+    fs, _, _ = _run_pair([None, None, (1, float("inf")), None], False, init_scale=128.0, growth_interval=1)
+    assert fs.get_scale() == 128 * 2 ** 3 * 0.5
+    gen = torch.Generator().manual_seed(1)
+    p0 = torch.randn(6, generator=gen)
+    gs = [torch.randn(6, generator=gen) for _ in range(3)]
+    runs = []
+    for skip in (True, False):
+        p = flame.from_torch(p0.clone().to(DEVICE), requires_grad=True)
+        opt = optim.AdamW([p], lr=0.05)
+        sc = amp.DynamicLossScaler(init_scale=128.0, growth_interval=1)
+        for i in range(3):
+            if i == 1 and not skip:
+                continue
+            g = gs[i] * sc.get_scale()
+            if i == 1:
+                g[2] = float("nan")
+            sc.step(opt, {p: flame.from_torch(g.to(DEVICE))})
+            sc.update()
+        runs.append(p.numpy())
+    np.testing.assert_array_equal(runs[0], runs[1])
+
+
+def test_state_dict_round_trip_and_torch_compat():
+    fs, ts, _ = _run_pair([None, None, None, (0, float("inf")), None], False, init_scale=16.0, growth_interval=3)
+    sd = fs.state_dict()
+    assert sd == ts.state_dict()
+    other = amp.DynamicLossScaler()
+    other.load_state_dict(sd)
+    assert other.state_dict() == sd and other.get_growth_tracker() == 1
+    tl = _torch_scaler()
+    tl.load_state_dict(sd)
+    assert tl.state_dict() == sd
+    # continue both from the loaded state: same decisions
+    p = flame.from_torch(torch.ones(3, device=DEVICE), requires_grad=True)
+    opt = optim.SGD([p], lr=1.0)
+    for _ in range(3):
+        other.step(opt, {p: flame.from_torch(torch.ones(3, device=DEVICE))})
+        other.update()
+    assert other.get_scale() == 16.0 * 2 * 0.5 * 2 and other.get_growth_tracker() == 1
+    with pytest.raises(RuntimeError, match="empty"):
+        amp.DynamicLossScaler().load_state_dict({})
+
+
+def test_scale_backward_and_fp16_grads_refused():
+    s = amp.DynamicLossScaler(init_scale=1024.0)
+    w = flame.from_torch(torch.randn(4, device=DEVICE), requires_grad=True)
+    loss = (w * w).sum()
+    grads = s.scale(loss).backward()
+    assert_close(grads[w], 2048.0 * w.to_torch().detach(), rtol=1e-6, atol=0)
+    s.unscale_(grads)
+    assert_close(grads[w], 2.0 * w.to_torch().detach(), rtol=1e-6, atol=0)
+    with pytest.raises(RuntimeError, match="already"):
+        s.unscale_(grads)
+    h = flame.from_torch(torch.randn(4, device=DEVICE).half(), requires_grad=True)
+    with pytest.raises(ValueError, match="FP16"):
+        s.unscale_({h: flame.from_torch(torch.ones(4, device=DEVICE).half())})
+    off = amp.DynamicLossScaler(enabled=False)
+    assert off.scale(loss) is loss and off.get_scale() == 1.0 and off.state_dict() == {}
+
+
+def test_no_host_sync_in_the_step_path(monkeypatch):
+    """scale/unscale_/step/update never read a device value on the host."""
+    s = amp.DynamicLossScaler(init_scale=8.0, growth_interval=1)
+    p = flame.from_torch(torch.ones(5, device=DEVICE), requires_grad=True)
+    opt = optim.SGD([p], lr=0.5)
+    calls = []
+    for name in ("item", "cpu", "tolist", "numpy"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=orig, _n=name, **k: (calls.append(_n),
+                                                                                          _o(self, *a, **k))[1])
+    for _ in range(2):
+        g = {p: flame.from_torch(torch.full((5,), 8.0, device=DEVICE))}
+        s.step(opt, g)
+        s.update()
+    assert calls == []
+    monkeypatch.undo()
+    assert s.get_scale() == 32.0
+    np.testing.assert_allclose(p.numpy(), np.ones(5) - 0.5 - 0.25)
