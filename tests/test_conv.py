@@ -57,6 +57,8 @@ CASES = [  # (x shape, w shape, kwargs)
     ((1, 3, 9, 7), (4, 3, 5, 3), dict(stride=(2, 3), padding=(2, 0), dilation=(1, 2))),
     ((1, 3, 1, 1), (2, 3, 3, 3), dict(padding=1)),
     ((1, 3, 1, 1), (2, 3, 1, 1), dict()),
+    ((2, 4, 7, 9), (6, 2, 3, 3), dict(padding=1, groups=2)),
+    ((2, 4, 7, 9), (8, 1, 3, 3), dict(stride=2, padding=1, groups=4)),  # depthwise, multiplier 2
 ]
 
 
@@ -67,8 +69,9 @@ def test_conv2d_matches_torch(dtype, x_shape, w_shape, kw):
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_conv2d_channels_last_input_and_output(stride):
-    y = _run((2, 5, 7, 9), (6, 5, 3, 3), channels_last=True, stride=stride, padding=1)
+@pytest.mark.parametrize("groups", [1, 5])
+def test_conv2d_channels_last_input_and_output(stride, groups):
+    y = _run((2, 5, 7, 9), (10, 5 // groups, 3, 3), channels_last=True, stride=stride, padding=1, groups=groups)
     # the output is channels-last: logical NCHW shape, NHWC strides
     _, c, h, w = y.shape
     assert y.stride() == (h * w * c, 1, w * c, c)
@@ -100,13 +103,14 @@ def test_conv2d_unbatched_and_mixed_precision():
     assert_close(grads[w], wt.grad, **_tol(wt.grad, torch.float16))
 
 
-@pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(padding="same", dilation=2), dict(stride=(1, 2))],
-                         ids=str)
+@pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(padding="same", dilation=2), dict(stride=(1, 2)),
+                                dict(padding=1, groups=2)], ids=str)
 def test_conv2d_gradcheck(kw):
     rng = np.random.default_rng(3)
+    g = kw.get("groups", 1)
     x = flame.tensor(rng.standard_normal((1, 2, 5, 4)), requires_grad=True)
-    w = flame.tensor(rng.standard_normal((3, 2, 3, 3)), requires_grad=True)
-    b = flame.tensor(rng.standard_normal(3), requires_grad=True)
+    w = flame.tensor(rng.standard_normal((4, 2 // g, 3, 3)), requires_grad=True)
+    b = flame.tensor(rng.standard_normal(4), requires_grad=True)
     assert gradcheck(lambda x, w, b: F.conv2d(x, w, b, **kw), [x, w, b])
 
 
@@ -132,10 +136,12 @@ def test_conv2d_bad_inputs():
         F.conv2d(flame.ones(1, 3, 2, 2), w)
     with pytest.raises(ValueError, match="bias"):
         F.conv2d(x, w, flame.ones(3))
-    with pytest.raises(ValueError, match="groups"):
+    with pytest.raises(ValueError, match=r"groups=3 must divide"):
         F.conv2d(flame.ones(1, 4, 5, 5), flame.ones(4, 2, 3, 3), groups=3)
-    with pytest.raises(NotImplementedError, match="groups=2"):
-        F.conv2d(flame.ones(1, 4, 5, 5), flame.ones(4, 2, 3, 3), groups=2)
+    with pytest.raises(ValueError, match=r"expects 6 .*groups=3"):
+        F.conv2d(flame.ones(1, 3, 5, 5), flame.ones(3, 2, 3, 3), groups=3)
+    with pytest.raises(ValueError, match="groups must be a positive int"):
+        F.conv2d(x, w, groups=0)
     with pytest.raises(TypeError):
         F.conv2d(flame.ones(1, 3, 5, 5, dtype=flame.int64), w)
 

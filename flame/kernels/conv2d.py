@@ -38,11 +38,17 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
                       M, OH, OW, C, N, KH, KW, XH, XW,
                       A_h, B_h, C_h, D_h, A_w, B_w, C_w, D_w,
                       s_n, s_h, s_w, s_c, sw_k, sw_n, sw_h, sw_w, so_n, so_h, so_w, so_c, s_bias,
+                      sg_src, sg_w, sg_out,
                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BIAS: tl.constexpr, DIV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
+    grp = tl.program_id(1).to(tl.int64)  # convolution group: channel offsets of src, w, out
+    src_ptr += grp * sg_src
+    w_ptr += grp * sg_w
+    out_ptr += grp * sg_out
+    bias_ptr += grp * N * s_bias
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
@@ -56,7 +62,7 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    ohw = OH.to(tl.int64) * OW
+    ohw = OH * OW
     n_idx = offs_m // ohw
     rem = offs_m % ohw
     oh = rem // OW
@@ -106,14 +112,19 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
 # the GEMM's reduction axis; program (tile, tap, split) reduces rows [split * RPS, (split+1) * RPS).
 @triton.jit
 def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
-                       M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dw, rows_per_split,
+                       M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dw, rows_per_split, tiles,
                        sy_n, sy_h, sy_w, sy_c, sx_n, sx_h, sx_w, sx_c,
                        so_s, so_co, so_ci, so_h, so_w,
                        ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid = tl.program_id(0)
+    # CO and CI are per group; program 0's axis is (group, co tile, ci tile), group-major
+    pid = tl.program_id(0) % tiles
+    grp = (tl.program_id(0) // tiles).to(tl.int64)
     tap = tl.program_id(1)
     split = tl.program_id(2)
+    dy_ptr += grp * CO * sy_c
+    x_ptr += grp * CI * sx_c
+    out_ptr += grp * CO * so_co
     num_pid_n = tl.cdiv(CI, BLOCK_N)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
@@ -124,7 +135,7 @@ def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
     offs_ci = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_co = offs_co < CO
     mask_ci = offs_ci < CI
-    ohw = OH.to(tl.int64) * OW
+    ohw = OH * OW
     r_start = split.to(tl.int64) * rows_per_split
     r_end = tl.minimum(r_start + rows_per_split, M)
 
@@ -190,14 +201,16 @@ def _nhwc(t):
     return s[0], s[2], s[3], s[1]
 
 
-def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
+def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
     """One implicit-GEMM launch (see ``_conv_gemm_kernel``).
 
     ``out`` (NB, N, OH, OW) and ``src`` (NB, C, XH, XW) are 4-D buffers with any strides;
     ``w`` is (Co, Ci, KH, KW): read as (k=ci, n=co) for the forward and (k=co, n=ci) when
-    ``transposed``. ``geom_*`` = (A, B, C, D) of the source-position formula."""
-    NB, N = out.shape[0], out.shape[1]
-    C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
+    ``transposed``. ``geom_*`` = (A, B, C, D) of the source-position formula. With ``groups``
+    the channels of ``src`` and ``out`` (and the rows of ``w``) split into that many independent
+    problems, one per program-grid row."""
+    NB, N = out.shape[0], out.shape[1] // groups
+    C, XH, XW = src.shape[1] // groups, src.shape[2], src.shape[3]
     KH, KW = w.shape[2], w.shape[3]
     M = NB * OH * OW
     if out.numel() == 0:
@@ -207,29 +220,35 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
     cfg = _gemm_config(M, N, C, src.dtype)
     acc, precision, upcast = _kernel_switches(src.dtype)
     div = geom_h[3] != 1 or geom_w[3] != 1
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups)
+    src_s, out_s = _nhwc(src), _nhwc(out)
     launch(_conv_gemm_kernel, grid, src, w, out, out if bias is None else bias,
            M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
-           *_nhwc(src), sw_k, sw_n, ws[2], ws[3], *_nhwc(out), 0 if bias is None else bias.stride(0),
+           *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, 0 if bias is None else bias.stride(0),
+           C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3],
            ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
     return out
 
 
-def conv2d_forward_(out, x, w, bias, stride, padding, dilation):
+def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
     """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    return conv_gemm_(out, x, w, bias, out.shape[2], out.shape[3], (sh, -ph, dh, 1), (sw, -pw, dw, 1), False)
+    return conv_gemm_(out, x, w, bias, out.shape[2], out.shape[3], (sh, -ph, dh, 1), (sw, -pw, dw, 1), False,
+                      groups)
 
 
-def conv2d_input_grad_(dx, dy, w, stride, padding, dilation):
+def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
     """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    return conv_gemm_(dx, dy, w, None, dx.shape[2], dx.shape[3], (1, ph, -dh, sh), (1, pw, -dw, sw), True)
+    return conv_gemm_(dx, dy, w, None, dx.shape[2], dx.shape[3], (1, ph, -dh, sh), (1, pw, -dw, sw), True,
+                      groups)
 
 
-def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation):
-    """``dw_out`` (Co, Ci, KH, KW) = the gradient of conv2d's weight (any strides, any float dtype)."""
+def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
+    """``dw_out`` (Co, Ci/groups, KH, KW) = the gradient of conv2d's weight (any strides, any
+    float dtype)."""
     CO, CI, KH, KW = dw_out.shape
+    CO //= groups
     NB, _, OH, OW = dy.shape
     H, W = x.shape[2], x.shape[3]
     M = NB * OH * OW
@@ -248,12 +267,13 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation):
         bm = min(bm, max(16, _pow2(CO)))
         bn = min(bn, max(16, _pow2(CI)))
         bk = min(bk, max(16, _pow2(M)))
-    tiles = cdiv(CO, bm) * cdiv(CI, bn) * KH * KW
+    tiles = cdiv(CO, bm) * cdiv(CI, bn)
+    programs = tiles * groups * KH * KW
     splits = 1
     if not runtime.INTERPRETER:  # split the N*Ho*Wo reduction until the GPU has ~2 programs per SM
         target = 2 * runtime.num_sms()
-        if tiles < target:
-            splits = max(1, min(cdiv(target, tiles), cdiv(M, 4 * bk), 256))
+        if programs < target:
+            splits = max(1, min(cdiv(target, programs), cdiv(M, 4 * bk), 256))
     rows_per_split = cdiv(cdiv(M, splits), bk) * bk
     splits = cdiv(M, rows_per_split) if M else 1
     if M == 0:
@@ -262,20 +282,20 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation):
     if splits == 1:
         target_buf, so = dw_out, (0,) + tuple(dw_out.stride())
     else:
-        target_buf = runtime.empty((splits, CO, CI, KH, KW), acc_dtype(x.dtype))
+        target_buf = runtime.empty((splits, CO * groups, CI, KH, KW), acc_dtype(x.dtype))
         so = target_buf.stride()
     (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
-    launch(_conv_wgrad_kernel, (cdiv(CO, bm) * cdiv(CI, bn), KH * KW, splits), dy, x, target_buf,
-           M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dwl, rows_per_split,
+    launch(_conv_wgrad_kernel, (tiles * groups, KH * KW, splits), dy, x, target_buf,
+           M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dwl, rows_per_split, tiles,
            *_nhwc(dy), *_nhwc(x), *so,
            ACC=acc, PRECISION=precision, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
            num_warps=warps, num_stages=stages)
     if splits > 1:
-        n = CO * CI * KH * KW
+        n = dw_out.numel()
         if dw_out.is_contiguous():
             reduce_(dw_out, target_buf, 1, splits, n, (0, n, 1), SUM)
         else:
-            tmp = runtime.empty((CO, CI, KH, KW), dw_out.dtype)
+            tmp = runtime.empty(tuple(dw_out.shape), dw_out.dtype)
             reduce_(tmp, target_buf, 1, splits, n, (0, n, 1), SUM)
             from .elementwise import copy_
             copy_(dw_out, tmp)

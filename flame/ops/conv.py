@@ -55,18 +55,19 @@ def _empty_like_layout(buf):
 def _conv2d_backward(node, g):
     x, w = node.saved
     need_x, need_w, need_b = node.needs_input_grad
-    stride, padding, dilation = node.attrs["stride"], node.attrs["padding"], node.attrs["dilation"]
+    a = node.attrs
+    stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
     gd = g._data
     if gd.dtype != x.dtype:
         gd = to(Tensor(gd), x.dtype)._data
     dx = dw = db = None
     if need_x:
         dxb = _empty_like_layout(x)
-        KC.conv2d_input_grad_(dxb, gd, w, stride, padding, dilation)
+        KC.conv2d_input_grad_(dxb, gd, w, stride, padding, dilation, groups)
         dx = Tensor(dxb)
     if need_w:
         dwb = runtime.empty(tuple(w.shape), w.dtype)
-        KC.conv2d_weight_grad_(dwb, gd, x, stride, padding, dilation)
+        KC.conv2d_weight_grad_(dwb, gd, x, stride, padding, dilation, groups)
         dw = Tensor(dwb)
     if need_b:
         db = reduce.sum(Tensor(gd), dim=(0, 2, 3))
@@ -80,8 +81,10 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     ``weight`` (Co, Ci, KH, KW) as PyTorch stores it; ``bias`` (Co,) or None; ``stride``,
     ``padding`` and ``dilation`` an int or a pair; ``padding`` may also be "valid" or "same"
     (stride 1, extra padding on the bottom/right when the total is odd, as PyTorch). Weight and
-    bias are cast to the input's dtype. The output is channels-last (NHWC strides). Only
-    ``groups=1`` for now.
+    bias are cast to the input's dtype. The output is channels-last (NHWC strides). ``groups``
+    splits the channels into independent convolutions (depthwise: groups = in_channels), one
+    grid row of the same kernels per group (not tuned for depthwise: tiles are at least 16
+    channels wide on the GPU).
     """
     op = "conv2d"
     check_tensor(input, "input", op)
@@ -106,9 +109,6 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     if ci_w * groups != ci:
         raise ValueError(f"{op}: input {input.shape} has {ci} channels but weight {weight.shape} expects "
                          f"{ci_w * groups} (in_channels/groups={ci_w}, groups={groups})")
-    if groups != 1:
-        raise NotImplementedError(f"{op}: groups={groups} is not implemented yet (only groups=1); "
-                                  f"input {input.shape}, weight {weight.shape}")
     stride = _pair(stride, "stride", op)
     dilation = _pair(dilation, "dilation", op)
     if min(stride) < 1:
@@ -151,9 +151,9 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         fill_(out, 0.0)
         y = Tensor(out)
         return y if bias is None else y + bias.reshape(1, co, 1, 1)
-    KC.conv2d_forward_(out, x, wb, None if bias is None else bias._data, stride, top_left, dilation)
+    KC.conv2d_forward_(out, x, wb, None if bias is None else bias._data, stride, top_left, dilation, groups)
     y = Tensor(out)
     if needs_grad(input, weight, bias):
         record(y, (input, weight, bias), _conv2d_backward, saved=(x, wb),
-               stride=stride, padding=top_left, dilation=dilation)
+               stride=stride, padding=top_left, dilation=dilation, groups=groups)
     return y
