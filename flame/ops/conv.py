@@ -10,6 +10,7 @@ from __future__ import annotations
 from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import conv2d as KC
+from ..kernels import elementwise as KE
 from ..tensor import Tensor
 from . import reduce
 from ._util import check_tensor
@@ -37,14 +38,18 @@ def _empty_nhwc(shape, dtype):
     return runtime.empty((n, h, w, c), dtype).permute(0, 3, 1, 2)
 
 
+def _nhwc_data(buf):
+    """``buf`` (N, C, H, W) itself when its channels are contiguous (stride 1: the kernels' loads
+    along C vectorise), else a channels-last copy (one copy-kernel pass)."""
+    if buf.stride(1) == 1 or buf.shape[1] == 1 or buf.numel() == 0:
+        return buf
+    out = _empty_nhwc(tuple(buf.shape), buf.dtype)
+    KE.copy_(out, buf)
+    return out
+
+
 def _is_channels_last(buf):
     return buf.shape[1] > 1 and buf.stride(1) == 1
-
-
-def _empty_like_layout(buf):
-    if _is_channels_last(buf):
-        return _empty_nhwc(tuple(buf.shape), buf.dtype)
-    return runtime.empty(tuple(buf.shape), buf.dtype)
 
 
 # Y = conv2d(X, W) + b, X: (N, Ci, H, W), W: (Co, Ci, KH, KW), G = dL/dY: (N, Co, Ho, Wo).
@@ -60,9 +65,11 @@ def _conv2d_backward(node, g):
     gd = g._data
     if gd.dtype != x.dtype:
         gd = to(Tensor(gd), x.dtype)._data
+    gd = _nhwc_data(gd)
     dx = dw = db = None
     if need_x:
-        dxb = _empty_like_layout(x)
+        # the input's own layout, so an NCHW leaf's gradient needs no copy in the engine
+        dxb = _empty_nhwc(tuple(x.shape), x.dtype) if a["x_nhwc"] else runtime.empty(tuple(x.shape), x.dtype)
         KC.conv2d_input_grad_(dxb, gd, w, stride, padding, dilation, groups)
         dx = Tensor(dxb)
     if need_w:
@@ -145,7 +152,8 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         weight = to(weight, input.dtype)
     top_left = (pads[0][0], pads[1][0])
     out = _empty_nhwc((nb, co, ho, wo), input.dtype)
-    x, wb = input._data, weight._data
+    x0, wb = input._data, weight._data
+    x = _nhwc_data(x0)
     if ci == 0:
         from ..kernels.elementwise import fill_
         fill_(out, 0.0)
@@ -155,5 +163,5 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     y = Tensor(out)
     if needs_grad(input, weight, bias):
         record(y, (input, weight, bias), _conv2d_backward, saved=(x, wb),
-               stride=stride, padding=top_left, dilation=dilation, groups=groups)
+               stride=stride, padding=top_left, dilation=dilation, groups=groups, x_nhwc=_is_channels_last(x0))
     return y
