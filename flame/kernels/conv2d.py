@@ -38,7 +38,7 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
                       M, OH, OW, C, N, KH, KW, XH, XW,
                       A_h, B_h, C_h, D_h, A_w, B_w, C_w, D_w,
                       s_n, s_h, s_w, s_c, sw_k, sw_n, sw_h, sw_w, so_n, so_h, so_w, so_c, s_bias,
-                      sg_src, sg_w, sg_out,
+                      sg_src, sg_w, sg_out, P_h, P_w,
                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                       BIAS: tl.constexpr, DIV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -49,24 +49,34 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
     w_ptr += grp * sg_w
     out_ptr += grp * sg_out
     bias_ptr += grp * N * s_bias
-    num_pid_m = tl.cdiv(M, BLOCK_M)
+    # Output phase (input gradient with stride > 1): this program's rows are the positions
+    # (oh, ow) = (i * P_h + R_h, j * P_w + R_w); M is the row count of phase (0, 0), the largest.
+    phase = tl.program_id(2)
+    R_h = phase // P_w
+    R_w = phase % P_w
+    OHp = (OH - R_h + P_h - 1) // P_h
+    OWp = (OW - R_w + P_w - 1) // P_w
+    NB = M // (((OH + P_h - 1) // P_h) * ((OW + P_w - 1) // P_w))
+    Mp = NB * OHp * OWp
+    num_pid_m = tl.cdiv(Mp, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    # programs past a smaller phase's tiles compute fully masked tiles (group_m kept >= 1)
+    group_m = tl.maximum(tl.minimum(num_pid_m - first_m, GROUP_M), 1)
     pid_m = first_m + (pid % per_group) % group_m
     pid_n = (pid % per_group) // group_m
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
+    mask_m = offs_m < Mp
     mask_n = offs_n < N
-    ohw = OH * OW
+    ohw = OHp * OWp
     n_idx = offs_m // ohw
     rem = offs_m % ohw
-    oh = rem // OW
-    ow = rem % OW
+    oh = (rem // OWp) * P_h + R_h
+    ow = (rem % OWp) * P_w + R_w
     row_base = src_ptr + n_idx * s_n
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
@@ -88,17 +98,20 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
         iw = tl.where(ok, iw, 0)
         a_rows = row_base + ih * s_h + iw * s_w
         w_tap = w_ptr + kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w
-        for c0 in range(0, C, BLOCK_K):
-            ck = c0 + offs_k
-            mask_k = ck < C
-            a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
-                        mask=ok[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        # with phases, divisibility by D is the same for every row: skip taps that hit no row
+        live = ((R_h * A_h + B_h + kh * C_h) % D_h == 0) & ((R_w * A_w + B_w + kw * C_w) % D_w == 0)
+        if live:
+            for c0 in range(0, C, BLOCK_K):
+                ck = c0 + offs_k
+                mask_k = ck < C
+                a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
+                            mask=ok[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
+                            mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
 
     if BIAS:
         acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(ACC)[None, :]
@@ -212,7 +225,10 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
     NB, N = out.shape[0], out.shape[1] // groups
     C, XH, XW = src.shape[1] // groups, src.shape[2], src.shape[3]
     KH, KW = w.shape[2], w.shape[3]
-    M = NB * OH * OW
+    # with a divisor D > 1 (the input gradient of a strided conv) the rows split into D_h * D_w
+    # phases, each of which only meets the taps whose offset it divides: no work on masked taps
+    P_h, P_w = geom_h[3], geom_w[3]
+    M = NB * cdiv(OH, P_h) * cdiv(OW, P_w)
     if out.numel() == 0:
         return out
     ws = w.stride()
@@ -220,12 +236,12 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
     cfg = _gemm_config(M, N, C, src.dtype)
     acc, precision, upcast = _kernel_switches(src.dtype)
     div = geom_h[3] != 1 or geom_w[3] != 1
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups)
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)
     src_s, out_s = _nhwc(src), _nhwc(out)
     launch(_conv_gemm_kernel, grid, src, w, out, out if bias is None else bias,
            M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
            *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, 0 if bias is None else bias.stride(0),
-           C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3],
+           C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
            ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
     return out
 
