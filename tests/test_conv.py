@@ -114,6 +114,40 @@ def test_conv2d_gradcheck(kw):
     assert gradcheck(lambda x, w, b: F.conv2d(x, w, b, **kw), [x, w, b])
 
 
+def test_conv2d_empty_batch_and_zero_channels():
+    x = flame.randn(0, 3, 5, 5, requires_grad=True)
+    w = flame.randn(4, 3, 3, 3, requires_grad=True)
+    b = flame.randn(4, requires_grad=True)
+    y = F.conv2d(x, w, b, padding=1)
+    assert y.shape == (0, 4, 5, 5)
+    grads = y.sum().backward()
+    assert_close(grads[w], torch.zeros(4, 3, 3, 3))
+    assert_close(grads[b], torch.zeros(4))
+    # no input channels: the output is the bias
+    y = F.conv2d(flame.randn(2, 0, 5, 5), flame.randn(4, 0, 3, 3), b, padding=1)
+    assert_close(y, b.to_torch().view(1, 4, 1, 1).expand(2, 4, 5, 5))
+
+
+@pytest.mark.parametrize("kw", [dict(padding=1), dict(stride=2, padding=2, dilation=2), dict(padding="same"),
+                                dict(stride=(2,), groups=2)], ids=str)
+@pytest.mark.parametrize("shape", [(2, 4, 11), (4, 11)], ids=str)
+def test_conv1d_matches_torch(kw, shape):
+    x, xt = pair(shape, requires_grad=True)
+    w, wt = pair((6, 4 // kw.get("groups", 1), 3), requires_grad=True)
+    b, bt = pair((6,), requires_grad=True)
+    y = F.conv1d(x, w, b, **kw)
+    yt = torch.nn.functional.conv1d(xt, wt, bt, **kw)
+    g, gt = pair(tuple(yt.shape))
+    grads = y.backward(g)
+    yt.backward(gt)
+    for got, want in ((y, yt), (grads[x], xt.grad), (grads[w], wt.grad), (grads[b], bt.grad)):
+        assert_close(got, want, **_tol(want, torch.float32))
+    with pytest.raises(ValueError, match=r"2-D \(C, L\) or 3-D"):
+        F.conv1d(flame.ones(1, 4, 5, 5), w)
+    with pytest.raises(ValueError, match="weight must be 3-D"):
+        F.conv1d(x, flame.ones(6, 4, 3, 3))
+
+
 def test_conv2d_bad_inputs():
     x, w = flame.ones(1, 3, 5, 5), flame.ones(4, 3, 3, 3)
     with pytest.raises(ValueError, match=r"3 channels.*\(4, 2, 3, 3\)"):

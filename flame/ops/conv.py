@@ -165,3 +165,29 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         record(y, (input, weight, bias), _conv2d_backward, saved=(x, wb),
                stride=stride, padding=top_left, dilation=dilation, groups=groups, x_nhwc=_is_channels_last(x0))
     return y
+
+
+def _single(v, name, op):
+    if isinstance(v, (tuple, list)) and len(v) == 1:
+        v = v[0]
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{op}: {name} must be an int or a 1-tuple of ints, got {v!r}")
+    return v
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):  # noqa: A002
+    """1-D convolution with ``torch.nn.functional.conv1d``'s semantics: ``input`` (N, Ci, L) or
+    unbatched (Ci, L), ``weight`` (Co, Ci/groups, K). Computed as ``conv2d`` on the (N, Ci, 1, L)
+    view (same kernels, same gradients); the output is (N, Co, Lo) with channels innermost."""
+    op = "conv1d"
+    check_tensor(input, "input", op)
+    check_tensor(weight, "weight", op)
+    if input.ndim not in (2, 3):
+        raise ValueError(f"{op}: expected a 2-D (C, L) or 3-D (N, C, L) input, got shape {input.shape}")
+    if weight.ndim != 3:
+        raise ValueError(f"{op}: weight must be 3-D (out_channels, in_channels/groups, k), got shape {weight.shape}")
+    from .shape import squeeze, unsqueeze
+    stride, dilation = _single(stride, "stride", op), _single(dilation, "dilation", op)
+    pad = padding if isinstance(padding, str) else (0, _single(padding, "padding", op))
+    y = conv2d(unsqueeze(input, -2), unsqueeze(weight, 2), bias, (1, stride), pad, (1, dilation), groups)
+    return squeeze(y, -2)
