@@ -154,3 +154,28 @@ def test_no_host_sync_in_the_step_path(monkeypatch):
     monkeypatch.undo()
     assert s.get_scale() == 32.0
     np.testing.assert_allclose(p.numpy(), np.ones(5) - 0.5 - 0.25)
+
+
+def test_lora_fp16_step_with_scaler_trains_adapters_only():
+    """fp16 frozen base + fp32 adapters + scaler + AdamW: loss goes down, base untouched."""
+    from flame import nn
+    model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4))
+    model.to(torch.float16)  # frozen base in the compute dtype, then fp32 adapters
+    nn.inject_lora(model, ["0", "2"], rank=2, alpha=2)
+    assert all(p.dtype == torch.float32 for p in nn.lora_parameters(model))
+    base = model[0].weight.to_torch().clone()
+    opt = optim.AdamW(nn.lora_parameters(model), lr=0.05)
+    scaler = amp.DynamicLossScaler(init_scale=2.0 ** 10)
+    x = flame.randn(6, 8).to(torch.float16)
+    target = flame.randn(6, 4)
+    losses = []
+    for _ in range(4):
+        y = model(x).to(torch.float32)
+        loss = ((y - target) * (y - target)).mean()
+        grads = scaler.scale(loss).backward()
+        assert model[0].weight not in grads and all(grads[p].dtype == torch.float32 for p in opt._flat_params())
+        scaler.step(opt, grads)
+        scaler.update()
+        losses.append(float(loss.item()))
+    assert losses[-1] < losses[0], losses
+    assert torch.equal(model[0].weight.to_torch(), base)
