@@ -12,7 +12,9 @@ Two kernels:
   so the input gradient (a transposed convolution) is the same kernel with the roles of the
   spatial sizes swapped, the weight read as w[co, ci] -> (k=co, n=ci), and rows whose
   ``ih + pad - kh * dil`` is not a multiple of the stride masked out (stride 2: input rows that
-  receive no gradient from some taps, odd sizes included).
+  receive no gradient from some taps, odd sizes included). For stride > 1 the rows are split
+  into stride_h * stride_w phases (grid axis 2) so each program skips the taps that cannot reach
+  its rows instead of multiplying masked zeros. Groups are grid axis 1 (channel offsets).
 - ``_conv_wgrad_kernel``: the weight gradient, a GEMM over the N*Ho*Wo rows per tap:
     dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*s - p + kh*d, ow*s - p + kw*d, ci]
   one program per (co tile, ci tile, tap, split of the rows), fp32 (fp64) accumulation; with
