@@ -148,6 +148,41 @@ def test_conv1d_matches_torch(kw, shape):
         F.conv1d(x, flame.ones(6, 4, 3, 3))
 
 
+@pytest.mark.parametrize("shape,kw,channels_last", [
+    ((2, 3, 5, 7), dict(scale_factor=2), False),
+    ((2, 3, 5, 7), dict(scale_factor=2.0), True),
+    ((2, 3, 5, 7), dict(size=(10, 21)), False),
+    ((1, 4, 3, 3), dict(scale_factor=(1, 2)), False),
+    ((2, 3, 5), dict(scale_factor=3), False),
+], ids=str)
+def test_interpolate_nearest_matches_torch(shape, kw, channels_last):
+    x, xt = pair(shape, requires_grad=True)
+    if channels_last:
+        xt = xt.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+        x = flame.from_torch(xt.detach().clone(memory_format=torch.preserve_format), requires_grad=True)
+    y = F.interpolate(x, **kw)
+    yt = torch.nn.functional.interpolate(xt, **kw)
+    g, gt = pair(tuple(yt.shape))
+    grads = y.backward(g)
+    yt.backward(gt)
+    assert_close(y, yt)
+    assert_close(grads[x], xt.grad)
+
+
+def test_interpolate_bad_inputs():
+    x = flame.ones(1, 2, 4, 4)
+    with pytest.raises(NotImplementedError, match="bilinear"):
+        F.interpolate(x, scale_factor=2, mode="bilinear")
+    with pytest.raises(NotImplementedError, match="integer"):
+        F.interpolate(x, scale_factor=1.5)
+    with pytest.raises(NotImplementedError, match="multiple"):
+        F.interpolate(x, size=(6, 6))
+    with pytest.raises(ValueError, match="exactly one"):
+        F.interpolate(x)
+    with pytest.raises(ValueError, match="3-D"):
+        F.interpolate(flame.ones(2, 4), scale_factor=2)
+
+
 def test_conv2d_bad_inputs():
     x, w = flame.ones(1, 3, 5, 5), flame.ones(4, 3, 3, 3)
     with pytest.raises(ValueError, match=r"3 channels.*\(4, 2, 3, 3\)"):

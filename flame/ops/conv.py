@@ -191,3 +191,58 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     pad = padding if isinstance(padding, str) else (0, _single(padding, "padding", op))
     y = conv2d(unsqueeze(input, -2), unsqueeze(weight, 2), bias, (1, stride), pad, (1, dilation), groups)
     return squeeze(y, -2)
+
+
+def _factors(in_sizes, size, scale_factor, op):
+    """Integer upsampling factors per spatial dim from ``size`` or ``scale_factor``."""
+    n = len(in_sizes)
+    if (size is None) == (scale_factor is None):
+        raise ValueError(f"{op}: exactly one of size and scale_factor must be given")
+    if size is not None:
+        sizes = (size,) * n if isinstance(size, int) else tuple(size)
+        if len(sizes) != n:
+            raise ValueError(f"{op}: size {size} must have {n} entries for input spatial shape {tuple(in_sizes)}")
+        if any(s <= 0 or s % i for s, i in zip(sizes, in_sizes)):
+            raise NotImplementedError(f"{op}: only integer upsampling is implemented; size {tuple(sizes)} is not a "
+                                      f"multiple of the input's spatial shape {tuple(in_sizes)}")
+        return tuple(s // i for s, i in zip(sizes, in_sizes))
+    scales = (scale_factor,) * n if isinstance(scale_factor, (int, float)) else tuple(scale_factor)
+    if len(scales) != n:
+        raise ValueError(f"{op}: scale_factor {scale_factor} must have {n} entries")
+    if any(float(s) != int(s) or int(s) < 1 for s in scales):
+        raise NotImplementedError(f"{op}: only positive integer scale factors are implemented, got {scale_factor}")
+    return tuple(int(s) for s in scales)
+
+
+def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,  # noqa: A002
+                recompute_scale_factor=None, antialias=False):
+    """``torch.nn.functional.interpolate`` for ``mode="nearest"`` (or "nearest-exact", the same
+    for these) with integer factors on (N, C, L) and (N, C, H, W) inputs: each input element is
+    repeated ``factor`` times per spatial dim. Built from views (a stride-0 expand over the
+    channels-last view, then one copy), so the backward sums each factor block; 4-D outputs are
+    channels-last. (Fusing the 2x upsample into the following conv's input indexing is the
+    faster path on the GPU: not done yet.)"""
+    op = "interpolate"
+    check_tensor(input, "input", op)
+    if mode not in ("nearest", "nearest-exact"):
+        raise NotImplementedError(f"{op}: mode {mode!r} is not implemented (only 'nearest')")
+    if align_corners is not None:
+        raise ValueError(f"{op}: align_corners only applies to linear modes, got {align_corners!r} with mode {mode!r}")
+    if antialias:
+        raise ValueError(f"{op}: antialias only applies to bilinear/bicubic modes")
+    if input.ndim not in (3, 4):
+        raise ValueError(f"{op}: expected a 3-D (N, C, L) or 4-D (N, C, H, W) input, got shape {input.shape}")
+    from .shape import expand, permute, reshape
+    spatial = input.shape[2:]
+    f = _factors(spatial, size, scale_factor, op)
+    if all(k == 1 for k in f):
+        return input
+    nb, c = input.shape[:2]
+    if input.ndim == 3:
+        xl = permute(input, 0, 2, 1)  # (N, L, C)
+        y = expand(reshape(xl, nb, spatial[0], 1, c), nb, spatial[0], f[0], c)
+        return permute(reshape(y, nb, spatial[0] * f[0], c), 0, 2, 1)
+    h, w = spatial
+    xl = permute(input, 0, 2, 3, 1)  # (N, H, W, C): a view, contiguous for channels-last input
+    y = expand(reshape(xl, nb, h, 1, w, 1, c), nb, h, f[0], w, f[1], c)
+    return permute(reshape(y, nb, h * f[0], w * f[1], c), 0, 3, 1, 2)
