@@ -185,6 +185,18 @@ def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
 
 # ---- launch configuration ---------------------------------------------------------------------
 
+def _gpu_tiles(dtype, M, N, K):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an (M x K) @ (K x N) tile loop: the matmul
+    kernel's H200 choices per dtype, shrunk to the problem (at least 16 for tl.dot)."""
+    if dtype == torch.float64:
+        bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
+    elif dtype == torch.float32:
+        bm, bn, bk, warps, stages = 128, 128, 32, 4, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 4, 3
+    return (min(bm, max(16, _pow2(M))), min(bn, max(16, _pow2(N))), min(bk, max(16, _pow2(K))), warps, stages)
+
+
 def _gemm_config(M, N, K, dtype):
     """Tile config for the implicit GEMM (M rows, N columns, K channels per tap). Heuristic,
     not yet measured on a GPU: the matmul kernel's H200 choices (128x128, BLOCK_K 64 for 16-bit,
@@ -192,15 +204,7 @@ def _gemm_config(M, N, K, dtype):
     if runtime.INTERPRETER:
         return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 128)), BLOCK_K=_pow2(min(K, 128)),
                     num_warps=4, num_stages=1)
-    if dtype == torch.float64:
-        bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
-    elif dtype == torch.float32:
-        bm, bn, bk, warps, stages = 128, 128, 32, 4, 3
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 4, 3
-    bm = min(bm, max(16, _pow2(M)))
-    bn = min(bn, max(16, _pow2(N)))
-    bk = min(bk, max(16, _pow2(K)))
+    bm, bn, bk, warps, stages = _gpu_tiles(dtype, M, N, K)
     sms = runtime.num_sms()
     while cdiv(M, bm) * cdiv(N, bn) < sms and max(bm, bn) > 64:
         if bm >= bn:
@@ -276,15 +280,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     if runtime.INTERPRETER:
         bm, bn, bk, warps, stages = _pow2(min(CO, 128)), _pow2(min(CI, 128)), _pow2(min(M, 512)), 4, 1
     else:
-        if x.dtype == torch.float64:
-            bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
-        elif x.dtype == torch.float32:
-            bm, bn, bk, warps, stages = 128, 128, 32, 4, 3
-        else:
-            bm, bn, bk, warps, stages = 128, 128, 64, 4, 3
-        bm = min(bm, max(16, _pow2(CO)))
-        bn = min(bn, max(16, _pow2(CI)))
-        bk = min(bk, max(16, _pow2(M)))
+        bm, bn, bk, warps, stages = _gpu_tiles(x.dtype, CO, CI, M)
     tiles = cdiv(CO, bm) * cdiv(CI, bn)
     programs = tiles * groups * KH * KW
     splits = 1
