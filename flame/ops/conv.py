@@ -14,7 +14,7 @@ from ..kernels import elementwise as KE
 from ..tensor import Tensor
 from . import reduce
 from ._util import check_tensor
-from .elementwise import to
+from .elementwise import cast_params, to
 
 
 def _pair(v, name, op):
@@ -142,14 +142,7 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         raise ValueError(f"{op}: kernel ({kh}, {kw}) with dilation {dilation} is larger than the padded input "
                          f"({h + pads[0][0] + pads[0][1]}, {w_in + pads[1][0] + pads[1][1]}); "
                          f"input {input.shape}, weight {weight.shape}")
-    if bias is not None:
-        check_tensor(bias, "bias", op)
-        if bias.shape != (co,):
-            raise ValueError(f"{op}: bias must have shape ({co},), got {bias.shape}")
-        if bias.dtype != input.dtype:
-            bias = to(bias, input.dtype)
-    if weight.dtype != input.dtype:
-        weight = to(weight, input.dtype)
+    weight, bias = cast_params(weight, bias, co, input.dtype, op, ValueError)
     top_left = (pads[0][0], pads[1][0])
     out = _empty_nhwc((nb, co, ho, wo), input.dtype)
     x0, wb = input._data, weight._data

@@ -344,3 +344,17 @@ def add_(dst: Tensor, src: Tensor) -> Tensor:
     bufs = [dst._data, src._data if src.shape == dst.shape else src._data.expand(dst.shape)]
     K.map_(dst._data, bufs, K.ADD)
     return dst
+
+
+def cast_params(weight, bias, n_out, dtype, op, error=RuntimeError):
+    """A layer's weight and optional bias (checked to be ``(n_out,)``) cast once to the
+    activations' ``dtype``; the casts are recorded, so fp32 master parameters get fp32 gradients."""
+    if bias is not None:
+        check_tensor(bias, "bias", op)
+        if bias.shape != (n_out,):
+            raise error(f"{op}: bias must have shape ({n_out},), got {bias.shape}")
+        if bias.dtype != dtype:
+            bias = to(bias, dtype)
+    if weight.dtype != dtype:
+        weight = to(weight, dtype)
+    return weight, bias

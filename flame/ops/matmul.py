@@ -17,7 +17,7 @@ from ..kernels import matmul as KM
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import reduce
 from ._util import check_tensor
-from .elementwise import to
+from .elementwise import cast_params, to
 from .shape import contiguous
 
 
@@ -230,14 +230,7 @@ def linear(x, weight, bias=None, activation=None):
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
     n_out = weight.shape[0]
-    if bias is not None:
-        check_tensor(bias, "bias", "linear")
-        if bias.shape != (n_out,):
-            raise RuntimeError(f"linear: bias must have shape ({n_out},), got {bias.shape}")
-        if bias.dtype != x.dtype:
-            bias = to(bias, x.dtype)
-    if weight.dtype != x.dtype:
-        weight = to(weight, x.dtype)
+    weight, bias = cast_params(weight, bias, n_out, x.dtype, "linear")
     act, grad_op = _ACTIVATIONS[activation]
     x2 = _rows(x._data)
     if x2 is None:
