@@ -44,6 +44,25 @@ def test_linear_matches_torch(bias):
     _check_module(fm, tm, (13,))
 
 
+@pytest.mark.parametrize("kw", [dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, padding=1, bias=False),
+                                dict(kernel_size=1), dict(kernel_size=(3, 1), padding="same", groups=2)])
+def test_conv2d_matches_torch(kw):
+    tm = torch.nn.Conv2d(4, 6, **kw).to(DEVICE)
+    fm = _load(nn.Conv2d(4, 6, **kw), tm)
+    assert [n for n, _ in fm.named_parameters()] == [n for n, _ in tm.named_parameters()]
+    _check_module(fm, tm, (2, 4, 7, 5))
+
+
+def test_conv2d_init_and_errors():
+    fm = nn.Conv2d(8, 16, 3)
+    bound = 1 / np.sqrt(8 * 9)
+    assert np.abs(fm.weight.numpy()).max() <= bound and np.abs(fm.bias.numpy()).max() <= bound
+    with pytest.raises(ValueError, match="divisible by groups"):
+        nn.Conv2d(6, 4, 3, groups=4)
+    with pytest.raises(ValueError, match="padding_mode"):
+        nn.Conv2d(4, 4, 3, padding_mode="reflect")
+
+
 def test_linear_default_init_follows_torch():
     fm = nn.Linear(40, 300)
     bound = 1 / np.sqrt(40)

@@ -1,6 +1,6 @@
 """Neural-network building blocks; ``flame.nn.functional`` holds the functional ops."""
 from . import functional, init
-from .layers import GELU, Dropout, GroupNorm, Identity, LayerNorm, Linear, ModuleList, RMSNorm, Sequential, SiLU
+from .layers import GELU, Conv2d, Dropout, GroupNorm, Identity, LayerNorm, Linear, ModuleList, RMSNorm, Sequential, SiLU
 from .lora import (
     LoRALinear,
     inject_lora,

@@ -7,6 +7,7 @@ from collections import OrderedDict
 
 from .. import runtime
 from ..ops import norm as N
+from ..ops.conv import conv2d
 from ..ops.dropout import dropout
 from ..ops.elementwise import gelu, silu
 from ..ops.matmul import linear
@@ -66,6 +67,49 @@ class Linear(Module):
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def _pair(v):
+    return (int(v), int(v)) if isinstance(v, numbers.Integral) else tuple(int(x) for x in v)
+
+
+class Conv2d(Module):
+    """2-D convolution over (N, C, H, W) with PyTorch's arguments, weight (out, in / groups, kh, kw)
+    and init (kaiming_uniform_ with a = sqrt(5), bias uniform in +-1/sqrt(fan_in)). The output is
+    channels-last (see ``F.conv2d``)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None):
+        super().__init__()
+        if padding_mode != "zeros":
+            raise ValueError(f"Conv2d: only padding_mode='zeros' is supported, got {padding_mode!r}")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"Conv2d: in_channels ({in_channels}) and out_channels ({out_channels}) must be "
+                             f"divisible by groups ({groups})")
+        self.in_channels, self.out_channels, self.groups = int(in_channels), int(out_channels), int(groups)
+        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        self.padding = padding if isinstance(padding, str) else _pair(padding)
+        self.weight = _param((out_channels, in_channels // groups, *self.kernel_size), dtype, device)
+        if bias:
+            self.bias = _param((out_channels,), dtype, device)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.weight.shape[1] * self.kernel_size[0] * self.kernel_size[1]
+            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+            init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x):
+        _check_input(x, "Conv2d")
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, groups={self.groups}, bias={self.bias is not None}")
 
 
 class GroupNorm(Module):
