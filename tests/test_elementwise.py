@@ -260,3 +260,35 @@ def test_large_contiguous_uses_many_programs():
     xt = x.to_torch()
     assert_close(y, xt * 2 + 1)
     assert math.isclose(float(y.numpy()[-1]), float(xt[-1]) * 2 + 1, rel_tol=1e-6)
+
+
+def _torch_geglu(x):
+    hidden, gate = x.chunk(2, dim=-1)
+    return hidden * torch.nn.functional.gelu(gate)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("shape,noncontig", [((3, 5, 18), False), ((7, 34), True), ((0, 6), False)])
+def test_geglu_forward_backward(dtype, shape, noncontig):
+    x, xt = pair(shape, dtype, requires_grad=True, noncontig=noncontig)
+    y, yt = flame.nn.functional.geglu(x), _torch_geglu(xt)
+    assert y.shape == yt.shape
+    assert_close(y, yt)
+    g, gt = pair(tuple(yt.shape), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    assert_close(grads[x].to(dtype), xt.grad, dtype)
+
+
+@pytest.mark.gpu
+def test_geglu_bf16():
+    test_geglu_forward_backward(torch.bfloat16, (64, 4096), False)
+
+
+def test_geglu_gradcheck_and_errors():
+    x = flame.randn(4, 10, dtype=flame.float64, requires_grad=True)
+    assert gradcheck(flame.nn.functional.geglu, [x])
+    with pytest.raises(ValueError, match="even"):
+        flame.nn.functional.geglu(flame.randn(3, 5))
+    with pytest.raises(TypeError, match="floating-point"):
+        flame.nn.functional.geglu(flame.arange(6))

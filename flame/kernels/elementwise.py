@@ -32,12 +32,12 @@ def _codes(start, count):
 
 # ---- op codes (forward) -------------------------------------------------------------------
 IDENTITY, NEG, ABS, EXP, LOG, SQRT, RSQRT, SIN, COS, TANH, SIGMOID, RELU, SILU, GELU, GELU_TANH = _codes(0, 15)
-ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV = _codes(20, 13)
+ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV, GEGLU = _codes(20, 14)
 EQ, NE, LT, LE, GT, GE = _codes(40, 6)
 # ---- op codes (backward: the incoming gradient is always operand a) ------------------------
 (ABS_BWD, SQRT_BWD, RSQRT_BWD, SIN_BWD, COS_BWD, TANH_BWD, SIGMOID_BWD, RELU_BWD, SILU_BWD,
  GELU_BWD, GELU_TANH_BWD, CLAMP_BWD, DIV_BWD_B, POW_BWD_BASE, POW_BWD_EXP, MAXIMUM_BWD,
- MINIMUM_BWD, SCALE_MUL) = _codes(60, 18)
+ MINIMUM_BWD, SCALE_MUL, GEGLU_GATE_BWD) = _codes(60, 19)
 
 # GELU constants, written inline in jit code: sqrt(2/pi) = 0.7978845608028654,
 # 1/sqrt(2) = 0.7071067811865476, 1/sqrt(2 pi) = 0.3989422804014327
@@ -73,6 +73,17 @@ def _pow(a, b):
 
 
 @triton.jit
+def _gelu(x):  # exact: x Phi(x)
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_slope(x):  # d gelu / dx = Phi(x) + x phi(x)
+    cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    return cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
 def _apply(a, b, c, s0, s1, OP: tl.constexpr):
     if OP == IDENTITY:
         return a
@@ -101,7 +112,7 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
     elif OP == SILU:
         return a * _sigmoid(a)
     elif OP == GELU:
-        return 0.5 * a * (1.0 + tl.math.erf(a * 0.7071067811865476))
+        return _gelu(a)
     elif OP == GELU_TANH:
         return 0.5 * a * (1.0 + _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
     elif OP == ADD:
@@ -131,6 +142,8 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
         return tl.where(a != 0, b, c)
     elif OP == WHERE_INV:
         return tl.where(a != 0, c, b)
+    elif OP == GEGLU:  # hidden * gelu(gate); also the hidden half's gradient g * gelu(gate)
+        return a * _gelu(b)
     elif OP == EQ:
         return a == b
     elif OP == NE:
@@ -164,9 +177,7 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
         s = _sigmoid(b)
         return a * (s + b * s * (1.0 - s))
     elif OP == GELU_BWD:  # dx = g (Phi(x) + x phi(x))
-        cdf = 0.5 * (1.0 + tl.math.erf(b * 0.7071067811865476))
-        pdf = 0.3989422804014327 * tl.exp(-0.5 * b * b)
-        return a * (cdf + b * pdf)
+        return a * _gelu_slope(b)
     elif OP == GELU_TANH_BWD:
         # u = k (x + 0.044715 x^3), t = tanh(u): dx = g (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2))
         t = _tanh(0.7978845608028654 * (b + 0.044715 * b * b * b))
@@ -186,6 +197,8 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
         return tl.where(b < c, a, tl.where(b == c, 0.5 * a, 0.0))
     elif OP == SCALE_MUL:  # g * y * s   (rpow backward: y = s0 ** x, s = log(s0))
         return a * b * c
+    elif OP == GEGLU_GATE_BWD:  # y = h gelu(x): dx = g h gelu'(x)   (operands g, x, h)
+        return a * c * _gelu_slope(b)
     else:
         tl.static_assert(False, "unknown elementwise op")
 

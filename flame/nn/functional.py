@@ -2,7 +2,7 @@
 from ..ops.attention import scaled_dot_product_attention  # noqa: F401
 from ..ops.conv import conv1d, conv2d, interpolate  # noqa: F401
 from ..ops.dropout import dropout  # noqa: F401
-from ..ops.elementwise import gelu, relu, sigmoid, silu, tanh  # noqa: F401
+from ..ops.elementwise import geglu, gelu, relu, sigmoid, silu, tanh  # noqa: F401
 from ..ops.index import embedding, gather, index_select  # noqa: F401
 from ..ops.loss import cross_entropy, huber_loss, l1_loss, log_softmax, mse_loss, smooth_l1_loss, softmax  # noqa: F401
 from ..ops.matmul import linear, matmul  # noqa: F401

@@ -72,6 +72,39 @@ def gelu(x, approximate: str = "none"):
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
+def _geglu_halves(buf):
+    half = buf.shape[-1] // 2
+    return buf.narrow(-1, 0, half), buf.narrow(-1, half, half)
+
+
+# y = h * gelu(x) with (h, x) the two halves of the input's last dim:
+#   dh = g * gelu(x),  dx = g * h * gelu'(x)  — two maps writing the two halves of one gradient buffer
+def _geglu_backward(node, g):
+    (inp,) = node.saved
+    hidden, gate = _geglu_halves(inp._data)
+    grad = new(inp.shape, g.dtype)
+    grad_hidden, grad_gate = _geglu_halves(grad._data)
+    K.map_(grad_hidden, [g._data, gate], K.GEGLU)
+    K.map_(grad_gate, [g._data, gate, hidden], K.GEGLU_GATE_BWD)
+    return grad
+
+
+def geglu(x):
+    """GEGLU: split the last dim into halves ``(hidden, gate)`` and return ``hidden * gelu(gate)``
+    (exact GELU), one fused map forward and two maps backward (SDXL's feed-forward activation)."""
+    check_tensor(x, "input", "geglu")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"geglu: expected a floating-point tensor, got {x.dtype}")
+    if x.ndim == 0 or x.shape[-1] % 2:
+        raise ValueError(f"geglu: the last dimension must be even (split into hidden and gate), got shape {x.shape}")
+    hidden, gate = _geglu_halves(x._data)
+    y = new(hidden.shape, x.dtype)
+    K.map_(y._data, [hidden, gate], K.GEGLU)
+    if needs_grad(x):
+        record(y, (x,), _geglu_backward, saved=(x,))
+    return y
+
+
 def _neg_backward(node, g):
     return map_op(K.NEG, (g,), g.dtype)
 
