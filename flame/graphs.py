@@ -1,0 +1,128 @@
+"""CUDA-graph capture and replay of a whole function, e.g. a training step's forward and backward.
+
+An eager step pays ~20-60 µs of Python per op (recording the graph node, choosing and launching
+the kernel); an SDXL step runs thousands of ops, so the GPU would wait on the host most of the
+time. ``CapturedStep(fn)`` runs ``fn`` once eagerly (compiling every kernel it needs), captures
+it into a CUDA graph on its second call, and from then on *replays* the graph: the same kernels
+with the same arguments, launched by the driver in one call, with no Python in between.
+
+What replay means for ``fn``:
+
+- Inputs: ``fn`` takes flame Tensors (and optionally plain Python values). Each call copies the
+  tensors into static buffers that the graph reads; a call whose tensor shapes, dtypes or
+  non-tensor arguments differ gets its own graph (e.g. one per aspect bucket). All graphs share
+  one memory pool, so they cost the memory of the largest, not the sum.
+- Outputs: whatever ``fn`` returned during capture (tensors, a ``GradientMap``, tuples/lists/
+  dicts of them) is returned by every replay, its buffers overwritten in place. Use (or copy) the
+  results before the next call.
+- Everything ``fn`` does on the host happens only during capture: Python-side counters, host
+  syncs (``.item()``, printing values) and host-to-device copies must stay outside ``fn``, and
+  scalar kernel arguments (a learning rate, say) are frozen into the graph. Random numbers drawn
+  inside ``fn`` would replay identically every step, so a capture that advances flame's RNG is
+  refused with an error; draw noise outside and pass it in.
+- Parameters read by ``fn`` are read from their buffers at replay time, so updating them in
+  place (as flame's optimizers do) between calls is seen by the next replay.
+
+On the interpreter backend (no GPU) ``CapturedStep`` simply calls ``fn``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import runtime
+from .autograd import GradientMap
+from .kernels import elementwise as KE
+from .ops.creation import get_rng_state
+from .tensor import Tensor
+
+_pool = None
+
+
+def _shared_pool():
+    global _pool
+    if _pool is None:
+        _pool = torch.cuda.graph_pool_handle()
+    return _pool
+
+
+def _signature(args):
+    return tuple((a.shape, a.dtype, a._data.stride()) if isinstance(a, Tensor) else ("value", a) for a in args)
+
+
+class _Graph:
+    __slots__ = ("graph", "inputs", "outputs")
+
+    def __init__(self, graph, inputs, outputs):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+
+class CapturedStep:
+    """``fn(*args)`` eagerly on the first call per input signature, captured on the second, replayed
+    after that (see the module docstring). ``enabled=False`` (or no GPU) always calls ``fn``."""
+
+    def __init__(self, fn, enabled: bool = True):
+        self.fn = fn
+        self.enabled = bool(enabled) and not runtime.is_interpreter()
+        self._graphs = {}
+        self._seen = set()
+
+    def __call__(self, *args):
+        if not self.enabled:
+            return self.fn(*args)
+        key = _signature(args)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:  # warm-up: compiles kernels, fills launch caches
+                self._seen.add(key)
+                return self.fn(*args)
+            entry = self._graphs[key] = self._capture(args)
+        for static, a in zip(entry.inputs, args):
+            if static is not None and static._data.data_ptr() != a._data.data_ptr():
+                KE.copy_(static._data, a._data)
+        entry.graph.replay()
+        return entry.outputs
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def _capture(self, args):
+        statics = []
+        for a in args:
+            if isinstance(a, Tensor):
+                buf = runtime.empty_strided(a.shape, a._data.stride(), a.dtype)
+                statics.append(Tensor(buf, requires_grad=a.requires_grad))
+            else:
+                statics.append(None)
+        call_args = [s if s is not None else a for s, a in zip(statics, args)]
+        rng_before = get_rng_state()
+        runtime.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=_shared_pool()):
+                outputs = self.fn(*call_args)
+        except RuntimeError as e:
+            raise RuntimeError(f"CapturedStep: capturing the step failed ({e}). A captured function must not "
+                               "synchronize with the host (.item(), .numpy(), printing values) or copy host "
+                               "data to the device; move that outside the step.") from e
+        if get_rng_state() != rng_before:
+            raise RuntimeError("CapturedStep: the captured function draws random numbers from flame's generator; "
+                               "a replay would repeat them every step. Draw them outside and pass them in "
+                               "(or run with enabled=False).")
+        _check_outputs(outputs)
+        return _Graph(graph, statics, outputs)
+
+
+def _check_outputs(out):
+    if isinstance(out, (Tensor, GradientMap)) or out is None or isinstance(out, (int, float, bool, str)):
+        return
+    if isinstance(out, (tuple, list)):
+        for o in out:
+            _check_outputs(o)
+        return
+    if isinstance(out, dict):
+        for o in out.values():
+            _check_outputs(o)
+        return
+    raise TypeError(f"CapturedStep: fn returned a {type(out).__name__}; return flame Tensors, a GradientMap, "
+                    f"or tuples/lists/dicts of them")
