@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""SDXL LoRA training step: flame against diffusers + peft, same card, same run.
+
+    PYTHONPATH=. python3 scripts/bench_sdxl.py                       # full SDXL, 1024x1024, batch 1 and 4
+    PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --out out/sdxl.json
+    python scripts/bench_sdxl.py --config tiny --resolution 64 --steps 2 --warmup 1   # CPU smoke test
+
+Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
+bf16, with LoRA rank 16 on the ``attn`` targets (560 Linear layers, 23.2M fp32 parameters), AdamW
+on the LoRA parameters, an MSE loss against a noise target, 77x2048 context and pooled 1280 + 6
+time ids. diffusers runs under ``torch.autocast(bf16)`` with peft's LoRA, as in
+``shared/reference/baselines.md``. flame runs its own step, eagerly and (with ``--capture``, the
+default on a GPU) with the forward+backward replayed from a CUDA graph (``flame.graphs``).
+
+Each (framework, batch, checkpointing) setting runs in its own process so that peak memory is the
+setting's own. Reported: median step time over ``--steps`` timed steps after ``--warmup`` steps,
+peak allocated memory, and flame/diffusers ratios. diffusers and peft are optional: without them
+only flame is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def _inputs_shape(args, cfg):
+    latent = args.resolution // 8
+    return (args.batch, cfg.in_channels, latent, latent), (args.batch, 77, cfg.cross_attention_dim), \
+        (args.batch, cfg.pooled_dim), (args.batch, 6)
+
+
+def _time_steps(step, args, sync):
+    times = []
+    for i in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        step(i)
+        sync()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def _profile(step, args):
+    """GPU kernel time of one step by kernel name (top 30), when --profile is given on a GPU."""
+    import torch
+    if not args.profile or not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(-1)
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    return {"total_ms": sum(r[1] for r in rows), "kernels": sum(r[2] for r in rows),
+            "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:30]]}
+
+
+def run_flame(args):
+    import flame
+    from flame import nn, optim
+    from flame.graphs import CapturedStep
+    from flame.models import SDXLUNet, SDXLUNetConfig
+
+    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    flame.manual_seed(0)
+    model = SDXLUNet(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)
+    model.requires_grad_(False)
+    nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank)
+    if args.checkpointing == "on":
+        model.enable_gradient_checkpointing(True)
+    params = nn.lora_parameters(model)
+    opt = optim.AdamW(params, lr=1e-4)
+    shapes = _inputs_shape(args, cfg)
+    sample, context, pooled, time_ids = (flame.randn(*s) for s in shapes)
+    time_ids = time_ids.abs() * 1024.0
+
+    def fwd_bwd(noisy, target, timesteps, context, pooled, time_ids):
+        pred = model(noisy, timesteps, context, pooled, time_ids)
+        loss = flame.nn.functional.mse_loss(pred.to(flame.float32), target)
+        return loss, loss.backward()
+
+    step_fn = CapturedStep(fwd_bwd, enabled=args.capture == "on")
+
+    def step(i):
+        noise = flame.randn(*shapes[0])
+        timesteps = (flame.rand(args.batch) * 999.0).to(flame.int64)
+        loss, grads = step_fn(sample + noise * 0.5, noise, timesteps, context, pooled, time_ids)
+        opt.step(grads)
+        return loss
+
+    flame.reset_peak_memory_stats()
+    times = _time_steps(step, args, flame.synchronize)
+    return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
+            "peak_bytes": flame.max_memory_allocated(), "lora_params": sum(p.numel() for p in params),
+            "device": flame.device_name(), "graphs": step_fn.num_graphs}
+
+
+def run_diffusers(args):
+    import torch
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    from flame.models import SDXLUNetConfig
+
+    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(dev):
+        unet = UNet2DConditionModel(**cfg.to_diffusers())
+    unet.to(torch.bfloat16)
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
+                                target_modules=LORA_TARGETS))
+    params = [p for p in unet.parameters() if p.requires_grad]
+    for p in params:
+        p.data = p.data.float()
+    if args.checkpointing == "on":
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    shapes = _inputs_shape(args, cfg)
+    sample, context, pooled, time_ids = (torch.randn(*s, device=dev) for s in shapes)
+    time_ids = time_ids.abs() * 1024.0
+
+    def step(i):
+        noise = torch.randn_like(sample)
+        timesteps = torch.randint(0, 1000, (args.batch,), device=dev)
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            pred = unet(sample + noise * 0.5, timesteps, context,
+                        added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = _time_steps(step, args, sync)
+    return {"framework": "diffusers+peft", "times_s": times, "profile": _profile(step, args),
+            "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
+            "lora_params": sum(p.numel() for p in params),
+            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=["sdxl", "tiny"], default="sdxl", help="UNet config (default: SDXL base)")
+    p.add_argument("--resolution", type=int, default=1024, help="image side in pixels (latent = /8)")
+    p.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 4)")
+    p.add_argument("--checkpointing", choices=["on", "off", "both"], default="both")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (flame captures on its 2nd)")
+    p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
+    p.add_argument("--capture", choices=["on", "off", "both"], default=None,
+                   help="flame's CUDA-graph step (default: on with a GPU, off on the interpreter)")
+    p.add_argument("--profile", action="store_true", help="add the GPU kernel time by kernel name of one step")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--worker", choices=["flame", "diffusers"], help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _settings(args):
+    import importlib.util
+
+    import torch
+    frameworks = ["flame", "diffusers"] if args.framework == "both" else [args.framework]
+    if "diffusers" in frameworks and not (importlib.util.find_spec("diffusers") and importlib.util.find_spec("peft")):
+        print("diffusers/peft not importable: measuring flame only", file=sys.stderr)
+        frameworks.remove("diffusers")
+    capture = args.capture or ("on" if torch.cuda.is_available() else "off")
+    captures = ["off", "on"] if capture == "both" else [capture]
+    ckpts = ["off", "on"] if args.checkpointing == "both" else [args.checkpointing]
+    for batch in args.batch or [1, 4]:
+        for ckpt in ckpts:
+            for fw in frameworks:
+                for cap in (captures if fw == "flame" else [None]):
+                    yield fw, batch, ckpt, cap
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        args.batch = args.batch[0]
+        res = (run_flame if args.worker == "flame" else run_diffusers)(args)
+        print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    rows = []
+    for fw, batch, ckpt, cap in _settings(args):
+        cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
+               "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+        if cap:
+            cmd += ["--capture", cap]
+        label = f"{fw}{' graph' if cap == 'on' else ''} batch {batch} ckpt {ckpt}"
+        print(f"== {label}", flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+        if proc.returncode or result is None:
+            print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+            rows.append({"setting": label, "error": (proc.stderr or proc.stdout)[-2000:]})
+            continue
+        result.update(setting=label, batch=batch, checkpointing=ckpt, median_s=statistics.median(result["times_s"]))
+        rows.append(result)
+        print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+        if result.get("profile"):
+            prof = result["profile"]
+            print(f"   GPU kernel time {prof['total_ms']:.1f} ms in {prof['kernels']} kernels; top:")
+            for k in prof["top"][:15]:
+                print(f"     {k['ms']:8.2f} ms {k['count']:5d}x  {k['name'][:90]}")
+    _report(rows)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _report(rows):
+    base = {(r["batch"], r["checkpointing"]): r for r in rows if r.get("framework") == "diffusers+peft"}
+    print(f"\n{'setting':<38} {'step ms':>9} {'peak GiB':>9} {'time ratio':>11} {'mem ratio':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['setting']:<38} failed")
+            continue
+        ref = base.get((r["batch"], r["checkpointing"]))
+        tr = f"{r['median_s'] / ref['median_s']:.2f}x" if ref and r is not ref else ""
+        mr = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}x" if ref and r is not ref and ref["peak_bytes"] else ""
+        print(f"{r['setting']:<38} {r['median_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**30:9.2f} {tr:>11} {mr:>10}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
