@@ -1,0 +1,214 @@
+"""The DDPM noise schedule SDXL was trained with, and the training-time helpers built on it.
+
+``DDPMSchedule()`` is diffusers' ``DDPMScheduler`` training side for SDXL: 1000 steps of
+scaled-linear betas, ``betas = linspace(sqrt(0.00085), sqrt(0.012), 1000) ** 2`` (``"linear"``:
+``linspace(beta_start, beta_end, T)``), ``alpha_bar_t = prod_{s <= t} (1 - beta_s)``. The table is
+a constant: it is computed once on the host in float64 and kept on the device in fp32, one row per
+quantity (``alpha_bar``, ``sqrt(alpha_bar)``, ``sqrt(1 - alpha_bar)``, ``snr = alpha_bar / (1 -
+alpha_bar)``), so one gather kernel gives every coefficient a batch of timesteps needs.
+
+Training formulas (``shared/reference/sdxl.md``), all flame ops on the device:
+
+- ``add_noise``: ``x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) noise``;
+- ``target``: epsilon-prediction -> ``noise``, v-prediction -> ``sqrt(abar) noise - sqrt(1 - abar) x0``,
+  sample-prediction -> ``x0``;
+- ``min_snr_weights``: ``min(snr, gamma) / snr`` (epsilon), ``min(snr, gamma) / (snr + 1)`` (v),
+  ``min(snr, gamma)`` (sample);
+- ``sample_noise``: ``randn(shape) + offset * randn(B, C, 1, 1)`` (noise offset);
+- ``sample_timesteps``: integers uniform in ``[low, high)`` from flame's Philox generator;
+- ``weighted_mse_loss``: mean over C, H, W of the squared error, times the per-sample weight, mean
+  over the batch (one fused loss kernel).
+
+Timesteps are integer tensors. Lookups check that every timestep lies in ``[0, T)`` (a host
+transfer); ``check=False`` skips that for timesteps that are in range by construction, such as
+those from ``sample_timesteps``, so a training step does not wait on the host.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .. import runtime
+from ..kernels import copy as KC
+from ..ops.creation import rand, randn, tensor
+from ..ops.elementwise import add, clamp, div, mul, sub, to
+from ..ops.index import index_select
+from ..ops.loss import mse_loss
+from ..tensor import Tensor
+
+PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
+BETA_SCHEDULES = ("scaled_linear", "linear")
+
+
+class Coefficients(NamedTuple):
+    """Per-sample schedule values for a batch of timesteps: four fp32 (B,) tensors."""
+
+    alpha_bar: Tensor
+    sqrt_alpha_bar: Tensor
+    sqrt_one_minus_alpha_bar: Tensor
+    snr: Tensor
+
+
+def _check_prediction_type(prediction_type):
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type must be one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    return prediction_type
+
+
+class DDPMSchedule:
+    """The forward (noising) process of a DDPM with a fixed beta schedule (SDXL's by default)."""
+
+    def __init__(self, num_train_timesteps: int = 1000, beta_start: float = 0.00085, beta_end: float = 0.012,
+                 beta_schedule: str = "scaled_linear"):
+        if not isinstance(num_train_timesteps, numbers.Integral) or num_train_timesteps < 1:
+            raise ValueError(f"num_train_timesteps must be a positive int, got {num_train_timesteps!r}")
+        if beta_schedule not in BETA_SCHEDULES:
+            raise ValueError(f"beta_schedule must be one of {BETA_SCHEDULES}, got {beta_schedule!r}")
+        if not 0.0 < beta_start <= beta_end < 1.0:
+            raise ValueError(f"betas must satisfy 0 < beta_start <= beta_end < 1, got {beta_start}, {beta_end}")
+        self.num_train_timesteps = int(num_train_timesteps)
+        self.beta_start, self.beta_end, self.beta_schedule = float(beta_start), float(beta_end), beta_schedule
+        # A constant of the schedule, computed once on the host in float64.
+        if beta_schedule == "scaled_linear":
+            betas = np.linspace(math.sqrt(beta_start), math.sqrt(beta_end), self.num_train_timesteps) ** 2
+        else:
+            betas = np.linspace(beta_start, beta_end, self.num_train_timesteps)
+        abar = np.cumprod(1.0 - betas)
+        rows = np.stack([abar, np.sqrt(abar), np.sqrt(1.0 - abar), abar / (1.0 - abar)]).astype(np.float32)
+        self._table = tensor(rows)  # (4, T) fp32 on the device
+        self.betas = tensor(betas.astype(np.float32))
+
+    @classmethod
+    def from_config(cls, config: dict) -> DDPMSchedule:
+        """From a diffusers ``scheduler/scheduler_config.json`` dict (other keys are ignored)."""
+        keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+        return cls(**{k: config[k] for k in keys if k in config})
+
+    @property
+    def alphas_cumprod(self) -> Tensor:
+        """``alpha_bar`` for every timestep: an fp32 (T,) device tensor (diffusers' ``alphas_cumprod``)."""
+        return Tensor(self._table._data[0])
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def _index(self, timesteps) -> Tensor:
+        if not isinstance(timesteps, Tensor):
+            timesteps = tensor(np.asarray(timesteps, dtype=np.int64).reshape(-1))
+        if timesteps.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"timesteps must be an int64 or int32 tensor, got {timesteps.dtype}")
+        if timesteps.ndim > 1:
+            raise ValueError(f"timesteps must be a 0-d or 1-d tensor, got shape {timesteps.shape}")
+        return timesteps.reshape(-1)
+
+    def coefficients(self, timesteps, check: bool = True) -> Coefficients:
+        """``alpha_bar``, its square root, ``sqrt(1 - alpha_bar)`` and the SNR at each timestep
+        (fp32, shape (B,)), from one gather. ``check=False``: the caller guarantees 0 <= t < T."""
+        t = self._index(timesteps)
+        if check:
+            rows = index_select(self._table, 1, t)
+        else:
+            rows = Tensor(runtime.empty((4, t.numel()), torch.float32))
+            KC.gather_(rows._data, self._table._data, t._data, (self.num_train_timesteps, 0), (0, t.stride(0)), 1)
+        return Coefficients(*(Tensor(rows._data[i]) for i in range(4)))
+
+    def snr(self, timesteps, check: bool = True) -> Tensor:
+        """``alpha_bar / (1 - alpha_bar)`` at each timestep, fp32 (B,)."""
+        return self.coefficients(timesteps, check).snr
+
+    # ---- the forward process ---------------------------------------------------------------
+    def add_noise(self, original_samples: Tensor, noise: Tensor, timesteps, check: bool = True) -> Tensor:
+        """``sqrt(abar_t) x0 + sqrt(1 - abar_t) noise`` with one timestep per sample (dim 0)."""
+        c = self.coefficients(timesteps, check)
+        a, b = _per_sample(original_samples, noise, c.sqrt_alpha_bar, c.sqrt_one_minus_alpha_bar, "add_noise")
+        return add(mul(a, original_samples), mul(b, noise))
+
+    def get_velocity(self, sample: Tensor, noise: Tensor, timesteps, check: bool = True) -> Tensor:
+        """The v-prediction target ``sqrt(abar_t) noise - sqrt(1 - abar_t) x0``."""
+        c = self.coefficients(timesteps, check)
+        a, b = _per_sample(sample, noise, c.sqrt_alpha_bar, c.sqrt_one_minus_alpha_bar, "get_velocity")
+        return sub(mul(a, noise), mul(b, sample))
+
+    def target(self, original_samples: Tensor, noise: Tensor, timesteps, prediction_type: str = "epsilon",
+               check: bool = True) -> Tensor:
+        """What the model learns to predict: ``noise`` (epsilon), the velocity (v_prediction) or
+        ``x0`` (sample)."""
+        _check_prediction_type(prediction_type)
+        if prediction_type == "epsilon":
+            return noise
+        if prediction_type == "sample":
+            return original_samples
+        return self.get_velocity(original_samples, noise, timesteps, check)
+
+    def __repr__(self):
+        return (f"DDPMSchedule(num_train_timesteps={self.num_train_timesteps}, beta_start={self.beta_start}, "
+                f"beta_end={self.beta_end}, beta_schedule={self.beta_schedule!r})")
+
+
+def _per_sample(x, noise, a, b, op):
+    """The (B,) coefficients as (B, 1, ..., 1) in x's dtype, after checking x and noise agree."""
+    for name, v in (("sample", x), ("noise", noise)):
+        if not isinstance(v, Tensor) or not v.dtype.is_floating_point:
+            raise TypeError(f"{op}: {name} must be a floating-point flame Tensor, got "
+                            f"{getattr(v, 'dtype', type(v).__name__)}")
+    if x.shape != noise.shape:
+        raise ValueError(f"{op}: sample {x.shape} and noise {noise.shape} must have the same shape")
+    if x.ndim == 0 or x.shape[0] != a.numel():
+        raise ValueError(f"{op}: {a.numel()} timestep(s) for a batch of shape {x.shape}")
+    shape = (x.shape[0],) + (1,) * (x.ndim - 1)
+    return to(a.reshape(shape), x.dtype), to(b.reshape(shape), x.dtype)
+
+
+def min_snr_weights(snr: Tensor, gamma: float, prediction_type: str = "epsilon") -> Tensor:
+    """Min-SNR-gamma loss weights (Hang et al. 2023, as diffusers' and kohya's trainers):
+    ``min(snr, gamma) / snr`` for epsilon, ``min(snr, gamma) / (snr + 1)`` for v-prediction and
+    ``min(snr, gamma)`` for sample prediction."""
+    _check_prediction_type(prediction_type)
+    if not isinstance(gamma, numbers.Real) or isinstance(gamma, bool) or not gamma > 0:
+        raise ValueError(f"min_snr_weights: gamma must be a positive number, got {gamma!r}")
+    clipped = clamp(snr, max=float(gamma))
+    if prediction_type == "epsilon":
+        return div(clipped, snr)
+    if prediction_type == "v_prediction":
+        return div(clipped, add(snr, 1.0))
+    return clipped
+
+
+def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000) -> Tensor:
+    """``batch_size`` int64 timesteps uniform in ``[low, high)`` from flame's Philox generator
+    (a uniform draw scaled, truncated and clamped on the device: no host sync)."""
+    if not isinstance(batch_size, numbers.Integral) or batch_size < 0:
+        raise ValueError(f"sample_timesteps: batch_size must be a non-negative int, got {batch_size!r}")
+    if not (isinstance(low, numbers.Integral) and isinstance(high, numbers.Integral) and 0 <= low < high):
+        raise ValueError(f"sample_timesteps: need integers 0 <= low < high, got low={low!r}, high={high!r}")
+    u = rand(int(batch_size))
+    t = to(add(mul(u, float(high - low)), float(low)), torch.int64)
+    return clamp(t, int(low), int(high) - 1)  # u * n may round up to n in fp32
+
+
+def sample_noise(shape, offset: float = 0.0, dtype=torch.float32) -> Tensor:
+    """Standard normal noise of ``shape`` (B, C, ...) plus ``offset * randn(B, C, 1, ...)`` when
+    ``offset`` is non-zero (the "noise offset" that lets a model learn overall brightness)."""
+    shape = tuple(shape)
+    noise = randn(*shape, dtype=dtype)
+    if not offset:
+        return noise
+    if len(shape) < 3:
+        raise ValueError(f"sample_noise: a noise offset needs (B, C, ...) shapes, got {shape}")
+    per_channel = randn(*shape[:2], *(1,) * (len(shape) - 2), dtype=dtype)
+    return add(noise, mul(per_channel, float(offset)))
+
+
+def weighted_mse_loss(pred: Tensor, target: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``mean_b(w_b * mean_{c,h,w}((pred - target)^2))`` as a 0-d tensor (fp32 when either input
+    is); ``weights`` is (B,) or None (all ones: the plain mean)."""
+    if not isinstance(pred, Tensor) or pred.ndim == 0:
+        raise ValueError(f"weighted_mse_loss: pred must be a batched flame Tensor, got {getattr(pred, 'shape', pred)}")
+    if weights is None:
+        return mse_loss(pred, target)
+    if weights.shape != (pred.shape[0],):
+        raise ValueError(f"weighted_mse_loss: weights must have shape ({pred.shape[0]},), got {weights.shape}")
+    w = weights.reshape((pred.shape[0],) + (1,) * (pred.ndim - 1))
+    return mul(mse_loss(pred, target, reduction="sum", weight=w), 1.0 / max(1, pred.numel()))
