@@ -19,7 +19,7 @@ from .ops.shape import (broadcast_to, cat, chunk, clone, contiguous, expand, fla
                         reshape, split, squeeze, stack, t, transpose, unsqueeze, view)
 from .ops.index import embedding, gather, index_select
 from .ops.matmul import bmm, matmul
-from . import nn, testing
+from . import checkpoint, nn, testing
 
 _bind_methods()
 del _bind_methods

@@ -97,11 +97,39 @@ class Node:
 def needs_grad(*tensors) -> bool:
     """True when an op over these inputs must be recorded."""
     if not is_grad_enabled():
+        seen = getattr(_state, "seen", None)
+        if seen is not None:  # inside track_inputs(): note what the op would have recorded edges to
+            for t in tensors:
+                if t is not None and t.requires_grad:
+                    seen[t.id] = t
         return False
     for t in tensors:  # noqa: SIM110 - a plain loop: this runs for every op
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+class track_inputs:
+    """While grad mode is off, collect every tensor requiring grad that an op receives.
+
+    ``with track_inputs() as seen: ...`` leaves ``seen`` as ``{tensor id: tensor}``: the tensors
+    from outside the region that the ops inside it would have recorded edges to (tensors made
+    inside a ``no_grad`` region never require grad). Activation checkpointing uses it to find the
+    parameters and closed-over tensors of a segment it runs without recording. Nests: an inner
+    region's tensors are also reported to the outer one.
+    """
+
+    def __enter__(self):
+        self._prev = getattr(_state, "seen", None)
+        self.seen = {}
+        _state.seen = self.seen
+        return self.seen
+
+    def __exit__(self, *exc):
+        _state.seen = self._prev
+        if self._prev is not None:
+            self._prev.update(self.seen)
+        return False
 
 
 def record(out, inputs, backward_fn, saved=(), **attrs):
@@ -191,11 +219,13 @@ def _leaf_grad_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _collect(root_node):
-    """Count, for each node and each leaf (by id), how many edges of the reachable graph point at it."""
-    node_deps = {root_node: 0}
+def _collect(root_nodes, boundary):
+    """Count, for each node and each leaf (by id), how many edges of the reachable graph point at it.
+
+    Edges into ``boundary`` (nodes and leaf ids) are neither counted nor followed."""
+    node_deps = dict.fromkeys(root_nodes, 0)
     leaf_deps = {}
-    stack = [root_node]
+    stack = list(node_deps)
     while stack:
         node = stack.pop()
         if node.released:
@@ -209,12 +239,14 @@ def _collect(root_node):
             if edge is None:
                 continue
             if isinstance(edge, Node):
+                if edge in boundary:
+                    continue
                 if edge in node_deps:
                     node_deps[edge] += 1
                 else:
                     node_deps[edge] = 1
                     stack.append(edge)
-            else:
+            elif edge.id not in boundary:
                 leaf_deps[edge.id] = leaf_deps.get(edge.id, 0) + 1
     return node_deps, leaf_deps
 
@@ -230,46 +262,74 @@ def _fit(grad, meta):
     return grad
 
 
-def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_leaves=True):
-    """The engine behind ``Tensor.backward`` and ``flame.grad``.
-
-    ``capture`` holds nodes and leaf ids whose total gradient the caller wants back; returns
-    ``(GradientMap, {node or leaf id: gradient})``.
-    """
+def _roots(root, grad):
+    """``(tensor, gradient)`` pairs from one root or a sequence of roots (and their gradients)."""
     from .ops.creation import ones_like
-    from .ops.elementwise import add
     from .tensor import Tensor
 
-    if not isinstance(root, Tensor):
-        raise TypeError(f"backward() needs a flame Tensor, got {type(root).__name__}")
-    if not root.requires_grad:
-        raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+    roots = [root] if isinstance(root, Tensor) else list(root)
+    grad_list = [grad] if isinstance(root, Tensor) or grad is None else list(grad)
     if grad is None:
-        if root.numel() != 1:
-            raise RuntimeError(
-                f"grad can be implicitly created only for scalar outputs; got shape {root.shape}: "
-                "pass grad= with the output's shape"
-            )
-        grad = ones_like(root)
-    else:
-        if not isinstance(grad, Tensor):
-            raise TypeError(f"grad must be a flame Tensor, got {type(grad).__name__}")
-        if grad.shape != root.shape:
-            raise RuntimeError(f"grad has shape {grad.shape} but the output has shape {root.shape}")
-        if grad.dtype != root.dtype:
-            grad = grad.to(root.dtype)
+        grad_list = [None] * len(roots)
+    if len(grad_list) != len(roots):
+        raise ValueError(f"backward: {len(roots)} roots but {len(grad_list)} gradients")
+    pairs = []
+    for r, g in zip(roots, grad_list):
+        if not isinstance(r, Tensor):
+            raise TypeError(f"backward() needs a flame Tensor, got {type(r).__name__}")
+        if not r.requires_grad:
+            raise RuntimeError("element 0 of tensors does not require grad and does not have a grad_fn")
+        if g is None:
+            if r.numel() != 1:
+                raise RuntimeError(
+                    f"grad can be implicitly created only for scalar outputs; got shape {r.shape}: "
+                    "pass grad= with the output's shape"
+                )
+            g = ones_like(r)
+        else:
+            if not isinstance(g, Tensor):
+                raise TypeError(f"grad must be a flame Tensor, got {type(g).__name__}")
+            if g.shape != r.shape:
+                raise RuntimeError(f"grad has shape {g.shape} but the output has shape {r.shape}")
+            if g.dtype != r.dtype:
+                g = g.to(r.dtype)
+        pairs.append((r, g))
+    return pairs
+
+
+def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_leaves=True, boundary=()):
+    """The engine behind ``Tensor.backward`` and ``flame.grad``.
+
+    ``root`` is a tensor or a sequence of tensors (``grad`` then a matching sequence or None).
+    ``capture`` holds nodes and leaf ids whose total gradient the caller wants back; returns
+    ``(GradientMap, {node or leaf id: gradient})``. ``boundary`` holds nodes and leaf ids where the
+    walk stops: the gradient reaching each is summed into the returned dict and goes no further
+    (no backward rule, hook or accumulation runs for it).
+    """
+    from .ops.elementwise import add
+
+    pairs = _roots(root, grad)
     captured = {}
     grads = GradientMap()
 
     with no_grad():
-        if root._node is None:  # backward of a leaf onto itself
-            _finish_leaf(root, grad, grads, capture, captured, accumulate_leaves)
-            return grads, captured
-
-        node_deps, leaf_deps = _collect(root._node)
-        pending = {root._node: grad}  # gradient flowing into each node's output, summed over consumers
+        pending = {}  # gradient flowing into each node's output, summed over consumers
         leaf_pending = {}  # leaf id -> gradient so far
-        ready = [root._node]
+        for r, g in pairs:
+            key = r._node if r._node is not None else r.id
+            if key in boundary:
+                _add_pending(captured, key, g, add)
+            elif r._node is None:  # backward of a leaf onto itself
+                _add_pending(leaf_pending, r.id, g, add)
+            else:
+                _add_pending(pending, r._node, g, add)
+        node_deps, leaf_deps = _collect(list(pending), boundary)
+        leaves = {r.id: r for r, _ in pairs if r._node is None}
+        for leaf_id in list(leaf_pending):
+            if leaf_id not in leaf_deps:  # a leaf root that no other root reaches
+                _finish_leaf(leaves[leaf_id], leaf_pending.pop(leaf_id), grads, capture, captured,
+                             accumulate_leaves)
+        ready = [n for n in pending if node_deps[n] == 0]
         while ready:
             node = ready.pop()
             g = pending.pop(node)
@@ -289,13 +349,18 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
                 if ig is not None:
                     ig = _fit(ig, meta)
                 if isinstance(edge, Node):
+                    if edge in boundary:
+                        _add_pending(captured, edge, ig, add)
+                        continue
                     _add_pending(pending, edge, ig, add)
                     node_deps[edge] -= 1
                     if node_deps[edge] == 0:
                         if edge in pending:
                             ready.append(edge)
                         else:  # no gradient flowed into this branch: nothing to propagate
-                            _skip(edge, node_deps, leaf_deps, pending, ready)
+                            _skip(edge, node_deps, leaf_deps, pending, ready, boundary)
+                elif edge.id in boundary:
+                    _add_pending(captured, edge.id, ig, add)
                 else:
                     _add_pending(leaf_pending, edge.id, ig, add)
                     leaf_deps[edge.id] -= 1
@@ -308,7 +373,7 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
     return grads, captured
 
 
-def _skip(node, node_deps, leaf_deps, pending, ready):
+def _skip(node, node_deps, leaf_deps, pending, ready, boundary):
     """Propagate 'no gradient' through a branch whose every consumer produced None."""
     stack = [node]
     while stack:
@@ -317,13 +382,15 @@ def _skip(node, node_deps, leaf_deps, pending, ready):
             if edge is None:
                 continue
             if isinstance(edge, Node):
+                if edge in boundary:
+                    continue
                 node_deps[edge] -= 1
                 if node_deps[edge] == 0:
                     if edge in pending:
                         ready.append(edge)
                     else:
                         stack.append(edge)
-            else:
+            elif edge.id not in boundary:
                 leaf_deps[edge.id] -= 1
 
 
