@@ -358,7 +358,10 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
                         if edge in pending:
                             ready.append(edge)
                         else:  # no gradient flowed into this branch: nothing to propagate
-                            _skip(edge, node_deps, leaf_deps, pending, ready, boundary)
+                            for leaf in _skip(edge, node_deps, leaf_deps, pending, ready, boundary):
+                                if leaf.id in leaf_pending:  # its other uses did send a gradient
+                                    _finish_leaf(leaf, leaf_pending.pop(leaf.id), grads, capture, captured,
+                                                 accumulate_leaves)
                 elif edge.id in boundary:
                     _add_pending(captured, edge.id, ig, add)
                 else:
@@ -374,7 +377,9 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
 
 
 def _skip(node, node_deps, leaf_deps, pending, ready, boundary):
-    """Propagate 'no gradient' through a branch whose every consumer produced None."""
+    """Propagate 'no gradient' through a branch whose every consumer produced None; returns the
+    leaves whose last consumer was in that branch."""
+    done = []
     stack = [node]
     while stack:
         n = stack.pop()
@@ -392,6 +397,9 @@ def _skip(node, node_deps, leaf_deps, pending, ready, boundary):
                         stack.append(edge)
             elif edge.id not in boundary:
                 leaf_deps[edge.id] -= 1
+                if leaf_deps[edge.id] == 0:
+                    done.append(edge)
+    return done
 
 
 def _add_pending(pending, key, grad, add):

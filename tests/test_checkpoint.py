@@ -200,3 +200,15 @@ def test_checkpoint_frees_intermediates():
     assert plain_fwd >= 14 * act, (plain_fwd, act)
     assert ckpt_fwd <= plain_fwd - 6 * act, (ckpt_fwd, plain_fwd, act)
     assert ckpt_peak < plain_peak, (ckpt_peak, plain_peak)
+
+
+def test_gradient_reaching_a_leaf_beside_a_branch_without_gradient():
+    # x reaches the segment directly and through e; the output that uses e is dropped, so the
+    # branch through e carries no gradient: x must still get the gradient of its direct use
+    x = flame.randn(3, requires_grad=True)
+    w = flame.randn(3, requires_grad=True)
+    e = x * 2.0
+    a, _ = checkpoint(lambda h: (h * w, e * 3.0), x)
+    grads = a.sum().backward()
+    assert_close(grads[x], w.detach(), rtol=0, atol=0)
+    assert_close(grads[w], x.detach(), rtol=0, atol=0)
