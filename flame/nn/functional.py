@@ -1,6 +1,6 @@
 """Functional ops with PyTorch's names and argument order (``import flame.nn.functional as F``)."""
 from ..ops.attention import scaled_dot_product_attention  # noqa: F401
-from ..ops.conv import conv1d, conv2d, interpolate  # noqa: F401
+from ..ops.conv import avg_pool2d, conv1d, conv2d, interpolate, max_pool2d  # noqa: F401
 from ..ops.dropout import dropout  # noqa: F401
 from ..ops.elementwise import geglu, gelu, relu, sigmoid, silu, tanh  # noqa: F401
 from ..ops.index import embedding, gather, index_select  # noqa: F401
