@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 # isort: off
 import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
+from flame.autograd import run_backward
 import torch
 import triton
 import triton.testing
@@ -223,10 +224,13 @@ def linear_family(ctx: Ctx) -> list[Case]:
     return cases
 
 
-def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0):
+def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0,
+                   leaf_grads=True):
     """A forward case (no graph) and a forward+backward case for one op; ``f_fn(*inputs)`` and
     ``t_fn(*inputs)`` compute it, ``g``/``tg`` is the incoming gradient. Backward work is counted as
-    ``bwd_factor`` times the forward's."""
+    ``bwd_factor`` times the forward's. ``leaf_grads=False`` stops flame's backward at the inputs,
+    as for activations inside a model (no fp32 accumulation or dense copy of leaf gradients),
+    matching what ``torch.autograd.grad`` returns."""
     f_leaves = [x for x in f_inputs if isinstance(x, flame.Tensor) and x.requires_grad]
     t_leaves = [x for x in t_inputs if isinstance(x, torch.Tensor) and x.requires_grad]
 
@@ -239,8 +243,11 @@ def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flo
             return t_fn(*t_inputs)
 
     def f_bwd():
-        grads = f_fn(*f_inputs).backward(g)
-        return tuple(grads[x].to(x.dtype) for x in f_leaves)
+        if leaf_grads:
+            grads = f_fn(*f_inputs).backward(g)
+            return tuple(grads[x].to(x.dtype) for x in f_leaves)
+        _, grads = run_backward(f_fn(*f_inputs), g, boundary={x.id for x in f_leaves})
+        return tuple(grads[x.id].to(x.dtype) for x in f_leaves)
 
     def t_bwd():
         return torch.autograd.grad(t_fn(*t_inputs), t_leaves, tg)
@@ -342,6 +349,52 @@ def attention_family(ctx: Ctx) -> list[Case]:
             name, lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
             lambda q, k, v, c=causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c),
             tuple(f for f, _ in qkv), tuple(t for _, t in qkv), g, g.to_torch(), flops=flops, bwd_factor=2.5)
+    return cases
+
+
+CONV_SHAPES = [  # (N, Ci, H, W, Co, kernel, stride, nearest-2x upsample first): SDXL's convs at 1024x1024
+    (1, 320, 128, 128, 320, 3, 1, False), (1, 640, 64, 64, 640, 3, 1, False), (1, 1280, 32, 32, 1280, 3, 1, False),
+    (4, 320, 128, 128, 320, 3, 1, False),
+    (1, 2560, 32, 32, 1280, 3, 1, False), (1, 1920, 64, 64, 640, 3, 1, False), (1, 960, 128, 128, 320, 3, 1, False),
+    (1, 320, 128, 128, 320, 3, 2, False), (1, 640, 64, 64, 640, 3, 2, False),
+    (1, 4, 128, 128, 320, 3, 1, False), (1, 320, 128, 128, 4, 3, 1, False),  # conv_in, conv_out
+    (1, 2560, 32, 32, 1280, 1, 1, False), (1, 960, 128, 128, 320, 1, 1, False),  # 1x1 shortcuts
+    (1, 1280, 32, 32, 1280, 3, 1, True), (1, 640, 64, 64, 640, 3, 1, True),  # up-samplers
+]
+
+
+def _conv_fn(lib, k, stride, up):
+    """``fn(x, w, b)``: [nearest 2x upsample, then] conv2d with 'same' padding for odd ``k``."""
+    def fn(x, w, b):
+        if up:
+            x = lib.interpolate(x, scale_factor=2, mode="nearest")
+        return lib.conv2d(x, w, b, stride=stride, padding=k // 2)
+    return fn
+
+
+@family("conv", "conv2d (+bias) fwd and fwd+bwd on SDXL shapes: flame channels-last vs torch NCHW and channels-last")
+def conv_family(ctx: Ctx) -> list[Case]:
+    import flame.nn.functional as F
+
+    small = [(1, 16, 8, 8, 16, 3, 1, False), (1, 16, 9, 7, 24, 3, 2, False), (1, 4, 8, 8, 16, 3, 1, False),
+             (1, 24, 8, 8, 16, 1, 1, False), (1, 16, 4, 4, 16, 3, 1, True)]
+    quick_gpu = [(n, ci, h // 4, wd // 4, *rest) for n, ci, h, wd, *rest in CONV_SHAPES]
+    cases = []
+    for n, ci, h, wd, co, k, s, up in ctx.shape(CONV_SHAPES, quick_gpu, small):
+        x, tx = _leaf((n, ci, h, wd), ctx.dtype, channels_last=True)  # flame keeps activations channels-last
+        w, _ = _randn(co, ci, k, k, dtype=ctx.dtype)
+        with flame.no_grad():
+            w = (w * (1.0 / (ci * k * k) ** 0.5)).requires_grad_()
+        b, tb = _randn(co, dtype=ctx.dtype, requires_grad=True)
+        ho, wo = ((size * (2 if up else 1) - 1) // s + 1 for size in (h, wd))  # padding k // 2, odd k
+        g = _leaf((n, co, ho, wo), ctx.dtype, channels_last=True)[0].detach()  # channels-last, as flame's output
+        flops = 2 * n * ho * wo * co * ci * k * k
+        name = f"{'up2x+' if up else ''}{k}x{k}{f' s{s}' if s > 1 else ''} {n}x{ci}x{h}x{wd}->{co}"
+        for fmt, tag in ((torch.contiguous_format, "NCHW"), (torch.channels_last, "CL")):
+            tx_f, tw_f = (t.detach().contiguous(memory_format=fmt).requires_grad_() for t in (tx, w.to_torch()))
+            cases += _fwd_bwd_cases(f"{name} vs torch {tag}", _conv_fn(F, k, s, up),
+                                    _conv_fn(torch.nn.functional, k, s, up), (x, w, b), (tx_f, tw_f, tb), g,
+                                    g.to_torch().contiguous(memory_format=fmt), flops=flops, leaf_grads=False)
     return cases
 
 

@@ -32,20 +32,20 @@ from .launch import launch
 @triton.jit
 def _decode(offs, C, D2, D3, CL: tl.constexpr):
     """(n, c, h, w) of flat offsets in memory order over an (N, C, D2, D3) buffer."""
-    if CL:
-        c = offs % C
-        t = offs // C
-        w = t % D3
-        t = t // D3
-        h = t % D2
-        n = t // D2
+    if CL:  # dims (n, h, w, c) outer to inner
+        s1, s2, s3 = D2, D3, C
     else:
-        w = offs % D3
-        t = offs // D3
-        h = t % D2
-        t = t // D2
-        c = t % C
-        n = t // C
+        s1, s2, s3 = C, D2, D3
+    i3 = offs % s3
+    t = offs // s3
+    i2 = t % s2
+    t = t // s2
+    i1 = t % s1
+    n = t // s1
+    if CL:
+        c, h, w = i3, i1, i2
+    else:
+        c, h, w = i1, i2, i3
     return n, c, h, w
 
 
