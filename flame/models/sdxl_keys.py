@@ -1,0 +1,240 @@
+"""SDXL UNet checkpoints: the diffusers <-> original LDM/SGM (kohya, ComfyUI, A1111) name map, and
+loading a checkpoint's tensors into an ``SDXLUNet``.
+
+The map (``shared/reference/sdxl.md``), with n = layers_per_block + 1 (3 in SDXL):
+
+- ``down_blocks.i.resnets.j`` <-> ``input_blocks.{n*i + j + 1}.0``, ``down_blocks.i.attentions.j`` <->
+  ``input_blocks.{n*i + j + 1}.1``, ``down_blocks.i.downsamplers.0.conv`` <-> ``input_blocks.{n*(i + 1)}.0.op``;
+- ``mid_block.resnets.j`` <-> ``middle_block.{2j}``, ``mid_block.attentions.0`` <-> ``middle_block.1``;
+- ``up_blocks.i.resnets.j`` <-> ``output_blocks.{n*i + j}.0``, ``up_blocks.i.attentions.j`` <->
+  ``output_blocks.{n*i + j}.1``, ``up_blocks.i.upsamplers.0`` <-> ``output_blocks.{n*i + n - 1}.2``
+  (``.1`` when the block has no attentions);
+- inside resnets ``norm1, conv1, norm2, conv2, time_emb_proj, conv_shortcut`` <-> ``in_layers.0,
+  in_layers.2, out_layers.0, out_layers.3, emb_layers.1, skip_connection``; names inside the
+  transformers are the same in both;
+- ``conv_in`` <-> ``input_blocks.0.0``, ``time_embedding.linear_{1,2}`` <-> ``time_embed.{0,2}``,
+  ``add_embedding.linear_{1,2}`` <-> ``label_emb.0.{0,2}``, ``conv_norm_out`` <-> ``out.0``,
+  ``conv_out`` <-> ``out.2``.
+
+Full SGM checkpoints prefix the UNet with ``model.diffusion_model.`` (and hold the VAE and text
+encoders under other prefixes, which loading ignores).
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import re
+
+from .. import io
+
+LDM_PREFIX = "model.diffusion_model."
+
+_TOP = {"conv_in": "input_blocks.0.0", "time_embedding.linear_1": "time_embed.0",
+        "time_embedding.linear_2": "time_embed.2", "add_embedding.linear_1": "label_emb.0.0",
+        "add_embedding.linear_2": "label_emb.0.2", "conv_norm_out": "out.0", "conv_out": "out.2"}
+_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
+           "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}
+
+_DIFF_BLOCK = re.compile(r"(down_blocks|up_blocks)\.(\d+)\.(resnets|attentions|downsamplers|upsamplers)\.(\d+)\.(.+)")
+_DIFF_MID = re.compile(r"mid_block\.(resnets|attentions)\.(\d+)\.(.+)")
+_LDM_BLOCK = re.compile(r"(input_blocks|output_blocks)\.(\d+)\.(\d+)\.(.+)")
+_LDM_MID = re.compile(r"middle_block\.(\d+)\.(.+)")
+
+
+def _config(config):
+    from .sdxl_unet import SDXLUNetConfig
+    return config if config is not None else SDXLUNetConfig()
+
+
+def _rename_prefix(rest, table, key, direction):
+    for src, dst in table.items():
+        if rest.startswith(src + "."):
+            return dst + rest[len(src):]
+    raise ValueError(f"no {direction} name for {key!r}")
+
+
+def diffusers_to_ldm(key: str, config=None) -> str:
+    """The LDM/SGM name (without ``model.diffusion_model.``) of a diffusers UNet state-dict key;
+    ``config`` (an SDXLUNetConfig, default SDXL base) gives layers_per_block and which up blocks
+    have attentions. Raises ValueError for a key outside the map."""
+    cfg = _config(config)
+    n = cfg.layers_per_block + 1
+    for src, dst in _TOP.items():
+        if key.startswith(src + "."):
+            return dst + key[len(src):]
+    m = _DIFF_MID.fullmatch(key)
+    if m:
+        kind, j, rest = m.group(1), int(m.group(2)), m.group(3)
+        if kind == "attentions":
+            return f"middle_block.1.{rest}"
+        return f"middle_block.{2 * j}." + _rename_prefix(rest, _RESNET, key, "LDM")
+    m = _DIFF_BLOCK.fullmatch(key)
+    if not m:
+        raise ValueError(f"no LDM name for {key!r}")
+    blocks, i, kind, j, rest = m.group(1), int(m.group(2)), m.group(3), int(m.group(4)), m.group(5)
+    if blocks == "down_blocks":
+        if kind == "downsamplers":
+            return f"input_blocks.{n * (i + 1)}.0.op." + rest.removeprefix("conv.")
+        base = f"input_blocks.{n * i + j + 1}"
+    else:
+        if kind == "upsamplers":
+            slot = 2 if cfg.up_block_types[i] == "CrossAttnUpBlock2D" else 1
+            return f"output_blocks.{n * i + n - 1}.{slot}.{rest}"
+        base = f"output_blocks.{n * i + j}"
+    if kind == "attentions":
+        return f"{base}.1.{rest}"
+    return f"{base}.0." + _rename_prefix(rest, _RESNET, key, "LDM")
+
+
+_RESNET_BACK = {v: k for k, v in _RESNET.items()}
+
+
+def ldm_to_diffusers(key: str, config=None) -> str:
+    """The diffusers name of an LDM/SGM UNet key (a leading ``model.diffusion_model.`` is
+    dropped); ``config`` gives layers_per_block (default SDXL base). Raises ValueError for a key
+    outside the map."""
+    n = _config(config).layers_per_block + 1
+    key = key.removeprefix(LDM_PREFIX)
+    for dst, src in _TOP.items():
+        if key.startswith(src + "."):
+            return dst + key[len(src):]
+    m = _LDM_MID.fullmatch(key)
+    if m:
+        idx, rest = int(m.group(1)), m.group(2)
+        if idx == 1:
+            return f"mid_block.attentions.0.{rest}"
+        if idx in (0, 2):
+            return f"mid_block.resnets.{idx // 2}." + _rename_prefix(rest, _RESNET_BACK, key, "diffusers")
+        raise ValueError(f"no diffusers name for {key!r}")
+    m = _LDM_BLOCK.fullmatch(key)
+    if not m:
+        raise ValueError(f"no diffusers name for {key!r}")
+    blocks, idx, slot, rest = m.group(1), int(m.group(2)), int(m.group(3)), m.group(4)
+    if blocks == "input_blocks":
+        i, j = divmod(idx - 1, n)
+        if j == n - 1 and slot == 0 and rest.startswith("op."):
+            return f"down_blocks.{i}.downsamplers.0.conv." + rest[3:]
+        prefix = f"down_blocks.{i}"
+    else:
+        i, j = divmod(idx, n)
+        # the upsampler follows the resnet (slot 1) or the resnet and its transformer (slot 2);
+        # transformers have no top-level "conv"
+        if j == n - 1 and (slot == 2 or (slot == 1 and rest.startswith("conv."))):
+            return f"up_blocks.{i}.upsamplers.0.{rest}"
+        prefix = f"up_blocks.{i}"
+    if slot == 1 and j < n - (blocks == "input_blocks"):
+        return f"{prefix}.attentions.{j}.{rest}"
+    if slot == 0 and j < n - (blocks == "input_blocks"):
+        return f"{prefix}.resnets.{j}." + _rename_prefix(rest, _RESNET_BACK, key, "diffusers")
+    raise ValueError(f"no diffusers name for {key!r}")
+
+
+def to_ldm(state_dict: dict, config=None, prefix: str = LDM_PREFIX) -> dict:
+    """A diffusers-named UNet state dict renamed to LDM/SGM names (values shared, not copied)."""
+    return {prefix + diffusers_to_ldm(k, config): v for k, v in state_dict.items()}
+
+
+# ---- checkpoint files -------------------------------------------------------------------------------
+
+def resolve_checkpoint(path):
+    """(config dict or None, [safetensors files]) for a diffusers ``unet/`` folder (or a pipeline
+    folder with a ``unet/`` subfolder; unsharded or sharded, fp32 or the ``.fp16`` variant) or a
+    single ``.safetensors`` file (config None)."""
+    p = pathlib.Path(path)
+    if p.is_file():
+        return None, [p]
+    if not p.is_dir():
+        raise FileNotFoundError(f"SDXL UNet checkpoint {str(path)!r} does not exist")
+    if not (p / "config.json").is_file() and (p / "unet" / "config.json").is_file():
+        p = p / "unet"
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{p}: no config.json (expected a diffusers unet/ folder or a .safetensors file)")
+    config = json.loads((p / "config.json").read_text())
+    for stem in ("diffusion_pytorch_model", "diffusion_pytorch_model.fp16"):
+        if (p / f"{stem}.safetensors").is_file():
+            return config, [p / f"{stem}.safetensors"]
+        index = p / f"{stem}.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return config, [p / s for s in shards]
+    raise FileNotFoundError(f"{p}: no diffusion_pytorch_model[.fp16].safetensors or its .index.json "
+                            "(.bin weights are not supported: convert them to safetensors)")
+
+
+def _header_shapes(path):
+    with open(path, "rb") as f:
+        header, _ = io._read_header(f, path)
+    header.pop("__metadata__", None)
+    return {k: tuple(v["shape"]) for k, v in header.items()}
+
+
+def checkpoint_index(files, config=None) -> dict:
+    """{diffusers name: (file, name in the file, shape)} for the UNet tensors of ``files``, whose
+    naming (diffusers, LDM, or SGM with ``model.diffusion_model.``) is detected from the keys. In
+    an SGM file only the prefixed keys are the UNet's; LDM keys outside the map keep their name
+    (and so are reported as unexpected)."""
+    stored = {}
+    for f in files:
+        for k, shape in _header_shapes(f).items():
+            if k in stored:
+                raise ValueError(f"tensor {k!r} is in both {stored[k][0]} and {f}")
+            stored[k] = (f, shape)
+    names = list(stored)
+    ldm_roots = ("input_blocks.", "middle_block.", "output_blocks.")
+    if any(k.startswith(LDM_PREFIX) for k in names):
+        names = [k for k in names if k.startswith(LDM_PREFIX)]
+        ldm = True
+    else:
+        ldm = any(k.startswith(ldm_roots) for k in names)
+    out = {}
+    for k in names:
+        name = k
+        if ldm:
+            try:
+                name = ldm_to_diffusers(k, config)
+            except ValueError:
+                name = k
+        out[name] = (stored[k][0], k, stored[k][1])
+    return out
+
+
+def _listing(keys, limit=8):
+    keys = list(keys)
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(f'"{k}"' for k in keys[:limit]) + more
+
+
+def check_index(index: dict, expected: dict, where: str) -> None:
+    """Raise RuntimeError naming the missing, unexpected and misshapen tensors of a
+    ``checkpoint_index`` against ``expected`` ({name: shape}, e.g. ``SDXLUNet.parameter_shapes``)."""
+    errors = []
+    missing = [k for k in expected if k not in index]
+    unexpected = [k for k in index if k not in expected]
+    if missing:
+        errors.append(f"Missing key(s) ({len(missing)}): {_listing(missing)}.")
+    if unexpected:
+        errors.append(f"Unexpected key(s) ({len(unexpected)}): {_listing(unexpected)}.")
+    for k, (_, _, shape) in index.items():
+        if k in expected and shape != tuple(expected[k]):
+            errors.append(f"size mismatch for {k}: the checkpoint has shape {shape}, the model {tuple(expected[k])}")
+    if errors:
+        raise RuntimeError(f"Error(s) loading the SDXL UNet from {where}:\n\t" + "\n\t".join(errors))
+
+
+def load_into(model, index: dict, chunk_bytes: int = 1 << 28) -> None:
+    """Copy the tensors of a checked ``checkpoint_index`` into ``model`` (cast to each parameter's
+    dtype), reading about ``chunk_bytes`` at a time so host and device never hold a second copy of
+    the whole model."""
+    by_file = {}
+    for name, (f, key, shape) in index.items():
+        by_file.setdefault(f, []).append((name, key, 4 * math.prod(shape)))
+    for f, entries in by_file.items():
+        part, size = [], 0
+        for i, (name, key, nbytes) in enumerate(entries):
+            part.append((name, key))
+            size += nbytes
+            if size >= chunk_bytes or i == len(entries) - 1:
+                tensors = io.load_safetensors(f, keys=[k for _, k in part])
+                model.load_state_dict({n: tensors[k] for n, k in part}, strict=False)
+                part, size = [], 0
