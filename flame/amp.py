@@ -1,4 +1,13 @@
-"""Dynamic loss scaling with PyTorch ``GradScaler`` semantics, kept entirely on the device.
+"""Mixed precision: ``autocast``, a precision ``Policy``, and dynamic loss scaling with PyTorch
+``GradScaler`` semantics kept entirely on the device.
+
+``with flame.amp.autocast(torch.bfloat16): ...`` runs the ops on PyTorch's CUDA lower-precision
+list (matmul/bmm/``@``, linear, conv, scaled-dot-product attention) in the compute dtype, casting
+their floating inputs once (parameters once per region), while the ops on its fp32 list (group,
+layer and RMS norm, softmax/log-softmax, cross-entropy and the pointwise losses, sum) cast
+fp16/bf16 inputs up and return fp32. Other ops run in their inputs' dtype (type promotion as
+usual). The state is per thread; backward runs outside it, in the dtypes the forward recorded,
+and gradients of fp32 parameters come back fp32 through the recorded casts.
 
 ``scaler = DynamicLossScaler()`` (init 2**16, growth 2.0, backoff 0.5, growth interval 2000)::
 
@@ -26,8 +35,99 @@ from .autograd import GradientMap
 from .kernels import amp as KA
 from .kernels import elementwise as KE
 from .kernels.optim import _split
-from .ops.elementwise import mul
-from .tensor import Tensor
+from .ops._autocast import autocast_state, get_autocast
+from .ops.elementwise import mul, to
+from .tensor import FLOAT_DTYPES, Tensor
+
+__all__ = ["DynamicLossScaler", "GradScaler", "Policy", "autocast", "get_autocast_dtype", "is_autocast_enabled"]
+
+
+class autocast(autocast_state):
+    """``torch.autocast`` for flame: a context manager (or decorator) that runs the
+    lower-precision ops in ``dtype`` (fp16 or bf16; fp32 is allowed and casts to fp32) and the
+    fp32-list ops in fp32. ``enabled=False`` turns autocast off inside the block (e.g. around
+    a part that must run in full precision); ``cache_enabled`` keeps one cast per parameter."""
+
+    def __init__(self, dtype=torch.bfloat16, enabled: bool = True, cache_enabled: bool = True):
+        if not isinstance(enabled, bool):
+            raise TypeError(f"autocast: enabled must be a bool, got {type(enabled).__name__}")
+        super().__init__(dtype if enabled else None, cache=cache_enabled)
+
+    def __call__(self, fn):
+        import functools
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with autocast_state(self.dtype, self.cache):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+
+def is_autocast_enabled() -> bool:
+    return get_autocast() is not None
+
+
+def get_autocast_dtype():
+    """The current compute dtype, or None outside autocast."""
+    return get_autocast()
+
+
+def _cast_tree(x, dtype):
+    if isinstance(x, Tensor):
+        return to(x, dtype) if x.dtype in FLOAT_DTYPES and x.dtype != dtype else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_cast_tree(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast_tree(v, dtype) for k, v in x.items()}
+    return x
+
+
+class Policy:
+    """A mixed-precision policy: ``param_dtype`` for the trained (master) parameters, the
+    ``compute_dtype`` activations and the lower-precision ops run in, and ``output_dtype`` for
+    what the model hands back (e.g. to the loss).
+
+    ``Policy()`` is fp32 params, bf16 compute, fp32 output. ``policy.autocast()`` is the region;
+    ``cast_to_param/compute/output(tree)`` cast floating tensors in a tensor, tuple, list or
+    dict (recorded casts, so gradients flow back); ``apply(module, frozen_dtype=None)`` stores
+    the parameters that require grad in ``param_dtype`` and, when ``frozen_dtype`` is given,
+    the frozen ones in it (e.g. a bf16 base under fp32 LoRA adapters).
+    """
+
+    def __init__(self, param_dtype=torch.float32, compute_dtype=torch.bfloat16, output_dtype=None):
+        for name, dt in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype),
+                         ("output_dtype", output_dtype)):
+            if dt is not None and dt not in (torch.float32, torch.bfloat16, torch.float16):
+                raise TypeError(f"Policy: {name} must be torch.float32, torch.bfloat16 or torch.float16, got {dt}")
+        self.param_dtype = param_dtype
+        self.compute_dtype = compute_dtype
+        self.output_dtype = param_dtype if output_dtype is None else output_dtype
+
+    def autocast(self) -> autocast:
+        return autocast(self.compute_dtype)
+
+    def cast_to_param(self, x):
+        return _cast_tree(x, self.param_dtype)
+
+    def cast_to_compute(self, x):
+        return _cast_tree(x, self.compute_dtype)
+
+    def cast_to_output(self, x):
+        return _cast_tree(x, self.output_dtype)
+
+    def apply(self, module, frozen_dtype=None):
+        """Cast ``module``'s parameters in place (see the class docstring); returns ``module``."""
+        from .nn.module import _cast
+        for _, p in module.named_parameters():
+            want = self.param_dtype if p.requires_grad else frozen_dtype
+            if want is not None and p.dtype != want and p.dtype in FLOAT_DTYPES:
+                p._data = _cast(p._data, want)
+        return module
+
+    def __repr__(self):
+        return (f"Policy(param_dtype={self.param_dtype}, compute_dtype={self.compute_dtype}, "
+                f"output_dtype={self.output_dtype})")
 
 
 def _device_scalar(value, dtype):

@@ -306,13 +306,14 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
     walk stops: the gradient reaching each is summed into the returned dict and goes no further
     (no backward rule, hook or accumulation runs for it).
     """
+    from .ops._autocast import autocast_state
     from .ops.elementwise import add
 
     pairs = _roots(root, grad)
     captured = {}
     grads = GradientMap()
 
-    with no_grad():
+    with no_grad(), autocast_state(None):  # backward rules run in the dtypes the forward recorded
         pending = {}  # gradient flowing into each node's output, summed over consumers
         leaf_pending = {}  # leaf id -> gradient so far
         for r, g in pairs:

@@ -1,11 +1,16 @@
-"""DynamicLossScaler against torch.amp.GradScaler: scale values, skipped steps, parameters, state."""
+"""Mixed precision: DynamicLossScaler against torch.amp.GradScaler (scale values, skipped steps,
+parameters, state), autocast against PyTorch's autocast lists, Policy, fp16 training runs."""
+import threading
+
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as TF
 
 import flame
-from flame import amp, optim
-from helpers import DEVICE, assert_close
+import flame.nn.functional as F
+from flame import amp, nn, optim
+from helpers import DEVICE, FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, assert_close
 
 SHAPES = [(5, 3), (7,), (130,)]
 
@@ -158,7 +163,6 @@ def test_no_host_sync_in_the_step_path(monkeypatch):
 
 def test_lora_fp16_step_with_scaler_trains_adapters_only():
     """fp16 frozen base + fp32 adapters + scaler + AdamW: loss goes down, base untouched."""
-    from flame import nn
     model = nn.Sequential(nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4))
     model.to(torch.float16)  # frozen base in the compute dtype, then fp32 adapters
     nn.inject_lora(model, ["0", "2"], rank=2, alpha=2)
@@ -179,3 +183,155 @@ def test_lora_fp16_step_with_scaler_trains_adapters_only():
         losses.append(float(loss.item()))
     assert losses[-1] < losses[0], losses
     assert torch.equal(model[0].weight.to_torch(), base)
+
+
+# ---- autocast and Policy ----------------------------------------------------------------------
+
+LOWP = [d for d in FLOAT_DTYPES_CPU if d != torch.float32] + GPU_ONLY_DTYPES
+LOWP_PARAMS = [pytest.param(d, marks=pytest.mark.gpu) if d in GPU_ONLY_DTYPES else d for d in LOWP]
+
+
+def _t(shape, dtype=torch.float32):
+    t = torch.randn(shape, dtype=torch.float64).to(dtype).to(DEVICE)
+    return flame.from_torch(t.clone()), t
+
+
+# (name, flame fn, torch fn, input dtypes, dtype PyTorch's CUDA autocast gives): the CUDA lists
+# (torch/testing/_internal/autocast_test_lists.py); CPU autocast keeps norms/softmax/sum in 16 bits
+CASES = [
+    ("linear", lambda x, w, b: F.linear(x, w, b), lambda x, w, b: TF.linear(x, w, b),
+     [(3, 8), (5, 8), (5,)], "lowp"),
+    ("matmul", lambda a, b: a @ b, lambda a, b: a @ b, [(2, 3, 8), (8, 4)], "lowp"),
+    ("bmm", flame.bmm, torch.bmm, [(2, 3, 8), (2, 8, 5)], "lowp"),
+    ("conv2d", lambda x, w, b: F.conv2d(x, w, b, padding=1), lambda x, w, b: TF.conv2d(x, w, b, padding=1),
+     [(1, 3, 5, 5), (4, 3, 3, 3), (4,)], "lowp"),
+    ("sdpa", F.scaled_dot_product_attention, TF.scaled_dot_product_attention,
+     [(1, 2, 5, 8), (1, 2, 7, 8), (1, 2, 7, 8)], "lowp"),
+    ("group_norm", lambda x: F.group_norm(x, 2), lambda x: TF.group_norm(x, 2), [(2, 4, 3, 3)], "fp32"),
+    ("layer_norm", lambda x: F.layer_norm(x, (6,)), lambda x: TF.layer_norm(x, (6,)), [(3, 6)], "fp32"),
+    ("rms_norm", lambda x: F.rms_norm(x, (6,)), lambda x: TF.rms_norm(x, (6,)), [(3, 6)], "fp32"),
+    ("softmax", lambda x: F.softmax(x, -1), lambda x: TF.softmax(x, -1), [(3, 6)], "fp32"),
+    ("log_softmax", lambda x: F.log_softmax(x, -1), lambda x: TF.log_softmax(x, -1), [(3, 6)], "fp32"),
+    ("sum", lambda x: x.sum(dim=1), lambda x: x.sum(dim=1), [(3, 6)], "fp32"),
+    ("mse_loss", F.mse_loss, TF.mse_loss, [(3, 6), (3, 6)], "fp32"),
+    ("l1_loss", F.l1_loss, TF.l1_loss, [(3, 6), (3, 6)], "fp32"),
+    ("mean", lambda x: x.mean(), lambda x: x.mean(), [(3, 6)], "same"),
+    ("add", lambda a, b: a + b, lambda a, b: a + b, [(3, 6), (3, 6)], "same"),
+]
+
+
+@pytest.mark.parametrize("dtype", LOWP_PARAMS)
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_autocast_op_dtypes_and_values(case, dtype):
+    name, ffn, tfn, shapes, kind = case
+    # lower-precision ops get fp32 inputs (they cast down); fp32-list ops get low-precision inputs
+    in_dtype = torch.float32 if kind == "lowp" else dtype
+    pairs = [_t(s, in_dtype) for s in shapes]
+    with amp.autocast(dtype):
+        got = ffn(*[f for f, _ in pairs])
+    want_dtype = {"lowp": dtype, "fp32": torch.float32, "same": in_dtype}[kind]
+    assert got.dtype == want_dtype, (name, got.dtype)
+    if DEVICE.type == "cuda":
+        with torch.autocast("cuda", dtype=dtype):
+            assert tfn(*[t for _, t in pairs]).dtype == want_dtype, name
+    # values: the same op on inputs cast by hand, in the dtype autocast picked
+    cast = dtype if kind == "lowp" else want_dtype
+    ref = tfn(*[t.to(cast) for _, t in pairs])
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.to_torch().float(), ref.float(), **tol)
+
+
+def test_autocast_gradients_reach_fp32_params_in_fp32():
+    lin = nn.Linear(8, 6)
+    conv = nn.Conv2d(2, 3, 3, padding=1)
+    gn = nn.GroupNorm(1, 3)
+    tl, tc, tg = torch.nn.Linear(8, 6), torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.GroupNorm(1, 3)
+    with torch.no_grad():
+        for fm, tm in ((lin, tl), (conv, tc), (gn, tg)):
+            for (_, fp), tp in zip(fm.named_parameters(), tm.parameters()):
+                tp.copy_(fp.to_torch())
+    tl, tc, tg = tl.to(DEVICE), tc.to(DEVICE), tg.to(DEVICE)
+    xf, xt = _t((2, 2, 4, 4))
+    target = torch.randn(2, 6, device=DEVICE)
+
+    def run(lib, x, conv, gn, lin):
+        h = gn(conv(x))  # conv in fp16, GroupNorm back to fp32
+        h = h.reshape(2, -1)[:, :8]
+        return lin(h)
+
+    with amp.autocast(torch.float16):
+        yf = run(flame, xf, conv, gn, lin)
+        assert yf.dtype == torch.float16
+    lossf = F.mse_loss(yf, flame.from_torch(target))
+    grads = lossf.backward()
+    # torch reference with the same casts (CPU autocast keeps GroupNorm in fp16, so cast by hand)
+    h = tg(TF.conv2d(xt.half(), tc.weight.half(), tc.bias.half(), padding=1).float())
+    yt = TF.linear(h.reshape(2, -1)[:, :8].half(), tl.weight.half(), tl.bias.half())
+    TF.mse_loss(yt.float(), target).backward()
+    for fm, tm in ((lin, tl), (conv, tc), (gn, tg)):
+        for (name, fp), tp in zip(fm.named_parameters(), tm.parameters()):
+            g = grads[fp]
+            assert g.dtype == torch.float32, name
+            torch.testing.assert_close(g.to_torch(), tp.grad, rtol=2e-2, atol=2e-3)
+
+
+def test_autocast_casts_a_parameter_once_per_region_and_nests():
+    from flame.ops import _autocast
+    w = flame.randn(4, 4, requires_grad=True)
+    x = flame.randn(4, 4)
+    with amp.autocast(torch.float16):
+        a, = _autocast.lower(w)
+        b, = _autocast.lower(w)
+        assert a is b and a.dtype == torch.float16  # one cast, reused
+        assert _autocast.lower(x)[0] is not _autocast.lower(x)[0]  # inputs are not cached
+        with flame.no_grad():
+            assert _autocast.lower(w)[0] is not a  # no-grad casts are kept apart
+        with amp.autocast(enabled=False):
+            assert not amp.is_autocast_enabled() and (x @ x).dtype == torch.float32
+        assert amp.get_autocast_dtype() == torch.float16
+        seen = []
+        th = threading.Thread(target=lambda: seen.append(amp.is_autocast_enabled()))
+        th.start()
+        th.join()
+        assert seen == [False]  # per thread
+        y = (x @ w).sum()
+    assert not amp.is_autocast_enabled() and (x @ w).dtype == torch.float32
+    g = y.backward()
+    assert g[w].dtype == torch.float32
+
+    @amp.autocast(torch.float16)
+    def f(u):
+        return u @ u
+    assert f(x).dtype == torch.float16
+    with pytest.raises(TypeError, match="dtype"):
+        amp.autocast(torch.float64)
+
+
+def test_backward_inside_autocast_is_unaffected():
+    lin = nn.Linear(5, 5)
+    x = flame.randn(3, 5)
+    with amp.autocast(torch.float16):
+        g_in = F.mse_loss(lin(x), flame.zeros(3, 5)).backward()
+        y = lin(x)
+    g_out = F.mse_loss(y, flame.zeros(3, 5)).backward()
+    for p in lin.parameters():
+        assert_close(g_in[p], g_out[p], rtol=0, atol=0)
+
+
+def test_policy():
+    pol = amp.Policy(compute_dtype=torch.float16)
+    assert (pol.param_dtype, pol.compute_dtype, pol.output_dtype) == (torch.float32, torch.float16, torch.float32)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model.half()
+    model[1].requires_grad_(False)
+    pol.apply(model, frozen_dtype=torch.float16)
+    assert model[0].weight.dtype == torch.float32 and model[1].weight.dtype == torch.float16
+    x = flame.randn(3, 4)
+    with pol.autocast():
+        y = model(pol.cast_to_compute(x))
+    out = pol.cast_to_output({"y": [y], "n": 3})
+    assert y.dtype == torch.float16 and out["y"][0].dtype == torch.float32 and out["n"] == 3
+    grads = out["y"][0].sum().backward()
+    assert grads[model[0].weight].dtype == torch.float32 and model[1].weight not in grads
+    with pytest.raises(TypeError, match="compute_dtype"):
+        amp.Policy(compute_dtype=torch.int32)

@@ -212,3 +212,23 @@ def test_gradient_reaching_a_leaf_beside_a_branch_without_gradient():
     grads = a.sum().backward()
     assert_close(grads[x], w.detach(), rtol=0, atol=0)
     assert_close(grads[w], x.detach(), rtol=0, atol=0)
+
+
+def test_recomputation_runs_under_the_forward_autocast_state():
+    from flame import amp
+    lin1, lin2 = nn.Linear(6, 6), nn.Linear(6, 3)
+    x = flame.randn(4, 6, requires_grad=True)
+
+    def fn(h):
+        return flame.tanh(lin2(flame.silu(lin1(h))))
+
+    leaves = [x, lin1.weight, lin2.bias]
+    with amp.autocast(flame.float16):
+        y_plain = fn(x)
+        y_ckpt = checkpoint(fn, x)
+    assert y_ckpt.dtype == y_plain.dtype == flame.float16
+    # backward outside the region: the re-run must still cast to fp16, or the gradients differ
+    plain = _grads_of(y_plain.float().sum(), leaves)
+    ckpt = _grads_of(y_ckpt.float().sum(), leaves)
+    for g, w in zip(ckpt, plain):
+        assert_close(g, w, rtol=0, atol=0)

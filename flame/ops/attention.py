@@ -32,6 +32,7 @@ from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import attention as KA
 from ..tensor import Tensor
+from . import _autocast
 from .elementwise import to
 
 _OP = "scaled_dot_product_attention"
@@ -143,6 +144,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False):
     """``softmax(query @ key^T * scale + attn_mask) @ value`` with ``torch.nn.functional``'s
     signature and semantics (see the module docstring for what is and is not supported)."""
+    query, key, value, attn_mask = _autocast.lower(query, key, value, attn_mask)
     _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     qb, kb, vb = query._data, key._data, value._data
     if qb.dim() == 4:

@@ -14,7 +14,7 @@ from ..kernels import conv2d as KC
 from ..kernels import elementwise as KE
 from ..kernels import pool as KP
 from ..tensor import Tensor, int64
-from . import reduce
+from . import _autocast, reduce
 from ._util import check_tensor
 from .elementwise import cast_params, to
 
@@ -98,6 +98,7 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     op = "conv2d"
     check_tensor(input, "input", op)
     check_tensor(weight, "weight", op)
+    input, weight, bias = _autocast.lower(input, weight, bias)  # noqa: A001
     if not input.dtype.is_floating_point or not weight.dtype.is_floating_point:
         raise TypeError(f"{op}: expected floating-point input and weight, got {input.dtype} and {weight.dtype}")
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:

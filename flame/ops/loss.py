@@ -22,6 +22,7 @@ from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import softmax as K
 from ..tensor import Tensor, broadcast_shapes, promote_types
+from . import _autocast
 from ._util import check_tensor, normalize_dim
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -92,6 +93,7 @@ def _softmax_backward(node, g):
 
 def _softmax(x, dim, dtype, log, op):
     check_tensor(x, "input", op)
+    x = x if dtype is not None else _autocast.fp32(x)[0]
     if dim is None:
         raise TypeError(f"{op}: dim must be given (implicit dim choice is deprecated in PyTorch)")
     if dtype is not None:
@@ -144,6 +146,7 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
     op = "cross_entropy"
     _check_float_input(input, "input", op)
     check_tensor(target, "target", op)
+    (input,) = _autocast.fp32(input)  # noqa: A001
     _check_reduction(reduction, op)
     if weight is not None:
         raise NotImplementedError(f"{op}: per-class weight is not supported; use reduction='none' and weight "
@@ -216,6 +219,7 @@ def _pointwise_loss(kind, x, y, reduction, beta, weight, op, weight_norm=True):
     _check_float_input(x, "input", op)
     _check_float_input(y, "target", op)
     _check_reduction(reduction, op)
+    x, y, weight = _autocast.fp32(x, y, weight)
     if x.shape != y.shape:
         raise ValueError(f"{op}: input and target must have the same shape, got {x.shape} and {y.shape}")
     if x.device != y.device:

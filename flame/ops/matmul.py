@@ -15,7 +15,7 @@ from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
 from ..tensor import Tensor, broadcast_shapes, promote_types
-from . import reduce
+from . import _autocast, reduce
 from ._util import check_tensor
 from .elementwise import cast_params, to
 from .shape import contiguous
@@ -120,6 +120,7 @@ def _grad_operand(x, y, operand, batch, mat_shape):
 
 
 def _matmul(a, b, op):
+    a, b = _autocast.lower(a, b)
     if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dtype != b.dtype or not a.dtype.is_floating_point:
         _check(a, b, op)
         dtype = promote_types(a.dtype, b.dtype)
@@ -222,6 +223,7 @@ def linear(x, weight, bias=None, activation=None):
     """
     check_tensor(x, "input", "linear")
     check_tensor(weight, "weight", "linear")
+    x, weight, bias = _autocast.lower(x, weight, bias)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
     if not x.dtype.is_floating_point or not weight.dtype.is_floating_point:

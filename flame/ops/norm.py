@@ -18,6 +18,7 @@ from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import norms as K
 from ..tensor import Tensor
+from . import _autocast
 from ._util import check_tensor
 
 _ACTIVATIONS = (None, "silu")
@@ -148,6 +149,7 @@ def group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, activation=None)
     and the output keeps the input's memory format."""
     op = "group_norm"
     _check_input(x, op)
+    x, weight, bias = _autocast.fp32(x, weight, bias)
     shape = x.shape
     if len(shape) < 2:
         raise ValueError(f"{op}: expected an input of shape (N, C, *), got shape {shape}")
@@ -241,6 +243,7 @@ def _layer_norm_backward(node, g):
 
 def _norm_common(x, normalized_shape, weight, bias, eps, rms, op):
     _check_input(x, op)
+    x, weight, bias = _autocast.fp32(x, weight, bias)
     ns = _normalized_shape(normalized_shape, x, op)
     weight = _check_param(weight, "weight", ns, x, op)
     bias = _check_param(bias, "bias", ns, x, op)

@@ -12,6 +12,7 @@ from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import reduce as K
 from ..tensor import Tensor
+from . import _autocast
 from ._util import check_tensor, new, normalize_dims
 from .elementwise import map_op
 
@@ -87,6 +88,7 @@ def _sum_backward(node, g):
 def sum(x, dim=None, keepdim=False, dtype=None):  # noqa: A001
     """Sum over ``dim`` (int, sequence, or None for all). Integer and bool inputs sum to int64."""
     check_tensor(x, "input", "sum")
+    x = x if dtype is not None else _autocast.fp32(x)[0]
     dims = normalize_dims(dim, x.ndim, "sum")
     out_dtype = dtype or (x.dtype if x.dtype.is_floating_point else torch.int64)
     y = _reduce(x, dims, keepdim, K.SUM, out_dtype=out_dtype)
