@@ -164,3 +164,31 @@ def test_peft_file_readable_by_safetensors_and_peft_layout(tmp_path):
     with st.safe_open(str(p), "pt") as f:
         meta = json.loads(f.metadata()["lora_adapter_metadata"])
     assert meta["unet.lora_alpha"] == 6
+
+
+@pytest.mark.parametrize("fmt", ["peft", "kohya"])
+def test_conv_lora_file_round_trip(tmp_path, fmt):
+    from flame.nn.lora import LoRAConv2d
+
+    def make():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.SiLU(), nn.Conv2d(4, 2, 1))
+
+    m = make()
+    nn.inject_lora(m, [], rank=2, alpha=3.0, conv=True)
+    for p in nn.lora_parameters(m):
+        nn.init.normal_(p, 0.0, 0.5)
+    path = tmp_path / f"conv_{fmt}.safetensors"
+    io.save_lora(m, path, format=fmt)
+    shapes = {k: tuple(v.shape) for k, v in io.load_safetensors(path).items()}
+    down, up = ("lora_A", "lora_B") if fmt == "peft" else ("lora_down", "lora_up")
+    key = "unet.0" if fmt == "peft" else "lora_unet_0"
+    assert shapes[f"{key}.{down}.weight"] == (2, 3, 3, 3) and shapes[f"{key}.{up}.weight"] == (4, 2, 1, 1)
+    plain = make()
+    plain.load_state_dict(m.state_dict(), strict=False)
+    assert sorted(io.load_lora(plain, path)) == ["0", "2"]
+    assert isinstance(plain[0], LoRAConv2d) and plain[0].alpha == 3.0
+    x = flame.randn(1, 3, 5, 5)
+    np.testing.assert_array_equal(plain(x).numpy(), m(x).numpy())
+    wrong = nn.Sequential(nn.Conv2d(3, 4, 5, padding=2), nn.SiLU(), nn.Conv2d(4, 2, 1))
+    with pytest.raises(ValueError, match=r"expected A \(2, 3, 5, 5\)"):
+        io.load_lora(wrong, path)

@@ -187,3 +187,133 @@ def test_merge_unmerge(dtype):
     nn.unmerge_lora(m)
     assert not layer.merged
     assert_close(layer.weight.to_torch().clone(), w0, **tol)
+
+
+# ---- Conv2d ("LoCon") -------------------------------------------------------------------------
+
+def _build_convnet(root, lib):
+    """SDXL-like names: conv_in, down_blocks.0.resnets.0.{conv1, conv_shortcut}, a Linear proj."""
+    root.conv_in = lib.Conv2d(3, 4, 3, padding=1)
+    res = lib.Module()
+    res.conv1 = lib.Conv2d(4, 6, 3, stride=2, padding=1)
+    res.conv_shortcut = lib.Conv2d(4, 6, 1, stride=2, bias=False)
+    blk = lib.Module()
+    blk.resnets = lib.ModuleList([res])
+    root.down_blocks = lib.ModuleList([blk])
+    root.proj = lib.Linear(6, 5)
+
+
+def _convnet_forward(root, x):
+    h = root.conv_in(x)
+    r = root.down_blocks[0].resnets[0]
+    h = r.conv1(h) + r.conv_shortcut(h)
+    return root.proj(h.permute(0, 2, 3, 1))
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        _build_convnet(self, nn)
+
+    forward = _convnet_forward
+
+
+class TorchConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        _build_convnet(self, torch.nn)
+
+    forward = _convnet_forward
+
+
+def _torch_twin(m):
+    tm = TorchConvNet().to(DEVICE)
+    tm.load_state_dict({k: v.to_torch().clone() for k, v in m.state_dict().items()})
+    return tm
+
+
+def test_conv_lora_matches_torch_reference_and_freezes_base():
+    from flame.nn.lora import LoRAConv2d
+    base = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+    layer = LoRAConv2d(base, rank=3, alpha=6.0)
+    assert layer.lora_A.shape == (3, 4, 3, 3) and layer.lora_B.shape == (6, 3, 1, 1)
+    x = flame.randn(2, 4, 7, 9)
+    np.testing.assert_array_equal(layer(x).numpy(), base(x).numpy())  # B = 0: exactly the base conv
+    flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
+    w, b, a, bb = (t.to_torch().clone() for t in (layer.weight, layer.bias, layer.lora_A, layer.lora_B))
+    xt = x.to_torch().clone().requires_grad_(True)
+    xf = flame.from_torch(xt.detach().clone(), requires_grad=True)
+    at, bt = a.requires_grad_(True), bb.requires_grad_(True)
+    tf = torch.nn.functional
+    yt = tf.conv2d(xt, w, b, stride=2, padding=1) + 2.0 * tf.conv2d(tf.conv2d(xt, at, stride=2, padding=1), bt)
+    y = layer(xf)
+    assert_close(y, yt.detach(), **TOL)
+    gt = torch.randn_like(yt)
+    grads = (y * flame.from_torch(gt)).sum().backward()
+    (yt * gt).sum().backward()
+    for f, t in ((layer.lora_A, at), (layer.lora_B, bt), (xf, xt)):
+        assert_close(grads[f], t.grad, **TOL)
+    assert layer.weight not in grads and layer.bias not in grads
+
+
+def test_conv_injection_names_keys_and_merge():
+    m = ConvNet()
+    names = nn.inject_lora(m, "proj", rank=2, alpha=4, conv=True, conv_rank=3, conv_alpha=1.5)
+    res = "down_blocks.0.resnets.0"
+    assert names == ["conv_in", f"{res}.conv1", f"{res}.conv_shortcut", "proj"]
+    assert nn.inject_lora(ConvNet(), "conv1", rank=2) == [f"{res}.conv1"]  # a conv named by the targets
+    assert nn.inject_lora(ConvNet(), "proj", rank=2, conv=r"re:.*resnets.*") == \
+        [f"{res}.conv1", f"{res}.conv_shortcut", "proj"]
+    c1 = m.get_submodule(f"{res}.conv1")
+    assert (c1.rank, c1.alpha, m.proj.rank, m.proj.alpha) == (3, 1.5, 2, 4.0)
+    peft = nn.lora_state_dict(m, format="peft")
+    assert peft[f"unet.{res}.conv1.lora_A.weight"].shape == (3, 4, 3, 3)
+    assert peft[f"unet.{res}.conv1.lora_B.weight"].shape == (6, 3, 1, 1)
+    assert peft[f"unet.{res}.conv_shortcut.lora_A.weight"].shape == (3, 4, 1, 1)
+    kohya = nn.lora_state_dict(m, format="kohya")
+    k = f"lora_unet_{res.replace('.', '_')}_conv1"
+    assert kohya[f"{k}.lora_down.weight"].shape == (3, 4, 3, 3) and kohya[f"{k}.lora_up.weight"].shape == (6, 3, 1, 1)
+    assert float(kohya[f"{k}.alpha"].item()) == 1.5
+    for p in nn.lora_parameters(m):
+        flame.nn.init.normal_(p, 0.0, 0.3)
+    x = flame.randn(2, 3, 6, 6)
+    y = m(x).numpy()
+    w0 = c1.weight.to_torch().clone()
+    nn.merge_lora(m)
+    want = w0 + 0.5 * torch.einsum("or,rikl->oikl", c1.lora_B.to_torch()[:, :, 0, 0], c1.lora_A.to_torch())
+    assert_close(c1.weight.to_torch().clone(), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(m(x).numpy(), y, rtol=1e-4, atol=1e-5)
+    nn.unmerge_lora(m)
+    assert_close(c1.weight.to_torch().clone(), w0, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="groups"):
+        nn.inject_lora(nn.Sequential(nn.Conv2d(4, 4, 3, groups=2)), "0", rank=2)
+
+
+def test_conv_lora_matches_peft():
+    peft = pytest.importorskip("peft")
+    m = ConvNet()
+    nn.inject_lora(m, ["conv1", "conv_shortcut", "proj"], rank=2, alpha=3)
+    for p in nn.lora_parameters(m):
+        flame.nn.init.normal_(p, 0.0, 0.4)
+    tm = _torch_twin(ConvNet())  # base weights copied below, with the adapters, by key
+    cfg = peft.LoraConfig(r=2, lora_alpha=3, target_modules=["conv1", "conv_shortcut", "proj"])
+    tm = peft.inject_adapter_in_model(cfg, tm)
+    ours = nn.lora_state_dict(m, format="peft", prefix="")
+    theirs = peft.get_peft_model_state_dict(tm)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    base = {k: v.to_torch().clone() for k, v in m.state_dict().items() if "lora_" not in k}
+    tsd = {k.replace(".base_layer", ""): k for k in tm.state_dict()}
+    tm.load_state_dict({tsd[k]: v for k, v in base.items()}, strict=False)
+    peft.set_peft_model_state_dict(tm, {k: v.to_torch().clone() for k, v in ours.items()})
+    x = torch.randn(2, 3, 6, 6, device=DEVICE)
+    yt = tm(x)
+    y = m(flame.from_torch(x.clone()))
+    assert_close(y, yt.detach(), **TOL)
+    g = torch.randn_like(yt)
+    grads = (y * flame.from_torch(g)).sum().backward()
+    (yt * g).sum().backward()
+    named = dict(tm.named_parameters())
+    for name, p in m.named_parameters():
+        if "lora_" in name:
+            tname = name + ".default.weight"
+            assert_close(grads[p], named[tname].grad, **TOL)

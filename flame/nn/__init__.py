@@ -2,6 +2,7 @@
 from . import functional, init
 from .layers import GELU, Conv2d, Dropout, GroupNorm, Identity, LayerNorm, Linear, ModuleList, RMSNorm, Sequential, SiLU
 from .lora import (
+    LoRAConv2d,
     LoRALinear,
     inject_lora,
     load_lora_state_dict,

@@ -1,11 +1,13 @@
-"""Low-rank adapters (LoRA) for Linear layers, with PEFT/diffusers and kohya key names.
+"""Low-rank adapters (LoRA) for Linear and Conv2d layers, with PEFT/diffusers and kohya key names.
 
 ``inject_lora(model, targets, rank, alpha)`` replaces every matching ``Linear`` by a
 ``LoRALinear`` that keeps the base weight (frozen: ``requires_grad`` False, so no gradient is
 computed for it) and adds ``(alpha / rank) * B(A(dropout(x)))`` with A (rank, in) and B (out, rank)
 fp32 master parameters. ``W + BA`` is never materialised in training: the adapter is two small
 GEMMs through flame's ``linear`` (which casts A and B once per forward to the activation dtype,
-their gradients flowing back through that cast in fp32).
+their gradients flowing back through that cast in fp32). ``Conv2d`` layers (by name, or all of
+them with ``conv=True``) get a ``LoRAConv2d`` ("LoCon"): A a conv with the base's geometry to
+``rank`` channels, B a 1x1 conv, A (rank, in, kh, kw) and B (out, rank, 1, 1).
 
 Names: the base layer keeps its ``weight``/``bias`` parameter names (so a diffusers checkpoint
 still loads by name into the injected model); the adapters are the parameters ``lora_A`` and
@@ -26,11 +28,12 @@ from .. import runtime
 from ..autograd import no_grad
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
+from ..ops.conv import conv2d
 from ..ops.dropout import dropout as _dropout
 from ..ops.matmul import linear
 from ..tensor import Tensor
 from . import init
-from .layers import Linear
+from .layers import Conv2d, Linear
 from .module import Module, Parameter
 
 PRESETS = {
@@ -41,14 +44,11 @@ PRESETS = {
 _SUFFIX = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
-class LoRALinear(Module):
-    """``y = x W^T + b + scale * (dropout(x) A^T) B^T`` with ``scale = alpha / rank``; W, b frozen."""
+class _LoRALayer(Module):
+    """What ``LoRALinear`` and ``LoRAConv2d`` share: the frozen base parameters (same names as the
+    base layer), rank/alpha/dropout, the fp32 adapters ``lora_A``/``lora_B``, init and merge."""
 
-    def __init__(self, base: Linear, rank: int, alpha: float | None = None, init_mode: str = "kaiming",
-                 dropout: float = 0.0):
-        super().__init__()
-        if not isinstance(base, Linear):
-            raise TypeError(f"LoRALinear wraps a flame.nn.Linear, got {type(base).__name__}")
+    def _wrap(self, base, rank, alpha, init_mode, dropout, a_shape, b_shape):
         rank = int(rank)
         if rank <= 0:
             raise ValueError(f"LoRA rank must be positive, got {rank}")
@@ -56,7 +56,6 @@ class LoRALinear(Module):
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
         if init_mode not in ("kaiming", "gaussian"):
             raise ValueError(f"LoRA init must be 'kaiming' or 'gaussian', got {init_mode!r}")
-        self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.weight.requires_grad_(False)
         if base.bias is not None:
@@ -69,8 +68,8 @@ class LoRALinear(Module):
         self.dropout = float(dropout)
         self.merged = False
         f32 = torch.float32
-        self.lora_A = Parameter(Tensor(runtime.empty((rank, self.in_features), f32)))
-        self.lora_B = Parameter(Tensor(runtime.empty((self.out_features, rank), f32)))
+        self.lora_A = Parameter(Tensor(runtime.empty((rank, *a_shape), f32)))
+        self.lora_B = Parameter(Tensor(runtime.empty((b_shape[0], rank, *b_shape[1:]), f32)))
         self.reset_lora(init_mode)
 
     @property
@@ -87,22 +86,21 @@ class LoRALinear(Module):
 
     def forward(self, x):
         if not isinstance(x, Tensor):
-            raise TypeError(f"LoRALinear: input must be a flame Tensor, got {type(x).__name__}")
-        if x.ndim == 0 or x.shape[-1] != self.in_features:
-            raise RuntimeError(f"LoRALinear: input of shape {x.shape} does not end in in_features={self.in_features}")
-        y = linear(x, self.weight, self.bias)
+            raise TypeError(f"{type(self).__name__}: input must be a flame Tensor, got {type(x).__name__}")
+        y = self._base(x)
         if self.merged:
             return y
         h = _dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-        z = linear(linear(h, self.lora_A), self.lora_B)
-        return y + z * self.scale
+        return y + self._up(self._down(h)) * self.scale
 
-    # ---- merge: W += scale * B @ A (fp32 product, one add kernel into W's dtype) -------------
+    # ---- merge: W += scale * B @ A (fp32 product over the flattened A, one add kernel into W's dtype)
     def _delta(self):
-        prod = runtime.empty((self.out_features, self.in_features), torch.float32)
-        KM.matmul_(prod, self.lora_B._data, self.lora_A._data)
+        a = self.lora_A._data.reshape(self.rank, -1)
+        b = self.lora_B._data.reshape(-1, self.rank)
+        prod = runtime.empty((b.shape[0], a.shape[1]), torch.float32)
+        KM.matmul_(prod, b, a)
         KE.map_(prod, [prod], KE.MUL.value, float(self.scale))
-        return prod
+        return prod.view(self.weight.shape)
 
     def merge(self):
         if self.merged:
@@ -118,9 +116,72 @@ class LoRALinear(Module):
         KE.map_(w, [w, self._delta()], KE.SUB.value)
         self.merged = False
 
+    def _lora_repr(self):
+        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, merged={self.merged}"
+
+
+class LoRALinear(_LoRALayer):
+    """``y = x W^T + b + scale * (dropout(x) A^T) B^T`` with ``scale = alpha / rank``; W, b frozen."""
+
+    def __init__(self, base: Linear, rank: int, alpha: float | None = None, init_mode: str = "kaiming",
+                 dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(base, Linear):
+            raise TypeError(f"LoRALinear wraps a flame.nn.Linear, got {type(base).__name__}")
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self._wrap(base, rank, alpha, init_mode, dropout, (self.in_features,), (self.out_features,))
+
+    def _base(self, x):
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise RuntimeError(f"LoRALinear: input of shape {x.shape} does not end in in_features={self.in_features}")
+        return linear(x, self.weight, self.bias)
+
+    def _down(self, h):
+        return linear(h, self.lora_A)
+
+    def _up(self, h):
+        return linear(h, self.lora_B)
+
     def extra_repr(self):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, merged={self.merged}")
+                + self._lora_repr())
+
+
+class LoRAConv2d(_LoRALayer):
+    """LoRA for a ``Conv2d`` ("LoCon", as PEFT and kohya build it): A is a conv with the base's
+    kernel size, stride, padding and dilation from the input channels to ``rank`` channels, B a
+    1x1 conv from ``rank`` to the output channels, ``y = conv(x; W, b) + scale * B(A(dropout(x)))``.
+    ``lora_A`` is (rank, in, kh, kw) and ``lora_B`` (out, rank, 1, 1), fp32; W, b frozen. Base
+    convs with groups > 1 are not supported (PEFT's LoRA does not cover them either)."""
+
+    def __init__(self, base: Conv2d, rank: int, alpha: float | None = None, init_mode: str = "kaiming",
+                 dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(base, Conv2d):
+            raise TypeError(f"LoRAConv2d wraps a flame.nn.Conv2d, got {type(base).__name__}")
+        if base.groups != 1:
+            raise ValueError(f"LoRAConv2d: base conv has groups={base.groups}; only groups=1 is supported")
+        self.in_channels, self.out_channels = base.in_channels, base.out_channels
+        self.kernel_size, self.stride = base.kernel_size, base.stride
+        self.padding, self.dilation = base.padding, base.dilation
+        self._wrap(base, rank, alpha, init_mode, dropout, (self.in_channels, *self.kernel_size),
+                   (self.out_channels, 1, 1))
+
+    def _base(self, x):
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+
+    def _down(self, h):
+        return conv2d(h, self.lora_A, None, self.stride, self.padding, self.dilation)
+
+    def _up(self, h):
+        return conv2d(h, self.lora_B)
+
+    def extra_repr(self):
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding}, bias={self.bias is not None}, " + self._lora_repr())
+
+
+_WRAPPERS = {Linear: LoRALinear, Conv2d: LoRAConv2d}
 
 
 def _expand_targets(targets):
@@ -158,31 +219,44 @@ def _set_module(model, path, new):
 
 
 def inject_lora(model: Module, targets, rank: int, alpha: float | None = None, init: str = "kaiming",
-                dropout: float = 0.0) -> list:
-    """Wrap every ``Linear`` of ``model`` whose dotted name matches ``targets`` in a ``LoRALinear``.
+                dropout: float = 0.0, conv=False, conv_rank: int | None = None,
+                conv_alpha: float | None = None) -> list:
+    """Wrap every ``Linear`` and ``Conv2d`` of ``model`` whose dotted name matches ``targets`` in a
+    ``LoRALinear`` / ``LoRAConv2d``.
 
-    ``targets``: a preset name ("attn", "attn-mlp"), dotted suffixes ("to_q", "to_out.0": match the
-    name or its end after a '.'), regular expressions (a ``re.Pattern``, a string prefixed "re:",
-    or any string with regex characters, matched against the whole name), or a list of these.
+    ``targets``: a preset name ("attn", "attn-mlp": Linear layers only), dotted suffixes ("to_q",
+    "to_out.0", "conv1": match the name or its end after a '.'), regular expressions (a
+    ``re.Pattern``, a string prefixed "re:", or any string with regex characters, matched against
+    the whole name), or a list of these. ``conv``: False (Conv2d layers only where ``targets``
+    name them), True (every Conv2d as well: kohya's LoCon) or a targets spec of its own selecting
+    Conv2d layers. Conv adapters use ``conv_rank``/``conv_alpha`` (default ``rank``/``alpha``).
     ``alpha`` defaults to ``rank``. Freezes nothing else; returns the wrapped module names.
     """
-    if isinstance(model, Linear):
-        raise TypeError("inject_lora: pass the model containing the Linear layers, not the layer itself")
+    if type(model) in _WRAPPERS:
+        raise TypeError("inject_lora: pass the model containing the layers, not the layer itself")
     tgts = _expand_targets(targets)
+    conv_tgts = _expand_targets(conv) if not isinstance(conv, bool) else None
     names = []
     for name, m in list(model.named_modules()):
-        if name and type(m) is Linear and _matches(name, tgts):
+        if not name or type(m) not in _WRAPPERS:
+            continue
+        if _matches(name, tgts) or (type(m) is Conv2d and (conv is True or (conv_tgts and _matches(name, conv_tgts)))):
             names.append(name)
     if not names:
-        raise ValueError(f"inject_lora: no Linear layer matches targets {targets!r}")
+        raise ValueError(f"inject_lora: no Linear or Conv2d layer matches targets {targets!r} (conv={conv!r})")
     for name in names:
-        _set_module(model, name, LoRALinear(model.get_submodule(name), rank, alpha, init, dropout))
+        base = model.get_submodule(name)
+        if type(base) is Conv2d:
+            layer = LoRAConv2d(base, conv_rank or rank, alpha if conv_alpha is None else conv_alpha, init, dropout)
+        else:
+            layer = LoRALinear(base, rank, alpha, init, dropout)
+        _set_module(model, name, layer)
     return names
 
 
 def lora_modules(model: Module):
-    """(name, LoRALinear) pairs of ``model`` in module order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    """(name, LoRA layer) pairs of ``model`` in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _LoRALayer)]
 
 
 def lora_parameters(model: Module) -> list:
@@ -229,6 +303,13 @@ def detect_format(keys) -> str:
                      "'.lora_down.weight'/'.lora_up.weight' (kohya) keys")
 
 
+def _adapter_shapes(m, rank):
+    """The (A, B) shapes an adapter of ``rank`` has on layer ``m`` (plain or wrapped)."""
+    if isinstance(m, (Conv2d, LoRAConv2d)):
+        return (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
+    return (rank, m.in_features), (m.out_features, rank)
+
+
 def _buf(v):
     if isinstance(v, Tensor):
         return v._data
@@ -242,8 +323,8 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
     """Load adapters in either file format (detected from the key names) into ``model``.
 
     ``alpha``: for PEFT files, a number or a {module path: alpha} dict (from the file metadata);
-    missing means alpha = rank. Layers that are plain ``Linear`` get an adapter injected when
-    ``inject`` (rank from the tensors); unknown module paths raise. Returns the loaded paths.
+    missing means alpha = rank. Layers that are plain ``Linear``/``Conv2d`` get an adapter injected
+    when ``inject`` (rank from the tensors); unknown module paths raise. Returns the loaded paths.
     """
     fmt = detect_format(state_dict.keys())
     entries = {}  # module name as written -> {"A", "B", "alpha"}
@@ -260,7 +341,7 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
     # module paths of candidate layers, in the file's spelling
     lookup = {}
     for name, m in model.named_modules():
-        if isinstance(m, (Linear, LoRALinear)) and name:
+        if (type(m) in _WRAPPERS or isinstance(m, _LoRALayer)) and name:
             if fmt == "peft":
                 for p in (f"{prefix}.{name}" if prefix else name, name, f"base_model.model.{name}"):
                     lookup.setdefault(p, name)
@@ -269,7 +350,8 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
                 lookup.setdefault(_kohya_name(name, ""), name)
     unknown = [k for k in entries if k not in lookup]
     if unknown:
-        raise KeyError(f"load_lora: {len(unknown)} adapter(s) match no Linear layer of the model, e.g. {unknown[:3]}")
+        raise KeyError(f"load_lora: {len(unknown)} adapter(s) match no Linear or Conv2d layer of the model, "
+                       f"e.g. {unknown[:3]}")
     loaded = []
     for key, e in entries.items():
         if "A" not in e or "B" not in e:
@@ -277,11 +359,11 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
         path = lookup[key]
         a, b = _buf(e["A"]), _buf(e["B"])
         m = model.get_submodule(path)
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[1] != m.in_features \
-                or b.shape[0] != m.out_features:
-            raise ValueError(f"load_lora: {key}: A {tuple(a.shape)} and B {tuple(b.shape)} don't fit a layer "
-                             f"({m.out_features}, {m.in_features})")
         rank = a.shape[0]
+        a_want, b_want = _adapter_shapes(m, rank)
+        if tuple(a.shape) != a_want or tuple(b.shape) != b_want:
+            raise ValueError(f"load_lora: {key}: A {tuple(a.shape)} and B {tuple(b.shape)} don't fit the layer "
+                             f"(weight {tuple(m.weight.shape)}: expected A {a_want} and B {b_want})")
         if "alpha" in e:
             al = e["alpha"]
             al = float(al.item() if isinstance(al, (Tensor, torch.Tensor)) else al)  # host transfer
@@ -291,10 +373,10 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
             al = float(alpha)
         else:
             al = float(rank)
-        if type(m) is Linear:
+        if type(m) in _WRAPPERS:
             if not inject:
                 raise KeyError(f"load_lora: layer {path!r} has no adapter (inject_lora first, or inject=True)")
-            m = LoRALinear(m, rank, al)
+            m = _WRAPPERS[type(m)](m, rank, al)
             _set_module(model, path, m)
         elif m.rank != rank:
             raise ValueError(f"load_lora: {key}: rank {rank} in the file, the model's adapter has rank {m.rank}")
