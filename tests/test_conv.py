@@ -59,6 +59,9 @@ CASES = [  # (x shape, w shape, kwargs)
     ((1, 3, 1, 1), (2, 3, 1, 1), dict()),
     ((2, 4, 7, 9), (6, 2, 3, 3), dict(padding=1, groups=2)),
     ((2, 4, 7, 9), (8, 1, 3, 3), dict(stride=2, padding=1, groups=4)),  # depthwise, multiplier 2
+    ((2, 4, 7, 9), (4, 1, 3, 3), dict(padding=1, groups=4)),  # depthwise, multiplier 1
+    ((2, 5, 7, 9), (4, 5, 1, 1), dict(stride=2)),  # 1x1 stride 2: odd rows/columns get no gradient
+    ((1, 3, 7, 9), (4, 3, 3, 3), dict(stride=2)),  # padding 0, stride 2, odd sizes: last row/column unused
 ]
 
 
@@ -77,8 +80,58 @@ def test_conv2d_channels_last_input_and_output(stride, groups):
     assert y.stride() == (h * w * c, 1, w * c, c)
 
 
+@pytest.mark.parametrize("w_shape,kw", [
+    ((4, 5, 1, 1), dict()),
+    ((4, 5, 5, 5), dict(padding=2)),
+    ((4, 5, 3, 3), dict(padding="same", dilation=2)),
+    ((5, 1, 3, 3), dict(stride=2, padding=1, groups=5)),  # depthwise
+], ids=str)
+def test_conv2d_channels_last_fp16(w_shape, kw):
+    y = _run((2, 5, 7, 9), w_shape, torch.float16, channels_last=True, **kw)
+    assert y.stride(1) == 1
+    _run((1, 5, 1, 1), (3, 5, 1, 1), torch.float16, channels_last=True)
+
+
+def test_conv2d_float64_matches_torch():
+    _run((2, 3, 7, 9), (4, 3, 3, 3), torch.float64, stride=2, padding=1)
+    _run((2, 3, 7, 9), (4, 3, 3, 3), torch.float64, channels_last=True, padding="same", dilation=2)
+
+
 def test_conv2d_noncontiguous_input_no_bias():
     _run((2, 4, 6, 5), (3, 4, 3, 3), bias=False, noncontig=True, padding=1)
+
+
+def test_conv2d_noncontiguous_weight():
+    # a weight stored (Ci, Co, kh, kw) and viewed (Co, Ci, kh, kw): the kernels read it through strides
+    x, xt = pair((2, 4, 7, 6), requires_grad=True)
+    wt0 = torch.randn(4, 5, 3, 3, dtype=torch.float32).to(DEVICE)
+    w = flame.from_torch(wt0.clone(), requires_grad=True)
+    wt = wt0.clone().requires_grad_()
+    y = F.conv2d(x, w.transpose(0, 1), stride=2, padding=1)
+    yt = torch.nn.functional.conv2d(xt, wt.transpose(0, 1), stride=2, padding=1)
+    g, gt = pair(tuple(yt.shape))
+    grads = y.backward(g)
+    yt.backward(gt)
+    for got, want in ((y, yt), (grads[x], xt.grad), (grads[w], wt.grad)):
+        assert_close(got, want, **_tol(want, torch.float32))
+
+
+@pytest.mark.parametrize("trained", ["input", "weight"])
+def test_conv2d_gradient_of_one_operand(trained):
+    # frozen weights (LoRA: only the activations' gradient flows) and frozen inputs (first layer)
+    x, xt = pair((2, 3, 7, 9), requires_grad=trained == "input")
+    w, wt = pair((4, 3, 3, 3), requires_grad=trained == "weight")
+    b, bt = pair((4,), requires_grad=trained == "weight")
+    y = F.conv2d(x, w, b, stride=2, padding=1)
+    yt = torch.nn.functional.conv2d(xt, wt, bt, stride=2, padding=1)
+    g, gt = pair(tuple(yt.shape))
+    grads = y.backward(g)
+    yt.backward(gt)
+    live = [x] if trained == "input" else [w, b]
+    assert len(grads) == len(live)
+    for f, t in ((x, xt), (w, wt), (b, bt)):
+        if f.requires_grad:
+            assert_close(grads[f], t.grad, **_tol(t.grad, torch.float32))
 
 
 @pytest.mark.parametrize("kw", [dict(padding=1), dict(stride=2, padding=1)], ids=str)
@@ -109,8 +162,8 @@ def test_conv2d_gradcheck(kw):
     rng = np.random.default_rng(3)
     g = kw.get("groups", 1)
     x = flame.tensor(rng.standard_normal((1, 2, 5, 4)), requires_grad=True)
-    w = flame.tensor(rng.standard_normal((4, 2 // g, 3, 3)), requires_grad=True)
-    b = flame.tensor(rng.standard_normal(4), requires_grad=True)
+    w = flame.tensor(rng.standard_normal((2, 2 // g, 3, 3)), requires_grad=True)  # few outputs: fewer forwards
+    b = flame.tensor(rng.standard_normal(2), requires_grad=True)
     assert gradcheck(lambda x, w, b: F.conv2d(x, w, b, **kw), [x, w, b])
 
 
@@ -148,6 +201,43 @@ def test_conv1d_matches_torch(kw, shape):
         F.conv1d(x, flame.ones(6, 4, 3, 3))
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("w_shape,kw", [
+    ((6, 4, 1), dict(stride=2)),
+    ((6, 4, 5), dict(padding=2)),
+    ((4, 1, 3), dict(padding="valid", groups=4)),  # depthwise
+], ids=str)
+def test_conv1d_kernel_sizes_dtypes_and_channels_innermost_input(w_shape, kw, dtype):
+    # (N, L, C) storage viewed as (N, C, L): channels innermost, as a transformer's tokens
+    xt0 = torch.randn(2, 9, 4, dtype=dtype).to(DEVICE)
+    xl = flame.from_torch(xt0.clone(), requires_grad=True)
+    xt = xt0.clone().requires_grad_()
+    x = xl.permute(0, 2, 1)
+    w, wt = pair(w_shape, dtype, requires_grad=True)
+    b, bt = pair((w_shape[0],), dtype, requires_grad=True)
+    y = F.conv1d(x, w, b, **kw)
+    yt = torch.nn.functional.conv1d(xt.permute(0, 2, 1), wt, bt, **kw)
+    g, gt = pair(tuple(yt.shape), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    for got, want in ((y, yt), (grads[xl].to(dtype), xt.grad), (grads[w].to(dtype), wt.grad),
+                      (grads[b].to(dtype), bt.grad)):
+        assert_close(got, want, dtype, **_tol(want, dtype))
+
+
+def test_conv1d_gradcheck_and_bad_inputs():
+    rng = np.random.default_rng(4)
+    x = flame.tensor(rng.standard_normal((1, 2, 6)), requires_grad=True)
+    w = flame.tensor(rng.standard_normal((2, 1, 3)), requires_grad=True)
+    assert gradcheck(lambda x, w: F.conv1d(x, w, stride=2, padding=1, groups=2), [x, w])
+    with pytest.raises(ValueError, match=r"\(1, 2, 6\).*\(2, 3, 3\)"):
+        F.conv1d(x, flame.ones(2, 3, 3, dtype=flame.float64))
+    with pytest.raises(ValueError, match="larger than the padded input"):
+        F.conv1d(x, flame.ones(2, 2, 7, dtype=flame.float64))
+    with pytest.raises(TypeError, match="stride"):
+        F.conv1d(x, w, stride=(1, 2))
+
+
 @pytest.mark.parametrize("shape,kw,channels_last", [
     ((2, 3, 5, 7), dict(scale_factor=2), False),
     ((2, 3, 5, 7), dict(scale_factor=2.0), True),
@@ -167,6 +257,41 @@ def test_interpolate_nearest_matches_torch(shape, kw, channels_last):
     yt.backward(gt)
     assert_close(y, yt)
     assert_close(grads[x], xt.grad)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_interpolate_dtypes_layout_and_gradcheck(dtype):
+    x, xt = pair((1, 3, 4, 5), dtype, requires_grad=True)
+    y = F.interpolate(x, scale_factor=2, mode="nearest-exact")
+    assert y.stride() == (8 * 10 * 3, 1, 10 * 3, 3)  # channels-last output (1, 3, 8, 10)
+    yt = torch.nn.functional.interpolate(xt, scale_factor=2, mode="nearest-exact")
+    g, gt = pair(tuple(yt.shape), dtype)
+    grads = y.backward(g)
+    yt.backward(gt)
+    assert_close(y, yt)
+    assert_close(grads[x].to(dtype), xt.grad)
+    y1 = F.interpolate(pair((2, 3, 5), dtype)[0], size=15)
+    assert y1.shape == (2, 3, 15)
+    x64 = flame.tensor(np.random.default_rng(2).standard_normal((1, 2, 2, 3)), requires_grad=True)
+    assert gradcheck(lambda t: F.interpolate(t, scale_factor=(2, 3)), [x64])
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_upsample_then_conv_matches_torch(channels_last):
+    # SDXL's Upsample2D: nearest 2x, then a 3x3 conv with padding 1
+    x, xt = pair((1, 6, 3, 5), requires_grad=True)
+    if channels_last:
+        xt = xt.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+        x = flame.from_torch(xt.detach().clone(memory_format=torch.preserve_format), requires_grad=True)
+    w, wt = pair((4, 6, 3, 3), requires_grad=True)
+    b, bt = pair((4,), requires_grad=True)
+    y = F.conv2d(F.interpolate(x, scale_factor=2), w, b, padding=1)
+    yt = torch.nn.functional.conv2d(torch.nn.functional.interpolate(xt, scale_factor=2), wt, bt, padding=1)
+    g, gt = pair(tuple(yt.shape))
+    grads = y.backward(g)
+    yt.backward(gt)
+    for got, want in ((y, yt), (grads[x], xt.grad), (grads[w], wt.grad), (grads[b], bt.grad)):
+        assert_close(got, want, **_tol(want, torch.float32))
 
 
 def test_interpolate_bad_inputs():
@@ -201,11 +326,13 @@ def test_conv2d_bad_inputs():
         F.conv2d(x, w, padding="full")
     with pytest.raises(ValueError, match="strided"):
         F.conv2d(x, w, stride=2, padding="same")
-    with pytest.raises(ValueError, match="larger than the padded input"):
+    with pytest.raises(ValueError, match=r"padded input \(2, 2\); input \(1, 3, 2, 2\), weight \(4, 3, 3, 3\)"):
         F.conv2d(flame.ones(1, 3, 2, 2), w)
+    with pytest.raises(ValueError, match=r"larger than the padded input \(4, 4\)"):
+        F.conv2d(flame.ones(1, 3, 2, 2), flame.ones(4, 3, 5, 5), padding=1)
     with pytest.raises(ValueError, match="bias"):
         F.conv2d(x, w, flame.ones(3))
-    with pytest.raises(ValueError, match=r"groups=3 must divide"):
+    with pytest.raises(ValueError, match=r"groups=3 must divide .*input \(1, 4, 5, 5\), weight \(4, 2, 3, 3\)"):
         F.conv2d(flame.ones(1, 4, 5, 5), flame.ones(4, 2, 3, 3), groups=3)
     with pytest.raises(ValueError, match=r"expects 6 .*groups=3"):
         F.conv2d(flame.ones(1, 3, 5, 5), flame.ones(3, 2, 3, 3), groups=3)
@@ -228,6 +355,8 @@ def test_conv2d_fp32_gpu_tf32():
     ((1, 4, 128, 128), 320, dict(padding=1)),
     ((1, 320, 128, 128), 4, dict(padding=1)),
     ((1, 960, 128, 128), 320, dict()),
+    ((1, 2560, 32, 32), 1280, dict(padding=1)),
+    ((1, 2560, 32, 32), 1280, dict()),
 ], ids=str)
 def test_conv2d_bf16_sdxl_shape_error_budget(shape, co, kw):
     # DESIGN rule: error vs an fp32 reference at most 2x (outputs) / 3x (gradients) PyTorch's in bf16

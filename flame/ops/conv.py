@@ -185,7 +185,10 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     from .shape import squeeze, unsqueeze
     stride, dilation = _single(stride, "stride", op), _single(dilation, "dilation", op)
     pad = padding if isinstance(padding, str) else (0, _single(padding, "padding", op))
-    y = conv2d(unsqueeze(input, -2), unsqueeze(weight, 2), bias, (1, stride), pad, (1, dilation), groups)
+    try:
+        y = conv2d(unsqueeze(input, -2), unsqueeze(weight, 2), bias, (1, stride), pad, (1, dilation), groups)
+    except ValueError as e:  # conv2d names the (N, C, 1, L) views: say what the caller passed
+        raise ValueError(f"{op}: input {input.shape}, weight {weight.shape}: {e}") from None
     return squeeze(y, -2)
 
 
