@@ -1,5 +1,6 @@
 """Mixed precision: DynamicLossScaler against torch.amp.GradScaler (scale values, skipped steps,
 parameters, state), autocast against PyTorch's autocast lists, Policy, fp16 training runs."""
+import itertools
 import threading
 
 import numpy as np
@@ -83,24 +84,24 @@ def test_skipped_step_equals_run_without_it():
     # init 128, interval 1: 4 steps, the 3rd with an inf -> final scale 128 * 2^3 * 0.5
     fs, _, _ = _run_pair([None, None, (1, float("inf")), None], False, init_scale=128.0, growth_interval=1)
     assert fs.get_scale() == 128 * 2 ** 3 * 0.5
+    # 4 AdamW steps, the 3rd with a NaN gradient, equal a run of the 3 clean steps bit for bit
     gen = torch.Generator().manual_seed(1)
     p0 = torch.randn(6, generator=gen)
-    gs = [torch.randn(6, generator=gen) for _ in range(3)]
-    runs = []
-    for skip in (True, False):
+    gs = [torch.randn(6, generator=gen) for _ in range(4)]
+    finals = []
+    for steps in ([0, 1, 2, 3], [0, 1, 3]):
         p = flame.from_torch(p0.clone().to(DEVICE), requires_grad=True)
-        opt = optim.AdamW([p], lr=0.05)
+        opt = optim.AdamW([p], lr=0.05, weight_decay=0.1)
         sc = amp.DynamicLossScaler(init_scale=128.0, growth_interval=1)
-        for i in range(3):
-            if i == 1 and not skip:
-                continue
+        for i in steps:
             g = gs[i] * sc.get_scale()
-            if i == 1:
+            if i == 2:
                 g[2] = float("nan")
             sc.step(opt, {p: flame.from_torch(g.to(DEVICE))})
             sc.update()
-        runs.append(p.numpy())
-    np.testing.assert_array_equal(runs[0], runs[1])
+        finals.append((p.numpy(), opt.state_dict()["state"][0]["step"]))
+    np.testing.assert_array_equal(finals[0][0], finals[1][0])
+    assert finals[0][1] == finals[1][1] == 3
 
 
 def test_state_dict_round_trip_and_torch_compat():
@@ -335,3 +336,109 @@ def test_policy():
     assert grads[model[0].weight].dtype == torch.float32 and model[1].weight not in grads
     with pytest.raises(TypeError, match="compute_dtype"):
         amp.Policy(compute_dtype=torch.int32)
+
+
+# ---- fp16 training: underflow without loss scaling, convergence with it ------------------------
+
+def _mlp_run(scaled, steps=10, autocast_dtype=torch.float16):
+    """A small regression MLP (fp32 master weights, fp16 compute) whose loss is weighted by 1e-7:
+    without scaling, dL/dy (~1e-9) is below fp16's smallest subnormal and flushes to zero."""
+    flame.manual_seed(3)
+    model = nn.Sequential(nn.Linear(8, 32), nn.SiLU(), nn.Linear(32, 1))
+    x = flame.randn(64, 8)
+    target = flame.tanh(x.sum(dim=1, keepdim=True) * 0.5)
+    opt = optim.AdamW(model.parameters(), lr=3e-2, eps=1e-20, weight_decay=0.0)
+    scaler = amp.DynamicLossScaler(init_scale=2.0 ** 16) if scaled else None
+    losses, zero_grads = [], []
+    for _ in range(steps):
+        with amp.autocast(autocast_dtype, enabled=autocast_dtype is not None):
+            y = model(x)
+        loss = F.mse_loss(y, target) * 1e-7
+        grads = (scaler.scale(loss) if scaled else loss).backward()
+        zero_grads.append(all(float(grads[p].abs().max()) == 0.0 for p in model.parameters()))
+        if scaled:
+            scaler.step(opt, grads)
+            scaler.update()
+        else:
+            opt.step(grads)
+        losses.append(float(loss) * 1e7)
+    return losses, zero_grads
+
+
+def test_fp16_mlp_converges_with_scaler_and_underflows_without():
+    plain, plain_zero = _mlp_run(scaled=False)
+    scaled, scaled_zero = _mlp_run(scaled=True)
+    ref, _ = _mlp_run(scaled=False, autocast_dtype=None)  # the same run in fp32
+    # without scaling every gradient underflows to exactly zero: the model never moves
+    assert all(plain_zero) and plain[-1] == plain[0], plain
+    # with the scaler it trains like the fp32 run
+    assert not any(scaled_zero)
+    assert scaled[-1] < 0.2 * scaled[0] and ref[-1] < 0.2 * ref[0], (scaled, ref)
+    assert abs(scaled[-1] - ref[-1]) < 0.1 * ref[0], (scaled[-1], ref[-1])
+
+
+# ---- a full mixed-precision LoRA training step (also runs on the GPU, bf16 there) -------------
+
+class _Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv_in = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.conv = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = flame.silu(self.norm(self.conv_in(x)))
+        h = self.conv(h).mean(dim=(2, 3))
+        return self.proj(h)
+
+
+@pytest.mark.parametrize("dtype", LOWP_PARAMS)
+def test_full_lora_training_step_with_autocast_and_scaler(dtype):
+    from flame.kernels import launch as L
+    model = _Small()
+    nn.inject_lora(model, ["proj"], rank=2, alpha=2, conv=True)
+    for p in nn.lora_parameters(model):  # non-zero B so every adapter gets a gradient at step 1
+        nn.init.normal_(p, 0.0, 0.1)
+    model.norm.requires_grad_(False)
+    amp.Policy(compute_dtype=dtype).apply(model, frozen_dtype=dtype)  # frozen base stored in 16 bits
+    assert model.conv.weight.dtype == dtype and model.conv.lora_A.dtype == torch.float32
+    frozen = {n: p.to_torch().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    params = nn.lora_parameters(model)
+    opt = optim.AdamW(params, lr=5e-2)
+    scaler = amp.DynamicLossScaler(init_scale=2.0 ** 12)
+    x = flame.randn(2, 3, 6, 6)
+    target = flame.randn(2, 4)
+
+    def loss_of(use_autocast):
+        with amp.autocast(dtype, enabled=use_autocast):
+            y = model(x)
+        assert y.dtype == (dtype if use_autocast else torch.float32)
+        return F.mse_loss(y, target)
+
+    # reference gradients: the same step in fp32 (base weights upcast), no scaling
+    model.to(torch.float32)
+    ref = loss_of(False).backward()
+    ref = {p.id: ref[p].to_torch().clone() for p in params}
+    amp.Policy(compute_dtype=dtype).apply(model, frozen_dtype=dtype)
+    losses = []
+    for step in range(4):
+        loss = loss_of(True)
+        grads = scaler.scale(loss).backward()
+        assert set(grads.keys()) == {p.id for p in params}  # no gradient for the frozen base
+        if step == 0:
+            scaler.unscale_(grads)
+            for p in params:
+                assert grads[p].dtype == torch.float32
+                torch.testing.assert_close(grads[p].to_torch(), ref[p.id], rtol=5e-2, atol=5e-3)
+        before = L.launches
+        scaler.step(opt, grads)
+        if step > 0:  # (the first step also zero-fills the optimizer state)
+            assert L.launches - before == 3  # inf check + fused unscale/update + step counters
+        scaler.update()
+        losses.append(float(loss))
+    assert not scaler.last_step_skipped()
+    assert all(b < a for a, b in itertools.pairwise(losses)) and losses[-1] < 0.9 * losses[0], losses
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            assert torch.equal(p.to_torch(), frozen[n]), n

@@ -29,6 +29,7 @@ _caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, const
 _no_spec: dict = {}  # id(kernel) -> per-argument "do not specialize" flags
 _tensor_args: dict = {}  # id(kernel) -> positions of its tensor arguments
 _device = None
+launches = 0  # every launch() so far: tests count kernel launches with it
 
 
 def _nospec_flags(kernel, nargs):
@@ -66,7 +67,8 @@ def launch(kernel, grid, *args, sig=None, **meta):
     specialisation of every non-tensor argument and ``meta``; the key then only adds each
     tensor's dtype and alignment, skipping the per-argument inspection.
     """
-    global _direct, _device
+    global _direct, _device, launches
+    launches += 1
     if not _direct:
         kernel[grid](*args, **meta)
         return
