@@ -1,0 +1,92 @@
+"""Batches from a latent cache: within one aspect bucket, shuffled from (seed, epoch), resumable.
+
+``BucketBatchLoader`` plans an epoch as a list of batches: each bucket's samples permuted by a
+NumPy generator seeded with ``(seed, epoch)``, cut into batches of ``batch_size`` (the last one
+of a bucket smaller, or dropped with ``drop_last``), and the batches of all buckets permuted by the
+same generator. The plan depends on nothing but the cache, the seed and the epoch, so the loader's
+state is two integers: ``{"epoch": e, "position": p}`` (``p`` batches of epoch ``e`` consumed).
+``load_state_dict`` of a saved state continues with exactly the batch an uninterrupted run would
+have read next. Iterating never stops: after the last batch of an epoch comes the first of the next.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .cache import Batch, LatentCache
+
+
+class BucketBatchLoader:
+    """Infinite iterator of ``Batch``es of ``split`` ("train" or "val") of ``cache``."""
+
+    def __init__(self, cache: LatentCache, batch_size: int, split: str = "train", shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = False):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        self.cache, self.batch_size, self.split = cache, batch_size, split
+        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        by_bucket = {}
+        for i in cache.split(split):
+            by_bucket.setdefault(cache.bucket_of(i), []).append(i)
+        self._buckets = [np.array(by_bucket[b], dtype=np.int64) for b in sorted(by_bucket)]
+        self.epoch, self.position = 0, 0
+        self._plan_cache = (None, None)
+        if not self.plan(0):
+            sizes = [len(b) for b in self._buckets]
+            raise ValueError(f"no batch of {batch_size} in the {split!r} split of {cache.path} "
+                             f"(bucket sizes {sizes}{', drop_last' if drop_last else ''})")
+
+    def plan(self, epoch: int) -> list:
+        """The batches of ``epoch``: a list of tuples of sample indices (cached for the last epoch asked)."""
+        if self._plan_cache[0] == epoch:
+            return self._plan_cache[1]
+        rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
+        batches = []
+        for ids in self._buckets:
+            if rng is not None:
+                ids = rng.permutation(ids)
+            for start in range(0, len(ids), self.batch_size):
+                chunk = ids[start:start + self.batch_size]
+                if len(chunk) == self.batch_size or not self.drop_last:
+                    batches.append(tuple(int(i) for i in chunk))
+        if rng is not None:
+            batches = [batches[i] for i in rng.permutation(len(batches))]
+        self._plan_cache = (epoch, batches)
+        return batches
+
+    def __len__(self):
+        """Batches per epoch."""
+        return len(self.plan(self.epoch))
+
+    @property
+    def num_samples(self) -> int:
+        return int(sum(len(b) for b in self._buckets))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Batch:
+        plan = self.plan(self.epoch)
+        if self.position >= len(plan):
+            self.epoch, self.position = self.epoch + 1, 0
+            plan = self.plan(self.epoch)
+        ids = plan[self.position]
+        self.position += 1
+        return self.cache.batch(ids)
+
+    def epoch_batches(self, epoch: int = 0):
+        """The batches of one epoch in order, without touching the iterator's state (validation)."""
+        for ids in self.plan(epoch):
+            yield self.cache.batch(ids)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "batch_size"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
+                                 f"{key}={getattr(self, key)}: the batches would differ")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= len(self.plan(epoch)):
+            raise ValueError(f"loader state out of range: epoch {epoch}, position {position}")
+        self.epoch, self.position = epoch, position

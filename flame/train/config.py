@@ -1,0 +1,283 @@
+"""Trainer configuration: a YAML file plus ``section.key=value`` overrides, checked against a schema.
+
+Every option, its default and what it means are in ``SCHEMA`` below (and in
+``configs/sdxl_lora.yaml``). ``load_config(path, overrides)`` reads the file, applies the overrides
+(values parsed as YAML: ``train.lr=2e-4``, ``lora.targets=[to_q,to_v]``, ``model.path=null``), fills
+in the defaults and validates everything at once: unknown keys (with the nearest known name),
+wrong types and out-of-range values are all reported in one ``ConfigError``.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import math
+import os
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import yaml
+
+REQUIRED = object()
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix (the message lists every problem found)."""
+
+
+@dataclass(frozen=True)
+class Opt:
+    default: object
+    kind: str  # int, float, bool, str, path, choice, targets, sizes
+    help: str
+    choices: tuple = ()
+    low: float | None = None  # inclusive lower bound for numbers
+    high: float | None = None  # exclusive upper bound
+    nullable: bool = False
+
+
+SCHEMA = {
+    "model": {
+        "path": Opt(None, "path", "diffusers unet/ or pipeline folder, or one .safetensors file (diffusers or "
+                                  "LDM/SGM names); null: random init from model.config", nullable=True),
+        "config": Opt("sdxl", "str", "architecture: tiny, sdxl, or a diffusers UNet config.json (used for random "
+                                     "init and for single-file checkpoints)"),
+    },
+    "data": {
+        "cache_dir": Opt(REQUIRED, "path", "latent cache folder (scripts/prepare_cache.py)"),
+        "batch_size": Opt(1, "int", "samples per micro-batch (all from one aspect bucket)", low=1),
+        "drop_last": Opt(False, "bool", "drop each bucket's last partial batch (fixed batch shapes)"),
+        "synthetic_samples": Opt(0, "int", "if > 0 and cache_dir holds no cache, write a synthetic cache of this "
+                                           "many samples first (demos, tests)", low=0),
+        "synthetic_latent_sizes": Opt(None, "sizes", "latent (h, w) buckets of that synthetic cache, e.g. "
+                                                     "[[8, 8], [8, 12]] (default: the model's sample size)",
+                                      nullable=True),
+    },
+    "lora": {
+        "rank": Opt(16, "int", "adapter rank", low=1),
+        "alpha": Opt(None, "float", "scale numerator (scale = alpha / rank); null: alpha = rank", low=0.0,
+                     nullable=True),
+        "targets": Opt("attn", "targets", "attn (560 SDXL layers), attn-mlp (722), or a list of module-name "
+                                          "suffixes / regular expressions"),
+        "init": Opt("kaiming", "choice", "A's init (B starts at zero)", choices=("kaiming", "gaussian")),
+        "dropout": Opt(0.0, "float", "dropout on the adapter input", low=0.0, high=1.0),
+        "format": Opt("peft", "choice", "LoRA file format: peft (diffusers) or kohya", choices=("peft", "kohya")),
+    },
+    "train": {
+        "steps": Opt(None, "int", "optimizer steps (or set train.epochs)", low=1, nullable=True),
+        "epochs": Opt(None, "int", "passes over the training split (or set train.steps)", low=1, nullable=True),
+        "lr": Opt(1e-4, "float", "peak learning rate", low=0.0),
+        "lr_scheduler": Opt("constant", "choice", "learning-rate schedule (diffusers' names)",
+                            choices=("constant", "constant_with_warmup", "linear", "cosine")),
+        "warmup_steps": Opt(0, "int", "linear warm-up steps", low=0),
+        "grad_accum": Opt(1, "int", "micro-batches per optimizer step", low=1),
+        "precision": Opt("bf16", "choice", "compute dtype of the frozen UNet (fp16 adds the dynamic loss scaler; "
+                                           "LoRA weights are always fp32)", choices=("bf16", "fp16", "fp32")),
+        "gradient_checkpointing": Opt(False, "bool", "recompute each resnet / transformer block in the backward"),
+        "max_grad_norm": Opt(1.0, "float", "clip the LoRA gradients' global norm; 0 or null: no clipping",
+                             low=0.0, nullable=True),
+        "seed": Opt(0, "int", "seed of model init, LoRA init, noise, timesteps and data order"),
+        "weight_decay": Opt(1e-2, "float", "AdamW decoupled weight decay", low=0.0),
+        "adam_beta1": Opt(0.9, "float", "AdamW beta1", low=0.0, high=1.0),
+        "adam_beta2": Opt(0.999, "float", "AdamW beta2", low=0.0, high=1.0),
+        "adam_eps": Opt(1e-8, "float", "AdamW epsilon", low=0.0),
+        "cuda_graph": Opt(False, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only)"),
+    },
+    "diffusion": {
+        "prediction_type": Opt("epsilon", "choice", "what the UNet predicts (SDXL base: epsilon)",
+                               choices=("epsilon", "v_prediction")),
+        "noise_offset": Opt(0.0, "float", "noise += offset * randn(B, C, 1, 1); 0: off", low=0.0),
+        "min_snr_gamma": Opt(None, "float", "min-SNR-gamma loss weighting (5 is usual); null: off", low=0.0,
+                             nullable=True),
+        "timestep_min": Opt(0, "int", "timesteps are drawn uniformly from [timestep_min, timestep_max)", low=0),
+        "timestep_max": Opt(1000, "int", "exclusive upper bound of the timesteps", low=1, high=1001),
+    },
+    "output": {
+        "dir": Opt(REQUIRED, "path", "run folder: LoRA file, checkpoints/, metrics.jsonl, config.yaml"),
+        "name": Opt("lora", "str", "LoRA file name (without .safetensors)"),
+        "save_every": Opt(500, "int", "checkpoint every N steps (0: only at the end)", low=0),
+        "keep_last": Opt(3, "int", "checkpoints kept (older ones are deleted)", low=1),
+        "log_every": Opt(10, "int", "read the loss, update the bar and metrics.jsonl every N steps", low=1),
+        "validate_every": Opt(0, "int", "validation loss on the held-out split every N steps (and at step 0); "
+                                        "0: off", low=0),
+        "val_batch_size": Opt(None, "int", "validation batch size (default data.batch_size)", low=1, nullable=True),
+    },
+    "resume": Opt(None, "str", "null, 'latest' (the newest complete checkpoint in output.dir, if any) or a "
+                               "checkpoint folder", nullable=True),
+}
+
+
+# diffusers' and kohya's names for options, pointed to in "unknown option" messages
+ALIASES = {
+    "learning_rate": "train.lr", "max_train_steps": "train.steps", "num_train_epochs": "train.epochs",
+    "max_train_epochs": "train.epochs", "gradient_accumulation_steps": "train.grad_accum",
+    "mixed_precision": "train.precision", "lr_warmup_steps": "train.warmup_steps",
+    "train_batch_size": "data.batch_size", "network_dim": "lora.rank", "network_alpha": "lora.alpha",
+    "snr_gamma": "diffusion.min_snr_gamma", "min_snr_gamma": "diffusion.min_snr_gamma", "output_dir": "output.dir",
+    "checkpointing_steps": "output.save_every", "save_every_n_steps": "output.save_every",
+    "pretrained_model_name_or_path": "model.path", "resume_from_checkpoint": "resume",
+}
+
+
+def _known(schema=SCHEMA, prefix=""):
+    for k, v in schema.items():
+        if isinstance(v, dict):
+            yield from _known(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}"
+
+
+def _check_value(name, opt: Opt, value, errors):
+    """The value converted to the option's kind, or None with a message appended to ``errors``."""
+    if value is REQUIRED:
+        errors.append(f"{name}: required (no default)")
+        return None
+    if value is None:
+        if not opt.nullable:
+            errors.append(f"{name}: must not be null")
+        return None
+    kind = opt.kind
+    try:
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise TypeError("expected true or false")
+        elif kind == "int":
+            if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float)
+                                                                        and value.is_integer())):
+                raise TypeError("expected an integer")
+            value = int(value)
+        elif kind == "float":
+            if isinstance(value, bool):
+                raise TypeError("expected a number")
+            try:
+                value = float(value)  # also "1e-4", which YAML reads as a string
+            except ValueError:
+                raise TypeError("expected a number") from None
+            if not math.isfinite(value):
+                raise ValueError("expected a finite number")
+        elif kind in ("str", "path", "choice"):
+            if not isinstance(value, str) or not value:
+                raise TypeError("expected a non-empty string")
+            if kind == "path":
+                value = os.path.expanduser(value)
+            if kind == "choice" and value not in opt.choices:
+                raise ValueError(f"expected one of {', '.join(opt.choices)}")
+        elif kind == "targets":
+            if isinstance(value, str):
+                value = value if value else None
+            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
+                value = list(value)
+            else:
+                value = None
+            if value is None:
+                raise TypeError("expected attn, attn-mlp or a non-empty list of module-name patterns")
+        elif kind == "sizes":
+            ok = isinstance(value, (list, tuple)) and value and all(
+                isinstance(s, (list, tuple)) and len(s) == 2 and all(isinstance(v, int) and v > 0 for v in s)
+                for s in value)
+            if not ok:
+                raise TypeError("expected a list of [h, w] pairs of positive integers")
+            value = [list(s) for s in value]
+    except (TypeError, ValueError) as e:
+        errors.append(f"{name}: {e}, got {value!r}")
+        return None
+    if kind in ("int", "float"):
+        if opt.low is not None and value < opt.low:
+            errors.append(f"{name}: must be >= {opt.low}, got {value!r}")
+        elif opt.high is not None and value >= opt.high:
+            errors.append(f"{name}: must be < {opt.high}, got {value!r}")
+    return value
+
+
+def _unknown(name, errors):
+    close = difflib.get_close_matches(name, list(_known()), n=1, cutoff=0.6)
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf in ALIASES:
+        close = [ALIASES[leaf]]
+    elif not close:  # a known key in another section, e.g. "lr" for "train.lr"
+        close = [k for k in _known() if k.rsplit(".", 1)[-1] == leaf][:1]
+    errors.append(f"{name}: unknown option" + (f" (did you mean {close[0]}?)" if close else ""))
+
+
+def _merge(schema, raw, prefix, errors):
+    out = {}
+    if not isinstance(raw, dict):
+        errors.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping of options, got {raw!r}")
+        raw = {}
+    for k in raw:
+        if k not in schema:
+            _unknown(f"{prefix}{k}", errors)
+    for k, opt in schema.items():
+        name = f"{prefix}{k}"
+        if isinstance(opt, dict):
+            out[k] = _merge(opt, raw.get(k) or {}, f"{name}.", errors)
+        else:
+            out[k] = _check_value(name, opt, raw.get(k, opt.default), errors)
+    return out
+
+
+def _cross_checks(c, errors):
+    t, d = c["train"], c["diffusion"]
+    if (t["steps"] is None) == (t["epochs"] is None):
+        errors.append("train.steps / train.epochs: set exactly one of them (the other null)")
+    if d["timestep_min"] is not None and d["timestep_max"] is not None and d["timestep_min"] >= d["timestep_max"]:
+        errors.append(f"diffusion.timestep_min ({d['timestep_min']}) must be below diffusion.timestep_max "
+                      f"({d['timestep_max']})")
+    if t["lr_scheduler"] == "constant" and t["warmup_steps"]:
+        errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Apply one ``section.key=value`` override (value parsed as YAML) to the raw config dict."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=2e-4")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def build_config(raw: dict | None, overrides=()) -> SimpleNamespace:
+    """Validate ``raw`` (a dict as read from YAML) with ``overrides`` applied; raises ConfigError."""
+    raw = copy.deepcopy(raw) if raw is not None else {}
+    for item in overrides:
+        apply_override(raw, item)
+    errors = []
+    merged = _merge(SCHEMA, raw, "", errors)
+    if not errors:
+        _cross_checks(merged, errors)
+    if errors:
+        raise ConfigError("invalid config:\n  " + "\n  ".join(errors))
+    return _namespace(merged)
+
+
+def load_config(path, overrides=()) -> SimpleNamespace:
+    """Read the YAML file ``path``, apply ``overrides`` and validate (see ``build_config``)."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    return build_config(raw if raw is not None else {}, overrides)
+
+
+def _namespace(d):
+    return SimpleNamespace(**{k: _namespace(v) if isinstance(v, dict) else v for k, v in d.items()})
+
+
+def to_dict(cfg) -> dict:
+    """The plain-dict form of a config namespace (for YAML/JSON)."""
+    return {k: to_dict(v) if isinstance(v, SimpleNamespace) else v for k, v in vars(cfg).items()}

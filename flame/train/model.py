@@ -1,0 +1,38 @@
+"""The UNet a run trains: its config from a name or a diffusers config, its weights from a checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+
+from ..models import SDXLUNet, SDXLUNetConfig
+
+CONFIG_NAMES = ("tiny", "sdxl")
+
+
+def unet_config(spec) -> SDXLUNetConfig:
+    """``"tiny"`` (SDXLUNetConfig.tiny()), ``"sdxl"`` (SDXL base), an ``SDXLUNetConfig``, or the path
+    of a diffusers UNet ``config.json`` (or of a folder holding one, directly or in ``unet/``)."""
+    if isinstance(spec, SDXLUNetConfig):
+        return spec
+    if spec == "tiny":
+        return SDXLUNetConfig.tiny()
+    if spec == "sdxl":
+        return SDXLUNetConfig()
+    path = os.fspath(spec)
+    for candidate in (path, os.path.join(path, "config.json"), os.path.join(path, "unet", "config.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                return SDXLUNetConfig.from_diffusers(json.load(f))
+    raise ValueError(f"model config must be one of {CONFIG_NAMES} or a diffusers UNet config.json (or a folder "
+                     f"holding one), got {spec!r}")
+
+
+def build_unet(path=None, config="sdxl", dtype=None) -> SDXLUNet:
+    """``SDXLUNet.from_pretrained(path)`` when ``path`` is given (a diffusers ``unet/`` or pipeline
+    folder, or one .safetensors file whose architecture is ``config``), else a random init of ``config``."""
+    if path:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model.path {path!r} does not exist")
+        single_file = os.path.isfile(path)
+        return SDXLUNet.from_pretrained(path, dtype=dtype, config=unet_config(config) if single_file else None)
+    return SDXLUNet(unet_config(config), dtype=dtype)
