@@ -143,11 +143,6 @@ def _pool_bwd_kernel(dy_ptr, idx_ptr, dx_ptr, total, C, H, W, OH, OW, KH, KW, sh
     tl.store(dx_ptr + n * sx_n + c * sx_c + ih * sx_h + iw * sx_w, acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _nchw(t):
-    s = t.stride()
-    return s[0], s[1], s[2], s[3]
-
-
 def _meta(buf):
     """Memory order, compute dtype and block of a launch writing ``buf`` (N, C, H, W)."""
     cl = buf.shape[1] > 1 and buf.stride(1) == 1
@@ -160,20 +155,21 @@ def _meta(buf):
 def pool2d_forward_(out, idx, x, kernel, stride, padding, dilation, divisor=0, count_include_pad=True):
     """``out`` (N, C, OH, OW) = max pool (``idx`` an int64 buffer shaped like ``out`` receiving
     the flat (H, W) index of each maximum) or, with ``idx`` None, average pool of ``x`` (N, C, H, W).
-    ``out`` and ``idx`` must share strides, dense in NCHW or channels-last order."""
+    ``idx`` must have ``out``'s strides (dense NCHW or channels-last: contiguous stores)."""
     if out.numel() == 0:
         return out
     grid, meta = _meta(out)
     launch(_pool_fwd_kernel, (grid,), x, out, out if idx is None else idx, out.numel(), x.shape[1], x.shape[2],
            x.shape[3], out.shape[2], out.shape[3], *kernel, *stride, *padding, *dilation, divisor,
-           *_nchw(x), *_nchw(out), MAX=idx is not None, COUNT_PAD=count_include_pad, **meta)
+           *x.stride(), *out.stride(), MAX=idx is not None, COUNT_PAD=count_include_pad, **meta)
     return out
 
 
 def pool2d_backward_(dx, dy, idx, kernel, stride, padding, dilation, divisor=0, count_include_pad=True):
     """``dx`` (N, C, H, W) = the input gradient of max pool (``idx`` from the forward) or, with
-    ``idx`` None, of average pool, from ``dy`` (N, C, OH, OW) with any strides. ``dx`` must be
-    dense in NCHW or channels-last order; every element is written."""
+    ``idx`` None, of average pool, from ``dy`` (N, C, OH, OW) with any strides. Every element of
+    ``dx`` is written (no zero fill); its stores are contiguous when it is dense NCHW or
+    channels-last."""
     if dx.numel() == 0:
         return dx
     grid, meta = _meta(dx)
@@ -181,6 +177,6 @@ def pool2d_backward_(dx, dy, idx, kernel, stride, padding, dilation, divisor=0, 
     nh, nw = cdiv((kh - 1) * dh + 1, sh), cdiv((kw - 1) * dw + 1, sw)
     launch(_pool_bwd_kernel, (grid,), dy, dy if idx is None else idx, dx, dx.numel(), dx.shape[1], dx.shape[2],
            dx.shape[3], dy.shape[2], dy.shape[3], *kernel, *stride, *padding, *dilation, divisor, nh, nw,
-           *_nchw(dy), *_nchw(dy if idx is None else idx), *_nchw(dx),
+           *dy.stride(), *(dy if idx is None else idx).stride(), *dx.stride(),
            MAX=idx is not None, COUNT_PAD=count_include_pad, **meta)
     return dx
