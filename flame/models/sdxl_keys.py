@@ -27,6 +27,7 @@ import pathlib
 import re
 
 from .. import io
+from ..nn import Parameter
 
 LDM_PREFIX = "model.diffusion_model."
 
@@ -222,10 +223,10 @@ def check_index(index: dict, expected: dict, where: str) -> None:
         raise RuntimeError(f"Error(s) loading the SDXL UNet from {where}:\n\t" + "\n\t".join(errors))
 
 
-def load_into(model, index: dict, chunk_bytes: int = 1 << 28) -> None:
-    """Copy the tensors of a checked ``checkpoint_index`` into ``model`` (cast to each parameter's
-    dtype), reading about ``chunk_bytes`` at a time so host and device never hold a second copy of
-    the whole model."""
+def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
+    """Give ``model`` (freshly built) the tensors of a checked ``checkpoint_index`` as its
+    parameters, read in ``dtype`` about ``chunk_bytes`` at a time: each loaded tensor becomes the
+    new Parameter (no copy into the initial one, which is released)."""
     by_file = {}
     for name, (f, key, shape) in index.items():
         by_file.setdefault(f, []).append((name, key, 4 * math.prod(shape)))
@@ -235,6 +236,9 @@ def load_into(model, index: dict, chunk_bytes: int = 1 << 28) -> None:
             part.append((name, key))
             size += nbytes
             if size >= chunk_bytes or i == len(entries) - 1:
-                tensors = io.load_safetensors(f, keys=[k for _, k in part])
-                model.load_state_dict({n: tensors[k] for n, k in part}, strict=False)
+                tensors = io.load_safetensors(f, dtype=dtype, keys=[k for _, k in part])
+                for n, k in part:
+                    path, _, attr = n.rpartition(".")
+                    # in place in the module's table: state_dict order stays the architecture's
+                    model.get_submodule(path)._parameters[attr] = Parameter(tensors.pop(k))
                 part, size = [], 0

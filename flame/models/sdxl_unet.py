@@ -75,8 +75,8 @@ class SDXLUNetConfig:
     - norm_num_groups 8 (4-8 channels per group, as SDXL's 10-40 keeps statistics over several
       channels; 32 groups would leave one channel per group at width 32);
     - attention_head_dim (1, 2, 4) heads: head sizes 24 and 16 (not powers of two: exercises the
-      attention kernel's masks); transformer depth (1, 1, 2) so the mid block and up_blocks.0 stack
-      two transformer blocks like SDXL's deep levels;
+      attention kernel's masks); transformer depth (1, 1, 2), so down_blocks.2, the mid block and
+      up_blocks.0 stack two transformer blocks like SDXL's deep levels (17 blocks in all, SDXL 70);
     - cross_attention_dim 32, pooled text embedding 16, addition_time_embed_dim 8 (input 16 + 6 x 8 = 64);
       time embedding 4 x 32 = 128 wide;
     - sample_size 16 (latent 16x16 -> 8x8 -> 4x4).
@@ -197,18 +197,13 @@ class SDXLUNetConfig:
                     problems.append(f"{k}={v!r} (supported: {' or '.join(repr(x) for x in _FIXED[k])})")
             else:
                 problems.append(f"unknown key {k!r}")
-        lpb = kwargs.get("layers_per_block")
-        if isinstance(lpb, (tuple, list)):
-            if len(set(lpb)) != 1:
-                problems.append(f"layers_per_block={lpb!r} (must be the same for every block)")
-            else:
-                kwargs["layers_per_block"] = lpb[0]
-        cad = kwargs.get("cross_attention_dim")
-        if isinstance(cad, (tuple, list)):
-            if len(set(cad)) != 1:
-                problems.append(f"cross_attention_dim={cad!r} (must be the same for every block)")
-            else:
-                kwargs["cross_attention_dim"] = cad[0]
+        for k in ("layers_per_block", "cross_attention_dim"):  # diffusers allows one per block
+            v = kwargs.get(k)
+            if isinstance(v, (tuple, list)):
+                if len(set(v)) != 1:
+                    problems.append(f"{k}={v!r} (must be the same for every block)")
+                else:
+                    kwargs[k] = v[0]
         if problems:
             raise ValueError("SDXLUNetConfig.from_diffusers: unsupported UNet config: " + "; ".join(problems))
         return cls(**kwargs)
@@ -592,7 +587,7 @@ class SDXLUNet(nn.Module):
         index = checkpoint_index(files, config)
         check_index(index, cls.parameter_shapes(config), ", ".join(str(f) for f in files))
         model = cls(config, dtype=dtype)
-        load_into(model, index)
+        load_into(model, index, model.dtype)
         return model
 
     # ---- running ---------------------------------------------------------------------------------

@@ -1,0 +1,330 @@
+"""SDXL UNet: parity with diffusers' UNet2DConditionModel (outputs, gradients, LoRA with peft) on the
+tiny config, state-dict names and shapes, the full-config sizes, the LDM key map and checkpoint errors."""
+import copy
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+import flame
+import flame.nn.functional as F
+from flame.models import SDXLUNet, SDXLUNetConfig, diffusers_to_ldm, ldm_to_diffusers, sdxl_keys
+from flame.nn.lora import _expand_targets, _matches
+from helpers import DEVICE
+
+TINY = SDXLUNetConfig.tiny()
+# fp32 GEMMs run as tf32 on the GPU (deep net: errors compound); exact fp32 in the interpreter
+RTOL = 1e-4 if flame.is_interpreter() else 2e-2
+INPUT_NAMES = ("sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids")
+# parameters whose gradients are compared: every kind of layer, early and late in the network
+CHECKED = ("conv_in.weight", "time_embedding.linear_1.weight", "add_embedding.linear_2.bias",
+           "down_blocks.0.downsamplers.0.conv.weight",
+           "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.weight",
+           "down_blocks.2.resnets.0.norm1.weight", "mid_block.attentions.0.transformer_blocks.1.ff.net.0.proj.weight",
+           "mid_block.attentions.0.transformer_blocks.0.norm2.bias", "up_blocks.0.resnets.2.conv_shortcut.weight",
+           "up_blocks.0.attentions.1.proj_out.weight", "up_blocks.1.upsamplers.0.conv.weight",
+           "up_blocks.2.resnets.1.time_emb_proj.weight", "conv_norm_out.weight", "conv_out.bias")
+
+
+def _rel(got, ref):
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    return (got - ref).abs().max().item() / ref.abs().max().item()
+
+
+def _inputs(cfg=TINY, batch=2, size=8, tokens=8):
+    g = torch.Generator().manual_seed(1)
+    return {"sample": torch.randn(batch, cfg.in_channels, size, size, generator=g),
+            "timestep": torch.tensor([10, 901])[:batch],
+            "encoder_hidden_states": torch.randn(batch, tokens, cfg.cross_attention_dim, generator=g),
+            "text_embeds": torch.randn(batch, cfg.pooled_dim, generator=g),
+            "time_ids": torch.tensor([[1024.0, 1024, 0, 0, 1024, 1024], [768, 1152, 16, 32, 1024, 1024]])[:batch]}
+
+
+def _run_diffusers(unet, inp):
+    added = {"text_embeds": inp["text_embeds"], "time_ids": inp["time_ids"]}
+    return unet(inp["sample"], inp["timestep"], inp["encoder_hidden_states"], added_cond_kwargs=added).sample
+
+
+def _run_flame(model, inp):
+    return model(*(flame.from_torch(inp[k].to(DEVICE)) for k in INPUT_NAMES))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """A seeded diffusers UNet of the tiny config (norm weights and all biases perturbed so that a
+    swapped weight/bias shows), saved as a sharded diffusers folder and as an SGM-named single file."""
+    diffusers = pytest.importorskip("diffusers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(**TINY.to_diffusers()).eval()
+    with torch.no_grad():
+        for p in unet.parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+    root = tmp_path_factory.mktemp("sdxl_unet")
+    unet.save_pretrained(root / "unet", max_shard_size="3MB")
+    sd = {k: v.contiguous() for k, v in unet.state_dict().items()}
+    ldm = sdxl_keys.to_ldm(sd, TINY)
+    ldm["first_stage_model.decoder.conv_in.weight"] = torch.zeros(2, 2)  # other parts of an SGM file
+    ldm["conditioner.embedders.0.transformer.text_model.final_layer_norm.weight"] = torch.zeros(3)
+    safetensors_torch.save_file(ldm, root / "sgm.safetensors")
+    return unet, root
+
+
+# ---- parity with diffusers ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_forward_and_gradients_match_diffusers(reference, checkpointing):
+    if checkpointing:
+        pytest.importorskip("flame.checkpoint")
+    unet, root = reference
+    assert len(list((root / "unet").glob("*.safetensors"))) > 1  # the sharded index path
+    model = SDXLUNet.from_pretrained(root / "unet")
+    assert model.config == TINY
+    # state_dict in the skeleton's order (the architecture's), names and shapes as diffusers'
+    got = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    assert got == list(SDXLUNet.parameter_shapes(TINY).items())
+    assert dict(got) == {k: tuple(v.shape) for k, v in unet.state_dict().items()}
+    model.enable_gradient_checkpointing(checkpointing)
+    model.requires_grad_(False)
+    params = dict(model.named_parameters())
+    for name in CHECKED:
+        params[name].requires_grad_(True)
+    inp = _inputs()
+    target = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(2))
+
+    unet.zero_grad()
+    ref = _run_diffusers(unet, inp)
+    ref_loss = torch.nn.functional.mse_loss(ref, target)
+    ref_loss.backward()
+
+    out = _run_flame(model, inp)
+    t = out.to_torch()
+    assert t.shape == ref.shape and t.dtype == torch.float32
+    assert t.is_contiguous(memory_format=torch.channels_last)
+    assert _rel(t, ref) < RTOL
+    loss = F.mse_loss(out, flame.from_torch(target.to(DEVICE)))
+    assert abs(loss.item() - ref_loss.item()) <= RTOL * ref_loss.item()
+    grads = loss.backward()
+    ref_params = dict(unet.named_parameters())
+    for name in CHECKED:
+        err = _rel(grads[params[name]].to_torch(), ref_params[name].grad)
+        assert err < RTOL, f"{name}: relative gradient error {err:.3g}"
+
+
+def test_sgm_named_file_loads_the_same_weights_and_output(reference):
+    unet, root = reference
+    model = SDXLUNet.from_pretrained(root / "sgm.safetensors", config=TINY)
+    ref_sd = unet.state_dict()
+    sd = model.state_dict()
+    assert set(sd) == set(ref_sd)
+    for k, v in sd.items():
+        assert torch.equal(v.to_torch().cpu(), ref_sd[k]), k
+    inp = _inputs(batch=1)
+    with torch.no_grad():
+        ref = _run_diffusers(unet, inp)
+    with flame.no_grad():
+        out = _run_flame(model, inp)
+    assert _rel(out.to_torch(), ref) < RTOL
+
+
+def test_lora_loss_and_gradients_match_peft(reference):
+    peft = pytest.importorskip("peft")
+    unet, root = reference
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    ref = copy.deepcopy(unet)
+    ref.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights="gaussian"))
+    ref_lora = {n.replace(".default.weight", ""): p for n, p in ref.named_parameters() if ".lora_" in n}
+
+    model = SDXLUNet.from_pretrained(root / "unet")
+    model.requires_grad_(False)
+    names = flame.nn.inject_lora(model, "attn", rank=4, alpha=4)
+    assert len(names) == 136  # 17 transformer blocks x 2 attentions x 4 projections
+    lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(lora) == set(ref_lora)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in ref_lora.items():  # identical non-zero A and B on both sides
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            lora[n].to_torch().copy_(p)
+
+    inp = _inputs()
+    target = torch.randn(2, 4, 8, 8, generator=g)
+    ref_loss = torch.nn.functional.mse_loss(_run_diffusers(ref, inp), target)
+    ref_loss.backward()
+    loss = F.mse_loss(_run_flame(model, inp), flame.from_torch(target.to(DEVICE)))
+    assert abs(loss.item() - ref_loss.item()) <= RTOL * ref_loss.item()
+    grads = loss.backward()
+    assert len(grads) == len(lora) == 272
+    for n, p in lora.items():
+        err = _rel(grads[p].to_torch(), ref_lora[n].grad)
+        assert err < RTOL, f"{n}: relative gradient error {err:.3g}"
+
+
+def test_from_pretrained_casts_to_dtype(reference):
+    unet, root = reference
+    model = SDXLUNet.from_pretrained(root / "unet", dtype=flame.bfloat16)
+    ref = unet.state_dict()
+    assert model.dtype == flame.bfloat16
+    for k, v in model.state_dict().items():
+        assert v.dtype == flame.bfloat16
+        # one bf16 ulp: the interpreter's fp32 -> bf16 cast truncates, the GPU's rounds to nearest
+        torch.testing.assert_close(v.to_torch().cpu().float(), ref[k], rtol=2 ** -7, atol=0, msg=k)
+
+
+# ---- names, shapes and sizes ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [TINY, SDXLUNetConfig()], ids=["tiny", "sdxl"])
+def test_parameter_names_and_shapes_match_diffusers(cfg):
+    diffusers = pytest.importorskip("diffusers")
+    with torch.device("meta"):  # no memory: the full config is 2.57 B parameters
+        unet = diffusers.UNet2DConditionModel(**cfg.to_diffusers())
+    want = {k: tuple(v.shape) for k, v in unet.state_dict().items()}
+    assert dict(SDXLUNet.parameter_shapes(cfg)) == want
+    assert SDXLUNetConfig.from_diffusers(dict(unet.config)) == cfg
+
+
+def test_full_sdxl_sizes_and_lora_targets():
+    shapes = SDXLUNet.parameter_shapes()
+    assert len(shapes) == 1680
+    assert sum(math.prod(s) for s in shapes.values()) == 2_567_463_684
+    linear = SDXLUNet.layer_names(kind="Linear")
+    convs = SDXLUNet.layer_names(kind="Conv2d")
+    assert (len(linear), len(convs)) == (743, 51)
+    assert sorted(shapes[f"{n}.weight"][-1] for n in convs).count(3) == 40  # 40 3x3, 11 1x1
+    assert sum(_matches(n, _expand_targets("attn")) for n in linear) == 560
+    assert sum(_matches(n, _expand_targets("attn-mlp")) for n in linear) == 722
+    assert len(SDXLUNet.layer_names(kind="LayerNorm")) == 3 * 70  # 70 transformer blocks
+
+
+# ---- LDM / SGM names -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg", [TINY, SDXLUNetConfig()], ids=["tiny", "sdxl"])
+def test_ldm_key_map_round_trips(cfg):
+    names = list(SDXLUNet.parameter_shapes(cfg))
+    ldm = [diffusers_to_ldm(k, cfg) for k in names]
+    assert len(set(ldm)) == len(ldm)
+    assert [ldm_to_diffusers(k, cfg) for k in ldm] == names
+    assert [ldm_to_diffusers(sdxl_keys.LDM_PREFIX + k, cfg) for k in ldm] == names
+
+
+@pytest.mark.parametrize("diffusers_name, ldm_name", [
+    ("conv_in.weight", "input_blocks.0.0.weight"),
+    ("time_embedding.linear_2.bias", "time_embed.2.bias"),
+    ("add_embedding.linear_1.weight", "label_emb.0.0.weight"),
+    ("down_blocks.0.resnets.1.conv2.weight", "input_blocks.2.0.out_layers.3.weight"),
+    ("down_blocks.0.downsamplers.0.conv.weight", "input_blocks.3.0.op.weight"),
+    ("down_blocks.1.resnets.0.conv_shortcut.bias", "input_blocks.4.0.skip_connection.bias"),
+    ("down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.weight",
+     "input_blocks.4.1.transformer_blocks.0.attn1.to_q.weight"),
+    ("down_blocks.2.attentions.1.transformer_blocks.9.ff.net.0.proj.weight",
+     "input_blocks.8.1.transformer_blocks.9.ff.net.0.proj.weight"),
+    ("mid_block.resnets.1.time_emb_proj.weight", "middle_block.2.emb_layers.1.weight"),
+    ("mid_block.attentions.0.proj_in.weight", "middle_block.1.proj_in.weight"),
+    ("up_blocks.0.resnets.0.norm1.weight", "output_blocks.0.0.in_layers.0.weight"),
+    ("up_blocks.0.upsamplers.0.conv.weight", "output_blocks.2.2.conv.weight"),
+    ("up_blocks.1.attentions.2.norm.bias", "output_blocks.5.1.norm.bias"),
+    ("up_blocks.2.resnets.2.norm2.weight", "output_blocks.8.0.out_layers.0.weight"),
+    ("conv_norm_out.bias", "out.0.bias"),
+    ("conv_out.weight", "out.2.weight"),
+])
+def test_ldm_key_map_known_sdxl_names(diffusers_name, ldm_name):
+    assert diffusers_to_ldm(diffusers_name) == ldm_name
+    assert ldm_to_diffusers(ldm_name) == diffusers_name
+    assert ldm_to_diffusers("model.diffusion_model." + ldm_name) == diffusers_name
+
+
+def test_ldm_key_map_upsampler_slot_without_attentions():
+    cfg = dataclasses.replace(SDXLUNetConfig(), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"))
+    assert diffusers_to_ldm("up_blocks.0.upsamplers.0.conv.weight", cfg) == "output_blocks.2.1.conv.weight"
+    assert ldm_to_diffusers("output_blocks.2.1.conv.weight", cfg) == "up_blocks.0.upsamplers.0.conv.weight"
+
+
+@pytest.mark.parametrize("fn, key", [
+    (diffusers_to_ldm, "down_blocks.0.resnets.0.norm3.weight"),
+    (diffusers_to_ldm, "lora_unet_down_blocks_1.weight"),
+    (ldm_to_diffusers, "input_blocks.3.1.norm.weight"),  # the downsampler slot has no transformer
+    (ldm_to_diffusers, "middle_block.3.in_layers.0.weight"),
+    (ldm_to_diffusers, "output_blocks.1.0.in_layers.1.weight"),
+])
+def test_ldm_key_map_rejects_unknown_names(fn, key):
+    with pytest.raises(ValueError, match=r"no .* name for"):
+        fn(key)
+
+
+# ---- checkpoint errors -------------------------------------------------------------------------------
+
+def _save(tensors, path):
+    flame.io.save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path)
+    return path
+
+
+@pytest.mark.parametrize("change, message", [
+    ("drop", r"Missing key\(s\) \(1\): \"mid_block.resnets.0.conv1.bias\""),
+    ("extra", r"Unexpected key\(s\) \(1\): \"mid_block.resnets.0.conv9.weight\""),
+    ("shape", r"size mismatch for mid_block.resnets.0.conv1.bias: the checkpoint has shape \(3,\)"),
+])
+def test_mismatched_checkpoint_is_rejected_by_name(reference, tmp_path, change, message):
+    unet, _ = reference
+    sd = dict(unet.state_dict())
+    key = "mid_block.resnets.0.conv1.bias"
+    if change == "drop":
+        del sd[key]
+    elif change == "extra":
+        sd["mid_block.resnets.0.conv9.weight"] = torch.zeros(3)
+    else:
+        sd[key] = torch.zeros(3)
+    with pytest.raises(RuntimeError, match=message):
+        SDXLUNet.from_pretrained(_save(sd, tmp_path / "bad.safetensors"), config=TINY)
+
+
+def test_sdxl_file_for_the_wrong_config_lists_the_problems(tmp_path):
+    path = _save({"conv_in.weight": torch.zeros(32, 4, 3, 3)}, tmp_path / "partial.safetensors")
+    with pytest.raises(RuntimeError, match=r"(?s)Missing key\(s\) \(1679\).*size mismatch for conv_in.weight"):
+        SDXLUNet.from_pretrained(path)
+
+
+def test_corrupt_and_missing_files_raise(tmp_path):
+    bad = tmp_path / "corrupt.safetensors"
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        SDXLUNet.from_pretrained(bad, config=TINY)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SDXLUNet.from_pretrained(tmp_path / "nowhere")
+    folder = tmp_path / "unet"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY.to_diffusers()))
+    with pytest.raises(FileNotFoundError, match="no diffusion_pytorch_model"):
+        SDXLUNet.from_pretrained(tmp_path)  # a pipeline folder: looks into unet/
+
+
+# ---- config ------------------------------------------------------------------------------------------
+
+def test_config_round_trips_and_rejects_other_architectures():
+    d = SDXLUNetConfig().to_diffusers()
+    assert SDXLUNetConfig.from_diffusers({**d, "_class_name": "UNet2DConditionModel", "upcast_attention": None}) \
+        == SDXLUNetConfig()
+    assert SDXLUNetConfig().pooled_dim == 1280 and TINY.pooled_dim == 16
+    for key, value in (("addition_embed_type", "text"), ("use_linear_projection", False),
+                       ("class_embed_type", "timestep"), ("some_new_option", 1), ("layers_per_block", [2, 3, 2])):
+        with pytest.raises(ValueError, match=key):
+            SDXLUNetConfig.from_diffusers({**d, key: value})
+    with pytest.raises(ValueError, match="norm_num_groups=7"):
+        dataclasses.replace(TINY, norm_num_groups=7)
+    with pytest.raises(ValueError, match="not divisible by 5 attention heads"):
+        dataclasses.replace(TINY, attention_head_dim=(1, 5, 4))
+
+
+def test_forward_rejects_bad_inputs_before_computing():
+    skeleton = SDXLUNet.skeleton(TINY)  # runs the checks of forward; has no weights
+    good = {k: flame.from_torch(v.to(DEVICE)) for k, v in _inputs(batch=2).items()}
+    for name, shape, message in (("sample", (2, 3, 8, 8), r"sample must be \(B, 4, h, w\)"),
+                                 ("sample", (2, 4, 8, 6), "multiples of 4"),
+                                 ("encoder_hidden_states", (2, 8, 31), r"\(2, 'L', 32\)"),
+                                 ("text_embeds", (1, 16), r"text_embeds must have shape \(2, 16\)"),
+                                 ("time_ids", (2, 5), r"time_ids must have shape \(2, 6\)")):
+        args = dict(good, **{name: flame.zeros(*shape)})
+        with pytest.raises(ValueError, match=message):
+            skeleton(*(args[k] for k in INPUT_NAMES))
