@@ -206,6 +206,10 @@ def test_resume_reproduces_the_loss_curve_exactly(cache_dir, tmp_path, straight)
     assert second["losses"] == straight[3:], (second["losses"], straight)
     assert [r["loss"] for r in _metrics(tmp_path / "b") if "loss" in r] == straight
     assert [s for s, _ in list_checkpoints(tmp_path / "b" / "checkpoints")] == [3, 6]
+    with pytest.raises(ConfigError, match=r"checkpoints of an earlier run \(steps \[3, 6\]\).*--resume"):
+        _trainer(_config(cache_dir, tmp_path / "b")).train()
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        _trainer(_config(cache_dir, tmp_path / "b", f"resume={tmp_path / 'nowhere'}")).train()
 
 
 @pytest.mark.parametrize("mixed", [False, True])

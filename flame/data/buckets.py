@@ -11,15 +11,17 @@ import math
 
 
 def make_buckets(area: int = 1024 * 1024, step: int = 64, min_side: int = 512, max_side: int = 2048) -> list:
-    """(width, height) pairs, both multiples of ``step`` within [min_side, max_side], each the
-    largest height for its width whose area is at most ``area``; sorted by aspect ratio."""
+    """(width, height) pairs, both multiples of ``step`` within [min_side, max_side]: the square of
+    side floor(sqrt(area)) (rounded down to ``step``) and, for every width, the largest height whose
+    area is at most ``area`` (kohya's rule); sorted by aspect ratio."""
     for name, v in (("area", area), ("step", step), ("min_side", min_side), ("max_side", max_side)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"make_buckets: {name} must be a positive int, got {v!r}")
     if min_side % step or max_side % step or min_side > max_side:
         raise ValueError(f"make_buckets: need min_side <= max_side, both multiples of step={step} "
                          f"(got {min_side}, {max_side})")
-    out = set()
+    side = math.isqrt(area) // step * step
+    out = {(side, side)} if min_side <= side <= max_side else set()
     for w in range(min_side, max_side + 1, step):
         h = min(max_side, area // w // step * step)
         if h >= min_side:

@@ -100,6 +100,8 @@ SCHEMA = {
         "validate_every": Opt(0, "int", "validation loss on the held-out split every N steps (and at step 0); "
                                         "0: off", low=0),
         "val_batch_size": Opt(None, "int", "validation batch size (default data.batch_size)", low=1, nullable=True),
+        "overwrite": Opt(False, "bool", "a run that does not resume may replace the checkpoints and metrics of an "
+                                        "earlier run in output.dir (otherwise that is an error)"),
     },
     "resume": Opt(None, "str", "null, 'latest' (the newest complete checkpoint in output.dir, if any) or a "
                                "checkpoint folder", nullable=True),

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import threading
 import time
@@ -364,8 +365,8 @@ class Trainer:
             path = spec
             if not os.path.isfile(os.path.join(path, "COMPLETE")):
                 done = [p for _, p in list_checkpoints(self.ckpt_dir)]
-                raise ConfigError(f"resume: {path} is not a complete checkpoint (no COMPLETE marker); complete ones: "
-                                        f"{done or 'none'}")
+                raise ConfigError(f"resume: {path} is not a complete checkpoint (no COMPLETE marker); complete "
+                                  f"ones: {done or 'none'}")
         self.load(path)
         self.log(f"resumed from {path} at step {self.step}")
         return path
@@ -386,12 +387,25 @@ class Trainer:
     def lora_path(self) -> str:
         return os.path.join(self.out_dir, f"{self.cfg.output.name}.safetensors")
 
+    def _start_fresh(self):
+        """A run from step 0 must not mix with an earlier run's checkpoints and metrics."""
+        old = list_checkpoints(self.ckpt_dir)
+        if old and not self.cfg.output.overwrite:
+            raise ConfigError(f"{self.out_dir} holds checkpoints of an earlier run (steps {[s for s, _ in old]}): "
+                              "continue it with --resume (resume=latest), or pick another output.dir, or set "
+                              "output.overwrite=true to replace it")
+        if os.path.isdir(self.ckpt_dir):
+            shutil.rmtree(self.ckpt_dir)
+        metrics = os.path.join(self.out_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            os.unlink(metrics)
+
     def train(self) -> dict:
         """Run (or resume) to ``total_steps``; writes the LoRA file. Raises ``TrainingStopped``
         after saving a checkpoint when interrupted or when a loss is not finite."""
         c = self.cfg
-        if c.resume:
-            self.resume(c.resume)
+        if not (c.resume and self.resume(c.resume)):
+            self._start_fresh()
         with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(c), f, sort_keys=False)
         self.log(f"training {len(self.params) // 2} LoRA layers ({sum(p.numel() for p in self.params):,} params) "

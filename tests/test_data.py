@@ -1,0 +1,282 @@
+"""The latent cache, its bucketed loader, aspect buckets, the synthetic cache and scripts/prepare_cache.py."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame.data import (
+    BucketBatchLoader,
+    CacheWriter,
+    LatentCache,
+    fit_to_bucket,
+    make_buckets,
+    nearest_bucket,
+    write_synthetic_cache,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _prepare_cache_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("prepare_cache", ROOT / "scripts" / "prepare_cache.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _sample(rng, h, w, c=4, L=5, D=6, P=3):
+    return (rng.standard_normal((c, h, w)), rng.standard_normal((L, D)), rng.standard_normal(P),
+            [8 * h, 8 * w, 0, 0, 8 * h, 8 * w])
+
+
+@pytest.fixture(scope="module")
+def small_cache(tmp_path_factory):
+    """21 samples in 3 buckets of 9, 7 and 5 (one val sample in the first and one in the last), shards
+    of 4 rows; returns (path, samples)."""
+    path = tmp_path_factory.mktemp("cache") / "c"
+    rng = np.random.default_rng(0)
+    w = CacheWriter(path, 4, 5, 6, 3, shard_size=4, meta={"note": "test"})
+    samples = []
+    for i, (h, wd) in enumerate([(2, 2)] * 9 + [(2, 3)] * 7 + [(3, 2)] * 5):
+        s = _sample(rng, h, wd)
+        split = "val" if i in (3, 17) else "train"
+        w.add(*s, caption=f"c{i}", source=f"img{i}.png", split=split)
+        samples.append((s, split))
+    assert w.close() == os.fspath(path)
+    return path, samples
+
+
+# ---- cache ----------------------------------------------------------------------------------------
+
+def test_cache_round_trip_shards_and_index(small_cache):
+    path, samples = small_cache
+    cache = LatentCache(path)
+    assert (len(cache), cache.latent_channels, cache.text_len, cache.text_dim, cache.pooled_dim) == (21, 4, 5, 6, 3)
+    assert cache.buckets == [(2, 2), (2, 3), (3, 2)] and cache.meta == {"note": "test"}
+    index = json.loads((path / "index.json").read_text())
+    assert [s["count"] for s in index["shards"]] == [4, 4, 4, 4, 1, 3, 1]  # full shards as they fill, then rests
+    assert sorted(p.name for p in path.glob("*.safetensors")) == sorted(s["file"] for s in index["shards"])
+    assert cache.split("val") == [i for i, s in enumerate(cache.samples) if s["caption"] in ("c3", "c17")]
+    by_source = {s["source"]: i for i, s in enumerate(cache.samples)}
+    for n in (0, 3, 10, 20):
+        (lat, emb, pooled, tids), split = samples[n]
+        i = by_source[f"img{n}.png"]
+        assert cache.samples[i]["split"] == split and cache.samples[i]["caption"] == f"c{n}"
+        host = cache.read([i])
+        assert host["latents"].dtype == torch.float32 and host["prompt_embeds"].dtype == torch.float16
+        np.testing.assert_array_equal(host["latents"][0].numpy(), lat.astype(np.float32))
+        np.testing.assert_array_equal(host["prompt_embeds"][0].numpy(), emb.astype(np.float16))
+        np.testing.assert_array_equal(host["pooled"][0].numpy(), pooled.astype(np.float16))
+        np.testing.assert_array_equal(host["time_ids"][0].numpy(), np.array(tids, np.float32))
+    batch = cache.batch([by_source["img10.png"], by_source["img11.png"]])
+    assert isinstance(batch.latents, flame.Tensor) and batch.latents.shape == (2, 4, 2, 3)
+    assert batch.latents.dtype == flame.float32 and batch.time_ids.dtype == flame.float32
+    assert batch.prompt_embeds.shape == (2, 5, 6) and batch.pooled.shape == (2, 3) and len(batch) == 2
+    with pytest.raises(ValueError, match="one aspect bucket"):
+        cache.read([by_source["img0.png"], by_source["img10.png"]])
+
+
+def test_cache_writer_and_reader_errors(tmp_path, small_cache):
+    w = CacheWriter(tmp_path / "x", 4, 5, 6, 3)
+    rng = np.random.default_rng(1)
+    lat, emb, pooled, tids = _sample(rng, 2, 2)
+    with pytest.raises(ValueError, match=r"prompt_embeds has shape \(5, 7\), expected \(5, 6\)"):
+        w.add(lat, np.zeros((5, 7)), pooled, tids)
+    with pytest.raises(ValueError, match=r"latents must be \(4, h, w\)"):
+        w.add(lat[:3], emb, pooled, tids)
+    with pytest.raises(ValueError, match="split must be one of"):
+        w.add(lat, emb, pooled, tids, split="test")
+    with pytest.raises(ValueError, match="no samples"):
+        w.close()
+    with pytest.raises(ValueError, match="float32 or float16"):
+        CacheWriter(tmp_path / "y", 4, 5, 6, 3, text_dtype="int8")
+    with pytest.raises(FileExistsError, match="already holds a cache"):
+        CacheWriter(small_cache[0], 4, 5, 6, 3)
+    with pytest.raises(FileNotFoundError, match=r"prepare_cache\.py"):
+        LatentCache(tmp_path / "nothing")
+    (tmp_path / "z").mkdir()
+    (tmp_path / "z" / "index.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a flame-latent-cache"):
+        LatentCache(tmp_path / "z")
+
+
+# ---- loader ---------------------------------------------------------------------------------------
+
+def test_loader_batches_within_buckets_and_covers_each_epoch(small_cache):
+    cache = LatentCache(small_cache[0])
+    train = set(cache.split("train"))
+    loader = BucketBatchLoader(cache, 3, seed=7)
+    assert len(loader) == 3 + 3 + 2 and loader.num_samples == 19  # buckets of 8, 7 and 4 train samples
+    for epoch in range(3):
+        plan = loader.plan(epoch)
+        seen = [i for b in plan for i in b]
+        assert sorted(seen) == sorted(train)  # every training sample once, no val sample
+        assert all(len({cache.bucket_of(i) for i in b}) == 1 for b in plan)
+    assert loader.plan(0) != loader.plan(1)
+    assert BucketBatchLoader(cache, 3, seed=7).plan(1) == loader.plan(1)
+    assert BucketBatchLoader(cache, 3, seed=8).plan(0) != loader.plan(0)
+    assert sorted(len(b) for b in loader.plan(0)) == [1, 1, 2, 3, 3, 3, 3, 3]
+    dropped = BucketBatchLoader(cache, 3, seed=7, drop_last=True)
+    assert all(len(b) == 3 for b in dropped.plan(0)) and len(dropped) == 5
+    fixed = BucketBatchLoader(cache, 4, split="val", shuffle=False)
+    assert fixed.plan(0) == fixed.plan(5) and [len(b) for b in fixed.plan(0)] == [1, 1]
+    with pytest.raises(ValueError, match="no batch of 9"):
+        BucketBatchLoader(cache, 9, drop_last=True)
+
+
+def test_loader_resumes_mid_epoch_and_across_epochs(small_cache):
+    cache = LatentCache(small_cache[0])
+    ref = BucketBatchLoader(cache, 3, seed=3)
+    straight = [next(ref).indices for _ in range(12)]  # crosses into epoch 1 after 8 batches
+    assert ref.state_dict()["epoch"] == 1 and ref.state_dict()["position"] == 4
+    for cut in (0, 4, 7, 9):
+        a = BucketBatchLoader(cache, 3, seed=3)
+        head = [next(a).indices for _ in range(cut)]
+        b = BucketBatchLoader(cache, 3, seed=3)
+        b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+        assert head + [next(b).indices for _ in range(12 - cut)] == straight
+    b = next(BucketBatchLoader(cache, 3, seed=3))
+    assert b.indices == straight[0] and b.latents.shape[0] == len(b)
+    with pytest.raises(ValueError, match="seed=3, this loader has seed=4"):
+        BucketBatchLoader(cache, 3, seed=4).load_state_dict(ref.state_dict())
+    with pytest.raises(ValueError, match="out of range"):
+        BucketBatchLoader(cache, 3, seed=3).load_state_dict({"epoch": 0, "position": 99})
+
+
+# ---- buckets --------------------------------------------------------------------------------------
+
+def test_aspect_buckets():
+    buckets = make_buckets()
+    assert (1024, 1024) in buckets and (896, 1152) in buckets and (1152, 896) in buckets
+    for w, h in buckets:
+        assert w % 64 == 0 and h % 64 == 0 and min(w, h) >= 512 and max(w, h) <= 2048
+        assert w * h <= 1024 * 1024
+    ratios = [w / h for w, h in buckets]
+    assert ratios == sorted(ratios)
+    assert nearest_bucket(1000, 1000, buckets) == (1024, 1024)
+    assert nearest_bucket(1920, 1080, buckets) == (1344, 768)
+    assert nearest_bucket(600, 900, buckets) == (832, 1216)
+    rw, rh, left, top = fit_to_bucket(1920, 1080, (1344, 768))
+    assert (rw, rh) == (1365, 768) and (left, top) == (10, 0)  # covers the bucket, centred crop
+    rng = np.random.default_rng(0)
+    crops = {fit_to_bucket(1920, 1080, (1344, 768), rng)[2] for _ in range(50)}
+    assert min(crops) >= 0 and max(crops) <= 21 and len(crops) > 5
+    assert fit_to_bucket(500, 500, (1024, 1024)) == (1024, 1024, 0, 0)  # upscaled to cover
+    with pytest.raises(ValueError, match="multiples of step"):
+        make_buckets(min_side=500)
+
+
+# ---- synthetic ------------------------------------------------------------------------------------
+
+def test_synthetic_cache_is_deterministic_and_learnable(tmp_path):
+    a = write_synthetic_cache(tmp_path / "a", 48, 4, 10, 12, 5, latent_sizes=[(6, 6), (6, 8)], concepts=4, seed=5)
+    b = write_synthetic_cache(tmp_path / "b", 48, 4, 10, 12, 5, latent_sizes=[(6, 6), (6, 8)], concepts=4, seed=5)
+    ca, cb = LatentCache(a), LatentCache(b)
+    assert len(ca.split("val")) == 6 and ca.buckets == [(6, 6), (6, 8)]
+    ids = [i for i in range(48) if ca.bucket_of(i) == 0]
+    ra, rb = ca.read(ids), cb.read(ids)
+    assert all(np.array_equal(ra[k].numpy(), rb[k].numpy()) for k in ra)
+    # word token k is z_k times a fixed vector: its top singular direction recovers z_k (up to scale),
+    # and the latents are a linear function of the 4 strengths (plus a little noise)
+    emb = ra["prompt_embeds"].float().numpy()
+    z = np.stack([emb[:, 1 + k] @ np.linalg.svd(emb[:, 1 + k], full_matrices=False)[2][0] for k in range(4)], 1)
+    y = ra["latents"].reshape(len(ids), -1).numpy()
+    features = np.c_[z, np.ones(len(ids))]
+    coef, *_ = np.linalg.lstsq(features, y, rcond=None)
+    resid = y - features @ coef
+    assert resid.var() < 0.05 * y.var(), (resid.var(), y.var())
+    assert 0.5 < y.std() < 2.0
+    t = ra["time_ids"].numpy()
+    assert (t == np.array([48, 48, 0, 0, 48, 48], np.float32)).all()
+
+
+# ---- scripts/prepare_cache.py -----------------------------------------------------------------------
+
+def test_prepare_cache_synthetic_cli(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    out = tmp_path / "cache"
+    r = subprocess.run([sys.executable, "scripts/prepare_cache.py", str(out), "--synthetic", "16", "--model-config",
+                        "tiny", "--latent-sizes", "8x8,8x12", "--val-samples", "2"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "wrote 16 samples (14 train, 2 val) in 2 bucket(s)" in r.stdout
+    cache = LatentCache(out)
+    assert (cache.latent_channels, cache.text_len, cache.text_dim, cache.pooled_dim) == (4, 77, 32, 16)
+    r = subprocess.run([sys.executable, "scripts/prepare_cache.py", str(out), "--synthetic", "4"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "already holds a cache" in r.stderr
+    r = subprocess.run([sys.executable, "scripts/prepare_cache.py", str(tmp_path / "n"), "--images", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--images needs --model" in r.stderr
+
+
+def _tiny_sdxl_folder(path):
+    """A diffusers-layout SDXL folder with tiny random VAE and CLIP encoders and a letter tokenizer."""
+    diffusers = pytest.importorskip("diffusers")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    diffusers.AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=("DownEncoderBlock2D",) * 4,
+                            up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
+                            sample_size=32, scaling_factor=0.13025).save_pretrained(path / "vae")
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    (path / "v.json").write_text(json.dumps(vocab))
+    (path / "merges.txt").write_text("#version: 0.2\n")
+    for name, hidden in (("", 8), ("_2", 12)):
+        tok = transformers.CLIPTokenizer(str(path / "v.json"), str(path / "merges.txt"), model_max_length=77)
+        tok.save_pretrained(path / f"tokenizer{name}")
+        cfg = transformers.CLIPTextConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=16,
+                                          num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
+                                          projection_dim=6, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        cls = transformers.CLIPTextModel if not name else transformers.CLIPTextModelWithProjection
+        cls(cfg).save_pretrained(path / f"text_encoder{name}")
+    return path
+
+
+def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
+    pytest.importorskip("PIL")
+    from PIL import Image
+    model = _tiny_sdxl_folder(tmp_path / "sdxl")
+    images = tmp_path / "images"
+    images.mkdir()
+    rng = np.random.default_rng(0)
+    sizes = {"wide.png": (96, 48), "tall.jpg": (40, 80), "square.png": (64, 64), "sq2.png": (70, 66)}
+    for name, (w, h) in sizes.items():
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(images / name)
+        (images / name).with_suffix(".txt").write_text(f"a {name.split('.')[0]}")
+    pc = _prepare_cache_module()
+    items = pc.scan_folder(images)
+    assert sorted((p.name, c) for p, c in items)[0] == ("sq2.png", "a sq2")
+    enc = pc.SDXLEncoders(model, device="cpu", seed=0)
+    assert (enc.text_dim, enc.pooled_dim, enc.text_len, enc.latent_channels) == (20, 6, 77, 4)
+    out = pc.prepare_images(tmp_path / "cache", items, enc, resolution=91, min_side=64, max_side=128,
+                            val_samples=1, batch_size=2, show_progress=False)
+    cache = LatentCache(out)
+    assert len(cache) == 4 and len(cache.split("val")) == 1
+    by_name = {pathlib.Path(s["source"]).name: i for i, s in enumerate(cache.samples)}
+    host = {n: cache.read([i]) for n, i in by_name.items()}
+    # buckets of at most 91^2 px: 64x64, 128x64, 64x128; wide 2:1 -> 128x64 (latent 8x16), tall 1:2 -> 64x128
+    assert tuple(host["wide.png"]["latents"].shape) == (1, 4, 8, 16)
+    assert tuple(host["tall.jpg"]["latents"].shape) == (1, 4, 16, 8)
+    assert tuple(host["square.png"]["latents"].shape) == (1, 4, 8, 8)
+    # time ids: original (h, w), crop (top, left), target (h, w)
+    np.testing.assert_array_equal(host["wide.png"]["time_ids"][0].numpy(), [48, 96, 0, 0, 64, 128])
+    np.testing.assert_array_equal(host["sq2.png"]["time_ids"][0].numpy(), [66, 70, 0, 2, 64, 64])  # 68x64, crop
+    # text embeddings are both encoders' penultimate states concatenated, pooled = CLIP-G projection
+    want, pooled = enc.encode_prompts(["a wide"])
+    np.testing.assert_allclose(host["wide.png"]["prompt_embeds"][0].float().numpy(), want[0], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(host["wide.png"]["pooled"][0].float().numpy(), pooled[0], rtol=1e-3, atol=1e-3)
+    assert all(np.isfinite(h["latents"].numpy()).all() for h in host.values())
+    # metadata.jsonl takes precedence over .txt files
+    (images / "metadata.jsonl").write_text(json.dumps({"file_name": "wide.png", "text": "from jsonl"}) + "\n")
+    assert [(p.name, c) for p, c in pc.scan_folder(images)] == [("wide.png", "from jsonl")]
+    with pytest.raises(SystemExit, match="not an SDXL checkpoint folder"):
+        pc.SDXLEncoders(images, device="cpu")
