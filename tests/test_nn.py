@@ -53,6 +53,16 @@ def test_conv2d_matches_torch(kw):
     _check_module(fm, tm, (2, 4, 7, 5))
 
 
+def test_conv2d_weight_is_channels_last_through_load_and_cast():
+    tm = torch.nn.Conv2d(4, 6, 3, padding=1).to(DEVICE)
+    fm = _load(nn.Conv2d(4, 6, 3, padding=1), tm)
+    assert fm.weight._data.stride() == (36, 1, 12, 4)  # (out, kh, kw, in) in memory
+    assert_close(fm.weight, tm.weight, rtol=0, atol=0)
+    fm.to(flame.float16)
+    assert fm.weight.dtype == flame.float16 and fm.weight._data.stride() == (36, 1, 12, 4)
+    assert_close(fm.weight, tm.weight.half(), rtol=0, atol=0)
+
+
 def test_conv2d_init_and_errors():
     fm = nn.Conv2d(8, 16, 3)
     bound = 1 / np.sqrt(8 * 9)

@@ -16,11 +16,16 @@ from . import init
 from .module import Module, Parameter
 
 
-def _param(shape, dtype, device):
+def _param(shape, dtype, device, channels_last=False):
+    """An uninitialised parameter; ``channels_last`` lays a 4-D (out, in, kh, kw) weight out as
+    (out, kh, kw, in) in memory, the layout the implicit-GEMM convolution reads contiguously."""
     runtime.resolve_device(device)
     dtype = check_dtype(dtype or runtime.get_default_dtype())
     if not dtype.is_floating_point:
         raise TypeError(f"parameters must be floating point, got {dtype}")
+    if channels_last:
+        _, i, kh, kw = shape
+        return Parameter(Tensor(runtime.empty_strided(tuple(shape), (kh * kw * i, 1, kw * i, i), dtype)))
     return Parameter(Tensor(runtime.empty(tuple(shape), dtype)))
 
 
@@ -76,7 +81,8 @@ def _pair(v):
 class Conv2d(Module):
     """2-D convolution over (N, C, H, W) with PyTorch's arguments, weight (out, in / groups, kh, kw)
     and init (kaiming_uniform_ with a = sqrt(5), bias uniform in +-1/sqrt(fan_in)). The output is
-    channels-last (see ``F.conv2d``)."""
+    channels-last (see ``F.conv2d``). The weight is stored channels-last (``(out, kh, kw, in)`` in
+    memory, as PyTorch's ``channels_last`` format): loading a state dict copies into that layout."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None):
@@ -89,7 +95,8 @@ class Conv2d(Module):
         self.in_channels, self.out_channels, self.groups = int(in_channels), int(out_channels), int(groups)
         self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
         self.padding = padding if isinstance(padding, str) else _pair(padding)
-        self.weight = _param((out_channels, in_channels // groups, *self.kernel_size), dtype, device)
+        self.weight = _param((out_channels, in_channels // groups, *self.kernel_size), dtype, device,
+                             channels_last=True)
         if bias:
             self.bias = _param((out_channels,), dtype, device)
         else:
