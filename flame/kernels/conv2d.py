@@ -13,8 +13,9 @@ Two kernels:
   spatial sizes swapped, the weight read as w[co, ci] -> (k=co, n=ci), and rows whose
   ``ih + pad - kh * dil`` is not a multiple of the stride masked out (stride 2: input rows that
   receive no gradient from some taps, odd sizes included). For stride > 1 the rows are split
-  into stride_h * stride_w phases (grid axis 2) so each program skips the taps that cannot reach
-  its rows instead of multiplying masked zeros. Groups are grid axis 1 (channel offsets).
+  into stride_h * stride_w phases (grid axis 2), so within a program every row shares which taps
+  reach it. Groups are grid axis 1 (channel offsets). The reduction over (tap, channel block)
+  is one flat loop, so the compiler pipelines the whole of K, not C per tap.
 - ``_conv_wgrad_kernel``: the weight gradient, a GEMM over the N*Ho*Wo rows per tap:
     dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*s - p + kh*d, ow*s - p + kw*d, ci]
   one program per (co tile, ci tile, tap, split of the rows), fp32 (fp64) accumulation; with
@@ -81,8 +82,14 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
     ow = (rem % OWp) * P_w + R_w
     row_base = src_ptr + n_idx * s_n
 
+    # One flat loop over (tap, channel block) so the whole K = KH * KW * C reduction is one
+    # software-pipelined loop. With a divisor (strided input gradient) a tap that cannot reach
+    # this phase's rows is fully masked by ``ok`` (its loads are skipped, the MMA adds zeros).
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
-    for tap in range(0, KH * KW):
+    c_blocks = tl.cdiv(C, BLOCK_K)
+    for t in range(0, KH * KW * c_blocks):
+        tap = t // c_blocks
+        c0 = (t - tap * c_blocks) * BLOCK_K
         kh = tap // KW
         kw = tap % KW
         num_h = oh * A_h + B_h + kh * C_h
@@ -100,20 +107,16 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
         iw = tl.where(ok, iw, 0)
         a_rows = row_base + ih * s_h + iw * s_w
         w_tap = w_ptr + kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w
-        # with phases, divisibility by D is the same for every row: skip taps that hit no row
-        live = ((R_h * A_h + B_h + kh * C_h) % D_h == 0) & ((R_w * A_w + B_w + kw * C_w) % D_w == 0)
-        if live:
-            for c0 in range(0, C, BLOCK_K):
-                ck = c0 + offs_k
-                mask_k = ck < C
-                a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
-                            mask=ok[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
-                            mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
+        ck = c0 + offs_k
+        mask_k = ck < C
+        a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
+                    mask=ok[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
 
     if BIAS:
         acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(ACC)[None, :]
