@@ -384,7 +384,9 @@ def conv_family(ctx: Ctx) -> list[Case]:
         x, tx = _leaf((n, ci, h, wd), ctx.dtype, channels_last=True)  # flame keeps activations channels-last
         w, _ = _randn(co, ci, k, k, dtype=ctx.dtype)
         with flame.no_grad():
-            w = (w * (1.0 / (ci * k * k) ** 0.5)).requires_grad_()
+            w = w * (1.0 / (ci * k * k) ** 0.5)
+        # flame's weight channels-last, as nn.Conv2d stores it
+        w = flame.from_torch(w.to_torch().contiguous(memory_format=torch.channels_last)).requires_grad_()
         b, tb = _randn(co, dtype=ctx.dtype, requires_grad=True)
         ho, wo = ((size * (2 if up else 1) - 1) // s + 1 for size in (h, wd))  # padding k // 2, odd k
         g = _leaf((n, co, ho, wo), ctx.dtype, channels_last=True)[0].detach()  # channels-last, as flame's output
