@@ -26,8 +26,10 @@ import math
 import pathlib
 import re
 
-from .. import io
+from .. import io, runtime
+from ..kernels import elementwise as KE
 from ..nn import Parameter
+from ..tensor import Tensor
 
 LDM_PREFIX = "model.diffusion_model."
 
@@ -223,6 +225,16 @@ def check_index(index: dict, expected: dict, where: str) -> None:
         raise RuntimeError(f"Error(s) loading the SDXL UNet from {where}:\n\t" + "\n\t".join(errors))
 
 
+def _in_layout(loaded, initial):
+    """``loaded`` (a contiguous Tensor) in ``initial``'s memory layout: a conv weight the module
+    keeps channels-last is copied into that layout once here; anything else is adopted as is."""
+    if initial.is_contiguous():
+        return loaded
+    buf = runtime.empty_strided(tuple(initial.shape), initial.stride(), loaded.dtype)
+    KE.copy_(buf, loaded._data)
+    return Tensor(buf)
+
+
 def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
     """Give ``model`` (freshly built) the tensors of a checked ``checkpoint_index`` as its
     parameters, read in ``dtype`` about ``chunk_bytes`` at a time: each loaded tensor becomes the
@@ -239,6 +251,7 @@ def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
                 tensors = io.load_safetensors(f, dtype=dtype, keys=[k for _, k in part])
                 for n, k in part:
                     path, _, attr = n.rpartition(".")
+                    table = model.get_submodule(path)._parameters
                     # in place in the module's table: state_dict order stays the architecture's
-                    model.get_submodule(path)._parameters[attr] = Parameter(tensors.pop(k))
+                    table[attr] = Parameter(_in_layout(tensors.pop(k), table[attr]._data))
                 part, size = [], 0
