@@ -81,15 +81,24 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
         offset += len(data)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
+
+    def write(f):
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for data in blobs:
+            f.write(data)
+
+    atomic_write(path, write)
+
+
+def atomic_write(path, write) -> None:
+    """Create or replace ``path`` atomically: ``write(f)`` fills a temporary file (binary) in the
+    same folder, which is fsynced and renamed over ``path``; on any error it is removed."""
     path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for data in blobs:
-                f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

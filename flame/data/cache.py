@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .. import runtime
-from ..io import _read_header, save_safetensors
+from ..io import _read_header, atomic_write, save_safetensors
 from ..ops.elementwise import to
 from ..tensor import Tensor
 
@@ -51,21 +50,6 @@ def _dtype_code(dtype, what):
     if dtype not in _NAMES:
         raise ValueError(f"{what} must be float32 or float16 ('fp32', 'fp16'), got {dtype!r}")
     return _NAMES[dtype]
-
-
-def _write_json_atomic(path, doc):
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class CacheWriter:
@@ -150,7 +134,7 @@ class CacheWriter:
         doc = {"format": FORMAT, "version": VERSION, **self.dims,
                "dtypes": {f: self.codes[f] for f in FIELDS}, "meta": self.meta,
                "buckets": self.buckets, "shards": self.shards, "samples": self.samples}
-        _write_json_atomic(os.path.join(self.path, INDEX), doc)
+        atomic_write(os.path.join(self.path, INDEX), lambda f: f.write(json.dumps(doc, indent=1).encode()))
         return self.path
 
 

@@ -12,6 +12,8 @@ import re
 import shutil
 import tempfile
 
+from ..io import atomic_write
+
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8,})$")
 
@@ -68,10 +70,7 @@ def save_checkpoint(root, step: int, writers: dict, keep_last: int | None = None
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync_dir(root)
-    with open(os.path.join(final, MARKER), "w") as f:
-        f.write(f"{int(step)}\n")
-        f.flush()
-        os.fsync(f.fileno())
+    atomic_write(os.path.join(final, MARKER), lambda f: f.write(f"{int(step)}\n".encode()))
     _fsync_dir(final)
     if keep_last is not None:
         prune_checkpoints(root, keep_last)

@@ -6,6 +6,7 @@ config or usage error; 130 when interrupted (Ctrl-C) after saving a checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import REQUIRED, SCHEMA, ConfigError, load_config, to_dict
@@ -32,12 +33,17 @@ def parse_args(argv=None):
                    help="continue from the newest complete checkpoint in output.dir (or from CHECKPOINT)")
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    overrides = list(args.overrides) + ([f"resume={args.resume}"] if args.resume else [])
+    overrides = list(args.overrides)
+    if args.resume and "=" in args.resume and not os.path.isdir(args.resume):  # "--resume train.lr=..."
+        overrides.append(args.resume)
+        args.resume = "latest"
+    if args.resume:
+        overrides.append(f"resume={args.resume}")
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:

@@ -39,7 +39,7 @@ from ..autograd import GradientMap, no_grad
 from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache
 from ..diffusion import DDPMSchedule, min_snr_weights, sample_noise, sample_timesteps, weighted_mse_loss
 from ..graphs import CapturedStep
-from ..io import load_lora, load_safetensors, save_lora, save_safetensors
+from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
 from ..nn import inject_lora, lora_parameters
 from ..ops.creation import get_rng_state, manual_seed, set_rng_state, tensor
 from ..ops.elementwise import abs as fabs
@@ -62,16 +62,6 @@ class TrainingStopped(RuntimeError):
     def __init__(self, message, reason, step, checkpoint):
         super().__init__(message)
         self.reason, self.step, self.checkpoint = reason, step, checkpoint
-
-
-def _write_file(write):
-    """A checkpoint writer for ``write(f)`` on a binary file that it then fsyncs."""
-    def writer(path):
-        with open(path, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    return writer
 
 
 class Trainer:
@@ -110,6 +100,9 @@ class Trainer:
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps)
         self.scaler = DynamicLossScaler() if self.dtype == torch.float16 else None
         self.schedule = self._noise_schedule()
+        if c.diffusion.timestep_max > self.schedule.num_train_timesteps:
+            raise ConfigError(f"diffusion.timestep_max ({c.diffusion.timestep_max}) exceeds the noise schedule's "
+                              f"{self.schedule.num_train_timesteps} timesteps")
         self.step_fn = CapturedStep(self.loss_and_grads, enabled=c.train.cuda_graph)
         self.step = 0
         self.val_loader = None
@@ -148,7 +141,12 @@ class Trainer:
                               os.path.join(path, "..", "scheduler", "scheduler_config.json")):
                 if os.path.isfile(candidate):
                     with open(candidate) as f:
-                        return DDPMSchedule.from_config(json.load(f))
+                        sched = json.load(f)
+                    kind = sched.get("prediction_type", "epsilon")
+                    if kind != self.cfg.diffusion.prediction_type:
+                        self.log(f"warning: {candidate} says prediction_type={kind}, the config trains "
+                                 f"{self.cfg.diffusion.prediction_type}")
+                    return DDPMSchedule.from_config(sched)
         return DDPMSchedule()
 
     # ---- the step ----------------------------------------------------------------------------
@@ -310,7 +308,7 @@ class Trainer:
         writers = {
             "lora.safetensors": lambda p: save_lora(self.model, p, format="peft"),
             "optimizer.safetensors": lambda p: save_safetensors(tensors, p),
-            "trainer_state.json": _write_file(lambda f: f.write(json.dumps(state, indent=1).encode())),
+            "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
         return save_checkpoint(self.ckpt_dir, self.step, writers, self.cfg.output.keep_last)
 
