@@ -22,7 +22,7 @@ INPUT_NAMES = ("sample", "timestep", "encoder_hidden_states", "text_embeds", "ti
 CHECKED = ("conv_in.weight", "time_embedding.linear_1.weight", "add_embedding.linear_2.bias",
            "down_blocks.0.downsamplers.0.conv.weight",
            "down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.weight",
-           "down_blocks.2.resnets.0.norm1.weight", "mid_block.attentions.0.transformer_blocks.1.ff.net.0.proj.weight",
+           "down_blocks.2.resnets.0.norm1.weight", "mid_block.attentions.0.transformer_blocks.0.ff.net.0.proj.weight",
            "mid_block.attentions.0.transformer_blocks.0.norm2.bias", "up_blocks.0.resnets.2.conv_shortcut.weight",
            "up_blocks.0.attentions.1.proj_out.weight", "up_blocks.1.upsamplers.0.conv.weight",
            "up_blocks.2.resnets.1.time_emb_proj.weight", "conv_norm_out.weight", "conv_out.bias")
@@ -31,6 +31,24 @@ CHECKED = ("conv_in.weight", "time_embedding.linear_1.weight", "add_embedding.li
 def _rel(got, ref):
     got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     return (got - ref).abs().max().item() / ref.abs().max().item()
+
+
+def _assert_grads_close(got, ref32, ref64):
+    """{name: gradient}: flame's error against the fp64 reference is at most 3x PyTorch's own fp32
+    error (DESIGN.md's rule), with a floor of RTOL; gradients that nearly cancel (attention q/k
+    over 4 tokens: ~1e-8 where others are ~1e-3) carry large relative errors in any fp32 code."""
+    for n, g in got.items():
+        e_flame, e_torch = _rel(g, ref64[n]), _rel(ref32[n], ref64[n])
+        assert e_flame <= max(RTOL, 3 * e_torch), f"{n}: gradient error {e_flame:.3g} (PyTorch fp32: {e_torch:.3g})"
+
+
+def _fp64_grads(module, inp, target, select):
+    """Gradients of the MSE loss of an fp64 copy of ``module`` for the parameters ``select(name)`` picks."""
+    m64 = copy.deepcopy(module).double()
+    m64.zero_grad(set_to_none=True)
+    inp64 = {k: v.double() if v.is_floating_point() else v for k, v in inp.items()}
+    torch.nn.functional.mse_loss(_run_diffusers(m64, inp64), target.double()).backward()
+    return {select(n): p.grad for n, p in m64.named_parameters() if select(n)}
 
 
 def _inputs(cfg=TINY, batch=2, size=8, tokens=8):
@@ -108,10 +126,9 @@ def test_forward_and_gradients_match_diffusers(reference, checkpointing):
     loss = F.mse_loss(out, flame.from_torch(target.to(DEVICE)))
     assert abs(loss.item() - ref_loss.item()) <= RTOL * ref_loss.item()
     grads = loss.backward()
-    ref_params = dict(unet.named_parameters())
-    for name in CHECKED:
-        err = _rel(grads[params[name]].to_torch(), ref_params[name].grad)
-        assert err < RTOL, f"{name}: relative gradient error {err:.3g}"
+    ref32 = {n: p.grad for n, p in unet.named_parameters() if n in CHECKED}
+    ref64 = _fp64_grads(unet, inp, target, lambda n: n if n in CHECKED else None)
+    _assert_grads_close({n: grads[params[n]].to_torch() for n in CHECKED}, ref32, ref64)
 
 
 def test_sgm_named_file_loads_the_same_weights_and_output(reference):
@@ -141,7 +158,7 @@ def test_lora_loss_and_gradients_match_peft(reference):
     model = SDXLUNet.from_pretrained(root / "unet")
     model.requires_grad_(False)
     names = flame.nn.inject_lora(model, "attn", rank=4, alpha=4)
-    assert len(names) == 136  # 17 transformer blocks x 2 attentions x 4 projections
+    assert len(names) == 88  # 11 transformer blocks x 2 attentions x 4 projections
     lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert set(lora) == set(ref_lora)
     g = torch.Generator().manual_seed(3)
@@ -150,17 +167,17 @@ def test_lora_loss_and_gradients_match_peft(reference):
             p.copy_(0.3 * torch.randn(p.shape, generator=g))
             lora[n].to_torch().copy_(p)
 
-    inp = _inputs()
-    target = torch.randn(2, 4, 8, 8, generator=g)
+    inp = _inputs(batch=1)  # batching is covered by the parity test
+    target = torch.randn(1, 4, 8, 8, generator=g)
     ref_loss = torch.nn.functional.mse_loss(_run_diffusers(ref, inp), target)
     ref_loss.backward()
     loss = F.mse_loss(_run_flame(model, inp), flame.from_torch(target.to(DEVICE)))
     assert abs(loss.item() - ref_loss.item()) <= RTOL * ref_loss.item()
     grads = loss.backward()
-    assert len(grads) == len(lora) == 272
-    for n, p in lora.items():
-        err = _rel(grads[p].to_torch(), ref_lora[n].grad)
-        assert err < RTOL, f"{n}: relative gradient error {err:.3g}"
+    assert len(grads) == len(lora) == 176
+    ref64 = _fp64_grads(ref, inp, target, lambda n: n.replace(".default.weight", "") if ".lora_" in n else None)
+    _assert_grads_close({n: grads[p].to_torch() for n, p in lora.items()},
+                        {n: p.grad for n, p in ref_lora.items()}, ref64)
 
 
 def test_from_pretrained_casts_to_dtype(reference):
