@@ -254,18 +254,14 @@ class _Layers:
 # ---- channels-last helpers --------------------------------------------------------------------------
 
 def _nhwc(x):
-    """(B, C, H, W) channels-last -> its (B, H, W, C) view (contiguous: no copy)."""
+    """(B, C, H, W) channels-last -> its (B, H, W, C) view (contiguous: no copy). Adds and concats
+    run on these views: elementwise ops write their output in logical order, so computing on the
+    NHWC view and permuting back keeps the result channels-last."""
     return x.permute(0, 2, 3, 1)
 
 
 def _nchw(x):
     return x.permute(0, 3, 1, 2)
-
-
-def _add(a, b):
-    """a + b for channels-last (B, C, H, W) tensors, computed on the NHWC views so the result is
-    channels-last (an elementwise op writes its output in logical order)."""
-    return _nchw(_nhwc(a) + _nhwc(b))
 
 
 def _norm_silu(norm, x):
