@@ -19,6 +19,10 @@ the outputs whose window may contain it, ``oh`` in [lo, hi) with
 ``ext = (KH - 1) * dh + 1``: at most ``cdiv(ext, sh)`` rows (one when windows do not overlap):
     max:      dx[ih, iw] = sum over those (oh, ow) with index[oh, ow] == ih * W + iw of dy[oh, ow]
     average:  dx[ih, iw] = sum over those (oh, ow) of dy[oh, ow] / divisor(oh, ow)
+
+Every integer ``//`` and ``%`` here has a non-negative numerator (and a positive divisor), so
+floor and truncating division agree: compiled Triton truncates toward zero, as C does, where
+Python and numpy floor; the window offsets that can be negative are clamped first.
 """
 import torch
 import triton
@@ -79,9 +83,10 @@ def _pool_fwd_kernel(x_ptr, out_ptr, idx_ptr, total, C, H, W, OH, OW, KH, KW, sh
     w0 = ow * sw - pw
     if MAX:
         best = tl.full((BLOCK,), float("-inf"), CD)
-        # PyTorch starts from the window's first in-bounds position (kept when every value is -inf)
-        fh = tl.where(h0 < 0, h0 + ((dh - 1 - h0) // dh) * dh, h0)
-        fw = tl.where(w0 < 0, w0 + ((dw - 1 - w0) // dw) * dw, w0)
+        # PyTorch starts from the window's first tap with ih >= 0 and iw >= 0 (kept when every
+        # value is -inf): h0 + ceil(max(-h0, 0) / dh) * dh, a non-negative numerator
+        fh = h0 + (tl.maximum(-h0, 0) + dh - 1) // dh * dh
+        fw = w0 + (tl.maximum(-w0, 0) + dw - 1) // dw * dw
         best_i = fh * W + fw
     else:
         acc = tl.zeros((BLOCK,), CD)
@@ -118,11 +123,10 @@ def _pool_bwd_kernel(dy_ptr, idx_ptr, dx_ptr, total, C, H, W, OH, OW, KH, KW, sh
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     n, c, ih, iw = _decode(offs, C, H, W, CL)
-    lo_h = ih + ph - ((KH - 1) * dh + 1)
-    lo_h = tl.where(lo_h < 0, 0, lo_h // sh + 1)
+    # lo = max(0, floor((i + p - ext) / s) + 1) = max(i + p - ext + s, 0) // s: numerators >= 0
+    lo_h = tl.maximum(ih + ph - (KH - 1) * dh - 1 + sh, 0) // sh
     hi_h = tl.minimum((ih + ph) // sh + 1, OH)
-    lo_w = iw + pw - ((KW - 1) * dw + 1)
-    lo_w = tl.where(lo_w < 0, 0, lo_w // sw + 1)
+    lo_w = tl.maximum(iw + pw - (KW - 1) * dw - 1 + sw, 0) // sw
     hi_w = tl.minimum((iw + pw) // sw + 1, OW)
     here = ih * W + iw
     dy_base = dy_ptr + n * sy_n + c * sy_c
