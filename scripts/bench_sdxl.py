@@ -107,11 +107,12 @@ def run_flame(args):
 
 
 def run_diffusers(args):
+    # isort: off
     from flame.models import SDXLUNetConfig  # flame first: it picks the backend before triton is imported
-
     import torch
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
+    # isort: on
 
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
