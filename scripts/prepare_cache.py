@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import flame  # noqa: F401  (must come before anything that imports triton)
-from flame.data import CacheWriter, fit_to_bucket, make_buckets, nearest_bucket, write_synthetic_cache
+from flame.data import CacheWriter, fit_to_bucket, make_buckets, nearest_bucket, write_synthetic_cache_for
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 INTEROP_HINT = 'this needs diffusers, transformers and Pillow: pip install -e ".[interop]"'
@@ -57,7 +57,7 @@ def parse_args(argv=None):
     p.add_argument("--model-config", default="sdxl", help="--synthetic: UNet config giving the dims (tiny, sdxl, "
                                                           "or a diffusers config.json)")
     p.add_argument("--latent-sizes", type=_sizes, help="--synthetic: latent buckets, e.g. 8x8,8x12 "
-                                                       "(default: the config's sample_size square and a 7:9 bucket)")
+                                                       "(default: the square sample_size, and 7:9 for sizes from 64)")
     p.add_argument("--resolution", type=int, default=1024, help="bucket area is about resolution^2 pixels")
     p.add_argument("--min-side", type=int, default=512, help="smallest bucket side in pixels")
     p.add_argument("--max-side", type=int, default=2048, help="largest bucket side in pixels")
@@ -97,14 +97,11 @@ def prepare_synthetic(cache_dir, num_samples, model_config="sdxl", latent_sizes=
                       shard_size=256, show_progress=True):
     """A synthetic cache with the dims of ``model_config``; returns the folder."""
     from flame.train.model import unet_config
-    cfg = unet_config(model_config)
-    s = cfg.sample_size
-    sizes = latent_sizes or [(s, s), (s * 7 // 64 * 8 or s, s * 9 // 64 * 8)]  # SDXL: 128x128 and 112x144
     bar = _progress(num_samples, "synthetic") if show_progress else None
     try:
-        return write_synthetic_cache(cache_dir, num_samples, cfg.in_channels, 77, cfg.cross_attention_dim,
-                                     cfg.pooled_dim, sizes, val_samples=val_samples, seed=seed, shard_size=shard_size,
-                                     progress=bar.update if bar else None)
+        return write_synthetic_cache_for(cache_dir, num_samples, unet_config(model_config), latent_sizes,
+                                         val_samples=val_samples, seed=seed, shard_size=shard_size,
+                                         progress=bar.update if bar else None)
     finally:
         if bar:
             bar.close()

@@ -3,4 +3,4 @@ and a synthetic cache for demos and tests."""
 from .buckets import fit_to_bucket, make_buckets, nearest_bucket
 from .cache import Batch, CacheWriter, LatentCache
 from .loader import BucketBatchLoader
-from .synthetic import write_synthetic_cache
+from .synthetic import write_synthetic_cache, write_synthetic_cache_for

@@ -86,3 +86,14 @@ def write_synthetic_cache(path, num_samples: int, latent_channels: int = 4, text
         if progress is not None:
             progress(1)
     return writer.close()
+
+
+def write_synthetic_cache_for(path, num_samples: int, model_config, latent_sizes=None, **kwargs) -> str:
+    """A synthetic cache with the dims of a UNet config (``in_channels``, ``cross_attention_dim``,
+    ``pooled_dim``; 77 text tokens). ``latent_sizes`` default to the config's square
+    ``sample_size`` and a 7:9 bucket of about the same area (SDXL: 128x128 and 112x144)."""
+    s = model_config.sample_size
+    if latent_sizes is None:
+        latent_sizes = [(s, s)] + ([(s * 7 // 64 * 8, s * 9 // 64 * 8)] if s >= 64 else [])
+    return write_synthetic_cache(path, num_samples, model_config.in_channels, 77, model_config.cross_attention_dim,
+                                 model_config.pooled_dim, latent_sizes, **kwargs)

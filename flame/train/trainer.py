@@ -36,7 +36,7 @@ import yaml
 from .. import runtime
 from ..amp import DynamicLossScaler
 from ..autograd import GradientMap, no_grad
-from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache
+from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache_for
 from ..diffusion import DDPMSchedule, min_snr_weights, sample_noise, sample_timesteps, weighted_mse_loss
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
@@ -119,10 +119,9 @@ class Trainer:
     def _open_cache(self, mcfg):
         c = self.cfg.data
         if c.synthetic_samples and not os.path.isfile(os.path.join(c.cache_dir, "index.json")):
-            sizes = c.synthetic_latent_sizes or [(mcfg.sample_size, mcfg.sample_size)]
             self.log(f"writing a synthetic cache of {c.synthetic_samples} samples to {c.cache_dir}")
-            write_synthetic_cache(c.cache_dir, c.synthetic_samples, mcfg.in_channels, 77, mcfg.cross_attention_dim,
-                                  mcfg.pooled_dim, sizes, seed=self.cfg.train.seed)
+            write_synthetic_cache_for(c.cache_dir, c.synthetic_samples, mcfg, c.synthetic_latent_sizes,
+                                      seed=self.cfg.train.seed)
         cache = LatentCache(c.cache_dir)
         want = {"latent_channels": mcfg.in_channels, "text_dim": mcfg.cross_attention_dim,
                 "pooled_dim": mcfg.pooled_dim}
@@ -406,7 +405,7 @@ class Trainer:
             self._start_fresh()
         with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(c), f, sort_keys=False)
-        self.log(f"training {len(self.params) // 2} LoRA layers ({sum(p.numel() for p in self.params):,} params) "
+        self.log(f"training {len(self.lora_layers)} LoRA layers ({sum(p.numel() for p in self.params):,} params) "
                  f"on {len(self.loader.cache.split('train'))} samples for {self.total_steps} steps "
                  f"({c.train.precision}, {runtime.device_name()})")
         handler = None
@@ -437,6 +436,8 @@ class Trainer:
                 if self._stop is None and due_save and s < self.total_steps:
                     self.save()
             self._flush(bar)
+            if self._stop is None and self.val_loader is not None and self.step not in self.val_losses:
+                self.validate()  # a last validation loss at the end of the run
             checkpoint = self.save()
         finally:
             if bar is not None:
