@@ -167,6 +167,16 @@ def test_trainer_rejects_a_cache_that_does_not_fit(cache_dir, tmp_path):
 
 # ---- training -------------------------------------------------------------------------------------
 
+def test_epochs_set_the_number_of_steps(cache_dir, tmp_path):
+    # 32 training samples in two buckets of 16: 2 batches of 8 each per epoch, 2 per optimizer step
+    cfg = _config(cache_dir, tmp_path, "train.steps=null", "train.epochs=1", "data.batch_size=8", "train.grad_accum=2")
+    trainer = _trainer(cfg)
+    assert len(trainer.loader) == 4 and trainer.total_steps == 2
+    result = trainer.train()
+    assert result["step"] == 2 and len(result["losses"]) == 2
+    assert trainer.loader.state_dict()["epoch"] == 0 and trainer.loader.state_dict()["position"] == 4
+
+
 def test_loss_goes_down_and_lora_file_loads(cache_dir, tmp_path):
     cfg = _config(cache_dir, tmp_path, "train.steps=12", "output.validate_every=12", "output.log_every=4",
                   "lora.format=kohya", "lora.targets=attn-mlp", "train.lr=3e-2", "train.lr_scheduler=cosine",
