@@ -253,6 +253,7 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
                                "val" if str(path) in held_out else "train")
                 if bar:
                     bar.update(len(chunk))
+            writer.flush()  # one bucket at a time: at most a shard of samples in memory
     finally:
         if bar:
             bar.close()

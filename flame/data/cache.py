@@ -125,10 +125,14 @@ class CacheWriter:
         self._counts[b] += 1
         self._pending[b] = []
 
-    def close(self) -> str:
-        """Write the remaining shards and ``index.json`` (atomically, last). Returns the folder."""
+    def flush(self) -> None:
+        """Write every bucket's queued samples as (possibly short) shards, freeing their memory."""
         for b in list(self._pending):
             self._flush(b)
+
+    def close(self) -> str:
+        """Write the remaining shards and ``index.json`` (atomically, last). Returns the folder."""
+        self.flush()
         if not self.samples:
             raise ValueError("CacheWriter.close: no samples were added")
         doc = {"format": FORMAT, "version": VERSION, **self.dims,
