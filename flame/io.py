@@ -93,7 +93,8 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
 
 def atomic_write(path, write) -> None:
     """Create or replace ``path`` atomically: ``write(f)`` fills a temporary file (binary) in the
-    same folder, which is fsynced and renamed over ``path``; on any error it is removed."""
+    same folder, which is fsynced and renamed over ``path``; on any error it is removed. The file
+    gets the permissions ``open()`` would give it (mkstemp's are owner-only)."""
     path = os.fspath(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(path)))
     try:
@@ -101,6 +102,9 @@ def atomic_write(path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
