@@ -45,8 +45,8 @@ def _host_bytes(buf):
         dense = runtime.empty(tuple(buf.shape), buf.dtype)
         KE.copy_(dense, buf)
         buf = dense
-    elif not buf.is_contiguous():
-        raise ValueError("save_safetensors: non-contiguous torch tensors on another device are not supported")
+    elif not buf.is_contiguous():  # a host tensor while flame runs on the GPU: a host-side copy, no math
+        buf = buf.contiguous()
     host = buf.cpu() if buf.device.type != "cpu" else buf  # host transfer
     if host.numel() == 0:
         return b""

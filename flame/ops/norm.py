@@ -243,7 +243,8 @@ def _layer_norm_backward(node, g):
 
 def _norm_common(x, normalized_shape, weight, bias, eps, rms, op):
     _check_input(x, op)
-    x, weight, bias = _autocast.fp32(x, weight, bias)
+    if not rms:  # PyTorch's CUDA autocast runs layer_norm in fp32 but keeps rms_norm in the input dtype
+        x, weight, bias = _autocast.fp32(x, weight, bias)
     ns = _normalized_shape(normalized_shape, x, op)
     weight = _check_param(weight, "weight", ns, x, op)
     bias = _check_param(bias, "bias", ns, x, op)
