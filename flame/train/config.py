@@ -80,7 +80,8 @@ SCHEMA = {
         "adam_beta1": Opt(0.9, "float", "AdamW beta1", low=0.0, high=1.0),
         "adam_beta2": Opt(0.999, "float", "AdamW beta2", low=0.0, high=1.0),
         "adam_eps": Opt(1e-8, "float", "AdamW epsilon", low=0.0),
-        "cuda_graph": Opt(False, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only)"),
+        "cuda_graph": Opt(True, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only; "
+                                        "off when lora.dropout > 0, whose masks must change every step)"),
     },
     "diffusion": {
         "prediction_type": Opt("epsilon", "choice", "what the UNet predicts (SDXL base: epsilon)",

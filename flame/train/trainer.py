@@ -103,7 +103,10 @@ class Trainer:
         if c.diffusion.timestep_max > self.schedule.num_train_timesteps:
             raise ConfigError(f"diffusion.timestep_max ({c.diffusion.timestep_max}) exceeds the noise schedule's "
                               f"{self.schedule.num_train_timesteps} timesteps")
-        self.step_fn = CapturedStep(self.loss_and_grads, enabled=c.train.cuda_graph)
+        graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
+        if c.train.cuda_graph and c.lora.dropout:
+            log("train.cuda_graph: off because lora.dropout > 0 (a replayed step would reuse its dropout masks)")
+        self.step_fn = CapturedStep(self.loss_and_grads, enabled=graph)
         self.step = 0
         self.val_loader = None
         if c.output.validate_every and self.cache.split("val"):
