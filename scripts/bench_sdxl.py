@@ -15,7 +15,12 @@ default on a GPU) with the forward+backward replayed from a CUDA graph (``flame.
 Each (framework, batch, checkpointing) setting runs in its own process so that peak memory is the
 setting's own. Reported: median step time over ``--steps`` timed steps after ``--warmup`` steps,
 peak allocated memory, and flame/diffusers ratios. diffusers and peft are optional: without them
-only flame is measured.
+only flame is measured. On a GPU machine without network access, bring them as wheels (Python 3.12):
+
+    pip download -d wheels --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
+        --platform manylinux2014_x86_64 --platform any diffusers==0.42.1 transformers huggingface_hub regex
+    pip download -d wheels --no-deps peft==0.21.2 accelerate psutil     # their torch is already installed
+    python3 -m pip install --no-index --find-links wheels diffusers==0.42.1 peft==0.21.2   # on the GPU machine
 """
 from __future__ import annotations
 
