@@ -29,6 +29,22 @@ def _param(shape, dtype, device, channels_last=False):
     return Parameter(Tensor(runtime.empty(tuple(shape), dtype)))
 
 
+def _register_bias(module, bias: bool, n: int, dtype, device):
+    if bias:
+        module.bias = _param((n,), dtype, device)
+    else:
+        module.register_parameter("bias", None)
+
+
+def _default_init(weight, bias, fan_in):
+    """PyTorch's default for Linear and Conv: W kaiming_uniform_(a=sqrt(5)), i.e. uniform in
+    +-1/sqrt(fan_in), and b uniform in +-1/sqrt(fan_in)."""
+    init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        init.uniform_(bias, -bound, bound)
+
+
 def _check_input(x, layer):
     if not isinstance(x, Tensor):
         raise TypeError(f"{layer}: input must be a flame Tensor, got {type(x).__name__}")
@@ -50,18 +66,11 @@ class Linear(Module):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.weight = _param((out_features, in_features), dtype, device)
-        if bias:
-            self.bias = _param((out_features,), dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        _register_bias(self, bias, out_features, dtype, device)
         self.reset_parameters()
 
     def reset_parameters(self):
-        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in = self.in_features
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-            init.uniform_(self.bias, -bound, bound)
+        _default_init(self.weight, self.bias, self.in_features)
 
     def forward(self, x):
         _check_input(x, "Linear")
@@ -97,18 +106,11 @@ class Conv2d(Module):
         self.padding = padding if isinstance(padding, str) else _pair(padding)
         self.weight = _param((out_channels, in_channels // groups, *self.kernel_size), dtype, device,
                              channels_last=True)
-        if bias:
-            self.bias = _param((out_channels,), dtype, device)
-        else:
-            self.register_parameter("bias", None)
+        _register_bias(self, bias, out_channels, dtype, device)
         self.reset_parameters()
 
     def reset_parameters(self):
-        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in = self.weight.shape[1] * self.kernel_size[0] * self.kernel_size[1]
-            bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
-            init.uniform_(self.bias, -bound, bound)
+        _default_init(self.weight, self.bias, self.weight.shape[1] * self.kernel_size[0] * self.kernel_size[1])
 
     def forward(self, x):
         _check_input(x, "Conv2d")
