@@ -121,7 +121,26 @@ class Conv2d(Module):
                 f"padding={self.padding}, groups={self.groups}, bias={self.bias is not None}")
 
 
-class GroupNorm(Module):
+class _Norm(Module):
+    """Shared by the norm layers: an optional affine ``weight`` (ones) and ``bias`` (zeros) of
+    ``shape``, registered as None when absent (PyTorch's names and init)."""
+
+    def _affine(self, shape, weight: bool, bias: bool, dtype, device):
+        for name, wanted in (("weight", weight), ("bias", weight and bias)):
+            if wanted:
+                setattr(self, name, _param(shape, dtype, device))
+            else:
+                self.register_parameter(name, None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+
+class GroupNorm(_Norm):
     """GroupNorm over (N, C, *) with per-channel affine weight (ones) and bias (zeros)."""
 
     def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
@@ -130,18 +149,7 @@ class GroupNorm(Module):
         if num_channels % num_groups:
             raise ValueError("num_channels must be divisible by num_groups")
         self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, eps, affine
-        if affine:
-            self.weight = _param((num_channels,), dtype, device)
-            self.bias = _param((num_channels,), dtype, device)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        if self.affine:
-            init.ones_(self.weight)
-            init.zeros_(self.bias)
+        self._affine((num_channels,), affine, True, dtype, device)
 
     def forward(self, x):
         _check_input(x, "GroupNorm")
@@ -157,7 +165,7 @@ def _shape(normalized_shape):
     return tuple(int(d) for d in normalized_shape)
 
 
-class LayerNorm(Module):
+class LayerNorm(_Norm):
     """LayerNorm over the trailing ``normalized_shape`` dims; weight ones, bias zeros."""
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
@@ -165,22 +173,7 @@ class LayerNorm(Module):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps, self.elementwise_affine = eps, elementwise_affine
-        if elementwise_affine:
-            self.weight = _param(self.normalized_shape, dtype, device)
-            if bias:
-                self.bias = _param(self.normalized_shape, dtype, device)
-            else:
-                self.register_parameter("bias", None)
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        if self.weight is not None:
-            init.ones_(self.weight)
-        if self.bias is not None:
-            init.zeros_(self.bias)
+        self._affine(self.normalized_shape, elementwise_affine, bias, dtype, device)
 
     def forward(self, x):
         _check_input(x, "LayerNorm")
@@ -190,7 +183,7 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
-class RMSNorm(Module):
+class RMSNorm(_Norm):
     """RMSNorm over the trailing ``normalized_shape`` dims; weight ones; ``eps=None`` means the
     input dtype's machine epsilon (as torch)."""
 
@@ -199,15 +192,7 @@ class RMSNorm(Module):
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps, self.elementwise_affine = eps, elementwise_affine
-        if elementwise_affine:
-            self.weight = _param(self.normalized_shape, dtype, device)
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        if self.weight is not None:
-            init.ones_(self.weight)
+        self._affine(self.normalized_shape, elementwise_affine, False, dtype, device)
 
     def forward(self, x):
         _check_input(x, "RMSNorm")
