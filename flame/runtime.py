@@ -75,6 +75,18 @@ def resolve_device(dev) -> torch.device:
     return device
 
 
+def to_args(args, dtype=None, device=None):
+    """The dtype named by ``.to(...)``-style arguments (positional dtypes and devices, or the
+    keywords); a device must be flame's own (see ``resolve_device``)."""
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+        else:
+            device = a
+    resolve_device(device)
+    return dtype
+
+
 def empty(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 

@@ -242,12 +242,7 @@ class Module:
         """Cast floating-point parameters and buffers to ``dtype`` in place (the Parameter objects,
         and so their ids and optimizer references, stay the same); ``device`` may only name
         flame's device."""
-        for a in args:
-            if isinstance(a, torch.dtype):
-                dtype = a
-            else:
-                device = a
-        runtime.resolve_device(device)
+        dtype = runtime.to_args(args, dtype, device)
         if dtype is None:
             return self
         check_dtype(dtype)

@@ -355,12 +355,7 @@ def _to_backward(node, g):
 def to(x, *args, dtype=None, device=None, copy=False):
     """Cast to ``dtype`` (a copy kernel); ``device`` may only name flame's own device."""
     from .. import runtime
-    for arg in args:
-        if isinstance(arg, torch.dtype):
-            dtype = arg
-        else:
-            device = arg
-    runtime.resolve_device(device)
+    dtype = runtime.to_args(args, dtype, device)
     if dtype is None or (dtype == x.dtype and not copy):
         return x
     check_dtype(dtype)
