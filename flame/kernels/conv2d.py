@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, tune
 from .elementwise import _pow2, cdiv
 from .launch import launch
 from .matmul import _kernel_switches
@@ -200,10 +200,12 @@ def _gpu_tiles(dtype, M, N, K):
     return (min(bm, max(16, _pow2(M))), min(bn, max(16, _pow2(N))), min(bk, max(16, _pow2(K))), warps, stages)
 
 
-def _gemm_config(M, N, K, dtype):
-    """Tile config for the implicit GEMM (M rows, N columns, K channels per tap). Heuristic,
-    not yet measured on a GPU: the matmul kernel's H200 choices (128x128, BLOCK_K 64 for 16-bit,
-    32 for tf32), shrunk to the problem."""
+def _gemm_config(M, N, K, dtype, taps=1, kernel="conv2d"):
+    """Tile config for the implicit GEMM (M rows, N columns, K channels per tap, ``taps`` =
+    KH * KW). On the GPU a tuning-table entry (``flame.tune``, ``kernel`` "conv2d" or
+    "conv2d_dgrad", key (M, N, K, taps)) wins; else a heuristic, not yet measured on a GPU: the
+    matmul kernel's H200 choices (128x128, BLOCK_K 64 for 16-bit, 32 for tf32), shrunk to the
+    problem."""
     if runtime.INTERPRETER:
         return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 128)), BLOCK_K=_pow2(min(K, 128)),
                     num_warps=4, num_stages=1)
@@ -214,7 +216,8 @@ def _gemm_config(M, N, K, dtype):
             bm //= 2
         else:
             bn //= 2
-    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return tune.config(kernel, (M, N, K, taps), dtype, default)
 
 
 def _nhwc(t):
@@ -242,7 +245,7 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
         return out
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
-    cfg = _gemm_config(M, N, C, src.dtype)
+    cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
     acc, precision, upcast = _kernel_switches(src.dtype)
     div = geom_h[3] != 1 or geom_w[3] != 1
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)

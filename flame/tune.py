@@ -1,0 +1,231 @@
+"""Launch configs per kernel, shape, dtype and GPU: measured tables, heuristic fallback.
+
+``config(kernel, shape_key, dtype, default)`` is what a launcher calls to pick its block sizes,
+warps and stages. It reads ``configs/autotune/<gpu-slug>.json`` (written by autotuning runs,
+format in ``configs/autotune/README.md``) for the current GPU, once, on first use, and answers:
+
+1. the table's entry for exactly ``shape_key``, else
+2. the nearest entry in the same bucket: every dimension of the key rounded to the nearest power
+   of two (in log space, so 4096 and 5120 share the bucket 4096, 6144 goes to 8192); among the
+   entries of the query's bucket the one with the smallest sum of ``|log2(query_i / entry_i)|``,
+   else
+3. ``default``, the launcher's heuristic (the result with no table at all).
+
+Answers are cached per (kernel, shape key, dtype, device name), so after the first call a launch
+pays one dict lookup. Nothing is ever timed or tuned here.
+
+A table that cannot be trusted is ignored with one ``TuningTableWarning`` naming the file and the
+reason, never an exception: unreadable JSON, another ``format``, a table for another GPU, or one
+written with another Triton (major.minor: block sizes that win on one compiler release can lose
+or fail to fit in shared memory on the next). Bad entries (missing fields, a key of the wrong
+length, config fields that are not exactly the kernel's ``KERNELS`` fields, non-positive or
+non-power-of-two block sizes, a duplicate key) are dropped, the rest of the table is kept, and one
+warning per file lists them.
+
+Environment:
+- ``FLAME_TUNE_DIR``: the folder holding the tables (default: ``configs/autotune`` of this
+  checkout). An empty folder gives the heuristics everywhere. Read when a table is first loaded;
+  call ``reset()`` after changing it.
+- ``FLAME_AUTOTUNE=1``: reserved for tuning unknown shapes on first use (issue 9); not
+  implemented yet, so today it changes nothing.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+
+import triton
+
+from . import runtime
+
+FORMAT = 1
+
+_GEMM_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+# kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
+KERNELS = {
+    "matmul": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _config
+    "conv2d": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _gemm_config, forward
+    "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
+}
+
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+_ENTRY_FIELDS = ("key", "config", "ms", "default_ms")
+
+
+class TuningTableWarning(UserWarning):
+    """A tuning table (or some of its entries) was ignored; the heuristics stand in."""
+
+
+def slug(name: str) -> str:
+    """File-name form of a GPU name: ``"NVIDIA H200"`` -> ``"nvidia-h200"``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def table_dir() -> Path:
+    env = os.environ.get("FLAME_TUNE_DIR")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / "configs" / "autotune"
+
+
+def table_path(device_name: str | None = None) -> Path:
+    """Where the table for ``device_name`` (default: the current device) lives."""
+    return table_dir() / f"{slug(device_name or runtime.device_name())}.json"
+
+
+def bucket(shape_key) -> tuple:
+    """Each dimension rounded to the nearest power of two in log space (0 stays 0)."""
+    return tuple(1 << round(math.log2(d)) if d > 0 else 0 for d in shape_key)
+
+
+def _distance(a, b) -> float:
+    return sum(abs(math.log2(x / y)) for x, y in zip(a, b) if x > 0 and y > 0)
+
+
+def _dtype_name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+class _Table:
+    """One GPU's entries: per (kernel, dtype name), the entries of each bucket."""
+
+    def __init__(self):
+        self.buckets = {}  # (kernel, dtype) -> {bucket: [(key, config), ...]}
+
+    def add(self, kernel, dtype, key, cfg):
+        self.buckets.setdefault((kernel, dtype), {}).setdefault(bucket(key), []).append((key, cfg))
+
+    def find(self, kernel, dtype, key):
+        """The config of the nearest entry in ``key``'s bucket (the exact key is at distance 0)."""
+        near = self.buckets.get((kernel, dtype), {}).get(bucket(key))
+        return min(near, key=lambda e: _distance(key, e[0]))[1] if near else None
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _entry_problem(kernel, entry, seen):
+    """Why ``entry`` of ``kernel`` is unusable, or None (``seen``: keys already taken)."""
+    if not isinstance(entry, dict) or any(f not in entry for f in _ENTRY_FIELDS):
+        return f"an entry without all of {list(_ENTRY_FIELDS)}"
+    key_names, fields = KERNELS[kernel]
+    key, cfg = entry["key"], entry["config"]
+    if not isinstance(key, list) or len(key) != len(key_names) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in key):
+        return f"key {key!r} is not {len(key_names)} non-negative integers {key_names}"
+    if tuple(key) in seen:
+        return f"key {key} appears twice"
+    if not isinstance(cfg, dict) or set(cfg) != set(fields):
+        got = sorted(cfg) if isinstance(cfg, dict) else cfg
+        return f"config fields {got} at key {key} are not {kernel}'s {sorted(fields)}"
+    for name, v in cfg.items():
+        if not _is_count(v) or (name.startswith("BLOCK_") and v & (v - 1)):
+            return f"config {name}={v!r} at key {key} (positive integers, powers of two for BLOCK_*)"
+    if not all(isinstance(entry[f], (int, float)) and not isinstance(entry[f], bool) for f in ("ms", "default_ms")):
+        return f"ms/default_ms at key {key} are not numbers"
+    return None
+
+
+def _triton_release(version) -> tuple:
+    return tuple(str(version).split(".")[:2])
+
+
+def _parse(raw, device_name):
+    """(_Table or None, list of problems) for the decoded JSON ``raw``."""
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+        return None, [f"format is {found!r}, this flame reads format {FORMAT}"]
+    if not isinstance(raw.get("gpu"), str) or slug(raw["gpu"]) != slug(device_name):
+        return None, [f"written for GPU {raw.get('gpu')!r}, this is {device_name!r}"]
+    if _triton_release(raw.get("triton")) != _triton_release(triton.__version__):
+        return None, [f"stale: tuned with Triton {raw.get('triton')!r}, this is Triton {triton.__version__}"]
+    entries = raw.get("entries")
+    if not isinstance(entries, dict):
+        return None, ["'entries' is not an object {kernel: {dtype: [entries]}}"]
+    table, problems = _Table(), []
+    for kernel, per_dtype in entries.items():
+        if kernel not in KERNELS:
+            problems.append(f"unknown kernel {kernel!r} (known: {sorted(KERNELS)})")
+            continue
+        if not isinstance(per_dtype, dict):
+            problems.append(f"{kernel}: not an object {{dtype: [entries]}}")
+            continue
+        for dtype, rows in per_dtype.items():
+            if dtype not in DTYPES or not isinstance(rows, list):
+                problems.append(f"{kernel}: {dtype!r} is not one of {list(DTYPES)} with a list of entries")
+                continue
+            seen = set()
+            for entry in rows:
+                problem = _entry_problem(kernel, entry, seen)
+                if problem:
+                    problems.append(f"{kernel}/{dtype}: {problem}")
+                    continue
+                seen.add(tuple(entry["key"]))
+                table.add(kernel, dtype, tuple(entry["key"]), dict(entry["config"]))
+    return table, problems
+
+
+def _load(device_name):
+    path = table_path(device_name)
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        table, problems = None, [f"unreadable ({type(e).__name__}: {e})"]
+    else:
+        table, problems = _parse(raw, device_name)
+    if problems:
+        what = "ignored" if table is None else f"{len(problems)} bad entries or sections ignored"
+        shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+        warnings.warn(f"tuning table {path}: {what}, heuristic launch configs used instead: {shown}",
+                      TuningTableWarning, stacklevel=4)
+    return table
+
+
+# ---- lookup -----------------------------------------------------------------------------------
+
+_tables: dict = {}  # device name -> _Table or None (no usable table)
+_chosen: dict = {}  # (kernel, shape key, dtype, device name or None) -> table config or None
+_MISS = object()
+
+
+def _lookup(kernel, shape_key, dtype, default, device_name):
+    if kernel not in KERNELS:
+        raise ValueError(f"tune.config: unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
+    key_names, fields = KERNELS[kernel]
+    if len(shape_key) != len(key_names) or set(default) != set(fields):
+        raise ValueError(f"tune.config({kernel!r}): shape key {shape_key} must be {key_names} and the default "
+                         f"config's fields {sorted(default)} must be {sorted(fields)}")
+    name = device_name or runtime.device_name()
+    if name not in _tables:
+        _tables[name] = _load(name)
+    table = _tables[name]
+    return None if table is None else table.find(kernel, _dtype_name(dtype), tuple(shape_key))
+
+
+def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str | None = None) -> dict:
+    """The launch config for ``kernel`` on a problem of shape ``shape_key`` (a tuple of ints
+    named by ``KERNELS[kernel][0]``) in ``dtype`` (a torch dtype or its name) on ``device_name``
+    (default: the current device): the tuning table's exact entry, else its nearest entry in the
+    same power-of-two bucket, else ``default``. The returned dict is shared: do not mutate it."""
+    ck = (kernel, shape_key, dtype, device_name)
+    hit = _chosen.get(ck, _MISS)
+    if hit is _MISS:
+        hit = _lookup(kernel, shape_key, dtype, default, device_name)
+        if len(_chosen) > 8192:
+            _chosen.clear()
+        _chosen[ck] = hit
+    return default if hit is None else hit
+
+
+def reset() -> None:
+    """Forget loaded tables and cached answers (after changing ``FLAME_TUNE_DIR`` or a table)."""
+    _tables.clear()
+    _chosen.clear()

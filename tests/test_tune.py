@@ -1,0 +1,245 @@
+"""flame.tune: launch-config tables (exact, bucket and heuristic lookups, bad tables) and the
+matmul / conv launchers' use of them."""
+import json
+import warnings
+
+import pytest
+import torch
+import triton
+
+from flame import runtime, tune
+from flame.kernels import conv2d, matmul
+
+GPU = "NVIDIA H200"
+MM = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=2, num_stages=5)
+CONV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2)
+DEFAULT = dict(BLOCK_M=1, BLOCK_N=1, BLOCK_K=1, GROUP_M=1, num_warps=1, num_stages=1)
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """A fresh table folder; returns write(entries, name=GPU, **top-level fields) -> path."""
+    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
+    tune.reset()
+
+    def write(rows, name=GPU, **top):
+        doc = dict(format=1, gpu=name, triton=triton.__version__, date="2026-12-01", entries=rows)
+        doc.update(top)
+        path = tmp_path / f"{tune.slug(name)}.json"
+        path.write_text(json.dumps(doc))
+        return path
+
+    yield write
+    tune.reset()
+
+
+def entry(key, config, ms=1.0):
+    return dict(key=list(key), config=config, ms=ms, default_ms=2 * ms)
+
+
+def ask(key, dtype=torch.bfloat16, kernel="matmul", default=DEFAULT):
+    return tune.config(kernel, key, dtype, default, device_name=GPU)
+
+
+def quiet_ask(*args, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tune.TuningTableWarning)
+        return ask(*args, **kw)
+
+
+def test_slug_and_buckets():
+    assert tune.slug("NVIDIA H200") == "nvidia-h200"
+    assert tune.slug(" NVIDIA H100 80GB HBM3 ") == "nvidia-h100-80gb-hbm3"
+    assert tune.bucket((4096, 5120, 6144, 77, 1, 0)) == (4096, 4096, 8192, 64, 1, 0)
+
+
+def test_exact_lookup(tables):
+    other = dict(MM, BLOCK_M=128)
+    tables({"matmul": {"bfloat16": [entry((4096, 640, 640, 1), MM), entry((4096, 640, 640, 2), other)]}})
+    assert quiet_ask((4096, 640, 640, 1)) == MM
+    assert quiet_ask((4096, 640, 640, 2)) == other
+    assert quiet_ask((4096, 640, 640, 2), dtype="bfloat16") == other  # dtype by name too
+
+
+def test_bucket_fallback_takes_the_nearest_entry_in_the_bucket(tables):
+    far = dict(MM, num_warps=8)
+    tables({"matmul": {"float16": [entry((4096, 1280, 1280, 1), far), entry((5000, 640, 700, 1), MM)]}})
+    # (4600, 600, 660, 1) is in bucket (4096, 512, 512, 1) with (5000, 640, 700, 1) but not with the first
+    assert quiet_ask((4600, 600, 660, 1), torch.float16) == MM
+    # both entries share the bucket of (4096, 1100, 1100, 1): the closer one in log distance wins
+    tables({"matmul": {"float16": [entry((4096, 1024, 1024, 1), MM), entry((4096, 1400, 1400, 1), far)]}})
+    tune.reset()
+    assert quiet_ask((4096, 1300, 1300, 1), torch.float16) == far
+    assert quiet_ask((4096, 1000, 1000, 1), torch.float16) == MM
+    # another bucket in any dimension (batch included): the heuristic
+    assert quiet_ask((4096, 1024, 1024, 2), torch.float16) is DEFAULT
+    assert quiet_ask((8192, 1024, 1024, 1), torch.float16) is DEFAULT
+
+
+def test_heuristic_fallback_without_table_kernel_or_dtype(tables):
+    assert quiet_ask((64, 64, 64, 1)) is DEFAULT  # no file at all
+    tables({"matmul": {"float16": [entry((64, 64, 64, 1), MM)]}})
+    tune.reset()
+    assert quiet_ask((64, 64, 64, 1), torch.float16) == MM
+    assert quiet_ask((64, 64, 64, 1), torch.float32) is DEFAULT  # dtype absent
+    conv_default = {k: v for k, v in DEFAULT.items() if k != "GROUP_M"}
+    assert quiet_ask((64, 64, 64, 9), torch.float16, "conv2d", conv_default) is conv_default  # kernel absent
+    # another GPU's name reads another file (absent here)
+    assert tune.config("matmul", (64, 64, 64, 1), torch.float16, DEFAULT, device_name="NVIDIA H100") is DEFAULT
+
+
+def test_answers_are_cached_until_reset(tables):
+    path = tables({"matmul": {"bfloat16": [entry((128, 128, 128, 1), MM)]}})
+    assert quiet_ask((128, 128, 128, 1)) == MM
+    path.unlink()
+    assert quiet_ask((128, 128, 128, 1)) == MM  # neither the file nor the lookup is read again
+    tune.reset()
+    assert quiet_ask((128, 128, 128, 1)) is DEFAULT
+
+
+def _one_warning(match, key=(64, 64, 64, 1)):
+    """Ask twice for two keys; exactly one TuningTableWarning matching ``match``. Returns the answer."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = [ask(key), ask(key), ask((7, 7, 7, 1))]
+    msgs = [str(w.message) for w in seen if issubclass(w.category, tune.TuningTableWarning)]
+    assert len(msgs) == 1, msgs
+    assert match in msgs[0] and ".json" in msgs[0], msgs[0]
+    return got[0]
+
+
+@pytest.mark.parametrize("top, match", [
+    (dict(triton="2.1.0"), "stale"),
+    (dict(format=2), "format"),
+    (dict(gpu="NVIDIA A100"), "written for GPU"),  # a file named for this GPU holding another's table
+    (dict(entries=[]), "'entries'"),
+])
+def test_stale_or_foreign_table_is_ignored_with_one_warning(tables, top, match):
+    tables({"matmul": {"bfloat16": [entry((64, 64, 64, 1), MM)]}}, **top)
+    assert _one_warning(match) is DEFAULT
+
+
+def test_same_triton_release_other_patch_is_not_stale(tables):
+    major, minor = triton.__version__.split(".")[:2]
+    tables({"matmul": {"bfloat16": [entry((64, 64, 64, 1), MM)]}}, triton=f"{major}.{minor}.99")
+    assert quiet_ask((64, 64, 64, 1)) == MM
+
+
+@pytest.mark.parametrize("text", ['{"format": 1, "gpu": ', "[1, 2]", "\xff\xfe"])
+def test_corrupt_table_is_ignored_with_one_warning(tables, tmp_path, text):
+    (tmp_path / "nvidia-h200.json").write_bytes(text.encode("latin-1"))
+    assert _one_warning("ignored") is DEFAULT
+
+
+def test_bad_entries_are_dropped_with_one_warning_and_the_rest_kept(tables):
+    good = entry((64, 64, 64, 1), MM)
+    tables({
+        "matmul": {"bfloat16": [
+            good,
+            entry((7, 7, 7, 1), dict(MM, BLOCK_X=16)),  # unknown field
+            dict(key=[8, 8, 8, 1], config=MM, ms=1.0),  # no default_ms
+            entry((9, 9, 9), MM),  # key too short
+            entry((10, 10, 10, 1), dict(MM, BLOCK_M=48)),  # not a power of two
+            entry((11, 11, 11, 1), dict(MM, num_warps=0)),
+            entry((64, 64, 64, 1), dict(MM, BLOCK_M=16)),  # duplicate key
+        ], "float8": []},
+        "conv2d": {"bfloat16": [entry((64, 64, 64, 9), MM)]},  # GROUP_M is not a conv field
+        "attention_fwd": {"bfloat16": []},  # no such tunable kernel (yet)
+    })
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert ask((64, 64, 64, 1)) == MM
+        for key in ((7, 7, 7, 1), (8, 8, 8, 1), (10, 10, 10, 1), (11, 11, 11, 1)):
+            assert ask(key) is DEFAULT
+        conv_default = {k: v for k, v in DEFAULT.items() if k != "GROUP_M"}
+        assert ask((64, 64, 64, 9), kernel="conv2d", default=conv_default) is conv_default
+    msgs = [str(w.message) for w in seen if issubclass(w.category, tune.TuningTableWarning)]
+    assert len(msgs) == 1, msgs
+    for part in ("9 bad entries or sections ignored", "BLOCK_X", "default_ms", "[9, 9, 9]", "BLOCK_M=48", "num_warps=0",
+                 "twice", "float8", "attention_fwd", "GROUP_M"):
+        assert part in msgs[0], (part, msgs[0])
+
+
+def test_misuse_by_a_launcher_raises():
+    with pytest.raises(ValueError, match="unknown kernel"):
+        tune.config("nope", (1,), torch.float16, {}, device_name=GPU)
+    with pytest.raises(ValueError, match="GROUP_M"):
+        tune.config("conv2d", (1, 1, 1, 1), torch.float16, DEFAULT, device_name=GPU)
+    with pytest.raises(ValueError, match="shape key"):
+        tune.config("matmul", (1, 1, 1), torch.float16, DEFAULT, device_name=GPU)
+
+
+# ---- the launchers ------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """matmul/conv config choice as on a 132-SM H200 (the kernels still never run here)."""
+    monkeypatch.setattr(runtime, "INTERPRETER", False)
+    monkeypatch.setattr(runtime, "_num_sms", 132)
+    monkeypatch.setattr(runtime, "device_name", lambda: GPU)
+
+
+# The heuristics' answers before the tuning layer existed (132 SMs): with no table, unchanged.
+_MM_HEURISTIC = [
+    ((4096, 640, 640, torch.bfloat16, 1), (128, 128, 64, 8, 4, 4)),
+    ((16384, 1280, 5120, torch.bfloat16, 1), (128, 256, 64, 8, 8, 3)),
+    ((77, 640, 2048, torch.float16, 2), (64, 64, 64, 8, 4, 4)),
+    ((1000, 7, 129, torch.float32, 1), (64, 16, 32, 8, 4, 3)),
+    ((64, 64, 64, torch.float64, 3), (64, 64, 32, 8, 4, 3)),
+    ((4096, 16, 640, torch.bfloat16, 1), (64, 16, 64, 8, 4, 4)),
+]
+_CONV_HEURISTIC = [
+    ((16384, 320, 320, torch.bfloat16), (128, 128, 64, 4, 3)),
+    ((1024, 1280, 1280, torch.float16), (64, 128, 64, 4, 3)),
+    ((4096, 640, 960, torch.float32), (128, 128, 32, 4, 3)),
+    ((49, 4, 3, torch.float64), (64, 16, 16, 4, 3)),
+]
+
+
+def test_without_a_table_gpu_configs_are_the_heuristics(tables, fake_gpu):
+    for args, want in _MM_HEURISTIC:
+        assert matmul._config(*args) == dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps",
+                                                  "num_stages"), want)), args
+    for args, want in _CONV_HEURISTIC:
+        expected = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), want))
+        assert conv2d._gemm_config(*args) == expected, args
+        assert conv2d._gemm_config(*args, 9, "conv2d_dgrad") == expected, args
+
+
+def test_gpu_configs_come_from_the_table(tables, fake_gpu):
+    dgrad = dict(CONV, BLOCK_M=128)
+    tables({"matmul": {"bfloat16": [entry((4096, 640, 640, 1), MM)]},
+            "conv2d": {"float16": [entry((1024, 1280, 1280, 9), CONV)]},
+            "conv2d_dgrad": {"float16": [entry((1024, 1280, 1280, 9), dgrad)]}})
+    assert matmul._config(4096, 640, 640, torch.bfloat16, 1) == MM
+    assert matmul._config(4000, 700, 600, torch.bfloat16, 1) == MM  # same bucket
+    assert matmul._config(4096, 640, 640, torch.bfloat16, 4)["num_warps"] == 8  # batch 4: the heuristic
+    assert conv2d._gemm_config(1024, 1280, 1280, torch.float16, 9) == CONV
+    assert conv2d._gemm_config(1024, 1280, 1280, torch.float16, 9, "conv2d_dgrad") == dgrad
+    assert conv2d._gemm_config(1024, 1280, 1280, torch.float16, 1)["BLOCK_M"] == 64  # 1x1: heuristic
+
+
+def test_interpreter_configs_ignore_tables(tables, monkeypatch):
+    name = runtime.device_name()
+    tables({"matmul": {"float32": [entry((8, 8, 8, 1), MM)]},
+            "conv2d": {"float32": [entry((8, 8, 8, 1), CONV)]}}, name=name)
+    assert tune.config("matmul", (8, 8, 8, 1), torch.float32, DEFAULT, device_name=name) == MM  # readable
+    assert matmul._config(8, 8, 8, torch.float32) == dict(BLOCK_M=8, BLOCK_N=8, BLOCK_K=8, GROUP_M=8,
+                                                         num_warps=4, num_stages=1)
+    assert conv2d._gemm_config(8, 8, 8, torch.float32)["num_stages"] == 1
+
+
+def test_conv_launcher_names_its_kernel_and_taps(monkeypatch):
+    calls = []
+    real = conv2d._gemm_config
+
+    def spy(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(conv2d, "_gemm_config", spy)
+    x, w = torch.randn(1, 2, 4, 4), torch.randn(3, 2, 3, 2)
+    out, dx = runtime.empty((1, 3, 2, 3), torch.float32), runtime.empty((1, 2, 4, 4), torch.float32)
+    conv2d.conv2d_forward_(out, x, w, None, (1, 1), (0, 0), (1, 1))
+    conv2d.conv2d_input_grad_(dx, out, w, (1, 1), (0, 0), (1, 1))
+    assert [(c[4], c[5]) for c in calls] == [(6, "conv2d"), (6, "conv2d_dgrad")]
