@@ -58,14 +58,20 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("name,kw", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CONFIGS)])
-def test_matches_torch_five_steps(name, kw):
+def _run_both(name, kw, steps):
+    """``steps`` updates of flame's and torch's optimizer ``name`` from the same params and grads."""
     fp, tp = _params()
     fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
-    for _ in range(5):
+    for _ in range(steps):
         gs = _grads(tp)
         fo.step(_grad_map(fp, gs))
         _torch_step(to, tp, gs)
+    return fp, tp, fo
+
+
+@pytest.mark.parametrize("name,kw", CONFIGS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CONFIGS)])
+def test_matches_torch_five_steps(name, kw):
+    fp, tp, fo = _run_both(name, kw, 5)
     _assert_params(fp, tp)
     st = fo.state_dict()["state"]
     assert all(st[i]["step"] == 5 for i in range(len(SHAPES)))
@@ -459,12 +465,7 @@ def test_tables_are_reused_and_follow_swapped_buffers(monkeypatch):
 def test_several_blocks_per_work_item(monkeypatch, name, kw):
     # the GPU layout: each program loops over several blocks of its chunk (chunks end mid-tensor)
     monkeypatch.setattr(KO, "_sizes", lambda: (256, 1024))
-    fp, tp = _params()
-    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
-    for _ in range(3):
-        gs = _grads(tp)
-        fo.step(_grad_map(fp, gs))
-        _torch_step(to, tp, gs)
+    fp, tp, _ = _run_both(name, kw, 3)
     _assert_params(fp, tp)
     gs = _grads(tp)
     fg = [flame.from_torch(g.clone()) for g in gs]
