@@ -281,3 +281,47 @@ def test_bf16_1024x1280x1280_within_torch_error():
     ref_dw = g16.float().t() @ a16.float()
     assert_within_torch_error(grads[a], (g16 @ w16).float(), ref_da, 3)
     assert_within_torch_error(grads[w], (g16.t() @ a16).float(), ref_dw, 3)
+
+
+# ---- split-K (few output tiles, long K: LoRA's weight gradients) --------------------------------
+
+@pytest.fixture
+def split_k_everywhere(monkeypatch):
+    """A 132-SM card with 16x16x16 tiles, so small problems take the split-K path here too."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM.runtime, "num_sms", lambda: 132)
+    monkeypatch.setattr(KM, "_launch_cache", {})
+    monkeypatch.setattr(KM, "_config", lambda M, N, K, dtype, batch=1: dict(
+        BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=1))
+    calls = []
+    real = KM._launch_split_k
+    monkeypatch.setattr(KM, "_launch_split_k", lambda *a: calls.append(a[6]) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_matches_torch(dtype, split_k_everywhere):
+    a, ta = pair((20, 515), dtype)  # 515 = 5 * 103: 5 slices, each not a multiple of the block
+    b, tb = pair((515, 9), dtype)
+    _check(a @ b, _ref(ta, tb), 515)
+    # transposed operands read in place; a strided (transposed) output through linear's weight grad
+    x, tx = pair((512, 12), dtype, requires_grad=True)
+    w, tw = pair((16, 12), dtype, requires_grad=True)
+    y = flame.nn.functional.linear(x, w)
+    g, tg = pair((512, 16), dtype)
+    grads = y.backward(g)
+    torch.nn.functional.linear(tx, tw).backward(tg)
+    _check(grads[w].to(dtype), tw.grad, 512)
+    assert split_k_everywhere and min(split_k_everywhere) > 1
+
+
+def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
+    import flame.kernels.matmul as KM
+    assert KM._k_splits(tiles=200, K=4096, block_k=64) == 1   # enough tiles already
+    assert KM._k_splits(tiles=5, K=512, block_k=64) == 1      # K too short to cut
+    assert KM._k_splits(tiles=5, K=4096, block_k=64) == 16    # LoRA dA: 16 slices of 256
+    assert KM._k_splits(tiles=5, K=4097, block_k=64) == 1     # prime-ish K: no equal slices
+    a, ta = pair((7, 33))
+    b, tb = pair((33, 5))
+    _check(a @ b, _ref(ta, tb), 33)
+    assert not split_k_everywhere

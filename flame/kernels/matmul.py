@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime, tune
-from .elementwise import _apply, _pow2, cdiv, collapse, fill_
+from .elementwise import _apply, _pow2, cdiv, collapse, copy_, fill_
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -158,11 +158,43 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
         if len(_launch_cache) > 4096:
             _launch_cache.clear()
         _launch_cache[key] = cfg
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    if epilogue is None and B0 * B1 == 1:
+        splits = _k_splits(tiles, K, cfg["BLOCK_K"])
+        if splits > 1:
+            return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:])
     f = epilogue or _NO_FUSION
-    grid = (B0 * B1 * cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]),)
+    grid = (B0 * B1 * tiles,)
     launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), M, N, K, B1,
            *sa, *sb, *sc, f.bias_stride, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
            **cfg)
+
+
+def _k_splits(tiles, K, block_k):
+    """How many slices to cut K into for a GEMM with few output tiles (LoRA's rank-16 weight
+    gradients: M or N = 16 with K = 4096 tokens gave 5 programs for 132 SMs): enough for about one
+    program per SM, each slice at least 4 K-blocks long, and K divisible by the count (equal slices
+    are one batched launch). 1 means no split."""
+    sms = runtime.num_sms()
+    if 2 * tiles > sms or 16 * block_k > K:
+        return 1
+    for splits in range(min(cdiv(sms, tiles), K // (4 * block_k), 64), 1, -1):
+        if K % splits == 0:
+            return splits
+    return 1
+
+
+def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc):
+    """Split-K: ``splits`` equal K slices as one batched GEMM into an fp32 (fp64) scratch
+    (splits, M, N), then a deterministic sum over the slices into ``out`` (no atomics)."""
+    kc = K // splits
+    scratch = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
+    _launch(scratch, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (M * N, N, 1))
+    dense = tuple(sc) == (N, 1) or (M == 1 and sc[1] == 1)
+    target = out if dense else runtime.empty((M, N), out.dtype)
+    reduce_(target, scratch, 1, splits, M * N, (0, M * N, 1), SUM)
+    if not dense:
+        copy_(out.as_strided((M, N), tuple(sc), out.storage_offset()), target)
 
 
 def _or(t, default):
