@@ -193,46 +193,28 @@ def linear_family(ctx: Ctx) -> list[Case]:
         shapes = [(16, 24, 32, None), (8, 16, 24, "gelu_tanh")]
     for m, k, n, act in shapes:
         x, tx = _randn(m, k, dtype=ctx.dtype, requires_grad=True)
-        w, tw = _randn(n, k, dtype=ctx.dtype, requires_grad=True)
-        b, tb = _randn(n, dtype=ctx.dtype, requires_grad=True)
+        w, _ = _randn(n, k, dtype=ctx.dtype)
         with flame.no_grad():
             w = (w * (1.0 / k ** 0.5)).requires_grad_()
         tw = w.to_torch().detach().clone().requires_grad_()
+        b, tb = _randn(n, dtype=ctx.dtype, requires_grad=True)
         g = flame.randn(m, n, dtype=ctx.dtype)
-        tg = g.to_torch()
-        tact = _TORCH_ACT[act]
         name = f"{m}x{k}->{n}" + (f" +bias+{act}" if act else " +bias")
-        flops = 2 * m * k * n
-
-        def f_fwd(x=x, w=w, b=b, act=act):
-            with flame.no_grad():
-                return F.linear(x, w, b, activation=act)
-
-        def t_fwd(tx=tx, tw=tw, tb=tb, tact=tact):
-            with torch.no_grad():
-                return tact(torch.nn.functional.linear(tx, tw, tb))
-
-        def f_bwd(x=x, w=w, b=b, act=act, g=g):
-            grads = F.linear(x, w, b, activation=act).backward(g)
-            return grads[x].to(x.dtype), grads[w].to(w.dtype), grads[b].to(b.dtype)
-
-        def t_bwd(tx=tx, tw=tw, tb=tb, tact=tact, tg=tg):
-            return torch.autograd.grad(tact(torch.nn.functional.linear(tx, tw, tb)), (tx, tw, tb), tg)
-
-        cases.append(Case(f"fwd {name}", f_fwd, t_fwd, flops=flops))
-        cases.append(Case(f"fwd+bwd {name}", f_bwd, t_bwd, flops=3 * flops))
+        cases += _fwd_bwd_cases(name, lambda x, w, b, act=act: F.linear(x, w, b, activation=act),
+                                lambda x, w, b, tact=_TORCH_ACT[act]: tact(torch.nn.functional.linear(x, w, b)),
+                                (x, w, b), (tx, tw, tb), g, g.to_torch(), flops=2 * m * k * n)
     return cases
 
 
-def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0,
-                   leaf_grads=True):
+def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0):
     """A forward case (no graph) and a forward+backward case for one op; ``f_fn(*inputs)`` and
     ``t_fn(*inputs)`` compute it, ``g``/``tg`` is the incoming gradient. Backward work is counted as
-    ``bwd_factor`` times the forward's. ``leaf_grads=False`` stops flame's backward at the inputs,
-    as for activations inside a model (no fp32 accumulation or dense copy of leaf gradients),
-    matching what ``torch.autograd.grad`` returns."""
+    ``bwd_factor`` times the forward's. Both sides return the gradients of the inputs that require
+    them, as ``torch.autograd.grad`` does: flame's backward stops at the inputs (no accumulation into
+    fp32 leaf gradients, which torch's side does not do either)."""
     f_leaves = [x for x in f_inputs if isinstance(x, flame.Tensor) and x.requires_grad]
     t_leaves = [x for x in t_inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    boundary = {x.id for x in f_leaves}
 
     def f_fwd():
         with flame.no_grad():
@@ -243,10 +225,7 @@ def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flo
             return t_fn(*t_inputs)
 
     def f_bwd():
-        if leaf_grads:
-            grads = f_fn(*f_inputs).backward(g)
-            return tuple(grads[x].to(x.dtype) for x in f_leaves)
-        _, grads = run_backward(f_fn(*f_inputs), g, boundary={x.id for x in f_leaves})
+        _, grads = run_backward(f_fn(*f_inputs), g, boundary=boundary)
         return tuple(grads[x.id].to(x.dtype) for x in f_leaves)
 
     def t_bwd():
@@ -396,7 +375,7 @@ def conv_family(ctx: Ctx) -> list[Case]:
             tx_f, tw_f = (t.detach().contiguous(memory_format=fmt).requires_grad_() for t in (tx, w.to_torch()))
             cases += _fwd_bwd_cases(f"{name} vs torch {tag}", _conv_fn(F, k, s, up),
                                     _conv_fn(torch.nn.functional, k, s, up), (x, w, b), (tx_f, tw_f, tb), g,
-                                    g.to_torch().contiguous(memory_format=fmt), flops=flops, leaf_grads=False)
+                                    g.to_torch().contiguous(memory_format=fmt), flops=flops)
     return cases
 
 
