@@ -92,6 +92,35 @@ def test_conv2d_channels_last_fp16(w_shape, kw):
     _run((1, 5, 1, 1), (3, 5, 1, 1), torch.float16, channels_last=True)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("x_shape,channels_last,kw,routes", [
+    # routes: (GEMM calls, implicit-GEMM conv launches) over forward + input grad + weight grad
+    ((1, 7, 4, 5), True, dict(), (3, 0)),
+    ((1, 7, 4, 5), False, dict(), (3, 0)),  # NCHW N=1: dx is an (H*W, Ci) matrix with column stride H*W
+    ((2, 7, 4, 5), True, dict(dilation=2), (3, 0)),
+    ((2, 7, 4, 5), False, dict(), (2, 1)),  # NCHW N=2: dx's (N, H, W) rows have no one stride
+    ((2, 7, 4, 5), True, dict(stride=2), (0, 3)),
+    ((1, 7, 4, 5), False, dict(padding=1), (0, 3)),
+], ids=str)
+def test_conv2d_1x1_runs_as_plain_gemm(monkeypatch, dtype, x_shape, channels_last, kw, routes):
+    # 1x1, stride 1, no padding, one group: the GEMM kernel (linear_ with the bias fused in the
+    # forward, matmul_ for both gradients); otherwise the implicit-GEMM kernels, same results
+    from flame.kernels import conv2d as KC
+    calls = {"gemm": 0, "conv": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    for fn in ("linear_", "matmul_"):
+        monkeypatch.setattr(KC, fn, counting("gemm", getattr(KC, fn)))
+    monkeypatch.setattr(KC, "launch", counting("conv", KC.launch))
+    _run(x_shape, (5, 7, 1, 1), dtype, channels_last=channels_last, **kw)
+    assert (calls["gemm"], calls["conv"]) == routes
+
+
 def test_conv2d_float64_matches_torch():
     _run((2, 3, 7, 9), (4, 3, 3, 3), torch.float64, stride=2, padding=1)
     _run((2, 3, 7, 9), (4, 3, 3, 3), torch.float64, channels_last=True, padding="same", dilation=2)

@@ -24,15 +24,19 @@ Two kernels:
 
 All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
 (and any other strided view) work alike; channels-last is the fast layout.
+
+A 1x1 convolution with stride 1, no padding and one group is a plain GEMM over the (N*H*W, C)
+matrices of its activations: when those are strided views of the buffers (``_gemm_views``), all
+three functions call the GEMM kernel (``flame.kernels.matmul``) instead, with no im2col indexing.
 """
 import torch
 import triton
 import triton.language as tl
 
 from .. import runtime, tune
-from .elementwise import _pow2, cdiv
+from .elementwise import _pow2, cdiv, collapse
 from .launch import launch
-from .matmul import _kernel_switches
+from .matmul import _kernel_switches, linear_, matmul_
 from .reduce import SUM, reduce_
 
 
@@ -258,8 +262,38 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
     return out
 
 
+def _rows(t):
+    """A 4-D (N, C, H, W) buffer as an (N*H*W, C) strided view, or None when the (N, H, W) dims
+    do not collapse to one row stride (NCHW with N > 1). A single row keeps the batch stride."""
+    n, c, h, w = t.shape
+    s = t.stride()
+    shape, (rs,) = collapse([n, h, w], [[s[0], s[2], s[3]]])
+    if len(shape) != 1:
+        return None
+    return t.as_strided((n * h * w, c), (rs[0] if shape[0] > 1 else s[0], s[1]), t.storage_offset())
+
+
+def _gemm_views(w, stride, padding, groups, *acts):
+    """(``w`` as a (Co, Ci) matrix, then each activation buffer of ``acts`` as an (N*H*W, C)
+    matrix) when the convolution is a plain GEMM: 1x1 kernel, stride 1, no padding (dilation
+    does not matter), one group, and every activation viewable as a matrix without a copy.
+    None otherwise (the implicit-GEMM kernels take it)."""
+    if tuple(w.shape[2:]) != (1, 1) or tuple(stride) != (1, 1) or tuple(padding) != (0, 0) or groups != 1:
+        return None
+    mats = [_rows(t) for t in acts]
+    if any(m is None for m in mats):
+        return None
+    ws = w.stride()
+    return (w.as_strided(tuple(w.shape[:2]), ws[:2], w.storage_offset()), *mats)
+
+
 def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
     """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
+    views = _gemm_views(w, stride, padding, groups, out, x)
+    if views is not None:  # out (NHW, Co) = x (NHW, Ci) @ w (Co, Ci)^T + bias
+        w2, out2, x2 = views
+        linear_(out2, x2, w2, bias)
+        return out
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     return conv_gemm_(out, x, w, bias, out.shape[2], out.shape[3], (sh, -ph, dh, 1), (sw, -pw, dw, 1), False,
                       groups)
@@ -267,6 +301,11 @@ def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
 
 def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
     """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
+    views = _gemm_views(w, stride, padding, groups, dx, dy)
+    if views is not None:  # dx (NHW, Ci) = dy (NHW, Co) @ w (Co, Ci)
+        w2, dx2, dy2 = views
+        matmul_(dx2, dy2, w2)
+        return dx
     (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
     return conv_gemm_(dx, dy, w, None, dx.shape[2], dx.shape[3], (1, ph, -dh, sh), (1, pw, -dw, sw), True,
                       groups)
@@ -275,6 +314,11 @@ def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
 def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     """``dw_out`` (Co, Ci/groups, KH, KW) = the gradient of conv2d's weight (any strides, any
     float dtype)."""
+    views = _gemm_views(dw_out, stride, padding, groups, dy, x)
+    if views is not None:  # dw (Co, Ci) = dy (NHW, Co)^T @ x (NHW, Ci)
+        dw2, dy2, x2 = views
+        matmul_(dw2, dy2.t(), x2)
+        return dw_out
     CO, CI, KH, KW = dw_out.shape
     CO //= groups
     NB, _, OH, OW = dy.shape
