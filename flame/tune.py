@@ -12,7 +12,13 @@ format in ``configs/autotune/README.md``) for the current GPU, once, on first us
 3. ``default``, the launcher's heuristic (the result with no table at all).
 
 Answers are cached per (kernel, shape key, dtype, device name), so after the first call a launch
-pays one dict lookup. Nothing is ever timed or tuned here.
+pays one dict lookup. Nothing is ever timed or tuned here. On the interpreter backend the current
+device (the CPU) has no table: only a named ``device_name`` reads one.
+
+``override(kernel, config)`` makes every launch of ``kernel`` use ``config`` (any key, any backend)
+inside a ``with`` block: how ``scripts/autotune.py`` tries a candidate. Launchers that keep their
+own per-shape config caches hand ``register_cache`` a function that empties them; ``override``
+(on entry and exit) and ``reset()`` call it.
 
 A table that cannot be trusted is ignored with one ``TuningTableWarning`` naming the file and the
 reason, never an exception: unreadable JSON, another ``format``, a table for another GPU, or one
@@ -49,6 +55,7 @@ _GEMM_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
 KERNELS = {
     "matmul": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _config
+    "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _tma_config
     "conv2d": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _gemm_config, forward
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
 }
@@ -110,23 +117,32 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
+def _config_problem(kernel, cfg):
+    """Why ``cfg`` is not a config of ``kernel`` (fields, values), or None."""
+    fields = KERNELS[kernel][1]
+    if not isinstance(cfg, dict) or set(cfg) != set(fields):
+        got = sorted(cfg) if isinstance(cfg, dict) else cfg
+        return f"config fields {got} are not {kernel}'s {sorted(fields)}"
+    for name, v in cfg.items():
+        if not _is_count(v) or (name.startswith("BLOCK_") and v & (v - 1)):
+            return f"config {name}={v!r} (positive integers, powers of two for BLOCK_*)"
+    return None
+
+
 def _entry_problem(kernel, entry, seen):
     """Why ``entry`` of ``kernel`` is unusable, or None (``seen``: keys already taken)."""
     if not isinstance(entry, dict) or any(f not in entry for f in _ENTRY_FIELDS):
         return f"an entry without all of {list(_ENTRY_FIELDS)}"
-    key_names, fields = KERNELS[kernel]
-    key, cfg = entry["key"], entry["config"]
+    key_names = KERNELS[kernel][0]
+    key = entry["key"]
     if not isinstance(key, list) or len(key) != len(key_names) or not all(
             isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in key):
         return f"key {key!r} is not {len(key_names)} non-negative integers {key_names}"
     if tuple(key) in seen:
         return f"key {key} appears twice"
-    if not isinstance(cfg, dict) or set(cfg) != set(fields):
-        got = sorted(cfg) if isinstance(cfg, dict) else cfg
-        return f"config fields {got} at key {key} are not {kernel}'s {sorted(fields)}"
-    for name, v in cfg.items():
-        if not _is_count(v) or (name.startswith("BLOCK_") and v & (v - 1)):
-            return f"config {name}={v!r} at key {key} (positive integers, powers of two for BLOCK_*)"
+    problem = _config_problem(kernel, entry["config"])
+    if problem:
+        return f"{problem} at key {key}"
     if not all(isinstance(entry[f], (int, float)) and not isinstance(entry[f], bool) for f in ("ms", "default_ms")):
         return f"ms/default_ms at key {key} are not numbers"
     return None
@@ -194,6 +210,8 @@ def _load(device_name):
 _tables: dict = {}  # device name -> _Table or None (no usable table)
 _chosen: dict = {}  # (kernel, shape key, dtype, device name or None) -> table config or None
 _MISS = object()
+_overrides: dict = {}  # kernel -> the innermost active Override
+_cache_clears: list = []  # launchers' functions that empty their own per-shape config caches
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
@@ -203,6 +221,12 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
     if len(shape_key) != len(key_names) or set(default) != set(fields):
         raise ValueError(f"tune.config({kernel!r}): shape key {shape_key} must be {key_names} and the default "
                          f"config's fields {sorted(default)} must be {sorted(fields)}")
+    active = _overrides.get(kernel)
+    if active is not None:
+        active.served += 1
+        return active.config
+    if device_name is None and runtime.INTERPRETER:  # the CPU has no table
+        return None
     name = device_name or runtime.device_name()
     if name not in _tables:
         _tables[name] = _load(name)
@@ -213,8 +237,9 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
 def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str | None = None) -> dict:
     """The launch config for ``kernel`` on a problem of shape ``shape_key`` (a tuple of ints
     named by ``KERNELS[kernel][0]``) in ``dtype`` (a torch dtype or its name) on ``device_name``
-    (default: the current device): the tuning table's exact entry, else its nearest entry in the
-    same power-of-two bucket, else ``default``. The returned dict is shared: do not mutate it."""
+    (default: the current device): inside ``override(kernel, cfg)`` that ``cfg``; else the tuning
+    table's exact entry, else its nearest entry in the same power-of-two bucket, else ``default``.
+    The returned dict is shared: do not mutate it."""
     ck = (kernel, shape_key, dtype, device_name)
     hit = _chosen.get(ck, _MISS)
     if hit is _MISS:
@@ -225,7 +250,61 @@ def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str
     return default if hit is None else hit
 
 
-def reset() -> None:
-    """Forget loaded tables and cached answers (after changing ``FLAME_TUNE_DIR`` or a table)."""
-    _tables.clear()
+def _forget_answers():
     _chosen.clear()
+    for clear in _cache_clears:
+        clear()
+
+
+def register_cache(clear_fn):
+    """Register ``clear_fn()``, which empties a launcher's own cache of configs per shape, so that
+    ``override`` and ``reset`` reach launches whose config that cache would otherwise answer.
+    Registering the same function again does nothing. Returns ``clear_fn``."""
+    if not callable(clear_fn):
+        raise TypeError(f"tune.register_cache: expected a zero-argument callable, got {clear_fn!r}")
+    if clear_fn not in _cache_clears:
+        _cache_clears.append(clear_fn)
+    return clear_fn
+
+
+class Override:
+    """The context manager ``override`` returns. ``served`` counts the launcher queries it has
+    answered: 0 after a launch of the kernel means the launcher never asked ``flame.tune`` (its own
+    config cache is not registered with ``register_cache``, or it does not call ``config``)."""
+
+    def __init__(self, kernel, config):
+        self.kernel, self.config, self.served = kernel, config, 0
+        self._outer = None
+
+    def __enter__(self):
+        self._outer = _overrides.get(self.kernel)
+        _overrides[self.kernel] = self
+        _forget_answers()
+        return self
+
+    def __exit__(self, *exc):
+        if self._outer is None:
+            _overrides.pop(self.kernel, None)
+        else:
+            _overrides[self.kernel] = self._outer
+        _forget_answers()
+        return False
+
+
+def override(kernel: str, config: dict) -> Override:
+    """``with override(kernel, config):`` every launch of ``kernel``, whatever its shape key, dtype
+    or backend (the interpreter too), uses ``config`` (exactly the kernel's ``KERNELS`` fields).
+    Cached answers and registered launcher caches are emptied on entry and on exit."""
+    if kernel not in KERNELS:
+        raise ValueError(f"tune.override: unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
+    problem = _config_problem(kernel, config)
+    if problem:
+        raise ValueError(f"tune.override({kernel!r}, {config!r}): {problem}")
+    return Override(kernel, dict(config))
+
+
+def reset() -> None:
+    """Forget loaded tables and cached answers, the registered launcher caches' included (after
+    changing ``FLAME_TUNE_DIR`` or a table). Active overrides stay."""
+    _tables.clear()
+    _forget_answers()
