@@ -325,3 +325,40 @@ def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     b, tb = pair((33, 5))
     _check(a @ b, _ref(ta, tb), 33)
     assert not split_k_everywhere
+
+
+# ---- GPU: the TMA kernel (16-bit, aligned 2-D problems) -----------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("M,K,N", [(1000, 264, 136), (77, 2048, 640), (8, 16, 24), (512, 72, 40)])
+@pytest.mark.parametrize("act", [None, "gelu_tanh"])
+def test_tma_linear_forward_and_both_gradients(dtype, M, K, N, act, monkeypatch):
+    """The linear's three GEMMs (x W^T, dY W, dY^T x) cover the three operand layouts of the TMA
+    kernel; sizes are multiples of 8 (16-byte rows) but not of any block."""
+    import flame.kernels.matmul as KM
+    if not KM.TMA or not KM._tma_available():
+        pytest.skip("no TMA on this GPU / Triton")
+    taken = []
+    real = KM._launch_tma
+    monkeypatch.setattr(KM, "_launch_tma", lambda *a: taken.append(a[7][:2]) or real(*a))
+    x, tx = pair((M, K), dtype, requires_grad=True)
+    w, tw = pair((N, K), dtype, requires_grad=True)
+    b, tb = pair((N,), dtype, requires_grad=True)
+    g, tg = pair((M, N), dtype)
+
+    def torch_linear(x, w, b):
+        y = torch.nn.functional.linear(x, w, b)
+        return torch.nn.functional.gelu(y, approximate="tanh") if act else y
+
+    y = flame.nn.functional.linear(x, w, b, activation=act)
+    grads = y.backward(g)
+    ty = torch_linear(tx, tw, tb)
+    ty.backward(tg)
+    leaves64 = [t.detach().double().requires_grad_() for t in (tx, tw, tb)]
+    ref = torch_linear(*leaves64)
+    ref.backward(tg.double())
+    assert_within_torch_error(y, ty.detach(), ref.detach(), 2)
+    for leaf, t, t64 in ((x, tx, leaves64[0]), (w, tw, leaves64[1])):
+        assert_within_torch_error(grads[leaf], t.grad, t64.grad, 3)
+    assert {(True, True), (True, False), (False, False)} <= set(taken), taken

@@ -16,6 +16,7 @@ The kernel is deliberately general (no epilogue yet): the fused-epilogue GEMM gr
 """
 import itertools
 import math
+import os
 
 import torch
 import triton
@@ -48,13 +49,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, B1,
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles = num_pid_m * num_pid_n
     batch = pid // tiles
-    tile = pid % tiles
-    # grouped ordering: walk GROUP_M row-tiles down a column before moving right
-    per_group = GROUP_M * num_pid_n
-    first_m = (tile // per_group) * GROUP_M
-    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % per_group) % group_m
-    pid_n = (tile % per_group) // group_m
+    pid_m, pid_n = _tile_coords(pid % tiles, num_pid_m, num_pid_n, GROUP_M)
 
     i0 = (batch // B1).to(tl.int64)
     i1 = (batch % B1).to(tl.int64)
@@ -78,15 +73,84 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, B1,
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
 
-    if BIAS:
-        acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(ACC)[None, :]
+    pre, acc = _epilogue(acc, bias_ptr, offs_n, mask_n, s_bias, BIAS, ACT)
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
     mask_c = mask_m[:, None] & mask_n[None, :]
     if STORE_PRE:
-        tl.store(pre_out_ptr + c_off, acc.to(pre_out_ptr.dtype.element_ty), mask=mask_c)
-    if ACT != 0:
-        acc = _apply(acc, acc, acc, 0.0, 0.0, ACT)
+        tl.store(pre_out_ptr + c_off, pre.to(pre_out_ptr.dtype.element_ty), mask=mask_c)
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
+def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, s_a, s_b, s_c, s_bias,
+                       A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
+                       BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+    # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
+    # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
+    # and the kernel is persistent: the grid is at most one program per SM and each program walks
+    # the tiles pid, pid + programs, ... in grouped order. Each operand is described along its
+    # contiguous dimension (a descriptor's last stride must be 1): A (M, K) is read as (M, K)
+    # tiles when K is contiguous, else as (K, M) tiles transposed in shared memory; likewise B
+    # (K, N) as (N, K) or (K, N) tiles. C is row-major. FLATTEN lets the compiler software-pipeline
+    # across tile boundaries (the next tile's loads overlap this tile's epilogue).
+    if A_K_CONTIGUOUS:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[s_a, 1], block_shape=[BLOCK_K, BLOCK_M])
+    if B_K_CONTIGUOUS:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[s_b, 1], block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[s_b, 1], block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[s_c, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(k_tiles):
+            off_k = kk * BLOCK_K
+            if A_K_CONTIGUOUS:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_K_CONTIGUOUS:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        pre, acc = _epilogue(acc, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
+        if STORE_PRE:
+            pre_desc = tl.make_tensor_descriptor(pre_out_ptr, shape=[M, N], strides=[s_c, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_N])
+            pre_desc.store([off_m, off_n], pre.to(pre_out_ptr.dtype.element_ty))
+        c_desc.store([off_m, off_n], acc.to(c_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile number ``tile`` in grouped order: GROUP_M row tiles
+    are walked down a column before moving right, so consecutive tiles reuse A and B panels in L2."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, offs_n, mask_n, s_bias, BIAS: tl.constexpr, ACT: tl.constexpr):
+    """(acc + bias[n], ACT(acc + bias[n])): the pre-activation and the output of a GEMM tile."""
+    if BIAS:
+        acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(acc.dtype)[None, :]
+    out = acc
+    if ACT != 0:
+        out = _apply(acc, acc, acc, 0.0, 0.0, ACT)
+    return acc, out
 
 
 # ---- launch configuration ---------------------------------------------------------------------
@@ -159,15 +223,93 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
             _launch_cache.clear()
         _launch_cache[key] = cfg
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    if epilogue is None and B0 * B1 == 1:
-        splits = _k_splits(tiles, K, cfg["BLOCK_K"])
-        if splits > 1:
-            return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:])
     f = epilogue or _NO_FUSION
+    if B0 * B1 == 1:
+        if epilogue is None:
+            splits = _k_splits(tiles, K, cfg["BLOCK_K"])
+            if splits > 1:
+                return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:])
+        layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:])
+        if layout is not None:
+            return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
     launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), M, N, K, B1,
            *sa, *sb, *sc, f.bias_stride, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
            **cfg)
+
+
+# ---- the TMA path (Hopper and later, 16-bit, 2-D problems) -----------------------------------
+
+TMA = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_TMA", "1") != "0"
+FLATTEN = False  # software-pipeline across tile boundaries (tl.range(flatten=...))
+_tma_ready = None  # None: not yet checked; then whether this device and Triton can run the TMA kernel
+
+
+def _tma_available():
+    global _tma_ready
+    if _tma_ready is None:
+        _tma_ready = (torch.cuda.get_device_capability(runtime.device)[0] >= 9
+                      and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator"))
+        if _tma_ready:  # device-side descriptors live in a small per-launch global scratch buffer
+            triton.set_allocator(lambda size, alignment, stream: runtime.empty((size,), torch.int8))
+    return _tma_ready
+
+
+def _tma_layout(out, a, b, f, sa, sb, sc):
+    """(A K-contiguous, B K-contiguous, A row stride, B row stride) when the TMA kernel can read
+    every operand of this 2-D problem (16-bit, 16-byte aligned bases, one unit stride per operand
+    and the other a multiple of 16 bytes, C row-major), else None."""
+    if not TMA or a.dtype not in (torch.float16, torch.bfloat16) or out.dtype != a.dtype or not _tma_available():
+        return None
+    es = a.element_size()
+    ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr()]
+    if f.pre_out is not None:
+        ptrs.append(f.pre_out.data_ptr())
+    if any(p % 16 for p in ptrs) or sc[1] != 1 or (sc[0] * es) % 16:
+        return None
+    dims = []
+    for rows, cols in ((sa[0], sa[1]), (sb[1], sb[0])):  # (stride along M or N, stride along K)
+        if cols == 1 and (rows * es) % 16 == 0:
+            dims.append((True, rows))
+        elif rows == 1 and (cols * es) % 16 == 0:
+            dims.append((False, cols))
+        else:
+            return None
+    (a_k, s_a), (b_k, s_b) = dims
+    return a_k, b_k, s_a, s_b, sc[0]
+
+
+def _tma_config(M, N, K, dtype):
+    """Launch config of the TMA kernel: a tuning-table entry (kernel "matmul_tma") or the
+    heuristic (128x256 tiles with 8 warps when that still gives every SM a tile, else 128x128)."""
+    sms = runtime.num_sms()
+    if cdiv(M, 128) * cdiv(N, 256) >= sms and K >= 256:
+        bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 64, 4, 4
+    bm = min(bm, max(64, _pow2(M)))
+    bn = min(bn, max(16, _pow2(N)))
+    bk = min(bk, max(16, _pow2(K)))
+    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    return tune.config("matmul_tma", (M, N, K, 1), dtype, default)
+
+
+_tma_cache = {}  # (M, N, K, dtype) -> launch config
+
+
+def _launch_tma(out, a, b, M, N, K, f, layout):
+    a_k, b_k, s_a, s_b, s_c = layout
+    key = (M, N, K, a.dtype)
+    cfg = _tma_cache.get(key)
+    if cfg is None:
+        cfg = dict(_tma_config(M, N, K, a.dtype), FLATTEN=FLATTEN)
+        if len(_tma_cache) > 4096:
+            _tma_cache.clear()
+        _tma_cache[key] = cfg
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
+           M, N, K, s_a, s_b, s_c, f.bias_stride, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
+           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, **cfg)
 
 
 def _k_splits(tiles, K, block_k):
