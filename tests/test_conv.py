@@ -406,3 +406,43 @@ def test_conv2d_bf16_sdxl_shape_error_budget(shape, co, kw):
     assert_within_torch_error(y, y_low, y_ref, 2)
     for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
         assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,co,k,kw", [
+    ((1, 16, 9, 7), 24, 3, dict(padding=1)),
+    ((2, 32, 16, 16), 40, 3, dict(padding=2, dilation=2)),
+    ((1, 64, 12, 20), 64, 5, dict(padding=2)),
+    ((1, 24, 10, 144), 16, 3, dict(padding=0)),
+    ((1, 320, 64, 64), 320, 3, dict(padding=1)),
+], ids=str)
+def test_conv2d_tma_forward_and_input_grad(dtype, shape, co, k, kw, monkeypatch):
+    """Stride-1 convolutions with channels-last activations and weights (as flame's model keeps
+    them) and channels a multiple of 8 take the TMA kernels: forward, input and weight gradient."""
+    import flame.kernels.conv2d as KC
+    import flame.kernels.matmul as KM
+    if not KM.TMA or not KM._tma_available():
+        pytest.skip("no TMA on this GPU / Triton")
+    taken = []
+    real = KC.launch
+    monkeypatch.setattr(KC, "launch", lambda kernel, *a, **k: taken.append(kernel.fn.__name__) or real(kernel, *a, **k))
+    cl = torch.channels_last
+    x32 = torch.randn(shape, device=DEVICE).contiguous(memory_format=cl)
+    w32 = (torch.randn(co, shape[1], k, k, device=DEVICE) / (shape[1] * k * k) ** 0.5).contiguous(memory_format=cl)
+    b32 = torch.randn(co, device=DEVICE)
+    ref = [t.double().requires_grad_() for t in (x32, w32, b32)]
+    y_ref = torch.nn.functional.conv2d(*ref, **kw)
+    g32 = torch.randn(y_ref.shape, device=DEVICE).contiguous(memory_format=cl)
+    y_ref.backward(g32.double())
+    low = [t.to(dtype).requires_grad_() for t in (x32, w32, b32)]
+    y_low = torch.nn.functional.conv2d(*low, **kw)
+    y_low.backward(g32.to(dtype))
+    fx, fw, fb = [flame.from_torch(t.detach().to(dtype), requires_grad=True) for t in (x32, w32, b32)]
+    y = F.conv2d(fx, fw, fb, **kw)
+    grads = y.backward(flame.from_torch(g32.to(dtype)))
+    assert_within_torch_error(y, y_low, y_ref.detach(), 2)
+    for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
+        assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
+    tma = [name for name in taken if "tma" in name]
+    assert sorted(tma) == ["_conv_tma_kernel", "_conv_tma_kernel", "_conv_wgrad_tma_kernel"], taken

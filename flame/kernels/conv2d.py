@@ -34,9 +34,10 @@ import triton
 import triton.language as tl
 
 from .. import runtime, tune
+from . import matmul as KM
 from .elementwise import _pow2, cdiv, collapse
 from .launch import launch
-from .matmul import _kernel_switches, linear_, matmul_
+from .matmul import _epilogue, _kernel_switches, _tile_coords, linear_, matmul_
 from .reduce import SUM, reduce_
 
 
@@ -185,9 +186,105 @@ def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
 
+    _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_s, so_co, so_ci, so_h, so_w)
+
+
+@triton.jit
+def _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_s, so_co, so_ci, so_h, so_w):
+    """Store a (co, ci) tile of tap (kh, kw) of the weight gradient (split ``split`` of the scratch)."""
     o_ptrs = (out_ptr + split.to(tl.int64) * so_s + kh.to(tl.int64) * so_h + kw.to(tl.int64) * so_w
               + offs_co[:, None] * so_co + offs_ci[None, :] * so_ci)
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_co[:, None] & mask_ci[None, :])
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_co < CO)[:, None] & (offs_ci < CI)[None, :])
+
+
+# The weight gradient of a stride-1 convolution by TMA (Hopper): the reduction runs over spatial
+# tiles of TH x TW output positions of one image. For tap (kh, kw) the dY tile dy[n, h0:h0+TH,
+# w0:w0+TW, co0:co0+BLOCK_M] and the x tile shifted by (B_h + kh * C_h, B_w + kw * C_w) are 4-D
+# descriptor loads; TMA zero-fills positions past the output (dY) and outside the image (x), so
+#   dW[co, ci, kh, kw] += sum_{positions p of the tile} dY[p, co] * x[p + shift(kh, kw), ci]
+# needs no masks. Program (co tile x ci tile, tap, split) reduces its split's spatial tiles.
+@triton.jit
+def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW, B_h, C_h, B_w, C_w,
+                           sy_n, sy_h, sy_w, sx_n, sx_h, sx_w, tiles_per_split,
+                           so_s, so_co, so_ci, so_h, so_w,
+                           TH: tl.constexpr, TW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    BLOCK_K: tl.constexpr = TH * TW
+    dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB, OH, OW, CO], strides=[sy_n, sy_h, sy_w, 1],
+                                    block_shape=[1, TH, TW, BLOCK_M])
+    xd = tl.make_tensor_descriptor(x_ptr, shape=[NB, H, W, CI], strides=[sx_n, sx_h, sx_w, 1],
+                                   block_shape=[1, TH, TW, BLOCK_N])
+    num_pid_n = tl.cdiv(CI, BLOCK_N)
+    off_co = tl.program_id(0) // num_pid_n * BLOCK_M
+    off_ci = tl.program_id(0) % num_pid_n * BLOCK_N
+    tap = tl.program_id(1)
+    split = tl.program_id(2)
+    kh = tap // KW
+    kw = tap - kh * KW
+    tiles_h = tl.cdiv(OH, TH)
+    tiles_w = tl.cdiv(OW, TW)
+    t0 = split * tiles_per_split
+    t1 = tl.minimum(t0 + tiles_per_split, NB * tiles_h * tiles_w)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(t0, t1):
+        n = t // (tiles_h * tiles_w)
+        h0 = (t // tiles_w) % tiles_h * TH
+        w0 = t % tiles_w * TW
+        a = dyd.load([n, h0, w0, off_co]).reshape(BLOCK_K, BLOCK_M)
+        b = xd.load([n, h0 + B_h + kh * C_h, w0 + B_w + kw * C_w, off_ci]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a.T, b, acc)
+    offs_co = off_co + tl.arange(0, BLOCK_M)
+    offs_ci = off_ci + tl.arange(0, BLOCK_N)
+    _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_s, so_co, so_ci, so_h, so_w)
+
+
+# The implicit GEMM of _conv_gemm_kernel for unit-stride geometry (A = D = 1: the forward of a
+# stride-1 convolution and its input gradient), on Hopper: operands move by TMA. An M tile is a
+# TH x TW block of output positions of one image, so for tap (kh, kw) its A tile is the TH x TW
+# block of source positions shifted by (B_h + kh * C_h, B_w + kw * C_w): one 4-D descriptor load of
+# src[n, h0:h0+TH, w0:w0+TW, c0:c0+BLOCK_K]. TMA fills positions outside the image (the padding,
+# negative coordinates included) and channels past C with zeros, so there are no masks at all.
+# The weight (channels-last, taps and channels dense) is a 3-D (Co, taps, Ci) descriptor: the
+# forward reads (n=co, k=ci) tiles and transposes them in shared memory, the input gradient reads
+# (k=co, n=ci) tiles directly. The output tile is stored through a 4-D descriptor (clipped).
+@triton.jit
+def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KW, TAPS,
+                     B_h, C_h, B_w, C_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w, s_bias,
+                     TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    BLOCK_M: tl.constexpr = TH * TW
+    src = tl.make_tensor_descriptor(src_ptr, shape=[NB, XH, XW, C], strides=[s_n, s_h, s_w, 1],
+                                    block_shape=[1, TH, TW, BLOCK_K])
+    out = tl.make_tensor_descriptor(out_ptr, shape=[NB, OH, OW, N], strides=[so_n, so_h, so_w, 1],
+                                    block_shape=[1, TH, TW, BLOCK_N])
+    if TRANSPOSED:  # w (Co, taps, Ci) read as (k=co, n=ci)
+        wd = tl.make_tensor_descriptor(w_ptr, shape=[C, TAPS, N], strides=[sw_co, N, 1],
+                                       block_shape=[BLOCK_K, 1, BLOCK_N])
+    else:  # read as (n=co, k=ci)
+        wd = tl.make_tensor_descriptor(w_ptr, shape=[N, TAPS, C], strides=[sw_co, C, 1],
+                                       block_shape=[BLOCK_N, 1, BLOCK_K])
+    tiles_h = tl.cdiv(OH, TH)
+    tiles_w = tl.cdiv(OW, TW)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), NB * tiles_h * tiles_w, tl.cdiv(N, BLOCK_N), GROUP_M)
+    n = pid_m // (tiles_h * tiles_w)
+    h0 = (pid_m // tiles_w) % tiles_h * TH
+    w0 = pid_m % tiles_w * TW
+    off_n = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    c_blocks = tl.cdiv(C, BLOCK_K)
+    for t in range(0, TAPS * c_blocks):
+        tap = t // c_blocks
+        c0 = (t - tap * c_blocks) * BLOCK_K
+        kh = tap // KW
+        kw = tap - kh * KW
+        a = src.load([n, h0 + B_h + kh * C_h, w0 + B_w + kw * C_w, c0]).reshape(BLOCK_M, BLOCK_K)
+        if TRANSPOSED:
+            b = wd.load([c0, tap, off_n]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            b = wd.load([off_n, tap, c0]).reshape(BLOCK_N, BLOCK_K).T
+        acc = tl.dot(a, b, acc)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    _, acc = _epilogue(acc, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
+    out.store([n, h0, w0, off_n], acc.to(out_ptr.dtype.element_ty).reshape(1, TH, TW, BLOCK_N))
 
 
 # ---- launch configuration ---------------------------------------------------------------------
@@ -247,6 +344,8 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
     M = NB * cdiv(OH, P_h) * cdiv(OW, P_w)
     if out.numel() == 0:
         return out
+    if groups == 1 and _tma_ok(out, src, w, bias, geom_h, geom_w):
+        return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
@@ -259,6 +358,71 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
            *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, 0 if bias is None else bias.stride(0),
            C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
            ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
+    return out
+
+
+def _tma_ok(out, src, w, bias, geom_h, geom_w):
+    """Whether ``_conv_tma_kernel`` can run this problem: unit-stride geometry, one 16-bit dtype,
+    buffers as ``_tma_buffers_ok`` wants them and the weight's taps and channels dense."""
+    if geom_h[0] != 1 or geom_h[3] != 1 or geom_w[0] != 1 or geom_w[3] != 1:
+        return False
+    ci, kw = w.shape[1], w.shape[3]
+    ws = w.stride()
+    if ws[3] != ci or ws[2] != kw * ci or (bias is not None and bias.dtype != src.dtype):
+        return False
+    return _tma_buffers_ok(out, src, w)
+
+
+def _tma_buffers_ok(*bufs):
+    """Whether TMA descriptors can describe these 4-D buffers: one 16-bit dtype, channels (dim 1)
+    contiguous, 16-byte aligned base and other strides (channels a multiple of 8)."""
+    dtype = bufs[0].dtype
+    if not KM.TMA or dtype not in (torch.float16, torch.bfloat16) or not KM._tma_available():
+        return False
+    es = bufs[0].element_size()
+    for t in bufs:
+        if t.dtype != dtype or t.stride(1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((st * es) % 16 for st in t.stride() if st != 1):
+            return False
+    return True
+
+
+def _spatial_tile(block_m, OH, OW):
+    """(TH, TW) with TH * TW = ``block_m``, TW a power of two: the one that wastes the fewest
+    positions at the image's edges (the larger TW on a tie)."""
+    best = None
+    tw = min(block_m, _pow2(OW))
+    while tw >= 1:
+        th = block_m // tw
+        waste = cdiv(OH, th) * th * cdiv(OW, tw) * tw
+        if best is None or waste < best[0]:
+            best = (waste, th, tw)
+        tw //= 2
+    return best[1], best[2]
+
+
+def _conv_tma_config(M, N, C, dtype, taps, kernel):
+    """Launch config of the TMA conv kernel (tuning-table kernel "conv2d_tma"/"conv2d_dgrad_tma")."""
+    bn = min(128, max(16, _pow2(N)))
+    bk = min(64, max(16, _pow2(C)))
+    default = dict(BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=4)
+    return tune.config(kernel + "_tma", (M, N, C, taps), dtype, default)
+
+
+def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
+    NB, N = out.shape[0], out.shape[1]
+    C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
+    KH, KW = w.shape[2], w.shape[3]
+    cfg = dict(_conv_tma_config(NB * OH * OW, N, C, src.dtype, KH * KW,
+                                "conv2d_dgrad" if transposed else "conv2d"))
+    th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH, OW)
+    tiles = NB * cdiv(OH, th) * cdiv(OW, tw) * cdiv(N, cfg["BLOCK_N"])
+    src_s, out_s = _nhwc(src), _nhwc(out)
+    launch(_conv_tma_kernel, (tiles,), src, w, out, out if bias is None else bias, NB, XH, XW, C, OH, OW, N,
+           KW, KH * KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2], *src_s[:3], w.stride(0), *out_s[:3],
+           0 if bias is None else bias.stride(0), TRANSPOSED=transposed, BIAS=bias is not None, TH=th, TW=tw,
+           GROUP_M=8, **cfg)
     return out
 
 
@@ -326,34 +490,45 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     M = NB * OH * OW
     if dw_out.numel() == 0:
         return dw_out
-    acc, precision, upcast = _kernel_switches(x.dtype)
-    if runtime.INTERPRETER:
-        bm, bn, bk, warps, stages = _pow2(min(CO, 128)), _pow2(min(CI, 128)), _pow2(min(M, 512)), 4, 1
-    else:
-        bm, bn, bk, warps, stages = _gpu_tiles(x.dtype, CO, CI, M)
-    tiles = cdiv(CO, bm) * cdiv(CI, bn)
-    programs = tiles * groups * KH * KW
-    splits = 1
-    if not runtime.INTERPRETER:  # split the N*Ho*Wo reduction until the GPU has ~2 programs per SM
-        target = 2 * runtime.num_sms()
-        if programs < target:
-            splits = max(1, min(cdiv(target, programs), cdiv(M, 4 * bk), 256))
-    rows_per_split = cdiv(cdiv(M, splits), bk) * bk
-    splits = cdiv(M, rows_per_split) if M else 1
     if M == 0:
         from .elementwise import fill_
         return fill_(dw_out, 0.0)
+    (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
+    if groups == 1 and (sh, sw) == (1, 1) and _tma_buffers_ok(dy, x):
+        bm, bn, bk, warps, stages = _gpu_tiles(x.dtype, CO, CI, M)
+        th, tw = _spatial_tile(bk, OH, OW)
+        units, per_unit = NB * cdiv(OH, th) * cdiv(OW, tw), 1
+    else:
+        if runtime.INTERPRETER:
+            bm, bn, bk, warps, stages = _pow2(min(CO, 128)), _pow2(min(CI, 128)), _pow2(min(M, 512)), 4, 1
+        else:
+            bm, bn, bk, warps, stages = _gpu_tiles(x.dtype, CO, CI, M)
+        th = None
+        units, per_unit = cdiv(M, bk), bk
+    tiles = cdiv(CO, bm) * cdiv(CI, bn)
+    # split the reduction (``units`` steps) until the GPU has ~2 programs per SM, each split >= 4 steps
+    splits = 1
+    if not runtime.INTERPRETER and tiles * groups * KH * KW < 2 * runtime.num_sms():
+        splits = max(1, min(cdiv(2 * runtime.num_sms(), tiles * groups * KH * KW), cdiv(units, 4), 256))
+    per_split = cdiv(units, splits)
+    splits = cdiv(units, per_split)
     if splits == 1:
         target_buf, so = dw_out, (0,) + tuple(dw_out.stride())
     else:
         target_buf = runtime.empty((splits, CO * groups, CI, KH, KW), acc_dtype(x.dtype))
         so = target_buf.stride()
-    (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
-    launch(_conv_wgrad_kernel, (tiles * groups, KH * KW, splits), dy, x, target_buf,
-           M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dwl, rows_per_split, tiles,
-           *_nhwc(dy), *_nhwc(x), *so,
-           ACC=acc, PRECISION=precision, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-           num_warps=warps, num_stages=stages)
+    grid = (tiles * groups, KH * KW, splits)
+    if th is not None:
+        launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
+               *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, TH=th, TW=tw, BLOCK_M=bm, BLOCK_N=bn,
+               num_warps=warps, num_stages=stages)
+    else:
+        acc, precision, upcast = _kernel_switches(x.dtype)
+        launch(_conv_wgrad_kernel, grid, dy, x, target_buf,
+               M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dwl, per_split * per_unit, tiles,
+               *_nhwc(dy), *_nhwc(x), *so,
+               ACC=acc, PRECISION=precision, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+               num_warps=warps, num_stages=stages)
     if splits > 1:
         n = dw_out.numel()
         if dw_out.is_contiguous():
