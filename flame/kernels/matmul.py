@@ -229,7 +229,8 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
             splits = _k_splits(tiles, K, cfg["BLOCK_K"])
             if splits > 1:
                 return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:])
-        layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:])
+        # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x)
+        layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if K >= 128 else None
         if layout is not None:
             return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
@@ -241,7 +242,7 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
 # ---- the TMA path (Hopper and later, 16-bit, 2-D problems) -----------------------------------
 
 TMA = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_TMA", "1") != "0"
-FLATTEN = False  # software-pipeline across tile boundaries (tl.range(flatten=...))
+FLATTEN = True  # software-pipeline across tile boundaries (tl.range(flatten=...)): 2-4% faster on the H200
 _tma_ready = None  # None: not yet checked; then whether this device and Triton can run the TMA kernel
 
 
@@ -281,12 +282,14 @@ def _tma_layout(out, a, b, f, sa, sb, sc):
 
 def _tma_config(M, N, K, dtype):
     """Launch config of the TMA kernel: a tuning-table entry (kernel "matmul_tma") or the
-    heuristic (128x256 tiles with 8 warps when that still gives every SM a tile, else 128x128)."""
-    sms = runtime.num_sms()
-    if cdiv(M, 128) * cdiv(N, 256) >= sms and K >= 256:
+    heuristic. Measured on an H200 (Triton 3.6, bf16) over the 30 GEMMs of SDXL's linears
+    (forward and both gradients): 128x128x64 tiles, 4 warps, 5 stages come within 5% of each
+    shape's best config on the geometric mean; 128x256 with 8 warps and 3 stages wins on tall,
+    narrow problems (M >= 4096 rows, 512-1024 columns)."""
+    if M >= 4096 and 512 <= N <= 1024:
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 4, 4
+        bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
     bm = min(bm, max(64, _pow2(M)))
     bn = min(bn, max(16, _pow2(N)))
     bk = min(bk, max(16, _pow2(K)))
