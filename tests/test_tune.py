@@ -343,9 +343,6 @@ def _launched_blocks(monkeypatch, module):
     return seen
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue 9's kernel lines: matmul.py registers _launch_cache.clear, and "
-                                       "matmul._config / conv2d._gemm_config ask tune.config on the interpreter "
-                                       "too; remove this marker when they land")
 def test_kernels_launch_with_the_override(monkeypatch):
     dev = runtime.device
     tol = {} if runtime.INTERPRETER else dict(rtol=1e-2, atol=1e-2)  # tf32 on the GPU

@@ -308,16 +308,17 @@ def _gemm_config(M, N, K, dtype, taps=1, kernel="conv2d"):
     matmul kernel's H200 choices (128x128, BLOCK_K 64 for 16-bit, 32 for tf32), shrunk to the
     problem."""
     if runtime.INTERPRETER:
-        return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 128)), BLOCK_K=_pow2(min(K, 128)),
-                    num_warps=4, num_stages=1)
-    bm, bn, bk, warps, stages = _gpu_tiles(dtype, M, N, K)
-    sms = runtime.num_sms()
-    while cdiv(M, bm) * cdiv(N, bn) < sms and max(bm, bn) > 64:
-        if bm >= bn:
-            bm //= 2
-        else:
-            bn //= 2
-    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        default = dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 128)), BLOCK_K=_pow2(min(K, 128)),
+                       num_warps=4, num_stages=1)
+    else:
+        bm, bn, bk, warps, stages = _gpu_tiles(dtype, M, N, K)
+        sms = runtime.num_sms()
+        while cdiv(M, bm) * cdiv(N, bn) < sms and max(bm, bn) > 64:
+            if bm >= bn:
+                bm //= 2
+            else:
+                bn //= 2
+        default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return tune.config(kernel, (M, N, K, taps), dtype, default)
 
 

@@ -167,8 +167,9 @@ def _config(M, N, K, dtype, batch=1):
     as much of the problem as numpy handles comfortably.
     """
     if runtime.INTERPRETER:
-        return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 256)), BLOCK_K=_pow2(min(K, 512)),
-                    GROUP_M=8, num_warps=4, num_stages=1)
+        default = dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 256)), BLOCK_K=_pow2(min(K, 512)),
+                       GROUP_M=8, num_warps=4, num_stages=1)
+        return tune.config("matmul", (M, N, K, batch), dtype, default)
     sms = runtime.num_sms()
     if dtype == torch.float64:
         bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
@@ -200,6 +201,7 @@ def _kernel_switches(dtype):
 # ---- launchers --------------------------------------------------------------------------------
 
 _launch_cache = {}  # (M, N, K, dtype, batch) -> kernel switches and launch config
+tune.register_cache(_launch_cache.clear)
 
 
 def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
@@ -298,6 +300,7 @@ def _tma_config(M, N, K, dtype):
 
 
 _tma_cache = {}  # (M, N, K, dtype) -> launch config
+tune.register_cache(_tma_cache.clear)
 
 
 def _launch_tma(out, a, b, M, N, K, f, layout):
