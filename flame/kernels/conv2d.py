@@ -427,7 +427,7 @@ def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
     return out
 
 
-def _rows(t):
+def as_rows(t):
     """A 4-D (N, C, H, W) buffer as an (N*H*W, C) strided view, or None when the (N, H, W) dims
     do not collapse to one row stride (NCHW with N > 1). A single row keeps the batch stride."""
     n, c, h, w = t.shape
@@ -445,7 +445,7 @@ def _gemm_views(w, stride, padding, groups, *acts):
     None otherwise (the implicit-GEMM kernels take it)."""
     if tuple(w.shape[2:]) != (1, 1) or tuple(stride) != (1, 1) or tuple(padding) != (0, 0) or groups != 1:
         return None
-    mats = [_rows(t) for t in acts]
+    mats = [as_rows(t) for t in acts]
     if any(m is None for m in mats):
         return None
     ws = w.stride()

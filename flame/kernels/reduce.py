@@ -134,3 +134,10 @@ def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
            BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
     second = SUM.value if op == SQDEV else op
     return reduce_(out, partial, outer, splits, inner, (splits * inner, inner, 1), second, scale)
+
+
+def column_sum_(out, x):
+    """``out[n] = sum_r x[r, n]`` for a 2-D buffer ``x`` with any strides (a bias gradient): the
+    reduction kernel directly, without the op layer's planning."""
+    R, N = x.shape
+    return reduce_(out, x, 1, R, N, (0, x.stride(0), x.stride(1)), SUM)

@@ -13,6 +13,7 @@ from ..autograd import needs_grad, record
 from ..kernels import conv2d as KC
 from ..kernels import elementwise as KE
 from ..kernels import pool as KP
+from ..kernels import reduce as KR
 from ..tensor import Tensor, int64
 from . import _autocast, reduce
 from ._util import check_tensor
@@ -79,7 +80,9 @@ def _conv2d_backward(node, g):
         KC.conv2d_weight_grad_(dwb, gd, x, stride, padding, dilation, groups)
         dw = Tensor(dwb)
     if need_b:
-        db = reduce.sum(Tensor(gd), dim=(0, 2, 3))
+        rows = KC.as_rows(gd)  # channels-last: an (N*H*W, Co) matrix
+        db = (reduce.sum(Tensor(gd), dim=(0, 2, 3)) if rows is None
+              else Tensor(KR.column_sum_(runtime.empty((gd.shape[1],), gd.dtype), rows)))
     return dx, dw, db
 
 

@@ -14,8 +14,9 @@ from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
+from ..kernels import reduce as KR
 from ..tensor import Tensor, broadcast_shapes, promote_types
-from . import _autocast, reduce
+from . import _autocast
 from ._util import check_tensor
 from .elementwise import cast_params, to
 from .shape import contiguous
@@ -208,7 +209,7 @@ def _linear_backward(node, g):
         KM.matmul_(dw, g2.t(), x2)
         dw = Tensor(dw)
     if need_b:
-        db = reduce.sum(Tensor(g2), dim=0)
+        db = Tensor(KR.column_sum_(runtime.empty((g2.shape[1],), g2.dtype), g2))
     return dx, dw, db
 
 
