@@ -16,9 +16,10 @@ pays one dict lookup. Nothing is ever timed or tuned here. On the interpreter ba
 device (the CPU) has no table: only a named ``device_name`` reads one.
 
 ``override(kernel, config)`` makes every launch of ``kernel`` use ``config`` (any key, any backend)
-inside a ``with`` block: how ``scripts/autotune.py`` tries a candidate. Launchers that keep their
-own per-shape config caches hand ``register_cache`` a function that empties them; ``override``
-(on entry and exit) and ``reset()`` call it.
+inside a ``with`` block: how ``scripts/autotune.py`` tries a candidate; ``record()`` lists the
+queries launchers make inside a block (which kernel, key and config a launch uses). Launchers that
+keep their own per-shape config caches hand ``register_cache`` a function that empties them;
+``override`` and ``record`` (on entry and exit) and ``reset()`` call it.
 
 A table that cannot be trusted is ignored with one ``TuningTableWarning`` naming the file and the
 reason, never an exception: unreadable JSON, another ``format``, a table for another GPU, or one
@@ -37,6 +38,7 @@ Environment:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -58,6 +60,8 @@ KERNELS = {
     "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _tma_config
     "conv2d": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _gemm_config, forward
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
+    "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
+    "conv2d_dgrad_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # ... the input gradient
 }
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -212,6 +216,7 @@ _chosen: dict = {}  # (kernel, shape key, dtype, device name or None) -> table c
 _MISS = object()
 _overrides: dict = {}  # kernel -> the innermost active Override
 _cache_clears: list = []  # launchers' functions that empty their own per-shape config caches
+_records: list = []  # the lists of the active record() blocks
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
@@ -247,6 +252,8 @@ def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str
         if len(_chosen) > 8192:
             _chosen.clear()
         _chosen[ck] = hit
+        for asked in _records:
+            asked.append((kernel, tuple(shape_key), _dtype_name(dtype), default if hit is None else hit))
     return default if hit is None else hit
 
 
@@ -301,6 +308,21 @@ def override(kernel: str, config: dict) -> Override:
     if problem:
         raise ValueError(f"tune.override({kernel!r}, {config!r}): {problem}")
     return Override(kernel, dict(config))
+
+
+@contextlib.contextmanager
+def record():
+    """``with record() as asked:`` ``asked`` lists ``(kernel, shape key, dtype name, config)`` for
+    each config a launcher asks for inside the block, in order. Cached answers and registered
+    launcher caches are emptied on entry and on exit, so every shape's first launch asks."""
+    asked = []
+    _records.append(asked)
+    _forget_answers()
+    try:
+        yield asked
+    finally:
+        _records[:] = [r for r in _records if r is not asked]
+        _forget_answers()
 
 
 def reset() -> None:

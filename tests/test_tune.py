@@ -363,3 +363,23 @@ def test_kernels_launch_with_the_override(monkeypatch):
             conv2d.conv2d_forward_(y, x, w, None, (1, 1), (0, 0), (1, 1))
             torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w), **tol)
     assert seen[1] == 32 and seen[0] == seen[2] != 32, seen
+
+
+def test_record_lists_each_query_with_its_answer(tables, caches):
+    tables({"matmul": {"bfloat16": [entry((64, 64, 64, 1), MM)]}})
+    launcher_cache = {"shape": "from before"}
+    tune.register_cache(launcher_cache.clear)
+    conv_default = {k: v for k, v in DEFAULT.items() if k != "GROUP_M"}
+    ask((64, 64, 64, 1))  # cached before the block: asked again inside it
+    with tune.record() as asked:
+        assert launcher_cache == {}
+        ask((64, 64, 64, 1))
+        ask((64, 64, 64, 1))  # answered from the cache: listed once
+        with tune.override("conv2d", CONV), tune.record() as inner:
+            tune.config("conv2d", (8, 8, 8, 9), torch.float16, conv_default, device_name=GPU)
+        ask((7, 7, 7, 1), dtype="float32")
+    assert asked == [("matmul", (64, 64, 64, 1), "bfloat16", MM), ("conv2d", (8, 8, 8, 9), "float16", CONV),
+                     ("matmul", (7, 7, 7, 1), "float32", DEFAULT)]
+    assert inner == [("conv2d", (8, 8, 8, 9), "float16", CONV)]
+    ask((5, 5, 5, 1))
+    assert len(asked) == 3 and tune._records == []  # nothing is recorded after the block

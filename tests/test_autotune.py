@@ -1,0 +1,280 @@
+"""scripts/autotune.py through the interpreter: --quick tables that flame.tune loads, resume and
+--force, the candidate check, the budget stop and the command line's errors."""
+import dataclasses
+import importlib.util
+import json
+import pathlib
+import sys
+import warnings
+
+import pytest
+import torch
+import triton
+
+from flame import runtime, tune
+from flame.kernels import conv2d as KC
+from flame.kernels import matmul as KM
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GPU = runtime.device_name()  # the name --quick tables carry here ("cpu-interpreter")
+# the keys of --quick's shapes: linear (24, 16, 40) as forward, dX and dW; two 3x3 convs
+MM_KEYS = {(24, 40, 16, 1), (24, 16, 40, 1), (40, 16, 24, 1)}
+CONV_KEYS = {(30, 12, 8, 9), (12, 8, 8, 9)}
+BAD = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=2)  # a --quick candidate
+
+
+@pytest.fixture(scope="module")
+def autotune():
+    spec = importlib.util.spec_from_file_location("autotune_script", ROOT / "scripts" / "autotune.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """What issue 9's lines in flame/kernels give (a no-op once they are there): the launchers
+    ask flame.tune on the interpreter too, and matmul's launch cache is registered."""
+    mm_config, conv_config = KM._config, KC._gemm_config
+
+    def mm(M, N, K, dtype, batch=1):
+        return tune.config("matmul", (M, N, K, batch), dtype, mm_config(M, N, K, dtype, batch))
+
+    def conv(M, N, K, dtype, taps=1, kernel="conv2d"):
+        return tune.config(kernel, (M, N, K, taps), dtype, conv_config(M, N, K, dtype, taps, kernel))
+
+    monkeypatch.setattr(KM, "_config", mm)
+    monkeypatch.setattr(KC, "_gemm_config", conv)
+    monkeypatch.setattr(tune, "_cache_clears", list(tune._cache_clears))
+    tune.register_cache(KM._launch_cache.clear)
+    KM._launch_cache.clear()
+
+
+def _load(path):
+    return json.loads(pathlib.Path(path).read_text())
+
+
+def _keys(doc, kernel, dtype="bfloat16"):
+    return {tuple(e["key"]) for e in doc["entries"].get(kernel, {}).get(dtype, [])}
+
+
+def _table(path, rows, **top):
+    doc = dict(format=1, gpu=GPU, triton=triton.__version__, date="2026-11-01", entries=rows)
+    doc.update(top)
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _wrap_builds(monkeypatch, autotune, wrap):
+    """The matmul family, each problem's ``build`` replaced by ``wrap(problem, build)``."""
+    fam = autotune.FAMILIES["matmul"]
+
+    def fn(ctx, shape):
+        return [dataclasses.replace(p, build=wrap(p, p.build)) for p in fam.fn(ctx, shape)]
+
+    monkeypatch.setitem(autotune.FAMILIES, "matmul", dataclasses.replace(fam, fn=fn))
+
+
+def test_quick_run_writes_a_table_that_tune_loads(autotune, routed, tmp_path, monkeypatch, capsys):
+    launched = []
+    real_launch = KM.launch
+
+    def spy(kernel, grid, *args, **meta):
+        launched.append((meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]))
+        return real_launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(KM, "launch", spy)
+    out = tmp_path / f"{tune.slug(GPU)}.json"
+    assert autotune.main(["--quick", "--family", "matmul", "--family", "conv2d", "--out", str(out)]) == 0
+    doc = _load(out)
+    assert (doc["format"], doc["gpu"], doc["triton"]) == (1, GPU, triton.__version__) and doc["date"]
+    assert _keys(doc, "matmul") == MM_KEYS and _keys(doc, "conv2d") == CONV_KEYS
+    assert set(doc["entries"]) == {"matmul", "conv2d"}
+    for rows in (doc["entries"]["matmul"]["bfloat16"], doc["entries"]["conv2d"]["bfloat16"]):
+        for e in rows:
+            assert 0 < e["ms"] <= e["default_ms"], e  # the default is one of the contenders
+    # every candidate of the forward GEMM really ran with its own blocks
+    ctx = autotune.Ctx(torch.bfloat16, quick=True, smem=None)
+    tried = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) for c in ctx.gemm_space(24, 40, 16, group_m=True)}
+    assert len(tried) >= 4 and tried <= set(launched), (tried, set(launched))
+    text = capsys.readouterr().out
+    assert "geometric-mean speedup" in text and "linear 24x16->40 dW" in text and "conv 3x3 s2 1x8x7x6->8" in text
+
+    # flame.tune reads the table as it would on that GPU, without a warning
+    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
+    tune.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tune.TuningTableWarning)
+            for kernel, fields in (("matmul", KM._config(8, 8, 8, torch.float32)),
+                                   ("conv2d", KC._gemm_config(8, 8, 8, torch.float32))):
+                for e in doc["entries"][kernel]["bfloat16"]:
+                    assert tune.config(kernel, tuple(e["key"]), torch.bfloat16, fields, device_name=GPU) == e["config"]
+    finally:
+        tune.reset()
+
+
+def test_the_kernel_that_runs_is_the_one_tuned(autotune, routed, tmp_path):
+    # a 1x1 stride-1 convolution runs on the GEMM kernel: its forward is a "matmul" key, its
+    # input gradient another; the 3x3 one is a conv2d_dgrad key (the interpreter has no TMA kernels)
+    shapes = tmp_path / "s.yaml"
+    shapes.write_text("conv: [[1, 8, 4, 4, 16, 1, 1], [1, 8, 4, 4, 16, 3, 1]]\n")
+    out = tmp_path / "t.json"
+    argv = ["--quick", "--shapes", str(shapes), "--family", "conv2d,conv2d_dgrad", "--out", str(out)]
+    assert autotune.main(argv) == 0
+    doc = _load(out)
+    assert _keys(doc, "matmul") == {(16, 16, 8, 1), (16, 8, 16, 1)}
+    assert _keys(doc, "conv2d") == {(16, 16, 8, 9)} and _keys(doc, "conv2d_dgrad") == {(16, 8, 16, 9)}
+
+
+def test_resume_skips_tuned_keys_keeps_others_and_force_retunes(autotune, routed, tmp_path, monkeypatch, capsys):
+    kept = dict(key=[24, 40, 16, 1], config=dict(BAD, BLOCK_M=128), ms=123.0, default_ms=456.0)
+    other = dict(key=[999, 999, 999, 1], config=BAD, ms=1.0, default_ms=1.0)
+    conv = dict(key=[30, 12, 8, 9], config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
+                ms=1.0, default_ms=1.0)
+    out = _table(tmp_path / "t.json", {"matmul": {"bfloat16": [kept, other]}, "conv2d": {"float16": [conv]}})
+    tuned = []
+    real = autotune.tune_launch
+    monkeypatch.setattr(autotune, "tune_launch", lambda name, bench, launch, *a: tuned.append(launch.key)
+                        or real(name, bench, launch, *a))
+    argv = ["--quick", "--family", "matmul", "--out", str(out)]
+
+    assert autotune.main(argv) == 0
+    assert set(tuned) == MM_KEYS - {(24, 40, 16, 1)}
+    doc = _load(out)
+    rows = {tuple(e["key"]): e for e in doc["entries"]["matmul"]["bfloat16"]}
+    assert set(rows) == MM_KEYS | {(999, 999, 999, 1)}
+    assert rows[24, 40, 16, 1] == kept and rows[999, 999, 999, 1] == other
+    assert doc["entries"]["conv2d"] == {"float16": [conv]}  # other kernels and dtypes untouched
+
+    tuned.clear()
+    before = out.read_text()
+    assert autotune.main(argv) == 0
+    assert tuned == [] and out.read_text() == before
+    assert "0 keys tuned now, 3 already in the table" in capsys.readouterr().out
+
+    assert autotune.main([*argv, "--force"]) == 0
+    assert set(tuned) == MM_KEYS
+    rows = {tuple(e["key"]): e for e in _load(out)["entries"]["matmul"]["bfloat16"]}
+    assert rows[24, 40, 16, 1] != kept and rows[999, 999, 999, 1] == other
+
+
+def test_a_wrong_candidate_is_rejected_and_never_written(autotune, routed, tmp_path, monkeypatch, capsys):
+    probe = dict(BAD, BLOCK_M=1)  # the config tune answers when no override is active
+
+    def active():
+        return tune.config("matmul", (1, 1, 1, 1), "float32", probe)
+
+    def garbage_under_bad(p, build):
+        def wrapped():
+            bench = build()
+            real_run = bench.run
+
+            def run():
+                real_run()
+                if active() == BAD:  # the "kernel bug": this config writes a wrong answer
+                    bench.out.add_(0.5)
+            return dataclasses.replace(bench, run=run)
+        return wrapped
+
+    _wrap_builds(monkeypatch, autotune, garbage_under_bad)
+    real_time = autotune.time_ms
+    # ... and it would be the fastest by far, were it not rejected
+    monkeypatch.setattr(autotune, "time_ms", lambda fn, **kw: 1e-6 if active() == BAD else real_time(fn, **kw))
+    out = tmp_path / "t.json"
+    assert autotune.main(["--quick", "--family", "matmul", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert text.count("REJECTED matmul") == 3 and repr(BAD) in text, text
+    assert "candidates rejected (wrong output): 3" in text
+    rows = _load(out)["entries"]["matmul"]["bfloat16"]
+    assert {tuple(e["key"]) for e in rows} == MM_KEYS
+    assert all(e["config"] != BAD for e in rows) and all(e["ms"] > 1e-3 for e in rows)
+
+
+def test_budget_stop_writes_what_is_done_and_a_rerun_finishes(autotune, routed, tmp_path, monkeypatch, capsys):
+    now = [0.0]
+    monkeypatch.setattr(autotune, "_clock", lambda: now[0])
+
+    def slow(p, build):
+        def wrapped():
+            now[0] += 40.0  # every problem takes 40 s of the 60 s budget
+            return build()
+        return wrapped
+
+    _wrap_builds(monkeypatch, autotune, slow)
+    out = tmp_path / "t.json"
+    argv = ["--quick", "--family", "matmul", "--out", str(out)]
+    assert autotune.main([*argv, "--budget-minutes", "1"]) == 0
+    assert len(_keys(_load(out), "matmul")) == 1  # the second problem ran out of time mid-way
+    assert "--budget-minutes 1 spent: 2 launches left" in capsys.readouterr().out
+    assert autotune.main(argv) == 0
+    assert _keys(_load(out), "matmul") == MM_KEYS
+
+
+def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, monkeypatch, capsys):
+    def fake(ctx, shape):  # "tunes" a launch that never asks flame.tune (PyTorch's own product)
+        m, k, n = shape
+
+        def build():
+            x, w, out = ctx.randn(m, k), ctx.randn(n, k), ctx.empty(m, n)
+            return autotune.Bench(lambda: torch.matmul(x, w.t(), out=out), out, x.float() @ w.float().t())
+
+        return [autotune.Problem("torch", build)]
+
+    monkeypatch.setitem(autotune.FAMILIES, "fake", autotune.Family(fake, "linear", ("M", "K", "N"), ""))
+    out = tmp_path / "t.json"
+    assert autotune.main(["--quick", "--family", "fake", "--out", str(out)]) == 1
+    assert "torch: the launch asked flame.tune for no config" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, shapes, match", [
+    (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad"),
+    (["--budget-minutes", "0"], None, "--budget-minutes: must be a positive number of minutes, got '0'"),
+    (["--budget-minutes", "soon"], None, "positive number of minutes, got 'soon'"),
+    (["--dtype", "fp8"], None, "invalid choice: 'fp8'"),
+    (["--shapes", "missing.yaml"], None, "cannot read it"),
+    (["--shapes"], "linear: [[4096, 640]]\n", "linear[0] = [4096, 640] is not 3 positive integers ['M', 'K', 'N']"),
+    (["--shapes"], "conv: [[1, 4, 8, 8, 16, 3, 0]]\n", "conv[0] = [1, 4, 8, 8, 16, 3, 0]"),
+    (["--shapes"], "lienar: [[1, 2, 3]]\n", "unknown section 'lienar' (known: conv, linear)"),
+    (["--shapes", "--family", "matmul"], "conv: [[1, 4, 8, 8, 16, 3, 1]]\n", "no shapes for the families matmul"),
+])
+def test_bad_command_lines_are_clear_errors(autotune, tmp_path, capsys, args, shapes, match):
+    if shapes is not None:
+        (tmp_path / "s.yaml").write_text(shapes)
+        args = [args[0], str(tmp_path / "s.yaml"), *args[1:]]
+    elif "missing.yaml" in args:
+        args = [a.replace("missing.yaml", str(tmp_path / "missing.yaml")) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        autotune.main([*args, "--quick", "--out", str(tmp_path / "t.json")])
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_quick_or_interpreter_runs_need_out(autotune, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        autotune.main(["--quick"])
+    assert exit_info.value.code == 2 and "need --out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "unreadable"),
+    (json.dumps(dict(format=2, entries={})), "not a format-1 tuning table"),
+    (json.dumps(dict(format=1, gpu="NVIDIA A100", triton=triton.__version__, entries={})), "holds the table of"),
+])
+def test_a_table_it_cannot_merge_with_is_left_alone(autotune, tmp_path, capsys, content, match):
+    out = tmp_path / "t.json"
+    out.write_text(content)
+    assert autotune.main(["--quick", "--out", str(out)]) == 1
+    assert match in capsys.readouterr().err and out.read_text() == content
+
+
+def test_a_stale_table_is_tuned_afresh(autotune, routed, tmp_path, capsys):
+    stale = dict(key=[24, 40, 16, 1], config=BAD, ms=1.0, default_ms=1.0)
+    out = _table(tmp_path / "t.json", {"matmul": {"bfloat16": [stale]}}, triton="2.1.0")
+    assert autotune.main(["--quick", "--family", "matmul", "--out", str(out)]) == 0
+    assert "tuned with Triton 2.1.0" in capsys.readouterr().out
+    doc = _load(out)
+    assert doc["triton"] == triton.__version__ and _keys(doc, "matmul") == MM_KEYS
