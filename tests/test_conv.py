@@ -416,6 +416,7 @@ def test_conv2d_bf16_sdxl_shape_error_budget(shape, co, kw):
     ((1, 64, 12, 20), 64, 5, dict(padding=2)),
     ((1, 24, 10, 144), 16, 3, dict(padding=0)),
     ((1, 320, 64, 64), 320, 3, dict(padding=1)),
+    ((1, 128, 32, 32), 256, 3, dict(padding=1)),
 ], ids=str)
 def test_conv2d_tma_forward_and_input_grad(dtype, shape, co, k, kw, monkeypatch):
     """Stride-1 convolutions with channels-last activations and weights (as flame's model keeps
@@ -446,3 +447,16 @@ def test_conv2d_tma_forward_and_input_grad(dtype, shape, co, k, kw, monkeypatch)
         assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
     tma = [name for name in taken if "tma" in name]
     assert sorted(tma) == ["_conv_tma_kernel", "_conv_tma_kernel", "_conv_wgrad_tma_kernel"], taken
+
+
+def test_tma_launch_configs_name_registered_tuning_kernels():
+    """The TMA launchers' tuning-table names exist (tune.config raises on unknown kernels), so
+    the GPU path cannot fail on a missing registration that the interpreter never reaches."""
+    import flame.kernels.conv2d as KC
+    import flame.kernels.matmul as KM
+    for kernel in ("conv2d", "conv2d_dgrad"):
+        cfg = KC._conv_tma_config(4096, 320, 320, torch.bfloat16, 9, kernel)
+        assert cfg["BLOCK_M"] * cfg["BLOCK_N"] * cfg["BLOCK_K"] > 0
+    assert KM._tma_config(4096, 640, 640, torch.bfloat16)["BLOCK_M"] == 128
+    assert KC._spatial_tile(128, 144, 144) == (8, 16)  # 144 = 9 x 16: no wasted columns
+    assert KC._spatial_tile(128, 128, 128) == (1, 128)
