@@ -243,9 +243,12 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
 # block of source positions shifted by (B_h + kh * C_h, B_w + kw * C_w): one 4-D descriptor load of
 # src[n, h0:h0+TH, w0:w0+TW, c0:c0+BLOCK_K]. TMA fills positions outside the image (the padding,
 # negative coordinates included) and channels past C with zeros, so there are no masks at all.
-# The weight (channels-last, taps and channels dense) is a 3-D (Co, taps, Ci) descriptor: the
+# The weight (channels-last, taps and channels dense) is a 2-D (Co, taps * Ci) descriptor: the
 # forward reads (n=co, k=ci) tiles and transposes them in shared memory, the input gradient reads
-# (k=co, n=ci) tiles directly. The output tile is stored through a 4-D descriptor (clipped).
+# (k=co, n=ci) tiles directly. A tile that runs past this tap's Ci channels into the next tap's
+# is harmless: forward, those k meet the zero-filled channels of the A tile; input gradient, those
+# n are output columns past N, clipped on store. The output tile is stored through a 4-D
+# descriptor (clipped).
 @triton.jit
 def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KW, TAPS,
                      B_h, C_h, B_w, C_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w, s_bias,
@@ -256,12 +259,12 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
                                     block_shape=[1, TH, TW, BLOCK_K])
     out = tl.make_tensor_descriptor(out_ptr, shape=[NB, OH, OW, N], strides=[so_n, so_h, so_w, 1],
                                     block_shape=[1, TH, TW, BLOCK_N])
-    if TRANSPOSED:  # w (Co, taps, Ci) read as (k=co, n=ci)
-        wd = tl.make_tensor_descriptor(w_ptr, shape=[C, TAPS, N], strides=[sw_co, N, 1],
-                                       block_shape=[BLOCK_K, 1, BLOCK_N])
-    else:  # read as (n=co, k=ci)
-        wd = tl.make_tensor_descriptor(w_ptr, shape=[N, TAPS, C], strides=[sw_co, C, 1],
-                                       block_shape=[BLOCK_N, 1, BLOCK_K])
+    if TRANSPOSED:  # w as a (Co, taps * Ci) matrix read as (k=co, n=ci) tiles
+        wd = tl.make_tensor_descriptor(w_ptr, shape=[C, TAPS * N], strides=[sw_co, 1],
+                                       block_shape=[BLOCK_K, BLOCK_N])
+    else:  # read as (n=co, k=ci) tiles
+        wd = tl.make_tensor_descriptor(w_ptr, shape=[N, TAPS * C], strides=[sw_co, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K])
     tiles_h = tl.cdiv(OH, TH)
     tiles_w = tl.cdiv(OW, TW)
     pid_m, pid_n = _tile_coords(tl.program_id(0), NB * tiles_h * tiles_w, tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -278,9 +281,9 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
         kw = tap - kh * KW
         a = src.load([n, h0 + B_h + kh * C_h, w0 + B_w + kw * C_w, c0]).reshape(BLOCK_M, BLOCK_K)
         if TRANSPOSED:
-            b = wd.load([c0, tap, off_n]).reshape(BLOCK_K, BLOCK_N)
+            b = wd.load([c0, tap * N + off_n])
         else:
-            b = wd.load([off_n, tap, c0]).reshape(BLOCK_N, BLOCK_K).T
+            b = wd.load([off_n, tap * C + c0]).T
         acc = tl.dot(a, b, acc)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _, acc = _epilogue(acc, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
