@@ -71,6 +71,9 @@ TILES, K_STAGES = (64, 128, 256), {32: (4,), 64: (3, 4), 128: (2, 3)}
 QUICK_TILES, QUICK_K_STAGES = (16, 32), {16: (2,), 32: (2,)}
 MAX_TILE_AREA = 128 * 256  # 256 x 256 fp32 accumulators do not fit in registers
 
+# Errors after which the CUDA context is unusable: the run stops rather than skip every later candidate.
+CONTEXT_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction")
+
 _clock = time.monotonic
 
 
@@ -323,7 +326,11 @@ def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: flo
         except NotTunable:
             raise
         except Exception as e:  # compile failure, out of resources: not a candidate on this GPU
-            out.skipped.append((cfg, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"))
+            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if any(sign in str(e) for sign in CONTEXT_LOST):
+                raise Fatal(f"{name}: {launch.kernel} config {cfg} broke the CUDA context ({why}): fix the kernel "
+                            "for that config, then rerun (the keys finished so far are kept)") from e
+            out.skipped.append((cfg, why))
             continue
         if problem:
             out.rejected.append((cfg, problem))

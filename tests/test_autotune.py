@@ -33,25 +33,6 @@ def autotune():
     sys.modules.pop(spec.name, None)
 
 
-@pytest.fixture
-def routed(monkeypatch):
-    """What issue 9's lines in flame/kernels give (a no-op once they are there): the launchers
-    ask flame.tune on the interpreter too, and matmul's launch cache is registered."""
-    mm_config, conv_config = KM._config, KC._gemm_config
-
-    def mm(M, N, K, dtype, batch=1):
-        return tune.config("matmul", (M, N, K, batch), dtype, mm_config(M, N, K, dtype, batch))
-
-    def conv(M, N, K, dtype, taps=1, kernel="conv2d"):
-        return tune.config(kernel, (M, N, K, taps), dtype, conv_config(M, N, K, dtype, taps, kernel))
-
-    monkeypatch.setattr(KM, "_config", mm)
-    monkeypatch.setattr(KC, "_gemm_config", conv)
-    monkeypatch.setattr(tune, "_cache_clears", list(tune._cache_clears))
-    tune.register_cache(KM._launch_cache.clear)
-    KM._launch_cache.clear()
-
-
 def _load(path):
     return json.loads(pathlib.Path(path).read_text())
 
@@ -67,6 +48,12 @@ def _table(path, rows, **top):
     return path
 
 
+def _bad_active():
+    """Whether the launch running now is under ``tune.override("matmul", BAD)`` (asked after the
+    launch: the first query of a run names its key)."""
+    return tune.config("matmul", (1, 1, 1, 1), "float32", dict(BAD, BLOCK_M=1)) == BAD
+
+
 def _wrap_builds(monkeypatch, autotune, wrap):
     """The matmul family, each problem's ``build`` replaced by ``wrap(problem, build)``."""
     fam = autotune.FAMILIES["matmul"]
@@ -77,7 +64,23 @@ def _wrap_builds(monkeypatch, autotune, wrap):
     monkeypatch.setitem(autotune.FAMILIES, "matmul", dataclasses.replace(fam, fn=fn))
 
 
-def test_quick_run_writes_a_table_that_tune_loads(autotune, routed, tmp_path, monkeypatch, capsys):
+def _after_each_run(monkeypatch, autotune, after):
+    """The matmul family with ``after(bench)`` called after every launch of its problems."""
+    def wrap(p, build):
+        def wrapped():
+            bench = build()
+            real_run = bench.run
+
+            def run():
+                real_run()
+                after(bench)
+            return dataclasses.replace(bench, run=run)
+        return wrapped
+
+    _wrap_builds(monkeypatch, autotune, wrap)
+
+
+def test_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
     launched = []
     real_launch = KM.launch
 
@@ -116,7 +119,7 @@ def test_quick_run_writes_a_table_that_tune_loads(autotune, routed, tmp_path, mo
         tune.reset()
 
 
-def test_the_kernel_that_runs_is_the_one_tuned(autotune, routed, tmp_path):
+def test_the_kernel_that_runs_is_the_one_tuned(autotune, tmp_path):
     # a 1x1 stride-1 convolution runs on the GEMM kernel: its forward is a "matmul" key, its
     # input gradient another; the 3x3 one is a conv2d_dgrad key (the interpreter has no TMA kernels)
     shapes = tmp_path / "s.yaml"
@@ -129,7 +132,7 @@ def test_the_kernel_that_runs_is_the_one_tuned(autotune, routed, tmp_path):
     assert _keys(doc, "conv2d") == {(16, 16, 8, 9)} and _keys(doc, "conv2d_dgrad") == {(16, 8, 16, 9)}
 
 
-def test_resume_skips_tuned_keys_keeps_others_and_force_retunes(autotune, routed, tmp_path, monkeypatch, capsys):
+def test_resume_skips_tuned_keys_keeps_others_and_force_retunes(autotune, tmp_path, monkeypatch, capsys):
     kept = dict(key=[24, 40, 16, 1], config=dict(BAD, BLOCK_M=128), ms=123.0, default_ms=456.0)
     other = dict(key=[999, 999, 999, 1], config=BAD, ms=1.0, default_ms=1.0)
     conv = dict(key=[30, 12, 8, 9], config=dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=2),
@@ -161,28 +164,15 @@ def test_resume_skips_tuned_keys_keeps_others_and_force_retunes(autotune, routed
     assert rows[24, 40, 16, 1] != kept and rows[999, 999, 999, 1] == other
 
 
-def test_a_wrong_candidate_is_rejected_and_never_written(autotune, routed, tmp_path, monkeypatch, capsys):
-    probe = dict(BAD, BLOCK_M=1)  # the config tune answers when no override is active
+def test_a_wrong_candidate_is_rejected_and_never_written(autotune, tmp_path, monkeypatch, capsys):
+    def garbage_under_bad(bench):  # the "kernel bug": this config writes a wrong answer
+        if _bad_active():
+            bench.out.add_(0.5)
 
-    def active():
-        return tune.config("matmul", (1, 1, 1, 1), "float32", probe)
-
-    def garbage_under_bad(p, build):
-        def wrapped():
-            bench = build()
-            real_run = bench.run
-
-            def run():
-                real_run()
-                if active() == BAD:  # the "kernel bug": this config writes a wrong answer
-                    bench.out.add_(0.5)
-            return dataclasses.replace(bench, run=run)
-        return wrapped
-
-    _wrap_builds(monkeypatch, autotune, garbage_under_bad)
+    _after_each_run(monkeypatch, autotune, garbage_under_bad)
     real_time = autotune.time_ms
     # ... and it would be the fastest by far, were it not rejected
-    monkeypatch.setattr(autotune, "time_ms", lambda fn, **kw: 1e-6 if active() == BAD else real_time(fn, **kw))
+    monkeypatch.setattr(autotune, "time_ms", lambda fn, **kw: 1e-6 if _bad_active() else real_time(fn, **kw))
     out = tmp_path / "t.json"
     assert autotune.main(["--quick", "--family", "matmul", "--out", str(out)]) == 1
     text = capsys.readouterr().out
@@ -193,7 +183,24 @@ def test_a_wrong_candidate_is_rejected_and_never_written(autotune, routed, tmp_p
     assert all(e["config"] != BAD for e in rows) and all(e["ms"] > 1e-3 for e in rows)
 
 
-def test_budget_stop_writes_what_is_done_and_a_rerun_finishes(autotune, routed, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("message, rc", [("PassManager::run failed", 0),
+                                          ("Triton Error [CUDA]: an illegal memory access was encountered", 1)])
+def test_a_failing_candidate_is_skipped_unless_it_breaks_the_gpu(autotune, tmp_path, monkeypatch, capsys, message, rc):
+    def fails_under_bad(bench):
+        if _bad_active():
+            raise RuntimeError(message)
+
+    _after_each_run(monkeypatch, autotune, fails_under_bad)
+    out = tmp_path / "t.json"
+    assert autotune.main(["--quick", "--family", "matmul", "--out", str(out)]) == rc
+    text = capsys.readouterr()
+    if rc == 0:  # a compile failure: that config is no candidate, the others still are
+        assert "skipped (compile or resources): 3" in text.out and _keys(_load(out), "matmul") == MM_KEYS
+    else:
+        assert "broke the CUDA context" in text.err and repr(BAD) in text.err and not out.exists()
+
+
+def test_budget_stop_writes_what_is_done_and_a_rerun_finishes(autotune, tmp_path, monkeypatch, capsys):
     now = [0.0]
     monkeypatch.setattr(autotune, "_clock", lambda: now[0])
 
@@ -271,7 +278,7 @@ def test_a_table_it_cannot_merge_with_is_left_alone(autotune, tmp_path, capsys, 
     assert match in capsys.readouterr().err and out.read_text() == content
 
 
-def test_a_stale_table_is_tuned_afresh(autotune, routed, tmp_path, capsys):
+def test_a_stale_table_is_tuned_afresh(autotune, tmp_path, capsys):
     stale = dict(key=[24, 40, 16, 1], config=BAD, ms=1.0, default_ms=1.0)
     out = _table(tmp_path / "t.json", {"matmul": {"bfloat16": [stale]}}, triton="2.1.0")
     assert autotune.main(["--quick", "--family", "matmul", "--out", str(out)]) == 0
