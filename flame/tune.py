@@ -62,8 +62,6 @@ KERNELS = {
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
     "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
     "conv2d_dgrad_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same, stride-1 input gradient
-    "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
-    "conv2d_dgrad_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # ... the input gradient
 }
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
