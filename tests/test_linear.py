@@ -129,3 +129,74 @@ def test_linear_bf16_sdxl_shape_error_budget(act):
     assert_within_torch_error(y, y_low, y_ref, 2)
     for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
         assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
+
+
+# ---- lora_linear: the fused LoRA adapter op ----------------------------------------------------
+
+def _torch_lora(x, w, b, a, lb, scale, xl=None):
+    xl = x if xl is None else xl
+    y = torch.nn.functional.linear(x, w, b)
+    return y + torch.nn.functional.linear(torch.nn.functional.linear(xl, a.to(x.dtype)), lb.to(x.dtype)) * scale
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("x_shape,bias,branch,train_base", [
+    ((33, 40), True, False, False),
+    ((2, 7, 40), False, False, True),
+    ((9, 40), True, True, True),
+], ids=str)
+def test_lora_linear_matches_composed_torch(dtype, x_shape, bias, branch, train_base):
+    n_out, rank = 24, 4
+    x, tx = pair(x_shape, dtype, requires_grad=True)
+    w, tw = pair((n_out, x_shape[-1]), dtype, requires_grad=train_base)
+    b, tb = pair((n_out,), dtype, requires_grad=train_base) if bias else (None, None)
+    a, ta = pair((rank, x_shape[-1]), torch.float32, requires_grad=True)  # fp32 masters
+    lb, tlb = pair((n_out, rank), torch.float32, requires_grad=True)
+    xl, txl = pair(x_shape, dtype, requires_grad=True) if branch else (None, None)
+    y = F.lora_linear(x, w, b, a, lb, 0.75, lora_input=xl)
+    ty = _torch_lora(tx, tw, tb, ta, tlb, 0.75, txl)
+    g, tg = pair(tuple(ty.shape), dtype)
+    grads = y.backward(g)
+    ty.backward(tg)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert_close(y, ty.detach(), dtype, **tol)
+    checks = [(x, tx), (a, ta), (lb, tlb)] + ([(xl, txl)] if branch else [])
+    if train_base:
+        checks += [(w, tw)] + ([(b, tb)] if bias else [])
+    assert grads[a].dtype == grads[lb].dtype == torch.float32  # the masters' own dtype
+    for leaf, t in checks:
+        assert_close(grads[leaf].to(t.dtype), t.grad, t.dtype, **tol)
+
+
+def test_lora_linear_gradcheck_and_bad_shapes():
+    x = flame.randn(5, 6, dtype=flame.float64).requires_grad_()
+    w = flame.randn(4, 6, dtype=flame.float64).requires_grad_()
+    b = flame.randn(4, dtype=flame.float64).requires_grad_()
+    a = flame.randn(3, 6, dtype=flame.float64).requires_grad_()
+    lb = flame.randn(4, 3, dtype=flame.float64).requires_grad_()
+    xl = flame.randn(5, 6, dtype=flame.float64).requires_grad_()
+    assert gradcheck(lambda *t: F.lora_linear(*t, 0.5), (x, w, b, a, lb))
+    assert gradcheck(lambda x, w, a, lb, xl: F.lora_linear(x, w, None, a, lb, 2.0, lora_input=xl), (x, w, a, lb, xl))
+    with pytest.raises(ValueError, match=r"lora_a \(3, 5\)"):
+        F.lora_linear(x, w, b, flame.randn(3, 5, dtype=flame.float64), lb, 1.0)
+    with pytest.raises(ValueError, match=r"lora_b \(4, 2\)"):
+        F.lora_linear(x, w, b, a, flame.randn(4, 2, dtype=flame.float64), 1.0)
+    with pytest.raises(ValueError, match="lora_input"):
+        F.lora_linear(x, w, b, a, lb, 1.0, lora_input=flame.randn(5, 7, dtype=flame.float64))
+
+
+def test_lora_linear_launches_fewer_kernels_than_the_composed_ops():
+    import flame.kernels.launch as L
+    x = flame.randn(16, 32, dtype=flame.float16).requires_grad_()
+    w, b = flame.randn(8, 32, dtype=flame.float16), flame.randn(8, dtype=flame.float16)
+    a = flame.randn(4, 32).requires_grad_()
+    lb = flame.randn(8, 4).requires_grad_()
+    g = flame.randn(16, 8, dtype=flame.float16)
+    counts = []
+    for fn in (lambda: F.lora_linear(x, w, b, a, lb, 0.5),
+               lambda: F.linear(x, w, b) + F.linear(F.linear(x, a), lb) * 0.5):
+        L.launches = 0
+        fn().backward(g)
+        counts.append(L.launches)
+    # 2 casts + 3 GEMMs forward, 5 GEMMs backward, 1 cast of x's gradient into its fp32 accumulator
+    assert counts[0] <= 11 and counts[0] < counts[1], counts

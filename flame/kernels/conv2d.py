@@ -286,7 +286,7 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
             b = wd.load([off_n, tap * C + c0]).T
         acc = tl.dot(a, b, acc)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    _, acc = _epilogue(acc, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
+    _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
     out.store([n, h0, w0, off_n], acc.to(out_ptr.dtype.element_ty).reshape(1, TH, TW, BLOCK_N))
 
 

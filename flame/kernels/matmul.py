@@ -29,17 +29,18 @@ from .reduce import SUM, accumulation_dtype, reduce_
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, B1,
-                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, s_bias,
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K, B1,
+                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, s_bias, alpha,
                    ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                   BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr,
+                   BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
     # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
     # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
     # over two (collapsed) batch dims of size (B0, B1).
-    # Fused epilogue (constexpr switches, off = IDENTITY / False): C = ACT(acc + bias[n]);
-    # STORE_PRE also writes acc + bias (with C's strides) for the activation's backward.
+    # Fused epilogue (constexpr switches, off = IDENTITY / False): C = ACT(alpha * acc + bias[n])
+    # + R, where R (RESIDUAL, C's strides; may be C itself) is read before C is written;
+    # STORE_PRE also writes alpha * acc + bias (with C's strides) for the activation's backward.
     # (A prologue fusing dY * act'(pre) into the backward GEMMs' A loads, with the bias gradient
     # as row sums of those tiles, gave wrong 16-bit results on Triton 3.6 when the loaded tile
     # fed both tl.sum and tl.dot: measured on an H200, 2026-11-26; the backward is unfused until
@@ -73,18 +74,20 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, B1,
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
 
-    pre, acc = _epilogue(acc, bias_ptr, offs_n, mask_n, s_bias, BIAS, ACT)
+    pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, mask_n, s_bias, BIAS, ACT)
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
     mask_c = mask_m[:, None] & mask_n[None, :]
     if STORE_PRE:
         tl.store(pre_out_ptr + c_off, pre.to(pre_out_ptr.dtype.element_ty), mask=mask_c)
+    if RESIDUAL:
+        acc += tl.load(res_ptr + c_off, mask=mask_c, other=0.0).to(acc.dtype)
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
 @triton.jit
-def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, s_a, s_b, s_c, s_bias,
+def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K, s_a, s_b, s_c, s_bias, alpha,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
-                       BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr,
+                       BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
@@ -124,11 +127,15 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, M, N, K, s_a,
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        pre, acc = _epilogue(acc, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
+        pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
         if STORE_PRE:
             pre_desc = tl.make_tensor_descriptor(pre_out_ptr, shape=[M, N], strides=[s_c, 1],
                                                  block_shape=[BLOCK_M, BLOCK_N])
             pre_desc.store([off_m, off_n], pre.to(pre_out_ptr.dtype.element_ty))
+        if RESIDUAL:
+            res_desc = tl.make_tensor_descriptor(res_ptr, shape=[M, N], strides=[s_c, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_N])
+            acc += res_desc.load([off_m, off_n]).to(acc.dtype)
         c_desc.store([off_m, off_n], acc.to(c_ptr.dtype.element_ty))
 
 
@@ -143,8 +150,10 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, bias_ptr, offs_n, mask_n, s_bias, BIAS: tl.constexpr, ACT: tl.constexpr):
-    """(acc + bias[n], ACT(acc + bias[n])): the pre-activation and the output of a GEMM tile."""
+def _epilogue(acc, alpha, bias_ptr, offs_n, mask_n, s_bias, BIAS: tl.constexpr, ACT: tl.constexpr):
+    """(alpha * acc + bias[n], ACT(alpha * acc + bias[n])): the pre-activation and the output of
+    a GEMM tile."""
+    acc = acc * alpha
     if BIAS:
         acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(acc.dtype)[None, :]
     out = acc
@@ -227,18 +236,18 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     f = epilogue or _NO_FUSION
     if B0 * B1 == 1:
-        if epilogue is None:
+        if f.scale_only:
             splits = _k_splits(tiles, K, cfg["BLOCK_K"])
             if splits > 1:
-                return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:])
+                return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f.alpha)
         # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x)
         layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if K >= 128 else None
         if layout is not None:
             return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
-    launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), M, N, K, B1,
-           *sa, *sb, *sc, f.bias_stride, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-           **cfg)
+    launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), _or(f.residual, out),
+           M, N, K, B1, *sa, *sb, *sc, f.bias_stride, f.alpha, BIAS=f.bias is not None, ACT=f.act,
+           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, **cfg)
 
 
 # ---- the TMA path (Hopper and later, 16-bit, 2-D problems) -----------------------------------
@@ -266,8 +275,9 @@ def _tma_layout(out, a, b, f, sa, sb, sc):
         return None
     es = a.element_size()
     ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr()]
-    if f.pre_out is not None:
-        ptrs.append(f.pre_out.data_ptr())
+    for extra in (f.pre_out, f.residual):
+        if extra is not None:
+            ptrs.append(extra.data_ptr())
     if any(p % 16 for p in ptrs) or sc[1] != 1 or (sc[0] * es) % 16:
         return None
     dims = []
@@ -314,8 +324,9 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
         _tma_cache[key] = cfg
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
-           M, N, K, s_a, s_b, s_c, f.bias_stride, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
-           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, **cfg)
+           _or(f.residual, out), M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k,
+           B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+           RESIDUAL=f.residual is not None, **cfg)
 
 
 def _k_splits(tiles, K, block_k):
@@ -332,15 +343,16 @@ def _k_splits(tiles, K, block_k):
     return 1
 
 
-def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc):
+def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, alpha=1.0):
     """Split-K: ``splits`` equal K slices as one batched GEMM into an fp32 (fp64) scratch
-    (splits, M, N), then a deterministic sum over the slices into ``out`` (no atomics)."""
+    (splits, M, N), then a deterministic sum over the slices, times ``alpha``, into ``out`` (no
+    atomics)."""
     kc = K // splits
     scratch = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
     _launch(scratch, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (M * N, N, 1))
     dense = tuple(sc) == (N, 1) or (M == 1 and sc[1] == 1)
     target = out if dense else runtime.empty((M, N), out.dtype)
-    reduce_(target, scratch, 1, splits, M * N, (0, M * N, 1), SUM)
+    reduce_(target, scratch, 1, splits, M * N, (0, M * N, 1), SUM, scale=alpha)
     if not dense:
         copy_(out.as_strided((M, N), tuple(sc), out.storage_offset()), target)
 
@@ -350,26 +362,34 @@ def _or(t, default):
 
 
 class Fusion:
-    """Epilogue work fused into one GEMM launch (see ``_matmul_kernel``): ``bias`` (N,) and
-    ``act`` (an elementwise op code); ``pre_out`` receives acc + bias before the activation."""
+    """Epilogue work fused into one GEMM launch (see ``_matmul_kernel``):
+    ``C = act(alpha * A @ B + bias) + residual`` with ``bias`` (N,), ``act`` an elementwise op
+    code, ``residual`` a buffer with C's strides (C itself for an in-place accumulation);
+    ``pre_out`` receives ``alpha * A @ B + bias`` before the activation."""
 
-    __slots__ = ("bias", "bias_stride", "act", "pre_out")
+    __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "scale_only")
 
-    def __init__(self, bias=None, act=0, pre_out=None):
+    def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None):
         self.bias = bias
         self.bias_stride = bias.stride(0) if bias is not None else 0
         self.act = act
         self.pre_out = pre_out
+        self.alpha = float(alpha)
+        self.residual = residual
+        # only a scale: split-K can apply it in its reduction
+        self.scale_only = bias is None and act == 0 and pre_out is None and residual is None
 
 
 _NO_FUSION = Fusion()
 
 
-def matmul_(out, a, b):
-    """``out[..., M, N] = a[..., M, K] @ b[..., K, N]`` over torch buffers with any strides.
+def matmul_(out, a, b, alpha=1.0, residual=None):
+    """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ residual)`` over torch buffers
+    with any strides.
 
     ``a``, ``b`` and ``out`` have the same batch shape (broadcast batch dims are stride-0
     expanded views) and ``a`` and ``b`` the same dtype; ``out`` may be any float dtype.
+    ``residual`` (2-D problems only) has ``out``'s strides and may be ``out`` itself.
     Returns ``out``.
     """
     shape_a = a.shape
@@ -381,8 +401,11 @@ def matmul_(out, a, b):
         return fill_(out, 0.0)
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
-        _launch(out, a, b, M, N, K, (), st_a, st_b, st_c)
+        fusion = None if alpha == 1.0 and residual is None else Fusion(alpha=alpha, residual=residual)
+        _launch(out, a, b, M, N, K, (), st_a, st_b, st_c, fusion)
         return out
+    if alpha != 1.0 or residual is not None:
+        raise ValueError(f"matmul_: alpha and residual need a 2-D problem, got a of shape {tuple(shape_a)}")
     batch = list(shape_a[:-2])
     # B does not vary over the batch: fold the batch into M (one big GEMM, no batch index)
     if all(s == 0 or d == 1 for s, d in zip(st_b[:-2], batch)):

@@ -5,6 +5,6 @@ from ..ops.dropout import dropout  # noqa: F401
 from ..ops.elementwise import geglu, gelu, relu, sigmoid, silu, tanh  # noqa: F401
 from ..ops.index import embedding, gather, index_select  # noqa: F401
 from ..ops.loss import cross_entropy, huber_loss, l1_loss, log_softmax, mse_loss, smooth_l1_loss, softmax  # noqa: F401
-from ..ops.matmul import linear, matmul  # noqa: F401
+from ..ops.matmul import linear, lora_linear, matmul  # noqa: F401
 from ..ops.norm import group_norm, layer_norm, rms_norm  # noqa: F401
 from ..ops.shape import pad  # noqa: F401

@@ -30,7 +30,7 @@ from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
 from ..ops.conv import conv2d
 from ..ops.dropout import dropout as _dropout
-from ..ops.matmul import linear
+from ..ops.matmul import linear, lora_linear
 from ..tensor import Tensor
 from . import init
 from .layers import Conv2d, Linear
@@ -135,6 +135,14 @@ class LoRALinear(_LoRALayer):
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(f"LoRALinear: input of shape {x.shape} does not end in in_features={self.in_features}")
         return linear(x, self.weight, self.bias)
+
+    def forward(self, x):
+        if self.merged or not isinstance(x, Tensor):
+            return super().forward(x)
+        if x.ndim == 0 or x.shape[-1] != self.in_features:
+            raise RuntimeError(f"LoRALinear: input of shape {x.shape} does not end in in_features={self.in_features}")
+        h = _dropout(x, self.dropout, True) if self.dropout > 0 and self.training else None
+        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, lora_input=h)
 
     def _down(self, h):
         return linear(h, self.lora_A)

@@ -257,3 +257,109 @@ def linear(x, weight, bias=None, activation=None):
 def _apply_activation(y, activation):
     from . import elementwise as ew
     return y if activation is None else ew.gelu(y, "tanh") if activation == "gelu_tanh" else getattr(ew, activation)(y)
+
+
+# Y = X W^T + b + s * H B^T with H = X_l A^T, for X: (R, K), W: (N, K), A: (r, K), B: (N, r), X_l the
+# LoRA branch's input (X itself, or X after dropout); A and B (fp32 masters) are cast once to X's
+# dtype, A16 and B16. G = dL/dY: (R, N).
+#   dH  = s * G B16          (R, N) x (N, r)
+#   dB  = s * G^T H          (N, R) x (R, r), written in B's dtype
+#   dA  = dH^T X_l           (r, R) x (R, K), written in A's dtype
+#   dX  = G W  (+ dH A16 when X_l is X: accumulated in the same GEMM's epilogue)
+#   dX_l = dH A16            (when the branch has its own input)
+#   dW  = G^T X, db = sum_r G (only when the base layer trains)
+def _lora_linear_backward(node, g):
+    x2, xl2, w, h, a16, b16 = node.saved
+    need_x, need_w, need_b, need_a, need_lb, need_xl = node.needs_input_grad
+    s = node.attrs["scale"]
+    g2 = g._data.reshape(-1, g.shape[-1])
+    if g2.dtype != x2.dtype:
+        g2 = to(Tensor(g2), x2.dtype)._data
+    dx = dw = db = da = dlb = dxl = None
+    dh = runtime.empty(h.shape, h.dtype)
+    KM.matmul_(dh, g2, b16, alpha=s)
+    if need_lb:
+        dlb = runtime.empty(node.attrs["b_shape"], node.attrs["b_dtype"])
+        KM.matmul_(dlb, g2.t(), h, alpha=s)
+        dlb = Tensor(dlb)
+    if need_a:
+        da = runtime.empty(node.attrs["a_shape"], node.attrs["a_dtype"])
+        KM.matmul_(da, dh.t(), x2 if xl2 is None else xl2)
+        da = Tensor(da)
+    if need_x:
+        dxb = runtime.empty(x2.shape, x2.dtype)
+        KM.matmul_(dxb, g2, w)
+        if xl2 is None:
+            KM.matmul_(dxb, dh, a16, residual=dxb)
+        dx = Tensor(dxb.view(node.attrs["x_shape"]))
+    if need_xl and xl2 is not None:
+        dxlb = runtime.empty(xl2.shape, xl2.dtype)
+        KM.matmul_(dxlb, dh, a16)
+        dxl = Tensor(dxlb.view(node.attrs["x_shape"]))
+    if need_w:
+        dw = runtime.empty(w.shape, w.dtype)
+        KM.matmul_(dw, g2.t(), x2)
+        dw = Tensor(dw)
+    if need_b:
+        db = Tensor(KR.column_sum_(runtime.empty((g2.shape[1],), g2.dtype), g2))
+    return dx, dw, db, da, dlb, dxl
+
+
+def _as_rows(x):
+    x2 = _rows(x._data)
+    return x2 if x2 is not None else contiguous(x)._data.view(-1, x.shape[-1])
+
+
+def _cast_once(t, dtype):
+    """``t``'s buffer in ``dtype`` (one cast kernel, not recorded: the caller's backward routes
+    the gradient to ``t`` itself)."""
+    if t.dtype == dtype:
+        return t._data
+    out = runtime.empty(tuple(t.shape), dtype)
+    KE.copy_(out, t._data)
+    return out
+
+
+def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None):
+    """``x @ weight^T + bias + scale * (lora_input @ lora_a^T) @ lora_b^T`` as one op: a LoRA
+    adapter on a Linear layer, ``lora_input`` defaulting to ``x`` (pass the dropped-out ``x`` for
+    LoRA dropout). ``weight`` (N, K), ``bias`` (N,) or None, ``lora_a`` (r, K), ``lora_b`` (N, r);
+    the adapter weights (fp32 masters) are cast once to ``x``'s dtype and get gradients in their
+    own dtype. Three GEMM launches forward (the up-projection adds into the base output in its
+    epilogue), four or five backward, against about twice that for the composed ops."""
+    op = "lora_linear"
+    for name, t in (("input", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
+        check_tensor(t, name, op)
+    x, weight, bias = _autocast.lower(x, weight, bias)
+    if lora_input is not None:
+        check_tensor(lora_input, "lora_input", op)
+        (lora_input,) = _autocast.lower(lora_input)
+        if lora_input.shape != x.shape or lora_input.dtype != x.dtype:
+            raise ValueError(f"{op}: lora_input {lora_input.shape} {lora_input.dtype} must match input "
+                             f"{x.shape} {x.dtype}")
+    if not all(t.dtype.is_floating_point for t in (x, weight, lora_a, lora_b)):
+        raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
+                        f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
+    n_out, k = weight.shape if weight.ndim == 2 else (None, None)
+    if (weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != k or lora_a.ndim != 2 or lora_b.ndim != 2
+            or lora_a.shape[1] != k or lora_b.shape != (n_out, lora_a.shape[0])):
+        raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
+                         f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
+    weight, bias = cast_params(weight, bias, n_out, x.dtype, op, ValueError)
+    if x.numel() == 0 or k == 0 or lora_a.shape[0] == 0:  # degenerate: the composed ops handle the edge cases
+        branch = lora_input if lora_input is not None else x
+        return linear(x, weight, bias) + linear(linear(branch, lora_a), lora_b) * scale
+    x2 = _as_rows(x)
+    xl2 = None if lora_input is None else _as_rows(lora_input)
+    a16, b16 = _cast_once(lora_a, x.dtype), _cast_once(lora_b, x.dtype)
+    out = runtime.empty((x2.shape[0], n_out), x.dtype)
+    h = runtime.empty((x2.shape[0], lora_a.shape[0]), x.dtype)
+    KM.linear_(out, x2, weight._data, None if bias is None else bias._data)
+    KM.linear_(h, x2 if xl2 is None else xl2, a16)
+    KM.matmul_(out, h, b16.t(), alpha=float(scale), residual=out)
+    y = Tensor(out.view(x.shape[:-1] + (n_out,)))
+    if needs_grad(x, weight, bias, lora_a, lora_b, lora_input):
+        record(y, (x, weight, bias, lora_a, lora_b, lora_input), _lora_linear_backward,
+               saved=(x2, xl2, weight._data, h, a16, b16), scale=float(scale), x_shape=x.shape,
+               a_shape=tuple(lora_a.shape), a_dtype=lora_a.dtype, b_shape=tuple(lora_b.shape), b_dtype=lora_b.dtype)
+    return y
