@@ -102,6 +102,7 @@ class CapturedStep:
             with torch.cuda.graph(graph, pool=_shared_pool()):
                 outputs = self.fn(*call_args)
         except RuntimeError as e:
+            _reset_capture_state()
             raise RuntimeError(f"CapturedStep: capturing the step failed ({e}). A captured function must not "
                                "synchronize with the host (.item(), .numpy(), printing values) or copy host "
                                "data to the device; move that outside the step.") from e
@@ -111,6 +112,14 @@ class CapturedStep:
                                "(or run with enabled=False).")
         _check_outputs(outputs)
         return _Graph(graph, statics, outputs)
+
+
+def _reset_capture_state():
+    """A capture that fails midway leaves PyTorch's CUDA generator registered for capture (its
+    next random draw outside a graph raises "Offset increment outside graph capture"); one empty
+    capture, begun and ended cleanly, puts it back."""
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        pass
 
 
 def _check_outputs(out):

@@ -1,11 +1,12 @@
 """CapturedStep: the replayed step gives the eager step's results, per input signature."""
 import numpy as np
 import pytest
+import torch
 
 import flame
 from flame import nn
 from flame.graphs import CapturedStep
-from helpers import assert_close
+from helpers import DEVICE, assert_close
 
 
 def _model():
@@ -74,3 +75,5 @@ def test_capture_refuses_random_numbers_and_host_syncs():
     step(x)
     with pytest.raises(RuntimeError, match="synchronize with the host"):
         step(x)
+    # the failed capture leaves PyTorch's own CUDA random numbers usable
+    assert torch.randn(3, device=DEVICE).shape == (3,)
