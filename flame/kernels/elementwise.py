@@ -114,7 +114,8 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
     elif OP == GELU:
         return _gelu(a)
     elif OP == GELU_TANH:
-        return 0.5 * a * (1.0 + _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a)))
+        # 0.5 (1 + tanh(u)) = sigmoid(2 u): one exp and one division, no cancellation near 0
+        return a * _sigmoid(1.5957691216057308 * (a + 0.044715 * a * a * a))
     elif OP == ADD:
         return a + b
     elif OP == SUB:
@@ -179,10 +180,11 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
     elif OP == GELU_BWD:  # dx = g (Phi(x) + x phi(x))
         return a * _gelu_slope(b)
     elif OP == GELU_TANH_BWD:
-        # u = k (x + 0.044715 x^3), t = tanh(u): dx = g (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2))
-        t = _tanh(0.7978845608028654 * (b + 0.044715 * b * b * b))
+        # u = k (x + 0.044715 x^3), t = tanh(u): dx = g (0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 * 0.044715 x^2));
+        # with s = sigmoid(2 u) = 0.5 (1 + t), 1 - t^2 = 4 s (1 - s): dx = g s (1 + 2 x (1 - s) du)
+        sg = _sigmoid(1.5957691216057308 * (b + 0.044715 * b * b * b))
         du = 0.7978845608028654 * (1.0 + 0.134145 * b * b)
-        return a * (0.5 * (1.0 + t) + 0.5 * b * (1.0 - t * t) * du)
+        return a * sg * (1.0 + 2.0 * b * (1.0 - sg) * du)
     elif OP == CLAMP_BWD:  # operands (g, x), bounds (s0, s1): dx = g [lo <= x <= hi]
         return tl.where((b >= s0) & (b <= s1), a, 0.0)
     elif OP == DIV_BWD_B:  # y = p / q: dq = -g y / q   (operands g, y, q)
