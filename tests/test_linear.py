@@ -158,7 +158,12 @@ def test_lora_linear_matches_composed_torch(dtype, x_shape, bias, branch, train_
     g, tg = pair(tuple(ty.shape), dtype)
     grads = y.backward(g)
     ty.backward(tg)
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    if dtype != torch.float32:
+        tol = dict(rtol=2e-2, atol=2e-2)
+    elif flame.is_interpreter():
+        tol = dict(rtol=1e-4, atol=1e-4)
+    else:  # tf32 products in two chained GEMMs: inputs rounded to 10 mantissa bits, sums of 40 terms
+        tol = dict(rtol=1e-2, atol=0.15)
     assert_close(y, ty.detach(), dtype, **tol)
     checks = [(x, tx), (a, ta), (lb, tlb)] + ([(xl, txl)] if branch else [])
     if train_base:
