@@ -23,6 +23,7 @@ by stride), so a (B, L, H, D)-laid-out query gives a (B, L, H, D)-laid-out outpu
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -42,16 +43,22 @@ def _empty_like_order(buf, dtype=None):
     """An uninitialised dense buffer shaped like ``buf`` whose leading dims are laid out in
     ``buf``'s stride order (outermost = largest stride) and whose last (head) dim is innermost,
     as a permuted view of a contiguous allocation."""
-    shape, stride = buf.shape, buf.stride()
+    base_shape, inv = _layout(tuple(buf.shape), buf.stride())
+    base = runtime.empty(base_shape, dtype or buf.dtype)
+    return base if inv is None else base.permute(*inv)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(shape, stride):
+    """(allocation shape, permutation back to ``shape`` or None) for ``_empty_like_order``."""
     n = len(shape)
     order = sorted(range(n - 1), key=lambda i: (-stride[i], i)) + [n - 1]
     if order == list(range(n)):
-        return runtime.empty(tuple(shape), dtype or buf.dtype)
-    base = runtime.empty(tuple(shape[i] for i in order), dtype or buf.dtype)
+        return shape, None
     inv = [0] * n
     for pos, i in enumerate(order):
         inv[i] = pos
-    return base.permute(*inv)
+    return tuple(shape[i] for i in order), tuple(inv)
 
 
 def _bh_strides(buf):
