@@ -50,6 +50,7 @@ class Ctx:
     quick: bool
     warmup: int  # ms for do_bench; iterations for host timing
     rep: int
+    repeat: int = 1  # device-time measurements per side (median taken)
     interpreter: bool = flame.is_interpreter()
 
     def shape(self, full, quick_gpu, interp):
@@ -446,8 +447,13 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         f, t = time_host(case.flame, ctx, case.ops), time_host(case.torch, ctx, case.ops)
         row.update(unit="us/op", flame=f, torch=t)
     else:
-        f, t = time_device(case.flame, ctx), time_device(case.torch, ctx)
+        # --repeat: alternate flame and torch, keep the median of each side's medians (a transient
+        # slowdown of the shared host or card then moves neither side)
+        fs, ts = zip(*[(time_device(case.flame, ctx), time_device(case.torch, ctx)) for _ in range(ctx.repeat)])
+        f, t = statistics.median(fs), statistics.median(ts)
         row.update(unit="ms", flame=f, torch=t)
+        if ctx.repeat > 1:
+            row.update(flame_runs=list(fs), torch_runs=list(ts))
         if case.nbytes:
             row.update(bytes=case.nbytes, flame_gbps=case.nbytes / f / 1e6, torch_gbps=case.nbytes / t / 1e6)
         if case.flops:
@@ -518,6 +524,8 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="small shapes and few repetitions (smoke test)")
     p.add_argument("--warmup", type=int, default=None, help="do_bench warm-up in ms (default 25, quick 5)")
     p.add_argument("--rep", type=int, default=None, help="do_bench measurement time in ms (default 100, quick 20)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="time each device case this many times, alternating flame and torch; report the medians")
     p.add_argument("--list", action="store_true", help="list the families and exit")
     args = p.parse_args(argv)
     names = [n.strip() for spec in args.family for n in spec.split(",") if n.strip()] or list(FAMILIES)
@@ -538,7 +546,7 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if flame.is_interpreter() else torch.bfloat16)
     ctx = Ctx(dtype=dtype, quick=args.quick,
               warmup=args.warmup if args.warmup is not None else (5 if args.quick else 25),
-              rep=args.rep if args.rep is not None else (20 if args.quick else 100))
+              rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat))
     env = environment(argv)
     print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
           f"dtype {dtype}; {env['date']}")
