@@ -220,10 +220,9 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
                 recompute_scale_factor=None, antialias=False):
     """``torch.nn.functional.interpolate`` for ``mode="nearest"`` (or "nearest-exact", the same
     for these) with integer factors on (N, C, L) and (N, C, H, W) inputs: each input element is
-    repeated ``factor`` times per spatial dim. Built from views (a stride-0 expand over the
-    channels-last view, then one copy), so the backward sums each factor block; 4-D outputs are
-    channels-last. (Fusing the 2x upsample into the following conv's input indexing is the
-    faster path on the GPU: not done yet.)"""
+    repeated ``factor`` times per spatial dim. 4-D outputs are channels-last. One gather kernel
+    each way: the pool kernels with a (fh, fw) window, stride (fh, fw) and divisor 1 (see
+    ``_upsample_nearest_backward``)."""
     op = "interpolate"
     check_tensor(input, "input", op)
     if mode not in ("nearest", "nearest-exact"):
@@ -245,9 +244,33 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
         y = expand(reshape(xl, nb, spatial[0], 1, c), nb, spatial[0], f[0], c)
         return permute(reshape(y, nb, spatial[0] * f[0], c), 0, 2, 1)
     h, w = spatial
-    xl = permute(input, 0, 2, 3, 1)  # (N, H, W, C): a view, contiguous for channels-last input
-    y = expand(reshape(xl, nb, h, 1, w, 1, c), nb, h, f[0], w, f[1], c)
-    return permute(reshape(y, nb, h * f[0], w * f[1], c), 0, 3, 1, 2)
+    xb = input._data
+    out = _empty_nhwc((nb, c, h * f[0], w * f[1]), xb.dtype)
+    if out.numel():
+        KP.pool2d_backward_(out, xb, None, *_block_geometry(f), divisor=1)
+    y = Tensor(out)
+    if needs_grad(input):
+        record(y, (input,), _upsample_nearest_backward, x_shape=tuple(xb.shape), x_nhwc=_is_channels_last(xb),
+               factors=f)
+    return y
+
+
+def _block_geometry(f):
+    """(kernel, stride, padding, dilation) of non-overlapping (fh, fw) blocks."""
+    return tuple(f), tuple(f), (0, 0), (1, 1)
+
+
+# Y[oh, ow] = X[oh // fh, ow // fw] (nearest upsampling by integer factors), G = dL/dY:
+#   dX[ih, iw] = sum over the (fh, fw) block of G at (ih * fh, iw * fw)
+# which is sum pooling (average pooling with divisor 1) of G with window = stride = (fh, fw); and
+# the forward is that pool's backward: each Y position lies in exactly one window, so it gathers
+# X of its window with weight 1.
+def _upsample_nearest_backward(node, g):
+    a = node.attrs
+    dx = _empty_nhwc(a["x_shape"], g.dtype) if a["x_nhwc"] else runtime.empty(a["x_shape"], g.dtype)
+    if dx.numel():
+        KP.pool2d_forward_(dx, None, g._data, *_block_geometry(a["factors"]), divisor=1)
+    return Tensor(dx)
 
 
 def _pool_output_size(size, k, s, p, d, ceil_mode):
