@@ -188,9 +188,7 @@ def _config(M, N, K, dtype, batch=1):
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 4
-    bm = min(bm, max(16, _pow2(M)))
-    bn = min(bn, max(16, _pow2(N)))
-    bk = min(bk, max(16, _pow2(K)))
+    bm, bn, bk = _shrink_tiles(bm, bn, bk, M, N, K, 16)
     while batch * cdiv(M, bm) * cdiv(N, bn) < sms // 2 and max(bm, bn) > 64:
         if bm >= bn:
             bm //= 2
@@ -198,6 +196,12 @@ def _config(M, N, K, dtype, batch=1):
             bn //= 2
     default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return tune.config("matmul", (M, N, K, batch), dtype, default)
+
+
+def _shrink_tiles(bm, bn, bk, M, N, K, min_m):
+    """Tiles no larger than the problem rounded up to a power of two (at least ``min_m`` rows and
+    16 columns / reduction steps, tl.dot's minimum)."""
+    return min(bm, max(min_m, _pow2(M))), min(bn, max(16, _pow2(N))), min(bk, max(16, _pow2(K)))
 
 
 def _kernel_switches(dtype):
@@ -302,9 +306,7 @@ def _tma_config(M, N, K, dtype):
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
-    bm = min(bm, max(64, _pow2(M)))
-    bn = min(bn, max(16, _pow2(N)))
-    bk = min(bk, max(16, _pow2(K)))
+    bm, bn, bk = _shrink_tiles(bm, bn, bk, M, N, K, 64)
     default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return tune.config("matmul_tma", (M, N, K, 1), dtype, default)
 

@@ -199,18 +199,25 @@ def _linear_backward(node, g):
         gp = runtime.empty(g2.shape, g2.dtype)
         KE.map_(gp, [g2, pre], node.attrs["grad_op"])
         g2 = gp
-    dx = dw = db = None
+    dx = None
     if need_x:
         dx = runtime.empty(x2.shape, x2.dtype)
         KM.matmul_(dx, g2, w._data)
         dx = Tensor(dx.view(node.attrs["x_shape"]))
+    dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
+    return dx, dw, db
+
+
+def _weight_and_bias_grads(g2, x2, w, need_w, need_b):
+    """(dW = G^T X, db = sum_r G) of a linear layer, each None when not needed."""
+    dw = db = None
     if need_w:
         dw = runtime.empty(w.shape, w.dtype)
         KM.matmul_(dw, g2.t(), x2)
         dw = Tensor(dw)
     if need_b:
         db = Tensor(KR.column_sum_(runtime.empty((g2.shape[1],), g2.dtype), g2))
-    return dx, dw, db
+    return dw, db
 
 
 def linear(x, weight, bias=None, activation=None):
@@ -275,7 +282,7 @@ def _lora_linear_backward(node, g):
     g2 = g._data.reshape(-1, g.shape[-1])
     if g2.dtype != x2.dtype:
         g2 = to(Tensor(g2), x2.dtype)._data
-    dx = dw = db = da = dlb = dxl = None
+    dx = da = dlb = dxl = None
     dh = runtime.empty(h.shape, h.dtype)
     KM.matmul_(dh, g2, b16, alpha=s)
     if need_lb:
@@ -296,12 +303,7 @@ def _lora_linear_backward(node, g):
         dxlb = runtime.empty(xl2.shape, xl2.dtype)
         KM.matmul_(dxlb, dh, a16)
         dxl = Tensor(dxlb.view(node.attrs["x_shape"]))
-    if need_w:
-        dw = runtime.empty(w.shape, w.dtype)
-        KM.matmul_(dw, g2.t(), x2)
-        dw = Tensor(dw)
-    if need_b:
-        db = Tensor(KR.column_sum_(runtime.empty((g2.shape[1],), g2.dtype), g2))
+    dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
     return dx, dw, db, da, dlb, dxl
 
 
