@@ -53,6 +53,7 @@ from . import runtime
 FORMAT = 1
 
 _GEMM_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_ATTN_KEY = ("Lq", "Lk", "D", "BH")  # BH: batch x heads
 
 # kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
 KERNELS = {
@@ -62,6 +63,12 @@ KERNELS = {
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
     "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
     "conv2d_dgrad_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same, stride-1 input gradient
+    # kernels/attention.py _fwd_config: the flash-attention forward (BLOCK_D, SINGLE_KV derived)
+    "attention_fwd": (_ATTN_KEY, ("BLOCK_M", "BLOCK_N", "M_GROUP", "num_warps", "num_stages")),
+    # kernels/attention.py _bwd_config: the dK/dV program, the dQ program (*_DQ, *_dq; unused when
+    # dQ is fused into dK/dV for short K/V) and how many chunks split the query blocks
+    "attention_bwd": (_ATTN_KEY, ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ",
+                                  "num_warps_dq", "num_stages_dq", "CHUNKS")),
 }
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")

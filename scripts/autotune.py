@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 scripts/autotune.py                                # every family, SDXL shapes, bf16
     PYTHONPATH=. python3 scripts/autotune.py --family matmul --budget-minutes 9   # rerun to continue
+    PYTHONPATH=. python3 scripts/autotune.py --family attention --budget-minutes 9
     python scripts/autotune.py --quick --out /tmp/table.json                # tiny smoke test (CPU too)
 
 For each family, each shape of the shapes file (``configs/autotune/shapes/sdxl.yaml``) and the
@@ -11,18 +12,22 @@ no tf32). It first runs as it is, under ``flame.tune.record`` with the tables hi
 the heuristic default and tells which kernel of ``flame.tune.KERNELS`` runs (the last one the launch
 asks for: on Hopper a 16-bit GEMM asks "matmul", then runs "matmul_tma"), its shape key and its
 default config. Then each candidate of a pruned config space runs under ``flame.tune.override``:
-its output is checked against the reference first (a wrong one is rejected, reported and never
-written; one that fails to compile or to fit is skipped), then it is timed with
-``triton.testing.do_bench`` (median): a short screen of every candidate, then the fastest few and
-the default again with a longer one. The fastest of those goes into the GPU's table (format 1 of
-``configs/autotune/README.md``) with its time and the default's. The table is rewritten after
-every key, so a run stopped by ``--budget-minutes`` or killed keeps what it finished, and a rerun
-skips keys already in the table (``--force`` re-tunes them). Keys repeated across shapes and
-families are tuned once. A candidate with large tiles can make the pointer GEMM split K (few
-output tiles): the split launches use the candidate too while timing, not at run time.
+its outputs (poisoned with NaN first) are checked against the reference (a wrong one is rejected,
+reported and never written; one that fails to compile or to fit is skipped), then it is timed with
+``triton.testing.do_bench`` (median): a short screen of the default and every candidate, then the
+fastest few and the default again with a longer one. Some spaces come in stages, each built on
+the fastest config screened so far: attention's backward tunes its dK/dV program with the dQ
+program at its default, then the dQ program with the fastest dK/dV config. The fastest of the
+final timings goes into the GPU's table (format 1 of ``configs/autotune/README.md``) with its time
+and the default's. The table is rewritten after every key, so a run stopped by
+``--budget-minutes`` or killed keeps what it finished, and a rerun skips keys already in the table
+(``--force`` re-tunes them). Keys repeated across shapes and families are tuned once. A candidate
+with large tiles can make the pointer GEMM split K (few output tiles): the split launches use the
+candidate too while timing, not at run time.
 
 Adding a family: a function ``fn(ctx, shape) -> list[Problem]`` for one entry of a section of the
-shapes file, decorated with ``@family(name, section, fields)``.
+shapes file, decorated with ``@family(name, section, fields, flags)``; a kernel that is new to
+``flame.tune`` also needs its candidate space in ``search_stages``.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -45,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 # isort: off
 import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
 from flame import io, runtime, tune
+from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import matmul as KM
 import torch
@@ -63,13 +70,36 @@ SCREEN = dict(warmup=2, rep=10)  # do_bench ms for the first pass over every can
 FINAL = dict(warmup=10, rep=50)  # ... and for the finalists and the default
 FINALISTS = 3
 DEFAULT_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
-QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)]}
+QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
+                "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)]}  # the interpreter's long, short K/V
 
 # The GEMM config space: tile sides, BLOCK_K with the pipeline depths worth trying for it
 # (thinner K slices want deeper pipelines), warps by tile area. --quick: a few tiny tiles.
 TILES, K_STAGES = (64, 128, 256), {32: (4,), 64: (3, 4), 128: (2, 3)}
 QUICK_TILES, QUICK_K_STAGES = (16, 32), {16: (2,), 32: (2,)}
 MAX_TILE_AREA = 128 * 256  # 256 x 256 fp32 accumulators do not fit in registers
+
+# The attention config spaces, field -> values (from the H200 sweep of scratch_gpu/probe_attn.py):
+# the forward on long K/V ("fwd") and on short K/V ("fwd_short": every key in one block of the
+# padded Lk, M_GROUP query blocks per program); the backward's dK/dV program ("kv"; tuned with
+# the dQ fields at the default), then its dQ program ("dq", with the fastest dK/dV config), or on
+# short K/V the fused program ("kv_short") with CHUNKS from PROGRAMS_PER_SM: about that many
+# programs per SM over the query chunks. --quick: a few tiny blocks.
+ATTN_SPACE = dict(
+    fwd=dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64, 128), M_GROUP=(1,), num_warps=(4, 8), num_stages=(1, 2, 3, 4)),
+    fwd_short=dict(BLOCK_M=(64, 128), M_GROUP=(1, 2, 4), num_warps=(4, 8), num_stages=(1, 2)),
+    kv=dict(BLOCK_M=(32, 64, 128), BLOCK_N=(64, 128), num_warps=(4, 8), num_stages=(1, 2, 3)),
+    dq=dict(BLOCK_M_DQ=(64, 128), BLOCK_N_DQ=(32, 64), num_warps_dq=(4, 8), num_stages_dq=(2, 3)),
+    kv_short=dict(BLOCK_M=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2), PROGRAMS_PER_SM=(1, 2, 4, 8)),
+)
+QUICK_ATTN_SPACE = dict(
+    fwd=dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), M_GROUP=(1,), num_warps=(4,), num_stages=(1,)),
+    fwd_short=dict(BLOCK_M=(16,), M_GROUP=(1, 2), num_warps=(4,), num_stages=(1,)),
+    kv=dict(BLOCK_M=(16, 32), BLOCK_N=(16,), num_warps=(4,), num_stages=(1,)),
+    dq=dict(BLOCK_M_DQ=(16, 32), BLOCK_N_DQ=(16,), num_warps_dq=(4,), num_stages_dq=(1,)),
+    kv_short=dict(BLOCK_M=(16,), num_warps=(4,), num_stages=(1,), PROGRAMS_PER_SM=(1, 4)),
+)
+MAX_ATTN_BWD_AREA = 128 * 64  # dK/dV tiles of 128 x 128 spill registers (the sweep skipped them)
 
 # Errors after which the CUDA context is unusable: the run stops rather than skip every later candidate.
 CONTEXT_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction")
@@ -111,19 +141,92 @@ class Ctx:
                     space.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **group, num_warps=w, num_stages=stages))
         return space
 
+    def attention_fwd_space(self, lq, lk, d, bh):
+        """Candidate attention_fwd configs at key (Lq, Lk, D, B*H) that fit in shared memory: the
+        query tile, the K and V blocks of every pipeline stage and the probabilities P."""
+        space, es, bd = self._attn_space(), self.dtype.itemsize, max(16, triton.next_power_of_2(d))
+        if KA.short_kv(lk, d, es):  # K/V loaded once, query tiles pipelined
+            bn = max(16, triton.next_power_of_2(lk))
+            configs = _product(_fitted(space["fwd_short"], BLOCK_M=lq), dict(BLOCK_N=bn))
+            return [c for c in configs if self._fits(2 * bn, c["num_stages"] * c["BLOCK_M"], c["BLOCK_M"] * bn, bd)]
+        configs = _product(_fitted(space["fwd"], BLOCK_M=lq, BLOCK_N=lk))
+        return [c for c in configs if self._fits(c["BLOCK_M"], c["num_stages"] * 2 * c["BLOCK_N"],
+                                                 c["BLOCK_M"] * c["BLOCK_N"], bd)]
+
+    def attention_bwd_stages(self, lq, lk, d, bh):
+        """The candidate attention_bwd configs at key (Lq, Lk, D, B*H) as ``tune_launch`` stages:
+        on long K/V the dK/dV program's (K and V resident, Q and dO tiles pipelined), then the dQ
+        program's (Q and dO resident, K and V pipelined) over the fastest so far; on short K/V the
+        fused program's block, warps, stages and query chunks."""
+        space, es, bd = self._attn_space(), self.dtype.itemsize, max(16, triton.next_power_of_2(d))
+
+        def kv_fits(c, bn):
+            return self._fits(2 * bn, c["num_stages"] * 2 * c["BLOCK_M"], 2 * c["BLOCK_M"] * bn, bd)
+
+        if KA.short_kv(lk, d, es):
+            bn = max(16, triton.next_power_of_2(lk))
+            choices = _fitted(space["kv_short"], BLOCK_M=lq)
+            per_sm = choices.pop("PROGRAMS_PER_SM")
+
+            def fused(best):
+                configs = []
+                for bm in choices["BLOCK_M"]:
+                    nm = -(-lq // bm)
+                    chunks = sorted({max(1, min(nm, p * runtime.num_sms() // bh)) for p in per_sm})
+                    configs += _product(dict(choices, BLOCK_M=(bm,), CHUNKS=chunks), dict(best, BLOCK_N=bn))
+                return [c for c in configs if kv_fits(c, bn)]
+
+            return [fused]
+
+        def dkdv(best):
+            return [c for c in _product(_fitted(space["kv"], BLOCK_M=lq, BLOCK_N=lk), dict(best, CHUNKS=1))
+                    if c["BLOCK_M"] * c["BLOCK_N"] <= MAX_ATTN_BWD_AREA and kv_fits(c, c["BLOCK_N"])]
+
+        def dq(best):
+            return [c for c in _product(_fitted(space["dq"], BLOCK_M_DQ=lq, BLOCK_N_DQ=lk), best)
+                    if self._fits(2 * c["BLOCK_M_DQ"], c["num_stages_dq"] * 2 * c["BLOCK_N_DQ"],
+                                  c["BLOCK_M_DQ"] * c["BLOCK_N_DQ"], bd)]
+
+        return [dkdv, dq]
+
+    def _attn_space(self):
+        return QUICK_ATTN_SPACE if self.quick else ATTN_SPACE
+
+    def _fits(self, resident_rows, streamed_rows, scratch, bd):
+        """Whether rows of the head dim (``bd`` wide) held for the whole program, rows loaded per
+        pipeline stage and ``scratch`` elements (score tiles as dot operands) fit in shared memory."""
+        return self.smem is None or ((resident_rows + streamed_rows) * bd + scratch) * self.dtype.itemsize <= self.smem
+
 
 def _fit(block, dim):
     return min(block, max(16, triton.next_power_of_2(dim)))
 
 
+def _fitted(choices, **dims):
+    """``choices`` with the block sizes of the fields named in ``dims`` cut to those dimensions."""
+    return dict(choices, **{f: tuple(sorted({_fit(b, dim) for b in choices[f]})) for f, dim in dims.items()})
+
+
+def _product(choices, base=None):
+    """Every combination of ``choices`` (field -> values) over the config ``base``, without repeats."""
+    configs = []
+    for values in itertools.product(*choices.values()):
+        cfg = dict(base or {}, **dict(zip(choices, values)))
+        if cfg not in configs:
+            configs.append(cfg)
+    return configs
+
+
 @dataclasses.dataclass
 class Bench:
-    """One problem's buffers: ``run()`` launches the kernel writing ``out``; ``want`` is the
-    PyTorch reference (fp32)."""
+    """One problem's buffers: ``run()`` launches the kernel writing ``out`` (a tensor or a tuple
+    of them); ``want`` is the PyTorch reference (fp32, the same structure); ``slack`` scales the
+    check's tolerance (``CHECK_TOL``) for outputs rounded more than once."""
 
     run: Callable[[], object]
-    out: torch.Tensor
-    want: torch.Tensor
+    out: torch.Tensor | tuple
+    want: torch.Tensor | tuple
+    slack: float = 1.0
 
 
 @dataclasses.dataclass
@@ -134,14 +237,19 @@ class Problem:
     build: Callable[[], Bench]
 
 
-def candidates(ctx: Ctx, kernel: str, key: tuple) -> list:
-    """The configs to try for ``kernel`` at shape ``key``: the GEMM space over (M, N, K) =
-    ``key[:3]`` for the tile-loop kernels (every kernel of flame.tune today)."""
+def search_stages(ctx: Ctx, kernel: str, key: tuple) -> list:
+    """The configs to try for ``kernel`` at shape ``key``, in stages: each a function from the
+    fastest config found so far (at first the heuristic default) to the configs to try next. The
+    tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]``, one stage; attention: its own."""
+    if kernel == "attention_fwd":
+        return [lambda best: ctx.attention_fwd_space(*key)]
+    if kernel == "attention_bwd":
+        return ctx.attention_bwd_stages(*key)
     fields = tune.KERNELS[kernel][1]
     if not set(fields) <= {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}:
         raise Fatal(f"no candidate space for kernel {kernel!r} (config fields {list(fields)}): "
-                    "add one to scripts/autotune.py candidates()")
-    return ctx.gemm_space(*key[:3], group_m="GROUP_M" in fields)
+                    "add one to scripts/autotune.py search_stages()")
+    return [lambda best: ctx.gemm_space(*key[:3], group_m="GROUP_M" in fields)]
 
 
 @dataclasses.dataclass
@@ -150,19 +258,21 @@ class Family:
     section: str
     fields: tuple
     description: str
+    flags: tuple = ()  # fields that are 0 or 1 (the others are positive)
 
 
 FAMILIES: dict[str, Family] = {}
 
 
-def family(name: str, section: str, fields: tuple):
+def family(name: str, section: str, fields: tuple, flags: tuple = ()):
     """Register ``fn(ctx, shape) -> list[Problem]`` as family ``name``, fed with each entry of the
-    shapes file's ``section`` (a tuple of ints named ``fields``)."""
+    shapes file's ``section`` (a tuple of ints named ``fields``; those named in ``flags`` 0 or 1,
+    the others positive)."""
 
     def deco(fn):
         if name in FAMILIES:
             raise ValueError(f"autotune family {name!r} registered twice")
-        FAMILIES[name] = Family(fn, section, tuple(fields), (fn.__doc__ or "").strip().split("\n")[0])
+        FAMILIES[name] = Family(fn, section, tuple(fields), (fn.__doc__ or "").strip().split("\n")[0], tuple(flags))
         return fn
 
     return deco
@@ -235,18 +345,88 @@ def conv2d_dgrad_family(ctx: Ctx, shape) -> list[Problem]:
     return [Problem(_conv_name(shape, "dgrad"), build)]
 
 
+# The bf16 attention outputs are rounded twice (P or dS to the dot's input type, then the result):
+# an emulation of the kernels' roundings at SDXL sizes gives max errors of ~0.4% of the reference's
+# largest magnitude, too close to CHECK_TOL for a check that must never reject the heuristic.
+ATTN_SLACK = 2.0
+
+
+@family("attention", "attention", ("B", "H", "Lq", "Lk", "D", "causal"), flags=("causal",))
+def attention_family(ctx: Ctx, shape) -> list[Problem]:
+    """flash attention's forward (kernel attention_fwd) and backward (attention_bwd), (B, L, H, D) inputs"""
+    nb, h, lq, lk, d, causal = shape
+    scale = d ** -0.5
+
+    def heads(length):  # as diffusers makes q/k/v (and flame its outputs): (B, L, H, D) viewed as (B, H, L, D)
+        return ctx.randn(nb, length, h, d).permute(0, 2, 1, 3)
+
+    def fwd_args(q, k, v, o, lse):
+        return q, k, v, o, lse, _bh(q), _bh(k), _bh(v), _bh(o)
+
+    def inputs():
+        q, k, v = heads(lq), heads(lk), heads(lk)
+        o = ctx.empty(nb, lq, h, d).permute(0, 2, 1, 3)
+        lse = torch.empty(nb * h, lq, device=runtime.device, dtype=KA.stats_dtype(ctx.dtype))
+        return q, k, v, o, lse
+
+    def forward():
+        q, k, v, o, lse = inputs()
+        want_o, want_lse = _attention_reference(q, k, v, causal, scale)
+        return Bench(lambda: KA.attention_fwd(*fwd_args(q, k, v, o, lse), nb, h, lq, lk, d, scale, causal),
+                     (o, lse), (want_o, want_lse), ATTN_SLACK)
+
+    def backward():  # from flame's forward (heuristic config): O and the log-sum-exp it saves
+        q, k, v, o, lse = inputs()
+        KA.attention_fwd(*fwd_args(q, k, v, o, lse), nb, h, lq, lk, d, scale, causal)
+        do = heads(lq)
+        grads = tuple(ctx.empty(nb, n, h, d).permute(0, 2, 1, 3) for n in (lq, lk, lk))
+        want = _attention_reference(q, k, v, causal, scale, do)
+
+        def run():
+            KA.attention_bwd(q, k, v, o, do, lse, *grads, _bh(q), _bh(k), _bh(v), _bh(o), _bh(do),
+                             *(_bh(g) for g in grads), nb, h, lq, lk, d, scale, causal)
+
+        return Bench(run, grads, want, ATTN_SLACK)
+
+    name = f"attention B{nb} H{h} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
+    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
+
+
+def _bh(t):
+    """(batch, head, row) strides of a (B, H, L, D) view."""
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _attention_reference(q, k, v, causal, scale, do=None):
+    """fp32 PyTorch attention (top-left causal mask): (O, base-2 log-sum-exp as (B*H, Lq)), or
+    with ``do`` the gradients (dQ, dK, dV)."""
+    q, k, v = (t.float().requires_grad_(do is not None) for t in (q, k, v))
+    with torch.set_grad_enabled(do is not None):
+        s = (q @ k.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -math.inf)
+        o = torch.softmax(s, -1) @ v
+        if do is not None:
+            return torch.autograd.grad(o, (q, k, v), do.float())
+    return o, torch.logsumexp(s, -1).flatten(0, 1) / math.log(2)
+
+
 # ---- measuring ---------------------------------------------------------------------------------
 
 def check(bench: Bench, dtype) -> str | None:
-    """None when a launch into the poisoned (NaN) output matches the reference, else why not."""
-    bench.out.fill_(math.nan)
+    """None when a launch into the poisoned (NaN) outputs matches the reference, else why not."""
+    outs, wants = (bench.out, bench.want) if isinstance(bench.out, tuple) else ((bench.out,), (bench.want,))
+    for out in outs:
+        out.fill_(math.nan)
     bench.run()
-    got, want = bench.out.float(), bench.want
-    err = float((got - want).abs().max())
-    scale = float(want.abs().max())
-    tol = CHECK_TOL[dtype] * max(scale, 1e-6)
-    if not err <= tol:  # NaN: an output element was never written
-        return f"max |error| {err:.3g} > {tol:.3g} ({CHECK_TOL[dtype]} x max |reference| {scale:.3g})"
+    rel = CHECK_TOL[dtype] * bench.slack
+    for i, (out, want) in enumerate(zip(outs, wants)):
+        err = float((out.float() - want).abs().max())
+        scale = float(want.abs().max())
+        tol = rel * max(scale, 1e-6)
+        if not err <= tol:  # NaN: an output element was never written
+            which = f"output {i}: " if len(outs) > 1 else ""
+            return f"{which}max |error| {err:.3g} > {tol:.3g} ({rel:.3g} x max |reference| {scale:.3g})"
     return None
 
 
@@ -306,37 +486,22 @@ def _timed(kernel, cfg, bench, timing):
 
 
 def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: float) -> Outcome | None:
-    """Check and time every candidate config of ``launch`` and its default; None when the budget
-    ran out first."""
+    """Check and time every candidate config of ``launch`` (stage by stage, each stage built on
+    the fastest config screened so far) and its default; None when the budget ran out first."""
     out = Outcome(name, launch)
-    screened = []
-    for cfg in candidates(ctx, launch.kernel, launch.key):
-        if cfg == launch.default:
-            continue
-        if _clock() > deadline:
-            return None
-        try:
-            with tune.override(launch.kernel, cfg) as active:
-                problem = check(bench, ctx.dtype)
-                if not active.served:
-                    raise NotTunable(
-                        f"{name}: the launch never asked flame.tune for its {launch.kernel} config under "
-                        "tune.override (is the launcher's own config cache registered with tune.register_cache?)")
-                ms = None if problem else time_ms(bench.run, **SCREEN)
-        except NotTunable:
-            raise
-        except Exception as e:  # compile failure, out of resources: not a candidate on this GPU
-            why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            if any(sign in str(e) for sign in CONTEXT_LOST):
-                raise Fatal(f"{name}: {launch.kernel} config {cfg} broke the CUDA context ({why}): fix the kernel "
-                            "for that config, then rerun (the keys finished so far are kept)") from e
-            out.skipped.append((cfg, why))
-            continue
-        if problem:
-            out.rejected.append((cfg, problem))
-        else:
-            screened.append((ms, cfg))
-    finalists = [cfg for _, cfg in sorted(screened, key=lambda t: t[0])[:FINALISTS]]
+    screened = [(_timed(launch.kernel, None, bench, SCREEN), launch.default)]  # probe() checked it
+    tried = [launch.default]
+    for stage in search_stages(ctx, launch.kernel, launch.key):
+        for cfg in stage(min(screened, key=lambda t: t[0])[1]):
+            if cfg in tried:
+                continue
+            tried.append(cfg)
+            if _clock() > deadline:
+                return None
+            ms = _screen(name, bench, launch, cfg, ctx, out)
+            if ms is not None:
+                screened.append((ms, cfg))
+    finalists = [cfg for _, cfg in sorted(screened, key=lambda t: t[0]) if cfg != launch.default][:FINALISTS]
     default_ms = _timed(launch.kernel, None, bench, FINAL)
     best_ms, best = default_ms, launch.default
     for cfg in finalists:
@@ -345,6 +510,31 @@ def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: flo
             best_ms, best = ms, cfg
     out.entry = dict(key=list(launch.key), config=best, ms=_round(best_ms), default_ms=_round(default_ms))
     return out
+
+
+def _screen(name, bench, launch, cfg, ctx, out):
+    """``cfg``'s screening time; None when it gives a wrong answer (listed in ``out.rejected``) or
+    fails to compile or fit (``out.skipped``)."""
+    try:
+        with tune.override(launch.kernel, cfg) as active:
+            problem = check(bench, ctx.dtype)
+            if not active.served:
+                raise NotTunable(
+                    f"{name}: the launch never asked flame.tune for its {launch.kernel} config under "
+                    "tune.override (is the launcher's own config cache registered with tune.register_cache?)")
+            ms = None if problem else time_ms(bench.run, **SCREEN)
+    except NotTunable:
+        raise
+    except Exception as e:  # compile failure, out of resources: not a candidate on this GPU
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        if any(sign in str(e) for sign in CONTEXT_LOST):
+            raise Fatal(f"{name}: {launch.kernel} config {cfg} broke the CUDA context ({why}): fix the kernel "
+                        "for that config, then rerun (the keys finished so far are kept)") from e
+        out.skipped.append((cfg, why))
+        return None
+    if problem:
+        out.rejected.append((cfg, problem))
+    return ms
 
 
 def _round(ms):
@@ -441,8 +631,14 @@ def enumerate_problems(families, shapes, ctx):
 
 
 def _cfg_str(cfg):
-    s = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
-    return s + (f" g{cfg['GROUP_M']}" if "GROUP_M" in cfg else "")
+    """``128x64x32 w4 s3 g8``: blocks, warps, stages, then group or chunk counts; a second
+    program's fields (suffix ``_DQ``/``_dq``) after ``dq``."""
+    dq = {k[:-3]: v for k, v in cfg.items() if k.lower().endswith("_dq")}
+    own = {k: v for k, v in cfg.items() if not k.lower().endswith("_dq")}
+    blocks = "x".join(str(own[b]) for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if b in own)
+    s = f"{blocks} w{own['num_warps']} s{own['num_stages']}"
+    s += "".join(f" {a}{own[k]}" for k, a in (("GROUP_M", "g"), ("M_GROUP", "g"), ("CHUNKS", "c")) if k in own)
+    return s + (f" dq {_cfg_str(dq)}" if dq else "")
 
 
 def print_summary(outcomes):
@@ -488,19 +684,23 @@ def load_shapes(path: Path, families, error) -> dict:
     except (OSError, yaml.YAMLError) as e:
         error(f"--shapes {path}: cannot read it ({e})")
     fields = {f.section: f.fields for f in FAMILIES.values()}
+    flags = {f.section: f.flags for f in FAMILIES.values()}
     if not isinstance(doc, dict):
         error(f"--shapes {path}: expected sections {sorted(fields)} of shape lists, got {type(doc).__name__}")
     shapes = {}
     for section, rows in doc.items():
         if section not in fields:
             error(f"--shapes {path}: unknown section {section!r} (known: {', '.join(sorted(fields))})")
-        want = fields[section]
+        want, flag = fields[section], flags[section]
         if not isinstance(rows, list):
             error(f"--shapes {path}: section {section!r} must be a list of {list(want)} lists")
+        what = f"integers {list(want)} ({', '.join(flag)} 0 or 1, the others positive)" if flag else \
+            f"positive integers {list(want)}"
         for i, row in enumerate(rows):
-            if not (isinstance(row, list) and len(row) == len(want)
-                    and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row)):
-                error(f"--shapes {path}: {section}[{i}] = {row!r} is not {len(want)} positive integers {list(want)}")
+            if not (isinstance(row, list) and len(row) == len(want) and all(
+                    isinstance(v, int) and not isinstance(v, bool) and (v in (0, 1) if f in flag else v > 0)
+                    for f, v in zip(want, row))):
+                error(f"--shapes {path}: {section}[{i}] = {row!r} is not {len(want)} {what}")
         shapes[section] = [tuple(r) for r in rows]
     if not any(FAMILIES[f].section in shapes for f in families):
         error(f"--shapes {path}: no shapes for the families {', '.join(families)} "

@@ -439,13 +439,15 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 src = open(sys.argv[1]).read()
-src = src.replace("from .. import runtime", "import types\nruntime = types.SimpleNamespace(INTERPRETER=False)")
+src = src.replace("from .. import runtime, tune", "import types\n"
+                  "runtime = types.SimpleNamespace(INTERPRETER=False, num_sms=lambda: 132)\n"
+                  "tune = types.SimpleNamespace(config=lambda kernel, key, dtype, default: default, "
+                  "register_cache=lambda clear: clear)")
 src = src.replace("from .launch import launch", "launch = None")
 path = os.path.join(sys.argv[2], "attn_sm90.py")
 open(path, "w").write(src)
 sys.path.insert(0, sys.argv[2])
 import attn_sm90 as A
-A._SMS = 132
 
 def build(kernel, ptrs, consts, meta):
     consts = {**consts, **{k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}}
@@ -461,8 +463,8 @@ for dt, D, Lk, causal, kind in (("bf16", 64, 4096, False, 0), ("bf16", 64, 77, F
     acc = dict(ACC=tl.float32, PRECISION="tf32", UPCAST=False, WIDE=False, HEAD_DIM=D, CAUSAL=causal, MASK_KIND=kind)
     m = "u8" if kind == 2 else dt
     build(A._attn_fwd_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, o_ptr=dt, lse_ptr="fp32", mask_ptr=m), acc,
-          A._fwd_config(4096, Lk, D, 10, 2))
-    kv, dq, _ = A._bwd_config(4096, Lk, D, 10, 2)
+          A._fwd_config(4096, Lk, D, 10, A.torch.bfloat16))
+    kv, dq, _ = A._bwd_config(4096, Lk, D, 10, A.torch.bfloat16)
     part = "fp32" if dq is None else dt
     build(A._attn_bwd_dkdv_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, do_ptr=dt, lse_ptr="fp32", delta_ptr="fp32",
           dk_ptr=part, dv_ptr=part, dq_ptr=dt, mask_ptr=m), dict(acc, FUSED_DQ=dq is None, KEY_BOUND=dq is None), kv)

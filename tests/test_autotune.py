@@ -1,5 +1,6 @@
-"""scripts/autotune.py through the interpreter: --quick tables that flame.tune loads, resume and
---force, the candidate check, the budget stop and the command line's errors."""
+"""scripts/autotune.py through the interpreter: --quick tables that flame.tune loads (GEMM, conv and
+attention families), resume and --force, the candidate check, the budget stop and the command
+line's errors."""
 import dataclasses
 import importlib.util
 import json
@@ -12,6 +13,7 @@ import torch
 import triton
 
 from flame import runtime, tune
+from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import matmul as KM
 
@@ -21,6 +23,9 @@ GPU = runtime.device_name()  # the name --quick tables carry here ("cpu-interpre
 MM_KEYS = {(24, 40, 16, 1), (24, 16, 40, 1), (40, 16, 24, 1)}
 CONV_KEYS = {(30, 12, 8, 9), (12, 8, 8, 9)}
 BAD = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=2)  # a --quick candidate
+# --quick's attention shapes: 24 queries over 136 keys (the loop over key blocks and a dQ program)
+# and, causal, over 9 keys (K/V in one block, dQ fused); 2 heads of dimension 16
+ATTN_KEYS = {(24, 136, 16, 2), (24, 9, 16, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -54,18 +59,18 @@ def _bad_active():
     return tune.config("matmul", (1, 1, 1, 1), "float32", dict(BAD, BLOCK_M=1)) == BAD
 
 
-def _wrap_builds(monkeypatch, autotune, wrap):
-    """The matmul family, each problem's ``build`` replaced by ``wrap(problem, build)``."""
-    fam = autotune.FAMILIES["matmul"]
+def _wrap_builds(monkeypatch, autotune, wrap, family="matmul"):
+    """The family, each problem's ``build`` replaced by ``wrap(problem, build)``."""
+    fam = autotune.FAMILIES[family]
 
     def fn(ctx, shape):
         return [dataclasses.replace(p, build=wrap(p, p.build)) for p in fam.fn(ctx, shape)]
 
-    monkeypatch.setitem(autotune.FAMILIES, "matmul", dataclasses.replace(fam, fn=fn))
+    monkeypatch.setitem(autotune.FAMILIES, family, dataclasses.replace(fam, fn=fn))
 
 
-def _after_each_run(monkeypatch, autotune, after):
-    """The matmul family with ``after(bench)`` called after every launch of its problems."""
+def _after_each_run(monkeypatch, autotune, after, family="matmul"):
+    """The family with ``after(bench)`` called after every launch of its problems."""
     def wrap(p, build):
         def wrapped():
             bench = build()
@@ -77,7 +82,7 @@ def _after_each_run(monkeypatch, autotune, after):
             return dataclasses.replace(bench, run=run)
         return wrapped
 
-    _wrap_builds(monkeypatch, autotune, wrap)
+    _wrap_builds(monkeypatch, autotune, wrap, family)
 
 
 def test_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
@@ -117,6 +122,94 @@ def test_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatc
                     assert tune.config(kernel, tuple(e["key"]), torch.bfloat16, fields, device_name=GPU) == e["config"]
     finally:
         tune.reset()
+
+
+def test_attention_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    launched = []
+    real_launch = KA.launch
+
+    def spy(kernel, grid, *args, **meta):
+        launched.append((kernel.fn.__name__, grid, meta.get("BLOCK_M"), meta.get("BLOCK_N")))
+        return real_launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(KA, "launch", spy)
+    out = tmp_path / f"{tune.slug(GPU)}.json"
+    assert autotune.main(["--quick", "--family", "attention", "--out", str(out)]) == 0
+    doc = _load(out)
+    assert set(doc["entries"]) == {"attention_fwd", "attention_bwd"}
+    assert _keys(doc, "attention_fwd") == ATTN_KEYS and _keys(doc, "attention_bwd") == ATTN_KEYS
+    for kernel in ("attention_fwd", "attention_bwd"):
+        for e in doc["entries"][kernel]["bfloat16"]:
+            assert 0 < e["ms"] <= e["default_ms"], e
+    text = capsys.readouterr().out
+    assert "attention B1 H2 Lq24 Lk9 D16 causal bwd" in text and "candidates rejected (wrong output): 0" in text
+    # the candidates really ran: every forward tile of the loop path, both stages of the backward
+    # (the dQ program's blocks too), the fused path's query chunks, M_GROUP query blocks per program
+    ctx = autotune.Ctx(torch.bfloat16, quick=True, smem=None)
+    fwd_tiles = {(c["BLOCK_M"], c["BLOCK_N"]) for c in ctx.attention_fwd_space(24, 136, 16, 2)}
+    assert len(fwd_tiles) == 4 and fwd_tiles <= {(m, n) for k, _, m, n in launched if k == "_attn_fwd_kernel"}
+    dq_blocks = {(m, n) for k, _, m, n in launched if k == "_attn_bwd_dq_kernel"}
+    assert {(16, 16), (32, 16)} <= dq_blocks
+    assert {g[2] for k, g, _, _ in launched if k == "_attn_bwd_dkdv_kernel"} == {1, 2}  # query chunks
+    assert (1, 2) in {g for k, g, _, _ in launched if k == "_attn_fwd_kernel"}  # 2 query blocks per program
+
+    # flame.tune reads the table as it would on that GPU, without a warning
+    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
+    tune.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tune.TuningTableWarning)
+            for kernel, heuristic in (("attention_fwd", KA._fwd_heuristic), ("attention_bwd", KA._bwd_heuristic)):
+                for e in doc["entries"][kernel]["bfloat16"]:
+                    default = heuristic(*e["key"][:2], 16, e["key"][3], 2, False)
+                    assert tune.config(kernel, tuple(e["key"]), "bfloat16", default, device_name=GPU) == e["config"]
+    finally:
+        tune.reset()
+
+
+def test_a_wrong_attention_candidate_is_rejected(autotune, tmp_path, monkeypatch, capsys):
+    bad_fwd = dict(BLOCK_M=16, BLOCK_N=16, M_GROUP=1, num_warps=4, num_stages=1)  # --quick candidates
+    bad_dq = dict(BLOCK_M_DQ=16, BLOCK_N_DQ=16, num_warps_dq=4, num_stages_dq=1)
+
+    def active(kernel, bad):
+        fields = tune.KERNELS[kernel][1]
+        cfg = tune.config(kernel, (1, 1, 1, 1), "float32", dict.fromkeys(fields, 1))
+        return all(cfg[f] == v for f, v in bad.items())
+
+    def corrupt(bench):  # the "kernel bugs": the forward's output is off, the backward leaves dV unwritten
+        if len(bench.out) == 2 and active("attention_fwd", bad_fwd):  # (O, lse)
+            bench.out[0].add_(0.5)
+        if len(bench.out) == 3 and active("attention_bwd", bad_dq):  # (dQ, dK, dV)
+            bench.out[2].fill_(float("nan"))
+
+    _after_each_run(monkeypatch, autotune, corrupt, "attention")
+    real_time = autotune.time_ms  # ... and they would be the fastest, were they not rejected
+    monkeypatch.setattr(autotune, "time_ms", lambda fn, **kw: 1e-6 if active("attention_fwd", bad_fwd)
+                        or active("attention_bwd", bad_dq) else real_time(fn, **kw))
+    shapes = tmp_path / "s.yaml"
+    shapes.write_text("attention: [[1, 2, 24, 136, 16, 0]]\n")
+    out = tmp_path / "t.json"
+    assert autotune.main(["--quick", "--shapes", str(shapes), "--family", "attention", "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    assert text.count("REJECTED attention_fwd") == 1 and repr(bad_fwd) in text, text
+    assert text.count("REJECTED attention_bwd") == 1 and "output 2: max |error| nan" in text, text
+    assert "candidates rejected (wrong output): 2" in text
+    doc = _load(out)
+    (fwd,), (bwd,) = doc["entries"]["attention_fwd"]["bfloat16"], doc["entries"]["attention_bwd"]["bfloat16"]
+    assert fwd["config"] != bad_fwd and not all(bwd["config"][f] == v for f, v in bad_dq.items())
+    assert min(fwd["ms"], bwd["ms"]) > 1e-3
+
+
+def test_the_sdxl_shapes_file_has_every_section(autotune):
+    def error(msg):
+        raise AssertionError(msg)
+
+    shapes = autotune.load_shapes(autotune.DEFAULT_SHAPES, list(autotune.FAMILIES), error)
+    assert set(shapes) == {"linear", "conv", "attention"}
+    attention = set(shapes["attention"])
+    assert len(attention) == 24 and {s[0] for s in attention} == {1, 2, 4}
+    assert {s[2:4] for s in attention} == {(4096, 4096), (1024, 1024), (4096, 77), (1024, 77), (4032, 4032),
+                                           (1008, 1008), (4032, 77), (1008, 77)}
 
 
 @pytest.mark.skipif(not runtime.INTERPRETER, reason="asserts which kernels the interpreter routes to "
@@ -240,14 +333,17 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
 
 
 @pytest.mark.parametrize("args, shapes, match", [
-    (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad"),
+    (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad, attention"),
     (["--budget-minutes", "0"], None, "--budget-minutes: must be a positive number of minutes, got '0'"),
     (["--budget-minutes", "soon"], None, "positive number of minutes, got 'soon'"),
     (["--dtype", "fp8"], None, "invalid choice: 'fp8'"),
     (["--shapes", "missing.yaml"], None, "cannot read it"),
     (["--shapes"], "linear: [[4096, 640]]\n", "linear[0] = [4096, 640] is not 3 positive integers ['M', 'K', 'N']"),
     (["--shapes"], "conv: [[1, 4, 8, 8, 16, 3, 0]]\n", "conv[0] = [1, 4, 8, 8, 16, 3, 0]"),
-    (["--shapes"], "lienar: [[1, 2, 3]]\n", "unknown section 'lienar' (known: conv, linear)"),
+    (["--shapes"], "lienar: [[1, 2, 3]]\n", "unknown section 'lienar' (known: attention, conv, linear)"),
+    (["--shapes"], "attention: [[1, 2, 8, 8, 16, 2]]\n",
+     "attention[0] = [1, 2, 8, 8, 16, 2] is not 6 integers ['B', 'H', 'Lq', 'Lk', 'D', 'causal'] (causal 0 or 1"),
+    (["--shapes"], "attention: [[1, 0, 8, 8, 16, 0]]\n", "attention[0] = [1, 0, 8, 8, 16, 0] is not 6 integers"),
     (["--shapes", "--family", "matmul"], "conv: [[1, 4, 8, 8, 16, 3, 1]]\n", "no shapes for the families matmul"),
 ])
 def test_bad_command_lines_are_clear_errors(autotune, tmp_path, capsys, args, shapes, match):

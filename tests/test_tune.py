@@ -1,5 +1,5 @@
 """flame.tune: launch-config tables (exact, bucket and heuristic lookups, bad tables) and the
-matmul / conv launchers' use of them."""
+matmul / conv / attention launchers' use of them."""
 import contextlib
 import json
 import warnings
@@ -9,12 +9,15 @@ import torch
 import triton
 
 from flame import runtime, tune
-from flame.kernels import conv2d, matmul
+from flame.kernels import attention, conv2d, matmul
 
 GPU = "NVIDIA H200"
 MM = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=2, num_stages=5)
 CONV = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=16, num_warps=8, num_stages=2)
 DEFAULT = dict(BLOCK_M=1, BLOCK_N=1, BLOCK_K=1, GROUP_M=1, num_warps=1, num_stages=1)
+FWD = dict(BLOCK_M=128, BLOCK_N=32, M_GROUP=2, num_warps=8, num_stages=2)
+BWD = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, BLOCK_M_DQ=128, BLOCK_N_DQ=32, num_warps_dq=4,
+           num_stages_dq=3, CHUNKS=3)
 
 
 @pytest.fixture
@@ -145,7 +148,7 @@ def test_bad_entries_are_dropped_with_one_warning_and_the_rest_kept(tables):
             entry((64, 64, 64, 1), dict(MM, BLOCK_M=16)),  # duplicate key
         ], "float8": []},
         "conv2d": {"bfloat16": [entry((64, 64, 64, 9), MM)]},  # GROUP_M is not a conv field
-        "attention_fwd": {"bfloat16": []},  # no such tunable kernel (yet)
+        "softmax": {"bfloat16": []},  # no such tunable kernel
     })
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -157,7 +160,7 @@ def test_bad_entries_are_dropped_with_one_warning_and_the_rest_kept(tables):
     msgs = [str(w.message) for w in seen if issubclass(w.category, tune.TuningTableWarning)]
     assert len(msgs) == 1, msgs
     for part in ("9 bad entries or sections ignored", "BLOCK_X", "default_ms", "[9, 9, 9]", "BLOCK_M=48", "num_warps=0",
-                 "twice", "float8", "attention_fwd", "GROUP_M"):
+                 "twice", "float8", "softmax", "GROUP_M"):
         assert part in msgs[0], (part, msgs[0])
 
 
@@ -218,6 +221,92 @@ def test_gpu_configs_come_from_the_table(tables, fake_gpu):
     assert conv2d._gemm_config(1024, 1280, 1280, torch.float16, 9) == CONV
     assert conv2d._gemm_config(1024, 1280, 1280, torch.float16, 9, "conv2d_dgrad") == dgrad
     assert conv2d._gemm_config(1024, 1280, 1280, torch.float16, 1)["BLOCK_M"] == 64  # 1x1: heuristic
+
+
+# The attention heuristics' answers before they went through flame.tune (132 SMs, or the interpreter):
+# (Lq, Lk, D, B*H, dtype) -> forward (BLOCK_D, BLOCK_M, BLOCK_N, M_GROUP, SINGLE_KV, num_warps,
+# num_stages), dK/dV and dQ (BLOCK_D, BLOCK_M, BLOCK_N, num_warps, num_stages; dQ None: fused),
+# query blocks per chunk. Every branch: batch 1 and many programs, short K/V (chunks, M_GROUP),
+# fp32/fp64, D > 128, Lq = 0.
+_ATTN_HEURISTIC = {False: [
+    ((4096, 4096, 64, 10, torch.bfloat16), (64, 64, 64, 1, False, 4, 4), (64, 32, 64, 4, 3), (64, 64, 64, 4, 3), 128),
+    ((16384, 4096, 64, 40, torch.bfloat16), (64, 128, 64, 1, False, 8, 3), (64, 32, 64, 4, 3), (64, 64, 64, 4, 3), 512),
+    ((1024, 1024, 64, 20, torch.float16), (64, 64, 64, 1, False, 4, 3), (64, 32, 64, 4, 3), (64, 64, 64, 4, 3), 32),
+    ((4032, 77, 64, 40, torch.bfloat16), (64, 64, 128, 8, True, 4, 1), (64, 128, 128, 8, 1), None, 3),
+    ((1008, 77, 64, 80, torch.bfloat16), (64, 64, 128, 4, True, 4, 1), (64, 128, 128, 8, 1), None, 2),
+    ((4096, 77, 40, 2, torch.float16), (64, 64, 128, 1, True, 4, 1), (64, 128, 128, 8, 1), None, 1),
+    ((2048, 2048, 128, 128, torch.bfloat16), (128, 64, 64, 1, False, 4, 3), (128, 32, 64, 4, 3), (128, 128, 64, 8, 3),
+     64),
+    ((300, 1000, 256, 3, torch.bfloat16), (256, 64, 32, 1, False, 4, 2), (256, 32, 32, 4, 1), (256, 32, 32, 4, 1), 10),
+    ((64, 129, 64, 1, torch.bfloat16), (64, 64, 64, 1, False, 4, 3), (64, 32, 64, 4, 3), (64, 64, 64, 4, 3), 2),
+    ((100, 60, 32, 4, torch.float32), (32, 64, 64, 1, True, 4, 1), (32, 32, 64, 4, 1), None, 1),
+    ((100, 70, 32, 4, torch.float32), (32, 64, 32, 1, False, 4, 2), (32, 32, 32, 4, 1), (32, 32, 32, 4, 1), 4),
+    ((50, 20, 8, 2, torch.float64), (16, 32, 32, 1, True, 4, 1), (16, 16, 32, 4, 1), None, 1),
+    ((50, 40, 8, 2, torch.float64), (16, 32, 32, 1, False, 4, 1), (16, 16, 32, 4, 1), (16, 32, 16, 4, 1), 4),
+    ((3000, 200, 160, 6, torch.float16), (256, 64, 32, 1, False, 4, 2), (256, 32, 32, 4, 1), (256, 32, 32, 4, 1), 94),
+    ((5, 100, 160, 6, torch.float16), (256, 64, 32, 1, False, 4, 2), (256, 32, 32, 4, 1), (256, 32, 32, 4, 1), 1),
+], True: [
+    ((24, 136, 16, 2, torch.bfloat16), (16, 32, 128, 1, False, 4, 1), (16, 32, 128, 4, 1), (16, 32, 128, 4, 1), 1),
+    ((300, 9, 40, 3, torch.float32), (64, 128, 16, 1, True, 4, 1), (64, 128, 16, 4, 1), None, 3),
+    ((0, 5, 8, 1, torch.float64), (16, 16, 16, 1, True, 4, 1), (16, 16, 16, 4, 1), None, 0),
+    ((200, 128, 200, 1, torch.float16), (256, 128, 128, 1, True, 4, 1), (256, 128, 128, 4, 1), None, 2),
+]}
+_FWD_KEYS = ("BLOCK_D", "BLOCK_M", "BLOCK_N", "M_GROUP", "SINGLE_KV", "num_warps", "num_stages")
+_PROGRAM_KEYS = ("BLOCK_D", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
+
+
+def _attn_configs(args):
+    """The attention launch configs for (Lq, Lk, D, B*H, dtype) as the tuples of _ATTN_HEURISTIC."""
+    fwd = attention._fwd_config(*args)
+    kv, dq, per_chunk = attention._bwd_config(*args)
+    return (tuple(fwd[k] for k in _FWD_KEYS), tuple(kv[k] for k in _PROGRAM_KEYS),
+            None if dq is None else tuple(dq[k] for k in _PROGRAM_KEYS), per_chunk)
+
+
+@pytest.mark.parametrize("interpreter", [False, True])
+def test_without_a_table_attention_configs_are_the_heuristics(tables, fake_gpu, monkeypatch, interpreter):
+    if interpreter:
+        monkeypatch.setattr(runtime, "INTERPRETER", True)
+        monkeypatch.setattr(runtime, "_num_sms", 1)
+    with tune.record() as asked:
+        for args, *want in _ATTN_HEURISTIC[interpreter]:
+            assert _attn_configs(args) == tuple(want), args
+    # every launch asked flame.tune (so a table or an override reaches it) and got the heuristic
+    assert [(q[0], q[1]) for q in asked] == [(k, args[:4]) for args, *_ in _ATTN_HEURISTIC[interpreter]
+                                             for k in ("attention_fwd", "attention_bwd")]
+
+
+def test_attention_configs_come_from_the_table(tables, fake_gpu):
+    short_fwd = dict(FWD, BLOCK_N=128)
+    tables({"attention_fwd": {"bfloat16": [entry((4096, 4096, 64, 10), FWD), entry((4096, 77, 64, 10), short_fwd)]},
+            "attention_bwd": {"bfloat16": [entry((4096, 4096, 64, 10), BWD), entry((1024, 77, 64, 20), BWD)]}})
+    bf16 = torch.bfloat16
+    derived = dict(BLOCK_D=64, SINGLE_KV=False)
+    assert attention._fwd_config(4096, 4096, 64, 10, bf16) == dict(FWD, **derived)
+    assert attention._fwd_config(4032, 4032, 64, 10, bf16) == dict(FWD, **derived)  # same bucket
+    assert attention._fwd_config(4096, 4096, 56, 10, bf16) == dict(FWD, **derived)
+    assert attention._fwd_config(4096, 4096, 64, 40, bf16)["BLOCK_N"] == 64  # batch 4: the heuristic
+    assert attention._fwd_config(4096, 4096, 64, 10, torch.float16)["BLOCK_M"] == 64  # fp16: the heuristic
+    assert attention._fwd_config(4096, 77, 64, 10, bf16) == dict(short_fwd, BLOCK_D=64, SINGLE_KV=True)
+    assert attention._fwd_config(4096, 90, 64, 10, bf16) == dict(short_fwd, BLOCK_D=64, SINGLE_KV=True)
+    # an entry whose key block cannot hold every key (BLOCK_N 32 < 77 keys): the loop over key blocks
+    tables({"attention_fwd": {"bfloat16": [entry((4096, 77, 64, 10), FWD)]}})
+    tune.reset()
+    assert attention._fwd_config(4096, 77, 64, 10, bf16) == dict(FWD, BLOCK_D=64, SINGLE_KV=False)
+
+    tables({"attention_bwd": {"bfloat16": [entry((4096, 4096, 64, 10), BWD), entry((1024, 77, 64, 20), BWD)]}})
+    tune.reset()
+    kv, dq, per_chunk = attention._bwd_config(4096, 4096, 64, 10, bf16)
+    assert kv == dict(BLOCK_D=64, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    assert dq == dict(BLOCK_D=64, BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=3)
+    assert per_chunk == 22  # 64 query blocks in 3 chunks
+    kv, dq, per_chunk = attention._bwd_config(1024, 77, 64, 20, bf16)  # short K/V in one block: dQ fused
+    assert kv["BLOCK_N"] == 128 and dq is None and per_chunk == 6
+    assert attention._bwd_config(1024, 77, 64, 20, torch.float16)[0]["BLOCK_M"] == 128  # fp16: the heuristic
+    tables({"attention_bwd": {"bfloat16": [entry((1024, 77, 64, 20), dict(BWD, BLOCK_N=64))]}})
+    tune.reset()
+    kv, dq, _ = attention._bwd_config(1024, 77, 64, 20, bf16)  # 64-key blocks: dK/dV and dQ programs
+    assert kv["BLOCK_N"] == 64 and dq["BLOCK_N"] == 32
 
 
 @pytest.mark.skipif(not runtime.INTERPRETER, reason="asserts the interpreter's routing and default configs")
@@ -296,6 +385,9 @@ def test_override_nests_and_restores(tables):
     ("matmul", dict(MM, num_warps=0), "num_warps=0"),
     ("matmul", dict(MM, num_stages=2.0), "num_stages=2.0"),
     ("conv2d", [16, 16, 16, 4, 2], "not conv2d's"),
+    ("attention_bwd", dict(BWD, BLOCK_N_DQ=48), "BLOCK_N_DQ=48"),  # the dQ program's blocks are checked too
+    ("attention_bwd", {k: v for k, v in BWD.items() if k != "CHUNKS"}, "CHUNKS"),
+    ("attention_fwd", dict(FWD, SINGLE_KV=1), "SINGLE_KV"),  # derived, not tuned
 ])
 def test_override_rejects_a_config_that_is_not_the_kernels(kernel, cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -365,6 +457,51 @@ def test_kernels_launch_with_the_override(monkeypatch):
             conv2d.conv2d_forward_(y, x, w, None, (1, 1), (0, 0), (1, 1))
             torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w), **tol)
     assert seen[1] == 32 and seen[0] == seen[2] != 32, seen
+
+
+def test_attention_kernels_launch_with_the_override(monkeypatch):
+    # 130 keys: the loop over key blocks with its own dQ program on both backends
+    B, H, Lq, Lk, D = 1, 2, 20, 130, 8
+    q, k, v, do = (torch.randn(B, n, H, D, device=runtime.device).permute(0, 2, 1, 3) for n in (Lq, Lk, Lk, Lq))
+    o, dq, dk, dv = (runtime.empty((B, n, H, D), torch.float32).permute(0, 2, 1, 3) for n in (Lq, Lq, Lk, Lk))
+    lse = runtime.empty((B * H, Lq), torch.float32)
+    st = [(t.stride(0), t.stride(1), t.stride(2)) for t in (q, k, v, o, do, dq, dk, dv)]
+    ref = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*ref)
+    want_grads = torch.autograd.grad(want, ref, do)
+    tol = {} if runtime.INTERPRETER else dict(rtol=1e-2, atol=1e-2)
+    launched = []
+    real = attention.launch
+
+    def spy(kernel, grid, *args, **meta):
+        launched.append((kernel.fn.__name__, meta.get("BLOCK_M"), meta.get("BLOCK_N"), grid))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(attention, "launch", spy)
+
+    def run():
+        attention.attention_fwd(q, k, v, o, lse, *st[:4], B, H, Lq, Lk, D, D ** -0.5, False)
+        attention.attention_bwd(q, k, v, o, do, lse, dq, dk, dv, *st, B, H, Lq, Lk, D, D ** -0.5, False)
+        torch.testing.assert_close(o, want, **tol)
+        for got, w in zip((dq, dk, dv), want_grads):
+            torch.testing.assert_close(got, w, **tol)
+
+    run()  # fills the memoised configs with the heuristic
+    fwd = dict(BLOCK_M=16, BLOCK_N=32, M_GROUP=2, num_warps=4, num_stages=1)
+    bwd = dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=1, BLOCK_M_DQ=32, BLOCK_N_DQ=16, num_warps_dq=4,
+               num_stages_dq=1, CHUNKS=2)
+    default = list(launched)
+    launched.clear()
+    with tune.override("attention_fwd", fwd), tune.override("attention_bwd", bwd):
+        run()
+    blocks = {name: (bm, bn, grid) for name, bm, bn, grid in launched}
+    assert blocks["_attn_fwd_kernel"] == (16, 32, (1, B * H))  # two 16-row query blocks in one program
+    assert blocks["_attn_bwd_dkdv_kernel"] == (16, 64, (3, B * H, 2))  # 3 key blocks x 2 query chunks
+    assert blocks["_attn_bwd_dq_kernel"] == (32, 16, (1, B * H))
+    assert "_sum_chunks_kernel" in blocks
+    launched.clear()
+    run()
+    assert launched == default  # the heuristic again
 
 
 def test_record_lists_each_query_with_its_answer(tables, caches):

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, tune
 from .launch import launch
 
 # log2(e) = 1.4426950408889634 (written inline in jit code)
@@ -467,10 +467,17 @@ def _short_max(esize, bd):
     return SHORT_KV_MAX // 4 if esize >= 8 else SHORT_KV_MAX // 2
 
 
+def short_kv(Lk, D, esize):
+    """Whether ``Lk`` keys of head dim ``D`` in ``esize``-byte elements take the short-K/V paths."""
+    return Lk <= _short_max(esize, max(16, _pow2(D)))
+
+
 def _configured(impl):
-    """``impl`` memoised per shape, except while a test forces block sizes (FORCE_BLOCKS).
+    """``impl`` memoised per shape, except while a test forces block sizes (FORCE_BLOCKS); the
+    memo is registered with ``flame.tune`` so that ``tune.override`` and ``tune.reset`` reach it.
     Callers only read the returned configs."""
     cached = functools.lru_cache(maxsize=1024)(impl)
+    tune.register_cache(cached.cache_clear)
 
     @functools.wraps(impl)
     def config(*args):
@@ -480,19 +487,32 @@ def _configured(impl):
 
 
 @_configured
-def _fwd_config(Lq, Lk, D, BH, esize=2):
+def _fwd_config(Lq, Lk, D, BH, dtype):
+    """Forward launch config: BLOCK_D, BLOCK_M, BLOCK_N, M_GROUP, SINGLE_KV, num_warps, num_stages.
+
+    BLOCK_M, BLOCK_N, M_GROUP, num_warps and num_stages come from ``flame.tune`` (kernel
+    "attention_fwd", key (Lq, Lk, D, B*H)): a tuning-table entry on the GPU, else
+    ``_fwd_heuristic``. BLOCK_D is D rounded up to a power of two; SINGLE_KV (K/V loaded once per
+    program) holds when Lk is short (``short_kv``) and fits in one BLOCK_N block, so that every
+    entry gives a correct launch."""
+    esize = dtype.itemsize
     bd = max(16, _pow2(D))
-    short = Lk <= _short_max(esize, bd)
+    short = short_kv(Lk, D, esize)
     if FORCE_BLOCKS is not None:
         bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
         short = short and Lk <= bn
         return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn if not short else max(16, _pow2(Lk)),
                     M_GROUP=FORCE_BLOCKS.get("M_GROUP", 1) if short else 1, SINGLE_KV=short,
                     num_warps=4, num_stages=1)
+    cfg = tune.config("attention_fwd", (Lq, Lk, D, BH), dtype, _fwd_heuristic(Lq, Lk, bd, BH, esize, short))
+    return dict(cfg, BLOCK_D=bd, SINGLE_KV=short and Lk <= cfg["BLOCK_N"])
+
+
+def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
+    """attention_fwd's default config (BLOCK_M, BLOCK_N, M_GROUP, num_warps, num_stages)."""
     if runtime.INTERPRETER:  # ~1.5 ms per program: few, big programs
-        bm = max(16, _pow2(min(Lq, 128)))
-        bn = max(16, _pow2(min(Lk, 128)))
-        return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=short, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=max(16, _pow2(min(Lq, 128))), BLOCK_N=max(16, _pow2(min(Lk, 128))), M_GROUP=1,
+                    num_warps=4, num_stages=1)
     # GPU heuristics from a sweep on an H200 (Triton 3.6, bf16, the bench shapes): 64x64 tiles with
     # 4 warps beat 128-row tiles at batch 1 (1.03x SDPA's time at 4096 tokens against 1.59x);
     # with many programs (batch 4) 128 rows and 8 warps win. fp32/fp64 (tests) get smaller tiles
@@ -511,15 +531,23 @@ def _fwd_config(Lq, Lk, D, BH, esize=2):
         bm = min(bm, 64)
         nm = _cdiv(Lq, bm)
         group = max(1, min(8, (nm * BH) // (2 * runtime.num_sms())))
-        return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, SINGLE_KV=True, num_warps=4, num_stages=1)
-    return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=False, num_warps=warps, num_stages=stages)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, num_warps=4, num_stages=1)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, num_warps=warps, num_stages=stages)
 
 
 @_configured
-def _bwd_config(Lq, Lk, D, BH, esize=2):
-    """(dkdv config, dq config or None for the fused short-K/V path, query blocks per chunk)."""
+def _bwd_config(Lq, Lk, D, BH, dtype):
+    """(dK/dV config, dQ config or None for the fused short-K/V path, query blocks per chunk).
+
+    The tunable fields come from ``flame.tune`` (kernel "attention_bwd", key (Lq, Lk, D, B*H)): a
+    tuning-table entry on the GPU, else ``_bwd_heuristic``. BLOCK_M, BLOCK_N, num_warps and
+    num_stages configure the dK/dV program; BLOCK_M_DQ, BLOCK_N_DQ, num_warps_dq and num_stages_dq
+    the dQ program; CHUNKS splits the query blocks of each key block over that many programs (more
+    than one: fp32 partial dK/dV, summed afterwards). When Lk is short (``short_kv``) and fits in
+    one BLOCK_N block, the dK/dV program also writes dQ and the dQ fields go unused."""
+    esize = dtype.itemsize
     bd = max(16, _pow2(D))
-    short = Lk <= _short_max(esize, bd)
+    short = short_kv(Lk, D, esize)
     if FORCE_BLOCKS is not None:
         bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
         if short and Lk <= bn:
@@ -527,36 +555,47 @@ def _bwd_config(Lq, Lk, D, BH, esize=2):
             return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4, num_stages=1), None, bpc
         kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
         return kv, dict(kv), _cdiv(Lq, bm)
+    cfg = tune.config("attention_bwd", (Lq, Lk, D, BH), dtype, _bwd_heuristic(Lq, Lk, bd, BH, esize, short))
+    kv = dict(BLOCK_D=bd, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
+              num_stages=cfg["num_stages"])
+    bpc = _cdiv(_cdiv(Lq, kv["BLOCK_M"]), cfg["CHUNKS"])
+    if short and Lk <= kv["BLOCK_N"]:
+        return kv, None, bpc
+    dq = dict(BLOCK_D=bd, BLOCK_M=cfg["BLOCK_M_DQ"], BLOCK_N=cfg["BLOCK_N_DQ"], num_warps=cfg["num_warps_dq"],
+              num_stages=cfg["num_stages_dq"])
+    return kv, dq, bpc
+
+
+def _bwd_heuristic(Lq, Lk, bd, BH, esize, short):
+    """attention_bwd's default config (the fields of ``_bwd_config``)."""
     if runtime.INTERPRETER:
-        bm = max(16, _pow2(min(Lq, 128)))
-        bn = max(16, _pow2(min(Lk, 128)))
-        kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
-        return kv, (None if short else dict(kv)), _cdiv(Lq, bm)
+        kv = (max(16, _pow2(min(Lq, 128))), max(16, _pow2(min(Lk, 128))), 4, 1)
+        return _bwd_fields(kv, kv, 1)
     # GPU heuristics from a sweep on an H200 (Triton 3.6, bf16, the bench shapes): the short-K/V
     # path wants 128 query rows (D <= 64) and 8 warps per program and up to ~4 programs per SM over the query
     # chunks (Lk = 77: 2x faster than 64 rows / 2 per SM); the long path 32x64 dK/dV tiles and
     # 64x64 (D <= 64) or 128x64 (D = 128) dQ tiles.
     big = esize >= 4 or bd > 128  # fp32/fp64 (tests) and D > 128: small tiles, one stage
-    if short:
+    if short:  # dQ is fused: its fields repeat dK/dV's, unused
         if big:
-            kv = dict(BLOCK_D=bd, BLOCK_M=16 if esize >= 8 else 32, BLOCK_N=max(16, _pow2(Lk)), num_warps=4,
-                      num_stages=1)
+            kv = (16 if esize >= 8 else 32, max(16, _pow2(Lk)), 4, 1)
         else:
-            kv = dict(BLOCK_D=bd, BLOCK_M=128 if bd <= 64 else 64, BLOCK_N=max(16, _pow2(Lk)), num_warps=8,
-                      num_stages=1)
-        nm = _cdiv(Lq, kv["BLOCK_M"])
-        chunks = max(1, min(nm, (4 * runtime.num_sms()) // max(BH, 1)))
-        return kv, None, _cdiv(nm, chunks)
+            kv = (128 if bd <= 64 else 64, max(16, _pow2(Lk)), 8, 1)
+        nm = _cdiv(Lq, kv[0])
+        return _bwd_fields(kv, kv, max(1, min(nm, (4 * runtime.num_sms()) // max(BH, 1))))
     if big:
-        kv = dict(BLOCK_D=bd, BLOCK_M=16 if esize >= 8 else 32, BLOCK_N=32, num_warps=4, num_stages=1)
-        dq = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=16 if esize >= 8 else 32, num_warps=4, num_stages=1)
-    elif bd <= 64:
-        kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
-        dq = dict(BLOCK_D=bd, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    else:
-        kv = dict(BLOCK_D=bd, BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3)
-        dq = dict(BLOCK_D=bd, BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return kv, dq, _cdiv(Lq, kv["BLOCK_M"])
+        return _bwd_fields((16 if esize >= 8 else 32, 32, 4, 1), (32, 16 if esize >= 8 else 32, 4, 1), 1)
+    if bd <= 64:
+        return _bwd_fields((32, 64, 4, 3), (64, 64, 4, 3), 1)
+    return _bwd_fields((32, 64, 4, 3), (128, 64, 8, 3), 1)
+
+
+def _bwd_fields(kv, dq, chunks):
+    """An attention_bwd config from (BLOCK_M, BLOCK_N, num_warps, num_stages) of the dK/dV and of
+    the dQ program and the number of query chunks."""
+    (bm, bn, warps, stages), (dq_bm, dq_bn, dq_warps, dq_stages) = kv, dq
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, BLOCK_M_DQ=dq_bm, BLOCK_N_DQ=dq_bn,
+                num_warps_dq=dq_warps, num_stages_dq=dq_stages, CHUNKS=chunks)
 
 
 # ---- launchers --------------------------------------------------------------------------------
@@ -582,7 +621,7 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
     if B * H == 0 or Lq == 0:
         return
     mbuf, ms, kind = _mask_args(mask, q)
-    cfg = _fwd_config(Lq, Lk, D, B * H, q.element_size())
+    cfg = _fwd_config(Lq, Lk, D, B * H, q.dtype)
     acc, precision, upcast = _switches(q.dtype)
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * ms[2] + Lk * ms[3])
     grid = (_cdiv(_cdiv(Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), B * H)
@@ -600,7 +639,7 @@ def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk
     mbuf, ms, kind = _mask_args(mask, q)
     acc, precision, upcast = _switches(q.dtype)
     sdt = stats_dtype(q.dtype)
-    kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H, q.element_size())
+    kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H, q.dtype)
     bpc = max(1, bpc)
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],
                  Lk * sdv[2], Lq * ms[2] + Lk * ms[3])
