@@ -91,6 +91,12 @@ def empty(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def empty_like(buf, dtype) -> torch.Tensor:
+    """Uninitialised, shaped like ``buf``: its strides when it is dense and non-overlapping
+    (torch's preserve_format), else contiguous."""
+    return torch.empty_like(buf, dtype=dtype, device=device)
+
+
 def empty_strided(shape, strides, dtype) -> torch.Tensor:
     return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 

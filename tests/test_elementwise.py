@@ -292,3 +292,34 @@ def test_geglu_gradcheck_and_errors():
         flame.nn.functional.geglu(flame.randn(3, 5))
     with pytest.raises(TypeError, match="floating-point"):
         flame.nn.functional.geglu(flame.arange(6))
+
+
+# ---- output layout: elementwise results follow the first full-shape operand's layout -------------
+
+def test_elementwise_output_keeps_channels_last_and_runs_contiguous(monkeypatch):
+    import flame.kernels.elementwise as KE
+    cl = torch.channels_last
+    x = flame.from_torch(torch.randn(2, 6, 5, 3).contiguous(memory_format=cl))
+    y = flame.from_torch(torch.randn(2, 6, 5, 3).contiguous(memory_format=cl))
+    b = flame.from_torch(torch.randn(1, 6, 1, 1))
+    kernels = []
+    real = KE.launch
+    monkeypatch.setattr(KE, "launch", lambda kernel, *a, **k: kernels.append(kernel) or real(kernel, *a, **k))
+    s = x + y
+    assert s.stride() == x.stride() and kernels == [KE._map_contiguous_kernel]  # one contiguous pass
+    assert_close(s, x.to_torch() + y.to_torch())
+    t = x * b  # a broadcast operand keeps the full-shape operand's layout
+    assert t.stride() == x.stride()
+    assert_close(t, x.to_torch() * b.to_torch())
+    u = flame.exp(x)
+    assert u.stride() == x.stride()
+    # the first full-shape operand decides: contiguous first -> contiguous result
+    c = flame.from_torch(torch.randn(2, 6, 5, 3))
+    assert (c + x).is_contiguous() and (b + x).stride() == x.stride()
+    # not dense (a slice): contiguous result
+    wide = flame.from_torch(torch.randn(2, 6, 5, 6))
+    assert (wide[..., :3] + 1.0).is_contiguous()
+    # gradients through a channels-last add keep their values
+    xg = flame.from_torch(x.to_torch().clone(), requires_grad=True)
+    grads = (xg * y).sum().backward()
+    assert_close(grads[xg], y.to_torch())

@@ -388,7 +388,11 @@ def _plan_map(out, inputs, op, cd):
         cd = compute_dtype(out.dtype, *[t.dtype for t in inputs])
     nin = len(inputs)
     meta = dict(NIN=nin, OP=op, CD=cd, OUT_BOOL=out.dtype == torch.bool)
-    shape, strides = collapse(out.shape, [out.stride()] + [t.stride() for t in inputs])
+    # walk the dims in out's memory order (elementwise work is order-free): operands that share
+    # out's layout, e.g. channels-last activations, then collapse to one contiguous run
+    order = sorted(range(out.dim()), key=lambda i: -out.stride(i))
+    shape, strides = collapse([out.shape[i] for i in order],
+                              [[st[i] for i in order] for st in [out.stride()] + [t.stride() for t in inputs]])
     # GPU tiles move ~8 KiB per operand, so 16-bit dtypes get twice the elements of fp32 and
     # each thread keeps 32 bytes in flight
     tile = 8192 // min([out.element_size()] + [t.element_size() for t in inputs])

@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as K
 from ..tensor import Tensor, broadcast_shapes, check_dtype, result_type
@@ -14,15 +15,25 @@ from ._util import check_tensor, is_scalar, new
 
 
 def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
-    """Run elementwise ``op`` over broadcast tensor ``operands``; returns a new contiguous tensor."""
+    """Run elementwise ``op`` over broadcast tensor ``operands``; returns a new tensor laid out as
+    the first operand that has the full shape (PyTorch's rule for elementwise outputs): the same
+    strides when that operand is dense (a channels-last activation stays channels-last, so the map
+    runs as one contiguous pass and the next conv needs no layout copy), else contiguous."""
     bufs = [t._data for t in operands]
     shape = bufs[0].shape
     if any(b.shape != shape for b in bufs):
         shape = broadcast_shapes(*(b.shape for b in bufs))
-        bufs = [b if b.shape == shape else b.expand(shape) for b in bufs]
-    out = new(shape, out_dtype)
-    K.map_(out._data, bufs, op, s0, s1)
+    out = Tensor(_like_first_full(bufs, shape, out_dtype))
+    K.map_(out._data, [b if b.shape == shape else b.expand(shape) for b in bufs], op, s0, s1)
     return out
+
+
+def _like_first_full(bufs, shape, dtype):
+    """An output buffer laid out as the first of ``bufs`` (not yet broadcast) of the full shape."""
+    for b in bufs:
+        if b.shape == shape:
+            return runtime.empty(tuple(shape), dtype) if b.is_contiguous() else runtime.empty_like(b, dtype)
+    return runtime.empty(tuple(shape), dtype)
 
 
 # ---- unary ------------------------------------------------------------------------------------
