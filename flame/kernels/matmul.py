@@ -272,7 +272,7 @@ def _tma_available():
 
 
 def _tma_layout(out, a, b, f, sa, sb, sc):
-    """(A K-contiguous, B K-contiguous, A row stride, B row stride) when the TMA kernel can read
+    """(A K-contiguous, B K-contiguous, A row stride, B row stride, C row stride) when the TMA kernel can read
     every operand of this 2-D problem (16-bit, 16-byte aligned bases, one unit stride per operand
     and the other a multiple of 16 bytes, C row-major), else None."""
     if not TMA or a.dtype not in (torch.float16, torch.bfloat16) or out.dtype != a.dtype or not _tma_available():
@@ -311,23 +311,23 @@ def _tma_config(M, N, K, dtype):
     return tune.config("matmul_tma", (M, N, K, 1), dtype, default)
 
 
-_tma_cache = {}  # (M, N, K, dtype) -> launch config
+_tma_cache = {}  # (M, N, K, dtype, has activation) -> launch config
 tune.register_cache(_tma_cache.clear)
 
 
 def _launch_tma(out, a, b, M, N, K, f, layout):
     a_k, b_k, s_a, s_b, s_c = layout
-    key = (M, N, K, a.dtype)
+    key = (M, N, K, a.dtype, f.act != 0)
     cfg = _tma_cache.get(key)
     if cfg is None:
         cfg = dict(_tma_config(M, N, K, a.dtype), FLATTEN=FLATTEN)
+        if f.act and cfg["num_warps"] == 4:
+            # an activation epilogue on 4 warps costs more than its GEMM saves (H200, gelu_tanh,
+            # 4096x640->5120: +30 us on 4 warps, +14 us on 8); tables are tuned without one
+            cfg["num_warps"] = 8
         if len(_tma_cache) > 4096:
             _tma_cache.clear()
         _tma_cache[key] = cfg
-    if f.act and cfg["num_warps"] == 4:
-        # an activation epilogue on 4 warps costs more than its GEMM saves (H200, gelu_tanh, 4096x640->5120:
-        # +30 us on 4 warps, +14 us on 8); tables are tuned without one
-        cfg = dict(cfg, num_warps=8)
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
            _or(f.residual, out), M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k,

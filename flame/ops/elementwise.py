@@ -32,7 +32,7 @@ def _like_first_full(bufs, shape, dtype):
     """An output buffer laid out as the first of ``bufs`` (not yet broadcast) of the full shape."""
     for b in bufs:
         if b.shape == shape:
-            return runtime.empty(tuple(shape), dtype) if b.is_contiguous() else runtime.empty_like(b, dtype)
+            return runtime.empty_like(b, dtype)
     return runtime.empty(tuple(shape), dtype)
 
 

@@ -108,6 +108,14 @@ def _rows(buf):
         return None
 
 
+def _as_rows(x):
+    """Tensor ``x`` (..., n) as a (rows, n) buffer: a view when the strides allow, else a copy."""
+    x2 = _rows(x._data)
+    if x2 is not None:
+        return x2
+    return x._data.contiguous() if x.numel() == 0 else contiguous(x)._data.view(-1, x.shape[-1])
+
+
 def _grad_operand(x, y, operand, batch, mat_shape):
     """Gradient of ``operand`` = x @ y summed over the batch dims ``operand`` was broadcast along."""
     lead = operand.shape[:-2] if operand.ndim >= 2 else ()
@@ -242,9 +250,7 @@ def linear(x, weight, bias=None, activation=None):
     n_out = weight.shape[0]
     weight, bias = cast_params(weight, bias, n_out, x.dtype, "linear")
     act, grad_op = _ACTIVATIONS[activation]
-    x2 = _rows(x._data)
-    if x2 is None:
-        x2 = x._data.contiguous() if x.numel() == 0 else contiguous(x)._data.view(-1, x.shape[-1])
+    x2 = _as_rows(x)
     out_shape = x.shape[:-1] + (n_out,)
     out = runtime.empty((x2.shape[0], n_out), x.dtype)
     grad = needs_grad(x, weight, bias)
@@ -305,11 +311,6 @@ def _lora_linear_backward(node, g):
         dxl = Tensor(dxlb.view(node.attrs["x_shape"]))
     dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
     return dx, dw, db, da, dlb, dxl
-
-
-def _as_rows(x):
-    x2 = _rows(x._data)
-    return x2 if x2 is not None else contiguous(x)._data.view(-1, x.shape[-1])
 
 
 def _cast_once(t, dtype):
