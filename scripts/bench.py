@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 scripts/bench.py                        # every family
     PYTHONPATH=. python3 scripts/bench.py --family elementwise --dtype bf16 --out out/bench.json
     python scripts/bench.py --quick --family elementwise,overhead  # small shapes (CPU smoke test)
+    PYTHONPATH=. python3 scripts/bench.py --family linear,conv --tuning compare --repeat 3  # tuned vs defaults
 
 Device-time cases use ``triton.testing.do_bench`` (median of ``--rep`` ms after ``--warmup`` ms) for
 flame and for PyTorch alike; host-time cases (the ``overhead`` family) time a Python loop with
@@ -11,19 +12,26 @@ flame and for PyTorch alike; host-time cases (the ``overhead`` family) time a Py
 and PyTorch agree, so a fast wrong kernel cannot post a number. On the interpreter backend (no GPU)
 times measure Triton's interpreter and mean nothing; that mode exists to smoke-test this script.
 
+flame's launch configs come from the GPU's tuning table (``flame.tune``) unless ``--tuning defaults``
+hides the tables; ``--tuning compare`` times flame both ways in the same process, alternating with
+PyTorch per ``--repeat``, and reports each case's tuned speedup over the heuristic defaults.
+
 Adding a family: write a function that takes a ``Ctx`` and returns a list of ``Case``, and decorate
 it with ``@family("name", "one-line description")``.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 # isort: off
 import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
+from flame import tune
 from flame.autograd import run_backward
 import torch
 import triton
@@ -51,6 +60,7 @@ class Ctx:
     warmup: int  # ms for do_bench; iterations for host timing
     rep: int
     repeat: int = 1  # device-time measurements per side (median taken)
+    tuning: str = "table"  # flame's launch configs: "table", "defaults" or "compare" (see --tuning)
     interpreter: bool = flame.is_interpreter()
 
     def shape(self, full, quick_gpu, interp):
@@ -437,6 +447,29 @@ def check_case(case: Case) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def heuristic_configs():
+    """flame's launchers see no tuning table inside the block: every launch config is its
+    heuristic default (``FLAME_TUNE_DIR`` pointed at an empty folder); restored afterwards."""
+    saved = os.environ.get("FLAME_TUNE_DIR")
+    with tempfile.TemporaryDirectory() as empty:
+        os.environ["FLAME_TUNE_DIR"] = empty
+        tune.reset()
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("FLAME_TUNE_DIR", None)
+            else:
+                os.environ["FLAME_TUNE_DIR"] = saved
+            tune.reset()
+
+
+def _time_defaults(case, ctx):
+    with heuristic_configs():
+        return time_device(case.flame, ctx)
+
+
 def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
     row = {"family": fam, "case": case.name, "note": case.note}
     problem = check_case(case) if case.check else None
@@ -447,13 +480,22 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         f, t = time_host(case.flame, ctx, case.ops), time_host(case.torch, ctx, case.ops)
         row.update(unit="us/op", flame=f, torch=t)
     else:
-        # --repeat: alternate flame and torch, keep the median of each side's medians (a transient
-        # slowdown of the shared host or card then moves neither side)
-        fs, ts = zip(*[(time_device(case.flame, ctx), time_device(case.torch, ctx)) for _ in range(ctx.repeat)])
+        # --repeat: alternate flame and torch (and flame on its heuristic configs, --tuning compare),
+        # keep the median of each side's medians: a transient slowdown of the shared host or card
+        # then moves no side
+        compare = ctx.tuning == "compare"
+        runs = [(time_device(case.flame, ctx), time_device(case.torch, ctx),
+                 _time_defaults(case, ctx) if compare else None) for _ in range(ctx.repeat)]
+        fs, ts, ds = zip(*runs)
         f, t = statistics.median(fs), statistics.median(ts)
         row.update(unit="ms", flame=f, torch=t)
+        if compare:
+            d = statistics.median(ds)
+            row.update(flame_defaults=d, tuned_speedup=d / f if f > 0 else math.inf)
         if ctx.repeat > 1:
             row.update(flame_runs=list(fs), torch_runs=list(ts))
+            if compare:
+                row.update(flame_defaults_runs=list(ds))
         if case.nbytes:
             row.update(bytes=case.nbytes, flame_gbps=case.nbytes / f / 1e6, torch_gbps=case.nbytes / t / 1e6)
         if case.flops:
@@ -479,15 +521,22 @@ def _rate(row, who):
 
 
 def print_table(rows: list[dict]) -> None:
+    compare = any("flame_defaults" in r for r in rows)
     header = ("case", "flame", "torch", "unit", "flame/torch", "flame rate", "torch rate")
+    if compare:
+        header += ("flame defaults", "tuned speedup")
     lines = []
     for r in rows:
         if "error" in r:
-            lines.append((f"{r['family']}: {r['case']}", "ERROR", r["error"], "", "", "", ""))
+            lines.append((f"{r['family']}: {r['case']}", "ERROR", r["error"]))
             continue
-        lines.append((f"{r['family']}: {r['case']}", _fmt(r["flame"]), _fmt(r["torch"]), r["unit"],
-                      f"{r['ratio']:.2f}x", _rate(r, "flame"), _rate(r, "torch")))
-    widths = [max(len(header[i]), *(len(str(line[i])) for line in lines)) for i in range(len(header))]
+        line = (f"{r['family']}: {r['case']}", _fmt(r["flame"]), _fmt(r["torch"]), r["unit"],
+                f"{r['ratio']:.2f}x", _rate(r, "flame"), _rate(r, "torch"))
+        if compare:
+            line += (_fmt(r.get("flame_defaults")), f"{r['tuned_speedup']:.2f}x" if "tuned_speedup" in r else "-")
+        lines.append(line)
+    ok = [line for line in lines if line[1] != "ERROR"]
+    widths = [max(len(header[i]), *(len(str(line[i])) for line in ok)) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     print(fmt.format(*header))
     print("  ".join("-" * w for w in widths))
@@ -496,6 +545,12 @@ def print_table(rows: list[dict]) -> None:
             print(f"{line[0]:<{widths[0]}}  ERROR: {line[2]}")
         else:
             print(fmt.format(*line))
+    speedups = [r["tuned_speedup"] for r in rows if r.get("tuned_speedup", 0) > 0]
+    if speedups:
+        geo = math.exp(statistics.fmean(math.log(x) for x in speedups))
+        slower = [r["case"] for r in rows if r.get("tuned_speedup", 1) < 0.95]
+        print(f"tuned table vs heuristic defaults: geometric-mean speedup {geo:.3f}x over {len(speedups)} cases; "
+              f"{len(slower)} cases more than 5% slower{': ' + ', '.join(slower) if slower else ''}")
 
 
 def environment(argv) -> dict:
@@ -526,6 +581,10 @@ def parse_args(argv):
     p.add_argument("--rep", type=int, default=None, help="do_bench measurement time in ms (default 100, quick 20)")
     p.add_argument("--repeat", type=int, default=1,
                    help="time each device case this many times, alternating flame and torch; report the medians")
+    p.add_argument("--tuning", choices=("table", "defaults", "compare"), default="table",
+                   help="flame's launch configs: this GPU's tuning table where it has an entry (table, the "
+                        "default), the heuristic defaults only (defaults), or both, timed alternately in this "
+                        "run with the tuned speedup per case (compare)")
     p.add_argument("--list", action="store_true", help="list the families and exit")
     args = p.parse_args(argv)
     names = [n.strip() for spec in args.family for n in spec.split(",") if n.strip()] or list(FAMILIES)
@@ -546,22 +605,24 @@ def main(argv=None) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float32 if flame.is_interpreter() else torch.bfloat16)
     ctx = Ctx(dtype=dtype, quick=args.quick,
               warmup=args.warmup if args.warmup is not None else (5 if args.quick else 25),
-              rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat))
+              rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat),
+              tuning=args.tuning)
     env = environment(argv)
     print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
           f"dtype {dtype}; {env['date']}")
     if ctx.interpreter:
         print("note: no GPU -- kernels run in Triton's interpreter, so these times mean nothing")
     rows = []
-    for name in args.family:
-        fn, _ = FAMILIES[name]
-        flame.manual_seed(0)
-        for case in fn(ctx):
-            rows.append(run_case(name, case, ctx))
+    with heuristic_configs() if args.tuning == "defaults" else contextlib.nullcontext():
+        for name in args.family:
+            fn, _ = FAMILIES[name]
+            flame.manual_seed(0)
+            for case in fn(ctx):
+                rows.append(run_case(name, case, ctx))
     print_table(rows)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick,
+        doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick, "tuning": args.tuning,
                "families": args.family, "results": rows}
         args.out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.out}")

@@ -89,6 +89,35 @@ def test_bench_quick_elementwise_writes_json(tmp_path):
     assert "flame/torch" in r.stdout and "add " in r.stdout  # the table
 
 
+def test_bench_tuning_compare_times_the_heuristic_defaults_too(tmp_path):
+    out = tmp_path / "bench.json"
+    r = _run(["scripts/bench.py", "--quick", "--family", "overhead,elementwise", "--tuning", "compare",
+              "--repeat", "2", "--out", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["tuning"] == "compare"
+    device_rows = [row for row in doc["results"] if row["unit"] == "ms"]
+    assert device_rows and all(row["unit"] == "us/op" or "flame_defaults" in row for row in doc["results"])
+    for row in device_rows:
+        assert row["flame_defaults"] > 0 and len(row["flame_defaults_runs"]) == 2
+        assert row["tuned_speedup"] == pytest.approx(row["flame_defaults"] / row["flame"])
+    assert "tuned speedup" in r.stdout and "geometric-mean speedup" in r.stdout
+
+
+def test_heuristic_configs_hides_the_tables_and_restores_them(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("flame_bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
+    with bench.heuristic_configs():
+        inside = bench.tune.table_dir()
+        assert inside != tmp_path and inside.is_dir() and not any(inside.iterdir())
+    assert bench.tune.table_dir() == tmp_path
+
+
 def test_bench_rejects_unknown_family():
     r = _run(["scripts/bench.py", "--quick", "--family", "elementwise,nope"], timeout=120)
     assert r.returncode == 2 and "unknown family nope" in r.stderr, r.stderr
