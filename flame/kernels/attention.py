@@ -201,15 +201,16 @@ def _attn_bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, H, Lq, sob, soh, som, 
 
 
 @triton.jit
-def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n, offs_d,
-                 lo, hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm, smm, smn,
+def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, o_base, lse_base, delta_base, mask_base, dq_base, offs_n, offs_d,
+                 lo, hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, som, sdqm, smm, smn,
                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
                  KEY_BOUND: tl.constexpr, MASK_KIND: tl.constexpr, FUSED_DQ: tl.constexpr,
                  ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
     # Transposed scores for one key block against query blocks lo..hi:
     #   S^T = K Q^T (BLOCK_N, BLOCK_M), P^T = exp2(S^T - lse2), dV += P^T dO,
     #   dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q  (scaled by `scale` at the end),
-    #   and with FUSED_DQ (the block holds every key): dQ = dS K * scale for this query block.
+    #   and with FUSED_DQ (the block holds every key, so this program is the only one to see these
+    #   query rows): delta = rowsum(dO * O) computed here and dQ = dS K * scale for this query block.
     d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -220,7 +221,11 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base,
         q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=ok, other=0.0)
         do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=ok, other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        if FUSED_DQ:
+            o = tl.load(o_base + offs_m[:, None] * som + offs_d[None, :], mask=ok, other=0.0)
+            delta = tl.sum(o.to(ACC) * do.to(ACC), 1)
+        else:
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -256,9 +261,9 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base,
 # dK_j = scale * sum_i dS_ij Q_i,  dV_j = sum_i P_ij dO_i,  dS = P * (dO V^T - delta)
 # (one program: BLOCK_N keys x one chunk of query blocks; FUSED_DQ also writes dQ_i = scale * dS_i K)
 @triton.jit
-def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, mask_ptr,
+def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr, mask_ptr,
                           H, Lq, Lk, qk_scale, sm_scale, blocks_per_chunk,
-                          sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+                          sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sob, soh, som,
                           sdkc, sdkb, sdkh, sdkn, sdvc, sdvb, sdvh, sdvn, sdqb, sdqh, sdqm,
                           smb, smh, smm, smn,
                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -283,6 +288,7 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         v = v.to(tl.float32)
     q_base = q_ptr + b * sqb + h * sqh
     do_base = do_ptr + b * sdob + h * sdoh
+    o_base = o_ptr + b * sob + h * soh
     dq_base = dq_ptr + b * sdqb + h * sdqh
     mask_base = mask_ptr + b * smb + h * smh
     lse_base = lse_ptr + pid_bh.to(tl.int64) * Lq
@@ -296,17 +302,17 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         # diag_end on see all of them (every row >= start_n + BLOCK_N - 1)
         lo = tl.maximum(m_lo, (start_n // BLOCK_M) * BLOCK_M)
         diag_end = ((start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
-        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n,
-                              offs_d, lo, tl.minimum(diag_end, m_hi), Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm,
-                              smm, smn, HEAD_DIM, BLOCK_M, True, CAUSAL, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC,
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, o_base, lse_base, delta_base, mask_base, dq_base, offs_n,
+                              offs_d, lo, tl.minimum(diag_end, m_hi), Lq, Lk, qk_scale, sm_scale, sqm, sdom, som,
+                              sdqm, smm, smn, HEAD_DIM, BLOCK_M, True, CAUSAL, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC,
                               PRECISION, UPCAST, WIDE)
-        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n,
-                              offs_d, tl.maximum(lo, diag_end), m_hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm,
-                              smm, smn, HEAD_DIM, BLOCK_M, KEY_BOUND, False, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC,
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, o_base, lse_base, delta_base, mask_base, dq_base, offs_n,
+                              offs_d, tl.maximum(lo, diag_end), m_hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, som,
+                              sdqm, smm, smn, HEAD_DIM, BLOCK_M, KEY_BOUND, False, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC,
                               PRECISION, UPCAST, WIDE)
     else:
-        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, offs_n,
-                              offs_d, m_lo, m_hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, sdqm, smm, smn,
+        dk, dv = _bwd_kv_loop(dk, dv, k, v, q_base, do_base, o_base, lse_base, delta_base, mask_base, dq_base, offs_n,
+                              offs_d, m_lo, m_hi, Lq, Lk, qk_scale, sm_scale, sqm, sdom, som, sdqm, smm, smn,
                               HEAD_DIM, BLOCK_M, KEY_BOUND, False, KEY_BOUND, MASK_KIND, FUSED_DQ, ACC, PRECISION,
                               UPCAST, WIDE)
     dk = dk * sm_scale
@@ -409,23 +415,30 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 
 
 # out[b, h, n, :] = sum_c part[c, b*H + h, n, :]  (partial dK/dV of query chunks; fixed order)
+# dK = sum_c partial_dK[c], dV = sum_c partial_dV[c] over the query chunks, in chunk order
+# (program_id(2) picks dK (0) or dV (1); the partials are (2, chunks, B*H, L, D) dense)
 @triton.jit
-def _sum_chunks_kernel(part_ptr, out_ptr, H, L, C, spc, spbh, spn, sob, soh, son,
+def _sum_chunks_kernel(part_ptr, dk_ptr, dv_ptr, H, L, C, spc, spbh, spn, skb, skh, skn, svb, svh, svn,
                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
                        ACC: tl.constexpr):
     pid_l = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    which = tl.program_id(2)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_l = (pid_l * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_l < L)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    src = part_ptr + pid_bh.to(tl.int64) * spbh + offs_l[:, None] * spn + offs_d[None, :]
+    src = part_ptr + (which * C).to(tl.int64) * spc + pid_bh.to(tl.int64) * spbh + offs_l[:, None] * spn
+    src += offs_d[None, :]
     acc = tl.zeros((BLOCK_L, BLOCK_D), dtype=ACC)
     for c in range(0, C):
         acc += tl.load(src + c * spc, mask=ok, other=0.0).to(ACC)
-    tl.store(out_ptr + b * sob + h * soh + offs_l[:, None] * son + offs_d[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if which == 0:
+        dst = dk_ptr + b * skb + h * skh + offs_l[:, None] * skn
+    else:
+        dst = dv_ptr + b * svb + h * svh + offs_l[:, None] * svn
+    tl.store(dst + offs_d[None, :], acc.to(dk_ptr.dtype.element_ty), mask=ok)
 
 
 # ---- launch configuration ---------------------------------------------------------------------
@@ -644,34 +657,33 @@ def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],
                  Lk * sdv[2], Lq * ms[2] + Lk * ms[3])
     qk_scale, sm_scale = float(scale * LOG2E), float(scale)
-    delta = runtime.empty((B * H, max(Lq, 1)), sdt)
-    if Lq > 0:
+    fused = dq_cfg is None  # one key block: the dK/dV program computes delta and dQ itself
+    delta = lse
+    if Lq > 0 and (not fused or Lk == 0):
+        delta = runtime.empty((B * H, max(Lq, 1)), sdt)
         bm = kv_cfg["BLOCK_M"] if runtime.INTERPRETER else 64
         launch(_attn_bwd_preprocess_kernel, (_cdiv(Lq, bm), B * H), o, do, delta, H, Lq, *so, *sdo,
                HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_M=bm, ACC=acc, WIDE=wide)
-    fused = dq_cfg is None
     common = dict(HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast,
                   WIDE=wide)
     if Lk > 0:
         nm = _cdiv(Lq, kv_cfg["BLOCK_M"])
         chunks = max(1, _cdiv(nm, bpc))
-        if chunks > 1:  # fp32 partials per query chunk, (chunks, B, H, Lk, D) dense, summed below in a fixed order
-            part_k = runtime.empty((chunks, B, H, Lk, D), sdt)
-            part_v = runtime.empty((chunks, B, H, Lk, D), sdt)
-            tk, tv = part_k, part_v
+        if chunks > 1:  # fp32 partials per query chunk, (2, chunks, B*H, Lk, D) dense, summed below in a fixed order
+            part = runtime.empty((2, chunks, B * H, Lk, D), sdt)
+            tk, tv = part[0], part[1]
             stk = stv = (B * H * Lk * D, H * Lk * D, Lk * D, D)
         else:
             tk, tv, stk, stv = dk, dv, (0,) + tuple(sdk), (0,) + tuple(sdv)
         grid = (_cdiv(Lk, kv_cfg["BLOCK_N"]), B * H, chunks)
         key_bound = fused and Lk % kv_cfg["BLOCK_N"] != 0
-        launch(_attn_bwd_dkdv_kernel, grid, q, k, v, do, lse, delta, tk, tv, dq, mbuf,
-               H, Lq, Lk, qk_scale, sm_scale, bpc, *sq, *sk, *sv, *sdo, *stk, *stv, *sdq, *ms,
+        launch(_attn_bwd_dkdv_kernel, grid, q, k, v, do, o, lse, delta, tk, tv, dq, mbuf,
+               H, Lq, Lk, qk_scale, sm_scale, bpc, *sq, *sk, *sv, *sdo, *so, *stk, *stv, *sdq, *ms,
                FUSED_DQ=fused, KEY_BOUND=key_bound, **common, **kv_cfg)
         if chunks > 1:
             bl = 128 if runtime.INTERPRETER else 32
-            for part, out, so_ in ((part_k, dk, sdk), (part_v, dv, sdv)):
-                launch(_sum_chunks_kernel, (_cdiv(Lk, bl), B * H), part, out, H, Lk, chunks,
-                       B * H * Lk * D, Lk * D, D, *so_, HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_L=bl, ACC=acc)
+            launch(_sum_chunks_kernel, (_cdiv(Lk, bl), B * H, 2), part, dk, dv, H, Lk, chunks,
+                   B * H * Lk * D, Lk * D, D, *sdk, *sdv, HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_L=bl, ACC=acc)
     if Lq > 0 and (not fused or Lk == 0):
         cfg = dq_cfg if dq_cfg is not None else kv_cfg
         launch(_attn_bwd_dq_kernel, (_cdiv(Lq, cfg["BLOCK_M"]), B * H), q, k, v, do, lse, delta, dq, mbuf,

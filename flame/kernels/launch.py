@@ -3,10 +3,12 @@
 ``launch(kernel, grid, *args, **meta)`` is ``kernel[grid](*args, **meta)``. Triton's own launch
 path rebinds and re-specialises every argument and rebuilds its cache key on each call (tens of
 microseconds per launch on the H100/H200 hosts, more than many kernels take to run). Here the
-compiled kernel is cached under a key that captures exactly what Triton specialises on — each
-pointer's dtype and 16-byte alignment, each integer's width and whether it equals 1 or is a
-multiple of 16 (unless the kernel opts out with ``do_not_specialize``), the constexprs and launch
-options — and later calls go straight to the compiled kernel's launcher.
+compiled kernel is cached under a key that determines what Triton specialises on — the argument
+types, each pointer's dtype and 16-byte alignment, each integer's value (or, for integers the
+kernel marks ``do_not_specialize``, whether it fits in 32 bits), the constexprs and launch options
+— built with C-level tuple operations, and later calls go straight to the compiled kernel's
+launcher. Keying integers by value keeps the key cheap; a kernel fed ever-new values (not the
+case in training loops, whose shapes repeat) restarts its cache after ``_MAX_KEYS`` entries.
 
 The first call of every key goes through Triton (compiling if needed); if the direct call is not
 available (the interpreter, or a Triton whose CompiledKernel lacks the launcher fields this uses),
@@ -15,6 +17,7 @@ that relies on Triton's launch hooks, which the direct path does not call.
 """
 from __future__ import annotations
 
+import operator
 import os
 
 import torch
@@ -26,36 +29,43 @@ if not runtime.INTERPRETER:
 
 _direct = not runtime.INTERPRETER and os.environ.get("FLAME_TRITON_LAUNCH", "") != "1"
 _caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, constexpr values)}
-_no_spec: dict = {}  # id(kernel) -> per-argument "do not specialize" flags
-_tensor_args: dict = {}  # id(kernel) -> positions of its tensor arguments
+_layouts: dict = {}  # id(kernel) -> {argument types: _Layout}
+_tensor_args: dict = {}  # id(kernel) -> positions of its tensor arguments (for sig= keys)
+_MAX_KEYS = 4096  # compiled-kernel entries per kernel before its cache starts afresh
 _device = None
 launches = 0  # every launch() so far: tests count kernel launches with it
 
 
-def _nospec_flags(kernel, nargs):
-    names = kernel.arg_names
-    dns = set(kernel.do_not_specialize or ())
-    return tuple((names[i] in dns or i in dns) for i in range(nargs))
+class _Layout:
+    """Where a kernel's arguments of one type signature sit, and how each enters the key:
+    tensors by (dtype, 16-byte alignment); floats by type alone (the types are part of the key);
+    ints that Triton specialises, bools and anything else by value (finer than Triton's classes,
+    and as cheap as a tuple); ints marked ``do_not_specialize`` only by whether they fit in 32 bits."""
+
+    def __init__(self, kernel, args):
+        names = kernel.arg_names
+        dns = set(kernel.do_not_specialize or ())
+        self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.nospec = tuple(i for i, a in enumerate(args)
+                            if type(a) is int and (names[i] in dns or i in dns))
+        skip = set(self.tensors) | set(self.nospec) | {i for i, a in enumerate(args) if type(a) is float}
+        by_value = [i for i in range(len(args)) if i not in skip]
+        self.values = operator.itemgetter(*by_value) if len(by_value) > 1 else (
+            (lambda a, i=by_value[0]: (a[i],)) if by_value else (lambda a: ()))
 
 
-def _arg_key(args, nospec):
-    """What Triton specialises on, per argument (see the module docstring)."""
-    key = []
-    append = key.append
-    for a, ns in zip(args, nospec):
-        t = type(a)
-        if t is int:
-            fits = -2147483648 <= a < 2147483648
-            append(fits if ns else fits + 2 * (a == 1) + 4 * (a & 15 == 0))
-        elif t is float:
-            append(-1)
-        elif t is bool:
-            append(("b", a))
-        elif isinstance(a, torch.Tensor):
-            append((a.dtype, a.data_ptr() & 15 == 0))
-        else:
-            append((t, a))
-    return tuple(key)
+def _key(kid, kernel, args, meta):
+    """The cache key of a launch: its argument types and, per ``_Layout``, what Triton
+    specialises on (a superset: two launches with one key compile to the same kernel)."""
+    types = tuple(map(type, args))
+    layouts = _layouts.get(kid)
+    if layouts is None:
+        layouts = _layouts[kid] = {}
+    lay = layouts.get(types)
+    if lay is None:
+        lay = layouts[types] = _Layout(kernel, args)
+    return (types, lay.values(args), tuple(-2147483648 <= args[i] < 2147483648 for i in lay.nospec),
+            tuple((args[i].dtype, args[i].data_ptr() & 15 == 0) for i in lay.tensors), tuple(meta.items()))
 
 
 def launch(kernel, grid, *args, sig=None, **meta):
@@ -76,10 +86,9 @@ def launch(kernel, grid, *args, sig=None, **meta):
     cache = _caches.get(kid)
     if cache is None:
         cache = _caches[kid] = {}
-        _no_spec[kid] = _nospec_flags(kernel, len(args))
         _tensor_args[kid] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     if sig is None:
-        key = (_arg_key(args, _no_spec[kid]), tuple(meta.items()))
+        key = _key(kid, kernel, args, meta)
     else:
         key = (sig, *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in _tensor_args[kid]])
     entry = cache.get(key)
@@ -87,6 +96,8 @@ def launch(kernel, grid, *args, sig=None, **meta):
         compiled = kernel[grid](*args, **meta)
         try:
             consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
+            if len(cache) >= _MAX_KEYS:
+                cache.clear()
             cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
         except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
             _direct = False

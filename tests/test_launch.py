@@ -1,0 +1,44 @@
+"""The direct-launch cache key (flame/kernels/launch.py): two launches share a compiled kernel
+only when Triton would specialise them alike. The direct path itself runs on CUDA only; the key
+is plain Python and is checked here on any backend."""
+import types
+
+import torch
+
+from flame.kernels import launch as L
+
+
+def _fake_kernel(names, no_spec=()):
+    return types.SimpleNamespace(arg_names=list(names), do_not_specialize=list(no_spec))
+
+
+KERNEL = _fake_kernel(["x", "y", "n", "seed", "eps", "flag", "BLOCK"], no_spec=["seed"])
+
+
+def _key(*args, **meta):
+    return L._key(id(KERNEL), KERNEL, args, meta or {"BLOCK": 64})
+
+
+def test_keys_follow_what_triton_specialises_on():
+    x, y = torch.zeros(64), torch.zeros(64)
+    base = _key(x, y, 64, 7, 1e-5, True)
+    assert _key(torch.ones(64), torch.ones(64), 64, 7, 1e-5, True) == base  # other tensors, same kind
+    assert _key(x, y, 64, 123456, 1e-6, True) == base  # a do-not-specialise int and a float: not keyed
+    for other in (_key(x, y, 65, 7, 1e-5, True),  # a specialised int's value
+                  _key(x, y, 1, 7, 1e-5, True),
+                  _key(x, y, 64, 2 ** 40, 1e-5, True),  # the no-spec int no longer fits in 32 bits
+                  _key(x, y, 64, 7, 1, True),  # an int where a float was
+                  _key(x, y, 64, 7, 1e-5, False),  # a bool's value
+                  _key(x.half(), y, 64, 7, 1e-5, True),  # a pointer's dtype
+                  _key(x[1:], y[1:], 64, 7, 1e-5, True),  # pointers 4 bytes off 16-byte alignment
+                  _key(x, y, 64, 7, 1e-5, True, BLOCK=128)):  # a constexpr
+        assert other != base
+    assert _key(x[4:], y[4:], 64, 7, 1e-5, True) == base  # 16 bytes in: still aligned
+
+
+def test_layouts_are_kept_per_type_signature():
+    x = torch.zeros(8)
+    L._layouts.pop(id(KERNEL), None)
+    _key(x, x, 8, 1, 0.5, True)
+    _key(x, x, 8, 1, 2, True)
+    assert len(L._layouts[id(KERNEL)]) == 2
