@@ -266,9 +266,25 @@ def _tma_available():
     if _tma_ready is None:
         _tma_ready = (torch.cuda.get_device_capability(runtime.device)[0] >= 9
                       and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator"))
-        if _tma_ready:  # device-side descriptors live in a small per-launch global scratch buffer
-            triton.set_allocator(lambda size, alignment, stream: runtime.empty((size,), torch.int8))
+        if _tma_ready:  # device-side descriptors live in a small global scratch buffer per launch
+            triton.set_allocator(_descriptor_scratch)
     return _tma_ready
+
+
+_scratch = {}  # CUDA stream handle -> the int8 buffer its launches write their descriptors into
+
+
+def _descriptor_scratch(size, alignment, stream):
+    """Triton's per-launch scratch for device-side tensor descriptors. Launches on one stream run
+    one after another and each writes its descriptors before reading them, so one buffer per
+    stream serves them all (no allocation per launch). During CUDA-graph capture every launch
+    gets its own buffer from the graph's pool, which the graph keeps."""
+    if torch.cuda.is_current_stream_capturing():
+        return runtime.empty((size,), torch.int8)
+    buf = _scratch.get(stream)
+    if buf is None or buf.numel() < size or buf.data_ptr() % alignment:
+        buf = _scratch[stream] = runtime.empty((max(size, 1 << 16),), torch.int8)
+    return buf
 
 
 def _tma_layout(out, a, b, f, sa, sb, sc):
