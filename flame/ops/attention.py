@@ -108,6 +108,33 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
                             f"got {attn_mask.dtype}")
 
 
+_checked: dict = {}  # q/k/v shapes, strides and dtypes that passed _check -> (B, H, Lq, Lk, D)
+
+
+def _dims(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
+    """(B, H, Lq, Lk, D) of a valid call, else the error ``_check`` raises. The checks that
+    depend on the tensors are memoised on their shapes, strides and dtypes (masked calls and
+    subclasses are checked every time): the host path of a repeated attention stays thin."""
+    sig = None
+    if (attn_mask is None and type(query) is Tensor and type(key) is Tensor and type(value) is Tensor
+            and type(dropout_p) in (float, int) and dropout_p == 0 and not enable_gqa
+            and (scale is None or type(scale) in (float, int))):
+        qb, kb, vb = query._data, key._data, value._data
+        sig = (qb.shape, qb.stride(), qb.dtype, kb.shape, kb.stride(), kb.dtype, vb.shape, vb.stride(), vb.dtype)
+        dims = _checked.get(sig)
+        if dims is not None:
+            return dims
+    _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    shape = query.shape
+    dims = (shape[0], shape[1]) if len(shape) == 4 else (1, shape[0])
+    dims += (shape[-2], key.shape[-2], shape[-1])
+    if sig is not None:
+        if len(_checked) > 1024:
+            _checked.clear()
+        _checked[sig] = dims
+    return dims
+
+
 def _mask_arg(attn_mask, query, B, H, Lq, Lk):
     """(buffer, strides over (B, H, Lq, Lk), kind) for the kernels; kind 1 additive, 2 boolean."""
     if attn_mask is None:
@@ -152,14 +179,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """``softmax(query @ key^T * scale + attn_mask) @ value`` with ``torch.nn.functional``'s
     signature and semantics (see the module docstring for what is and is not supported)."""
     query, key, value, attn_mask = _autocast.lower(query, key, value, attn_mask)
-    _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    B, H, Lq, Lk, D = _dims(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     qb, kb, vb = query._data, key._data, value._data
-    if qb.dim() == 4:
-        B, H = qb.shape[0], qb.shape[1]
-    else:
-        B, H = 1, qb.shape[0]
-    Lq, D = qb.shape[-2], qb.shape[-1]
-    Lk = kb.shape[-2]
     scale = (1.0 / math.sqrt(D) if D > 0 else 1.0) if scale is None else float(scale)
     mask = _mask_arg(attn_mask, query, B, H, Lq, Lk)
     out = _empty_like_order(qb)
