@@ -54,6 +54,9 @@ FORMAT = 1
 
 _GEMM_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _ATTN_KEY = ("Lq", "Lk", "D", "BH")  # BH: batch x heads
+_GN_KEY = ("N", "C", "S", "G", "channels_last")  # S: positions per channel; channels_last 0 or 1
+# the statistics (partial) pass's tile, splits of each group's positions and warps, then the apply pass's
+_GN_FIELDS = ("BLOCK_C", "BLOCK_S", "SPLITS", "num_warps", "BLOCK_C_APPLY", "BLOCK_S_APPLY", "num_warps_apply")
 
 # kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
 KERNELS = {
@@ -69,6 +72,17 @@ KERNELS = {
     # dQ is fused into dK/dV for short K/V) and how many chunks split the query blocks
     "attention_bwd": (_ATTN_KEY, ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ",
                                   "num_warps_dq", "num_stages_dq", "CHUNKS")),
+    # kernels/conv2d.py _wgrad_config: the weight gradient, M = output and N = input channels per
+    # group, K = batch x output pixels (the reduction), taps = KH x KW; split-K follows from the tiles
+    "conv2d_wgrad": (("M", "N", "K", "taps"), _GEMM_FIELDS),
+    "conv2d_wgrad_tma": (("M", "N", "K", "taps"), _GEMM_FIELDS),  # the same, stride-1 TMA kernel
+    # kernels/norms.py _ln_fwd_plan / _ln_bwd_plan: LayerNorm and RMSNorm over M rows of D (BLOCK_D
+    # derived from D); the backward's PROGRAMS persistent programs each reduce a share of dW/dB
+    "layer_norm_fwd": (("M", "D"), ("BLOCK_M", "num_warps")),
+    "layer_norm_bwd": (("M", "D"), ("BLOCK_M", "num_warps", "PROGRAMS")),
+    # kernels/norms.py _gn_plan: GroupNorm (+ SiLU) over (N, C, S), forward and backward
+    "group_norm_fwd": (_GN_KEY, _GN_FIELDS),
+    "group_norm_bwd": (_GN_KEY, _GN_FIELDS),
 }
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")

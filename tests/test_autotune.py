@@ -1,6 +1,6 @@
-"""scripts/autotune.py through the interpreter: --quick tables that flame.tune loads (GEMM, conv and
-attention families), resume and --force, the candidate check, the budget stop and the command
-line's errors."""
+"""scripts/autotune.py through the interpreter: --quick tables that flame.tune loads (GEMM, conv,
+attention and norm families), resume and --force, the candidate check, the budget stop and the
+command line's errors."""
 import dataclasses
 import importlib.util
 import json
@@ -16,6 +16,7 @@ from flame import runtime, tune
 from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import matmul as KM
+from flame.kernels import norms as KN
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU = runtime.device_name()  # the name --quick tables carry here ("cpu-interpreter")
@@ -26,6 +27,11 @@ BAD = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stage
 # --quick's attention shapes: 24 queries over 136 keys (the loop over key blocks and a dQ program)
 # and, causal, over 9 keys (K/V in one block, dQ fused); 2 heads of dimension 16
 ATTN_KEYS = {(24, 136, 16, 2), (24, 9, 16, 2)}
+# ... the weight gradients of the two convs: (Co, Ci, N*Ho*Wo, taps)
+WGRAD_KEYS = {(12, 8, 30, 9), (8, 8, 12, 9)}
+# ... GroupNorm over 1x6x5x7 channels-last (SiLU) and 2x4x3x5 NCHW; LayerNorm 10x24, RMSNorm 7x40
+GN_KEYS = {(1, 6, 35, 3, 1), (2, 4, 15, 2, 0)}
+LN_KEYS = {(10, 24), (7, 40)}
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +57,19 @@ def _table(path, rows, **top):
     doc.update(top)
     path.write_text(json.dumps(doc))
     return path
+
+
+def _overridden(kernel):
+    """The config ``kernel`` runs with under a tune.override now (it answers any key), or None."""
+    default = dict.fromkeys(tune.KERNELS[kernel][1], 1)
+    cfg = tune.config(kernel, (1,) * len(tune.KERNELS[kernel][0]), "float32", default)
+    return None if cfg is default else cfg
+
+
+def _active(kernel, bad):
+    """Whether the launch running now uses ``bad``'s values for ``kernel``."""
+    cfg = _overridden(kernel)
+    return cfg is not None and all(cfg[f] == v for f, v in bad.items())
 
 
 def _bad_active():
@@ -85,62 +104,63 @@ def _after_each_run(monkeypatch, autotune, after, family="matmul"):
     _wrap_builds(monkeypatch, autotune, wrap, family)
 
 
-def test_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+def _spy(monkeypatch, module, what):
+    """The launches ``module`` makes (still launched), each listed as ``what(kernel name, grid, meta)``."""
     launched = []
-    real_launch = KM.launch
+    real_launch = module.launch
 
     def spy(kernel, grid, *args, **meta):
-        launched.append((meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]))
+        launched.append(what(kernel.fn.__name__, grid, meta))
         return real_launch(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(KM, "launch", spy)
+    monkeypatch.setattr(module, "launch", spy)
+    return launched
+
+
+def _quick_table(autotune, tmp_path, families, keys):
+    """The table of a --quick run of ``families``: exactly the kernels and keys of ``keys`` (kernel
+    -> keys), each entry no slower than the default it was timed against."""
     out = tmp_path / f"{tune.slug(GPU)}.json"
-    assert autotune.main(["--quick", "--family", "matmul", "--family", "conv2d", "--out", str(out)]) == 0
+    assert autotune.main(["--quick", "--family", ",".join(families), "--out", str(out)]) == 0
     doc = _load(out)
     assert (doc["format"], doc["gpu"], doc["triton"]) == (1, GPU, triton.__version__) and doc["date"]
-    assert _keys(doc, "matmul") == MM_KEYS and _keys(doc, "conv2d") == CONV_KEYS
-    assert set(doc["entries"]) == {"matmul", "conv2d"}
-    for rows in (doc["entries"]["matmul"]["bfloat16"], doc["entries"]["conv2d"]["bfloat16"]):
-        for e in rows:
+    assert {k: _keys(doc, k) for k in doc["entries"]} == keys
+    for rows in doc["entries"].values():
+        for e in rows["bfloat16"]:
             assert 0 < e["ms"] <= e["default_ms"], e  # the default is one of the contenders
+    return doc
+
+
+def _tune_reads(monkeypatch, tmp_path, doc):
+    """flame.tune reads every entry of ``doc`` back, without a warning, as it would on that GPU."""
+    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
+    tune.reset()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", tune.TuningTableWarning)
+            for kernel, rows in doc["entries"].items():
+                default = dict.fromkeys(tune.KERNELS[kernel][1], 1)
+                for e in rows["bfloat16"]:
+                    assert tune.config(kernel, tuple(e["key"]), "bfloat16", default, device_name=GPU) == e["config"]
+    finally:
+        tune.reset()
+
+
+def test_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    launched = _spy(monkeypatch, KM, lambda name, grid, meta: (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]))
+    doc = _quick_table(autotune, tmp_path, ["matmul", "conv2d"], {"matmul": MM_KEYS, "conv2d": CONV_KEYS})
     # every candidate of the forward GEMM really ran with its own blocks
     ctx = autotune.Ctx(torch.bfloat16, quick=True, smem=None)
     tried = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) for c in ctx.gemm_space(24, 40, 16, group_m=True)}
     assert len(tried) >= 4 and tried <= set(launched), (tried, set(launched))
     text = capsys.readouterr().out
     assert "geometric-mean speedup" in text and "linear 24x16->40 dW" in text and "conv 3x3 s2 1x8x7x6->8" in text
-
-    # flame.tune reads the table as it would on that GPU, without a warning
-    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
-    tune.reset()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", tune.TuningTableWarning)
-            for kernel, fields in (("matmul", KM._config(8, 8, 8, torch.float32)),
-                                   ("conv2d", KC._gemm_config(8, 8, 8, torch.float32))):
-                for e in doc["entries"][kernel]["bfloat16"]:
-                    assert tune.config(kernel, tuple(e["key"]), torch.bfloat16, fields, device_name=GPU) == e["config"]
-    finally:
-        tune.reset()
+    _tune_reads(monkeypatch, tmp_path, doc)
 
 
 def test_attention_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
-    launched = []
-    real_launch = KA.launch
-
-    def spy(kernel, grid, *args, **meta):
-        launched.append((kernel.fn.__name__, grid, meta.get("BLOCK_M"), meta.get("BLOCK_N")))
-        return real_launch(kernel, grid, *args, **meta)
-
-    monkeypatch.setattr(KA, "launch", spy)
-    out = tmp_path / f"{tune.slug(GPU)}.json"
-    assert autotune.main(["--quick", "--family", "attention", "--out", str(out)]) == 0
-    doc = _load(out)
-    assert set(doc["entries"]) == {"attention_fwd", "attention_bwd"}
-    assert _keys(doc, "attention_fwd") == ATTN_KEYS and _keys(doc, "attention_bwd") == ATTN_KEYS
-    for kernel in ("attention_fwd", "attention_bwd"):
-        for e in doc["entries"][kernel]["bfloat16"]:
-            assert 0 < e["ms"] <= e["default_ms"], e
+    launched = _spy(monkeypatch, KA, lambda name, grid, meta: (name, grid, meta.get("BLOCK_M"), meta.get("BLOCK_N")))
+    doc = _quick_table(autotune, tmp_path, ["attention"], {"attention_fwd": ATTN_KEYS, "attention_bwd": ATTN_KEYS})
     text = capsys.readouterr().out
     assert "attention B1 H2 Lq24 Lk9 D16 causal bwd" in text and "candidates rejected (wrong output): 0" in text
     # the candidates really ran: every forward tile of the loop path, both stages of the backward
@@ -152,52 +172,103 @@ def test_attention_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, 
     assert {(16, 16), (32, 16)} <= dq_blocks
     assert {g[2] for k, g, _, _ in launched if k == "_attn_bwd_dkdv_kernel"} == {1, 2}  # query chunks
     assert (1, 2) in {g for k, g, _, _ in launched if k == "_attn_fwd_kernel"}  # 2 query blocks per program
+    _tune_reads(monkeypatch, tmp_path, doc)
 
-    # flame.tune reads the table as it would on that GPU, without a warning
-    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
-    tune.reset()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", tune.TuningTableWarning)
-            for kernel, heuristic in (("attention_fwd", KA._fwd_heuristic), ("attention_bwd", KA._bwd_heuristic)):
-                for e in doc["entries"][kernel]["bfloat16"]:
-                    default = heuristic(*e["key"][:2], 16, e["key"][3], 2, False)
-                    assert tune.config(kernel, tuple(e["key"]), "bfloat16", default, device_name=GPU) == e["config"]
-    finally:
-        tune.reset()
+
+def _run_with_bad_candidates(autotune, monkeypatch, tmp_path, capsys, shapes, corrupt, bad):
+    """A --quick run of the families of ``shapes`` ({family: [shape, ...]}) with ``corrupt(bench)``
+    after each of their launches (the "kernel bugs" of the configs ``bad``, {kernel: fields}), under
+    which the launches would also time fastest, were they not rejected. Returns (output, table)."""
+    for family in shapes:
+        _after_each_run(monkeypatch, autotune, corrupt, family)
+    real_time = autotune.time_ms
+    monkeypatch.setattr(autotune, "time_ms", lambda fn, **kw: 1e-6 if any(_active(k, v) for k, v in bad.items())
+                        else real_time(fn, **kw))
+    path = tmp_path / "s.yaml"
+    path.write_text("".join(f"{autotune.FAMILIES[f].section}: {rows}\n" for f, rows in shapes.items()))
+    out = tmp_path / "t.json"
+    argv = ["--quick", "--shapes", str(path), "--family", ",".join(shapes), "--out", str(out)]
+    assert autotune.main(argv) == 1
+    return capsys.readouterr().out, _load(out)
 
 
 def test_a_wrong_attention_candidate_is_rejected(autotune, tmp_path, monkeypatch, capsys):
     bad_fwd = dict(BLOCK_M=16, BLOCK_N=16, M_GROUP=1, num_warps=4, num_stages=1)  # --quick candidates
     bad_dq = dict(BLOCK_M_DQ=16, BLOCK_N_DQ=16, num_warps_dq=4, num_stages_dq=1)
 
-    def active(kernel, bad):
-        fields = tune.KERNELS[kernel][1]
-        cfg = tune.config(kernel, (1, 1, 1, 1), "float32", dict.fromkeys(fields, 1))
-        return all(cfg[f] == v for f, v in bad.items())
-
     def corrupt(bench):  # the "kernel bugs": the forward's output is off, the backward leaves dV unwritten
-        if len(bench.out) == 2 and active("attention_fwd", bad_fwd):  # (O, lse)
+        if len(bench.out) == 2 and _active("attention_fwd", bad_fwd):  # (O, lse)
             bench.out[0].add_(0.5)
-        if len(bench.out) == 3 and active("attention_bwd", bad_dq):  # (dQ, dK, dV)
+        if len(bench.out) == 3 and _active("attention_bwd", bad_dq):  # (dQ, dK, dV)
             bench.out[2].fill_(float("nan"))
 
-    _after_each_run(monkeypatch, autotune, corrupt, "attention")
-    real_time = autotune.time_ms  # ... and they would be the fastest, were they not rejected
-    monkeypatch.setattr(autotune, "time_ms", lambda fn, **kw: 1e-6 if active("attention_fwd", bad_fwd)
-                        or active("attention_bwd", bad_dq) else real_time(fn, **kw))
-    shapes = tmp_path / "s.yaml"
-    shapes.write_text("attention: [[1, 2, 24, 136, 16, 0]]\n")
-    out = tmp_path / "t.json"
-    assert autotune.main(["--quick", "--shapes", str(shapes), "--family", "attention", "--out", str(out)]) == 1
-    text = capsys.readouterr().out
+    text, doc = _run_with_bad_candidates(autotune, monkeypatch, tmp_path, capsys,
+                                         {"attention": [[1, 2, 24, 136, 16, 0]]}, corrupt,
+                                         {"attention_fwd": bad_fwd, "attention_bwd": bad_dq})
     assert text.count("REJECTED attention_fwd") == 1 and repr(bad_fwd) in text, text
     assert text.count("REJECTED attention_bwd") == 1 and "output 2: max |error| nan" in text, text
     assert "candidates rejected (wrong output): 2" in text
-    doc = _load(out)
     (fwd,), (bwd,) = doc["entries"]["attention_fwd"]["bfloat16"], doc["entries"]["attention_bwd"]["bfloat16"]
     assert fwd["config"] != bad_fwd and not all(bwd["config"][f] == v for f, v in bad_dq.items())
     assert min(fwd["ms"], bwd["ms"]) > 1e-3
+
+
+def test_wgrad_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    launched = _spy(monkeypatch, KC, lambda name, grid, meta: (meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]))
+    doc = _quick_table(autotune, tmp_path, ["conv2d_wgrad"], {"conv2d_wgrad": WGRAD_KEYS})
+    ctx = autotune.Ctx(torch.bfloat16, quick=True, smem=None)
+    tried = {(c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) for c in ctx.gemm_space(12, 8, 30, group_m=False)}
+    assert len(tried) == 2 and tried <= set(launched), (tried, set(launched))  # BLOCK_K 16 and 32
+    text = capsys.readouterr().out
+    assert "wgrad 3x3 s2 1x8x7x6->8" in text and "candidates rejected (wrong output): 0" in text
+    _tune_reads(monkeypatch, tmp_path, doc)
+
+
+def test_norms_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    launched = _spy(monkeypatch, KN, lambda name, grid, meta: (name, grid, meta.get("BLOCK_C"), meta.get("BLOCK_S"),
+                                                               meta.get("BLOCK_M")))
+    real_time = autotune.time_ms
+
+    def time_ms(fn, **kw):  # LayerNorm's backward: fewer rows per program "time" faster, so that its
+        cfg = _overridden("layer_norm_bwd")  # second stage (the persistent programs) has candidates
+        return 1e-3 * cfg["BLOCK_M"] if cfg else real_time(fn, **kw)
+
+    monkeypatch.setattr(autotune, "time_ms", time_ms)
+    keys = dict(group_norm_fwd=GN_KEYS, group_norm_bwd=GN_KEYS, layer_norm_fwd=LN_KEYS, layer_norm_bwd=LN_KEYS)
+    doc = _quick_table(autotune, tmp_path, ["group_norm", "layer_norm"], keys)
+    text = capsys.readouterr().out
+    for name in ("group_norm 1x6x5x7 G3 channels-last silu bwd", "group_norm 2x4x3x5 G2 fwd", "rms_norm 7x40 bwd"):
+        assert name in text
+    assert text.count("candidates rejected (wrong output): 0") == 2
+    # the candidates really ran: both stages of GroupNorm (the statistics pass split 2 and 3 ways
+    # over 2-channel blocks of the 1x6x35 map, the apply pass in 2x16 and 4x8 tiles), LayerNorm's
+    # 2- and 4-row blocks and the backward's 3 persistent programs
+    partial = {(g, c) for k, g, c, _, _ in launched if k == "_gn_partial_kernel"}
+    assert {((3, 2), 2), ((3, 3), 2)} <= partial, partial
+    assert {(2, 16), (4, 8)} <= {(c, s) for k, _, c, s, _ in launched if k == "_gn_apply_kernel"}
+    assert {2, 4} <= {m for k, _, _, _, m in launched if k == "_ln_fwd_kernel"}
+    assert ((3,), 2) in {(g, m) for k, g, _, _, m in launched if k == "_ln_bwd_kernel"}
+    _tune_reads(monkeypatch, tmp_path, doc)
+
+
+def test_a_wrong_norm_candidate_is_rejected(autotune, tmp_path, monkeypatch, capsys):
+    bad_apply = dict(BLOCK_C_APPLY=4, BLOCK_S_APPLY=8)  # a --quick candidate of the apply pass
+    bad_rows = dict(BLOCK_M=4)  # ... and of LayerNorm's rows per program
+
+    def corrupt(bench):  # the "kernel bugs": GroupNorm's backward leaves dB unwritten, LayerNorm's forward is off
+        if isinstance(bench.out, tuple) and len(bench.out) == 3 and _active("group_norm_bwd", bad_apply):
+            bench.out[2].fill_(float("nan"))
+        if not isinstance(bench.out, tuple) and bench.out.dim() == 2 and _active("layer_norm_fwd", bad_rows):
+            bench.out.add_(0.5)
+
+    text, doc = _run_with_bad_candidates(autotune, monkeypatch, tmp_path, capsys,
+                                         {"group_norm": [[1, 6, 5, 7, 3, 1, 1]], "layer_norm": [[10, 24, 0]]},
+                                         corrupt, {"group_norm_bwd": bad_apply, "layer_norm_fwd": bad_rows})
+    assert text.count("REJECTED group_norm_bwd") == 1 and "output 2: max |error| nan" in text, text
+    assert text.count("REJECTED layer_norm_fwd") == 1 and "'BLOCK_M': 4" in text, text
+    (gn,), (ln,) = doc["entries"]["group_norm_bwd"]["bfloat16"], doc["entries"]["layer_norm_fwd"]["bfloat16"]
+    assert not all(gn["config"][f] == v for f, v in bad_apply.items()) and ln["config"]["BLOCK_M"] != 4
+    assert min(gn["ms"], ln["ms"]) > 1e-3
 
 
 def test_the_sdxl_shapes_file_has_every_section(autotune):
@@ -205,7 +276,15 @@ def test_the_sdxl_shapes_file_has_every_section(autotune):
         raise AssertionError(msg)
 
     shapes = autotune.load_shapes(autotune.DEFAULT_SHAPES, list(autotune.FAMILIES), error)
-    assert set(shapes) == {"linear", "conv", "attention"}
+    assert set(shapes) == {"linear", "conv", "attention", "group_norm", "layer_norm"}
+    group_norm = set(shapes["group_norm"])
+    # 12 GroupNorm widths and sizes per batch (1, 2, 4) and image (1024x1024, 896x1152), both layouts
+    assert len(group_norm) == 144 and {s[0] for s in group_norm} == {1, 2, 4} and {s[5] for s in group_norm} == {0, 1}
+    assert {(s[1], s[2], s[3]) for s in group_norm} >= {(320, 128, 128), (640, 64, 64), (1280, 32, 32),
+                                                        (2560, 32, 32), (960, 112, 144), (1920, 56, 72)}
+    assert all(s[4] == 32 and s[6] == 1 for s in group_norm)
+    assert set(shapes["layer_norm"]) == {(b * t, d, 0) for b in (1, 2, 4)
+                                         for t, d in ((4096, 640), (1024, 1280), (4032, 640), (1008, 1280))}
     attention = set(shapes["attention"])
     assert len(attention) == 24 and {s[0] for s in attention} == {1, 2, 4}
     assert {s[2:4] for s in attention} == {(4096, 4096), (1024, 1024), (4096, 77), (1024, 77), (4032, 4032),
@@ -220,11 +299,13 @@ def test_the_kernel_that_runs_is_the_one_tuned(autotune, tmp_path):
     shapes = tmp_path / "s.yaml"
     shapes.write_text("conv: [[1, 8, 4, 4, 16, 1, 1], [1, 8, 4, 4, 16, 3, 1]]\n")
     out = tmp_path / "t.json"
-    argv = ["--quick", "--shapes", str(shapes), "--family", "conv2d,conv2d_dgrad", "--out", str(out)]
+    argv = ["--quick", "--shapes", str(shapes), "--family", "conv2d,conv2d_dgrad,conv2d_wgrad", "--out", str(out)]
     assert autotune.main(argv) == 0
     doc = _load(out)
+    # the 1x1 weight gradient dW (16, 8) = dY^T (16 x 16 pixels) @ X is the input gradient's key again
     assert _keys(doc, "matmul") == {(16, 16, 8, 1), (16, 8, 16, 1)}
     assert _keys(doc, "conv2d") == {(16, 16, 8, 9)} and _keys(doc, "conv2d_dgrad") == {(16, 8, 16, 9)}
+    assert _keys(doc, "conv2d_wgrad") == {(16, 8, 16, 9)}
 
 
 def test_resume_skips_tuned_keys_keeps_others_and_force_retunes(autotune, tmp_path, monkeypatch, capsys):
@@ -333,14 +414,19 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
 
 
 @pytest.mark.parametrize("args, shapes, match", [
-    (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad, attention"),
+    (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad, conv2d_wgrad, "
+                                        "attention, group_norm, layer_norm"),
     (["--budget-minutes", "0"], None, "--budget-minutes: must be a positive number of minutes, got '0'"),
     (["--budget-minutes", "soon"], None, "positive number of minutes, got 'soon'"),
     (["--dtype", "fp8"], None, "invalid choice: 'fp8'"),
     (["--shapes", "missing.yaml"], None, "cannot read it"),
     (["--shapes"], "linear: [[4096, 640]]\n", "linear[0] = [4096, 640] is not 3 positive integers ['M', 'K', 'N']"),
     (["--shapes"], "conv: [[1, 4, 8, 8, 16, 3, 0]]\n", "conv[0] = [1, 4, 8, 8, 16, 3, 0]"),
-    (["--shapes"], "lienar: [[1, 2, 3]]\n", "unknown section 'lienar' (known: attention, conv, linear)"),
+    (["--shapes"], "lienar: [[1, 2, 3]]\n",
+     "unknown section 'lienar' (known: attention, conv, group_norm, layer_norm, linear)"),
+    (["--shapes"], "group_norm: [[1, 4, 2, 2, 2, 2, 1]]\n", "group_norm[0] = [1, 4, 2, 2, 2, 2, 1] is not 7 integers "
+     "['N', 'C', 'H', 'W', 'G', 'channels_last', 'silu'] (channels_last, silu 0 or 1"),
+    (["--shapes"], "layer_norm: [[0, 24, 0]]\n", "layer_norm[0] = [0, 24, 0] is not 3 integers"),
     (["--shapes"], "attention: [[1, 2, 8, 8, 16, 2]]\n",
      "attention[0] = [1, 2, 8, 8, 16, 2] is not 6 integers ['B', 'H', 'Lq', 'Lk', 'D', 'causal'] (causal 0 or 1"),
     (["--shapes"], "attention: [[1, 0, 8, 8, 16, 0]]\n", "attention[0] = [1, 0, 8, 8, 16, 0] is not 6 integers"),
@@ -356,6 +442,15 @@ def test_bad_command_lines_are_clear_errors(autotune, tmp_path, capsys, args, sh
         autotune.main([*args, "--quick", "--out", str(tmp_path / "t.json")])
     assert exit_info.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_group_norm_groups_must_divide_the_channels(autotune, tmp_path, capsys):
+    shapes = tmp_path / "s.yaml"
+    shapes.write_text("group_norm: [[1, 6, 2, 2, 4, 0, 0]]\n")
+    out = tmp_path / "t.json"
+    assert autotune.main(["--quick", "--shapes", str(shapes), "--family", "group_norm", "--out", str(out)]) == 1
+    assert "group_norm shape [1, 6, 2, 2, 4, 0, 0]: C = 6 is not a multiple of G = 4" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_quick_or_interpreter_runs_need_out(autotune, capsys):

@@ -1,3 +1,5 @@
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -5,7 +7,7 @@ import torch.nn.functional as TF
 
 import flame
 import flame.nn.functional as F
-from flame.kernels import norms as KN
+from flame import tune
 from flame.testing import gradcheck
 from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
 
@@ -114,23 +116,41 @@ def test_group_norm_weight_only_and_3d_5d():
     assert out.stride() == x.stride()
 
 
+@contextlib.contextmanager
+def _forced(**configs):
+    """Every launch of the kernels named uses the config given (``flame.tune.override``); each of
+    them must have been asked for its config inside the block."""
+    with contextlib.ExitStack() as stack:
+        active = [stack.enter_context(tune.override(kernel, cfg)) for kernel, cfg in configs.items()]
+        yield
+    assert all(a.served for a in active), [(a.kernel, a.served) for a in active]
+
+
+def _gn_config(block_c, block_s, splits):
+    """A GroupNorm config: the statistics pass in ``block_c`` x ``block_s`` tiles over ``splits``
+    splits of each group's positions, the apply pass in 4 x 16 tiles."""
+    return dict(BLOCK_C=block_c, BLOCK_S=block_s, SPLITS=splits, num_warps=4, BLOCK_C_APPLY=4, BLOCK_S_APPLY=16,
+                num_warps_apply=4)
+
+
 @pytest.mark.parametrize("channels_last", [False, True])
 @pytest.mark.parametrize("act", [None, "silu"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_group_norm_split_statistics(monkeypatch, channels_last, act, batch):
+def test_group_norm_split_statistics(channels_last, act, batch):
     # batch-1 path: each group's statistics split over several programs (3 splits of S = 63, the
-    # last one short), channel blocks of 4 over C = 6 (not a multiple), then combined
-    monkeypatch.setattr(KN, "_gn_override", (4, 8, 3))
+    # last one short), channel blocks of 4 over C = 6 (not a multiple), then combined; the apply
+    # pass in blocks that do not divide C or S either
     x, w, b, g = _gn_inputs((batch, 6, 7, 9), torch.float32, True, channels_last)
-    _check(_gn_flame(3, 1e-5, act), _gn_torch(3, 1e-5, act), [x, w, b], g, torch.float32)
+    with _forced(group_norm_fwd=_gn_config(4, 8, 3), group_norm_bwd=_gn_config(4, 8, 3)):
+        _check(_gn_flame(3, 1e-5, act), _gn_torch(3, 1e-5, act), [x, w, b], g, torch.float32)
 
 
-def test_group_norm_large_mean_is_stable(monkeypatch):
+def test_group_norm_large_mean_is_stable():
     # |mean| >> std: naive fp32 sum / sum-of-squares would cancel; shifted sums do not
-    monkeypatch.setattr(KN, "_gn_override", (2, 16, 4))
     x = (torch.randn(1, 4, 8, 8, dtype=torch.float64, device=DEVICE) * 0.01 + 1000.0)
     ref = TF.group_norm(x, 2).float()
-    y = F.group_norm(_f(x.float()), 2)
+    with _forced(group_norm_fwd=_gn_config(2, 16, 4)):
+        y = F.group_norm(_f(x.float()), 2)
     assert_close(y, ref, atol=2e-2, rtol=0)  # fp32 input rounding of 1000 + 0.01 z alone is ~3e-3 of std
 
 
@@ -239,16 +259,20 @@ def test_layer_rms_norm_no_affine_noncontig_eps(rms, affine):
         _check(f_fn, t_fn, inputs, g, torch.float32)
 
 
-@pytest.mark.parametrize("override", [(1, 8, 1), (2, 64, 3)], ids=["looped-row", "multi-program"])
+@pytest.mark.parametrize("shape, offset, fwd, bwd", [
+    ((3, 16411), 5.0, dict(BLOCK_M=2, num_warps=4), None),
+    ((11, 37), 50.0, dict(BLOCK_M=2, num_warps=4), dict(BLOCK_M=2, num_warps=4, PROGRAMS=3)),
+], ids=["looped-rows", "multi-program"])
 @pytest.mark.parametrize("rms", [False, True])
-def test_layer_rms_norm_paths(monkeypatch, override, rms):
-    # (1, 8, .): rows of 37 longer than the block -> the streamed three-pass kernels;
-    # (2, 64, 3): 3 programs each reducing several row blocks into dW/dB partials
-    monkeypatch.setattr(KN, "_ln_override", override)
-    inputs, g = _ln_inputs((11, 37), (37,), torch.float32, True, rms)
-    inputs[0] = inputs[0] + 50.0  # offset mean: the looped LayerNorm's centred variance pass
-    f_fn, t_fn = _ln_fns(rms, (37,), 1e-5)
-    _check(f_fn, t_fn, inputs, g, torch.float32)
+def test_layer_rms_norm_paths(shape, offset, fwd, bwd, rms):
+    # rows of 16411, longer than the largest block (16384 here, 8192 on the GPU): the streamed
+    # three-pass kernels, the forward two rows per program (the last one masked), the backward one
+    # row per program; (11, 37): 3 programs each reducing several 2-row blocks into dW/dB partials
+    inputs, g = _ln_inputs(shape, shape[-1:], torch.float32, True, rms)
+    inputs[0] = inputs[0] + offset  # offset mean: the looped LayerNorm's centred variance pass
+    f_fn, t_fn = _ln_fns(rms, shape[-1:], 1e-5)
+    with _forced(layer_norm_fwd=fwd, **({"layer_norm_bwd": bwd} if bwd else {})):
+        _check(f_fn, t_fn, inputs, g, torch.float32)
 
 
 def test_layer_rms_norm_gradcheck():

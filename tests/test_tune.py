@@ -1,5 +1,5 @@
 """flame.tune: launch-config tables (exact, bucket and heuristic lookups, bad tables) and the
-matmul / conv / attention launchers' use of them."""
+matmul / conv / attention / norm launchers' use of them."""
 import contextlib
 import json
 import warnings
@@ -10,6 +10,7 @@ import triton
 
 from flame import runtime, tune
 from flame.kernels import attention, conv2d, matmul
+from flame.kernels import norms as KN
 
 GPU = "NVIDIA H200"
 MM = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=2, num_stages=5)
@@ -18,6 +19,7 @@ DEFAULT = dict(BLOCK_M=1, BLOCK_N=1, BLOCK_K=1, GROUP_M=1, num_warps=1, num_stag
 FWD = dict(BLOCK_M=128, BLOCK_N=32, M_GROUP=2, num_warps=8, num_stages=2)
 BWD = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2, BLOCK_M_DQ=128, BLOCK_N_DQ=32, num_warps_dq=4,
            num_stages_dq=3, CHUNKS=3)
+GN = dict(BLOCK_C=32, BLOCK_S=128, SPLITS=20, num_warps=4, BLOCK_C_APPLY=64, BLOCK_S_APPLY=64, num_warps_apply=8)
 
 
 @pytest.fixture
@@ -337,6 +339,119 @@ def test_conv_launcher_names_its_kernel_and_taps(monkeypatch):
     assert [(c[4], c[5]) for c in calls] == [(6, "conv2d"), (6, "conv2d_dgrad")]
 
 
+# The norm and conv weight-gradient heuristics' answers before they went through flame.tune (132
+# SMs, or the interpreter), as their kernels' config fields. GroupNorm: (N, C, S, G, channels-last)
+# -> (BLOCK_C, BLOCK_S, SPLITS, num_warps, BLOCK_C_APPLY, BLOCK_S_APPLY, num_warps_apply); LayerNorm:
+# (M, D) -> (BLOCK_M, num_warps, PROGRAMS); the weight gradient: (Co, Ci, N*Ho*Wo, dtype, TMA) ->
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages).
+_GN_HEURISTIC = {False: [
+    ((1, 320, 16384, 32, True), (64, 64, 106, 8, 128, 32, 8)),
+    ((1, 320, 16384, 32, False), (4, 1024, 7, 8, 4, 1024, 8)),
+    ((4, 1280, 1024, 32, False), (4, 1024, 1, 8, 4, 1024, 8)),
+    ((2, 1920, 4032, 32, True), (64, 64, 9, 8, 128, 32, 8)),
+    ((3, 10, 15, 5, False), (16, 16, 1, 4, 16, 16, 4)),
+], True: [
+    ((1, 320, 16384, 32, True), (4, 4096, 1, 8, 8, 4096, 8)),
+    ((4, 1280, 1024, 32, False), (16, 1024, 1, 8, 32, 1024, 8)),
+    ((1, 6, 35, 3, True), (8, 64, 1, 4, 8, 64, 4)),
+]}
+_LN_HEURISTIC = {False: [((4096, 640), (4, 8, 264)), ((1024, 1280), (2, 8, 264)), ((77, 20000), (1, 8, 264)),
+                         ((10, 24), (16, 4, 264))],
+                 True: [((4096, 640), (32, 16, 1)), ((77, 20000), (1, 16, 1)), ((10, 24), (16, 4, 1))]}
+_WGRAD_HEURISTIC = {False: [
+    ((320, 320, 16384, torch.bfloat16, True), (128, 128, 64, 4, 3)),
+    ((4, 320, 16384, torch.bfloat16, False), (16, 128, 64, 4, 3)),
+    ((1280, 2560, 1024, torch.float32, False), (128, 128, 32, 4, 3)),
+], True: [
+    ((12, 8, 30, torch.float32, False), (16, 8, 32, 4, 1)),
+    ((320, 640, 100000, torch.float16, False), (128, 128, 512, 4, 1)),
+]}
+
+
+@pytest.mark.parametrize("interpreter", [False, True])
+def test_without_a_table_norm_and_wgrad_configs_are_the_heuristics(tables, fake_gpu, monkeypatch, interpreter):
+    if interpreter:
+        monkeypatch.setattr(runtime, "INTERPRETER", True)
+        monkeypatch.setattr(runtime, "_num_sms", 1)
+    bf16 = torch.bfloat16
+    with tune.record() as asked:  # empties the memoised plans first (they may be another backend's)
+        for (n, c, s, g, cl), _ in _GN_HEURISTIC[interpreter]:
+            for bwd in (False, True):
+                KN._gn_plan(n, c, s, g, cl, bf16, bwd)
+        for (m, d), _ in _LN_HEURISTIC[interpreter]:
+            KN._ln_fwd_plan(m, d, bf16)
+            KN._ln_bwd_plan(m, d, bf16)
+        for (co, ci, rows, dtype, tma), _ in _WGRAD_HEURISTIC[interpreter]:
+            conv2d._wgrad_config(co, ci, rows, 9, dtype, tma)
+    want = []
+    for (n, c, s, g, cl), cfg in _GN_HEURISTIC[interpreter]:
+        want += [(k, (n, c, s, g, int(cl)), "bfloat16", dict(zip(tune.KERNELS[k][1], cfg)))
+                 for k in ("group_norm_fwd", "group_norm_bwd")]
+    for key, (bm, warps, programs) in _LN_HEURISTIC[interpreter]:
+        want += [("layer_norm_fwd", key, "bfloat16", dict(BLOCK_M=bm, num_warps=warps)),
+                 ("layer_norm_bwd", key, "bfloat16", dict(BLOCK_M=bm, num_warps=warps, PROGRAMS=programs))]
+    for (co, ci, rows, dtype, tma), cfg in _WGRAD_HEURISTIC[interpreter]:
+        want.append(("conv2d_wgrad_tma" if tma else "conv2d_wgrad", (co, ci, rows, 9), str(dtype)[6:],
+                     dict(zip(tune.KERNELS["conv2d_wgrad"][1], cfg))))
+    assert asked == want
+
+
+def test_norm_and_wgrad_configs_come_from_the_table(tables, fake_gpu):
+    ln_bwd = dict(BLOCK_M=2, num_warps=4, PROGRAMS=100)
+    wgrad, wgrad_tma = dict(CONV, BLOCK_K=64), dict(CONV, BLOCK_M=64, BLOCK_K=128)
+    tables({"group_norm_fwd": {"bfloat16": [entry((1, 320, 16384, 32, 1), GN)]},
+            "group_norm_bwd": {"bfloat16": [entry((1, 320, 16384, 32, 1), dict(GN, SPLITS=1))]},
+            "layer_norm_fwd": {"bfloat16": [entry((4096, 640), dict(BLOCK_M=8, num_warps=16))]},
+            "layer_norm_bwd": {"bfloat16": [entry((4096, 640), ln_bwd)]},
+            "conv2d_wgrad": {"bfloat16": [entry((320, 320, 16384, 9), wgrad)]},
+            "conv2d_wgrad_tma": {"bfloat16": [entry((320, 320, 16384, 9), wgrad_tma)]}})
+    bf16 = torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tune.TuningTableWarning)  # every entry is valid
+        _, splits, per_split, part, _, _, apply = KN._gn_plan(1, 320, 16384, 32, True, bf16, False)
+    # 20 splits of 16384 positions in whole 128-position blocks: 896 each, 19 programs per channel block
+    assert (splits, per_split) == (19, 896)
+    assert part == ((10, 19), 10, dict(BLOCK_C=32, BLOCK_S=128, num_warps=4))
+    assert apply == ((5, 256), 5, dict(BLOCK_C=64, BLOCK_S=64, num_warps=8))
+    assert KN._gn_plan(1, 320, 16384, 32, True, bf16, True)[3][0] == (10, 1)  # the backward's entry
+    assert KN._gn_plan(1, 320, 16128, 32, True, bf16, False)[3][2]["BLOCK_C"] == 32  # same bucket
+    assert KN._gn_plan(1, 320, 16384, 32, False, bf16, False)[3][2]["BLOCK_C"] == 4  # NCHW: the heuristic
+    assert KN._ln_fwd_plan(4096, 640, bf16) == (512, dict(SINGLE=True, BLOCK_M=8, BLOCK_D=1024, num_warps=16))
+    assert KN._ln_bwd_plan(4096, 640, bf16)[:3] == (100, 2048, dict(SINGLE=True, BLOCK_M=2, BLOCK_D=1024,
+                                                                    num_warps=4))
+    assert KN._ln_bwd_plan(4096, 640, torch.float16)[0] == 264  # fp16: the heuristic
+    assert conv2d._wgrad_config(320, 320, 16384, 9, bf16, False) == wgrad
+    assert conv2d._wgrad_config(320, 320, 16384, 9, bf16, True) == wgrad_tma
+    assert conv2d._wgrad_config(320, 320, 16384, 1, bf16, True)["BLOCK_K"] == 64  # 1 tap: the heuristic
+
+
+def test_memoised_norm_plans_follow_override_and_reset(tables):
+    plan = KN._ln_fwd_plan(64, 32, torch.float32)
+    assert KN._ln_fwd_plan(64, 32, torch.float32) is plan  # memoised
+    with tune.override("layer_norm_fwd", dict(BLOCK_M=2, num_warps=1)):
+        assert KN._ln_fwd_plan(64, 32, torch.float32) == (32, dict(SINGLE=True, BLOCK_M=2, BLOCK_D=32, num_warps=1))
+    assert KN._ln_fwd_plan(64, 32, torch.float32) == plan
+    gn = KN._gn_plan(2, 8, 48, 4, True, torch.float32, True)
+    with tune.override("group_norm_bwd", dict(GN, BLOCK_C=2, BLOCK_S=8, SPLITS=3)):
+        assert KN._gn_plan(2, 8, 48, 4, True, torch.float32, True)[:2] == (2, 3)  # CG 2, 3 splits
+    assert KN._gn_plan(2, 8, 48, 4, True, torch.float32, True) == gn
+
+
+def test_wgrad_launches_with_the_override(monkeypatch):
+    dev = runtime.device
+    tol = {} if runtime.INTERPRETER else dict(rtol=1e-2, atol=1e-2)  # tf32 on the GPU
+    x, g = torch.randn(1, 3, 6, 5, device=dev), torch.randn(1, 4, 6, 5, device=dev)
+    dw = runtime.empty((4, 3, 3, 3), torch.float32)
+    want = torch.nn.grad.conv2d_weight(x, (4, 3, 3, 3), g, padding=1)
+    seen = _launched_blocks(monkeypatch, conv2d)
+    for cfg in (None, dict(CONV, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), None):
+        with tune.override("conv2d_wgrad", cfg) if cfg else contextlib.nullcontext():
+            dw.fill_(float("nan"))
+            conv2d.conv2d_weight_grad_(dw, g, x, (1, 1), (1, 1), (1, 1))
+            torch.testing.assert_close(dw, want, **tol)
+    assert seen[1] == 16 and seen[0] == seen[2] != 16, seen
+
+
 # ---- override and launcher caches ---------------------------------------------------------------
 
 @pytest.fixture
@@ -388,6 +503,11 @@ def test_override_nests_and_restores(tables):
     ("attention_bwd", dict(BWD, BLOCK_N_DQ=48), "BLOCK_N_DQ=48"),  # the dQ program's blocks are checked too
     ("attention_bwd", {k: v for k, v in BWD.items() if k != "CHUNKS"}, "CHUNKS"),
     ("attention_fwd", dict(FWD, SINGLE_KV=1), "SINGLE_KV"),  # derived, not tuned
+    ("group_norm_fwd", dict(GN, BLOCK_C=48), "BLOCK_C=48"),
+    ("group_norm_bwd", dict(GN, SPLITS=0), "SPLITS=0"),
+    ("layer_norm_bwd", dict(BLOCK_M=2, num_warps=4), "PROGRAMS"),
+    ("layer_norm_fwd", dict(BLOCK_M=2, num_warps=4, BLOCK_D=1024), "BLOCK_D"),  # derived, not tuned
+    ("conv2d_wgrad", MM, "GROUP_M"),
 ])
 def test_override_rejects_a_config_that_is_not_the_kernels(kernel, cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -325,6 +325,22 @@ def _gemm_config(M, N, K, dtype, taps=1, kernel="conv2d"):
     return tune.config(kernel, (M, N, K, taps), dtype, default)
 
 
+def _wgrad_config(CO, CI, M, taps, dtype, tma):
+    """Tile config of the weight gradient: a (CO x M) @ (M x CI) tile loop per tap, CO and CI per
+    group, M = batch x output pixels. A tuning-table entry (``flame.tune``, kernel "conv2d_wgrad"
+    or, for the TMA kernel, "conv2d_wgrad_tma"; key (CO, CI, M, taps)) wins on the GPU; else the
+    matmul kernel's H200 tiles shrunk to the problem (the interpreter's pointer kernel: big
+    blocks, few programs). The TMA kernel reduces over spatial tiles of BLOCK_K output pixels;
+    the launcher derives the split of the reduction from the tiles."""
+    if runtime.INTERPRETER and not tma:
+        default = dict(BLOCK_M=_pow2(min(CO, 128)), BLOCK_N=_pow2(min(CI, 128)), BLOCK_K=_pow2(min(M, 512)),
+                       num_warps=4, num_stages=1)
+    else:
+        bm, bn, bk, warps, stages = _gpu_tiles(dtype, CO, CI, M)
+        default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return tune.config("conv2d_wgrad_tma" if tma else "conv2d_wgrad", (CO, CI, M, taps), dtype, default)
+
+
 def _nhwc(t):
     """(n, h, w, c) strides of a 4-D (N, C, H, W) buffer."""
     s = t.stride()
@@ -498,16 +514,13 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         from .elementwise import fill_
         return fill_(dw_out, 0.0)
     (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
-    if groups == 1 and (sh, sw) == (1, 1) and _tma_buffers_ok(dy, x):
-        bm, bn, bk, warps, stages = _gpu_tiles(x.dtype, CO, CI, M)
+    tma = groups == 1 and (sh, sw) == (1, 1) and _tma_buffers_ok(dy, x)
+    cfg = _wgrad_config(CO, CI, M, KH * KW, x.dtype, tma)
+    bm, bn, bk, warps, stages = (cfg[f] for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+    if tma:
         th, tw = _spatial_tile(bk, OH, OW)
         units, per_unit = NB * cdiv(OH, th) * cdiv(OW, tw), 1
     else:
-        if runtime.INTERPRETER:
-            bm, bn, bk, warps, stages = _pow2(min(CO, 128)), _pow2(min(CI, 128)), _pow2(min(M, 512)), 4, 1
-        else:
-            bm, bn, bk, warps, stages = _gpu_tiles(x.dtype, CO, CI, M)
-        th = None
         units, per_unit = cdiv(M, bk), bk
     tiles = cdiv(CO, bm) * cdiv(CI, bn)
     # split the reduction (``units`` steps) until the GPU has ~2 programs per SM, each split >= 4 steps
@@ -522,7 +535,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         target_buf = runtime.empty((splits, CO * groups, CI, KH, KW), acc_dtype(x.dtype))
         so = target_buf.stride()
     grid = (tiles * groups, KH * KW, splits)
-    if th is not None:
+    if tma:
         launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
                *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, TH=th, TW=tw, BLOCK_M=bm, BLOCK_N=bn,
                num_warps=warps, num_stages=stages)

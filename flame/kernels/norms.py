@@ -19,6 +19,12 @@ LayerNorm / RMSNorm view the input as (M, D) rows. A program normalises BLOCK_M 
 registers (a looped three-pass variant serves rows longer than one block). The backward writes dx
 and per-program dW/dB partials (rows are visited in a fixed order), reduced over programs by the
 reduce kernel afterwards: no atomics, results reproducible run to run.
+
+Launch configs come from ``flame.tune`` (kernels "group_norm_fwd", "group_norm_bwd": the tiles,
+splits and warps of the statistics and apply passes; "layer_norm_fwd", "layer_norm_bwd": rows per
+program, warps and the backward's persistent programs), a tuning table's entry on the GPU or the
+heuristics here; memoised per shape and dtype (registered with ``tune.register_cache``). Block
+sizes that must cover a dimension (LayerNorm's BLOCK_D, the combine kernels') are derived.
 """
 import functools
 
@@ -26,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, tune
 from .elementwise import _pow2, cdiv
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
@@ -240,40 +246,27 @@ def _gn_apply_kernel(x_ptr, dy_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, k1_
     tl.store(y_ptr + n * ys_n + (c64 * ys_c)[:, None] + (s * ys_s)[None, :], out.to(y_ptr.dtype.element_ty), mask=m)
 
 
-_gn_override = None  # tests set (BLOCK_C, BLOCK_S, splits) to exercise split statistics on the CPU
-
-
-def _gn_tiles(N, C, S, channels_last):
-    """(BLOCK_C, BLOCK_S, splits) for the statistics / partial pass."""
-    if _gn_override is not None:
-        return _gn_override
+def _gn_default(N, C, S, cl):
+    """group_norm_fwd/bwd's heuristic config: tiles of ~4096 elements (the interpreter's: one big
+    block) with channels innermost for channels-last input (``cl``), positions for NCHW; the
+    statistics split each group's positions until ~4 programs per SM share them."""
     if runtime.INTERPRETER:
-        block_s = _pow2(min(S, 1 << 12))
-        block_c = _pow2(min(C, max(1, (1 << 14) // block_s)))
-        return block_c, block_s, 1
-    if channels_last:
-        block_c = min(_pow2(C), 64)
-        block_s = max(1, min(_pow2(S), 4096 // block_c))
+        bs = abs_ = _pow2(min(S, 1 << 12))
+        bc = _pow2(min(C, max(1, (1 << 14) // bs)))
+        abc = _pow2(min(C, max(1, (1 << 15) // bs)))
+        splits = 1
     else:
-        block_s = min(_pow2(S), 1024)
-        block_c = max(1, min(_pow2(C), 4096 // block_s))
-    programs = N * cdiv(C, block_c)
-    target = 4 * runtime.num_sms()
-    splits = 1
-    if programs < target:
-        splits = max(1, min(cdiv(target, programs), cdiv(S, block_s)))
-    return block_c, block_s, splits
-
-
-def _apply_tiles(C, S, channels_last):
-    if runtime.INTERPRETER:
-        block_s = _pow2(min(S, 1 << 12))
-        return _pow2(min(C, max(1, (1 << 15) // block_s))), block_s
-    if channels_last:
-        block_c = min(_pow2(C), 128)
-        return block_c, max(1, min(_pow2(S), 4096 // block_c))
-    block_s = min(_pow2(S), 1024)
-    return max(1, min(_pow2(C), 4096 // block_s)), block_s
+        if cl:
+            bc, abc = min(_pow2(C), 64), min(_pow2(C), 128)
+            bs, abs_ = max(1, min(_pow2(S), 4096 // bc)), max(1, min(_pow2(S), 4096 // abc))
+        else:
+            bs = abs_ = min(_pow2(S), 1024)
+            bc = abc = max(1, min(_pow2(C), 4096 // bs))
+        programs = N * cdiv(C, bc)
+        target = 4 * runtime.num_sms()
+        splits = max(1, min(cdiv(target, programs), cdiv(S, bs))) if programs < target else 1
+    return dict(BLOCK_C=bc, BLOCK_S=bs, SPLITS=splits, num_warps=4 if bc * bs <= 2048 else 8,
+                BLOCK_C_APPLY=abc, BLOCK_S_APPLY=abs_, num_warps_apply=4 if abc * abs_ <= 2048 else 8)
 
 
 def _cd(dtype):
@@ -281,21 +274,29 @@ def _cd(dtype):
 
 
 @functools.lru_cache(maxsize=4096)
-def _gn_plan(N, C, S, G, cl, override):
-    """Launch geometry of the three GroupNorm passes (cached: the host path stays thin)."""
+def _gn_plan(N, C, S, G, cl, dtype, bwd):
+    """Launch geometry of the three GroupNorm passes, forward or backward (``bwd``); memoised, so
+    the host path stays thin. The tiles, splits and warps of the statistics and apply passes come
+    from ``flame.tune`` (kernel "group_norm_fwd" or "group_norm_bwd", key (N, C, S, G, cl)); the
+    combine kernels' blocks follow from them."""
+    cfg = tune.config("group_norm_bwd" if bwd else "group_norm_fwd", (N, C, S, G, int(cl)), dtype,
+                      _gn_default(N, C, S, cl))
     CG = C // G
-    bc, bs, splits = _gn_tiles(N, C, S, cl)
-    s_per_split = cdiv(cdiv(S, splits), bs) * bs
+    bc, bs = cfg["BLOCK_C"], cfg["BLOCK_S"]
+    s_per_split = cdiv(cdiv(S, cfg["SPLITS"]), bs) * bs
     splits = cdiv(S, s_per_split)
     ncb = cdiv(C, bc)
-    part = ((N * ncb, splits), ncb, dict(BLOCK_C=bc, BLOCK_S=bs, num_warps=4 if bc * bs <= 2048 else 8))
+    part = ((N * ncb, splits), ncb, dict(BLOCK_C=bc, BLOCK_S=bs, num_warps=cfg["num_warps"]))
     comb_block = _pow2(min(CG * splits, 1 << 14 if runtime.INTERPRETER else 1024))
     block_cg = _pow2(min(CG, 1024))
     block_sp = _pow2(min(splits, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_cg)))
-    abc, abs_ = _apply_tiles(C, S, cl)
+    abc, abs_ = cfg["BLOCK_C_APPLY"], cfg["BLOCK_S_APPLY"]
     ancb = cdiv(C, abc)
-    apply = ((N * ancb, cdiv(S, abs_)), ancb, dict(BLOCK_C=abc, BLOCK_S=abs_, num_warps=4 if abc * abs_ <= 2048 else 8))
+    apply = ((N * ancb, cdiv(S, abs_)), ancb, dict(BLOCK_C=abc, BLOCK_S=abs_, num_warps=cfg["num_warps_apply"]))
     return CG, splits, s_per_split, part, comb_block, (block_cg, block_sp), apply
+
+
+tune.register_cache(_gn_plan.cache_clear)
 
 
 def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
@@ -308,7 +309,7 @@ def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
         return mean, rstd
     cd = _cd(x.dtype)
     CG, splits, s_per_split, (pgrid, pncb, pmeta), comb_block, _, (agrid, ancb, ameta) = _gn_plan(
-        N, C, S, G, xs[1] == 1 and C > 1, _gn_override)
+        N, C, S, G, xs[1] == 1 and C > 1, x.dtype, False)
     p1 = runtime.empty((N, C, splits), stat_dtype)
     p2 = runtime.empty((N, C, splits), stat_dtype)
     launch(_gn_partial_kernel, pgrid, x, x, x, x, x, x, p1, p2,
@@ -330,7 +331,7 @@ def group_norm_bwd(dx, dw, db, dy, x, w, b, mean, rstd, N, C, S, G, act, xs, gs,
     cd = _cd(x.dtype)
     stat_dtype = accumulation_dtype(x.dtype)
     CG, splits, s_per_split, (pgrid, pncb, pmeta), _, (block_cg, block_sp), (agrid, ancb, ameta) = _gn_plan(
-        N, C, S, G, xs[1] == 1 and C > 1, _gn_override)
+        N, C, S, G, xs[1] == 1 and C > 1, x.dtype, True)
     p1 = runtime.empty((N, C, splits), stat_dtype)
     p2 = runtime.empty((N, C, splits), stat_dtype)
     wp = w if w is not None else x
@@ -533,21 +534,73 @@ def _colsum_kernel(pw_ptr, pb_ptr, dw_ptr, db_ptr, P, D,
         tl.store(db_ptr + cols, tl.sum(accb, axis=0).to(db_ptr.dtype.element_ty), mask=cm)
 
 
-_ln_override = None  # tests set (BLOCK_M, BLOCK_D, programs) to exercise the looped paths
-
-
-def _ln_tiles(M, D):
-    if _ln_override is not None:
-        return _ln_override
-    if runtime.INTERPRETER:
-        bd = _pow2(min(D, 1 << 14))
-        return _pow2(min(M, max(1, (1 << 15) // bd))), bd, 1
-    bd = min(_pow2(D), 8192)
-    return max(1, min(_pow2(M), 4096 // bd)), bd, 2 * runtime.num_sms()
+def row_block(D):
+    """BLOCK_D of the LayerNorm/RMSNorm kernels (derived, not tuned): D rounded up to a power of
+    two, so that one block holds a row, up to 8192 (the interpreter's: 16384); longer rows are
+    streamed through blocks of that size (the looped kernels)."""
+    return min(_pow2(D), 1 << 14 if runtime.INTERPRETER else 8192)
 
 
 def _warps(n):
     return 4 if n <= 2048 else (8 if n <= 8192 else 16)
+
+
+def _ln_default(M, D, bwd):
+    """layer_norm_fwd/bwd's heuristic config: whole rows, ~4096 elements per program (the
+    interpreter's: up to 32768), one row when rows are streamed; the backward's persistent
+    programs: 2 per SM (the interpreter's: 1)."""
+    bd = row_block(D)
+    if bd < D:
+        bm = 1
+    elif runtime.INTERPRETER:
+        bm = _pow2(min(M, max(1, (1 << 15) // bd)))
+    else:
+        bm = max(1, min(_pow2(M), 4096 // bd))
+    cfg = dict(BLOCK_M=bm, num_warps=_warps(bm * bd))
+    if bwd:
+        cfg["PROGRAMS"] = 1 if runtime.INTERPRETER else 2 * runtime.num_sms()
+    return cfg
+
+
+@functools.lru_cache(maxsize=4096)
+def _ln_fwd_plan(M, D, dtype):
+    """(programs, launch meta) of the LayerNorm/RMSNorm forward, memoised: BLOCK_M rows per program
+    and the warps from ``flame.tune`` (kernel "layer_norm_fwd", key (M, D)), BLOCK_D from D."""
+    bd = row_block(D)
+    cfg = tune.config("layer_norm_fwd", (M, D), dtype, _ln_default(M, D, False))
+    return cdiv(M, cfg["BLOCK_M"]), dict(SINGLE=bd >= D, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=bd,
+                                         num_warps=cfg["num_warps"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _ln_bwd_plan(M, D, dtype):
+    """(P programs, row blocks, launch meta, the colsum kernel's (programs, meta) or None for the
+    split reduction) of the LayerNorm/RMSNorm backward, memoised. BLOCK_M, the warps and the
+    persistent programs (PROGRAMS, at most one per row block) come from ``flame.tune`` (kernel
+    "layer_norm_bwd", key (M, D)); streamed rows take one program each (BLOCK_M and PROGRAMS
+    unused)."""
+    bd = row_block(D)
+    cfg = tune.config("layer_norm_bwd", (M, D), dtype, _ln_default(M, D, True))
+    if bd >= D:
+        bm = cfg["BLOCK_M"]
+        n_rblocks = cdiv(M, bm)
+        P = max(1, min(cfg["PROGRAMS"], n_rblocks))
+    else:
+        bm, n_rblocks, P = 1, M, M
+    meta = dict(SINGLE=bd >= D, BLOCK_M=bm, BLOCK_D=bd, num_warps=cfg["num_warps"])
+    if P > 4096:  # one partial row per input row (the looped path): the split reduction
+        return P, n_rblocks, meta, None
+    if runtime.INTERPRETER:
+        cbd = _pow2(min(D, 1 << 12))
+        bp = _pow2(min(P, max(1, (1 << 14) // cbd)))
+    else:
+        cbd = min(_pow2(D), 64)
+        bp = min(_pow2(P), 64)
+    return P, n_rblocks, meta, (cdiv(D, cbd), dict(BLOCK_P=bp, BLOCK_D=cbd, num_warps=4))
+
+
+tune.register_cache(_ln_fwd_plan.cache_clear)
+tune.register_cache(_ln_bwd_plan.cache_clear)
 
 
 def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
@@ -558,14 +611,10 @@ def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
     mean = None if rms else runtime.empty((M,), stat_dtype)
     if M == 0:
         return mean, rstd
-    bm, bd, _ = _ln_tiles(M, D)
-    single = bd >= D
-    if not single:
-        bm = 1
-    launch(_ln_fwd_kernel, (cdiv(M, bm),), x, y, w if w is not None else x, b if b is not None else x,
+    programs, meta = _ln_fwd_plan(M, D, x.dtype)
+    launch(_ln_fwd_kernel, (programs,), x, y, w if w is not None else x, b if b is not None else x,
            mean if mean is not None else rstd, rstd, M, D, xs_m, ys_m, float(eps),
-           RMS=rms, HAS_W=w is not None, HAS_B=b is not None, CD=_cd(x.dtype), SINGLE=single,
-           BLOCK_M=bm, BLOCK_D=bd, num_warps=_warps(bm * bd))
+           RMS=rms, HAS_W=w is not None, HAS_B=b is not None, CD=_cd(x.dtype), **meta)
     return mean, rstd
 
 
@@ -577,13 +626,7 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
             if t is not None:
                 fill_(t, 0.0)
         return
-    bm, bd, programs = _ln_tiles(M, D)
-    single = bd >= D
-    if single:
-        n_rblocks = cdiv(M, bm)
-        P = max(1, min(programs, n_rblocks))
-    else:
-        bm, n_rblocks, P = 1, M, M
+    P, n_rblocks, meta, colsum = _ln_bwd_plan(M, D, x.dtype)
     acc = accumulation_dtype(x.dtype)
     pw = runtime.empty((P, D), acc) if dw is not None else None
     pb = runtime.empty((P, D), acc) if db is not None else None
@@ -591,21 +634,14 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
            dx if dx is not None else x, pw if pw is not None else rstd, pb if pb is not None else rstd,
            M, D, n_rblocks, P, xs_m, gs_m, dxs_m if dx is not None else 0,
            RMS=rms, HAS_W=w is not None, NEED_X=dx is not None, NEED_W=dw is not None, NEED_B=db is not None,
-           CD=_cd(x.dtype), SINGLE=single, BLOCK_M=bm, BLOCK_D=bd, num_warps=_warps(bm * bd))
+           CD=_cd(x.dtype), **meta)
     if pw is None and pb is None:
         return
-    if P > 4096:  # one partial row per input row (the looped path): the split reduction
+    if colsum is None:
         for out, part in ((dw, pw), (db, pb)):
             if out is not None:
                 reduce_(out, part, 1, P, D, (P * D, D, 1), SUM)
         return
-    if runtime.INTERPRETER:
-        bd = _pow2(min(D, 1 << 12))
-        bp = _pow2(min(P, max(1, (1 << 14) // bd)))
-    else:
-        bd = min(_pow2(D), 64)
-        bp = min(_pow2(P), 64)
     part = pw if pw is not None else pb
-    launch(_colsum_kernel, (cdiv(D, bd),), part, pb if pb is not None else part, dw if dw is not None else part,
-           db if db is not None else part, P, D, NEED_W=pw is not None, NEED_B=pb is not None,
-           BLOCK_P=bp, BLOCK_D=bd, num_warps=4)
+    launch(_colsum_kernel, (colsum[0],), part, pb if pb is not None else part, dw if dw is not None else part,
+           db if db is not None else part, P, D, NEED_W=pw is not None, NEED_B=pb is not None, **colsum[1])
