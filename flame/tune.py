@@ -12,8 +12,9 @@ format in ``configs/autotune/README.md``) for the current GPU, once, on first us
 3. ``default``, the launcher's heuristic (the result with no table at all).
 
 Answers are cached per (kernel, shape key, dtype, device name), so after the first call a launch
-pays one dict lookup. Nothing is ever timed or tuned here. On the interpreter backend the current
-device (the CPU) has no table: only a named ``device_name`` reads one.
+pays one dict lookup. Nothing is timed or tuned here (``flame.autotune`` does that, on first use,
+with ``FLAME_AUTOTUNE=1``: see below). On the interpreter backend the current device (the CPU)
+has no table: only a named ``device_name`` reads one.
 
 ``override(kernel, config)`` makes every launch of ``kernel`` use ``config`` (any key, any backend)
 inside a ``with`` block: how ``scripts/autotune.py`` tries a candidate; ``record()`` lists the
@@ -33,8 +34,12 @@ Environment:
 - ``FLAME_TUNE_DIR``: the folder holding the tables (default: ``configs/autotune`` of this
   checkout). An empty folder gives the heuristics everywhere. Read when a table is first loaded;
   call ``reset()`` after changing it.
-- ``FLAME_AUTOTUNE=1``: reserved for tuning unknown shapes on first use (issue 9); not
-  implemented yet, so today it changes nothing.
+- ``FLAME_AUTOTUNE=1``: tune on first use (``flame/autotune.py``). A launch whose kernel, shape
+  key and dtype have no exact entry in the GPU's table nor in the user's cache table
+  (``cache_path()``, under ``$FLAME_CACHE_DIR``, default ``~/.cache/flame/autotune``) runs with its
+  heuristic and is reported to ``unknown_keys()`` blocks; the entry point that made it tunes it
+  and ``remember()`` adds the winner to the cache table. Nearest-bucket entries are not used in
+  this mode (a shape they would serve is tuned instead). Read on first lookup and by ``reset()``.
 """
 from __future__ import annotations
 
@@ -128,9 +133,11 @@ class _Table:
 
     def __init__(self):
         self.buckets = {}  # (kernel, dtype) -> {bucket: [(key, config), ...]}
+        self.exact = {}  # (kernel, dtype, key) -> config
 
     def add(self, kernel, dtype, key, cfg):
         self.buckets.setdefault((kernel, dtype), {}).setdefault(bucket(key), []).append((key, cfg))
+        self.exact[kernel, dtype, key] = cfg
 
     def find(self, kernel, dtype, key):
         """The config of the nearest entry in ``key``'s bucket (the exact key is at distance 0)."""
@@ -212,8 +219,8 @@ def _parse(raw, device_name):
     return table, problems
 
 
-def _load(device_name):
-    path = table_path(device_name)
+def _load(device_name, path=None):
+    path = path or table_path(device_name)
     if not path.is_file():
         return None
     try:
@@ -238,6 +245,50 @@ _MISS = object()
 _overrides: dict = {}  # kernel -> the innermost active Override
 _cache_clears: list = []  # launchers' functions that empty their own per-shape config caches
 _records: list = []  # the lists of the active record() blocks
+_UNKNOWN = object()  # FLAME_AUTOTUNE=1: no exact entry anywhere (answered with the default, not memoised)
+_autotune = None  # whether FLAME_AUTOTUNE=1 (read on first use and by reset())
+_cache_tables: dict = {}  # device name -> _Table of the user's cache (tuning on first use)
+_unknown_sinks: list = []  # the lists of the active unknown_keys() blocks
+
+
+def autotuning() -> bool:
+    """Whether launches of unknown shapes are tuned on first use (``FLAME_AUTOTUNE=1``)."""
+    global _autotune
+    if _autotune is None:
+        _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"
+    return _autotune
+
+
+def cache_path(device_name: str | None = None) -> Path:
+    """The cache table of tuning on first use for ``device_name`` (default: the current device):
+    ``$FLAME_CACHE_DIR/autotune/<gpu-slug>.json``, else under ``$XDG_CACHE_HOME/flame`` or
+    ``~/.cache/flame``."""
+    if os.environ.get("FLAME_CACHE_DIR"):
+        base = Path(os.environ["FLAME_CACHE_DIR"])
+    else:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flame"
+    return base / "autotune" / f"{slug(device_name or runtime.device_name())}.json"
+
+
+def _cache_table(name):
+    if name not in _cache_tables:
+        _cache_tables[name] = _load(name, cache_path(name)) or _Table()
+    return _cache_tables[name]
+
+
+def _first_use_lookup(kernel, key, dtype, default, name):
+    """FLAME_AUTOTUNE=1: the exact entry of the GPU's table or of the cache table, else _UNKNOWN
+    (reported to the unknown_keys() blocks)."""
+    dt = _dtype_name(dtype)
+    table = _tables[name]
+    hit = table.exact.get((kernel, dt, key)) if table is not None else None
+    if hit is None:
+        hit = _cache_table(name).exact.get((kernel, dt, key))
+    if hit is not None:
+        return hit
+    for sink in _unknown_sinks:
+        sink.append((kernel, key, dt, default))
+    return _UNKNOWN
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
@@ -251,11 +302,14 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
     if active is not None:
         active.served += 1
         return active.config
-    if device_name is None and runtime.INTERPRETER:  # the CPU has no table
+    first_use = device_name is None and autotuning()
+    if device_name is None and runtime.INTERPRETER and not first_use:  # the CPU has no table
         return None
     name = device_name or runtime.device_name()
     if name not in _tables:
-        _tables[name] = _load(name)
+        _tables[name] = _load(name) if not runtime.INTERPRETER or device_name else None
+    if first_use:
+        return _first_use_lookup(kernel, tuple(shape_key), dtype, default, name)
     table = _tables[name]
     return None if table is None else table.find(kernel, _dtype_name(dtype), tuple(shape_key))
 
@@ -270,9 +324,12 @@ def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str
     hit = _chosen.get(ck, _MISS)
     if hit is _MISS:
         hit = _lookup(kernel, shape_key, dtype, default, device_name)
-        if len(_chosen) > 8192:
-            _chosen.clear()
-        _chosen[ck] = hit
+        if hit is _UNKNOWN:  # asked again until it is tuned
+            hit = None
+        else:
+            if len(_chosen) > 8192:
+                _chosen.clear()
+            _chosen[ck] = hit
         for asked in _records:
             asked.append((kernel, tuple(shape_key), _dtype_name(dtype), default if hit is None else hit))
     return default if hit is None else hit
@@ -348,6 +405,53 @@ def record():
 
 def reset() -> None:
     """Forget loaded tables and cached answers, the registered launcher caches' included (after
-    changing ``FLAME_TUNE_DIR`` or a table). Active overrides stay."""
+    changing ``FLAME_TUNE_DIR``, ``FLAME_AUTOTUNE``, ``FLAME_CACHE_DIR`` or a table). Active
+    overrides stay."""
+    global _autotune
     _tables.clear()
+    _cache_tables.clear()
+    _autotune = None
     _forget_answers()
+
+
+@contextlib.contextmanager
+def unknown_keys():
+    """``with unknown_keys() as found:`` ``found`` lists ``(kernel, shape key, dtype name, default
+    config)`` for each launch inside the block that asked for a config no table knows exactly
+    (only with ``FLAME_AUTOTUNE=1``; ``flame.autotune`` tunes them)."""
+    found = []
+    _unknown_sinks.append(found)
+    try:
+        yield found
+    finally:
+        _unknown_sinks[:] = [s for s in _unknown_sinks if s is not found]
+
+
+def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, default_ms: float) -> Path:
+    """Add a tuned entry to the current GPU's cache table, in memory and on disk (format 1,
+    merged with the file as other processes left it, written atomically); returns its path.
+    Launches of that key use it from now on (FLAME_AUTOTUNE=1)."""
+    from .io import atomic_write
+
+    problem = _config_problem(kernel, config) if kernel in KERNELS else f"unknown kernel {kernel!r}"
+    if problem:
+        raise ValueError(f"tune.remember: {problem}")
+    name, dt, key = runtime.device_name(), _dtype_name(dtype), tuple(int(d) for d in shape_key)
+    path = cache_path(name)
+    raw = None
+    if path.is_file():
+        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+            raw = json.loads(path.read_text())
+    if _parse(raw, name)[0] is None:  # absent, unreadable, stale or another GPU's: start afresh
+        raw = dict(format=FORMAT, gpu=name, triton=triton.__version__, entries={})
+    rows = raw["entries"].setdefault(kernel, {}).setdefault(dt, [])
+    rows[:] = [r for r in rows if not (isinstance(r, dict) and tuple(r.get("key") or ()) == key)]
+    rows.append(dict(key=list(key), config=dict(config), ms=float(f"{ms:.4g}"), default_ms=float(f"{default_ms:.4g}")))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(raw, indent=1).encode()
+    atomic_write(path, lambda f: f.write(text))
+    _cache_table(name).add(kernel, dt, key, dict(config))
+    for sink in _unknown_sinks:  # an outer entry point need not tune it again
+        sink[:] = [q for q in sink if q[:3] != (kernel, key, dt)]
+    _forget_answers()
+    return path

@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import itertools
 import json
 import math
 import os
@@ -56,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 # isort: off
 import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
-from flame import io, runtime, tune
+from flame import autotune, io, runtime, tune
 from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import matmul as KM
@@ -82,48 +81,6 @@ QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8
                 "group_norm": [(1, 6, 5, 7, 3, 1, 1), (2, 4, 3, 5, 2, 0, 0)],  # channels-last + SiLU, NCHW
                 "layer_norm": [(10, 24, 0), (7, 40, 1)]}  # LayerNorm, RMSNorm
 
-# The GEMM config space: tile sides, BLOCK_K with the pipeline depths worth trying for it
-# (thinner K slices want deeper pipelines), warps by tile area. --quick: a few tiny tiles.
-TILES, K_STAGES = (64, 128, 256), {32: (4,), 64: (3, 4), 128: (2, 3)}
-QUICK_TILES, QUICK_K_STAGES = (16, 32), {16: (2,), 32: (2,)}
-MAX_TILE_AREA = 128 * 256  # 256 x 256 fp32 accumulators do not fit in registers
-
-# The attention config spaces, field -> values (from the H200 sweep of scratch_gpu/probe_attn.py):
-# the forward on long K/V ("fwd") and on short K/V ("fwd_short": every key in one block of the
-# padded Lk, M_GROUP query blocks per program); the backward's dK/dV program ("kv"; tuned with
-# the dQ fields at the default), then its dQ program ("dq", with the fastest dK/dV config), or on
-# short K/V the fused program ("kv_short") with CHUNKS from PROGRAMS_PER_SM: about that many
-# programs per SM over the query chunks. --quick: a few tiny blocks.
-ATTN_SPACE = dict(
-    fwd=dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64, 128), M_GROUP=(1,), num_warps=(4, 8), num_stages=(1, 2, 3, 4)),
-    fwd_short=dict(BLOCK_M=(64, 128), M_GROUP=(1, 2, 4), num_warps=(4, 8), num_stages=(1, 2)),
-    kv=dict(BLOCK_M=(32, 64, 128), BLOCK_N=(64, 128), num_warps=(4, 8), num_stages=(1, 2, 3)),
-    dq=dict(BLOCK_M_DQ=(64, 128), BLOCK_N_DQ=(32, 64), num_warps_dq=(4, 8), num_stages_dq=(2, 3)),
-    kv_short=dict(BLOCK_M=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2), PROGRAMS_PER_SM=(1, 2, 4, 8)),
-)
-QUICK_ATTN_SPACE = dict(
-    fwd=dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), M_GROUP=(1,), num_warps=(4,), num_stages=(1,)),
-    fwd_short=dict(BLOCK_M=(16,), M_GROUP=(1, 2), num_warps=(4,), num_stages=(1,)),
-    kv=dict(BLOCK_M=(16, 32), BLOCK_N=(16,), num_warps=(4,), num_stages=(1,)),
-    dq=dict(BLOCK_M_DQ=(16, 32), BLOCK_N_DQ=(16,), num_warps_dq=(4,), num_stages_dq=(1,)),
-    kv_short=dict(BLOCK_M=(16,), num_warps=(4,), num_stages=(1,), PROGRAMS_PER_SM=(1, 4)),
-)
-MAX_ATTN_BWD_AREA = 128 * 64  # dK/dV tiles of 128 x 128 spill registers (the sweep skipped them)
-
-# The norm config spaces. layer_norm_fwd/bwd: BLOCK_M rows of BLOCK_D (D rounded up, derived) per
-# program, at most MAX_LN_TILE elements (the backward holds four such tiles: a quarter), warps that
-# give each thread 2 to 64 of them; then the backward's persistent programs, PROGRAMS_PER_SM per SM.
-# group_norm_fwd/bwd: the statistics pass's tiles of TILE elements, channels innermost for
-# channels-last input (BLOCK_C channels, BLOCK_S = TILE / BLOCK_C positions), positions for NCHW
-# (BLOCK_S), its warps and SPLITS of each group's positions, chosen so that about PROGRAMS_PER_SM
-# programs per SM share the statistics; then the apply pass's tiles and warps (the same choices).
-LN_SPACE = dict(BLOCK_M=(1, 2, 4, 8, 16, 32), num_warps=(1, 2, 4, 8, 16), PROGRAMS_PER_SM=(1, 2, 4, 8))
-QUICK_LN_SPACE = dict(BLOCK_M=(2, 4), num_warps=(1,), PROGRAMS_PER_SM=(1, 3))
-MAX_LN_TILE = 16384
-GN_SPACE = dict(BLOCK_C=(16, 32, 64, 128), BLOCK_S=(256, 512, 1024, 2048), TILE=(2048, 4096, 8192), num_warps=(4, 8),
-                PROGRAMS_PER_SM=(2, 4, 8))
-QUICK_GN_SPACE = dict(BLOCK_C=(2, 4), BLOCK_S=(8, 16), TILE=(32,), num_warps=(4,), PROGRAMS_PER_SM=(4, 16))
-
 # Errors after which the CUDA context is unusable: the run stops rather than skip every later candidate.
 CONTEXT_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction")
 
@@ -131,10 +88,9 @@ _clock = time.monotonic
 
 
 @dataclasses.dataclass
-class Ctx:
-    dtype: torch.dtype
-    quick: bool
-    smem: int | None  # shared memory per block in bytes (None: no limit, the interpreter)
+class Ctx(autotune.Space):
+    """The run's search spaces (``flame.autotune.Space``: dtype, --quick, shared memory) and
+    the buffers of its problems."""
 
     def randn(self, *shape, scale=1.0, channels_last=False):
         t = (torch.randn(shape, device=runtime.device) * scale).to(self.dtype)
@@ -143,147 +99,6 @@ class Ctx:
     def empty(self, *shape, channels_last=False):
         t = torch.empty(shape, device=runtime.device, dtype=self.dtype)
         return t.contiguous(memory_format=torch.channels_last) if channels_last else t
-
-    def gemm_space(self, m, n, k, group_m):
-        """Candidate configs of an (m x k) @ (k x n) tile loop: no block larger than its
-        dimension's next power of two (at least 16), stages that fit in shared memory."""
-        tiles, k_stages = (QUICK_TILES, QUICK_K_STAGES) if self.quick else (TILES, K_STAGES)
-        es = torch.empty((), dtype=self.dtype).element_size()
-        pairs = sorted({(_fit(bk, k), s) for bk, stages in k_stages.items() for s in stages})
-        space = []
-        for bm in sorted({_fit(b, m) for b in tiles}):
-            for bn in sorted({_fit(b, n) for b in tiles}):
-                area = bm * bn
-                if area > MAX_TILE_AREA:
-                    continue
-                warps = (4,) if self.quick or area < 128 * 128 else (8,) if area > 128 * 128 else (4, 8)
-                for (bk, stages), w in ((p, w) for p in pairs for w in warps):
-                    if self.smem is not None and (bm * bk + bk * bn) * es * stages > self.smem:
-                        continue
-                    group = dict(GROUP_M=8) if group_m else {}
-                    space.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **group, num_warps=w, num_stages=stages))
-        return space
-
-    def attention_fwd_space(self, lq, lk, d, bh):
-        """Candidate attention_fwd configs at key (Lq, Lk, D, B*H) that fit in shared memory: the
-        query tile, the K and V blocks of every pipeline stage and the probabilities P."""
-        space, es, bd = self._attn_space(), self.dtype.itemsize, max(16, triton.next_power_of_2(d))
-        if KA.short_kv(lk, d, es):  # K/V loaded once, query tiles pipelined
-            bn = max(16, triton.next_power_of_2(lk))
-            configs = _product(_fitted(space["fwd_short"], BLOCK_M=lq), dict(BLOCK_N=bn))
-            return [c for c in configs if self._fits(2 * bn, c["num_stages"] * c["BLOCK_M"], c["BLOCK_M"] * bn, bd)]
-        configs = _product(_fitted(space["fwd"], BLOCK_M=lq, BLOCK_N=lk))
-        return [c for c in configs if self._fits(c["BLOCK_M"], c["num_stages"] * 2 * c["BLOCK_N"],
-                                                 c["BLOCK_M"] * c["BLOCK_N"], bd)]
-
-    def attention_bwd_stages(self, lq, lk, d, bh):
-        """The candidate attention_bwd configs at key (Lq, Lk, D, B*H) as ``tune_launch`` stages:
-        on long K/V the dK/dV program's (K and V resident, Q and dO tiles pipelined), then the dQ
-        program's (Q and dO resident, K and V pipelined) over the fastest so far; on short K/V the
-        fused program's block, warps, stages and query chunks."""
-        space, es, bd = self._attn_space(), self.dtype.itemsize, max(16, triton.next_power_of_2(d))
-
-        def kv_fits(c, bn):
-            return self._fits(2 * bn, c["num_stages"] * 2 * c["BLOCK_M"], 2 * c["BLOCK_M"] * bn, bd)
-
-        if KA.short_kv(lk, d, es):
-            bn = max(16, triton.next_power_of_2(lk))
-            choices = _fitted(space["kv_short"], BLOCK_M=lq)
-            per_sm = choices.pop("PROGRAMS_PER_SM")
-
-            def fused(best):
-                configs = []
-                for bm in choices["BLOCK_M"]:
-                    nm = -(-lq // bm)
-                    chunks = sorted({max(1, min(nm, p * runtime.num_sms() // bh)) for p in per_sm})
-                    configs += _product(dict(choices, BLOCK_M=(bm,), CHUNKS=chunks), dict(best, BLOCK_N=bn))
-                return [c for c in configs if kv_fits(c, bn)]
-
-            return [fused]
-
-        def dkdv(best):
-            return [c for c in _product(_fitted(space["kv"], BLOCK_M=lq, BLOCK_N=lk), dict(best, CHUNKS=1))
-                    if c["BLOCK_M"] * c["BLOCK_N"] <= MAX_ATTN_BWD_AREA and kv_fits(c, c["BLOCK_N"])]
-
-        def dq(best):
-            return [c for c in _product(_fitted(space["dq"], BLOCK_M_DQ=lq, BLOCK_N_DQ=lk), best)
-                    if self._fits(2 * c["BLOCK_M_DQ"], c["num_stages_dq"] * 2 * c["BLOCK_N_DQ"],
-                                  c["BLOCK_M_DQ"] * c["BLOCK_N_DQ"], bd)]
-
-        return [dkdv, dq]
-
-    def layer_norm_stages(self, kernel, m, d):
-        """The candidate layer_norm_fwd/bwd configs at key (M, D) as ``tune_launch`` stages: rows per
-        program and warps, then (backward) the persistent programs, each at most one per row block.
-        Rows longer than one block are streamed, in the backward one row per program: warps only."""
-        space = QUICK_LN_SPACE if self.quick else LN_SPACE
-        bd, bwd = KN.row_block(d), kernel == "layer_norm_bwd"
-        streamed = bd < d
-        rows = (1,) if bwd and streamed else sorted({min(r, triton.next_power_of_2(m)) for r in space["BLOCK_M"]})
-        cap = MAX_LN_TILE // 4 if bwd else MAX_LN_TILE
-        tiles = [(r, w) for r in rows for w in space["num_warps"]
-                 if (r == 1 or r * bd <= cap) and 2 <= r * bd // (32 * w) <= 64]
-
-        def blocks(best):
-            return [dict(best, BLOCK_M=r, num_warps=w) for r, w in tiles]
-
-        def programs(best):
-            row_blocks = triton.cdiv(m, best["BLOCK_M"])
-            counts = {min(p * runtime.num_sms(), row_blocks) for p in space["PROGRAMS_PER_SM"]}
-            return [dict(best, PROGRAMS=p) for p in sorted(counts - {min(best["PROGRAMS"], row_blocks)})]
-
-        return [blocks, programs] if bwd and not streamed else [blocks]
-
-    def group_norm_stages(self, n, c, s, g, cl):
-        """The candidate group_norm_fwd/bwd configs at key (N, C, S, G, channels_last) as
-        ``tune_launch`` stages: the statistics pass's tiles, warps and splits (the apply pass at its
-        default), then the apply pass's tiles and warps over the fastest statistics config."""
-        space = QUICK_GN_SPACE if self.quick else GN_SPACE
-        pc, ps = triton.next_power_of_2(c), triton.next_power_of_2(s)
-        tiles = set()
-        for t, b in itertools.product(space["TILE"], space["BLOCK_C" if cl else "BLOCK_S"]):
-            tiles.add((min(b, pc), min(max(1, t // b), ps)) if cl else (min(max(1, t // b), pc), min(b, ps)))
-        choices = list(itertools.product(sorted(tiles), space["num_warps"]))
-
-        def statistics(best):
-            configs = []
-            for ((bc, bs), w), per_sm in itertools.product(choices, space["PROGRAMS_PER_SM"]):
-                want = triton.cdiv(per_sm * runtime.num_sms(), n * triton.cdiv(c, bc))
-                per_split = triton.cdiv(triton.cdiv(s, max(1, min(want, triton.cdiv(s, bs)))), bs) * bs
-                configs.append(dict(best, BLOCK_C=bc, BLOCK_S=bs, SPLITS=triton.cdiv(s, per_split), num_warps=w))
-            return _unique(configs)
-
-        def apply(best):
-            return [dict(best, BLOCK_C_APPLY=bc, BLOCK_S_APPLY=bs, num_warps_apply=w) for (bc, bs), w in choices]
-
-        return [statistics, apply]
-
-    def _attn_space(self):
-        return QUICK_ATTN_SPACE if self.quick else ATTN_SPACE
-
-    def _fits(self, resident_rows, streamed_rows, scratch, bd):
-        """Whether rows of the head dim (``bd`` wide) held for the whole program, rows loaded per
-        pipeline stage and ``scratch`` elements (score tiles as dot operands) fit in shared memory."""
-        return self.smem is None or ((resident_rows + streamed_rows) * bd + scratch) * self.dtype.itemsize <= self.smem
-
-
-def _fit(block, dim):
-    return min(block, max(16, triton.next_power_of_2(dim)))
-
-
-def _fitted(choices, **dims):
-    """``choices`` with the block sizes of the fields named in ``dims`` cut to those dimensions."""
-    return dict(choices, **{f: tuple(sorted({_fit(b, dim) for b in choices[f]})) for f, dim in dims.items()})
-
-
-def _product(choices, base=None):
-    """Every combination of ``choices`` (field -> values) over the config ``base``, without repeats."""
-    return _unique([dict(base or {}, **dict(zip(choices, values))) for values in itertools.product(*choices.values())])
-
-
-def _unique(configs):
-    """``configs`` without repeats, in order."""
-    return [c for i, c in enumerate(configs) if c not in configs[:i]]
 
 
 @dataclasses.dataclass
@@ -307,31 +122,11 @@ class Problem:
 
 
 def search_stages(ctx: Ctx, kernel: str, key: tuple) -> list:
-    """The configs to try for ``kernel`` at shape ``key``, in stages: each a function from the
-    fastest config found so far (at first the heuristic default) to the configs to try next. The
-    tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]``, one stage; attention and the
-    norms: their own."""
-    if kernel == "attention_fwd":
-        return [lambda best: ctx.attention_fwd_space(*key)]
-    if kernel == "attention_bwd":
-        return ctx.attention_bwd_stages(*key)
-    if kernel in ("layer_norm_fwd", "layer_norm_bwd"):
-        return ctx.layer_norm_stages(kernel, *key)
-    if kernel in ("group_norm_fwd", "group_norm_bwd"):
-        return ctx.group_norm_stages(*key)
-    fields = tune.KERNELS[kernel][1]
-    if not set(fields) <= {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}:
-        raise Fatal(f"no candidate space for kernel {kernel!r} (config fields {list(fields)}): "
-                    "add one to scripts/autotune.py search_stages()")
-    if kernel == "conv2d_wgrad_tma":
-        # On the H200 (Triton 3.6) wgrad TMA configs with BLOCK_M = 256 or BLOCK_K = 128 gave wrong
-        # weight gradients at 32x32 pixels (relative error 0.17, scratch_gpu/probe_conv.py). The
-        # kernel's indexing holds for any TH x TW = BLOCK_K tile (_spatial_tile), so the cause, likely
-        # in the compiler's handling of those 4-D descriptor tiles, is not understood yet: they stay
-        # out rather than reach untested shapes through the table's bucket fallback.
-        return [lambda best: [c for c in ctx.gemm_space(*key[:3], group_m=False)
-                              if c["BLOCK_M"] < 256 and c["BLOCK_K"] < 128]]
-    return [lambda best: ctx.gemm_space(*key[:3], group_m="GROUP_M" in fields)]
+    """``flame.autotune.search_stages`` for this run's dtype, shared memory and --quick."""
+    try:
+        return autotune.search_stages(ctx, kernel, key)
+    except LookupError as e:
+        raise Fatal(str(e)) from None
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime, tune
+from ..autotune import tunable
 from .launch import launch
 
 # log2(e) = 1.4426950408889634 (written inline in jit code)
@@ -629,6 +630,7 @@ def _mask_args(mask, q):
     return mask
 
 
+@tunable("o", "lse")
 def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causal, mask=None):
     """O = softmax(Q K^T * scale + mask) V into ``o``; base-2 log-sum-exp into ``lse`` (B*H, Lq)."""
     if B * H == 0 or Lq == 0:
@@ -644,6 +646,7 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
            **cfg)
 
 
+@tunable("dq", "dk", "dv")
 def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk, sdv,
                   B, H, Lq, Lk, D, scale, causal, mask=None):
     """dQ, dK, dV of ``attention_fwd`` given dO, O and the saved log-sum-exp."""

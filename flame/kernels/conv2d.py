@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime, tune
+from ..autotune import tunable
 from . import matmul as KM
 from .elementwise import _pow2, cdiv, collapse
 from .launch import launch
@@ -471,6 +472,7 @@ def _gemm_views(w, stride, padding, groups, *acts):
     return (w.as_strided(tuple(w.shape[:2]), ws[:2], w.storage_offset()), *mats)
 
 
+@tunable("out")
 def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
     """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
     views = _gemm_views(w, stride, padding, groups, out, x)
@@ -483,6 +485,7 @@ def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
                       groups)
 
 
+@tunable("dx")
 def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
     """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
     views = _gemm_views(w, stride, padding, groups, dx, dy)
@@ -495,6 +498,7 @@ def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
                       groups)
 
 
+@tunable("dw_out")
 def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     """``dw_out`` (Co, Ci/groups, KH, KW) = the gradient of conv2d's weight (any strides, any
     float dtype)."""

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime, tune
+from ..autotune import tunable
 from .elementwise import _apply, _pow2, cdiv, collapse, copy_, fill_
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
@@ -405,6 +406,7 @@ class Fusion:
 _NO_FUSION = Fusion()
 
 
+@tunable("out")
 def matmul_(out, a, b, alpha=1.0, residual=None):
     """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ residual)`` over torch buffers
     with any strides.
@@ -450,6 +452,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None):
     return out
 
 
+@tunable("out", "pre_out")
 def linear_(out, x, w, bias=None, act=0, pre_out=None):
     """``out[R, N] = act(x[R, K] @ w[N, K]^T + bias[N])`` in one launch (any strides; the weight
     is read transposed in place). ``pre_out`` (R, N), if given, receives ``x @ w^T + bias``."""

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime, tune
+from ..autotune import tunable
 from .elementwise import _pow2, cdiv
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
@@ -299,6 +300,7 @@ def _gn_plan(N, C, S, G, cl, dtype, bwd):
 tune.register_cache(_gn_plan.cache_clear)
 
 
+@tunable("y")
 def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
     """y = act(GroupNorm(x)) for x, y viewed as (N, C, S) with strides ``xs``, ``ys``.
     Returns (mean, rstd), each (N, G) in fp32 (fp64 for fp64 inputs)."""
@@ -323,6 +325,7 @@ def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
     return mean, rstd
 
 
+@tunable("dx", "dw", "db")
 def group_norm_bwd(dx, dw, db, dy, x, w, b, mean, rstd, N, C, S, G, act, xs, gs, dxs):
     """GroupNorm backward. ``dx`` (strides ``dxs``) may be None; ``dw``/``db`` (C,) are written
     when not None (both or neither)."""
@@ -603,6 +606,7 @@ tune.register_cache(_ln_fwd_plan.cache_clear)
 tune.register_cache(_ln_bwd_plan.cache_clear)
 
 
+@tunable("y")
 def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
     """Normalise the M rows of D elements of ``x`` (row stride ``xs_m``, unit column stride) into
     ``y``. Returns (mean or None, rstd), each (M,) in fp32 (fp64 for fp64 inputs)."""
@@ -618,6 +622,7 @@ def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
     return mean, rstd
 
 
+@tunable("dx", "dw", "db")
 def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_m):
     """LayerNorm/RMSNorm backward; any of dx, dw, db may be None (not wanted)."""
     if M == 0:
