@@ -126,11 +126,12 @@ def test_a_real_gemm_is_tuned_on_first_use(first_use, monkeypatch, capsys):
     monkeypatch.setattr(autotune, "_time_ms", TIME_MS)  # real (host) timings of the interpreter
     x = torch.randn(24, 16, device=flame.device)
     w = torch.randn(40, 16, device=flame.device)
+    tol = 1e-4 if flame.is_interpreter() else 3e-2  # fp32 GEMMs run tf32 products on the GPU
     y = F.linear(flame.from_torch(x), flame.from_torch(w))
-    torch.testing.assert_close(y.to_torch(), x @ w.t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.to_torch(), x @ w.t(), rtol=tol, atol=tol)
     assert "flame autotune: matmul [24, 40, 16, 1] float32" in capsys.readouterr().err
     doc = json.loads(tune.cache_path().read_text())
     assert [e["key"] for e in doc["entries"]["matmul"]["float32"]] == [[24, 40, 16, 1]]
     y = F.linear(flame.from_torch(x), flame.from_torch(w))  # now with the tuned config
-    torch.testing.assert_close(y.to_torch(), x @ w.t(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.to_torch(), x @ w.t(), rtol=tol, atol=tol)
     assert capsys.readouterr().err == ""
