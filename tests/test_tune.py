@@ -444,12 +444,14 @@ def test_wgrad_launches_with_the_override(monkeypatch):
     dw = runtime.empty((4, 3, 3, 3), torch.float32)
     want = torch.nn.grad.conv2d_weight(x, (4, 3, 3, 3), g, padding=1)
     seen = _launched_blocks(monkeypatch, conv2d)
-    for cfg in (None, dict(CONV, BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), None):
+    for forced in (False, True, False):
+        other = 32 if seen and seen[0] == 16 else 16  # a BLOCK_M the heuristic did not pick
+        cfg = dict(CONV, BLOCK_M=other, BLOCK_N=16, BLOCK_K=16) if forced else None
         with tune.override("conv2d_wgrad", cfg) if cfg else contextlib.nullcontext():
             dw.fill_(float("nan"))
             conv2d.conv2d_weight_grad_(dw, g, x, (1, 1), (1, 1), (1, 1))
             torch.testing.assert_close(dw, want, **tol)
-    assert seen[1] == 16 and seen[0] == seen[2] != 16, seen
+    assert seen[1] != seen[0] == seen[2], seen
 
 
 # ---- override and launcher caches ---------------------------------------------------------------
