@@ -449,6 +449,26 @@ def test_conv2d_tma_forward_and_input_grad(dtype, shape, co, k, kw, monkeypatch)
     assert sorted(tma) == ["_conv_tma_kernel", "_conv_tma_kernel", "_conv_wgrad_tma_kernel"], taken
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+                                 dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=3),
+                                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4),
+                                 dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)])
+def test_tma_weight_grad_configs_that_once_failed_at_32x32(cfg):
+    """Weight-gradient TMA configs that gave wrong results on the H200 at 32x32 pixels while
+    their spatial tiles spanned two or four rows; tiles are one row now."""
+    import flame.kernels.conv2d as KC
+    from flame import tune
+    x = torch.randn(1, 640, 32, 32, device=flame.device).to(torch.bfloat16, memory_format=torch.channels_last)
+    g = torch.randn(1, 1280, 32, 32, device=flame.device).to(torch.bfloat16, memory_format=torch.channels_last)
+    want = torch.nn.grad.conv2d_weight(x.float(), (1280, 640, 3, 3), g.float(), padding=1)
+    dw = torch.full((1280, 640, 3, 3), float("nan"), device=flame.device, dtype=torch.bfloat16)
+    with tune.override("conv2d_wgrad_tma", cfg):
+        KC.conv2d_weight_grad_(dw, g, x, (1, 1), (1, 1), (1, 1))
+    err = (dw.float() - want).abs().max() / want.abs().max()
+    assert err < 1e-2, (cfg, float(err))
+
+
 def test_tma_launch_configs_name_registered_tuning_kernels():
     """The TMA launchers' tuning-table names exist (tune.config raises on unknown kernels), so
     the GPU path cannot fail on a missing registration that the interpreter never reaches."""

@@ -522,8 +522,13 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     cfg = _wgrad_config(CO, CI, M, KH * KW, x.dtype, tma)
     bm, bn, bk, warps, stages = (cfg[f] for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
     if tma:
-        th, tw = _spatial_tile(bk, OH, OW)
-        units, per_unit = NB * cdiv(OH, th) * cdiv(OW, tw), 1
+        # Spatial tiles of one row of output pixels, BLOCK_K cut to the row (at least 16). On the H200
+        # (Triton 3.6) tiles spanning rows (TH > 1: a rank-reducing reshape of the 4-D box feeding the
+        # transposed dot operand) gave wrong gradients for some tile/warp configs at 32x32 pixels (13
+        # candidates rejected by scripts/autotune.py); every checked config with TH = 1 was right.
+        th = 1
+        tw = bk = min(bk, max(16, _pow2(OW)))
+        units, per_unit = NB * OH * cdiv(OW, tw), 1
     else:
         units, per_unit = cdiv(M, bk), bk
     tiles = cdiv(CO, bm) * cdiv(CI, bn)
