@@ -613,18 +613,27 @@ def main(argv=None) -> int:
     if ctx.interpreter:
         print("note: no GPU -- kernels run in Triton's interpreter, so these times mean nothing")
     rows = []
+
+    def save():  # after every family, so a run stopped midway keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick, "tuning": args.tuning,
+                   "families": args.family, "results": rows}
+            args.out.write_text(json.dumps(doc, indent=2) + "\n")
+
     with heuristic_configs() if args.tuning == "defaults" else contextlib.nullcontext():
         for name in args.family:
             fn, _ = FAMILIES[name]
             flame.manual_seed(0)
-            for case in fn(ctx):
+            cases = fn(ctx)
+            for i, case in enumerate(cases):
                 rows.append(run_case(name, case, ctx))
+                r = rows[-1]
+                done = f"ERROR {r['error']}" if "error" in r else f"{r['ratio']:.2f}x ({_fmt(r['flame'])} {r['unit']})"
+                print(f"[{name} {i + 1}/{len(cases)}] {case.name}: {done}", file=sys.stderr, flush=True)
+            save()
     print_table(rows)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick, "tuning": args.tuning,
-               "families": args.family, "results": rows}
-        args.out.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"wrote {args.out}")
     failed = [r for r in rows if "error" in r]
     return 1 if failed else 0

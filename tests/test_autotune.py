@@ -225,6 +225,7 @@ def test_wgrad_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monk
 
 
 def test_norms_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(runtime, "num_sms", lambda: 1)  # the split and program counts below assume one SM
     launched = _spy(monkeypatch, KN, lambda name, grid, meta: (name, grid, meta.get("BLOCK_C"), meta.get("BLOCK_S"),
                                                                meta.get("BLOCK_M")))
     real_time = autotune.time_ms

@@ -299,9 +299,9 @@ def test_geglu_gradcheck_and_errors():
 def test_elementwise_output_keeps_channels_last_and_runs_contiguous(monkeypatch):
     import flame.kernels.elementwise as KE
     cl = torch.channels_last
-    x = flame.from_torch(torch.randn(2, 6, 5, 3).contiguous(memory_format=cl))
-    y = flame.from_torch(torch.randn(2, 6, 5, 3).contiguous(memory_format=cl))
-    b = flame.from_torch(torch.randn(1, 6, 1, 1))
+    x = flame.from_torch(torch.randn(2, 6, 5, 3, device=flame.device).contiguous(memory_format=cl))
+    y = flame.from_torch(torch.randn(2, 6, 5, 3, device=flame.device).contiguous(memory_format=cl))
+    b = flame.from_torch(torch.randn(1, 6, 1, 1, device=flame.device))
     kernels = []
     real = KE.launch
     monkeypatch.setattr(KE, "launch", lambda kernel, *a, **k: kernels.append(kernel) or real(kernel, *a, **k))
@@ -314,10 +314,10 @@ def test_elementwise_output_keeps_channels_last_and_runs_contiguous(monkeypatch)
     u = flame.exp(x)
     assert u.stride() == x.stride()
     # the first full-shape operand decides: contiguous first -> contiguous result
-    c = flame.from_torch(torch.randn(2, 6, 5, 3))
+    c = flame.from_torch(torch.randn(2, 6, 5, 3, device=flame.device))
     assert (c + x).is_contiguous() and (b + x).stride() == x.stride()
     # not dense (a slice): contiguous result
-    wide = flame.from_torch(torch.randn(2, 6, 5, 6))
+    wide = flame.from_torch(torch.randn(2, 6, 5, 6, device=flame.device))
     assert (wide[..., :3] + 1.0).is_contiguous()
     # gradients through a channels-last add keep their values
     xg = flame.from_torch(x.to_torch().clone(), requires_grad=True)
