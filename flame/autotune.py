@@ -7,7 +7,8 @@ shape key, dtype) neither the GPU's table nor the user's cache table holds exact
 1. The launch runs at once with the heuristic config (its results are the ones the caller gets),
    and ``flame.tune`` notes the unknown key.
 2. The kernel entry point that made it (a function decorated with ``@tunable``: the launchers of
-   ``flame/kernels/`` that write a whole result into output buffers) then runs again with each
+   ``flame/kernels/`` that write a whole result into output buffers; the kernel tuned is the last
+   one the call asked ``flame.tune`` for, the one that ran) then runs again with each
    candidate of the kernel's search space (``search_stages``, the space ``scripts/autotune.py``
    uses) under ``flame.tune.override``, into fresh output buffers poisoned with NaN: its inputs
    are untouched, and an input that aliases an output (an in-place residual) is read as it is
@@ -77,11 +78,13 @@ def tunable(*outputs: str):
 
 def _run_and_tune(fn, places, args, kwargs):
     global _busy
-    with tune.unknown_keys() as unknown:
+    with tune.asked_configs() as asked:
         result = fn(*args, **kwargs)
-    if not unknown or (runtime.INTERPRETER and not _INTERPRETER_OK) or _capturing():
+    # the kernel that runs is the last one asked (a 16-bit GEMM on Hopper asks "matmul", then runs
+    # "matmul_tma"), as scripts/autotune.py decides; (kernel, key, dtype name) -> the query
+    todo = {q[:3]: q[:4] for q in asked if q[4] and q[0] == asked[-1][0]}
+    if not todo or (runtime.INTERPRETER and not _INTERPRETER_OK) or _capturing():
         return result
-    todo = {q[:3]: q for q in unknown}  # (kernel, key, dtype name) -> the query (with its default)
     _busy = True
     try:
         for query in todo.values():

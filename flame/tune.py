@@ -37,7 +37,7 @@ Environment:
 - ``FLAME_AUTOTUNE=1``: tune on first use (``flame/autotune.py``). A launch whose kernel, shape
   key and dtype have no exact entry in the GPU's table nor in the user's cache table
   (``cache_path()``, under ``$FLAME_CACHE_DIR``, default ``~/.cache/flame/autotune``) runs with its
-  heuristic and is reported to ``unknown_keys()`` blocks; the entry point that made it tunes it
+  heuristic and is reported to ``asked_configs()`` blocks; the entry point that made it tunes it
   and ``remember()`` adds the winner to the cache table. Nearest-bucket entries are not used in
   this mode (a shape they would serve is tuned instead). Read on first lookup and by ``reset()``.
 """
@@ -248,7 +248,7 @@ _records: list = []  # the lists of the active record() blocks
 _UNKNOWN = object()  # FLAME_AUTOTUNE=1: no exact entry anywhere (answered with the default, not memoised)
 _autotune = None  # whether FLAME_AUTOTUNE=1 (read on first use and by reset())
 _cache_tables: dict = {}  # device name -> _Table of the user's cache (tuning on first use)
-_unknown_sinks: list = []  # the lists of the active unknown_keys() blocks
+_asked_sinks: list = []  # the lists of the active asked_configs() blocks
 
 
 def autotuning() -> bool:
@@ -277,18 +277,13 @@ def _cache_table(name):
 
 
 def _first_use_lookup(kernel, key, dtype, default, name):
-    """FLAME_AUTOTUNE=1: the exact entry of the GPU's table or of the cache table, else _UNKNOWN
-    (reported to the unknown_keys() blocks)."""
+    """FLAME_AUTOTUNE=1: the exact entry of the GPU's table or of the cache table, else _UNKNOWN."""
     dt = _dtype_name(dtype)
     table = _tables[name]
     hit = table.exact.get((kernel, dt, key)) if table is not None else None
     if hit is None:
         hit = _cache_table(name).exact.get((kernel, dt, key))
-    if hit is not None:
-        return hit
-    for sink in _unknown_sinks:
-        sink.append((kernel, key, dt, default))
-    return _UNKNOWN
+    return _UNKNOWN if hit is None else hit
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
@@ -322,16 +317,19 @@ def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str
     The returned dict is shared: do not mutate it."""
     ck = (kernel, shape_key, dtype, device_name)
     hit = _chosen.get(ck, _MISS)
+    unknown = False
     if hit is _MISS:
         hit = _lookup(kernel, shape_key, dtype, default, device_name)
         if hit is _UNKNOWN:  # asked again until it is tuned
-            hit = None
+            hit, unknown = None, True
         else:
             if len(_chosen) > 8192:
                 _chosen.clear()
             _chosen[ck] = hit
         for asked in _records:
             asked.append((kernel, tuple(shape_key), _dtype_name(dtype), default if hit is None else hit))
+    for sink in _asked_sinks:
+        sink.append((kernel, tuple(shape_key), _dtype_name(dtype), default, unknown))
     return default if hit is None else hit
 
 
@@ -415,16 +413,17 @@ def reset() -> None:
 
 
 @contextlib.contextmanager
-def unknown_keys():
-    """``with unknown_keys() as found:`` ``found`` lists ``(kernel, shape key, dtype name, default
-    config)`` for each launch inside the block that asked for a config no table knows exactly
-    (only with ``FLAME_AUTOTUNE=1``; ``flame.autotune`` tunes them)."""
-    found = []
-    _unknown_sinks.append(found)
+def asked_configs():
+    """``with asked_configs() as asked:`` ``asked`` lists ``(kernel, shape key, dtype name, default
+    config, unknown)`` for each config a launcher asks for inside the block, ``unknown`` True when
+    no table holds the key exactly (only ever True with ``FLAME_AUTOTUNE=1``; ``flame.autotune``
+    tunes those)."""
+    asked = []
+    _asked_sinks.append(asked)
     try:
-        yield found
+        yield asked
     finally:
-        _unknown_sinks[:] = [s for s in _unknown_sinks if s is not found]
+        _asked_sinks[:] = [s for s in _asked_sinks if s is not asked]
 
 
 def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, default_ms: float) -> Path:
@@ -451,7 +450,7 @@ def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, defa
     text = json.dumps(raw, indent=1).encode()
     atomic_write(path, lambda f: f.write(text))
     _cache_table(name).add(kernel, dt, key, dict(config))
-    for sink in _unknown_sinks:  # an outer entry point need not tune it again
-        sink[:] = [q for q in sink if q[:3] != (kernel, key, dt)]
+    for sink in _asked_sinks:  # known now: an outer entry point need not tune it again
+        sink[:] = [q[:4] + (False,) if q[:3] == (kernel, key, dt) else q for q in sink]
     _forget_answers()
     return path

@@ -11,7 +11,7 @@ import flame.nn.functional as F
 from flame import autotune, tune
 from flame.kernels import elementwise as KE
 
-FAKE = "fake_first_use"
+FAKE, FAKE_ROUTER = "fake_first_use", "fake_router"
 DEFAULT = {"BLOCK": 16, "num_warps": 4}
 CANDIDATES = [{"BLOCK": 32, "num_warps": 4}, {"BLOCK": 64, "num_warps": 4}, {"BLOCK": 16, "num_warps": 8}]
 TIMES = {(16, 4): 3.0, (32, 4): 1.0, (64, 4): 0.5, (16, 8): 2.0}  # BLOCK 64 is fastest, and wrong
@@ -21,6 +21,7 @@ SEARCH, TIME_MS = autotune.search_stages, autotune._time_ms  # the real ones (th
 
 @autotune.tunable("out")
 def fake_entry(out, x):
+    tune.config(FAKE_ROUTER, (x.shape[0],), x.dtype, DEFAULT)  # asked first, then not run (like "matmul")
     cfg = tune.config(FAKE, (x.shape[0],), x.dtype, DEFAULT)
     ASKED.append(cfg)
     KE.copy_(out, x)
@@ -38,6 +39,7 @@ def _active_time(run, reps):
 @pytest.fixture
 def first_use(monkeypatch, tmp_path):
     monkeypatch.setitem(tune.KERNELS, FAKE, (("N",), ("BLOCK", "num_warps")))
+    monkeypatch.setitem(tune.KERNELS, FAKE_ROUTER, (("N",), ("BLOCK", "num_warps")))
     monkeypatch.setenv("FLAME_AUTOTUNE", "1")
     monkeypatch.setenv("FLAME_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(autotune, "_INTERPRETER_OK", True)
@@ -68,6 +70,7 @@ def test_an_unknown_key_is_tuned_once_and_cached(first_use, capsys):
     err = capsys.readouterr().err
     assert f"flame autotune: {FAKE} [5] float32: 4 configs (1 wrong, 0 did not compile or fit)" in err
     [entry] = _cached(first_use)
+    assert list(json.loads(tune.cache_path().read_text())["entries"]) == [FAKE]  # only the kernel that ran
     assert entry["key"] == [5] and entry["config"] == {"BLOCK": 32, "num_warps": 4}  # fastest right one
     assert entry["ms"] == 1.0 and entry["default_ms"] == 3.0
     ASKED.clear()
