@@ -11,6 +11,9 @@ format in ``configs/autotune/README.md``) for the current GPU, once, on first us
    else
 3. ``default``, the launcher's heuristic (the result with no table at all).
 
+An entry whose tuned time beat the heuristic's by less than ``MIN_GAIN`` (3%: run-to-run noise)
+answers "the heuristic" in steps 1 and 2.
+
 Answers are cached per (kernel, shape key, dtype, device name), so after the first call a launch
 pays one dict lookup. Nothing is timed or tuned here (``flame.autotune`` does that, on first use,
 with ``FLAME_AUTOTUNE=1``: see below). On the interpreter backend the current device (the CPU)
@@ -128,21 +131,33 @@ def _dtype_name(dtype) -> str:
 
 # ---- loading ----------------------------------------------------------------------------------
 
+# A tuned entry is used only when it beat the heuristic by more than this in its own timing; below
+# that the two are within run-to-run noise, and in a real model (other shapes, a warm or cold L2
+# around the launch) the heuristic is at least as likely to win: such entries answer "heuristic".
+MIN_GAIN = 1.03
+_HEURISTIC = object()
+
+
 class _Table:
     """One GPU's entries: per (kernel, dtype name), the entries of each bucket."""
 
     def __init__(self):
-        self.buckets = {}  # (kernel, dtype) -> {bucket: [(key, config), ...]}
-        self.exact = {}  # (kernel, dtype, key) -> config
+        self.buckets = {}  # (kernel, dtype) -> {bucket: [(key, config or _HEURISTIC), ...]}
+        self.exact = {}  # (kernel, dtype, key) -> config or _HEURISTIC
 
-    def add(self, kernel, dtype, key, cfg):
+    def add(self, kernel, dtype, key, cfg, gain):
+        """``cfg`` for ``key``; ``gain`` (heuristic time / tuned time) below MIN_GAIN stores
+        "heuristic" instead."""
+        cfg = cfg if gain >= MIN_GAIN else _HEURISTIC
         self.buckets.setdefault((kernel, dtype), {}).setdefault(bucket(key), []).append((key, cfg))
         self.exact[kernel, dtype, key] = cfg
 
     def find(self, kernel, dtype, key):
-        """The config of the nearest entry in ``key``'s bucket (the exact key is at distance 0)."""
+        """The config of the nearest entry in ``key``'s bucket (the exact key is at distance 0);
+        None for none, or when that entry says the heuristic is as fast."""
         near = self.buckets.get((kernel, dtype), {}).get(bucket(key))
-        return min(near, key=lambda e: _distance(key, e[0]))[1] if near else None
+        cfg = min(near, key=lambda e: _distance(key, e[0]))[1] if near else None
+        return None if cfg is _HEURISTIC else cfg
 
 
 def _is_count(v) -> bool:
@@ -215,7 +230,8 @@ def _parse(raw, device_name):
                     problems.append(f"{kernel}/{dtype}: {problem}")
                     continue
                 seen.add(tuple(entry["key"]))
-                table.add(kernel, dtype, tuple(entry["key"]), dict(entry["config"]))
+                gain = entry["default_ms"] / entry["ms"] if entry["ms"] > 0 else math.inf
+                table.add(kernel, dtype, tuple(entry["key"]), dict(entry["config"]), gain)
     return table, problems
 
 
@@ -283,7 +299,7 @@ def _first_use_lookup(kernel, key, dtype, default, name):
     hit = table.exact.get((kernel, dt, key)) if table is not None else None
     if hit is None:
         hit = _cache_table(name).exact.get((kernel, dt, key))
-    return _UNKNOWN if hit is None else hit
+    return _UNKNOWN if hit is None else None if hit is _HEURISTIC else hit
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
@@ -449,7 +465,7 @@ def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, defa
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(raw, indent=1).encode()
     atomic_write(path, lambda f: f.write(text))
-    _cache_table(name).add(kernel, dt, key, dict(config))
+    _cache_table(name).add(kernel, dt, key, dict(config), default_ms / ms if ms > 0 else math.inf)
     for sink in _asked_sinks:  # known now: an outer entry point need not tune it again
         sink[:] = [q[:4] + (False,) if q[:3] == (kernel, key, dt) else q for q in sink]
     _forget_answers()

@@ -141,7 +141,9 @@ def _tune_reads(monkeypatch, tmp_path, doc):
             for kernel, rows in doc["entries"].items():
                 default = dict.fromkeys(tune.KERNELS[kernel][1], 1)
                 for e in rows["bfloat16"]:
-                    assert tune.config(kernel, tuple(e["key"]), "bfloat16", default, device_name=GPU) == e["config"]
+                    # an entry within MIN_GAIN of the heuristic's time answers "the heuristic"
+                    want = e["config"] if e["default_ms"] >= tune.MIN_GAIN * e["ms"] else default
+                    assert tune.config(kernel, tuple(e["key"]), "bfloat16", default, device_name=GPU) == want
     finally:
         tune.reset()
 

@@ -67,6 +67,14 @@ def test_exact_lookup(tables):
     assert quiet_ask((4096, 640, 640, 2), dtype="bfloat16") == other  # dtype by name too
 
 
+def test_entries_within_noise_of_the_heuristic_answer_the_heuristic(tables):
+    near = dict(entry((4096, 640, 640, 1), MM), ms=1.0, default_ms=1.02)  # 2% faster: noise
+    tables({"matmul": {"bfloat16": [near, entry((4096, 640, 5120, 1), MM)]}})
+    assert quiet_ask((4096, 640, 640, 1)) == DEFAULT
+    assert quiet_ask((4000, 600, 700, 1)) == DEFAULT  # its bucket neighbours too
+    assert quiet_ask((4096, 640, 5120, 1)) == MM  # 2x faster: used
+
+
 def test_bucket_fallback_takes_the_nearest_entry_in_the_bucket(tables):
     far = dict(MM, num_warps=8)
     tables({"matmul": {"float16": [entry((4096, 1280, 1280, 1), far), entry((5000, 640, 700, 1), MM)]}})
