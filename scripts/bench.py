@@ -15,7 +15,9 @@ times measure Triton's interpreter and mean nothing; that mode exists to smoke-t
 flame's launch configs come from the GPU's tuning table (``flame.tune``) unless ``--tuning defaults``
 hides the tables; ``--tuning compare`` times flame both ways in the same process, alternating with
 PyTorch per ``--repeat``, and reports each case's tuned speedup over the heuristic defaults (the
-fastest of each side's ``--repeat`` medians: noise on a shared host only ever adds time).
+ratio of the two sides' medians). A case whose launches ask ``flame.tune`` for the same configs
+with and without the table (no entry applies, or the entries answer "heuristic") is marked
+``tuned_same_configs`` and not timed twice: it runs the very same kernels either way.
 
 Adding a family: write a function that takes a ``Ctx`` and returns a list of ``Case``, and decorate
 it with ``@family("name", "one-line description")``.
@@ -471,6 +473,21 @@ def _time_defaults(case, ctx):
         return time_device(case.flame, ctx)
 
 
+def _configs_used(case):
+    """The launch configs one call of ``case.flame`` asks flame.tune for, in order."""
+    with tune.record() as asked:
+        case.flame()
+    return [q[3] for q in asked]
+
+
+def _table_changes(case):
+    """Whether the tuning table changes any launch config of ``case`` (else the tuned and the
+    heuristic runs launch the very same kernels, and timing both measures only noise)."""
+    tuned = _configs_used(case)
+    with heuristic_configs():
+        return _configs_used(case) != tuned
+
+
 def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
     row = {"family": fam, "case": case.name, "note": case.note}
     problem = check_case(case) if case.check else None
@@ -484,15 +501,17 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         # --repeat: alternate flame and torch (and flame on its heuristic configs, --tuning compare),
         # keep the median of each side's medians: a transient slowdown of the shared host or card
         # then moves no side
-        compare = ctx.tuning == "compare"
+        compare = ctx.tuning == "compare" and _table_changes(case)
+        if ctx.tuning == "compare" and not compare:
+            row.update(tuned_same_configs=True)
         runs = [(time_device(case.flame, ctx), time_device(case.torch, ctx),
                  _time_defaults(case, ctx) if compare else None) for _ in range(ctx.repeat)]
         fs, ts, ds = zip(*runs)
         f, t = statistics.median(fs), statistics.median(ts)
         row.update(unit="ms", flame=f, torch=t)
-        if compare:  # the speedup compares each side's fastest run: host noise only ever adds time
+        if compare:
             d = statistics.median(ds)
-            row.update(flame_defaults=d, tuned_speedup=min(ds) / min(fs) if min(fs) > 0 else math.inf)
+            row.update(flame_defaults=d, tuned_speedup=d / f if f > 0 else math.inf)
         if ctx.repeat > 1:
             row.update(flame_runs=list(fs), torch_runs=list(ts))
             if compare:
@@ -547,11 +566,13 @@ def print_table(rows: list[dict]) -> None:
         else:
             print(fmt.format(*line))
     speedups = [r["tuned_speedup"] for r in rows if r.get("tuned_speedup", 0) > 0]
-    if speedups:
-        geo = math.exp(statistics.fmean(math.log(x) for x in speedups))
+    same = sum(1 for r in rows if r.get("tuned_same_configs"))
+    if speedups or same:
+        geo = math.exp(statistics.fmean(math.log(x) for x in speedups)) if speedups else 1.0
         slower = [r["case"] for r in rows if r.get("tuned_speedup", 1) < 0.95]
-        print(f"tuned table vs heuristic defaults: geometric-mean speedup {geo:.3f}x over {len(speedups)} cases; "
-              f"{len(slower)} cases more than 5% slower{': ' + ', '.join(slower) if slower else ''}")
+        print(f"tuned table vs heuristic defaults: geometric-mean speedup {geo:.3f}x over the {len(speedups)} cases "
+              f"the table changes ({same} launch the heuristic's configs either way); {len(slower)} cases more "
+              f"than 5% slower{': ' + ', '.join(slower) if slower else ''}")
 
 
 def environment(argv) -> dict:
