@@ -15,7 +15,9 @@ times measure Triton's interpreter and mean nothing; that mode exists to smoke-t
 flame's launch configs come from the GPU's tuning table (``flame.tune``) unless ``--tuning defaults``
 hides the tables; ``--tuning compare`` times flame both ways in the same process, alternating with
 PyTorch per ``--repeat``, and reports each case's tuned speedup over the heuristic defaults (the
-ratio of the two sides' medians). A case whose launches ask ``flame.tune`` for the same configs
+ratio of the two sides' medians). On a GPU the two sides replay CUDA graphs of the case: a launch
+config changes device time only, and graph replays keep the shared host's noise out (``tuned_timer``
+says "graph", or "eager" where a case cannot be captured). A case whose launches ask ``flame.tune`` for the same configs
 with and without the table (no entry applies, or the entries answer "heuristic") is marked
 ``tuned_same_configs`` and not timed twice: it runs the very same kernels either way.
 
@@ -468,9 +470,42 @@ def heuristic_configs():
             tune.reset()
 
 
-def _time_defaults(case, ctx):
-    with heuristic_configs():
-        return time_device(case.flame, ctx)
+def _captured(fn):
+    """A CUDA graph of ``fn``'s launches (after a warm-up call), or None where capturing fails."""
+    try:
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph
+    except Exception:  # a host sync or an uncapturable call: time it eagerly instead
+        torch.cuda.synchronize()
+        return None
+
+
+def _tuned_and_default_times(case, ctx):
+    """(timer, tuned ms runs, heuristic ms runs) of ``case.flame``, alternating per --repeat.
+    A launch config changes the device time, not the host's, so where both can be captured the
+    two sides replay CUDA graphs ("graph": device time alone, free of the shared host's noise);
+    else both run eagerly ("eager")."""
+    graphs = None
+    if not ctx.interpreter:
+        tuned = _captured(case.flame)
+        with heuristic_configs():
+            default = _captured(case.flame)
+        if tuned is not None and default is not None:
+            graphs = tuned, default
+    if graphs:
+        runs = [(time_device(graphs[0].replay, ctx), time_device(graphs[1].replay, ctx)) for _ in range(ctx.repeat)]
+        return ("graph", *zip(*runs))
+
+    def default_run():
+        with heuristic_configs():
+            return time_device(case.flame, ctx)
+
+    runs = [(time_device(case.flame, ctx), default_run()) for _ in range(ctx.repeat)]
+    return ("eager", *zip(*runs))
 
 
 def _configs_used(case):
@@ -504,18 +539,17 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         compare = ctx.tuning == "compare" and _table_changes(case)
         if ctx.tuning == "compare" and not compare:
             row.update(tuned_same_configs=True)
-        runs = [(time_device(case.flame, ctx), time_device(case.torch, ctx),
-                 _time_defaults(case, ctx) if compare else None) for _ in range(ctx.repeat)]
-        fs, ts, ds = zip(*runs)
+        fs, ts = zip(*[(time_device(case.flame, ctx), time_device(case.torch, ctx)) for _ in range(ctx.repeat)])
         f, t = statistics.median(fs), statistics.median(ts)
         row.update(unit="ms", flame=f, torch=t)
         if compare:
-            d = statistics.median(ds)
-            row.update(flame_defaults=d, tuned_speedup=d / f if f > 0 else math.inf)
+            timer, tuned, default = _tuned_and_default_times(case, ctx)
+            d = statistics.median(default)
+            row.update(tuned_timer=timer, flame_tuned=statistics.median(tuned), flame_defaults=d,
+                       flame_tuned_runs=list(tuned), flame_defaults_runs=list(default),
+                       tuned_speedup=d / statistics.median(tuned))
         if ctx.repeat > 1:
             row.update(flame_runs=list(fs), torch_runs=list(ts))
-            if compare:
-                row.update(flame_defaults_runs=list(ds))
         if case.nbytes:
             row.update(bytes=case.nbytes, flame_gbps=case.nbytes / f / 1e6, torch_gbps=case.nbytes / t / 1e6)
         if case.flops:

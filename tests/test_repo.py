@@ -108,13 +108,23 @@ def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypa
     bench = _load_bench(monkeypatch)
     calls = []
     monkeypatch.setattr(bench, "_table_changes", lambda case: True)
-    monkeypatch.setattr(bench, "time_device", lambda fn, ctx: calls.append(fn) or 2.0)
-    monkeypatch.setattr(bench, "_time_defaults", lambda case, ctx: 3.0)
+    in_defaults = []
+    real_defaults = bench.heuristic_configs
+
+    def spying_defaults():
+        in_defaults.append(True)
+        return real_defaults()
+
+    monkeypatch.setattr(bench, "heuristic_configs", spying_defaults)
+    monkeypatch.setattr(bench, "time_device", lambda fn, ctx: calls.append(len(in_defaults)) or 2.0 + len(in_defaults))
     case = bench.Case("c", lambda: None, lambda: None, check=False)
     ctx = bench.Ctx(dtype=torch.float32, quick=True, warmup=1, rep=1, repeat=3, tuning="compare")
     row = bench.run_case("f", case, ctx)
-    assert row["flame_defaults"] == 3.0 and row["tuned_speedup"] == 1.5 and len(row["flame_defaults_runs"]) == 3
-    assert len(calls) == 6  # flame and torch, three times
+    assert row["tuned_timer"] == "eager"  # the interpreter: no graphs
+    assert len(row["flame_defaults_runs"]) == len(row["flame_tuned_runs"]) == 3 and len(in_defaults) == 3
+    assert row["tuned_speedup"] == pytest.approx(row["flame_defaults"] / row["flame_tuned"])
+    # flame and torch three times, then tuned and heuristic flame alternately (the latter inside heuristic_configs)
+    assert calls == [0] * 6 + [0, 1, 1, 2, 2, 3]
 
 
 def _load_bench(monkeypatch):
