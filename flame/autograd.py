@@ -262,10 +262,23 @@ def _fit(grad, meta):
     return grad
 
 
+_engine_deps = None  # (autocast_state, add, ones_like, Tensor): imported on first use (they import this module)
+
+
+def _deps():
+    global _engine_deps
+    if _engine_deps is None:
+        from .ops._autocast import autocast_state
+        from .ops.creation import ones_like
+        from .ops.elementwise import add
+        from .tensor import Tensor
+        _engine_deps = (autocast_state, add, ones_like, Tensor)
+    return _engine_deps
+
+
 def _roots(root, grad):
     """``(tensor, gradient)`` pairs from one root or a sequence of roots (and their gradients)."""
-    from .ops.creation import ones_like
-    from .tensor import Tensor
+    _, _, ones_like, Tensor = _deps()
 
     roots = [root] if isinstance(root, Tensor) else list(root)
     grad_list = [grad] if isinstance(root, Tensor) or grad is None else list(grad)
@@ -306,9 +319,7 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
     walk stops: the gradient reaching each is summed into the returned dict and goes no further
     (no backward rule, hook or accumulation runs for it).
     """
-    from .ops._autocast import autocast_state
-    from .ops.elementwise import add
-
+    autocast_state, add, _, _ = _deps()
     pairs = _roots(root, grad)
     captured = {}
     grads = GradientMap()

@@ -67,7 +67,7 @@ def tunable(*outputs: str):
 
         @functools.wraps(fn)
         def entry(*args, **kwargs):
-            if not tune.autotuning() or _busy:
+            if not tune._autotune or _busy:  # one attribute test when FLAME_AUTOTUNE is off
                 return fn(*args, **kwargs)
             return _run_and_tune(fn, places, args, kwargs)
 

@@ -42,7 +42,7 @@ Environment:
   (``cache_path()``, under ``$FLAME_CACHE_DIR``, default ``~/.cache/flame/autotune``) runs with its
   heuristic and is reported to ``asked_configs()`` blocks; the entry point that made it tunes it
   and ``remember()`` adds the winner to the cache table. Nearest-bucket entries are not used in
-  this mode (a shape they would serve is tuned instead). Read on first lookup and by ``reset()``.
+  this mode (a shape they would serve is tuned instead). Read at import and by ``reset()``.
 """
 from __future__ import annotations
 
@@ -262,16 +262,13 @@ _overrides: dict = {}  # kernel -> the innermost active Override
 _cache_clears: list = []  # launchers' functions that empty their own per-shape config caches
 _records: list = []  # the lists of the active record() blocks
 _UNKNOWN = object()  # FLAME_AUTOTUNE=1: no exact entry anywhere (answered with the default, not memoised)
-_autotune = None  # whether FLAME_AUTOTUNE=1 (read on first use and by reset())
+_autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"  # re-read by reset(); the tunable entry points test it
 _cache_tables: dict = {}  # device name -> _Table of the user's cache (tuning on first use)
 _asked_sinks: list = []  # the lists of the active asked_configs() blocks
 
 
 def autotuning() -> bool:
     """Whether launches of unknown shapes are tuned on first use (``FLAME_AUTOTUNE=1``)."""
-    global _autotune
-    if _autotune is None:
-        _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"
     return _autotune
 
 
@@ -424,7 +421,7 @@ def reset() -> None:
     global _autotune
     _tables.clear()
     _cache_tables.clear()
-    _autotune = None
+    _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"
     _forget_answers()
 
 

@@ -365,7 +365,6 @@ def _to_backward(node, g):
 
 def to(x, *args, dtype=None, device=None, copy=False):
     """Cast to ``dtype`` (a copy kernel); ``device`` may only name flame's own device."""
-    from .. import runtime
     dtype = runtime.to_args(args, dtype, device)
     if dtype is None or (dtype == x.dtype and not copy):
         return x
