@@ -265,6 +265,7 @@ _UNKNOWN = object()  # FLAME_AUTOTUNE=1: no exact entry anywhere (answered with 
 _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"  # re-read by reset(); the tunable entry points test it
 _cache_tables: dict = {}  # device name -> _Table of the user's cache (tuning on first use)
 _asked_sinks: list = []  # the lists of the active asked_configs() blocks
+_hidden = False  # inside heuristics_only(): no table, cache table or first-use tuning
 
 
 def autotuning() -> bool:
@@ -310,6 +311,8 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
     if active is not None:
         active.served += 1
         return active.config
+    if _hidden:
+        return None
     first_use = device_name is None and autotuning()
     if device_name is None and runtime.INTERPRETER and not first_use:  # the CPU has no table
         return None
@@ -423,6 +426,23 @@ def reset() -> None:
     _cache_tables.clear()
     _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"
     _forget_answers()
+
+
+@contextlib.contextmanager
+def heuristics_only():
+    """``with heuristics_only():`` every launch inside the block gets its launcher's heuristic
+    config, as with no table at all: no table or cache-table entry is used and nothing is tuned
+    on first use (active ``override`` blocks still apply). How benchmarks and the tuner time the
+    defaults. Cached answers and registered launcher caches are emptied on entry and on exit."""
+    global _hidden
+    outer = _hidden
+    _hidden = True
+    _forget_answers()
+    try:
+        yield
+    finally:
+        _hidden = outer
+        _forget_answers()
 
 
 @contextlib.contextmanager

@@ -43,10 +43,8 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -585,23 +583,15 @@ def write_table(path: Path, table: dict, gpu: str) -> None:
 
 @contextlib.contextmanager
 def tuning_session():
-    """The launchers see no table (the default runs time the heuristics) and PyTorch's fp32
-    references use no tf32; both restored afterwards."""
-    saved_env = os.environ.get("FLAME_TUNE_DIR")
+    """The launchers see no table (the default runs time the heuristics: ``tune.heuristics_only``)
+    and PyTorch's fp32 references use no tf32; both restored afterwards."""
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    with tempfile.TemporaryDirectory() as empty:
-        os.environ["FLAME_TUNE_DIR"] = empty
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-        tune.reset()
-        try:
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with tune.heuristics_only():
             yield
-        finally:
-            if saved_env is None:
-                os.environ.pop("FLAME_TUNE_DIR", None)
-            else:
-                os.environ["FLAME_TUNE_DIR"] = saved_env
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-            tune.reset()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
 
 
 def enumerate_problems(families, shapes, ctx):

@@ -32,11 +32,9 @@ import dataclasses
 import datetime
 import json
 import math
-import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -452,24 +450,6 @@ def check_case(case: Case) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def heuristic_configs():
-    """flame's launchers see no tuning table inside the block: every launch config is its
-    heuristic default (``FLAME_TUNE_DIR`` pointed at an empty folder); restored afterwards."""
-    saved = os.environ.get("FLAME_TUNE_DIR")
-    with tempfile.TemporaryDirectory() as empty:
-        os.environ["FLAME_TUNE_DIR"] = empty
-        tune.reset()
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop("FLAME_TUNE_DIR", None)
-            else:
-                os.environ["FLAME_TUNE_DIR"] = saved
-            tune.reset()
-
-
 def _captured(fn):
     """A CUDA graph of ``fn``'s launches (after a warm-up call), or None where capturing fails."""
     try:
@@ -492,7 +472,7 @@ def _tuned_and_default_times(case, ctx):
     graphs = None
     if not ctx.interpreter:
         tuned = _captured(case.flame)
-        with heuristic_configs():
+        with tune.heuristics_only():
             default = _captured(case.flame)
         if tuned is not None and default is not None:
             graphs = tuned, default
@@ -501,7 +481,7 @@ def _tuned_and_default_times(case, ctx):
         return ("graph", *zip(*runs))
 
     def default_run():
-        with heuristic_configs():
+        with tune.heuristics_only():
             return time_device(case.flame, ctx)
 
     runs = [(time_device(case.flame, ctx), default_run()) for _ in range(ctx.repeat)]
@@ -519,7 +499,7 @@ def _table_changes(case):
     """Whether the tuning table changes any launch config of ``case`` (else the tuned and the
     heuristic runs launch the very same kernels, and timing both measures only noise)."""
     tuned = _configs_used(case)
-    with heuristic_configs():
+    with tune.heuristics_only():
         return _configs_used(case) != tuned
 
 
@@ -677,7 +657,7 @@ def main(argv=None) -> int:
                    "families": args.family, "results": rows}
             args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
-    with heuristic_configs() if args.tuning == "defaults" else contextlib.nullcontext():
+    with tune.heuristics_only() if args.tuning == "defaults" else contextlib.nullcontext():
         for name in args.family:
             fn, _ = FAMILIES[name]
             flame.manual_seed(0)

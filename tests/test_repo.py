@@ -109,13 +109,13 @@ def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypa
     calls = []
     monkeypatch.setattr(bench, "_table_changes", lambda case: True)
     in_defaults = []
-    real_defaults = bench.heuristic_configs
+    real_defaults = bench.tune.heuristics_only
 
     def spying_defaults():
         in_defaults.append(True)
         return real_defaults()
 
-    monkeypatch.setattr(bench, "heuristic_configs", spying_defaults)
+    monkeypatch.setattr(bench.tune, "heuristics_only", spying_defaults)
     monkeypatch.setattr(bench, "time_device", lambda fn, ctx: calls.append(len(in_defaults)) or 2.0 + len(in_defaults))
     case = bench.Case("c", lambda: None, lambda: None, check=False)
     ctx = bench.Ctx(dtype=torch.float32, quick=True, warmup=1, rep=1, repeat=3, tuning="compare")
@@ -123,7 +123,7 @@ def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypa
     assert row["tuned_timer"] == "eager"  # the interpreter: no graphs
     assert len(row["flame_defaults_runs"]) == len(row["flame_tuned_runs"]) == 3 and len(in_defaults) == 3
     assert row["tuned_speedup"] == pytest.approx(row["flame_defaults"] / row["flame_tuned"])
-    # flame and torch three times, then tuned and heuristic flame alternately (the latter inside heuristic_configs)
+    # flame and torch three times, then tuned and heuristic flame alternately (the latter inside heuristics_only)
     assert calls == [0] * 6 + [0, 1, 1, 2, 2, 3]
 
 
@@ -137,13 +137,30 @@ def _load_bench(monkeypatch):
     return bench
 
 
-def test_heuristic_configs_hides_the_tables_and_restores_them(tmp_path, monkeypatch):
-    bench = _load_bench(monkeypatch)
+def test_heuristics_only_hides_every_table_and_restores_them(tmp_path, monkeypatch):
+    import json as _json
+
+    from flame import tune
+
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+    default = dict(cfg, BLOCK_M=128)
+    table = dict(format=tune.FORMAT, gpu="NVIDIA H200", triton=__import__("triton").__version__, entries={
+        "matmul": {"bfloat16": [dict(key=[64, 64, 64, 1], config=cfg, ms=1.0, default_ms=2.0)]}})
+    (tmp_path / "nvidia-h200.json").write_text(_json.dumps(table))
     monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
-    with bench.heuristic_configs():
-        inside = bench.tune.table_dir()
-        assert inside != tmp_path and inside.is_dir() and not any(inside.iterdir())
-    assert bench.tune.table_dir() == tmp_path
+    tune.reset()
+    try:
+        def ask():
+            return tune.config("matmul", (64, 64, 64, 1), "bfloat16", default, device_name="NVIDIA H200")
+
+        assert ask() == cfg
+        with tune.heuristics_only():
+            assert ask() == default
+            with tune.override("matmul", cfg):  # overrides still apply
+                assert ask() == cfg
+        assert ask() == cfg
+    finally:
+        tune.reset()
 
 
 def test_bench_rejects_unknown_family():
