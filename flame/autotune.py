@@ -37,6 +37,7 @@ import itertools
 import math
 import statistics
 import sys
+import time
 
 import torch
 import triton
@@ -117,7 +118,7 @@ def _fresh_call(fn, places, args, kwargs):
     outs = []
     for i, name in places:
         holder, at = (args, i) if i < len(args) else (kwargs, name)
-        if (at in kwargs if holder is kwargs else True) and isinstance(holder[at], torch.Tensor):
+        if (holder is args or at in kwargs) and isinstance(holder[at], torch.Tensor):
             holder[at] = fresh(holder[at])
             outs.append(holder[at])
     result = fn(*args, **kwargs)
@@ -148,8 +149,6 @@ def _mismatch(outs, want, dtype):
 
 def _time_ms(run, reps) -> float:
     """Median milliseconds of ``run()`` (CUDA events; host time on the interpreter)."""
-    import time
-
     run()
     times = []
     for _ in range(reps):
