@@ -138,3 +138,11 @@ def test_a_real_gemm_is_tuned_on_first_use(first_use, monkeypatch, capsys):
     y = F.linear(flame.from_torch(x), flame.from_torch(w))  # now with the tuned config
     torch.testing.assert_close(y.to_torch(), x @ w.t(), rtol=tol, atol=tol)
     assert capsys.readouterr().err == ""
+
+
+def test_candidates_never_write_the_callers_outputs_passed_by_keyword(first_use):
+    x = torch.arange(5, dtype=torch.float32, device=flame.device)
+    out = torch.empty_like(x)
+    fake_entry(out=out, x=x)  # the wrong candidate writes 7s: into its own fresh buffer only
+    assert torch.equal(out, x)
+    assert _cached(first_use)[0]["config"] == {"BLOCK": 32, "num_warps": 4}
