@@ -252,6 +252,16 @@ MAX_ATTN_BWD_AREA = 128 * 64  # dK/dV tiles of 128 x 128 spill registers (the sw
 LN_SPACE = dict(BLOCK_M=(1, 2, 4, 8, 16, 32), num_warps=(1, 2, 4, 8, 16), PROGRAMS_PER_SM=(1, 2, 4, 8))
 QUICK_LN_SPACE = dict(BLOCK_M=(2, 4), num_warps=(1,), PROGRAMS_PER_SM=(1, 3))
 MAX_LN_TILE = 16384
+# softmax_fwd/bwd, cross_entropy_fwd/bwd: BLOCK_ROWS rows of BLOCK_R (or BLOCK_C) elements per
+# program, blocks cut to the row's length rounded up to a power of two (a softmax row that fits one
+# block is read whole, longer rows are streamed through such blocks), at most MAX_SOFTMAX_TILE
+# elements (halved for the kernels that hold two tiles: softmax's backward, y and g; a quarter
+# for cross-entropy's forward, three running tiles), warps that give each thread 2 to 64 of them.
+SOFTMAX_SPACE = dict(BLOCK_ROWS=(1, 2, 4, 8, 16, 32), BLOCK_R=(1024, 2048, 4096, 8192, 16384),
+                     num_warps=(1, 2, 4, 8, 16))
+QUICK_SOFTMAX_SPACE = dict(BLOCK_ROWS=(2, 4), BLOCK_R=(32, 64), num_warps=(1,))
+MAX_SOFTMAX_TILE = 16384
+_SOFTMAX_TILE_SHARE = dict(softmax_fwd=1, softmax_bwd=2, cross_entropy_fwd=4, cross_entropy_bwd=2)
 GN_SPACE = dict(BLOCK_C=(16, 32, 64, 128), BLOCK_S=(256, 512, 1024, 2048), TILE=(2048, 4096, 8192), num_warps=(4, 8),
                 PROGRAMS_PER_SM=(2, 4, 8))
 QUICK_GN_SPACE = dict(BLOCK_C=(2, 4), BLOCK_S=(8, 16), TILE=(32,), num_warps=(4,), PROGRAMS_PER_SM=(4, 16))
@@ -383,6 +393,18 @@ class Space:
 
         return [statistics, apply]
 
+    def softmax_stages(self, kernel, rows, r):
+        """The candidate softmax_fwd/bwd or cross_entropy_fwd/bwd configs at key (ROWS, R or C) as
+        ``tune_launch`` stages: one, rows per program x block length x warps."""
+        space = QUICK_SOFTMAX_SPACE if self.quick else SOFTMAX_SPACE
+        block = tune.KERNELS[kernel][1][1]  # BLOCK_R or BLOCK_C
+        row_counts = sorted({min(m, triton.next_power_of_2(rows)) for m in space["BLOCK_ROWS"]})
+        lengths = sorted({min(b, triton.next_power_of_2(r)) for b in space["BLOCK_R"]})
+        cap = MAX_SOFTMAX_TILE // _SOFTMAX_TILE_SHARE[kernel]
+        configs = [{"BLOCK_ROWS": m, block: b, "num_warps": w} for m in row_counts for b in lengths
+                   for w in space["num_warps"] if m * b <= cap and 2 <= m * b // (32 * w) <= 64]
+        return [lambda best: configs]
+
     def _attn_space(self):
         return QUICK_ATTN_SPACE if self.quick else ATTN_SPACE
 
@@ -420,8 +442,8 @@ def _unique(configs):
 def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
     """The configs to try for ``kernel`` at shape ``key``, in stages: each a function from the
     fastest config found so far (at first the heuristic default) to the configs to try next. The
-    tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]``, one stage; attention and the
-    norms: their own."""
+    tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]``, one stage; attention, the
+    norms, softmax and cross-entropy: their own."""
     if kernel == "attention_fwd":
         return [lambda best: ctx.attention_fwd_space(*key)]
     if kernel == "attention_bwd":
@@ -430,6 +452,8 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
         return ctx.layer_norm_stages(kernel, *key)
     if kernel in ("group_norm_fwd", "group_norm_bwd"):
         return ctx.group_norm_stages(*key)
+    if kernel in _SOFTMAX_TILE_SHARE:
+        return ctx.softmax_stages(kernel, *key)
     fields = tune.KERNELS[kernel][1]
     if not set(fields) <= {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}:
         raise LookupError(f"no candidate space for kernel {kernel!r} (config fields {list(fields)}): "

@@ -91,6 +91,14 @@ KERNELS = {
     # kernels/norms.py _gn_plan: GroupNorm (+ SiLU) over (N, C, S), forward and backward
     "group_norm_fwd": (_GN_KEY, _GN_FIELDS),
     "group_norm_bwd": (_GN_KEY, _GN_FIELDS),
+    # kernels/softmax.py _softmax_plan: softmax and log_softmax over ROWS rows of R, forward and
+    # backward; a row that fits one BLOCK_R block (cut to R rounded up to a power of two) is read
+    # whole, a longer one streamed through such blocks (SINGLE derived)
+    "softmax_fwd": (("ROWS", "R"), ("BLOCK_ROWS", "BLOCK_R", "num_warps")),
+    "softmax_bwd": (("ROWS", "R"), ("BLOCK_ROWS", "BLOCK_R", "num_warps")),
+    # kernels/softmax.py _ce_plan: cross-entropy over ROWS rows of C classes, streamed in BLOCK_C blocks
+    "cross_entropy_fwd": (("ROWS", "C"), ("BLOCK_ROWS", "BLOCK_C", "num_warps")),
+    "cross_entropy_bwd": (("ROWS", "C"), ("BLOCK_ROWS", "BLOCK_C", "num_warps")),
 }
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")

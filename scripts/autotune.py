@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 scripts/autotune.py --family matmul --budget-minutes 9   # rerun to continue
     PYTHONPATH=. python3 scripts/autotune.py --family attention --budget-minutes 9
     PYTHONPATH=. python3 scripts/autotune.py --family group_norm,layer_norm --budget-minutes 9
+    PYTHONPATH=. python3 scripts/autotune.py --family softmax,cross_entropy --budget-minutes 9
     python scripts/autotune.py --quick --out /tmp/table.json                # tiny smoke test (CPU too)
 
 For each family, each shape of the shapes file (``configs/autotune/shapes/sdxl.yaml``) and the
@@ -58,6 +59,7 @@ from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import matmul as KM
 from flame.kernels import norms as KN
+from flame.kernels import softmax as KS
 import torch
 import triton
 import triton.testing
@@ -77,7 +79,8 @@ DEFAULT_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
 QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
                 "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V
                 "group_norm": [(1, 6, 5, 7, 3, 1, 1), (2, 4, 3, 5, 2, 0, 0)],  # channels-last + SiLU, NCHW
-                "layer_norm": [(10, 24, 0), (7, 40, 1)]}  # LayerNorm, RMSNorm
+                "layer_norm": [(10, 24, 0), (7, 40, 1)],  # LayerNorm, RMSNorm
+                "softmax": [(10, 40, 0), (7, 100, 1)], "cross_entropy": [(7, 100)]}  # softmax, log_softmax
 
 # Errors after which the CUDA context is unusable: the run stops rather than skip every later candidate.
 CONTEXT_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction")
@@ -386,6 +389,68 @@ def layer_norm_family(ctx: Ctx, shape) -> list[Problem]:
                      outs, want[:len(outs)])
 
     name = f"{'rms_norm' if rms else 'layer_norm'} {m}x{d}"
+    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
+
+
+# The softmax backward's outputs are rounded twice (the saved output y, then dx).
+SOFTMAX_SLACK = 2.0
+
+
+@family("softmax", "softmax", ("ROWS", "R", "log"), flags=("log",))
+def softmax_family(ctx: Ctx, shape) -> list[Problem]:
+    """softmax or log_softmax over the last dim of (ROWS, R), forward (kernel softmax_fwd) and backward (softmax_bwd)"""
+    rows, r, log = shape
+    strides = (r, 1, 1)  # (outer, R, inner) strides of a contiguous (ROWS, R) tensor, as flame/ops/loss.py
+
+    def torch_fn(x):
+        return torch.log_softmax(x, -1) if log else torch.softmax(x, -1)
+
+    def forward():
+        x, y = ctx.randn(rows, r, scale=2.0), ctx.empty(rows, r)
+        return Bench(lambda: KS.softmax_fwd(y, x, rows, r, 1, strides, strides, bool(log)), y,
+                     _reference(torch_fn, (x,)))
+
+    def backward():  # from flame's forward output (heuristic config), as the op saves it
+        x, g, dx = ctx.randn(rows, r, scale=2.0), ctx.randn(rows, r), ctx.empty(rows, r)
+        y = KS.softmax_fwd(ctx.empty(rows, r), x, rows, r, 1, strides, strides, bool(log))
+        return Bench(lambda: KS.softmax_bwd(dx, y, g, rows, r, 1, strides, strides, strides, bool(log)), dx,
+                     _reference(torch_fn, (x,), g)[0], SOFTMAX_SLACK)
+
+    name = f"{'log_softmax' if log else 'softmax'} {rows}x{r}"
+    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
+
+
+@family("cross_entropy", "cross_entropy", ("ROWS", "C"))
+def cross_entropy_family(ctx: Ctx, shape) -> list[Problem]:
+    """cross-entropy (mean) of (ROWS, C) logits, forward (kernel cross_entropy_fwd) and backward (cross_entropy_bwd)"""
+    rows, c = shape
+    strides = (c, 1, 1)
+
+    def inputs():
+        return ctx.randn(rows, c, scale=2.0), torch.randint(0, c, (rows,), device=runtime.device)
+
+    def forward():  # the launcher allocates its outputs: the run copies them into buffers of our own
+        x, t = inputs()
+        loss = torch.empty((), device=runtime.device, dtype=ctx.dtype)
+        lse = torch.empty(rows, device=runtime.device, dtype=torch.float32)
+
+        def run():
+            got = KS.cross_entropy_fwd(x, t, rows, c, 1, strides, "mean", -100, 0.0, ctx.dtype)
+            loss.copy_(got[0])
+            lse.copy_(got[1])
+
+        want = _reference(lambda x: (torch.nn.functional.cross_entropy(x, t), torch.logsumexp(x, -1)), (x,))
+        return Bench(run, (loss, lse), want)
+
+    def backward():  # from flame's forward (heuristic config): the log-sum-exp and the count it saves
+        x, t = inputs()
+        _, lse, count = KS.cross_entropy_fwd(x, t, rows, c, 1, strides, "mean", -100, 0.0, ctx.dtype)
+        g, dx = ctx.randn(), ctx.empty(rows, c)
+        want = _reference(lambda x: torch.nn.functional.cross_entropy(x, t), (x,), g)[0]
+        return Bench(lambda: KS.cross_entropy_bwd(dx, x, t, lse, g, count, rows, c, 1, strides, strides, "mean",
+                                                  -100, 0.0), dx, want)
+
+    name = f"cross_entropy {rows}x{c}"
     return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
 
 

@@ -1,5 +1,5 @@
 """scripts/autotune.py through the interpreter: --quick tables that flame.tune loads (GEMM, conv,
-attention and norm families), resume and --force, the candidate check, the budget stop and the
+attention, norm, softmax and cross-entropy families), resume and --force, the candidate check, the budget stop and the
 command line's errors."""
 import dataclasses
 import importlib.util
@@ -17,6 +17,7 @@ from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import matmul as KM
 from flame.kernels import norms as KN
+from flame.kernels import softmax as KS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GPU = runtime.device_name()  # the name --quick tables carry here ("cpu-interpreter")
@@ -32,6 +33,8 @@ WGRAD_KEYS = {(12, 8, 30, 9), (8, 8, 12, 9)}
 # ... GroupNorm over 1x6x5x7 channels-last (SiLU) and 2x4x3x5 NCHW; LayerNorm 10x24, RMSNorm 7x40
 GN_KEYS = {(1, 6, 35, 3, 1), (2, 4, 15, 2, 0)}
 LN_KEYS = {(10, 24), (7, 40)}
+# ... softmax over 10 rows of 40, log_softmax and cross-entropy over 7 rows of 100
+SM_KEYS, CE_KEYS = {(10, 40), (7, 100)}, {(7, 100)}
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +131,15 @@ def _quick_table(autotune, tmp_path, families, keys):
     for rows in doc["entries"].values():
         for e in rows["bfloat16"]:
             assert 0 < e["ms"] <= e["default_ms"], e  # the default is one of the contenders
+    return doc
+
+
+def _quick_run(autotune, tmp_path, capsys, families, keys, names):
+    """``_quick_table``, and its run's report names every problem of ``names`` and no rejected candidate."""
+    doc = _quick_table(autotune, tmp_path, families, keys)
+    text = capsys.readouterr().out
+    assert all(name in text for name in names), text
+    assert text.count("candidates rejected (wrong output): 0") == len(families), text
     return doc
 
 
@@ -238,11 +250,8 @@ def test_norms_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monk
 
     monkeypatch.setattr(autotune, "time_ms", time_ms)
     keys = dict(group_norm_fwd=GN_KEYS, group_norm_bwd=GN_KEYS, layer_norm_fwd=LN_KEYS, layer_norm_bwd=LN_KEYS)
-    doc = _quick_table(autotune, tmp_path, ["group_norm", "layer_norm"], keys)
-    text = capsys.readouterr().out
-    for name in ("group_norm 1x6x5x7 G3 channels-last silu bwd", "group_norm 2x4x3x5 G2 fwd", "rms_norm 7x40 bwd"):
-        assert name in text
-    assert text.count("candidates rejected (wrong output): 0") == 2
+    doc = _quick_run(autotune, tmp_path, capsys, ["group_norm", "layer_norm"], keys,
+                     ("group_norm 1x6x5x7 G3 channels-last silu bwd", "group_norm 2x4x3x5 G2 fwd", "rms_norm 7x40 bwd"))
     # the candidates really ran: both stages of GroupNorm (the statistics pass split 2 and 3 ways
     # over 2-channel blocks of the 1x6x35 map, the apply pass in 2x16 and 4x8 tiles), LayerNorm's
     # 2- and 4-row blocks and the backward's 3 persistent programs
@@ -251,6 +260,21 @@ def test_norms_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monk
     assert {(2, 16), (4, 8)} <= {(c, s) for k, _, c, s, _ in launched if k == "_gn_apply_kernel"}
     assert {2, 4} <= {m for k, _, _, _, m in launched if k == "_ln_fwd_kernel"}
     assert ((3,), 2) in {(g, m) for k, g, _, _, m in launched if k == "_ln_bwd_kernel"}
+    _tune_reads(monkeypatch, tmp_path, doc)
+
+
+def test_softmax_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    launched = _spy(monkeypatch, KS, lambda name, grid, meta: (name, meta.get("SINGLE"), meta.get("BLOCK_ROWS"),
+                                                               meta.get("BLOCK_R", meta.get("BLOCK_C"))))
+    keys = dict(softmax_fwd=SM_KEYS, softmax_bwd=SM_KEYS, cross_entropy_fwd=CE_KEYS, cross_entropy_bwd=CE_KEYS)
+    doc = _quick_run(autotune, tmp_path, capsys, ["softmax", "cross_entropy"], keys,
+                     ("softmax 10x40 fwd", "log_softmax 7x100 bwd", "cross_entropy 7x100 bwd"))
+    # the candidates really ran: 2 and 4 rows per program, the 40-wide rows whole in 64-wide blocks
+    # and streamed through 32-wide ones, the 100 classes in 32- and 64-wide blocks
+    for kernel in ("_softmax_fwd_kernel", "_softmax_bwd_kernel"):
+        assert {(True, 2, 64), (False, 4, 32), (False, 2, 64)} <= {run[1:] for run in launched if run[0] == kernel}
+    for kernel in ("_ce_fwd_kernel", "_ce_bwd_kernel"):
+        assert {(2, 32), (4, 64)} <= {run[2:] for run in launched if run[0] == kernel}
     _tune_reads(monkeypatch, tmp_path, doc)
 
 
@@ -279,7 +303,7 @@ def test_the_sdxl_shapes_file_has_every_section(autotune):
         raise AssertionError(msg)
 
     shapes = autotune.load_shapes(autotune.DEFAULT_SHAPES, list(autotune.FAMILIES), error)
-    assert set(shapes) == {"linear", "conv", "attention", "group_norm", "layer_norm"}
+    assert set(shapes) == {"linear", "conv", "attention", "group_norm", "layer_norm", "softmax", "cross_entropy"}
     group_norm = set(shapes["group_norm"])
     # 12 GroupNorm widths and sizes per batch (1, 2, 4) and image (1024x1024, 896x1152), both layouts
     assert len(group_norm) == 144 and {s[0] for s in group_norm} == {1, 2, 4} and {s[5] for s in group_norm} == {0, 1}
@@ -288,6 +312,9 @@ def test_the_sdxl_shapes_file_has_every_section(autotune):
     assert all(s[4] == 32 and s[6] == 1 for s in group_norm)
     assert set(shapes["layer_norm"]) == {(b * t, d, 0) for b in (1, 2, 4)
                                          for t, d in ((4096, 640), (1024, 1280), (4032, 640), (1008, 1280))}
+    # the bench's 8192 x 32000 and common vocabularies (GPT-2, Llama 3), softmax and log_softmax
+    assert set(shapes["cross_entropy"]) == {(8192, 32000), (8192, 50257), (4096, 128256)}
+    assert set(shapes["softmax"]) == {(m, c, 0) for m, c in shapes["cross_entropy"]} | {(16384, 32000, 1)}
     attention = set(shapes["attention"])
     assert len(attention) == 24 and {s[0] for s in attention} == {1, 2, 4}
     assert {s[2:4] for s in attention} == {(4096, 4096), (1024, 1024), (4096, 77), (1024, 77), (4032, 4032),
@@ -418,7 +445,7 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
 
 @pytest.mark.parametrize("args, shapes, match", [
     (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad, conv2d_wgrad, "
-                                        "attention, group_norm, layer_norm"),
+                                        "attention, group_norm, layer_norm, softmax, cross_entropy"),
     (["--budget-minutes", "0"], None, "--budget-minutes: must be a positive number of minutes, got '0'"),
     (["--budget-minutes", "soon"], None, "positive number of minutes, got 'soon'"),
     (["--dtype", "fp8"], None, "invalid choice: 'fp8'"),
@@ -426,7 +453,9 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
     (["--shapes"], "linear: [[4096, 640]]\n", "linear[0] = [4096, 640] is not 3 positive integers ['M', 'K', 'N']"),
     (["--shapes"], "conv: [[1, 4, 8, 8, 16, 3, 0]]\n", "conv[0] = [1, 4, 8, 8, 16, 3, 0]"),
     (["--shapes"], "lienar: [[1, 2, 3]]\n",
-     "unknown section 'lienar' (known: attention, conv, group_norm, layer_norm, linear)"),
+     "unknown section 'lienar' (known: attention, conv, cross_entropy, group_norm, layer_norm, linear, softmax)"),
+    (["--shapes"], "softmax: [[8, 32, 2]]\n",
+     "softmax[0] = [8, 32, 2] is not 3 integers ['ROWS', 'R', 'log'] (log 0 or 1"),
     (["--shapes"], "group_norm: [[1, 4, 2, 2, 2, 2, 1]]\n", "group_norm[0] = [1, 4, 2, 2, 2, 2, 1] is not 7 integers "
      "['N', 'C', 'H', 'W', 'G', 'channels_last', 'silu'] (channels_last, silu 0 or 1"),
     (["--shapes"], "layer_norm: [[0, 24, 0]]\n", "layer_norm[0] = [0, 24, 0] is not 3 integers"),

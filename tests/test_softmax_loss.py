@@ -1,3 +1,4 @@
+import contextlib
 import math
 
 import numpy as np
@@ -7,7 +8,7 @@ import torch.nn.functional as TF
 
 import flame
 import flame.nn.functional as F
-from flame.kernels import softmax as KS
+from flame import tune
 from flame.testing import gradcheck
 from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
 
@@ -46,6 +47,16 @@ def _check(f_fn, t_fn, inputs, grad_mask, g, dtype, atol=1e-5, rtol=1e-4):
     return out
 
 
+@contextlib.contextmanager
+def _tiles(rows, block):
+    """Every softmax / cross-entropy launch inside the block takes ``rows`` rows per program and
+    blocks of ``block`` elements (longer rows are streamed: the online log-sum-exp)."""
+    with contextlib.ExitStack() as stack:
+        for kernel in ("softmax_fwd", "softmax_bwd", "cross_entropy_fwd", "cross_entropy_bwd"):
+            stack.enter_context(tune.override(kernel, dict(zip(tune.KERNELS[kernel][1], (rows, block, 1)))))
+        yield
+
+
 def _randn(*shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(shape, dtype=torch.float64, device=DEVICE) * scale).to(dtype)
 
@@ -68,26 +79,25 @@ def test_softmax(shape, dim, dtype, log):
 
 @pytest.mark.parametrize("log", [False, True])
 @pytest.mark.parametrize("dim", [-1, 1])
-def test_softmax_streamed_large_logits_noncontig(monkeypatch, log, dim):
+def test_softmax_streamed_large_logits_noncontig(log, dim):
     # rows longer than the block (online log-sum-exp), logits ~1e4, a transposed input
-    monkeypatch.setattr(KS, "_row_override", (2, 8))
     x = _randn(4, 37, 3, scale=1e4).transpose(1, 2)
     g = _randn(4, 3, 37)
     f_fn = (lambda x: F.log_softmax(x, dim)) if log else (lambda x: F.softmax(x, dim))
     t_fn = (lambda x: TF.log_softmax(x, dim)) if log else (lambda x: TF.softmax(x, dim))
-    _check(f_fn, t_fn, [x], [True], g, torch.float32, atol=1e-3, rtol=1e-4)
+    with _tiles(2, 8):
+        _check(f_fn, t_fn, [x], [True], g, torch.float32, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
-def test_softmax_large_and_infinite_logits(monkeypatch, streamed):
-    if streamed:
-        monkeypatch.setattr(KS, "_row_override", (1, 2))
+def test_softmax_large_and_infinite_logits(streamed):
     x = torch.tensor([[1e30, 0.0, -1e30, 5.0], [-math.inf, 2.0, -math.inf, 1.0], [88.0, 89.0, 90.0, 91.0]],
                      device=DEVICE)
-    assert_close(F.softmax(_f(x), -1), torch.softmax(x, -1))
-    assert_close(F.log_softmax(_f(x), -1), torch.log_softmax(x, -1))
     full = torch.full((1, 3), -math.inf, device=DEVICE)
-    assert np.isnan(F.softmax(_f(full), -1).numpy()).all()
+    with _tiles(1, 2) if streamed else contextlib.nullcontext():
+        assert_close(F.softmax(_f(x), -1), torch.softmax(x, -1))
+        assert_close(F.log_softmax(_f(x), -1), torch.log_softmax(x, -1))
+        assert np.isnan(F.softmax(_f(full), -1).numpy()).all()
 
 
 def test_softmax_dtype_and_errors():
@@ -144,13 +154,13 @@ def test_cross_entropy_spatial_and_1d(red):
 
 
 @pytest.mark.parametrize("red", ["none", "mean", "sum"])
-def test_cross_entropy_streamed_large_logits(monkeypatch, red):
+def test_cross_entropy_streamed_large_logits(red):
     # classes streamed in blocks of 8 (online log-sum-exp), logits ~1e4, int32 targets
-    monkeypatch.setattr(KS, "_row_override", (2, 8))
     x = _randn(5, 37, scale=1e4)
     t = torch.randint(0, 37, (5,), device=DEVICE, dtype=torch.int32)
-    _check_ce(x, t.long(), red, 0.3, torch.float32, atol=1e-2)
-    y = F.cross_entropy(_f(x), _f(t), reduction=red, label_smoothing=0.3)
+    with _tiles(2, 8):
+        _check_ce(x, t.long(), red, 0.3, torch.float32, atol=1e-2)
+        y = F.cross_entropy(_f(x), _f(t), reduction=red, label_smoothing=0.3)
     assert_close(y, TF.cross_entropy(x, t.long(), reduction=red, label_smoothing=0.3), atol=1e-2, rtol=1e-5)
 
 

@@ -1,5 +1,5 @@
 """flame.tune: launch-config tables (exact, bucket and heuristic lookups, bad tables) and the
-matmul / conv / attention / norm launchers' use of them."""
+matmul / conv / attention / norm / softmax launchers' use of them."""
 import contextlib
 import json
 import warnings
@@ -11,6 +11,7 @@ import triton
 from flame import runtime, tune
 from flame.kernels import attention, conv2d, matmul
 from flame.kernels import norms as KN
+from flame.kernels import softmax as KS
 
 GPU = "NVIDIA H200"
 MM = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=2, num_stages=5)
@@ -445,6 +446,74 @@ def test_memoised_norm_plans_follow_override_and_reset(tables):
     assert KN._gn_plan(2, 8, 48, 4, True, torch.float32, True) == gn
 
 
+# The softmax and cross-entropy heuristics' answers before they went through flame.tune (the GPU's,
+# then the interpreter's): softmax (ROWS, R, dtype) -> (BLOCK_ROWS, BLOCK_R, num_warps), SINGLE;
+# cross-entropy (ROWS, C) -> (BLOCK_ROWS, BLOCK_C, num_warps).
+_SM_HEURISTIC = {False: [((8192, 32000, torch.bfloat16), (1, 4096, 8), False),
+                         ((8192, 12000, torch.bfloat16), (1, 16384, 16), True),
+                         ((8192, 12000, torch.float32), (1, 4096, 8), False),
+                         ((4096, 1000, torch.float32), (2, 1024, 4), True), ((3, 5, torch.float16), (4, 8, 4), True)],
+                 True: [((8192, 32000, torch.bfloat16), (2, 16384, 16), False),
+                        ((8192, 12000, torch.float32), (2, 16384, 16), True),
+                        ((4096, 1000, torch.float32), (32, 1024, 16), True)]}
+_CE_HEURISTIC = {False: [((8192, 32000), (1, 4096, 8)), ((4096, 1000), (2, 1024, 4)), ((7, 100), (8, 128, 4))],
+                 True: [((8192, 32000), (2, 16384, 16)), ((4096, 1000), (32, 1024, 16)), ((7, 100), (8, 128, 4))]}
+
+
+@pytest.mark.parametrize("interpreter", [False, True])
+def test_without_a_table_softmax_configs_are_the_heuristics(tables, fake_gpu, monkeypatch, interpreter):
+    monkeypatch.setattr(runtime, "INTERPRETER", interpreter)
+    with tune.record() as asked:  # empties the memoised plans first (they may be another backend's)
+        for bwd in (False, True):
+            for (rows, r, dtype), (bm, br, warps), single in _SM_HEURISTIC[interpreter]:
+                assert KS._softmax_plan(rows, r, dtype, bwd) == (
+                    -(-rows // bm), dict(SINGLE=single, BLOCK_ROWS=bm, BLOCK_R=br, num_warps=warps))
+            for (rows, c), (bm, bc, warps) in _CE_HEURISTIC[interpreter]:
+                assert KS._ce_plan(rows, c, torch.bfloat16, bwd) == (-(-rows // bm), dict(BLOCK_ROWS=bm, BLOCK_C=bc,
+                                                                                           num_warps=warps))
+    assert [q[0] for q in asked] == ["softmax_fwd"] * len(_SM_HEURISTIC[interpreter]) + \
+        ["cross_entropy_fwd"] * 3 + ["softmax_bwd"] * len(_SM_HEURISTIC[interpreter]) + ["cross_entropy_bwd"] * 3
+    assert asked[0][1:3] == ((8192, 32000), "bfloat16")
+
+
+def test_softmax_configs_come_from_the_table(tables, fake_gpu):
+    tables({"softmax_fwd": {"bfloat16": [entry((8192, 32000), dict(BLOCK_ROWS=2, BLOCK_R=2048, num_warps=4)),
+                                         entry((8192, 12000), dict(BLOCK_ROWS=1, BLOCK_R=65536, num_warps=16))]},
+            "softmax_bwd": {"bfloat16": [entry((8192, 32000), dict(BLOCK_ROWS=1, BLOCK_R=32768, num_warps=16))]},
+            "cross_entropy_fwd": {"float32": [entry((8192, 32000), dict(BLOCK_ROWS=4, BLOCK_C=1024, num_warps=2))]},
+            "cross_entropy_bwd": {"float32": [entry((100, 40), dict(BLOCK_ROWS=4, BLOCK_C=1024, num_warps=2))]}})
+    bf16, f32 = torch.bfloat16, torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tune.TuningTableWarning)  # every entry is valid
+        assert KS._softmax_plan(8192, 32000, bf16, False) == (4096, dict(SINGLE=False, BLOCK_ROWS=2, BLOCK_R=2048,
+                                                                         num_warps=4))
+    # BLOCK_R is cut to R rounded up to a power of two: whole rows, here and at a neighbour in the bucket
+    assert KS._softmax_plan(8192, 12000, bf16, False)[1] == dict(SINGLE=True, BLOCK_ROWS=1, BLOCK_R=16384, num_warps=16)
+    assert KS._softmax_plan(8192, 14000, bf16, False)[1]["BLOCK_R"] == 16384
+    assert KS._softmax_plan(8192, 32000, bf16, True)[1] == dict(SINGLE=True, BLOCK_ROWS=1, BLOCK_R=32768,
+                                                                num_warps=16)
+    assert KS._softmax_plan(8192, 32000, torch.float16, False)[1]["BLOCK_R"] == 4096  # fp16: the heuristic
+    assert KS._ce_plan(8192, 32000, f32, False) == (2048, dict(BLOCK_ROWS=4, BLOCK_C=1024, num_warps=2))
+    assert KS._ce_plan(100, 40, f32, True) == (25, dict(BLOCK_ROWS=4, BLOCK_C=64, num_warps=2))
+    assert KS._ce_plan(8192, 32000, f32, True)[1]["BLOCK_C"] == 4096  # no backward entry: the heuristic
+
+
+def test_memoised_softmax_plans_follow_override_and_reset(tables):
+    plan = KS._softmax_plan(64, 40, torch.float32, False)
+    assert KS._softmax_plan(64, 40, torch.float32, False) is plan and plan[1]["SINGLE"]  # memoised
+    with tune.override("softmax_fwd", dict(BLOCK_ROWS=2, BLOCK_R=16, num_warps=1)):
+        assert KS._softmax_plan(64, 40, torch.float32, False) == (32, dict(SINGLE=False, BLOCK_ROWS=2, BLOCK_R=16,
+                                                                           num_warps=1))
+        assert KS._softmax_plan(64, 40, torch.float32, True) == plan  # the backward is another kernel
+    assert KS._softmax_plan(64, 40, torch.float32, False) == plan
+    ce = KS._ce_plan(64, 40, torch.float32, True)
+    with tune.override("cross_entropy_bwd", dict(BLOCK_ROWS=4, BLOCK_C=8, num_warps=2)):
+        assert KS._ce_plan(64, 40, torch.float32, True) == (16, dict(BLOCK_ROWS=4, BLOCK_C=8, num_warps=2))
+    assert KS._ce_plan(64, 40, torch.float32, True) == ce
+    tune.reset()
+    assert KS._ce_plan(64, 40, torch.float32, True) is not ce  # reset empties the memo too
+
+
 def test_wgrad_launches_with_the_override(monkeypatch):
     dev = runtime.device
     tol = {} if runtime.INTERPRETER else dict(rtol=1e-2, atol=1e-2)  # tf32 on the GPU
@@ -518,6 +587,10 @@ def test_override_nests_and_restores(tables):
     ("layer_norm_bwd", dict(BLOCK_M=2, num_warps=4), "PROGRAMS"),
     ("layer_norm_fwd", dict(BLOCK_M=2, num_warps=4, BLOCK_D=1024), "BLOCK_D"),  # derived, not tuned
     ("conv2d_wgrad", MM, "GROUP_M"),
+    ("softmax_fwd", dict(BLOCK_ROWS=2, BLOCK_R=48, num_warps=4), "BLOCK_R=48"),
+    ("softmax_bwd", dict(BLOCK_ROWS=2, BLOCK_R=64, num_warps=4, SINGLE=1), "SINGLE"),  # derived, not tuned
+    ("cross_entropy_fwd", dict(BLOCK_ROWS=2, BLOCK_R=64, num_warps=4), "BLOCK_C"),
+    ("cross_entropy_bwd", dict(BLOCK_ROWS=0, BLOCK_C=64, num_warps=4), "BLOCK_ROWS=0"),
 ])
 def test_override_rejects_a_config_that_is_not_the_kernels(kernel, cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -10,14 +10,23 @@ rows; a row that fits one block is read once, a longer one is streamed twice wit
 Cross-entropy never materialises probabilities in its forward: it stores the per-row loss (or a
 per-program partial sum and valid count) and the row's log-sum-exp; the backward recomputes
 softmax from the saved log-sum-exp. Reductions to a scalar are two-stage and deterministic.
+
+Launch configs come from ``flame.tune`` (kernels "softmax_fwd", "softmax_bwd": key (ROWS, R),
+fields BLOCK_ROWS, BLOCK_R, num_warps; "cross_entropy_fwd", "cross_entropy_bwd": key (ROWS, C),
+fields BLOCK_ROWS, BLOCK_C, num_warps), a tuning table's entry on the GPU or the heuristics here;
+memoised per shape and dtype (registered with ``tune.register_cache``). A block longer than the
+row's length rounded up to a power of two is cut to it; whether a softmax row is read whole
+(SINGLE) follows from its block.
 """
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, tune
+from ..autotune import tunable
 from .elementwise import _pow2, cdiv
 from .launch import launch
 
@@ -334,57 +343,90 @@ def _cd(*dtypes):
     return tl.float64 if torch.float64 in dtypes else tl.float32
 
 
-_row_override = None  # tests set (BLOCK_ROWS, BLOCK_R) to exercise the streamed (looped) paths
-
-
-def _row_tiles(ROWS, R, itemsize):
-    """(BLOCK_ROWS, BLOCK_R, SINGLE) for a row-wise kernel."""
-    if _row_override is not None:
-        return _row_override[0], _row_override[1], _row_override[1] >= R
-    if runtime.INTERPRETER:
-        br = _pow2(min(R, 1 << 14))
-        return _pow2(min(ROWS, max(1, (1 << 15) // br))), br, br >= R
-    cap = 16384 if itemsize <= 2 else 8192
-    if cap >= R:
-        br = _pow2(R)
-        return max(1, min(_pow2(ROWS), 2048 // br)), br, True
-    return 1, 4096, False
+_SOFTMAX_TILE = 2048  # elements per program of whole rows (16-bit rows up to 16384, wider rows: streamed)
 
 
 def _warps(n):
     return 4 if n <= 2048 else (8 if n <= 8192 else 16)
 
 
+def _softmax_default(ROWS, R, itemsize):
+    """softmax_fwd/bwd's heuristic config (BLOCK_ROWS, BLOCK_R, num_warps): whole rows (16-bit ones
+    up to 16384, wider ones up to 8192), ~2048 elements per program; longer rows streamed one per
+    program in 4096-wide blocks. The interpreter's: whole rows up to 16384, ~32768 per program."""
+    if runtime.INTERPRETER:
+        br = _pow2(min(R, 1 << 14))
+        bm = _pow2(min(ROWS, max(1, (1 << 15) // br)))
+    elif (16384 if itemsize <= 2 else 8192) >= R:
+        br = _pow2(R)
+        bm = max(1, min(_pow2(ROWS), _SOFTMAX_TILE // br))
+    else:
+        bm, br = 1, 4096
+    return dict(BLOCK_ROWS=bm, BLOCK_R=br, num_warps=_warps(bm * br))
+
+
+def _ce_default(ROWS, C):
+    """cross_entropy_fwd/bwd's heuristic config (BLOCK_ROWS, BLOCK_C, num_warps): classes in blocks
+    of up to 4096, ~2048 elements per program (the interpreter's: up to 16384, ~32768)."""
+    if runtime.INTERPRETER:
+        bc = _pow2(min(C, 1 << 14))
+        bm = _pow2(min(ROWS, max(1, (1 << 15) // bc)))
+    else:
+        bc = min(_pow2(C), 4096)
+        bm = max(1, min(_pow2(ROWS), _SOFTMAX_TILE // bc))
+    return dict(BLOCK_ROWS=bm, BLOCK_C=bc, num_warps=_warps(bm * bc))
+
+
+@functools.lru_cache(maxsize=4096)
+def _softmax_plan(ROWS, R, dtype, bwd):
+    """(programs, launch meta) of softmax_fwd/bwd over ROWS rows of R, memoised: BLOCK_ROWS rows per
+    program, BLOCK_R and the warps from ``flame.tune`` (kernel "softmax_fwd"/"softmax_bwd", key
+    (ROWS, R)); BLOCK_R is cut to R rounded up to a power of two, and a row that fits one block is
+    read whole (SINGLE), a longer one streamed through blocks of BLOCK_R."""
+    cfg = tune.config("softmax_bwd" if bwd else "softmax_fwd", (ROWS, R), dtype,
+                      _softmax_default(ROWS, R, dtype.itemsize))
+    br = min(cfg["BLOCK_R"], _pow2(R))
+    return cdiv(ROWS, cfg["BLOCK_ROWS"]), dict(SINGLE=br >= R, BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_R=br,
+                                               num_warps=cfg["num_warps"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _ce_plan(ROWS, C, dtype, bwd):
+    """(programs, launch meta) of cross_entropy_fwd/bwd over ROWS rows of C classes, memoised:
+    BLOCK_ROWS, BLOCK_C (cut to C rounded up to a power of two; the classes are always looped
+    over) and the warps from ``flame.tune`` (kernel "cross_entropy_fwd"/"cross_entropy_bwd", key
+    (ROWS, C))."""
+    cfg = tune.config("cross_entropy_bwd" if bwd else "cross_entropy_fwd", (ROWS, C), dtype, _ce_default(ROWS, C))
+    return cdiv(ROWS, cfg["BLOCK_ROWS"]), dict(BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_C=min(cfg["BLOCK_C"], _pow2(C)),
+                                               num_warps=cfg["num_warps"])
+
+
+tune.register_cache(_softmax_plan.cache_clear)
+tune.register_cache(_ce_plan.cache_clear)
+
+
+@tunable("y")
 def softmax_fwd(y, x, outer, R, inner, xs, ys, log):
     rows = outer * inner
     if rows * R == 0:
         return y
-    bm, br, single = _row_tiles(rows, R, x.element_size())
-    launch(_softmax_fwd_kernel, (cdiv(rows, bm),), x, y, rows, R, inner, *xs, *ys,
-           LOG=log, CD=_cd(x.dtype), SINGLE=single, BLOCK_ROWS=bm, BLOCK_R=br, num_warps=_warps(bm * br))
+    programs, meta = _softmax_plan(rows, R, x.dtype, False)
+    launch(_softmax_fwd_kernel, (programs,), x, y, rows, R, inner, *xs, *ys, LOG=log, CD=_cd(x.dtype), **meta)
     return y
 
 
+@tunable("dx")
 def softmax_bwd(dx, y, g, outer, R, inner, ys, gs, ds, log):
     rows = outer * inner
     if rows * R == 0:
         return dx
-    bm, br, single = _row_tiles(rows, R, y.element_size())
-    launch(_softmax_bwd_kernel, (cdiv(rows, bm),), y, g, dx, rows, R, inner, *ys, *gs, *ds,
-           LOG=log, CD=_cd(y.dtype), SINGLE=single, BLOCK_ROWS=bm, BLOCK_R=br, num_warps=_warps(bm * br))
+    programs, meta = _softmax_plan(rows, R, y.dtype, True)
+    launch(_softmax_bwd_kernel, (programs,), y, g, dx, rows, R, inner, *ys, *gs, *ds, LOG=log, CD=_cd(y.dtype),
+           **meta)
     return dx
 
 
-def _ce_tiles(ROWS, C):
-    if _row_override is not None:
-        return _row_override
-    if runtime.INTERPRETER:
-        bc = _pow2(min(C, 1 << 14))
-        return _pow2(min(ROWS, max(1, (1 << 15) // bc))), bc
-    bc = min(_pow2(C), 4096)
-    return max(1, min(_pow2(ROWS), 2048 // bc)), bc
-
-
+@tunable()
 def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smoothing, out_dtype):
     """Returns (loss, lse, count): loss is (rows,) for 'none' else a 0-d tensor; count (0-d, the
     number of non-ignored rows, fp32) for 'mean', else None."""
@@ -392,8 +434,7 @@ def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smooth
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     lse = runtime.empty((rows,), acc)
     red = {"none": NONE, "mean": MEAN, "sum": SUM}[reduction].value
-    bm, bc = _ce_tiles(rows, C)
-    P = cdiv(rows, bm)
+    P, meta = _ce_plan(rows, C, x.dtype, False)
     if red == NONE.value:
         loss = runtime.empty((rows,), out_dtype)
         psum = pcnt = lse
@@ -403,8 +444,7 @@ def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smooth
         pcnt = runtime.empty((max(P, 1),), acc)
     if rows:
         launch(_ce_fwd_kernel, (P,), x, t, loss, lse, psum, pcnt, rows, C, inner, *xs, int(ignore_index),
-               float(smoothing), REDUCE=red, SMOOTH=smoothing != 0, CD=_cd(x.dtype), BLOCK_ROWS=bm,
-               BLOCK_C=bc, num_warps=_warps(bm * bc))
+               float(smoothing), REDUCE=red, SMOOTH=smoothing != 0, CD=_cd(x.dtype), **meta)
     count = None
     if red != NONE.value:
         count = runtime.empty((), acc) if red == MEAN.value else None
@@ -412,15 +452,15 @@ def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smooth
     return loss, lse, count
 
 
+@tunable("dx")
 def cross_entropy_bwd(dx, x, t, lse, g, count, outer, C, inner, xs, ds, reduction, ignore_index, smoothing):
     rows = outer * inner
     if rows * C == 0:
         return dx
     red = {"none": NONE, "mean": MEAN, "sum": SUM}[reduction].value
-    bm, bc = _ce_tiles(rows, C)
-    launch(_ce_bwd_kernel, (cdiv(rows, bm),), x, t, lse, g, count if count is not None else lse, dx,
-           rows, C, inner, *xs, *ds, int(ignore_index), float(smoothing),
-           REDUCE=red, CD=_cd(x.dtype), BLOCK_ROWS=bm, BLOCK_C=bc, num_warps=_warps(bm * bc))
+    programs, meta = _ce_plan(rows, C, x.dtype, True)
+    launch(_ce_bwd_kernel, (programs,), x, t, lse, g, count if count is not None else lse, dx,
+           rows, C, inner, *xs, *ds, int(ignore_index), float(smoothing), REDUCE=red, CD=_cd(x.dtype), **meta)
     return dx
 
 
