@@ -8,7 +8,8 @@ shape key, dtype) neither the GPU's table nor the user's cache table holds exact
    and ``flame.tune`` notes the unknown key.
 2. The kernel entry point that made it (a function decorated with ``@tunable``: the launchers of
    ``flame/kernels/`` that write a whole result into output buffers; the kernel tuned is the last
-   one the call asked ``flame.tune`` for, the one that ran) then runs again with each
+   one the call asked ``flame.tune`` for, the one that ran, not counting the helper maps and
+   reductions launched around it: ``launched_kernel``) then runs again with each
    candidate of the kernel's search space (``search_stages``, the space ``scripts/autotune.py``
    uses) under ``flame.tune.override``, into fresh output buffers poisoned with NaN: its inputs
    are untouched, and an input that aliases an output (an in-place residual) is read as it is
@@ -51,13 +52,16 @@ SCREEN_REPS, FINAL_REPS, FINALISTS = 5, 20, 3
 
 
 _busy = False  # a tunable call is tuning: nested entry points just run
+_inside = 0  # tunable calls making their first (untuned) run: nested helper entry points just run
 
 
-def tunable(*outputs: str):
+def tunable(*outputs: str, helper: bool = False):
     """Decorate a kernel entry point whose parameters named in ``outputs`` are the buffers it
     writes (torch tensors, or None when not wanted); returned tensors count as outputs too. With
     ``FLAME_AUTOTUNE=1`` a call that meets launch configs no table knows tunes them (module
-    docstring); otherwise the call goes straight through."""
+    docstring); otherwise the call goes straight through. ``helper``: an entry point that others
+    call for small jobs (fills, casts, sums of split partials; its kernels are ``AUXILIARY``):
+    called inside another tunable call it just runs, and that call tunes its own kernel."""
 
     def deco(fn):
         names = list(inspect.signature(fn).parameters)
@@ -68,7 +72,7 @@ def tunable(*outputs: str):
 
         @functools.wraps(fn)
         def entry(*args, **kwargs):
-            if not tune._autotune or _busy:  # one attribute test when FLAME_AUTOTUNE is off
+            if not tune._autotune or _busy or (helper and _inside):  # one test when FLAME_AUTOTUNE is off
                 return fn(*args, **kwargs)
             return _run_and_tune(fn, places, args, kwargs)
 
@@ -77,13 +81,29 @@ def tunable(*outputs: str):
     return deco
 
 
+# Helper kernels that entry points launch around their main one (zero fills, casts, split-K sums).
+AUXILIARY = ("map_contiguous", "map_strided", "reduce")
+
+
+def launched_kernel(kernels) -> str:
+    """The kernel a call runs (and tunes), from the kernels it asked ``flame.tune`` for, in order:
+    the last one (a 16-bit GEMM on Hopper asks "matmul", then runs "matmul_tma") that is not
+    ``AUXILIARY`` (a split-K GEMM then sums its splits with "reduce"), else the last one."""
+    main = [k for k in kernels if k not in AUXILIARY]
+    return (main or kernels)[-1]
+
+
 def _run_and_tune(fn, places, args, kwargs):
-    global _busy
-    with tune.asked_configs() as asked:
-        result = fn(*args, **kwargs)
-    # the kernel that runs is the last one asked (a 16-bit GEMM on Hopper asks "matmul", then runs
-    # "matmul_tma"), as scripts/autotune.py decides; (kernel, key, dtype name) -> the query
-    todo = {q[:3]: q[:4] for q in asked if q[4] and q[0] == asked[-1][0]}
+    global _busy, _inside
+    _inside += 1
+    try:
+        with tune.asked_configs() as asked:
+            result = fn(*args, **kwargs)
+    finally:
+        _inside -= 1
+    # as scripts/autotune.py decides: (kernel, key, dtype name) -> the query
+    main = launched_kernel([q[0] for q in asked]) if asked else None
+    todo = {q[:3]: q[:4] for q in asked if q[4] and q[0] == main}
     if not todo or (runtime.INTERPRETER and not _INTERPRETER_OK) or _capturing():
         return result
     _busy = True
@@ -262,6 +282,16 @@ SOFTMAX_SPACE = dict(BLOCK_ROWS=(1, 2, 4, 8, 16, 32), BLOCK_R=(1024, 2048, 4096,
 QUICK_SOFTMAX_SPACE = dict(BLOCK_ROWS=(2, 4), BLOCK_R=(32, 64), num_warps=(1,))
 MAX_SOFTMAX_TILE = 16384
 _SOFTMAX_TILE_SHARE = dict(softmax_fwd=1, softmax_bwd=2, cross_entropy_fwd=4, cross_entropy_bwd=2)
+# map_contiguous: BLOCK elements per program (its BLOCK_SIZE); map_strided: BLOCK_R x BLOCK_C
+# tiles of BLOCK elements, rows of BLOCK_C; reduce: BLOCK_R x BLOCK_I tiles (BLOCK_I 1 when
+# reducing rows, inner == 1) of REDUCE_AREA elements (or the whole of a shorter R). Blocks are cut
+# to the dims rounded up to powers of two, and the warps give each thread 2 to 64 elements of the
+# (cut) tile.
+MAP_SPACE = dict(BLOCK=(256, 512, 1024, 2048, 4096, 8192), BLOCK_C=(64, 256, 1024), num_warps=(2, 4, 8, 16))
+QUICK_MAP_SPACE = dict(BLOCK=(64, 128), BLOCK_C=(8, 32), num_warps=(1,))
+REDUCE_SPACE = dict(BLOCK_R=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), BLOCK_I=(32, 64, 128),
+                    REDUCE_AREA=(1024, 2048, 4096, 8192), num_warps=(1, 2, 4, 8, 16))
+QUICK_REDUCE_SPACE = dict(BLOCK_R=(16, 32, 64, 128), BLOCK_I=(4, 8), REDUCE_AREA=(64, 128), num_warps=(1,))
 GN_SPACE = dict(BLOCK_C=(16, 32, 64, 128), BLOCK_S=(256, 512, 1024, 2048), TILE=(2048, 4096, 8192), num_warps=(4, 8),
                 PROGRAMS_PER_SM=(2, 4, 8))
 QUICK_GN_SPACE = dict(BLOCK_C=(2, 4), BLOCK_S=(8, 16), TILE=(32,), num_warps=(4,), PROGRAMS_PER_SM=(4, 16))
@@ -405,6 +435,31 @@ class Space:
                    for w in space["num_warps"] if m * b <= cap and 2 <= m * b // (32 * w) <= 64]
         return [lambda best: configs]
 
+    def map_stages(self, kernel, key):
+        """The candidate map_contiguous (key (numel,)) or map_strided (key (ROWS, COLS,
+        transposed)) configs as ``tune_launch`` stages: one, block (tile) sizes x warps."""
+        space = QUICK_MAP_SPACE if self.quick else MAP_SPACE
+        if kernel == "map_contiguous":
+            tiles = [dict(BLOCK_SIZE=b) for b in space["BLOCK"]]
+        else:
+            rows, cols = triton.next_power_of_2(key[0]), triton.next_power_of_2(key[1])
+            tiles = _unique([dict(BLOCK_R=min(rows, max(1, b // c)), BLOCK_C=min(cols, c))
+                             for b in space["BLOCK"] for c in space["BLOCK_C"]])
+        configs = [dict(t, num_warps=w) for t in tiles for w in space["num_warps"]
+                   if 2 <= math.prod(t.values()) // (32 * w) <= 64]
+        return [lambda best: configs]
+
+    def reduce_stages(self, outer, r, inner):
+        """The candidate reduce configs at key (outer, R, inner) as ``tune_launch`` stages: one,
+        BLOCK_R x BLOCK_I tiles (rows: BLOCK_I 1) x warps."""
+        space = QUICK_REDUCE_SPACE if self.quick else REDUCE_SPACE
+        widths = [1] if inner == 1 else sorted({min(i, triton.next_power_of_2(inner)) for i in space["BLOCK_I"]})
+        lengths = sorted({min(b, triton.next_power_of_2(r)) for b in space["BLOCK_R"]})
+        tiles = [(b, i) for i in widths for b in lengths
+                 if b * i in space["REDUCE_AREA"] or (b * i < min(space["REDUCE_AREA"]) and b == lengths[-1])]
+        return [lambda best: [dict(BLOCK_R=b, BLOCK_I=i, num_warps=w) for b, i in tiles for w in space["num_warps"]
+                              if 2 <= b * i // (32 * w) <= 64]]
+
     def _attn_space(self):
         return QUICK_ATTN_SPACE if self.quick else ATTN_SPACE
 
@@ -443,7 +498,7 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
     """The configs to try for ``kernel`` at shape ``key``, in stages: each a function from the
     fastest config found so far (at first the heuristic default) to the configs to try next. The
     tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]``, one stage; attention, the
-    norms, softmax and cross-entropy: their own."""
+    norms, softmax, cross-entropy, the elementwise maps and the reduction: their own."""
     if kernel == "attention_fwd":
         return [lambda best: ctx.attention_fwd_space(*key)]
     if kernel == "attention_bwd":
@@ -454,6 +509,10 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
         return ctx.group_norm_stages(*key)
     if kernel in _SOFTMAX_TILE_SHARE:
         return ctx.softmax_stages(kernel, *key)
+    if kernel in ("map_contiguous", "map_strided"):
+        return ctx.map_stages(kernel, key)
+    if kernel == "reduce":
+        return ctx.reduce_stages(*key)
     fields = tune.KERNELS[kernel][1]
     if not set(fields) <= {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}:
         raise LookupError(f"no candidate space for kernel {kernel!r} (config fields {list(fields)}): "

@@ -99,6 +99,15 @@ KERNELS = {
     # kernels/softmax.py _ce_plan: cross-entropy over ROWS rows of C classes, streamed in BLOCK_C blocks
     "cross_entropy_fwd": (("ROWS", "C"), ("BLOCK_ROWS", "BLOCK_C", "num_warps")),
     "cross_entropy_bwd": (("ROWS", "C"), ("BLOCK_ROWS", "BLOCK_C", "num_warps")),
+    # kernels/elementwise.py _plan_map: elementwise maps (dtype: the output's). A dense stream of
+    # numel elements in BLOCK_SIZE-element programs; otherwise ROWS collapsed rows of COLS (the innermost
+    # dim; transposed 1 when some operand is not unit-stride there) in BLOCK_R x BLOCK_C tiles, cut
+    # to the dims rounded up to powers of two
+    "map_contiguous": (("numel",), ("BLOCK_SIZE", "num_warps")),
+    "map_strided": (("ROWS", "COLS", "transposed"), ("BLOCK_R", "BLOCK_C", "num_warps")),
+    # kernels/reduce.py _reduce_plan: sum/max/min/squared deviations over R of an (outer, R, inner)
+    # view (dtype: the input's) in BLOCK_R x BLOCK_I tiles (cut likewise); the R splits are derived
+    "reduce": (("outer", "R", "inner"), ("BLOCK_R", "BLOCK_I", "num_warps")),
 }
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")

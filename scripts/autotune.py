@@ -6,16 +6,18 @@
     PYTHONPATH=. python3 scripts/autotune.py --family attention --budget-minutes 9
     PYTHONPATH=. python3 scripts/autotune.py --family group_norm,layer_norm --budget-minutes 9
     PYTHONPATH=. python3 scripts/autotune.py --family softmax,cross_entropy --budget-minutes 9
+    PYTHONPATH=. python3 scripts/autotune.py --family elementwise,reduce --budget-minutes 9
     python scripts/autotune.py --quick --out /tmp/table.json                # tiny smoke test (CPU too)
 
 For each family, each shape of the shapes file (``configs/autotune/shapes/sdxl.yaml``) and the
 dtype, every problem (one launch as flame makes it) is built once with its PyTorch reference (fp32,
 no tf32). It first runs as it is, under ``flame.tune.record`` with the tables hidden: that checks
 the heuristic default and tells which kernel of ``flame.tune.KERNELS`` runs (the last one the launch
-asks for: on Hopper a 16-bit GEMM asks "matmul", then runs "matmul_tma"), its shape key and its
-default config. Then each candidate of a pruned config space runs under ``flame.tune.override``:
-its outputs (poisoned with NaN first) are checked against the reference (a wrong one is rejected,
-reported and never written; one that fails to compile or to fit is skipped), then it is timed with
+asks for that is not a helper map or reduction: on Hopper a 16-bit GEMM asks "matmul", then runs
+"matmul_tma"; ``flame.autotune.launched_kernel``), its shape key and its default config. Then
+each candidate of a pruned config space runs under ``flame.tune.override``: its outputs (poisoned
+with NaN first) are checked against the reference (a wrong one is rejected, reported and never
+written; one that fails to compile or to fit is skipped), then it is timed with
 ``triton.testing.do_bench`` (median): a short screen of the default and every candidate, then the
 fastest few and the default again with a longer one. Some spaces come in stages, each built on
 the fastest config screened so far: attention's backward tunes its dK/dV program with the dQ
@@ -57,8 +59,10 @@ import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRE
 from flame import autotune, io, runtime, tune
 from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
+from flame.kernels import elementwise as KE
 from flame.kernels import matmul as KM
 from flame.kernels import norms as KN
+from flame.kernels import reduce as KR
 from flame.kernels import softmax as KS
 import torch
 import triton
@@ -80,7 +84,8 @@ QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8
                 "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V
                 "group_norm": [(1, 6, 5, 7, 3, 1, 1), (2, 4, 3, 5, 2, 0, 0)],  # channels-last + SiLU, NCHW
                 "layer_norm": [(10, 24, 0), (7, 40, 1)],  # LayerNorm, RMSNorm
-                "softmax": [(10, 40, 0), (7, 100, 1)], "cross_entropy": [(7, 100)]}  # softmax, log_softmax
+                "softmax": [(10, 40, 0), (7, 100, 1)], "cross_entropy": [(7, 100)],  # softmax, log_softmax
+                "elementwise": [(1, 3, 5, 7)], "reduce": [(1, 40, 24), (6, 100, 1)]}  # column sum, row sum
 
 # Errors after which the CUDA context is unusable: the run stops rather than skip every later candidate.
 CONTEXT_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction")
@@ -454,6 +459,43 @@ def cross_entropy_family(ctx: Ctx, shape) -> list[Problem]:
     return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
 
 
+@family("elementwise", "elementwise", ("N", "C", "H", "W"))
+def elementwise_family(ctx: Ctx, shape) -> list[Problem]:
+    """elementwise maps of an (N, C, H, W) activation: a + b and GELU (kernel map_contiguous, one
+    key: tuned once), x * a per-channel scale (map_strided)"""
+    n, c, h, w = shape
+
+    def binary(op, torch_fn, b_shape):  # as flame's ops launch it: b broadcast (expanded) to x's shape
+        def build():
+            x, b, out = ctx.randn(n, c, h, w), ctx.randn(*b_shape), ctx.empty(n, c, h, w)
+            return Bench(lambda: KE.map_(out, [x, b.expand(x.shape)], op), out, _reference(torch_fn, (x, b)))
+        return build
+
+    def gelu():
+        x, out = ctx.randn(n, c, h, w), ctx.empty(n, c, h, w)
+        return Bench(lambda: KE.map_(out, [x], KE.GELU), out, _reference(torch.nn.functional.gelu, (x,)))
+
+    name = f"{n}x{c}x{h}x{w}"
+    return [Problem(f"add {name}", binary(KE.ADD, torch.add, (n, c, h, w))),
+            Problem(f"mul {name} by (1, {c}, 1, 1)", binary(KE.MUL, torch.mul, (1, c, 1, 1))),
+            Problem(f"gelu {name}", gelu)]
+
+
+@family("reduce", "reduce", ("outer", "R", "inner"))
+def reduce_family(ctx: Ctx, shape) -> list[Problem]:
+    """sums over R of an (outer, R, inner) tensor (kernel reduce): column sums (outer 1, a bias
+    gradient), row sums (inner 1)"""
+    outer, r, inner = shape
+
+    def build():
+        x, out = ctx.randn(outer, r, inner), ctx.empty(outer * inner)
+        return Bench(lambda: KR.reduce_(out, x, outer, r, inner, x.stride(), KR.SUM), out,
+                     _reference(lambda x: x.sum(1).flatten(), (x,)))
+
+    what = "column sum" if outer == 1 else "row sum" if inner == 1 else "sum over R of"
+    return [Problem(f"{what} {outer}x{r}x{inner}", build)]
+
+
 # ---- measuring ---------------------------------------------------------------------------------
 
 def check(bench: Bench, dtype) -> str | None:
@@ -508,7 +550,7 @@ def probe(name: str, bench: Bench, dtype) -> tuple[Launch, str | None]:
     if not asked:
         raise NotTunable(f"{name}: the launch asked flame.tune for no config on this backend (does its launcher "
                          "call tune.config here?)")
-    kernel = asked[-1][0]
+    kernel = autotune.launched_kernel([q[0] for q in asked])
     return Launch(*next(q for q in asked if q[0] == kernel)), problem
 
 

@@ -1,6 +1,6 @@
 """scripts/autotune.py through the interpreter: --quick tables that flame.tune loads (GEMM, conv,
-attention, norm, softmax and cross-entropy families), resume and --force, the candidate check, the budget stop and the
-command line's errors."""
+attention, norm, softmax, cross-entropy, elementwise and reduce families), resume and --force, the
+candidate check, the budget stop and the command line's errors."""
 import dataclasses
 import importlib.util
 import json
@@ -15,8 +15,10 @@ import triton
 from flame import runtime, tune
 from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
+from flame.kernels import elementwise as KE
 from flame.kernels import matmul as KM
 from flame.kernels import norms as KN
+from flame.kernels import reduce as KR
 from flame.kernels import softmax as KS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -35,6 +37,9 @@ GN_KEYS = {(1, 6, 35, 3, 1), (2, 4, 15, 2, 0)}
 LN_KEYS = {(10, 24), (7, 40)}
 # ... softmax over 10 rows of 40, log_softmax and cross-entropy over 7 rows of 100
 SM_KEYS, CE_KEYS = {(10, 40), (7, 100)}, {(7, 100)}
+# ... maps of 1x3x5x7 (add and GELU: 105 dense elements, one key; times a per-channel scale: 3 rows of 35),
+# the column sum of 40 x 24 and the row sums of 6 x 100
+MAP_KEYS = dict(map_contiguous={(105,)}, map_strided={(3, 35, 0)}, reduce={(1, 40, 24), (6, 100, 1)})
 
 
 @pytest.fixture(scope="module")
@@ -278,6 +283,31 @@ def test_softmax_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, mo
     _tune_reads(monkeypatch, tmp_path, doc)
 
 
+def test_elementwise_and_reduce_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
+    maps = _spy(monkeypatch, KE, lambda name, grid, meta: (name, meta.get("BLOCK"), meta.get("BLOCK_R"),
+                                                           meta.get("BLOCK_C")))
+    sums = _spy(monkeypatch, KR, lambda name, grid, meta: (meta["BLOCK_R"], meta["BLOCK_I"]))
+    doc = _quick_run(autotune, tmp_path, capsys, ["elementwise", "reduce"], MAP_KEYS,
+                     ("add 1x3x5x7", "mul 1x3x5x7 by (1, 3, 1, 1)", "column sum 1x40x24", "row sum 6x100x1"))
+    # the candidates really ran: 64- and 128-element blocks, 2 and 4 rows of 32, and the sums'
+    # 16 x 4 and 16 x 8 tiles and 64- and 128-long rows
+    assert {64, 128} <= {run[1] for run in maps if run[0] == "_map_contiguous_kernel"}
+    assert {(2, 32), (4, 32)} <= {run[2:] for run in maps if run[0] == "_map_strided_kernel"}
+    assert {(16, 4), (16, 8), (64, 1), (128, 1)} <= set(sums)
+    _tune_reads(monkeypatch, tmp_path, doc)
+
+
+def test_the_kernel_tuned_is_not_a_helper_map_or_reduction():
+    from flame import autotune as A
+
+    assert A.launched_kernel(["matmul", "matmul_tma"]) == "matmul_tma"
+    # a split-K GEMM sums its partial tiles and casts them: still the GEMM
+    assert A.launched_kernel(["matmul", "reduce", "map_contiguous"]) == "matmul"
+    assert A.launched_kernel(["map_strided", "layer_norm_bwd", "reduce"]) == "layer_norm_bwd"
+    assert A.launched_kernel(["reduce", "reduce"]) == "reduce"  # a split reduction: its own
+    assert A.launched_kernel(["map_contiguous"]) == "map_contiguous"
+
+
 def test_a_wrong_norm_candidate_is_rejected(autotune, tmp_path, monkeypatch, capsys):
     bad_apply = dict(BLOCK_C_APPLY=4, BLOCK_S_APPLY=8)  # a --quick candidate of the apply pass
     bad_rows = dict(BLOCK_M=4)  # ... and of LayerNorm's rows per program
@@ -303,7 +333,13 @@ def test_the_sdxl_shapes_file_has_every_section(autotune):
         raise AssertionError(msg)
 
     shapes = autotune.load_shapes(autotune.DEFAULT_SHAPES, list(autotune.FAMILIES), error)
-    assert set(shapes) == {"linear", "conv", "attention", "group_norm", "layer_norm", "softmax", "cross_entropy"}
+    assert set(shapes) == {"linear", "conv", "attention", "group_norm", "layer_norm", "softmax", "cross_entropy",
+                           "elementwise", "reduce"}
+    # SDXL's activations at batch 1 (320, 640, 1280 channels) and 16M elements; bias-gradient
+    # column sums (tokens x channels) and the 8192 x 32000 row sums
+    assert set(shapes["elementwise"]) == {(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32),
+                                          (1, 16, 1024, 1024)}
+    assert set(shapes["reduce"]) == {(1, 4096, 640), (1, 1024, 1280), (1, 16384, 320), (8192, 32000, 1)}
     group_norm = set(shapes["group_norm"])
     # 12 GroupNorm widths and sizes per batch (1, 2, 4) and image (1024x1024, 896x1152), both layouts
     assert len(group_norm) == 144 and {s[0] for s in group_norm} == {1, 2, 4} and {s[5] for s in group_norm} == {0, 1}
@@ -445,7 +481,8 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
 
 @pytest.mark.parametrize("args, shapes, match", [
     (["--family", "matmul,nope"], None, "unknown family nope; known: matmul, conv2d, conv2d_dgrad, conv2d_wgrad, "
-                                        "attention, group_norm, layer_norm, softmax, cross_entropy"),
+                                        "attention, group_norm, layer_norm, softmax, cross_entropy, elementwise, "
+                                        "reduce"),
     (["--budget-minutes", "0"], None, "--budget-minutes: must be a positive number of minutes, got '0'"),
     (["--budget-minutes", "soon"], None, "positive number of minutes, got 'soon'"),
     (["--dtype", "fp8"], None, "invalid choice: 'fp8'"),
@@ -453,7 +490,10 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
     (["--shapes"], "linear: [[4096, 640]]\n", "linear[0] = [4096, 640] is not 3 positive integers ['M', 'K', 'N']"),
     (["--shapes"], "conv: [[1, 4, 8, 8, 16, 3, 0]]\n", "conv[0] = [1, 4, 8, 8, 16, 3, 0]"),
     (["--shapes"], "lienar: [[1, 2, 3]]\n",
-     "unknown section 'lienar' (known: attention, conv, cross_entropy, group_norm, layer_norm, linear, softmax)"),
+     "unknown section 'lienar' (known: attention, conv, cross_entropy, elementwise, group_norm, layer_norm, "
+     "linear, reduce, softmax)"),
+    (["--shapes"], "reduce: [[1, 0, 24]]\n",
+     "reduce[0] = [1, 0, 24] is not 3 positive integers ['outer', 'R', 'inner']"),
     (["--shapes"], "softmax: [[8, 32, 2]]\n",
      "softmax[0] = [8, 32, 2] is not 3 integers ['ROWS', 'R', 'log'] (log 0 or 1"),
     (["--shapes"], "group_norm: [[1, 4, 2, 2, 2, 2, 1]]\n", "group_norm[0] = [1, 4, 2, 2, 2, 2, 1] is not 7 integers "

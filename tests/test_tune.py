@@ -1,5 +1,5 @@
 """flame.tune: launch-config tables (exact, bucket and heuristic lookups, bad tables) and the
-matmul / conv / attention / norm / softmax launchers' use of them."""
+matmul / conv / attention / norm / softmax / elementwise / reduction launchers' use of them."""
 import contextlib
 import json
 import warnings
@@ -10,7 +10,9 @@ import triton
 
 from flame import runtime, tune
 from flame.kernels import attention, conv2d, matmul
+from flame.kernels import elementwise as KE
 from flame.kernels import norms as KN
+from flame.kernels import reduce as KR
 from flame.kernels import softmax as KS
 
 GPU = "NVIDIA H200"
@@ -514,6 +516,145 @@ def test_memoised_softmax_plans_follow_override_and_reset(tables):
     assert KS._ce_plan(64, 40, torch.float32, True) is not ce  # reset empties the memo too
 
 
+def _map_plan(shape, dtype, inputs, op=KE.ADD):
+    """(kernel name, grid, launch config) of _plan_map for an output of ``shape`` (no memory: meta
+    tensors) and the inputs ``inputs(out)``."""
+    out = torch.empty(shape, dtype=dtype, device="meta")
+    kernel, grid, _, meta = KE._plan_map(out, inputs(out), op.value, None)
+    return kernel.fn.__name__, grid, {k: meta[k] for k in ("BLOCK", "BLOCK_R", "BLOCK_C", "num_warps") if k in meta}
+
+
+def _same(out):
+    return [torch.empty_like(out), torch.empty_like(out)]
+
+
+def _by_channel(out):  # x * a per-channel scale, broadcast
+    return [torch.empty_like(out), torch.empty(1, out.shape[1], 1, 1, dtype=out.dtype, device="meta").expand(out.shape)]
+
+
+def _transposed(out):
+    return [torch.empty(out.shape[::-1], dtype=out.dtype, device="meta").t()]
+
+
+# The map and reduction heuristics' answers before they went through flame.tune (the GPU's with
+# 132 SMs, then the interpreter's): map (shape, dtype, inputs) -> (kernel, grid, config);
+# reduction (outer, R, inner) -> (grid, R per split, config).
+_MAP_HEURISTIC = {
+    False: [(((1, 320, 128, 128), torch.bfloat16, _same), ("_map_contiguous_kernel", (1280,), dict(BLOCK=4096,
+                                                                                                    num_warps=8))),
+            (((1, 320, 128, 128), torch.float32, _same), ("_map_contiguous_kernel", (2560,), dict(BLOCK=2048,
+                                                                                                   num_warps=8))),
+            (((1, 320, 128, 128), torch.bfloat16, _by_channel),
+             ("_map_strided_kernel", (80, 16), dict(BLOCK_R=4, BLOCK_C=1024, num_warps=8))),
+            (((4096, 640), torch.bfloat16, _transposed),
+             ("_map_strided_kernel", (64, 10), dict(BLOCK_R=64, BLOCK_C=64, num_warps=8))),
+            (((1, 3, 5, 7), torch.float32, _by_channel),
+             ("_map_strided_kernel", (1, 1), dict(BLOCK_R=4, BLOCK_C=64, num_warps=4)))],
+    True: [(((1, 320, 128, 128), torch.bfloat16, _same), ("_map_contiguous_kernel", (80,), dict(BLOCK=65536,
+                                                                                                 num_warps=8))),
+           (((1, 3, 5, 7), torch.bfloat16, _same), ("_map_contiguous_kernel", (1,), dict(BLOCK=128, num_warps=4))),
+           (((1, 320, 128, 128), torch.bfloat16, _by_channel),
+            ("_map_strided_kernel", (80, 4), dict(BLOCK_R=4, BLOCK_C=4096, num_warps=8))),
+           (((4096, 640), torch.bfloat16, _transposed),
+            ("_map_strided_kernel", (256, 1), dict(BLOCK_R=16, BLOCK_C=1024, num_warps=8)))]}
+_REDUCE_HEURISTIC = {
+    False: [((1, 4096, 640), ((1, 10, 32), 128, dict(BLOCK_R=32, BLOCK_I=64, num_warps=8))),
+            ((1, 16384, 320), ((1, 5, 103), 160, dict(BLOCK_R=32, BLOCK_I=64, num_warps=8))),
+            ((8192, 32000, 1), ((8192, 1, 1), 32768, dict(BLOCK_R=1024, BLOCK_I=1, num_warps=4)))],
+    True: [((1, 4096, 640), ((1, 1, 1), 4096, dict(BLOCK_R=16, BLOCK_I=1024, num_warps=8))),
+           ((8192, 32000, 1), ((8192, 1, 1), 32768, dict(BLOCK_R=16384, BLOCK_I=1, num_warps=8)))]}
+
+
+@pytest.mark.parametrize("interpreter", [False, True])
+def test_without_a_table_map_and_reduce_configs_are_the_heuristics(tables, fake_gpu, monkeypatch, interpreter):
+    monkeypatch.setattr(runtime, "INTERPRETER", interpreter)
+    with tune.record() as asked:
+        for (shape, dtype, inputs), want in _MAP_HEURISTIC[interpreter]:
+            assert _map_plan(shape, dtype, inputs) == want
+        for key, want in _REDUCE_HEURISTIC[interpreter]:
+            assert KR._reduce_plan(*key, torch.bfloat16) == want
+    kernels = [q[0] for q in asked]
+    assert kernels == [want[0][1:-7] for _, want in _MAP_HEURISTIC[interpreter]] + \
+        ["reduce"] * len(_REDUCE_HEURISTIC[interpreter])
+    assert asked[0][1:3] == ((5242880,), "bfloat16") and asked[2][1] == (320, 16384, 0)
+    assert asked[3][1] == (4096, 640, 1)  # an operand is not unit-stride innermost
+
+
+def test_map_and_reduce_configs_come_from_the_table(tables, fake_gpu):
+    tables({"map_contiguous": {"bfloat16": [entry((5242880,), dict(BLOCK_SIZE=1024, num_warps=2))]},
+            "map_strided": {"bfloat16": [entry((320, 16384, 0), dict(BLOCK_R=16, BLOCK_C=256, num_warps=4)),
+                                         entry((3, 35, 0), dict(BLOCK_R=64, BLOCK_C=128, num_warps=2))]},
+            "reduce": {"bfloat16": [entry((1, 4096, 640), dict(BLOCK_R=128, BLOCK_I=32, num_warps=4)),
+                                    entry((8192, 32000, 1), dict(BLOCK_R=4096, BLOCK_I=8, num_warps=16))]}})
+    bf16 = torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tune.TuningTableWarning)  # every entry is valid
+        assert _map_plan((1, 320, 128, 128), bf16, _same) == ("_map_contiguous_kernel", (5120,),
+                                                              dict(BLOCK=1024, num_warps=2))
+    assert _map_plan((1, 320, 128, 128), bf16, _by_channel) == ("_map_strided_kernel", (20, 64),
+                                                                dict(BLOCK_R=16, BLOCK_C=256, num_warps=4))
+    # blocks cut to the dims rounded up to powers of two (3 -> 4 rows, 35 -> 64 columns)
+    assert _map_plan((1, 3, 5, 7), bf16, _by_channel)[2] == dict(BLOCK_R=4, BLOCK_C=64, num_warps=2)
+    assert _map_plan((1, 320, 128, 128), torch.float16, _same)[2]["BLOCK"] == 4096  # fp16: the heuristic
+    # the splits follow from the tuned BLOCK_R: 20 programs, R split 8 ways (4 blocks of 128 each at least)
+    assert KR._reduce_plan(1, 4096, 640, bf16) == ((1, 20, 8), 512, dict(BLOCK_R=128, BLOCK_I=32, num_warps=4))
+    assert KR._reduce_plan(8192, 32000, 1, bf16) == ((8192, 1, 1), 32768, dict(BLOCK_R=4096, BLOCK_I=1,
+                                                                               num_warps=16))
+
+
+def test_memoised_map_and_reduce_plans_follow_override_and_reset(tables):
+    a, b, out = torch.randn(3, 40), torch.randn(3, 40), torch.empty(3, 40)
+    KE.map_(out, [a, b], KE.ADD)
+    plan = next(p for k, p in KE._plans.items() if k[3:5] == (out.shape, out.stride()) and k[0] == KE.ADD.value)
+    assert plan[3]["BLOCK"] == 128
+    with tune.override("map_contiguous", dict(BLOCK_SIZE=32, num_warps=1)) as o:
+        KE.map_(out, [a, b], KE.ADD)
+        torch.testing.assert_close(out, a + b)  # four programs of 32
+        (tuned,) = [p for k, p in KE._plans.items() if k[3:5] == (out.shape, out.stride())]
+        assert tuned[1:4] == ((4,), (120,), dict(plan[3], BLOCK=32, num_warps=1)) and o.served == 1
+        assert tuned[4] != plan[4]  # a new plan id: launch(sig=) never meets the old plan's compiled kernel
+    KE.map_(out, [a, b], KE.ADD)
+    assert [p[3]["BLOCK"] for k, p in KE._plans.items() if k[3:5] == (out.shape, out.stride())] == [128]
+    col = torch.empty(40)
+    KR.reduce_(col, a, 1, 3, 40, a.stride() and (0, 40, 1), KR.SUM)
+    assert KR._plans[1, 3, 40, torch.float32][2] == dict(BLOCK_R=4, BLOCK_I=64, num_warps=4)
+    with tune.override("reduce", dict(BLOCK_R=2, BLOCK_I=16, num_warps=1)):
+        KR.reduce_(col, a, 1, 3, 40, (0, 40, 1), KR.SUM)
+        torch.testing.assert_close(col, a.sum(0))
+        assert KR._plans[1, 3, 40, torch.float32] == ((1, 3, 1), 4, dict(BLOCK_R=2, BLOCK_I=16, num_warps=1))
+    assert KR._plans == {}  # emptied on exit
+    tune.reset()
+    assert KE._plans == {}  # reset empties the map plans too
+
+
+def test_new_map_and_reduce_plans_are_tuned_on_first_use(monkeypatch, tmp_path, capsys):
+    from flame import autotune
+
+    monkeypatch.setenv("FLAME_AUTOTUNE", "1")
+    monkeypatch.setenv("FLAME_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(autotune, "_INTERPRETER_OK", True)
+    tune.reset()
+    try:
+        a, b, out = torch.randn(5, 30), torch.randn(5, 30), torch.empty(5, 30)
+        KE.map_(out, [a, b], KE.ADD)
+        torch.testing.assert_close(out, a + b)
+        x, col = torch.randn(3, 7), torch.empty(7)
+        KR.reduce_(col, x, 1, 3, 7, (0, 7, 1), KR.SUM)
+        torch.testing.assert_close(col, x.sum(0))
+        err = capsys.readouterr().err
+        assert "flame autotune: map_contiguous [150] float32" in err
+        assert "flame autotune: reduce [1, 3, 7] float32" in err
+        doc = json.loads(tune.cache_path().read_text())
+        assert {k: [e["key"] for e in v["float32"]] for k, v in doc["entries"].items()} == {
+            "map_contiguous": [[150]], "reduce": [[1, 3, 7]]}
+        KE.map_(out, [a, b], KE.ADD)
+        KR.reduce_(col, x, 1, 3, 7, (0, 7, 1), KR.SUM)
+        assert capsys.readouterr().err == ""  # known now: not tuned again
+    finally:
+        monkeypatch.undo()
+        tune.reset()
+
+
 def test_wgrad_launches_with_the_override(monkeypatch):
     dev = runtime.device
     tol = {} if runtime.INTERPRETER else dict(rtol=1e-2, atol=1e-2)  # tf32 on the GPU
@@ -591,6 +732,10 @@ def test_override_nests_and_restores(tables):
     ("softmax_bwd", dict(BLOCK_ROWS=2, BLOCK_R=64, num_warps=4, SINGLE=1), "SINGLE"),  # derived, not tuned
     ("cross_entropy_fwd", dict(BLOCK_ROWS=2, BLOCK_R=64, num_warps=4), "BLOCK_C"),
     ("cross_entropy_bwd", dict(BLOCK_ROWS=0, BLOCK_C=64, num_warps=4), "BLOCK_ROWS=0"),
+    ("map_contiguous", dict(BLOCK_SIZE=96, num_warps=4), "BLOCK_SIZE=96"),
+    ("map_contiguous", dict(BLOCK=64, num_warps=4), "BLOCK_SIZE"),
+    ("map_strided", dict(BLOCK_R=2, BLOCK_I=64, num_warps=4), "BLOCK_C"),
+    ("reduce", dict(BLOCK_R=64, BLOCK_I=1, num_warps=0), "num_warps=0"),
 ])
 def test_override_rejects_a_config_that_is_not_the_kernels(kernel, cfg, match):
     with pytest.raises(ValueError, match=match):

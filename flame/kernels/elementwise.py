@@ -13,6 +13,14 @@ Two layouts share the same op switch:
   arguments so the host launch stays cheap;
 - ``_map_strided_kernel``: up to four (collapsed) dimensions with any strides per operand,
   broadcasting by stride 0, tiled 2-D so that the innermost dimension is read in rows.
+
+Launch configs come from ``flame.tune``: kernel "map_contiguous" (key (numel,), fields BLOCK_SIZE,
+num_warps) and "map_strided" (key (ROWS, COLS, transposed): the collapsed rows, the innermost
+dim's length and 1 when some operand is not unit-stride innermost; fields BLOCK_R, BLOCK_C,
+num_warps), looked up in the output's dtype, a tuning table's entry on the GPU or the heuristics
+here. The config is part of the per-signature plan ``map_`` memoises (``_plans``, registered with
+``tune.register_cache``), so a launch pays no lookup. The strided kernel's blocks are cut to its
+dims rounded up to powers of two.
 """
 import itertools
 import math
@@ -21,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, tune
+from ..autotune import tunable
 from .launch import launch
 
 
@@ -342,7 +351,9 @@ def _pow2(n):
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-_plans: dict = {}
+_plans: dict = {}  # plan signature -> plan; emptied by flame.tune (override, record, reset)
+tune.register_cache(_plans.clear)
+_plan_ids = itertools.count()  # never reused: launch(sig=) keys outlive an emptied _plans
 
 
 def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
@@ -350,18 +361,19 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
 
     ``inputs`` are torch tensors already broadcast (expanded) to ``out``'s shape; ``cd`` is the
     compute dtype (a ``tl`` dtype), by default derived from all operands' dtypes. The launch plan
-    (kernel, grid, size and stride arguments, constexprs) depends only on op, dtypes, shape and
-    strides, so it is computed once per such combination and reused.
+    (kernel, grid, size and stride arguments, constexprs and the launch config) depends only on
+    op, dtypes, shape and strides, so it is computed once per such combination and reused. With
+    ``FLAME_AUTOTUNE=1`` a call that needs a new plan goes through ``_map_first_use`` (tuning on
+    first use); calls with a plan never pay for it.
     """
     if not isinstance(op, int):
         op = op.value
     key = (op, cd, out.dtype, out.shape, out.stride(), *[(t.dtype, t.stride()) for t in inputs])
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan_map(out, inputs, op, cd)
-        if isinstance(plan, tuple):
-            plan += (len(_plans),)  # the plan's id pins every non-tensor launch argument: launch(sig=)
-        _plans[key] = plan
+        if tune.autotuning():
+            return _map_first_use(out, inputs, op, s0, s1, cd, key)
+        plan = _plans[key] = _new_plan(out, inputs, op, cd)
     if plan is _EMPTY:
         return out
     if plan is _PEEL:
@@ -376,7 +388,47 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
     return out
 
 
+@tunable("out", helper=True)
+def _map_first_use(out, inputs, op, s0, s1, cd, key):
+    """map_ with a new plan (``key``) when tuning on first use: the ``flame.autotune`` entry point
+    of the map kernels (it writes all of ``out``). A helper: inside another entry point's call
+    (a cast, a zero fill) it just runs with the heuristic, and its plan keeps that config until
+    ``flame.tune`` empties the plans (the next key tuned anywhere does)."""
+    _plans[key] = _new_plan(out, inputs, op, cd)
+    return map_(out, inputs, op, s0, s1, cd)
+
+
+def _new_plan(out, inputs, op, cd):
+    plan = _plan_map(out, inputs, op, cd)
+    if isinstance(plan, tuple):
+        plan += (next(_plan_ids),)  # the plan's id pins every non-tensor launch argument: launch(sig=)
+    return plan
+
+
 _EMPTY, _PEEL = object(), object()
+
+
+def _contiguous_default(n, tile):
+    """map_contiguous's heuristic config: GPU tiles of ``tile`` elements (~8 KiB per operand), the
+    interpreter's whole streams up to 65536."""
+    block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else tile
+    return dict(BLOCK_SIZE=block, num_warps=8 if block >= 2048 else 4)
+
+
+def _strided_default(rows, d3, transposed, tile):
+    """map_strided's heuristic config: rows of up to 1024 elements stacked to ``tile``, or 64 x 64
+    tiles when an operand is not unit-stride innermost (both sides then read whole rows); the
+    interpreter's: up to 16384 elements."""
+    if runtime.INTERPRETER:
+        block_c = _pow2(min(d3, 1 << 12))
+        block_r = _pow2(min(rows, max(1, (1 << 14) // block_c)))
+    elif transposed:
+        block_c = min(64, _pow2(d3))
+        block_r = min(64, _pow2(rows))
+    else:
+        block_c = min(1024, _pow2(d3))
+        block_r = min(_pow2(rows), max(1, tile // block_c))
+    return dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_r * block_c >= 4096 else 4)
 
 
 def _plan_map(out, inputs, op, cd):
@@ -397,8 +449,9 @@ def _plan_map(out, inputs, op, cd):
     # each thread keeps 32 bytes in flight
     tile = 8192 // min([out.element_size()] + [t.element_size() for t in inputs])
     if len(shape) == 1 and all(st[0] == 1 for st in strides):
-        block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else tile
-        meta.update(WIDE=n + block >= 2 ** 31, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+        cfg = tune.config("map_contiguous", (n,), out.dtype, _contiguous_default(n, tile))
+        block = cfg["BLOCK_SIZE"]
+        meta.update(WIDE=n + block >= 2 ** 31, BLOCK=block, num_warps=cfg["num_warps"])
         return _map_contiguous_kernel, (cdiv(n, block),), (n,), meta
     if len(shape) > _MAX_DIMS:
         return _PEEL
@@ -407,20 +460,13 @@ def _plan_map(out, inputs, op, cd):
     strides = [[0] * pad + st for st in strides] + [[0] * _MAX_DIMS] * (3 - nin)
     d3 = shape[3]
     rows = shape[0] * shape[1] * shape[2]
-    if runtime.INTERPRETER:
-        block_c = _pow2(min(d3, 1 << 12))
-        block_r = _pow2(min(rows, max(1, (1 << 14) // block_c)))
-    elif any(st[3] not in (0, 1) for st in strides):
-        # some operand is not unit-stride innermost (a transpose): square tiles so both
-        # the load and the store side get whole rows
-        block_c = min(64, _pow2(d3))
-        block_r = min(64, _pow2(rows))
-    else:
-        block_c = min(1024, _pow2(d3))
-        block_r = min(_pow2(rows), max(1, tile // block_c))
+    # some operand not unit-stride innermost (a transpose): the GPU heuristic takes square tiles
+    transposed = int(any(st[3] not in (0, 1) for st in strides))
+    cfg = tune.config("map_strided", (rows, d3, transposed), out.dtype, _strided_default(rows, d3, transposed, tile))
+    block_r, block_c = min(cfg["BLOCK_R"], _pow2(rows)), min(cfg["BLOCK_C"], _pow2(d3))
     ints = (rows, shape[1], shape[2], d3, *[s for st in strides for s in st])
     meta.update(WIDE=needs_int64(shape, strides, block_r, block_c), BLOCK_R=block_r, BLOCK_C=block_c,
-                num_warps=8 if block_r * block_c >= 4096 else 4)
+                num_warps=cfg["num_warps"])
     return _map_strided_kernel, (cdiv(rows, block_r), cdiv(d3, block_c)), ints, meta
 
 

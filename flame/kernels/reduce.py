@@ -5,6 +5,12 @@ constexpr switch. Each program owns one ``outer`` index, a block of ``inner`` co
 split of ``R``; when there are too few programs to fill the GPU the R axis is split and the
 partial results, laid out as (outer, splits, inner) in the accumulation dtype, are reduced again
 by the same kernel. No atomics: results are bitwise reproducible run to run.
+
+Launch configs come from ``flame.tune`` (kernel "reduce": key (outer, R, inner), fields BLOCK_R,
+BLOCK_I, num_warps; looked up in the input's dtype), a tuning table's entry on the GPU or the
+heuristics here, with the blocks cut to R and inner rounded up to powers of two; the R splits
+follow from BLOCK_R. Plans are memoised per shape and dtype (``_plans``, registered with
+``tune.register_cache``). A split reduction's second pass is a reduction of its own key.
 """
 import math
 
@@ -12,7 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
+from .. import runtime, tune
+from ..autotune import tunable
 from .elementwise import _pow2, cdiv, compute_dtype
 from .launch import launch
 
@@ -97,10 +104,43 @@ def _target_programs():
     return 4 * runtime.num_sms()
 
 
+def _reduce_default(R, inner):
+    """reduce's heuristic config: rows (inner == 1) in blocks of 1024, else tiles of up to 64
+    columns and ~2048 elements; the interpreter's: up to 16384 elements."""
+    if inner == 1:  # H200 sweep (scripts/sweep_basic.py): 1024 x 4 warps is best or near it for bf16 and fp32
+        block_i = 1
+        block_r = _pow2(min(R, 1 << 14 if runtime.INTERPRETER else 1024))
+    else:
+        block_i = _pow2(min(inner, 1 << 10 if runtime.INTERPRETER else 64))
+        block_r = _pow2(min(R, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_i)))
+    return dict(BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
+
+
+def _reduce_plan(outer, R, inner, dtype):
+    """(grid, R per split, launch config) of a reduction of (outer, R, inner) in ``dtype``
+    (``reduce_`` memoises it in ``_plans``): BLOCK_R, BLOCK_I and the warps from ``flame.tune``;
+    when there are too few programs to fill the GPU, R is split in whole blocks (grid axis 2)."""
+    cfg = tune.config("reduce", (outer, R, inner), dtype, _reduce_default(R, inner))
+    block_r, block_i = min(cfg["BLOCK_R"], _pow2(R)), min(cfg["BLOCK_I"], _pow2(inner))
+    programs = outer * cdiv(inner, block_i)
+    splits = 1
+    if not runtime.INTERPRETER and programs < _target_programs() and 4 * block_r < R:
+        splits = min(cdiv(_target_programs(), programs), cdiv(R, 4 * block_r), 1024)
+    r_per_split = cdiv(cdiv(R, splits), block_r) * block_r
+    splits = cdiv(R, r_per_split)
+    return ((outer, cdiv(inner, block_i), splits), r_per_split,
+            dict(BLOCK_R=block_r, BLOCK_I=block_i, num_warps=cfg["num_warps"]))
+
+
+_plans: dict = {}  # (outer, R, inner, dtype) -> _reduce_plan; emptied by flame.tune (override, record, reset)
+tune.register_cache(_plans.clear)
+
+
 def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
     """Reduce ``x`` viewed as (outer, R, inner) with ``strides`` over R into contiguous ``out``
     of ``outer * inner`` elements. ``scale`` multiplies sums; ``mean`` (outer*inner, contiguous)
-    is subtracted before squaring for SQDEV."""
+    is subtracted before squaring for SQDEV. With ``FLAME_AUTOTUNE=1`` a call that needs a new
+    plan goes through ``_reduce_first_use`` (tuning on first use); calls with a plan never pay for it."""
     if outer * inner == 0:
         return out
     op = tl.constexpr(op).value
@@ -109,31 +149,32 @@ def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
     if R == 0:  # empty sum: 0 (times scale, so an empty mean is NaN)
         from .elementwise import fill_
         return fill_(out, 0.0 * scale)
-    if inner == 1:  # H200 sweep (scripts/sweep_basic.py): 1024 x 4 warps is best or near it for bf16 and fp32
-        block_i = 1
-        block_r = _pow2(min(R, 1 << 14 if runtime.INTERPRETER else 1024))
-    else:
-        block_i = _pow2(min(inner, 1 << 10 if runtime.INTERPRETER else 64))
-        block_r = _pow2(min(R, max(1, (1 << 14 if runtime.INTERPRETER else 2048) // block_i)))
-    programs = outer * cdiv(inner, block_i)
-    splits = 1
-    if not runtime.INTERPRETER and programs < _target_programs() and 4 * block_r < R:
-        splits = min(cdiv(_target_programs(), programs), cdiv(R, 4 * block_r), 1024)
+    plan = _plans.get((outer, R, inner, x.dtype))
+    if plan is None:
+        if tune.autotuning():
+            return _reduce_first_use(out, x, outer, R, inner, strides, op, scale, mean)
+        plan = _plans[outer, R, inner, x.dtype] = _reduce_plan(outer, R, inner, x.dtype)
+    grid, r_per_split, meta = plan
+    splits = grid[2]
     mean_arg = mean if mean is not None else x
     s_outer, s_r, s_inner = strides
     if splits == 1:
-        launch(_reduce_kernel, (outer, cdiv(inner, block_i), 1), x, out, mean_arg, R, inner, R, 1,
-               float(scale), s_outer, s_r, s_inner, OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r,
-               BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
+        launch(_reduce_kernel, grid, x, out, mean_arg, R, inner, R, 1, float(scale), s_outer, s_r, s_inner,
+               OP=op, CD=cd, IDENT=ident, **meta)
         return out
-    r_per_split = cdiv(cdiv(R, splits), block_r) * block_r
-    splits = cdiv(R, r_per_split)
     partial = runtime.empty((outer, splits, inner), accumulation_dtype(x.dtype))
-    launch(_reduce_kernel, (outer, cdiv(inner, block_i), splits), x, partial, mean_arg, R, inner,
-           r_per_split, splits, 1.0, s_outer, s_r, s_inner, OP=op, CD=cd, IDENT=ident, BLOCK_R=block_r,
-           BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
+    launch(_reduce_kernel, grid, x, partial, mean_arg, R, inner, r_per_split, splits, 1.0, s_outer, s_r, s_inner,
+           OP=op, CD=cd, IDENT=ident, **meta)
     second = SUM.value if op == SQDEV else op
     return reduce_(out, partial, outer, splits, inner, (splits * inner, inner, 1), second, scale)
+
+
+@tunable("out", helper=True)
+def _reduce_first_use(out, x, outer, R, inner, strides, op, scale, mean):
+    """reduce_ with a new plan when tuning on first use: the ``flame.autotune`` entry point of the
+    reduction (it writes all of ``out``); a helper, like ``elementwise._map_first_use``."""
+    _plans[outer, R, inner, x.dtype] = _reduce_plan(outer, R, inner, x.dtype)
+    return reduce_(out, x, outer, R, inner, strides, op, scale, mean)
 
 
 def column_sum_(out, x):
