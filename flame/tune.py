@@ -47,6 +47,7 @@ Environment:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -381,6 +382,15 @@ def register_cache(clear_fn):
     if clear_fn not in _cache_clears:
         _cache_clears.append(clear_fn)
     return clear_fn
+
+
+def memoised(fn):
+    """``fn``, a launcher's pure function of a shape to its launch plan or config, memoised with
+    ``functools.lru_cache`` and its memo registered with ``register_cache``: how launchers keep
+    the host path to one lookup per shape while ``override`` and ``reset`` still reach them."""
+    cached = functools.lru_cache(maxsize=4096)(fn)
+    register_cache(cached.cache_clear)
+    return cached
 
 
 class Override:

@@ -490,8 +490,7 @@ def _configured(impl):
     """``impl`` memoised per shape, except while a test forces block sizes (FORCE_BLOCKS); the
     memo is registered with ``flame.tune`` so that ``tune.override`` and ``tune.reset`` reach it.
     Callers only read the returned configs."""
-    cached = functools.lru_cache(maxsize=1024)(impl)
-    tune.register_cache(cached.cache_clear)
+    cached = tune.memoised(impl)
 
     @functools.wraps(impl)
     def config(*args):

@@ -23,10 +23,9 @@ reduce kernel afterwards: no atomics, results reproducible run to run.
 Launch configs come from ``flame.tune`` (kernels "group_norm_fwd", "group_norm_bwd": the tiles,
 splits and warps of the statistics and apply passes; "layer_norm_fwd", "layer_norm_bwd": rows per
 program, warps and the backward's persistent programs), a tuning table's entry on the GPU or the
-heuristics here; memoised per shape and dtype (registered with ``tune.register_cache``). Block
+heuristics here; memoised per shape and dtype (``tune.memoised``). Block
 sizes that must cover a dimension (LayerNorm's BLOCK_D, the combine kernels') are derived.
 """
-import functools
 
 import torch
 import triton
@@ -274,7 +273,7 @@ def _cd(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-@functools.lru_cache(maxsize=4096)
+@tune.memoised
 def _gn_plan(N, C, S, G, cl, dtype, bwd):
     """Launch geometry of the three GroupNorm passes, forward or backward (``bwd``); memoised, so
     the host path stays thin. The tiles, splits and warps of the statistics and apply passes come
@@ -297,7 +296,6 @@ def _gn_plan(N, C, S, G, cl, dtype, bwd):
     return CG, splits, s_per_split, part, comb_block, (block_cg, block_sp), apply
 
 
-tune.register_cache(_gn_plan.cache_clear)
 
 
 @tunable("y")
@@ -565,7 +563,7 @@ def _ln_default(M, D, bwd):
     return cfg
 
 
-@functools.lru_cache(maxsize=4096)
+@tune.memoised
 def _ln_fwd_plan(M, D, dtype):
     """(programs, launch meta) of the LayerNorm/RMSNorm forward, memoised: BLOCK_M rows per program
     and the warps from ``flame.tune`` (kernel "layer_norm_fwd", key (M, D)), BLOCK_D from D."""
@@ -575,7 +573,7 @@ def _ln_fwd_plan(M, D, dtype):
                                          num_warps=cfg["num_warps"])
 
 
-@functools.lru_cache(maxsize=4096)
+@tune.memoised
 def _ln_bwd_plan(M, D, dtype):
     """(P programs, row blocks, launch meta, the colsum kernel's (programs, meta) or None for the
     split reduction) of the LayerNorm/RMSNorm backward, memoised. BLOCK_M, the warps and the
@@ -602,8 +600,6 @@ def _ln_bwd_plan(M, D, dtype):
     return P, n_rblocks, meta, (cdiv(D, cbd), dict(BLOCK_P=bp, BLOCK_D=cbd, num_warps=4))
 
 
-tune.register_cache(_ln_fwd_plan.cache_clear)
-tune.register_cache(_ln_bwd_plan.cache_clear)
 
 
 @tunable("y")

@@ -14,11 +14,10 @@ softmax from the saved log-sum-exp. Reductions to a scalar are two-stage and det
 Launch configs come from ``flame.tune`` (kernels "softmax_fwd", "softmax_bwd": key (ROWS, R),
 fields BLOCK_ROWS, BLOCK_R, num_warps; "cross_entropy_fwd", "cross_entropy_bwd": key (ROWS, C),
 fields BLOCK_ROWS, BLOCK_C, num_warps), a tuning table's entry on the GPU or the heuristics here;
-memoised per shape and dtype (registered with ``tune.register_cache``). A block longer than the
+memoised per shape and dtype (``tune.memoised``). A block longer than the
 row's length rounded up to a power of two is cut to it; whether a softmax row is read whole
 (SINGLE) follows from its block.
 """
-import functools
 import math
 
 import torch
@@ -377,7 +376,7 @@ def _ce_default(ROWS, C):
     return dict(BLOCK_ROWS=bm, BLOCK_C=bc, num_warps=_warps(bm * bc))
 
 
-@functools.lru_cache(maxsize=4096)
+@tune.memoised
 def _softmax_plan(ROWS, R, dtype, bwd):
     """(programs, launch meta) of softmax_fwd/bwd over ROWS rows of R, memoised: BLOCK_ROWS rows per
     program, BLOCK_R and the warps from ``flame.tune`` (kernel "softmax_fwd"/"softmax_bwd", key
@@ -390,7 +389,7 @@ def _softmax_plan(ROWS, R, dtype, bwd):
                                                num_warps=cfg["num_warps"])
 
 
-@functools.lru_cache(maxsize=4096)
+@tune.memoised
 def _ce_plan(ROWS, C, dtype, bwd):
     """(programs, launch meta) of cross_entropy_fwd/bwd over ROWS rows of C classes, memoised:
     BLOCK_ROWS, BLOCK_C (cut to C rounded up to a power of two; the classes are always looped
@@ -401,8 +400,6 @@ def _ce_plan(ROWS, C, dtype, bwd):
                                                num_warps=cfg["num_warps"])
 
 
-tune.register_cache(_softmax_plan.cache_clear)
-tune.register_cache(_ce_plan.cache_clear)
 
 
 @tunable("y")
