@@ -47,6 +47,7 @@ Environment:
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import json
 import math
@@ -486,12 +487,50 @@ def asked_configs():
         _asked_sinks[:] = [s for s in _asked_sinks if s is not asked]
 
 
+def entries_by_key(raw) -> dict:
+    """{(kernel, dtype name): {key tuple: entry}} of a decoded format-1 table (rows without a
+    list key skipped): the form ``dump_table`` writes back."""
+    table = {}
+    for kernel, per_dtype in raw["entries"].items():
+        for dtype, rows in (per_dtype.items() if isinstance(per_dtype, dict) else ()):
+            for row in rows if isinstance(rows, list) else ():
+                if isinstance(row, dict) and isinstance(row.get("key"), list):
+                    table.setdefault((kernel, dtype), {})[tuple(row["key"])] = row
+    return table
+
+
+def dump_table(table: dict, gpu: str) -> str:
+    """Format-1 JSON of ``table`` ({(kernel, dtype name): {key tuple: entry}}): one entry per line,
+    kernels, dtypes and keys sorted (small diffs)."""
+    head = dict(format=FORMAT, gpu=gpu, triton=triton.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "entries": {']
+    kernels = sorted({k for k, _ in table})
+    for i, kernel in enumerate(kernels):
+        lines.append(f"    {json.dumps(kernel)}: {{")
+        dtypes = sorted(d for k, d in table if k == kernel)
+        for j, dtype in enumerate(dtypes):
+            rows = [json.dumps(e) for _, e in sorted(table[kernel, dtype].items())]
+            lines.append(f"      {json.dumps(dtype)}: [")
+            lines.append(",\n".join(f"        {r}" for r in rows))
+            lines.append("      ]" + ("," if j < len(dtypes) - 1 else ""))
+        lines.append("    }" + ("," if i < len(kernels) - 1 else ""))
+    return "\n".join(lines + ["  }", "}", ""])
+
+
+def write_table(path: Path, table: dict, gpu: str) -> None:
+    """Write ``table`` ({(kernel, dtype name): {key tuple: entry}}) to ``path`` atomically."""
+    from .io import atomic_write
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = dump_table(table, gpu).encode()
+    atomic_write(path, lambda f: f.write(text))
+
+
 def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, default_ms: float) -> Path:
     """Add a tuned entry to the current GPU's cache table, in memory and on disk (format 1,
     merged with the file as other processes left it, written atomically); returns its path.
     Launches of that key use it from now on (FLAME_AUTOTUNE=1)."""
-    from .io import atomic_write
-
     problem = _config_problem(kernel, config) if kernel in KERNELS else f"unknown kernel {kernel!r}"
     if problem:
         raise ValueError(f"tune.remember: {problem}")
@@ -501,14 +540,11 @@ def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, defa
     if path.is_file():
         with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
             raw = json.loads(path.read_text())
-    if _parse(raw, name)[0] is None:  # absent, unreadable, stale or another GPU's: start afresh
-        raw = dict(format=FORMAT, gpu=name, triton=triton.__version__, entries={})
-    rows = raw["entries"].setdefault(kernel, {}).setdefault(dt, [])
-    rows[:] = [r for r in rows if not (isinstance(r, dict) and tuple(r.get("key") or ()) == key)]
-    rows.append(dict(key=list(key), config=dict(config), ms=float(f"{ms:.4g}"), default_ms=float(f"{default_ms:.4g}")))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(raw, indent=1).encode()
-    atomic_write(path, lambda f: f.write(text))
+    # absent, unreadable, stale or another GPU's: start afresh
+    table = entries_by_key(raw) if _parse(raw, name)[0] is not None else {}
+    table.setdefault((kernel, dt), {})[key] = dict(key=list(key), config=dict(config), ms=float(f"{ms:.4g}"),
+                                                   default_ms=float(f"{default_ms:.4g}"))
+    write_table(path, table, name)
     _cache_table(name).add(kernel, dt, key, dict(config), default_ms / ms if ms > 0 else math.inf)
     for sink in _asked_sinks:  # known now: an outer entry point need not tune it again
         sink[:] = [q[:4] + (False,) if q[:3] == (kernel, key, dt) else q for q in sink]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
 import statistics
@@ -56,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 # isort: off
 import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
-from flame import autotune, io, runtime, tune
+from flame import autotune, runtime, tune
 from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
 from flame.kernels import elementwise as KE
@@ -653,37 +652,7 @@ def load_table(path: Path, gpu: str) -> dict:
         print(f"{path}: tuned with Triton {raw.get('triton')}, this is {triton.__version__}: its entries are stale "
               "and every key is tuned afresh")
         return {}
-    table = {}
-    for kernel, per_dtype in raw["entries"].items():
-        for dtype, rows in (per_dtype.items() if isinstance(per_dtype, dict) else ()):
-            for row in rows if isinstance(rows, list) else ():
-                if isinstance(row, dict) and isinstance(row.get("key"), list):
-                    table.setdefault((kernel, dtype), {})[tuple(row["key"])] = row
-    return table
-
-
-def dump_table(table: dict, gpu: str) -> str:
-    """Format-1 JSON, one entry per line, kernels, dtypes and keys sorted (small diffs)."""
-    head = dict(format=tune.FORMAT, gpu=gpu, triton=triton.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
-    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "entries": {']
-    kernels = sorted({k for k, _ in table})
-    for i, kernel in enumerate(kernels):
-        lines.append(f"    {json.dumps(kernel)}: {{")
-        dtypes = sorted(d for k, d in table if k == kernel)
-        for j, dtype in enumerate(dtypes):
-            rows = [json.dumps(e) for _, e in sorted(table[kernel, dtype].items())]
-            lines.append(f"      {json.dumps(dtype)}: [")
-            lines.append(",\n".join(f"        {r}" for r in rows))
-            lines.append("      ]" + ("," if j < len(dtypes) - 1 else ""))
-        lines.append("    }" + ("," if i < len(kernels) - 1 else ""))
-    return "\n".join(lines + ["  }", "}", ""])
-
-
-def write_table(path: Path, table: dict, gpu: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = dump_table(table, gpu).encode()
-    io.atomic_write(path, lambda f: f.write(text))
+    return tune.entries_by_key(raw)
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -889,7 +858,7 @@ def run(problems, table, path, gpu, ctx, args):
                 bar.write(f"REJECTED {launch.kernel} {list(launch.key)} ({p.name}) config {cfg}: {why}")
             if out.entry:
                 table.setdefault((launch.kernel, launch.dtype), {})[launch.key] = out.entry
-                write_table(path, table, gpu)
+                tune.write_table(path, table, gpu)
             outcomes.append((fam, out))
             bar.update(1)
     return outcomes, 0, seen, kept
