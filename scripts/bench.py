@@ -8,9 +8,12 @@
 
 Device-time cases use ``triton.testing.do_bench`` (median of ``--rep`` ms after ``--warmup`` ms) for
 flame and for PyTorch alike; host-time cases (the ``overhead`` family) time a Python loop with
-``time.perf_counter`` after a warm-up and synchronise at the end. Each case first checks that flame
-and PyTorch agree, so a fast wrong kernel cannot post a number. On the interpreter backend (no GPU)
-times measure Triton's interpreter and mean nothing; that mode exists to smoke-test this script.
+``time.perf_counter`` after a warm-up and synchronise at the end. On a GPU, ``--timer`` (default
+``both``) also times CUDA-graph replays of both sides: the kernels' device time, free of the host's
+cost and noise, next to the eager time a user sees (a case that cannot be captured is eager only).
+Each case first checks that flame and PyTorch agree, so a fast wrong kernel cannot post a number.
+On the interpreter backend (no GPU) times measure Triton's interpreter and mean nothing; that mode
+exists to smoke-test this script.
 
 flame's launch configs come from the GPU's tuning table (``flame.tune``) unless ``--tuning defaults``
 hides the tables; ``--tuning compare`` times flame both ways in the same process, alternating with
@@ -64,6 +67,7 @@ class Ctx:
     rep: int
     repeat: int = 1  # device-time measurements per side (median taken)
     tuning: str = "table"  # flame's launch configs: "table", "defaults" or "compare" (see --tuning)
+    timer: str = "both"  # device cases: "eager", "graph" or "both" (see --timer)
     interpreter: bool = flame.is_interpreter()
 
     def shape(self, full, quick_gpu, interp):
@@ -464,6 +468,16 @@ def _captured(fn):
         return None
 
 
+def _graph_times(case, ctx):
+    """(flame ms runs, torch ms runs) replaying CUDA graphs of both sides, alternating per --repeat:
+    device time alone, without either framework's host cost, or None where a side cannot be captured."""
+    graphs = _captured(case.flame), _captured(case.torch)
+    if None in graphs:
+        return None
+    return tuple(zip(*[(time_device(graphs[0].replay, ctx), time_device(graphs[1].replay, ctx))
+                       for _ in range(ctx.repeat)]))
+
+
 def _tuned_and_default_times(case, ctx):
     """(timer, tuned ms runs, heuristic ms runs) of ``case.flame``, alternating per --repeat.
     A launch config changes the device time, not the host's, so where both can be captured the
@@ -519,13 +533,22 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         compare = ctx.tuning == "compare" and _table_changes(case)
         if ctx.tuning == "compare" and not compare:
             row.update(tuned_same_configs=True)
-        fs, ts = zip(*[(time_device(case.flame, ctx), time_device(case.torch, ctx)) for _ in range(ctx.repeat)])
+        graphed = None if ctx.interpreter or ctx.timer == "eager" else _graph_times(case, ctx)
+        if graphed is not None:
+            gf, gt = (statistics.median(x) for x in graphed)
+            row.update(graph=dict(flame=gf, torch=gt, ratio=gf / gt if gt > 0 else math.inf,
+                                  flame_runs=list(graphed[0]), torch_runs=list(graphed[1])))
+        if ctx.timer == "graph" and graphed is not None:
+            (fs, ts), timer = graphed, "graph"
+        else:
+            fs, ts = zip(*[(time_device(case.flame, ctx), time_device(case.torch, ctx)) for _ in range(ctx.repeat)])
+            timer = "eager"
         f, t = statistics.median(fs), statistics.median(ts)
-        row.update(unit="ms", flame=f, torch=t)
+        row.update(unit="ms", timer=timer, flame=f, torch=t)
         if compare:
-            timer, tuned, default = _tuned_and_default_times(case, ctx)
+            tuned_timer, tuned, default = _tuned_and_default_times(case, ctx)
             d = statistics.median(default)
-            row.update(tuned_timer=timer, flame_tuned=statistics.median(tuned), flame_defaults=d,
+            row.update(tuned_timer=tuned_timer, flame_tuned=statistics.median(tuned), flame_defaults=d,
                        flame_tuned_runs=list(tuned), flame_defaults_runs=list(default),
                        tuned_speedup=d / statistics.median(tuned))
         if ctx.repeat > 1:
@@ -556,7 +579,10 @@ def _rate(row, who):
 
 def print_table(rows: list[dict]) -> None:
     compare = any("flame_defaults" in r for r in rows)
+    graphed = any("graph" in r and r.get("timer") == "eager" for r in rows)
     header = ("case", "flame", "torch", "unit", "flame/torch", "flame rate", "torch rate")
+    if graphed:
+        header += ("graph flame", "graph torch", "graph flame/torch")
     if compare:
         header += ("flame defaults", "tuned speedup")
     lines = []
@@ -566,6 +592,9 @@ def print_table(rows: list[dict]) -> None:
             continue
         line = (f"{r['family']}: {r['case']}", _fmt(r["flame"]), _fmt(r["torch"]), r["unit"],
                 f"{r['ratio']:.2f}x", _rate(r, "flame"), _rate(r, "torch"))
+        if graphed:
+            g = r.get("graph") if r.get("timer") == "eager" else None
+            line += (_fmt(g["flame"]), _fmt(g["torch"]), f"{g['ratio']:.2f}x") if g else ("-", "-", "-")
         if compare:
             line += (_fmt(r.get("flame_defaults")), f"{r['tuned_speedup']:.2f}x" if "tuned_speedup" in r else "-")
         lines.append(line)
@@ -621,6 +650,10 @@ def parse_args(argv):
                    help="flame's launch configs: this GPU's tuning table where it has an entry (table, the "
                         "default), the heuristic defaults only (defaults), or both, timed alternately in this "
                         "run with the tuned speedup per case (compare)")
+    p.add_argument("--timer", choices=("eager", "graph", "both"), default="both",
+                   help="device cases on a GPU: time each call as a user makes it (eager: host cost included), "
+                        "replays of a CUDA graph of it (graph: device time alone, free of the shared host's "
+                        "noise), or both, reporting both ratios (default); the interpreter times eagerly")
     p.add_argument("--list", action="store_true", help="list the families and exit")
     args = p.parse_args(argv)
     names = [n.strip() for spec in args.family for n in spec.split(",") if n.strip()] or list(FAMILIES)
@@ -642,7 +675,7 @@ def main(argv=None) -> int:
     ctx = Ctx(dtype=dtype, quick=args.quick,
               warmup=args.warmup if args.warmup is not None else (5 if args.quick else 25),
               rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat),
-              tuning=args.tuning)
+              tuning=args.tuning, timer=args.timer)
     env = environment(argv)
     print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
           f"dtype {dtype}; {env['date']}")
