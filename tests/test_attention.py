@@ -308,6 +308,30 @@ def test_int64_offsets_path(monkeypatch, config):
     _check_all(got, _rounded(_ref_run(tq, tk, tv, dout, mask=mask, causal=True), torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("layout,causal,Lq,Lk,D,offset", [
+    ("bhld", False, 33, 37, 32, 0),   # ragged last key block: TMA's out-of-bounds rows arrive as zeros
+    ("blhd", True, 21, 50, 64, 0),    # (B, L, H, D) storage: row stride H*D
+    ("bhld", False, 20, 40, 16, 1),   # base not 16-byte aligned: the pointer loop instead
+])
+def test_forward_kv_through_tma(monkeypatch, layout, causal, Lq, Lk, D, offset):
+    """The forward's K/V blocks read by tensor descriptors (the Hopper path), where the layout allows."""
+    monkeypatch.setattr(KA, "FORCE_BLOCKS", dict(BLOCK_M=16, BLOCK_N=16, KV_TMA=True))
+    used, real = [], KA.launch
+
+    def spy(kernel, grid, *args, **kw):
+        if kernel is KA._attn_fwd_kernel:
+            used.append(kw["KV_TMA"])
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(KA, "launch", spy)
+    tq, tk, tv = _inputs(1, 2, Lq, Lk, D, torch.float16, layout=layout)
+    if offset:  # storage shifted by one element
+        tk, tv = (torch.cat([t.new_zeros(offset), t.flatten()])[offset:].view(t.shape) for t in (tk, tv))
+    dout = torch.randn(1, 2, Lq, D, dtype=torch.float64).to(torch.float16).to(DEVICE)
+    got = _flame_run(tq, tk, tv, dout, is_causal=causal)
+    assert used == [not offset]
+    _check_all(got, _rounded(_ref_run(tq, tk, tv, dout, causal=causal), torch.float16), torch.float16)
+
+
 def test_mask_gets_no_gradient():
     tq, tk, tv = _inputs(1, 1, 5, 6, 16, torch.float32)
     q, k, v = (flame.from_torch(t, requires_grad=True) for t in (tq, tk, tv))

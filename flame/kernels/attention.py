@@ -33,6 +33,7 @@ Interpreter notes (as in matmul.py): bf16 dot inputs are upcast (the interpreter
 wrong); fp32 dots use ``input_precision="ieee"``; fp64 inputs accumulate in fp64.
 """
 import functools
+import os
 
 import torch
 import triton
@@ -41,6 +42,11 @@ import triton.language as tl
 from .. import runtime, tune
 from ..autotune import tunable
 from .launch import launch
+from .matmul import tma_available
+
+# The forward's K/V loop reads through TMA descriptors where the GPU and the layout allow it
+# (``_tma_readable``); FLAME_ATTN_TMA=0 turns that off.
+KV_TMA = not runtime.INTERPRETER and os.environ.get("FLAME_ATTN_TMA", "1") != "0"
 
 # log2(e) = 1.4426950408889634 (written inline in jit code)
 LOG2E = 1.4426950408889634
@@ -80,19 +86,24 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
 
 
 @triton.jit
-def _fwd_loop(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, lo, hi, Lq, Lk, qk_scale,
+def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, lo, hi, Lq, Lk, qk_scale,
               skn, svn, smm, smn,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-              WIDE: tl.constexpr):
+              WIDE: tl.constexpr, KV_TMA: tl.constexpr):
+    # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if WIDE:
             offs_n = offs_n.to(tl.int64)
-        kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if KV_TMA:  # rows past Lk arrive as zeros
+            k = k_src.load([start_n, 0])
+            v = v_src.load([start_n, 0])
+        else:
+            kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
+            k = tl.load(k_src + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(v_src + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -108,7 +119,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, M_GROUP: tl.constexpr, SINGLE_KV: tl.constexpr,
                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr):
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr):
     pid_g = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) first
         pid_g = tl.num_programs(0) - 1 - pid_g
@@ -133,6 +144,13 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+    k_src = k_base
+    v_src = v_base
+    if KV_TMA:  # K/V blocks by TMA (Hopper): one descriptor each per program
+        k_src = tl.make_tensor_descriptor(k_base, shape=[Lk, HEAD_DIM], strides=[skn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[Lk, HEAD_DIM], strides=[svn, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
     for g in range(M_GROUP):
         start_m = (pid_g * M_GROUP + g) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -156,12 +174,12 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
             else:
                 hi = Lk
                 n_full = (Lk // BLOCK_N) * BLOCK_N
-            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, 0, n_full,
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, 0, n_full,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, False, CAUSAL,
-                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE)
-            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_base, v_base, mask_base, offs_m, offs_d, n_full, hi,
+                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA)
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, n_full, hi,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, True, CAUSAL,
-                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE)
+                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA)
         empty = l_i == 0.0  # every key masked out (or Lk == 0): output 0, lse +inf
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -516,9 +534,10 @@ def _fwd_config(Lq, Lk, D, BH, dtype):
         short = short and Lk <= bn
         return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn if not short else max(16, _pow2(Lk)),
                     M_GROUP=FORCE_BLOCKS.get("M_GROUP", 1) if short else 1, SINGLE_KV=short,
-                    num_warps=4, num_stages=1)
+                    KV_TMA=FORCE_BLOCKS.get("KV_TMA", False) and not short and bd == D, num_warps=4, num_stages=1)
     cfg = tune.config("attention_fwd", (Lq, Lk, D, BH), dtype, _fwd_heuristic(Lq, Lk, bd, BH, esize, short))
-    return dict(cfg, BLOCK_D=bd, SINGLE_KV=short and Lk <= cfg["BLOCK_N"])
+    single = short and Lk <= cfg["BLOCK_N"]
+    return dict(cfg, BLOCK_D=bd, SINGLE_KV=single, KV_TMA=KV_TMA and not single and bd == D)
 
 
 def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
@@ -623,6 +642,15 @@ def _wide(*extents):
     return any(e > _I32 for e in extents)
 
 
+def _tma_readable(t, strides):
+    """Whether the K/V loop can read ``t`` (B, H, L, D strides ``strides``) through TMA: 16-bit
+    elements, every head's base and row stride 16-byte aligned, on a GPU that has TMA."""
+    es = t.element_size()
+    return (t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 16 == 0
+            and all((st * es) % 16 == 0 for st in strides[:3])
+            and (runtime.INTERPRETER or tma_available()))
+
+
 def _mask_args(mask, q):
     if mask is None:
         return q, (0, 0, 0, 0), 0
@@ -638,6 +666,8 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
     cfg = _fwd_config(Lq, Lk, D, B * H, q.dtype)
     acc, precision, upcast = _switches(q.dtype)
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * ms[2] + Lk * ms[3])
+    if cfg["KV_TMA"] and (wide or not _tma_readable(k, sk) or not _tma_readable(v, sv)):
+        cfg = dict(cfg, KV_TMA=False)
     grid = (_cdiv(_cdiv(Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), B * H)
     launch(_attn_fwd_kernel, grid, q, k, v, o, lse, mbuf, H, Lq, Lk, float(scale * LOG2E),
            *sq, *sk, *sv, *so, *ms,

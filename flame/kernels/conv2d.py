@@ -398,7 +398,7 @@ def _tma_buffers_ok(*bufs):
     """Whether TMA descriptors can describe these 4-D buffers: one 16-bit dtype, channels (dim 1)
     contiguous, 16-byte aligned base and other strides (channels a multiple of 8)."""
     dtype = bufs[0].dtype
-    if not KM.TMA or dtype not in (torch.float16, torch.bfloat16) or not KM._tma_available():
+    if not KM.TMA or dtype not in (torch.float16, torch.bfloat16) or not KM.tma_available():
         return False
     es = bufs[0].element_size()
     for t in bufs:

@@ -262,7 +262,7 @@ FLATTEN = True  # software-pipeline across tile boundaries (tl.range(flatten=...
 _tma_ready = None  # None: not yet checked; then whether this device and Triton can run the TMA kernel
 
 
-def _tma_available():
+def tma_available():
     global _tma_ready
     if _tma_ready is None:
         _tma_ready = (torch.cuda.get_device_capability(runtime.device)[0] >= 9
@@ -292,7 +292,7 @@ def _tma_layout(out, a, b, f, sa, sb, sc):
     """(A K-contiguous, B K-contiguous, A row stride, B row stride, C row stride) when the TMA kernel can read
     every operand of this 2-D problem (16-bit, 16-byte aligned bases, one unit stride per operand
     and the other a multiple of 16 bytes, C row-major), else None."""
-    if not TMA or a.dtype not in (torch.float16, torch.bfloat16) or out.dtype != a.dtype or not _tma_available():
+    if not TMA or a.dtype not in (torch.float16, torch.bfloat16) or out.dtype != a.dtype or not tma_available():
         return None
     es = a.element_size()
     ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr()]
