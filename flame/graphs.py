@@ -117,7 +117,11 @@ class CapturedStep:
 def _reset_capture_state():
     """A capture that fails midway leaves PyTorch's CUDA generator registered for capture (its
     next random draw outside a graph raises "Offset increment outside graph capture"); one empty
-    capture, begun and ended cleanly, puts it back."""
+    capture, begun and ended cleanly, puts it back. Its memory pool may stay marked as recording
+    (an invalidated capture never ends its allocations to the pool; every later capture into it
+    then fails with "already recording to mempool_id"), so later graphs share a fresh pool."""
+    global _pool
+    _pool = None
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
         pass
 

@@ -308,6 +308,25 @@ def test_int64_offsets_path(monkeypatch, config):
     _check_all(got, _rounded(_ref_run(tq, tk, tv, dout, mask=mask, causal=True), torch.float32), torch.float32)
 
 
+@pytest.mark.parametrize("scale", [-0.4, 0.0, 2.0])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_any_scale_with_masks(blocks, scale, mask_kind):
+    """The forward takes the row max over raw scores when the scale is positive; zero and negative
+    scales (PyTorch accepts them) scale first. Both with causal, boolean and additive masks."""
+    if blocks == "split" and mask_kind == "float":
+        pytest.skip("additive masks are covered by the other block configs")
+    tq, tk, tv = _inputs(1, 2, 20, 37, 16, torch.float32)
+    dout = torch.randn(1, 2, 20, 16, device=DEVICE)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(20, 37, device=DEVICE) > 0.3
+    elif mask_kind == "float":
+        mask = torch.randn(20, 37, device=DEVICE).masked_fill(torch.rand(20, 37, device=DEVICE) < 0.2, float("-inf"))
+    got = _flame_run(tq, tk, tv, dout, mask=mask, is_causal=True, scale=scale)
+    want = _ref_run(tq, tk, tv, dout, mask=mask, causal=True, scale=scale)
+    _check_all(got, _rounded(want, torch.float32), torch.float32, f"{blocks} scale {scale} {mask_kind}")
+
+
 @pytest.mark.parametrize("layout,causal,Lq,Lk,D,offset", [
     ("bhld", False, 33, 37, 32, 0),   # ragged last key block: TMA's out-of-bounds rows arrive as zeros
     ("blhd", True, 21, 50, 64, 0),    # (B, L, H, D) storage: row stride H*D
@@ -484,7 +503,8 @@ def build(kernel, ptrs, consts, meta):
 
 for dt, D, Lk, causal, kind in (("bf16", 64, 4096, False, 0), ("bf16", 64, 77, False, 0), ("fp16", 40, 1000, True, 2),
                                 ("bf16", 128, 2048, True, 1)):
-    acc = dict(ACC=tl.float32, PRECISION="tf32", UPCAST=False, WIDE=False, HEAD_DIM=D, CAUSAL=causal, MASK_KIND=kind)
+    acc = dict(ACC=tl.float32, PRECISION="tf32", UPCAST=False, WIDE=False, HEAD_DIM=D, CAUSAL=causal, MASK_KIND=kind,
+               POS_SCALE=True)
     m = "u8" if kind == 2 else dt
     build(A._attn_fwd_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, o_ptr=dt, lse_ptr="fp32", mask_ptr=m), acc,
           A._fwd_config(4096, Lk, D, 10, A.torch.bfloat16))

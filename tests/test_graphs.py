@@ -77,3 +77,8 @@ def test_capture_refuses_random_numbers_and_host_syncs():
         step(x)
     # the failed capture leaves PyTorch's own CUDA random numbers usable
     assert torch.randn(3, device=DEVICE).shape == (3,)
+    # and later captures work (a failed capture can leave its memory pool marked as recording)
+    step = CapturedStep(lambda x: x * 2.0)
+    outs = [step(x).to_torch().clone() for _ in range(3)]
+    assert all(torch.equal(o, x.to_torch() * 2) for o in outs)
+    assert step.num_graphs == (0 if flame.is_interpreter() else 1)

@@ -294,18 +294,18 @@ def test_attention_configs_come_from_the_table(tables, fake_gpu):
     tables({"attention_fwd": {"bfloat16": [entry((4096, 4096, 64, 10), FWD), entry((4096, 77, 64, 10), short_fwd)]},
             "attention_bwd": {"bfloat16": [entry((4096, 4096, 64, 10), BWD), entry((1024, 77, 64, 20), BWD)]}})
     bf16 = torch.bfloat16
-    derived = dict(BLOCK_D=64, SINGLE_KV=False)
+    derived = dict(BLOCK_D=64, SINGLE_KV=False, KV_TMA=attention.KV_TMA)  # TMA K/V loads where D is a power of 2
     assert attention._fwd_config(4096, 4096, 64, 10, bf16) == dict(FWD, **derived)
     assert attention._fwd_config(4032, 4032, 64, 10, bf16) == dict(FWD, **derived)  # same bucket
-    assert attention._fwd_config(4096, 4096, 56, 10, bf16) == dict(FWD, **derived)
+    assert attention._fwd_config(4096, 4096, 56, 10, bf16) == dict(FWD, **dict(derived, KV_TMA=False))
     assert attention._fwd_config(4096, 4096, 64, 40, bf16)["BLOCK_N"] == 64  # batch 4: the heuristic
     assert attention._fwd_config(4096, 4096, 64, 10, torch.float16)["BLOCK_M"] == 64  # fp16: the heuristic
-    assert attention._fwd_config(4096, 77, 64, 10, bf16) == dict(short_fwd, BLOCK_D=64, SINGLE_KV=True)
-    assert attention._fwd_config(4096, 90, 64, 10, bf16) == dict(short_fwd, BLOCK_D=64, SINGLE_KV=True)
+    assert attention._fwd_config(4096, 77, 64, 10, bf16) == dict(short_fwd, BLOCK_D=64, SINGLE_KV=True, KV_TMA=False)
+    assert attention._fwd_config(4096, 90, 64, 10, bf16) == dict(short_fwd, BLOCK_D=64, SINGLE_KV=True, KV_TMA=False)
     # an entry whose key block cannot hold every key (BLOCK_N 32 < 77 keys): the loop over key blocks
     tables({"attention_fwd": {"bfloat16": [entry((4096, 77, 64, 10), FWD)]}})
     tune.reset()
-    assert attention._fwd_config(4096, 77, 64, 10, bf16) == dict(FWD, BLOCK_D=64, SINGLE_KV=False)
+    assert attention._fwd_config(4096, 77, 64, 10, bf16) == dict(FWD, **derived)
 
     tables({"attention_bwd": {"bfloat16": [entry((4096, 4096, 64, 10), BWD), entry((1024, 77, 64, 20), BWD)]}})
     tune.reset()
@@ -602,6 +602,7 @@ def test_map_and_reduce_configs_come_from_the_table(tables, fake_gpu):
                                                                                num_warps=16))
 
 
+@pytest.mark.skipif(not runtime.INTERPRETER, reason="the interpreter's heuristic plans, on CPU tensors")
 def test_memoised_map_and_reduce_plans_follow_override_and_reset(tables):
     a, b, out = torch.randn(3, 40), torch.randn(3, 40), torch.empty(3, 40)
     KE.map_(out, [a, b], KE.ADD)
@@ -627,6 +628,7 @@ def test_memoised_map_and_reduce_plans_follow_override_and_reset(tables):
     assert KE._plans == {}  # reset empties the map plans too
 
 
+@pytest.mark.skipif(not runtime.INTERPRETER, reason="the interpreter's heuristic plans, on CPU tensors")
 def test_new_map_and_reduce_plans_are_tuned_on_first_use(monkeypatch, tmp_path, capsys):
     from flame import autotune
 

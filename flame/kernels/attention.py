@@ -57,13 +57,19 @@ LOG2E = 1.4426950408889634
 @triton.jit
 def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale, smm, smn,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                ACC: tl.constexpr, PRECISION: tl.constexpr):
-    # one key block: scores in base 2, then the online-softmax rescale of (acc, m_i, l_i)
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
+                ACC: tl.constexpr, PRECISION: tl.constexpr, POS_SCALE: tl.constexpr):
+    # One key block: the online-softmax rescale of (acc, m_i, l_i), in base 2. With a positive
+    # scale the row max is taken over the raw scores QK^T and each probability costs one FMA,
+    # exp2(qk * scale - m); otherwise the scores are scaled first (scale 1 afterwards).
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC)
+    scale = qk_scale
+    if not POS_SCALE:
+        qk = qk * qk_scale
+        scale = 1.0
     if MASK_KIND == 1:
         am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
                      mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0.0)
-        qk = qk + am.to(ACC) * 1.4426950408889634
+        qk = qk + am.to(ACC) * (1.4426950408889634 / scale)
     elif MASK_KIND == 2:
         am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
                      mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0)
@@ -73,11 +79,11 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
         if CAUSAL:
             keep = keep & (offs_n[None, :] <= offs_m[:, None])
         qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
     m_use = m_new
     if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far: subtract 0 (m_i stays -inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk - m_use[:, None])
+    p = tl.math.exp2(qk * scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -90,7 +96,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, lo, hi,
               skn, svn, smm, smn,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
               MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-              WIDE: tl.constexpr, KV_TMA: tl.constexpr):
+              WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr):
     # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors
     d_ok = offs_d < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
@@ -108,7 +114,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, lo, hi,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
-                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION)
+                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
     return acc, m_i, l_i
 
 
@@ -119,7 +125,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, M_GROUP: tl.constexpr, SINGLE_KV: tl.constexpr,
                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr):
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr,
+                     POS_SCALE: tl.constexpr):
     pid_g = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) first
         pid_g = tl.num_programs(0) - 1 - pid_g
@@ -166,7 +173,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
         if SINGLE_KV:
             acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
-                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION)
+                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
         else:
             if CAUSAL:
                 hi = tl.minimum(Lk, start_m + BLOCK_M)
@@ -176,10 +183,10 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                 n_full = (Lk // BLOCK_N) * BLOCK_N
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, 0, n_full,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, False, CAUSAL,
-                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA)
+                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, n_full, hi,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, True, CAUSAL,
-                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA)
+                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
         empty = l_i == 0.0  # every key masked out (or Lk == 0): output 0, lse +inf
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -672,7 +679,7 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
     launch(_attn_fwd_kernel, grid, q, k, v, o, lse, mbuf, H, Lq, Lk, float(scale * LOG2E),
            *sq, *sk, *sv, *so, *ms,
            HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast, WIDE=wide,
-           **cfg)
+           POS_SCALE=scale > 0, **cfg)
 
 
 @tunable("dq", "dk", "dv")
