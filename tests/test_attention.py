@@ -485,8 +485,10 @@ src = open(sys.argv[1]).read()
 src = src.replace("from .. import runtime, tune", "import types\n"
                   "runtime = types.SimpleNamespace(INTERPRETER=False, num_sms=lambda: 132)\n"
                   "tune = types.SimpleNamespace(config=lambda kernel, key, dtype, default: default, "
-                  "register_cache=lambda clear: clear)")
+                  "register_cache=lambda clear: clear, memoised=lambda fn: fn)")
+src = src.replace("from ..autotune import tunable", "tunable = lambda *outputs, **kw: (lambda fn: fn)")
 src = src.replace("from .launch import launch", "launch = None")
+src = src.replace("from .matmul import tma_available", "tma_available = lambda: True")
 path = os.path.join(sys.argv[2], "attn_sm90.py")
 open(path, "w").write(src)
 sys.path.insert(0, sys.argv[2])
@@ -510,8 +512,9 @@ for dt, D, Lk, causal, kind in (("bf16", 64, 4096, False, 0), ("bf16", 64, 77, F
           A._fwd_config(4096, Lk, D, 10, A.torch.bfloat16))
     kv, dq, _ = A._bwd_config(4096, Lk, D, 10, A.torch.bfloat16)
     part = "fp32" if dq is None else dt
-    build(A._attn_bwd_dkdv_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, do_ptr=dt, lse_ptr="fp32", delta_ptr="fp32",
-          dk_ptr=part, dv_ptr=part, dq_ptr=dt, mask_ptr=m), dict(acc, FUSED_DQ=dq is None, KEY_BOUND=dq is None), kv)
+    build(A._attn_bwd_dkdv_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, do_ptr=dt, o_ptr=dt, lse_ptr="fp32",
+          delta_ptr="fp32", dk_ptr=part, dv_ptr=part, dq_ptr=dt, mask_ptr=m),
+          dict(acc, FUSED_DQ=dq is None, KEY_BOUND=dq is None), kv)
     if dq is not None:
         build(A._attn_bwd_dq_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, do_ptr=dt, lse_ptr="fp32", delta_ptr="fp32",
               dq_ptr=dt, mask_ptr=m), acc, dq)
