@@ -34,6 +34,11 @@ follows from its tiles at run time too. Each problem's outputs are buffers that 
 overwrites completely (the weight gradient's through its split-K reduction, the norms' dW and dB
 through theirs), so the NaN poison shows any element a candidate leaves unwritten.
 
+Compiling a candidate takes Triton about a second and timing it a few milliseconds, so on a GPU
+``--jobs`` worker processes (default: half the CPU cores, at most 8) first run each stage's
+candidates once, side by side, filling Triton's on-disk cache; the timing process then loads
+them from there and times them one by one while the workers wait.
+
 Adding a family: a function ``fn(ctx, shape) -> list[Problem]`` for one entry of a section of the
 shapes file, decorated with ``@family(name, section, fields, flags)``; a kernel that is new to
 ``flame.tune`` also needs its candidate space in ``search_stages``.
@@ -41,10 +46,14 @@ shapes file, decorated with ``@family(name, section, fields, flags)``; a kernel 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import math
+import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -569,16 +578,18 @@ def _timed(kernel, cfg, bench, timing):
         return time_ms(bench.run, **timing)
 
 
-def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: float) -> Outcome | None:
+def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: float,
+                compile_ahead=lambda configs: None) -> Outcome | None:
     """Check and time every candidate config of ``launch`` (stage by stage, each stage built on
-    the fastest config screened so far) and its default; None when the budget ran out first."""
+    the fastest config screened so far) and its default; None when the budget ran out first.
+    ``compile_ahead(configs)`` is called with each stage's new candidates before they are timed."""
     out = Outcome(name, launch)
     screened = [(_timed(launch.kernel, None, bench, SCREEN), launch.default)]  # probe() checked it
     tried = [launch.default]
     for stage in search_stages(ctx, launch.kernel, launch.key):
-        for cfg in stage(min(screened, key=lambda t: t[0])[1]):
-            if cfg in tried:
-                continue
+        fresh = _unique_configs(stage(min(screened, key=lambda t: t[0])[1]), tried)
+        compile_ahead(fresh)
+        for cfg in fresh:
             tried.append(cfg)
             if _clock() > deadline:
                 return None
@@ -594,6 +605,15 @@ def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: flo
             best_ms, best = ms, cfg
     out.entry = dict(key=list(launch.key), config=best, ms=_round(best_ms), default_ms=_round(default_ms))
     return out
+
+
+def _unique_configs(configs, tried):
+    """``configs`` without repeats and without those in ``tried``, in order."""
+    fresh = []
+    for cfg in configs:
+        if cfg not in tried and cfg not in fresh:
+            fresh.append(cfg)
+    return fresh
 
 
 def _screen(name, bench, launch, cfg, ctx, out):
@@ -623,6 +643,68 @@ def _screen(name, bench, launch, cfg, ctx, out):
 
 def _round(ms):
     return float(f"{ms:.4g}")
+
+
+# ---- compiling ahead in worker processes -------------------------------------------------------
+# Compiling a candidate costs Triton about a second; timing it, a few milliseconds. With --jobs N,
+# N worker processes run each stage's candidates once before they are timed: that compiles them
+# side by side into Triton's on-disk cache, from which the timing process then loads them. The
+# workers are idle while the timing process measures, so they do not disturb its timings.
+
+_worker = {}  # a compile worker's problems and the one it has built
+
+
+def _worker_start(families, shapes_doc, dtype_name, quick, smem):
+    ctx = Ctx(dtype=DTYPES[dtype_name], quick=quick, smem=smem)
+    _worker.update(problems=enumerate_problems(families, shapes_doc, ctx), built=(None, None))
+    session = contextlib.ExitStack()  # open for the worker's lifetime: its launches see no table
+    session.enter_context(tuning_session())
+    _worker["session"] = session
+
+
+def _worker_compile(index, kernel, cfg):
+    """Run problem ``index`` once with ``kernel`` under ``cfg`` (compiling it); a worker whose
+    CUDA context broke exits, and the timing process compiles that stage itself."""
+    if _worker["built"][0] != index:
+        _worker["built"] = (None, None)
+        _worker["built"] = (index, _worker["problems"][index][1].build())
+    try:
+        with tune.override(kernel, cfg):
+            _worker["built"][1].run()
+        torch.cuda.synchronize()
+    except Exception as e:
+        if any(sign in str(e) for sign in CONTEXT_LOST):
+            os._exit(1)
+        return type(e).__name__
+    return None
+
+
+class CompileAhead:
+    """``jobs`` compile workers for the problems of this run (``--jobs``; none: compile while timing)."""
+
+    def __init__(self, jobs, args, ctx):
+        self.jobs = jobs
+        self.start = (args.family, args.shapes_doc, args.dtype, args.quick, ctx.smem)
+        self.pool = None
+        self.compiled = 0  # candidates the workers ran
+
+    def __call__(self, index, kernel, configs):
+        if self.jobs == 0 or len(configs) < 2:
+            return
+        if self.pool is None:
+            self.pool = concurrent.futures.ProcessPoolExecutor(
+                self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+                initargs=self.start)
+        try:
+            list(self.pool.map(_worker_compile, [index] * len(configs), [kernel] * len(configs), configs))
+            self.compiled += len(configs)
+        except concurrent.futures.process.BrokenProcessPool:  # a config broke a worker: start afresh
+            self.close()
+
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+            self.pool = None
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -779,7 +861,14 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=None,
                    help="table to write (default: configs/autotune/<gpu-slug>.json, or under $FLAME_TUNE_DIR)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and a few candidates (smoke test)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="worker processes that compile each stage's candidates ahead of their timing (default: "
+                        "half the CPU cores, at most 8, on a GPU; 0 on the interpreter; 0: compile while timing)")
     args = p.parse_args(argv)
+    if args.jobs is None:
+        args.jobs = 0 if flame.is_interpreter() else min(8, (os.cpu_count() or 2) // 2)
+    if args.jobs < 0:
+        p.error(f"--jobs must be 0 or more, got {args.jobs}")
     args.family = list(dict.fromkeys(args.family or FAMILIES))
     if any(n not in FAMILIES for n in args.family):
         p.error(f"unknown family {', '.join(n for n in args.family if n not in FAMILIES)}; "
@@ -810,11 +899,17 @@ def main(argv=None) -> int:
               f"{len(problems)} launches; table {path}")
         if flame.is_interpreter():
             print("note: no GPU -- kernels run in Triton's interpreter, so these times mean nothing")
-        outcomes, left, seen, kept = run(problems, table, path, gpu, ctx, args)
+        compile_ahead = CompileAhead(args.jobs, args, ctx)
+        try:
+            outcomes, left, seen, kept = run(problems, table, path, gpu, ctx, args, compile_ahead)
+        finally:
+            compile_ahead.close()
     except (Fatal, NotTunable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print_summary(outcomes)
+    if compile_ahead.compiled:
+        print(f"\n{compile_ahead.compiled} candidates compiled ahead by {args.jobs} worker processes")
     done = sum(1 for _, o in outcomes if o.entry)
     print(f"\n{done} keys tuned now, {kept} already in the table, {len(seen)} distinct keys met")
     if left:
@@ -825,10 +920,11 @@ def main(argv=None) -> int:
     return 1 if any(o.error or o.rejected for _, o in outcomes) else 0
 
 
-def run(problems, table, path, gpu, ctx, args):
-    """Tune ``problems`` into ``table`` (written to ``path`` after every key). Returns (outcomes,
-    how many launches the budget left undone, the (kernel, key)s met, how many were already in
-    the table)."""
+def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kernel, configs: None):
+    """Tune ``problems`` into ``table`` (written to ``path`` after every key), compiling each
+    stage's candidates ahead with ``compile_ahead(problem index, kernel, configs)``. Returns
+    (outcomes, how many launches the budget left undone, the (kernel, key)s met, how many were
+    already in the table)."""
     deadline = _clock() + 60 * args.budget_minutes if args.budget_minutes else math.inf
     outcomes, seen, kept = [], set(), 0
     torch.manual_seed(0)
@@ -851,7 +947,8 @@ def run(problems, table, path, gpu, ctx, args):
                 out = Outcome(p.name, launch, error=f"the heuristic default {launch.default} disagrees with "
                                                     f"PyTorch: {problem}")
             else:
-                out = tune_launch(p.name, bench, launch, ctx, deadline)
+                out = tune_launch(p.name, bench, launch, ctx, deadline,
+                                  functools.partial(compile_ahead, i, launch.kernel))
                 if out is None:
                     return outcomes, len(problems) - i, seen, kept
             for cfg, why in out.rejected:
