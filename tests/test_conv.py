@@ -423,7 +423,7 @@ def test_conv2d_tma_forward_and_input_grad(dtype, shape, co, k, kw, monkeypatch)
     them) and channels a multiple of 8 take the TMA kernels: forward, input and weight gradient."""
     import flame.kernels.conv2d as KC
     import flame.kernels.matmul as KM
-    if not KM.TMA or not KM._tma_available():
+    if not KM.TMA or not KM.tma_available():
         pytest.skip("no TMA on this GPU / Triton")
     taken = []
     real = KC.launch

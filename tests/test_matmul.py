@@ -338,7 +338,7 @@ def test_tma_linear_forward_and_both_gradients(dtype, M, K, N, act, monkeypatch)
     kernel; sizes are multiples of 8 (16-byte rows), at least 128 (the TMA route's minimum K),
     mostly not multiples of any block."""
     import flame.kernels.matmul as KM
-    if not KM.TMA or not KM._tma_available():
+    if not KM.TMA or not KM.tma_available():
         pytest.skip("no TMA on this GPU / Triton")
     taken = []
     real = KM._launch_tma
