@@ -294,7 +294,7 @@ def test_attention_configs_come_from_the_table(tables, fake_gpu):
     tables({"attention_fwd": {"bfloat16": [entry((4096, 4096, 64, 10), FWD), entry((4096, 77, 64, 10), short_fwd)]},
             "attention_bwd": {"bfloat16": [entry((4096, 4096, 64, 10), BWD), entry((1024, 77, 64, 20), BWD)]}})
     bf16 = torch.bfloat16
-    derived = dict(BLOCK_D=64, SINGLE_KV=False, KV_TMA=attention.KV_TMA)  # TMA K/V loads where D is a power of 2
+    derived = dict(BLOCK_D=64, SINGLE_KV=False, KV_TMA=attention.KV_TMA)  # TMA K/V loads: D a power of 2, 4096 keys
     assert attention._fwd_config(4096, 4096, 64, 10, bf16) == dict(FWD, **derived)
     assert attention._fwd_config(4032, 4032, 64, 10, bf16) == dict(FWD, **derived)  # same bucket
     assert attention._fwd_config(4096, 4096, 56, 10, bf16) == dict(FWD, **dict(derived, KV_TMA=False))
