@@ -27,6 +27,8 @@ On the interpreter backend (no GPU) ``CapturedStep`` simply calls ``fn``.
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from . import runtime
@@ -98,6 +100,12 @@ class CapturedStep:
         rng_before = get_rng_state()
         runtime.synchronize()
         graph = torch.cuda.CUDAGraph()
+        # Garbage from earlier steps (a dropped trainer's graphs, held in reference cycles) must not
+        # be freed mid-capture: destroying a CUDA graph while a stream captures invalidates the
+        # capture. Collect it now and keep the cyclic collector off until the capture ends.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=_shared_pool()):
                 outputs = self.fn(*call_args)
@@ -106,6 +114,9 @@ class CapturedStep:
             raise RuntimeError(f"CapturedStep: capturing the step failed ({e}). A captured function must not "
                                "synchronize with the host (.item(), .numpy(), printing values) or copy host "
                                "data to the device; move that outside the step.") from e
+        finally:
+            if collecting:
+                gc.enable()
         if get_rng_state() != rng_before:
             raise RuntimeError("CapturedStep: the captured function draws random numbers from flame's generator; "
                                "a replay would repeat them every step. Draw them outside and pass them in "

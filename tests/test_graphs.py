@@ -82,3 +82,30 @@ def test_capture_refuses_random_numbers_and_host_syncs():
     outs = [step(x).to_torch().clone() for _ in range(3)]
     assert all(torch.equal(o, x.to_torch() * 2) for o in outs)
     assert step.num_graphs == (0 if flame.is_interpreter() else 1)
+
+
+def test_dropped_graphs_are_not_freed_during_a_later_capture():
+    """Graphs of a dropped step held in a reference cycle (a trainer holding its own step) are
+    freed by the cyclic collector; if that ran mid-capture it would invalidate the capture. With
+    the collector made to run at every allocation, a later capture still works."""
+    import gc
+
+    class Owner:
+        pass
+
+    x = flame.randn(4)
+    for _ in range(3):
+        owner = Owner()
+        owner.me = owner  # a cycle: only the cyclic collector frees it
+        owner.step = CapturedStep(lambda t: t + 1.0)
+        owner.step(x)
+        owner.step(x)  # captured (GPU)
+        del owner
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        step = CapturedStep(lambda t: t * 3.0)
+        outs = [step(x).to_torch().clone() for _ in range(3)]
+    finally:
+        gc.set_threshold(*threshold)
+    assert all(torch.equal(o, x.to_torch() * 3) for o in outs)
