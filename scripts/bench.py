@@ -24,8 +24,13 @@ says "graph", or "eager" where a case cannot be captured). A case whose launches
 with and without the table (no entry applies, or the entries answer "heuristic") is marked
 ``tuned_same_configs`` and not timed twice: it runs the very same kernels either way.
 
+After a full-size run (not ``--quick``) the acceptance targets of the families' issues
+(``Target``: the worst case or the geometric mean of flame/PyTorch time over the cases a target
+names, against its bound) are checked for each timer and printed, and stored under "targets" in
+the JSON.
+
 Adding a family: write a function that takes a ``Ctx`` and returns a list of ``Case``, and decorate
-it with ``@family("name", "one-line description")``.
+it with ``@family("name", "one-line description", targets)``.
 """
 from __future__ import annotations
 
@@ -98,19 +103,86 @@ class Case:
     note: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """An issue's acceptance bound on flame/PyTorch time ratios: ``stat`` of the ratios of the
+    cases whose names ``select`` picks ("max": every case; "geo": their geometric mean) must be at
+    most ``bound`` (below it with ``strict``). Checked on full-size runs, for each timer."""
+
+    text: str
+    select: Callable[[str], bool]
+    stat: str
+    bound: float
+    strict: bool = False
+
+
 FAMILIES: dict[str, tuple[Callable[[Ctx], list[Case]], str]] = {}
+TARGETS: dict[str, tuple[Target, ...]] = {}
 
 
-def family(name: str, description: str = ""):
-    """Register ``fn(ctx) -> list[Case]`` as the benchmark family ``name``."""
+def family(name: str, description: str = "", targets: tuple[Target, ...] = ()):
+    """Register ``fn(ctx) -> list[Case]`` as the benchmark family ``name``, with the acceptance
+    ``targets`` its issue sets."""
 
     def deco(fn):
         if name in FAMILIES:
             raise ValueError(f"benchmark family {name!r} registered twice")
         FAMILIES[name] = (fn, description or (fn.__doc__ or "").strip().split("\n")[0])
+        TARGETS[name] = tuple(targets)
         return fn
 
     return deco
+
+
+def _starts(prefix, *parts, without=()):
+    """A case selector: names starting with ``prefix`` that contain every one of ``parts`` and
+    none of ``without``."""
+    return lambda name: (name.startswith(prefix) and all(p in name for p in parts)
+                         and not any(w in name for w in without))
+
+
+_SDXL_LINEAR = dict(without=("8192x8192", "gelu"))
+LINEAR_TARGETS = (
+    Target("forward at most 1.1x on every SDXL shape (issue 3)", _starts("fwd ", **_SDXL_LINEAR), "max", 1.1),
+    Target("forward at most 1.0x on the geometric mean (issue 3)", _starts("fwd ", **_SDXL_LINEAR), "geo", 1.0),
+    Target("forward+backward at most 1.0x on every SDXL shape (issue 3)", _starts("fwd+bwd", **_SDXL_LINEAR),
+           "max", 1.0),
+    Target("bias+GELU forward+backward at least 1.2x faster, geometric mean (issue 3)",
+           _starts("fwd+bwd", "gelu"), "geo", 1 / 1.2),
+)
+NORMS_TARGETS = tuple(
+    t for kind in ("fwd ", "fwd+bwd") for t in (
+        Target(f"GroupNorm batch 1 {kind.strip()} at least 3x faster, geometric mean (issue 4)",
+               _starts(kind + "group_norm 1x"), "geo", 1 / 3),
+        Target(f"GroupNorm batch 1 {kind.strip()} never slower (issue 4)", _starts(kind + "group_norm 1x"),
+               "max", 1.0))
+) + (
+    Target("LayerNorm forward at most 1.0x, geometric mean (issue 4)", _starts("fwd layer_norm"), "geo", 1.0),
+    Target("RMSNorm forward at most 1.0x, geometric mean (issue 4)", _starts("fwd rms_norm"), "geo", 1.0),
+    Target("LayerNorm forward+backward at least 1.3x faster, geometric mean (issue 4)",
+           _starts("fwd+bwd layer_norm"), "geo", 1 / 1.3),
+    Target("RMSNorm forward+backward at least 1.3x faster, geometric mean (issue 4)",
+           _starts("fwd+bwd rms_norm"), "geo", 1 / 1.3),
+    Target("cross_entropy forward+backward faster (issue 4)", _starts("fwd+bwd cross_entropy"), "max", 1.0,
+           strict=True),
+)
+_CONV_S1 = dict(without=(" s2", "up2x", "x4x128x128", "->4 "))
+CONV_TARGETS = tuple(
+    t for kind in ("fwd ", "fwd+bwd") for t in (
+        Target(f"3x3 {kind.strip()} faster than PyTorch NCHW on every shape (issue 5)",
+               _starts(kind, "3x3", "vs torch NCHW", without=("up2x",)), "max", 1.0, strict=True),
+        Target(f"3x3 stride-1 {kind.strip()} at most 1.15x cuDNN channels-last, geometric mean (issue 5)",
+               _starts(kind, "3x3", "vs torch CL", **_CONV_S1), "geo", 1.15))
+)
+_SDXL_ATTENTION = dict(without=("causal", "D128"))
+ATTENTION_TARGETS = (
+    Target("forward at most 1.1x on every SDXL shape (issue 6)", _starts("fwd ", "D64", **_SDXL_ATTENTION),
+           "max", 1.1),
+    Target("forward+backward at most 1.2x on every SDXL shape (issue 6)",
+           _starts("fwd+bwd", "D64", **_SDXL_ATTENTION), "max", 1.2),
+    Target("forward+backward at most 1.0x on the geometric mean (issue 6)",
+           _starts("fwd+bwd", "D64", **_SDXL_ATTENTION), "geo", 1.0),
+)
 
 
 # ---- families ----------------------------------------------------------------------------------
@@ -201,7 +273,7 @@ LINEAR_SHAPES = [  # (M, K, N, activation): SDXL's linears at 1024x1024, batch 1
 _TORCH_ACT = {None: lambda t: t, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
 
-@family("linear", "F.linear (+bias, +activation) forward and forward+backward on SDXL shapes")
+@family("linear", "F.linear (+bias, +activation) forward and forward+backward on SDXL shapes", LINEAR_TARGETS)
 def linear_family(ctx: Ctx) -> list[Case]:
     import flame.nn.functional as F
 
@@ -265,7 +337,8 @@ def _leaf(shape, dtype, channels_last=False):
     return x, t
 
 
-@family("norms", "GroupNorm(32)(+SiLU) NCHW/channels-last, LayerNorm, RMSNorm, softmax, cross_entropy")
+@family("norms", "GroupNorm(32)(+SiLU) NCHW/channels-last, LayerNorm, RMSNorm, softmax, cross_entropy",
+        NORMS_TARGETS)
 def norms_family(ctx: Ctx) -> list[Case]:
     import flame.nn.functional as F
 
@@ -325,7 +398,8 @@ ATTENTION_SHAPES = [  # (B, H, Lq, Lk, D, causal): SDXL self/cross attention and
 ]
 
 
-@family("attention", "scaled_dot_product_attention vs PyTorch SDPA: SDXL shapes, (B, L, H, D) inputs")
+@family("attention", "scaled_dot_product_attention vs PyTorch SDPA: SDXL shapes, (B, L, H, D) inputs",
+        ATTENTION_TARGETS)
 def attention_family(ctx: Ctx) -> list[Case]:
     import flame.nn.functional as F
 
@@ -369,7 +443,8 @@ def _conv_fn(lib, k, stride, up):
     return fn
 
 
-@family("conv", "conv2d (+bias) fwd and fwd+bwd on SDXL shapes: flame channels-last vs torch NCHW and channels-last")
+@family("conv", "conv2d (+bias) fwd and fwd+bwd on SDXL shapes: flame channels-last vs torch NCHW and channels-last",
+        CONV_TARGETS)
 def conv_family(ctx: Ctx) -> list[Case]:
     import flame.nn.functional as F
 
@@ -618,6 +693,47 @@ def print_table(rows: list[dict]) -> None:
               f"than 5% slower{': ' + ', '.join(slower) if slower else ''}")
 
 
+def _ratios(row):
+    """{timer: flame/torch time} of a device-time row: its main timer's ratio and the graph's."""
+    out = {row.get("timer", "eager"): row["ratio"]}
+    if row.get("graph"):
+        out["graph"] = row["graph"]["ratio"]
+    return out
+
+
+def check_targets(rows: list[dict], families) -> list[dict]:
+    """Each target of ``families`` against ``rows``, per timer that measured its cases: the
+    statistic, the bound, how many cases and whether it is met."""
+    results = []
+    for fam in families:
+        for t in TARGETS.get(fam, ()):
+            picked = [_ratios(r) for r in rows
+                      if r["family"] == fam and "error" not in r and r.get("unit") == "ms" and t.select(r["case"])]
+            for timer in ("eager", "graph"):
+                vals = [p[timer] for p in picked if timer in p]
+                if not vals:
+                    continue
+                v = max(vals) if t.stat == "max" else math.exp(statistics.fmean(math.log(x) for x in vals))
+                results.append(dict(family=fam, target=t.text, timer=timer, stat=t.stat, value=v, bound=t.bound,
+                                    cases=len(vals), met=v < t.bound if t.strict else v <= t.bound))
+    return results
+
+
+def print_targets(results: list[dict]) -> None:
+    """One line per target: each timer's statistic and whether it meets the bound."""
+    if not results:
+        return
+    print("\nissue targets (flame time / PyTorch time; eager calls, then CUDA-graph replays):")
+    lines = {}
+    for r in results:
+        word = "max" if r["stat"] == "max" else "geo-mean"
+        lines.setdefault((r["family"], r["target"], r["bound"]), []).append(
+            f"{r['timer']} {word} {r['value']:.3f}x {'met' if r['met'] else 'MISSED'} "
+            f"({r['cases']} case{'' if r['cases'] == 1 else 's'})")
+    for (fam, text, bound), parts in lines.items():
+        print(f"  {fam}: {text} [bound {bound:.3g}x]: " + "; ".join(parts))
+
+
 def environment(argv) -> dict:
     return {
         "gpu": torch.cuda.get_device_name() if not flame.is_interpreter() else None,
@@ -687,7 +803,8 @@ def main(argv=None) -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick, "tuning": args.tuning,
-                   "families": args.family, "results": rows}
+                   "timer": args.timer, "families": args.family, "results": rows,
+                   "targets": [] if args.quick else check_targets(rows, args.family)}
             args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
     with tune.heuristics_only() if args.tuning == "defaults" else contextlib.nullcontext():
@@ -702,6 +819,8 @@ def main(argv=None) -> int:
                 print(f"[{name} {i + 1}/{len(cases)}] {case.name}: {done}", file=sys.stderr, flush=True)
             save()
     print_table(rows)
+    if not args.quick:  # the targets are set on the full-size shapes
+        print_targets(check_targets(rows, args.family))
     if args.out:
         print(f"wrote {args.out}")
     failed = [r for r in rows if "error" in r]

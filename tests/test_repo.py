@@ -265,3 +265,27 @@ def test_flame_imported_before_triton_selects_backend():
         assert flame.device.type == "cpu"
     else:
         assert flame.device.type == "cuda"
+
+
+def test_bench_checks_issue_targets_per_timer(monkeypatch):
+    bench = _load_bench(monkeypatch)
+
+    def row(case, eager, graph=None):
+        r = {"family": "attention", "case": case, "unit": "ms", "timer": "eager", "ratio": eager}
+        if graph is not None:
+            r["graph"] = {"ratio": graph}
+        return r
+    rows = [row("fwd B1 H10 Lq4096 Lk4096 D64", 1.05, 0.9), row("fwd B4 H10 Lq4096 Lk4096 D64", 1.2, 1.1),
+            row("fwd B2 H16 Lq4096 Lk4096 D128", 1.5, 1.5),  # not an SDXL shape: no target counts it
+            row("fwd+bwd B1 H10 Lq4096 Lk4096 D64", 1.1), row("fwd+bwd B1 H20 Lq1024 Lk77 D64", 0.8),
+            {"family": "attention", "case": "fwd B1 H20 Lq1024 Lk77 D64", "error": "disagree"}]
+    got = {(r["target"].split(" (")[0], r["timer"]): r for r in bench.check_targets(rows, ["attention"])}
+    fwd_max = got["forward at most 1.1x on every SDXL shape", "eager"]
+    assert fwd_max["value"] == 1.2 and fwd_max["cases"] == 2 and not fwd_max["met"]
+    assert got["forward at most 1.1x on every SDXL shape", "graph"]["met"]  # 1.1 <= 1.1
+    geo = got["forward+backward at most 1.0x on the geometric mean", "eager"]
+    assert geo["value"] == pytest.approx((1.1 * 0.8) ** 0.5) and geo["met"]
+    assert ("forward+backward at most 1.0x on the geometric mean", "graph") not in got  # no graph timings
+    strict = bench.Target("faster", lambda c: True, "max", 1.0, strict=True)
+    monkeypatch.setitem(bench.TARGETS, "attention", (strict,))
+    assert not bench.check_targets([row("fwd x", 1.0)], ["attention"])[0]["met"]  # strict: equal is not faster
