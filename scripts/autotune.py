@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import concurrent.futures.process
 import contextlib
 import dataclasses
 import functools
@@ -699,6 +700,10 @@ class CompileAhead:
             list(self.pool.map(_worker_compile, [index] * len(configs), [kernel] * len(configs), configs))
             self.compiled += len(configs)
         except concurrent.futures.process.BrokenProcessPool:  # a config broke a worker: start afresh
+            self.close()
+        except Exception as e:  # a worker that cannot build the problem (memory...): this stage compiles serially
+            print(f"autotune: compile workers failed on {kernel} ({type(e).__name__}: {e}); "
+                  "compiling this stage while timing", file=sys.stderr)
             self.close()
 
     def close(self):

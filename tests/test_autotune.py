@@ -564,3 +564,26 @@ def test_jobs_compile_candidates_ahead_in_worker_processes(tmp_path):
     doc = _load(out)
     assert {k: _keys(doc, k) for k in ("layer_norm_fwd", "layer_norm_bwd")} == dict(layer_norm_fwd=LN_KEYS,
                                                                                     layer_norm_bwd=LN_KEYS)
+
+
+def test_compile_workers_that_fail_leave_the_stage_to_the_timing_process(autotune, capsys):
+    """A worker pool that breaks or raises costs the compile-ahead of that stage, never the run."""
+    import concurrent.futures.process
+
+    class Pool:
+        def __init__(self, error):
+            self.error, self.shut = error, False
+
+        def map(self, *args):
+            raise self.error
+
+        def shutdown(self, cancel_futures):
+            self.shut = True
+
+    args = autotune.parse_args(["--quick", "--family", "layer_norm", "--out", "unused.json", "--jobs", "2"])
+    ahead = autotune.CompileAhead(2, args, autotune.Ctx(dtype=torch.bfloat16, quick=True, smem=None))
+    for error in (concurrent.futures.process.BrokenProcessPool("gone"), MemoryError("out of memory")):
+        pool = ahead.pool = Pool(error)
+        ahead(0, "layer_norm_fwd", [dict(BLOCK_M=1), dict(BLOCK_M=2)])
+        assert pool.shut and ahead.pool is None and ahead.compiled == 0
+    assert "compile workers failed on layer_norm_fwd (MemoryError" in capsys.readouterr().err
