@@ -240,7 +240,7 @@ TILES, K_STAGES = (64, 128, 256), {32: (4,), 64: (3, 4), 128: (2, 3)}
 QUICK_TILES, QUICK_K_STAGES = (16, 32), {16: (2,), 32: (2,)}
 MAX_TILE_AREA = 128 * 256  # 256 x 256 fp32 accumulators do not fit in registers
 
-# The attention config spaces, field -> values (from the H200 sweep of scratch_gpu/probe_attn.py):
+# The attention config spaces, field -> values (from a sweep of every config on an H200):
 # the forward on long K/V ("fwd") and on short K/V ("fwd_short": every key in one block of the
 # padded Lk, M_GROUP query blocks per program); the backward's dK/dV program ("kv"; tuned with
 # the dQ fields at the default), then its dQ program ("dq", with the fastest dK/dV config), or on
@@ -519,7 +519,7 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
                           "add one to flame/autotune.py search_stages()")
     if kernel == "conv2d_wgrad_tma":
         # On the H200 (Triton 3.6) wgrad TMA configs with BLOCK_M = 256 or BLOCK_K = 128 gave wrong
-        # weight gradients at 32x32 pixels (relative error 0.17, scratch_gpu/probe_conv.py). The
+        # weight gradients at 32x32 pixels (relative error 0.17, in a sweep of every config). The
         # kernel's indexing holds for any TH x TW = BLOCK_K tile (_spatial_tile), so the cause, likely
         # in the compiler's handling of those 4-D descriptor tiles, is not understood yet: they stay
         # out rather than reach untested shapes through the table's bucket fallback.
