@@ -488,7 +488,6 @@ def needs_int64(shape, strides, *blocks):
     return max(span, math.prod(shape)) + overshoot >= 2 ** 31
 
 
-
 def fill_(out, value):
     """Write ``value`` into every element of ``out`` (any strides)."""
     return map_(out, [], IDENTITY, value, 0.0)

@@ -296,8 +296,6 @@ def _gn_plan(N, C, S, G, cl, dtype, bwd):
     return CG, splits, s_per_split, part, comb_block, (block_cg, block_sp), apply
 
 
-
-
 @tunable("y")
 def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
     """y = act(GroupNorm(x)) for x, y viewed as (N, C, S) with strides ``xs``, ``ys``.
@@ -598,8 +596,6 @@ def _ln_bwd_plan(M, D, dtype):
         cbd = min(_pow2(D), 64)
         bp = min(_pow2(P), 64)
     return P, n_rblocks, meta, (cdiv(D, cbd), dict(BLOCK_P=bp, BLOCK_D=cbd, num_warps=4))
-
-
 
 
 @tunable("y")

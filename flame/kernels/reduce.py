@@ -84,8 +84,6 @@ def _reduce_kernel(x_ptr, out_ptr, mean_ptr, R, INNER, r_per_split, splits, scal
     tl.store(out_ptr + (o * splits + split) * INNER + cols, res.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
-
-
 def accumulation_dtype(dtype):
     if dtype == torch.float64:
         return torch.float64

@@ -400,8 +400,6 @@ def _ce_plan(ROWS, C, dtype, bwd):
                                                num_warps=cfg["num_warps"])
 
 
-
-
 @tunable("y")
 def softmax_fwd(y, x, outer, R, inner, xs, ys, log):
     rows = outer * inner
