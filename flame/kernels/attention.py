@@ -13,7 +13,9 @@ Kernels (all programs of one (batch, head) pair index it as ``pid_bh = b * H + h
 - ``_attn_fwd_kernel``: one program per BLOCK_M query rows (or M_GROUP query blocks that share
   one K/V block when Lk fits in BLOCK_N: the cross-attention path, K/V loaded once per program).
   Online softmax in base 2 with the scale folded in: ``s2 = (q.k * scale + m) * log2(e)``; the
-  row statistics (max, sum) are rescaled as each key block arrives. Stores O and
+  row statistics (max, sum) are rescaled as each key block arrives (with a positive scale the max
+  is taken over the raw q.k and each probability costs one FMA). From KV_TMA_MIN_KEYS keys on, on
+  Hopper, the K/V blocks of the loop arrive through TMA tensor descriptors. Stores O and
   ``lse2 = max + log2(sum)`` (base-2 log-sum-exp of the scaled scores; +inf for a row whose
   every key is masked out: its output is 0 and so are its gradients, as in PyTorch's
   ``_safe_softmax`` path).
