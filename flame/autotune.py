@@ -194,41 +194,69 @@ def _shared_memory():
     return props["max_shared_mem"]
 
 
+def search(stages, default, default_ms, screen, final, prepare=lambda configs: None, expired=lambda: False):
+    """The search both tuners run (``scripts/autotune.py`` and tuning on first use). Stage by
+    stage (``stages``, as ``search_stages`` gives them), each built on the fastest config screened
+    so far, the new candidates go to ``prepare(configs)`` and then one by one to ``screen(cfg)``:
+    a screening time in ms, or None for a candidate that is wrong or does not compile or fit.
+    ``default_ms`` is the heuristic ``default``'s screening time. The FINALISTS fastest and the
+    default (``final(None)``) are then timed again with ``final(cfg)``. Returns (best config, its
+    final ms, the default's final ms, how many configs were tried), or None when ``expired()``
+    before a candidate."""
+    screened = [(default_ms, default)]
+    tried = [default]
+    for stage in stages:
+        fresh = [c for c in _unique(stage(min(screened, key=lambda t: t[0])[1])) if c not in tried]
+        prepare(fresh)
+        for cfg in fresh:
+            tried.append(cfg)
+            if expired():
+                return None
+            ms = screen(cfg)
+            if ms is not None:
+                screened.append((ms, cfg))
+    finalists = [c for _, c in sorted(screened, key=lambda t: t[0]) if c != default][:FINALISTS]
+    default_final = best_ms = final(None)
+    best = default
+    for cfg in finalists:
+        ms = final(cfg)
+        if ms < best_ms:
+            best_ms, best = ms, cfg
+    return best, best_ms, default_final, len(tried)
+
+
 def _tune_key(fn, places, args, kwargs, kernel, key, dtype_name, default):
     """Search ``kernel``'s space at ``key`` for this call; the winner goes into the cache table."""
     dtype = getattr(torch, dtype_name)
     want, run_default = _fresh_call(fn, places, args, kwargs)  # rerunning it rewrites the same values
-    screened = [(_time_ms(run_default, SCREEN_REPS), default)]
-    tried, rejected, skipped = [default], 0, 0
-    for stage in search_stages(Space(dtype, smem=_shared_memory()), kernel, key):
-        for cfg in stage(min(screened, key=lambda t: t[0])[1]):
-            if cfg in tried:
-                continue
-            tried.append(cfg)
-            try:
-                with tune.override(kernel, cfg):
-                    outs, run = _fresh_call(fn, places, args, kwargs)
-                    problem = _mismatch(outs, want, dtype)
-                    if problem:
-                        rejected += 1
-                        continue
-                    screened.append((_time_ms(run, SCREEN_REPS), cfg))
-            except Exception as e:  # compile failure, out of resources: not a candidate here
-                if any(s in str(e) for s in ("illegal memory access", "unspecified launch failure")):
-                    raise
-                skipped += 1
-    finalists = [c for _, c in sorted(screened, key=lambda t: t[0]) if c != default][:FINALISTS]
-    default_ms = best_ms = _time_ms(run_default, FINAL_REPS)
-    best = default
-    for cfg in finalists:
+    failed = dict(wrong=0, unfit=0)
+
+    def screen(cfg):
+        try:
+            with tune.override(kernel, cfg):
+                outs, run = _fresh_call(fn, places, args, kwargs)
+                if _mismatch(outs, want, dtype):
+                    failed["wrong"] += 1
+                    return None
+                return _time_ms(run, SCREEN_REPS)
+        except Exception as e:  # compile failure, out of resources: not a candidate here
+            if any(s in str(e) for s in ("illegal memory access", "unspecified launch failure")):
+                raise
+            failed["unfit"] += 1
+            return None
+
+    def final(cfg):
+        if cfg is None:
+            return _time_ms(run_default, FINAL_REPS)
         with tune.override(kernel, cfg):
             _, run = _fresh_call(fn, places, args, kwargs)
-            ms = _time_ms(run, FINAL_REPS)
-        if ms < best_ms:
-            best_ms, best = ms, cfg
+            return _time_ms(run, FINAL_REPS)
+
+    stages = search_stages(Space(dtype, smem=_shared_memory()), kernel, key)
+    best, best_ms, default_ms, tried = search(stages, default, _time_ms(run_default, SCREEN_REPS), screen, final)
     path = tune.remember(kernel, key, dtype_name, best, best_ms, default_ms)
-    print(f"flame autotune: {kernel} {list(key)} {dtype_name}: {len(tried)} configs ({rejected} wrong, "
-          f"{skipped} did not compile or fit), best {best_ms:.4g} ms vs heuristic {default_ms:.4g} ms "
+    print(f"flame autotune: {kernel} {list(key)} {dtype_name}: {tried} configs ({failed['wrong']} wrong, "
+          f"{failed['unfit']} did not compile or fit), best {best_ms:.4g} ms vs heuristic {default_ms:.4g} ms "
           f"({default_ms / best_ms:.2f}x) -> {path}", file=sys.stderr)
 
 

@@ -87,7 +87,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CHECK_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 5e-3}
 SCREEN = dict(warmup=2, rep=10)  # do_bench ms for the first pass over every candidate
 FINAL = dict(warmup=10, rep=50)  # ... and for the finalists and the default
-FINALISTS = 3
 DEFAULT_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
 QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
                 "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V
@@ -581,40 +580,21 @@ def _timed(kernel, cfg, bench, timing):
 
 def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: float,
                 compile_ahead=lambda configs: None) -> Outcome | None:
-    """Check and time every candidate config of ``launch`` (stage by stage, each stage built on
-    the fastest config screened so far) and its default; None when the budget ran out first.
-    ``compile_ahead(configs)`` is called with each stage's new candidates before they are timed."""
+    """Check and time every candidate config of ``launch`` (``flame.autotune.search``: stage by
+    stage, each stage built on the fastest config screened so far) and its default; None when the
+    budget ran out first. ``compile_ahead(configs)`` is called with each stage's new candidates
+    before they are timed."""
     out = Outcome(name, launch)
-    screened = [(_timed(launch.kernel, None, bench, SCREEN), launch.default)]  # probe() checked it
-    tried = [launch.default]
-    for stage in search_stages(ctx, launch.kernel, launch.key):
-        fresh = _unique_configs(stage(min(screened, key=lambda t: t[0])[1]), tried)
-        compile_ahead(fresh)
-        for cfg in fresh:
-            tried.append(cfg)
-            if _clock() > deadline:
-                return None
-            ms = _screen(name, bench, launch, cfg, ctx, out)
-            if ms is not None:
-                screened.append((ms, cfg))
-    finalists = [cfg for _, cfg in sorted(screened, key=lambda t: t[0]) if cfg != launch.default][:FINALISTS]
-    default_ms = _timed(launch.kernel, None, bench, FINAL)
-    best_ms, best = default_ms, launch.default
-    for cfg in finalists:
-        ms = _timed(launch.kernel, cfg, bench, FINAL)
-        if ms < best_ms:
-            best_ms, best = ms, cfg
+    found = autotune.search(search_stages(ctx, launch.kernel, launch.key), launch.default,
+                            _timed(launch.kernel, None, bench, SCREEN),  # probe() checked it
+                            lambda cfg: _screen(name, bench, launch, cfg, ctx, out),
+                            lambda cfg: _timed(launch.kernel, cfg, bench, FINAL),
+                            compile_ahead, lambda: _clock() > deadline)
+    if found is None:
+        return None
+    best, best_ms, default_ms, _ = found
     out.entry = dict(key=list(launch.key), config=best, ms=_round(best_ms), default_ms=_round(default_ms))
     return out
-
-
-def _unique_configs(configs, tried):
-    """``configs`` without repeats and without those in ``tried``, in order."""
-    fresh = []
-    for cfg in configs:
-        if cfg not in tried and cfg not in fresh:
-            fresh.append(cfg)
-    return fresh
 
 
 def _screen(name, bench, launch, cfg, ctx, out):
