@@ -543,31 +543,22 @@ def _captured(fn):
         return None
 
 
-def _graph_times(case, ctx):
-    """(flame ms runs, torch ms runs) replaying CUDA graphs of both sides, alternating per --repeat:
-    device time alone, without either framework's host cost, or None where a side cannot be captured."""
-    graphs = _captured(case.flame), _captured(case.torch)
-    if None in graphs:
-        return None
-    return tuple(zip(*[(time_device(graphs[0].replay, ctx), time_device(graphs[1].replay, ctx))
-                       for _ in range(ctx.repeat)]))
+def _alternated(a, b, ctx):
+    """(ms runs of ``a``, ms runs of ``b``), the two timed alternately ``--repeat`` times."""
+    return tuple(zip(*[(time_device(a, ctx), time_device(b, ctx)) for _ in range(ctx.repeat)]))
 
 
-def _tuned_and_default_times(case, ctx):
+def _tuned_and_default_times(case, ctx, tuned=None):
     """(timer, tuned ms runs, heuristic ms runs) of ``case.flame``, alternating per --repeat.
     A launch config changes the device time, not the host's, so where both can be captured the
     two sides replay CUDA graphs ("graph": device time alone, free of the shared host's noise);
-    else both run eagerly ("eager")."""
-    graphs = None
+    else both run eagerly ("eager"). ``tuned``: a graph of ``case.flame`` captured already."""
     if not ctx.interpreter:
-        tuned = _captured(case.flame)
+        tuned = _captured(case.flame) if tuned is None else tuned
         with tune.heuristics_only():
             default = _captured(case.flame)
         if tuned is not None and default is not None:
-            graphs = tuned, default
-    if graphs:
-        runs = [(time_device(graphs[0].replay, ctx), time_device(graphs[1].replay, ctx)) for _ in range(ctx.repeat)]
-        return ("graph", *zip(*runs))
+            return ("graph", *_alternated(tuned.replay, default.replay, ctx))
 
     def default_run():
         with tune.heuristics_only():
@@ -608,7 +599,9 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         compare = ctx.tuning == "compare" and _table_changes(case)
         if ctx.tuning == "compare" and not compare:
             row.update(tuned_same_configs=True)
-        graphed = None if ctx.interpreter or ctx.timer == "eager" else _graph_times(case, ctx)
+        # both sides replayed from CUDA graphs: device time alone, without either framework's host cost
+        graphs = None if ctx.interpreter or ctx.timer == "eager" else (_captured(case.flame), _captured(case.torch))
+        graphed = _alternated(graphs[0].replay, graphs[1].replay, ctx) if graphs and None not in graphs else None
         if graphed is not None:
             gf, gt = (statistics.median(x) for x in graphed)
             row.update(graph=dict(flame=gf, torch=gt, ratio=gf / gt if gt > 0 else math.inf,
@@ -616,12 +609,11 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         if ctx.timer == "graph" and graphed is not None:
             (fs, ts), timer = graphed, "graph"
         else:
-            fs, ts = zip(*[(time_device(case.flame, ctx), time_device(case.torch, ctx)) for _ in range(ctx.repeat)])
-            timer = "eager"
+            (fs, ts), timer = _alternated(case.flame, case.torch, ctx), "eager"
         f, t = statistics.median(fs), statistics.median(ts)
         row.update(unit="ms", timer=timer, flame=f, torch=t)
         if compare:
-            tuned_timer, tuned, default = _tuned_and_default_times(case, ctx)
+            tuned_timer, tuned, default = _tuned_and_default_times(case, ctx, graphs[0] if graphs else None)
             d = statistics.median(default)
             row.update(tuned_timer=tuned_timer, flame_tuned=statistics.median(tuned), flame_defaults=d,
                        flame_tuned_runs=list(tuned), flame_defaults_runs=list(default),
