@@ -366,9 +366,11 @@ _GN_HEURISTIC = {False: [
     ((4, 1280, 1024, 32, False), (16, 1024, 1, 8, 32, 1024, 8)),
     ((1, 6, 35, 3, True), (8, 64, 1, 4, 8, 64, 4)),
 ]}
-_LN_HEURISTIC = {False: [((4096, 640), (4, 8, 264)), ((1024, 1280), (2, 8, 264)), ((77, 20000), (1, 8, 264)),
-                         ((10, 24), (16, 4, 264))],
-                 True: [((4096, 640), (32, 16, 1)), ((77, 20000), (1, 16, 1)), ((10, 24), (16, 4, 1))]}
+# (M, D): the forward's (BLOCK_M, warps), the backward's (BLOCK_M, warps, PROGRAMS)
+_LN_HEURISTIC = {False: [((4096, 640), (2, 2), (8, 4, 264)), ((1024, 1280), (2, 4), (4, 4, 264)),
+                         ((77, 20000), (1, 8), (1, 8, 264)), ((10, 24), (16, 1), (16, 1, 264))],
+                 True: [((4096, 640), (32, 16), (32, 16, 1)), ((77, 20000), (1, 16), (1, 16, 1)),
+                        ((10, 24), (16, 1), (16, 1, 1))]}
 _WGRAD_HEURISTIC = {False: [
     ((320, 320, 16384, torch.bfloat16, True), (128, 128, 64, 4, 3)),
     ((4, 320, 16384, torch.bfloat16, False), (16, 128, 64, 4, 3)),
@@ -389,7 +391,7 @@ def test_without_a_table_norm_and_wgrad_configs_are_the_heuristics(tables, fake_
         for (n, c, s, g, cl), _ in _GN_HEURISTIC[interpreter]:
             for bwd in (False, True):
                 KN._gn_plan(n, c, s, g, cl, bf16, bwd)
-        for (m, d), _ in _LN_HEURISTIC[interpreter]:
+        for (m, d), _, _ in _LN_HEURISTIC[interpreter]:
             KN._ln_fwd_plan(m, d, bf16)
             KN._ln_bwd_plan(m, d, bf16)
         for (co, ci, rows, dtype, tma), _ in _WGRAD_HEURISTIC[interpreter]:
@@ -398,9 +400,9 @@ def test_without_a_table_norm_and_wgrad_configs_are_the_heuristics(tables, fake_
     for (n, c, s, g, cl), cfg in _GN_HEURISTIC[interpreter]:
         want += [(k, (n, c, s, g, int(cl)), "bfloat16", dict(zip(tune.KERNELS[k][1], cfg)))
                  for k in ("group_norm_fwd", "group_norm_bwd")]
-    for key, (bm, warps, programs) in _LN_HEURISTIC[interpreter]:
+    for key, (bm, warps), (bbm, bwarps, programs) in _LN_HEURISTIC[interpreter]:
         want += [("layer_norm_fwd", key, "bfloat16", dict(BLOCK_M=bm, num_warps=warps)),
-                 ("layer_norm_bwd", key, "bfloat16", dict(BLOCK_M=bm, num_warps=warps, PROGRAMS=programs))]
+                 ("layer_norm_bwd", key, "bfloat16", dict(BLOCK_M=bbm, num_warps=bwarps, PROGRAMS=programs))]
     for (co, ci, rows, dtype, tma), cfg in _WGRAD_HEURISTIC[interpreter]:
         want.append(("conv2d_wgrad_tma" if tma else "conv2d_wgrad", (co, ci, rows, 9), str(dtype)[6:],
                      dict(zip(tune.KERNELS["conv2d_wgrad"][1], cfg))))

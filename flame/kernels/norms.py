@@ -540,22 +540,23 @@ def row_block(D):
     return min(_pow2(D), 1 << 14 if runtime.INTERPRETER else 8192)
 
 
-def _warps(n):
-    return 4 if n <= 2048 else (8 if n <= 8192 else 16)
-
-
 def _ln_default(M, D, bwd):
-    """layer_norm_fwd/bwd's heuristic config: whole rows, ~4096 elements per program (the
-    interpreter's: up to 32768), one row when rows are streamed; the backward's persistent
-    programs: 2 per SM (the interpreter's: 1)."""
+    """layer_norm_fwd/bwd's heuristic config, from an H100 sweep of D = 320 to 4096 (session 7):
+    whole rows, BLOCK_M of them per program in tiles of max(2048, 2 x BLOCK_D) elements up to 8192
+    (forward) or of 4096 (D <= 512) / 8192 (backward), with 32 elements per thread in the forward
+    (64 up to D = 512) and 64 in the backward; one row per program when rows are streamed. The
+    interpreter takes up to 32768 elements per program. The backward's persistent programs: 2 per
+    SM (the interpreter's: 1)."""
     bd = row_block(D)
     if bd < D:
-        bm = 1
+        bm, per_thread = 1, 32
     elif runtime.INTERPRETER:
-        bm = _pow2(min(M, max(1, (1 << 15) // bd)))
+        bm, per_thread = _pow2(min(M, max(1, (1 << 15) // bd))), 32
     else:
-        bm = max(1, min(_pow2(M), 4096 // bd))
-    cfg = dict(BLOCK_M=bm, num_warps=_warps(bm * bd))
+        tile = (4096 if bd <= 512 else 8192) if bwd else max(2048, min(2 * bd, 8192))
+        bm = max(1, min(_pow2(M), tile // bd))
+        per_thread = 64 if bwd or bd <= 512 else 32
+    cfg = dict(BLOCK_M=bm, num_warps=min(16, max(1, bm * bd // (32 * per_thread))))
     if bwd:
         cfg["PROGRAMS"] = 1 if runtime.INTERPRETER else 2 * runtime.num_sms()
     return cfg
