@@ -289,3 +289,18 @@ def test_bench_checks_issue_targets_per_timer(monkeypatch):
     strict = bench.Target("faster", lambda c: True, "max", 1.0, strict=True)
     monkeypatch.setitem(bench.TARGETS, "attention", (strict,))
     assert not bench.check_targets([row("fwd x", 1.0)], ["attention"])[0]["met"]  # strict: equal is not faster
+
+
+def test_every_bench_target_selects_cases_of_its_family(monkeypatch):
+    # a selector that matches no case name passes silently (check_targets skips it): each target
+    # must pick some of its family's full-size cases
+    bench = _load_bench(monkeypatch)
+    names = {"norms": [f"{k} {op}" for k in ("fwd", "fwd+bwd") for op in (
+                 "group_norm 1x320x128x128", "group_norm 1x640x64x64 CL +silu", "layer_norm 4096x640",
+                 "rms_norm 4096x640", "cross_entropy 8192x32000")],
+             "linear": [f"{k} 4096x640->640 +bias{a}" for k in ("fwd", "fwd+bwd") for a in ("", "+gelu_tanh")],
+             "conv": [f"{k} 3x3 1x320x128x128->320 vs torch {f}" for k in ("fwd", "fwd+bwd") for f in ("NCHW", "CL")],
+             "attention": [f"{k} B1 H10 Lq4096 Lk4096 D64" for k in ("fwd", "fwd+bwd")]}
+    for fam, targets in bench.TARGETS.items():
+        for t in targets:
+            assert any(t.select(n) for n in names[fam]), (fam, t.text)
