@@ -593,8 +593,9 @@ def _ln_bwd_plan(M, D, dtype):
     if runtime.INTERPRETER:
         cbd = _pow2(min(D, 1 << 12))
         bp = _pow2(min(P, max(1, (1 << 14) // cbd)))
-    else:  # column strips narrow enough for about half the SMs to share the sum, 16 to 64 wide
-        cbd = min(_pow2(D), max(16, min(64, _pow2(D * 2 // runtime.num_sms() + 1) // 2)))
+    else:  # column strips 16 to 64 wide, narrow enough for about half the SMs to share the sum
+        widest = _pow2(2 * D // runtime.num_sms() + 1) // 2  # largest power of two <= 2D / SMs
+        cbd = min(_pow2(D), max(16, min(64, widest)))
         bp = min(_pow2(P), 2048 // cbd)
     return P, n_rblocks, meta, (cdiv(D, cbd), dict(BLOCK_P=bp, BLOCK_D=cbd, num_warps=4))
 
