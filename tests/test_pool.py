@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -201,3 +203,23 @@ def test_pool2d_bad_inputs():
 def test_pool2d_bf16_gpu(dtype, channels_last):
     _check("max", (2, 64, 33, 31), dtype, channels_last, kernel_size=3, stride=2, padding=1, ceil_mode=True)
     _check("avg", (2, 64, 33, 31), dtype, channels_last, kernel_size=3, stride=2, padding=1, count_include_pad=False)
+
+
+def test_offsets_are_int64_only_for_buffers_spanning_2_31_elements():
+    from flame.kernels import pool as KP
+
+    class Buf:  # shape and strides of a buffer too large to allocate here
+        def __init__(self, shape, stride):
+            self.shape, self._stride, self.dtype = shape, stride, torch.bfloat16
+
+        def stride(self, dim=None):
+            return self._stride if dim is None else self._stride[dim]
+
+        def numel(self):
+            return math.prod(self.shape)
+
+    small = Buf((1, 640, 128, 128), (640 * 128 * 128, 1, 128 * 640, 640))  # channels-last
+    huge = Buf((1, 640, 2048, 2048), (640 * 2048 * 2048, 1, 2048 * 640, 640))  # 2.7e9 elements
+    assert KP._meta(small, small)[1]["WIDE"] is False
+    assert KP._meta(small, huge)[1]["WIDE"] is True  # a read spanning 2**31 elements is enough
+    assert KP._meta(huge)[1]["WIDE"] is True

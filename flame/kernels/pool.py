@@ -34,6 +34,17 @@ from .launch import launch
 
 
 @triton.jit
+def _block_offsets(BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """This program's BLOCK flat offsets: int64 only when a buffer spans 2**31 elements or more
+    (``WIDE``); int32 otherwise, which keeps ``_decode``'s divisions and the address arithmetic
+    32-bit."""
+    pid = tl.program_id(0)
+    if WIDE:
+        pid = pid.to(tl.int64)
+    return pid * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _decode(offs, C, D2, D3, CL: tl.constexpr):
     """(n, c, h, w) of flat offsets in memory order over an (N, C, D2, D3) buffer."""
     if CL:  # dims (n, h, w, c) outer to inner
@@ -74,8 +85,8 @@ def _avg_divisor(oh, ow, H, W, KH, KW, sh, sw, ph, pw, DIVISOR, COUNT_PAD: tl.co
 def _pool_fwd_kernel(x_ptr, out_ptr, idx_ptr, total, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, DIVISOR,
                      sx_n, sx_c, sx_h, sx_w, so_n, so_c, so_h, so_w,
                      MAX: tl.constexpr, COUNT_PAD: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                     WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = _block_offsets(BLOCK, WIDE)
     mask = offs < total
     n, c, oh, ow = _decode(offs, C, OH, OW, CL)
     base = x_ptr + n * sx_n + c * sx_c
@@ -119,8 +130,8 @@ def _pool_fwd_kernel(x_ptr, out_ptr, idx_ptr, total, C, H, W, OH, OW, KH, KW, sh
 def _pool_bwd_kernel(dy_ptr, idx_ptr, dx_ptr, total, C, H, W, OH, OW, KH, KW, sh, sw, ph, pw, dh, dw, DIVISOR,
                      NH, NW, sy_n, sy_c, sy_h, sy_w, si_n, si_c, si_h, si_w, sx_n, sx_c, sx_h, sx_w,
                      MAX: tl.constexpr, COUNT_PAD: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                     WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = _block_offsets(BLOCK, WIDE)
     mask = offs < total
     n, c, ih, iw = _decode(offs, C, H, W, CL)
     # lo = max(0, floor((i + p - ext) / s) + 1) = max(i + p - ext + s, 0) // s: numerators >= 0
@@ -147,13 +158,20 @@ def _pool_bwd_kernel(dy_ptr, idx_ptr, dx_ptr, total, C, H, W, OH, OW, KH, KW, sh
     tl.store(dx_ptr + n * sx_n + c * sx_c + ih * sx_h + iw * sx_w, acc.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def _meta(buf):
-    """Memory order, compute dtype and block of a launch writing ``buf`` (N, C, H, W)."""
+def _span(t):
+    """Elements between ``t``'s first and last element, plus one (0 when empty)."""
+    return 0 if t.numel() == 0 else 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+
+
+def _meta(buf, *reads):
+    """Memory order, compute dtype, offset width and block of a launch writing ``buf`` (N, C, H, W)
+    and reading ``reads``."""
     cl = buf.shape[1] > 1 and buf.stride(1) == 1
     cd = tl.float64 if buf.dtype == torch.float64 else tl.float32
     n = buf.numel()
     block = _pow2(min(n, 1 << 14)) if runtime.INTERPRETER else 1024
-    return cdiv(n, block), dict(CL=cl, CD=cd, BLOCK=block, num_warps=4)
+    wide = max(_span(t) for t in (buf, *reads)) + block >= 1 << 31
+    return cdiv(n, block), dict(CL=cl, CD=cd, WIDE=wide, BLOCK=block, num_warps=4)
 
 
 def pool2d_forward_(out, idx, x, kernel, stride, padding, dilation, divisor=0, count_include_pad=True):
@@ -162,7 +180,7 @@ def pool2d_forward_(out, idx, x, kernel, stride, padding, dilation, divisor=0, c
     ``idx`` must have ``out``'s strides (dense NCHW or channels-last: contiguous stores)."""
     if out.numel() == 0:
         return out
-    grid, meta = _meta(out)
+    grid, meta = _meta(out, x, *(() if idx is None else (idx,)))
     launch(_pool_fwd_kernel, (grid,), x, out, out if idx is None else idx, out.numel(), x.shape[1], x.shape[2],
            x.shape[3], out.shape[2], out.shape[3], *kernel, *stride, *padding, *dilation, divisor,
            *x.stride(), *out.stride(), MAX=idx is not None, COUNT_PAD=count_include_pad, **meta)
@@ -176,7 +194,7 @@ def pool2d_backward_(dx, dy, idx, kernel, stride, padding, dilation, divisor=0, 
     channels-last."""
     if dx.numel() == 0:
         return dx
-    grid, meta = _meta(dx)
+    grid, meta = _meta(dx, dy, *(() if idx is None else (idx,)))
     (kh, kw), (sh, sw), (dh, dw) = kernel, stride, dilation
     nh, nw = cdiv((kh - 1) * dh + 1, sh), cdiv((kw - 1) * dw + 1, sw)
     launch(_pool_bwd_kernel, (grid,), dy, dy if idx is None else idx, dx, dx.numel(), dx.shape[1], dx.shape[2],
