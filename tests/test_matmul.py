@@ -315,6 +315,32 @@ def test_split_k_matches_torch(dtype, split_k_everywhere):
     assert split_k_everywhere and min(split_k_everywhere) > 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_k_applies_the_whole_epilogue_once(dtype, split_k_everywhere):
+    # bias + GELU (its backward reads the stored pre-activation) and a residual accumulation, each
+    # applied to the sum of the slices
+    x, tx = pair((9, 515), dtype, requires_grad=True)
+    w, tw = pair((20, 515), dtype, requires_grad=True)
+    b, tb = pair((20,), dtype, requires_grad=True)
+    y = flame.nn.functional.linear(x, w, b, activation="gelu")
+    ty = torch.nn.functional.gelu(torch.nn.functional.linear(tx.double(), tw.double(), tb.double()))
+    _check(y, ty.to(dtype), 515)
+    assert split_k_everywhere  # the forward's bias + GELU GEMM split
+    g, tg = pair((9, 20), dtype)
+    grads = y.backward(g)
+    ty.backward(tg.double())
+    for t, tt in ((x, tx), (w, tw), (b, tb)):
+        _check(grads[t].to(dtype), tt.grad.to(dtype), 515)
+    import flame.kernels.matmul as KM
+    a, ta = pair((12, 515), dtype)
+    c, tc = pair((515, 10), dtype)
+    r, tr = pair((12, 10), dtype)
+    out = r.to_torch().clone()
+    KM.matmul_(out, a.to_torch(), c.to_torch(), alpha=0.5, residual=out)  # in place: out += 0.5 a @ c
+    _check(flame.from_torch(out), (0.5 * _ref(ta, tc).double() + tr.double()).to(dtype), 515)
+    assert split_k_everywhere and min(split_k_everywhere) > 1
+
+
 def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     import flame.kernels.matmul as KM
     assert KM._k_splits(tiles=200, K=4096, block_k=64) == 1   # enough tiles already

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .. import runtime, tune
 from ..autotune import tunable
-from .elementwise import _apply, _pow2, cdiv, collapse, copy_, fill_
+from .elementwise import _apply, _pow2, cdiv, collapse, fill_
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -75,14 +75,43 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K,
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
 
-    pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, mask_n, s_bias, BIAS, ACT)
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
+    _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
+                 BIAS, ACT, STORE_PRE, RESIDUAL)
+
+
+@triton.jit
+def _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
+                 BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr):
+    """The epilogue of a tile stored through pointers (``c_off``: C's element offsets): C =
+    ACT(alpha * acc + bias[n]) + R, with the pre-activation to ``pre_out`` (STORE_PRE) and R read
+    from ``res`` before C is written (RESIDUAL)."""
+    pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, mask_n, s_bias, BIAS, ACT)
     mask_c = mask_m[:, None] & mask_n[None, :]
     if STORE_PRE:
         tl.store(pre_out_ptr + c_off, pre.to(pre_out_ptr.dtype.element_ty), mask=mask_c)
     if RESIDUAL:
         acc += tl.load(res_ptr + c_off, mask=mask_c, other=0.0).to(acc.dtype)
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+# Split-K's second pass: part (splits, M, N) holds the fp32 (fp64) products of the K slices;
+# C = ACT(alpha * sum_s part[s] + bias[n]) + R, summed in slice order (deterministic, no atomics).
+@triton.jit
+def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, splits, scm, scn, s_bias, alpha,
+                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    p_off = offs_m[:, None] * N + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), part_ptr.dtype.element_ty)
+    for s in range(splits):
+        acc += tl.load(part_ptr + s * M * N + p_off, mask=mask, other=0.0)
+    _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr,
+                 offs_m[:, None] * scm + offs_n[None, :] * scn, offs_n, mask_m, mask_n, BIAS, ACT, STORE_PRE, RESIDUAL)
 
 
 @triton.jit
@@ -241,10 +270,9 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     f = epilogue or _NO_FUSION
     if B0 * B1 == 1:
-        if f.scale_only:
-            splits = _k_splits(tiles, K, cfg["BLOCK_K"])
-            if splits > 1:
-                return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f.alpha)
+        splits = _k_splits(tiles, K, cfg["BLOCK_K"])
+        if splits > 1:
+            return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
         # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x)
         layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if K >= 128 else None
         if layout is not None:
@@ -366,18 +394,17 @@ def _k_splits(tiles, K, block_k):
     return 1
 
 
-def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, alpha=1.0):
+def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
     """Split-K: ``splits`` equal K slices as one batched GEMM into an fp32 (fp64) scratch
-    (splits, M, N), then a deterministic sum over the slices, times ``alpha``, into ``out`` (no
-    atomics)."""
+    (splits, M, N), then ``_split_k_sum_kernel``: the slices summed in order with the whole
+    epilogue ``f`` (bias, activation, pre-activation, residual) applied once, into ``out``."""
     kc = K // splits
     scratch = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
     _launch(scratch, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (M * N, N, 1))
-    dense = tuple(sc) == (N, 1) or (M == 1 and sc[1] == 1)
-    target = out if dense else runtime.empty((M, N), out.dtype)
-    reduce_(target, scratch, 1, splits, M * N, (0, M * N, 1), SUM, scale=alpha)
-    if not dense:
-        copy_(out.as_strided((M, N), tuple(sc), out.storage_offset()), target)
+    bm, bn = (_pow2(min(M, 256)), _pow2(min(N, 256))) if runtime.INTERPRETER else (32, 128)
+    launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)), scratch, out, _or(f.bias, out), _or(f.pre_out, out),
+           _or(f.residual, out), M, N, splits, *sc, f.bias_stride, f.alpha, BIAS=f.bias is not None, ACT=f.act,
+           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
 
 
 def _or(t, default):
@@ -390,7 +417,7 @@ class Fusion:
     code, ``residual`` a buffer with C's strides (C itself for an in-place accumulation);
     ``pre_out`` receives ``alpha * A @ B + bias`` before the activation."""
 
-    __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "scale_only")
+    __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual")
 
     def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None):
         self.bias = bias
@@ -399,8 +426,6 @@ class Fusion:
         self.pre_out = pre_out
         self.alpha = float(alpha)
         self.residual = residual
-        # only a scale: split-K can apply it in its reduction
-        self.scale_only = bias is None and act == 0 and pre_out is None and residual is None
 
 
 _NO_FUSION = Fusion()
