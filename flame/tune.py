@@ -85,7 +85,7 @@ KERNELS = {
     # kernels/conv2d.py _wgrad_config: the weight gradient, M = output and N = input channels per
     # group, K = batch x output pixels (the reduction), taps = KH x KW; split-K follows from the tiles
     "conv2d_wgrad": (("M", "N", "K", "taps"), _GEMM_FIELDS),
-    "conv2d_wgrad_tma": (("M", "N", "K", "taps"), _GEMM_FIELDS),  # the same, stride-1 TMA kernel
+    "conv2d_wgrad_tma": (("M", "N", "K", "taps"), _GEMM_FIELDS),  # the same, TMA kernel
     # kernels/norms.py _ln_fwd_plan / _ln_bwd_plan: LayerNorm and RMSNorm over M rows of D (BLOCK_D
     # derived from D); the backward's PROGRAMS persistent programs each reduce a share of dW/dB
     "layer_norm_fwd": (("M", "D"), ("BLOCK_M", "num_warps")),

@@ -25,6 +25,12 @@ Two kernels:
 All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
 (and any other strided view) work alike; channels-last is the fast layout.
 
+On Hopper, 16-bit channels-last problems take TMA versions of both (``_conv_tma_kernel``,
+``_conv_wgrad_tma_kernel``): operands move as descriptor boxes, padding is TMA's zero fill, and a
+stride of 2 reads (forward, weight gradient) or writes (input gradient) through a "phase view"
+that makes every other pixel one box (see ``_phase_split``). The pointer kernels take the rest:
+groups, odd sizes under a stride, fp32/fp64, other layouts.
+
 A 1x1 convolution with stride 1, no padding and one group is a plain GEMM over the (N*H*W, C)
 matrices of its activations: when those are strided views of the buffers (``_gemm_views``), all
 three functions call the GEMM kernel (``flame.kernels.matmul``) instead, with no im2col indexing.
@@ -198,22 +204,63 @@ def _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_co < CO)[:, None] & (offs_ci < CI)[None, :])
 
 
-# The weight gradient of a stride-1 convolution by TMA (Hopper): the reduction runs over spatial
-# tiles of TH x TW output positions of one image. For tap (kh, kw) the dY tile dy[n, h0:h0+TH,
-# w0:w0+TW, co0:co0+BLOCK_M] and the x tile shifted by (B_h + kh * C_h, B_w + kw * C_w) are 4-D
-# descriptor loads; TMA zero-fills positions past the output (dY) and outside the image (x), so
-#   dW[co, ci, kh, kw] += sum_{positions p of the tile} dY[p, co] * x[p + shift(kh, kw), ci]
+# Strided source reads by TMA (PHASED, stride S > 1): output pixel o reads source pixel S * o + off
+# for tap offset off. Write off = S * q + r (0 <= r < S): then the source pixels of a run of output
+# pixels o0.. are the run q + o0.. of phase r, the pixels S * i + r. A 5-D view of the
+# (NB, XH, XW, C) source, (n, i_h, r_h, i_w, r_w * C + c) with strides (s_n, S_h * s_h, s_h,
+# S_w * s_w, 1), makes each phase a box: it needs XH and XW divisible by S, pixels C apart (the
+# w-phase folds into the channel axis) and channel blocks that divide C (a block past C would read
+# the next phase's channels instead of TMA's zeros). Positions outside the image (padding) are
+# outside [0, XH / S_h) x [0, XW / S_w) and read as zeros, as in the unit-stride view.
+@triton.jit
+def _phase_split(off, S, LIFT):
+    """(q, r) with off = S * q + r, 0 <= r < S; LIFT * S >= -off keeps // and % on non-negative ints."""
+    lifted = off + LIFT * S
+    return lifted // S - LIFT, lifted % S
+
+
+@triton.jit
+def _pixel_descriptor(ptr, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w,
+                      TH: tl.constexpr, TW: tl.constexpr, BLOCK_C: tl.constexpr, PHASED: tl.constexpr):
+    """An (n, h, w, c) buffer as a TMA descriptor of TH x TW pixel x BLOCK_C channel boxes: 4-D, or
+    the 5-D phase view above (PHASED)."""
+    if PHASED:
+        return tl.make_tensor_descriptor(ptr, shape=[NB, XH // S_h, S_h, XW // S_w, S_w * C],
+                                         strides=[s_n, S_h * s_h, s_h, S_w * s_w, 1],
+                                         block_shape=[1, TH, 1, TW, BLOCK_C])
+    else:
+        return tl.make_tensor_descriptor(ptr, shape=[NB, XH, XW, C], strides=[s_n, s_h, s_w, 1],
+                                         block_shape=[1, TH, TW, BLOCK_C])
+
+
+@triton.jit
+def _load_source(desc, n, h0, w0, off_h, off_w, c0, C, S_h, S_w, LIFT_h, LIFT_w, PHASED: tl.constexpr):
+    """The box of source pixels (S_h * h + off_h, S_w * w + off_w) for the output pixels (h, w) of
+    the tile at (h0, w0), channels from c0 (S = 1 unless PHASED)."""
+    if PHASED:
+        q_h, r_h = _phase_split(off_h, S_h, LIFT_h)
+        q_w, r_w = _phase_split(off_w, S_w, LIFT_w)
+        return desc.load([n, h0 + q_h, r_h, w0 + q_w, r_w * C + c0])
+    else:
+        return desc.load([n, h0 + off_h, w0 + off_w, c0])
+
+
+# The weight gradient by TMA (Hopper): the reduction runs over spatial tiles of TH x TW output
+# positions of one image. For tap (kh, kw) the dY tile dy[n, h0:h0+TH, w0:w0+TW, co0:co0+BLOCK_M]
+# and the x tile of the source pixels S * (h, w) + (B_h + kh * C_h, B_w + kw * C_w) are descriptor
+# loads (_load_source); TMA zero-fills positions past the output (dY) and outside the image (x), so
+#   dW[co, ci, kh, kw] += sum_{positions p of the tile} dY[p, co] * x[S * p + shift(kh, kw), ci]
 # needs no masks. Program (co tile x ci tile, tap, split) reduces its split's spatial tiles.
 @triton.jit
 def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW, B_h, C_h, B_w, C_w,
-                           sy_n, sy_h, sy_w, sx_n, sx_h, sx_w, tiles_per_split,
+                           S_h, S_w, LIFT_h, LIFT_w, sy_n, sy_h, sy_w, sx_n, sx_h, sx_w, tiles_per_split,
                            so_s, so_co, so_ci, so_h, so_w,
-                           TH: tl.constexpr, TW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                           PHASED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr):
     BLOCK_K: tl.constexpr = TH * TW
     dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB, OH, OW, CO], strides=[sy_n, sy_h, sy_w, 1],
                                     block_shape=[1, TH, TW, BLOCK_M])
-    xd = tl.make_tensor_descriptor(x_ptr, shape=[NB, H, W, CI], strides=[sx_n, sx_h, sx_w, 1],
-                                   block_shape=[1, TH, TW, BLOCK_N])
+    xd = _pixel_descriptor(x_ptr, NB, H, W, CI, sx_n, sx_h, sx_w, S_h, S_w, TH, TW, BLOCK_N, PHASED)
     num_pid_n = tl.cdiv(CI, BLOCK_N)
     off_co = tl.program_id(0) // num_pid_n * BLOCK_M
     off_ci = tl.program_id(0) % num_pid_n * BLOCK_N
@@ -231,19 +278,24 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
         h0 = (t // tiles_w) % tiles_h * TH
         w0 = t % tiles_w * TW
         a = dyd.load([n, h0, w0, off_co]).reshape(BLOCK_K, BLOCK_M)
-        b = xd.load([n, h0 + B_h + kh * C_h, w0 + B_w + kw * C_w, off_ci]).reshape(BLOCK_K, BLOCK_N)
+        b = _load_source(xd, n, h0, w0, B_h + kh * C_h, B_w + kw * C_w, off_ci, CI, S_h, S_w, LIFT_h, LIFT_w,
+                         PHASED).reshape(BLOCK_K, BLOCK_N)
         acc = tl.dot(a.T, b, acc)
     offs_co = off_co + tl.arange(0, BLOCK_M)
     offs_ci = off_ci + tl.arange(0, BLOCK_N)
     _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_s, so_co, so_ci, so_h, so_w)
 
 
-# The implicit GEMM of _conv_gemm_kernel for unit-stride geometry (A = D = 1: the forward of a
-# stride-1 convolution and its input gradient), on Hopper: operands move by TMA. An M tile is a
-# TH x TW block of output positions of one image, so for tap (kh, kw) its A tile is the TH x TW
-# block of source positions shifted by (B_h + kh * C_h, B_w + kw * C_w): one 4-D descriptor load of
-# src[n, h0:h0+TH, w0:w0+TW, c0:c0+BLOCK_K]. TMA fills positions outside the image (the padding,
-# negative coordinates included) and channels past C with zeros, so there are no masks at all.
+# The implicit GEMM of _conv_gemm_kernel on Hopper: operands move by TMA. An M tile is a TH x TW
+# block of output positions of one image, so for tap (kh, kw) its A tile is the block of source
+# positions S * (h, w) + (B_h + kh * C_h, B_w + kw * C_w): one descriptor load (_load_source; a
+# 4-D box of src[n, h0+.., w0+.., c0:c0+BLOCK_K] for S = 1, a box of the phase view for S > 1).
+# TMA fills positions outside the image (the padding, negative coordinates included) and channels
+# past C with zeros, so there are no masks at all. With a divisor D > 1 (the input gradient of a
+# stride-D convolution, C = -1: dx[ih] gets dY[(ih + B - kh) / D] where that divides) program
+# axis 1 is the output phase R: the output pixels D * i + R, stored through the phase view of
+# ``out``. Their taps are kh = kh0 + D * u with kh0 = (R + B) mod D, reading dY at
+# i + (R + B - kh) / D: only the taps that reach the phase are loaded.
 # The weight (channels-last, taps and channels dense) is a 2-D (Co, taps * Ci) descriptor: the
 # forward reads (n=co, k=ci) tiles and transposes them in shared memory, the input gradient reads
 # (k=co, n=ci) tiles directly. A tile that runs past this tap's Ci channels into the next tap's
@@ -251,23 +303,28 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
 # n are output columns past N, clipped on store. The output tile is stored through a 4-D
 # descriptor (clipped).
 @triton.jit
-def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KW, TAPS,
-                     B_h, C_h, B_w, C_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w, s_bias,
-                     TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KH, KW,
+                     B_h, C_h, B_w, C_w, S_h, S_w, LIFT_h, LIFT_w, D_h, D_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w,
+                     s_bias, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, PHASED: tl.constexpr,
+                     DIVIDED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     BLOCK_M: tl.constexpr = TH * TW
-    src = tl.make_tensor_descriptor(src_ptr, shape=[NB, XH, XW, C], strides=[s_n, s_h, s_w, 1],
-                                    block_shape=[1, TH, TW, BLOCK_K])
-    out = tl.make_tensor_descriptor(out_ptr, shape=[NB, OH, OW, N], strides=[so_n, so_h, so_w, 1],
-                                    block_shape=[1, TH, TW, BLOCK_N])
+    TAPS = KH * KW
+    src = _pixel_descriptor(src_ptr, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_K, PHASED)
+    out = _pixel_descriptor(out_ptr, NB, OH, OW, N, so_n, so_h, so_w, D_h, D_w, TH, TW, BLOCK_N, DIVIDED)
     if TRANSPOSED:  # w as a (Co, taps * Ci) matrix read as (k=co, n=ci) tiles
         wd = tl.make_tensor_descriptor(w_ptr, shape=[C, TAPS * N], strides=[sw_co, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
     else:  # read as (n=co, k=ci) tiles
         wd = tl.make_tensor_descriptor(w_ptr, shape=[N, TAPS * C], strides=[sw_co, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
-    tiles_h = tl.cdiv(OH, TH)
-    tiles_w = tl.cdiv(OW, TW)
+    R_h = tl.program_id(1) // D_w  # output phase (0 unless DIVIDED)
+    R_w = tl.program_id(1) % D_w
+    kh0 = (R_h + B_h) % D_h  # the first tap that reaches the phase (B >= 0 where D > 1)
+    kw0 = (R_w + B_w) % D_w
+    taps_w = tl.cdiv(KW - kw0, D_w)
+    tiles_h = tl.cdiv(OH // D_h, TH)
+    tiles_w = tl.cdiv(OW // D_w, TW)
     pid_m, pid_n = _tile_coords(tl.program_id(0), NB * tiles_h * tiles_w, tl.cdiv(N, BLOCK_N), GROUP_M)
     n = pid_m // (tiles_h * tiles_w)
     h0 = (pid_m // tiles_w) % tiles_h * TH
@@ -275,12 +332,15 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
     off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     c_blocks = tl.cdiv(C, BLOCK_K)
-    for t in range(0, TAPS * c_blocks):
-        tap = t // c_blocks
-        c0 = (t - tap * c_blocks) * BLOCK_K
-        kh = tap // KW
-        kw = tap - kh * KW
-        a = src.load([n, h0 + B_h + kh * C_h, w0 + B_w + kw * C_w, c0]).reshape(BLOCK_M, BLOCK_K)
+    for t in range(0, tl.cdiv(KH - kh0, D_h) * taps_w * c_blocks):
+        u = t // c_blocks
+        c0 = (t - u * c_blocks) * BLOCK_K
+        kh = kh0 + u // taps_w * D_h
+        kw = kw0 + u % taps_w * D_w
+        tap = kh * KW + kw
+        # R + B + k * C is a multiple of D for the phase's taps: the division is exact
+        a = _load_source(src, n, h0, w0, (R_h + B_h + kh * C_h) // D_h, (R_w + B_w + kw * C_w) // D_w, c0, C,
+                         S_h, S_w, LIFT_h, LIFT_w, PHASED).reshape(BLOCK_M, BLOCK_K)
         if TRANSPOSED:
             b = wd.load([c0, tap * N + off_n])
         else:
@@ -288,7 +348,11 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
         acc = tl.dot(a, b, acc)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
-    out.store([n, h0, w0, off_n], acc.to(out_ptr.dtype.element_ty).reshape(1, TH, TW, BLOCK_N))
+    acc = acc.to(out_ptr.dtype.element_ty)
+    if DIVIDED:
+        out.store([n, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
+    else:
+        out.store([n, h0, w0, off_n], acc.reshape(1, TH, TW, BLOCK_N))
 
 
 # ---- launch configuration ---------------------------------------------------------------------
@@ -383,15 +447,46 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
 
 
 def _tma_ok(out, src, w, bias, geom_h, geom_w):
-    """Whether ``_conv_tma_kernel`` can run this problem: unit-stride geometry, one 16-bit dtype,
-    buffers as ``_tma_buffers_ok`` wants them and the weight's taps and channels dense."""
-    if geom_h[0] != 1 or geom_h[3] != 1 or geom_w[0] != 1 or geom_w[3] != 1:
+    """Whether ``_conv_tma_kernel`` can run this problem: source stride A and divisor D that the
+    phase views take (``_phase_view_ok``; a divisor with unit dilation only, C = -1), one 16-bit
+    dtype, buffers as ``_tma_buffers_ok`` wants them and the weight's taps and channels dense."""
+    if not (_phase_view_ok(src, geom_h[0], geom_w[0]) and _phase_view_ok(out, geom_h[3], geom_w[3])):
+        return False
+    if (geom_h[3] > 1 and geom_h[2] != -1) or (geom_w[3] > 1 and geom_w[2] != -1):
         return False
     ci, kw = w.shape[1], w.shape[3]
     ws = w.stride()
     if ws[3] != ci or ws[2] != kw * ci or (bias is not None and bias.dtype != src.dtype):
         return False
     return _tma_buffers_ok(out, src, w)
+
+
+def _phase_view_ok(src, S_h, S_w):
+    """Whether the TMA kernels can read ``src`` (NB, C, XH, XW) at strides (S_h, S_w): always at
+    stride 1; else through the phase view (see ``_phase_split``): XH and XW divisible by the
+    strides, pixels C apart when S_w > 1, and C a multiple of 16 (channel blocks that divide it)."""
+    if S_h == S_w == 1:
+        return True
+    C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
+    return XH % S_h == 0 and XW % S_w == 0 and C % 16 == 0 and (S_w == 1 or _nhwc(src)[2] == C)
+
+
+def _phase_args(geom_h, geom_w, KH, KW):
+    """The TMA kernels' phase-view arguments (S_h, S_w, LIFT_h, LIFT_w) for source positions
+    S * o + B + k * C_geom (k < KH or KW)."""
+    def lift(S, B, Cg, K):  # LIFT * S >= -(smallest tap offset)
+        return cdiv(max(0, -min(B, B + (K - 1) * Cg)), S)
+
+    return (geom_h[0], geom_w[0], lift(geom_h[0], geom_h[1], geom_h[2], KH),
+            lift(geom_w[0], geom_w[1], geom_w[2], KW))
+
+
+def _dividing_block(block, C, phased):
+    """A channel block of a phase view divides its C (a box past C would reach the next phase's
+    channels); ``block`` itself otherwise."""
+    while phased and C % block:
+        block //= 2
+    return block
 
 
 def _tma_buffers_ok(*bufs):
@@ -437,12 +532,17 @@ def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
     KH, KW = w.shape[2], w.shape[3]
     cfg = dict(_conv_tma_config(NB * OH * OW, N, C, src.dtype, KH * KW,
                                 "conv2d_dgrad" if transposed else "conv2d"))
-    th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH, OW)
-    tiles = NB * cdiv(OH, th) * cdiv(OW, tw) * cdiv(N, cfg["BLOCK_N"])
+    phased, divided = (geom_h[0], geom_w[0]) != (1, 1), (geom_h[3], geom_w[3]) != (1, 1)
+    cfg["BLOCK_K"] = _dividing_block(cfg["BLOCK_K"], C, phased)
+    cfg["BLOCK_N"] = _dividing_block(cfg["BLOCK_N"], N, divided)
+    D_h, D_w = geom_h[3], geom_w[3]  # output phases: D_h * D_w launches' worth along grid axis 1
+    th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH // D_h, OW // D_w)
+    tiles = NB * cdiv(OH // D_h, th) * cdiv(OW // D_w, tw) * cdiv(N, cfg["BLOCK_N"])
     src_s, out_s = _nhwc(src), _nhwc(out)
-    launch(_conv_tma_kernel, (tiles,), src, w, out, out if bias is None else bias, NB, XH, XW, C, OH, OW, N,
-           KW, KH * KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2], *src_s[:3], w.stride(0), *out_s[:3],
-           0 if bias is None else bias.stride(0), TRANSPOSED=transposed, BIAS=bias is not None, TH=th, TW=tw,
+    launch(_conv_tma_kernel, (tiles, D_h * D_w), src, w, out, out if bias is None else bias, NB, XH, XW, C,
+           OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2], *_phase_args(geom_h, geom_w, KH, KW),
+           D_h, D_w, *src_s[:3], w.stride(0), *out_s[:3], 0 if bias is None else bias.stride(0),
+           TRANSPOSED=transposed, BIAS=bias is not None, PHASED=phased, DIVIDED=divided, TH=th, TW=tw,
            GROUP_M=8, **cfg)
     return out
 
@@ -518,7 +618,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         from .elementwise import fill_
         return fill_(dw_out, 0.0)
     (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
-    tma = groups == 1 and (sh, sw) == (1, 1) and _tma_buffers_ok(dy, x)
+    tma = groups == 1 and _phase_view_ok(x, sh, sw) and _tma_buffers_ok(dy, x)
     cfg = _wgrad_config(CO, CI, M, KH * KW, x.dtype, tma)
     bm, bn, bk, warps, stages = (cfg[f] for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
     if tma:
@@ -529,6 +629,8 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         th = 1
         tw = bk = min(bk, max(16, _pow2(OW)))
         units, per_unit = NB * OH * cdiv(OW, tw), 1
+        phase = _phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW)
+        bn = _dividing_block(bn, CI, (sh, sw) != (1, 1))
     else:
         units, per_unit = cdiv(M, bk), bk
     tiles = cdiv(CO, bm) * cdiv(CI, bn)
@@ -546,8 +648,8 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     grid = (tiles * groups, KH * KW, splits)
     if tma:
         launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
-               *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, TH=th, TW=tw, BLOCK_M=bm, BLOCK_N=bn,
-               num_warps=warps, num_stages=stages)
+               *phase, *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, PHASED=(sh, sw) != (1, 1), TH=th, TW=tw,
+               BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         acc, precision, upcast = _kernel_switches(x.dtype)
         launch(_conv_wgrad_kernel, grid, dy, x, target_buf,
