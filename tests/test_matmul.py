@@ -408,3 +408,22 @@ def test_tma_linear_in_the_interpreter(M, K, N, act, monkeypatch):
     monkeypatch.setattr(KM, "TMA", True)
     monkeypatch.setattr(KM, "tma_available", lambda: True)
     _check_tma_linear(torch.float16, M, K, N, act, monkeypatch)
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
+def test_tma_residual_in_the_interpreter(monkeypatch):
+    """The TMA kernel's scaled in-place accumulation, out += 0.5 A @ B (A K-major, B N-major)."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM, "TMA", True)
+    monkeypatch.setattr(KM, "tma_available", lambda: True)
+    monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
+    taken = []
+    real = KM._launch_tma
+    monkeypatch.setattr(KM, "_launch_tma", lambda *a: taken.append(a[7][:2]) or real(*a))
+    a, ta = pair((136, 264), torch.float16)
+    c, tc = pair((264, 200), torch.float16)
+    r, tr = pair((136, 200), torch.float16)
+    out = r.to_torch().clone()
+    KM.matmul_(out, a.to_torch(), c.to_torch(), alpha=0.5, residual=out)
+    _check(flame.from_torch(out), (0.5 * _ref(ta, tc).double() + tr.double()).to(torch.float16), 264)
+    assert taken == [(True, False)], taken
