@@ -408,10 +408,13 @@ def test_conv2d_bf16_sdxl_shape_error_budget(shape, co, kw):
         assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
 
 
-def _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch):
+ALL_TMA = ["_conv_tma_kernel", "_conv_tma_kernel", "_conv_wgrad_tma_kernel"]
+
+
+def _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch, tma_kernels=ALL_TMA):
     """A convolution with channels-last activations and weights (as flame's model keeps them) and
-    channels a multiple of 8 takes the TMA kernels for its forward, input and weight gradient, and
-    all three match PyTorch."""
+    channels a multiple of 8 takes the TMA kernels ``tma_kernels`` (sorted; by default for its
+    forward, input and weight gradient), and all three match PyTorch."""
     import flame.kernels.conv2d as KC
     taken = []
     real = KC.launch
@@ -434,7 +437,7 @@ def _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch):
     for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
         assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
     tma = [name for name in taken if "tma" in name]
-    assert sorted(tma) == ["_conv_tma_kernel", "_conv_tma_kernel", "_conv_wgrad_tma_kernel"], taken
+    assert sorted(tma) == tma_kernels, taken
 
 
 # Stride 2 reads (forward, weight gradient) and writes (input gradient) through the phase views;
@@ -475,6 +478,19 @@ def test_conv2d_tma_kernels_in_the_interpreter(shape, co, k, kw, monkeypatch):
     monkeypatch.setattr(KM, "TMA", True)
     monkeypatch.setattr(KM, "tma_available", lambda: True)
     _check_tma_convolution(torch.float16, shape, co, k, kw, monkeypatch)
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
+@pytest.mark.parametrize("padding", [1, 2])
+def test_conv2d_tma_stride_and_dilation_in_the_interpreter(padding, monkeypatch):
+    """Stride 2 with dilation 2: the forward and weight gradient read through the phase view (tap
+    offsets -p, 2 - p, 4 - p: one phase, shifts from -1), the input gradient takes the pointer
+    kernel (its phase views need unit dilation)."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM, "TMA", True)
+    monkeypatch.setattr(KM, "tma_available", lambda: True)
+    _check_tma_convolution(torch.float16, (1, 32, 12, 16), 16, 3, dict(stride=2, padding=padding, dilation=2),
+                           monkeypatch, ["_conv_tma_kernel", "_conv_wgrad_tma_kernel"])
 
 
 @pytest.mark.gpu
