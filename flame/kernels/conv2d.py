@@ -300,8 +300,9 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
 # forward reads (n=co, k=ci) tiles and transposes them in shared memory, the input gradient reads
 # (k=co, n=ci) tiles directly. A tile that runs past this tap's Ci channels into the next tap's
 # is harmless: forward, those k meet the zero-filled channels of the A tile; input gradient, those
-# n are output columns past N, clipped on store. The output tile is stored through a 4-D
-# descriptor (clipped).
+# n are output columns past N, clipped on store (with a divisor BLOCK_N divides N: no tile runs
+# past it into the next phase's channels). The output tile is stored through a 4-D descriptor, or
+# with a divisor the phase view (clipped).
 @triton.jit
 def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KH, KW,
                      B_h, C_h, B_w, C_w, S_h, S_w, LIFT_h, LIFT_w, D_h, D_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w,
