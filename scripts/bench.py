@@ -24,6 +24,11 @@ says "graph", or "eager" where a case cannot be captured). A case whose launches
 with and without the table (no entry applies, or the entries answer "heuristic") is marked
 ``tuned_same_configs`` and not timed twice: it runs the very same kernels either way.
 
+``--case TEXT`` (repeatable) runs only the cases whose names contain one of the texts. On a GPU,
+``--kernels`` also profiles each device case (torch.profiler, 10 calls per side after the timing)
+and reports, per side, its CUDA kernels with launches and device microseconds per call, most time
+first: where a ratio comes from, in the same run and on the same card (stored under "kernels").
+
 After a full-size run (not ``--quick``) the acceptance targets of the families' issues
 (``Target``: the worst case or the geometric mean of flame/PyTorch time over the cases a target
 names, against its bound) are checked for each timer and printed, and stored under "targets" in
@@ -73,6 +78,7 @@ class Ctx:
     repeat: int = 1  # device-time measurements per side (median taken)
     tuning: str = "table"  # flame's launch configs: "table", "defaults" or "compare" (see --tuning)
     timer: str = "both"  # device cases: "eager", "graph" or "both" (see --timer)
+    kernels: bool = False  # per-kernel device times of each device case (see --kernels)
     interpreter: bool = flame.is_interpreter()
 
     def shape(self, full, quick_gpu, interp):
@@ -494,6 +500,34 @@ def time_device(fn, ctx: Ctx) -> float:
     return statistics.median(times)
 
 
+PROFILE_CALLS = 10  # calls per side profiled by --kernels
+
+
+def kernel_times(fn, calls=PROFILE_CALLS) -> list[list]:
+    """[kernel name, launches per call, device µs per call] of the CUDA kernels ``fn`` runs, most
+    time first: torch.profiler over ``calls`` calls after one warm-up call."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        _sync()
+    return per_call_kernels(prof.events(), calls)
+
+
+def per_call_kernels(events, calls) -> list[list]:
+    """The CUDA ``events`` of a profile of ``calls`` calls, summed per kernel name and divided by
+    ``calls``: [name, launches per call, device µs per call], most time first."""
+    totals = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            launches, us = totals.get(e.name, (0, 0.0))
+            totals[e.name] = (launches + 1, us + e.device_time)
+    rows = [[name, launches / calls, us / calls] for name, (launches, us) in totals.items()]
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def time_host(fn, ctx: Ctx, ops: int) -> float:
     """Microseconds of host time per op, averaged over a loop that is synchronised at the end."""
     warmup, iters = (2, 3) if ctx.interpreter else ((5, 20) if ctx.quick else (20, 200))
@@ -624,6 +658,8 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
             row.update(bytes=case.nbytes, flame_gbps=case.nbytes / f / 1e6, torch_gbps=case.nbytes / t / 1e6)
         if case.flops:
             row.update(flops=case.flops, flame_tflops=case.flops / f / 1e9, torch_tflops=case.flops / t / 1e9)
+        if ctx.kernels and not ctx.interpreter:
+            row.update(kernels=dict(flame=kernel_times(case.flame), torch=kernel_times(case.torch)))
     row["ratio"] = f / t if t > 0 else math.inf
     return row
 
@@ -683,6 +719,19 @@ def print_table(rows: list[dict]) -> None:
         print(f"tuned table vs heuristic defaults: geometric-mean speedup {geo:.3f}x over the {len(speedups)} cases "
               f"the table changes ({same} launch the heuristic's configs either way); {len(slower)} cases more "
               f"than 5% slower{': ' + ', '.join(slower) if slower else ''}")
+
+
+def print_kernels(rows: list[dict], top=6) -> None:
+    """Each profiled case's ``top`` kernels per side (--kernels), µs per call."""
+    for r in rows:
+        if "kernels" not in r:
+            continue
+        print(f"{r['family']}: {r['case']}")
+        for side in ("flame", "torch"):
+            ks = r["kernels"][side]
+            print(f"  {side}: {sum(k[2] for k in ks):.1f} us per call in {sum(k[1] for k in ks):g} launches")
+            for name, launches, us in ks[:top]:
+                print(f"    {us:9.2f} us  {launches:4g}x  {name[:90]}")
 
 
 def _ratios(row):
@@ -762,6 +811,11 @@ def parse_args(argv):
                    help="device cases on a GPU: time each call as a user makes it (eager: host cost included), "
                         "replays of a CUDA graph of it (graph: device time alone, free of the shared host's "
                         "noise), or both, reporting both ratios (default); the interpreter times eagerly")
+    p.add_argument("--case", action="append", default=[], metavar="TEXT",
+                   help="run only the cases whose names contain TEXT (repeatable: any of them)")
+    p.add_argument("--kernels", action="store_true",
+                   help="on a GPU, also profile each device case: its CUDA kernels per side, launches and device "
+                        "time per call (torch.profiler)")
     p.add_argument("--list", action="store_true", help="list the families and exit")
     args = p.parse_args(argv)
     names = [n.strip() for spec in args.family for n in spec.split(",") if n.strip()] or list(FAMILIES)
@@ -783,7 +837,7 @@ def main(argv=None) -> int:
     ctx = Ctx(dtype=dtype, quick=args.quick,
               warmup=args.warmup if args.warmup is not None else (5 if args.quick else 25),
               rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat),
-              tuning=args.tuning, timer=args.timer)
+              tuning=args.tuning, timer=args.timer, kernels=args.kernels)
     env = environment(argv)
     print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
           f"dtype {dtype}; {env['date']}")
@@ -803,7 +857,7 @@ def main(argv=None) -> int:
         for name in args.family:
             fn, _ = FAMILIES[name]
             flame.manual_seed(0)
-            cases = fn(ctx)
+            cases = [c for c in fn(ctx) if not args.case or any(text in c.name for text in args.case)]
             for i, case in enumerate(cases):
                 rows.append(run_case(name, case, ctx))
                 r = rows[-1]
@@ -811,6 +865,7 @@ def main(argv=None) -> int:
                 print(f"[{name} {i + 1}/{len(cases)}] {case.name}: {done}", file=sys.stderr, flush=True)
             save()
     print_table(rows)
+    print_kernels(rows)
     if not args.quick:  # the targets are set on the full-size shapes
         print_targets(check_targets(rows, args.family))
     if args.out:

@@ -132,6 +132,35 @@ def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypa
         assert calls == [0] * 6 + [1] * 6
 
 
+def test_bench_case_filter_and_kernel_profile(tmp_path, monkeypatch, capsys):
+    # --case keeps the cases whose names contain one of the texts
+    out = tmp_path / "bench.json"
+    r = _run(["scripts/bench.py", "--quick", "--family", "elementwise", "--case", "add", "--case", "gelu",
+              "--out", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [row["case"].split()[0] for row in json.loads(out.read_text())["results"]] == ["add", "gelu"]
+    # --kernels: a profile's CUDA events per kernel name, per call, most time first (CPU events ignored)
+    bench = _load_bench(monkeypatch)
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    class Event:
+        def __init__(self, name, device_type, device_time):
+            self.name, self.device_type, self.device_time = name, device_type, device_time
+
+    events = [Event("gemm", cuda, 30.0), Event("sum", cuda, 2.0), Event("gemm", cuda, 34.0),
+              Event("sum", cuda, 4.0), Event("launch", cpu, 99.0)]
+    assert bench.per_call_kernels(events, calls=2) == [["gemm", 1.0, 32.0], ["sum", 1.0, 3.0]]
+    # a device case of a run with --kernels carries both sides' kernels (timing and profiling faked)
+    monkeypatch.setattr(bench, "time_device", lambda fn, ctx: 1.0)
+    monkeypatch.setattr(bench, "kernel_times", lambda fn: [["k", 1.0, fn()]])
+    ctx = bench.Ctx(dtype=torch.float32, quick=True, warmup=1, rep=1, timer="eager", kernels=True,
+                    interpreter=False)
+    row = bench.run_case("f", bench.Case("c", lambda: 5.0, lambda: 7.0, check=False), ctx)
+    assert row["kernels"] == dict(flame=[["k", 1.0, 5.0]], torch=[["k", 1.0, 7.0]])
+    bench.print_kernels([row])
+    assert "flame: 5.0 us per call in 1 launches" in capsys.readouterr().out
+
+
 def _load_bench(monkeypatch):
     import importlib.util
 
