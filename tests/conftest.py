@@ -27,3 +27,12 @@ def _seed():
     torch.manual_seed(0)
     flame.manual_seed(0)
     os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
+@pytest.fixture
+def tma_in_interpreter(monkeypatch):
+    """Route 16-bit GEMMs and convolutions to the TMA kernels on the interpreter, which emulates
+    tensor descriptors: their indexing is then tested on CPU."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM, "TMA", True)
+    monkeypatch.setattr(KM, "tma_available", lambda: True)

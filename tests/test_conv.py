@@ -471,24 +471,18 @@ def test_conv2d_tma_forward_and_both_gradients(dtype, shape, co, k, kw, monkeypa
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
 @pytest.mark.parametrize("shape,co,k,kw", TMA_SHAPES, ids=str)
-def test_conv2d_tma_kernels_in_the_interpreter(shape, co, k, kw, monkeypatch):
+def test_conv2d_tma_kernels_in_the_interpreter(shape, co, k, kw, monkeypatch, tma_in_interpreter):
     """The TMA kernels' indexing (phase views included), run by the interpreter's emulation of
     tensor descriptors (fp16: its bf16 dot is wrong)."""
-    import flame.kernels.matmul as KM
-    monkeypatch.setattr(KM, "TMA", True)
-    monkeypatch.setattr(KM, "tma_available", lambda: True)
     _check_tma_convolution(torch.float16, shape, co, k, kw, monkeypatch)
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
 @pytest.mark.parametrize("padding", [1, 2])
-def test_conv2d_tma_stride_and_dilation_in_the_interpreter(padding, monkeypatch):
+def test_conv2d_tma_stride_and_dilation_in_the_interpreter(padding, monkeypatch, tma_in_interpreter):
     """Stride 2 with dilation 2: the forward and weight gradient read through the phase view (tap
     offsets -p, 2 - p, 4 - p: one phase, shifts from -1), the input gradient takes the pointer
     kernel (its phase views need unit dilation)."""
-    import flame.kernels.matmul as KM
-    monkeypatch.setattr(KM, "TMA", True)
-    monkeypatch.setattr(KM, "tma_available", lambda: True)
     _check_tma_convolution(torch.float16, (1, 32, 12, 16), 16, 3, dict(stride=2, padding=padding, dilation=2),
                            monkeypatch, ["_conv_tma_kernel", "_conv_wgrad_tma_kernel"])
 

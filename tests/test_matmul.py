@@ -401,21 +401,16 @@ def test_tma_linear_forward_and_both_gradients(dtype, M, K, N, act, monkeypatch)
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
 @pytest.mark.parametrize("M,K,N", [(136, 264, 136), (264, 128, 200), (128, 128, 128)])
 @pytest.mark.parametrize("act", [None, "gelu_tanh"])
-def test_tma_linear_in_the_interpreter(M, K, N, act, monkeypatch):
+def test_tma_linear_in_the_interpreter(M, K, N, act, monkeypatch, tma_in_interpreter):
     """The TMA GEMM's indexing, run by the interpreter's emulation of tensor descriptors (fp16:
     its bf16 dot is wrong)."""
-    import flame.kernels.matmul as KM
-    monkeypatch.setattr(KM, "TMA", True)
-    monkeypatch.setattr(KM, "tma_available", lambda: True)
     _check_tma_linear(torch.float16, M, K, N, act, monkeypatch)
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
-def test_tma_residual_in_the_interpreter(monkeypatch):
+def test_tma_residual_in_the_interpreter(monkeypatch, tma_in_interpreter):
     """The TMA kernel's scaled in-place accumulation, out += 0.5 A @ B (A K-major, B N-major)."""
     import flame.kernels.matmul as KM
-    monkeypatch.setattr(KM, "TMA", True)
-    monkeypatch.setattr(KM, "tma_available", lambda: True)
     monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
     taken = []
     real = KM._launch_tma

@@ -630,8 +630,9 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         th = 1
         tw = bk = min(bk, max(16, _pow2(OW)))
         units, per_unit = NB * OH * cdiv(OW, tw), 1
+        phased = (sh, sw) != (1, 1)
         phase = _phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW)
-        bn = _dividing_block(bn, CI, (sh, sw) != (1, 1))
+        bn = _dividing_block(bn, CI, phased)
     else:
         units, per_unit = cdiv(M, bk), bk
     tiles = cdiv(CO, bm) * cdiv(CI, bn)
@@ -649,7 +650,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     grid = (tiles * groups, KH * KW, splits)
     if tma:
         launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
-               *phase, *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, PHASED=(sh, sw) != (1, 1), TH=th, TW=tw,
+               *phase, *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, PHASED=phased, TH=th, TW=tw,
                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         acc, precision, upcast = _kernel_switches(x.dtype)

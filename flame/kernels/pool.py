@@ -29,19 +29,8 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import _pow2, cdiv
+from .elementwise import _index, _pow2, cdiv
 from .launch import launch
-
-
-@triton.jit
-def _block_offsets(BLOCK: tl.constexpr, WIDE: tl.constexpr):
-    """This program's BLOCK flat offsets: int64 only when a buffer spans 2**31 elements or more
-    (``WIDE``); int32 otherwise, which keeps ``_decode``'s divisions and the address arithmetic
-    32-bit."""
-    pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
-    return pid * BLOCK + tl.arange(0, BLOCK)
 
 
 @triton.jit
@@ -86,7 +75,7 @@ def _pool_fwd_kernel(x_ptr, out_ptr, idx_ptr, total, C, H, W, OH, OW, KH, KW, sh
                      sx_n, sx_c, sx_h, sx_w, so_n, so_c, so_h, so_w,
                      MAX: tl.constexpr, COUNT_PAD: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr,
                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = _block_offsets(BLOCK, WIDE)
+    offs = _index(tl.program_id(0), BLOCK, WIDE)  # int32 unless WIDE: cheap _decode
     mask = offs < total
     n, c, oh, ow = _decode(offs, C, OH, OW, CL)
     base = x_ptr + n * sx_n + c * sx_c
@@ -131,7 +120,7 @@ def _pool_bwd_kernel(dy_ptr, idx_ptr, dx_ptr, total, C, H, W, OH, OW, KH, KW, sh
                      NH, NW, sy_n, sy_c, sy_h, sy_w, si_n, si_c, si_h, si_w, sx_n, sx_c, sx_h, sx_w,
                      MAX: tl.constexpr, COUNT_PAD: tl.constexpr, CL: tl.constexpr, CD: tl.constexpr,
                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    offs = _block_offsets(BLOCK, WIDE)
+    offs = _index(tl.program_id(0), BLOCK, WIDE)  # int32 unless WIDE: cheap _decode
     mask = offs < total
     n, c, ih, iw = _decode(offs, C, H, W, CL)
     # lo = max(0, floor((i + p - ext) / s) + 1) = max(i + p - ext + s, 0) // s: numerators >= 0
