@@ -24,7 +24,8 @@ says "graph", or "eager" where a case cannot be captured). A case whose launches
 with and without the table (no entry applies, or the entries answer "heuristic") is marked
 ``tuned_same_configs`` and not timed twice: it runs the very same kernels either way.
 
-``--case TEXT`` (repeatable) runs only the cases whose names contain one of the texts. On a GPU,
+``--case TEXT`` (repeatable) runs only the cases whose names contain one of the texts (no targets
+are checked then: they are judged on a family's every case). On a GPU,
 ``--kernels`` also profiles each device case (torch.profiler, 10 calls per side after the timing)
 and reports, per side, its CUDA kernels with launches and device microseconds per call, most time
 first: where a ratio comes from, in the same run and on the same card (stored under "kernels").
@@ -844,13 +845,14 @@ def main(argv=None) -> int:
     if ctx.interpreter:
         print("note: no GPU -- kernels run in Triton's interpreter, so these times mean nothing")
     rows = []
+    partial = args.quick or bool(args.case)  # targets are judged on every full-size case of a family
 
     def save():  # after every family, so a run stopped midway keeps what it measured
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick, "tuning": args.tuning,
                    "timer": args.timer, "families": args.family, "results": rows,
-                   "targets": [] if args.quick else check_targets(rows, args.family)}
+                   "targets": [] if partial else check_targets(rows, args.family)}
             args.out.write_text(json.dumps(doc, indent=2) + "\n")
 
     with tune.heuristics_only() if args.tuning == "defaults" else contextlib.nullcontext():
@@ -866,7 +868,7 @@ def main(argv=None) -> int:
             save()
     print_table(rows)
     print_kernels(rows)
-    if not args.quick:  # the targets are set on the full-size shapes
+    if not partial:  # the targets are set on all the full-size shapes
         print_targets(check_targets(rows, args.family))
     if args.out:
         print(f"wrote {args.out}")

@@ -139,6 +139,13 @@ def test_bench_case_filter_and_kernel_profile(tmp_path, monkeypatch, capsys):
               "--out", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
     assert [row["case"].split()[0] for row in json.loads(out.read_text())["results"]] == ["add", "gelu"]
+    bench = _load_bench(monkeypatch)  # a filtered full-size run checks no target on its subset of cases
+    monkeypatch.setattr(bench, "FAMILIES", {"f": (lambda ctx: [bench.Case("a", lambda: 1, lambda: 1, check=False)], "")})
+    monkeypatch.setattr(bench, "run_case", lambda fam, case, ctx: dict(family=fam, case=case.name, unit="ms",
+                                                                       flame=1.0, torch=1.0, ratio=1.0))
+    monkeypatch.setattr(bench, "check_targets", lambda rows, fams: pytest.fail("targets checked on a subset"))
+    assert bench.main(["--family", "f", "--case", "a", "--out", str(tmp_path / "sub.json")]) == 0
+    assert json.loads((tmp_path / "sub.json").read_text())["targets"] == []
     # --kernels: a profile's CUDA events per kernel name, per call, most time first (CPU events ignored)
     bench = _load_bench(monkeypatch)
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
