@@ -140,7 +140,8 @@ def test_bench_case_filter_and_kernel_profile(tmp_path, monkeypatch, capsys):
     assert r.returncode == 0, r.stdout + r.stderr
     assert [row["case"].split()[0] for row in json.loads(out.read_text())["results"]] == ["add", "gelu"]
     bench = _load_bench(monkeypatch)  # a filtered full-size run checks no target on its subset of cases
-    monkeypatch.setattr(bench, "FAMILIES", {"f": (lambda ctx: [bench.Case("a", lambda: 1, lambda: 1, check=False)], "")})
+    one_case = bench.Case("a", lambda: 1, lambda: 1, check=False)
+    monkeypatch.setattr(bench, "FAMILIES", {"f": (lambda ctx: [one_case], "")})
     monkeypatch.setattr(bench, "run_case", lambda fam, case, ctx: dict(family=fam, case=case.name, unit="ms",
                                                                        flame=1.0, torch=1.0, ratio=1.0))
     monkeypatch.setattr(bench, "check_targets", lambda rows, fams: pytest.fail("targets checked on a subset"))
