@@ -451,6 +451,8 @@ TMA_SHAPES = [
     ((1, 48, 12, 20), 64, 5, dict(stride=2, padding=2)),
     ((1, 64, 8, 12), 24, 3, dict(stride=(2, 1), padding=1)),
     ((1, 32, 10, 14), 32, 3, dict(stride=2, padding=0)),
+    ((2, 16, 6, 32), 16, 3, dict(padding=1)),  # weight gradient: tiles of 2 whole rows, 2 images
+    ((1, 16, 4, 128), 16, 3, dict(padding=1)),  # weight gradient: tiles of half a row
 ]
 
 
@@ -494,7 +496,7 @@ def test_conv2d_tma_stride_and_dilation_in_the_interpreter(padding, monkeypatch,
                                  dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)])
 def test_tma_weight_grad_configs_that_once_failed_at_32x32(cfg):
     """Weight-gradient TMA configs that gave wrong results on the H200 at 32x32 pixels while
-    their spatial tiles spanned two or four rows; tiles are one row now."""
+    their spatial tiles spanned two or four rows as 4-D boxes; such tiles read dY as 2-D boxes now."""
     import flame.kernels.conv2d as KC
     from flame import tune
     x = torch.randn(1, 640, 32, 32, device=flame.device).to(torch.bfloat16, memory_format=torch.channels_last)
@@ -505,6 +507,21 @@ def test_tma_weight_grad_configs_that_once_failed_at_32x32(cfg):
         KC.conv2d_weight_grad_(dw, g, x, (1, 1), (1, 1), (1, 1))
     err = (dw.float() - want).abs().max() / want.abs().max()
     assert err < 1e-2, (cfg, float(err))
+
+
+def test_tma_weight_grad_spatial_tiles():
+    """The weight gradient's TMA tiles: whole rows or exact row segments when dY is a pixel matrix
+    (never crossing into the next row or image), else one row cut to BLOCK_K."""
+    import flame.kernels.conv2d as KC
+    assert KC._wgrad_spatial_tile(64, 32, 32, True) == (2, 32, True)
+    assert KC._wgrad_spatial_tile(128, 32, 32, True) == (4, 32, True)
+    assert KC._wgrad_spatial_tile(64, 8, 8, True) == (8, 8, True)
+    assert KC._wgrad_spatial_tile(64, 5, 16, True) == (1, 16, True)  # 4 rows would cross images
+    assert KC._wgrad_spatial_tile(64, 128, 128, True) == (1, 64, True)
+    assert KC._wgrad_spatial_tile(64, 144, 144, True) == (1, 64, False)  # 64 does not divide 144
+    assert KC._wgrad_spatial_tile(64, 56, 72, True) == (1, 64, False)
+    assert KC._wgrad_spatial_tile(64, 32, 32, False) == (1, 32, False)
+    assert KC._wgrad_spatial_tile(64, 9, 7, True) == (1, 16, False)
 
 
 def test_tma_launch_configs_name_registered_tuning_kernels():

@@ -251,15 +251,24 @@ def _load_source(desc, n, h0, w0, off_h, off_w, c0, C, S_h, S_w, LIFT_h, LIFT_w,
 # loads (_load_source); TMA zero-fills positions past the output (dY) and outside the image (x), so
 #   dW[co, ci, kh, kw] += sum_{positions p of the tile} dY[p, co] * x[S * p + shift(kh, kw), ci]
 # needs no masks. Program (co tile x ci tile, tap, split) reduces its split's spatial tiles.
+# With FLAT_DY, dY's pixels are the rows of one (NB * OH * OW, CO) matrix of row stride sy_w and a
+# tile (whole rows, TW = OW, or a segment of one row) is BLOCK_K consecutive rows of it: a 2-D box,
+# used as the transposed dot operand as it comes. The 4-D box needs a rank-reducing reshape there,
+# which gave wrong gradients on the H200 (Triton 3.6) for tiles spanning rows, so without FLAT_DY
+# tiles are one row (TH = 1).
 @triton.jit
 def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW, B_h, C_h, B_w, C_w,
                            S_h, S_w, LIFT_h, LIFT_w, sy_n, sy_h, sy_w, sx_n, sx_h, sx_w, tiles_per_split,
                            so_s, so_co, so_ci, so_h, so_w,
-                           PHASED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr):
+                           PHASED: tl.constexpr, FLAT_DY: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     BLOCK_K: tl.constexpr = TH * TW
-    dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB, OH, OW, CO], strides=[sy_n, sy_h, sy_w, 1],
-                                    block_shape=[1, TH, TW, BLOCK_M])
+    if FLAT_DY:
+        dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB * OH * OW, CO], strides=[sy_w, 1],
+                                        block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB, OH, OW, CO], strides=[sy_n, sy_h, sy_w, 1],
+                                        block_shape=[1, TH, TW, BLOCK_M])
     xd = _pixel_descriptor(x_ptr, NB, H, W, CI, sx_n, sx_h, sx_w, S_h, S_w, TH, TW, BLOCK_N, PHASED)
     num_pid_n = tl.cdiv(CI, BLOCK_N)
     off_co = tl.program_id(0) // num_pid_n * BLOCK_M
@@ -277,7 +286,10 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
         n = t // (tiles_h * tiles_w)
         h0 = (t // tiles_w) % tiles_h * TH
         w0 = t % tiles_w * TW
-        a = dyd.load([n, h0, w0, off_co]).reshape(BLOCK_K, BLOCK_M)
+        if FLAT_DY:
+            a = dyd.load([(n * OH + h0) * OW + w0, off_co])
+        else:
+            a = dyd.load([n, h0, w0, off_co]).reshape(BLOCK_K, BLOCK_M)
         b = _load_source(xd, n, h0, w0, B_h + kh * C_h, B_w + kw * C_w, off_ci, CI, S_h, S_w, LIFT_h, LIFT_w,
                          PHASED).reshape(BLOCK_K, BLOCK_N)
         acc = tl.dot(a.T, b, acc)
@@ -519,6 +531,18 @@ def _spatial_tile(block_m, OH, OW):
     return best[1], best[2]
 
 
+def _wgrad_spatial_tile(block_k, OH, OW, dy_rows):
+    """(TH, TW, FLAT_DY) of the TMA weight gradient's spatial tiles (see ``_conv_wgrad_tma_kernel``).
+    With dY viewable as a (pixels, CO) matrix (``dy_rows``): TH whole rows when a power-of-two
+    row fits ``block_k`` times TH and TH divides OH, else segments of ``block_k`` pixels when they
+    tile each row exactly; both are FLAT_DY tiles that never cross into the next row or image.
+    Otherwise one row cut to ``block_k`` (at least 16 pixels, the last tile of a row partly empty)."""
+    tw = min(block_k, max(16, _pow2(OW)))
+    if dy_rows and _pow2(OW) == OW and block_k > OW and OH % (block_k // OW) == 0:
+        return block_k // OW, OW, True
+    return 1, tw, dy_rows and OW % tw == 0
+
+
 def _conv_tma_config(M, N, C, dtype, taps, kernel):
     """Launch config of the TMA conv kernel (tuning-table kernel "conv2d_tma"/"conv2d_dgrad_tma")."""
     bn = min(128, max(16, _pow2(N)))
@@ -623,13 +647,10 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     cfg = _wgrad_config(CO, CI, M, KH * KW, x.dtype, tma)
     bm, bn, bk, warps, stages = (cfg[f] for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
     if tma:
-        # Spatial tiles of one row of output pixels, BLOCK_K cut to the row (at least 16). On the H200
-        # (Triton 3.6) tiles spanning rows (TH > 1: a rank-reducing reshape of the 4-D box feeding the
-        # transposed dot operand) gave wrong gradients for some tile/warp configs at 32x32 pixels (13
-        # candidates rejected by scripts/autotune.py); every checked config with TH = 1 was right.
-        th = 1
-        tw = bk = min(bk, max(16, _pow2(OW)))
-        units, per_unit = NB * OH * cdiv(OW, tw), 1
+        dy_rows = as_rows(dy)
+        th, tw, flat = _wgrad_spatial_tile(bk, OH, OW, dy_rows is not None)
+        units, per_unit = NB * cdiv(OH, th) * cdiv(OW, tw), 1
+        dy_strides = (0, 0, dy_rows.stride(0)) if flat else _nhwc(dy)[:3]
         phased = (sh, sw) != (1, 1)
         phase = _phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW)
         bn = _dividing_block(bn, CI, phased)
@@ -650,7 +671,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     grid = (tiles * groups, KH * KW, splits)
     if tma:
         launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
-               *phase, *_nhwc(dy)[:3], *_nhwc(x)[:3], per_split, *so, PHASED=phased, TH=th, TW=tw,
+               *phase, *dy_strides, *_nhwc(x)[:3], per_split, *so, PHASED=phased, FLAT_DY=flat, TH=th, TW=tw,
                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         acc, precision, upcast = _kernel_switches(x.dtype)
