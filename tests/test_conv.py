@@ -80,6 +80,31 @@ def test_conv2d_channels_last_input_and_output(stride, groups):
     assert y.stride() == (h * w * c, 1, w * c, c)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "strided"])
+def test_conv2d_weight_gradient_into_any_layout(layout):
+    """The weight-gradient kernel writes dW in the buffer's own layout (flame's backward gives it the
+    weight's: channels-last weights get ci-contiguous tile stores)."""
+    import flame.kernels.conv2d as KC
+    xt = torch.randn(2, 6, 7, 9, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(2, 4, 7, 9, device=DEVICE).contiguous(memory_format=torch.channels_last)
+    dw = {"nchw": torch.empty(4, 6, 3, 3, device=DEVICE),
+          "channels_last": torch.empty(4, 6, 3, 3, device=DEVICE).contiguous(memory_format=torch.channels_last),
+          "strided": torch.empty(4, 12, 3, 3, device=DEVICE)[:, ::2]}[layout]
+    KC.conv2d_weight_grad_(dw, g, xt, (1, 1), (1, 1), (1, 1))
+    want = torch.nn.grad.conv2d_weight(xt.double(), (4, 6, 3, 3), g.double(), padding=1)
+    assert_close(dw.double(), want, torch.float32, rtol=1e-5, atol=1e-4)
+
+
+def test_dense_order():
+    import flame.kernels.conv2d as KC
+    assert KC._dense_order(torch.empty(4, 6, 3, 3)) == (0, 1, 2, 3)
+    assert KC._dense_order(torch.empty(4, 6, 3, 3).contiguous(memory_format=torch.channels_last)) == (0, 2, 3, 1)
+    assert KC._dense_order(torch.empty(4, 6, 1, 1)) == (0, 1, 2, 3)
+    assert KC._dense_order(torch.empty(4, 12, 3, 3)[:, ::2]) is None
+    assert KC._dense_order(torch.empty(8, 6, 3, 3)[:4]) == (0, 1, 2, 3)  # a leading slice is dense
+    assert KC._dense_order(torch.empty(6, 4, 3, 3).transpose(0, 1)) == (1, 0, 2, 3)
+
+
 @pytest.mark.parametrize("w_shape,kw", [
     ((4, 5, 1, 1), dict()),
     ((4, 5, 5, 5), dict(padding=2)),

@@ -663,10 +663,13 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         splits = max(1, min(cdiv(2 * runtime.num_sms(), tiles * groups * KH * KW), cdiv(units, 4), 256))
     per_split = cdiv(units, splits)
     splits = cdiv(units, per_split)
+    order = _dense_order(dw_out)  # channels-last weights: ci innermost, so tile stores are contiguous
     if splits == 1:
         target_buf, so = dw_out, (0,) + tuple(dw_out.stride())
-    else:
-        target_buf = runtime.empty((splits, CO * groups, CI, KH, KW), acc_dtype(x.dtype))
+    else:  # fp32 partial gradients laid out as dw_out (or contiguous), summed below as flat slabs
+        perm = order or (0, 1, 2, 3)
+        slab = runtime.empty((splits, *(dw_out.shape[d] for d in perm)), acc_dtype(x.dtype))
+        target_buf = slab.permute(0, *(1 + perm.index(d) for d in range(4)))
         so = target_buf.stride()
     grid = (tiles * groups, KH * KW, splits)
     if tma:
@@ -682,7 +685,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
                num_warps=warps, num_stages=stages)
     if splits > 1:
         n = dw_out.numel()
-        if dw_out.is_contiguous():
+        if order is not None:
             reduce_(dw_out, target_buf, 1, splits, n, (0, n, 1), SUM)
         else:
             tmp = runtime.empty(tuple(dw_out.shape), dw_out.dtype)
@@ -690,6 +693,18 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
             from .elementwise import copy_
             copy_(dw_out, tmp)
     return dw_out
+
+
+def _dense_order(t):
+    """The dims of ``t`` from outermost to innermost in memory when ``t`` fills its span densely
+    (contiguous in some dim order: NCHW, channels-last, ...), else None."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    expected = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return None
+        expected *= t.shape[d]
+    return order
 
 
 def acc_dtype(dtype):

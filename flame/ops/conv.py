@@ -76,7 +76,7 @@ def _conv2d_backward(node, g):
         KC.conv2d_input_grad_(dxb, gd, w, stride, padding, dilation, groups)
         dx = Tensor(dxb)
     if need_w:
-        dwb = runtime.empty(tuple(w.shape), w.dtype)
+        dwb = runtime.empty_like(w, w.dtype)  # the weight's layout: channels-last keeps ci innermost
         KC.conv2d_weight_grad_(dwb, gd, x, stride, padding, dilation, groups)
         dw = Tensor(dwb)
     if need_b:
