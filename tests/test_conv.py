@@ -514,6 +514,65 @@ def test_conv2d_tma_stride_and_dilation_in_the_interpreter(padding, monkeypatch,
                            monkeypatch, ["_conv_tma_kernel", "_conv_wgrad_tma_kernel"])
 
 
+# (x shape, Co, kernel size, stride, padding, which conv), batch 2 (images split * 2 + n of the
+# scratch): 80 reduction channels are two channel blocks of 64; stride 2's input gradient has 4
+# phases, meeting 4, 2, 2 and 1 taps (8, 4, 4, 2 loop steps) in splits of 3 steps: the first split
+# ends inside a tap's channel blocks, and the shorter phases' last splits have no steps at all.
+TMA_SPLIT_CASES = [
+    ((2, 80, 7, 9), 24, 5, 1, 2, "forward"),
+    ((2, 40, 7, 9), 80, 3, 1, 1, "input_grad"),
+    ((2, 32, 8, 10), 80, 3, 2, 1, "input_grad"),
+]
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
+@pytest.mark.parametrize("shape,co,k,stride,padding,which", TMA_SPLIT_CASES, ids=str)
+def test_conv2d_tma_split_k_in_the_interpreter(shape, co, k, stride, padding, which, monkeypatch,
+                                               tma_in_interpreter):
+    """Split-K of the TMA conv kernel, forced to 3 splits: each split stores its fp32 partial sums
+    to the scratch (through the phase view with stride 2, zeros from splits past a phase's shorter
+    loop), and the sum pass adds them in order, with the forward's bias, into ``out``."""
+    import flame.kernels.conv2d as KC
+    import flame.kernels.matmul as KM
+    taken = []
+    for mod in (KC, KM):
+        monkeypatch.setattr(mod, "launch", lambda kernel, grid, *a, real=mod.launch, **k:
+                            taken.append((kernel.fn.__name__, tuple(grid))) or real(kernel, grid, *a, **k))
+    monkeypatch.setattr(KC, "_wave_splits", lambda programs, steps, sms: 3)
+    cl = torch.channels_last
+    kw = dict(stride=stride, padding=padding)
+    x = torch.randn(shape, dtype=torch.float64).contiguous(memory_format=cl)
+    w = (torch.randn(co, shape[1], k, k, dtype=torch.float64) / (shape[1] * k * k) ** 0.5).contiguous(memory_format=cl)
+    b = torch.randn(co, dtype=torch.float64)
+    if which == "forward":
+        ref = torch.nn.functional.conv2d(x, w, b, **kw)
+        low = torch.nn.functional.conv2d(x.half(), w.half(), b.half(), **kw)
+        got = torch.full(tuple(ref.shape), float("nan"), dtype=torch.float16).contiguous(memory_format=cl)
+        KC.conv2d_forward_(got, x.half(), w.half(), b.half(), (stride,) * 2, (padding,) * 2, (1, 1))
+    else:
+        dy = torch.randn(torch.nn.functional.conv2d(x, w, **kw).shape, dtype=torch.float64).contiguous(memory_format=cl)
+        ref = torch.nn.grad.conv2d_input(shape, w, dy, **kw)
+        low = torch.nn.grad.conv2d_input(shape, w.half(), dy.half(), **kw)
+        got = torch.full(shape, float("nan"), dtype=torch.float16).contiguous(memory_format=cl)
+        KC.conv2d_input_grad_(got, dy.half(), w.half(), (stride,) * 2, (padding,) * 2, (1, 1))
+    assert [name for name, _ in taken] == ["_conv_tma_kernel", "_split_k_sum_kernel"], taken
+    assert taken[0][1][2] == 3, taken
+    assert_within_torch_error(got, low, ref, 2)
+
+
+def test_wave_splits():
+    """Split-K of the TMA conv kernel only under one wave, for the fewest waves per unit of work
+    with a split's scratch round trip counted, each split at least 4 loop steps long."""
+    from flame.kernels.conv2d import _wave_splits
+    assert _wave_splits(80, 180, 132) == 3      # SDXL 32x32, 1280 channels: 240 programs in 2 waves
+    assert _wave_splits(132, 180, 132) == 1     # a full wave already
+    assert _wave_splits(500, 180, 132) == 1
+    assert _wave_splits(10, 1000, 132) == 8     # at most 8 splits
+    assert _wave_splits(10, 12, 132) == 3       # 12 steps: at most 3 splits of 4
+    assert _wave_splits(80, 8, 132) == 1        # 2 splits of 4 steps: 2 waves for half the work each
+    assert _wave_splits(5, 1000, 1) == 1        # the interpreter: 1 SM
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                                  dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=3),

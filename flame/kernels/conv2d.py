@@ -28,8 +28,10 @@ All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channe
 On Hopper, 16-bit channels-last problems take TMA versions of both (``_conv_tma_kernel``,
 ``_conv_wgrad_tma_kernel``): operands move as descriptor boxes, padding is TMA's zero fill, and a
 stride of 2 reads (forward, weight gradient) or writes (input gradient) through a "phase view"
-that makes every other pixel one box (see ``_phase_split``). The pointer kernels take the rest:
-groups, odd sizes under a stride, fp32/fp64, other layouts.
+that makes every other pixel one box (see ``_phase_split``). A forward or input-gradient grid under
+one wave of the GPU's SMs splits its reduction (split-K, ``_wave_splits``): fp32 partial sums to a
+scratch, summed with the bias by the GEMM's split-K pass (``matmul.split_k_sum_``). The pointer
+kernels take the rest: groups, odd sizes under a stride, fp32/fp64, other layouts.
 
 A 1x1 convolution with stride 1, no padding and one group is a plain GEMM over the (N*H*W, C)
 matrices of its activations: when those are strided views of the buffers (``_gemm_views``), all
@@ -315,16 +317,24 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
 # n are output columns past N, clipped on store (with a divisor BLOCK_N divides N: no tile runs
 # past it into the next phase's channels). The output tile is stored through a 4-D descriptor, or
 # with a divisor the phase view (clipped).
+# Split-K (grid axis 2, for grids under one wave): split s runs the loop steps [s * steps_per_split,
+# (s + 1) * steps_per_split) of its phase's reduction (possibly none: phases meet different numbers
+# of taps) and stores its fp32 partial sum, with no bias, as images s * NB.. of a scratch with
+# ``out``'s (OH, OW) pixels, channels last: (splits * NB, OH, OW, N), read by the same 4-D or phase
+# view. split_k_sum_ (kernels/matmul.py) then sums the splits in order, adds the bias and casts.
+# One split is the plain kernel: images 0.. of ``out`` itself, the whole loop.
 @triton.jit
 def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KH, KW,
                      B_h, C_h, B_w, C_w, S_h, S_w, LIFT_h, LIFT_w, D_h, D_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w,
-                     s_bias, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, PHASED: tl.constexpr,
+                     s_bias, steps_per_split, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, PHASED: tl.constexpr,
                      DIVIDED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     BLOCK_M: tl.constexpr = TH * TW
     TAPS = KH * KW
     src = _pixel_descriptor(src_ptr, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_K, PHASED)
-    out = _pixel_descriptor(out_ptr, NB, OH, OW, N, so_n, so_h, so_w, D_h, D_w, TH, TW, BLOCK_N, DIVIDED)
+    split = tl.program_id(2)
+    out = _pixel_descriptor(out_ptr, tl.num_programs(2) * NB, OH, OW, N, so_n, so_h, so_w, D_h, D_w, TH, TW,
+                            BLOCK_N, DIVIDED)
     if TRANSPOSED:  # w as a (Co, taps * Ci) matrix read as (k=co, n=ci) tiles
         wd = tl.make_tensor_descriptor(w_ptr, shape=[C, TAPS * N], strides=[sw_co, 1],
                                        block_shape=[BLOCK_K, BLOCK_N])
@@ -345,7 +355,9 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
     off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     c_blocks = tl.cdiv(C, BLOCK_K)
-    for t in range(0, tl.cdiv(KH - kh0, D_h) * taps_w * c_blocks):
+    t0 = split * steps_per_split
+    t1 = tl.minimum(t0 + steps_per_split, tl.cdiv(KH - kh0, D_h) * taps_w * c_blocks)
+    for t in range(t0, t1):
         u = t // c_blocks
         c0 = (t - u * c_blocks) * BLOCK_K
         kh = kh0 + u // taps_w * D_h
@@ -362,10 +374,11 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
     acc = acc.to(out_ptr.dtype.element_ty)
+    n_out = split * NB + n
     if DIVIDED:
-        out.store([n, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
+        out.store([n_out, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
     else:
-        out.store([n, h0, w0, off_n], acc.reshape(1, TH, TW, BLOCK_N))
+        out.store([n_out, h0, w0, off_n], acc.reshape(1, TH, TW, BLOCK_N))
 
 
 # ---- launch configuration ---------------------------------------------------------------------
@@ -563,13 +576,43 @@ def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
     D_h, D_w = geom_h[3], geom_w[3]  # output phases: D_h * D_w launches' worth along grid axis 1
     th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH // D_h, OW // D_w)
     tiles = NB * cdiv(OH // D_h, th) * cdiv(OW // D_w, tw) * cdiv(N, cfg["BLOCK_N"])
-    src_s, out_s = _nhwc(src), _nhwc(out)
-    launch(_conv_tma_kernel, (tiles, D_h * D_w), src, w, out, out if bias is None else bias, NB, XH, XW, C,
-           OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2], *_phase_args(geom_h, geom_w, KH, KW),
-           D_h, D_w, *src_s[:3], w.stride(0), *out_s[:3], 0 if bias is None else bias.stride(0),
-           TRANSPOSED=transposed, BIAS=bias is not None, PHASED=phased, DIVIDED=divided, TH=th, TW=tw,
-           GROUP_M=8, **cfg)
+    steps = cdiv(KH, D_h) * cdiv(KW, D_w) * cdiv(C, cfg["BLOCK_K"])  # the longest phase's reduction loop
+    splits = _wave_splits(tiles * D_h * D_w, steps, runtime.num_sms())  # 1 in the interpreter (1 SM)
+    rows = as_rows(out) if splits > 1 else None  # the sum pass writes ``out`` as (NB*OH*OW, N) rows
+    splits = cdiv(steps, cdiv(steps, splits)) if rows is not None else 1  # none empty in the longest phase
+    if splits > 1:  # fp32 partial sums of out's pixels, channels last, split-major
+        target, target_s = runtime.empty((splits, NB * OH * OW, N), torch.float32), (OH * OW * N, OW * N, N)
+    else:
+        target, target_s = out, _nhwc(out)[:3]
+    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src, w, target, out if bias is None else bias,
+           NB, XH, XW, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
+           *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, *_nhwc(src)[:3], w.stride(0), *target_s,
+           0 if bias is None else bias.stride(0), cdiv(steps, splits), TRANSPOSED=transposed,
+           BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided, TH=th, TW=tw, GROUP_M=8, **cfg)
+    if splits > 1:
+        KM.split_k_sum_(rows, rows.stride(), target, KM.Fusion(bias))
     return out
+
+
+_SPLIT_COST = 4  # loop steps: see _wave_splits
+
+
+def _wave_splits(programs, steps, sms):
+    """How many splits of its reduction loop (``steps`` steps) a grid of ``programs`` programs
+    should run on ``sms`` SMs. 1 from one wave up; below one wave, the s in 1..8 (each split at
+    least 4 steps) with the shortest estimated time ceil(programs * s / sms) * (steps / s + cost),
+    the cost of a split being 0 unsplit, else ``_SPLIT_COST`` steps: its fp32 tile written to the
+    scratch and read back by the sum, 2 * 4 * 128 * 128 bytes, the operand bytes of 4 steps of a
+    128x128x64 tile ((128 + 128) * 64 * 2). Ties go to the smaller s. SDXL's 32x32 convolutions at
+    1280 channels (80 tiles of 128x128, 180 steps) on 132 SMs: 3 splits, 240 programs in 2 waves
+    (waves alone, with no cost, would pick 8: 640 programs in 5 waves, 8/3 the scratch traffic)."""
+    if programs >= sms:
+        return 1
+
+    def time(s):
+        return cdiv(programs * s, sms) * (steps / s + (_SPLIT_COST if s > 1 else 0))
+
+    return min(range(1, max(1, min(8, steps // 4)) + 1), key=time)  # min keeps the first (smallest) on a tie
 
 
 def as_rows(t):

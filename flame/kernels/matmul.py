@@ -401,10 +401,19 @@ def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
     kc = K // splits
     scratch = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
     _launch(scratch, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (M * N, N, 1))
+    split_k_sum_(out, sc, scratch, f)
+
+
+def split_k_sum_(out, sc, part, f):
+    """Split-K's second pass (``_split_k_sum_kernel``): ``out`` (M, N), with row and column strides
+    ``sc``, = the epilogue ``f`` (a ``Fusion``) of ``sum_s part[s]``, the contiguous fp32 (fp64)
+    partial products ``part`` (splits, M, N) summed in order. Returns ``out``."""
+    splits, M, N = part.shape
     bm, bn = (_pow2(min(M, 256)), _pow2(min(N, 256))) if runtime.INTERPRETER else (32, 128)
-    launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)), scratch, out, _or(f.bias, out), _or(f.pre_out, out),
+    launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)), part, out, _or(f.bias, out), _or(f.pre_out, out),
            _or(f.residual, out), M, N, splits, *sc, f.bias_stride, f.alpha, BIAS=f.bias is not None, ACT=f.act,
            STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+    return out
 
 
 def _or(t, default):
