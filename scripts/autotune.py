@@ -247,10 +247,10 @@ def conv2d_wgrad_family(ctx: Ctx, shape) -> list[Problem]:
     nb, ci, h, w, co, k, s = shape
     ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
 
-    def build():  # flame/ops/conv.py _conv2d_backward: dW into a dense buffer of the weight's shape
+    def build():  # flame/ops/conv.py _conv2d_backward: dW in the layout of flame's (channels-last) weights
         g = ctx.randn(nb, co, ho, wo, channels_last=True)
         x = ctx.randn(nb, ci, h, w, scale=(nb * ho * wo) ** -0.5, channels_last=True)
-        out = ctx.empty(co, ci, k, k)  # every element written each run: by the kernel or the split-K reduction
+        out = ctx.empty(co, ci, k, k, channels_last=True)  # every element written each run (kernel or split-K sum)
         want = torch.nn.grad.conv2d_weight(x.float(), (co, ci, k, k), g.float(), stride=s, padding=k // 2)
         return Bench(lambda: KC.conv2d_weight_grad_(out, g, x, (s, s), (k // 2, k // 2), (1, 1)), out, want)
 

@@ -573,6 +573,19 @@ def test_wave_splits():
     assert _wave_splits(5, 1000, 1) == 1        # the interpreter: 1 SM
 
 
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
+def test_conv2d_tma_stride2_input_gradient_is_tuned_per_phase(monkeypatch, tma_in_interpreter):
+    """A stride-2 input gradient looks its config up as one phase's problem (a quarter of the pixels,
+    ceil(3 / 2)^2 = 4 taps), not as the stride-1 problem with the same (M, N, C, taps)."""
+    import flame.kernels.conv2d as KC
+    keys = []
+    real = KC._conv_tma_config
+    monkeypatch.setattr(KC, "_conv_tma_config", lambda *a: keys.append((a[-1], a[:2] + a[2:3] + a[4:5])) or real(*a))
+    _check_tma_convolution(torch.float16, (2, 32, 16, 16), 48, 3, dict(stride=2, padding=1), monkeypatch)
+    assert ("conv2d", (2 * 8 * 8, 48, 32, 9)) in keys
+    assert ("conv2d_dgrad", (2 * 16 * 16 // 4, 32, 48, 4)) in keys
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
                                  dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, num_warps=4, num_stages=3),

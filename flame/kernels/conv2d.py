@@ -568,12 +568,14 @@ def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
     NB, N = out.shape[0], out.shape[1]
     C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
     KH, KW = w.shape[2], w.shape[3]
-    cfg = dict(_conv_tma_config(NB * OH * OW, N, C, src.dtype, KH * KW,
-                                "conv2d_dgrad" if transposed else "conv2d"))
     phased, divided = (geom_h[0], geom_w[0]) != (1, 1), (geom_h[3], geom_w[3]) != (1, 1)
+    D_h, D_w = geom_h[3], geom_w[3]  # output phases: D_h * D_w launches' worth along grid axis 1
+    # tuned per phase: a stride-2 input gradient is 4 problems of a quarter of the pixels and at most
+    # ceil(K / 2)^2 taps each, not the stride-1 problem of its shape (M, N, C, taps)
+    cfg = dict(_conv_tma_config(NB * OH * OW // (D_h * D_w), N, C, src.dtype, cdiv(KH, D_h) * cdiv(KW, D_w),
+                                "conv2d_dgrad" if transposed else "conv2d"))
     cfg["BLOCK_K"] = _dividing_block(cfg["BLOCK_K"], C, phased)
     cfg["BLOCK_N"] = _dividing_block(cfg["BLOCK_N"], N, divided)
-    D_h, D_w = geom_h[3], geom_w[3]  # output phases: D_h * D_w launches' worth along grid axis 1
     th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH // D_h, OW // D_w)
     tiles = NB * cdiv(OH // D_h, th) * cdiv(OW // D_w, tw) * cdiv(N, cfg["BLOCK_N"])
     steps = cdiv(KH, D_h) * cdiv(KW, D_w) * cdiv(C, cfg["BLOCK_K"])  # the longest phase's reduction loop
