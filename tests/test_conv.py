@@ -95,6 +95,39 @@ def test_conv2d_weight_gradient_into_any_layout(layout):
     assert_close(dw.double(), want, torch.float64, **_tol(want, torch.float32))
 
 
+@pytest.mark.parametrize("x_shape,w_shape,kw,route", [
+    ((2, 4, 9, 11), (16, 4, 3, 3), dict(padding=1), "fold"),  # conv_in: 4 channels x 9 taps
+    ((2, 5, 9, 7), (8, 5, 3, 3), dict(padding=1, stride=2), "fold"),
+    ((1, 2, 9, 7), (8, 2, 5, 5), dict(padding=(1, 2)), "fold"),
+    ((2, 4, 6, 6), (6, 2, 3, 3), dict(padding=1, groups=2), "fold"),
+    ((2, 24, 9, 11), (4, 24, 3, 3), dict(padding=1), "swap"),  # conv_out: 4 output channels
+    ((1, 24, 8, 10), (3, 24, 3, 3), dict(padding=2, dilation=2), "swap"),
+    ((1, 20, 9, 7), (2, 20, 5, 5), dict(padding=(2, 1)), "swap"),
+    ((1, 3, 9, 7), (8, 3, 5, 5), dict(padding=2), "per tap"),  # 75 (tap, ci) columns: one program per tap
+], ids=str)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw, route, channels_last, monkeypatch):
+    """Few input channels: the pointer weight gradient puts every (tap, ci) in one column tile; few
+    output channels at stride 1: it swaps the operands (dY convolved by x), stores transposed and
+    tap-flipped, and folds those. Values against PyTorch in float64, both layouts."""
+    import flame.kernels.conv2d as KC
+    launches = []
+    real = KC.launch
+    monkeypatch.setattr(KC, "launch", lambda k, grid, *a, **m: launches.append((grid, m)) or real(k, grid, *a, **m))
+    cl = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(x_shape, dtype=torch.float64).contiguous(memory_format=cl)
+    y_shape = torch.nn.functional.conv2d(x, torch.zeros(w_shape, dtype=torch.float64), **kw).shape
+    g = torch.randn(y_shape, dtype=torch.float64).contiguous(memory_format=cl)
+    dw = torch.full(w_shape, float("nan"), dtype=torch.float64).contiguous(memory_format=cl)
+    stride, padding, dilation = (torch.nn.modules.utils._pair(kw.get(k, v))
+                                 for k, v in (("stride", 1), ("padding", 0), ("dilation", 1)))
+    KC.conv2d_weight_grad_(dw, g, x, stride, padding, dilation, kw.get("groups", 1))
+    assert_close(dw, torch.nn.grad.conv2d_weight(x, w_shape, g, **kw), torch.float64)
+    (grid, meta), = launches
+    taps = w_shape[2] * w_shape[3]
+    assert (meta["FOLD_TAPS"], grid[1]) == ((False, taps) if route == "per tap" else (True, 1))
+
+
 def test_dense_order():
     import flame.kernels.conv2d as KC
     assert KC._dense_order(torch.empty(4, 6, 3, 3)) == (0, 1, 2, 3)

@@ -142,29 +142,37 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
 # dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw, ci]
 # (x is zero outside [0, H) x [0, W): padding contributes nothing). Rows r = (n, oh, ow) are
 # the GEMM's reduction axis; program (tile, tap, split) reduces rows [split * RPS, (split+1) * RPS).
+# With FOLD_TAPS the taps join the ci axis instead: columns j = tap * CI + ci of a (CO, TAPS * CI)
+# product, all taps in one program (grid axis 1 is 1). For few input channels (conv_in's 4) a ci
+# tile per tap would be mostly padding and every tap's program would read the same dY rows again.
 @triton.jit
 def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
-                       M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dw, rows_per_split, tiles,
+                       M, OH, OW, CO, CI, KW, TAPS, H, W, sh, ph, dh, sw, pw, dw, rows_per_split, tiles,
                        sy_n, sy_h, sy_w, sy_c, sx_n, sx_h, sx_w, sx_c,
                        so_s, so_co, so_ci, so_h, so_w,
-                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, FOLD_TAPS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # CO and CI are per group; program 0's axis is (group, co tile, ci tile), group-major
     pid = tl.program_id(0) % tiles
     grp = (tl.program_id(0) // tiles).to(tl.int64)
-    tap = tl.program_id(1)
     split = tl.program_id(2)
     dy_ptr += grp * CO * sy_c
     x_ptr += grp * CI * sx_c
     out_ptr += grp * CO * so_co
-    num_pid_n = tl.cdiv(CI, BLOCK_N)
+    num_pid_n = tl.cdiv(CI * TAPS, BLOCK_N) if FOLD_TAPS else tl.cdiv(CI, BLOCK_N)
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
-    kh = tap // KW
-    kw = tap % KW
 
     offs_co = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_ci = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if FOLD_TAPS:  # column j: tap j // CI, channel j % CI (past the last tap: channel CI, masked)
+        tap = offs_n // CI
+        offs_ci = tl.where(tap < TAPS, offs_n % CI, CI).to(tl.int64)
+    else:
+        tap = tl.program_id(1)
+        offs_ci = offs_n.to(tl.int64)
+    kh = tap // KW
+    kw = tap % KW
     mask_co = offs_co < CO
     mask_ci = offs_ci < CI
     ohw = OH * OW
@@ -179,17 +187,20 @@ def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
         rem = r % ohw
         oh = rem // OW
         ow = rem % OW
-        ih = oh * sh - ph + kh * dh
-        iw = ow * sw - pw + kw * dw
-        ok = mask_r & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-        ih = tl.where(ok, ih, 0)
-        iw = tl.where(ok, iw, 0)
         y_rows = dy_ptr + n_idx * sy_n + oh * sy_h + ow * sy_w
-        x_rows = x_ptr + n_idx * sx_n + ih * sx_h + iw * sx_w
         a = tl.load(y_rows[None, :] + offs_co[:, None] * sy_c,
                     mask=mask_co[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(x_rows[:, None] + offs_ci[None, :] * sx_c,
-                    mask=ok[:, None] & mask_ci[None, :], other=0.0)
+        if FOLD_TAPS:  # the source pixel depends on the column's tap: a (rows, columns) gather
+            ih = oh[:, None] * sh - ph + kh[None, :] * dh
+            iw = ow[:, None] * sw - pw + kw[None, :] * dw
+            ok = mask_r[:, None] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W) & mask_ci[None, :]
+            b_ptrs = x_ptr + n_idx[:, None] * sx_n + ih * sx_h + iw * sx_w + offs_ci[None, :] * sx_c
+        else:
+            ih = oh * sh - ph + kh * dh
+            iw = ow * sw - pw + kw * dw
+            ok = (mask_r & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W))[:, None] & mask_ci[None, :]
+            b_ptrs = (x_ptr + n_idx * sx_n + ih * sx_h + iw * sx_w)[:, None] + offs_ci[None, :] * sx_c
+        b = tl.load(b_ptrs, mask=ok, other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -200,9 +211,10 @@ def _conv_wgrad_kernel(dy_ptr, x_ptr, out_ptr,
 
 @triton.jit
 def _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_s, so_co, so_ci, so_h, so_w):
-    """Store a (co, ci) tile of tap (kh, kw) of the weight gradient (split ``split`` of the scratch)."""
-    o_ptrs = (out_ptr + split.to(tl.int64) * so_s + kh.to(tl.int64) * so_h + kw.to(tl.int64) * so_w
-              + offs_co[:, None] * so_co + offs_ci[None, :] * so_ci)
+    """Store a (co, ci) tile of the weight gradient (split ``split`` of the scratch) at tap (kh, kw):
+    one tap, or with folded taps one per column."""
+    o_ptrs = (out_ptr + split.to(tl.int64) * so_s + offs_co[:, None] * so_co
+              + (kh.to(tl.int64) * so_h + kw.to(tl.int64) * so_w + offs_ci * so_ci)[None, :])
     tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_co < CO)[:, None] & (offs_ci < CI)[None, :])
 
 
@@ -544,6 +556,9 @@ def _spatial_tile(block_m, OH, OW):
     return best[1], best[2]
 
 
+_FOLD_COLUMNS = 64  # the pointer weight gradient folds its taps into one column tile up to this many (tap, ci)
+
+
 def _wgrad_spatial_tile(block_k, OH, OW, dy_rows):
     """(TH, TW, FLAT_DY) of the TMA weight gradient's spatial tiles (see ``_conv_wgrad_tma_kernel``).
     With dY viewable as a (pixels, CO) matrix (``dy_rows``): TH whole rows when a power-of-two
@@ -689,7 +704,17 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         return fill_(dw_out, 0.0)
     (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
     tma = groups == 1 and _phase_view_ok(x, sh, sw) and _tma_buffers_ok(dy, x)
-    cfg = _wgrad_config(CO, CI, M, KH * KW, x.dtype, tma)
+    taps = KH * KW
+    # Few output channels at stride 1 (conv_out's 4): swap the operands' roles, dW[co, ci, kh, kw] =
+    # sum_q x[q, ci] * dY[q - ph' + (KH-1-kh) * dh, co] with ph' = (KH-1) * dh - ph, q over x's pixels:
+    # the weight gradient of a convolution of dY by "dY" = x, stored transposed and tap-flipped, whose
+    # few "input" channels then fold with the taps (below).
+    swap = not tma and groups == 1 and (sh, sw) == (1, 1) and CO * taps <= _FOLD_COLUMNS < CI * taps
+    if swap:
+        dy, x, CO, CI, OH, OW, H, W = x, dy, CI, CO, H, W, OH, OW
+        ph, pw, M = (KH - 1) * dh - ph, (KW - 1) * dwl - pw, NB * OH * OW
+    fold = not tma and taps > 1 and CI * taps <= _FOLD_COLUMNS
+    cfg = _wgrad_config(CO, CI, M, taps, x.dtype, tma)
     bm, bn, bk, warps, stages = (cfg[f] for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
     if tma:
         dy_rows = as_rows(dy)
@@ -701,11 +726,14 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         bn = _dividing_block(bn, CI, phased)
     else:
         units, per_unit = cdiv(M, bk), bk
-    tiles = cdiv(CO, bm) * cdiv(CI, bn)
+    if fold:  # one column tile holds every (tap, channel) column
+        bn = max(16, _pow2(CI * taps))
+    tiles = cdiv(CO, bm) * (1 if fold else cdiv(CI, bn))
+    programs = tiles * groups * (1 if fold else taps)
     # split the reduction (``units`` steps) until the GPU has ~2 programs per SM, each split >= 4 steps
     splits = 1
-    if not runtime.INTERPRETER and tiles * groups * KH * KW < 2 * runtime.num_sms():
-        splits = max(1, min(cdiv(2 * runtime.num_sms(), tiles * groups * KH * KW), cdiv(units, 4), 256))
+    if not runtime.INTERPRETER and programs < 2 * runtime.num_sms():
+        splits = max(1, min(cdiv(2 * runtime.num_sms(), programs), cdiv(units, 4), 256))
     per_split = cdiv(units, splits)
     splits = cdiv(units, per_split)
     order = _dense_order(dw_out)  # channels-last weights: ci innermost, so tile stores are contiguous
@@ -716,17 +744,21 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         slab = runtime.empty((splits, *(dw_out.shape[d] for d in perm)), acc_dtype(x.dtype))
         target_buf = slab.permute(0, *(1 + perm.index(d) for d in range(4)))
         so = target_buf.stride()
-    grid = (tiles * groups, KH * KW, splits)
+    out_base = target_buf
+    if swap:  # store (co', ci') = (ci, co) at tap (KH-1-kh, KW-1-kw): from the last tap, strides negated
+        out_base = target_buf[..., KH - 1:, KW - 1:]
+        so = (so[0], so[2], so[1], -so[3], -so[4])
+    grid = (tiles * groups, 1 if fold else taps, splits)
     if tma:
         launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
                *phase, *dy_strides, *_nhwc(x)[:3], per_split, *so, PHASED=phased, FLAT_DY=flat, TH=th, TW=tw,
                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
     else:
         acc, precision, upcast = _kernel_switches(x.dtype)
-        launch(_conv_wgrad_kernel, grid, dy, x, target_buf,
-               M, OH, OW, CO, CI, KW, H, W, sh, ph, dh, sw, pw, dwl, per_split * per_unit, tiles,
+        launch(_conv_wgrad_kernel, grid, dy, x, out_base,
+               M, OH, OW, CO, CI, KW, taps, H, W, sh, ph, dh, sw, pw, dwl, per_split * per_unit, tiles,
                *_nhwc(dy), *_nhwc(x), *so,
-               ACC=acc, PRECISION=precision, UPCAST=upcast, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+               ACC=acc, PRECISION=precision, UPCAST=upcast, FOLD_TAPS=fold, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                num_warps=warps, num_stages=stages)
     if splits > 1:
         n = dw_out.numel()
