@@ -115,10 +115,11 @@ def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw
     real = KC.launch
     monkeypatch.setattr(KC, "launch", lambda k, grid, *a, **m: launches.append((grid, m)) or real(k, grid, *a, **m))
     cl = torch.channels_last if channels_last else torch.contiguous_format
-    x = torch.randn(x_shape, dtype=torch.float64).contiguous(memory_format=cl)
-    y_shape = torch.nn.functional.conv2d(x, torch.zeros(w_shape, dtype=torch.float64), **kw).shape
-    g = torch.randn(y_shape, dtype=torch.float64).contiguous(memory_format=cl)
-    dw = torch.full(w_shape, float("nan"), dtype=torch.float64).contiguous(memory_format=cl)
+    f64 = dict(dtype=torch.float64, device=DEVICE)
+    x = torch.randn(x_shape, **f64).contiguous(memory_format=cl)
+    y_shape = torch.nn.functional.conv2d(x, torch.zeros(w_shape, **f64), **kw).shape
+    g = torch.randn(y_shape, **f64).contiguous(memory_format=cl)
+    dw = torch.full(w_shape, float("nan"), **f64).contiguous(memory_format=cl)
     stride, padding, dilation = (torch.nn.modules.utils._pair(kw.get(k, v))
                                  for k, v in (("stride", 1), ("padding", 0), ("dilation", 1)))
     KC.conv2d_weight_grad_(dw, g, x, stride, padding, dilation, kw.get("groups", 1))
