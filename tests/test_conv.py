@@ -129,23 +129,6 @@ def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw
     assert (meta["FOLD_TAPS"], grid[1]) == ((False, taps) if route == "per tap" else (True, 1))
 
 
-@pytest.mark.parametrize("x_shape,w_shape,folded", [
-    ((2, 4, 9, 11), (16, 4, 3, 3), ["forward", "weight"]),  # conv_in: K = 9 taps x 4 channels
-    ((2, 24, 9, 11), (4, 24, 3, 3), ["input", "weight"]),  # conv_out: the input gradient reduces over 4
-], ids=str)
-def test_conv2d_few_channels_fold_taps_into_k(x_shape, w_shape, folded, monkeypatch):
-    """The pointer implicit GEMM walks K as (tap, channel) pairs when they fit one K block; all
-    three results against PyTorch."""
-    import flame.kernels.conv2d as KC
-    launches = []
-    real = KC.launch
-    monkeypatch.setattr(KC, "launch", lambda k, *a, **m: launches.append((k.fn.__name__, m)) or real(k, *a, **m))
-    _run(x_shape, w_shape, torch.float32, padding=1)
-    gemm = [m["FOLD_TAPS"] for name, m in launches if name == "_conv_gemm_kernel"]
-    wgrad = [m["FOLD_TAPS"] for name, m in launches if name == "_conv_wgrad_kernel"]
-    assert gemm == [("forward" in folded), ("input" in folded)] and wgrad == [True]
-
-
 def test_dense_order():
     import flame.kernels.conv2d as KC
     assert KC._dense_order(torch.empty(4, 6, 3, 3)) == (0, 1, 2, 3)

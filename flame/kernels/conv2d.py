@@ -57,7 +57,7 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
                       s_n, s_h, s_w, s_c, sw_k, sw_n, sw_h, sw_w, so_n, so_h, so_w, so_c, s_bias,
                       sg_src, sg_w, sg_out, P_h, P_w,
                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                      BIAS: tl.constexpr, DIV: tl.constexpr, FOLD_TAPS: tl.constexpr,
+                      BIAS: tl.constexpr, DIV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -99,29 +99,15 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
     # One flat loop over (tap, channel block) so the whole K = KH * KW * C reduction is one
     # software-pipelined loop. With a divisor (strided input gradient) a tap that cannot reach
     # this phase's rows is fully masked by ``ok`` (its loads are skipped, the MMA adds zeros).
-    # FOLD_TAPS (few channels: conv_in's 4) walks K = (tap, channel) itself, k -> (k // C, k % C),
-    # so a K block holds several taps' channels instead of one tap's few channels and padding.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     c_blocks = tl.cdiv(C, BLOCK_K)
-    K_all = KH * KW * C
-    for t in range(0, tl.cdiv(K_all, BLOCK_K) if FOLD_TAPS else KH * KW * c_blocks):
-        if FOLD_TAPS:  # per-column taps: (1, BLOCK_K) across the A tile, (BLOCK_K, 1) down the B tile
-            k = t * BLOCK_K + offs_k
-            mask_k = k < K_all
-            ck = k % C
-            tap = k // C
-            kh_a, kw_a = (tap // KW)[None, :], (tap % KW)[None, :]
-            kh_b, kw_b = (tap // KW)[:, None], (tap % KW)[:, None]
-        else:
-            tap = t // c_blocks
-            ck = (t - tap * c_blocks) * BLOCK_K + offs_k
-            mask_k = ck < C
-            kh_a = tap // KW
-            kw_a = tap % KW
-            kh_b = kh_a
-            kw_b = kw_a
-        num_h = oh[:, None] * A_h + B_h + kh_a * C_h
-        num_w = ow[:, None] * A_w + B_w + kw_a * C_w
+    for t in range(0, KH * KW * c_blocks):
+        tap = t // c_blocks
+        c0 = (t - tap * c_blocks) * BLOCK_K
+        kh = tap // KW
+        kw = tap % KW
+        num_h = oh * A_h + B_h + kh * C_h
+        num_w = ow * A_w + B_w + kw * C_w
         if DIV:
             ok = (num_h >= 0) & (num_w >= 0) & (num_h % D_h == 0) & (num_w % D_w == 0)
             ih = num_h // D_h
@@ -130,11 +116,17 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
             ok = (num_h >= 0) & (num_w >= 0)
             ih = num_h
             iw = num_w
-        ok = ok & (ih < XH) & (iw < XW) & mask_m[:, None] & mask_k[None, :]
-        a_ptrs = row_base[:, None] + ih * s_h + iw * s_w + ck[None, :].to(tl.int64) * s_c
-        a = tl.load(a_ptrs, mask=ok, other=0.0)
-        w_k = kh_b.to(tl.int64) * sw_h + kw_b.to(tl.int64) * sw_w + ck[:, None].to(tl.int64) * sw_k
-        b = tl.load(w_ptr + w_k + offs_n[None, :] * sw_n, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        ok = ok & (ih < XH) & (iw < XW) & mask_m
+        ih = tl.where(ok, ih, 0)
+        iw = tl.where(ok, iw, 0)
+        a_rows = row_base + ih * s_h + iw * s_w
+        w_tap = w_ptr + kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w
+        ck = c0 + offs_k
+        mask_k = ck < C
+        a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
+                    mask=ok[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -403,9 +395,6 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
 
 # ---- launch configuration ---------------------------------------------------------------------
 
-_FOLD_COLUMNS = 64  # the pointer kernels fold the taps into one K (or dW column) tile up to this many (tap, channel)
-
-
 def _gpu_tiles(dtype, M, N, K):
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for an (M x K) @ (K x N) tile loop: the matmul
     kernel's H200 choices per dtype, shrunk to the problem (at least 16 for tl.dot)."""
@@ -482,10 +471,7 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
         return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
-    cfg = dict(_gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d"))
-    fold = KH * KW > 1 and C * KH * KW <= _FOLD_COLUMNS
-    if fold:  # every (tap, channel) in one K block
-        cfg["BLOCK_K"] = max(16, _pow2(C * KH * KW))
+    cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
     acc, precision, upcast = _kernel_switches(src.dtype)
     div = geom_h[3] != 1 or geom_w[3] != 1
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)
@@ -494,8 +480,7 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
            M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
            *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, 0 if bias is None else bias.stride(0),
            C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
-           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, FOLD_TAPS=fold, GROUP_M=8,
-           **cfg)
+           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
     return out
 
 
@@ -569,6 +554,9 @@ def _spatial_tile(block_m, OH, OW):
             best = (waste, th, tw)
         tw //= 2
     return best[1], best[2]
+
+
+_FOLD_COLUMNS = 64  # the pointer weight gradient folds its taps into one column tile up to this many (tap, ci)
 
 
 def _wgrad_spatial_tile(block_k, OH, OW, dy_rows):
