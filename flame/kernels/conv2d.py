@@ -19,8 +19,11 @@ Two kernels:
 - ``_conv_wgrad_kernel``: the weight gradient, a GEMM over the N*Ho*Wo rows per tap:
     dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*s - p + kh*d, ow*s - p + kw*d, ci]
   one program per (co tile, ci tile, tap, split of the rows), fp32 (fp64) accumulation; with
-  more than one split the partial sums go to an fp32 scratch (split, Co, Ci, KH, KW) reduced by
-  the reduction kernel (deterministic, no atomics).
+  more than one split the partial sums go to an fp32 scratch (split, Co, Ci, KH, KW), laid out in
+  dW's own memory order (channels-last for flame's weights: contiguous ci stores), reduced by the
+  reduction kernel (deterministic, no atomics). Few input channels (conv_in) fold the taps into
+  the ci columns (one program for all taps); few output channels at stride 1 (conv_out) swap the
+  operands first (``conv2d_weight_grad_``).
 
 All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
 (and any other strided view) work alike; channels-last is the fast layout.
