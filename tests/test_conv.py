@@ -106,11 +106,16 @@ def test_conv2d_weight_gradient_into_any_layout(layout):
     ((1, 3, 9, 7), (8, 3, 5, 5), dict(padding=2), "per tap"),  # 75 (tap, ci) columns: one program per tap
 ], ids=str)
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw, route, channels_last, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw, route, channels_last, splits,
+                                                              monkeypatch):
     """Few input channels: the pointer weight gradient puts every (tap, ci) in one column tile; few
     output channels at stride 1: it swaps the operands (dY convolved by x), stores transposed and
-    tap-flipped, and folds those. Values against PyTorch in float64, both layouts."""
+    tap-flipped, and folds those. Values against PyTorch in float64, both layouts, with the rows in
+    one piece or split 3 ways (partial sums in dW's memory order, then summed)."""
     import flame.kernels.conv2d as KC
+    from flame import tune
+    monkeypatch.setattr(KC, "_wgrad_splits", lambda programs, units: splits)
     launches = []
     real = KC.launch
     monkeypatch.setattr(KC, "launch", lambda k, grid, *a, **m: launches.append((grid, m)) or real(k, grid, *a, **m))
@@ -122,11 +127,13 @@ def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw
     dw = torch.full(w_shape, float("nan"), **f64).contiguous(memory_format=cl)
     stride, padding, dilation = (torch.nn.modules.utils._pair(kw.get(k, v))
                                  for k, v in (("stride", 1), ("padding", 0), ("dilation", 1)))
-    KC.conv2d_weight_grad_(dw, g, x, stride, padding, dilation, kw.get("groups", 1))
+    with tune.override("conv2d_wgrad", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, num_warps=4, num_stages=1)):
+        KC.conv2d_weight_grad_(dw, g, x, stride, padding, dilation, kw.get("groups", 1))
     assert_close(dw, torch.nn.grad.conv2d_weight(x, w_shape, g, **kw), torch.float64)
-    (grid, meta), = launches
+    (grid, meta), = launches  # (the sum of the splits is the reduction kernel's launch)
     taps = w_shape[2] * w_shape[3]
     assert (meta["FOLD_TAPS"], grid[1]) == ((False, taps) if route == "per tap" else (True, 1))
+    assert (grid[2] > 1) == (splits > 1)
 
 
 def test_dense_order():

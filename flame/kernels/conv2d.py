@@ -562,6 +562,15 @@ def _spatial_tile(block_m, OH, OW):
 _FOLD_COLUMNS = 64  # the pointer weight gradient folds its taps into one column tile up to this many (tap, ci)
 
 
+def _wgrad_splits(programs, units):
+    """How many splits of its ``units`` reduction steps the weight gradient's grid of ``programs``
+    programs runs: enough for about 2 programs per SM, each split at least 4 steps (1 in the
+    interpreter)."""
+    if runtime.INTERPRETER or programs >= 2 * runtime.num_sms():
+        return 1
+    return max(1, min(cdiv(2 * runtime.num_sms(), programs), cdiv(units, 4), 256))
+
+
 def _wgrad_spatial_tile(block_k, OH, OW, dy_rows):
     """(TH, TW, FLAT_DY) of the TMA weight gradient's spatial tiles (see ``_conv_wgrad_tma_kernel``).
     With dY viewable as a (pixels, CO) matrix (``dy_rows``): TH whole rows when a power-of-two
@@ -732,11 +741,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     if fold:  # one column tile holds every (tap, channel) column
         bn = max(16, _pow2(CI * taps))
     tiles = cdiv(CO, bm) * (1 if fold else cdiv(CI, bn))
-    programs = tiles * groups * (1 if fold else taps)
-    # split the reduction (``units`` steps) until the GPU has ~2 programs per SM, each split >= 4 steps
-    splits = 1
-    if not runtime.INTERPRETER and programs < 2 * runtime.num_sms():
-        splits = max(1, min(cdiv(2 * runtime.num_sms(), programs), cdiv(units, 4), 256))
+    splits = _wgrad_splits(tiles * groups * (1 if fold else taps), units)
     per_split = cdiv(units, splits)
     splits = cdiv(units, per_split)
     order = _dense_order(dw_out)  # channels-last weights: ci innermost, so tile stores are contiguous
