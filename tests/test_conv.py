@@ -615,6 +615,16 @@ def test_wave_splits():
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
+@pytest.mark.parametrize("shape,co,k,kw", [TMA_SHAPES[1], TMA_SHAPES[4], TMA_SHAPES[-2]], ids=str)
+def test_conv2d_tma_weight_gradient_split_k_in_the_interpreter(shape, co, k, kw, monkeypatch, tma_in_interpreter):
+    """The TMA weight gradient with its spatial tiles split 3 ways: partial sums into a scratch in
+    the channels-last weight's memory order, then summed (dilation, stride 2, whole-row tiles)."""
+    import flame.kernels.conv2d as KC
+    monkeypatch.setattr(KC, "_wgrad_splits", lambda programs, units: min(3, units))
+    _check_tma_convolution(torch.float16, shape, co, k, kw, monkeypatch)
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
 def test_conv2d_tma_stride2_input_gradient_is_tuned_per_phase(monkeypatch, tma_in_interpreter):
     """A stride-2 input gradient looks its config up as one phase's problem (a quarter of the pixels,
     ceil(3 / 2)^2 = 4 taps), not as the stride-1 problem with the same (M, N, C, taps)."""
