@@ -101,6 +101,18 @@ def empty_strided(shape, strides, dtype) -> torch.Tensor:
     return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
+def dense_order(buf):
+    """The dims of ``buf`` from outermost to innermost in memory when its strides are a permutation
+    of a contiguous layout (no gaps, no overlap: NCHW, channels-last, ...), else None."""
+    order = tuple(sorted(range(buf.dim()), key=lambda d: -buf.stride(d)))
+    expected = 1
+    for d in reversed(order):
+        if buf.shape[d] != 1 and buf.stride(d) != expected:
+            return None
+        expected *= buf.shape[d]
+    return order
+
+
 def synchronize() -> None:
     if not INTERPRETER:
         torch.cuda.synchronize()

@@ -137,13 +137,13 @@ def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw
 
 
 def test_dense_order():
-    import flame.kernels.conv2d as KC
-    assert KC._dense_order(torch.empty(4, 6, 3, 3)) == (0, 1, 2, 3)
-    assert KC._dense_order(torch.empty(4, 6, 3, 3).contiguous(memory_format=torch.channels_last)) == (0, 2, 3, 1)
-    assert KC._dense_order(torch.empty(4, 6, 1, 1)) == (0, 1, 2, 3)
-    assert KC._dense_order(torch.empty(4, 12, 3, 3)[:, ::2]) is None
-    assert KC._dense_order(torch.empty(8, 6, 3, 3)[:4]) == (0, 1, 2, 3)  # a leading slice is dense
-    assert KC._dense_order(torch.empty(6, 4, 3, 3).transpose(0, 1)) == (1, 0, 2, 3)
+    from flame import runtime  # the layout helper the weight gradient's split-K scratch follows
+    assert runtime.dense_order(torch.empty(4, 6, 3, 3)) == (0, 1, 2, 3)
+    assert runtime.dense_order(torch.empty(4, 6, 3, 3).contiguous(memory_format=torch.channels_last)) == (0, 2, 3, 1)
+    assert runtime.dense_order(torch.empty(4, 6, 1, 1)) == (0, 1, 2, 3)
+    assert runtime.dense_order(torch.empty(4, 12, 3, 3)[:, ::2]) is None
+    assert runtime.dense_order(torch.empty(8, 6, 3, 3)[:4]) == (0, 1, 2, 3)  # a leading slice is dense
+    assert runtime.dense_order(torch.empty(6, 4, 3, 3).transpose(0, 1)) == (1, 0, 2, 3)
 
 
 @pytest.mark.parametrize("w_shape,kw", [

@@ -744,7 +744,7 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     splits = _wgrad_splits(tiles * groups * (1 if fold else taps), units)
     per_split = cdiv(units, splits)
     splits = cdiv(units, per_split)
-    order = _dense_order(dw_out)  # channels-last weights: ci innermost, so tile stores are contiguous
+    order = runtime.dense_order(dw_out)  # channels-last weights: ci innermost, so tile stores are contiguous
     if splits == 1:
         target_buf, so = dw_out, (0,) + tuple(dw_out.stride())
     else:  # fp32 partial gradients laid out as dw_out (or contiguous), summed below as flat slabs
@@ -778,18 +778,6 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
             from .elementwise import copy_
             copy_(dw_out, tmp)
     return dw_out
-
-
-def _dense_order(t):
-    """The dims of ``t`` from outermost to innermost in memory when ``t`` fills its span densely
-    (contiguous in some dim order: NCHW, channels-last, ...), else None."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    expected = 1
-    for d in reversed(order):
-        if t.shape[d] != 1 and t.stride(d) != expected:
-            return None
-        expected *= t.shape[d]
-    return order
 
 
 def acc_dtype(dtype):

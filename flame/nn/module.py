@@ -53,20 +53,10 @@ def _as_buffer(value, what):
 
 def _cast(buf, dtype):
     # keep the memory layout (a channels-last conv weight stays channels-last)
-    out = runtime.empty_strided(tuple(buf.shape), buf.stride(), dtype) if _dense(buf) else \
+    out = runtime.empty_strided(tuple(buf.shape), buf.stride(), dtype) if runtime.dense_order(buf) is not None else \
         runtime.empty(tuple(buf.shape), dtype)
     KE.copy_(out, buf)
     return out
-
-
-def _dense(buf):
-    """True when ``buf``'s strides are a permutation of a contiguous layout (no gaps, no overlap)."""
-    expected = 1
-    for size, stride in sorted(zip(buf.shape, buf.stride()), key=lambda d: d[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 class Module:
