@@ -116,11 +116,11 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 @triton.jit
 def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part_ptr, count_ptr,
-                       M, N, K, s_a, s_b, s_c, s_bias, alpha, splits,
+                       M, N, K, s_a, s_b, s_c, s_bias, alpha, whole_tiles, splits,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_K: tl.constexpr):
+                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr):
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
     # and the kernel is persistent: the grid is at most one program per SM and each program walks
@@ -130,12 +130,13 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part
     # (K, N) as (N, K) or (K, N) tiles. C is row-major. FLATTEN lets the compiler software-pipeline
     # across tile boundaries (the next tile's loads overlap this tile's epilogue).
     #
-    # A work unit is a tile in grouped order, or with SPLIT_K one of its ``splits`` K slices (for
-    # problems of few tiles and long K). A slice stores its fp32 product to its slab of ``part``
-    # (tile, slice), then counts itself in on the tile's counter (``count``, zero between
-    # launches); the slice that arrives last sums the slabs in slice order (the same sum whichever
-    # slice is last: deterministic), finishes the tile with the epilogue and sets the counter back
-    # to zero. Nobody waits for anybody: a slice that is not last just moves on.
+    # Work units, tiles in grouped order: the first ``whole_tiles`` tiles are one unit each (all of
+    # K); with SPLIT_TAIL each later tile (the last, partial wave) is ``splits`` units, one K slice
+    # each, so that wave spreads over every SM. A slice stores its fp32 product to its slab of
+    # ``part`` (tail tile, slice), then counts itself in on the tile's counter (``count``, zero
+    # between launches); the slice that arrives last sums the slabs in slice order (the same sum
+    # whichever slice is last: deterministic), finishes the tile with the epilogue and sets the
+    # counter back to zero. Nobody waits on anybody: a slice that is not last just moves on.
     if A_K_CONTIGUOUS:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_a, 1], block_shape=[BLOCK_M, BLOCK_K])
     else:
@@ -149,17 +150,20 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     units = num_pid_m * num_pid_n
-    if SPLIT_K:
-        units *= splits
+    if SPLIT_TAIL:
+        units = whole_tiles + (units - whole_tiles) * splits
         slice_k = tl.cdiv(k_tiles, splits)
+        slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     for unit in tl.range(tl.program_id(0), units, tl.num_programs(0), flatten=FLATTEN):
         tile = unit
         k_lo = 0
         k_hi = k_tiles
-        if SPLIT_K:
-            tile = unit // splits
-            k_lo = (unit % splits) * slice_k
-            k_hi = tl.minimum(k_lo + slice_k, k_tiles)
+        if SPLIT_TAIL:
+            piece = tl.maximum(unit - whole_tiles, 0)  # the tail's unit number: tail tile * splits + slice
+            in_tail = unit >= whole_tiles
+            tile = tl.where(in_tail, whole_tiles + piece // splits, unit)
+            k_lo = tl.where(in_tail, (piece % splits) * slice_k, 0)
+            k_hi = tl.where(in_tail, tl.minimum(k_lo + slice_k, k_tiles), k_tiles)
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -176,18 +180,20 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
         finish = True
-        if SPLIT_K:
-            slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(part_ptr + tl.cast(unit, tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
-            tl.debug_barrier()  # every thread's slab store is ordered before the release below
-            arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            finish = arrived == splits - 1
-            if finish:
-                first = part_ptr + tl.cast(tile * splits, tl.int64) * (BLOCK_M * BLOCK_N) + slab
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in range(splits):
-                    acc += tl.load(first + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-                tl.store(count_ptr + tile, 0)
+        if SPLIT_TAIL:
+            finish = unit < whole_tiles
+            if unit >= whole_tiles:
+                tail_tile = tile - whole_tiles
+                tl.store(part_ptr + piece.to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
+                tl.debug_barrier()  # every thread's slab store is ordered before the release below
+                arrived = tl.atomic_add(count_ptr + tail_tile, 1, sem="acq_rel", scope="gpu")
+                finish = arrived == splits - 1
+                if finish:
+                    first = part_ptr + (tail_tile * splits).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab
+                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in range(splits):
+                        acc += tl.load(first + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
+                    tl.store(count_ptr + tail_tile, 0)
         if finish:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
@@ -320,6 +326,7 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
 
 TMA = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_TMA", "1") != "0"
 FLATTEN = True  # software-pipeline across tile boundaries (tl.range(flatten=...)): 2-4% faster on the H200
+FLATTEN_SPLIT = False  # the same for launches that cut their last wave's tiles into K slices
 _tma_ready = None  # None: not yet checked; then whether this device and Triton can run the TMA kernel
 
 
@@ -409,49 +416,51 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     tiles = cdiv(M, bm) * cdiv(N, bn)
     programs = runtime.num_sms()
-    splits = _tma_splits(tiles, cdiv(K, cfg["BLOCK_K"]), programs)
+    whole, splits = _tail_splits(tiles, cdiv(K, cfg["BLOCK_K"]), programs)
+    units = whole + (tiles - whole) * splits
     part = counts = out
     if splits > 1:
-        part = runtime.empty((tiles * splits, bm * bn), torch.float32)
-        counts = _tile_counters(tiles)
-    launch(_matmul_tma_kernel, (min(tiles * splits, programs),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
-           _or(f.residual, out), part, counts, M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, splits,
+        part = runtime.empty(((tiles - whole) * splits, bm * bn), torch.float32)
+        counts = _tile_counters(tiles - whole)
+    launch(_matmul_tma_kernel, (min(units, programs),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
+           _or(f.residual, out), part, counts, M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, whole, splits,
            A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None, ACT=f.act,
-           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, SPLIT_K=splits > 1,
-           **dict(cfg, FLATTEN=cfg["FLATTEN"] and splits == 1))
+           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, SPLIT_TAIL=splits > 1,
+           **dict(cfg, FLATTEN=cfg["FLATTEN"] and (splits == 1 or FLATTEN_SPLIT)))
 
 
-# The split TMA GEMM, measured on an H200 (bf16, 128x128x64 tiles): a K slice costs about as much
-# as 10 K steps plus 3 per slice of its tile (storing its slab, the counter's round trip, the last
-# slice's reading of every slab, all serial latency) beyond its own K steps; a second round of
-# slices, or slices after a wave of whole tiles, never paid (1024x1280->1280 in 3 slices: 11.8 ->
-# 24.2 us; 4096x2560->640, its last 28 of 160 tiles in 4: 31.4 -> 34.4 us), one round of long
-# slices did (640x4096->640, 25 tiles in 4 slices of 16 steps: 24.1 -> 16.9 us).
-_SLICE_COST, _SLAB_COST, _MIN_SLICE = 10, 3, 16
+# Cost of a work unit of the TMA kernel beyond its K steps, in K steps (each a BLOCK_M x BLOCK_N x
+# BLOCK_K product): filling the pipeline and the epilogue; for a K slice also storing its fp32
+# slab and, for the slice that arrives last, reading every slab of the tile back.
+_UNIT_COST, _SLAB_COST = 3, 1
 
 
-def _tma_splits(tiles, k_steps, programs):
-    """K slices per tile for the persistent TMA kernel: for a problem of at most half a wave of
-    tiles, the count that fits one round of programs and minimises a slice's time (the costs
-    above), with slices of at least ``_MIN_SLICE`` K steps; 1 (no split) otherwise."""
-    best, best_cost = 1, k_steps
-    for splits in range(2, programs // tiles + 1):
+def _tail_splits(tiles, k_steps, programs):
+    """(whole tiles, K slices per later tile) for the persistent TMA kernel: the tiles of the
+    full waves stay whole, the last, partial wave's tiles are cut into K slices so that it spreads
+    over the idle SMs (a 4096x2560->640 GEMM has 160 tiles for 132 SMs: 132 whole ones, then 28
+    cut in 4). The count minimises the busiest program's time, in K steps plus the unit costs
+    above; (tiles, 1) when no cut is cheaper. Every slice gets at least 2 K steps."""
+    whole = tiles // programs * programs
+    tail = tiles - whole
+    best = (-(-tiles // programs) * (k_steps + _UNIT_COST), tiles, 1)
+    if tail == 0:
+        return tiles, 1
+    for splits in range(2, min(16, k_steps // 2) + 1):
         slice_k = -(-k_steps // splits)
-        if slice_k < _MIN_SLICE:
-            break
         if slice_k * (splits - 1) >= k_steps:  # the last slice would be empty
             continue
-        cost = slice_k + _SLICE_COST + _SLAB_COST * splits
-        if cost < best_cost:
-            best, best_cost = splits, cost
-    return best
+        rounds = -(-tail * splits // programs)
+        busiest = whole // programs * (k_steps + _UNIT_COST) + rounds * (slice_k + _UNIT_COST + _SLAB_COST * (splits + 1))
+        best = min(best, (busiest, whole, splits))
+    return best[1:]
 
 
 _counters = []  # the TMA kernel's per-tile arrival counters: int32, zero between launches
 
 
 def _tile_counters(n):
-    """At least ``n`` zeroed int32 arrival counters (``_matmul_tma_kernel``'s K slices). Each
+    """At least ``n`` zeroed int32 arrival counters (``_matmul_tma_kernel``'s split tail). Each
     launch leaves them at zero again, so one buffer serves every launch on flame's stream (the
     launches run one after another), CUDA-graph replays included."""
     if not _counters or _counters[0].numel() < n:
