@@ -407,61 +407,6 @@ def test_tma_linear_in_the_interpreter(M, K, N, act, monkeypatch, tma_in_interpr
     _check_tma_linear(torch.float16, M, K, N, act, monkeypatch)
 
 
-def test_tma_tail_split_rule():
-    """The persistent TMA kernel cuts the tiles of its last, partial wave into K slices when that
-    shortens the busiest SM's work, never into empty or 1-step slices."""
-    import flame.kernels.matmul as KM
-    assert KM._tail_splits(tiles=160, k_steps=40, programs=132) == (132, 4)  # 4096x2560->640
-    assert KM._tail_splits(tiles=80, k_steps=80, programs=132) == (0, 3)     # 1024x5120->1280
-    assert KM._tail_splits(tiles=264, k_steps=40, programs=132) == (264, 1)  # whole waves
-    assert KM._tail_splits(tiles=160, k_steps=3, programs=132) == (160, 1)   # K too short
-    assert KM._tail_splits(tiles=131, k_steps=40, programs=132) == (131, 1)  # one wave, nearly full
-    for tiles in range(1, 400, 7):
-        for k in (1, 2, 5, 17, 40, 160):
-            whole, splits = KM._tail_splits(tiles, k, 132)
-            assert whole <= tiles and (splits == 1) == (whole == tiles)
-            assert splits == 1 or (2 <= -(-k // splits) and -(-k // splits) * (splits - 1) < k)
-
-
-def _force_tail_split(monkeypatch, whole, splits, programs=4):
-    """Make every TMA launch keep ``whole`` tiles whole and cut the rest into ``splits`` K slices,
-    on ``programs`` persistent programs."""
-    import flame.kernels.matmul as KM
-    import flame.runtime as R
-    monkeypatch.setattr(R, "_num_sms", programs)
-    monkeypatch.setattr(KM, "_tail_splits", lambda tiles, k, p: (min(whole, tiles), splits) if tiles > whole
-                        else (tiles, 1))
-
-
-@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
-@pytest.mark.parametrize("whole,splits", [(0, 2), (1, 3), (4, 2)])
-def test_tma_tail_split_in_the_interpreter(whole, splits, monkeypatch, tma_in_interpreter):
-    """The TMA kernel's split tail (``whole`` tiles whole, the rest in K slices summed by the
-    slice that arrives last), for the linear's three GEMMs with bias and GELU: values against
-    PyTorch, and the arrival counters back at zero afterwards."""
-    import flame.kernels.matmul as KM
-    _force_tail_split(monkeypatch, whole, splits)
-    _check_tma_linear(torch.float16, 264, 392, 200, "gelu_tanh", monkeypatch)
-    assert KM._counters and not KM._counters[0].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("whole,splits", [(0, 3), (16, 4), (30, 2)])
-def test_tma_tail_split_on_the_gpu(dtype, whole, splits, monkeypatch):
-    """The split tail on every SM of the GPU, slices racing for the counters: values of the three
-    GEMMs against PyTorch, bitwise the same result on every run, counters back at zero."""
-    import flame.kernels.matmul as KM
-    if not KM.TMA or not KM.tma_available():
-        pytest.skip("no TMA on this GPU / Triton")
-    _force_tail_split(monkeypatch, whole, splits, programs=flame.runtime.num_sms())
-    _check_tma_linear(dtype, 1000, 2056, 520, None, monkeypatch)
-    x, w = (torch.randn(shape, device="cuda", dtype=dtype) for shape in ((1000, 2056), (520, 2056)))
-    runs = [KM.linear_(torch.empty(1000, 520, device="cuda", dtype=dtype), x, w) for _ in range(3)]
-    assert all(torch.equal(runs[0], r) for r in runs[1:])
-    assert not KM._counters[0].any()
-
-
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
 def test_tma_residual_in_the_interpreter(monkeypatch, tma_in_interpreter):
     """The TMA kernel's scaled in-place accumulation, out += 0.5 A @ B (A K-major, B N-major)."""

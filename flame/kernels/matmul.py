@@ -115,28 +115,19 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 
 @triton.jit
-def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part_ptr, count_ptr,
-                       M, N, K, s_a, s_b, s_c, s_bias, alpha, whole_tiles, splits,
+def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K, s_a, s_b, s_c, s_bias, alpha,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr, SPLIT_TAIL: tl.constexpr):
+                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
     # and the kernel is persistent: the grid is at most one program per SM and each program walks
-    # the work units pid, pid + programs, ... Each operand is described along its
+    # the tiles pid, pid + programs, ... in grouped order. Each operand is described along its
     # contiguous dimension (a descriptor's last stride must be 1): A (M, K) is read as (M, K)
     # tiles when K is contiguous, else as (K, M) tiles transposed in shared memory; likewise B
     # (K, N) as (N, K) or (K, N) tiles. C is row-major. FLATTEN lets the compiler software-pipeline
     # across tile boundaries (the next tile's loads overlap this tile's epilogue).
-    #
-    # Work units, tiles in grouped order: the first ``whole_tiles`` tiles are one unit each (all of
-    # K); with SPLIT_TAIL each later tile (the last, partial wave) is ``splits`` units, one K slice
-    # each, so that wave spreads over every SM. A slice stores its fp32 product to its slab of
-    # ``part`` (tail tile, slice), then counts itself in on the tile's counter (``count``, zero
-    # between launches); the slice that arrives last sums the slabs in slice order (the same sum
-    # whichever slice is last: deterministic), finishes the tile with the epilogue and sets the
-    # counter back to zero. Nobody waits on anybody: a slice that is not last just moves on.
     if A_K_CONTIGUOUS:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_a, 1], block_shape=[BLOCK_M, BLOCK_K])
     else:
@@ -149,26 +140,12 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    units = num_pid_m * num_pid_n
-    if SPLIT_TAIL:
-        units = whole_tiles + (units - whole_tiles) * splits
-        slice_k = tl.cdiv(k_tiles, splits)
-        slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    for unit in tl.range(tl.program_id(0), units, tl.num_programs(0), flatten=FLATTEN):
-        tile = unit
-        k_lo = 0
-        k_hi = k_tiles
-        if SPLIT_TAIL:
-            piece = tl.maximum(unit - whole_tiles, 0)  # the tail's unit number: tail tile * splits + slice
-            in_tail = unit >= whole_tiles
-            tile = tl.where(in_tail, whole_tiles + piece // splits, unit)
-            k_lo = tl.where(in_tail, (piece % splits) * slice_k, 0)
-            k_hi = tl.where(in_tail, tl.minimum(k_lo + slice_k, k_tiles), k_tiles)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k_lo, k_hi):
+        for kk in range(k_tiles):
             off_k = kk * BLOCK_K
             if A_K_CONTIGUOUS:
                 a = a_desc.load([off_m, off_k])
@@ -179,33 +156,17 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, part
             else:
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
-        finish = True
-        if SPLIT_TAIL:
-            finish = unit < whole_tiles
-            if unit >= whole_tiles:
-                tail_tile = tile - whole_tiles
-                tl.store(part_ptr + piece.to(tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
-                tl.debug_barrier()  # every thread's slab store is ordered before the release below
-                arrived = tl.atomic_add(count_ptr + tail_tile, 1, sem="acq_rel", scope="gpu")
-                finish = arrived == splits - 1
-                if finish:
-                    first = part_ptr + (tail_tile * splits).to(tl.int64) * (BLOCK_M * BLOCK_N) + slab
-                    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in range(splits):
-                        acc += tl.load(first + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-                    tl.store(count_ptr + tail_tile, 0)
-        if finish:
-            offs_n = off_n + tl.arange(0, BLOCK_N)
-            pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
-            if STORE_PRE:
-                pre_desc = tl.make_tensor_descriptor(pre_out_ptr, shape=[M, N], strides=[s_c, 1],
-                                                     block_shape=[BLOCK_M, BLOCK_N])
-                pre_desc.store([off_m, off_n], pre.to(pre_out_ptr.dtype.element_ty))
-            if RESIDUAL:
-                res_desc = tl.make_tensor_descriptor(res_ptr, shape=[M, N], strides=[s_c, 1],
-                                                     block_shape=[BLOCK_M, BLOCK_N])
-                acc += res_desc.load([off_m, off_n]).to(acc.dtype)
-            c_desc.store([off_m, off_n], acc.to(c_ptr.dtype.element_ty))
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
+        if STORE_PRE:
+            pre_desc = tl.make_tensor_descriptor(pre_out_ptr, shape=[M, N], strides=[s_c, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_N])
+            pre_desc.store([off_m, off_n], pre.to(pre_out_ptr.dtype.element_ty))
+        if RESIDUAL:
+            res_desc = tl.make_tensor_descriptor(res_ptr, shape=[M, N], strides=[s_c, 1],
+                                                 block_shape=[BLOCK_M, BLOCK_N])
+            acc += res_desc.load([off_m, off_n]).to(acc.dtype)
+        c_desc.store([off_m, off_n], acc.to(c_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -326,7 +287,6 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
 
 TMA = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_TMA", "1") != "0"
 FLATTEN = True  # software-pipeline across tile boundaries (tl.range(flatten=...)): 2-4% faster on the H200
-FLATTEN_SPLIT = False  # the same for launches that cut their last wave's tiles into K slices
 _tma_ready = None  # None: not yet checked; then whether this device and Triton can run the TMA kernel
 
 
@@ -413,61 +373,11 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
         if len(_tma_cache) > 4096:
             _tma_cache.clear()
         _tma_cache[key] = cfg
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    programs = runtime.num_sms()
-    whole, splits = _tail_splits(tiles, cdiv(K, cfg["BLOCK_K"]), programs)
-    units = whole + (tiles - whole) * splits
-    part = counts = out
-    if splits > 1:
-        part = runtime.empty(((tiles - whole) * splits, bm * bn), torch.float32)
-        counts = _tile_counters(tiles - whole)
-    launch(_matmul_tma_kernel, (min(units, programs),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
-           _or(f.residual, out), part, counts, M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, whole, splits,
-           A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None, ACT=f.act,
-           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, SPLIT_TAIL=splits > 1,
-           **dict(cfg, FLATTEN=cfg["FLATTEN"] and (splits == 1 or FLATTEN_SPLIT)))
-
-
-# Cost of a work unit of the TMA kernel beyond its K steps, in K steps (each a BLOCK_M x BLOCK_N x
-# BLOCK_K product): filling the pipeline and the epilogue; for a K slice also storing its fp32
-# slab and, for the slice that arrives last, reading every slab of the tile back.
-_UNIT_COST, _SLAB_COST = 3, 1
-
-
-def _tail_splits(tiles, k_steps, programs):
-    """(whole tiles, K slices per later tile) for the persistent TMA kernel: the tiles of the
-    full waves stay whole, the last, partial wave's tiles are cut into K slices so that it spreads
-    over the idle SMs (a 4096x2560->640 GEMM has 160 tiles for 132 SMs: 132 whole ones, then 28
-    cut in 4). The count minimises the busiest program's time, in K steps plus the unit costs
-    above; (tiles, 1) when no cut is cheaper. Every slice gets at least 2 K steps."""
-    whole = tiles // programs * programs
-    tail = tiles - whole
-    best = (-(-tiles // programs) * (k_steps + _UNIT_COST), tiles, 1)
-    if tail == 0:
-        return tiles, 1
-    for splits in range(2, min(16, k_steps // 2) + 1):
-        slice_k = -(-k_steps // splits)
-        if slice_k * (splits - 1) >= k_steps:  # the last slice would be empty
-            continue
-        rounds = -(-tail * splits // programs)
-        busiest = whole // programs * (k_steps + _UNIT_COST) + rounds * (slice_k + _UNIT_COST + _SLAB_COST * (splits + 1))
-        best = min(best, (busiest, whole, splits))
-    return best[1:]
-
-
-_counters = []  # the TMA kernel's per-tile arrival counters: int32, zero between launches
-
-
-def _tile_counters(n):
-    """At least ``n`` zeroed int32 arrival counters (``_matmul_tma_kernel``'s split tail). Each
-    launch leaves them at zero again, so one buffer serves every launch on flame's stream (the
-    launches run one after another), CUDA-graph replays included."""
-    if not _counters or _counters[0].numel() < n:
-        buf = runtime.empty((max(n, 1024),), torch.int32)
-        fill_(buf, 0)
-        _counters[:] = [buf]
-    return _counters[0]
+    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
+    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
+           _or(f.residual, out), M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k,
+           B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+           RESIDUAL=f.residual is not None, **cfg)
 
 
 def _k_splits(tiles, K, block_k):
