@@ -614,6 +614,84 @@ def test_wave_splits():
     assert _wave_splits(5, 1000, 1) == 1        # the interpreter: 1 SM
 
 
+def test_tail_splits():
+    """The TMA conv kernel cuts the tiles of a last, partial wave into K slices when that is
+    estimated faster (whole waves * steps + one round of slices with their fixed cost)."""
+    from flame.kernels.conv2d import _SLICE_COST, _tail_splits
+    assert _tail_splits(160, 270, 132) == (132, 4)   # 1x1920x64x64->640: 28 tiles in 4 slices
+    assert _tail_splits(160, 90, 132) == (132, 4)    # 1x640x64x64->640
+    assert _tail_splits(384, 45, 132) == (384, 1)    # 1x320x128x128: 45-step tiles, not worth it
+    assert _tail_splits(264, 270, 132) == (264, 1)   # whole waves
+    assert _tail_splits(80, 180, 132) == (80, 1)     # under one wave: _wave_splits' business
+    assert _tail_splits(131 + 132, 1000, 132) == (263, 1)  # 131 tail tiles: no room for slices
+    for tiles in range(1, 700, 13):
+        for steps in (1, 8, 45, 90, 400):
+            whole, s = _tail_splits(tiles, steps, 132)
+            assert (s == 1) == (whole == tiles) and (tiles - whole) * s <= 132
+            assert s == 1 or (whole % 132 == 0 and steps // s >= 4
+                              and whole // 132 * steps + -(-steps // s) + _SLICE_COST < -(-tiles // 132) * steps)
+
+
+def _check_split_tail(shape, co, stride, which, whole, splits, dtype, monkeypatch):
+    """The TMA conv kernel with ``whole`` tiles whole and the rest cut into ``splits`` K slices
+    summed in the kernel: one launch, no sum pass, every output written (NaN-filled before),
+    values against PyTorch, the arrival counters back at zero. Returns the output."""
+    import flame.kernels.conv2d as KC
+    taken = []
+    monkeypatch.setattr(KC, "launch", lambda kernel, grid, *a, real=KC.launch, **k:
+                        taken.append((kernel.fn.__name__, tuple(grid))) or real(kernel, grid, *a, **k))
+    monkeypatch.setattr(KC, "_tail_splits", lambda tiles, steps, sms: (whole, splits) if tiles > whole else (tiles, 1))
+    cl = torch.channels_last
+    kw = dict(stride=stride, padding=1)
+    x = torch.randn(shape, dtype=torch.float64, device=DEVICE).contiguous(memory_format=cl)
+    w = (torch.randn(co, shape[1], 3, 3, dtype=torch.float64, device=DEVICE) / (shape[1] * 9) ** 0.5
+         ).contiguous(memory_format=cl)
+    b = torch.randn(co, dtype=torch.float64, device=DEVICE)
+    if which == "forward":
+        ref = torch.nn.functional.conv2d(x, w, b, **kw)
+        low = torch.nn.functional.conv2d(x.to(dtype), w.to(dtype), b.to(dtype), **kw)
+        got = torch.full(tuple(ref.shape), float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=cl)
+        KC.conv2d_forward_(got, x.to(dtype), w.to(dtype), b.to(dtype), (stride,) * 2, (1, 1), (1, 1))
+    else:
+        dy = torch.randn(torch.nn.functional.conv2d(x, w, **kw).shape, dtype=torch.float64, device=DEVICE
+                         ).contiguous(memory_format=cl)
+        ref = torch.nn.grad.conv2d_input(shape, w, dy, **kw)
+        low = torch.nn.grad.conv2d_input(shape, w.to(dtype), dy.to(dtype), **kw)
+        got = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE).contiguous(memory_format=cl)
+        KC.conv2d_input_grad_(got, dy.to(dtype), w.to(dtype), (stride,) * 2, (1, 1), (1, 1))
+    assert [name for name, _ in taken] == ["_conv_tma_kernel"], taken
+    assert taken[0][1][0] > whole and (taken[0][1][0] - whole) % splits == 0, taken  # whole + tail * splits
+    assert_within_torch_error(got, low, ref, 2)
+    assert not KC._counters[0].any()
+    return got
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
+@pytest.mark.parametrize("which", ["forward", "input_grad"])
+@pytest.mark.parametrize("whole,splits", [(1, 3), (0, 2)])
+def test_conv2d_tma_split_tail_in_the_interpreter(which, whole, splits, monkeypatch, tma_in_interpreter):
+    """The split tail: 80 reduction channels (two channel blocks of 64) x 9 taps in slices that end
+    inside a tap's channel blocks, 2 images."""
+    import flame.kernels.conv2d as KC
+    monkeypatch.setattr(KC, "_counters", [])
+    _check_split_tail((2, 80, 7, 9), 24, 1, which, whole, splits, torch.float16, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["forward", "input_grad"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_conv2d_tma_split_tail_on_the_gpu(which, dtype, monkeypatch):
+    """The split tail on every SM, slices racing for the counters (160 tiles, the last 28 in 4
+    slices): bitwise the same output on every run."""
+    import flame.kernels.matmul as KM
+    if not KM.TMA or not KM.tma_available():
+        pytest.skip("no TMA on this GPU / Triton")
+    torch.manual_seed(0)
+    first = _check_split_tail((1, 640, 64, 64), 640, 1, which, 132, 4, dtype, monkeypatch)
+    torch.manual_seed(0)
+    assert torch.equal(first, _check_split_tail((1, 640, 64, 64), 640, 1, which, 132, 4, dtype, monkeypatch))
+
+
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
 @pytest.mark.parametrize("shape,co,k,kw", [TMA_SHAPES[1], TMA_SHAPES[4], TMA_SHAPES[-2]], ids=str)
 def test_conv2d_tma_weight_gradient_split_k_in_the_interpreter(shape, co, k, kw, monkeypatch, tma_in_interpreter):
