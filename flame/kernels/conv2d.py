@@ -408,12 +408,12 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr, NB,
     if finish:
         offs_n = off_n + tl.arange(0, BLOCK_N)
         _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
-        y = acc.to(out_ptr.dtype.element_ty)
+        acc = acc.to(out_ptr.dtype.element_ty)
         n_out = split * NB + n
         if DIVIDED:
-            out.store([n_out, h0, R_h, w0, R_w * N + off_n], y.reshape(1, TH, 1, TW, BLOCK_N))
+            out.store([n_out, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
         else:
-            out.store([n_out, h0, w0, off_n], y.reshape(1, TH, TW, BLOCK_N))
+            out.store([n_out, h0, w0, off_n], acc.reshape(1, TH, TW, BLOCK_N))
 
 
 @triton.jit
