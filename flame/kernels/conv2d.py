@@ -47,7 +47,7 @@ import triton.language as tl
 from .. import runtime, tune
 from ..autotune import tunable
 from . import matmul as KM
-from .elementwise import _pow2, cdiv, collapse, fill_
+from .elementwise import _pow2, cdiv, collapse
 from .launch import launch
 from .matmul import _epilogue, _kernel_switches, _tile_coords, linear_, matmul_
 from .reduce import SUM, reduce_
@@ -338,16 +338,12 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
 # ``out``'s (OH, OW) pixels, channels last: (splits * NB, OH, OW, N), read by the same 4-D or phase
 # view. split_k_sum_ (kernels/matmul.py) then sums the splits in order, adds the bias and casts.
 # One split is the plain kernel: images 0.. of ``out`` itself, the whole loop.
-# Split tail (SPLIT_TAIL, grids of one wave or more, one phase): programs 0.. whole_tiles - 1 are
-# whole tiles; each later tile (the last, partial wave) is tail_splits programs, one slice of
-# steps_per_split steps each, summed in the kernel (_sum_slices): the last slice to finish adds the
-# bias and stores the tile.
 @triton.jit
-def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr, NB, XH, XW, C, OH, OW, N, KH, KW,
+def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KH, KW,
                      B_h, C_h, B_w, C_w, S_h, S_w, LIFT_h, LIFT_w, D_h, D_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w,
-                     s_bias, steps_per_split, whole_tiles, tail_splits, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr,
-                     PHASED: tl.constexpr, DIVIDED: tl.constexpr, SPLIT_TAIL: tl.constexpr, TH: tl.constexpr,
-                     TW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                     s_bias, steps_per_split, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, PHASED: tl.constexpr,
+                     DIVIDED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     BLOCK_M: tl.constexpr = TH * TW
     TAPS = KH * KW
     src = _pixel_descriptor(src_ptr, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_K, PHASED)
@@ -367,24 +363,15 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr, NB,
     taps_w = tl.cdiv(KW - kw0, D_w)
     tiles_h = tl.cdiv(OH // D_h, TH)
     tiles_w = tl.cdiv(OW // D_w, TW)
-    c_blocks = tl.cdiv(C, BLOCK_K)
-    steps = tl.cdiv(KH - kh0, D_h) * taps_w * c_blocks
-    t0 = split * steps_per_split
-    t1 = tl.minimum(t0 + steps_per_split, steps)
-    unit = tl.program_id(0)
-    tile = unit
-    if SPLIT_TAIL:  # programs from whole_tiles on: tail_splits slices of the reduction per tile
-        piece = tl.maximum(unit - whole_tiles, 0)
-        in_tail = unit >= whole_tiles
-        tile = tl.where(in_tail, whole_tiles + piece // tail_splits, unit)
-        t0 = tl.where(in_tail, piece % tail_splits * steps_per_split, 0)
-        t1 = tl.where(in_tail, tl.minimum(t0 + steps_per_split, steps), steps)
-    pid_m, pid_n = _tile_coords(tile, NB * tiles_h * tiles_w, tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_m, pid_n = _tile_coords(tl.program_id(0), NB * tiles_h * tiles_w, tl.cdiv(N, BLOCK_N), GROUP_M)
     n = pid_m // (tiles_h * tiles_w)
     h0 = (pid_m // tiles_w) % tiles_h * TH
     w0 = pid_m % tiles_w * TW
     off_n = pid_n * BLOCK_N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    c_blocks = tl.cdiv(C, BLOCK_K)
+    t0 = split * steps_per_split
+    t1 = tl.minimum(t0 + steps_per_split, tl.cdiv(KH - kh0, D_h) * taps_w * c_blocks)
     for t in range(t0, t1):
         u = t // c_blocks
         c0 = (t - u * c_blocks) * BLOCK_K
@@ -399,43 +386,14 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, part_ptr, count_ptr, NB,
         else:
             b = wd.load([off_n, tap * C + c0]).T
         acc = tl.dot(a, b, acc)
-    finish = True
-    if SPLIT_TAIL:
-        finish = unit < whole_tiles
-        if unit >= whole_tiles:
-            finish, acc = _sum_slices(acc, part_ptr, count_ptr, piece, piece - piece % tail_splits,
-                                      tile - whole_tiles, tail_splits, BLOCK_M, BLOCK_N)
-    if finish:
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
-        acc = acc.to(out_ptr.dtype.element_ty)
-        n_out = split * NB + n
-        if DIVIDED:
-            out.store([n_out, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
-        else:
-            out.store([n_out, h0, w0, off_n], acc.reshape(1, TH, TW, BLOCK_N))
-
-
-@triton.jit
-def _sum_slices(acc, part_ptr, count_ptr, slot, first_slot, counter, splits, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
-    """One K slice of a split tile: its fp32 product ``acc`` goes to slab ``slot`` of ``part``
-    (BLOCK_M x BLOCK_N fp32 each), then it counts itself in on ``count[counter]``. Returns
-    (whether it arrived last, and if so the sum of the tile's slabs first_slot, ...,
-    first_slot + splits - 1 in that order, else ``acc``). The last one also sets the counter
-    back to zero. The sum does not depend on which slice is last (deterministic), and no slice
-    waits for another."""
-    slab = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(part_ptr + tl.cast(slot, tl.int64) * (BLOCK_M * BLOCK_N) + slab, acc)
-    tl.debug_barrier()  # every thread's slab store is ordered before the release below
-    last = tl.atomic_add(count_ptr + counter, 1, sem="acq_rel", scope="gpu") == splits - 1
-    if last:
-        first = part_ptr + tl.cast(first_slot, tl.int64) * (BLOCK_M * BLOCK_N) + slab
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in range(splits):
-            acc += tl.load(first + s * (BLOCK_M * BLOCK_N), cache_modifier=".cg")
-        tl.store(count_ptr + counter, 0)
-    return last, acc
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
+    acc = acc.to(out_ptr.dtype.element_ty)
+    n_out = split * NB + n
+    if DIVIDED:
+        out.store([n_out, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
+    else:
+        out.store([n_out, h0, w0, off_n], acc.reshape(1, TH, TW, BLOCK_N))
 
 
 # ---- launch configuration ---------------------------------------------------------------------
@@ -648,26 +606,18 @@ def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
     th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH // D_h, OW // D_w)
     tiles = NB * cdiv(OH // D_h, th) * cdiv(OW // D_w, tw) * cdiv(N, cfg["BLOCK_N"])
     steps = cdiv(KH, D_h) * cdiv(KW, D_w) * cdiv(C, cfg["BLOCK_K"])  # the longest phase's reduction loop
-    sms = runtime.num_sms()
-    splits = _wave_splits(tiles * D_h * D_w, steps, sms)  # 1 in the interpreter (1 SM)
+    splits = _wave_splits(tiles * D_h * D_w, steps, runtime.num_sms())  # 1 in the interpreter (1 SM)
     rows = as_rows(out) if splits > 1 else None  # the sum pass writes ``out`` as (NB*OH*OW, N) rows
     splits = cdiv(steps, cdiv(steps, splits)) if rows is not None else 1  # none empty in the longest phase
-    whole, tail_splits = _tail_splits(tiles, steps, sms) if splits == 1 and D_h * D_w == 1 else (tiles, 1)
-    part = counts = out
-    if tail_splits > 1:  # the slices' fp32 slabs and the split tiles' arrival counters
-        part = runtime.empty(((tiles - whole) * tail_splits, th * tw * cfg["BLOCK_N"]), torch.float32)
-        counts = _tile_counters(tiles - whole)
     if splits > 1:  # fp32 partial sums of out's pixels, channels last, split-major
         target, target_s = runtime.empty((splits, NB * OH * OW, N), torch.float32), (OH * OW * N, OW * N, N)
     else:
         target, target_s = out, _nhwc(out)[:3]
-    launch(_conv_tma_kernel, (whole + (tiles - whole) * tail_splits, D_h * D_w, splits), src, w, target,
-           out if bias is None else bias, part, counts,
+    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src, w, target, out if bias is None else bias,
            NB, XH, XW, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
            *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, *_nhwc(src)[:3], w.stride(0), *target_s,
-           0 if bias is None else bias.stride(0), cdiv(steps, splits * tail_splits), whole, tail_splits,
-           TRANSPOSED=transposed, BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided,
-           SPLIT_TAIL=tail_splits > 1, TH=th, TW=tw, GROUP_M=8, **cfg)
+           0 if bias is None else bias.stride(0), cdiv(steps, splits), TRANSPOSED=transposed,
+           BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided, TH=th, TW=tw, GROUP_M=8, **cfg)
     if splits > 1:
         KM.split_k_sum_(rows, rows.stride(), target, KM.Fusion(bias))
     return out
@@ -692,45 +642,6 @@ def _wave_splits(programs, steps, sms):
         return cdiv(programs * s, sms) * (steps / s + (_SPLIT_COST if s > 1 else 0))
 
     return min(range(1, max(1, min(8, steps // 4)) + 1), key=time)  # min keeps the first (smallest) on a tie
-
-
-# A K slice of a split tail tile costs, beyond its own steps, about this many steps of a 128x128x64
-# tile: storing its slab, the counter's round trip and, for the last slice, reading the slabs back
-# (serial latency; see _tail_splits).
-_SLICE_COST = 40
-
-
-def _tail_splits(tiles, steps, sms):
-    """(whole tiles, slices per later tile) for a grid of ``tiles`` programs of ``steps`` reduction
-    steps each, from one wave up: the tiles of the full waves stay whole and the last, partial
-    wave's tiles are cut into K slices (2 to 8, each at least 4 steps, one round of programs) when
-    that shortens the estimated time, whole waves * steps + slices' rounds * (steps / slices +
-    ``_SLICE_COST``), against ceil(tiles / sms) * steps. SDXL's 64x64 convolutions at 640 output
-    channels: 160 tiles of 128x128 on 132 SMs, 28 of them cut in 4. (tiles, 1): no cut."""
-    whole = tiles // sms * sms
-    tail = tiles - whole
-    best, best_time = (tiles, 1), cdiv(tiles, sms) * steps
-    if whole == 0 or tail == 0:
-        return best
-    for s in range(2, min(8, steps // 4, sms // tail) + 1):
-        t = whole // sms * steps + cdiv(steps, s) + _SLICE_COST
-        if t < best_time:
-            best, best_time = (whole, s), t
-    return best
-
-
-_counters = []  # the split tail's per-tile arrival counters: int32, zero between launches
-
-
-def _tile_counters(n):
-    """At least ``n`` zeroed int32 arrival counters (``_sum_slices``). Every launch leaves them
-    at zero again, so one buffer serves every launch on flame's stream (its launches run one
-    after another), CUDA-graph replays included."""
-    if not _counters or _counters[0].numel() < n:
-        buf = runtime.empty((max(n, 1024),), torch.int32)
-        fill_(buf, 0)
-        _counters[:] = [buf]
-    return _counters[0]
 
 
 def as_rows(t):
