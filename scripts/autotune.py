@@ -27,7 +27,8 @@ statistics pass, then its apply pass; LayerNorm's backward its rows per program 
 its persistent programs. The fastest of the final timings goes into the GPU's table (format 1 of
 ``configs/autotune/README.md``) with its time and the default's. The table is rewritten after
 every key, so a run stopped by ``--budget-minutes`` or killed keeps what it finished, and a rerun
-skips keys already in the table (``--force`` re-tunes them). Keys repeated across shapes and
+skips keys already in the table (``--force`` re-tunes them, the table's config competing as one more
+candidate timed in the same run). Keys repeated across shapes and
 families are tuned once (a GroupNorm without SiLU shares its key with the one with SiLU). A
 candidate with large tiles can make the pointer GEMM split K (few output tiles): the split
 launches use the candidate too while timing, not at run time; the conv weight gradient's split
@@ -596,13 +597,19 @@ def _timed(kernel, cfg, bench, timing):
 
 
 def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: float,
-                compile_ahead=lambda configs: None) -> Outcome | None:
+                compile_ahead=lambda configs: None, incumbent: dict | None = None) -> Outcome | None:
     """Check and time every candidate config of ``launch`` (``flame.autotune.search``: stage by
     stage, each stage built on the fastest config screened so far) and its default; None when the
     budget ran out first. ``compile_ahead(configs)`` is called with each stage's new candidates
-    before they are timed."""
+    before they are timed. ``incumbent``, the table's config for the key when ``--force``
+    re-tunes it, is screened first, in this run like every other candidate: a time stored in the
+    table was measured by other code, perhaps on another shape with the same key, so it is never
+    compared with."""
     out = Outcome(name, launch)
-    found = autotune.search(search_stages(ctx, launch.kernel, launch.key), launch.default,
+    stages = search_stages(ctx, launch.kernel, launch.key)
+    if incumbent is not None:
+        stages = [lambda best: [incumbent]] + stages
+    found = autotune.search(stages, launch.default,
                             _timed(launch.kernel, None, bench, SCREEN),  # probe() checked it
                             lambda cfg: _screen(name, bench, launch, cfg, ctx, out),
                             lambda cfg: _timed(launch.kernel, cfg, bench, FINAL),
@@ -949,8 +956,9 @@ def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kerne
                 out = Outcome(p.name, launch, error=f"the heuristic default {launch.default} disagrees with "
                                                     f"PyTorch: {problem}")
             else:
+                incumbent = table[launch.kernel, launch.dtype][launch.key]["config"] if known else None
                 out = tune_launch(p.name, bench, launch, ctx, deadline,
-                                  functools.partial(compile_ahead, i, launch.kernel))
+                                  functools.partial(compile_ahead, i, launch.kernel), incumbent)
                 if out is None:
                     return outcomes, len(problems) - i, seen, kept
             for cfg, why in out.rejected:

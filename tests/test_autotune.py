@@ -406,6 +406,36 @@ def test_resume_skips_tuned_keys_keeps_others_and_force_retunes(autotune, tmp_pa
     assert rows[24, 40, 16, 1] != kept and rows[999, 999, 999, 1] == other
 
 
+def test_force_times_the_tables_config_with_the_other_candidates(autotune, tmp_path, monkeypatch, capsys):
+    """--force screens the key's table config in the same run as every other candidate: it stays
+    when it is still the fastest (whatever time the table stored for it), and loses otherwise."""
+    incumbent = dict(BAD, BLOCK_M=128)  # not a --quick candidate
+    stale = dict(key=[24, 40, 16, 1], config=incumbent, ms=1e9, default_ms=1e9)  # stored times are ignored
+    out = _table(tmp_path / "t.json", {"matmul": {"bfloat16": [stale]}})
+    screened = []
+    real_time = autotune.time_ms
+
+    def timing(fast):
+        def time_ms(fn, **kw):
+            active = tune.config("matmul", (1, 1, 1, 1), "float32", dict(BAD, BLOCK_M=1))
+            screened.append(active)
+            return 1e-6 if active == fast else real_time(fn, **kw)
+        return time_ms
+
+    argv = ["--quick", "--family", "matmul", "--out", str(out), "--force"]
+    monkeypatch.setattr(autotune, "time_ms", timing(incumbent))
+    assert autotune.main(argv) == 0
+    rows = {tuple(e["key"]): e for e in _load(out)["entries"]["matmul"]["bfloat16"]}
+    assert rows[24, 40, 16, 1]["config"] == incumbent and rows[24, 40, 16, 1]["ms"] < 1e-3
+    assert incumbent in screened
+    assert all(e["config"] != incumbent for k, e in rows.items() if k != (24, 40, 16, 1))  # others never see it
+
+    monkeypatch.setattr(autotune, "time_ms", timing(BAD))  # now another candidate is fastest
+    assert autotune.main(argv) == 0
+    rows = {tuple(e["key"]): e for e in _load(out)["entries"]["matmul"]["bfloat16"]}
+    assert rows[24, 40, 16, 1]["config"] == BAD
+
+
 def test_a_wrong_candidate_is_rejected_and_never_written(autotune, tmp_path, monkeypatch, capsys):
     def garbage_under_bad(bench):  # the "kernel bug": this config writes a wrong answer
         if _bad_active():
