@@ -17,10 +17,9 @@ asks for that is not a helper map or reduction: on Hopper a 16-bit GEMM asks "ma
 "matmul_tma"; ``flame.autotune.launched_kernel``), its shape key and its default config. Then
 each candidate of a pruned config space runs under ``flame.tune.override``: its outputs (poisoned
 with NaN first) are checked against the reference (a wrong one is rejected, reported and never
-written; one that fails to compile or to fit is skipped), then it is timed with
-``triton.testing.do_bench`` (median; launches under 0.1 ms as CUDA-graph replays, see
-``time_ms``): a short screen of the default and every candidate, then the
-fastest few and the default again with a longer one. Some spaces come in stages, each built on
+written; one that fails to compile or to fit is skipped), then it is timed as
+CUDA-graph replays (median device time, as ``scripts/bench.py`` reports it; see ``time_ms``): a
+short screen of the default and every candidate, then the fastest few and the default again with a longer one. Some spaces come in stages, each built on
 the fastest config screened so far: attention's backward tunes its dK/dV program with the dQ
 program at its default, then the dQ program with the fastest dK/dV config; GroupNorm its
 statistics pass, then its apply pass; LayerNorm's backward its rows per program and warps, then
@@ -92,7 +91,6 @@ FINAL = dict(warmup=10, rep=50)  # ... and for the finalists and the default
 # Launches shorter than this (ms, by do_bench) are timed as CUDA-graph replays (see time_ms): on
 # the H200, LayerNorm and GroupNorm entries of 10-30 us tuned with do_bench alone ran up to 1.2x
 # slower than the heuristic in bench.py's graph replays.
-GRAPH_TIMING_BELOW_MS = 0.1
 DEFAULT_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
 QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
                 "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V
@@ -530,12 +528,12 @@ def check(bench: Bench, dtype) -> str | None:
 
 
 def time_ms(fn, warmup, rep) -> float:
-    """Median milliseconds per call (on the interpreter: host time of two calls, meaningless).
-    Calls under GRAPH_TIMING_BELOW_MS by ``do_bench`` are timed again as CUDA-graph replays
-    (``do_bench_cudagraph``), and that time counts: ``do_bench`` times each call between events
-    after flushing the L2 cache, so a launch of a few microseconds (a LayerNorm backward and its
-    column sum) measures cold caches and the host's launch gaps, not its kernels. A launch that
-    cannot be captured keeps the ``do_bench`` time."""
+    """Median milliseconds per call of CUDA-graph replays (``do_bench_cudagraph``): the kernels'
+    device time, as ``scripts/bench.py`` reports it (on the interpreter: host time of two calls,
+    meaningless). Timed eagerly, each call between events (``do_bench``), a launch whose host work
+    outlasts its kernels measures the host: H200, the 1x1280x32x32 conv forward with split-K (two
+    launches) took 0.156 ms eagerly and 0.076 ms replayed, so a slower config with one launch won.
+    A launch that cannot be captured keeps the ``do_bench`` time."""
     if flame.is_interpreter():
         times = []
         for _ in range(2):
@@ -543,14 +541,11 @@ def time_ms(fn, warmup, rep) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times)
-    ms = float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
-    if ms >= GRAPH_TIMING_BELOW_MS:
-        return ms
     try:
         return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
     except RuntimeError:  # not capturable (torch's capture errors are RuntimeErrors)
         torch.cuda.synchronize()
-        return ms
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
 class NotTunable(RuntimeError):
