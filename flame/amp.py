@@ -224,8 +224,9 @@ class DynamicLossScaler:
                                  "(fp32 master weights) so their gradients are fp32")
             if g.dtype not in (torch.float32, torch.bfloat16, torch.float64):
                 raise TypeError(f"cannot unscale a {g.dtype} gradient of shape {g.shape}")
-            if not g.is_contiguous():
-                raise ValueError(f"gradient of shape {g.shape} is not contiguous (strides {g.stride()})")
+            if runtime.dense_order(g._data) is None:
+                raise ValueError(f"gradient of shape {g.shape} is not dense (strides {g.stride()}): its elements "
+                                 "must fill their memory without gaps, in any order")
             if g.numel():
                 rows.setdefault(g.dtype, []).append(g._data)
         out = []

@@ -194,11 +194,13 @@ class GradientMap:
         return self._grads.items()
 
     def accumulate(self, other: GradientMap) -> GradientMap:
+        from . import runtime
         from .ops.elementwise import add_
+        from .ops.shape import clone
         for key, grad in other:
             mine = self._grads.get(key)
-            if mine is None:
-                self._grads[key] = grad.clone()
+            if mine is None:  # a copy in the gradient's own layout (a channels-last weight's stays so)
+                self._grads[key] = clone(grad, like=grad._data if runtime.dense_order(grad._data) else None)
             else:
                 if mine.shape != grad.shape:
                     raise RuntimeError(f"gradient for tensor id {key} has shape {mine.shape} here and "
@@ -430,15 +432,26 @@ def _finish_leaf(leaf, grad, grads, capture, captured, accumulate):
     want = _leaf_grad_dtype(leaf.dtype)
     if grad.dtype != want:
         grad = grad.to(want)
-    elif not grad._data.is_contiguous():  # e.g. a stride-0 expand from sum's backward: store it dense
-        from .ops.shape import contiguous
-        grad = contiguous(grad)
+    grad = _in_leaf_layout(grad, leaf)
     if leaf.id in capture:
         captured[leaf.id] = grad
     if accumulate:
         grads[leaf] = grad
         for hook in leaf._post_hooks or ():
             hook(leaf, grad)
+
+
+def _in_leaf_layout(grad, leaf):
+    """``grad`` laid out as ``leaf`` is when the leaf is dense (a channels-last conv weight gets a
+    channels-last gradient: torch's rule for ``.grad``, and what the optimizers update in place
+    with flat kernels), else contiguous; a stride-0 expand from sum's backward becomes dense."""
+    from . import runtime
+    from .ops.shape import clone, contiguous
+    if runtime.same_dense_layout(grad._data, leaf._data):
+        return grad
+    if runtime.dense_order(leaf._data) is None:
+        return contiguous(grad)
+    return clone(grad, like=leaf._data)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=False, allow_unused=False):

@@ -113,6 +113,14 @@ def dense_order(buf):
     return order
 
 
+def same_dense_layout(a, b) -> bool:
+    """Whether buffers ``a`` and ``b`` have one shape, are both dense (``dense_order``) and lay their
+    elements out in the same order: element i of one's memory is element i of the other's, so a
+    kernel may treat both as flat arrays of ``numel`` elements."""
+    return (a.shape == b.shape and dense_order(a) is not None and dense_order(b) is not None
+            and all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride())))
+
+
 def synchronize() -> None:
     if not INTERPRETER:
         torch.cuda.synchronize()

@@ -442,3 +442,29 @@ def test_full_lora_training_step_with_autocast_and_scaler(dtype):
     for n, p in model.named_parameters():
         if not p.requires_grad:
             assert torch.equal(p.to_torch(), frozen[n]), n
+
+
+def test_unscale_and_step_with_dense_non_contiguous_gradients():
+    """A channels-last conv weight's gradient and a transposed one unscale in place, keep their
+    layout, and the step matches torch's GradScaler + SGD."""
+    pres = torch.preserve_format
+    tparams = [torch.randn(8, 5, 3, 3, device=DEVICE).contiguous(memory_format=torch.channels_last).requires_grad_(),
+               torch.randn(7, 4, device=DEVICE).t().requires_grad_()]
+    fparams = [flame.from_torch(p.detach().clone(memory_format=pres), requires_grad=True) for p in tparams]
+    topt, fopt = torch.optim.SGD(tparams, lr=0.1), optim.SGD(fparams, lr=0.1)
+    ts, fs = _torch_scaler(), amp.DynamicLossScaler()
+    ts.scale(torch.zeros((), device=DEVICE))
+    grads = [(torch.randn(p.shape, device=DEVICE) * ts.get_scale()).to(memory_format=pres) for p in tparams]
+    grads = [g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g.t().contiguous().t() for g in grads]
+    for p, g in zip(tparams, grads):
+        p.grad = g.clone(memory_format=pres)
+    fg = {fp: flame.from_torch(g.clone(memory_format=pres)) for fp, g in zip(fparams, grads)}
+    ts.unscale_(topt)
+    fs.unscale_(fg)
+    for fp, tp in zip(fparams, tparams):
+        assert fg[fp].stride() == tp.grad.stride()
+        assert_close(fg[fp], tp.grad, rtol=0, atol=0)
+    ts.step(topt)
+    fs.step(fopt, fg)
+    for fp, tp in zip(fparams, tparams):
+        assert_close(fp, tp.detach(), rtol=1e-6, atol=1e-6)

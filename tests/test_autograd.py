@@ -223,3 +223,23 @@ def test_leaf_gradients_are_dense():
     total += grads
     total += w.sum().backward()
     assert_close(total[w], torch.full((3, 4), 2.0))
+
+
+def test_leaf_gradients_keep_a_dense_leafs_layout():
+    # as torch's .grad: a channels-last or transposed leaf gets its gradient in its own layout
+    # (the optimizers update parameter, gradient and state as flat arrays), also after a
+    # GradientMap accumulates it; a leaf with gaps (a strided view) gets a contiguous one
+    cl = flame.from_torch(torch.randn(4, 3, 2, 5).contiguous(memory_format=torch.channels_last), requires_grad=True)
+    tr = flame.from_torch(torch.randn(5, 3).t(), requires_grad=True)
+    gappy = flame.from_torch(torch.randn(3, 10)[:, ::2], requires_grad=True)
+    for leaf in (cl, tr, gappy):
+        want_stride = leaf.to_torch().clone(memory_format=torch.preserve_format).stride() if leaf is not gappy \
+            else (5, 1)
+        grads = (leaf * 2.0).sum().backward()
+        assert grads[leaf].stride() == want_stride
+        assert_close(grads[leaf], torch.full(tuple(leaf.shape), 2.0))
+        total = flame.GradientMap()
+        total += grads
+        total += (leaf * 3.0).sum().backward()
+        assert total[leaf].stride() == want_stride
+        assert_close(total[leaf], torch.full(tuple(leaf.shape), 5.0))

@@ -266,6 +266,95 @@ def test_training_a_module_end_to_end():
         torch.testing.assert_close(v.to_torch(), v2, **tol)
 
 
+# dense parameters that are not contiguous: a channels-last conv weight, a transposed matrix
+_CL = torch.channels_last
+
+
+def _dense_params():
+    ts = [torch.randn(8, 5, 3, 3, dtype=torch.float64).float().to(DEVICE).contiguous(memory_format=_CL),
+          torch.randn(7, 4, dtype=torch.float64).float().to(DEVICE).t(),
+          torch.randn(2, 3, 1, 1, dtype=torch.float64).float().to(DEVICE).contiguous(memory_format=_CL)]
+    torch_ps = [torch.nn.Parameter(t.clone(memory_format=torch.preserve_format)) for t in ts]
+    flame_ps = [flame.from_torch(t.clone(memory_format=torch.preserve_format), requires_grad=True) for t in ts]
+    return flame_ps, torch_ps
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
+                                     ("SGD", dict(lr=0.05, momentum=0.9, nesterov=True))])
+def test_dense_non_contiguous_params_match_torch(name, kw):
+    """Channels-last and transposed parameters: the state is laid out like the parameter, and a
+    gradient in the parameter's layout, in another dense layout or not dense at all updates the
+    same elements as torch's optimizer. A resumed optimizer continues identically."""
+    fp, tp = _dense_params()
+    assert not any(p.is_contiguous() for p in fp[:2])
+    fo, to = getattr(optim, name)(fp, **kw), getattr(torch.optim, name)(tp, **kw)
+    layouts = [lambda g: g.clone(memory_format=torch.preserve_format), lambda g: g.contiguous(),
+               lambda g: torch.cat([g, g], dim=-1)[..., : g.shape[-1]]]  # the last: not dense
+    for step in range(4):
+        gs = [torch.randn(p.shape, device=DEVICE).to(memory_format=torch.preserve_format) for p in tp]
+        gm = flame.GradientMap()
+        for i, (p, g) in enumerate(zip(fp, gs)):
+            gm[p] = flame.from_torch(layouts[(i + step) % 3](g))
+        if step == 2:  # resume from the state dict into fresh copies of the parameters
+            fp = [flame.from_torch(p.to_torch().clone(memory_format=torch.preserve_format), requires_grad=True)
+                  for p in fp]
+            sd, fo = fo.state_dict(), getattr(optim, name)(fp, **kw)
+            fo.load_state_dict(sd)
+            gm = flame.GradientMap()
+            for i, (p, g) in enumerate(zip(fp, gs)):
+                gm[p] = flame.from_torch(layouts[(i + step) % 3](g))
+        fo.step(gm)
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp)
+    for p in fp:
+        assert all(buf.stride() == p.stride() for buf in fo.state[p.id].values())
+
+
+def test_non_dense_params_raise():
+    t = flame.from_torch(torch.randn(4, 6, device=DEVICE)[:, ::2], requires_grad=True)
+    with pytest.raises(ValueError, match="must be dense"):
+        optim.AdamW([t])
+
+
+def test_clip_grad_norm_channels_last_gradients():
+    gs = [torch.randn(8, 5, 3, 3, device=DEVICE).contiguous(memory_format=_CL), torch.randn(7, 4, device=DEVICE).t()]
+    fg = [flame.from_torch(g.clone(memory_format=torch.preserve_format)) for g in gs]
+    tp = [torch.nn.Parameter(torch.zeros_like(g)) for g in gs]
+    for p, g in zip(tp, gs):
+        p.grad = g
+    want = torch.nn.utils.clip_grad_norm_(tp, 0.5)
+    torch.testing.assert_close(optim.clip_grad_norm_(fg, 0.5).to_torch(), want, rtol=1e-5, atol=0)
+    for f, p in zip(fg, tp):
+        assert f.stride() == p.grad.stride()
+        torch.testing.assert_close(f.to_torch(), p.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="must be dense"):
+        optim.clip_grad_norm_([flame.from_torch(torch.randn(4, 6, device=DEVICE)[:, ::2])], 1.0)
+
+
+def test_training_a_conv_module_end_to_end():
+    """flame's Conv2d keeps its weight channels-last: its gradient comes back channels-last (no
+    copy) and AdamW trains it as torch's AdamW trains torch's Conv2d."""
+    from flame import nn
+    tm = torch.nn.Conv2d(3, 4, 3, padding=1).to(DEVICE)
+    fm = nn.Conv2d(3, 4, 3, padding=1)
+    fm.load_state_dict(tm.state_dict())
+    assert fm.weight.stride() == fm.weight.to_torch().contiguous(memory_format=_CL).stride()
+    fo = optim.AdamW(fm.parameters(), lr=1e-2)
+    to = torch.optim.AdamW(tm.parameters(), lr=1e-2)
+    x = torch.randn(2, 3, 6, 5, device=DEVICE)
+    for _ in range(3):
+        grads = (fm(flame.from_torch(x)) ** 2).mean().backward()
+        assert grads[fm.weight].stride() == fm.weight.stride()
+        fo.step(grads)
+        to.zero_grad()
+        (tm(x) ** 2).mean().backward()
+        to.step()
+    tol = dict(rtol=1e-5, atol=1e-6) if flame.is_interpreter() else dict(rtol=1e-3, atol=1e-3)  # tf32
+    for (k, v), (k2, v2) in zip(fm.state_dict().items(), tm.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(v.to_torch(), v2, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-2, weight_decay=0.1)),
                                      ("SGD", dict(lr=0.05, momentum=0.9))])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import numbers
 
+from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..tensor import Tensor, result_type
@@ -231,9 +232,10 @@ def contiguous(x):
     return clone(x)
 
 
-def clone(x):
+def clone(x, like=None):
+    """A copy of ``x``: contiguous, or laid out as the dense buffer ``like`` (same shape)."""
     check_tensor(x, "input", "clone")
-    out = new(x.shape, x.dtype)
+    out = new(x.shape, x.dtype) if like is None else Tensor(runtime.empty_like(like, x.dtype))
     KE.copy_(out._data, x._data)
     if needs_grad(x):
         record(out, (x,), _identity_backward)

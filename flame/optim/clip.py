@@ -57,8 +57,9 @@ def clip_grad_norm_(grads, max_norm: float, norm_type: float = 2.0, error_if_non
             raise TypeError(f"clip_grad_norm_: gradients must be flame Tensors, got {type(g).__name__}")
         if not g.dtype.is_floating_point:
             raise TypeError(f"clip_grad_norm_: gradients must be floating point, got {g.dtype} (shape {g.shape})")
-        if not g.is_contiguous():
-            raise ValueError(f"clip_grad_norm_: gradients must be contiguous (shape {g.shape}, strides {g.stride()})")
+        if runtime.dense_order(g._data) is None:
+            raise ValueError(f"clip_grad_norm_: gradients must be dense (contiguous, channels-last or another order "
+                             f"without gaps), got shape {g.shape}, strides {g.stride()}")
     norm = runtime.empty((), torch.float32)
     coef = runtime.empty((1,), torch.float32)
     buckets = _buckets([g for g in gs if g.numel()])

@@ -8,7 +8,11 @@ update of every tensor of the bucket, then the advance of their step counters (s
 when its set of (param, grad, state) buffers changes.
 
 State is fp32 (moments, momentum buffers) plus an int64 step counter per parameter on the device;
-parameters may be fp32, bf16 or fp16 (fp32 math, stored back in the parameter's dtype).
+parameters may be fp32, bf16 or fp16 (fp32 math, stored back in the parameter's dtype), in any
+dense layout (contiguous, channels-last like flame's conv weights, transposed): the kernels treat
+parameter, gradient and state as flat arrays, so the state is allocated in the parameter's layout
+and a gradient in another layout is first copied into it (``backward`` already returns a dense
+leaf's gradient in the leaf's layout).
 
 ``step(grads, found_inf=None, grad_scale=None)``: ``found_inf`` is a 1-element int32 device tensor
 (non-zero: the kernels skip the whole update, step counters included, without a host sync);
@@ -43,6 +47,14 @@ def _zeros(shape, dtype):
     buf = runtime.empty(tuple(shape), dtype)
     KE.fill_(buf, 0)
     return buf
+
+
+def _zeros_like(buf, dtype):
+    """Zeros laid out as the dense buffer ``buf``: a parameter's state, updated element for element
+    with it by flat kernels."""
+    out = runtime.empty_like(buf, dtype)
+    KE.fill_(out, 0)
+    return out
 
 
 def _copy_in(dst, src, what):
@@ -101,9 +113,9 @@ class Optimizer:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{type(self).__name__}: parameters must be fp32, bf16 or fp16, got {p.dtype} "
                                 f"(shape {p.shape})")
-            if not p.is_contiguous():
-                raise ValueError(f"{type(self).__name__}: parameters must be contiguous, got shape {p.shape} "
-                                 f"strides {p.stride()}")
+            if runtime.dense_order(p._data) is None:
+                raise ValueError(f"{type(self).__name__}: parameters must be dense (contiguous, channels-last or "
+                                 f"another order without gaps), got shape {p.shape} strides {p.stride()}")
             if p.id in seen:
                 raise ValueError("some parameters appear in more than one parameter group")
             seen.add(p.id)
@@ -132,7 +144,7 @@ class Optimizer:
     def _state_for(self, p):
         st = self.state.get(p.id)
         if st is None:
-            st = {name: _zeros(p.shape, torch.float32) for name in self._state_names}
+            st = {name: _zeros_like(p._data, torch.float32) for name in self._state_names}
             self.state[p.id] = st
         return st
 
@@ -152,7 +164,7 @@ class Optimizer:
         return plan
 
     @staticmethod
-    def _checked_grad(p, g):
+    def _checked_grad(p, g, held):
         if not isinstance(g, Tensor):
             raise TypeError(f"gradient for parameter of shape {p.shape} is a {type(g).__name__}, "
                             "not a flame Tensor")
@@ -160,11 +172,18 @@ class Optimizer:
             raise ValueError(f"gradient of shape {g.shape} for parameter of shape {p.shape}")
         if g.dtype not in (torch.float32, p.dtype):
             raise TypeError(f"gradient dtype {g.dtype} for a {p.dtype} parameter (expected float32 or {p.dtype})")
-        return g._data if g.is_contiguous() else g.contiguous()._data
+        if runtime.same_dense_layout(g._data, p._data):
+            return g._data
+        out = runtime.empty_like(p._data, g.dtype)  # the flat kernels need the parameter's layout
+        KE.copy_(out, g._data)
+        held.append(out)  # the device tables point at it: it must live until the update is launched
+        return out
 
-    def _buckets(self, gi, lookup):
+    def _buckets(self, gi, lookup, held):
         """{(param dtype, grad dtype): Tables} for group ``gi``'s parameters that have a gradient.
-        The tables are rebuilt only when the set of (parameter, gradient buffer) pairs changes."""
+        The tables are rebuilt only when the set of (parameter, gradient buffer) pairs changes.
+        Gradients copied into their parameter's layout go to ``held``, which the caller keeps
+        until the update kernels are launched."""
         version, entries = self._plan(gi)
         rows = {}
         f32 = torch.float32
@@ -173,9 +192,9 @@ class Optimizer:
             if g is None:
                 continue
             gd = g._data if isinstance(g, Tensor) else None
-            if gd is None or gd.shape != pdata.shape or (gd.dtype is not f32 and gd.dtype != pdata.dtype) \
-                    or not gd.is_contiguous():
-                gd = self._checked_grad(p, g)
+            if gd is None or (gd.dtype is not f32 and gd.dtype != pdata.dtype) \
+                    or not runtime.same_dense_layout(gd, pdata):
+                gd = self._checked_grad(p, g, held)
             key = (pdata.dtype, gd.dtype)
             lst = rows.get(key)
             if lst is None:
@@ -201,8 +220,9 @@ class Optimizer:
             raise TypeError(f"step expects the GradientMap returned by backward(), got {type(grads).__name__}")
         found = _check_flag(found_inf, "found_inf", torch.int32)
         scale = _check_flag(grad_scale, "grad_scale", torch.float32)
+        held = []  # gradients copied for the kernels, alive until the launches below
         for gi, group in enumerate(self.param_groups):
-            for (pd, gd), tables in self._buckets(gi, lookup).items():
+            for (pd, gd), tables in self._buckets(gi, lookup, held).items():
                 self._update(group, tables, pd, gd, found, scale)
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
