@@ -19,16 +19,17 @@ each candidate of a pruned config space runs under ``flame.tune.override``: its 
 with NaN first) are checked against the reference (a wrong one is rejected, reported and never
 written; one that fails to compile or to fit is skipped), then it is timed as
 CUDA-graph replays (median device time, as ``scripts/bench.py`` reports it; see ``time_ms``): a
-short screen of the default and every candidate, then the fastest few and the default again with a longer one. Some spaces come in stages, each built on
-the fastest config screened so far: attention's backward tunes its dK/dV program with the dQ
-program at its default, then the dQ program with the fastest dK/dV config; GroupNorm its
+short screen of the default and every candidate, then the fastest few and the default again with
+a longer one. Some spaces come in stages, each built on the fastest config screened so far:
+attention's backward tunes its dK/dV program with the dQ program at its default, then the dQ
+program with the fastest dK/dV config; GroupNorm its
 statistics pass, then its apply pass; LayerNorm's backward its rows per program and warps, then
 its persistent programs. The fastest of the final timings goes into the GPU's table (format 1 of
 ``configs/autotune/README.md``) with its time and the default's. The table is rewritten after
 every key, so a run stopped by ``--budget-minutes`` or killed keeps what it finished, and a rerun
-skips keys already in the table (``--force`` re-tunes them, the table's config competing as one more
-candidate timed in the same run). Keys repeated across shapes and
-families are tuned once (a GroupNorm without SiLU shares its key with the one with SiLU). A
+skips keys already in the table (``--force`` re-tunes them, the table's config competing as one
+more candidate timed in the same run). Keys repeated across shapes and families are tuned once (a
+GroupNorm without SiLU shares its key with the one with SiLU). A
 candidate with large tiles can make the pointer GEMM split K (few output tiles): the split
 launches use the candidate too while timing, not at run time; the conv weight gradient's split
 follows from its tiles at run time too. Each problem's outputs are buffers that every run
