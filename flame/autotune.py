@@ -15,8 +15,9 @@ shape key, dtype) neither the GPU's table nor the user's cache table holds exact
    are untouched, and an input that aliases an output (an in-place residual) is read as it is
    now by every candidate alike. A candidate whose outputs differ from the heuristic's rerun by
    more than the dtype's tolerance is rejected; one that fails to compile or fit is skipped; the
-   others are timed with CUDA events (a short screen, then the fastest few and the heuristic
-   again with more repetitions).
+   others are timed as CUDA-graph replays, device time as ``scripts/autotune.py`` and
+   ``scripts/bench.py`` measure it (``graph_time_ms``; CUDA events around each call when a call
+   cannot be captured): a short screen, then the fastest few and the heuristic again for longer.
 3. The fastest (the heuristic is a contender) goes into the cache table (``flame.tune.remember``:
    ``$FLAME_CACHE_DIR/autotune/<gpu-slug>.json``, default ``~/.cache/flame/autotune``, or under
    ``$XDG_CACHE_HOME``), format 1 of ``configs/autotune/README.md``, rewritten atomically and
@@ -42,13 +43,14 @@ import time
 
 import torch
 import triton
+import triton.testing
 
 from . import runtime, tune
 
 # Largest error allowed against the heuristic's rerun, as a fraction of its largest magnitude:
 # the output's own rounding (bf16 2^-8, fp16 2^-11; fp32 runs tf32 products) with room to spare.
 CHECK_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-2, torch.float64: 1e-9}
-SCREEN_REPS, FINAL_REPS, FINALISTS = 5, 20, 3
+SCREEN_REPS, FINAL_REPS, FINALISTS = 5, 20, 3  # ms of graph replays (or eager calls) per timing
 
 
 _busy = False  # a tunable call is tuning: nested entry points just run
@@ -167,9 +169,29 @@ def _mismatch(outs, want, dtype):
     return None
 
 
+def graph_time_ms(fn, rep_ms) -> float | None:
+    """Median milliseconds per call of ``fn`` replayed from a CUDA graph
+    (``triton.testing.do_bench_cudagraph``, about ``rep_ms`` of replays): its kernels' device time,
+    as ``scripts/bench.py`` reports it. Timed eagerly, a call whose host work outlasts its kernels
+    measures the host (H200: the 1x1280x32x32 conv forward with split-K, two launches, 0.156 ms
+    eagerly and 0.076 ms replayed), which favours configs with fewer launches over faster ones.
+    None when ``fn`` cannot be captured. Both tuners time their candidates with it."""
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+    except RuntimeError:  # not capturable (torch's capture errors are RuntimeErrors)
+        torch.cuda.synchronize()
+        return None
+
+
 def _time_ms(run, reps) -> float:
-    """Median milliseconds of ``run()`` (CUDA events; host time on the interpreter)."""
+    """Median milliseconds of ``run()``: on the GPU ``graph_time_ms`` over ``reps`` ms of replays,
+    or, when ``run`` cannot be captured, CUDA events around each of ``reps`` calls; host time of
+    ``reps`` calls on the interpreter."""
     run()
+    if not runtime.INTERPRETER:
+        ms = graph_time_ms(run, reps)
+        if ms is not None:
+            return ms
     times = []
     for _ in range(reps):
         if runtime.INTERPRETER:

@@ -529,12 +529,9 @@ def check(bench: Bench, dtype) -> str | None:
 
 
 def time_ms(fn, warmup, rep) -> float:
-    """Median milliseconds per call of CUDA-graph replays (``do_bench_cudagraph``): the kernels'
-    device time, as ``scripts/bench.py`` reports it (on the interpreter: host time of two calls,
-    meaningless). Timed eagerly, each call between events (``do_bench``), a launch whose host work
-    outlasts its kernels measures the host: H200, the 1x1280x32x32 conv forward with split-K (two
-    launches) took 0.156 ms eagerly and 0.076 ms replayed, so a slower config with one launch won.
-    A launch that cannot be captured keeps the ``do_bench`` time."""
+    """Median milliseconds per call of CUDA-graph replays (``flame.autotune.graph_time_ms``: device
+    time, as ``scripts/bench.py`` reports it), or ``do_bench``'s for a launch that cannot be
+    captured (on the interpreter: host time of two calls, meaningless)."""
     if flame.is_interpreter():
         times = []
         for _ in range(2):
@@ -542,11 +539,10 @@ def time_ms(fn, warmup, rep) -> float:
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
         return statistics.median(times)
-    try:
-        return float(triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median"))
-    except RuntimeError:  # not capturable (torch's capture errors are RuntimeErrors)
-        torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    ms = autotune.graph_time_ms(fn, rep)
+    if ms is None:
+        ms = float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    return ms
 
 
 class NotTunable(RuntimeError):

@@ -146,3 +146,38 @@ def test_candidates_never_write_the_callers_outputs_passed_by_keyword(first_use)
     fake_entry(out=out, x=x)  # the wrong candidate writes 7s: into its own fresh buffer only
     assert torch.equal(out, x)
     assert _cached(first_use)[0]["config"] == {"BLOCK": 32, "num_warps": 4}
+
+
+def test_gpu_candidates_are_timed_as_graph_replays(monkeypatch):
+    """On the GPU a candidate's time is that of its CUDA-graph replays (device time, as
+    scripts/autotune.py and bench.py measure it); a call that cannot be captured falls back to
+    CUDA events around each call."""
+    import triton.testing
+
+    monkeypatch.setattr(flame.runtime, "INTERPRETER", False)
+    asked = []
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph",
+                        lambda fn, rep, return_mode: asked.append((rep, return_mode)) or 0.004)
+    assert TIME_MS(lambda: None, 7) == 0.004 and asked == [(7, "median")]
+
+    def not_capturable(fn, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 0.5
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", not_capturable)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    runs = []
+    assert TIME_MS(lambda: runs.append(1), 3) == 0.5 and len(runs) == 4  # a warm-up call, then 3 timed
