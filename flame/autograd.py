@@ -194,13 +194,11 @@ class GradientMap:
         return self._grads.items()
 
     def accumulate(self, other: GradientMap) -> GradientMap:
-        from . import runtime
         from .ops.elementwise import add_
-        from .ops.shape import clone
         for key, grad in other:
             mine = self._grads.get(key)
-            if mine is None:  # a copy in the gradient's own layout (a channels-last weight's stays so)
-                self._grads[key] = clone(grad, like=grad._data if runtime.dense_order(grad._data) else None)
+            if mine is None:
+                self._grads[key] = grad.clone()  # in the gradient's own layout
             else:
                 if mine.shape != grad.shape:
                     raise RuntimeError(f"gradient for tensor id {key} has shape {mine.shape} here and "
@@ -446,12 +444,10 @@ def _in_leaf_layout(grad, leaf):
     channels-last gradient: torch's rule for ``.grad``, and what the optimizers update in place
     with flat kernels), else contiguous; a stride-0 expand from sum's backward becomes dense."""
     from . import runtime
-    from .ops.shape import clone, contiguous
+    from .ops.shape import copy_as
     if runtime.same_dense_layout(grad._data, leaf._data):
         return grad
-    if runtime.dense_order(leaf._data) is None:
-        return contiguous(grad)
-    return clone(grad, like=leaf._data)
+    return copy_as(grad, leaf._data if runtime.dense_order(leaf._data) is not None else None)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=False, allow_unused=False):

@@ -4,7 +4,7 @@ import torch
 
 import flame
 from flame.testing import gradcheck
-from helpers import FLOAT_DTYPES_CPU, assert_close, pair
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, pair
 
 
 def _check(f_op, t_op, shapes, dtype=torch.float32, noncontig=False):
@@ -75,6 +75,20 @@ def test_views_share_memory_and_launch_nothing():
         base = x.data_ptr()
         span = x.numel() * x.element_size()
         assert base <= v.data_ptr() < base + span
+
+
+def test_clone_keeps_a_dense_layout_and_contiguous_makes_one():
+    # as torch: clone preserves a dense layout (channels-last, transposed), a tensor with gaps
+    # becomes contiguous; contiguous() always gives the row-major layout; both pass gradients
+    cases = [torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last), torch.randn(5, 3).t(),
+             torch.randn(4, 6)[:, ::2]]
+    for t in cases:
+        x = flame.from_torch(t.to(DEVICE), requires_grad=True)
+        y = x.clone()
+        assert y.stride() == t.clone().stride()
+        assert x.contiguous().stride() == t.contiguous().stride()
+        grads = (y * 2.0).sum().backward()
+        assert_close(grads[x], torch.full(tuple(t.shape), 2.0))
 
 
 def test_cat_promotes_and_skips_legacy_empty():

@@ -229,12 +229,18 @@ def contiguous(x):
     check_tensor(x, "input", "contiguous")
     if x._data.is_contiguous():
         return x
-    return clone(x)
+    return copy_as(x)
 
 
-def clone(x, like=None):
-    """A copy of ``x``: contiguous, or laid out as the dense buffer ``like`` (same shape)."""
+def clone(x):
+    """A copy of ``x`` in ``x``'s own layout when that is dense (a channels-last tensor stays
+    channels-last: torch's ``preserve_format``), else contiguous."""
     check_tensor(x, "input", "clone")
+    return copy_as(x, x._data if runtime.dense_order(x._data) is not None else None)
+
+
+def copy_as(x, like=None):
+    """A copy of ``x`` laid out as the dense buffer ``like`` (same shape), or contiguous."""
     out = new(x.shape, x.dtype) if like is None else Tensor(runtime.empty_like(like, x.dtype))
     KE.copy_(out._data, x._data)
     if needs_grad(x):
