@@ -284,7 +284,9 @@ _UNKNOWN = object()  # FLAME_AUTOTUNE=1: no exact entry anywhere (answered with 
 _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"  # re-read by reset(); the tunable entry points test it
 _cache_tables: dict = {}  # device name -> _Table of the user's cache (tuning on first use)
 _asked_sinks: list = []  # the lists of the active asked_configs() blocks
-_hidden = False  # inside heuristics_only(): no table, cache table or first-use tuning
+_OWN = object()
+_standin = _OWN  # inside heuristics_only() (None) or table_from() (a _Table): the only table asked; no cache
+# table, no first-use tuning
 
 
 def autotuning() -> bool:
@@ -330,8 +332,8 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
     if active is not None:
         active.served += 1
         return active.config
-    if _hidden:
-        return None
+    if _standin is not _OWN:
+        return None if _standin is None else _standin.find(kernel, _dtype_name(dtype), tuple(shape_key))
     first_use = device_name is None and autotuning()
     if device_name is None and runtime.INTERPRETER and not first_use:  # the CPU has no table
         return None
@@ -456,20 +458,37 @@ def reset() -> None:
     _forget_answers()
 
 
-@contextlib.contextmanager
 def heuristics_only():
     """``with heuristics_only():`` every launch inside the block gets its launcher's heuristic
     config, as with no table at all: no table or cache-table entry is used and nothing is tuned
     on first use (active ``override`` blocks still apply). How benchmarks and the tuner time the
     defaults. Cached answers and registered launcher caches are emptied on entry and on exit."""
-    global _hidden
-    outer = _hidden
-    _hidden = True
+    return _stand_in(None)
+
+
+def table_from(path, device_name: str | None = None):
+    """``with table_from(path):`` as ``heuristics_only()``, but every launch inside the block gets
+    the config the table file ``path`` gives (exact entry, else nearest in the bucket, else the
+    heuristic), instead of the GPU's own table: how ``scripts/bench.py --baseline-table`` times an
+    earlier table against the current one. ``path`` is read and checked as the GPU's own table
+    would be (a stale or corrupt file warns and counts as no table); ``device_name`` defaults to
+    the current device."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tune.table_from: no table file {path}")
+    return _stand_in(_load(device_name or runtime.device_name(), path) or _Table())
+
+
+@contextlib.contextmanager
+def _stand_in(table):
+    global _standin
+    outer = _standin
+    _standin = table
     _forget_answers()
     try:
         yield
     finally:
-        _hidden = outer
+        _standin = outer
         _forget_answers()
 
 

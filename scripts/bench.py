@@ -23,6 +23,8 @@ config changes device time only, and graph replays keep the shared host's noise 
 says "graph", or "eager" where a case cannot be captured). A case whose launches ask ``flame.tune`` for the same configs
 with and without the table (no entry applies, or the entries answer "heuristic") is marked
 ``tuned_same_configs`` and not timed twice: it runs the very same kernels either way.
+``--baseline-table PATH`` makes the other side an earlier table file instead of the heuristics
+(``flame.tune.table_from``), so a re-tuned table is checked against the one it replaces in one run.
 
 ``--case TEXT`` (repeatable) runs only the cases whose names contain one of the texts (no targets
 are checked then: they are judged on a family's every case). On a GPU,
@@ -80,7 +82,12 @@ class Ctx:
     tuning: str = "table"  # flame's launch configs: "table", "defaults" or "compare" (see --tuning)
     timer: str = "both"  # device cases: "eager", "graph" or "both" (see --timer)
     kernels: bool = False  # per-kernel device times of each device case (see --kernels)
+    baseline: str | None = None  # --tuning compare against this table file instead of the heuristics
     interpreter: bool = flame.is_interpreter()
+
+    def baseline_configs(self):
+        """The context of --tuning compare's other side: the heuristics, or --baseline-table's file."""
+        return tune.table_from(self.baseline) if self.baseline else tune.heuristics_only()
 
     def shape(self, full, quick_gpu, interp):
         """The problem size for this run: ``full`` normally, smaller under --quick."""
@@ -590,13 +597,13 @@ def _tuned_and_default_times(case, ctx, tuned=None):
     else both run eagerly ("eager"). ``tuned``: a graph of ``case.flame`` captured already."""
     if not ctx.interpreter:
         tuned = _captured(case.flame) if tuned is None else tuned
-        with tune.heuristics_only():
+        with ctx.baseline_configs():
             default = _captured(case.flame)
         if tuned is not None and default is not None:
             return ("graph", *_alternated(tuned.replay, default.replay, ctx))
 
     def default_run():
-        with tune.heuristics_only():
+        with ctx.baseline_configs():
             return time_device(case.flame, ctx)
 
     runs = [(time_device(case.flame, ctx), default_run()) for _ in range(ctx.repeat)]
@@ -610,11 +617,12 @@ def _configs_used(case):
     return [q[3] for q in asked]
 
 
-def _table_changes(case):
-    """Whether the tuning table changes any launch config of ``case`` (else the tuned and the
-    heuristic runs launch the very same kernels, and timing both measures only noise)."""
+def _table_changes(case, ctx):
+    """Whether the tuning table changes any launch config of ``case`` against the baseline (the
+    heuristics or --baseline-table; else both runs launch the very same kernels, and timing both
+    measures only noise)."""
     tuned = _configs_used(case)
-    with tune.heuristics_only():
+    with ctx.baseline_configs():
         return _configs_used(case) != tuned
 
 
@@ -631,7 +639,7 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         # --repeat: alternate flame and torch (and flame on its heuristic configs, --tuning compare),
         # keep the median of each side's medians: a transient slowdown of the shared host or card
         # then moves no side
-        compare = ctx.tuning == "compare" and _table_changes(case)
+        compare = ctx.tuning == "compare" and _table_changes(case, ctx)
         if ctx.tuning == "compare" and not compare:
             row.update(tuned_same_configs=True)
         # both sides replayed from CUDA graphs: device time alone, without either framework's host cost
@@ -681,14 +689,16 @@ def _rate(row, who):
     return "-"
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], baseline: str | None = None) -> None:
+    """The results table; ``baseline``: --baseline-table's file (else the compare side is the
+    heuristics)."""
     compare = any("flame_defaults" in r for r in rows)
     graphed = any("graph" in r and r.get("timer") == "eager" for r in rows)
     header = ("case", "flame", "torch", "unit", "flame/torch", "flame rate", "torch rate")
     if graphed:
         header += ("graph flame", "graph torch", "graph flame/torch")
     if compare:
-        header += ("flame defaults", "tuned speedup")
+        header += ("flame baseline" if baseline else "flame defaults", "tuned speedup")
     lines = []
     for r in rows:
         if "error" in r:
@@ -717,9 +727,10 @@ def print_table(rows: list[dict]) -> None:
     if speedups or same:
         geo = math.exp(statistics.fmean(math.log(x) for x in speedups)) if speedups else 1.0
         slower = [r["case"] for r in rows if r.get("tuned_speedup", 1) < 0.95]
-        print(f"tuned table vs heuristic defaults: geometric-mean speedup {geo:.3f}x over the {len(speedups)} cases "
-              f"the table changes ({same} launch the heuristic's configs either way); {len(slower)} cases more "
-              f"than 5% slower{': ' + ', '.join(slower) if slower else ''}")
+        other = f"the table {baseline}" if baseline else "heuristic defaults"
+        print(f"tuned table vs {other}: geometric-mean speedup {geo:.3f}x over the {len(speedups)} cases "
+              f"the table changes ({same} launch the {'baseline' if baseline else 'heuristic'}'s configs either "
+              f"way); {len(slower)} cases more than 5% slower{': ' + ', '.join(slower) if slower else ''}")
 
 
 def print_kernels(rows: list[dict], top=6) -> None:
@@ -808,6 +819,9 @@ def parse_args(argv):
                    help="flame's launch configs: this GPU's tuning table where it has an entry (table, the "
                         "default), the heuristic defaults only (defaults), or both, timed alternately in this "
                         "run with the tuned speedup per case (compare)")
+    p.add_argument("--baseline-table", type=Path, default=None, metavar="PATH",
+                   help="with --tuning compare: time the current table against this table file (an earlier "
+                        "version of configs/autotune/<gpu>.json, say) instead of the heuristic defaults")
     p.add_argument("--timer", choices=("eager", "graph", "both"), default="both",
                    help="device cases on a GPU: time each call as a user makes it (eager: host cost included), "
                         "replays of a CUDA graph of it (graph: device time alone, free of the shared host's "
@@ -824,6 +838,11 @@ def parse_args(argv):
     if unknown:
         p.error(f"unknown family {', '.join(unknown)}; known: {', '.join(FAMILIES)}")
     args.family = list(dict.fromkeys(names))
+    if args.baseline_table is not None:
+        if args.tuning != "compare":
+            p.error("--baseline-table needs --tuning compare")
+        if not args.baseline_table.is_file():
+            p.error(f"--baseline-table: no file {args.baseline_table}")
     return args
 
 
@@ -838,7 +857,8 @@ def main(argv=None) -> int:
     ctx = Ctx(dtype=dtype, quick=args.quick,
               warmup=args.warmup if args.warmup is not None else (5 if args.quick else 25),
               rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat),
-              tuning=args.tuning, timer=args.timer, kernels=args.kernels)
+              tuning=args.tuning, timer=args.timer, kernels=args.kernels,
+              baseline=str(args.baseline_table) if args.baseline_table else None)
     env = environment(argv)
     print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
           f"dtype {dtype}; {env['date']}")
@@ -851,6 +871,7 @@ def main(argv=None) -> int:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             doc = {**env, "dtype": str(dtype).replace("torch.", ""), "quick": args.quick, "tuning": args.tuning,
+                   "baseline_table": ctx.baseline,
                    "timer": args.timer, "families": args.family, "results": rows,
                    "targets": [] if partial else check_targets(rows, args.family)}
             args.out.write_text(json.dumps(doc, indent=2) + "\n")
@@ -866,7 +887,7 @@ def main(argv=None) -> int:
                 done = f"ERROR {r['error']}" if "error" in r else f"{r['ratio']:.2f}x ({_fmt(r['flame'])} {r['unit']})"
                 print(f"[{name} {i + 1}/{len(cases)}] {case.name}: {done}", file=sys.stderr, flush=True)
             save()
-    print_table(rows)
+    print_table(rows, ctx.baseline)
     print_kernels(rows)
     if not partial:  # the targets are set on all the full-size shapes
         print_targets(check_targets(rows, args.family))

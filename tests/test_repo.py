@@ -1,6 +1,7 @@
 """Repository-level checks: the README's commands, the scripts, and the rule that flame/ calls no
 PyTorch compute."""
 import ast
+import contextlib
 import itertools
 import json
 import os
@@ -107,7 +108,7 @@ def test_bench_tuning_compare_times_the_heuristic_defaults_too(tmp_path):
 def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypatch):
     bench = _load_bench(monkeypatch)
     calls = []
-    monkeypatch.setattr(bench, "_table_changes", lambda case: True)
+    monkeypatch.setattr(bench, "_table_changes", lambda case, ctx: True)
     in_defaults = []
     real_defaults = bench.tune.heuristics_only
 
@@ -130,6 +131,26 @@ def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypa
     else:  # graphs of both sides, the heuristic's captured inside heuristics_only, replayed alternately
         assert row["tuned_timer"] == "graph" and len(in_defaults) == 1
         assert calls == [0] * 6 + [1] * 6
+
+
+def test_bench_compare_against_a_baseline_table(tmp_path, monkeypatch):
+    # --baseline-table: the other side runs inside tune.table_from(that file), never the heuristics
+    bench = _load_bench(monkeypatch)
+    monkeypatch.setattr(bench, "_table_changes", lambda case, ctx: True)
+    opened = []
+    monkeypatch.setattr(bench.tune, "table_from", lambda path: opened.append(path) or contextlib.nullcontext())
+    monkeypatch.setattr(bench.tune, "heuristics_only", lambda: pytest.fail("timed the heuristics"))
+    monkeypatch.setattr(bench, "time_device", lambda fn, ctx: 2.0)
+    case = bench.Case("c", lambda: None, lambda: None, check=False)
+    ctx = bench.Ctx(dtype=torch.float32, quick=True, warmup=1, rep=1, repeat=2, tuning="compare", timer="eager",
+                    baseline=str(tmp_path / "old.json"))
+    row = bench.run_case("f", case, ctx)
+    assert row["tuned_speedup"] == 1.0 and opened and set(opened) == {str(tmp_path / "old.json")}
+    (tmp_path / "old.json").write_text("{}")
+    for argv, match in ((["--baseline-table", str(tmp_path / "old.json")], "needs --tuning compare"),
+                        (["--tuning", "compare", "--baseline-table", str(tmp_path / "nope.json")], "no file")):
+        r = _run(["scripts/bench.py", "--quick", "--family", "elementwise", *argv], timeout=120)
+        assert r.returncode == 2 and match in r.stderr, r.stderr
 
 
 def test_bench_case_filter_and_kernel_profile(tmp_path, monkeypatch, capsys):
@@ -201,6 +222,42 @@ def test_heuristics_only_hides_every_table_and_restores_them(tmp_path, monkeypat
             with tune.override("matmul", cfg):  # overrides still apply
                 assert ask() == cfg
         assert ask() == cfg
+    finally:
+        tune.reset()
+
+
+def test_table_from_stands_in_for_the_gpus_table(tmp_path, monkeypatch):
+    import json as _json
+
+    from flame import tune
+
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+    older = dict(cfg, BLOCK_K=64)
+    default = dict(cfg, BLOCK_M=128)
+
+    def write(path, rows):
+        path.write_text(_json.dumps(dict(format=tune.FORMAT, gpu="NVIDIA H200", triton=__import__("triton").__version__,
+                                         entries={"matmul": {"bfloat16": rows}})))
+        return path
+
+    write(tmp_path / "nvidia-h200.json", [dict(key=[64, 64, 64, 1], config=cfg, ms=1.0, default_ms=2.0),
+                                          dict(key=[4096, 64, 64, 1], config=cfg, ms=1.0, default_ms=2.0)])
+    old = write(tmp_path / "old.json", [dict(key=[64, 64, 64, 1], config=older, ms=1.0, default_ms=2.0)])
+    monkeypatch.setenv("FLAME_TUNE_DIR", str(tmp_path))
+    tune.reset()
+    try:
+        def ask(key=(64, 64, 64, 1)):
+            return tune.config("matmul", key, "bfloat16", default, device_name="NVIDIA H200")
+
+        assert ask() == cfg
+        with tune.table_from(old, device_name="NVIDIA H200"):
+            assert ask() == older
+            assert ask((4096, 64, 64, 1)) == default  # not in the old table: its heuristic, not the GPU's table
+            with tune.override("matmul", cfg):  # overrides still apply
+                assert ask() == cfg
+        assert ask() == cfg and ask((4096, 64, 64, 1)) == cfg
+        with pytest.raises(FileNotFoundError, match="no table file"):
+            tune.table_from(tmp_path / "missing.json", device_name="NVIDIA H200")
     finally:
         tune.reset()
 
