@@ -447,7 +447,7 @@ def _in_leaf_layout(grad, leaf):
     from .ops.shape import copy_as
     if runtime.same_dense_layout(grad._data, leaf._data):
         return grad
-    return copy_as(grad, leaf._data if runtime.dense_order(leaf._data) is not None else None)
+    return copy_as(grad, leaf._data)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph=False, allow_unused=False):

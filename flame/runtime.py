@@ -101,9 +101,17 @@ def empty_strided(shape, strides, dtype) -> torch.Tensor:
     return torch.empty_strided(shape, strides, dtype=dtype, device=device)
 
 
+def empty_dense_like(buf, dtype) -> torch.Tensor:
+    """Uninitialised, shaped like ``buf``: in its memory order when that is dense (``dense_order``),
+    else contiguous."""
+    return empty_like(buf, dtype) if dense_order(buf) is not None else empty(tuple(buf.shape), dtype)
+
+
 def dense_order(buf):
     """The dims of ``buf`` from outermost to innermost in memory when its strides are a permutation
     of a contiguous layout (no gaps, no overlap: NCHW, channels-last, ...), else None."""
+    if buf.is_contiguous():  # the common case, without sorting (optimizer and backward hot paths)
+        return tuple(range(buf.dim()))
     order = tuple(sorted(range(buf.dim()), key=lambda d: -buf.stride(d)))
     expected = 1
     for d in reversed(order):
@@ -117,8 +125,10 @@ def same_dense_layout(a, b) -> bool:
     """Whether buffers ``a`` and ``b`` have one shape, are both dense (``dense_order``) and lay their
     elements out in the same order: element i of one's memory is element i of the other's, so a
     kernel may treat both as flat arrays of ``numel`` elements."""
-    return (a.shape == b.shape and dense_order(a) is not None and dense_order(b) is not None
-            and all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride())))
+    if a.shape != b.shape or dense_order(a) is None:
+        return False
+    return a.stride() == b.stride() or (dense_order(b) is not None and
+                                        all(n == 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride())))
 
 
 def synchronize() -> None:

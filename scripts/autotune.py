@@ -87,11 +87,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Largest error allowed, as a fraction of the reference's largest magnitude: the output's own
 # rounding (bf16: 2^-8, fp16: 2^-11) or tf32 products (fp32 on the GPU), with room to spare.
 CHECK_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 5e-3}
-SCREEN = dict(warmup=2, rep=10)  # do_bench ms for the first pass over every candidate
+SCREEN = dict(warmup=2, rep=10)  # ms of timing (time_ms) for the first pass over every candidate
 FINAL = dict(warmup=10, rep=50)  # ... and for the finalists and the default
-# Launches shorter than this (ms, by do_bench) are timed as CUDA-graph replays (see time_ms): on
-# the H200, LayerNorm and GroupNorm entries of 10-30 us tuned with do_bench alone ran up to 1.2x
-# slower than the heuristic in bench.py's graph replays.
 DEFAULT_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
 QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
                 "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V

@@ -53,8 +53,7 @@ def _as_buffer(value, what):
 
 def _cast(buf, dtype):
     # keep the memory layout (a channels-last conv weight stays channels-last)
-    out = runtime.empty_strided(tuple(buf.shape), buf.stride(), dtype) if runtime.dense_order(buf) is not None else \
-        runtime.empty(tuple(buf.shape), dtype)
+    out = runtime.empty_dense_like(buf, dtype)
     KE.copy_(out, buf)
     return out
 

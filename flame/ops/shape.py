@@ -236,12 +236,13 @@ def clone(x):
     """A copy of ``x`` in ``x``'s own layout when that is dense (a channels-last tensor stays
     channels-last: torch's ``preserve_format``), else contiguous."""
     check_tensor(x, "input", "clone")
-    return copy_as(x, x._data if runtime.dense_order(x._data) is not None else None)
+    return copy_as(x, x._data)
 
 
 def copy_as(x, like=None):
-    """A copy of ``x`` laid out as the dense buffer ``like`` (same shape), or contiguous."""
-    out = new(x.shape, x.dtype) if like is None else Tensor(runtime.empty_like(like, x.dtype))
+    """A copy of ``x`` laid out as the buffer ``like`` (same shape) when that is dense, else (or
+    without ``like``) contiguous."""
+    out = new(x.shape, x.dtype) if like is None else Tensor(runtime.empty_dense_like(like, x.dtype))
     KE.copy_(out._data, x._data)
     if needs_grad(x):
         record(out, (x,), _identity_backward)
