@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flame
-from helpers import assert_close, pair
+from helpers import DEVICE, assert_close, pair
 
 
 def test_long_chain_needs_no_recursion():
@@ -229,9 +229,10 @@ def test_leaf_gradients_keep_a_dense_leafs_layout():
     # as torch's .grad: a channels-last or transposed leaf gets its gradient in its own layout
     # (the optimizers update parameter, gradient and state as flat arrays), also after a
     # GradientMap accumulates it; a leaf with gaps (a strided view) gets a contiguous one
-    cl = flame.from_torch(torch.randn(4, 3, 2, 5).contiguous(memory_format=torch.channels_last), requires_grad=True)
-    tr = flame.from_torch(torch.randn(5, 3).t(), requires_grad=True)
-    gappy = flame.from_torch(torch.randn(3, 10)[:, ::2], requires_grad=True)
+    cl = flame.from_torch(torch.randn(4, 3, 2, 5, device=DEVICE).contiguous(memory_format=torch.channels_last),
+                          requires_grad=True)
+    tr = flame.from_torch(torch.randn(5, 3, device=DEVICE).t(), requires_grad=True)
+    gappy = flame.from_torch(torch.randn(3, 10, device=DEVICE)[:, ::2], requires_grad=True)
     for leaf in (cl, tr, gappy):
         want_stride = leaf.to_torch().clone(memory_format=torch.preserve_format).stride() if leaf is not gappy \
             else (5, 1)
