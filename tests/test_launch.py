@@ -4,6 +4,7 @@ is plain Python and is checked here on any backend."""
 import types
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flame.kernels import launch as L
 
@@ -42,3 +43,24 @@ def test_layouts_are_kept_per_type_signature():
     _key(x, x, 8, 1, 0.5, True)
     _key(x, x, 8, 1, 2, True)
     assert len(L._layouts[id(KERNEL)]) == 2
+
+
+def test_host_tma_descriptors_are_keyed_by_dtype_and_block_shape():
+    # Triton specialises a host-built descriptor on its dtype and block shape; its base, shape
+    # and strides are runtime values (an unhashable dataclass must not reach the key as it is)
+    def desc(t, shape, block):
+        return TensorDescriptor(t, list(shape), [shape[1], 1], list(block))
+
+    kernel = _fake_kernel(["d", "n", "BLOCK"])
+    a, b = torch.zeros(64, 64), torch.zeros(128, 32)
+
+    def key(d, n=8):
+        return L._key(id(kernel), kernel, (d, n), {"BLOCK": 64})
+
+    base = key(desc(a, (64, 64), (16, 32)))
+    assert hash(base) is not None
+    assert key(desc(b, (128, 32), (16, 32))) == base  # another buffer, shape and strides
+    for other in (key(desc(a.half(), (64, 64), (16, 32))),  # dtype
+                  key(desc(a, (64, 64), (32, 32))),  # block shape
+                  key(desc(a, (64, 64), (16, 32)), n=9)):  # the other arguments still count
+        assert other != base

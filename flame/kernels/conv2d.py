@@ -43,6 +43,7 @@ three functions call the GEMM kernel (``flame.kernels.matmul``) instead, with no
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime, tune
 from ..autotune import tunable
@@ -236,18 +237,13 @@ def _phase_split(off, S, LIFT):
     return lifted // S - LIFT, lifted % S
 
 
-@triton.jit
-def _pixel_descriptor(ptr, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w,
-                      TH: tl.constexpr, TW: tl.constexpr, BLOCK_C: tl.constexpr, PHASED: tl.constexpr):
-    """An (n, h, w, c) buffer as a TMA descriptor of TH x TW pixel x BLOCK_C channel boxes: 4-D, or
-    the 5-D phase view above (PHASED)."""
-    if PHASED:
-        return tl.make_tensor_descriptor(ptr, shape=[NB, XH // S_h, S_h, XW // S_w, S_w * C],
-                                         strides=[s_n, S_h * s_h, s_h, S_w * s_w, 1],
-                                         block_shape=[1, TH, 1, TW, BLOCK_C])
-    else:
-        return tl.make_tensor_descriptor(ptr, shape=[NB, XH, XW, C], strides=[s_n, s_h, s_w, 1],
-                                         block_shape=[1, TH, TW, BLOCK_C])
+def _pixel_descriptor(buf, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_C, phased):
+    """The (n, h, w, c) buffer ``buf`` as a host-built TMA descriptor of TH x TW pixel x BLOCK_C
+    channel boxes: 4-D, or the 5-D phase view above (``phased``)."""
+    if phased:
+        return TensorDescriptor(buf, [NB, XH // S_h, S_h, XW // S_w, S_w * C], [s_n, S_h * s_h, s_h, S_w * s_w, 1],
+                                [1, TH, 1, TW, BLOCK_C])
+    return TensorDescriptor(buf, [NB, XH, XW, C], [s_n, s_h, s_w, 1], [1, TH, TW, BLOCK_C])
 
 
 @triton.jit
@@ -274,19 +270,11 @@ def _load_source(desc, n, h0, w0, off_h, off_w, c0, C, S_h, S_w, LIFT_h, LIFT_w,
 # which gave wrong gradients on the H200 (Triton 3.6) for tiles spanning rows, so without FLAT_DY
 # tiles are one row (TH = 1).
 @triton.jit
-def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW, B_h, C_h, B_w, C_w,
-                           S_h, S_w, LIFT_h, LIFT_w, sy_n, sy_h, sy_w, sx_n, sx_h, sx_w, tiles_per_split,
-                           so_s, so_co, so_ci, so_h, so_w,
+def _conv_wgrad_tma_kernel(dyd, xd, out_ptr, NB, OH, OW, CO, CI, KW, B_h, C_h, B_w, C_w,
+                           S_h, S_w, LIFT_h, LIFT_w, tiles_per_split, so_s, so_co, so_ci, so_h, so_w,
                            PHASED: tl.constexpr, FLAT_DY: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     BLOCK_K: tl.constexpr = TH * TW
-    if FLAT_DY:
-        dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB * OH * OW, CO], strides=[sy_w, 1],
-                                        block_shape=[BLOCK_K, BLOCK_M])
-    else:
-        dyd = tl.make_tensor_descriptor(dy_ptr, shape=[NB, OH, OW, CO], strides=[sy_n, sy_h, sy_w, 1],
-                                        block_shape=[1, TH, TW, BLOCK_M])
-    xd = _pixel_descriptor(x_ptr, NB, H, W, CI, sx_n, sx_h, sx_w, S_h, S_w, TH, TW, BLOCK_N, PHASED)
     num_pid_n = tl.cdiv(CI, BLOCK_N)
     off_co = tl.program_id(0) // num_pid_n * BLOCK_M
     off_ci = tl.program_id(0) % num_pid_n * BLOCK_N
@@ -315,7 +303,9 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
     _store_wgrad_tile(out_ptr, acc, split, kh, kw, offs_co, offs_ci, CO, CI, so_s, so_co, so_ci, so_h, so_w)
 
 
-# The implicit GEMM of _conv_gemm_kernel on Hopper: operands move by TMA. An M tile is a TH x TW
+# The implicit GEMM of _conv_gemm_kernel on Hopper: operands move by TMA, through descriptors the
+# launcher builds on the host (built in the kernel, their setup cost each program 2-3 us of latency:
+# H200, 5-15% of these convolutions' time). An M tile is a TH x TW
 # block of output positions of one image, so for tap (kh, kw) its A tile is the block of source
 # positions S * (h, w) + (B_h + kh * C_h, B_w + kw * C_w): one descriptor load (_load_source; a
 # 4-D box of src[n, h0+.., w0+.., c0:c0+BLOCK_K] for S = 1, a box of the phase view for S > 1).
@@ -339,23 +329,12 @@ def _conv_wgrad_tma_kernel(dy_ptr, x_ptr, out_ptr, NB, OH, OW, H, W, CO, CI, KW,
 # view. split_k_sum_ (kernels/matmul.py) then sums the splits in order, adds the bias and casts.
 # One split is the plain kernel: images 0.. of ``out`` itself, the whole loop.
 @triton.jit
-def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N, KH, KW,
-                     B_h, C_h, B_w, C_w, S_h, S_w, LIFT_h, LIFT_w, D_h, D_w, s_n, s_h, s_w, sw_co, so_n, so_h, so_w,
-                     s_bias, steps_per_split, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr, PHASED: tl.constexpr,
-                     DIVIDED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _conv_tma_kernel(src, wd, out, bias_ptr, NB, C, OH, OW, N, KH, KW, B_h, C_h, B_w, C_w, S_h, S_w,
+                     LIFT_h, LIFT_w, D_h, D_w, s_bias, steps_per_split, TRANSPOSED: tl.constexpr, BIAS: tl.constexpr,
+                     PHASED: tl.constexpr, DIVIDED: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     BLOCK_M: tl.constexpr = TH * TW
-    TAPS = KH * KW
-    src = _pixel_descriptor(src_ptr, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_K, PHASED)
     split = tl.program_id(2)
-    out = _pixel_descriptor(out_ptr, tl.num_programs(2) * NB, OH, OW, N, so_n, so_h, so_w, D_h, D_w, TH, TW,
-                            BLOCK_N, DIVIDED)
-    if TRANSPOSED:  # w as a (Co, taps * Ci) matrix read as (k=co, n=ci) tiles
-        wd = tl.make_tensor_descriptor(w_ptr, shape=[C, TAPS * N], strides=[sw_co, 1],
-                                       block_shape=[BLOCK_K, BLOCK_N])
-    else:  # read as (n=co, k=ci) tiles
-        wd = tl.make_tensor_descriptor(w_ptr, shape=[N, TAPS * C], strides=[sw_co, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K])
     R_h = tl.program_id(1) // D_w  # output phase (0 unless DIVIDED)
     R_w = tl.program_id(1) % D_w
     kh0 = (R_h + B_h) % D_h  # the first tap that reaches the phase (B >= 0 where D > 1)
@@ -388,7 +367,7 @@ def _conv_tma_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, NB, XH, XW, C, OH, OW, N
         acc = tl.dot(a, b, acc)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     _, acc = _epilogue(acc, 1.0, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0)
-    acc = acc.to(out_ptr.dtype.element_ty)
+    acc = acc.to(out.dtype)
     n_out = split * NB + n
     if DIVIDED:
         out.store([n_out, h0, R_h, w0, R_w * N + off_n], acc.reshape(1, TH, 1, TW, BLOCK_N))
@@ -613,10 +592,17 @@ def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
         target, target_s = runtime.empty((splits, NB * OH * OW, N), torch.float32), (OH * OW * N, OW * N, N)
     else:
         target, target_s = out, _nhwc(out)[:3]
-    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src, w, target, out if bias is None else bias,
-           NB, XH, XW, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
-           *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, *_nhwc(src)[:3], w.stride(0), *target_s,
-           0 if bias is None else bias.stride(0), cdiv(steps, splits), TRANSPOSED=transposed,
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    src_desc = _pixel_descriptor(src, NB, XH, XW, C, *_nhwc(src)[:3], geom_h[0], geom_w[0], th, tw, bk, phased)
+    target_desc = _pixel_descriptor(target, splits * NB, OH, OW, N, *target_s, D_h, D_w, th, tw, bn, divided)
+    # the weight (channels-last, taps and channels dense) as a (Co, taps * Ci) matrix: (k=co, n=ci) tiles for
+    # the input gradient, (n=co, k=ci) tiles for the forward
+    w_desc = (TensorDescriptor(w, [C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
+              else TensorDescriptor(w, [N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
+    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src_desc, w_desc, target_desc, out if bias is None else bias,
+           NB, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
+           *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, 0 if bias is None else bias.stride(0),
+           cdiv(steps, splits), TRANSPOSED=transposed,
            BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided, TH=th, TW=tw, GROUP_M=8, **cfg)
     if splits > 1:
         KM.split_k_sum_(rows, rows.stride(), target, KM.Fusion(bias))
@@ -732,7 +718,6 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         dy_rows = as_rows(dy)
         th, tw, flat = _wgrad_spatial_tile(bk, OH, OW, dy_rows is not None)
         units, per_unit = NB * cdiv(OH, th) * cdiv(OW, tw), 1
-        dy_strides = (0, 0, dy_rows.stride(0)) if flat else _nhwc(dy)[:3]
         phased = (sh, sw) != (1, 1)
         phase = _phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW)
         bn = _dividing_block(bn, CI, phased)
@@ -758,9 +743,12 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         so = (so[0], so[2], so[1], -so[3], -so[4])
     grid = (tiles * groups, 1 if fold else taps, splits)
     if tma:
-        launch(_conv_wgrad_tma_kernel, grid, dy, x, target_buf, NB, OH, OW, H, W, CO, CI, KW, -ph, dh, -pw, dwl,
-               *phase, *dy_strides, *_nhwc(x)[:3], per_split, *so, PHASED=phased, FLAT_DY=flat, TH=th, TW=tw,
-               BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        dy_desc = (TensorDescriptor(dy, [NB * OH * OW, CO], [dy_rows.stride(0), 1], [th * tw, bm]) if flat
+                   else TensorDescriptor(dy, [NB, OH, OW, CO], [*_nhwc(dy)[:3], 1], [1, th, tw, bm]))
+        x_desc = _pixel_descriptor(x, NB, H, W, CI, *_nhwc(x)[:3], sh, sw, th, tw, bn, phased)
+        launch(_conv_wgrad_tma_kernel, grid, dy_desc, x_desc, target_buf, NB, OH, OW, CO, CI, KW, -ph, dh, -pw, dwl,
+               *phase, per_split, *so, PHASED=phased, FLAT_DY=flat, TH=th, TW=tw, BLOCK_M=bm, BLOCK_N=bn,
+               num_warps=warps, num_stages=stages)
     else:
         acc, precision, upcast = _kernel_switches(x.dtype)
         launch(_conv_wgrad_kernel, grid, dy, x, out_base,

@@ -21,6 +21,7 @@ import operator
 import os
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime
 
@@ -38,7 +39,8 @@ launches = 0  # every launch() so far: tests count kernel launches with it
 
 class _Layout:
     """Where a kernel's arguments of one type signature sit, and how each enters the key:
-    tensors by (dtype, 16-byte alignment); floats by type alone (the types are part of the key);
+    tensors by (dtype, 16-byte alignment); host-built TMA descriptors by (dtype, block shape),
+    their shape and strides being runtime values; floats by type alone (the types are part of the key);
     ints that Triton specialises, bools and anything else by value (finer than Triton's classes,
     and as cheap as a tuple); ints marked ``do_not_specialize`` only by whether they fit in 32 bits."""
 
@@ -46,9 +48,11 @@ class _Layout:
         names = kernel.arg_names
         dns = set(kernel.do_not_specialize or ())
         self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.descriptors = tuple(i for i, a in enumerate(args) if isinstance(a, TensorDescriptor))
         self.nospec = tuple(i for i, a in enumerate(args)
                             if type(a) is int and (names[i] in dns or i in dns))
-        skip = set(self.tensors) | set(self.nospec) | {i for i, a in enumerate(args) if type(a) is float}
+        skip = (set(self.tensors) | set(self.descriptors) | set(self.nospec)
+                | {i for i, a in enumerate(args) if type(a) is float})
         by_value = [i for i in range(len(args)) if i not in skip]
         self.values = operator.itemgetter(*by_value) if len(by_value) > 1 else (
             (lambda a, i=by_value[0]: (a[i],)) if by_value else (lambda a: ()))
@@ -65,7 +69,8 @@ def _key(kid, kernel, args, meta):
     if lay is None:
         lay = layouts[types] = _Layout(kernel, args)
     return (types, lay.values(args), tuple(-2147483648 <= args[i] < 2147483648 for i in lay.nospec),
-            tuple((args[i].dtype, args[i].data_ptr() & 15 == 0) for i in lay.tensors), tuple(meta.items()))
+            tuple((args[i].dtype, args[i].data_ptr() & 15 == 0) for i in lay.tensors),
+            tuple((args[i].base.dtype, *args[i].block_shape) for i in lay.descriptors), tuple(meta.items()))
 
 
 def launch(kernel, grid, *args, sig=None, **meta):

@@ -21,6 +21,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime, tune
 from ..autotune import tunable
@@ -115,7 +116,7 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 
 @triton.jit
-def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K, s_a, s_b, s_c, s_bias, alpha,
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, N, K, s_bias, alpha,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -123,20 +124,12 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
     # and the kernel is persistent: the grid is at most one program per SM and each program walks
-    # the tiles pid, pid + programs, ... in grouped order. Each operand is described along its
-    # contiguous dimension (a descriptor's last stride must be 1): A (M, K) is read as (M, K)
-    # tiles when K is contiguous, else as (K, M) tiles transposed in shared memory; likewise B
-    # (K, N) as (N, K) or (K, N) tiles. C is row-major. FLATTEN lets the compiler software-pipeline
-    # across tile boundaries (the next tile's loads overlap this tile's epilogue).
-    if A_K_CONTIGUOUS:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_a, 1], block_shape=[BLOCK_M, BLOCK_K])
-    else:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[s_a, 1], block_shape=[BLOCK_K, BLOCK_M])
-    if B_K_CONTIGUOUS:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[s_b, 1], block_shape=[BLOCK_N, BLOCK_K])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[s_b, 1], block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[s_c, 1], block_shape=[BLOCK_M, BLOCK_N])
+    # the tiles pid, pid + programs, ... in grouped order. The descriptors are built on the host
+    # (_launch_tma; built in the kernel they cost 2-3 us per launch on the H200), each operand described along its contiguous dimension (a descriptor's last
+    # stride must be 1): A (M, K) is read as (M, K) tiles when K is contiguous, else as (K, M)
+    # tiles transposed in shared memory; likewise B (K, N) as (N, K) or (K, N) tiles. C, the
+    # pre-activation and the residual are row-major (M, N). FLATTEN lets the compiler
+    # software-pipeline across tile boundaries (the next tile's loads overlap this tile's epilogue).
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -159,14 +152,10 @@ def _matmul_tma_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N
         offs_n = off_n + tl.arange(0, BLOCK_N)
         pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
         if STORE_PRE:
-            pre_desc = tl.make_tensor_descriptor(pre_out_ptr, shape=[M, N], strides=[s_c, 1],
-                                                 block_shape=[BLOCK_M, BLOCK_N])
-            pre_desc.store([off_m, off_n], pre.to(pre_out_ptr.dtype.element_ty))
+            pre_desc.store([off_m, off_n], pre.to(pre_desc.dtype))
         if RESIDUAL:
-            res_desc = tl.make_tensor_descriptor(res_ptr, shape=[M, N], strides=[s_c, 1],
-                                                 block_shape=[BLOCK_M, BLOCK_N])
             acc += res_desc.load([off_m, off_n]).to(acc.dtype)
-        c_desc.store([off_m, off_n], acc.to(c_ptr.dtype.element_ty))
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
 @triton.jit
@@ -295,7 +284,7 @@ def tma_available():
     if _tma_ready is None:
         _tma_ready = (torch.cuda.get_device_capability(runtime.device)[0] >= 9
                       and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator"))
-        if _tma_ready:  # device-side descriptors live in a small global scratch buffer per launch
+        if _tma_ready:  # descriptors built in a kernel (attention's) live in a global scratch buffer per launch
             triton.set_allocator(_descriptor_scratch)
     return _tma_ready
 
@@ -373,11 +362,17 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
         if len(_tma_cache) > 4096:
             _tma_cache.clear()
         _tma_cache[key] = cfg
-    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a, b, out, _or(f.bias, out), _or(f.pre_out, out),
-           _or(f.residual, out), M, N, K, s_a, s_b, s_c, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k,
-           B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-           RESIDUAL=f.residual is not None, **cfg)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_desc = TensorDescriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else TensorDescriptor(a, [K, M], [s_a, 1], [bk, bm])
+    b_desc = TensorDescriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else TensorDescriptor(b, [K, N], [s_b, 1], [bk, bn])
+    c_desc = TensorDescriptor(out, [M, N], [s_c, 1], [bm, bn])
+    pre_desc, res_desc = (c_desc if t is None else TensorDescriptor(t, [M, N], [s_c, 1], [bm, bn])
+                          for t in (f.pre_out, f.residual))
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
+           _or(f.bias, out), M, N, K, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
+           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
+           **cfg)
 
 
 def _k_splits(tiles, K, block_k):
