@@ -125,11 +125,12 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, 
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
     # and the kernel is persistent: the grid is at most one program per SM and each program walks
     # the tiles pid, pid + programs, ... in grouped order. The descriptors are built on the host
-    # (_launch_tma; built in the kernel they cost 2-3 us per launch on the H200), each operand described along its contiguous dimension (a descriptor's last
-    # stride must be 1): A (M, K) is read as (M, K) tiles when K is contiguous, else as (K, M)
-    # tiles transposed in shared memory; likewise B (K, N) as (N, K) or (K, N) tiles. C, the
-    # pre-activation and the residual are row-major (M, N). FLATTEN lets the compiler
-    # software-pipeline across tile boundaries (the next tile's loads overlap this tile's epilogue).
+    # (_launch_tma; built in the kernel they cost 2-3 us per launch on the H200), each operand
+    # described along its contiguous dimension (a descriptor's last stride must be 1): A (M, K) is
+    # read as (M, K) tiles when K is contiguous, else as (K, M) tiles transposed in shared memory;
+    # likewise B (K, N) as (N, K) or (K, N) tiles. C, the pre-activation and the residual are
+    # row-major (M, N). FLATTEN lets the compiler software-pipeline across tile boundaries (the
+    # next tile's loads overlap this tile's epilogue).
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
