@@ -353,6 +353,27 @@ def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     assert not split_k_everywhere
 
 
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
+def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, monkeypatch, tma_in_interpreter):
+    """A few-tile 16-bit GEMM that split-K would take runs unsplit on the TMA kernel's small tiles
+    while K <= _FEW_TILES_TMA_MAX_K (the 77-token text projections), split-K beyond (LoRA's
+    rank-16 weight gradients over thousands of tokens)."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM, "_FEW_TILES_TMA_MAX_K", 256)
+    monkeypatch.setattr(KM, "_tma_cache", {})
+    tma = []
+    real = KM._launch_tma
+    monkeypatch.setattr(KM, "_launch_tma", lambda *a: tma.append(a[5]) or real(*a))
+    for K, route in ((256, "tma"), (512, "split")):
+        tma.clear()
+        split_k_everywhere.clear()
+        a, ta = pair((16, K), torch.float16)
+        b, tb = pair((K, 40), torch.float16)
+        _check(a @ b, _ref(ta, tb).to(torch.float16), K)
+        assert (tma, bool(split_k_everywhere)) == (([K], False) if route == "tma" else ([], True))
+    assert KM._tma_config(16, 40, 256, torch.float16)["BLOCK_K"] == 128  # few tiles: long K blocks
+
 # ---- GPU: the TMA kernel (16-bit, aligned 2-D problems) -----------------------------------------
 
 def _check_tma_linear(dtype, M, K, N, act, monkeypatch):

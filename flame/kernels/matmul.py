@@ -260,11 +260,12 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     f = epilogue or _NO_FUSION
     if B0 * B1 == 1:
-        splits = _k_splits(tiles, K, cfg["BLOCK_K"])
-        if splits > 1:
-            return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
         # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x)
         layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if K >= 128 else None
+        splits = _k_splits(tiles, K, cfg["BLOCK_K"])
+        # few tiles: up to K = _FEW_TILES_TMA_MAX_K the TMA kernel's small tiles beat split-K (see _tma_config)
+        if splits > 1 and (layout is None or K > _FEW_TILES_TMA_MAX_K):
+            return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
         if layout is not None:
             return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
@@ -336,8 +337,14 @@ def _tma_config(M, N, K, dtype):
     heuristic. Measured on an H200 (Triton 3.6, bf16) over the 30 GEMMs of SDXL's linears
     (forward and both gradients): 128x128x64 tiles, 4 warps, 5 stages come within 5% of each
     shape's best config on the geometric mean; 128x256 with 8 warps and 3 stages wins on tall,
-    narrow problems (M >= 4096 rows, 512-1024 columns)."""
-    if M >= 4096 and 512 <= N <= 1024:
+    narrow problems (M >= 4096 rows, 512-1024 columns). Problems of fewer 128x128 tiles than half
+    the SMs (77-token text projections, LoRA's rank-16 products) take 64-row tiles at most 64
+    wide with K blocks of 128, 4 warps, 4 stages, unsplit: H200, against pointer split-K (us,
+    graph replays), 77x2048->1280 6.6 vs 11.2, 77x1280->2048 5.0 vs 8.1, LoRA dB 1280x1024->16
+    4.2 vs 7.4; past K = 2048 split-K wins (LoRA dA 16x4096->640 8.4 vs 10.0, _launch)."""
+    if cdiv(M, 128) * cdiv(N, 128) * 2 <= runtime.num_sms():
+        bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
+    elif M >= 4096 and 512 <= N <= 1024:
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
@@ -346,6 +353,7 @@ def _tma_config(M, N, K, dtype):
     return tune.config("matmul_tma", (M, N, K, 1), dtype, default)
 
 
+_FEW_TILES_TMA_MAX_K = 2048
 _tma_cache = {}  # (M, N, K, dtype, has activation) -> launch config
 tune.register_cache(_tma_cache.clear)
 
