@@ -136,35 +136,6 @@ def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw
     assert (grid[2] > 1) == (splits > 1)
 
 
-
-@pytest.mark.parametrize("x_shape,w_shape,kw", [
-    ((2, 4, 9, 11), (24, 4, 3, 3), dict(padding=1)),  # conv_in: 4 channels x 9 taps = 36 columns
-    ((2, 7, 9, 8), (4, 7, 3, 3), dict(padding=1, stride=2)),  # 63 columns; the input gradient's 4 x 9 with phases
-    ((1, 2, 9, 7), (8, 2, 5, 5), dict(padding=(1, 2), dilation=(2, 1))),
-    ((2, 4, 6, 6), (6, 2, 3, 3), dict(padding=1, groups=2)),
-    ((1, 8, 9, 7), (4, 8, 3, 3), dict(padding=1)),  # 72 columns: one K block per tap
-], ids=str)
-def test_conv2d_few_channels_fold_the_taps_into_one_k_block(x_shape, w_shape, kw, monkeypatch):
-    """Few channels on the reduction side (the forward's input channels, the input gradient's
-    output channels): the implicit GEMM's K axis runs over (tap, channel) pairs, not one padded
-    block per tap. Values against PyTorch in float64, both layouts of the input."""
-    import flame.kernels.conv2d as KC
-    folds = []
-    real = KC.launch
-
-    def record(kernel, grid, *a, **meta):
-        if kernel is KC._conv_gemm_kernel:
-            folds.append(meta["FOLD_TAPS"])
-        return real(kernel, grid, *a, **meta)
-
-    monkeypatch.setattr(KC, "launch", record)
-    groups = kw.get("groups", 1)
-    taps = w_shape[2] * w_shape[3]
-    for channels_last in (False, True):
-        folds.clear()
-        _run(x_shape, w_shape, torch.float64, channels_last=channels_last, **kw)
-        assert folds == [w_shape[1] * taps <= 64, w_shape[0] // groups * taps <= 64], folds
-
 def test_dense_order():
     from flame import runtime  # the layout helper the weight gradient's split-K scratch follows
     assert runtime.dense_order(torch.empty(4, 6, 3, 3)) == (0, 1, 2, 3)

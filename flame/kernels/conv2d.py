@@ -61,7 +61,7 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
                       s_n, s_h, s_w, s_c, sw_k, sw_n, sw_h, sw_w, so_n, so_h, so_w, so_c, s_bias,
                       sg_src, sg_w, sg_out, P_h, P_w,
                       ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                      BIAS: tl.constexpr, DIV: tl.constexpr, FOLD_TAPS: tl.constexpr,
+                      BIAS: tl.constexpr, DIV: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -103,32 +103,15 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
     # One flat loop over (tap, channel block) so the whole K = KH * KW * C reduction is one
     # software-pipelined loop. With a divisor (strided input gradient) a tap that cannot reach
     # this phase's rows is fully masked by ``ok`` (its loads are skipped, the MMA adds zeros).
-    # With FOLD_TAPS the taps join the channel axis instead: column j of the folded K axis is
-    # tap j // C, channel j % C, so few channels (conv_in's 4: 9 taps x 4 = 36 columns) fill one
-    # K block instead of padding one block per tap.
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     c_blocks = tl.cdiv(C, BLOCK_K)
-    steps = tl.cdiv(KH * KW * C, BLOCK_K) if FOLD_TAPS else KH * KW * c_blocks
-    for t in range(0, steps):
-        if FOLD_TAPS:  # per column: its own tap, so source positions are (rows, columns)
-            j = t * BLOCK_K + offs_k
-            tap = j // C
-            ck = j - tap * C
-            mask_k = tap < KH * KW
-            kh = tap // KW
-            kw = tap % KW
-            num_h = oh[:, None] * A_h + B_h + kh[None, :] * C_h
-            num_w = ow[:, None] * A_w + B_w + kw[None, :] * C_w
-            rows, in_m = row_base[:, None], mask_m[:, None]
-        else:  # one tap per step: source positions per row
-            tap = t // c_blocks
-            ck = (t - tap * c_blocks) * BLOCK_K + offs_k
-            mask_k = ck < C
-            kh = tap // KW
-            kw = tap % KW
-            num_h = oh * A_h + B_h + kh * C_h
-            num_w = ow * A_w + B_w + kw * C_w
-            rows, in_m = row_base, mask_m
+    for t in range(0, KH * KW * c_blocks):
+        tap = t // c_blocks
+        c0 = (t - tap * c_blocks) * BLOCK_K
+        kh = tap // KW
+        kw = tap % KW
+        num_h = oh * A_h + B_h + kh * C_h
+        num_w = ow * A_w + B_w + kw * C_w
         if DIV:
             ok = (num_h >= 0) & (num_w >= 0) & (num_h % D_h == 0) & (num_w % D_w == 0)
             ih = num_h // D_h
@@ -137,19 +120,17 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
             ok = (num_h >= 0) & (num_w >= 0)
             ih = num_h
             iw = num_w
-        ok = ok & (ih < XH) & (iw < XW) & in_m
+        ok = ok & (ih < XH) & (iw < XW) & mask_m
         ih = tl.where(ok, ih, 0)
         iw = tl.where(ok, iw, 0)
-        if FOLD_TAPS:
-            a_ptrs = rows + ih * s_h + iw * s_w + ck[None, :].to(tl.int64) * s_c
-            a_mask = ok & mask_k[None, :]
-        else:
-            a_ptrs = (rows + ih * s_h + iw * s_w)[:, None] + ck[None, :].to(tl.int64) * s_c
-            a_mask = ok[:, None] & mask_k[None, :]
-        w_rows = kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w + ck.to(tl.int64) * sw_k
-        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        b = tl.load(w_ptr + w_rows[:, None] + offs_n[None, :] * sw_n, mask=mask_k[:, None] & mask_n[None, :],
-                    other=0.0)
+        a_rows = row_base + ih * s_h + iw * s_w
+        w_tap = w_ptr + kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w
+        ck = c0 + offs_k
+        mask_k = ck < C
+        a = tl.load(a_rows[:, None] + ck[None, :].to(tl.int64) * s_c,
+                    mask=ok[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_tap + ck[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -473,9 +454,6 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
-    fold = KH * KW > 1 and C * KH * KW <= _FOLD_COLUMNS  # few channels: all taps in one K block
-    if fold:
-        cfg = dict(cfg, BLOCK_K=max(16, _pow2(C * KH * KW)))
     acc, precision, upcast = _kernel_switches(src.dtype)
     div = geom_h[3] != 1 or geom_w[3] != 1
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)
@@ -484,8 +462,7 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
            M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
            *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, 0 if bias is None else bias.stride(0),
            C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
-           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, FOLD_TAPS=fold, GROUP_M=8,
-           **cfg)
+           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
     return out
 
 
@@ -561,7 +538,7 @@ def _spatial_tile(block_m, OH, OW):
     return best[1], best[2]
 
 
-_FOLD_COLUMNS = 64  # the pointer kernels fold the taps into one K block / column tile up to this many (tap, channel)
+_FOLD_COLUMNS = 64  # the pointer weight gradient folds its taps into one column tile up to this many (tap, ci)
 
 
 def _wgrad_splits(programs, units):
