@@ -305,10 +305,10 @@ def _conv_wgrad_tma_kernel(dyd, xd, out_ptr, NB, OH, OW, CO, CI, KW, B_h, C_h, B
 
 # The implicit GEMM of _conv_gemm_kernel on Hopper: operands move by TMA, through descriptors the
 # launcher builds on the host (built in the kernel, their setup cost each program 2-3 us of latency:
-# H200, 5-15% of these convolutions' time). An M tile is a TH x TW
-# block of output positions of one image, so for tap (kh, kw) its A tile is the block of source
-# positions S * (h, w) + (B_h + kh * C_h, B_w + kw * C_w): one descriptor load (_load_source; a
-# 4-D box of src[n, h0+.., w0+.., c0:c0+BLOCK_K] for S = 1, a box of the phase view for S > 1).
+# H200, 5-15% of these convolutions' time). An M tile is a TH x TW block of output positions of
+# one image, so for tap (kh, kw) its A tile is the block of source positions S * (h, w) +
+# (B_h + kh * C_h, B_w + kw * C_w): one descriptor load (_load_source; a 4-D box of
+# src[n, h0+.., w0+.., c0:c0+BLOCK_K] for S = 1, a box of the phase view for S > 1).
 # TMA fills positions outside the image (the padding, negative coordinates included) and channels
 # past C with zeros, so there are no masks at all. With a divisor D > 1 (the input gradient of a
 # stride-D convolution, C = -1: dx[ih] gets dY[(ih + B - kh) / D] where that divides) program
