@@ -234,8 +234,10 @@ def linear(x, weight, bias=None, activation=None):
     ``x`` is (..., in), ``weight`` (out, in) as in PyTorch, ``bias`` (out,) or None;
     ``activation`` is None, "relu", "silu", "gelu" (exact) or "gelu_tanh". Weight and bias are
     cast once to ``x``'s dtype (so an fp32 master weight trains under bf16 activations, its
-    gradient flowing back through the cast). The backward fuses the activation derivative into
-    both gradient GEMMs and the bias gradient into the weight-gradient GEMM.
+    gradient flowing back through the cast). The backward runs one elementwise pass for the
+    activation derivative (dY' = dY * act'(pre), the pre-activation saved by the forward's
+    epilogue), then the two gradient GEMMs on dY' and a column sum for the bias gradient. (Fusing
+    act' and the bias sum into the gradient GEMMs gave wrong 16-bit weight gradients on Triton 3.6.)
     """
     check_tensor(x, "input", "linear")
     check_tensor(weight, "weight", "linear")
