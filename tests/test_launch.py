@@ -64,3 +64,32 @@ def test_host_tma_descriptors_are_keyed_by_dtype_and_block_shape():
                   key(desc(a, (64, 64), (32, 32))),  # block shape
                   key(desc(a, (64, 64), (16, 32)), n=9)):  # the other arguments still count
         assert other != base
+
+
+
+def test_without_host_tma_descriptors_the_tma_kernels_stay_off(monkeypatch):
+    # Triton before 3.3 has no triton.tools.tensor_descriptor: launch.py still loads (a copy of it,
+    # loaded with that import failing) and matmul's TMA check says no on any GPU
+    import builtins
+    import importlib.util
+
+    import flame.kernels.matmul as KM
+    real_import = builtins.__import__
+
+    def old_triton_import(name, *args, **kwargs):
+        if name == "triton.tools.tensor_descriptor":
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", old_triton_import)
+    spec = importlib.util.spec_from_file_location("flame.kernels._launch_on_old_triton", L.__file__)
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    monkeypatch.setattr(builtins, "__import__", real_import)
+    assert old.TensorDescriptor is None
+    kernel = _fake_kernel(["x", "n", "BLOCK"])
+    assert old._key(id(kernel), kernel, (torch.zeros(4), 4), {"BLOCK": 4}) is not None
+    monkeypatch.setattr(KM, "TensorDescriptor", None)
+    monkeypatch.setattr(KM, "_tma_ready", None)
+    monkeypatch.setattr(KM.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert KM.tma_available() is False

@@ -43,13 +43,12 @@ three functions call the GEMM kernel (``flame.kernels.matmul``) instead, with no
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime, tune
 from ..autotune import tunable
 from . import matmul as KM
 from .elementwise import _pow2, cdiv, collapse
-from .launch import launch
+from .launch import TensorDescriptor, launch
 from .matmul import _epilogue, _kernel_switches, _tile_coords, linear_, matmul_
 from .reduce import SUM, reduce_
 

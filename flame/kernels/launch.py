@@ -21,9 +21,13 @@ import operator
 import os
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime
+
+try:  # host-built TMA descriptors (Triton 3.3 on); without them flame's TMA kernels stay off (matmul.tma_available)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 if not runtime.INTERPRETER:
     from triton.runtime.driver import driver as _driver
@@ -48,7 +52,8 @@ class _Layout:
         names = kernel.arg_names
         dns = set(kernel.do_not_specialize or ())
         self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        self.descriptors = tuple(i for i, a in enumerate(args) if isinstance(a, TensorDescriptor))
+        self.descriptors = tuple(i for i, a in enumerate(args)
+                                 if TensorDescriptor is not None and isinstance(a, TensorDescriptor))
         self.nospec = tuple(i for i, a in enumerate(args)
                             if type(a) is int and (names[i] in dns or i in dns))
         skip = (set(self.tensors) | set(self.descriptors) | set(self.nospec)

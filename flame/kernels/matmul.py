@@ -21,12 +21,11 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import runtime, tune
 from ..autotune import tunable
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
-from .launch import launch
+from .launch import TensorDescriptor, launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
 
@@ -284,7 +283,7 @@ _tma_ready = None  # None: not yet checked; then whether this device and Triton 
 def tma_available():
     global _tma_ready
     if _tma_ready is None:
-        _tma_ready = (torch.cuda.get_device_capability(runtime.device)[0] >= 9
+        _tma_ready = (torch.cuda.get_device_capability(runtime.device)[0] >= 9 and TensorDescriptor is not None
                       and hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator"))
         if _tma_ready:  # descriptors built in a kernel (attention's) live in a global scratch buffer per launch
             triton.set_allocator(_descriptor_scratch)
