@@ -353,7 +353,6 @@ def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     assert not split_k_everywhere
 
 
-
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
 def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, monkeypatch, tma_in_interpreter):
     """A few-tile 16-bit GEMM that split-K would take runs unsplit on the TMA kernel's small tiles
@@ -373,6 +372,7 @@ def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, monke
         _check(a @ b, _ref(ta, tb).to(torch.float16), K)
         assert (tma, bool(split_k_everywhere)) == (([K], False) if route == "tma" else ([], True))
     assert KM._tma_config(16, 40, 256, torch.float16)["BLOCK_K"] == 128  # few tiles: long K blocks
+
 
 # ---- GPU: the TMA kernel (16-bit, aligned 2-D problems) -----------------------------------------
 
