@@ -259,11 +259,12 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     f = epilogue or _NO_FUSION
     if B0 * B1 == 1:
-        # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x)
-        layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if K >= 128 else None
         splits = _k_splits(tiles, K, cfg["BLOCK_K"])
-        # few tiles: up to K = _FEW_TILES_TMA_MAX_K the TMA kernel's small tiles beat split-K (see _tma_config)
-        if splits > 1 and (layout is None or K > _FEW_TILES_TMA_MAX_K):
+        # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x); with few
+        # tiles, up to K = _FEW_TILES_TMA_MAX_K the TMA kernel's small tiles beat split-K (see _tma_config)
+        tma_ok = K >= 128 and (splits == 1 or K <= _FEW_TILES_TMA_MAX_K)
+        layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if tma_ok else None
+        if splits > 1 and layout is None:
             return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
         if layout is not None:
             return _launch_tma(out, a, b, M, N, K, f, layout)
@@ -341,7 +342,7 @@ def _tma_config(M, N, K, dtype):
     wide with K blocks of 128, 4 warps, 4 stages, unsplit: H200, against pointer split-K (us,
     graph replays), 77x2048->1280 6.6 vs 11.2, 77x1280->2048 5.0 vs 8.1, LoRA dB 1280x1024->16
     4.2 vs 7.4; past K = 2048 split-K wins (LoRA dA 16x4096->640 8.4 vs 10.0, _launch)."""
-    if cdiv(M, 128) * cdiv(N, 128) * 2 <= runtime.num_sms():
+    if _few_tiles(cdiv(M, 128) * cdiv(N, 128)):
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
     elif M >= 4096 and 512 <= N <= 1024:
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
@@ -389,12 +390,18 @@ def _k_splits(tiles, K, block_k):
     program per SM, each slice at least 4 K-blocks long, and K divisible by the count (equal slices
     are one batched launch). 1 means no split."""
     sms = runtime.num_sms()
-    if 2 * tiles > sms or 16 * block_k > K:
+    if not _few_tiles(tiles) or 16 * block_k > K:
         return 1
     for splits in range(min(cdiv(sms, tiles), K // (4 * block_k), 64), 1, -1):
         if K % splits == 0:
             return splits
     return 1
+
+
+def _few_tiles(tiles):
+    """Whether a GEMM of ``tiles`` output tiles leaves most SMs idle (fewer than half the SMs):
+    split-K's precondition, and the TMA heuristic's cue for small tiles."""
+    return 2 * tiles <= runtime.num_sms()
 
 
 def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
