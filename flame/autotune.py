@@ -548,8 +548,9 @@ def _unique(configs):
 def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
     """The configs to try for ``kernel`` at shape ``key``, in stages: each a function from the
     fastest config found so far (at first the heuristic default) to the configs to try next. The
-    tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]``, one stage; attention, the
-    norms, softmax, cross-entropy, the elementwise maps and the reduction: their own."""
+    tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]`` (cut to the kernel's fields), one
+    stage; attention, the norms, softmax, cross-entropy, the elementwise maps and the reduction:
+    their own."""
     if kernel == "attention_fwd":
         return [lambda best: ctx.attention_fwd_space(*key)]
     if kernel == "attention_bwd":
@@ -576,4 +577,6 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
         # out rather than reach untested shapes through the table's bucket fallback.
         return [lambda best: [c for c in ctx.gemm_space(*key[:3], group_m=False)
                               if c["BLOCK_M"] < 256 and c["BLOCK_K"] < 128]]
-    return [lambda best: ctx.gemm_space(*key[:3], group_m="GROUP_M" in fields)]
+    # a kernel without some GEMM field (conv2d_fold: no BLOCK_K) takes the space's other choices
+    return [lambda best: _unique([{f: v for f, v in c.items() if f in fields}
+                                  for c in ctx.gemm_space(*key[:3], group_m="GROUP_M" in fields)])]

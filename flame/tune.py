@@ -76,6 +76,8 @@ KERNELS = {
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
     "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
     "conv2d_dgrad_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same, stride-1 input gradient
+    # kernels/conv2d.py _fold_config: few channels, every tap in one K block (forward, input gradient)
+    "conv2d_fold": (("M", "N", "C", "taps"), ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")),
     # kernels/attention.py _fwd_config: the flash-attention forward (BLOCK_D, SINGLE_KV derived)
     "attention_fwd": (_ATTN_KEY, ("BLOCK_M", "BLOCK_N", "M_GROUP", "num_warps", "num_stages")),
     # kernels/attention.py _bwd_config: the dK/dV program, the dQ program (*_DQ, *_dq; unused when

@@ -343,8 +343,8 @@ def test_conv_launcher_names_its_kernel_and_taps(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(conv2d, "_gemm_config", spy)
-    x, w = torch.randn(1, 2, 4, 4), torch.randn(3, 2, 3, 2)
-    out, dx = runtime.empty((1, 3, 2, 3), torch.float32), runtime.empty((1, 2, 4, 4), torch.float32)
+    x, w = torch.randn(1, 9, 4, 4), torch.randn(9, 9, 3, 2)  # 9 channels: no fold (_conv_fold_kernel)
+    out, dx = runtime.empty((1, 9, 2, 3), torch.float32), runtime.empty((1, 9, 4, 4), torch.float32)
     conv2d.conv2d_forward_(out, x, w, None, (1, 1), (0, 0), (1, 1))
     conv2d.conv2d_input_grad_(dx, out, w, (1, 1), (0, 0), (1, 1))
     assert [(c[4], c[5]) for c in calls] == [(6, "conv2d"), (6, "conv2d_dgrad")]
@@ -801,14 +801,17 @@ def test_kernels_launch_with_the_override(monkeypatch):
         torch.testing.assert_close(out, a @ b, **tol)
     matmul.matmul_(out, a, b)
     assert seen[1] == 16 and seen[0] == seen[2] != 16, seen
-    x, w = torch.randn(1, 2, 5, 4, device=dev), torch.randn(3, 2, 3, 3, device=dev)
-    y = runtime.empty((1, 3, 3, 2), torch.float32)
-    seen = _launched_blocks(monkeypatch, conv2d)
-    for cfg in (None, dict(CONV, BLOCK_M=32, BLOCK_N=16, BLOCK_K=16), None):
-        with tune.override("conv2d", cfg) if cfg else contextlib.nullcontext():
-            conv2d.conv2d_forward_(y, x, w, None, (1, 1), (0, 0), (1, 1))
-            torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w), **tol)
-    assert seen[1] == 32 and seen[0] == seen[2] != 32, seen
+    # 9 input channels take the implicit GEMM (conv2d), 2 the folded one (conv2d_fold)
+    for ci, kernel, cfg in ((9, "conv2d", dict(CONV, BLOCK_M=32, BLOCK_N=16, BLOCK_K=16)),
+                            (2, "conv2d_fold", dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1))):
+        x, w = torch.randn(1, ci, 5, 4, device=dev), torch.randn(3, ci, 3, 3, device=dev)
+        y = runtime.empty((1, 3, 3, 2), torch.float32)
+        seen = _launched_blocks(monkeypatch, conv2d)
+        for override in (None, cfg, None):
+            with tune.override(kernel, override) if override else contextlib.nullcontext():
+                conv2d.conv2d_forward_(y, x, w, None, (1, 1), (0, 0), (1, 1))
+                torch.testing.assert_close(y, torch.nn.functional.conv2d(x, w), **tol)
+        assert seen[1] == 32 and seen[0] == seen[2] != 32, (kernel, seen)
 
 
 def test_attention_kernels_launch_with_the_override(monkeypatch):

@@ -142,6 +142,55 @@ def _conv_gemm_kernel(src_ptr, w_ptr, out_ptr, bias_ptr,
     tl.store(c_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _conv_fold_kernel(src_ptr, w_ptr, out_ptr, bias_ptr, M, OH, OW, C, N, TAPS, KW, XH, XW,
+                      A_h, B_h, C_h, A_w, B_w, C_w,
+                      s_n, s_h, s_w, s_c, sw_k, sw_n, sw_h, sw_w, so_n, so_h, so_w, so_c, s_bias,
+                      ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, BIAS: tl.constexpr,
+                      TAPS_P2: tl.constexpr, C_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # _conv_gemm_kernel's product (no divisor, one group) for few reduction channels (conv_in's
+    # 4): a row's whole reduction, every tap x channel, is one K block of TAPS_P2 * C_P2 columns
+    # (column tap * C_P2 + c), gathered once as a (BLOCK_M, TAPS_P2, C_P2) tile (channels
+    # contiguous) instead of one mostly-masked K block per tap. The program then sweeps all N
+    # columns BLOCK_N at a time with that tile: one dot and one store per column block.
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    ohw = OH * OW
+    n_idx = offs_m // ohw
+    oh = (offs_m % ohw) // OW
+    ow = offs_m % OW
+    taps = tl.arange(0, TAPS_P2)
+    kh = taps // KW
+    kw = taps % KW
+    ih = oh[:, None] * A_h + B_h + kh[None, :] * C_h
+    iw = ow[:, None] * A_w + B_w + kw[None, :] * C_w
+    ok = (ih >= 0) & (iw >= 0) & (ih < XH) & (iw < XW) & mask_m[:, None] & (taps < TAPS)[None, :]
+    rows = n_idx[:, None] * s_n + tl.where(ok, ih, 0) * s_h + tl.where(ok, iw, 0) * s_w
+    cs = tl.arange(0, C_P2)
+    mask_c = cs < C
+    a = tl.load(src_ptr + rows[:, :, None] + cs[None, None, :].to(tl.int64) * s_c,
+                mask=ok[:, :, None] & mask_c[None, None, :], other=0.0)
+    a = tl.reshape(a, (BLOCK_M, TAPS_P2 * C_P2))
+    w_cols = (kh.to(tl.int64) * sw_h + kw.to(tl.int64) * sw_w)[:, None] + cs[None, :].to(tl.int64) * sw_k
+    w_mask = (taps < TAPS)[:, None] & mask_c[None, :]
+    if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
+        a = a.to(tl.float32)
+    o_rows = out_ptr + n_idx * so_n + oh * so_h + ow * so_w
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        b = tl.load(w_ptr + w_cols[:, :, None] + offs_n[None, None, :] * sw_n,
+                    mask=w_mask[:, :, None] & mask_n[None, None, :], other=0.0)
+        b = tl.reshape(b, (TAPS_P2 * C_P2, BLOCK_N))
+        if UPCAST:
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, input_precision=PRECISION, out_dtype=ACC)
+        if BIAS:
+            acc += tl.load(bias_ptr + offs_n * s_bias, mask=mask_n, other=0.0).to(ACC)[None, :]
+        tl.store(o_rows[:, None] + offs_n[None, :] * so_c, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
 # dW[co, ci, kh, kw] = sum_{n, oh, ow} dY[n, oh, ow, co] * x[n, oh*sh - ph + kh*dh, ow*sw - pw + kw*dw, ci]
 # (x is zero outside [0, H) x [0, W): padding contributes nothing). Rows r = (n, oh, ow) are
 # the GEMM's reduction axis; program (tile, tap, split) reduces rows [split * RPS, (split+1) * RPS).
@@ -409,6 +458,19 @@ def _gemm_config(M, N, K, dtype, taps=1, kernel="conv2d"):
     return tune.config(kernel, (M, N, K, taps), dtype, default)
 
 
+def _fold_config(M, N, C, taps, dtype):
+    """Tile config of ``_conv_fold_kernel`` (M rows, N columns, C channels per tap, ``taps`` =
+    KH * KW): a tuning-table entry (kernel "conv2d_fold", key (M, N, C, taps)) on the GPU, else
+    programs of 64 rows that sweep N 64 columns at a time, 4 warps, 2 stages (the interpreter: big
+    blocks, few programs)."""
+    if runtime.INTERPRETER:
+        default = dict(BLOCK_M=max(16, _pow2(min(M, 256))), BLOCK_N=max(16, _pow2(min(N, 128))), num_warps=4,
+                       num_stages=1)
+    else:
+        default = dict(BLOCK_M=64, BLOCK_N=max(16, min(64, _pow2(N))), num_warps=4, num_stages=2)
+    return tune.config("conv2d_fold", (M, N, C, taps), dtype, default)
+
+
 def _wgrad_config(CO, CI, M, taps, dtype, tma):
     """Tile config of the weight gradient: a (CO x M) @ (M x CI) tile loop per tap, CO and CI per
     group, M = batch x output pixels. A tuning-table entry (``flame.tune``, kernel "conv2d_wgrad"
@@ -452,6 +514,17 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
         return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
+    taps_p2 = _pow2(KH * KW)
+    c_p2 = max(_pow2(C), 16 // taps_p2)  # tl.dot needs K >= 16
+    if groups == 1 and P_h * P_w == 1 and taps_p2 * c_p2 <= _FOLD_COLUMNS:
+        cfg = _fold_config(M, N, C, KH * KW, src.dtype)
+        acc, precision, upcast = _kernel_switches(src.dtype)
+        launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, out if bias is None else bias,
+               M, OH, OW, C, N, KH * KW, KW, src.shape[2], src.shape[3], *geom_h[:3], *geom_w[:3],
+               *_nhwc(src), sw_k, sw_n, ws[2], ws[3], *_nhwc(out), 0 if bias is None else bias.stride(0),
+               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, TAPS_P2=taps_p2, C_P2=c_p2,
+               **cfg)
+        return out
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
     acc, precision, upcast = _kernel_switches(src.dtype)
     div = geom_h[3] != 1 or geom_w[3] != 1
@@ -537,7 +610,7 @@ def _spatial_tile(block_m, OH, OW):
     return best[1], best[2]
 
 
-_FOLD_COLUMNS = 64  # the pointer weight gradient folds its taps into one column tile up to this many (tap, ci)
+_FOLD_COLUMNS = 64  # (tap, channel) columns the pointer kernels fold into one K block or column tile, at most
 
 
 def _wgrad_splits(programs, units):
