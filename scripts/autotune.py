@@ -208,7 +208,7 @@ def _conv_out_size(size, k, s):
 
 @family("conv2d", "conv", CONV_FIELDS)
 def conv2d_family(ctx: Ctx, shape) -> list[Problem]:
-    """conv2d's forward (kernel conv2d, or conv2d_tma, matmul for 1x1), channels-last input and weight"""
+    """conv2d's forward (kernel conv2d, or conv2d_tma, conv2d_fold for few channels, matmul for 1x1), channels-last"""
     nb, ci, h, w, co, k, s = shape
     ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
 
@@ -224,7 +224,7 @@ def conv2d_family(ctx: Ctx, shape) -> list[Problem]:
 
 @family("conv2d_dgrad", "conv", CONV_FIELDS)
 def conv2d_dgrad_family(ctx: Ctx, shape) -> list[Problem]:
-    """conv2d's input gradient (kernel conv2d_dgrad, or conv2d_dgrad_tma, matmul for 1x1), channels-last"""
+    """conv2d's input gradient (kernel conv2d_dgrad, or conv2d_dgrad_tma, conv2d_fold, matmul for 1x1), channels-last"""
     nb, ci, h, w, co, k, s = shape
     ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
 
