@@ -136,15 +136,15 @@ def test_conv2d_weight_gradient_folds_taps_for_few_channels(x_shape, w_shape, kw
     assert (grid[2] > 1) == (splits > 1)
 
 
-@pytest.mark.parametrize("x_shape,w_shape,kw", [
-    ((2, 4, 9, 11), (24, 4, 3, 3), dict(padding=1)),  # conv_in: 16 taps (9 padded) x 4 channels = one K block of 64
-    ((2, 24, 9, 8), (4, 24, 3, 3), dict(padding=1)),  # conv_out: its input gradient reduces over 4 channels
-    ((1, 2, 9, 7), (8, 2, 3, 3), dict(padding=(1, 2), dilation=(2, 1))),  # K = 16 x 2
-    ((1, 2, 9, 7), (8, 2, 1, 1), dict(stride=2, padding=1)),  # one tap: channels padded to K = 16
-    ((2, 7, 9, 8), (4, 7, 3, 3), dict(padding=1, stride=2)),  # 16 x 8: the forward does not fold; strided input
-    ((2, 4, 6, 6), (6, 2, 3, 3), dict(padding=1, groups=2)),  # gradients and groups never do
+@pytest.mark.parametrize("x_shape,w_shape,kw,route", [
+    ((2, 4, 9, 11), (24, 4, 3, 3), dict(padding=1), ("fold", "gemm")),  # conv_in: 16 taps (9 padded) x 4 channels
+    ((2, 24, 9, 8), (4, 24, 3, 3), dict(padding=1), ("gemm", "fold")),  # conv_out: its input gradient over 4
+    ((1, 2, 9, 7), (8, 2, 3, 3), dict(padding=(1, 2), dilation=(2, 1)), ("fold", "gemm")),  # K 16 x 2; 16 x 8 = 128
+    ((1, 2, 9, 7), (8, 2, 1, 1), dict(stride=2, padding=1), ("fold", "gemm")),  # one tap, K padded to 16; strided
+    ((2, 7, 9, 8), (4, 7, 3, 3), dict(padding=1, stride=2), ("gemm", "gemm")),  # 16 x 8 columns; strided input grad
+    ((2, 4, 6, 6), (6, 2, 3, 3), dict(padding=1, groups=2), ("gemm", "gemm")),  # groups never fold
 ], ids=str)
-def test_conv2d_few_channels_fold_every_tap_into_one_k_block(x_shape, w_shape, kw, monkeypatch):
+def test_conv2d_few_channels_fold_every_tap_into_one_k_block(x_shape, w_shape, kw, route, monkeypatch):
     """Few channels on the reduction side (the forward's input channels, the input gradient's
     output channels), one group, no stride in the input gradient: _conv_fold_kernel gathers all
     taps x channels of a row as one K block. Which kernel runs, and values against PyTorch in
@@ -159,17 +159,19 @@ def test_conv2d_few_channels_fold_every_tap_into_one_k_block(x_shape, w_shape, k
         return real(kernel, grid, *a, **meta)
 
     monkeypatch.setattr(KC, "launch", record)
-    groups, taps = kw.get("groups", 1), w_shape[2] * w_shape[3]
-    stride = kw.get("stride", 1)
-
-    def fold(c):
-        return groups == 1 and KC._pow2(taps) * max(KC._pow2(c), 16 // KC._pow2(taps)) <= 64
-
     for channels_last in (False, True):
         kernels.clear()
         _run(x_shape, w_shape, torch.float64, channels_last=channels_last, **kw)
-        want = ["fold" if fold(w_shape[1]) else "gemm", "fold" if fold(w_shape[0]) and stride == 1 else "gemm"]
-        assert kernels[:2] == want, kernels
+        assert tuple(kernels[:2]) == route, kernels
+
+
+def test_conv2d_fold_width():
+    """The fold's K block: taps and channels each rounded up to a power of two, at least 16 and at most 64 wide."""
+    import flame.kernels.conv2d as KC
+    assert KC._fold_shape(4, 9) == dict(TAPS_P2=16, C_P2=4) and KC.folds(4, 9)
+    assert KC._fold_shape(2, 1) == dict(TAPS_P2=1, C_P2=16) and KC.folds(64, 1) and not KC.folds(65, 1)
+    assert KC._fold_shape(1, 25) == dict(TAPS_P2=32, C_P2=1) and KC.folds(2, 25) and not KC.folds(3, 25)
+    assert not KC.folds(5, 9) and KC.folds(1, 49) and not KC.folds(2, 49)
 
 
 def test_dense_order():

@@ -519,15 +519,13 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
         return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
-    taps_p2 = _pow2(KH * KW)
-    c_p2 = max(_pow2(C), 16 // taps_p2)  # tl.dot needs K >= 16
-    if groups == 1 and P_h * P_w == 1 and taps_p2 * c_p2 <= _FOLD_COLUMNS:
+    if groups == 1 and P_h * P_w == 1 and folds(C, KH * KW):
         cfg = _fold_config(M, N, C, KH * KW, src.dtype)
         acc, precision, upcast = _kernel_switches(src.dtype)
         launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, out if bias is None else bias,
                M, OH, OW, C, N, KH * KW, KW, src.shape[2], src.shape[3], *geom_h[:3], *geom_w[:3],
                *_nhwc(src), sw_k, sw_n, ws[2], ws[3], *_nhwc(out), 0 if bias is None else bias.stride(0),
-               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, TAPS_P2=taps_p2, C_P2=c_p2,
+               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **_fold_shape(C, KH * KW),
                **cfg)
         return out
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
@@ -616,6 +614,19 @@ def _spatial_tile(block_m, OH, OW):
 
 
 _FOLD_COLUMNS = 64  # (tap, channel) columns the pointer kernels fold into one K block or column tile, at most
+
+
+def _fold_shape(C, taps):
+    """``_conv_fold_kernel``'s K block as TAPS_P2 taps x C_P2 channels (powers of two, K >= 16 for tl.dot)."""
+    taps_p2 = _pow2(taps)
+    return dict(TAPS_P2=taps_p2, C_P2=max(_pow2(C), 16 // taps_p2))
+
+
+def folds(C, taps):
+    """Whether a forward or unit-stride input gradient with C reduction channels per tap and ``taps``
+    taps (one group) runs on ``_conv_fold_kernel``: its padded K block is at most _FOLD_COLUMNS wide."""
+    shape = _fold_shape(C, taps)
+    return shape["TAPS_P2"] * shape["C_P2"] <= _FOLD_COLUMNS
 
 
 def _wgrad_splits(programs, units):
