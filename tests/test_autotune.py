@@ -177,6 +177,18 @@ def test_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatc
     _tune_reads(monkeypatch, tmp_path, doc)
 
 
+def test_the_linear_forward_is_tuned_with_its_bias(autotune, monkeypatch):
+    """The matmul family's forward launches what F.linear(x, W, b) does, bias epilogue included (SDXL's
+    feed-forward, output and projection layers have one, and it can change which config wins); the gradients'
+    GEMMs have none."""
+    launched = _spy(monkeypatch, KM, lambda name, grid, meta: (name, meta.get("BIAS")))
+    ctx = autotune.Ctx(torch.bfloat16, quick=True, smem=None)
+    for problem, bias in zip(autotune.FAMILIES["matmul"].fn(ctx, (24, 16, 40)), (True, False, False)):
+        launched.clear()
+        problem.build().run()
+        assert launched == [("_matmul_kernel", bias)], (problem.name, launched)
+
+
 def test_attention_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
     launched = _spy(monkeypatch, KA, lambda name, grid, meta: (name, grid, meta.get("BLOCK_M"), meta.get("BLOCK_N")))
     doc = _quick_table(autotune, tmp_path, ["attention"], {"attention_fwd": ATTN_KEYS, "attention_bwd": ATTN_KEYS})
