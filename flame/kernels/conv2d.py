@@ -519,13 +519,14 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
         return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
-    if groups == 1 and P_h * P_w == 1 and folds(C, KH * KW):
+    fold = folds(C, KH * KW) if groups == 1 and P_h * P_w == 1 else None
+    if fold:
         cfg = _fold_config(M, N, C, KH * KW, src.dtype)
         acc, precision, upcast = _kernel_switches(src.dtype)
         launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, out if bias is None else bias,
                M, OH, OW, C, N, KH * KW, KW, src.shape[2], src.shape[3], *geom_h[:3], *geom_w[:3],
                *_nhwc(src), sw_k, sw_n, ws[2], ws[3], *_nhwc(out), 0 if bias is None else bias.stride(0),
-               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **_fold_shape(C, KH * KW),
+               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **fold,
                **cfg)
         return out
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
@@ -623,10 +624,11 @@ def _fold_shape(C, taps):
 
 
 def folds(C, taps):
-    """Whether a forward or unit-stride input gradient with C reduction channels per tap and ``taps``
-    taps (one group) runs on ``_conv_fold_kernel``: its padded K block is at most _FOLD_COLUMNS wide."""
+    """``_conv_fold_kernel``'s K block (``_fold_shape``) for a forward or unit-stride input gradient
+    with C reduction channels per tap and ``taps`` taps (one group) when that block is at most
+    _FOLD_COLUMNS wide, else None (the implicit GEMM takes it)."""
     shape = _fold_shape(C, taps)
-    return shape["TAPS_P2"] * shape["C_P2"] <= _FOLD_COLUMNS
+    return shape if shape["TAPS_P2"] * shape["C_P2"] <= _FOLD_COLUMNS else None
 
 
 def _wgrad_splits(programs, units):
