@@ -519,26 +519,25 @@ def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
         return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
     ws = w.stride()
     sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
+    acc, precision, upcast = _kernel_switches(src.dtype)
+    bias_buf, s_bias = (out, 0) if bias is None else (bias, bias.stride(0))
+    src_s, out_s = _nhwc(src), _nhwc(out)
     fold = folds(C, KH * KW) if groups == 1 and P_h * P_w == 1 else None
     if fold:
         cfg = _fold_config(M, N, C, KH * KW, src.dtype)
-        acc, precision, upcast = _kernel_switches(src.dtype)
-        launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, out if bias is None else bias,
-               M, OH, OW, C, N, KH * KW, KW, src.shape[2], src.shape[3], *geom_h[:3], *geom_w[:3],
-               *_nhwc(src), sw_k, sw_n, ws[2], ws[3], *_nhwc(out), 0 if bias is None else bias.stride(0),
-               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **fold,
-               **cfg)
+        launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, bias_buf,
+               M, OH, OW, C, N, KH * KW, KW, XH, XW, *geom_h[:3], *geom_w[:3],
+               *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, s_bias,
+               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **fold, **cfg)
         return out
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
-    acc, precision, upcast = _kernel_switches(src.dtype)
-    div = geom_h[3] != 1 or geom_w[3] != 1
     grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)
-    src_s, out_s = _nhwc(src), _nhwc(out)
-    launch(_conv_gemm_kernel, grid, src, w, out, out if bias is None else bias,
+    launch(_conv_gemm_kernel, grid, src, w, out, bias_buf,
            M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
-           *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, 0 if bias is None else bias.stride(0),
+           *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, s_bias,
            C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
-           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=div, GROUP_M=8, **cfg)
+           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=P_h * P_w != 1, GROUP_M=8,
+           **cfg)
     return out
 
 
