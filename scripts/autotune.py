@@ -658,11 +658,13 @@ def _worker_start(families, shapes_doc, dtype_name, quick, smem):
     _worker["session"] = session
 
 
-def _worker_compile(index, kernel, cfg):
+def _worker_compile(index, kernel, cfg, keep=True):
     """Run problem ``index`` once with ``kernel`` under ``cfg`` (compiling it); a worker whose
-    CUDA context broke exits, and the timing process compiles that stage itself."""
+    CUDA context broke exits, and the timing process compiles that stage itself. With ``keep``
+    false the problem's tensors are freed afterwards (a stage too big for every worker to hold)."""
     if _worker["built"][0] != index:
         _worker["built"] = (None, None)
+        torch.cuda.empty_cache()
         _worker["built"] = (index, _worker["problems"][index][1].build())
     try:
         with tune.override(kernel, cfg):
@@ -672,7 +674,31 @@ def _worker_compile(index, kernel, cfg):
         if any(sign in str(e) for sign in CONTEXT_LOST):
             os._exit(1)
         return type(e).__name__
+    finally:
+        if not keep:
+            _worker["built"] = (None, None)
+            torch.cuda.empty_cache()
     return None
+
+
+def _gpu_memory_mark():
+    """This process's allocated GPU bytes now, with the peak counter reset (None in the interpreter)."""
+    if flame.is_interpreter():
+        return None
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _gpu_memory_peak_since(mark):
+    """The most GPU bytes allocated since ``_gpu_memory_mark`` gave ``mark``, over what was then."""
+    return 0 if mark is None else max(0, torch.cuda.max_memory_allocated() - mark)
+
+
+def _workers_that_fit(footprint, free_bytes):
+    """How many compile workers can hold a problem of ``footprint`` bytes at once in
+    ``free_bytes`` of GPU memory (a quarter more than this process's footprint, and 0.5 GiB, each;
+    a tenth of the free memory kept back)."""
+    return int(0.9 * free_bytes // (1.25 * footprint + 2**29))
 
 
 class CompileAhead:
@@ -684,16 +710,29 @@ class CompileAhead:
         self.pool = None
         self.compiled = 0  # candidates the workers ran
 
-    def __call__(self, index, kernel, configs):
+    def __call__(self, index, kernel, configs, footprint=0):
+        """Compile ``configs`` of problem ``index`` ahead in the workers; ``footprint``: the bytes of
+        GPU memory the problem took in this process, so that no more workers build it at once than
+        the free memory holds (then each frees it after its candidate)."""
         if self.jobs == 0 or len(configs) < 2:
+            return
+        room = self.jobs if not footprint else _workers_that_fit(footprint, torch.cuda.mem_get_info()[0])
+        if room < 2:
+            print(f"autotune: {kernel}'s problem takes {footprint / 2**30:.1f} GiB, too much for a second copy in a "
+                  "compile worker; compiling this stage while timing", file=sys.stderr)
             return
         if self.pool is None:
             self.pool = concurrent.futures.ProcessPoolExecutor(
                 self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
                 initargs=self.start)
+        wave = min(room, self.jobs)
+        keep = wave == self.jobs
         try:
-            list(self.pool.map(_worker_compile, [index] * len(configs), [kernel] * len(configs), configs))
-            self.compiled += len(configs)
+            for first in range(0, len(configs), wave):
+                batch = configs[first:first + wave]
+                list(self.pool.map(_worker_compile, [index] * len(batch), [kernel] * len(batch), batch,
+                                   [keep] * len(batch)))
+                self.compiled += len(batch)
         except concurrent.futures.process.BrokenProcessPool:  # a config broke a worker: start afresh
             self.close()
         except Exception as e:  # a worker that cannot build the problem (memory...): this stage compiles serially
@@ -862,8 +901,9 @@ def parse_args(argv):
                    help="table to write (default: configs/autotune/<gpu-slug>.json, or under $FLAME_TUNE_DIR)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and a few candidates (smoke test)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="worker processes that compile each stage's candidates ahead of their timing (default: "
-                        "half the CPU cores, at most 8, on a GPU; 0 on the interpreter; 0: compile while timing)")
+                   help="worker processes that compile each stage's candidates ahead of their timing, no more "
+                        "at once than the GPU's free memory holds copies of the problem (default: half the CPU "
+                        "cores, at most 8, on a GPU; 0 on the interpreter; 0: compile while timing)")
     args = p.parse_args(argv)
     if args.jobs is None:
         args.jobs = 0 if flame.is_interpreter() else min(8, (os.cpu_count() or 2) // 2)
@@ -920,11 +960,11 @@ def main(argv=None) -> int:
     return 1 if any(o.error or o.rejected for _, o in outcomes) else 0
 
 
-def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kernel, configs: None):
+def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kernel, configs, footprint=0: None):
     """Tune ``problems`` into ``table`` (written to ``path`` after every key), compiling each
-    stage's candidates ahead with ``compile_ahead(problem index, kernel, configs)``. Returns
-    (outcomes, how many launches the budget left undone, the (kernel, key)s met, how many were
-    already in the table)."""
+    stage's candidates ahead with ``compile_ahead(problem index, kernel, configs, footprint=the
+    problem's GPU bytes)``. Returns (outcomes, how many launches the budget left undone, the
+    (kernel, key)s met, how many were already in the table)."""
     deadline = _clock() + 60 * args.budget_minutes if args.budget_minutes else math.inf
     outcomes, seen, kept = [], set(), 0
     torch.manual_seed(0)
@@ -933,8 +973,10 @@ def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kerne
             bar.set_postfix_str(p.name)
             if _clock() > deadline:
                 return outcomes, len(problems) - i, seen, kept
+            before = _gpu_memory_mark()
             bench = p.build()
             launch, problem = probe(p.name, bench, ctx.dtype)
+            footprint = _gpu_memory_peak_since(before)
             ident = (launch.kernel, launch.key)
             known = launch.key in table.get((launch.kernel, launch.dtype), {})
             if ident in seen or (known and not args.force):
@@ -949,7 +991,8 @@ def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kerne
             else:
                 incumbent = table[launch.kernel, launch.dtype][launch.key]["config"] if known else None
                 out = tune_launch(p.name, bench, launch, ctx, deadline,
-                                  functools.partial(compile_ahead, i, launch.kernel), incumbent)
+                                  functools.partial(compile_ahead, i, launch.kernel, footprint=footprint),
+                                  incumbent)
                 if out is None:
                     return outcomes, len(problems) - i, seen, kept
             for cfg, why in out.rejected:

@@ -631,6 +631,43 @@ def test_compile_workers_that_fail_leave_the_stage_to_the_timing_process(autotun
     assert "compile workers failed on layer_norm_fwd (MemoryError" in capsys.readouterr().err
 
 
+def test_compile_workers_never_hold_more_copies_of_a_problem_than_fit(autotune, monkeypatch, capsys):
+    """A problem too big for every worker to hold a copy (the 4096x128256 cross-entropy took 8-12
+    GiB a process and ran 8 workers on an 80 GB H100 out of memory) is compiled by as many workers
+    at once as the free memory holds, each freeing it after its candidate; none fit: the stage
+    compiles while timing, with a note."""
+    class Pool:
+        def __init__(self):
+            self.waves = []
+
+        def map(self, fn, *columns):
+            self.waves.append(list(zip(*columns)))
+            return [None] * len(columns[0])
+
+        def shutdown(self, cancel_futures):
+            pass
+
+    args = autotune.parse_args(["--quick", "--family", "layer_norm", "--out", "unused.json", "--jobs", "4"])
+    ahead = autotune.CompileAhead(4, args, autotune.Ctx(dtype=torch.bfloat16, quick=True, smem=None))
+    configs = [dict(BLOCK_M=m) for m in (1, 2, 4, 8, 16)]
+    gib = 2**30
+    for free, footprint, waves, keep in ((80 * gib, 1 * gib, [4, 1], True), (24 * gib, 8 * gib, [2, 2, 1], False),
+                                         (80 * gib, 0, [4, 1], True)):
+        monkeypatch.setattr(autotune.torch.cuda, "mem_get_info", lambda free=free: (free, 80 * gib))
+        pool = ahead.pool = Pool()
+        ahead(3, "cross_entropy_bwd", configs, footprint=footprint)
+        assert [len(w) for w in pool.waves] == waves
+        calls = [call for w in pool.waves for call in w]
+        assert {c[3] for c in calls} == {keep}
+        assert [c[2] for c in calls] == configs and {c[0] for c in calls} == {3}
+    pool = ahead.pool = Pool()
+    monkeypatch.setattr(autotune.torch.cuda, "mem_get_info", lambda: (12 * gib, 80 * gib))
+    ahead(3, "cross_entropy_bwd", configs, footprint=8 * gib)
+    assert pool.waves == []
+    assert "cross_entropy_bwd's problem takes 8.0 GiB" in capsys.readouterr().err
+    assert autotune._workers_that_fit(8 * gib, 24 * gib) == 2 and autotune._workers_that_fit(gib, 0) == 0
+
+
 def test_launches_are_timed_as_graph_replays(autotune, monkeypatch):
     # every launch takes the CUDA-graph replay time (device time, as bench.py reports), or
     # do_bench's when it cannot be captured
