@@ -725,8 +725,8 @@ class CompileAhead:
             self.pool = concurrent.futures.ProcessPoolExecutor(
                 self.jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
                 initargs=self.start)
-        wave = min(room, self.jobs)
-        keep = wave == self.jobs
+        keep = room >= self.jobs  # every worker may hold a copy: one map over the stage, no waves
+        wave = len(configs) if keep else room
         try:
             for first in range(0, len(configs), wave):
                 batch = configs[first:first + wave]

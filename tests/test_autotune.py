@@ -651,8 +651,8 @@ def test_compile_workers_never_hold_more_copies_of_a_problem_than_fit(autotune, 
     ahead = autotune.CompileAhead(4, args, autotune.Ctx(dtype=torch.bfloat16, quick=True, smem=None))
     configs = [dict(BLOCK_M=m) for m in (1, 2, 4, 8, 16)]
     gib = 2**30
-    for free, footprint, waves, keep in ((80 * gib, 1 * gib, [4, 1], True), (24 * gib, 8 * gib, [2, 2, 1], False),
-                                         (80 * gib, 0, [4, 1], True)):
+    for free, footprint, waves, keep in ((80 * gib, 1 * gib, [5], True), (24 * gib, 8 * gib, [2, 2, 1], False),
+                                         (80 * gib, 0, [5], True)):
         monkeypatch.setattr(autotune.torch.cuda, "mem_get_info", lambda free=free: (free, 80 * gib))
         pool = ahead.pool = Pool()
         ahead(3, "cross_entropy_bwd", configs, footprint=footprint)
