@@ -71,7 +71,8 @@ _GN_FIELDS = ("BLOCK_C", "BLOCK_S", "SPLITS", "num_warps", "BLOCK_C_APPLY", "BLO
 # kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
 KERNELS = {
     "matmul": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _config
-    "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _tma_config
+    # kernels/matmul.py _tma_config; BLOCK_N_TAIL: a second column panel of the tile (0: none)
+    "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("BLOCK_N_TAIL", "GROUP_M")),
     "conv2d": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _gemm_config, forward
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
     "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
