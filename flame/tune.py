@@ -186,6 +186,9 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
+_MAY_BE_ZERO = ("BLOCK_N_TAIL",)  # config fields for which 0 means "none" (matmul_tma's tail panel)
+
+
 def _config_problem(kernel, cfg):
     """Why ``cfg`` is not a config of ``kernel`` (fields, values), or None."""
     fields = KERNELS[kernel][1]
@@ -193,8 +196,11 @@ def _config_problem(kernel, cfg):
         got = sorted(cfg) if isinstance(cfg, dict) else cfg
         return f"config fields {got} are not {kernel}'s {sorted(fields)}"
     for name, v in cfg.items():
+        if name in _MAY_BE_ZERO and v == 0 and not isinstance(v, bool):
+            continue
         if not _is_count(v) or (name.startswith("BLOCK_") and v & (v - 1)):
-            return f"config {name}={v!r} (positive integers, powers of two for BLOCK_*)"
+            zero = f" ({', '.join(_MAY_BE_ZERO)}: or 0)"
+            return f"config {name}={v!r} (positive integers, powers of two for BLOCK_*{zero})"
     return None
 
 

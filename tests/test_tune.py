@@ -2,6 +2,7 @@
 matmul / conv / attention / norm / softmax / elementwise / reduction launchers' use of them."""
 import contextlib
 import json
+import pathlib
 import warnings
 
 import pytest
@@ -14,6 +15,8 @@ from flame.kernels import elementwise as KE
 from flame.kernels import norms as KN
 from flame.kernels import reduce as KR
 from flame.kernels import softmax as KS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 GPU = "NVIDIA H200"
 MM = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=4, num_warps=2, num_stages=5)
@@ -175,6 +178,22 @@ def test_bad_entries_are_dropped_with_one_warning_and_the_rest_kept(tables):
     for part in ("9 bad entries or sections ignored", "BLOCK_X", "default_ms", "[9, 9, 9]", "BLOCK_M=48", "num_warps=0",
                  "twice", "float8", "softmax", "GROUP_M"):
         assert part in msgs[0], (part, msgs[0])
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "autotune").glob("*.json")), ids=lambda p: p.stem)
+def test_committed_tables_have_no_bad_entries(path):
+    # each committed table as the GPU it was tuned on reads it (its Triton release, this machine's aside)
+    raw = json.loads(path.read_text())
+    table, problems = tune._parse(dict(raw, triton=triton.__version__), raw["gpu"])
+    assert table is not None and problems == [], problems[:5]
+
+
+def test_a_zero_tail_panel_is_a_valid_tma_config():
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_TAIL=0, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    assert tune._config_problem("matmul_tma", cfg) is None
+    assert tune._config_problem("matmul_tma", dict(cfg, BLOCK_N_TAIL=32)) is None
+    assert "BLOCK_N_TAIL=48" in tune._config_problem("matmul_tma", dict(cfg, BLOCK_N_TAIL=48))
+    assert "BLOCK_M=0" in tune._config_problem("matmul_tma", dict(cfg, BLOCK_M=0))  # only the tail may be 0
 
 
 def test_misuse_by_a_launcher_raises():
