@@ -378,26 +378,6 @@ class Space:
                     space.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **group, num_warps=w, num_stages=stages))
         return space
 
-    def gemm_tail_space(self, best, m, n, k):
-        """The TMA GEMM's second stage: tiles whose width is a power of two BLOCK_N plus a tail panel
-        BLOCK_N_TAIL of a quarter or half of it (80, 96, 160, 192 columns: N = 640 in four 160-wide
-        tiles, say), for each BLOCK_N narrower than N, with the fastest config ``best``'s rows and K
-        block, 4 or 8 warps, and its stages or as many as fit in shared memory."""
-        tiles = QUICK_TILES if self.quick else TILES
-        bm, bk, es = best["BLOCK_M"], best["BLOCK_K"], self.dtype.itemsize
-        space = []
-        for bn in sorted({_fit(b, n) for b in tiles if b < n}):
-            for tail in (bn // 4, bn // 2):
-                area = bm * (bn + tail)
-                if tail < 16 or area > MAX_TILE_AREA:
-                    continue
-                stages = best["num_stages"]
-                while self.smem is not None and stages > 1 and (bm + bn + tail) * bk * es * stages > self.smem:
-                    stages -= 1
-                for w in (4,) if self.quick else (4, 8):
-                    space.append(dict(best, BLOCK_N=bn, BLOCK_N_TAIL=tail, num_warps=w, num_stages=stages))
-        return space
-
     def attention_fwd_space(self, lq, lk, d, bh):
         """Candidate attention_fwd configs at key (Lq, Lk, D, B*H) that fit in shared memory: the
         query tile, the K and V blocks of every pipeline stage and the probabilities P."""
@@ -569,8 +549,8 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
     """The configs to try for ``kernel`` at shape ``key``, in stages: each a function from the
     fastest config found so far (at first the heuristic default) to the configs to try next. The
     tile-loop kernels: the GEMM space over (M, N, K) = ``key[:3]`` (cut to the kernel's fields), one
-    stage (the TMA GEMM: then its tiles with a tail panel); attention, the norms, softmax,
-    cross-entropy, the elementwise maps and the reduction: their own."""
+    stage; attention, the norms, softmax, cross-entropy, the elementwise maps and the reduction:
+    their own."""
     if kernel == "attention_fwd":
         return [lambda best: ctx.attention_fwd_space(*key)]
     if kernel == "attention_bwd":
@@ -585,9 +565,6 @@ def search_stages(ctx: Space, kernel: str, key: tuple) -> list:
         return ctx.map_stages(kernel, key)
     if kernel == "reduce":
         return ctx.reduce_stages(*key)
-    if kernel == "matmul_tma":  # the GEMM space of power-of-two tiles, then tiles with a tail panel
-        return [lambda best: [dict(c, BLOCK_N_TAIL=0) for c in ctx.gemm_space(*key[:3], group_m=True)],
-                lambda best: ctx.gemm_tail_space(best, *key[:3])]
     fields = tune.KERNELS[kernel][1]
     if not set(fields) <= {"BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages"}:
         raise LookupError(f"no candidate space for kernel {kernel!r} (config fields {list(fields)}): "

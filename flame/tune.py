@@ -71,8 +71,7 @@ _GN_FIELDS = ("BLOCK_C", "BLOCK_S", "SPLITS", "num_warps", "BLOCK_C_APPLY", "BLO
 # kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
 KERNELS = {
     "matmul": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _config
-    # kernels/matmul.py _tma_config; BLOCK_N_TAIL: a second column panel of the tile (0: none)
-    "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("BLOCK_N_TAIL", "GROUP_M")),
+    "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _tma_config
     "conv2d": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _gemm_config, forward
     "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
     "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
@@ -186,9 +185,6 @@ def _is_count(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
 
 
-_MAY_BE_ZERO = ("BLOCK_N_TAIL",)  # config fields for which 0 means "none" (matmul_tma's tail panel)
-
-
 def _config_problem(kernel, cfg):
     """Why ``cfg`` is not a config of ``kernel`` (fields, values), or None."""
     fields = KERNELS[kernel][1]
@@ -196,11 +192,8 @@ def _config_problem(kernel, cfg):
         got = sorted(cfg) if isinstance(cfg, dict) else cfg
         return f"config fields {got} are not {kernel}'s {sorted(fields)}"
     for name, v in cfg.items():
-        if name in _MAY_BE_ZERO and v == 0 and not isinstance(v, bool):
-            continue
         if not _is_count(v) or (name.startswith("BLOCK_") and v & (v - 1)):
-            zero = f" ({', '.join(_MAY_BE_ZERO)}: or 0)"
-            return f"config {name}={v!r} (positive integers, powers of two for BLOCK_*{zero})"
+            return f"config {name}={v!r} (positive integers, powers of two for BLOCK_*)"
     return None
 
 

@@ -681,20 +681,3 @@ def test_launches_are_timed_as_graph_replays(autotune, monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", not_capturable)
     monkeypatch.setattr(autotune.torch.cuda, "synchronize", lambda: None)
     assert autotune.time_ms(lambda: None, warmup=1, rep=1) == 0.5
-
-
-def test_the_tma_gemm_search_tries_tiles_with_a_tail_panel(autotune):
-    """matmul_tma's second stage widens the fastest plain tile by a quarter or half of BLOCK_N (160 or 80
-    columns: N = 640 in four tiles); every candidate has exactly the kernel's fields and fits in shared memory."""
-    smem = 232448
-    ctx = autotune.Ctx(torch.bfloat16, quick=False, smem=smem)
-    plain, tails = autotune.search_stages(ctx, "matmul_tma", (4096, 640, 2560, 1))
-    best = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_TAIL=0, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5)
-    first, second = plain(best), tails(best)
-    assert first and all(c["BLOCK_N_TAIL"] == 0 for c in first)
-    widths = {c["BLOCK_N"] + c["BLOCK_N_TAIL"] for c in second}
-    assert {80, 96, 160, 192} <= widths and all(c["BLOCK_N_TAIL"] > 0 for c in second), widths
-    for c in first + second:
-        assert set(c) == set(tune.KERNELS["matmul_tma"][1]), c
-        assert (c["BLOCK_M"] + c["BLOCK_N"] + c["BLOCK_N_TAIL"]) * c["BLOCK_K"] * 2 * c["num_stages"] <= smem, c
-    assert ctx.gemm_tail_space(best, 77, 64, 2048) == []  # N = 64: no BLOCK_N narrower than N to widen

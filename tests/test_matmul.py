@@ -1,5 +1,4 @@
 """matmul / bmm: values against PyTorch, torch.matmul's shape semantics, gradients, errors."""
-import contextlib
 import math
 
 import pytest
@@ -7,7 +6,6 @@ import torch
 
 import flame
 import flame.kernels.elementwise as KE
-from flame import tune
 from tests.helpers import DEVICE, assert_within_torch_error, pair
 
 ON_GPU = not flame.is_interpreter()
@@ -378,15 +376,10 @@ def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, monke
 
 # ---- GPU: the TMA kernel (16-bit, aligned 2-D problems) -----------------------------------------
 
-def _tma_config(config):
-    """Every TMA GEMM launch inside the block runs with ``config`` (None: the usual configs)."""
-    return contextlib.nullcontext() if config is None else tune.override("matmul_tma", config)
-
-
-def _check_tma_linear(dtype, M, K, N, act, monkeypatch, config=None):
+def _check_tma_linear(dtype, M, K, N, act, monkeypatch):
     """The linear's three GEMMs (x W^T, dY W, dY^T x) cover the three operand layouts of the TMA
     kernel; sizes are multiples of 8 (16-byte rows), at least 128 (the TMA route's minimum K),
-    mostly not multiples of any block. ``config``: the TMA kernel's launch config for all three."""
+    mostly not multiples of any block."""
     import flame.kernels.matmul as KM
     taken = []
     real = KM._launch_tma
@@ -402,9 +395,8 @@ def _check_tma_linear(dtype, M, K, N, act, monkeypatch, config=None):
         y = torch.nn.functional.linear(x, w, b)
         return torch.nn.functional.gelu(y, approximate="tanh") if act else y
 
-    with _tma_config(config):
-        y = flame.nn.functional.linear(x, w, b, activation=act)
-        grads = y.backward(g)
+    y = flame.nn.functional.linear(x, w, b, activation=act)
+    grads = y.backward(g)
     ty = torch_linear(tx, tw, tb)
     ty.backward(tg)
     leaves64 = [t.detach().double().requires_grad_() for t in (tx, tw, tb)]
@@ -427,41 +419,18 @@ def test_tma_linear_forward_and_both_gradients(dtype, M, K, N, act, monkeypatch)
     _check_tma_linear(dtype, M, K, N, act, monkeypatch)
 
 
-# tiles with a tail panel: 128 + 32 = 160 columns (N = 640 in four), 64 + 16 = 80
-TAIL_CONFIGS = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_TAIL=32, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-                dict(BLOCK_M=128, BLOCK_N=64, BLOCK_N_TAIL=16, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("M,K,N", [(1000, 264, 136), (4096, 640, 640), (1024, 1280, 1280), (264, 128, 200)])
-@pytest.mark.parametrize("act", [None, "gelu_tanh"])
-@pytest.mark.parametrize("config", TAIL_CONFIGS, ids=["160", "80"])
-def test_tma_linear_with_a_tail_panel(dtype, M, K, N, act, config, monkeypatch):
-    import flame.kernels.matmul as KM
-    if not KM.TMA or not KM.tma_available():
-        pytest.skip("no TMA on this GPU / Triton")
-    _check_tma_linear(dtype, M, K, N, act, monkeypatch, config)
-
-
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
 @pytest.mark.parametrize("M,K,N", [(136, 264, 136), (264, 128, 200), (128, 128, 128)])
 @pytest.mark.parametrize("act", [None, "gelu_tanh"])
-@pytest.mark.parametrize("tail", [0, 16, 32])
-def test_tma_linear_in_the_interpreter(M, K, N, act, tail, monkeypatch, tma_in_interpreter):
+def test_tma_linear_in_the_interpreter(M, K, N, act, monkeypatch, tma_in_interpreter):
     """The TMA GEMM's indexing, run by the interpreter's emulation of tensor descriptors (fp16:
-    its bf16 dot is wrong): the heuristic's tiles, and 64-wide tiles with a tail panel of 16 or 32
-    columns (80 or 96 wide; the last tile's tail, or all of it, past N)."""
-    config = None if not tail else dict(BLOCK_M=64, BLOCK_N=64, BLOCK_N_TAIL=tail, BLOCK_K=64, GROUP_M=8,
-                                        num_warps=4, num_stages=1)
-    _check_tma_linear(torch.float16, M, K, N, act, monkeypatch, config)
+    its bf16 dot is wrong)."""
+    _check_tma_linear(torch.float16, M, K, N, act, monkeypatch)
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
-@pytest.mark.parametrize("tail", [0, 32])
-def test_tma_residual_in_the_interpreter(tail, monkeypatch, tma_in_interpreter):
-    """The TMA kernel's scaled in-place accumulation, out += 0.5 A @ B (A K-major, B N-major), with
-    and without a tail panel."""
+def test_tma_residual_in_the_interpreter(monkeypatch, tma_in_interpreter):
+    """The TMA kernel's scaled in-place accumulation, out += 0.5 A @ B (A K-major, B N-major)."""
     import flame.kernels.matmul as KM
     monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
     taken = []
@@ -471,8 +440,6 @@ def test_tma_residual_in_the_interpreter(tail, monkeypatch, tma_in_interpreter):
     c, tc = pair((264, 200), torch.float16)
     r, tr = pair((136, 200), torch.float16)
     out = r.to_torch().clone()
-    with _tma_config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_N_TAIL=tail, BLOCK_K=64, GROUP_M=8, num_warps=4,
-                          num_stages=1) if tail else None):
-        KM.matmul_(out, a.to_torch(), c.to_torch(), alpha=0.5, residual=out)
+    KM.matmul_(out, a.to_torch(), c.to_torch(), alpha=0.5, residual=out)
     _check(flame.from_torch(out), (0.5 * _ref(ta, tc).double() + tr.double()).to(torch.float16), 264)
     assert taken == [(True, False)], taken

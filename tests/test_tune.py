@@ -188,14 +188,6 @@ def test_committed_tables_have_no_bad_entries(path):
     assert table is not None and problems == [], problems[:5]
 
 
-def test_a_zero_tail_panel_is_a_valid_tma_config():
-    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_N_TAIL=0, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-    assert tune._config_problem("matmul_tma", cfg) is None
-    assert tune._config_problem("matmul_tma", dict(cfg, BLOCK_N_TAIL=32)) is None
-    assert "BLOCK_N_TAIL=48" in tune._config_problem("matmul_tma", dict(cfg, BLOCK_N_TAIL=48))
-    assert "BLOCK_M=0" in tune._config_problem("matmul_tma", dict(cfg, BLOCK_M=0))  # only the tail may be 0
-
-
 def test_misuse_by_a_launcher_raises():
     with pytest.raises(ValueError, match="unknown kernel"):
         tune.config("nope", (1,), torch.float16, {}, device_name=GPU)

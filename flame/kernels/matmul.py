@@ -115,11 +115,10 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 
 @triton.jit
-def _matmul_tma_kernel(a_desc, b_desc, b_tail_desc, c_desc, c_tail_desc, pre_desc, pre_tail_desc, res_desc,
-                       res_tail_desc, bias_ptr, M, N, K, s_bias, alpha,
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, N, K, s_bias, alpha,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N_TAIL: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
@@ -131,59 +130,32 @@ def _matmul_tma_kernel(a_desc, b_desc, b_tail_desc, c_desc, c_tail_desc, pre_des
     # likewise B (K, N) as (N, K) or (K, N) tiles. C, the pre-activation and the residual are
     # row-major (M, N). FLATTEN lets the compiler software-pipeline across tile boundaries (the
     # next tile's loads overlap this tile's epilogue).
-    # A tile is BLOCK_N + BLOCK_N_TAIL columns wide: with a tail (0 or a power of two) the columns
-    # past BLOCK_N are a second accumulator fed by the *_tail descriptors, whose blocks are
-    # BLOCK_N_TAIL wide. So a tile can be 80, 96, 160 or 192 columns wide, as cuBLAS's are, and a
-    # narrow output fills the SMs in one wave: N = 640 is four 160-wide tiles, and 4096 rows of them
-    # are 128 tiles for 132 SMs where 128-wide tiles make 160 (two waves) and 256-wide ones 96.
-    TILE_N: tl.constexpr = BLOCK_N + BLOCK_N_TAIL
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, TILE_N)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * TILE_N
+        off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if BLOCK_N_TAIL > 0:
-            acc_tail = tl.zeros((BLOCK_M, BLOCK_N_TAIL), dtype=tl.float32)
         for kk in range(k_tiles):
             off_k = kk * BLOCK_K
-            a = _k_block(a_desc, off_m, off_k, A_K_CONTIGUOUS)
-            acc = tl.dot(a, _k_block(b_desc, off_n, off_k, B_K_CONTIGUOUS).T, acc)
-            if BLOCK_N_TAIL > 0:
-                acc_tail = tl.dot(a, _k_block(b_tail_desc, off_n + BLOCK_N, off_k, B_K_CONTIGUOUS).T, acc_tail)
-        _store_tma_tile(acc, c_desc, pre_desc, res_desc, bias_ptr, off_m, off_n, N, s_bias, alpha,
-                        BIAS, ACT, STORE_PRE, RESIDUAL, BLOCK_N)
-        if BLOCK_N_TAIL > 0:
-            _store_tma_tile(acc_tail, c_tail_desc, pre_tail_desc, res_tail_desc, bias_ptr, off_m, off_n + BLOCK_N, N,
-                            s_bias, alpha, BIAS, ACT, STORE_PRE, RESIDUAL, BLOCK_N_TAIL)
-
-
-@triton.jit
-def _k_block(desc, off_mn, off_k, K_CONTIGUOUS: tl.constexpr):
-    """The (rows, K) block at (off_mn, off_k) of an operand described along its contiguous
-    dimension: read as it is when K is contiguous, else as a (K, rows) block transposed."""
-    if K_CONTIGUOUS:
-        return desc.load([off_mn, off_k])
-    else:
-        return desc.load([off_k, off_mn]).T
-
-
-@triton.jit
-def _store_tma_tile(acc, c_desc, pre_desc, res_desc, bias_ptr, off_m, off_n, N, s_bias, alpha,
-                    BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """The TMA kernel's epilogue of the BLOCK_N columns of a tile at (off_m, off_n): C =
-    ACT(alpha * acc + bias[n]) + R, the pre-activation stored first (STORE_PRE), R read before C
-    is written (RESIDUAL)."""
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
-    if STORE_PRE:
-        pre_desc.store([off_m, off_n], pre.to(pre_desc.dtype))
-    if RESIDUAL:
-        acc += res_desc.load([off_m, off_n]).to(acc.dtype)
-    c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+            if A_K_CONTIGUOUS:
+                a = a_desc.load([off_m, off_k])
+            else:
+                a = a_desc.load([off_k, off_m]).T
+            if B_K_CONTIGUOUS:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
+        if STORE_PRE:
+            pre_desc.store([off_m, off_n], pre.to(pre_desc.dtype))
+        if RESIDUAL:
+            acc += res_desc.load([off_m, off_n]).to(acc.dtype)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
 
 
 @triton.jit
@@ -377,7 +349,7 @@ def _tma_config(M, N, K, dtype):
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
     bm, bn, bk = _shrink_tiles(bm, bn, bk, M, N, K, 64)
-    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_N_TAIL=0, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
     return tune.config("matmul_tma", (M, N, K, 1), dtype, default)
 
 
@@ -399,25 +371,17 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
         if len(_tma_cache) > 4096:
             _tma_cache.clear()
         _tma_cache[key] = cfg
-    bm, bn, bt, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_N_TAIL"], cfg["BLOCK_K"]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_desc = TensorDescriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else TensorDescriptor(a, [K, M], [s_a, 1], [bk, bm])
-
-    def panel(width):
-        """B's, C's, the pre-activation's and the residual's descriptors of a column panel ``width``
-        wide (a missing pre-activation or residual takes C's, which the kernel then never reads)."""
-        b_desc = (TensorDescriptor(b, [N, K], [s_b, 1], [width, bk]) if b_k
-                  else TensorDescriptor(b, [K, N], [s_b, 1], [bk, width]))
-        c_desc = TensorDescriptor(out, [M, N], [s_c, 1], [bm, width])
-        return (b_desc, c_desc, *(c_desc if t is None else TensorDescriptor(t, [M, N], [s_c, 1], [bm, width])
-                                  for t in (f.pre_out, f.residual)))
-
-    main = panel(bn)
-    (b_desc, c_desc, pre_desc, res_desc), (b_tail, c_tail, pre_tail, res_tail) = main, panel(bt) if bt else main
-    tiles = cdiv(M, bm) * cdiv(N, bn + bt)
-    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, b_tail, c_desc, c_tail, pre_desc,
-           pre_tail, res_desc, res_tail, _or(f.bias, out), M, N, K, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k,
-           B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-           RESIDUAL=f.residual is not None, **cfg)
+    b_desc = TensorDescriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else TensorDescriptor(b, [K, N], [s_b, 1], [bk, bn])
+    c_desc = TensorDescriptor(out, [M, N], [s_c, 1], [bm, bn])
+    pre_desc, res_desc = (c_desc if t is None else TensorDescriptor(t, [M, N], [s_c, 1], [bm, bn])
+                          for t in (f.pre_out, f.residual))
+    tiles = cdiv(M, bm) * cdiv(N, bn)
+    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
+           _or(f.bias, out), M, N, K, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
+           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
+           **cfg)
 
 
 def _k_splits(tiles, K, block_k):
