@@ -178,9 +178,10 @@ def matmul_family(ctx: Ctx, shape) -> list[Problem]:
     """a linear layer's GEMMs (kernel matmul or matmul_tma): x @ W^T + b, dX = dY @ W, dW = dY^T @ X"""
     m, k, n = shape
 
-    def forward():  # what F.linear(x, W, b) launches, into a buffer of our own: SDXL's feed-forward, output and
-        # projection layers have a bias (the bias epilogue moved one H100 entry's ranking by 6%: timed without it, a
-        # config won that the bench, with it, measured slower)
+    # the forward is what F.linear(x, W, b) launches, into a buffer of our own: SDXL's feed-forward, output and
+    # projection layers have a bias, and the bias epilogue moved one H100 entry's ranking by 6% (timed without it, a
+    # config won that the bench, with it, measured slower)
+    def forward():
         x, w, b, out = ctx.randn(m, k), ctx.randn(n, k, scale=k ** -0.5), ctx.randn(n), ctx.empty(m, n)
         return Bench(lambda: KM.linear_(out, x, w, b), out, torch.addmm(b.float(), x.float(), w.float().t()))
 
