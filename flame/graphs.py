@@ -114,6 +114,9 @@ class CapturedStep:
             raise RuntimeError(f"CapturedStep: capturing the step failed ({e}). A captured function must not "
                                "synchronize with the host (.item(), .numpy(), printing values) or copy host "
                                "data to the device; move that outside the step.") from e
+        except BaseException:  # e.g. Ctrl-C mid-capture: leave no half-made capture behind
+            _reset_capture_state()
+            raise
         finally:
             if collecting:
                 gc.enable()

@@ -1,7 +1,11 @@
 """The SDXL LoRA trainer: config validation, loss going down, LoRA files, exact resume, Ctrl-C and
-NaN stops. Most tests train a small stand-in denoiser (the UNet's forward signature and LoRA target
-names, a handful of kernels per step) so they stay fast on the interpreter; one trains the real
-tiny SDXL UNet through the CLI with configs/sdxl_lora_tiny.yaml."""
+NaN stops; and under bad input, signals and partial files: every bad setting refused before any work
+starts (exit 2, one error line, no traceback, no empty output folder left), SIGTERM and repeated
+Ctrl-C keeping the exact-resume promise, damaged metrics and full disks losing nothing, and what the
+console says. Most tests train a small stand-in denoiser (the UNet's forward signature and LoRA
+target names, a handful of kernels per step) so they stay fast on the interpreter; one trains the
+real tiny SDXL UNet through the CLI with configs/sdxl_lora_tiny.yaml."""
+import errno
 import json
 import math
 import os
@@ -20,7 +24,9 @@ import flame.nn.functional as F
 from flame import nn
 from flame.data import LatentCache, write_synthetic_cache
 from flame.io import load_lora, load_safetensors, save_safetensors
-from flame.train import ConfigError, Trainer, TrainingStopped, build_config, list_checkpoints, load_config
+from flame.models import SDXLUNetConfig
+from flame.train import ConfigError, Trainer, TrainingStopped, build_config, cli, list_checkpoints, load_config
+from flame.train.trainer import TrainingError
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DIMS = SimpleNamespace(in_channels=4, cross_attention_dim=16, pooled_dim=8, sample_size=4)
@@ -304,3 +310,298 @@ def test_tiny_sdxl_config_trains_through_the_cli(tmp_path):
     attn_mlp = [n for n in SDXLUNet.layer_names(SDXLUNetConfig.tiny()) if "time_emb_proj" not in n
                 and ".linear_" not in n]  # every Linear but the time / text-time embeddings'
     assert sorted(loaded) == sorted(attn_mlp)
+
+
+# ---- bad input, signals, partial files, the console -------------------------------------------------
+
+def _lora_weights(ckpt):
+    return {k: v.numpy() for k, v in load_safetensors(pathlib.Path(ckpt) / "lora.safetensors").items()}
+
+
+# ---- refused before any work starts --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """A cache that fits the tiny SDXL UNet the CLI builds (8 training samples, batch 4 fills it)."""
+    from flame.data import write_synthetic_cache_for
+    path = tmp_path_factory.mktemp("tiny") / "cache"
+    write_synthetic_cache_for(path, 10, SDXLUNetConfig.tiny(), [(8, 8)], val_samples=2, seed=0)
+    return path
+
+
+def _fake_checkpoint(out, **config_changes):
+    """A complete checkpoint of step 1 whose trainer state records ``config_changes`` (enough for the
+    checks made before loading)."""
+    ckpt = pathlib.Path(out) / "checkpoints" / "step-00000001"
+    ckpt.mkdir(parents=True)
+    config = {"lora": {"rank": 4, "targets": "attn"}, "data": {"batch_size": 4}, "train": {"seed": 0}}
+    for key, value in config_changes.items():
+        section, name = key.split(".")
+        config[section][name] = value
+    (ckpt / "trainer_state.json").write_text(json.dumps({"config": config, "loader": {"epoch": 0, "position": 1}}))
+    (ckpt / "COMPLETE").write_text("1\n")
+
+
+def _damage_index(cache):
+    (cache / "index.json").write_text('{"format": "flame-latent-')
+
+
+CLI_ERRORS = {  # name: (overrides, setup(cache, out) -> cache to use, words the error line holds)
+    "model_config": (["model.config=foo"], None, ["model.config", "'foo'"]),
+    "bad_regex": (["lora.targets=['to_q[']"], None, ["lora.targets", "not a valid regular expression"]),
+    "no_target_matches": (["lora.targets=[no_such_layer]"], None, ["lora.targets", "matches none"]),
+    "batch_too_large": (["data.batch_size=64", "data.drop_last=true"], None, ["data.batch_size", "no batch of 64"]),
+    "name_with_folder": (["output.name=sub/lora"], None, ["output.name", "folder"]),
+    "output_under_a_file": ([], "file_parent", ["output.dir", "cannot write"]),
+    "corrupt_index": ([], "damage_index", ["index.json"]),
+    "resume_other_rank": (["--resume", "lora.rank=4"], "checkpoint_rank_8", ["lora.rank 8 -> 4", "cannot change"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CLI_ERRORS))
+def test_cli_refuses_bad_settings_before_any_work(tiny_cache, tmp_path, case):
+    overrides, setup, words = CLI_ERRORS[case]
+    cache, out = tiny_cache, tmp_path / "run" / "out"
+    if setup == "file_parent":
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "a_file").write_text("")
+        out = tmp_path / "run" / "a_file" / "out"
+    elif setup == "damage_index":
+        cache = tmp_path / "cache"
+        cache.mkdir()
+        _damage_index(cache)
+    elif setup == "checkpoint_rank_8":
+        _fake_checkpoint(out, **{"lora.rank": 8})
+    args = [sys.executable, "scripts/train_sdxl_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
+            f"output.dir={out}", f"data.cache_dir={cache}", "data.batch_size=4", "lora.targets=attn", *overrides]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("flame-train-lora: error:"), r.stderr
+    assert len(lines) <= 2, r.stderr  # the error line (an "invalid config:" header and its one item)
+    for word in words:
+        assert word in r.stderr, r.stderr
+    if setup != "checkpoint_rank_8":
+        assert not (tmp_path / "run" / "out").exists(), "an output folder was left behind by a run that did not start"
+
+
+def test_no_empty_output_folder_is_left_behind(cache_dir, tmp_path):
+    out = tmp_path / "new" / "deeper"
+    with pytest.raises(ConfigError, match=r"lora\.targets"):
+        _trainer(_config(cache_dir, out, "lora.targets=[nothing_here]"))
+    assert not (tmp_path / "new").exists()
+    with pytest.raises(ConfigError, match=r"data.batch_size: no batch of 64 .*drop_last"):
+        _trainer(_config(cache_dir, out, "data.batch_size=64", "data.drop_last=true"))
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()  # a folder that was there before is kept
+    with pytest.raises(ConfigError):
+        _trainer(_config(cache_dir, tmp_path / "kept", "lora.targets=[nothing_here]"))
+    assert (tmp_path / "kept").is_dir()
+
+
+def test_resume_refuses_shape_changes_and_warns_on_harmless_ones(cache_dir, tmp_path):
+    _trainer(_config(cache_dir, tmp_path, "train.steps=1")).train()
+    for change, shown in (("lora.rank=8", "lora.rank 4 -> 8"), ("lora.targets=[to_q]", "lora.targets 'attn' -> "),
+                          ("data.batch_size=2", "data.batch_size 4 -> 2"), ("train.seed=5", "train.seed 3 -> 5")):
+        with pytest.raises(ConfigError, match="cannot change within a run") as e:
+            _trainer(_config(cache_dir, tmp_path, "train.steps=2", "resume=latest", change))
+        assert shown in str(e.value)
+    lines = []
+    flame.manual_seed(3)
+    trainer = Trainer(_config(cache_dir, tmp_path, "train.steps=2", "resume=latest", "train.lr=1e-3",
+                              "output.log_every=1"), model=StandInUNet(), progress=False, log=lines.append)
+    assert trainer.train()["step"] == 2
+    warning = next(line for line in lines if line.startswith("warning: resuming with different settings"))
+    assert "train.lr 0.003 -> 0.001" in warning and "output.log_every 2 -> 1" in warning
+
+
+def test_config_messages_point_to_the_right_option(tmp_path):
+    base = {"data": {"cache_dir": "c"}, "output": {"dir": "o"}, "train": {"steps": 1}}
+    with pytest.raises(ConfigError) as e:
+        build_config(base, ["trian.steps=3", "lora.targets=[]", "lora.rnak=2"])
+    msg = str(e.value)
+    assert "trian.steps: unknown option (did you mean train.steps?)" in msg
+    assert "lora.rnak: unknown option (did you mean lora.rank?)" in msg
+    assert "lora.targets: expected attn, attn-mlp or a non-empty list of module-name patterns, got []" in msg
+    assert build_config(base, ["output.name=my_lora.safetensors"]).output.name == "my_lora"
+    with pytest.raises(ConfigError, match=r"model.path: .*nowhere does not exist"):
+        build_config(base, [f"model.path={tmp_path / 'nowhere'}"])
+
+
+def test_usage_does_not_list_overrides_as_required(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args([])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "required: CONFIG" in err and "section.key=value" not in err.splitlines()[-1]
+    args = cli.parse_args(["train.lr=1", "c.yaml", "--no-progress", "lora.rank=2"])
+    assert args.config == "c.yaml" and args.overrides == ["train.lr=1", "lora.rank=2"] and args.no_progress
+    with pytest.raises(SystemExit):
+        cli.parse_args(["c.yaml", "--bogus"])
+
+
+def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"data": {"cache_dir": "c"}, "output": {"dir": str(tmp_path / "o")},
+                                    "train": {"steps": 1}}))
+    outcomes = {143: TrainingStopped("stopped", "interrupted", 1, "ck", signal.SIGTERM),
+                130: TrainingStopped("stopped", "interrupted", 1, "ck", signal.SIGINT),
+                1: TrainingError("writing the checkpoint failed: No space left on device")}
+
+    class FakeTrainer:
+        def __init__(self, cfg, progress=None):
+            pass
+
+        def train(self):
+            raise outcome
+
+    monkeypatch.setattr("flame.train.trainer.Trainer", FakeTrainer)
+    for code, stop in outcomes.items():
+        outcome = stop
+        assert cli.main([str(path)]) == code
+    assert "flame-train-lora: error: writing the checkpoint failed" in capsys.readouterr().err
+
+
+# ---- signals ---------------------------------------------------------------------------------------
+
+def _signal_during(monkeypatch, obj, name, when, signals):
+    """Replace ``obj.name`` by a call that sends ``signals`` to this process first when ``when()``."""
+    real = getattr(obj, name)
+
+    def wrapped(*args, **kwargs):
+        if when():
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, wrapped)
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(cache_dir, tmp_path, straight, monkeypatch):
+    trainer = _trainer(_config(cache_dir, tmp_path))
+    _signal_during(monkeypatch, trainer, "_update", lambda: trainer.step == 2, [signal.SIGTERM])
+    with pytest.raises(TrainingStopped, match=r"interrupted at step 3 \(SIGTERM\)") as e:
+        trainer.train()
+    assert e.value.signum == signal.SIGTERM and e.value.step == 3
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [3]
+    rest = _trainer(_config(cache_dir, tmp_path, "resume=latest")).train()
+    assert rest["losses"] == straight[3:]
+
+
+def test_two_signals_during_the_update_save_one_step_boundary(cache_dir, tmp_path, straight, monkeypatch):
+    """Two Ctrl-C inside the optimizer update (the weights half-written): the update finishes, and the
+    checkpoint is that of the step it ends; the resumed run follows the uninterrupted one."""
+    trainer = _trainer(_config(cache_dir, tmp_path))
+    _signal_during(monkeypatch, trainer.optimizer, "step", lambda: trainer.step == 1, [signal.SIGINT] * 2)
+    with pytest.raises(TrainingStopped) as e:
+        trainer.train()
+    assert e.value.step == 2
+    ckpt = e.value.checkpoint
+    reference = _trainer(_config(cache_dir, tmp_path / "ref", "train.steps=2", "output.save_every=2"))
+    reference.train()
+    ref = _lora_weights(list_checkpoints(tmp_path / "ref" / "checkpoints")[0][1])
+    mine = _lora_weights(ckpt)
+    assert all((ref[k] == mine[k]).all() for k in ref), "the checkpoint mixes two steps"
+    rest = _trainer(_config(cache_dir, tmp_path, "resume=latest")).train()
+    assert rest["losses"] == straight[2:]
+
+
+def test_two_signals_during_the_forward_abandon_the_step(cache_dir, tmp_path, straight, monkeypatch):
+    trainer = _trainer(_config(cache_dir, tmp_path))
+    _signal_during(monkeypatch, trainer, "step_fn", lambda: trainer.step == 2, [signal.SIGINT] * 2)
+    with pytest.raises(TrainingStopped) as e:
+        trainer.train()
+    assert e.value.step == 2 and [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]
+    rest = _trainer(_config(cache_dir, tmp_path, "resume=latest")).train()
+    assert rest["losses"] == straight[2:]
+
+
+def test_a_third_signal_during_the_save_quits_without_a_partial_checkpoint(cache_dir, tmp_path, monkeypatch):
+    trainer = _trainer(_config(cache_dir, tmp_path))
+    _signal_during(monkeypatch, trainer, "step_fn", lambda: trainer.step == 2, [signal.SIGINT] * 2)
+    import flame.train.trainer as T
+    _signal_during(monkeypatch, T, "save_safetensors", lambda: trainer._stop is not None, [signal.SIGINT])
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert os.listdir(tmp_path / "checkpoints") == []  # the save in flight was removed whole
+
+
+# ---- partial files ---------------------------------------------------------------------------------
+
+def test_a_damaged_metrics_line_is_repaired_on_resume(cache_dir, tmp_path, straight):
+    _trainer(_config(cache_dir, tmp_path, "train.steps=3")).train()
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(metrics.read_text() + '{"step": 4, "lo')  # a crash mid-write
+    rest = _trainer(_config(cache_dir, tmp_path, "resume=latest")).train()
+    assert rest["losses"] == straight[3:]
+    assert [r["loss"] for r in _metrics(tmp_path) if "loss" in r] == straight
+    before = metrics.read_text()
+    again = _trainer(_config(cache_dir, tmp_path, "resume=latest")).train()  # the run is finished
+    assert again["step"] == 6 and again["losses"] == []
+    assert metrics.read_text() == before, "resuming a finished run appended lines"
+
+
+def test_validation_losses_are_not_repeated_when_a_finished_run_is_resumed(cache_dir, tmp_path):
+    cfg = ("train.steps=2", "output.validate_every=2")
+    _trainer(_config(cache_dir, tmp_path, *cfg)).train()
+    before = (tmp_path / "metrics.jsonl").read_text()
+    _trainer(_config(cache_dir, tmp_path, *cfg, "resume=latest")).train()
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
+def test_a_full_disk_while_checkpointing_keeps_everything_and_names_the_folder(cache_dir, tmp_path, monkeypatch):
+    import flame.train.trainer as T
+    trainer = _trainer(_config(cache_dir, tmp_path, "output.save_every=2"))
+    real = T.save_safetensors
+
+    def full_disk(tensors, path, **kw):
+        if trainer.step == 4:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real(tensors, path, **kw)
+
+    monkeypatch.setattr(T, "save_safetensors", full_disk)
+    with pytest.raises(TrainingError) as e:
+        trainer.train()
+    msg = str(e.value)
+    assert "No space left on device" in msg and f"free space on the disk holding {tmp_path / 'checkpoints'}" in msg
+    assert "step-00000002" in msg and "--resume" in msg
+    assert [s for s, _ in list_checkpoints(tmp_path / "checkpoints")] == [2]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002"]
+
+
+# ---- what the console says -------------------------------------------------------------------------
+
+def test_the_console_shows_smoothed_loss_validation_and_a_summary(cache_dir, tmp_path):
+    lines = []
+    flame.manual_seed(3)
+    cfg = _config(cache_dir, tmp_path, "train.steps=1", "output.validate_every=1", "output.log_every=1")
+    result = Trainer(cfg, model=StandInUNet(), progress=False, log=lines.append).train()
+    text = "\n".join(lines)
+    assert "for 1 steps" not in text and ": 1 step (" in text
+    assert "step 0: validation loss" in text and "step 1: validation loss" in text
+    step_line = next(line for line in lines if line.startswith("step 1/1"))
+    assert "loss " in step_line and " mem " not in step_line  # no GPU memory on the interpreter
+    rows = [r for r in _metrics(tmp_path) if "loss" in r]
+    assert rows[0]["loss_smooth"] == pytest.approx(rows[0]["loss"])  # bias-corrected: the first is the loss
+    summary = lines[-1]
+    assert summary.startswith("done: 1 step in ")
+    for part in ("validation loss:", "training loss (smoothed):", str(tmp_path / "lora.safetensors"),
+                 "step-00000001", "metrics.jsonl", "load_lora_weights(", "use_safetensors=True"):
+        assert part in summary, summary
+    assert result["val_losses"][1] == pytest.approx(float(summary.split("validation loss: ")[1].split()[0]),
+                                                    abs=1e-4)
+    lines.clear()
+    flame.manual_seed(3)
+    Trainer(_config(cache_dir, tmp_path, "train.steps=3", "resume=latest", "output.validate_every=1"),
+            model=StandInUNet(), progress=False, log=lines.append).train()
+    assert any(": steps 2-3 of 3 (" in line for line in lines), lines
+
+
+def test_load_config_file_errors_name_the_option(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"data": {"cache_dir": "c"}, "output": {"dir": "o"}, "train": {"steps": 1},
+                                    "model": {"config": "foo"}}))
+    with pytest.raises(ConfigError, match=r"model.config: expected tiny or sdxl or a diffusers UNet config.json"):
+        load_config(path)

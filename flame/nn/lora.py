@@ -16,9 +16,14 @@ still loads by name into the injected model); the adapters are the parameters ``
 
 - PEFT/diffusers: ``<prefix>.<module path>.lora_A.weight`` (rank, in), ``...lora_B.weight`` (out, rank);
 - kohya: ``lora_<prefix>_<module path with '_'>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-d).
+
+Loading (``load_lora_state_dict``, ``flame.io.load_lora``) is all or nothing: ``plan_lora_load``
+checks every adapter against the model from the tensors' shapes and dtypes, then
+``apply_lora_load`` injects and copies; a load that fails leaves the model as it was.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
@@ -220,6 +225,24 @@ def _matches(name, targets):
     return False
 
 
+def target_pattern_error(target: str) -> str | None:
+    """Why the target string ``target`` is not a valid regular expression (None when it is fine:
+    a preset, a dotted suffix or a regex that compiles)."""
+    if target in PRESETS or _SUFFIX.match(target):
+        return None
+    try:
+        re.compile(target[3:] if target.startswith("re:") else target)
+    except re.error as e:
+        return str(e)
+    return None
+
+
+def matching_layers(names, targets) -> list:
+    """The module ``names`` that ``targets`` (as ``inject_lora`` takes them) selects."""
+    tgts = _expand_targets(targets)
+    return [n for n in names if _matches(n, tgts)]
+
+
 def _set_module(model, path, new):
     parent_path, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_path)
@@ -318,35 +341,26 @@ def _adapter_shapes(m, rank):
     return (rank, m.in_features), (m.out_features, rank)
 
 
-def _buf(v):
-    if isinstance(v, Tensor):
-        return v._data
-    if isinstance(v, torch.Tensor):
-        return v.detach().to(runtime.device) if v.device.type != runtime.device.type else v.detach()
-    raise TypeError(f"expected a tensor, got {type(v).__name__}")
+_SLOTS = {"peft": ((".lora_A.weight", "A"), (".lora_B.weight", "B")),
+          "kohya": ((".lora_down.weight", "A"), (".lora_up.weight", "B"), (".alpha", "alpha"))}
 
 
-def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: str = "unet",
-                         inject: bool = True) -> list:
-    """Load adapters in either file format (detected from the key names) into ``model``.
+@dataclasses.dataclass(frozen=True)
+class LoadStep:
+    """One adapter of a checked LoRA load (``plan_lora_load``): the layer's module ``path``, the
+    file keys of its A (down) and B (up) weights, its ``rank`` and ``alpha``, and whether an
+    adapter is injected there first (``inject``: the layer is a plain Linear/Conv2d)."""
 
-    ``alpha``: for PEFT files, a number or a {module path: alpha} dict (from the file metadata);
-    missing means alpha = rank. Layers that are plain ``Linear``/``Conv2d`` get an adapter injected
-    when ``inject`` (rank from the tensors); unknown module paths raise. Returns the loaded paths.
-    """
-    fmt = detect_format(state_dict.keys())
-    entries = {}  # module name as written -> {"A", "B", "alpha"}
-    if fmt == "peft":
-        for k, v in state_dict.items():
-            for suffix, slot in ((".lora_A.weight", "A"), (".lora_B.weight", "B")):
-                if k.endswith(suffix):
-                    entries.setdefault(k[: -len(suffix)], {})[slot] = v
-    else:
-        for k, v in state_dict.items():
-            for suffix, slot in ((".lora_down.weight", "A"), (".lora_up.weight", "B"), (".alpha", "alpha")):
-                if k.endswith(suffix):
-                    entries.setdefault(k[: -len(suffix)], {})[slot] = v
-    # module paths of candidate layers, in the file's spelling
+    path: str
+    a_key: str
+    b_key: str
+    rank: int
+    alpha: float
+    inject: bool
+
+
+def _lookup(model, fmt, prefix):
+    """{module path as the file spells it: module path} of the layers that can take an adapter."""
     lookup = {}
     for name, m in model.named_modules():
         if (type(m) in _WRAPPERS or isinstance(m, _LoRALayer)) and name:
@@ -356,25 +370,62 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
             else:
                 lookup.setdefault(_kohya_name(name, prefix), name)
                 lookup.setdefault(_kohya_name(name, ""), name)
+    return lookup
+
+
+def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str = "unet", inject: bool = True,
+                   strict: bool = False) -> list:
+    """Check a load of adapters (either file format, detected from the key names) into ``model``
+    from their shapes and dtypes alone, before anything is written: returns its ``LoadStep``s for
+    ``apply_lora_load``, or raises (KeyError, ValueError, TypeError, RuntimeError) naming what
+    does not fit.
+
+    ``specs``: {file key: (shape tuple, torch dtype)}; ``scalar(key)``: the value of a one-element
+    tensor (kohya's ``.alpha``). Checked: every adapter's key names a Linear/Conv2d layer of the
+    model (no two adapters the same layer) and has both weights, floating-point, of the shapes
+    the layer takes for their rank; a layer without an adapter needs ``inject``, one with an
+    adapter the same rank and not merged. With ``strict`` every key is a LoRA weight and every
+    adapter layer the model already has gets weights. ``alpha`` as ``load_lora_state_dict`` takes it.
+    """
+    fmt = detect_format(specs)
+    entries, stray = {}, []  # module name as written -> {"A", "B", "alpha": file key}
+    for k in specs:
+        for suffix, slot in _SLOTS[fmt]:
+            if k.endswith(suffix):
+                entries.setdefault(k[: -len(suffix)], {})[slot] = k
+                break
+        else:
+            stray.append(k)
+    if strict and stray:
+        raise KeyError(f"load_lora: {len(stray)} key(s) are not {fmt} LoRA weights (strict), e.g. {stray[:3]}")
+    lookup = _lookup(model, fmt, prefix)
     unknown = [k for k in entries if k not in lookup]
     if unknown:
         raise KeyError(f"load_lora: {len(unknown)} adapter(s) match no Linear or Conv2d layer of the model, "
                        f"e.g. {unknown[:3]}")
-    loaded = []
+    steps, taken = [], {}  # layer path -> the adapter key naming it
     for key, e in entries.items():
         if "A" not in e or "B" not in e:
             raise KeyError(f"load_lora: adapter {key!r} lacks its {'A/down' if 'A' not in e else 'B/up'} weight")
         path = lookup[key]
-        a, b = _buf(e["A"]), _buf(e["B"])
+        if path in taken:
+            raise ValueError(f"load_lora: adapters {taken[path]!r} and {key!r} both name layer {path!r}")
+        taken[path] = key
+        (a_shape, a_dtype), (b_shape, b_dtype) = specs[e["A"]], specs[e["B"]]
+        for k, dt in ((e["A"], a_dtype), (e["B"], b_dtype)):
+            if not dt.is_floating_point:
+                raise TypeError(f"load_lora: {k} is {dt}, not a floating-point tensor")
         m = model.get_submodule(path)
-        rank = a.shape[0]
+        rank = a_shape[0] if a_shape else 0
         a_want, b_want = _adapter_shapes(m, rank)
-        if tuple(a.shape) != a_want or tuple(b.shape) != b_want:
-            raise ValueError(f"load_lora: {key}: A {tuple(a.shape)} and B {tuple(b.shape)} don't fit the layer "
+        if rank < 1 or tuple(a_shape) != a_want or tuple(b_shape) != b_want:
+            raise ValueError(f"load_lora: {key}: A {tuple(a_shape)} and B {tuple(b_shape)} don't fit the layer "
                              f"(weight {tuple(m.weight.shape)}: expected A {a_want} and B {b_want})")
         if "alpha" in e:
-            al = e["alpha"]
-            al = float(al.item() if isinstance(al, (Tensor, torch.Tensor)) else al)  # host transfer
+            shape, dt = specs[e["alpha"]]
+            if math.prod(shape) != 1 or dt == torch.bool:
+                raise ValueError(f"load_lora: {e['alpha']} is a {dt} tensor of shape {tuple(shape)}, not one number")
+            al = float(scalar(e["alpha"]))
         elif isinstance(alpha, dict):
             al = float(alpha.get(path, rank))
         elif alpha is not None:
@@ -384,17 +435,61 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
         if type(m) in _WRAPPERS:
             if not inject:
                 raise KeyError(f"load_lora: layer {path!r} has no adapter (inject_lora first, or inject=True)")
-            m = _WRAPPERS[type(m)](m, rank, al)
-            _set_module(model, path, m)
         elif m.rank != rank:
             raise ValueError(f"load_lora: {key}: rank {rank} in the file, the model's adapter has rank {m.rank}")
-        if m.merged:
+        elif m.merged:
             raise RuntimeError(f"load_lora: {path} is merged; unmerge_lora first")
-        m.alpha = al
-        KE.copy_(m.lora_A._data, a)
-        KE.copy_(m.lora_B._data, b)
-        loaded.append(path)
-    return loaded
+        steps.append(LoadStep(path, e["A"], e["B"], rank, al, type(m) in _WRAPPERS))
+    if strict:
+        missing = [n for n, _ in lora_modules(model) if n not in taken]
+        if missing:
+            raise KeyError(f"load_lora: {len(missing)} adapter(s) of the model get no weights (strict), "
+                           f"e.g. {missing[:3]}")
+    return steps
+
+
+def apply_lora_load(model: Module, steps: list, read) -> list:
+    """Carry out a load checked by ``plan_lora_load``: inject the adapters it plans, set each
+    alpha and copy ``read(key)`` (a torch buffer on flame's device, any floating dtype: the copy
+    kernel casts it) into A and B. Returns the loaded module paths."""
+    for step in steps:
+        m = model.get_submodule(step.path)
+        if step.inject:
+            m = _WRAPPERS[type(m)](m, step.rank, step.alpha)
+            _set_module(model, step.path, m)
+        m.alpha = step.alpha
+        KE.copy_(m.lora_A._data, read(step.a_key))
+        KE.copy_(m.lora_B._data, read(step.b_key))
+    return [step.path for step in steps]
+
+
+def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: str = "unet",
+                         inject: bool = True, strict: bool = False) -> list:
+    """Load adapters in either file format (detected from the key names) into ``model``.
+
+    ``alpha``: for PEFT files, a number or a {module path: alpha} dict (from the file metadata);
+    missing means alpha = rank. Layers that are plain ``Linear``/``Conv2d`` get an adapter injected
+    when ``inject`` (rank from the tensors); unknown module paths raise. All or nothing: every
+    adapter is checked first (``plan_lora_load``, ``strict`` included), so an error leaves the
+    model as it was. Returns the loaded paths.
+    """
+    bufs = {}
+    for k, v in state_dict.items():
+        if isinstance(v, Tensor):
+            bufs[k] = v._data
+        elif isinstance(v, torch.Tensor):
+            bufs[k] = v.detach()
+        else:
+            raise TypeError(f"load_lora: {k!r} is a {type(v).__name__}, not a tensor")
+    specs = {k: (tuple(b.shape), b.dtype) for k, b in bufs.items()}
+    steps = plan_lora_load(model, specs, lambda k: bufs[k].item(), alpha=alpha, prefix=prefix,  # host transfer
+                           inject=inject, strict=strict)
+
+    def read(k):
+        b = bufs[k]
+        return b.to(runtime.device) if b.device.type != runtime.device.type else b  # host transfer
+
+    return apply_lora_load(model, steps, read)
 
 
 @no_grad()

@@ -1,7 +1,8 @@
 """``flame-train-lora CONFIG [section.key=value ...] [--resume [CHECKPOINT]]``: train an SDXL LoRA.
 
-Exit status: 0 when the LoRA file was written; 1 when a non-finite loss stopped the run; 2 for a
-config or usage error; 130 when interrupted (Ctrl-C) after saving a checkpoint.
+Exit status: 0 when the LoRA file was written; 1 when a non-finite loss stopped the run or a file
+could not be written; 2 for a config, cache or usage error (found before training starts); 128 + the
+signal number when Ctrl-C (130) or SIGTERM (143) stopped the run after saving a checkpoint.
 """
 from __future__ import annotations
 
@@ -10,6 +11,12 @@ import os
 import sys
 
 from .config import REQUIRED, SCHEMA, ConfigError, load_config, to_dict
+
+PROG = "flame-train-lora"
+
+
+def _error(message) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
 
 
 def _options_help():
@@ -24,16 +31,27 @@ def _options_help():
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="flame-train-lora", description=__doc__.split("\n\n")[0],
-                                epilog=_options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", help="YAML config (e.g. configs/sdxl_lora.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="override config options (values are YAML), e.g. train.lr=2e-4 lora.rank=32")
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=_options_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage=f"{PROG} [-h] [--resume [CHECKPOINT]] [--print-config] [--no-progress] "
+                                      "CONFIG [section.key=value ...]")
     p.add_argument("--resume", nargs="?", const="latest", metavar="CHECKPOINT",
                    help="continue from the newest complete checkpoint in output.dir (or from CHECKPOINT)")
     p.add_argument("--print-config", action="store_true", help="print the validated config and exit")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
-    return p.parse_intermixed_args(argv)  # overrides may come before or after the flags
+    # CONFIG (the YAML file, e.g. configs/sdxl_lora.yaml) and the overrides (section.key=value, values
+    # are YAML: train.lr=2e-4 lora.rank=32) may come in any order, before or after the flags
+    args, rest = p.parse_known_args(argv)
+    flags = [a for a in rest if a.startswith("-")]
+    if flags:
+        p.error(f"unrecognized arguments: {' '.join(flags)}")
+    configs = [a for a in rest if "=" not in a]
+    if len(configs) != 1:
+        p.error("the following arguments are required: CONFIG" if not configs else
+                f"one CONFIG file expected, got {' '.join(configs)} (overrides are section.key=value)")
+    args.config = configs[0]
+    args.overrides = [a for a in rest if "=" in a]
+    return args
 
 
 def main(argv=None) -> int:
@@ -47,23 +65,27 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
-        print(f"flame-train-lora: {e}", file=sys.stderr)
+        _error(e)
         return 2
     if args.print_config:
         import yaml
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
-    from .trainer import Trainer, TrainingStopped
+    from ..data import CacheError
+    from .trainer import Trainer, TrainingError, TrainingStopped
     try:
         Trainer(cfg, progress=False if args.no_progress else None).train()
     except TrainingStopped as e:
-        return 130 if e.reason == "interrupted" else 1
+        return 128 + e.signum if e.reason == "interrupted" else 1
     except KeyboardInterrupt:
-        print("flame-train-lora: interrupted (no checkpoint of the current step)", file=sys.stderr)
+        print(f"{PROG}: interrupted (no checkpoint of the current step)", file=sys.stderr)
         return 130
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"flame-train-lora: error: {e}", file=sys.stderr)
+    except (ConfigError, CacheError, FileNotFoundError) as e:
+        _error(e)
         return 2
+    except TrainingError as e:
+        _error(e)
+        return 1
     return 0
 
 

@@ -17,6 +17,9 @@ from types import SimpleNamespace
 
 import yaml
 
+from ..nn.lora import target_pattern_error
+from .model import CONFIG_NAMES
+
 REQUIRED = object()
 
 
@@ -27,7 +30,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Opt:
     default: object
-    kind: str  # int, float, bool, str, path, choice, targets, sizes
+    kind: str  # int, float, bool, str, path, filename, choice, targets, sizes
     help: str
     choices: tuple = ()
     low: float | None = None  # inclusive lower bound for numbers
@@ -94,7 +97,7 @@ SCHEMA = {
     },
     "output": {
         "dir": Opt(REQUIRED, "path", "run folder: LoRA file, checkpoints/, metrics.jsonl, config.yaml"),
-        "name": Opt("lora", "str", "LoRA file name (without .safetensors)"),
+        "name": Opt("lora", "filename", "LoRA file name in output.dir (.safetensors is added)"),
         "save_every": Opt(500, "int", "checkpoint every N steps (0: only at the end)", low=0),
         "keep_last": Opt(3, "int", "checkpoints kept (older ones are deleted)", low=1),
         "log_every": Opt(10, "int", "read the loss, update the bar and metrics.jsonl every N steps", low=1),
@@ -165,14 +168,21 @@ def _check_value(name, opt: Opt, value, errors):
             if kind == "choice" and value not in opt.choices:
                 raise ValueError(f"expected one of {', '.join(opt.choices)}")
         elif kind == "targets":
-            if isinstance(value, str):
-                value = value if value else None
-            elif isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value):
-                value = list(value)
-            else:
-                value = None
-            if value is None:
+            patterns = [value] if isinstance(value, str) else value
+            if not (isinstance(patterns, (list, tuple)) and patterns and all(isinstance(v, str) and v
+                                                                             for v in patterns)):
                 raise TypeError("expected attn, attn-mlp or a non-empty list of module-name patterns")
+            bad = [f"{p!r} ({e})" for p, e in ((p, target_pattern_error(p)) for p in patterns) if e]
+            if bad:
+                raise ValueError("not a valid regular expression: " + ", ".join(bad))
+            value = value if isinstance(value, str) else list(value)
+        elif kind == "filename":
+            if not isinstance(value, str) or not value.strip():
+                raise TypeError("expected a non-empty string")
+            if value.endswith(".safetensors"):
+                value = value[:-len(".safetensors")]
+            if os.sep in value or "/" in value or value in (".", "..") or not value:
+                raise ValueError("expected a file name without a folder part (the file goes to output.dir)")
         elif kind == "sizes":
             ok = isinstance(value, (list, tuple)) and value and all(
                 isinstance(s, (list, tuple)) and len(s) == 2 and all(isinstance(v, int) and v > 0 for v in s)
@@ -192,13 +202,24 @@ def _check_value(name, opt: Opt, value, errors):
 
 
 def _unknown(name, errors):
-    close = difflib.get_close_matches(name, list(_known()), n=1, cutoff=0.6)
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf in ALIASES:
-        close = [ALIASES[leaf]]
-    elif not close:  # a known key in another section, e.g. "lr" for "train.lr"
-        close = [k for k in _known() if k.rsplit(".", 1)[-1] == leaf][:1]
-    errors.append(f"{name}: unknown option" + (f" (did you mean {close[0]}?)" if close else ""))
+    """Report an unknown option, with the known one it most likely means: an alias from diffusers or
+    kohya, the same key in the nearest section (``trian.steps``: ``train.steps``), the nearest key of
+    its own section, or the same key in another section (``lr``: ``train.lr``)."""
+    known = list(_known())
+    section, _, leaf = name.rpartition(".")
+    guess = ALIASES.get(leaf)
+    if guess is None and section and section not in SCHEMA:
+        near = difflib.get_close_matches(section, [k for k, v in SCHEMA.items() if isinstance(v, dict)], n=1)
+        if near and leaf in SCHEMA[near[0]]:
+            guess = f"{near[0]}.{leaf}"
+    if guess is None:
+        same_section = [k for k in known if k.rpartition(".")[0] == section]
+        close = difflib.get_close_matches(name, same_section or known, n=1, cutoff=0.6)
+        guess = close[0] if close else next((k for k in known if k.rpartition(".")[2] == leaf), None)
+    if guess is None and not section:
+        close = difflib.get_close_matches(name, list(SCHEMA), n=1)
+        guess = close[0] if close else None
+    errors.append(f"{name}: unknown option" + (f" (did you mean {guess}?)" if guess else ""))
 
 
 def _merge(schema, raw, prefix, errors):
@@ -206,8 +227,13 @@ def _merge(schema, raw, prefix, errors):
     if not isinstance(raw, dict):
         errors.append(f"{prefix.rstrip('.') or 'config'}: expected a mapping of options, got {raw!r}")
         raw = {}
-    for k in raw:
-        if k not in schema:
+    for k, v in raw.items():
+        if k in schema:
+            continue
+        if isinstance(v, dict) and v:  # an unknown section: name each of its keys
+            for sub in v:
+                _unknown(f"{prefix}{k}.{sub}", errors)
+        else:
             _unknown(f"{prefix}{k}", errors)
     for k, opt in schema.items():
         name = f"{prefix}{k}"
@@ -225,6 +251,11 @@ def _cross_checks(c, errors):
     if d["timestep_min"] is not None and d["timestep_max"] is not None and d["timestep_min"] >= d["timestep_max"]:
         errors.append(f"diffusion.timestep_min ({d['timestep_min']}) must be below diffusion.timestep_max "
                       f"({d['timestep_max']})")
+    if c["model"]["path"] is not None and not os.path.exists(c["model"]["path"]):
+        errors.append(f"model.path: {c['model']['path']} does not exist")
+    if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
+        errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
+                      f"folder holding one), got {c['model']['config']!r} (no such file)")
     if t["lr_scheduler"] == "constant" and t["warmup_steps"]:
         errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
 

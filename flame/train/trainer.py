@@ -16,16 +16,28 @@ weights never saw that step's update.
 
 Checkpoints (``flame.train.checkpoints``) hold the LoRA weights, the AdamW state, the lr
 scheduler, the loss scaler, flame's RNG state, the data loader's position and the step; resuming
-from one reproduces the losses of an uninterrupted run exactly. Ctrl-C (SIGINT) finishes the
-current step, saves a checkpoint and stops; a second Ctrl-C stops at once.
+from one reproduces the losses of an uninterrupted run exactly.
+
+Everything a run needs is checked before the model is loaded (``Trainer.__init__``): the model
+config, the output folder (writable; removed again if the run refuses to start and it was made for
+it), the whole latent cache, the batch size, the LoRA targets and, when resuming, that the
+checkpoint's settings give the same tensor shapes and data order.
+
+Signals: Ctrl-C (SIGINT) or SIGTERM (what schedulers send) finishes the current step, saves a
+checkpoint and stops. A second one abandons the step in flight (or, during the few launches that
+update the weights, lets them finish first), so the checkpoint saved then is the state of one step
+boundary; a third quits without saving.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 
@@ -40,7 +52,9 @@ from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache_for
 from ..diffusion import DDPMSchedule, min_snr_weights, sample_noise, sample_timesteps, weighted_mse_loss
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
-from ..nn import inject_lora, lora_parameters
+from ..models import SDXLUNet
+from ..nn import Conv2d, Linear, inject_lora, lora_parameters
+from ..nn.lora import matching_layers
 from ..ops.creation import get_rng_state, manual_seed, set_rng_state, tensor
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, lt, mul, sub, to
@@ -51,17 +65,40 @@ from .checkpoints import latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
 from .model import build_unet, unet_config
 
+# settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
+# the loader's saved position counts in (any other change is allowed, with a warning)
+RESUME_FIXED = ("lora.rank", "lora.targets", "data.batch_size", "data.drop_last", "train.seed")
+SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
+
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VAL_SEED = 0x5EEDBA5E
 
 
 class TrainingStopped(RuntimeError):
-    """The run stopped before its last step (``reason``: "interrupted" or "non_finite"); a
-    checkpoint of the last good state was saved at ``checkpoint``."""
+    """The run stopped before its last step (``reason``: "interrupted" by the signal ``signum``, or
+    "non_finite"); a checkpoint of the last good state was saved at ``checkpoint``."""
 
-    def __init__(self, message, reason, step, checkpoint):
+    def __init__(self, message, reason, step, checkpoint, signum=None):
         super().__init__(message)
-        self.reason, self.step, self.checkpoint = reason, step, checkpoint
+        self.reason, self.step, self.checkpoint, self.signum = reason, step, checkpoint, signum
+
+
+class TrainingError(RuntimeError):
+    """The run could not go on (a file could not be written, e.g. a full disk); the message says what
+    was kept and what to do."""
+
+
+def _count(n, word):
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _duration(seconds):
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, sec = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {sec:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
 class Trainer:
@@ -76,16 +113,45 @@ class Trainer:
     def __init__(self, config, model=None, progress=None, log=print):
         self.cfg, self.log = config, log
         self.progress = progress
-        c = config
-        self.dtype = PRECISIONS[c.train.precision]
-        self.out_dir = c.output.dir
+        self.dtype = PRECISIONS[config.train.precision]
+        self.out_dir = config.output.dir
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
-        os.makedirs(self.out_dir, exist_ok=True)
+        self._created = []  # folders made for output.dir, deepest first (removed if setup fails)
+        try:
+            self._setup(model)
+        except BaseException:
+            self._remove_created()
+            raise
+
+    def _setup(self, model):
+        c = self.cfg
+        # ---- checks that need no model weights: a bad setting fails here, in seconds
+        mcfg = model.config if model is not None else self._model_config()
+        self._prepare_output_dir()
+        self.cache = self._open_cache(mcfg)
+        self.loader = self._loader("train", c.data.batch_size, shuffle=True)
+        self.val_loader = None
+        if c.output.validate_every and self.cache.split("val"):
+            self.val_loader = self._loader("val", c.output.val_batch_size or c.data.batch_size, shuffle=False)
+        self.total_steps = c.train.steps or c.train.epochs * math.ceil(len(self.loader) / c.train.grad_accum)
+        self.schedule = self._noise_schedule()
+        if c.diffusion.timestep_max > self.schedule.num_train_timesteps:
+            raise ConfigError(f"diffusion.timestep_max ({c.diffusion.timestep_max}) exceeds the noise schedule's "
+                              f"{self.schedule.num_train_timesteps} timesteps")
+        self._check_targets(model, mcfg)
+        self._resume_from = self._find_checkpoint()  # (path, trainer state) or None
+        if self._resume_from is None:
+            self._check_fresh_start()
+        # ---- the run
         manual_seed(c.train.seed)
         if model is None:
-            model = build_unet(c.model.path, c.model.config, self.dtype)
+            try:
+                model = build_unet(c.model.path, c.model.config, self.dtype)
+            except torch.OutOfMemoryError:
+                raise
+            except (OSError, ValueError, RuntimeError) as e:  # a damaged or mismatched checkpoint
+                raise ConfigError(f"model.path: cannot load {c.model.path}: {e}") from None
         self.model = model
-        self.cache = self._open_cache(model.config)
         model.requires_grad_(False)
         self.lora_layers = inject_lora(model, c.lora.targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout)
         model.train()
@@ -94,31 +160,53 @@ class Trainer:
         self.params = lora_parameters(model)
         self.optimizer = AdamW(self.params, lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                eps=c.train.adam_eps, weight_decay=c.train.weight_decay)
-        self.loader = BucketBatchLoader(self.cache, c.data.batch_size, "train", shuffle=True, seed=c.train.seed,
-                                        drop_last=c.data.drop_last)
-        self.total_steps = c.train.steps or c.train.epochs * math.ceil(len(self.loader) / c.train.grad_accum)
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps)
         self.scaler = DynamicLossScaler() if self.dtype == torch.float16 else None
-        self.schedule = self._noise_schedule()
-        if c.diffusion.timestep_max > self.schedule.num_train_timesteps:
-            raise ConfigError(f"diffusion.timestep_max ({c.diffusion.timestep_max}) exceeds the noise schedule's "
-                              f"{self.schedule.num_train_timesteps} timesteps")
         graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
         if c.train.cuda_graph and c.lora.dropout:
-            log("train.cuda_graph: off because lora.dropout > 0 (a replayed step would reuse its dropout masks)")
+            self.log("train.cuda_graph: off because lora.dropout > 0 (a replayed step would reuse its dropout masks)")
         self.step_fn = CapturedStep(self.loss_and_grads, enabled=graph)
         self.step = 0
-        self.val_loader = None
-        if c.output.validate_every and self.cache.split("val"):
-            self.val_loader = BucketBatchLoader(self.cache, c.output.val_batch_size or c.data.batch_size, "val",
-                                                shuffle=False)
         self.losses = {}  # step -> loss, as read on the host
         self.val_losses = {}  # step -> validation loss
         self._pending = []  # (step, loss, grad norm or None, lr, epoch) on the device, not yet read
+        self._ema = (0.0, 0)  # (biased moving average of the loss, losses in it)
         self._stop = None
         self._clock = None
+        self._bar_ = None
+        self._step_done = True  # False while a step's state changes are not all applied
+        self._deferring, self._deferred = 0, False
 
     # ---- setup -------------------------------------------------------------------------------
+    def _model_config(self):
+        c = self.cfg.model
+        try:
+            return unet_config(c.path if c.path and os.path.isdir(c.path) else c.config)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.{'path' if c.path and os.path.isdir(c.path) else 'config'}: {e}") from None
+
+    def _prepare_output_dir(self):
+        """Create output.dir (recording the folders made) and check that files can be written there."""
+        missing, d = [], os.path.abspath(self.out_dir)
+        while not os.path.exists(d) and d != os.path.dirname(d):
+            missing.append(d)
+            d = os.path.dirname(d)
+        self._created = missing
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with tempfile.TemporaryFile(dir=self.out_dir, prefix=".write-test-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"output.dir: cannot write to {self.out_dir}: {e.strerror or e}") from None
+
+    def _remove_created(self):
+        for d in self._created:
+            try:
+                os.rmdir(d)
+            except OSError:  # not empty (or gone): keep it and its parents
+                break
+        self._created = []
+
     def _open_cache(self, mcfg):
         c = self.cfg.data
         if c.synthetic_samples and not os.path.isfile(os.path.join(c.cache_dir, "index.json")):
@@ -134,6 +222,82 @@ class Trainer:
         if not cache.split("train"):
             raise ConfigError(f"the cache at {c.cache_dir} has no training samples")
         return cache
+
+    def _loader(self, split, batch_size, shuffle):
+        c = self.cfg
+        try:
+            return BucketBatchLoader(self.cache, batch_size, split, shuffle=shuffle, seed=c.train.seed,
+                                     drop_last=c.data.drop_last and split == "train")
+        except ValueError as e:
+            option = "data.batch_size" if split == "train" else "output.val_batch_size"
+            raise ConfigError(f"{option}: {e}; lower it (or set data.drop_last=false)") from None
+
+    def _check_targets(self, model, mcfg):
+        """lora.targets must select at least one layer (checked on the module names, no weights)."""
+        if model is not None:
+            names = [n for n, m in model.named_modules() if type(m) in (Linear, Conv2d)]
+        else:
+            names = SDXLUNet.layer_names(mcfg, "Linear") + SDXLUNet.layer_names(mcfg, "Conv2d")
+        if not matching_layers(names, self.cfg.lora.targets):
+            example = next((n for n in names if n.endswith("to_q")), names[0] if names else "none")
+            raise ConfigError(f"lora.targets: {self.cfg.lora.targets!r} matches none of the model's "
+                              f"{len(names):,} Linear and Conv2d layers (names look like {example})")
+
+    def _find_checkpoint(self):
+        """The checkpoint to resume from, as ``(path, trainer state)``, or None (a fresh start)."""
+        spec = self.cfg.resume
+        if not spec:
+            return None
+        if spec == "latest":
+            path = latest_checkpoint(self.ckpt_dir)
+            if path is None:
+                self.log(f"no complete checkpoint in {self.ckpt_dir}: starting from step 0")
+                return None
+        else:
+            path = spec
+            if not os.path.isfile(os.path.join(path, "COMPLETE")):
+                done = [p for _, p in list_checkpoints(self.ckpt_dir)]
+                raise ConfigError(f"resume: {path} is not a complete checkpoint (no COMPLETE marker); complete "
+                                  f"ones: {done or 'none'}")
+        state_file = os.path.join(path, "trainer_state.json")
+        try:
+            with open(state_file) as f:
+                state = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"resume: cannot read {state_file} ({e}); resume from an earlier checkpoint "
+                              f"({[p for _, p in list_checkpoints(self.ckpt_dir)]})") from None
+        self._check_resumable(path, state.get("config", {}))
+        try:
+            self.loader.load_state_dict(state["loader"])  # checked here, set again in load()
+        except ValueError as e:
+            raise ConfigError(f"resume: {path} does not fit data.cache_dir {self.cfg.data.cache_dir}: {e}") from None
+        return path, state
+
+    def _check_resumable(self, path, saved):
+        """Settings that change tensor shapes or the data order are errors; other changes are warned about."""
+        mine = to_dict(self.cfg)
+        changed = {}
+        for section, opts in mine.items():
+            if section == "resume" or not isinstance(opts, dict):
+                continue
+            for key, value in opts.items():
+                old = saved.get(section, {}).get(key, value)
+                if old != value:
+                    changed[f"{section}.{key}"] = (old, value)
+        fixed = [f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in RESUME_FIXED if k in changed]
+        if fixed:
+            raise ConfigError(f"resume: {path} was trained with other settings that cannot change within a run: "
+                              f"{', '.join(fixed)}. Set them back, or start a new run in another output.dir")
+        if changed:
+            self.log("warning: resuming with different settings than the checkpoint: "
+                     + ", ".join(f"{k} {o!r} -> {n!r}" for k, (o, n) in changed.items()))
+
+    def _check_fresh_start(self):
+        old = list_checkpoints(self.ckpt_dir)
+        if old and not self.cfg.output.overwrite:
+            raise ConfigError(f"{self.out_dir} holds checkpoints of an earlier run (steps {[s for s, _ in old]}): "
+                              "continue it with --resume (resume=latest), or pick another output.dir, or set "
+                              "output.overwrite=true to replace it")
 
     def _noise_schedule(self):
         """The checkpoint's own scheduler config when it has one (pipeline folder), else SDXL's."""
@@ -217,12 +381,15 @@ class Trainer:
 
     def train_step(self):
         """One optimizer step (grad_accum micro-batches); the loss stays on the device."""
+        self._step_done = False
         loss, grads = self._micro_batches()
         lr = self.scheduler.get_last_lr()[0]
-        norm = self._update(loss, grads)
-        self.scheduler.step()
-        self.step += 1
-        self._pending.append((self.step, loss.clone(), norm, lr, self.loader.epoch))
+        with self._signals_deferred():  # the state changes of a step are applied whole or not at all
+            norm = self._update(loss, grads)
+            self.scheduler.step()
+            self.step += 1
+            self._pending.append((self.step, loss.clone(), norm, lr, self.loader.epoch))
+            self._step_done = True
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> float:
@@ -251,46 +418,84 @@ class Trainer:
             set_rng_state(saved)
         value = float(total.item()) / seen  # host sync (validation only)
         self.val_losses[self.step] = value
-        self._metrics({"step": self.step, "val_loss": value})
+        self._metrics([{"step": self.step, "val_loss": value}])
+        self._say(f"step {self.step}: validation loss {value:.4f}")
         return value
 
     # ---- logging -----------------------------------------------------------------------------
-    def _metrics(self, record):
-        with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+    def _metrics_path(self):
+        return os.path.join(self.out_dir, "metrics.jsonl")
 
-    def _flush(self, bar):
+    def _metrics(self, records):
+        """Append ``records`` to metrics.jsonl in one write."""
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        try:
+            with open(self._metrics_path(), "a") as f:
+                f.write(text)
+        except OSError as e:
+            raise self._write_error(e, "metrics", self._metrics_path()) from e
+
+    def _say(self, text):
+        """A line for the user, above the progress bar when there is one."""
+        if self._bar_ is not None:
+            self._bar_.write(text)
+        else:
+            self.log(text)
+
+    def _smoothed(self, value=None):
+        """The loss shown: the moving average, with ``value`` taken in first (unless it is None or
+        not finite); NaN before any loss."""
+        avg, n = self._ema
+        if value is not None and math.isfinite(value):
+            avg, n = SMOOTHING * avg + (1 - SMOOTHING) * value, n + 1
+            self._ema = (avg, n)
+        return avg / (1 - SMOOTHING ** n) if n else math.nan
+
+    def _flush(self):
         """Read the pending losses (one host sync), log them, and stop on a non-finite one."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
+        pending = self._pending
         values = stack([p[1] for p in pending]).numpy()
         norms = [p[2] for p in pending]
         norm_values = stack(norms).numpy() if all(n is not None for n in norms) else [None] * len(pending)
         now = time.perf_counter()
         its = len(pending) / max(now - self._clock, 1e-9)
         self._clock = now
-        mem = runtime.max_memory_allocated() / 2 ** 30
-        bad = None
+        records, bad, ema = [], None, self._ema
         for (step, _, _, lr, epoch), value, norm in zip(pending, values, norm_values):
             value = float(value)
-            self.losses[step] = value
-            rec = {"step": step, "loss": value, "lr": lr, "epoch": epoch}
+            rec = {"step": step, "loss": value, "loss_smooth": self._smoothed(value), "lr": lr, "epoch": epoch}
             if norm is not None:
                 rec["grad_norm"] = float(norm)
-            self._metrics(rec)
+            records.append(rec)
             if bad is None and not math.isfinite(value):
                 bad = (step, value)
-        last = pending[-1]
-        text = {"loss": f"{float(values[-1]):.4f}", "lr": f"{last[3]:.3g}", "it/s": f"{its:.2f}",
-                "mem": f"{mem:.1f}G"}
-        self._metrics({"step": last[0], "it_s": its, "max_memory_gb": mem})
-        if bar is not None:
-            bar.set_postfix(text, refresh=True)
-        else:
-            self.log(f"step {last[0]}/{self.total_steps}  " + "  ".join(f"{k} {v}" for k, v in text.items()))
+        speed = {"step": pending[-1][0], "it_s": its}
+        if not runtime.is_interpreter():
+            speed["max_memory_gb"] = runtime.max_memory_allocated() / 2 ** 30
+        try:
+            with self._signals_deferred():  # the records are written once: never twice, never half
+                self._metrics(records + [speed])
+                self._pending = []
+                self.losses.update((rec["step"], rec["loss"]) for rec in records)
+        finally:
+            if self._pending:  # not written: the next flush makes these records again
+                self._ema = ema
+        self._show(records[-1], its, speed.get("max_memory_gb"))
         if bad is not None:
             self._stop = ("non_finite", bad)
+
+    def _show(self, rec, its, mem):
+        fields = {"loss": f"{rec['loss_smooth']:.4f}", "lr": f"{rec['lr']:.3g}", "it/s": f"{its:.2f}"}
+        if self.val_losses:
+            fields["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
+        if mem is not None:
+            fields["mem"] = f"{mem:.1f}G"
+        if self._bar_ is not None:
+            self._bar_.set_postfix(fields, refresh=True)
+        else:
+            self.log(f"step {rec['step']}/{self.total_steps}  " + "  ".join(f"{k} {v}" for k, v in fields.items()))
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state(self, opt: dict) -> dict:
@@ -312,17 +517,28 @@ class Trainer:
             "optimizer.safetensors": lambda p: save_safetensors(tensors, p),
             "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
-        return save_checkpoint(self.ckpt_dir, self.step, writers, self.cfg.output.keep_last)
+        try:
+            return save_checkpoint(self.ckpt_dir, self.step, writers, self.cfg.output.keep_last)
+        except OSError as e:
+            raise self._write_error(e, f"the checkpoint of step {self.step}", self.ckpt_dir) from e
 
-    def load(self, path) -> None:
-        """Restore a checkpoint written by ``save`` (the model must already carry its adapters)."""
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            state = json.load(f)
-        mine, theirs = to_dict(self.cfg), state.get("config", {})
-        changed = [f"{s}.{k}" for s in ("model", "lora", "data") for k in mine[s]
-                   if theirs.get(s, {}).get(k) != mine[s][k]]
-        if changed:
-            self.log(f"warning: resuming with different settings than the checkpoint: {', '.join(changed)}")
+    def _write_error(self, e, what, where):
+        """A ``TrainingError`` for an OSError while writing ``what`` to ``where``: what failed, what is
+        kept, what to do."""
+        kept = latest_checkpoint(self.ckpt_dir)
+        kept = (f"the newest complete checkpoint is {kept}" if kept else "no checkpoint was written yet")
+        cause = e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            todo = (f"free space on the disk holding {where} (or lower output.keep_last), then continue with "
+                    "--resume")
+        else:
+            todo = "fix that, then continue with --resume"
+        return TrainingError(f"writing {what} to {where} failed: {cause}. Nothing half-written was kept; {kept}. "
+                             f"To go on: {todo}")
+
+    def load(self, path, state) -> None:
+        """Restore a checkpoint written by ``save`` (the model must already carry its adapters);
+        ``state``: its trainer_state.json, read and checked by ``_find_checkpoint``."""
         load_lora(self.model, os.path.join(path, "lora.safetensors"), inject=False)
         tensors = load_safetensors(os.path.join(path, "optimizer.safetensors"))
         opt = state["optimizer"]
@@ -342,43 +558,63 @@ class Trainer:
         set_rng_state(state["rng"])
         self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
-        self._trim_metrics()
+        self._restore_metrics()
 
-    def _trim_metrics(self):
-        """Drop metric records past the resumed step (they belong to the run that was cut short)."""
-        path = os.path.join(self.out_dir, "metrics.jsonl")
+    def _restore_metrics(self):
+        """Keep the metric records up to the resumed step (later ones belong to the run that was cut
+        short; a line cut off by a crash mid-write is dropped) and take the smoothed loss and the
+        validation losses from them."""
+        path = self._metrics_path()
         if not os.path.isfile(path):
             return
-        with open(path) as f:
-            lines = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= self.step]
-        with open(path, "w") as f:
-            f.writelines(lines)
-
-    def resume(self, spec) -> str | None:
-        """Resume from ``spec``: "latest" (None when there is no complete checkpoint yet) or a folder."""
-        if spec == "latest":
-            path = latest_checkpoint(self.ckpt_dir)
-            if path is None:
-                self.log(f"no complete checkpoint in {self.ckpt_dir}: starting from step 0")
-                return None
-        else:
-            path = spec
-            if not os.path.isfile(os.path.join(path, "COMPLETE")):
-                done = [p for _, p in list_checkpoints(self.ckpt_dir)]
-                raise ConfigError(f"resume: {path} is not a complete checkpoint (no COMPLETE marker); complete "
-                                  f"ones: {done or 'none'}")
-        self.load(path)
-        self.log(f"resumed from {path} at step {self.step}")
-        return path
+        kept, damaged = [], 0
+        with open(path, "rb") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                    damaged += 1
+                elif rec["step"] <= self.step:
+                    kept.append(rec)
+        if damaged:
+            self.log(f"{path}: dropped {_count(damaged, 'damaged line')} (a crash while writing)")
+        atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+        for rec in kept:
+            if isinstance(rec.get("loss"), (int, float)):
+                self._smoothed(rec["loss"])
+            if isinstance(rec.get("val_loss"), (int, float)):
+                self.val_losses[rec["step"]] = rec["val_loss"]
 
     # ---- the loop ----------------------------------------------------------------------------
-    def _on_sigint(self, signum, frame):
-        if self._stop is not None:
+    def _on_signal(self, signum, frame):
+        """SIGINT / SIGTERM: the first asks for a checkpoint at the end of this step; the next one
+        abandons the step (``KeyboardInterrupt``), after the weight update when it is under way."""
+        if self._stop is None:
+            self._stop = ("interrupted", signum)
+            _notice(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint (again: stop "
+                    "sooner, saving the last finished step)\n")
+        elif self._deferring:
+            self._deferred = True
+        else:
             raise KeyboardInterrupt
-        self._stop = ("interrupted", None)
-        self.log("\ninterrupt: finishing this step and saving a checkpoint (Ctrl-C again to quit at once)")
 
-    def _bar(self):
+    @contextlib.contextmanager
+    def _signals_deferred(self):
+        """Inside, a stop signal that would interrupt waits until the block is done (a few launches)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if not self._deferring and self._deferred:
+            self._deferred = False
+            raise KeyboardInterrupt
+
+    def _make_bar(self):
         from tqdm import tqdm
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=None if self.progress is None else not self.progress)
@@ -388,80 +624,126 @@ class Trainer:
         return os.path.join(self.out_dir, f"{self.cfg.output.name}.safetensors")
 
     def _start_fresh(self):
-        """A run from step 0 must not mix with an earlier run's checkpoints and metrics."""
-        old = list_checkpoints(self.ckpt_dir)
-        if old and not self.cfg.output.overwrite:
-            raise ConfigError(f"{self.out_dir} holds checkpoints of an earlier run (steps {[s for s, _ in old]}): "
-                              "continue it with --resume (resume=latest), or pick another output.dir, or set "
-                              "output.overwrite=true to replace it")
+        """A run from step 0 does not mix with an earlier run's checkpoints and metrics (allowed by
+        output.overwrite, checked in setup)."""
         if os.path.isdir(self.ckpt_dir):
             shutil.rmtree(self.ckpt_dir)
-        metrics = os.path.join(self.out_dir, "metrics.jsonl")
-        if os.path.exists(metrics):
-            os.unlink(metrics)
+        if os.path.exists(self._metrics_path()):
+            os.unlink(self._metrics_path())
 
     def train(self) -> dict:
         """Run (or resume) to ``total_steps``; writes the LoRA file. Raises ``TrainingStopped``
-        after saving a checkpoint when interrupted or when a loss is not finite."""
+        after saving a checkpoint when interrupted or when a loss is not finite, and
+        ``TrainingError`` when a file cannot be written."""
         c = self.cfg
-        if not (c.resume and self.resume(c.resume)):
+        if self._resume_from is not None:
+            self.load(*self._resume_from)
+            self.log(f"resumed from {self._resume_from[0]} at step {self.step}")
+        else:
             self._start_fresh()
+        first = self.step
         with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
             yaml.safe_dump(to_dict(c), f, sort_keys=False)
-        self.log(f"training {len(self.lora_layers)} LoRA layers ({sum(p.numel() for p in self.params):,} params) "
-                 f"on {len(self.loader.cache.split('train'))} samples for {self.total_steps} steps "
+        todo = (_count(self.total_steps, "step") if first == 0 else
+                f"steps {first + 1}-{self.total_steps} of {self.total_steps}" if first < self.total_steps else
+                f"no steps (the run finished at step {first} of {self.total_steps})")
+        self.log(f"training {_count(len(self.lora_layers), 'LoRA layer')} ({sum(p.numel() for p in self.params):,} "
+                 f"params) on {_count(len(self.loader.cache.split('train')), 'sample')}: {todo} "
                  f"({c.train.precision}, {runtime.device_name()})")
-        handler = None
+        handlers = {}
         if threading.current_thread() is threading.main_thread():
-            handler = signal.signal(signal.SIGINT, self._on_sigint)
-        bar = self._bar()
-        self._clock = time.perf_counter()
+            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._bar_ = self._make_bar()
+        started = self._clock = time.perf_counter()
         try:
-            if self.val_loader is not None and self.step == 0:
-                self.validate()
-            while self.step < self.total_steps and self._stop is None:
-                snapshot = (self.loader.state_dict(), get_rng_state())
-                try:
-                    self.train_step()
-                except KeyboardInterrupt:  # raised inside the step: its update was not applied
-                    self.loader.load_state_dict(snapshot[0])
-                    set_rng_state(snapshot[1])
-                    self._stop = ("interrupted", None)
-                    break
-                if bar is not None:
-                    bar.update(1)
-                s = self.step
-                due_save = c.output.save_every and s % c.output.save_every == 0
-                if s % c.output.log_every == 0 or s == self.total_steps or due_save:
-                    self._flush(bar)
-                if self._stop is None and self.val_loader is not None and s % c.output.validate_every == 0:
-                    self.validate()
-                if self._stop is None and due_save and s < self.total_steps:
-                    self.save()
-            self._flush(bar)
-            if self._stop is None and self.val_loader is not None and self.step not in self.val_losses:
-                self.validate()  # a last validation loss at the end of the run
-            checkpoint = self.save()
+            checkpoint = self._loop()
         finally:
-            if bar is not None:
-                bar.close()
-            if handler is not None:
-                signal.signal(signal.SIGINT, handler)
+            if self._bar_ is not None:
+                self._bar_.close()
+                self._bar_ = None
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
         if self._stop is not None:
             reason, info = self._stop
             if reason == "non_finite":
                 msg = (f"stopped: the loss at step {info[0]} is {info[1]} (non-finite). Updates with a non-finite "
                        f"loss or gradient were skipped, so the checkpoint {checkpoint} (step {self.step}) holds finite "
                        "weights; lower train.lr, use train.precision=fp32 or fp16, or check the cache for bad latents")
+                signum = None
             else:
-                msg = (f"interrupted at step {self.step}: checkpoint saved to {checkpoint}; continue with --resume "
-                       "(resume=latest)")
+                signum = info
+                msg = (f"interrupted at step {self.step} ({signal.Signals(signum).name}): checkpoint saved to "
+                       f"{checkpoint}; continue with --resume (resume=latest)")
             self.log(msg)
-            raise TrainingStopped(msg, reason, self.step, checkpoint)
-        save_lora(self.model, self.lora_path(), format=c.lora.format)
-        self.log(f"wrote {self.lora_path()} ({c.lora.format} format) after {self.step} steps")
+            raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
+        try:
+            save_lora(self.model, self.lora_path(), format=c.lora.format)
+        except OSError as e:
+            raise self._write_error(e, "the LoRA file", self.lora_path()) from e
+        self._summary(self.step - first, time.perf_counter() - started, checkpoint)
         return {"step": self.step, "losses": [self.losses[s] for s in sorted(self.losses)],
                 "val_losses": dict(self.val_losses), "lora": self.lora_path(), "checkpoint": checkpoint}
+
+    def _loop(self) -> str:
+        """The steps, validations and checkpoints up to ``total_steps`` or a stop; returns the
+        checkpoint saved last."""
+        c = self.cfg
+        if self.val_loader is not None and self.step == 0:
+            self.validate()
+        while self.step < self.total_steps and self._stop is None:
+            snapshot = (self.loader.state_dict(), get_rng_state())
+            try:
+                self.train_step()
+                if self._bar_ is not None:
+                    self._bar_.update(1)
+                s = self.step
+                due_save = c.output.save_every and s % c.output.save_every == 0
+                if s % c.output.log_every == 0 or s == self.total_steps or due_save:
+                    self._flush()
+                if self._stop is None and self.val_loader is not None and s % c.output.validate_every == 0:
+                    self.validate()
+                if self._stop is None and due_save and s < self.total_steps:
+                    self.save()
+            except KeyboardInterrupt:  # a second signal (or Ctrl-C without our handler)
+                if not self._step_done:  # abandoned before its update: back to the step boundary
+                    self.loader.load_state_dict(snapshot[0])
+                    set_rng_state(snapshot[1])
+                    self._step_done = True
+                if self._stop is None:
+                    self._stop = ("interrupted", signal.SIGINT)
+                break
+        self._flush()
+        if self._stop is None and self.val_loader is not None and self.step not in self.val_losses:
+            self.validate()  # a last validation loss at the end of the run
+        return self.save()
+
+    def _summary(self, steps, seconds, checkpoint):
+        c = self.cfg
+        rate = f", {steps / seconds:.2f} steps/s" if steps and seconds > 0 else ""
+        lines = [f"done: {_count(steps, 'step')} in {_duration(seconds)}{rate}, step {self.step} of {self.total_steps}"]
+        if self._ema[1]:
+            lines.append(f"  training loss (smoothed): {self._smoothed():.4f}")
+        if self.val_losses:
+            first, last = min(self.val_losses), max(self.val_losses)
+            lines.append(f"  validation loss: {self.val_losses[last]:.4f} at step {last}"
+                         + (f" ({self.val_losses[first]:.4f} at step {first})" if first != last else ""))
+        layers = self.lora_layers
+        lines += [f"  LoRA file: {self.lora_path()} ({c.lora.format} format, {_count(len(layers), 'layer')}, "
+                  f"rank {c.lora.rank}, alpha {c.lora.alpha if c.lora.alpha is not None else c.lora.rank:g})",
+                  f"  checkpoint: {checkpoint} (--resume continues from it)",
+                  f"  metrics: {self._metrics_path()}"]
+        folder, name = os.path.split(os.path.abspath(self.lora_path()))
+        lines.append("  in diffusers: pipe.load_lora_weights("
+                     f"{folder!r}, weight_name={name!r}, use_safetensors=True)"
+                     + ("  # use_safetensors keeps the alpha stored in the file's metadata"
+                        if c.lora.format == "peft" else ""))
+        self.log("\n".join(lines))
+
+
+def _notice(text):
+    """Write ``text`` to stderr from a signal handler (no Python-level buffers: no reentrancy)."""
+    with contextlib.suppress(OSError):
+        os.write(2, text.encode())
 
 
 def train(config, model=None, **kwargs) -> dict:
@@ -469,4 +751,4 @@ def train(config, model=None, **kwargs) -> dict:
     return Trainer(config, model=model, **kwargs).train()
 
 
-__all__ = ["PRECISIONS", "Trainer", "TrainingStopped", "train", "unet_config"]
+__all__ = ["PRECISIONS", "Trainer", "TrainingError", "TrainingStopped", "train", "unet_config"]
