@@ -4,7 +4,7 @@
 imported; see ``flame.runtime``.
 """
 from . import runtime  # noqa: I001 - must come first: selects the Triton interpreter on CPU
-from .runtime import (device, device_name, get_default_dtype, is_interpreter, max_memory_allocated,
+from .runtime import (check_errors, device, device_name, get_default_dtype, is_interpreter, max_memory_allocated,
                       memory_allocated, reset_peak_memory_stats, set_default_dtype, synchronize)
 from .tensor import (Tensor, bfloat16, bool_, broadcast_shapes, float16, float32, float64, int32, int64,
                      promote_types, result_type, _bind_methods)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 
 _state = threading.local()
 
@@ -149,11 +150,16 @@ def record(out, inputs, backward_fn, saved=(), **attrs):
 
 
 class GradientMap:
-    """Gradients of leaf tensors, keyed by tensor id and indexable by the tensor itself.
+    """Gradients of leaf tensors, indexed by the tensor itself.
 
-    ``grads[w]``, ``w in grads``, ``grads.get(w)``, ``len(grads)``, iteration over
-    ``(tensor_id, grad)`` pairs, and ``grads += other`` / ``grads.accumulate(other)`` for gradient
-    accumulation across micro-batches (sums in place, adds new keys).
+    ``grads[w]`` (KeyError when ``w`` has no gradient), ``w in grads``, ``grads.get(w, default)``,
+    ``grads[w] = g``: keys are flame Tensors, and anything else (a name, an int) raises TypeError.
+    The map holds tensor ids, not the tensors (it keeps no parameter alive), so ``keys()`` gives
+    tensor ids, ``values()`` the gradients, and ``items()`` and iteration ``(tensor id, gradient)``
+    pairs; ``by_id`` is a read-only ``{tensor id: gradient}`` view for code that holds ids (the
+    optimizers look their parameters up by id). ``len(grads)``; ``grads += other`` /
+    ``grads.accumulate(other)`` for gradient accumulation across micro-batches (sums in place,
+    adds new keys).
     """
 
     def __init__(self):
@@ -161,7 +167,15 @@ class GradientMap:
 
     @staticmethod
     def _key(t):
-        return t if isinstance(t, int) else t.id
+        if isinstance(t, _deps()[3]):
+            return t.id
+        cls = type(t)
+        got = cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+        if isinstance(t, int) and not isinstance(t, bool):
+            got += f" {t}; to look a gradient up by tensor id use grads.by_id[{t}]"
+        elif isinstance(t, str):
+            got += f" {t!r}; names are not keys: index by the parameter itself (grads[model.weight])"
+        raise TypeError(f"GradientMap keys are flame Tensors (grads[w] for a leaf w that requires grad), got {got}")
 
     def __getitem__(self, t):
         key = self._key(t)
@@ -178,10 +192,16 @@ class GradientMap:
     def get(self, t, default=None):
         return self._grads.get(self._key(t), default)
 
+    @property
+    def by_id(self):
+        """A read-only ``{tensor id: gradient}`` view of this map."""
+        return types.MappingProxyType(self._grads)
+
     def __len__(self):
         return len(self._grads)
 
     def __iter__(self):
+        """``(tensor id, gradient)`` pairs, as ``items()``."""
         return iter(self._grads.items())
 
     def keys(self):
@@ -195,7 +215,9 @@ class GradientMap:
 
     def accumulate(self, other: GradientMap) -> GradientMap:
         from .ops.elementwise import add_
-        for key, grad in other:
+        if not isinstance(other, GradientMap):
+            raise TypeError(f"accumulate expects a GradientMap, got {type(other).__name__}")
+        for key, grad in other._grads.items():
             mine = self._grads.get(key)
             if mine is None:
                 self._grads[key] = grad.clone()  # in the gradient's own layout

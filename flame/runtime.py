@@ -7,12 +7,26 @@ effect, so this module must be imported before any kernel module (``flame/__init
 
 Allocation goes through ``torch.empty*`` only: zero-filling is a Triton kernel like everything
 else that touches values.
+
+Device-side errors. A kernel that meets input it cannot handle (a class target outside [0, C) in
+``cross_entropy``) cannot raise, and checking such input on the host would cost a device sync on
+every call. Instead it sets a flag: ``device_error(exc, message)`` registers an error once (at
+import, by the kernel module) and returns its code; the launcher passes ``error_flag(code)``, a
+one-element int32 view of one shared buffer, and the kernel stores 1 there when it sees bad
+input (and computes something harmless, never reading out of bounds). ``check_errors()`` reads the
+flags back, clears them and raises the first one set, ``exc(message)``; flame calls it at every
+host read of a value (``Tensor.item``, ``.numpy``, ``.tolist`` and what uses them), and it is
+public as ``flame.check_errors()``. Until a kernel has been handed a flag it costs nothing (no
+read, no sync). The buffer is allocated once, on first use, and only ever cleared in place:
+its address is fixed, so a kernel captured in a CUDA graph still reports into it on replay
+(use a flag once before capturing: its first allocation cannot happen during a capture).
 """
 from __future__ import annotations
 
 import os
 import sys
 
+import numpy as np
 import torch
 
 
@@ -163,3 +177,48 @@ def num_sms() -> int:
 
 def device_name() -> str:
     return torch.cuda.get_device_name() if not INTERPRETER else "cpu-interpreter"
+
+
+# ---- device-side error flags (module docstring) -------------------------------------------------
+
+_ERROR_SLOTS = 32
+_errors: list = []  # (exception class, message) of each registered code
+_flags = None  # int32 (_ERROR_SLOTS,): nonzero where a kernel reported that code's error
+_flag_views: dict = {}  # code -> one-element view of _flags
+
+
+def device_error(exc: type, message: str) -> int:
+    """Register an error kernels can report; returns its code, for ``error_flag``. When a kernel
+    has set the flag, the next ``check_errors()`` raises ``exc(message)``."""
+    if len(_errors) == _ERROR_SLOTS:
+        raise RuntimeError(f"device_error: all {_ERROR_SLOTS} error codes are taken")
+    _errors.append((exc, message))
+    return len(_errors) - 1
+
+
+def error_flag(code: int) -> torch.Tensor:
+    """The int32 one-element buffer a kernel stores nonzero into to report error ``code``."""
+    global _flags
+    view = _flag_views.get(code)
+    if view is None:
+        if _flags is None:
+            if not INTERPRETER and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("flame's device error flags are first needed inside a CUDA-graph capture; run "
+                                   "the captured function once eagerly first (flame.graphs.CapturedStep does)")
+            _flags = torch.from_numpy(np.zeros(_ERROR_SLOTS, np.int32)).to(device)  # host transfer
+        view = _flag_views[code] = _flags[code:code + 1]
+    return view
+
+
+def check_errors() -> None:
+    """Raise the first error a kernel has reported since the last check, after clearing every flag.
+    Reads the flags back (a host sync) once any kernel has been handed one; a no-op before."""
+    if _flags is None:
+        return
+    codes = [i for i, f in enumerate(_flags.tolist()) if f]  # host transfer
+    if not codes:
+        return
+    _flags.copy_(torch.from_numpy(np.zeros(_ERROR_SLOTS, np.int32)))  # host transfer, into the same buffer
+    exc, message = _errors[codes[0]]
+    also = "".join(f"; also: {_errors[c][1]}" for c in codes[1:])
+    raise exc(f"{message} (reported by a kernel, raised at the first host read after its launch){also}")

@@ -195,6 +195,17 @@ class Tensor:
     def grad_fn(self):
         return self._node
 
+    _NO_GRAD_ATTRIBUTE = ("flame tensors have no .grad: gradients live in the GradientMap that backward() "
+                          "returns (grads = loss.backward(); grads[w]), or use flame.grad(loss, w)")
+
+    @property
+    def grad(self):
+        raise AttributeError(self._NO_GRAD_ATTRIBUTE)
+
+    @grad.setter
+    def grad(self, value):
+        raise AttributeError(self._NO_GRAD_ATTRIBUTE)
+
     def detach(self) -> Tensor:
         """A new leaf sharing this tensor's memory, outside the graph."""
         return Tensor(self._data)
@@ -235,7 +246,13 @@ class Tensor:
         """The underlying torch tensor (zero-copy, shares memory)."""
         return self._data
 
+    # Every host read first raises what a kernel reported since the last check (runtime.check_errors),
+    # except repr: printing never raises, and the flags stay set for the next read.
     def numpy(self) -> np.ndarray:
+        runtime.check_errors()
+        return self._host()
+
+    def _host(self) -> np.ndarray:
         src = self.to(float32) if self.dtype == bfloat16 else self
         return src._data.detach().cpu().numpy().copy()
 
@@ -245,6 +262,7 @@ class Tensor:
     def item(self):
         if self.numel() != 1:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to a scalar")
+        runtime.check_errors()
         return self._data.reshape(()).item()
 
     def __float__(self):
@@ -264,7 +282,7 @@ class Tensor:
         return int(self.item())
 
     def __repr__(self):
-        values = np.array2string(self.numpy(), separator=", ", precision=4, threshold=200, edgeitems=3,
+        values = np.array2string(self._host(), separator=", ", precision=4, threshold=200, edgeitems=3,
                                  prefix="tensor(")
         extras = []
         if self.dtype not in (float32, int64, bool_):

@@ -79,7 +79,8 @@ def test_gradient_map_api_and_accumulation():
     assert grads.get(frozen) is None
     ids = {tid for tid, _ in grads}
     assert ids == {w.id, b.id}
-    assert_close(grads[w.id], grads[w])
+    assert_close(grads.by_id[w.id], grads[w])
+    assert set(grads.by_id) == set(grads.keys()) == ids and dict(grads.items()) == dict(grads.by_id)
     with pytest.raises(KeyError):
         grads[frozen]
     more = ((w * frozen + b) ** 2).sum().backward()
@@ -89,6 +90,28 @@ def test_gradient_map_api_and_accumulation():
     assert_close(total[w], grads[w] * 2)
     # accumulation sums in place into the first map's buffers, not aliasing the source
     assert total[w].data_ptr() != grads[w].data_ptr()
+
+
+def test_gradient_map_keys_are_tensors():
+    # a name or an int is not a key (an int used to mean a tensor id silently); ids go through by_id
+    w = flame.tensor([1.0, 2.0], requires_grad=True)
+    grads = (w * w).sum().backward()
+    for key, match in (("w", r"keys are flame Tensors .*got str 'w'.*grads\[model.weight\]"),
+                       (w.id, rf"got int {w.id}; .*grads.by_id\[{w.id}\]"), (0, "by_id"), (1.5, "got float"),
+                       (torch.ones(2), r"got torch\.Tensor$")):
+        with pytest.raises(TypeError, match=match):
+            grads[key]
+        with pytest.raises(TypeError, match="keys are flame Tensors"):
+            key in grads  # noqa: B015
+        with pytest.raises(TypeError, match="keys are flame Tensors"):
+            grads.get(key)
+        with pytest.raises(TypeError, match="keys are flame Tensors"):
+            grads[key] = grads[w]
+    with pytest.raises(TypeError, match=r"does not support item assignment"):
+        grads.by_id[w.id] = grads[w]
+    with pytest.raises(TypeError, match="expects a GradientMap"):
+        grads.accumulate({w.id: grads[w]})
+    assert len(grads) == 1 and grads.by_id.get(w.id) is grads[w]
 
 
 def test_broadcast_inputs_get_reduced_gradients():

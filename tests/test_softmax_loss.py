@@ -9,6 +9,7 @@ import torch.nn.functional as TF
 import flame
 import flame.nn.functional as F
 from flame import tune
+from flame.kernels import softmax as KS
 from flame.testing import gradcheck
 from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
 
@@ -179,10 +180,47 @@ def test_cross_entropy_all_ignored_and_empty():
     assert grads[xe].shape == (0, 4)
 
 
-def test_cross_entropy_out_of_range_target_is_nan():
-    x = _randn(2, 4)
-    out = F.cross_entropy(_f(x), _f(torch.tensor([1, 7], device=DEVICE)), reduction="none").numpy()
-    assert np.isfinite(out[0]) and np.isnan(out[1])
+@pytest.mark.parametrize("red", ["none", "mean", "sum"])
+@pytest.mark.parametrize("bad", [4, 7, -1, -101])
+def test_cross_entropy_out_of_range_target_raises_at_the_next_host_read(red, bad, monkeypatch):
+    # as PyTorch, a target outside [0, C) that is not ignore_index raises; the kernel flags it and
+    # the error surfaces at the next host read, never inside the call (no sync per call)
+    checks = []
+    real_check = flame.runtime.check_errors
+    monkeypatch.setattr(flame.runtime, "check_errors", lambda: checks.append(1) or real_check())
+    x = _f(_randn(3, 4), True)
+    t = _f(torch.tensor([1, bad, -100], device=DEVICE))
+    loss = F.cross_entropy(x, t, reduction=red)
+    loss.sum().backward()
+    assert checks == []
+    with pytest.raises(IndexError, match=r"cross_entropy: a target is outside \[0, C\)"):
+        loss.sum().item()
+    assert checks == [1]
+    # the flag is cleared: the next read returns the value (NaN for the bad row)
+    out = F.cross_entropy(x, t, reduction="none")
+    assert np.isnan(out.to_torch()[1].item()) and np.isfinite(out.to_torch()[0].item())
+    with pytest.raises(IndexError, match="outside"):
+        out.numpy()
+    assert np.isfinite(F.cross_entropy(x, _f(torch.tensor([1, 3, -100], device=DEVICE))).item())
+
+
+def test_cross_entropy_bad_target_flag_is_one_fixed_buffer():
+    # flame.check_errors() raises too; the flag buffer keeps its address (a captured CUDA graph
+    # replays its stores into it); a good call leaves the flags clear; repr never raises
+    x = _f(_randn(2, 5))
+    good, bad = _f(torch.tensor([4, 0], device=DEVICE)), _f(torch.tensor([0, 5], device=DEVICE))
+    F.cross_entropy(x, good)
+    flame.check_errors()
+    flag = flame.runtime.error_flag(KS._BAD_TARGET)
+    ptr = flag.data_ptr()
+    loss = F.cross_entropy(x, bad, reduction="none")
+    assert "nan" in repr(loss)
+    with pytest.raises(IndexError, match="ignore_index"):
+        flame.check_errors()
+    flame.check_errors()
+    assert flame.runtime.error_flag(KS._BAD_TARGET).data_ptr() == ptr and flag.item() == 0
+    want = TF.cross_entropy(x.to_torch(), bad.to_torch(), ignore_index=5).item()
+    assert F.cross_entropy(x, bad, ignore_index=5).item() == pytest.approx(want, rel=1e-5)
 
 
 def test_cross_entropy_gradcheck():

@@ -9,7 +9,9 @@ rows; a row that fits one block is read once, a longer one is streamed twice wit
 
 Cross-entropy never materialises probabilities in its forward: it stores the per-row loss (or a
 per-program partial sum and valid count) and the row's log-sum-exp; the backward recomputes
-softmax from the saved log-sum-exp. Reductions to a scalar are two-stage and deterministic.
+softmax from the saved log-sum-exp. Reductions to a scalar are two-stage and deterministic. A
+target outside [0, C) that is not ignore_index gives a NaN loss and sets a device error flag,
+raised at the next host read (``runtime.check_errors``): no host sync per call.
 
 Launch configs come from ``flame.tune`` (kernels "softmax_fwd", "softmax_bwd": key (ROWS, R),
 fields BLOCK_ROWS, BLOCK_R, num_warps; "cross_entropy_fwd", "cross_entropy_bwd": key (ROWS, C),
@@ -31,6 +33,8 @@ from .launch import launch
 
 NONE, MEAN, SUM = (tl.constexpr(i) for i in range(3))
 MSE, L1, SMOOTH_L1, HUBER = (tl.constexpr(i) for i in range(4))
+_BAD_TARGET = runtime.device_error(IndexError, "cross_entropy: a target is outside [0, C) and is not ignore_index "
+                                               "(that row's loss is NaN)")  # the forward kernel's error flag
 
 
 @triton.jit
@@ -151,12 +155,13 @@ def _softmax_bwd_kernel(y_ptr, g_ptr, dx_ptr, ROWS, R, INNER, ys_o, ys_r, ys_i, 
 # ---- cross-entropy ----------------------------------------------------------------------------
 
 @triton.jit(do_not_specialize=["ignore_index", "smoothing"])
-def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, psum_ptr, pcnt_ptr, ROWS, C, INNER, xs_o, xs_c, xs_i,
+def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, psum_ptr, pcnt_ptr, err_ptr, ROWS, C, INNER, xs_o, xs_c, xs_i,
                    ignore_index, smoothing,
                    REDUCE: tl.constexpr, SMOOTH: tl.constexpr, CD: tl.constexpr,
                    BLOCK_ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
     # lse = log sum_c exp(x_c);  loss = lse - (1 - eps) x_t - (eps / C) sum_c x_c  (eps = smoothing)
-    # Rows whose target is ignore_index give 0 and do not count; an out-of-range target gives NaN.
+    # Rows whose target is ignore_index give 0 and do not count; an out-of-range target gives NaN
+    # and sets the error flag err_ptr (its x_t is not read: the index is clamped and masked).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     rm = rows < ROWS
     xbase = _row_base(rows, INNER, xs_o, xs_i)
@@ -165,7 +170,9 @@ def _ce_fwd_kernel(x_ptr, t_ptr, loss_ptr, lse_ptr, psum_ptr, pcnt_ptr, ROWS, C,
     t = tl.load(t_ptr + rows, mask=rm, other=0).to(tl.int64)
     valid = rm & (t != ignore_index)
     inside = (t >= 0) & (t < C)
-    xt = tl.load(x_ptr + xbase + t * xs_c, mask=valid & inside, other=0.0).to(CD)
+    bad = tl.sum((valid & ~inside).to(tl.int32), axis=0)
+    tl.store(err_ptr, 1, mask=bad > 0)
+    xt = tl.load(x_ptr + xbase + tl.where(inside, t, 0) * xs_c, mask=valid & inside, other=0.0).to(CD)
     if SMOOTH:
         loss = lse - (1.0 - smoothing) * xt - (smoothing / C) * sx
     else:
@@ -438,8 +445,8 @@ def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smooth
         psum = runtime.empty((max(P, 1),), acc)
         pcnt = runtime.empty((max(P, 1),), acc)
     if rows:
-        launch(_ce_fwd_kernel, (P,), x, t, loss, lse, psum, pcnt, rows, C, inner, *xs, int(ignore_index),
-               float(smoothing), REDUCE=red, SMOOTH=smoothing != 0, CD=_cd(x.dtype), **meta)
+        launch(_ce_fwd_kernel, (P,), x, t, loss, lse, psum, pcnt, runtime.error_flag(_BAD_TARGET), rows, C, inner,
+               *xs, int(ignore_index), float(smoothing), REDUCE=red, SMOOTH=smoothing != 0, CD=_cd(x.dtype), **meta)
     count = None
     if red != NONE.value:
         count = runtime.empty((), acc) if red == MEAN.value else None

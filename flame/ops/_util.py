@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
+import torch
+
 from .. import runtime
 from ..tensor import Tensor
 
@@ -14,8 +17,21 @@ def new(shape, dtype) -> Tensor:
 
 def check_tensor(x, name: str, op: str) -> Tensor:
     if not isinstance(x, Tensor):
-        raise TypeError(f"{op}: {name} must be a flame Tensor, got {type(x).__name__}")
+        raise argument_error(x, name, op)
     return x
+
+
+def argument_error(x, name: str, op: str, expected: str = "a flame Tensor") -> TypeError:
+    """The TypeError for argument ``name`` of ``op`` that is not ``expected``; a torch.Tensor or a
+    numpy.ndarray (the usual mistake) is named as such, with the call that converts it."""
+    if isinstance(x, torch.Tensor):
+        got = ("torch.Tensor: flame ops take flame Tensors; wrap it with flame.from_torch(t) (no copy; t "
+               "must be on flame's device) or copy it with flame.tensor(t)")
+    elif isinstance(x, np.ndarray):
+        got = "numpy.ndarray: flame ops take flame Tensors; copy it to the device with flame.tensor(a)"
+    else:
+        got = type(x).__name__
+    return TypeError(f"{op}: {name} must be {expected}, got {got}")
 
 
 def check_float(x: Tensor, op: str) -> Tensor:

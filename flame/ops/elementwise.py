@@ -11,7 +11,7 @@ from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as K
 from ..tensor import Tensor, broadcast_shapes, check_dtype, result_type
-from ._util import check_tensor, is_scalar, new
+from ._util import argument_error, check_tensor, is_scalar, new
 
 
 def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
@@ -135,12 +135,12 @@ def neg(x):
 def _operands(a, b, name):
     """Validate and split the two operands: at least one tensor; scalars become kernel scalars."""
     ta, tb = isinstance(a, Tensor), isinstance(b, Tensor)
+    for x, arg in ((a, "input"), (b, "other")):
+        if not isinstance(x, Tensor) and not is_scalar(x):
+            raise argument_error(x, f"{arg} operand", name, "a flame Tensor or a number")
     if not ta and not tb:
         raise TypeError(f"{name}: at least one operand must be a flame Tensor, "
                         f"got {type(a).__name__} and {type(b).__name__}")
-    for x in (a, b):
-        if not isinstance(x, Tensor) and not is_scalar(x):
-            raise TypeError(f"{name}: unsupported operand type {type(x).__name__}")
     return ta, tb
 
 
@@ -318,7 +318,7 @@ def where(condition, a, b):
     ta, tb = isinstance(a, Tensor), isinstance(b, Tensor)
     for x, name in ((a, "input"), (b, "other")):
         if not isinstance(x, Tensor) and not is_scalar(x):
-            raise TypeError(f"where: {name} must be a Tensor or a number, got {type(x).__name__}")
+            raise argument_error(x, name, "where", "a flame Tensor or a number")
     dtype = result_type(a, b)
     if ta and tb:
         out = map_op(K.WHERE, (condition, a, b), dtype)

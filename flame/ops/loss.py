@@ -142,7 +142,9 @@ def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean
                   label_smoothing=0.0):
     """Cross-entropy between ``input`` logits (C,), (N, C) or (N, C, d1, ...) and integer class
     ``target`` () / (N,) / (N, d1, ...), with ``ignore_index`` and ``label_smoothing`` as
-    PyTorch. Out-of-range targets give NaN (not checked on the host: no device sync)."""
+    PyTorch. A target outside [0, C) other than ``ignore_index`` raises IndexError, as PyTorch
+    does, but at the next host read (``loss.item()``, ``flame.check_errors()``): the kernel flags it,
+    so no call syncs with the device."""
     op = "cross_entropy"
     _check_float_input(input, "input", op)
     check_tensor(target, "target", op)

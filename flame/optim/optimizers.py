@@ -213,7 +213,7 @@ class Optimizer:
     def step(self, grads, found_inf: Tensor | None = None, grad_scale: Tensor | None = None):
         """Update every parameter that has a gradient in ``grads`` (a GradientMap)."""
         if isinstance(grads, GradientMap):
-            lookup = grads._grads.get
+            lookup = grads.by_id.get
         elif isinstance(grads, dict):
             lookup = {(k if isinstance(k, int) else k.id): v for k, v in grads.items()}.get
         else:
