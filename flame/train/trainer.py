@@ -147,7 +147,7 @@ class Trainer:
         if model is None:
             try:
                 model = build_unet(c.model.path, c.model.config, self.dtype)
-            except torch.OutOfMemoryError:
+            except torch.cuda.OutOfMemoryError:
                 raise
             except (OSError, ValueError, RuntimeError) as e:  # a damaged or mismatched checkpoint
                 raise ConfigError(f"model.path: cannot load {c.model.path}: {e}") from None
