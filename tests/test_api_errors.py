@@ -42,6 +42,10 @@ CALLS = [
     ("sum", lambda arr: flame.sum(arr((3,)))),
     ("mean", lambda arr: flame.mean(arr((3,)), dim=0)),
     ("exp", lambda arr: flame.exp(arr((3,)))),
+    ("scaled_dot_product_attention", lambda arr: F.scaled_dot_product_attention(arr((1, 2, 3)), _X()[None],
+                                                                                _X()[None])),
+    ("group_norm", lambda arr: F.group_norm(_IMG(), 1, arr((2,)))),
+    ("layer_norm", lambda arr: F.layer_norm(_X(), (3,), arr((3,)))),
 ]
 ARRAYS = {
     "torch": (lambda shape: torch.ones(shape, device=DEVICE),

@@ -34,6 +34,7 @@ from ..autograd import needs_grad, record
 from ..kernels import attention as KA
 from ..tensor import Tensor
 from . import _autocast
+from ._util import argument_error, check_tensor
 from .elementwise import to
 
 _OP = "scaled_dot_product_attention"
@@ -69,8 +70,7 @@ def _bh_strides(buf):
 
 def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{_OP}: {name} must be a flame Tensor, got {type(t).__name__}")
+        check_tensor(t, name, _OP)
     if not query.dtype.is_floating_point:
         raise TypeError(f"{_OP}: expected floating-point query, key and value, got {query.dtype}")
     if not (query.dtype == key.dtype == value.dtype):
@@ -102,7 +102,7 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
                                  f"{t.shape} with strides {t.stride()}; call .contiguous() first")
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"{_OP}: attn_mask must be a flame Tensor or None, got {type(attn_mask).__name__}")
+            raise argument_error(attn_mask, "attn_mask", _OP, "a flame Tensor or None")
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in (query.dtype, torch.float32):
             raise TypeError(f"{_OP}: attn_mask must be bool, float32 or the query's dtype ({query.dtype}), "
                             f"got {attn_mask.dtype}")

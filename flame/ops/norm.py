@@ -19,7 +19,7 @@ from ..kernels import elementwise as KE
 from ..kernels import norms as K
 from ..tensor import Tensor
 from . import _autocast
-from ._util import check_tensor
+from ._util import argument_error, check_tensor
 
 _ACTIVATIONS = (None, "silu")
 
@@ -32,7 +32,7 @@ def _check_param(p, name, shape, x, op):
         if buf.shape[0] == shape[0] and buf.dtype.is_floating_point and buf.device == x._data.device:
             return p
     if not isinstance(p, Tensor):
-        raise TypeError(f"{op}: {name} must be a flame Tensor or None, got {type(p).__name__}")
+        raise argument_error(p, name, op, "a flame Tensor or None")
     if not p.dtype.is_floating_point:
         raise TypeError(f"{op}: {name} must be floating point, got dtype {p.dtype}")
     if tuple(p.shape) != tuple(shape):
