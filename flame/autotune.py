@@ -26,9 +26,10 @@ shape key, dtype) neither the GPU's table nor the user's cache table holds exact
 
 Nothing is tuned during CUDA-graph capture (the launch keeps the heuristic and the key stays
 unknown until an eager call meets it) or inside another tunable call's tuning. Without
-``FLAME_AUTOTUNE=1`` a decorated entry point costs one flag test per call and the cache table is
-not read. Tuning on first use costs seconds per key (compiling the candidates): warm up a job's
-shapes once, then the cache serves every later run.
+``FLAME_AUTOTUNE=1`` a decorated entry point costs one flag test and ``flame.tune.call_entry``'s
+bookkeeping (a counter) per call, and the cache table is not read. Tuning on first use costs
+seconds per key (compiling the candidates): warm up a job's shapes once, then the cache serves
+every later run.
 """
 from __future__ import annotations
 
@@ -61,9 +62,11 @@ def tunable(*outputs: str, helper: bool = False):
     """Decorate a kernel entry point whose parameters named in ``outputs`` are the buffers it
     writes (torch tensors, or None when not wanted); returned tensors count as outputs too. With
     ``FLAME_AUTOTUNE=1`` a call that meets launch configs no table knows tunes them (module
-    docstring); otherwise the call goes straight through. ``helper``: an entry point that others
-    call for small jobs (fills, casts, sums of split partials; its kernels are ``AUXILIARY``):
-    called inside another tunable call it just runs, and that call tunes its own kernel."""
+    docstring); otherwise the call goes straight through ``flame.tune.call_entry`` (which runs it
+    again with the heuristic when a table entry from another Triton release fails to launch).
+    ``helper``: an entry point that others call for small jobs (fills, casts, sums of split
+    partials; its kernels are ``AUXILIARY``): called inside another tunable call it just runs, and
+    that call tunes its own kernel."""
 
     def deco(fn):
         names = list(inspect.signature(fn).parameters)
@@ -75,7 +78,7 @@ def tunable(*outputs: str, helper: bool = False):
         @functools.wraps(fn)
         def entry(*args, **kwargs):
             if not tune._autotune or _busy or (helper and _inside):  # one test when FLAME_AUTOTUNE is off
-                return fn(*args, **kwargs)
+                return tune.call_entry(fn, args, kwargs)
             return _run_and_tune(fn, places, args, kwargs)
 
         return entry
@@ -100,7 +103,7 @@ def _run_and_tune(fn, places, args, kwargs):
     _inside += 1
     try:
         with tune.asked_configs() as asked:
-            result = fn(*args, **kwargs)
+            result = tune.call_entry(fn, args, kwargs)
     finally:
         _inside -= 1
     # as scripts/autotune.py decides: (kernel, key, dtype name) -> the query

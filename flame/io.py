@@ -3,13 +3,16 @@
 The format: 8 bytes little-endian header length N, N bytes of JSON
 ``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
 (padded with spaces to a multiple of 8), then the raw little-endian tensor bytes, offsets counted
-from the end of the header. Loading reads one tensor at a time into host memory and moves it to
-flame's device (never two copies of a whole file); saving writes a temporary file in the target
-directory, fsyncs it and renames it over the target (atomic).
+from the end of the header. Loading checks the whole header first (dtypes, shapes, offsets, and
+that no tensor ends past the end of the file: a truncated file is an error before anything is
+read), then reads one tensor at a time into host memory and moves it to flame's device (never two
+copies of a whole file); saving writes a temporary file in the target directory, fsyncs it and
+renames it over the target (atomic).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
@@ -123,7 +126,54 @@ def _read_header(f, path):
         header = json.loads(f.read(n))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not a safetensors file (bad JSON header: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__})")
     return header, 8 + n
+
+
+def _index(header, base, size, path, names) -> dict:
+    """{name: (dtype code, shape, begin, end)} of the tensors ``names`` of a safetensors ``header``
+    whose data starts at byte ``base`` of the ``size``-byte file ``path``, every entry checked: a
+    known dtype, a shape of non-negative integers, offsets spanning exactly its bytes, inside the file."""
+    index, needs = {}, base
+    for name in names:
+        info = header[name]
+        try:
+            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: not a safetensors file (header entry {name!r} is {info!r})") from None
+        if code not in _DTYPES:
+            raise TypeError(f"load_safetensors: {path}: {name!r} has unsupported dtype {code}")
+        if not all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)):
+            raise ValueError(f"{path}: not a safetensors file (header entry {name!r} is {info!r})")
+        n = math.prod(shape)
+        if end - begin != n * _SIZES[code]:
+            raise ValueError(f"load_safetensors: {path}: {name!r}: {end - begin} bytes for shape {shape} of {code}")
+        index[name] = (code, shape, begin, end)
+        needs = max(needs, base + end)
+    if size < needs:
+        raise ValueError(f"{path} is truncated ({size} bytes, its header needs {needs})")
+    return index
+
+
+def _read_tensor(f, base, entry, dtype=None):
+    """The tensor at ``entry`` (an ``_index`` value) of the open file ``f``, on flame's device;
+    ``dtype``: floating-point tensors cast to it (a copy kernel)."""
+    code, shape, begin, end = entry
+    if end == begin:
+        return Tensor(runtime.empty(shape, dtype if dtype is not None and _DTYPES[code].is_floating_point
+                                    else _DTYPES[code]))
+    raw = np.empty(end - begin, dtype=np.uint8)
+    f.seek(base + begin)
+    if f.readinto(raw) != raw.size:  # the file shrank since its size was checked
+        raise ValueError(f"{f.name} is truncated (tensor at bytes {base + begin}..{base + end})")
+    host = torch.from_numpy(raw).view(_DTYPES[code]).reshape(shape)
+    buf = host.to(runtime.device) if runtime.device.type != "cpu" else host  # host transfer
+    if dtype is not None and buf.dtype.is_floating_point and buf.dtype != dtype:
+        cast = runtime.empty(shape, dtype)
+        KE.copy_(cast, buf)
+        buf = cast
+    return Tensor(buf)
 
 
 def read_metadata(path) -> dict:
@@ -144,32 +194,8 @@ def load_safetensors(path, device=None, dtype=None, keys=None) -> dict:
         missing = [k for k in names if k not in header]
         if missing:
             raise KeyError(f"load_safetensors: {path} has no tensor(s) {missing[:5]}")
-        out = {}
-        for name in names:
-            info = header[name]
-            code, shape = info["dtype"], tuple(info["shape"])
-            if code not in _DTYPES:
-                raise TypeError(f"load_safetensors: {name!r} has unsupported dtype {code}")
-            begin, end = info["data_offsets"]
-            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-            if end - begin != n * _SIZES[code]:
-                raise ValueError(f"load_safetensors: {name!r}: {end - begin} bytes for shape {shape} of {code}")
-            if n == 0:
-                out[name] = Tensor(runtime.empty(shape, dtype if dtype is not None and _DTYPES[code].is_floating_point
-                                                 else _DTYPES[code]))
-                continue
-            raw = np.empty(end - begin, dtype=np.uint8)
-            f.seek(base + begin)
-            if f.readinto(raw) != raw.size:
-                raise ValueError(f"load_safetensors: {path} is truncated (tensor {name!r})")
-            host = torch.from_numpy(raw).view(_DTYPES[code]).reshape(shape)
-            buf = host.to(runtime.device) if runtime.device.type != "cpu" else host  # host transfer
-            if dtype is not None and buf.dtype.is_floating_point and buf.dtype != dtype:
-                cast = runtime.empty(shape, dtype)
-                KE.copy_(cast, buf)
-                buf = cast
-            out[name] = Tensor(buf)
-    return out
+        index = _index(header, base, os.fstat(f.fileno()).st_size, path, names)
+        return {name: _read_tensor(f, base, index[name], dtype) for name in names}
 
 
 # ---- LoRA files ---------------------------------------------------------------------------------
@@ -199,11 +225,14 @@ def save_lora(model, path, format: str = "peft", prefix: str = "unet") -> None: 
     save_safetensors(sd, path, metadata=meta)
 
 
-def _peft_alpha(meta, prefix):
+def _peft_alpha(meta, prefix, path):
     raw = meta.get(METADATA_KEY)
     if not raw:
         return None
-    cfg = json.loads(raw)
+    try:
+        cfg = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_lora: {path}: its {METADATA_KEY} metadata is not JSON ({e})") from None
     if prefix and any(k.startswith(prefix + ".") for k in cfg):
         cfg = {k[len(prefix) + 1:]: v for k, v in cfg.items() if k.startswith(prefix + ".")}
     if "lora_alpha" not in cfg:
@@ -211,17 +240,29 @@ def _peft_alpha(meta, prefix):
     return cfg["lora_alpha"], dict(cfg.get("alpha_pattern") or {})
 
 
-def load_lora(model, path, prefix: str = "unet", inject: bool = True) -> list:
+def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bool = False) -> list:
     """Load a LoRA file in either format (detected from its key names) into ``model``; layers
-    without an adapter get one injected (``inject``). Returns the loaded module paths."""
-    from .nn.lora import detect_format, load_lora_state_dict
-    sd = load_safetensors(path)
-    alpha = None
-    if detect_format(sd) == "peft":
-        found = _peft_alpha(read_metadata(path), prefix)
+    without an adapter get one injected (``inject``). All or nothing: the file's header (every
+    tensor within the file's size) and every adapter against the model
+    (``flame.nn.lora.plan_lora_load``: layers, shapes, dtypes, ranks; with ``strict`` also that
+    every adapter the model has gets weights and every key is a LoRA weight) are checked before
+    the first weight is written; then the weights are read one tensor at a time into their
+    adapters. Returns the loaded module paths."""
+    from .nn.lora import apply_lora_load, detect_format, plan_lora_load
+    with open(path, "rb") as f:
+        header, base = _read_header(f, path)
+        meta = header.pop("__metadata__", None) or {}
+        index = _index(header, base, os.fstat(f.fileno()).st_size, path, list(header))
+        specs = {name: (shape, _DTYPES[code]) for name, (code, shape, _, _) in index.items()}
+        try:
+            fmt = detect_format(specs)
+        except ValueError as e:
+            raise ValueError(f"load_lora: {path}: {e}") from None
+        alpha = None
+        found = _peft_alpha(meta, prefix, path) if fmt == "peft" else None
         if found is not None:
             default, pattern = found
-            from .nn.lora import lora_modules
-            names = {n for n, _ in lora_modules(model)} | {n for n, _ in model.named_modules()}
-            alpha = {n: float(pattern.get(n, default)) for n in names}
-    return load_lora_state_dict(model, sd, alpha=alpha, prefix=prefix, inject=inject)
+            alpha = {n: float(pattern.get(n, default)) for n, _ in model.named_modules()}
+        steps = plan_lora_load(model, specs, lambda k: _read_tensor(f, base, index[k]).item(),  # host transfer
+                               alpha=alpha, prefix=prefix, inject=inject, strict=strict)
+        return apply_lora_load(model, steps, lambda k: _read_tensor(f, base, index[k])._data)

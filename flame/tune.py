@@ -11,6 +11,17 @@ format in ``configs/autotune/README.md``) for the current GPU, once, on first us
    else
 3. ``default``, the launcher's heuristic (the result with no table at all).
 
+Every entry records the Triton version it was tuned with (the table's ``triton``, or the entry's
+own ``triton`` where a merge kept it from an older run). Entries from another release
+(major.minor) are used as well, after this release's: in steps 1 and 2 the bucket's entries of
+this release come first, the nearest of them, then the nearest of another release. A config from
+another release is proven by its first launch: when a launch fails to build
+(``LAUNCH_ERRORS``: compile error, out of shared memory or registers) while such entries are
+pending, ``flame.kernels.launch`` reports it (``launch_failed``), they are dropped for this process
+with one ``TuningTableWarning``, and the kernel entry point (``call_entry``, through
+``flame.autotune.tunable``) runs again with the heuristic. A launcher outside entry points (a map
+or reduction launched by an op directly) gets the heuristic from its next call on.
+
 An entry whose tuned time beat the heuristic's by less than ``MIN_GAIN`` (3%: run-to-run noise)
 answers "the heuristic" in steps 1 and 2.
 
@@ -26,12 +37,11 @@ keep their own per-shape config caches hand ``register_cache`` a function that e
 ``override`` and ``record`` (on entry and exit) and ``reset()`` call it.
 
 A table that cannot be trusted is ignored with one ``TuningTableWarning`` naming the file and the
-reason, never an exception: unreadable JSON, another ``format``, a table for another GPU, or one
-written with another Triton (major.minor: block sizes that win on one compiler release can lose
-or fail to fit in shared memory on the next). Bad entries (missing fields, a key of the wrong
-length, config fields that are not exactly the kernel's ``KERNELS`` fields, non-positive or
-non-power-of-two block sizes, a duplicate key) are dropped, the rest of the table is kept, and one
-warning per file lists them.
+reason, never an exception: unreadable JSON, another ``format``, a table for another GPU or one
+without its ``triton`` version. Bad entries (missing fields, a key of the wrong length, config
+fields that are not exactly the kernel's ``KERNELS`` fields, non-positive or non-power-of-two
+block sizes, a duplicate key, a ``triton`` that is not a string) are dropped, the rest of the
+table is kept, and one warning per file lists them.
 
 Environment:
 - ``FLAME_TUNE_DIR``: the folder holding the tables (default: ``configs/autotune`` of this
@@ -41,8 +51,9 @@ Environment:
   key and dtype have no exact entry in the GPU's table nor in the user's cache table
   (``cache_path()``, under ``$FLAME_CACHE_DIR``, default ``~/.cache/flame/autotune``) runs with its
   heuristic and is reported to ``asked_configs()`` blocks; the entry point that made it tunes it
-  and ``remember()`` adds the winner to the cache table. Nearest-bucket entries are not used in
-  this mode (a shape they would serve is tuned instead). Read at import and by ``reset()``.
+  and ``remember()`` adds the winner to the cache table. Nearest-bucket entries and entries from
+  another Triton release are not used in this mode (a shape they would serve is tuned instead).
+  Read at import and by ``reset()``.
 """
 from __future__ import annotations
 
@@ -57,6 +68,7 @@ import warnings
 from pathlib import Path
 
 import triton
+from triton.runtime.errors import OutOfResources, PTXASError
 
 from . import runtime
 
@@ -159,26 +171,43 @@ MIN_GAIN = 1.03
 _HEURISTIC = object()
 
 
+class _Entry:
+    """One usable table entry: its key, its config (or _HEURISTIC) and the Triton release it was
+    tuned with. An entry from another release than the running one is ``proven`` once a launch
+    with its config has compiled and run here, ``rejected`` once one failed (``launch_failed``)."""
+
+    __slots__ = ("kernel", "dtype", "key", "config", "triton", "current", "proven", "pending", "rejected", "path")
+
+    def __init__(self, kernel, dtype, key, config, triton_version, path):
+        self.kernel, self.dtype, self.key, self.config = kernel, dtype, key, config
+        self.triton, self.path = triton_version, path
+        self.current = this_release(triton_version)
+        self.proven, self.pending, self.rejected = self.current, False, False
+
+    def __str__(self):
+        return f"{self.kernel}/{self.dtype} key {list(self.key)} (Triton {self.triton}, {self.path})"
+
+
 class _Table:
     """One GPU's entries: per (kernel, dtype name), the entries of each bucket."""
 
-    def __init__(self):
-        self.buckets = {}  # (kernel, dtype) -> {bucket: [(key, config or _HEURISTIC), ...]}
-        self.exact = {}  # (kernel, dtype, key) -> config or _HEURISTIC
+    def __init__(self, path=None):
+        self.path = path
+        self.buckets = {}  # (kernel, dtype) -> {bucket: [_Entry, ...]}
+        self.exact = {}  # (kernel, dtype, key) -> _Entry
 
-    def add(self, kernel, dtype, key, cfg, gain):
-        """``cfg`` for ``key``; ``gain`` (heuristic time / tuned time) below MIN_GAIN stores
-        "heuristic" instead."""
-        cfg = cfg if gain >= MIN_GAIN else _HEURISTIC
-        self.buckets.setdefault((kernel, dtype), {}).setdefault(bucket(key), []).append((key, cfg))
-        self.exact[kernel, dtype, key] = cfg
+    def add(self, kernel, dtype, key, cfg, gain, triton_version):
+        """``cfg`` for ``key``, tuned with Triton ``triton_version``; ``gain`` (heuristic time /
+        tuned time) below MIN_GAIN stores "heuristic" instead."""
+        e = _Entry(kernel, dtype, key, cfg if gain >= MIN_GAIN else _HEURISTIC, triton_version, self.path)
+        self.buckets.setdefault((kernel, dtype), {}).setdefault(bucket(key), []).append(e)
+        self.exact[kernel, dtype, key] = e
 
     def find(self, kernel, dtype, key):
-        """The config of the nearest entry in ``key``'s bucket (the exact key is at distance 0);
-        None for none, or when that entry says the heuristic is as fast."""
-        near = self.buckets.get((kernel, dtype), {}).get(bucket(key))
-        cfg = min(near, key=lambda e: _distance(key, e[0]))[1] if near else None
-        return None if cfg is _HEURISTIC else cfg
+        """The entry for ``key``: among the entries of its bucket not rejected, those tuned with
+        this Triton release first, then the nearest (the exact key is at distance 0); None for none."""
+        near = [e for e in self.buckets.get((kernel, dtype), {}).get(bucket(key), ()) if not e.rejected]
+        return min(near, key=lambda e: (not e.current, _distance(key, e.key))) if near else None
 
 
 def _is_count(v) -> bool:
@@ -213,26 +242,30 @@ def _entry_problem(kernel, entry, seen):
         return f"{problem} at key {key}"
     if not all(isinstance(entry[f], (int, float)) and not isinstance(entry[f], bool) for f in ("ms", "default_ms")):
         return f"ms/default_ms at key {key} are not numbers"
+    if not isinstance(entry.get("triton", ""), str):
+        return f"triton {entry['triton']!r} at key {key} is not a version string"
     return None
 
 
-def _triton_release(version) -> tuple:
-    return tuple(str(version).split(".")[:2])
+def this_release(version) -> bool:
+    """Whether Triton ``version`` (a version string) is the running Triton's release (major.minor:
+    patch releases share tables)."""
+    return str(version).split(".")[:2] == triton.__version__.split(".")[:2]
 
 
-def _parse(raw, device_name):
-    """(_Table or None, list of problems) for the decoded JSON ``raw``."""
+def _parse(raw, device_name, path=None):
+    """(_Table or None, list of problems) for the decoded JSON ``raw`` (read from ``path``)."""
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
         return None, [f"format is {found!r}, this flame reads format {FORMAT}"]
     if not isinstance(raw.get("gpu"), str) or slug(raw["gpu"]) != slug(device_name):
         return None, [f"written for GPU {raw.get('gpu')!r}, this is {device_name!r}"]
-    if _triton_release(raw.get("triton")) != _triton_release(triton.__version__):
-        return None, [f"stale: tuned with Triton {raw.get('triton')!r}, this is Triton {triton.__version__}"]
+    if not isinstance(raw.get("triton"), str):
+        return None, [f"'triton' (the Triton version of its entries) is {raw.get('triton')!r}, not a version string"]
     entries = raw.get("entries")
     if not isinstance(entries, dict):
         return None, ["'entries' is not an object {kernel: {dtype: [entries]}}"]
-    table, problems = _Table(), []
+    table, problems = _Table(path), []
     for kernel, per_dtype in entries.items():
         if kernel not in KERNELS:
             problems.append(f"unknown kernel {kernel!r} (known: {sorted(KERNELS)})")
@@ -252,7 +285,8 @@ def _parse(raw, device_name):
                     continue
                 seen.add(tuple(entry["key"]))
                 gain = entry["default_ms"] / entry["ms"] if entry["ms"] > 0 else math.inf
-                table.add(kernel, dtype, tuple(entry["key"]), dict(entry["config"]), gain)
+                table.add(kernel, dtype, tuple(entry["key"]), dict(entry["config"]), gain,
+                          entry.get("triton", raw["triton"]))
     return table, problems
 
 
@@ -265,7 +299,7 @@ def _load(device_name, path=None):
     except (OSError, UnicodeDecodeError, ValueError) as e:
         table, problems = None, [f"unreadable ({type(e).__name__}: {e})"]
     else:
-        table, problems = _parse(raw, device_name)
+        table, problems = _parse(raw, device_name, path)
     if problems:
         what = "ignored" if table is None else f"{len(problems)} bad entries or sections ignored"
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
@@ -314,13 +348,14 @@ def _cache_table(name):
 
 
 def _first_use_lookup(kernel, key, dtype, default, name):
-    """FLAME_AUTOTUNE=1: the exact entry of the GPU's table or of the cache table, else _UNKNOWN."""
+    """FLAME_AUTOTUNE=1: the exact entry of the GPU's table or of the cache table tuned with this
+    Triton release, else _UNKNOWN (an entry from another release is tuned again)."""
     dt = _dtype_name(dtype)
-    table = _tables[name]
-    hit = table.exact.get((kernel, dt, key)) if table is not None else None
-    if hit is None:
-        hit = _cache_table(name).exact.get((kernel, dt, key))
-    return _UNKNOWN if hit is None else None if hit is _HEURISTIC else hit
+    for table in (_tables[name], _cache_table(name)):
+        hit = table.exact.get((kernel, dt, key)) if table is not None else None
+        if hit is not None and hit.current:
+            return None if hit.config is _HEURISTIC else hit.config
+    return _UNKNOWN
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
@@ -335,7 +370,7 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
         active.served += 1
         return active.config
     if _standin is not _OWN:
-        return None if _standin is None else _standin.find(kernel, _dtype_name(dtype), tuple(shape_key))
+        return None if _standin is None else _serve(_standin.find(kernel, _dtype_name(dtype), tuple(shape_key)))
     first_use = device_name is None and autotuning()
     if device_name is None and runtime.INTERPRETER and not first_use:  # the CPU has no table
         return None
@@ -345,7 +380,7 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
     if first_use:
         return _first_use_lookup(kernel, tuple(shape_key), dtype, default, name)
     table = _tables[name]
-    return None if table is None else table.find(kernel, _dtype_name(dtype), tuple(shape_key))
+    return None if table is None else _serve(table.find(kernel, _dtype_name(dtype), tuple(shape_key)))
 
 
 def config(kernel: str, shape_key: tuple, dtype, default: dict, device_name: str | None = None) -> dict:
@@ -376,6 +411,94 @@ def _forget_answers():
     _chosen.clear()
     for clear in _cache_clears:
         clear()
+
+
+# ---- entries from another Triton release: proven by their first launch ---------------------------
+
+# What a launch raises when Triton cannot build the kernel for its config (a compile error, shared
+# memory or registers beyond the GPU's, ptxas failing): what an entry tuned with another Triton
+# release may meet. Errors of the running kernel (CUDA faults) are not among them.
+LAUNCH_ERRORS = (triton.CompilationError, OutOfResources, PTXASError)
+
+_pending: list = []  # entries from another release answered since the last proof, not yet proven
+_entry_calls = 0  # kernel entry-point calls in progress (call_entry)
+
+
+class EntryDropped(RuntimeError):
+    """A launch failed to build its kernel while configs from tuning-table entries of another
+    Triton release were in use: those entries are dropped, and the launch's next try gets the
+    heuristic (a kernel entry point's call makes it at once: ``call_entry``)."""
+
+
+def _serve(entry):
+    """The config ``entry`` answers (None: the heuristic); an unproven one joins ``_pending``."""
+    if entry is None or entry.config is _HEURISTIC:
+        return None
+    if not entry.proven and not entry.pending:
+        entry.pending = True
+        _pending.append(entry)
+    return entry.config
+
+
+def _prove():
+    for e in _pending:
+        e.proven, e.pending = True, False
+    _pending.clear()
+
+
+def launched() -> None:
+    """``flame.kernels.launch`` calls this after a launch through Triton (compiled, or taken from
+    its cache) returned. Outside kernel entry-point calls it proves the pending entries: a
+    launcher asks for its config right before launching with it."""
+    if _pending and not _entry_calls:
+        _prove()
+
+
+def launch_failed(error: BaseException) -> EntryDropped | None:
+    """``flame.kernels.launch`` calls this when a launch raised one of ``LAUNCH_ERRORS``. When
+    entries from another Triton release are pending (answered since the last proof: the failing
+    config is among them), they are dropped for this process (until ``reset()``) with one
+    ``TuningTableWarning``, cached answers are forgotten, and the ``EntryDropped`` to raise from
+    ``error`` is returned; else None: the error is the heuristic's or a proven config's."""
+    if not _pending:
+        return None
+    for e in _pending:
+        e.rejected, e.pending = True, False
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    message = (f"a launch failed under Triton {triton.__version__} ({type(error).__name__}: {first}) with "
+               f"configs tuned with another Triton release in use; dropped for this process, its launches "
+               f"take the heuristic configs from now on: {'; '.join(map(str, _pending))}")
+    warnings.warn(message, TuningTableWarning, stacklevel=3)
+    _pending.clear()
+    _forget_answers()
+    return EntryDropped(message)
+
+
+def call_entry(fn, args, kwargs):
+    """``fn(*args, **kwargs)``, a kernel entry point (``flame.autotune.tunable`` calls every one
+    through this), run again while a launch of it raises ``EntryDropped`` (the dropped entries'
+    launches then get the heuristic; an entry point writes whole outputs and a launch that fails
+    to build writes nothing, so the rerun is a clean one). The entries from another Triton release
+    answered during the call are proven when it returns."""
+    global _entry_calls
+    _entry_calls += 1
+    try:
+        result = fn(*args, **kwargs)
+    except EntryDropped:
+        result = _again(fn, args, kwargs)
+    finally:
+        _entry_calls -= 1
+    if _pending and not _entry_calls:
+        _prove()
+    return result
+
+
+def _again(fn, args, kwargs):
+    while True:  # each EntryDropped dropped an entry: this ends
+        try:
+            return fn(*args, **kwargs)
+        except EntryDropped:
+            continue
 
 
 def register_cache(clear_fn):
@@ -450,12 +573,15 @@ def record():
 
 
 def reset() -> None:
-    """Forget loaded tables and cached answers, the registered launcher caches' included (after
-    changing ``FLAME_TUNE_DIR``, ``FLAME_AUTOTUNE``, ``FLAME_CACHE_DIR`` or a table). Active
-    overrides stay."""
+    """Forget loaded tables (and the entries dropped from them) and cached answers, the registered
+    launcher caches' included (after changing ``FLAME_TUNE_DIR``, ``FLAME_AUTOTUNE``,
+    ``FLAME_CACHE_DIR`` or a table). Active overrides stay."""
     global _autotune
     _tables.clear()
     _cache_tables.clear()
+    for e in _pending:  # a table_from() table's stay in use
+        e.pending = False
+    _pending.clear()
     _autotune = os.environ.get("FLAME_AUTOTUNE", "") == "1"
     _forget_answers()
 
@@ -473,8 +599,8 @@ def table_from(path, device_name: str | None = None):
     the config the table file ``path`` gives (exact entry, else nearest in the bucket, else the
     heuristic), instead of the GPU's own table: how ``scripts/bench.py --baseline-table`` times an
     earlier table against the current one. ``path`` is read and checked as the GPU's own table
-    would be (a stale or corrupt file warns and counts as no table); ``device_name`` defaults to
-    the current device."""
+    would be (a corrupt file or another GPU's warns and counts as no table); ``device_name``
+    defaults to the current device."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"tune.table_from: no table file {path}")
@@ -510,19 +636,23 @@ def asked_configs():
 
 def entries_by_key(raw) -> dict:
     """{(kernel, dtype name): {key tuple: entry}} of a decoded format-1 table (rows without a
-    list key skipped): the form ``dump_table`` writes back."""
+    list key skipped): the form ``dump_table`` writes back. Each entry names the Triton version it
+    was tuned with (``triton``: its own, else the table's)."""
     table = {}
     for kernel, per_dtype in raw["entries"].items():
         for dtype, rows in (per_dtype.items() if isinstance(per_dtype, dict) else ()):
             for row in rows if isinstance(rows, list) else ():
                 if isinstance(row, dict) and isinstance(row.get("key"), list):
+                    if isinstance(raw.get("triton"), str):
+                        row = dict(row, triton=row.get("triton", raw["triton"]))
                     table.setdefault((kernel, dtype), {})[tuple(row["key"])] = row
     return table
 
 
 def dump_table(table: dict, gpu: str) -> str:
     """Format-1 JSON of ``table`` ({(kernel, dtype name): {key tuple: entry}}): one entry per line,
-    kernels, dtypes and keys sorted (small diffs)."""
+    kernels, dtypes and keys sorted (small diffs). The table's ``triton`` is the running version;
+    an entry tuned with another (its ``triton``) keeps that field, the others go without."""
     head = dict(format=FORMAT, gpu=gpu, triton=triton.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
     lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()] + ['  "entries": {']
@@ -531,7 +661,8 @@ def dump_table(table: dict, gpu: str) -> str:
         lines.append(f"    {json.dumps(kernel)}: {{")
         dtypes = sorted(d for k, d in table if k == kernel)
         for j, dtype in enumerate(dtypes):
-            rows = [json.dumps(e) for _, e in sorted(table[kernel, dtype].items())]
+            rows = [json.dumps({f: v for f, v in e.items() if (f, v) != ("triton", triton.__version__)})
+                    for _, e in sorted(table[kernel, dtype].items())]
             lines.append(f"      {json.dumps(dtype)}: [")
             lines.append(",\n".join(f"        {r}" for r in rows))
             lines.append("      ]" + ("," if j < len(dtypes) - 1 else ""))
@@ -561,12 +692,12 @@ def remember(kernel: str, shape_key: tuple, dtype, config: dict, ms: float, defa
     if path.is_file():
         with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
             raw = json.loads(path.read_text())
-    # absent, unreadable, stale or another GPU's: start afresh
+    # absent, unreadable or another GPU's: start afresh
     table = entries_by_key(raw) if _parse(raw, name)[0] is not None else {}
     table.setdefault((kernel, dt), {})[key] = dict(key=list(key), config=dict(config), ms=float(f"{ms:.4g}"),
                                                    default_ms=float(f"{default_ms:.4g}"))
     write_table(path, table, name)
-    _cache_table(name).add(kernel, dt, key, dict(config), default_ms / ms if ms > 0 else math.inf)
+    _cache_table(name).add(kernel, dt, key, dict(config), default_ms / ms if ms > 0 else math.inf, triton.__version__)
     for sink in _asked_sinks:  # known now: an outer entry point need not tune it again
         sink[:] = [q[:4] + (False,) if q[:3] == (kernel, key, dt) else q for q in sink]
     _forget_answers()

@@ -28,9 +28,10 @@ its persistent programs. The fastest of the final timings goes into the GPU's ta
 ``configs/autotune/README.md``) with its time and the default's. The table is rewritten after
 every key, so a run stopped by ``--budget-minutes`` or killed keeps what it finished, and a rerun
 skips keys already in the table (``--force`` re-tunes them, the table's config competing as one
-more candidate timed in the same run). Keys repeated across shapes and families are tuned once (a
-GroupNorm without SiLU shares its key with the one with SiLU). A
-candidate with large tiles can make the pointer GEMM split K (few output tiles): the split
+more candidate timed in the same run; keys tuned with another Triton release are re-tuned so, and
+the table's other entries keep their release in their ``triton`` field). Keys repeated across
+shapes and families are tuned once (a GroupNorm without SiLU shares its key with the one with
+SiLU). A candidate with large tiles can make the pointer GEMM split K (few output tiles): the split
 launches use the candidate too while timing, not at run time; the conv weight gradient's split
 follows from its tiles at run time too. Each problem's outputs are buffers that every run
 overwrites completely (the weight gradient's through its split-K reduction, the norms' dW and dB
@@ -594,9 +595,9 @@ def tune_launch(name: str, bench: Bench, launch: Launch, ctx: Ctx, deadline: flo
     stage, each stage built on the fastest config screened so far) and its default; None when the
     budget ran out first. ``compile_ahead(configs)`` is called with each stage's new candidates
     before they are timed. ``incumbent``, the table's config for the key when ``--force``
-    re-tunes it, is screened first, in this run like every other candidate: a time stored in the
-    table was measured by other code, perhaps on another shape with the same key, so it is never
-    compared with."""
+    re-tunes it or another Triton release tuned it, is screened first, in this run like every other
+    candidate: a time stored in the table was measured by other code, perhaps on another shape
+    with the same key, so it is never compared with."""
     out = Outcome(name, launch)
     stages = search_stages(ctx, launch.kernel, launch.key)
     if incumbent is not None:
@@ -753,13 +754,10 @@ class Fatal(Exception):
     """A run that cannot start (or go on): the message says why."""
 
 
-def _release(version):
-    return str(version).split(".")[:2]
-
-
 def load_table(path: Path, gpu: str) -> dict:
-    """{(kernel, dtype name): {key tuple: entry}} of the table at ``path`` (empty if absent or
-    written with another Triton release: stale entries are re-tuned)."""
+    """{(kernel, dtype name): {key tuple: entry}} of the table at ``path`` (empty if absent), each
+    entry naming the Triton version it was tuned with (``triton``): entries of another release are
+    re-tuned when met, and kept with their version until then."""
     if not path.exists():
         return {}
     try:
@@ -770,11 +768,13 @@ def load_table(path: Path, gpu: str) -> dict:
         raise Fatal(f"{path}: not a format-{tune.FORMAT} tuning table; move it aside or pass --out")
     if tune.slug(str(raw.get("gpu"))) != tune.slug(gpu):
         raise Fatal(f"{path} holds the table of {raw.get('gpu')!r}, this is {gpu!r}; pass --out")
-    if _release(raw.get("triton")) != _release(triton.__version__):
-        print(f"{path}: tuned with Triton {raw.get('triton')}, this is {triton.__version__}: its entries are stale "
-              "and every key is tuned afresh")
-        return {}
-    return tune.entries_by_key(raw)
+    table = tune.entries_by_key(raw)
+    older = sorted({e.get("triton") for rows in table.values() for e in rows.values()
+                    if not tune.this_release(e.get("triton"))}, key=str)
+    if older:
+        print(f"{path}: entries tuned with Triton {', '.join(map(str, older))}, this is {triton.__version__}: "
+              "the keys met are tuned again (their config one more candidate), the others kept")
+    return table
 
 
 # ---- the run -----------------------------------------------------------------------------------
@@ -979,7 +979,8 @@ def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kerne
             launch, problem = probe(p.name, bench, ctx.dtype)
             footprint = _gpu_memory_peak_since(before)
             ident = (launch.kernel, launch.key)
-            known = launch.key in table.get((launch.kernel, launch.dtype), {})
+            entry = table.get((launch.kernel, launch.dtype), {}).get(launch.key)
+            known = entry is not None and tune.this_release(entry.get("triton"))  # another release's: tune again
             if ident in seen or (known and not args.force):
                 kept += ident not in seen
                 seen.add(ident)
@@ -990,7 +991,7 @@ def run(problems, table, path, gpu, ctx, args, compile_ahead=lambda index, kerne
                 out = Outcome(p.name, launch, error=f"the heuristic default {launch.default} disagrees with "
                                                     f"PyTorch: {problem}")
             else:
-                incumbent = table[launch.kernel, launch.dtype][launch.key]["config"] if known else None
+                incumbent = entry["config"] if entry is not None else None
                 out = tune_launch(p.name, bench, launch, ctx, deadline,
                                   functools.partial(compile_ahead, i, launch.kernel, footprint=footprint),
                                   incumbent)

@@ -585,13 +585,32 @@ def test_a_table_it_cannot_merge_with_is_left_alone(autotune, tmp_path, capsys, 
     assert match in capsys.readouterr().err and out.read_text() == content
 
 
-def test_a_stale_table_is_tuned_afresh(autotune, tmp_path, capsys):
-    stale = dict(key=[24, 40, 16, 1], config=BAD, ms=1.0, default_ms=1.0)
-    out = _table(tmp_path / "t.json", {"matmul": {"bfloat16": [stale]}}, triton="2.1.0")
+def test_entries_of_another_release_are_retuned_when_met_and_kept_with_their_release(autotune, tmp_path,
+                                                                                      monkeypatch, capsys):
+    met = dict(key=[24, 40, 16, 1], config=dict(BAD, BLOCK_M=128), ms=1.0, default_ms=1.0)
+    other = dict(key=[999, 999, 999, 1], config=BAD, ms=1.0, default_ms=2.0)
+    mine = dict(key=[40, 16, 24, 1], config=BAD, ms=1.0, default_ms=2.0, triton=triton.__version__)
+    out = _table(tmp_path / "t.json", {"matmul": {"bfloat16": [met, other, mine]}}, triton="2.1.0")
+    screened = []
+    real_time = autotune.time_ms
+
+    def time_ms(fn, **kw):
+        screened.append(tune.config("matmul", (1, 1, 1, 1), "float32", dict(BAD, BLOCK_M=1)))
+        return real_time(fn, **kw)
+
+    monkeypatch.setattr(autotune, "time_ms", time_ms)
     assert autotune.main(["--quick", "--family", "matmul", "--out", str(out)]) == 0
-    assert "tuned with Triton 2.1.0" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "entries tuned with Triton 2.1.0" in text and "1 already in the table" in text, text
+    assert met["config"] in screened  # the old config competes with the other candidates
     doc = _load(out)
-    assert doc["triton"] == triton.__version__ and _keys(doc, "matmul") == MM_KEYS
+    rows = {tuple(e["key"]): e for e in doc["entries"]["matmul"]["bfloat16"]}
+    assert doc["triton"] == triton.__version__ and set(rows) == MM_KEYS | {(999, 999, 999, 1)}
+    assert rows[999, 999, 999, 1] == dict(other, triton="2.1.0")  # not met: kept, with its provenance
+    assert "triton" not in rows[24, 40, 16, 1] and rows[24, 40, 16, 1]["ms"] != 1.0  # tuned now, this release
+    assert rows[40, 16, 24, 1] == {k: v for k, v in mine.items() if k != "triton"}  # this release's: kept
+    table, problems = tune._parse(doc, GPU)
+    assert problems == [] and table.exact["matmul", "bfloat16", (999, 999, 999, 1)].triton == "2.1.0"
 
 
 def test_jobs_compile_candidates_ahead_in_worker_processes(tmp_path):

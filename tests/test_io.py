@@ -192,3 +192,89 @@ def test_conv_lora_file_round_trip(tmp_path, fmt):
     wrong = nn.Sequential(nn.Conv2d(3, 4, 5, padding=2), nn.SiLU(), nn.Conv2d(4, 2, 1))
     with pytest.raises(ValueError, match=r"expected A \(2, 3, 5, 5\)"):
         io.load_lora(wrong, path)
+
+
+def _model_state(model):
+    """Each module's type and each adapter's alpha and the bits of its A and B: what a failed
+    load must leave as it was."""
+    state = {name: type(m).__name__ for name, m in model.named_modules()}
+    for name, m in nn.lora.lora_modules(model):
+        state[name] = (state[name], m.alpha, _bits(m.lora_A._data), _bits(m.lora_B._data))
+    return state
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], tuple):
+            assert a[k][:2] == b[k][:2] and all(torch.equal(x, y) for x, y in zip(a[k][2:], b[k][2:])), k
+        else:
+            assert a[k] == b[k], k
+
+
+Q = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1"  # to_v: the file's last adapter
+
+
+_BAD_LOADS = [
+    ("wrong-shape", ValueError, r"to_v: A \(3, 6\) and B \(6, 4\) don't fit", False),
+    ("int-weight", TypeError, r"to_v.lora_A.weight is torch.int32, not a floating-point", False),
+    ("no-B", KeyError, r"to_v' lacks its B/up weight", False),
+    ("missing-adapter", KeyError, r"1 adapter\(s\) of the model get no weights \(strict\)", True),
+    ("unknown-key", KeyError, r"1 key\(s\) are not peft LoRA weights \(strict\)", True),
+    ("truncated", ValueError, r"is truncated \(\d+ bytes, its header needs \d+\)", False),
+]
+
+
+@pytest.mark.parametrize("case, error, match, strict, loader", [
+    (*bad, loader) for bad in _BAD_LOADS for loader in ("file", "state_dict")
+    if not (bad[0] == "truncated" and loader == "state_dict")])  # a state dict has no file
+def test_a_lora_load_that_fails_leaves_the_model_untouched(tmp_path, case, error, match, strict, loader):
+    src = tmp_path / "lora.safetensors"
+    io.save_lora(_random_lora(alpha=1.5), src)
+    sd = {k: v.to_torch() for k, v in io.load_safetensors(src).items()}
+    if case == "wrong-shape":
+        sd[f"{Q}.to_v.lora_B.weight"] = torch.zeros(6, 4, device=DEVICE)
+    elif case == "int-weight":
+        sd[f"{Q}.to_v.lora_A.weight"] = sd[f"{Q}.to_v.lora_A.weight"].to(torch.int32)
+    elif case == "no-B":
+        del sd[f"{Q}.to_v.lora_B.weight"]
+    elif case == "missing-adapter":
+        del sd[f"{Q}.to_v.lora_A.weight"], sd[f"{Q}.to_v.lora_B.weight"]
+    elif case == "unknown-key":
+        sd["unet.extra.weight"] = torch.zeros(2, device=DEVICE)
+    path = tmp_path / "bad.safetensors"
+    io.save_safetensors(sd, path, metadata=io.read_metadata(src))
+    if case == "truncated":
+        path.write_bytes(path.read_bytes()[:-5])
+    if case in ("missing-adapter", "unknown-key"):  # loads without strict
+        assert len(io.load_lora(Net(), path)) == 3 + (case == "unknown-key")
+    with_adapters = Net()
+    nn.inject_lora(with_adapters, "attn", rank=3, alpha=7.0)
+    for p in nn.lora_parameters(with_adapters):
+        nn.init.normal_(p, 0.0, 0.5)
+    targets = [with_adapters] + ([] if strict else [Net()])  # strict: the model's adapters must all be loaded
+    kw = dict(strict=True) if strict else {}
+    for model in targets:
+        before = _model_state(model)
+        with pytest.raises(error, match=match) as e:
+            if loader == "file":
+                io.load_lora(model, path, **kw)
+            else:
+                nn.lora.load_lora_state_dict(model, sd, alpha=1.5, **kw)
+        if case == "truncated":
+            assert str(path) in str(e.value)
+        _same_state(before, _model_state(model))  # no adapter written, none injected
+
+
+def test_kohya_alpha_of_more_than_one_value_is_refused_before_loading(tmp_path):
+    p = tmp_path / "k.safetensors"
+    io.save_lora(_random_lora(alpha=2.0), p, format="kohya")
+    sd = {k: v.to_torch() for k, v in io.load_safetensors(p).items()}
+    key = f"lora_unet_{Q[5:].replace('.', '_')}_to_v.alpha"
+    sd[key] = torch.ones(2, device=DEVICE)
+    io.save_safetensors(sd, p)
+    plain = Net()
+    before = _model_state(plain)
+    with pytest.raises(ValueError, match=rf"{key} is a torch.float32 tensor of shape \(2,\), not one number"):
+        io.load_lora(plain, p)
+    _same_state(before, _model_state(plain))

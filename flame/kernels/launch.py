@@ -14,6 +14,12 @@ The first call of every key goes through Triton (compiling if needed); if the di
 available (the interpreter, or a Triton whose CompiledKernel lacks the launcher fields this uses),
 every call does. Set ``FLAME_TRITON_LAUNCH=1`` to force Triton's path, e.g. under a profiler
 that relies on Triton's launch hooks, which the direct path does not call.
+
+Every launch through Triton's path reports to ``flame.tune`` how it went (``tune.launched``, or
+``tune.launch_failed`` when Triton could not build the kernel for its config): how configs from
+tuning-table entries of another Triton release are proven or dropped. A failure that dropped
+some raises ``tune.EntryDropped`` (from Triton's error; kernel entry points then run again with
+the heuristic), any other is raised as it was.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import os
 
 import torch
 
-from .. import runtime
+from .. import runtime, tune
 
 try:  # host-built TMA descriptors (Triton 3.3 on); without them flame's TMA kernels stay off (matmul.tma_available)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -78,6 +84,19 @@ def _key(kid, kernel, args, meta):
             tuple((args[i].base.dtype, *args[i].block_shape) for i in lay.descriptors), tuple(meta.items()))
 
 
+def _through_triton(kernel, grid, args, meta):
+    """``kernel[grid](*args, **meta)``, reported to ``flame.tune``; returns the compiled kernel."""
+    try:
+        compiled = kernel[grid](*args, **meta)
+    except tune.LAUNCH_ERRORS as e:
+        dropped = tune.launch_failed(e)
+        if dropped is None:
+            raise
+        raise dropped from e
+    tune.launched()
+    return compiled
+
+
 def launch(kernel, grid, *args, sig=None, **meta):
     """Launch ``kernel`` on ``grid`` (a tuple of up to 3 ints): ``kernel[grid](*args, **meta)``.
 
@@ -90,7 +109,7 @@ def launch(kernel, grid, *args, sig=None, **meta):
     global _direct, _device, launches
     launches += 1
     if not _direct:
-        kernel[grid](*args, **meta)
+        _through_triton(kernel, grid, args, meta)
         return
     kid = id(kernel)
     cache = _caches.get(kid)
@@ -103,7 +122,7 @@ def launch(kernel, grid, *args, sig=None, **meta):
         key = (sig, *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in _tensor_args[kid]])
     entry = cache.get(key)
     if entry is None:
-        compiled = kernel[grid](*args, **meta)
+        compiled = _through_triton(kernel, grid, args, meta)
         try:
             consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
             if len(cache) >= _MAX_KEYS:
