@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 scripts/bench_sdxl.py                       # full SDXL, 1024x1024, batch 1 and 4
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --out out/sdxl.json
+    PYTHONPATH=. python3 scripts/bench_sdxl.py --paths both    # + flame as an Ampere/Ada card runs (no TMA, no table)
     python scripts/bench_sdxl.py --config tiny --resolution 64 --steps 2 --warmup 1   # CPU smoke test
 
 Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -174,6 +177,9 @@ def parse_args(argv):
     p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
     p.add_argument("--capture", choices=["on", "off", "both"], default=None,
                    help="flame's CUDA-graph step (default: on with a GPU, off on the interpreter)")
+    p.add_argument("--paths", choices=["default", "portable", "both"], default="default",
+                   help="flame's kernel paths: default (TMA on Hopper, the card's tuning table) or portable (what "
+                        "an Ampere or Ada card runs: no TMA, no tuning table, the built-in heuristics)")
     p.add_argument("--profile", action="store_true", help="add the GPU kernel time by kernel name of one step")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=["flame", "diffusers"], help=argparse.SUPPRESS)
@@ -191,11 +197,18 @@ def _settings(args):
     capture = args.capture or ("on" if torch.cuda.is_available() else "off")
     captures = ["off", "on"] if capture == "both" else [capture]
     ckpts = ["off", "on"] if args.checkpointing == "both" else [args.checkpointing]
+    paths = ["default", "portable"] if args.paths == "both" else [args.paths]
     for batch in args.batch or [1, 4]:
         for ckpt in ckpts:
             for fw in frameworks:
                 for cap in (captures if fw == "flame" else [None]):
-                    yield fw, batch, ckpt, cap
+                    for path in (paths if fw == "flame" else ["default"]):
+                        yield fw, batch, ckpt, cap, path
+
+
+def _portable_env(tmp):
+    """The environment of a flame worker that runs as on a card without Hopper's paths."""
+    return dict(os.environ, FLAME_MATMUL_TMA="0", FLAME_ATTN_TMA="0", FLAME_TUNE_DIR=tmp)
 
 
 def main(argv=None):
@@ -207,15 +220,18 @@ def main(argv=None):
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     rows = []
-    for fw, batch, ckpt, cap in _settings(args):
+    no_table = tempfile.mkdtemp(prefix="flame-no-table-")
+    for fw, batch, ckpt, cap, path in _settings(args):
         cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
                "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
         if cap:
             cmd += ["--capture", cap]
-        label = f"{fw}{' graph' if cap == 'on' else ''} batch {batch} ckpt {ckpt}"
+        label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''} batch {batch} " \
+                f"ckpt {ckpt}"
         print(f"== {label}", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True,
+                              env=_portable_env(no_table) if path == "portable" else None)
         result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
         if proc.returncode or result is None:
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
