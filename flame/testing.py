@@ -1,5 +1,8 @@
-"""Testing utilities: a finite-difference gradient checker in float64."""
+"""Testing utilities: a finite-difference gradient checker in float64, and a smaller card's
+shared memory simulated on a larger one."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -68,3 +71,19 @@ def gradcheck(fn, inputs, eps: float = 1e-6, atol: float = 1e-5, rtol: float = 1
                 raise AssertionError(msg)
             return False
     return True
+
+
+def simulate_shared_memory_limit(limit_bytes: int | None = None) -> None:
+    """Make Triton refuse kernels that need more than ``limit_bytes`` of shared memory per block, as
+    it does on a card that has only that much (Ampere consumer and Ada cards: 101376; the A100:
+    166912), so that a Hopper card runs what such a card would. ``limit_bytes`` defaults to the
+    environment variable ``FLAME_TEST_MAX_SHARED_MEMORY``; without either, or on the interpreter,
+    nothing changes. Call it before the first kernel launch of the process."""
+    if limit_bytes is None:
+        limit_bytes = int(os.environ.get("FLAME_TEST_MAX_SHARED_MEMORY") or 0)
+    from . import runtime
+    if not limit_bytes or runtime.is_interpreter():
+        return
+    import triton.compiler.compiler as compiler
+    real = compiler.max_shared_mem
+    compiler.max_shared_mem = lambda device: min(real(device), limit_bytes)

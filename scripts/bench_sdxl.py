@@ -79,6 +79,7 @@ def run_flame(args):
     from flame import nn, optim
     from flame.graphs import CapturedStep
     from flame.models import SDXLUNet, SDXLUNetConfig
+    flame.testing.simulate_shared_memory_limit()  # the portable setting's smaller card
 
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     flame.manual_seed(0)
@@ -179,7 +180,8 @@ def parse_args(argv):
                    help="flame's CUDA-graph step (default: on with a GPU, off on the interpreter)")
     p.add_argument("--paths", choices=["default", "portable", "both"], default="default",
                    help="flame's kernel paths: default (TMA on Hopper, the card's tuning table) or portable (what "
-                        "an Ampere or Ada card runs: no TMA, no tuning table, the built-in heuristics)")
+                        "an Ampere or Ada card runs: no TMA, no tuning table, the built-in heuristics, 99 KB "
+                        "of shared memory per block)")
     p.add_argument("--profile", action="store_true", help="add the GPU kernel time by kernel name of one step")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=["flame", "diffusers"], help=argparse.SUPPRESS)
@@ -206,9 +208,14 @@ def _settings(args):
                         yield fw, batch, ckpt, cap, path
 
 
+ADA_SHARED_MEMORY = 101376  # bytes per block on Ampere consumer and Ada cards (sm_86, sm_89)
+
+
 def _portable_env(tmp):
-    """The environment of a flame worker that runs as on a card without Hopper's paths."""
-    return dict(os.environ, FLAME_MATMUL_TMA="0", FLAME_ATTN_TMA="0", FLAME_TUNE_DIR=tmp)
+    """The environment of a flame worker that runs as on a card without Hopper's paths, with the
+    shared memory of an Ada card."""
+    return dict(os.environ, FLAME_MATMUL_TMA="0", FLAME_ATTN_TMA="0", FLAME_TUNE_DIR=tmp,
+                FLAME_TEST_MAX_SHARED_MEMORY=str(ADA_SHARED_MEMORY))
 
 
 def main(argv=None):

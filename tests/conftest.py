@@ -8,6 +8,7 @@ import flame
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 numerics, SDXL shapes, speed paths)")
+    flame.testing.simulate_shared_memory_limit()  # FLAME_TEST_MAX_SHARED_MEMORY: as a smaller card would run
     # The interpreter evaluates masked-out lanes too (log(0), x/0): NumPy warns about them.
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\..*")
 
@@ -36,3 +37,4 @@ def tma_in_interpreter(monkeypatch):
     import flame.kernels.matmul as KM
     monkeypatch.setattr(KM, "TMA", True)
     monkeypatch.setattr(KM, "tma_available", lambda: True)
+

@@ -3,7 +3,9 @@ only when Triton would specialise them alike. The direct path itself runs on CUD
 is plain Python and is checked here on any backend."""
 import types
 
+import pytest
 import torch
+from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flame.kernels import launch as L
@@ -93,3 +95,41 @@ def test_without_host_tma_descriptors_the_tma_kernels_stay_off(monkeypatch):
     monkeypatch.setattr(KM, "_tma_ready", None)
     monkeypatch.setattr(KM.torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert KM.tma_available() is False
+
+
+class _SharedMemoryKernel:
+    """A stand-in for a JIT kernel whose configs need more shared memory than a 99 KB card has
+    beyond ``fits`` pipeline stages (Triton raises OutOfResources when it loads such a kernel)."""
+
+    __name__ = "_fake_gemm"
+    arg_names = ["x", "BLOCK"]
+
+    def __init__(self, fits, resource="shared memory"):
+        self.fits, self.resource, self.tried = fits, resource, []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.tried.append(meta.get("num_stages"))
+            if meta.get("num_stages", L.DEFAULT_STAGES) > self.fits:
+                raise OutOfResources(50_000 * meta.get("num_stages", L.DEFAULT_STAGES), 101_376, self.resource)
+            return "compiled"
+        return run
+
+
+def test_a_config_short_of_shared_memory_runs_with_fewer_stages(monkeypatch):
+    monkeypatch.setattr(L, "_fit_warned", False)
+    kernel = _SharedMemoryKernel(fits=2)
+    with pytest.warns(RuntimeWarning, match=r"more shared memory per block than this GPU has \(_fake_gemm: 200000 "
+                                            r"> 101376 bytes\).*fewer pipeline stages"):
+        assert L._through_triton(kernel, (1,), (0,), {"BLOCK": 64, "num_stages": 4}) == "compiled"
+    assert kernel.tried == [4, 3, 2]
+    kernel.tried.clear()
+    L._through_triton(kernel, (1,), (0,), {"BLOCK": 64, "num_stages": 4})  # remembered: no failing tries
+    assert kernel.tried == [2]
+    kernel.tried.clear()
+    L._through_triton(kernel, (1,), (0,), {"BLOCK": 64})  # Triton's default stage count is tried first
+    assert kernel.tried == [None, 2]
+    with pytest.raises(OutOfResources):  # one stage that does not fit: the tile itself is too large
+        L._through_triton(_SharedMemoryKernel(fits=0), (1,), (0,), {"BLOCK": 64, "num_stages": 2})
+    with pytest.raises(OutOfResources):  # registers are not shared memory: raised as it was
+        L._through_triton(_SharedMemoryKernel(fits=1, resource="registers"), (1,), (0,), {"num_stages": 3})

@@ -19,14 +19,17 @@ Every launch through Triton's path reports to ``flame.tune`` how it went (``tune
 ``tune.launch_failed`` when Triton could not build the kernel for its config): how configs from
 tuning-table entries of another Triton release are proven or dropped. A failure that dropped
 some raises ``tune.EntryDropped`` (from Triton's error; kernel entry points then run again with
-the heuristic), any other is raised as it was.
+the heuristic); a config short of shared memory on this GPU runs with fewer pipeline stages
+(``_through_triton``); any other failure is raised as it was.
 """
 from __future__ import annotations
 
 import operator
 import os
+import warnings
 
 import torch
+from triton.runtime.errors import OutOfResources
 
 from .. import runtime, tune
 
@@ -45,6 +48,9 @@ _tensor_args: dict = {}  # id(kernel) -> positions of its tensor arguments (for 
 _MAX_KEYS = 4096  # compiled-kernel entries per kernel before its cache starts afresh
 _device = None
 launches = 0  # every launch() so far: tests count kernel launches with it
+DEFAULT_STAGES = 3  # Triton's num_stages when a launch names none
+_fitted: dict = {}  # (id(kernel), meta items) -> the meta that fits this GPU's shared memory
+_fit_warned = False
 
 
 class _Layout:
@@ -85,16 +91,38 @@ def _key(kid, kernel, args, meta):
 
 
 def _through_triton(kernel, grid, args, meta):
-    """``kernel[grid](*args, **meta)``, reported to ``flame.tune``; returns the compiled kernel."""
-    try:
-        compiled = kernel[grid](*args, **meta)
-    except tune.LAUNCH_ERRORS as e:
-        dropped = tune.launch_failed(e)
-        if dropped is None:
-            raise
-        raise dropped from e
+    """``kernel[grid](*args, **meta)``, reported to ``flame.tune``; returns the compiled kernel.
+
+    A config that needs more shared memory per block than this GPU has (tiles and pipeline depths
+    chosen for Hopper's 227 KB on a card with 99 KB, say) runs with fewer pipeline stages, the
+    first count that fits, remembered per kernel and config; one warning per process says so."""
+    fit_key = (id(kernel), tuple(meta.items()))
+    run_meta = _fitted.get(fit_key, meta)
+    while True:
+        try:
+            compiled = kernel[grid](*args, **run_meta)
+            break
+        except tune.LAUNCH_ERRORS as e:
+            dropped = tune.launch_failed(e)
+            if dropped is not None:
+                raise dropped from e
+            stages = run_meta.get("num_stages", DEFAULT_STAGES)
+            if not (isinstance(e, OutOfResources) and e.name == "shared memory" and stages > 1):
+                raise
+            run_meta = _fitted[fit_key] = {**run_meta, "num_stages": stages - 1}
+            _warn_fitted(kernel, e)
     tune.launched()
     return compiled
+
+
+def _warn_fitted(kernel, error):
+    global _fit_warned
+    if not _fit_warned:
+        _fit_warned = True
+        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "a kernel")
+        warnings.warn(f"some launch configs need more shared memory per block than this GPU has ({name}: "
+                      f"{error.required} > {error.limit} bytes); they run with fewer pipeline stages. Configs tuned "
+                      "for this card are faster: scripts/autotune.py", RuntimeWarning, stacklevel=4)
 
 
 def launch(kernel, grid, *args, sig=None, **meta):
