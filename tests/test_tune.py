@@ -931,10 +931,14 @@ def test_tuning_on_first_use_tunes_keys_whose_entry_is_from_another_release(tabl
     monkeypatch.setenv("FLAME_CACHE_DIR", str(tmp_path / "cache"))
     tables({"matmul": {"bfloat16": [dict(entry((64, 64, 64, 1), MM), triton="2.1.0"), entry((32, 32, 32, 1), MM)]}})
     tune.reset()
-    with tune.asked_configs() as asked:
-        assert tune.config("matmul", (64, 64, 64, 1), torch.bfloat16, DEFAULT) is DEFAULT
-        assert tune.config("matmul", (32, 32, 32, 1), torch.bfloat16, DEFAULT) == MM
-    assert [q[4] for q in asked] == [True, False]  # unknown: tuned; known
+    try:
+        with tune.asked_configs() as asked:
+            assert tune.config("matmul", (64, 64, 64, 1), torch.bfloat16, DEFAULT) is DEFAULT
+            assert tune.config("matmul", (32, 32, 32, 1), torch.bfloat16, DEFAULT) == MM
+        assert [q[4] for q in asked] == [True, False]  # unknown: tuned; known
+    finally:
+        monkeypatch.undo()  # FLAME_AUTOTUNE off again before tune re-reads it
+        tune.reset()
 
 
 def test_attention_kernels_launch_with_the_override(monkeypatch):
