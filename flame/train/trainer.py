@@ -539,7 +539,7 @@ class Trainer:
     def load(self, path, state) -> None:
         """Restore a checkpoint written by ``save`` (the model must already carry its adapters);
         ``state``: its trainer_state.json, read and checked by ``_find_checkpoint``."""
-        load_lora(self.model, os.path.join(path, "lora.safetensors"), inject=False)
+        load_lora(self.model, os.path.join(path, "lora.safetensors"), inject=False, strict=True)
         tensors = load_safetensors(os.path.join(path, "optimizer.safetensors"))
         opt = state["optimizer"]
         entries = {int(i): {"step": s} for i, s in opt["steps"].items()}
