@@ -491,7 +491,7 @@ class Trainer:
         if self.val_losses:
             fields["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
         if mem is not None:
-            fields["mem"] = f"{mem:.1f}G"
+            fields["mem"] = f"{mem:.1f}G" if mem >= 1 else f"{mem * 1024:.0f}M"
         if self._bar_ is not None:
             self._bar_.set_postfix(fields, refresh=True)
         else:
