@@ -2,6 +2,8 @@
 import json
 import os
 import pathlib
+import shutil
+import struct
 import subprocess
 import sys
 
@@ -12,6 +14,8 @@ import torch
 import flame
 from flame.data import (
     BucketBatchLoader,
+    CacheError,
+    CacheNotFoundError,
     CacheWriter,
     LatentCache,
     fit_to_bucket,
@@ -19,6 +23,7 @@ from flame.data import (
     nearest_bucket,
     write_synthetic_cache,
 )
+from flame.io import load_safetensors, save_safetensors
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -99,12 +104,126 @@ def test_cache_writer_and_reader_errors(tmp_path, small_cache):
         CacheWriter(tmp_path / "y", 4, 5, 6, 3, text_dtype="int8")
     with pytest.raises(FileExistsError, match="already holds a cache"):
         CacheWriter(small_cache[0], 4, 5, 6, 3)
-    with pytest.raises(FileNotFoundError, match=r"prepare_cache\.py"):
+    with pytest.raises(CacheNotFoundError, match=r"prepare_cache\.py") as e:
         LatentCache(tmp_path / "nothing")
+    assert isinstance(e.value, FileNotFoundError)
     (tmp_path / "z").mkdir()
     (tmp_path / "z" / "index.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(ValueError, match="not a flame-latent-cache"):
         LatentCache(tmp_path / "z")
+
+
+def _copy(small_cache, tmp_path):
+    """A copy of the small cache to damage: (folder, its index as a dict)."""
+    path = tmp_path / "c"
+    shutil.copytree(small_cache[0], path)
+    return path, json.loads((path / "index.json").read_text())
+
+
+def _cache_error(path, match, kind=CacheError):
+    """Opening the cache at ``path`` raises ``kind`` matching ``match``, in one line."""
+    with pytest.raises(kind, match=match) as e:
+        LatentCache(path)
+    assert "\n" not in str(e.value)
+    return e.value
+
+
+def test_cache_open_rejects_a_damaged_index_json(small_cache, tmp_path):
+    path, _ = _copy(small_cache, tmp_path)
+    (path / "index.json").write_text('{"format":')
+    _cache_error(path, r"c/index\.json: not valid JSON \(Expecting value: line 1 column 11 \(char 10\)\); the cache "
+                       r"index is damaged, rebuild the cache with scripts/prepare_cache\.py$")
+    (path / "index.json").write_bytes(b'{"format": "\xff"}')
+    _cache_error(path, r"c/index\.json: not valid JSON \(.*utf-8.*\); the cache index is damaged")
+    (path / "index.json").write_text("[]")
+    _cache_error(path, r"c/index\.json: not a flame-latent-cache v1 index \(a JSON list, not an object\)")
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d.pop("samples"), r"missing key\(s\) \['samples'\]"),
+    (lambda d: d.update(text_dim="6"), r"text_dim must be a positive integer, got '6'"),
+    (lambda d: d["dtypes"].pop("pooled"), r"dtypes must give each of \['latents', .*'time_ids'\] as 'F32' or 'F16'"),
+    (lambda d: d["samples"][5].update(shard=7), r"samples\[5\] points at shard 7, but the index has 7 shard\(s\)"),
+    (lambda d: d["samples"][5].update(row=4),
+     r"samples\[5\] points at row 4 of shards\[1\] \(b2x2-00001\.safetensors\), which has 4 row\(s\)"),
+    (lambda d: d["samples"][5].update(row=0),
+     r"samples\[5\] points at row 0 of shards\[1\] \(b2x2-00001\.safetensors\), as an earlier sample does"),
+    (lambda d: d["samples"][5].pop("split"), r"samples\[5\] must have a 'shard', a 'row' and a 'split' in"),
+    (lambda d: d["shards"][2].update(bucket=3),
+     r"shards\[2\] \(b2x3-00000\.safetensors\) points at bucket 3, but the index has 3 bucket\(s\)"),
+    (lambda d: d["shards"][2].update(file="b2x2-00000.safetensors"),
+     r"shards\[0\] and shards\[2\] are both b2x2-00000\.safetensors"),
+    (lambda d: d["buckets"][0].update(count=10), r"buckets\[0\] counts 10 samples, but its shards hold 9 rows"),
+    (lambda d: d["buckets"][1].pop("latent_size"), r"buckets\[1\] must be \{'latent_size': \[h, w\], 'count': n\}"),
+], ids=["missing-key", "dim", "dtypes", "sample-shard", "sample-row", "duplicate-row", "sample-entry",
+        "shard-bucket", "duplicate-shard", "bucket-count", "bucket-entry"])
+def test_cache_open_rejects_an_inconsistent_index(small_cache, tmp_path, edit, match):
+    path, doc = _copy(small_cache, tmp_path)
+    edit(doc)
+    (path / "index.json").write_text(json.dumps(doc))
+    _cache_error(path, r"c/index\.json: " + match + r".*; the cache index is damaged, rebuild the cache with "
+                 r"scripts/prepare_cache\.py$")
+
+
+def test_cache_open_checks_each_shards_rows_against_the_index(small_cache, tmp_path):
+    path, doc = _copy(small_cache, tmp_path)
+    doc["samples"].pop(3)  # row 3 of shards[0]: the index now lists 3 rows of its 4
+    doc["shards"][0]["count"], doc["buckets"][0]["count"] = 3, 8
+    (path / "index.json").write_text(json.dumps(doc))
+    _cache_error(path, r"b2x2-00000\.safetensors: latents has shape \[4, 4, 2, 2\], the index says \[3, 4, 2, 2\] "
+                       r"\(3 rows of bucket 2x2\); the shard is damaged or not part of this cache")
+
+
+def _resaved(edit):
+    """A damage that rewrites the shard with ``edit`` applied to its tensors ({name: NumPy array})."""
+    def damage(path):
+        tensors = {k: v.numpy() for k, v in load_safetensors(path).items()}
+        edit(tensors)
+        save_safetensors({k: torch.from_numpy(v) for k, v in tensors.items()}, path)
+    return damage
+
+
+def _shard_offsets(path):
+    """Rewrite the shard's header so that latents' data_offsets span 4 bytes too few."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["latents"]["data_offsets"][1] -= 4
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n:])
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda p: p.write_bytes(p.read_bytes()[:-3]), r"truncated \(\d+ bytes, its header needs \d+\)"),
+    (lambda p: p.write_bytes(b"garbage!" * 64), r"not a safetensors file \(header length \d+\)"),
+    (lambda p: p.write_bytes(b"abc"), r"not a safetensors file \(shorter than 8 bytes\)"),
+    (lambda p: p.write_bytes(p.read_bytes()[:40]), r"not a safetensors file \(bad JSON header: "),
+    (lambda p: save_safetensors({"weight": torch.zeros(3)}, p), r"no tensor 'latents' \(it holds \['weight'\]\)"),
+    (_resaved(lambda t: t.update(latents=t["latents"].astype(np.float16))), r"latents is 'F16', the index says 'F32'"),
+    (_resaved(lambda t: t.update(pooled=np.zeros((4, 4), np.float16))),
+     r"pooled has shape \[4, 4\], the index says \[4, 3\] \(4 rows of bucket 2x3\)"),
+    (lambda p: shutil.copyfile(p.with_name("b2x2-00000.safetensors"), p),
+     r"latents has shape \[4, 4, 2, 2\], the index says \[4, 4, 2, 3\] \(4 rows of bucket 2x3\)"),
+    (_shard_offsets, r"data_offsets \[\d+, \d+\] of latents do not span its 384 bytes"),
+], ids=["truncated", "garbage", "tiny", "cut-header", "foreign", "dtype", "shape", "other-bucket", "offsets"])
+def test_cache_open_rejects_a_damaged_shard(small_cache, tmp_path, damage, match):
+    """Every shard is checked at open time (header and size only), not when training first reads its
+    bucket: shards[2] holds samples 8..11 of bucket 1 (2x3)."""
+    path, doc = _copy(small_cache, tmp_path)
+    shard = path / doc["shards"][2]["file"]
+    assert shard.name == "b2x3-00000.safetensors"
+    damage(shard)
+    _cache_error(path, r"c/b2x3-00000\.safetensors: " + match + r".*; the shard is damaged or not part of this "
+                 r"cache, rebuild the cache with scripts/prepare_cache\.py$")
+
+
+def test_cache_open_reports_a_missing_shard(small_cache, tmp_path):
+    path, doc = _copy(small_cache, tmp_path)
+    (path / doc["shards"][3]["file"]).unlink()
+    err = _cache_error(path, r"c/b3x2-00000\.safetensors: missing \(shards\[3\] of .*c/index\.json\); rebuild the "
+                             r"cache with scripts/prepare_cache\.py$", CacheNotFoundError)
+    assert isinstance(err, FileNotFoundError)
 
 
 # ---- loader ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Training data: the latent cache (format, writer, reader), its bucketed loader, aspect buckets
 and a synthetic cache for demos and tests."""
 from .buckets import fit_to_bucket, make_buckets, nearest_bucket
-from .cache import Batch, CacheWriter, LatentCache
+from .cache import Batch, CacheError, CacheNotFoundError, CacheWriter, LatentCache
 from .loader import BucketBatchLoader
 from .synthetic import write_synthetic_cache, write_synthetic_cache_for

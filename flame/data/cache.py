@@ -19,6 +19,12 @@ size h x w), four stacked tensors:
 is "train" or "val" (held out for the validation loss). Shards are read through memory maps, so a
 batch costs the bytes of its rows only. ``CacheWriter`` groups samples by bucket and writes full
 shards as they fill; ``LatentCache`` reads them.
+
+``LatentCache`` checks the whole cache when it is opened, before any training starts: the index's
+keys and entries, and every shard's safetensors header (fields, dtypes, shapes, data offsets)
+and file size against the index -- headers only, no data is read. A problem raises a
+``CacheError`` naming the file; a missing ``index.json`` or shard raises ``CacheNotFoundError``,
+which is also a ``FileNotFoundError``.
 """
 from __future__ import annotations
 
@@ -44,6 +50,17 @@ SPLITS = ("train", "val")
 _NUMPY = {"F32": np.float32, "F16": np.float16}
 _NAMES = {"fp32": "F32", "float32": "F32", torch.float32: "F32", "fp16": "F16", "float16": "F16",
           torch.float16: "F16"}
+_DIMS = ("latent_channels", "text_len", "text_dim", "pooled_dim")
+_REBUILD = "rebuild the cache with scripts/prepare_cache.py"
+
+
+class CacheError(ValueError):
+    """A latent cache that cannot be used: a damaged or inconsistent ``index.json`` or shard. The
+    message (one line) names the file and what is wrong."""
+
+
+class CacheNotFoundError(CacheError, FileNotFoundError):
+    """A latent cache without its ``index.json``, or a shard that its index lists but is missing."""
 
 
 def _dtype_code(dtype, what):
@@ -142,6 +159,85 @@ class CacheWriter:
         return self.path
 
 
+def _count(value) -> bool:
+    """Whether ``value`` is a non-negative JSON integer (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _read_index(index) -> dict:
+    """The parsed ``index.json`` at ``index``, checked: format and version, required keys, and every
+    bucket, shard and sample entry consistent with the others (a ``CacheError`` otherwise)."""
+    try:
+        with open(index, "rb") as f:
+            doc = json.loads(f.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheError(f"{index}: not valid JSON ({e}); the cache index is damaged, {_REBUILD}") from None
+    if not isinstance(doc, dict):
+        raise CacheError(f"{index}: not a {FORMAT} v{VERSION} index (a JSON {type(doc).__name__}, not an object)")
+    if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+        raise CacheError(f"{index}: not a {FORMAT} v{VERSION} index (format {doc.get('format')!r}, "
+                         f"version {doc.get('version')!r})")
+
+    def bad(what):
+        return CacheError(f"{index}: {what}; the cache index is damaged, {_REBUILD}")
+
+    missing = [k for k in (*_DIMS, "dtypes", "buckets", "shards", "samples") if k not in doc]
+    if missing:
+        raise bad(f"missing key(s) {missing}")
+    for key in _DIMS:
+        if not _count(doc[key]) or doc[key] == 0:
+            raise bad(f"{key} must be a positive integer, got {_short(doc[key])}")
+    dtypes = doc["dtypes"]
+    if not isinstance(dtypes, dict) or any(dtypes.get(f) not in _NUMPY for f in FIELDS):
+        raise bad(f"dtypes must give each of {list(FIELDS)} as 'F32' or 'F16', got {_short(dtypes)}")
+    buckets, shards, samples = doc["buckets"], doc["shards"], doc["samples"]
+    for key, value in (("buckets", buckets), ("shards", shards), ("samples", samples)):
+        if not isinstance(value, list):
+            raise bad(f"{key} must be a list, got {_short(value)}")
+    for b, entry in enumerate(buckets):
+        size = entry.get("latent_size") if isinstance(entry, dict) else None
+        if not (isinstance(size, list) and len(size) == 2 and all(_count(v) and v > 0 for v in size)
+                and _count(entry.get("count"))):
+            raise bad(f"buckets[{b}] must be {{'latent_size': [h, w], 'count': n}}, got {_short(entry)}")
+    held, files = [0] * len(buckets), {}
+    for s, entry in enumerate(shards):
+        if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and entry["file"]
+                and _count(entry.get("bucket")) and _count(entry.get("count")) and entry["count"] > 0):
+            raise bad(f"shards[{s}] must be {{'file': name, 'bucket': b, 'count': n}}, got {_short(entry)}")
+        if entry["bucket"] >= len(buckets):
+            raise bad(f"shards[{s}] ({entry['file']}) points at bucket {entry['bucket']}, but the index has "
+                      f"{len(buckets)} bucket(s)")
+        if entry["file"] in files:
+            raise bad(f"shards[{files[entry['file']]}] and shards[{s}] are both {entry['file']}")
+        files[entry["file"]] = s
+        held[entry["bucket"]] += entry["count"]
+    for b, entry in enumerate(buckets):
+        if entry["count"] != held[b]:
+            raise bad(f"buckets[{b}] counts {entry['count']} samples, but its shards hold {held[b]} rows")
+    first = np.cumsum([0] + [e["count"] for e in shards])  # global row number of each shard's row 0
+    seen = np.zeros(int(first[-1]), dtype=bool)
+    for i, entry in enumerate(samples):
+        if not (isinstance(entry, dict) and _count(entry.get("shard")) and _count(entry.get("row"))
+                and entry.get("split") in SPLITS):
+            raise bad(f"samples[{i}] must have a 'shard', a 'row' and a 'split' in {SPLITS}, got {_short(entry)}")
+        s, row = entry["shard"], entry["row"]
+        if s >= len(shards):
+            raise bad(f"samples[{i}] points at shard {s}, but the index has {len(shards)} shard(s)")
+        if row >= shards[s]["count"]:
+            raise bad(f"samples[{i}] points at row {row} of shards[{s}] ({shards[s]['file']}), which has "
+                      f"{shards[s]['count']} row(s)")
+        if seen[first[s] + row]:
+            raise bad(f"samples[{i}] points at row {row} of shards[{s}] ({shards[s]['file']}), as an earlier "
+                      "sample does")
+        seen[first[s] + row] = True
+    return doc
+
+
 @dataclass
 class Batch:
     """One batch of cached samples on flame's device (all of one aspect bucket)."""
@@ -158,26 +254,70 @@ class Batch:
 
 class LatentCache:
     """A cache folder opened for reading: sample metadata from ``index.json`` and rows read from
-    memory-mapped shards on demand."""
+    memory-mapped shards on demand. Opening checks the index and every shard's header and size
+    (see the module doc): a ``CacheError`` naming the file if anything is wrong."""
 
     def __init__(self, path):
         self.path = os.fspath(path)
         index = os.path.join(self.path, INDEX)
         if not os.path.isfile(index):
-            raise FileNotFoundError(f"no latent cache at {self.path} (missing {INDEX}); build one with "
-                                    "scripts/prepare_cache.py (or --synthetic N for a demo cache)")
-        with open(index) as f:
-            doc = json.load(f)
-        if doc.get("format") != FORMAT or doc.get("version") != VERSION:
-            raise ValueError(f"{index}: not a {FORMAT} v{VERSION} index (format {doc.get('format')!r}, "
-                             f"version {doc.get('version')!r})")
-        self.latent_channels, self.text_len = int(doc["latent_channels"]), int(doc["text_len"])
-        self.text_dim, self.pooled_dim = int(doc["text_dim"]), int(doc["pooled_dim"])
+            raise CacheNotFoundError(f"no latent cache at {self.path} (missing {INDEX}); build one with "
+                                     "scripts/prepare_cache.py (or --synthetic N for a demo cache)")
+        doc = _read_index(index)
+        self.latent_channels, self.text_len, self.text_dim, self.pooled_dim = (doc[k] for k in _DIMS)
         self.meta = doc.get("meta", {})
         self.buckets = [tuple(b["latent_size"]) for b in doc["buckets"]]
         self.shards = doc["shards"]
         self.samples = doc["samples"]
+        self._layouts = [self._check_shard(s, doc["dtypes"]) for s in range(len(self.shards))]
         self._maps = {}  # shard -> {field: np.memmap}
+
+    def _check_shard(self, shard, dtypes):
+        """{field: (offset, NumPy dtype, shape)} of shard ``shard``, from its header, which must match
+        the index (fields, dtypes, shapes) and the file's size (no data is read)."""
+        entry = self.shards[shard]
+        path = os.path.join(self.path, entry["file"])
+        try:
+            size = os.stat(path).st_size
+            with open(path, "rb") as f:
+                header, base = _read_header(f, path)
+        except FileNotFoundError:
+            raise CacheNotFoundError(f"{path}: missing (shards[{shard}] of {os.path.join(self.path, INDEX)}); "
+                                     f"{_REBUILD}") from None
+        except OSError as e:
+            raise CacheError(f"{path}: cannot read this shard ({e.strerror}); {_REBUILD}") from None
+        except ValueError as e:  # _read_header's "not a safetensors file" messages name the file
+            raise CacheError(f"{e}; the shard is damaged or not part of this cache, {_REBUILD}") from None
+
+        def bad(what):
+            return CacheError(f"{path}: {what}; the shard is damaged or not part of this cache, {_REBUILD}")
+
+        if not isinstance(header, dict):
+            raise bad("not a safetensors file (its header is not a JSON object)")
+        n, (h, w) = entry["count"], self.buckets[entry["bucket"]]
+        shapes = {"latents": (n, self.latent_channels, h, w), "prompt_embeds": (n, self.text_len, self.text_dim),
+                  "pooled": (n, self.pooled_dim), "time_ids": (n, 6)}
+        layout, end = {}, base
+        for field in FIELDS:
+            info = header.get(field)
+            if not isinstance(info, dict):
+                names = sorted(k for k in header if k != "__metadata__")
+                raise bad(f"no tensor {field!r} (it holds {names[:8]})")
+            if info.get("dtype") != dtypes[field]:
+                raise bad(f"{field} is {info.get('dtype')!r}, the index says {dtypes[field]!r}")
+            if info.get("shape") != list(shapes[field]):
+                raise bad(f"{field} has shape {info.get('shape')}, the index says {list(shapes[field])} "
+                          f"({n} rows of bucket {h}x{w})")
+            offsets = info.get("data_offsets")
+            nbytes = int(np.prod(shapes[field])) * np.dtype(_NUMPY[dtypes[field]]).itemsize
+            if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(v) for v in offsets)
+                    and offsets[1] - offsets[0] == nbytes):
+                raise bad(f"data_offsets {offsets} of {field} do not span its {nbytes} bytes")
+            layout[field] = (base + offsets[0], _NUMPY[dtypes[field]], shapes[field])
+            end = max(end, base + offsets[1])
+        if size < end:
+            raise bad(f"truncated ({size} bytes, its header needs {end})")
+        return layout
 
     def __len__(self):
         return len(self.samples)
@@ -193,20 +333,11 @@ class LatentCache:
 
     def _map(self, shard):
         maps = self._maps.get(shard)
-        if maps is not None:
-            return maps
-        path = os.path.join(self.path, self.shards[shard]["file"])
-        with open(path, "rb") as f:
-            header, base = _read_header(f, path)
-        maps = {}
-        for field in FIELDS:
-            info = header.get(field)
-            if info is None or info["dtype"] not in _NUMPY:
-                raise ValueError(f"{path}: shard lacks a float32/float16 tensor {field!r}")
-            begin, _ = info["data_offsets"]
-            maps[field] = np.memmap(path, dtype=_NUMPY[info["dtype"]], mode="r", offset=base + begin,
-                                    shape=tuple(info["shape"]))
-        self._maps[shard] = maps
+        if maps is None:
+            path = os.path.join(self.path, self.shards[shard]["file"])
+            maps = self._maps[shard] = {
+                field: np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)
+                for field, (offset, dtype, shape) in self._layouts[shard].items()}
         return maps
 
     def read(self, indices) -> dict:
