@@ -401,6 +401,19 @@ def test_no_empty_output_folder_is_left_behind(cache_dir, tmp_path):
     assert (tmp_path / "kept").is_dir()
 
 
+def test_bf16_on_a_gpu_before_ampere_is_refused_with_the_fix(cache_dir, tmp_path, monkeypatch):
+    import torch
+
+    from flame import runtime
+    monkeypatch.setattr(runtime, "is_interpreter", lambda: False)
+    monkeypatch.setattr(runtime, "device_name", lambda: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ConfigError, match=r"train.precision: bf16 needs .* 8.0 .* Tesla T4 is 7.5: use "
+                                          r"train.precision=fp16"):
+        _trainer(_config(cache_dir, tmp_path / "out", "train.precision=bf16"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_refuses_shape_changes_and_warns_on_harmless_ones(cache_dir, tmp_path):
     _trainer(_config(cache_dir, tmp_path, "train.steps=1")).train()
     for change, shown in (("lora.rank=8", "lora.rank 4 -> 8"), ("lora.targets=[to_q]", "lora.targets 'attn' -> "),

@@ -127,6 +127,7 @@ class Trainer:
         c = self.cfg
         # ---- checks that need no model weights: a bad setting fails here, in seconds
         mcfg = model.config if model is not None else self._model_config()
+        self._check_precision()
         self._prepare_output_dir()
         self.cache = self._open_cache(mcfg)
         self.loader = self._loader("train", c.data.batch_size, shuffle=True)
@@ -184,6 +185,15 @@ class Trainer:
             return unet_config(c.path if c.path and os.path.isdir(c.path) else c.config)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.{'path' if c.path and os.path.isdir(c.path) else 'config'}: {e}") from None
+
+    def _check_precision(self):
+        """bf16 needs a GPU of compute capability 8.0 (Ampere) or later."""
+        if self.dtype != torch.bfloat16 or runtime.is_interpreter():
+            return
+        major, minor = torch.cuda.get_device_capability(runtime.device)
+        if major < 8:
+            raise ConfigError(f"train.precision: bf16 needs a GPU of compute capability 8.0 (Ampere) or later; "
+                              f"this {runtime.device_name()} is {major}.{minor}: use train.precision=fp16")
 
     def _prepare_output_dir(self):
         """Create output.dir (recording the folders made) and check that files can be written there."""
