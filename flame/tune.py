@@ -483,22 +483,17 @@ def call_entry(fn, args, kwargs):
     global _entry_calls
     _entry_calls += 1
     try:
-        result = fn(*args, **kwargs)
-    except EntryDropped:
-        result = _again(fn, args, kwargs)
+        while True:  # each EntryDropped dropped an entry: this ends
+            try:
+                result = fn(*args, **kwargs)
+                break
+            except EntryDropped:
+                continue
     finally:
         _entry_calls -= 1
     if _pending and not _entry_calls:
         _prove()
     return result
-
-
-def _again(fn, args, kwargs):
-    while True:  # each EntryDropped dropped an entry: this ends
-        try:
-            return fn(*args, **kwargs)
-        except EntryDropped:
-            continue
 
 
 def register_cache(clear_fn):

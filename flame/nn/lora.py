@@ -237,6 +237,11 @@ def target_pattern_error(target: str) -> str | None:
     return None
 
 
+def adaptable_layers(model) -> list:
+    """The dotted names of ``model``'s modules that ``inject_lora`` can wrap (Linear, Conv2d)."""
+    return [name for name, m in model.named_modules() if name and type(m) in _WRAPPERS]
+
+
 def matching_layers(names, targets) -> list:
     """The module ``names`` that ``targets`` (as ``inject_lora`` takes them) selects."""
     tgts = _expand_targets(targets)

@@ -53,8 +53,8 @@ from ..diffusion import DDPMSchedule, min_snr_weights, sample_noise, sample_time
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
 from ..models import SDXLUNet
-from ..nn import Conv2d, Linear, inject_lora, lora_parameters
-from ..nn.lora import matching_layers
+from ..nn import inject_lora, lora_parameters
+from ..nn.lora import adaptable_layers, matching_layers
 from ..ops.creation import get_rng_state, manual_seed, set_rng_state, tensor
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, lt, mul, sub, to
@@ -181,10 +181,11 @@ class Trainer:
     # ---- setup -------------------------------------------------------------------------------
     def _model_config(self):
         c = self.cfg.model
+        option = "path" if c.path and os.path.isdir(c.path) else "config"  # a folder holds its config.json
         try:
-            return unet_config(c.path if c.path and os.path.isdir(c.path) else c.config)
+            return unet_config(getattr(c, option))
         except (OSError, ValueError) as e:
-            raise ConfigError(f"model.{'path' if c.path and os.path.isdir(c.path) else 'config'}: {e}") from None
+            raise ConfigError(f"model.{option}: {e}") from None
 
     def _check_precision(self):
         """bf16 needs a GPU of compute capability 8.0 (Ampere) or later."""
@@ -245,7 +246,7 @@ class Trainer:
     def _check_targets(self, model, mcfg):
         """lora.targets must select at least one layer (checked on the module names, no weights)."""
         if model is not None:
-            names = [n for n, m in model.named_modules() if type(m) in (Linear, Conv2d)]
+            names = adaptable_layers(model)
         else:
             names = SDXLUNet.layer_names(mcfg, "Linear") + SDXLUNet.layer_names(mcfg, "Conv2d")
         if not matching_layers(names, self.cfg.lora.targets):
@@ -278,7 +279,7 @@ class Trainer:
                               f"({[p for _, p in list_checkpoints(self.ckpt_dir)]})") from None
         self._check_resumable(path, state.get("config", {}))
         try:
-            self.loader.load_state_dict(state["loader"])  # checked here, set again in load()
+            self.loader.load_state_dict(state["loader"])  # the position resuming continues from
         except ValueError as e:
             raise ConfigError(f"resume: {path} does not fit data.cache_dir {self.cfg.data.cache_dir}: {e}") from None
         return path, state
@@ -438,10 +439,9 @@ class Trainer:
 
     def _metrics(self, records):
         """Append ``records`` to metrics.jsonl in one write."""
-        text = "".join(json.dumps(r) + "\n" for r in records)
         try:
             with open(self._metrics_path(), "a") as f:
-                f.write(text)
+                f.write(_json_lines(records))
         except OSError as e:
             raise self._write_error(e, "metrics", self._metrics_path()) from e
 
@@ -548,7 +548,8 @@ class Trainer:
 
     def load(self, path, state) -> None:
         """Restore a checkpoint written by ``save`` (the model must already carry its adapters);
-        ``state``: its trainer_state.json, read and checked by ``_find_checkpoint``."""
+        ``state``: its trainer_state.json, read and checked by ``_find_checkpoint``, which has set
+        the loader's position too."""
         load_lora(self.model, os.path.join(path, "lora.safetensors"), inject=False, strict=True)
         tensors = load_safetensors(os.path.join(path, "optimizer.safetensors"))
         opt = state["optimizer"]
@@ -566,7 +567,6 @@ class Trainer:
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
-        self.loader.load_state_dict(state["loader"])
         self.step = int(state["step"])
         self._restore_metrics()
 
@@ -592,7 +592,7 @@ class Trainer:
                     kept.append(rec)
         if damaged:
             self.log(f"{path}: dropped {_count(damaged, 'damaged line')} (a crash while writing)")
-        atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept).encode()))
+        atomic_write(path, lambda f: f.write(_json_lines(kept).encode()))
         for rec in kept:
             if isinstance(rec.get("loss"), (int, float)):
                 self._smoothed(rec["loss"])
@@ -748,6 +748,10 @@ class Trainer:
                      + ("  # use_safetensors keeps the alpha stored in the file's metadata"
                         if c.lora.format == "peft" else ""))
         self.log("\n".join(lines))
+
+
+def _json_lines(records) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
 
 
 def _notice(text):
