@@ -179,6 +179,11 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if not INTERPRETER else "cpu-interpreter"
 
 
+def device_capability() -> tuple:
+    """The GPU's compute capability (major, minor); None on the interpreter."""
+    return None if INTERPRETER else torch.cuda.get_device_capability(device)
+
+
 # ---- device-side error flags (module docstring) -------------------------------------------------
 
 _ERROR_SLOTS = 32

@@ -189,9 +189,10 @@ class Trainer:
 
     def _check_precision(self):
         """bf16 needs a GPU of compute capability 8.0 (Ampere) or later."""
-        if self.dtype != torch.bfloat16 or runtime.is_interpreter():
+        capability = runtime.device_capability()
+        if self.dtype != torch.bfloat16 or capability is None:
             return
-        major, minor = torch.cuda.get_device_capability(runtime.device)
+        major, minor = capability
         if major < 8:
             raise ConfigError(f"train.precision: bf16 needs a GPU of compute capability 8.0 (Ampere) or later; "
                               f"this {runtime.device_name()} is {major}.{minor}: use train.precision=fp16")
