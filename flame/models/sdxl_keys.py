@@ -21,15 +21,9 @@ encoders under other prefixes, which loading ignores).
 """
 from __future__ import annotations
 
-import json
-import math
-import pathlib
 import re
 
-from .. import io, runtime
-from ..kernels import elementwise as KE
-from ..nn import Parameter
-from ..tensor import Tensor
+from .checkpoints import Source, stored_tensors
 
 LDM_PREFIX = "model.diffusion_model."
 
@@ -140,49 +134,12 @@ def to_ldm(state_dict: dict, config=None, prefix: str = LDM_PREFIX) -> dict:
 
 # ---- checkpoint files -------------------------------------------------------------------------------
 
-def resolve_checkpoint(path):
-    """(config dict or None, [safetensors files]) for a diffusers ``unet/`` folder (or a pipeline
-    folder with a ``unet/`` subfolder; unsharded or sharded, fp32 or the ``.fp16`` variant) or a
-    single ``.safetensors`` file (config None)."""
-    p = pathlib.Path(path)
-    if p.is_file():
-        return None, [p]
-    if not p.is_dir():
-        raise FileNotFoundError(f"SDXL UNet checkpoint {str(path)!r} does not exist")
-    if not (p / "config.json").is_file() and (p / "unet" / "config.json").is_file():
-        p = p / "unet"
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{p}: no config.json (expected a diffusers unet/ folder or a .safetensors file)")
-    config = json.loads((p / "config.json").read_text())
-    for stem in ("diffusion_pytorch_model", "diffusion_pytorch_model.fp16"):
-        if (p / f"{stem}.safetensors").is_file():
-            return config, [p / f"{stem}.safetensors"]
-        index = p / f"{stem}.safetensors.index.json"
-        if index.is_file():
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return config, [p / s for s in shards]
-    raise FileNotFoundError(f"{p}: no diffusion_pytorch_model[.fp16].safetensors or its .index.json "
-                            "(.bin weights are not supported: convert them to safetensors)")
-
-
-def _header_shapes(path):
-    with open(path, "rb") as f:
-        header, _ = io._read_header(f, path)
-    header.pop("__metadata__", None)
-    return {k: tuple(v["shape"]) for k, v in header.items()}
-
-
 def checkpoint_index(files, config=None) -> dict:
-    """{diffusers name: (file, name in the file, shape)} for the UNet tensors of ``files``, whose
-    naming (diffusers, LDM, or SGM with ``model.diffusion_model.``) is detected from the keys. In
-    an SGM file only the prefixed keys are the UNet's; LDM keys outside the map keep their name
-    (and so are reported as unexpected)."""
-    stored = {}
-    for f in files:
-        for k, shape in _header_shapes(f).items():
-            if k in stored:
-                raise ValueError(f"tensor {k!r} is in both {stored[k][0]} and {f}")
-            stored[k] = (f, shape)
+    """{diffusers name: ``Source``} for the UNet tensors of ``files``, whose naming (diffusers, LDM,
+    or SGM with ``model.diffusion_model.``) is detected from the keys. In an SGM file only the
+    prefixed keys are the UNet's; LDM keys outside the map keep their name (and so are reported as
+    unexpected)."""
+    stored = stored_tensors(files)
     names = list(stored)
     ldm_roots = ("input_blocks.", "middle_block.", "output_blocks.")
     if any(k.startswith(LDM_PREFIX) for k in names):
@@ -198,60 +155,5 @@ def checkpoint_index(files, config=None) -> dict:
                 name = ldm_to_diffusers(k, config)
             except ValueError:
                 name = k
-        out[name] = (stored[k][0], k, stored[k][1])
+        out[name] = Source(stored[k][0], k, stored[k][1])
     return out
-
-
-def _listing(keys, limit=8):
-    keys = list(keys)
-    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
-    return ", ".join(f'"{k}"' for k in keys[:limit]) + more
-
-
-def check_index(index: dict, expected: dict, where: str) -> None:
-    """Raise RuntimeError naming the missing, unexpected and misshapen tensors of a
-    ``checkpoint_index`` against ``expected`` ({name: shape}, e.g. ``SDXLUNet.parameter_shapes``)."""
-    errors = []
-    missing = [k for k in expected if k not in index]
-    unexpected = [k for k in index if k not in expected]
-    if missing:
-        errors.append(f"Missing key(s) ({len(missing)}): {_listing(missing)}.")
-    if unexpected:
-        errors.append(f"Unexpected key(s) ({len(unexpected)}): {_listing(unexpected)}.")
-    for k, (_, _, shape) in index.items():
-        if k in expected and shape != tuple(expected[k]):
-            errors.append(f"size mismatch for {k}: the checkpoint has shape {shape}, the model {tuple(expected[k])}")
-    if errors:
-        raise RuntimeError(f"Error(s) loading the SDXL UNet from {where}:\n\t" + "\n\t".join(errors))
-
-
-def _in_layout(loaded, initial):
-    """``loaded`` (a contiguous Tensor) in ``initial``'s memory layout: a conv weight the module
-    keeps channels-last is copied into that layout once here; anything else is adopted as is."""
-    if initial.is_contiguous():
-        return loaded
-    buf = runtime.empty_strided(tuple(initial.shape), initial.stride(), loaded.dtype)
-    KE.copy_(buf, loaded._data)
-    return Tensor(buf)
-
-
-def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
-    """Give ``model`` (freshly built) the tensors of a checked ``checkpoint_index`` as its
-    parameters, read in ``dtype`` about ``chunk_bytes`` at a time: each loaded tensor becomes the
-    new Parameter (no copy into the initial one, which is released)."""
-    by_file = {}
-    for name, (f, key, shape) in index.items():
-        by_file.setdefault(f, []).append((name, key, 4 * math.prod(shape)))
-    for f, entries in by_file.items():
-        part, size = [], 0
-        for i, (name, key, nbytes) in enumerate(entries):
-            part.append((name, key))
-            size += nbytes
-            if size >= chunk_bytes or i == len(entries) - 1:
-                tensors = io.load_safetensors(f, dtype=dtype, keys=[k for _, k in part])
-                for n, k in part:
-                    path, _, attr = n.rpartition(".")
-                    table = model.get_submodule(path)._parameters
-                    # in place in the module's table: state_dict order stays the architecture's
-                    table[attr] = Parameter(_in_layout(tensors.pop(k), table[attr]._data))
-                part, size = [], 0

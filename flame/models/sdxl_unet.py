@@ -28,7 +28,8 @@ from ..ops.creation import arange, full
 from ..ops.elementwise import cos, exp, sin, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float32
-from .sdxl_keys import check_index, checkpoint_index, load_into, resolve_checkpoint
+from .checkpoints import check_index, load_into, resolve_component
+from .sdxl_keys import checkpoint_index
 
 _DOWN_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 _UP_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -577,14 +578,14 @@ class SDXLUNet(nn.Module):
         taken, the rest ignored), for which ``config`` (default SDXL base) gives the architecture.
         Weights are cast to ``dtype`` (flame's default dtype when None). Missing, unexpected or
         misshapen tensors raise RuntimeError before anything is loaded."""
-        cfg_dict, files = resolve_checkpoint(path)
+        cfg_dict, files = resolve_component(path, "unet", "diffusion_pytorch_model", "SDXL UNet")
         if cfg_dict is not None:
             file_cfg = SDXLUNetConfig.from_diffusers(cfg_dict)
             if config is not None and config != file_cfg:
                 raise ValueError(f"SDXLUNet.from_pretrained: the config given differs from {path}'s config.json")
             config = file_cfg
         index = checkpoint_index(files, config)
-        check_index(index, cls.parameter_shapes(config), ", ".join(str(f) for f in files))
+        check_index(index, cls.parameter_shapes(config), "SDXL UNet", ", ".join(str(f) for f in files))
         model = cls(config, dtype=dtype)
         load_into(model, index, model.dtype)
         return model

@@ -1,0 +1,150 @@
+"""Model checkpoint files: finding a component's weights, indexing them by the model's parameter
+names, checking the index against the model, and loading it.
+
+Every model (UNet, text encoders, VAE) loads the same way:
+
+1. ``resolve_component(path, subfolder, stem)``: a diffusers pipeline folder (``path/subfolder``), the
+   component folder itself, or one ``.safetensors`` file (config None). In a folder the weights are
+   ``{stem}.safetensors``, the ``{stem}.fp16.safetensors`` variant, or either's sharded
+   ``.safetensors.index.json``.
+2. ``stored_tensors(files)``: {name in the file: (file, shape)} from the headers only.
+3. The model's own name map turns that into an index {parameter name: ``Source``}; a ``Source``
+   may take a row range of a stored tensor (a fused q/k/v projection), transpose it, or view it
+   in another shape of the same size (a 1x1 conv weight read as a linear one).
+4. ``check_index(index, expected, what, where)`` raises one error listing every missing, unexpected
+   and misshapen tensor before anything is read; ``load_into(model, index, dtype)`` then reads the
+   tensors a chunk at a time, each becoming the new Parameter.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from typing import NamedTuple
+
+from .. import io, runtime
+from ..kernels import elementwise as KE
+from ..nn import Parameter
+from ..tensor import Tensor
+
+
+class Source(NamedTuple):
+    """Where a parameter comes from: tensor ``key`` of ``file``, rows ``rows`` (start, stop) of its
+    first dim when given, transposed (2-D) when ``transpose``, then viewed as ``shape``."""
+    file: pathlib.Path
+    key: str
+    shape: tuple
+    rows: tuple | None = None
+    transpose: bool = False
+
+
+def resolve_component(path, subfolder: str, stem: str, what: str):
+    """(config dict or None, [safetensors files]) for ``what`` (e.g. "SDXL VAE"): ``path`` is a
+    pipeline folder holding ``subfolder/``, that folder itself, or one ``.safetensors`` file."""
+    p = pathlib.Path(path)
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise ValueError(f"{what}: {p} is not a .safetensors file (other formats are not supported: convert "
+                             "them to safetensors)")
+        return None, [p]
+    if not p.is_dir():
+        raise FileNotFoundError(f"{what}: {str(path)!r} does not exist")
+    if not (p / "config.json").is_file() and (p / subfolder / "config.json").is_file():
+        p = p / subfolder
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{what}: {p} has no config.json (expected a diffusers pipeline folder with "
+                                f"{subfolder}/, the {subfolder}/ folder itself, or a .safetensors file)")
+    try:
+        config = json.loads((p / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {p / 'config.json'} is not valid JSON ({e})") from None
+    for variant in (stem, f"{stem}.fp16"):
+        if (p / f"{variant}.safetensors").is_file():
+            return config, [p / f"{variant}.safetensors"]
+        index = p / f"{variant}.safetensors.index.json"
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return config, [p / s for s in shards]
+    raise FileNotFoundError(f"{what}: {p} has no {stem}[.fp16].safetensors or its .index.json "
+                            "(.bin weights are not supported: convert them to safetensors)")
+
+
+def stored_tensors(files) -> dict:
+    """{name: (file, shape)} of every tensor in the safetensors ``files`` (headers only)."""
+    stored = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            header, _ = io._read_header(fh, f)
+        header.pop("__metadata__", None)
+        for k, v in header.items():
+            if k in stored:
+                raise ValueError(f"tensor {k!r} is in both {stored[k][0]} and {f}")
+            stored[k] = (pathlib.Path(f), tuple(v["shape"]))
+    return stored
+
+
+def _listing(keys, limit=8):
+    keys = list(keys)
+    more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(f'"{k}"' for k in keys[:limit]) + more
+
+
+def check_index(index: dict, expected: dict, what: str, where: str) -> None:
+    """Raise RuntimeError naming the missing, unexpected and misshapen tensors of ``index``
+    ({name: Source}) against ``expected`` ({name: shape})."""
+    errors = []
+    missing = [k for k in expected if k not in index]
+    unexpected = [k for k in index if k not in expected]
+    if missing:
+        errors.append(f"Missing key(s) ({len(missing)}): {_listing(missing)}.")
+    if unexpected:
+        errors.append(f"Unexpected key(s) ({len(unexpected)}): {_listing(unexpected)}.")
+    for k, src in index.items():
+        if k in expected and tuple(src.shape) != tuple(expected[k]):
+            errors.append(f"size mismatch for {k}: the checkpoint has shape {tuple(src.shape)}, the model "
+                          f"{tuple(expected[k])}")
+    if errors:
+        raise RuntimeError(f"Error(s) loading the {what} from {where}:\n\t" + "\n\t".join(errors))
+
+
+def _materialize(loaded: Tensor, src: Source, like) -> Tensor:
+    """``src``'s part of the stored tensor ``loaded``, in the layout of the parameter ``like``."""
+    buf = loaded._data
+    if src.rows is not None:
+        buf = buf[src.rows[0]:src.rows[1]]
+    if src.transpose:
+        buf = buf.t()
+    if tuple(buf.shape) != tuple(src.shape):
+        buf = buf.view(src.shape)
+    if buf.is_contiguous() and like.is_contiguous():
+        return Tensor(buf)
+    out = runtime.empty_strided(tuple(like.shape), like.stride(), loaded.dtype)
+    KE.copy_(out, buf)
+    return Tensor(out)
+
+
+def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
+    """Give ``model`` (freshly built) the tensors of a checked ``index`` as its parameters, read in
+    ``dtype`` about ``chunk_bytes`` at a time: each loaded tensor becomes the new Parameter (no
+    copy into the initial one, which is released) unless a row range, transpose or layout change
+    makes it a copy."""
+    by_file = {}
+    for name, src in index.items():
+        by_file.setdefault(src.file, {}).setdefault(src.key, []).append((name, src))
+    for f, by_key in by_file.items():
+        part, size = [], 0
+        keys = list(by_key)
+        for i, key in enumerate(keys):
+            part.append(key)
+            size += 4 * sum(math.prod(s.shape) for _, s in by_key[key])
+            if size < chunk_bytes and i < len(keys) - 1:
+                continue
+            tensors = io.load_safetensors(f, dtype=dtype, keys=part)
+            for k in part:
+                loaded = tensors.pop(k)
+                for name, src in by_key[k]:
+                    path, _, attr = name.rpartition(".")
+                    table = model.get_submodule(path)._parameters
+                    # in place in the module's table: state_dict order stays the architecture's
+                    table[attr] = Parameter(_materialize(loaded, src, table[attr]._data))
+            part, size = [], 0
