@@ -190,6 +190,24 @@ def test_merge_unmerge(dtype):
     assert_close(layer.weight.to_torch().clone(), w0, **tol)
 
 
+def test_fold_lora_adds_each_file_at_its_strength_and_restores_plain_layers():
+    m = Tiny()
+    name = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"
+    w0 = m.get_submodule(name).weight.to_torch().clone()
+    deltas = []
+    for strength in (0.5, -2.0):  # two "files" in turn, the first merged before folding
+        nn.inject_lora(m, "attn", rank=2, alpha=3)
+        layer = m.get_submodule(name)
+        flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
+        deltas.append(strength * 1.5 * layer.lora_B.to_torch() @ layer.lora_A.to_torch())
+        if strength == 0.5:
+            nn.merge_lora(m)
+        assert name in nn.fold_lora(m, strength)
+        assert type(m.get_submodule(name)) is nn.Linear and not nn.lora.lora_modules(m)
+    assert_close(m.get_submodule(name).weight.to_torch().clone(), w0 + deltas[0] + deltas[1],
+                 **(TF32_TOL or dict(rtol=1e-5, atol=1e-6)))
+
+
 # ---- Conv2d ("LoCon") -------------------------------------------------------------------------
 
 def _build_convnet(root, lib):

@@ -4,6 +4,7 @@ from .layers import GELU, Conv2d, Dropout, GroupNorm, Identity, LayerNorm, Linea
 from .lora import (
     LoRAConv2d,
     LoRALinear,
+    fold_lora,
     inject_lora,
     load_lora_state_dict,
     lora_parameters,

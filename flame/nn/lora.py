@@ -61,6 +61,7 @@ class _LoRALayer(Module):
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout}")
         if init_mode not in ("kaiming", "gaussian"):
             raise ValueError(f"LoRA init must be 'kaiming' or 'gaussian', got {init_mode!r}")
+        object.__setattr__(self, "_base_layer", base)  # not a submodule: put back by fold_lora
         self.weight = base.weight
         self.weight.requires_grad_(False)
         if base.bias is not None:
@@ -99,12 +100,12 @@ class _LoRALayer(Module):
         return y + self._up(self._down(h)) * self.scale
 
     # ---- merge: W += scale * B @ A (fp32 product over the flattened A, one add kernel into W's dtype)
-    def _delta(self):
+    def _delta(self, strength=1.0):
         a = self.lora_A._data.reshape(self.rank, -1)
         b = self.lora_B._data.reshape(-1, self.rank)
         prod = runtime.empty((b.shape[0], a.shape[1]), torch.float32)
         KM.matmul_(prod, b, a)
-        KE.map_(prod, [prod], KE.MUL.value, float(self.scale))
+        KE.map_(prod, [prod], KE.MUL.value, float(self.scale * strength))
         return prod.view(self.weight.shape)
 
     def merge(self):
@@ -120,6 +121,18 @@ class _LoRALayer(Module):
         w = self.weight._data
         KE.map_(w, [w, self._delta()], KE.SUB.value)
         self.merged = False
+
+    def fold(self, strength: float = 1.0) -> Module:
+        """W += strength * scale * B A, then the base layer (holding W, b) to put in this one's place."""
+        if self.merged:
+            self.unmerge()
+        w = self.weight._data
+        KE.map_(w, [w, self._delta(strength)], KE.ADD.value)
+        base = self._base_layer
+        base.weight = self.weight
+        if self.bias is not None:
+            base.bias = self.bias
+        return base
 
     def _lora_repr(self):
         return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, merged={self.merged}"
@@ -503,6 +516,18 @@ def merge_lora(model: Module) -> Module:
     for _, m in lora_modules(model):
         m.merge()
     return model
+
+
+@no_grad()
+def fold_lora(model: Module, strength: float = 1.0) -> list:
+    """W += strength * (alpha/rank) B A in every adapter layer, and the adapter layers replaced by
+    their base layers (the adapters are released): inference with LoRA files at chosen strengths,
+    each loaded (``flame.io.load_lora``) and folded in turn. Returns the folded layers' names."""
+    names = []
+    for name, m in lora_modules(model):
+        _set_module(model, name, m.fold(strength))
+        names.append(name)
+    return names
 
 
 @no_grad()
