@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Build a latent cache for SDXL LoRA training (see flame/data/cache.py for the format).
 
-From an image folder, with a local SDXL checkpoint (diffusers layout: vae/, text_encoder/,
-text_encoder_2/, tokenizer/, tokenizer_2/) encoded through diffusers/transformers
-(``pip install -e ".[interop]"``)::
+From an image folder, with a local SDXL checkpoint -- a diffusers pipeline folder (vae/,
+text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/) or one single-file checkpoint (its
+tokenizers from ``--tokenizers``, a pipeline folder) -- encoded by flame's VAE and text encoders::
 
     python scripts/prepare_cache.py CACHE_DIR --images DATA_DIR --model /models/stable-diffusion-xl-base-1.0
+
+``--encoders diffusers`` encodes through diffusers/transformers instead (``pip install -e ".[interop]"``;
+pipeline folders only), for cross-checks: both write the same format.
 
 Captions come from ``metadata.jsonl`` in DATA_DIR (lines ``{"file_name": ..., "text": ...}``) or from
 a ``.txt`` file with the image's name (``cat.png`` -> ``cat.txt``). Each image goes to the aspect
@@ -29,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-import flame  # noqa: F401  (must come before anything that imports triton)
+import flame
 from flame.data import CacheWriter, fit_to_bucket, make_buckets, nearest_bucket, write_synthetic_cache_for
 
 IMAGE_EXTS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
@@ -53,7 +56,15 @@ def parse_args(argv=None):
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--images", type=Path, help="folder of images with .txt captions or metadata.jsonl")
     src.add_argument("--synthetic", type=int, metavar="N", help="write N synthetic samples instead (no model)")
-    p.add_argument("--model", type=Path, help="local SDXL checkpoint folder (diffusers layout), for --images")
+    p.add_argument("--model", type=Path, help="local SDXL checkpoint, for --images: a diffusers pipeline folder or "
+                                              "one single-file .safetensors")
+    p.add_argument("--tokenizers", type=Path, help="pipeline folder with tokenizer/ and tokenizer_2/ (for a "
+                                                   "single-file --model)")
+    p.add_argument("--encoders", choices=["flame", "diffusers"], default="flame",
+                   help="who encodes: flame's kernels, or diffusers/transformers (PyTorch) for cross-checks")
+    p.add_argument("--max-tokens", type=int, choices=[75, 150, 225], default=75,
+                   help="caption tokens (longer captions are cut, with a warning); 150/225 encode 75-token "
+                        "windows (flame encoders only)")
     p.add_argument("--model-config", default="sdxl", help="--synthetic: UNet config giving the dims (tiny, sdxl, "
                                                           "or a diffusers config.json)")
     p.add_argument("--latent-sizes", type=_sizes, help="--synthetic: latent buckets, e.g. 8x8,8x12 "
@@ -65,15 +76,18 @@ def parse_args(argv=None):
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share for the validation loss")
     p.add_argument("--val-samples", type=int, help="held-out samples (overrides --val-fraction)")
     p.add_argument("--batch-size", type=int, default=4, help="images per VAE / text-encoder batch")
-    p.add_argument("--device", default=None, help="torch device for the encoders (default: cuda if available)")
-    p.add_argument("--vae-dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="VAE precision (SDXL's VAE overflows in fp16 unless it is the fp16-fixed one)")
+    p.add_argument("--device", default=None, help="--encoders diffusers: torch device (default: cuda if available)")
+    p.add_argument("--vae-dtype", choices=["fp32", "fp16", "bf16"], default=None,
+                   help="VAE precision (default: bf16 on a GPU with --encoders flame, else fp32; SDXL's VAE "
+                        "overflows in fp16 unless it is the fp16-fixed one)")
     p.add_argument("--text-dtype", choices=["fp16", "fp32"], default="fp16", help="embeddings on disk")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file")
     p.add_argument("--seed", type=int, default=0, help="latent sampling, random crops, synthetic data")
     args = p.parse_args(argv)
     if args.images is not None and args.model is None:
-        p.error("--images needs --model (a local SDXL checkpoint folder)")
+        p.error("--images needs --model (a local SDXL checkpoint)")
+    if args.encoders == "diffusers" and args.max_tokens != 75:
+        p.error("--max-tokens 150/225 needs --encoders flame")
     if args.synthetic is not None and args.synthetic < 1:
         p.error("--synthetic must be at least 1")
     if not 0.0 <= args.val_fraction < 1.0:
@@ -149,10 +163,45 @@ def val_split(names, fraction, count=None) -> set:
     return set(sorted(names, key=lambda s: (zlib.crc32(s.encode()), s))[:k])
 
 
+class FlameEncoders:
+    """The VAE and both text encoders of a local SDXL checkpoint, on flame."""
+
+    def __init__(self, path: Path, vae_dtype=None, seed=0, tokenizer_path=None, max_tokens=75):
+        from flame import bfloat16, float16, float32, is_interpreter, manual_seed
+        from flame.models.sdxl_text import SDXLTextEncoders
+        from flame.models.vae import AutoencoderKL
+        dt = {"fp32": float32, "fp16": float16, "bf16": bfloat16}
+        default = float32 if is_interpreter() else bfloat16
+        self.text = SDXLTextEncoders.from_pretrained(path, dtype=default, tokenizer_path=tokenizer_path)
+        self.vae = AutoencoderKL.from_pretrained(path, dtype=dt[vae_dtype] if vae_dtype else default)
+        self.max_tokens = max_tokens
+        self.scaling_factor = float(self.vae.config.scaling_factor)
+        self.text_len = 2 + max_tokens
+        self.text_dim = self.text.text_dim
+        self.pooled_dim = self.text.pooled_dim
+        self.latent_channels = self.vae.config.latent_channels
+        manual_seed(seed)  # the latents' sampling noise
+        self.source = str(path)
+
+    def encode_images(self, pixels):
+        """(B, 3, H, W) float32 NumPy array in [-1, 1] -> (B, C, H/8, W/8) scaled latents as NumPy float32."""
+        with flame.no_grad():
+            x = flame.tensor(pixels).to(self.vae.dtype)
+            return self.vae.encode_latents(x, sample=True).to(flame.float32).numpy()
+
+    def encode_prompts(self, captions):
+        """Both encoders' penultimate hidden states concatenated (B, L, 2048) and CLIP-G's pooled
+        projection (B, 1280) as NumPy float32 (L = 2 + max_tokens)."""
+        with flame.no_grad():
+            embeds, pooled = self.text.encode(list(captions), max_tokens=self.max_tokens)
+            return embeds.to(flame.float32).numpy(), pooled.to(flame.float32).numpy()
+
+
 class SDXLEncoders:
     """The VAE and both text encoders of a local SDXL checkpoint, in PyTorch through diffusers/transformers."""
 
-    def __init__(self, path: Path, device=None, vae_dtype="fp32", seed=0):
+    def __init__(self, path: Path, device=None, vae_dtype=None, seed=0):
+        vae_dtype = vae_dtype or "fp32"
         try:
             import torch
             from diffusers import AutoencoderKL
@@ -184,10 +233,10 @@ class SDXLEncoders:
         self.source = str(path)
 
     def encode_images(self, pixels):
-        """(B, 3, H, W) floats in [-1, 1] -> (B, C, H/8, W/8) scaled latents as NumPy float32."""
+        """(B, 3, H, W) float32 NumPy array in [-1, 1] -> (B, C, H/8, W/8) scaled latents as NumPy float32."""
         torch = self.torch
         with torch.no_grad():
-            x = pixels.to(self.device, self.vae.dtype)
+            x = torch.from_numpy(pixels).to(self.device, self.vae.dtype)
             lat = self.vae.encode(x).latent_dist.sample(self.generator) * self.scaling_factor
         return lat.float().cpu().numpy()
 
@@ -224,7 +273,6 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
                    show_progress=True):
     """Encode ``images`` ([(path, caption)]) with ``encoders`` into a new cache; returns the folder."""
     import numpy as np
-    import torch
     try:
         from PIL import Image
     except ImportError:
@@ -246,7 +294,7 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
             for start in range(0, len(items), batch_size):
                 chunk = items[start:start + batch_size]
                 loaded = [load_pixels(p, bucket, rng) for p, _ in chunk]
-                latents = encoders.encode_images(torch.from_numpy(np.stack([px for px, _ in loaded])))
+                latents = encoders.encode_images(np.stack([px for px, _ in loaded]))
                 embeds, pooled = encoders.encode_prompts([c for _, c in chunk])
                 for j, (path, caption) in enumerate(chunk):
                     writer.add(latents[j], embeds[j], pooled[j], loaded[j][1], caption, str(path),
@@ -267,7 +315,10 @@ def main(argv=None) -> int:
                                 args.val_samples, args.seed, args.shard_size)
     else:
         images = scan_folder(args.images)
-        encoders = SDXLEncoders(args.model, args.device, args.vae_dtype, args.seed)
+        if args.encoders == "flame":
+            encoders = FlameEncoders(args.model, args.vae_dtype, args.seed, args.tokenizers, args.max_tokens)
+        else:
+            encoders = SDXLEncoders(args.model, args.device, args.vae_dtype, args.seed)
         out = prepare_images(args.cache_dir, images, encoders, args.resolution, args.min_side, args.max_side,
                              args.random_crop, args.val_fraction, args.val_samples, args.batch_size, args.text_dtype,
                              args.shard_size, args.seed)

@@ -616,3 +616,46 @@ def test_load_config_file_errors_name_the_option(tmp_path):
                                     "model": {"config": "foo"}}))
     with pytest.raises(ConfigError, match=r"model.config: expected tiny or sdxl or a diffusers UNet config.json"):
         load_config(path)
+
+
+def test_samples_while_training_go_to_step_folders_and_metrics(tmp_path):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("PIL")
+    from PIL import Image
+    from tiny_sdxl import write_tiny_pipeline
+    pipe = write_tiny_pipeline(tmp_path / "pipeline")  # text encoders 12 + 20 wide, pooled 16
+    dims = SimpleNamespace(in_channels=4, cross_attention_dim=32, pooled_dim=16, sample_size=4, block_out_channels=(8,))
+    cache = tmp_path / "cache"
+    write_synthetic_cache(cache, 8, 4, 6, 32, 16, latent_sizes=[(4, 4)], val_samples=0, seed=1)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("# samples\na cat\n\na dog\n")
+    cfg = _config(cache, tmp_path / "run", "train.steps=3", f"sample.prompts={prompts}", f"sample.model={pipe}",
+                  "sample.steps=2", "sample.every_n_steps=2", "sample.at_start=true", "sample.width=32",
+                  "sample.height=32", "sample.seed=5")
+    flame.manual_seed(cfg.train.seed)
+    trainer = Trainer(cfg, model=StandInUNet(dims), progress=False, log=lambda *a: None)
+    rng = flame.get_rng_state()
+    trainer.samples.render(trainer.model, 0, tmp_path / "probe")
+    assert flame.get_rng_state() == rng and trainer.model.training  # sampling leaves the run as it was
+    trainer.train()
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    sampled = [(r["step"], r["samples"]) for r in records if "samples" in r]
+    assert [s for s, _ in sampled] == [0, 2, 3]  # at start, every 2 steps, at the end
+    for step, paths in sampled:
+        assert paths == [str(run / "samples" / f"step-{step}" / f"{k:02d}.png") for k in range(2)]
+    with Image.open(sampled[-1][1][1]) as im:
+        assert im.size == (32, 32) and json.loads(im.text["flame"])["prompt"] == "a dog"
+    first = np.asarray(Image.open(sampled[0][1][0]))
+    np.testing.assert_array_equal(first, np.asarray(Image.open(tmp_path / "probe" / "step-0" / "00.png")))
+
+
+def test_sample_section_is_checked_before_any_work(cache_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"sample\.prompts: sampling needs the text encoders"):
+        _config(cache_dir, tmp_path / "o", "sample.prompts=[a cat]")
+    with pytest.raises(ConfigError, match=r"sample\.max_tokens: expected one of 75, 150, 225"):
+        _config(cache_dir, tmp_path / "o", "sample.max_tokens=100")
+    with pytest.raises(ConfigError) as e:
+        _config(cache_dir, tmp_path / "o", f"sample.prompts={tmp_path / 'nothing.txt'}", f"sample.model={tmp_path}",
+                "sample.width=30")
+    assert "nothing.txt is not a file" in str(e.value) and "sample.width: must be a multiple of 8" in str(e.value)

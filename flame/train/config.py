@@ -30,7 +30,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Opt:
     default: object
-    kind: str  # int, float, bool, str, path, filename, choice, targets, sizes
+    kind: str  # int, float, bool, str, path, filename, choice, targets, sizes, prompts
     help: str
     choices: tuple = ()
     low: float | None = None  # inclusive lower bound for numbers
@@ -107,6 +107,28 @@ SCHEMA = {
         "overwrite": Opt(False, "bool", "a run that does not resume may replace the checkpoints and metrics of an "
                                         "earlier run in output.dir (otherwise that is an error)"),
     },
+    "sample": {
+        "prompts": Opt(None, "prompts", "images to make while training: a list of prompts, or a text file with one "
+                                        "per line; null: none", nullable=True),
+        "negative_prompt": Opt(None, "str", "negative prompt for every sample; null: zero embeddings (SDXL's "
+                                            "default)", nullable=True),
+        "every_n_steps": Opt(0, "int", "sample every N steps (always at the end of the run); 0: only at the end",
+                             low=0),
+        "at_start": Opt(False, "bool", "also sample before the first step"),
+        "seed": Opt(0, "int", "seed of every sample's noise (the same for each sampling, to compare steps)"),
+        "steps": Opt(25, "int", "sampler steps", low=1),
+        "cfg": Opt(5.0, "float", "classifier-free guidance scale", low=0.0),
+        "sampler": Opt("euler", "choice", "sampling method", choices=("euler", "euler_a", "dpmpp_2m", "ddim")),
+        "width": Opt(None, "int", "image width in pixels (multiple of 8); null: the model's sample size", low=8,
+                     nullable=True),
+        "height": Opt(None, "int", "image height in pixels (multiple of 8); null: the model's sample size", low=8,
+                      nullable=True),
+        "max_tokens": Opt(75, "choice", "caption tokens per prompt (75, 150 or 225)", choices=(75, 150, 225)),
+        "model": Opt(None, "path", "pipeline folder or single-file checkpoint holding the text encoders and VAE; "
+                                   "null: model.path", nullable=True),
+        "tokenizers": Opt(None, "path", "pipeline folder with tokenizer/ and tokenizer_2/ (for a single-file "
+                                        "checkpoint)", nullable=True),
+    },
     "resume": Opt(None, "str", "null, 'latest' (the newest complete checkpoint in output.dir, if any) or a "
                                "checkpoint folder", nullable=True),
 }
@@ -121,6 +143,8 @@ ALIASES = {
     "snr_gamma": "diffusion.min_snr_gamma", "min_snr_gamma": "diffusion.min_snr_gamma", "output_dir": "output.dir",
     "checkpointing_steps": "output.save_every", "save_every_n_steps": "output.save_every",
     "pretrained_model_name_or_path": "model.path", "resume_from_checkpoint": "resume",
+    "sample_prompts": "sample.prompts", "sample_every_n_steps": "sample.every_n_steps",
+    "validation_prompt": "sample.prompts", "sample_sampler": "sample.sampler",
 }
 
 
@@ -160,13 +184,21 @@ def _check_value(name, opt: Opt, value, errors):
                 raise TypeError("expected a number") from None
             if not math.isfinite(value):
                 raise ValueError("expected a finite number")
-        elif kind in ("str", "path", "choice"):
+        elif kind == "choice":
+            if isinstance(value, bool) or value not in opt.choices:
+                raise ValueError(f"expected one of {', '.join(str(c) for c in opt.choices)}")
+        elif kind in ("str", "path"):
             if not isinstance(value, str) or not value:
                 raise TypeError("expected a non-empty string")
             if kind == "path":
                 value = os.path.expanduser(value)
-            if kind == "choice" and value not in opt.choices:
-                raise ValueError(f"expected one of {', '.join(opt.choices)}")
+        elif kind == "prompts":
+            if isinstance(value, str) and value:
+                value = os.path.expanduser(value)
+            elif not (isinstance(value, (list, tuple)) and value and all(isinstance(v, str) for v in value)):
+                raise TypeError("expected a list of prompts or the path of a text file with one per line")
+            else:
+                value = list(value)
         elif kind == "targets":
             patterns = [value] if isinstance(value, str) else value
             if not (isinstance(patterns, (list, tuple)) and patterns and all(isinstance(v, str) and v
@@ -256,6 +288,19 @@ def _cross_checks(c, errors):
     if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
         errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
+    smp = c["sample"]
+    if smp["prompts"] is not None:
+        if isinstance(smp["prompts"], str) and not os.path.isfile(smp["prompts"]):
+            errors.append(f"sample.prompts: {smp['prompts']} is not a file (give a list of prompts or a text file)")
+        source = smp["model"] or c["model"]["path"]
+        if source is None:
+            errors.append("sample.prompts: sampling needs the text encoders and VAE: set model.path to an SDXL "
+                          "pipeline folder or checkpoint file, or sample.model")
+        elif not os.path.exists(source):
+            errors.append(f"sample.model: {source} does not exist")
+        for side in ("width", "height"):
+            if smp[side] is not None and smp[side] % 8:
+                errors.append(f"sample.{side}: must be a multiple of 8, got {smp[side]}")
     if t["lr_scheduler"] == "constant" and t["warmup_steps"]:
         errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
 

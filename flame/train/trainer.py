@@ -144,6 +144,7 @@ class Trainer:
         if self._resume_from is None:
             self._check_fresh_start()
         # ---- the run
+        self.samples = self._prepare_samples(mcfg)  # before the UNet: the text encoders come and go first
         manual_seed(c.train.seed)
         if model is None:
             try:
@@ -173,6 +174,7 @@ class Trainer:
         self._pending = []  # (step, loss, grad norm or None, lr, epoch) on the device, not yet read
         self._ema = (0.0, 0)  # (biased moving average of the loss, losses in it)
         self._stop = None
+        self._sampled = None  # the step whose samples were made last
         self._clock = None
         self._bar_ = None
         self._step_done = True  # False while a step's state changes are not all applied
@@ -186,6 +188,31 @@ class Trainer:
             return unet_config(getattr(c, option))
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.{option}: {e}") from None
+
+    def _prepare_samples(self, mcfg):
+        """The ``sample`` section's prompts encoded and its VAE loaded (None without prompts)."""
+        s = self.cfg.sample
+        if s.prompts is None:
+            return None
+        from .samples import TrainingSamples
+        source = s.model or self.cfg.model.path
+        try:
+            return TrainingSamples(s, source, self.dtype, default_size=8 * mcfg.sample_size)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"sample: cannot load the text encoders and VAE from {source}: {e}") from None
+
+    def _sample(self):
+        """Images of the sample prompts from the current weights, their paths into metrics.jsonl."""
+        folder = os.path.join(self.out_dir, "samples")
+        try:
+            paths = self.samples.render(self.model, self.step, folder)
+        except OSError as e:
+            raise self._write_error(e, "sample images", folder) from e
+        self._metrics([{"step": self.step, "samples": paths}])
+        self._say(f"step {self.step}: {_count(len(paths), 'sample')} in {os.path.dirname(paths[0])}")
+        self._sampled = self.step
 
     def _check_precision(self):
         """bf16 needs a GPU of compute capability 8.0 (Ampere) or later."""
@@ -701,6 +728,8 @@ class Trainer:
         c = self.cfg
         if self.val_loader is not None and self.step == 0:
             self.validate()
+        if self.samples is not None and self.step == 0 and c.sample.at_start:
+            self._sample()
         while self.step < self.total_steps and self._stop is None:
             snapshot = (self.loader.state_dict(), get_rng_state())
             try:
@@ -713,6 +742,9 @@ class Trainer:
                     self._flush()
                 if self._stop is None and self.val_loader is not None and s % c.output.validate_every == 0:
                     self.validate()
+                every = c.sample.every_n_steps
+                if self._stop is None and self.samples is not None and every and s % every == 0:
+                    self._sample()
                 if self._stop is None and due_save and s < self.total_steps:
                     self.save()
             except KeyboardInterrupt:  # a second signal (or Ctrl-C without our handler)
@@ -726,6 +758,8 @@ class Trainer:
         self._flush()
         if self._stop is None and self.val_loader is not None and self.step not in self.val_losses:
             self.validate()  # a last validation loss at the end of the run
+        if self._stop is None and self.samples is not None and self._sampled != self.step:
+            self._sample()  # samples of the final weights
         return self.save()
 
     def _summary(self, steps, seconds, checkpoint):

@@ -1,0 +1,259 @@
+"""SDXL text-to-image on flame: prompts -> both text encoders -> a sampler's loop over the UNet with
+classifier-free guidance -> the VAE decoder -> images.
+
+The stages are functions of the models they need, so the trainer can sample with the UNet it is
+training (adapters live), prompts encoded once, and the VAE alone:
+
+- ``encode_prompts(text_encoders, prompts, negative_prompt, ...)`` -> ``Conditioning``;
+- ``denoise(unet, conditioning, noise, sampler, cfg, time_ids, ...)`` -> latents;
+- ``decode(vae, latents)`` -> uint8 images (H, W, 3).
+
+``SDXLPipeline`` holds the three models of one checkpoint and runs them in turn.
+
+Classifier-free guidance runs the unconditional and conditional rows as one UNet batch, as
+diffusers does: ``eps = eps_uncond + cfg * (eps_cond - eps_uncond)``. With no negative prompt the
+unconditional embeddings are zeros when the checkpoint says so (SDXL base's
+``force_zeros_for_empty_prompt``), else the embeddings of "". Micro-conditioning: the time ids are
+(original size, crop top-left, target size), by default (height, width, 0, 0, height, width).
+
+Reproducibility: image k of a call starts from noise drawn by flame's generator seeded with
+``seed + k`` (so an image can be regenerated alone from the seed in its metadata); the ancestral
+sampler's per-step noise is drawn after seeding with ``seed``, so ``euler_a`` images repeat for the
+same seed and batch size. The caller's generator state is restored afterwards.
+
+The UNet call of each step can run as a CUDA graph (``cuda_graph=True``): captured on the second
+step, replayed from the third, every step's inputs copied into the graph's buffers.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import NamedTuple
+
+import numpy as np
+
+from .. import runtime
+from ..autograd import no_grad
+from ..diffusion.samplers import make_sampler
+from ..graphs import CapturedStep
+from ..io import load_lora
+from ..models.sdxl_text import SDXLTextEncoders
+from ..models.sdxl_unet import SDXLUNet
+from ..models.vae import AutoencoderKL
+from ..nn.lora import fold_lora
+from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, tensor, zeros_like
+from ..ops.elementwise import add, clamp, mul, sub, to
+from ..ops.shape import cat
+from ..tensor import bfloat16, float32
+
+# SDXL base's scheduler/scheduler_config.json: used for single-file checkpoints, which carry none.
+SDXL_SCHEDULER_CONFIG = {
+    "_class_name": "EulerDiscreteScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085, "clip_sample": False, "interpolation_type": "linear", "num_train_timesteps": 1000,
+    "prediction_type": "epsilon", "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True,
+    "steps_offset": 1, "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False,
+}
+
+
+class Conditioning(NamedTuple):
+    """Text conditioning of B images: (B, L, text dim) embeddings and (B, pooled dim) pooled ones,
+    for the prompts and for the unconditional (negative) branch."""
+    embeds: object
+    pooled: object
+    negative_embeds: object
+    negative_pooled: object
+
+    def __len__(self):
+        return self.embeds.shape[0]
+
+
+def _as_list(prompts, name):
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{name} must be a string or a non-empty list of strings")
+    return prompts
+
+
+@no_grad()
+def encode_prompts(text_encoders: SDXLTextEncoders, prompts, negative_prompt=None, force_zeros_for_empty_prompt=True,
+                   max_tokens: int = 75) -> Conditioning:
+    """Both encoders' conditioning of ``prompts``; ``negative_prompt`` (one string for all, or one
+    per prompt; None: zeros when ``force_zeros_for_empty_prompt``, else "")."""
+    prompts = _as_list(prompts, "prompts")
+    embeds, pooled = text_encoders.encode(prompts, max_tokens=max_tokens)
+    if negative_prompt is None and force_zeros_for_empty_prompt:
+        return Conditioning(embeds, pooled, zeros_like(embeds), zeros_like(pooled))
+    negatives = _as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt")
+    if len(negatives) == 1:
+        negatives = negatives * len(prompts)
+    if len(negatives) != len(prompts):
+        raise ValueError(f"negative_prompt: {len(negatives)} given for {len(prompts)} prompts (give one, or one "
+                         "per prompt)")
+    neg_embeds, neg_pooled = text_encoders.encode(negatives, max_tokens=max_tokens)
+    return Conditioning(embeds, pooled, neg_embeds, neg_pooled)
+
+
+def time_ids_for(height, width, batch, original_size=None, crop_top_left=(0, 0)):
+    """(batch, 6) float32 SDXL micro-conditioning: original (h, w), crop (top, left), target (h, w)."""
+    orig = tuple(original_size) if original_size is not None else (height, width)
+    row = [*orig, *crop_top_left, height, width]
+    return tensor([row] * batch, dtype=float32)
+
+
+def initial_noise(batch, latent_shape, seed):
+    """(batch, *latent_shape) float32 noise, image k drawn after seeding flame's generator with seed + k."""
+    parts = []
+    for k in range(batch):
+        manual_seed(seed + k)
+        parts.append(randn(1, *latent_shape, dtype=float32))
+    return parts[0] if batch == 1 else cat(parts, 0)
+
+
+def _unet_call(unet):
+    def predict(x, t, context, pooled, time_ids):
+        return unet(x, t, context, pooled, time_ids)
+    return predict
+
+
+@no_grad()
+def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time_ids, cuda_graph: bool = True,
+            progress=None):
+    """The sampler's loop from ``noise`` (B, C, h, w) over ``unet``; returns float32 latents.
+    ``sampler``: from ``flame.diffusion.samplers.make_sampler``; ``time_ids`` (B, 6);
+    ``progress``: called with no argument after each step."""
+    B = noise.shape[0]
+    if len(cond) != B or time_ids.shape[0] != B:
+        raise ValueError(f"denoise: {B} noise rows but {len(cond)} conditioning rows and {time_ids.shape[0]} time ids")
+    guided = cfg > 1.0  # as diffusers: guidance only above 1
+    if guided:  # one batch: unconditional rows first, as diffusers
+        context = cat([cond.negative_embeds, cond.embeds], 0)
+        pooled = cat([cond.negative_pooled, cond.pooled], 0)
+        ids = cat([time_ids, time_ids], 0)
+    else:
+        context, pooled, ids = cond.embeds, cond.pooled, time_ids
+    rows = 2 * B if guided else B
+    predict = CapturedStep(_unet_call(unet), enabled=cuda_graph)
+    x = sampler.prepare_latents(noise)
+    for i, t in enumerate(sampler.timesteps):
+        x_in = sampler.scale_model_input(x, i)
+        x_in = cat([x_in, x_in], 0) if guided else x_in
+        t_rows = tensor([float(t)] * rows, dtype=float32)
+        out = to(predict(x_in, t_rows, context, pooled, ids), float32)
+        if guided:
+            uncond, cond_out = out.narrow(0, 0, B), out.narrow(0, B, B)
+            out = add(uncond, mul(sub(cond_out, uncond), float(cfg)))
+        x = sampler.step(out, i, x)
+        if progress is not None:
+            progress()
+    return x
+
+
+@no_grad()
+def decode(vae: AutoencoderKL, latents, tile: bool | None = None) -> list:
+    """Scaled latents -> [(H, W, 3) uint8 arrays]; ``tile``: tiled decode (None: when the latents are
+    larger than the VAE's tile)."""
+    images = vae.decode_latents(to(latents, vae.dtype), tile=tile)
+    pixels = clamp(mul(add(to(images, float32), 1.0), 127.5), 0.0, 255.0).numpy()  # host transfer
+    return [np.rint(p).astype(np.uint8).transpose(1, 2, 0) for p in pixels]
+
+
+def pipeline_settings(path) -> tuple:
+    """(scheduler config, force_zeros_for_empty_prompt) of a pipeline folder (scheduler/ and
+    model_index.json); SDXL base's for a single file or where they are absent."""
+    p = pathlib.Path(path)
+    scheduler, force_zeros = dict(SDXL_SCHEDULER_CONFIG), True
+    if p.is_dir():
+        if (p / "scheduler" / "scheduler_config.json").is_file():
+            scheduler = json.loads((p / "scheduler" / "scheduler_config.json").read_text())
+        if (p / "model_index.json").is_file():
+            force_zeros = json.loads((p / "model_index.json").read_text()).get("force_zeros_for_empty_prompt", True)
+    return scheduler, bool(force_zeros)
+
+
+def read_prompt_file(path) -> list:
+    """One prompt per line of ``path``; empty lines and lines starting with # are skipped."""
+    lines = [line.strip() for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines()]
+    prompts = [line for line in lines if line and not line.startswith("#")]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt")
+    return prompts
+
+
+def parse_lora(spec: str):
+    """``FILE`` or ``FILE:STRENGTH`` -> (path, strength)."""
+    path, sep, strength = spec.rpartition(":")
+    if sep:
+        try:
+            return pathlib.Path(path), float(strength)
+        except ValueError:
+            pass
+    return pathlib.Path(spec), 1.0
+
+
+class SDXLPipeline:
+    """The UNet, both text encoders (with their tokenizers) and the VAE of one SDXL checkpoint."""
+
+    def __init__(self, unet: SDXLUNet, text_encoders: SDXLTextEncoders, vae: AutoencoderKL,
+                 scheduler_config: dict | None = None, force_zeros_for_empty_prompt: bool = True, source: str = ""):
+        self.unet, self.text_encoders, self.vae = unet, text_encoders, vae
+        self.scheduler_config = dict(scheduler_config or SDXL_SCHEDULER_CONFIG)
+        self.force_zeros_for_empty_prompt = bool(force_zeros_for_empty_prompt)
+        self.source = str(source)
+        self.loras = []
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, vae_dtype=None, tokenizer_path=None) -> SDXLPipeline:
+        """A diffusers SDXL pipeline folder (unet/, vae/, text_encoder/, text_encoder_2/, tokenizer/,
+        tokenizer_2/, scheduler/, model_index.json) or one single-file SDXL checkpoint (its
+        tokenizers from ``tokenizer_path``, a pipeline folder). ``dtype``: UNet and text encoders
+        (default bf16 on a GPU, fp32 on the interpreter); ``vae_dtype`` defaults to ``dtype``."""
+        p = pathlib.Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"SDXL checkpoint {str(path)!r} does not exist")
+        dtype = dtype if dtype is not None else (float32 if runtime.is_interpreter() else bfloat16)
+        scheduler, force_zeros = pipeline_settings(p)
+        text = SDXLTextEncoders.from_pretrained(p, dtype=dtype, tokenizer_path=tokenizer_path)
+        vae = AutoencoderKL.from_pretrained(p, dtype=vae_dtype if vae_dtype is not None else dtype)
+        unet = SDXLUNet.from_pretrained(p, dtype=dtype)
+        return cls(unet, text, vae, scheduler, force_zeros, source=str(p))
+
+    def load_lora(self, path, strength: float = 1.0) -> list:
+        """Add a LoRA file (PEFT or kohya) into the UNet's weights at ``strength``; returns the layers
+        it changed. Files load one after another, each folded in before the next."""
+        names = load_lora(self.unet, path, inject=True)
+        fold_lora(self.unet, strength)
+        self.loras.append((pathlib.Path(path).name, float(strength)))
+        return names
+
+    def __call__(self, prompts, negative_prompt=None, steps: int = 30, cfg: float = 5.0, width: int = 1024,
+                 height: int = 1024, seed: int = 0, sampler: str = "euler", max_tokens: int = 75,
+                 cuda_graph: bool = True, progress=None) -> list:
+        """Images ((H, W, 3) uint8 arrays), one per prompt; ``progress`` called after each step."""
+        prompts = _as_list(prompts, "prompts")
+        cond = encode_prompts(self.text_encoders, prompts, negative_prompt, self.force_zeros_for_empty_prompt,
+                              max_tokens)
+        return generate(self.unet, self.vae, cond, self.scheduler_config, steps=steps, cfg=cfg, width=width,
+                        height=height, seed=seed, sampler=sampler, cuda_graph=cuda_graph, progress=progress)
+
+
+def generate(unet, vae, cond: Conditioning, scheduler_config: dict, steps=30, cfg=5.0, width=1024, height=1024,
+             seed=0, sampler="euler", cuda_graph=True, progress=None) -> list:
+    """Images for prompts already encoded (``cond``): noise from ``seed``, the sampler's loop, the
+    VAE decode. flame's generator state is the same afterwards."""
+    factor = 8 * 2 ** (len(unet.config.block_out_channels) - 1)
+    if width % factor or height % factor or width <= 0 or height <= 0:
+        raise ValueError(f"width and height must be positive multiples of {factor}, got {width}x{height}")
+    rng = get_rng_state()
+    try:
+        latent_shape = (unet.config.in_channels, height // 8, width // 8)
+        noise = initial_noise(len(cond), latent_shape, seed)
+        manual_seed(seed)
+        chosen = make_sampler(sampler, steps, scheduler_config)
+        ids = time_ids_for(height, width, len(cond))
+        latents = denoise(unet, cond, noise, chosen, cfg, ids, cuda_graph=cuda_graph, progress=progress)
+        return decode(vae, latents)
+    finally:
+        set_rng_state(rng)
+
