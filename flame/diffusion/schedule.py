@@ -59,24 +59,30 @@ def _check_prediction_type(prediction_type):
     return prediction_type
 
 
+def make_betas(num_train_timesteps: int = 1000, beta_start: float = 0.00085, beta_end: float = 0.012,
+               beta_schedule: str = "scaled_linear") -> np.ndarray:
+    """The (T,) float64 betas of a schedule, computed on the host (a constant of the schedule):
+    ``"scaled_linear"``: ``linspace(sqrt(beta_start), sqrt(beta_end), T) ** 2``; ``"linear"``:
+    ``linspace(beta_start, beta_end, T)``. Shared by the training schedule and the samplers."""
+    if not isinstance(num_train_timesteps, numbers.Integral) or num_train_timesteps < 1:
+        raise ValueError(f"num_train_timesteps must be a positive int, got {num_train_timesteps!r}")
+    if beta_schedule not in BETA_SCHEDULES:
+        raise ValueError(f"beta_schedule must be one of {BETA_SCHEDULES}, got {beta_schedule!r}")
+    if not 0.0 < beta_start <= beta_end < 1.0:
+        raise ValueError(f"betas must satisfy 0 < beta_start <= beta_end < 1, got {beta_start}, {beta_end}")
+    if beta_schedule == "scaled_linear":
+        return np.linspace(math.sqrt(beta_start), math.sqrt(beta_end), int(num_train_timesteps)) ** 2
+    return np.linspace(beta_start, beta_end, int(num_train_timesteps))
+
+
 class DDPMSchedule:
     """The forward (noising) process of a DDPM with a fixed beta schedule (SDXL's by default)."""
 
     def __init__(self, num_train_timesteps: int = 1000, beta_start: float = 0.00085, beta_end: float = 0.012,
                  beta_schedule: str = "scaled_linear"):
-        if not isinstance(num_train_timesteps, numbers.Integral) or num_train_timesteps < 1:
-            raise ValueError(f"num_train_timesteps must be a positive int, got {num_train_timesteps!r}")
-        if beta_schedule not in BETA_SCHEDULES:
-            raise ValueError(f"beta_schedule must be one of {BETA_SCHEDULES}, got {beta_schedule!r}")
-        if not 0.0 < beta_start <= beta_end < 1.0:
-            raise ValueError(f"betas must satisfy 0 < beta_start <= beta_end < 1, got {beta_start}, {beta_end}")
+        betas = make_betas(num_train_timesteps, beta_start, beta_end, beta_schedule)
         self.num_train_timesteps = int(num_train_timesteps)
         self.beta_start, self.beta_end, self.beta_schedule = float(beta_start), float(beta_end), beta_schedule
-        # A constant of the schedule, computed once on the host in float64.
-        if beta_schedule == "scaled_linear":
-            betas = np.linspace(math.sqrt(beta_start), math.sqrt(beta_end), self.num_train_timesteps) ** 2
-        else:
-            betas = np.linspace(beta_start, beta_end, self.num_train_timesteps)
         abar = np.cumprod(1.0 - betas)
         rows = np.stack([abar, np.sqrt(abar), np.sqrt(1.0 - abar), abar / (1.0 - abar)]).astype(np.float32)
         self._table = tensor(rows)  # (4, T) fp32 on the device
