@@ -266,11 +266,10 @@ class EulerAncestralSampler(EulerSampler):
         sigma, sigma_next = self.sigmas[i], self.sigmas[i + 1]
         up = math.sqrt(sigma_next ** 2 * (sigma ** 2 - sigma_next ** 2) / sigma ** 2)
         down = math.sqrt(sigma_next ** 2 - up ** 2)
-        if up == 0.0:
-            return self._euler(model_output, x, sigma, down)
-        if noise is None:
-            noise = randn_like(x, dtype=torch.float32)
-        return self._euler(model_output, x, sigma, down, extra=[(up, noise)])
+        extra = []
+        if up > 0.0:  # the last step (sigma_next = 0) adds no noise and draws none
+            extra = [(up, noise if noise is not None else randn_like(x, dtype=torch.float32))]
+        return self._euler(model_output, x, sigma, down, extra)
 
 
 class DPMSolverMultistepSampler(Sampler):
@@ -317,13 +316,10 @@ class DPMSolverMultistepSampler(Sampler):
         self._prev = None
 
     def _first_order(self, i):
-        n = len(self)
-        if i == n - 1:  # diffusers' lower_order_final
-            if self.euler_at_final or (self.config["lower_order_final"] and n < 15):
-                return True
-            if self.config["final_sigmas_type"] == "zero":
-                return True
-        return self._prev is None
+        n, s = len(self), self.config
+        lower_order_final = i == n - 1 and (self.euler_at_final or (s["lower_order_final"] and n < 15)
+                                            or s["final_sigmas_type"] == "zero")
+        return self._prev is None or lower_order_final
 
     def _step(self, model_output, i, x, noise):
         if i == 0:
