@@ -6,6 +6,7 @@ name maps, tokenization with kohya's long-caption windows, ``encode`` against di
 ``write_tiny_clip_tokenizer`` and ``write_tiny_text_encoders`` are importable by other tests (a
 tiny SDXL pipeline folder's tokenizer/, tokenizer_2/, text_encoder/, text_encoder_2/)."""
 import json
+import math
 import pathlib
 import shutil
 import warnings
@@ -117,6 +118,11 @@ def _sgm_state_dict(refs):
 # ---- the encoders against transformers -------------------------------------------------------------
 
 def test_encoders_match_transformers(tiny):
+    # SDXL's encoders by their sizes (nothing allocated): CLIP-L's text tower 123.06 M parameters, bigG's 694.66 M
+    for cfg, proj, count in ((CLIPTextConfig.sdxl_clip_l(), False, 123_060_480),
+                             (CLIPTextConfig.sdxl_clip_g(), True, 694_659_840)):
+        assert sum(math.prod(s) for s in CLIPTextModel.parameter_shapes(cfg, proj).values()) == count
+        assert cfg.head_dim == 64
     _, refs, enc = tiny
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 57, (3, 77), generator=g)  # no end token yet: the legacy rule pools at the largest id

@@ -173,6 +173,7 @@ def find_eos(input_ids, eos_token_id: int) -> list:
 
 SGM_PREFIXES = {"text_encoder": "conditioner.embedders.0.transformer.",
                 "text_encoder_2": "conditioner.embedders.1.model."}
+SGM_OPENCLIP = "text_encoder_2"  # the embedder an SGM file stores with OpenCLIP's names
 _OPENCLIP_TOP = {"token_embedding.weight": "text_model.embeddings.token_embedding.weight",
                  "positional_embedding": "text_model.embeddings.position_embedding.weight",
                  "ln_final.weight": "text_model.final_layer_norm.weight",
@@ -216,34 +217,37 @@ def _transformers_name(key: str):
     return "text_model." + key if key.startswith(_TRANSFORMERS_ROOTS) else key
 
 
+def _openclip_sources(file, key: str, rest: str, shape: tuple) -> dict:
+    """{parameter name: ``Source``} of OpenCLIP tensor ``key`` (``rest``: its name without the prefix)."""
+    names = openclip_to_transformers(rest)
+    if rest == _OPENCLIP_TRANSPOSED and len(shape) == 2:
+        return {names[0]: Source(file, key, shape[::-1], transpose=True)}
+    if len(names) == 3:  # q, k, v stacked along the rows
+        n = shape[0] // 3
+        return {name: Source(file, key, (n, *shape[1:]), rows=(i * n, (i + 1) * n)) for i, name in enumerate(names)}
+    return {name: Source(file, key, shape) for name in names}
+
+
 def checkpoint_index(files, subfolder: str) -> dict:
     """{parameter name: ``Source``} for the text encoder tensors of ``files``: in an SGM checkpoint
     (detected by ``SGM_PREFIXES[subfolder]``) only that embedder's tensors, else every tensor with
     transformers' names."""
     stored = stored_tensors(files)
-    prefix = SGM_PREFIXES.get(subfolder)
+    prefix = SGM_PREFIXES.get(subfolder, "")
     keys = [k for k in stored if prefix and k.startswith(prefix)]
-    openclip = bool(keys) and prefix.endswith(".model.")
+    openclip = bool(keys) and subfolder == SGM_OPENCLIP
     if not keys:
         keys, prefix = list(stored), ""
     out = {}
     for k in keys:
         file, shape = stored[k]
         rest = k[len(prefix):]
-        if not openclip:
-            name = _transformers_name(rest)
-            if name is not None:
-                out[name] = Source(file, k, shape)
+        if openclip:
+            out.update(_openclip_sources(file, k, rest, shape))
             continue
-        names = openclip_to_transformers(rest)
-        if rest == _OPENCLIP_TRANSPOSED and len(shape) == 2:
-            out[names[0]] = Source(file, k, shape[::-1], transpose=True)
-        elif len(names) == 3:  # q, k, v stacked along the rows
-            n = shape[0] // 3
-            for i, name in enumerate(names):
-                out[name] = Source(file, k, (n, *shape[1:]), rows=(i * n, (i + 1) * n))
-        elif names:
-            out[names[0]] = Source(file, k, shape)
+        name = _transformers_name(rest)
+        if name is not None:
+            out[name] = Source(file, k, shape)
     return out
 
 
@@ -396,11 +400,11 @@ class CLIPTextModel(nn.Module):
         d, m = config.hidden_size, config.intermediate_size
         out = OrderedDict([("text_model.embeddings.token_embedding.weight", (config.vocab_size, d)),
                            ("text_model.embeddings.position_embedding.weight", (config.max_position_embeddings, d))])
-        linears = (("self_attn.k_proj", d, d), ("self_attn.v_proj", d, d), ("self_attn.q_proj", d, d),
-                   ("self_attn.out_proj", d, d), ("layer_norm1", None, d), ("mlp.fc1", d, m), ("mlp.fc2", m, d),
-                   ("layer_norm2", None, d))
+        per_layer = (("self_attn.k_proj", d, d), ("self_attn.v_proj", d, d), ("self_attn.q_proj", d, d),
+                     ("self_attn.out_proj", d, d), ("layer_norm1", None, d), ("mlp.fc1", d, m), ("mlp.fc2", m, d),
+                     ("layer_norm2", None, d))  # (module, fan-in (None: a LayerNorm), width)
         for i in range(config.num_hidden_layers):
-            for name, fan_in, fan_out in linears:
+            for name, fan_in, fan_out in per_layer:
                 prefix = f"text_model.encoder.layers.{i}.{name}"
                 out[f"{prefix}.weight"] = (fan_out,) if fan_in is None else (fan_out, fan_in)
                 out[f"{prefix}.bias"] = (fan_out,)
