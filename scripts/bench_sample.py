@@ -35,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # tiny_sdxl: the letter tokenizer
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny pipeline and letter tokenizer of the tests
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon"
 
@@ -45,7 +45,8 @@ def write_random_pipeline(folder: Path, config: str) -> Path:
     import diffusers
     import torch
     import transformers
-    from tiny_sdxl import write_tiny_pipeline, write_tokenizer
+    from test_clip_text import write_tiny_clip_tokenizer
+    from tiny_sdxl import MODEL_INDEX, write_tiny_pipeline
 
     from flame.models import SDXLUNetConfig
     from flame.models.clip_text import CLIPTextConfig
@@ -69,11 +70,10 @@ def write_random_pipeline(folder: Path, config: str) -> Path:
         model.to(torch.bfloat16).save_pretrained(folder / name)
         del model
     for name, pad in (("tokenizer", "<|endoftext|>"), ("tokenizer_2", "!")):
-        write_tokenizer(folder / name, pad)
+        write_tiny_clip_tokenizer(folder / name, pad)
     diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                      timestep_spacing="leading", steps_offset=1).save_pretrained(folder / "scheduler")
-    (folder / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline",
-                                                         "force_zeros_for_empty_prompt": True}))
+    (folder / "model_index.json").write_text(json.dumps(MODEL_INDEX))
     return folder
 
 

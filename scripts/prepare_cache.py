@@ -82,6 +82,9 @@ def parse_args(argv=None):
                         "overflows in fp16 unless it is the fp16-fixed one)")
     p.add_argument("--text-dtype", choices=["fp16", "fp32"], default="fp16", help="embeddings on disk")
     p.add_argument("--shard-size", type=int, default=256, help="samples per shard file")
+    p.add_argument("--latents", choices=["sample", "mean"], default="sample",
+                   help="store a sample of the VAE's latent distribution (as diffusers' and kohya's scripts) "
+                        "or its mean")
     p.add_argument("--seed", type=int, default=0, help="latent sampling, random crops, synthetic data")
     args = p.parse_args(argv)
     if args.images is not None and args.model is None:
@@ -166,7 +169,7 @@ def val_split(names, fraction, count=None) -> set:
 class FlameEncoders:
     """The VAE and both text encoders of a local SDXL checkpoint, on flame."""
 
-    def __init__(self, path: Path, vae_dtype=None, seed=0, tokenizer_path=None, max_tokens=75):
+    def __init__(self, path: Path, vae_dtype=None, seed=0, tokenizer_path=None, max_tokens=75, latents="sample"):
         from flame import bfloat16, float16, float32, is_interpreter, manual_seed
         from flame.models.sdxl_text import SDXLTextEncoders
         from flame.models.vae import AutoencoderKL
@@ -181,13 +184,14 @@ class FlameEncoders:
         self.pooled_dim = self.text.pooled_dim
         self.latent_channels = self.vae.config.latent_channels
         manual_seed(seed)  # the latents' sampling noise
+        self.sample_latents = latents == "sample"
         self.source = str(path)
 
     def encode_images(self, pixels):
         """(B, 3, H, W) float32 NumPy array in [-1, 1] -> (B, C, H/8, W/8) scaled latents as NumPy float32."""
         with flame.no_grad():
             x = flame.tensor(pixels).to(self.vae.dtype)
-            return self.vae.encode_latents(x, sample=True).to(flame.float32).numpy()
+            return self.vae.encode_latents(x, sample=self.sample_latents).to(flame.float32).numpy()
 
     def encode_prompts(self, captions):
         """Both encoders' penultimate hidden states concatenated (B, L, 2048) and CLIP-G's pooled
@@ -200,7 +204,7 @@ class FlameEncoders:
 class SDXLEncoders:
     """The VAE and both text encoders of a local SDXL checkpoint, in PyTorch through diffusers/transformers."""
 
-    def __init__(self, path: Path, device=None, vae_dtype=None, seed=0):
+    def __init__(self, path: Path, device=None, vae_dtype=None, seed=0, latents="sample"):
         vae_dtype = vae_dtype or "fp32"
         try:
             import torch
@@ -230,6 +234,7 @@ class SDXLEncoders:
         self.pooled_dim = self.encoders[1].config.projection_dim
         self.latent_channels = self.vae.config.latent_channels
         self.generator = torch.Generator(self.device).manual_seed(seed)
+        self.sample_latents = latents == "sample"
         self.source = str(path)
 
     def encode_images(self, pixels):
@@ -237,7 +242,8 @@ class SDXLEncoders:
         torch = self.torch
         with torch.no_grad():
             x = torch.from_numpy(pixels).to(self.device, self.vae.dtype)
-            lat = self.vae.encode(x).latent_dist.sample(self.generator) * self.scaling_factor
+            dist = self.vae.encode(x).latent_dist
+            lat = (dist.sample(self.generator) if self.sample_latents else dist.mode()) * self.scaling_factor
         return lat.float().cpu().numpy()
 
     def encode_prompts(self, captions):
@@ -279,9 +285,13 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
         raise SystemExit(f"error: Pillow is not installed; {INTEROP_HINT}") from None
     buckets = make_buckets(resolution * resolution, 64, min_side, max_side)
     groups = {}
-    for path, caption in images:
-        with Image.open(path) as im:
-            groups.setdefault(nearest_bucket(*im.size, buckets), []).append((path, caption))
+    for path, caption in images:  # every image is opened before anything is written
+        try:
+            with Image.open(path) as im:
+                size = im.size
+        except OSError as e:
+            raise SystemExit(f"error: {path} is not an image Pillow can read ({e})") from None
+        groups.setdefault(nearest_bucket(*size, buckets), []).append((path, caption))
     held_out = val_split([str(p) for p, _ in images], val_fraction, val_samples)
     writer = CacheWriter(cache_dir, encoders.latent_channels, encoders.text_len, encoders.text_dim,
                          encoders.pooled_dim, text_dtype=text_dtype, shard_size=shard_size,
@@ -316,9 +326,10 @@ def main(argv=None) -> int:
     else:
         images = scan_folder(args.images)
         if args.encoders == "flame":
-            encoders = FlameEncoders(args.model, args.vae_dtype, args.seed, args.tokenizers, args.max_tokens)
+            encoders = FlameEncoders(args.model, args.vae_dtype, args.seed, args.tokenizers, args.max_tokens,
+                                     args.latents)
         else:
-            encoders = SDXLEncoders(args.model, args.device, args.vae_dtype, args.seed)
+            encoders = SDXLEncoders(args.model, args.device, args.vae_dtype, args.seed, args.latents)
         out = prepare_images(args.cache_dir, images, encoders, args.resolution, args.min_side, args.max_side,
                              args.random_crop, args.val_fraction, args.val_samples, args.batch_size, args.text_dtype,
                              args.shard_size, args.seed)

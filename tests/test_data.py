@@ -336,34 +336,13 @@ def test_prepare_cache_synthetic_cli(tmp_path):
     assert r.returncode == 2 and "--images needs --model" in r.stderr
 
 
-def _tiny_sdxl_folder(path):
-    """A diffusers-layout SDXL folder with tiny random VAE and CLIP encoders and a letter tokenizer."""
-    diffusers = pytest.importorskip("diffusers")
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    diffusers.AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=("DownEncoderBlock2D",) * 4,
-                            up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
-                            sample_size=32, scaling_factor=0.13025).save_pretrained(path / "vae")
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for c in "abcdefghijklmnopqrstuvwxyz":
-        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
-    (path / "v.json").write_text(json.dumps(vocab))
-    (path / "merges.txt").write_text("#version: 0.2\n")
-    for name, hidden in (("", 8), ("_2", 12)):
-        tok = transformers.CLIPTokenizer(str(path / "v.json"), str(path / "merges.txt"), model_max_length=77)
-        tok.save_pretrained(path / f"tokenizer{name}")
-        cfg = transformers.CLIPTextConfig(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=16,
-                                          num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=77,
-                                          projection_dim=6, bos_token_id=0, eos_token_id=1, pad_token_id=1)
-        cls = transformers.CLIPTextModel if not name else transformers.CLIPTextModelWithProjection
-        cls(cfg).save_pretrained(path / f"text_encoder{name}")
-    return path
-
-
 def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
+    """flame's encoders (the default) write the cache the diffusers path writes, on a tiny pipeline."""
+    pytest.importorskip("diffusers")
     pytest.importorskip("PIL")
     from PIL import Image
-    model = _tiny_sdxl_folder(tmp_path / "sdxl")
+    from tiny_sdxl import write_tiny_pipeline
+    model = write_tiny_pipeline(tmp_path / "sdxl")
     images = tmp_path / "images"
     images.mkdir()
     rng = np.random.default_rng(0)
@@ -374,28 +353,35 @@ def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
     pc = _prepare_cache_module()
     items = pc.scan_folder(images)
     assert sorted((p.name, c) for p, c in items)[0] == ("sq2.png", "a sq2")
-    enc = pc.SDXLEncoders(model, device="cpu", seed=0)
-    assert (enc.text_dim, enc.pooled_dim, enc.text_len, enc.latent_channels) == (20, 6, 77, 4)
-    out = pc.prepare_images(tmp_path / "cache", items, enc, resolution=91, min_side=64, max_side=128,
-                            val_samples=1, batch_size=2, show_progress=False)
-    cache = LatentCache(out)
-    assert len(cache) == 4 and len(cache.split("val")) == 1
-    by_name = {pathlib.Path(s["source"]).name: i for i, s in enumerate(cache.samples)}
-    host = {n: cache.read([i]) for n, i in by_name.items()}
+    caches = {}
+    for who, enc in (("flame", pc.FlameEncoders(model, latents="mean")),
+                     ("diffusers", pc.SDXLEncoders(model, device="cpu", latents="mean"))):
+        assert (enc.text_dim, enc.pooled_dim, enc.text_len, enc.latent_channels) == (32, 16, 77, 4)
+        out = pc.prepare_images(tmp_path / who, items, enc, resolution=91, min_side=64, max_side=128,
+                                val_samples=1, batch_size=2, text_dtype="fp32", show_progress=False)
+        cache = LatentCache(out)
+        assert len(cache) == 4 and len(cache.split("val")) == 1
+        by_name = {pathlib.Path(s["source"]).name: i for i, s in enumerate(cache.samples)}
+        caches[who] = {n: {k: v.float().numpy() for k, v in cache.read([i]).items()} for n, i in by_name.items()}
+    host = caches["flame"]
     # buckets of at most 91^2 px: 64x64, 128x64, 64x128; wide 2:1 -> 128x64 (latent 8x16), tall 1:2 -> 64x128
-    assert tuple(host["wide.png"]["latents"].shape) == (1, 4, 8, 16)
-    assert tuple(host["tall.jpg"]["latents"].shape) == (1, 4, 16, 8)
-    assert tuple(host["square.png"]["latents"].shape) == (1, 4, 8, 8)
+    assert host["wide.png"]["latents"].shape == (1, 4, 8, 16)
+    assert host["tall.jpg"]["latents"].shape == (1, 4, 16, 8)
+    assert host["square.png"]["latents"].shape == (1, 4, 8, 8)
     # time ids: original (h, w), crop (top, left), target (h, w)
-    np.testing.assert_array_equal(host["wide.png"]["time_ids"][0].numpy(), [48, 96, 0, 0, 64, 128])
-    np.testing.assert_array_equal(host["sq2.png"]["time_ids"][0].numpy(), [66, 70, 0, 2, 64, 64])  # 68x64, crop
-    # text embeddings are both encoders' penultimate states concatenated, pooled = CLIP-G projection
-    want, pooled = enc.encode_prompts(["a wide"])
-    np.testing.assert_allclose(host["wide.png"]["prompt_embeds"][0].float().numpy(), want[0], rtol=1e-3, atol=1e-3)
-    np.testing.assert_allclose(host["wide.png"]["pooled"][0].float().numpy(), pooled[0], rtol=1e-3, atol=1e-3)
-    assert all(np.isfinite(h["latents"].numpy()).all() for h in host.values())
+    np.testing.assert_array_equal(host["wide.png"]["time_ids"][0], [48, 96, 0, 0, 64, 128])
+    np.testing.assert_array_equal(host["sq2.png"]["time_ids"][0], [66, 70, 0, 2, 64, 64])  # 68x64, crop
+    for name, sample in host.items():
+        for key in ("latents", "prompt_embeds", "pooled", "time_ids"):
+            np.testing.assert_allclose(sample[key], caches["diffusers"][name][key], rtol=1e-4, atol=1e-5,
+                                       err_msg=f"{name} {key}")
     # metadata.jsonl takes precedence over .txt files
     (images / "metadata.jsonl").write_text(json.dumps({"file_name": "wide.png", "text": "from jsonl"}) + "\n")
     assert [(p.name, c) for p, c in pc.scan_folder(images)] == [("wide.png", "from jsonl")]
     with pytest.raises(SystemExit, match="not an SDXL checkpoint folder"):
         pc.SDXLEncoders(images, device="cpu")
+    (images / "metadata.jsonl").unlink()
+    (images / "broken.png").write_text("not an image")
+    with pytest.raises(SystemExit, match=r"broken\.png is not an image"):
+        pc.prepare_images(tmp_path / "nothing", pc.scan_folder(images), enc, show_progress=False)
+    assert not (tmp_path / "nothing").exists()

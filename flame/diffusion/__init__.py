@@ -1,9 +1,21 @@
-"""Diffusion training utilities: the DDPM noise schedule, targets, loss weights and noise sampling."""
+"""Diffusion utilities: the DDPM noise schedule, targets, loss weights and noise sampling for training;
+the samplers (Euler, Euler ancestral, DPM++ 2M Karras, DDIM) for inference."""
+from .samplers import (
+    SAMPLERS,
+    SDXL_BASE_SCHEDULER_CONFIG,
+    DDIMSampler,
+    DPMSolverMultistepSampler,
+    EulerAncestralSampler,
+    EulerSampler,
+    Sampler,
+    make_sampler,
+)
 from .schedule import (
     BETA_SCHEDULES,
     PREDICTION_TYPES,
     Coefficients,
     DDPMSchedule,
+    make_betas,
     min_snr_weights,
     sample_noise,
     sample_timesteps,

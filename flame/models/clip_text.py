@@ -449,7 +449,8 @@ class CLIPTextModel(nn.Module):
         elif not with_projection:
             index.pop("text_projection.weight", None)
         check_index(index, cls.parameter_shapes(config, with_projection), what, where)
-        model = cls(config, dtype=dtype, with_projection=with_projection)
+        with nn.init.skip_init():  # every parameter is loaded next
+            model = cls(config, dtype=dtype, with_projection=with_projection)
         load_into(model, index, model.dtype)
         return model
 

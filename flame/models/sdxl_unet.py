@@ -586,7 +586,8 @@ class SDXLUNet(nn.Module):
             config = file_cfg
         index = checkpoint_index(files, config)
         check_index(index, cls.parameter_shapes(config), "SDXL UNet", ", ".join(str(f) for f in files))
-        model = cls(config, dtype=dtype)
+        with nn.init.skip_init():  # every parameter is loaded next
+            model = cls(config, dtype=dtype)
         load_into(model, index, model.dtype)
         return model
 

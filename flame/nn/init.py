@@ -6,6 +6,7 @@ kernel outside the graph and returns its argument.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 from .. import runtime
@@ -13,6 +14,21 @@ from ..kernels import elementwise as KE
 from ..kernels import random as KR
 from ..ops.creation import _generator, _next_offset
 from ..tensor import Tensor
+
+
+_skipping = 0
+
+
+@contextlib.contextmanager
+def skip_init():
+    """Inside, the initialisers leave tensors as allocated (uninitialised) and draw no random
+    numbers: for building a model whose every parameter is then loaded from a checkpoint."""
+    global _skipping
+    _skipping += 1
+    try:
+        yield
+    finally:
+        _skipping -= 1
 
 
 def _check(t, fn):
@@ -24,7 +40,7 @@ def _check(t, fn):
 def _random_into(t, dist, a, b):
     if not t.dtype.is_floating_point:
         raise TypeError(f"random init needs a floating-point tensor, got {t.dtype}")
-    if t.numel() == 0:
+    if t.numel() == 0 or _skipping:
         return t
     buf = t._data
     dst = buf if buf.is_contiguous() else runtime.empty(tuple(buf.shape), buf.dtype)
@@ -43,7 +59,8 @@ def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
 
 
 def constant_(tensor: Tensor, val: float) -> Tensor:
-    KE.fill_(_check(tensor, "constant_")._data, val)
+    if not _skipping:
+        KE.fill_(_check(tensor, "constant_")._data, val)
     return tensor
 
 

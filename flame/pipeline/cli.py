@@ -12,8 +12,9 @@ import pathlib
 import re
 import sys
 
+from ..diffusion.samplers import SAMPLERS
+
 PROG = "flame-sample"
-SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")
 
 
 def _positive(kind):

@@ -34,7 +34,7 @@ import numpy as np
 
 from .. import runtime
 from ..autograd import no_grad
-from ..diffusion.samplers import make_sampler
+from ..diffusion.samplers import SDXL_BASE_SCHEDULER_CONFIG, make_sampler
 from ..graphs import CapturedStep
 from ..io import load_lora
 from ..models.sdxl_text import SDXLTextEncoders
@@ -45,14 +45,6 @@ from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, ten
 from ..ops.elementwise import add, clamp, mul, sub, to
 from ..ops.shape import cat
 from ..tensor import bfloat16, float32
-
-# SDXL base's scheduler/scheduler_config.json: used for single-file checkpoints, which carry none.
-SDXL_SCHEDULER_CONFIG = {
-    "_class_name": "EulerDiscreteScheduler", "beta_end": 0.012, "beta_schedule": "scaled_linear",
-    "beta_start": 0.00085, "clip_sample": False, "interpolation_type": "linear", "num_train_timesteps": 1000,
-    "prediction_type": "epsilon", "sample_max_value": 1.0, "set_alpha_to_one": False, "skip_prk_steps": True,
-    "steps_offset": 1, "timestep_spacing": "leading", "trained_betas": None, "use_karras_sigmas": False,
-}
 
 
 class Conditioning(NamedTuple):
@@ -152,8 +144,12 @@ def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time
 
 @no_grad()
 def decode(vae: AutoencoderKL, latents, tile: bool | None = None) -> list:
-    """Scaled latents -> [(H, W, 3) uint8 arrays]; ``tile``: tiled decode (None: when the latents are
-    larger than the VAE's tile)."""
+    """Scaled latents -> [(H, W, 3) uint8 arrays]. ``tile``: decode in blended tiles (None: when
+    the image has at least 4x the area of the VAE's sample size, 2048x2048 for SDXL, where an
+    untiled decode's activations take several GB)."""
+    if tile is None:
+        pixels = latents.shape[2] * latents.shape[3] * vae.config.downsample_factor ** 2
+        tile = pixels >= 4 * vae.config.sample_size ** 2
     images = vae.decode_latents(to(latents, vae.dtype), tile=tile)
     pixels = clamp(mul(add(to(images, float32), 1.0), 127.5), 0.0, 255.0).numpy()  # host transfer
     return [np.rint(p).astype(np.uint8).transpose(1, 2, 0) for p in pixels]
@@ -163,7 +159,7 @@ def pipeline_settings(path) -> tuple:
     """(scheduler config, force_zeros_for_empty_prompt) of a pipeline folder (scheduler/ and
     model_index.json); SDXL base's for a single file or where they are absent."""
     p = pathlib.Path(path)
-    scheduler, force_zeros = dict(SDXL_SCHEDULER_CONFIG), True
+    scheduler, force_zeros = dict(SDXL_BASE_SCHEDULER_CONFIG), True
     if p.is_dir():
         if (p / "scheduler" / "scheduler_config.json").is_file():
             scheduler = json.loads((p / "scheduler" / "scheduler_config.json").read_text())
@@ -198,7 +194,7 @@ class SDXLPipeline:
     def __init__(self, unet: SDXLUNet, text_encoders: SDXLTextEncoders, vae: AutoencoderKL,
                  scheduler_config: dict | None = None, force_zeros_for_empty_prompt: bool = True, source: str = ""):
         self.unet, self.text_encoders, self.vae = unet, text_encoders, vae
-        self.scheduler_config = dict(scheduler_config or SDXL_SCHEDULER_CONFIG)
+        self.scheduler_config = dict(scheduler_config or SDXL_BASE_SCHEDULER_CONFIG)
         self.force_zeros_for_empty_prompt = bool(force_zeros_for_empty_prompt)
         self.source = str(source)
         self.loras = []

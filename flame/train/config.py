@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import yaml
 
+from ..diffusion.samplers import SAMPLERS
 from ..nn.lora import target_pattern_error
 from .model import CONFIG_NAMES
 
@@ -118,7 +119,7 @@ SCHEMA = {
         "seed": Opt(0, "int", "seed of every sample's noise (the same for each sampling, to compare steps)"),
         "steps": Opt(25, "int", "sampler steps", low=1),
         "cfg": Opt(5.0, "float", "classifier-free guidance scale", low=0.0),
-        "sampler": Opt("euler", "choice", "sampling method", choices=("euler", "euler_a", "dpmpp_2m", "ddim")),
+        "sampler": Opt("euler", "choice", "sampling method", choices=SAMPLERS),
         "width": Opt(None, "int", "image width in pixels (multiple of 8); null: the model's sample size", low=8,
                      nullable=True),
         "height": Opt(None, "int", "image height in pixels (multiple of 8); null: the model's sample size", low=8,
