@@ -643,14 +643,17 @@ _LDM_ROOTS = ("encoder.down.", "encoder.mid.", "decoder.up.", "decoder.mid.")
 def checkpoint_index(files, config: AutoencoderKLConfig | None = None) -> dict:
     """{diffusers name: ``Source``} for the VAE tensors of ``files``, whose naming (diffusers, LDM,
     or a full checkpoint's ``first_stage_model.`` part) is detected from the keys. Attention
-    projections stored as 1x1 convolutions are read as linear weights. Keys outside the map keep
-    their name (and so are reported as unexpected)."""
+    projections stored as 1x1 convolutions are read as linear weights. An LDM file's ``loss.``
+    tensors (the training loss's discriminator and LPIPS weights) are skipped; other keys outside
+    the map keep their name (and so are reported as unexpected)."""
     stored = stored_tensors(files)
     names = list(stored)
     if any(k.startswith(LDM_VAE_PREFIX) for k in names):
         names, ldm = [k for k in names if k.startswith(LDM_VAE_PREFIX)], True
     else:
         ldm = any(k.startswith(_LDM_ROOTS) for k in names)
+    if ldm:
+        names = [k for k in names if not k.removeprefix(LDM_VAE_PREFIX).startswith("loss.")]
     out = {}
     for k in names:
         file, shape = stored[k]
