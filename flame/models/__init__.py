@@ -1,6 +1,13 @@
-"""Models with diffusers-compatible parameter names: the SDXL UNet (``SDXLUNet``, ``SDXLUNetConfig``)
-and its LDM/SGM checkpoint name map (``flame.models.sdxl_keys``)."""
+"""Models with diffusers / transformers parameter names, loaded from diffusers pipeline folders or
+single-file (LDM/SGM) checkpoints through one loader (``flame.models.checkpoints``): the SDXL UNet
+(``SDXLUNet``), SDXL's two CLIP text encoders with their tokenizers (``SDXLTextEncoders``,
+``CLIPTextModel``) and its VAE (``AutoencoderKL``)."""
+from .clip_text import CLIPTextConfig, CLIPTextModel, CLIPTextOutput, find_eos, openclip_to_transformers
 from .sdxl_keys import diffusers_to_ldm, ldm_to_diffusers
+from .sdxl_text import SDXLTextEncoders
 from .sdxl_unet import SDXLUNet, SDXLUNetConfig
+from .vae import AutoencoderKL, AutoencoderKLConfig, DiagonalGaussian, diffusers_to_ldm_vae, ldm_to_diffusers_vae
 
-__all__ = ["SDXLUNet", "SDXLUNetConfig", "diffusers_to_ldm", "ldm_to_diffusers"]
+__all__ = ["AutoencoderKL", "AutoencoderKLConfig", "CLIPTextConfig", "CLIPTextModel", "CLIPTextOutput",
+           "DiagonalGaussian", "SDXLTextEncoders", "SDXLUNet", "SDXLUNetConfig", "diffusers_to_ldm",
+           "diffusers_to_ldm_vae", "find_eos", "ldm_to_diffusers", "ldm_to_diffusers_vae", "openclip_to_transformers"]

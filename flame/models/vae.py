@@ -444,7 +444,8 @@ class AutoencoderKL(nn.Module):
         config = config if config is not None else AutoencoderKLConfig()
         index = checkpoint_index(files, config)
         check_index(index, cls.parameter_shapes(config), "VAE", ", ".join(str(f) for f in files))
-        model = cls(config, dtype=dtype)
+        with nn.init.skip_init():  # every parameter is loaded next
+            model = cls(config, dtype=dtype)
         load_into(model, index, model.dtype)
         return model
 
