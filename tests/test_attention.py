@@ -1,6 +1,7 @@
 """scaled_dot_product_attention: values and gradients against a float64 naive reference, PyTorch's
-masking conventions, strided layouts, block-boundary paths, gradcheck, errors; bf16 SDXL shapes on
-the GPU (DESIGN.md's rule: error at most 2x / 3x PyTorch SDPA's own)."""
+masking conventions, strided layouts, block-boundary paths, gradcheck, errors, the forward-only
+head dims above 256 (split value columns); bf16 SDXL shapes on the GPU (DESIGN.md's rule: error at
+most 2x / 3x PyTorch SDPA's own)."""
 import math
 import os
 import subprocess
@@ -396,6 +397,48 @@ def test_empty(B, H, Lq, Lk, D):
     torch.testing.assert_close(o, want)
 
 
+# ---- head dims above 256 (the SDXL VAE's single-head 512): forward only ---------------------
+
+@pytest.mark.parametrize("D,dtype,blocks_", [
+    (320, torch.float32, None),                                            # one block: K/V loaded once
+    (384, torch.bfloat16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DV=256)),     # key loop, two value slices
+    (512, torch.float16, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DV=256, KV_TMA=True)),  # TMA K/V, V at column 256
+])
+def test_head_dims_above_256_forward(monkeypatch, D, dtype, blocks_):
+    """The forward for head dims up to 512 on 40 queries x 70 keys, against the float64 reference:
+    unmasked, then causal with a boolean mask, then an additive mask; with BLOCK_DV < BLOCK_D each
+    program computes the scores over the whole head dim and accumulates its slice of V and O (a
+    ragged last slice at 384). Inputs that require grad run under no_grad."""
+    monkeypatch.setattr(KA, "FORCE_BLOCKS", blocks_)
+    used, real = [], KA.launch
+
+    def spy(kernel, grid, *args, **kw):
+        used.append((grid[2] if len(grid) > 2 else 1, kw["KV_TMA"]))  # value slices on grid axis 2
+        return real(kernel, grid, *args, **kw)
+    monkeypatch.setattr(KA, "launch", spy)
+    tq, tk, tv = _inputs(1, 2, 40, 70, D, dtype)
+    keep = torch.rand(40, 70, device=DEVICE) > 0.3
+    keep[:, 0] = True
+    bias = torch.randn(1, 2, 40, 70, device=DEVICE).to(dtype if dtype != torch.bfloat16 else torch.float32)
+    rel = REL.get(dtype, 8e-3)  # bf16: the output's rounding (the interpreter computes in fp32)
+    q, k, v = (flame.from_torch(t, requires_grad=True) for t in (tq, tk, tv))
+    with flame.no_grad():
+        for mask, causal in ((None, False), (keep, True), (bias, False)):
+            fm = None if mask is None else flame.from_torch(mask)
+            got = sdpa(q, k, v, attn_mask=fm, is_causal=causal).to_torch()
+            assert got.dtype == dtype and got.shape == (1, 2, 40, D)
+            assert _err(got, _ref(tq, tk, tv, mask, causal)) < rel, (D, mask is None, causal)
+    slices = 1 if blocks_ is None else 2
+    assert used == [(slices, blocks_ is not None and blocks_.get("KV_TMA", False))] * 3
+
+
+def test_head_dims_above_256_refuse_a_gradient():
+    """No backward above head dim 256: a call that would record one fails at the forward."""
+    q, k, v = (flame.from_torch(torch.randn(1, 1, 3, 320, device=DEVICE), requires_grad=i == 2) for i in range(3))
+    with pytest.raises(ValueError, match="forward only"):
+        sdpa(q, k, v)
+
+
 # ---- errors -----------------------------------------------------------------------------------
 
 def _f(*shape, dtype=torch.float32):
@@ -415,6 +458,7 @@ def _f(*shape, dtype=torch.float32):
     ((_f(1, 2, 3, 8), _f(1, 2, 4, 8), _f(1, 2, 4, 8)), dict(attn_mask=_f(3, 4, dtype=torch.float16)), TypeError,
      "attn_mask"),
     ((_f(1, 2, 3, 8), _f(1, 2, 4, 8), _f(1, 2, 8, 4).transpose(-1, -2)), {}, ValueError, "contiguous"),
+    ((_f(1, 1, 3, 513), _f(1, 1, 4, 513), _f(1, 1, 4, 513)), {}, ValueError, "above 512"),
     ((_f(1, 2, 3, 8), torch.randn(1, 2, 4, 8), _f(1, 2, 4, 8)), {}, TypeError, "flame Tensor"),
     ((_f(1, 2, 3, 8, dtype=torch.int64), _f(1, 2, 4, 8, dtype=torch.int64), _f(1, 2, 4, 8, dtype=torch.int64)), {},
      TypeError, "floating-point"),
@@ -472,6 +516,19 @@ def test_gpu_masks():
     _gpu_rule(B, H, Lq, Lk, 64, torch.bfloat16, mask=bias)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 1, 4096, 4096, 512), (2, 1, 1024, 1024, 512), (1, 2, 1000, 77, 320),
+                                   (2, 1, 300, 20, 512)])
+def test_gpu_head_dims_above_256_forward(shape):
+    """The VAE's single-head attention (D = 512), a ragged head dim and short K/V: bf16 forward
+    within 2x PyTorch SDPA's own error."""
+    B, H, Lq, Lk, D = shape
+    tq, tk, tv = _inputs(B, H, Lq, Lk, D, torch.bfloat16)
+    ref = _ref(*(t.float() for t in (tq, tk, tv))).float()
+    got = sdpa(*(flame.from_torch(t) for t in (tq, tk, tv))).to_torch()
+    assert_within_torch_error(got, torch.nn.functional.scaled_dot_product_attention(tq, tk, tv), ref, 2)
+
+
 # ---- opt-in: compile the GPU kernels for sm_90 on a machine without a GPU -----------------------
 
 _COMPILE_SCRIPT = r'''
@@ -504,12 +561,15 @@ def build(kernel, ptrs, consts, meta):
     assert k.metadata.shared <= 232448, (kernel.__name__, k.metadata.shared)
 
 for dt, D, Lk, causal, kind in (("bf16", 64, 4096, False, 0), ("bf16", 64, 77, False, 0), ("fp16", 40, 1000, True, 2),
-                                ("bf16", 128, 2048, True, 1)):
+                                ("bf16", 128, 2048, True, 1), ("bf16", 512, 16384, False, 0)):
     acc = dict(ACC=tl.float32, PRECISION="tf32", UPCAST=False, WIDE=False, HEAD_DIM=D, CAUSAL=causal, MASK_KIND=kind,
                POS_SCALE=True)
     m = "u8" if kind == 2 else dt
+    fwd = A._fwd_config(4096, Lk, D, 10, A.torch.bfloat16)
     build(A._attn_fwd_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, o_ptr=dt, lse_ptr="fp32", mask_ptr=m), acc,
-          A._fwd_config(4096, Lk, D, 10, A.torch.bfloat16))
+          dict(fwd, BLOCK_DV=fwd.get("BLOCK_DV", fwd["BLOCK_D"])))
+    if D > 256:  # forward only
+        continue
     kv, dq, _ = A._bwd_config(4096, Lk, D, 10, A.torch.bfloat16)
     part = "fp32" if dq is None else dt
     build(A._attn_bwd_dkdv_kernel, dict(q_ptr=dt, k_ptr=dt, v_ptr=dt, do_ptr=dt, o_ptr=dt, lse_ptr="fp32",

@@ -1,6 +1,7 @@
 """Flash attention: FlashAttention-2 forward and blockwise backward over strided q/k/v.
 
-Problem: ``O = softmax(Q K^T * scale + M) V`` per (batch, head), with Q (Lq, D), K and V (Lk, D),
+Problem: ``O = softmax(Q K^T * scale + M) V`` per (batch, head), with Q (Lq, D), K and V (Lk, D)
+(D up to 512 in the forward, up to 256 in the backward),
 an optional mask M (additive float, or boolean where True keeps a score) and an optional causal
 mask with PyTorch's top-left alignment (query i sees keys j <= i, whatever Lq and Lk are).
 
@@ -18,7 +19,9 @@ Kernels (all programs of one (batch, head) pair index it as ``pid_bh = b * H + h
   Hopper, the K/V blocks of the loop arrive through TMA tensor descriptors. Stores O and
   ``lse2 = max + log2(sum)`` (base-2 log-sum-exp of the scaled scores; +inf for a row whose
   every key is masked out: its output is 0 and so are its gradients, as in PyTorch's
-  ``_safe_softmax`` path).
+  ``_safe_softmax`` path). Above head dim 256 the value/output columns may be split over
+  programs (grid axis 2, BLOCK_DV columns each; see ``ACC_REGS``): each slice recomputes the
+  scores over the whole head dim, and the first one stores lse2.
 - ``_attn_bwd_preprocess_kernel``: ``delta_i = sum_d dO[i, d] * O[i, d]``.
 - ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys (and per chunk of query blocks),
   looping over query blocks; recomputes P from lse2. With FUSED_DQ (every key in one block)
@@ -97,24 +100,27 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
 
 
 @triton.jit
-def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, lo, hi, Lq, Lk, qk_scale,
+def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, lo, hi, Lq, Lk, qk_scale,
               skn, svn, smm, smn,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-              MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-              WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr):
-    # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors
+              HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+              CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
+              UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr):
+    # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors. K is
+    # read over the whole head dim (offs_d), V over this program's value columns dv0 + [0, BLOCK_DV).
     d_ok = offs_d < HEAD_DIM
+    offs_dv = dv0 + tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if WIDE:
             offs_n = offs_n.to(tl.int64)
         if KV_TMA:  # rows past Lk arrive as zeros
             k = k_src.load([start_n, 0])
-            v = v_src.load([start_n, 0])
+            v = v_src.load([start_n, dv0])
         else:
-            kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
-            k = tl.load(k_src + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(v_src + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+            n_ok = (offs_n < Lk)[:, None]
+            k = tl.load(k_src + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok[None, :], other=0.0)
+            v = tl.load(v_src + offs_n[:, None] * svn + offs_dv[None, :], mask=n_ok & dv_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -127,7 +133,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, lo, hi,
 def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                      H, Lq, Lk, qk_scale,
                      sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, smb, smh, smm, smn,
-                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, M_GROUP: tl.constexpr, SINGLE_KV: tl.constexpr,
                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr,
@@ -136,6 +142,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
     if CAUSAL:  # the longest rows (most key blocks) first
         pid_g = tl.num_programs(0) - 1 - pid_g
     pid_bh = tl.program_id(1)
+    pid_dv = tl.program_id(2)  # which BLOCK_DV columns of V and O (one slice unless BLOCK_DV < BLOCK_D)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     q_base = q_ptr + b * sqb + h * sqh
@@ -146,13 +153,16 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
     lse_base = lse_ptr + pid_bh.to(tl.int64) * Lq
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
+    dv0 = pid_dv * BLOCK_DV
+    offs_dv = dv0 + tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM
     if SINGLE_KV:  # every key in one block: load K/V once for all M_GROUP query blocks
         offs_n = tl.arange(0, BLOCK_N)
         if WIDE:
             offs_n = offs_n.to(tl.int64)
-        kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
+        n_ok = (offs_n < Lk)[:, None]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :], mask=n_ok & dv_ok[None, :], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -162,7 +172,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
         k_src = tl.make_tensor_descriptor(k_base, shape=[Lk, HEAD_DIM], strides=[skn, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
         v_src = tl.make_tensor_descriptor(v_base, shape=[Lk, HEAD_DIM], strides=[svn, 1],
-                                          block_shape=[BLOCK_N, BLOCK_D])
+                                          block_shape=[BLOCK_N, BLOCK_DV])
     for g in range(M_GROUP):
         start_m = (pid_g * M_GROUP + g) * BLOCK_M
         offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -173,7 +183,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                     other=0.0)
         if UPCAST:
             q = q.to(tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
+        acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
         if SINGLE_KV:
@@ -186,19 +196,20 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
             else:
                 hi = Lk
                 n_full = (Lk // BLOCK_N) * BLOCK_N
-            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, 0, n_full,
-                                      Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, False, CAUSAL,
-                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
-            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, n_full, hi,
-                                      Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, True, CAUSAL,
-                                      MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, 0, n_full,
+                                      Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, False,
+                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
+            acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, n_full, hi,
+                                      Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, True,
+                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
         empty = l_i == 0.0  # every key masked out (or Lk == 0): output 0, lse +inf
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
         lse = tl.where(empty, float("inf"), m_i + tl.math.log2(l_safe))
-        tl.store(o_base + offs_m[:, None] * som + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
-        tl.store(lse_base + offs_m, lse, mask=row_ok)
+        tl.store(o_base + offs_m[:, None] * som + offs_dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & dv_ok[None, :])
+        if pid_dv == 0:  # every slice computed the same statistics: the first one stores them
+            tl.store(lse_base + offs_m, lse, mask=row_ok)
 
 
 # ---- backward ---------------------------------------------------------------------------------
@@ -485,7 +496,8 @@ def _cdiv(a, b):
 # Lk at or below this uses the short-K/V paths (K/V in one block: forward loads them once per
 # program; backward fuses dQ into the dK/dV kernel and splits the query range over programs).
 SHORT_KV_MAX = 128
-# Tests set this to a dict of block sizes to exercise the multi-block paths in the interpreter.
+# Tests set this to a dict of block sizes to exercise the multi-block paths in the interpreter
+# (BLOCK_M, BLOCK_N; optionally M_GROUP, CHUNK, KV_TMA and the forward's BLOCK_DV).
 FORCE_BLOCKS = None
 
 
@@ -505,9 +517,11 @@ def stats_dtype(dtype):
 def _short_max(esize, bd):
     """Largest Lk served by the short-K/V paths: K and V of that many rows must fit in shared
     memory next to the query tiles, so 4- and 8-byte dtypes (tests only) and head dims above 128
-    get shorter ones."""
+    get shorter ones (above 256: 32 keys of 2 bytes, 16 of more, K and V at most 64 KiB each)."""
     if runtime.INTERPRETER or (esize <= 2 and bd <= 128):
         return SHORT_KV_MAX
+    if bd > 256:
+        return SHORT_KV_MAX // 4 if esize <= 2 else SHORT_KV_MAX // 8
     return SHORT_KV_MAX // 4 if esize >= 8 else SHORT_KV_MAX // 2
 
 
@@ -531,25 +545,69 @@ def _configured(impl):
 
 @_configured
 def _fwd_config(Lq, Lk, D, BH, dtype):
-    """Forward launch config: BLOCK_D, BLOCK_M, BLOCK_N, M_GROUP, SINGLE_KV, num_warps, num_stages.
+    """Forward launch config: BLOCK_D, BLOCK_M, BLOCK_N, M_GROUP, SINGLE_KV, KV_TMA, num_warps,
+    num_stages, and BLOCK_DV where the value columns are split.
 
     BLOCK_M, BLOCK_N, M_GROUP, num_warps and num_stages come from ``flame.tune`` (kernel
     "attention_fwd", key (Lq, Lk, D, B*H)): a tuning-table entry on the GPU, else
     ``_fwd_heuristic``. BLOCK_D is D rounded up to a power of two; SINGLE_KV (K/V loaded once per
     program) holds when Lk is short (``short_kv``) and fits in one BLOCK_N block, so that every
-    entry gives a correct launch."""
+    entry gives a correct launch. BLOCK_DV, the value/output columns of one program
+    (``_dv_block``, from the tile and the warps), is there only when it is less than BLOCK_D
+    (head dims above 256); without it a program takes all of them."""
     esize = dtype.itemsize
     bd = max(16, _pow2(D))
     short = short_kv(Lk, D, esize)
     if FORCE_BLOCKS is not None:
         bm, bn = FORCE_BLOCKS["BLOCK_M"], FORCE_BLOCKS["BLOCK_N"]
         short = short and Lk <= bn
-        return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn if not short else max(16, _pow2(Lk)),
-                    M_GROUP=FORCE_BLOCKS.get("M_GROUP", 1) if short else 1, SINGLE_KV=short,
-                    KV_TMA=FORCE_BLOCKS.get("KV_TMA", False) and not short and bd == D, num_warps=4, num_stages=1)
-    cfg = tune.config("attention_fwd", (Lq, Lk, D, BH), dtype, _fwd_heuristic(Lq, Lk, bd, BH, esize, short))
-    single = short and Lk <= cfg["BLOCK_N"]
-    return dict(cfg, BLOCK_D=bd, SINGLE_KV=single, KV_TMA=KV_TMA and not single and bd == D and Lk >= KV_TMA_MIN_KEYS)
+        cfg = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn if not short else max(16, _pow2(Lk)),
+                   M_GROUP=FORCE_BLOCKS.get("M_GROUP", 1) if short else 1, SINGLE_KV=short,
+                   KV_TMA=FORCE_BLOCKS.get("KV_TMA", False) and not short and bd == D, num_warps=4, num_stages=1)
+        dv = FORCE_BLOCKS.get("BLOCK_DV", bd)
+    else:
+        cfg = tune.config("attention_fwd", (Lq, Lk, D, BH), dtype, _fwd_heuristic(Lq, Lk, bd, BH, esize, short))
+        single = short and Lk <= cfg["BLOCK_N"]
+        cfg = dict(cfg, BLOCK_D=bd, SINGLE_KV=single,
+                   KV_TMA=KV_TMA and not single and bd == D and Lk >= KV_TMA_MIN_KEYS)
+        dv = _dv_block(bd, cfg["BLOCK_M"], cfg["num_warps"], esize)
+    return cfg if dv >= bd else dict(cfg, BLOCK_DV=dv)
+
+
+# Head dims above 256 (the SDXL VAE's single-head attention has 512): the (BLOCK_M, BLOCK_D)
+# accumulator of O no longer fits in registers next to the Q tile and the scores (64 x 512 fp32
+# is 128 registers a thread with 8 warps, and Triton keeps the loop-invariant Q tile in
+# registers as well). A program then accumulates only BLOCK_DV of the value columns (grid axis
+# 2 walks the slices): each slice recomputes the scores Q K^T over the whole head dim and the
+# same row statistics (max, sum, lse), and multiplies by its columns of V. The accumulator gets
+# at most ACC_REGS registers per thread; more warps (a tuning entry's num_warps) keep more
+# columns per program. With two slices the forward does 1.5x the FLOPs, bought back by the
+# taller tile: K/V are read once per 128 query rows and each warpgroup runs 64-row wgmmas.
+# Measured on an H100 (Triton 3.6, bf16, one head of D = 512, Lq = Lk = 16384; SDPA 4.52 ms):
+# 128 x 32 tiles, 8 warps, 2 stages, two slices of 256, TMA K/V: 2.15 ms (256 TFLOP/s of
+# useful work; 2.31 ms without TMA); the same with 128 x 64 tiles and one stage 1.97 ms, but it
+# needs all of Hopper's shared memory; unsplit 64 x 64 (8 warps, one stage) 2.40 ms, 64 x 32
+# (two stages) 2.86 ms; 64 x 32 in two slices 5.25 ms, 128 x 32 in four slices 4.00 ms. At
+# 4096 tokens: the 128 x 32 split 0.241 ms (SDPA 0.335), 32 x 32 unsplit (4 warps) 0.245,
+# 64 x 64 unsplit 0.276. With TMA plus a mask or causal, the 2-stage config can pass the 227 KB
+# of shared memory (Triton 3.9 compiled it to 232 KB): ``launch`` then runs it with one stage.
+# Chunking the Q K^T product over D instead would free the Q tile's registers, but would read
+# Q again for every key block.
+ACC_REGS = 128
+
+
+def _dv_block(bd, bm, warps, esize):
+    """Value/output columns per program: all of BLOCK_D up to head dim 256, above it the widest
+    power-of-two slice whose accumulator (BLOCK_M x BLOCK_DV, 2 registers per fp64 element) holds
+    at most ACC_REGS registers per thread of ``warps`` warps and at most half of the SM's 64K
+    registers (16 warps get 128 registers a thread in all). The interpreter takes every column."""
+    if bd <= 256 or runtime.INTERPRETER:
+        return bd
+    budget = min(ACC_REGS * 32 * warps, 32768)
+    dv = bd
+    while dv > 16 and bm * dv * max(1, esize // 4) > budget:
+        dv //= 2
+    return dv
 
 
 def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
@@ -562,7 +620,9 @@ def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
     # with many programs (batch 4) 128 rows and 8 warps win. fp32/fp64 (tests) get smaller tiles
     # so that they fit in shared memory.
     warps = 4
-    if esize >= 8:
+    if bd > 256:  # 128-row tiles over two value slices (see ACC_REGS); fp32/fp64 (tests): 4 warps, no slices
+        bm, bn, warps, stages = (128, 32, 8, 2) if esize <= 2 else (32, 16, 4, 1) if esize == 4 else (16, 16, 4, 1)
+    elif esize >= 8:
         bm, bn, stages = 32, 32, 1
     elif esize == 4 or bd > 128:
         bm, bn, stages = 64, 32, 2
@@ -575,7 +635,7 @@ def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
         bm = min(bm, 64)
         nm = _cdiv(Lq, bm)
         group = max(1, min(8, (nm * BH) // (2 * runtime.num_sms())))
-        return dict(BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, M_GROUP=group, num_warps=warps if bd > 256 else 4, num_stages=1)
     return dict(BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, num_warps=warps, num_stages=stages)
 
 
@@ -681,6 +741,10 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
     if cfg["KV_TMA"] and (wide or not _tma_readable(k, sk) or not _tma_readable(v, sv)):
         cfg = dict(cfg, KV_TMA=False)
     grid = (_cdiv(_cdiv(Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), B * H)
+    if "BLOCK_DV" in cfg:  # value columns split: grid axis 2 walks the slices
+        grid += (_cdiv(D, cfg["BLOCK_DV"]),)
+    else:
+        cfg = dict(cfg, BLOCK_DV=cfg["BLOCK_D"])
     launch(_attn_fwd_kernel, grid, q, k, v, o, lse, mbuf, H, Lq, Lk, float(scale * LOG2E),
            *sq, *sk, *sv, *so, *ms,
            HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast, WIDE=wide,

@@ -13,9 +13,13 @@ PyTorch conventions kept:
 - A query row whose every key is masked out gets output 0 and zero gradients (PyTorch's CPU and
   math paths give the same since 2.5; older releases and some CUDA backends return NaN there).
 - ``scale`` defaults to 1/sqrt(D).
+Head dims: any D up to 512 in the forward (the SDXL VAE's single-head mid-block attention has
+512), up to 256 with a gradient: above 256 there is no backward, and a call whose inputs require
+grad (outside ``flame.no_grad()``) raises at the forward rather than when the backward runs.
+
 Not supported (clear errors): ``dropout_p != 0``, ``enable_gqa=True``, a value head dim different
 from the query's, batch dims that differ between q, k and v (no broadcasting), a non-contiguous
-head dim.
+head dim, head dims above 512, and gradients for head dims above 256.
 
 Outputs and gradients are allocated in the memory order of the corresponding input (dims ordered
 by stride), so a (B, L, H, D)-laid-out query gives a (B, L, H, D)-laid-out output and the usual
@@ -38,6 +42,8 @@ from ._util import argument_error, check_tensor
 from .elementwise import to
 
 _OP = "scaled_dot_product_attention"
+MAX_HEAD_DIM = 512  # the forward's limit
+MAX_GRAD_HEAD_DIM = 256  # the backward's: above it the forward alone (inference)
 
 
 def _empty_like_order(buf, dtype=None):
@@ -93,8 +99,8 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
     if not (query.shape[-1] == key.shape[-1] == value.shape[-1]):
         raise ValueError(f"{_OP}: query, key and value must have the same head dim, got {shapes}")
     D = query.shape[-1]
-    if D > 256:
-        raise ValueError(f"{_OP}: head dims above 256 are not supported, got {shapes}")
+    if D > MAX_HEAD_DIM:
+        raise ValueError(f"{_OP}: head dims above {MAX_HEAD_DIM} are not supported, got {shapes}")
     if D > 1:
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.stride(-1) != 1:
@@ -182,6 +188,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     B, H, Lq, Lk, D = _dims(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
     qb, kb, vb = query._data, key._data, value._data
     scale = (1.0 / math.sqrt(D) if D > 0 else 1.0) if scale is None else float(scale)
+    grad = needs_grad(query, key, value)
+    if grad and D > MAX_GRAD_HEAD_DIM:  # refused before any work, not when the backward runs
+        raise ValueError(f"{_OP}: head dims above {MAX_GRAD_HEAD_DIM} have a forward only (no backward), got "
+                         f"head dim {D} with inputs that require grad; run it under flame.no_grad() or detach "
+                         f"query, key and value")
     mask = _mask_arg(attn_mask, query, B, H, Lq, Lk)
     out = _empty_like_order(qb)
     lse = runtime.empty((B * H, max(Lq, 1)), KA.stats_dtype(qb.dtype))
@@ -189,7 +200,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         KA.attention_fwd(qb, kb, vb, out, lse, _bh_strides(qb), _bh_strides(kb), _bh_strides(vb), _bh_strides(out),
                          B, H, Lq, Lk, D, scale, is_causal, mask)
     y = Tensor(out)
-    if needs_grad(query, key, value):
+    if grad:
         record(y, (query, key, value), _sdpa_backward, saved=(qb, kb, vb, out, lse, mask),
                B=B, H=H, Lq=Lq, Lk=Lk, D=D, scale=scale, causal=bool(is_causal))
     return y
