@@ -5,8 +5,8 @@ two levels, one resnet per down block, one transformer block per attention level
 32 = 12 + 20 text features, pooled 16, latents a multiple of 2); the
 text encoders and tokenizers are ``test_clip_text``'s tiny ones (2-layer CLIP models 12 and 20 wide,
 CLIP-L-like and bigG-like with a 16-wide projection; letter tokenizers with SDXL's padding); the
-VAE has four 8-channel blocks (8x down/up-sampling, as SDXL's; its 64-pixel sample size makes
-64x64 images decode untiled). All weights are seeded random.
+VAE has two 8-channel blocks (2x down/up-sampling where SDXL's has 8x: half the launches; its
+32-pixel sample size makes images up to 32x32 decode untiled). All weights are seeded random.
 """
 import json
 
@@ -37,9 +37,9 @@ def write_tiny_pipeline(path):
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     diffusers.UNet2DConditionModel(**UNET.to_diffusers()).save_pretrained(path / "unet")
-    diffusers.AutoencoderKL(block_out_channels=(8,) * 4, down_block_types=("DownEncoderBlock2D",) * 4,
-                            up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=4, norm_num_groups=4,
-                            sample_size=64, scaling_factor=0.13025).save_pretrained(path / "vae")
+    diffusers.AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
+                            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+                            sample_size=32, scaling_factor=0.13025).save_pretrained(path / "vae")
     write_tiny_text_encoders(path)
     diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
                                      timestep_spacing="leading", steps_offset=1).save_pretrained(path / "scheduler")

@@ -15,7 +15,6 @@ from ..kernels import random as KR
 from ..ops.creation import _generator, _next_offset
 from ..tensor import Tensor
 
-
 _skipping = 0
 
 

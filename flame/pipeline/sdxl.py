@@ -218,7 +218,10 @@ class SDXLPipeline:
     def load_lora(self, path, strength: float = 1.0) -> list:
         """Add a LoRA file (PEFT or kohya) into the UNet's weights at ``strength``; returns the layers
         it changed. Files load one after another, each folded in before the next."""
-        names = load_lora(self.unet, path, inject=True)
+        try:
+            names = load_lora(self.unet, path, inject=True)
+        except (KeyError, ValueError) as e:  # nothing was written: the file is checked first
+            raise ValueError(f"{path}: not a LoRA for this SDXL UNet: {e.args[0] if e.args else e}") from None
         fold_lora(self.unet, strength)
         self.loras.append((pathlib.Path(path).name, float(strength)))
         return names
@@ -238,12 +241,13 @@ def generate(unet, vae, cond: Conditioning, scheduler_config: dict, steps=30, cf
              seed=0, sampler="euler", cuda_graph=True, progress=None) -> list:
     """Images for prompts already encoded (``cond``): noise from ``seed``, the sampler's loop, the
     VAE decode. flame's generator state is the same afterwards."""
-    factor = 8 * 2 ** (len(unet.config.block_out_channels) - 1)
+    vae_factor = vae.config.downsample_factor  # 8 in SDXL
+    factor = vae_factor * 2 ** (len(unet.config.block_out_channels) - 1)
     if width % factor or height % factor or width <= 0 or height <= 0:
         raise ValueError(f"width and height must be positive multiples of {factor}, got {width}x{height}")
     rng = get_rng_state()
     try:
-        latent_shape = (unet.config.in_channels, height // 8, width // 8)
+        latent_shape = (unet.config.in_channels, height // vae_factor, width // vae_factor)
         noise = initial_noise(len(cond), latent_shape, seed)
         manual_seed(seed)
         chosen = make_sampler(sampler, steps, scheduler_config)
