@@ -26,6 +26,7 @@ runs after one warm-up run, peak allocated memory, and flame/diffusers ratios.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -37,6 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny pipeline and letter tokenizer of the tests
+
+import flame  # noqa: E402  (picks the backend before anything imports triton)
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon"
 
@@ -93,7 +96,6 @@ def _timed(fn, repeat, sync):
 # ---- the measured parts, one per process ----------------------------------------------------------
 
 def flame_pipeline(args, cuda_graph):
-    import flame
     from flame.pipeline import SDXLPipeline
     pipe = SDXLPipeline.from_pretrained(args.model)
     flame.reset_peak_memory_stats()
@@ -118,8 +120,8 @@ def diffusers_pipeline(args):
     return {"s": s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
 
 
-def flame_vae(args, size):
-    import flame
+def flame_vae(args, which):
+    size = args.vae_sizes[which]
     from flame.models.vae import AutoencoderKL
     vae = AutoencoderKL.from_pretrained(args.model)
     flame.manual_seed(0)
@@ -130,7 +132,8 @@ def flame_vae(args, size):
     return {"s": s, "peak_gib": flame.max_memory_allocated() / 2**30}
 
 
-def diffusers_vae(args, size):
+def diffusers_vae(args, which):
+    size = args.vae_sizes[which]
     import torch
     from diffusers import AutoencoderKL
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -169,8 +172,8 @@ PARTS = {
     "pipeline": [("flame (CUDA graph)", lambda a: flame_pipeline(a, True)),
                  ("flame (eager)", lambda a: flame_pipeline(a, False)),
                  ("diffusers", diffusers_pipeline)],
-    "vae": [(f"{fw} {size}", (lambda s, f: lambda a: f(a, s))(size, fn))
-            for size in (1024, 2048) for fw, fn in (("flame", flame_vae), ("diffusers", diffusers_vae))],
+    "vae": [(f"{fw} {k}", functools.partial(fn, which=k))
+            for k in (0, 1) for fw, fn in (("flame", flame_vae), ("diffusers", diffusers_vae))],
     "cache": [("flame", lambda a: cache_encoders(a, "flame")), ("diffusers", lambda a: cache_encoders(a, "diffusers"))],
 }
 
@@ -181,6 +184,8 @@ def parse_args(argv=None):
     p.add_argument("--config", choices=("sdxl", "tiny"), default="sdxl")
     p.add_argument("--model", help="an existing pipeline folder (default: write a random one)")
     p.add_argument("--size", type=int, default=1024, help="image side for the pipeline and cache parts")
+    p.add_argument("--vae-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1024, 2048],
+                   help="the two image sides of the vae part")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", help="write the results as JSON here")
@@ -201,7 +206,8 @@ def main(argv=None) -> int:
         for part in args.only or list(PARTS):
             for i, (name, _) in enumerate(PARTS[part]):
                 cmd = [sys.executable, __file__, "--run", f"{part}:{i}", "--model", args.model, "--size",
-                       str(args.size), "--steps", str(args.steps), "--repeat", str(args.repeat)]
+                       str(args.size), "--steps", str(args.steps), "--repeat", str(args.repeat), "--vae-sizes",
+                       ",".join(map(str, args.vae_sizes))]
                 r = subprocess.run(cmd, capture_output=True, text=True)
                 if r.returncode:
                     results[f"{part}/{name}"] = {"error": r.stderr.strip().splitlines()[-1:]}
@@ -209,6 +215,7 @@ def main(argv=None) -> int:
                 else:
                     results[f"{part}/{name}"] = json.loads(r.stdout.strip().splitlines()[-1])
                 print(f"{part}/{name}: {results[f'{part}/{name}']}", flush=True)
+    results["vae sizes"] = args.vae_sizes
     _ratios(results)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -223,9 +230,9 @@ def _ratios(results):
             print(f"{a} / {b} ({key}): {ra[key] / rb[key]:.3f}")
     for name in ("flame (CUDA graph)", "flame (eager)"):
         ratio(f"pipeline/{name}", "pipeline/diffusers", "s")
-    for size in (1024, 2048):
-        ratio(f"vae/flame {size}", f"vae/diffusers {size}", "s")
-        ratio(f"vae/flame {size}", f"vae/diffusers {size}", "peak_gib")
+    for k in (0, 1):
+        ratio(f"vae/flame {k}", f"vae/diffusers {k}", "s")
+        ratio(f"vae/flame {k}", f"vae/diffusers {k}", "peak_gib")
     ratio("cache/flame", "cache/diffusers", "images_per_s")
 
 
