@@ -81,15 +81,26 @@ def write_random_pipeline(folder: Path, config: str) -> Path:
     return folder
 
 
-def _timed(fn, repeat, sync):
+def _timed(fn, args, sync):
+    """Median seconds of ``args.repeat`` calls after a warm-up call; with ``--profile`` (on a GPU)
+    also the GPU time of one more call by kernel name (top 15)."""
     fn()  # warm-up: compiles kernels, captures graphs
     times = []
-    for _ in range(repeat):
+    for _ in range(args.repeat):
         sync()
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+        rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+                       if e.device_time_total > 0), key=lambda r: -r[1])
+        print(json.dumps({"gpu_ms": round(sum(r[1] for r in rows), 2),
+                          "top": [(k[:90], round(ms, 2), c) for k, ms, c in rows[:15]]}), file=sys.stderr)
     return statistics.median(times)
 
 
@@ -101,7 +112,7 @@ def flame_pipeline(args, cuda_graph):
     flame.reset_peak_memory_stats()
     run = lambda: pipe(PROMPT, steps=args.steps, cfg=5.0, width=args.size, height=args.size, seed=0,
                        cuda_graph=cuda_graph)
-    return {"s": _timed(run, args.repeat, flame.synchronize), "peak_gib": flame.max_memory_allocated() / 2**30}
+    return {"s": _timed(run, args, flame.synchronize), "peak_gib": flame.max_memory_allocated() / 2**30}
 
 
 def diffusers_pipeline(args):
@@ -116,19 +127,19 @@ def diffusers_pipeline(args):
         torch.cuda.reset_peak_memory_stats()
     run = lambda: pipe(PROMPT, num_inference_steps=args.steps, guidance_scale=5.0, width=args.size,
                        height=args.size, generator=torch.Generator(dev).manual_seed(0), output_type="np")
-    s = _timed(run, args.repeat, sync)
+    s = _timed(run, args, sync)
     return {"s": s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
 
 
 def flame_vae(args, which):
     size = args.vae_sizes[which]
     from flame.models.vae import AutoencoderKL
-    vae = AutoencoderKL.from_pretrained(args.model)
+    vae = AutoencoderKL.from_pretrained(args.model, dtype=flame.float32 if flame.is_interpreter() else flame.bfloat16)
     flame.manual_seed(0)
     latents = flame.randn(1, 4, size // 8, size // 8).to(vae.dtype)
     flame.reset_peak_memory_stats()
     with flame.no_grad():
-        s = _timed(lambda: vae.decode_latents(latents, tile=True), args.repeat, flame.synchronize)
+        s = _timed(lambda: vae.decode_latents(latents, tile=True), args, flame.synchronize)
     return {"s": s, "peak_gib": flame.max_memory_allocated() / 2**30}
 
 
@@ -145,7 +156,7 @@ def diffusers_vae(args, which):
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
-        s = _timed(lambda: vae.decode(latents / vae.config.scaling_factor), args.repeat, sync)
+        s = _timed(lambda: vae.decode(latents / vae.config.scaling_factor), args, sync)
     return {"s": s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
 
 
@@ -164,7 +175,7 @@ def cache_encoders(args, framework):
     def run():
         enc.encode_images(pixels)
         enc.encode_prompts(captions)
-    s = _timed(run, args.repeat, lambda: None)  # both return host arrays: already synchronized
+    s = _timed(run, args, lambda: None)  # both return host arrays: already synchronized
     return {"images_per_s": batch / s}
 
 
@@ -189,6 +200,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--profile", action="store_true", help="print each part's GPU time by kernel (stderr)")
     p.add_argument("--run", help=argparse.SUPPRESS)  # internal: "part:index" in a child process
     return p.parse_args(argv)
 
@@ -207,8 +219,10 @@ def main(argv=None) -> int:
             for i, (name, _) in enumerate(PARTS[part]):
                 cmd = [sys.executable, __file__, "--run", f"{part}:{i}", "--model", args.model, "--size",
                        str(args.size), "--steps", str(args.steps), "--repeat", str(args.repeat), "--vae-sizes",
-                       ",".join(map(str, args.vae_sizes))]
+                       ",".join(map(str, args.vae_sizes))] + (["--profile"] if args.profile else [])
                 r = subprocess.run(cmd, capture_output=True, text=True)
+                if args.profile:
+                    print("\n".join(line for line in r.stderr.splitlines() if line.startswith('{"gpu_ms"')))
                 if r.returncode:
                     results[f"{part}/{name}"] = {"error": r.stderr.strip().splitlines()[-1:]}
                     print(r.stderr[-3000:], file=sys.stderr)

@@ -169,14 +169,16 @@ def val_split(names, fraction, count=None) -> set:
 class FlameEncoders:
     """The VAE and both text encoders of a local SDXL checkpoint, on flame."""
 
-    def __init__(self, path: Path, vae_dtype=None, seed=0, tokenizer_path=None, max_tokens=75, latents="sample"):
+    def __init__(self, path: Path, vae_dtype=None, seed=0, tokenizer_path=None, max_tokens=75, latents="sample",
+                 text_encoder_dtype=None):
+        """``vae_dtype``, ``text_encoder_dtype``: "bf16", "fp16" or "fp32" (default bf16 on a GPU,
+        fp32 on the interpreter)."""
         from flame import bfloat16, float16, float32, is_interpreter, manual_seed
         from flame.models.sdxl_text import SDXLTextEncoders
         from flame.models.vae import AutoencoderKL
-        dt = {"fp32": float32, "fp16": float16, "bf16": bfloat16}
-        default = float32 if is_interpreter() else bfloat16
-        self.text = SDXLTextEncoders.from_pretrained(path, dtype=default, tokenizer_path=tokenizer_path)
-        self.vae = AutoencoderKL.from_pretrained(path, dtype=dt[vae_dtype] if vae_dtype else default)
+        dt = {"fp32": float32, "fp16": float16, "bf16": bfloat16, None: float32 if is_interpreter() else bfloat16}
+        self.text = SDXLTextEncoders.from_pretrained(path, dtype=dt[text_encoder_dtype], tokenizer_path=tokenizer_path)
+        self.vae = AutoencoderKL.from_pretrained(path, dtype=dt[vae_dtype])
         self.max_tokens = max_tokens
         self.scaling_factor = float(self.vae.config.scaling_factor)
         self.text_len = 2 + max_tokens

@@ -355,7 +355,7 @@ def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
     items = pc.scan_folder(images)
     assert sorted((p.name, c) for p, c in items)[0] == ("sq2.png", "a sq2")
     caches = {}
-    for who, enc in (("flame", pc.FlameEncoders(model, latents="mean")),
+    for who, enc in (("flame", pc.FlameEncoders(model, "fp32", latents="mean", text_encoder_dtype="fp32")),
                      ("diffusers", pc.SDXLEncoders(model, device="cpu", latents="mean"))):
         assert (enc.text_dim, enc.pooled_dim, enc.text_len, enc.latent_channels) == (32, 16, 77, 4)
         out = pc.prepare_images(tmp_path / who, items, enc, resolution=91, min_side=64, max_side=128,
