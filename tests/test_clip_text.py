@@ -136,7 +136,8 @@ def test_encoders_match_transformers(tiny):
         r = _reference(ref, ids)
         eos = find_eos(ids.numpy(), model.config.eos_token_id)
         assert eos == ([5, 76, 9] if model.with_projection else ids.argmax(-1).tolist())
-        for given in (eos, None):  # precomputed positions, or read back from the device
+        # precomputed positions (on the host, or on the device as a CUDA graph takes them), or read back
+        for given in (eos, flame.tensor(np.asarray(eos, dtype=np.int64)), None):
             out = model(flame.tensor(ids.numpy()), eos_positions=given)
             _close(out.penultimate, r.hidden_states[-2])
             _close(out.last_hidden_state, r.last_hidden_state)

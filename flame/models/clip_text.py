@@ -34,7 +34,8 @@ import numpy as np
 from .. import nn, runtime
 from ..nn import functional as F
 from ..nn import init
-from ..ops.creation import empty, tensor
+from ..ops.creation import arange, empty, tensor
+from ..ops.elementwise import add
 from ..ops.index import index_select
 from ..ops.shape import narrow
 from ..tensor import Tensor, check_dtype
@@ -468,20 +469,29 @@ class CLIPTextModel(nn.Module):
         if not 0 < L <= self.config.max_position_embeddings:
             raise ValueError(f"CLIPTextModel: {L} tokens per row, the model takes 1 to "
                              f"{self.config.max_position_embeddings} (max_position_embeddings)")
-        if eos is not None and (len(eos) != B or any(not 0 <= int(p) < L for p in eos)):
+        if isinstance(eos, Tensor):  # on the device: only its shape can be checked without a sync
+            if eos.shape != (B,) or eos.dtype.is_floating_point:
+                raise ValueError(f"CLIPTextModel: eos_positions as a Tensor must be integer of shape ({B},), got "
+                                 f"{eos.dtype} of shape {eos.shape}")
+        elif eos is not None and (len(eos) != B or any(not 0 <= int(p) < L for p in eos)):
             raise ValueError(f"CLIPTextModel: eos_positions must give one position in [0, {L}) per row ({B} rows), "
                              f"got {list(eos)}")
 
     def forward(self, input_ids: Tensor, eos_positions=None) -> CLIPTextOutput:
         """Encode ``input_ids`` (B, L) (a flame int64 Tensor, L <= max_position_embeddings).
         ``eos_positions``: each row's pooled position, as ``find_eos`` computes it from the ids on
-        the host (a tokenizer's output is there anyway); None reads the ids back from the device."""
+        the host (a tokenizer's output is there anyway), or those positions as an int64 Tensor (B,)
+        already on the device (a CUDA graph can take it as an input); None reads the ids back from
+        the device."""
         self._check_ids(input_ids, eos_positions)
         if eos_positions is None:
             eos_positions = find_eos(input_ids.numpy(), self.config.eos_token_id)
         penultimate, last = self.text_model(input_ids)
         B, L, D = last.shape
-        rows = tensor([b * L + int(p) for b, p in enumerate(eos_positions)])  # host -> device, int64
+        if isinstance(eos_positions, Tensor):  # row b's position p is row b * L + p of the flattened states
+            rows = add(eos_positions, arange(0, B * L, L, dtype=eos_positions.dtype))
+        else:
+            rows = tensor([b * L + int(p) for b, p in enumerate(eos_positions)])  # host -> device, int64
         pooled = index_select(last.reshape(B * L, D), 0, rows)
         text_embeds = self.text_projection(pooled) if self.with_projection else None
         return CLIPTextOutput(penultimate, last, pooled, text_embeds)

@@ -27,7 +27,9 @@ import warnings
 
 import numpy as np
 
-from .. import nn
+from .. import nn, runtime
+from ..autograd import is_grad_enabled
+from ..graphs import CapturedStep
 from ..ops.creation import tensor
 from ..ops.shape import cat
 from .clip_text import CLIPTextModel, find_eos
@@ -80,7 +82,10 @@ class SDXLTextEncoders(nn.Module):
 
     ``encode(prompts, max_tokens=75)`` -> (prompt embeddings (B, 2 + max_tokens, text_dim),
     pooled (B, pooled_dim)), in the encoders' dtype; ``tokenize`` and ``encode_tokens`` are its two
-    halves (host token ids, then the device work).
+    halves (host token ids, then the device work). On a GPU each encoder's forward is replayed from
+    a CUDA graph per batch shape (``cuda_graph``; the 44 layers are about 700 launches, whose host
+    cost would otherwise exceed their GPU time): the graphs take the ids and end positions as
+    device tensors, and their outputs are copied out before the next call.
     """
 
     def __init__(self, text_encoder: CLIPTextModel, text_encoder_2: CLIPTextModel, tokenizer, tokenizer_2):
@@ -99,6 +104,8 @@ class SDXLTextEncoders(nn.Module):
         self.text_encoder, self.text_encoder_2 = text_encoder, text_encoder_2
         self.tokenizers = (tokenizer, tokenizer_2)
         self._warned_truncation = False
+        self.cuda_graph = True
+        self._steps = [CapturedStep(enc.__call__) for enc in (text_encoder, text_encoder_2)]
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, tokenizer_path=None, configs=None) -> SDXLTextEncoders:
@@ -185,11 +192,13 @@ class SDXLTextEncoders(nn.Module):
                              f"{CONTEXT}) of one shape, got {[a.shape for a in arrays]}")
         B, W, _ = shape
         states = []
-        for enc, a in zip((self.text_encoder, self.text_encoder_2), arrays):
+        for enc, step, a in zip((self.text_encoder, self.text_encoder_2), self._steps, arrays):
             rows = np.ascontiguousarray(a.reshape(B * W, CONTEXT), dtype=np.int64)
-            out = enc(tensor(rows), eos_positions=find_eos(rows, enc.config.eos_token_id))
-            states.append(_stitch(out.penultimate, B, W))
-        pooled = out.text_embeds if W == 1 else out.text_embeds.reshape(B, W, -1)[:, 0].contiguous()
+            eos = tensor(np.asarray(find_eos(rows, enc.config.eos_token_id), dtype=np.int64))
+            step.enabled = self.cuda_graph and not is_grad_enabled() and not runtime.is_interpreter()
+            out = (step if step.enabled else enc)(tensor(rows), eos)
+            states.append(_stitch(out.penultimate, B, W))  # the cat below copies them out of the graph
+        pooled = (out.text_embeds if W == 1 else out.text_embeds.reshape(B, W, -1)[:, 0]).clone()
         return cat(states, -1), pooled
 
     def encode(self, prompts, max_tokens: int = WINDOW) -> tuple:
