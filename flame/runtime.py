@@ -175,6 +175,11 @@ def num_sms() -> int:
     return _num_sms
 
 
+def is_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (host reads are impossible then)."""
+    return not INTERPRETER and torch.cuda.is_current_stream_capturing()
+
+
 def device_name() -> str:
     return torch.cuda.get_device_name() if not INTERPRETER else "cpu-interpreter"
 
@@ -207,7 +212,7 @@ def error_flag(code: int) -> torch.Tensor:
     view = _flag_views.get(code)
     if view is None:
         if _flags is None:
-            if not INTERPRETER and torch.cuda.is_current_stream_capturing():
+            if is_capturing():
                 raise RuntimeError("flame's device error flags are first needed inside a CUDA-graph capture; run "
                                    "the captured function once eagerly first (flame.graphs.CapturedStep does)")
             _flags = torch.from_numpy(np.zeros(_ERROR_SLOTS, np.int32)).to(device)  # host transfer

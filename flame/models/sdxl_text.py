@@ -194,6 +194,9 @@ class SDXLTextEncoders(nn.Module):
         states = []
         for enc, step, a in zip((self.text_encoder, self.text_encoder_2), self._steps, arrays):
             rows = np.ascontiguousarray(a.reshape(B * W, CONTEXT), dtype=np.int64)
+            if rows.min() < 0 or rows.max() >= enc.config.vocab_size:  # the graph cannot check on the device
+                raise ValueError(f"SDXLTextEncoders.encode_tokens: token ids must lie in [0, {enc.config.vocab_size}), "
+                                 f"got values in [{rows.min()}, {rows.max()}]")
             eos = tensor(np.asarray(find_eos(rows, enc.config.eos_token_id), dtype=np.int64))
             step.enabled = self.cuda_graph and not is_grad_enabled() and not runtime.is_interpreter()
             out = (step if step.enabled else enc)(tensor(rows), eos)

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import copy as K
 from ..kernels import elementwise as KE
@@ -30,9 +31,11 @@ def _check_index(index, op, name="index"):
 
 def _check_range(index, size, op, what):
     """IndexError unless every value of ``index`` lies in [0, size): min and max by the reduce
-    kernel, then one host transfer."""
+    kernel, then one host transfer. Skipped inside a CUDA-graph capture, where no host read can
+    happen: a captured function's caller checks its indices (``SDXLTextEncoders`` checks the token
+    ids on the host)."""
     n = index.numel()
-    if n == 0:
+    if n == 0 or runtime.is_capturing():
         return
     flat = _view3(index._data, 1, n, 1)
     lohi = new((2,), torch.int64)._data
