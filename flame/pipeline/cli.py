@@ -90,7 +90,8 @@ def run(args) -> list:
                                   pipe.force_zeros_for_empty_prompt, args.max_tokens)
             made = generate(pipe.unet, pipe.vae, cond, pipe.scheduler_config, steps=args.steps, cfg=args.cfg,
                             width=args.width, height=args.height, seed=args.seed, sampler=args.sampler,
-                            cuda_graph=not args.no_cuda_graph, progress=lambda: bar.update(1))
+                            cuda_graph=not args.no_cuda_graph, progress=lambda: bar.update(1),
+                            predict=None if args.no_cuda_graph else pipe.predict)
             for k, image in enumerate(made):
                 settings = {"prompt": prompt, "negative_prompt": args.negative_prompt or "", "steps": args.steps,
                             "sampler": args.sampler, "cfg": args.cfg, "seed": args.seed + k,

@@ -21,8 +21,10 @@ Reproducibility: image k of a call starts from noise drawn by flame's generator 
 sampler's per-step noise is drawn after seeding with ``seed``, so ``euler_a`` images repeat for the
 same seed and batch size. The caller's generator state is restored afterwards.
 
-The UNet call of each step can run as a CUDA graph (``cuda_graph=True``): captured on the second
-step, replayed from the third, every step's inputs copied into the graph's buffers.
+The UNet call of each step can run as a CUDA graph (``cuda_graph=True``): captured on its second
+call, replayed from the third, every step's inputs copied into the graph's buffers. ``SDXLPipeline``
+keeps its UNet's ``CapturedStep`` across calls (``predict``), so a graph is captured once per batch
+and image size, not once per image.
 """
 from __future__ import annotations
 
@@ -103,18 +105,14 @@ def initial_noise(batch, latent_shape, seed):
     return parts[0] if batch == 1 else cat(parts, 0)
 
 
-def _unet_call(unet):
-    def predict(x, t, context, pooled, time_ids):
-        return unet(x, t, context, pooled, time_ids)
-    return predict
-
-
 @no_grad()
 def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time_ids, cuda_graph: bool = True,
-            progress=None):
+            progress=None, predict=None):
     """The sampler's loop from ``noise`` (B, C, h, w) over ``unet``; returns float32 latents.
     ``sampler``: from ``flame.diffusion.samplers.make_sampler``; ``time_ids`` (B, 6);
-    ``progress``: called with no argument after each step."""
+    ``progress``: called with no argument after each step; ``predict``: what each step calls
+    instead of ``unet`` (same arguments), e.g. a ``CapturedStep`` of it kept across calls (None:
+    one made for this call when ``cuda_graph``)."""
     B = noise.shape[0]
     if len(cond) != B or time_ids.shape[0] != B:
         raise ValueError(f"denoise: {B} noise rows but {len(cond)} conditioning rows and {time_ids.shape[0]} time ids")
@@ -126,7 +124,8 @@ def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time
     else:
         context, pooled, ids = cond.embeds, cond.pooled, time_ids
     rows = 2 * B if guided else B
-    predict = CapturedStep(_unet_call(unet), enabled=cuda_graph)
+    if predict is None:
+        predict = CapturedStep(unet.__call__, enabled=cuda_graph)
     x = sampler.prepare_latents(noise)
     for i, t in enumerate(sampler.timesteps):
         x_in = sampler.scale_model_input(x, i)
@@ -198,6 +197,7 @@ class SDXLPipeline:
         self.force_zeros_for_empty_prompt = bool(force_zeros_for_empty_prompt)
         self.source = str(source)
         self.loras = []
+        self.predict = CapturedStep(unet.__call__)  # its graphs outlive a call: captured once per shape
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, vae_dtype=None, tokenizer_path=None) -> SDXLPipeline:
@@ -234,11 +234,12 @@ class SDXLPipeline:
         cond = encode_prompts(self.text_encoders, prompts, negative_prompt, self.force_zeros_for_empty_prompt,
                               max_tokens)
         return generate(self.unet, self.vae, cond, self.scheduler_config, steps=steps, cfg=cfg, width=width,
-                        height=height, seed=seed, sampler=sampler, cuda_graph=cuda_graph, progress=progress)
+                        height=height, seed=seed, sampler=sampler, cuda_graph=cuda_graph, progress=progress,
+                        predict=self.predict if cuda_graph else None)
 
 
 def generate(unet, vae, cond: Conditioning, scheduler_config: dict, steps=30, cfg=5.0, width=1024, height=1024,
-             seed=0, sampler="euler", cuda_graph=True, progress=None) -> list:
+             seed=0, sampler="euler", cuda_graph=True, progress=None, predict=None) -> list:
     """Images for prompts already encoded (``cond``): noise from ``seed``, the sampler's loop, the
     VAE decode. flame's generator state is the same afterwards."""
     vae_factor = vae.config.downsample_factor  # 8 in SDXL
@@ -252,7 +253,8 @@ def generate(unet, vae, cond: Conditioning, scheduler_config: dict, steps=30, cf
         manual_seed(seed)
         chosen = make_sampler(sampler, steps, scheduler_config)
         ids = time_ids_for(height, width, len(cond))
-        latents = denoise(unet, cond, noise, chosen, cfg, ids, cuda_graph=cuda_graph, progress=progress)
+        latents = denoise(unet, cond, noise, chosen, cfg, ids, cuda_graph=cuda_graph, progress=progress,
+                          predict=predict)
         return decode(vae, latents)
     finally:
         set_rng_state(rng)
