@@ -17,6 +17,7 @@ Every model (UNet, text encoders, VAE) loads the same way:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pathlib
@@ -25,6 +26,7 @@ from typing import NamedTuple
 from .. import io, runtime
 from ..kernels import elementwise as KE
 from ..nn import Parameter
+from ..nn.init import skip_init
 from ..tensor import Tensor
 
 
@@ -36,6 +38,26 @@ class Source(NamedTuple):
     shape: tuple
     rows: tuple | None = None
     transpose: bool = False
+
+
+def sort_config(cls, config: dict, fixed: dict, ignored=()) -> tuple:
+    """(kwargs for the dataclass ``cls``, [problems]) from a ``config.json`` dict: a key naming a
+    field of ``cls`` goes to kwargs; a key of ``fixed`` must hold one of its allowed values (the
+    architecture this model implements); keys starting with "_" and those in ``ignored`` change
+    nothing; any other key is a problem."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs, problems = {}, []
+    for k, v in config.items():
+        if k.startswith("_") or k in ignored:
+            continue
+        if k in names:
+            kwargs[k] = v
+        elif k in fixed:
+            if v not in fixed[k]:
+                problems.append(f"{k}={v!r} (supported: {' or '.join(repr(x) for x in fixed[k])})")
+        else:
+            problems.append(f"unknown key {k!r}")
+    return kwargs, problems
 
 
 def resolve_component(path, subfolder: str, stem: str, what: str):
@@ -148,3 +170,24 @@ def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
                     # in place in the module's table: state_dict order stays the architecture's
                     table[attr] = Parameter(_materialize(loaded, src, table[attr]._data))
             part, size = [], 0
+
+
+def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, config_class, index):
+    """A diffusers component ``cls`` (``parameter_shapes(config)``, ``cls(config, dtype=...)``) from
+    ``path`` (``resolve_component``): the config from its config.json
+    (``config_class.from_diffusers``; a ``config`` given too must equal it) or, for a single file,
+    ``config`` (default ``config_class()``); ``index(files, config)`` maps the file's names to the
+    model's. Checked whole before the model is built without an init and loaded."""
+    cfg_dict, files = resolve_component(path, subfolder, "diffusion_pytorch_model", what)
+    if cfg_dict is not None:
+        file_cfg = config_class.from_diffusers(cfg_dict)
+        if config is not None and config != file_cfg:
+            raise ValueError(f"{cls.__name__}.from_pretrained: the config given differs from {path}'s config.json")
+        config = file_cfg
+    config = config if config is not None else config_class()
+    found = index(files, config)
+    check_index(found, cls.parameter_shapes(config), what, ", ".join(str(f) for f in files))
+    with skip_init():  # every parameter is loaded next
+        model = cls(config, dtype=dtype)
+    load_into(model, found, model.dtype)
+    return model

@@ -39,7 +39,7 @@ from ..ops.elementwise import add
 from ..ops.index import index_select
 from ..ops.shape import narrow
 from ..tensor import Tensor, check_dtype
-from .checkpoints import Source, check_index, load_into, resolve_component, stored_tensors
+from .checkpoints import Source, check_index, load_into, resolve_component, sort_config, stored_tensors
 
 _ACTIVATIONS = ("quick_gelu", "gelu")
 # transformers CLIPTextConfig keys that change nothing in this forward: metadata, initialisation and output flags
@@ -133,21 +133,10 @@ class CLIPTextConfig:
         if config.get("model_type") != "clip_text_model":
             raise ValueError(f"CLIPTextConfig.from_transformers: model_type {config.get('model_type')!r} is not a "
                              "CLIP text encoder's ('clip_text_model')")
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs, problems = {}, []
-        for k, v in config.items():
-            if k == "model_type":
-                continue
-            if k in names:
-                kwargs[k] = v
-            elif k == "architectures":
-                if v is not None and any(a not in _ARCHITECTURES for a in v):
-                    problems.append(f"architectures={v!r} (supported: {' or '.join(_ARCHITECTURES)})")
-            elif k in _FIXED:
-                if v not in _FIXED[k]:
-                    problems.append(f"{k}={v!r} (supported: {_FIXED[k][0]!r})")
-            elif k not in _IGNORED:
-                problems.append(f"unknown key {k!r}")
+        kwargs, problems = sort_config(cls, config, _FIXED, ignored=(*_IGNORED, "model_type", "architectures"))
+        archs = config.get("architectures")
+        if archs is not None and any(a not in _ARCHITECTURES for a in archs):
+            problems.append(f"architectures={archs!r} (supported: {' or '.join(_ARCHITECTURES)})")
         if kwargs.get("projection_dim", 0) is None:
             kwargs.pop("projection_dim")  # transformers allows None for a model without projection
         if problems:

@@ -28,7 +28,7 @@ from ..ops.creation import arange, full
 from ..ops.elementwise import cos, exp, sin, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float32
-from .checkpoints import check_index, load_into, resolve_component
+from .checkpoints import load_pretrained, sort_config
 from .sdxl_keys import checkpoint_index
 
 _DOWN_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
@@ -189,18 +189,7 @@ class SDXLUNetConfig:
     def from_diffusers(cls, config: dict) -> SDXLUNetConfig:
         """From a diffusers ``unet/config.json`` dict; raises ValueError for settings this model
         does not implement (another addition embedding, conv projections, class embeddings, ...)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs, problems = {}, []
-        for k, v in config.items():
-            if k.startswith("_") or k in _IGNORED:
-                continue
-            if k in names:
-                kwargs[k] = v
-            elif k in _FIXED:
-                if v not in _FIXED[k]:
-                    problems.append(f"{k}={v!r} (supported: {' or '.join(repr(x) for x in _FIXED[k])})")
-            else:
-                problems.append(f"unknown key {k!r}")
+        kwargs, problems = sort_config(cls, config, _FIXED, ignored=_IGNORED)
         for k in ("layers_per_block", "cross_attention_dim"):  # diffusers allows one per block
             v = kwargs.get(k)
             if isinstance(v, (tuple, list)):
@@ -422,6 +411,8 @@ class Downsample2D(nn.Module):
 
 
 class Upsample2D(nn.Module):
+    """Nearest-neighbour x2, then a 3x3 convolution (the UNet's and the VAE decoder's)."""
+
     def __init__(self, L, c):
         super().__init__()
         self.conv = L.conv(c, c, 3, padding=1)
@@ -578,18 +569,9 @@ class SDXLUNet(nn.Module):
         taken, the rest ignored), for which ``config`` (default SDXL base) gives the architecture.
         Weights are cast to ``dtype`` (flame's default dtype when None). Missing, unexpected or
         misshapen tensors raise RuntimeError before anything is loaded."""
-        cfg_dict, files = resolve_component(path, "unet", "diffusion_pytorch_model", "SDXL UNet")
-        if cfg_dict is not None:
-            file_cfg = SDXLUNetConfig.from_diffusers(cfg_dict)
-            if config is not None and config != file_cfg:
-                raise ValueError(f"SDXLUNet.from_pretrained: the config given differs from {path}'s config.json")
-            config = file_cfg
-        index = checkpoint_index(files, config)
-        check_index(index, cls.parameter_shapes(config), "SDXL UNet", ", ".join(str(f) for f in files))
-        with nn.init.skip_init():  # every parameter is loaded next
-            model = cls(config, dtype=dtype)
-        load_into(model, index, model.dtype)
-        return model
+        return load_pretrained(cls, path, dtype, config,
+                               subfolder="unet", what="SDXL UNet", config_class=SDXLUNetConfig,
+                               index=checkpoint_index)
 
     # ---- running ---------------------------------------------------------------------------------
     @property

@@ -51,8 +51,8 @@ from ..ops.creation import randn_like, tensor
 from ..ops.elementwise import clamp, exp, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float16
-from .checkpoints import Source, check_index, load_into, resolve_component, stored_tensors
-from .sdxl_unet import _Layers, _nchw, _nhwc, _norm_silu, _Shapes
+from .checkpoints import Source, load_pretrained, sort_config, stored_tensors
+from .sdxl_unet import Upsample2D, _Layers, _nchw, _nhwc, _norm_silu, _Shapes
 
 _EPS = 1e-6  # every GroupNorm of diffusers' VAE encoder and decoder
 _LOGVAR_RANGE = (-30.0, 20.0)  # diffusers' DiagonalGaussianDistribution clamps the log variance to this
@@ -141,18 +141,7 @@ class AutoencoderKLConfig:
     def from_diffusers(cls, config: dict) -> AutoencoderKLConfig:
         """From a diffusers ``vae/config.json`` dict; raises ValueError for settings this model does
         not implement (other block types or activations, per-channel latent statistics, ...)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs, problems = {}, []
-        for k, v in config.items():
-            if k.startswith("_") or k in _BLOCK_TYPES:
-                continue
-            if k in names:
-                kwargs[k] = v
-            elif k in _FIXED:
-                if v not in _FIXED[k]:
-                    problems.append(f"{k}={v!r} (supported: {' or '.join(repr(x) for x in _FIXED[k])})")
-            else:
-                problems.append(f"unknown key {k!r}")
+        kwargs, problems = sort_config(cls, config, _FIXED, ignored=_BLOCK_TYPES)
         n = len(kwargs.get("block_out_channels", cls.block_out_channels))
         for k, block in _BLOCK_TYPES.items():
             types = list(config.get(k, [block] * n))
@@ -225,17 +214,6 @@ class Downsample2D(nn.Module):
     def forward(self, x):
         # F.pad lists the last dim first: on the (B, H, W, C) view that is C (none), W and H (0 before, 1 after)
         return self.conv(_nchw(F.pad(_nhwc(x), (0, 0, 0, 1, 0, 1))))
-
-
-class Upsample2D(nn.Module):
-    """Nearest-neighbour x2, then a 3x3 convolution."""
-
-    def __init__(self, L, c):
-        super().__init__()
-        self.conv = L.conv(c, c, 3, padding=1)
-
-    def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))
 
 
 class _Block(nn.Module):
@@ -435,19 +413,9 @@ class AutoencoderKL(nn.Module):
         taken, the rest ignored), for which ``config`` (default SDXL's) gives the architecture.
         Weights are cast to ``dtype`` (flame's default when None). Missing, unexpected or misshapen
         tensors raise RuntimeError before anything is loaded."""
-        cfg_dict, files = resolve_component(path, "vae", "diffusion_pytorch_model", "VAE")
-        if cfg_dict is not None:
-            file_cfg = AutoencoderKLConfig.from_diffusers(cfg_dict)
-            if config is not None and config != file_cfg:
-                raise ValueError(f"AutoencoderKL.from_pretrained: the config given differs from {path}'s config.json")
-            config = file_cfg
-        config = config if config is not None else AutoencoderKLConfig()
-        index = checkpoint_index(files, config)
-        check_index(index, cls.parameter_shapes(config), "VAE", ", ".join(str(f) for f in files))
-        with nn.init.skip_init():  # every parameter is loaded next
-            model = cls(config, dtype=dtype)
-        load_into(model, index, model.dtype)
-        return model
+        return load_pretrained(cls, path, dtype, config,
+                               subfolder="vae", what="VAE", config_class=AutoencoderKLConfig,
+                               index=checkpoint_index)
 
     # ---- inputs ----------------------------------------------------------------------------------
     @property
