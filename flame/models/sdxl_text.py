@@ -56,12 +56,14 @@ def load_tokenizer(folder):
     return CLIPTokenizer.from_pretrained(str(folder))
 
 
-def _prompt_list(prompts):
+def prompt_list(prompts, what: str = "SDXLTextEncoders: prompts") -> list:
+    """``prompts`` (a string, or a non-empty list or tuple of strings) as a list; ValueError naming
+    ``what`` otherwise."""
     if isinstance(prompts, str):
         return [prompts]
     prompts = list(prompts) if isinstance(prompts, (list, tuple)) else None
     if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError("SDXLTextEncoders: prompts must be a string or a non-empty list of strings")
+        raise ValueError(f"{what} must be a string or a non-empty list of strings")
     return prompts
 
 
@@ -155,7 +157,7 @@ class SDXLTextEncoders(nn.Module):
         """Token ids of ``prompts`` (a string or a list) for each encoder: [ids, ids_2], int64
         arrays (B, max_tokens // 75, 77), one row per window as the module docstring lays them out.
         Captions longer than ``max_tokens`` are cut (a warning the first time)."""
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         windows = (self.sequence_length(max_tokens) - 2) // WINDOW
         out, longest = [], 0
         for tok in self.tokenizers:

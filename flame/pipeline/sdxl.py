@@ -39,35 +39,26 @@ from ..autograd import no_grad
 from ..diffusion.samplers import SDXL_BASE_SCHEDULER_CONFIG, make_sampler
 from ..graphs import CapturedStep
 from ..io import load_lora
-from ..models.sdxl_text import SDXLTextEncoders
+from ..models.sdxl_text import SDXLTextEncoders, prompt_list
 from ..models.sdxl_unet import SDXLUNet
 from ..models.vae import AutoencoderKL
 from ..nn.lora import fold_lora
 from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, tensor, zeros_like
 from ..ops.elementwise import add, clamp, mul, sub, to
 from ..ops.shape import cat
-from ..tensor import bfloat16, float32
+from ..tensor import Tensor, bfloat16, float32
 
 
 class Conditioning(NamedTuple):
     """Text conditioning of B images: (B, L, text dim) embeddings and (B, pooled dim) pooled ones,
     for the prompts and for the unconditional (negative) branch."""
-    embeds: object
-    pooled: object
-    negative_embeds: object
-    negative_pooled: object
+    embeds: Tensor
+    pooled: Tensor
+    negative_embeds: Tensor
+    negative_pooled: Tensor
 
     def __len__(self):
         return self.embeds.shape[0]
-
-
-def _as_list(prompts, name):
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise ValueError(f"{name} must be a string or a non-empty list of strings")
-    return prompts
 
 
 @no_grad()
@@ -75,11 +66,11 @@ def encode_prompts(text_encoders: SDXLTextEncoders, prompts, negative_prompt=Non
                    max_tokens: int = 75) -> Conditioning:
     """Both encoders' conditioning of ``prompts``; ``negative_prompt`` (one string for all, or one
     per prompt; None: zeros when ``force_zeros_for_empty_prompt``, else "")."""
-    prompts = _as_list(prompts, "prompts")
+    prompts = prompt_list(prompts, "prompts")
     embeds, pooled = text_encoders.encode(prompts, max_tokens=max_tokens)
     if negative_prompt is None and force_zeros_for_empty_prompt:
         return Conditioning(embeds, pooled, zeros_like(embeds), zeros_like(pooled))
-    negatives = _as_list(negative_prompt if negative_prompt is not None else "", "negative_prompt")
+    negatives = prompt_list(negative_prompt if negative_prompt is not None else "", "negative_prompt")
     if len(negatives) == 1:
         negatives = negatives * len(prompts)
     if len(negatives) != len(prompts):
@@ -230,7 +221,7 @@ class SDXLPipeline:
                  height: int = 1024, seed: int = 0, sampler: str = "euler", max_tokens: int = 75,
                  cuda_graph: bool = True, progress=None) -> list:
         """Images ((H, W, 3) uint8 arrays), one per prompt; ``progress`` called after each step."""
-        prompts = _as_list(prompts, "prompts")
+        prompts = prompt_list(prompts, "prompts")
         cond = encode_prompts(self.text_encoders, prompts, negative_prompt, self.force_zeros_for_empty_prompt,
                               max_tokens)
         return generate(self.unet, self.vae, cond, self.scheduler_config, steps=steps, cfg=cfg, width=width,
