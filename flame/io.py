@@ -203,16 +203,22 @@ def load_safetensors(path, device=None, dtype=None, keys=None) -> dict:
 METADATA_KEY = "lora_adapter_metadata"
 
 
-def save_lora(model, path, format: str = "peft", prefix: str = "unet") -> None:  # noqa: A002
+def save_lora(model, path, format: str = "peft", prefix: str = "unet", dtype=None,  # noqa: A002
+              metadata: dict | None = None) -> None:
     """Save ``model``'s adapters. PEFT files carry rank and alpha in the ``lora_adapter_metadata``
     JSON (diffusers' layout: keys prefixed by ``prefix``, e.g. "unet.r", "unet.lora_alpha", plus
-    rank/alpha patterns for layers that differ); kohya files carry a ``.alpha`` tensor per layer."""
+    rank/alpha patterns for layers that differ); kohya files carry a ``.alpha`` tensor per layer.
+    ``dtype``: the weights' dtype in the file (default: as trained, fp32; ``.alpha`` stays fp32);
+    ``metadata``: more {str: str} entries for the file's metadata (e.g. training settings)."""
     from .nn.lora import lora_modules, lora_state_dict
     mods = lora_modules(model)
     if not mods:
         raise ValueError("save_lora: the model has no LoRA layers (inject_lora first)")
     sd = lora_state_dict(model, format=format, prefix=prefix)
-    meta = {"format": "pt"}
+    if dtype is not None:
+        from .ops.elementwise import to
+        sd = {k: v if k.endswith(".alpha") else to(v, dtype) for k, v in sd.items()}
+    meta = {**(metadata or {}), "format": "pt"}
     if format == "peft":
         r0, a0 = mods[0][1].rank, mods[0][1].alpha
         cfg = {"r": r0, "lora_alpha": a0, "target_modules": sorted({n for n, _ in mods}),

@@ -23,7 +23,7 @@ import flame
 import flame.nn.functional as F
 from flame import nn
 from flame.data import LatentCache, write_synthetic_cache
-from flame.io import load_lora, load_safetensors, save_safetensors
+from flame.io import load_lora, load_safetensors, read_metadata, save_safetensors
 from flame.models import SDXLUNetConfig
 from flame.train import ConfigError, Trainer, TrainingStopped, build_config, cli, list_checkpoints, load_config
 from flame.train.trainer import TrainingError
@@ -207,6 +207,27 @@ def test_loss_goes_down_and_lora_file_loads(cache_dir, tmp_path):
     assert [r["lr"] for r in rows if "loss" in r][:3] == pytest.approx([0.0, 1.5e-2, 3e-2])
     assert [r["val_loss"] for r in rows if "val_loss" in r] == pytest.approx([val[0], val[12]])
     assert yaml.safe_load((tmp_path / "config.yaml").read_text())["lora"]["format"] == "kohya"
+
+
+def test_lora_file_in_bf16_with_training_metadata_and_tensorboard_scalars(cache_dir, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = _config(cache_dir, tmp_path, "train.steps=4", "output.validate_every=4", "output.save_dtype=bf16",
+                  "output.report_to=[jsonl, tensorboard]", "lora.rank=3", "lora.alpha=6")
+    result = _trainer(cfg).train()
+    lora = pathlib.Path(result["lora"])
+    tensors = load_safetensors(lora)
+    assert {str(t.dtype) for t in tensors.values()} == {"torch.bfloat16"}
+    meta = read_metadata(lora)
+    assert (meta["ss_network_dim"], meta["ss_network_alpha"], meta["ss_steps"]) == ("3", "6.0", "4")
+    assert meta["modelspec.architecture"] == "stable-diffusion-xl-v1-base/lora" and meta["ss_seed"] == "3"
+    assert json.loads(meta["lora_adapter_metadata"])["unet.r"] == 3  # diffusers still reads rank and alpha
+    fresh = _trainer(_config(cache_dir, tmp_path / "again", "lora.targets=[to_q]", "lora.rank=3"))
+    load_lora(fresh.model, lora)  # bf16 weights into the fp32 adapters
+    events = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("loss")] == [1, 2, 3, 4]
+    assert [e.step for e in events.Scalars("val_loss")] == [0, 4]
+    assert events.Scalars("val_loss")[-1].value == pytest.approx(result["val_losses"][4], rel=1e-6)
 
 
 def test_resume_reproduces_the_loss_curve_exactly(cache_dir, tmp_path, straight):

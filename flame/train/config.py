@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import yaml
 from ..diffusion.samplers import SAMPLERS
 from ..nn.lora import target_pattern_error
 from .model import CONFIG_NAMES
+from .outputs import TRACKERS
 
 REQUIRED = object()
 
@@ -31,7 +33,7 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class Opt:
     default: object
-    kind: str  # int, float, bool, str, path, filename, choice, targets, sizes, prompts
+    kind: str  # int, float, bool, str, path, filename, choice, names (a list of choices), targets, sizes, prompts
     help: str
     choices: tuple = ()
     low: float | None = None  # inclusive lower bound for numbers
@@ -107,6 +109,11 @@ SCHEMA = {
         "val_batch_size": Opt(None, "int", "validation batch size (default data.batch_size)", low=1, nullable=True),
         "overwrite": Opt(False, "bool", "a run that does not resume may replace the checkpoints and metrics of an "
                                         "earlier run in output.dir (otherwise that is an error)"),
+        "save_dtype": Opt("fp32", "choice", "dtype of the LoRA weights in the final file (fp16/bf16 halve its size; "
+                                            "checkpoints stay fp32)", choices=("fp32", "fp16", "bf16")),
+        "report_to": Opt(["jsonl"], "names", "trackers: jsonl (output.dir/metrics.jsonl, always written), tensorboard "
+                                             "(output.dir/tensorboard/), wandb (WANDB_MODE=offline works without "
+                                             "network)", choices=TRACKERS),
     },
     "sample": {
         "prompts": Opt(None, "prompts", "images to make while training: a list of prompts, or a text file with one "
@@ -146,6 +153,7 @@ ALIASES = {
     "pretrained_model_name_or_path": "model.path", "resume_from_checkpoint": "resume",
     "sample_prompts": "sample.prompts", "sample_every_n_steps": "sample.every_n_steps",
     "validation_prompt": "sample.prompts", "sample_sampler": "sample.sampler",
+    "save_precision": "output.save_dtype", "log_with": "output.report_to",
 }
 
 
@@ -193,6 +201,14 @@ def _check_value(name, opt: Opt, value, errors):
                 raise TypeError("expected a non-empty string")
             if kind == "path":
                 value = os.path.expanduser(value)
+        elif kind == "names":
+            names = [value] if isinstance(value, str) else value
+            if not (isinstance(names, (list, tuple)) and all(isinstance(v, str) for v in names)):
+                raise TypeError(f"expected a list of names from {', '.join(opt.choices)}")
+            bad = [v for v in names if v not in opt.choices]
+            if bad:
+                raise ValueError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(opt.choices)}")
+            value = list(dict.fromkeys(names))
         elif kind == "prompts":
             if isinstance(value, str) and value:
                 value = os.path.expanduser(value)
@@ -289,6 +305,9 @@ def _cross_checks(c, errors):
     if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
         errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
+    for tracker in c["output"]["report_to"]:
+        if tracker != "jsonl" and importlib.util.find_spec(tracker) is None:
+            errors.append(f"output.report_to: {tracker} is not installed (pip install {tracker}), or drop it")
     smp = c["sample"]
     if smp["prompts"] is not None:
         if isinstance(smp["prompts"], str) and not os.path.isfile(smp["prompts"]):

@@ -64,6 +64,7 @@ from ..optim.lr_scheduler import get_scheduler
 from .checkpoints import latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
 from .model import build_unet, unet_config
+from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
@@ -168,6 +169,8 @@ class Trainer:
         if c.train.cuda_graph and c.lora.dropout:
             self.log("train.cuda_graph: off because lora.dropout > 0 (a replayed step would reuse its dropout masks)")
         self.step_fn = CapturedStep(self.loss_and_grads, enabled=graph)
+        self.trackers = Trackers([t for t in c.output.report_to if t != "jsonl"], self.out_dir, c.output.name,
+                                 to_dict(c))
         self.step = 0
         self.losses = {}  # step -> loss, as read on the host
         self.val_losses = {}  # step -> validation loss
@@ -211,6 +214,7 @@ class Trainer:
         except OSError as e:
             raise self._write_error(e, "sample images", folder) from e
         self._metrics([{"step": self.step, "samples": paths}])
+        self.trackers.log_images(self.step, paths)
         self._say(f"step {self.step}: {_count(len(paths), 'sample')} in {os.path.dirname(paths[0])}")
         self._sampled = self.step
 
@@ -472,6 +476,7 @@ class Trainer:
                 f.write(_json_lines(records))
         except OSError as e:
             raise self._write_error(e, "metrics", self._metrics_path()) from e
+        self.trackers.log(records)
 
     def _say(self, text):
         """A line for the user, above the progress bar when there is one."""
@@ -693,6 +698,7 @@ class Trainer:
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         self._bar_ = self._make_bar()
         started = self._clock = time.perf_counter()
+        started_at = time.time()
         try:
             checkpoint = self._loop()
         finally:
@@ -701,6 +707,7 @@ class Trainer:
                 self._bar_ = None
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
+            self.trackers.close()
         if self._stop is not None:
             reason, info = self._stop
             if reason == "non_finite":
@@ -715,7 +722,9 @@ class Trainer:
             self.log(msg)
             raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
         try:
-            save_lora(self.model, self.lora_path(), format=c.lora.format)
+            meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time())
+            save_lora(self.model, self.lora_path(), format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
+                      metadata=meta)
         except OSError as e:
             raise self._write_error(e, "the LoRA file", self.lora_path()) from e
         self._summary(self.step - first, time.perf_counter() - started, checkpoint)
