@@ -642,6 +642,7 @@ def test_load_config_file_errors_name_the_option(tmp_path):
 def test_samples_while_training_go_to_step_folders_and_metrics(tmp_path):
     pytest.importorskip("diffusers")
     pytest.importorskip("PIL")
+    pytest.importorskip("tensorboard")
     from PIL import Image
     from tiny_sdxl import write_tiny_pipeline
     pipe = write_tiny_pipeline(tmp_path / "pipeline")  # text encoders 12 + 20 wide, pooled 16
@@ -652,7 +653,7 @@ def test_samples_while_training_go_to_step_folders_and_metrics(tmp_path):
     prompts.write_text("# samples\n\na dog\n")
     cfg = _config(cache, tmp_path / "run", "train.steps=3", f"sample.prompts={prompts}", f"sample.model={pipe}",
                   "sample.steps=1", "sample.every_n_steps=3", "sample.at_start=true", "sample.width=16",
-                  "sample.height=16", "sample.seed=5")
+                  "sample.height=16", "sample.seed=5", "output.report_to=[tensorboard]")
     flame.manual_seed(cfg.train.seed)
     trainer = Trainer(cfg, model=StandInUNet(dims), progress=False, log=lambda *a: None)
     rng = flame.get_rng_state()
@@ -669,6 +670,9 @@ def test_samples_while_training_go_to_step_folders_and_metrics(tmp_path):
         assert im.size == (16, 16) and json.loads(im.text["flame"])["prompt"] == "a dog"
     first = np.asarray(Image.open(sampled[0][1][0]))
     np.testing.assert_array_equal(first, np.asarray(Image.open(tmp_path / "probe" / "step-0" / "00.png")))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0}).Reload()
+    assert [e.step for e in events.Images("samples/00")] == [0, 3]
 
 
 def test_sample_section_is_checked_before_any_work(cache_dir, tmp_path):
