@@ -37,8 +37,8 @@ from ..kernels import copy as KC
 from ..ops.creation import rand, randn, tensor
 from ..ops.elementwise import add, clamp, div, mul, sub, to
 from ..ops.index import index_select
-from ..ops.loss import mse_loss
 from ..tensor import Tensor
+from .losses import diffusion_loss
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 BETA_SCHEDULES = ("scaled_linear", "linear")
@@ -208,13 +208,6 @@ def sample_noise(shape, offset: float = 0.0, dtype=torch.float32) -> Tensor:
 
 
 def weighted_mse_loss(pred: Tensor, target: Tensor, weights: Tensor | None = None) -> Tensor:
-    """``mean_b(w_b * mean_{c,h,w}((pred - target)^2))`` as a 0-d tensor (fp32 when either input
-    is); ``weights`` is (B,) or None (all ones: the plain mean)."""
-    if not isinstance(pred, Tensor) or pred.ndim == 0:
-        raise ValueError(f"weighted_mse_loss: pred must be a batched flame Tensor, got {getattr(pred, 'shape', pred)}")
-    if weights is None:
-        return mse_loss(pred, target)
-    if weights.shape != (pred.shape[0],):
-        raise ValueError(f"weighted_mse_loss: weights must have shape ({pred.shape[0]},), got {weights.shape}")
-    w = weights.reshape((pred.shape[0],) + (1,) * (pred.ndim - 1))
-    return mul(mse_loss(pred, target, reduction="sum", weight=w), 1.0 / max(1, pred.numel()))
+    """``mean_b(w_b * mean_{c,h,w}((pred - target)^2))`` as a 0-d fp32 tensor; ``weights`` is (B,)
+    or None (all ones: the plain mean). ``diffusion_loss(pred, target, "l2", weights)``."""
+    return diffusion_loss(pred, target, "l2", weights)
