@@ -490,6 +490,17 @@ def test_warmup_schedules_match_diffusers_formulas(kind):
     assert type(sched) is type(make(_pair_opts()[0]))
 
 
+@pytest.mark.parametrize("kind", ["cosine_with_restarts", "polynomial"])
+def test_restart_and_polynomial_schedules_match_diffusers(kind):
+    optimization = pytest.importorskip("diffusers.optimization")
+    make = {"cosine_with_restarts": lambda o: S.get_scheduler(kind, o, 3, 20, num_cycles=3),
+            "polynomial": lambda o: S.get_scheduler(kind, o, 3, 20, power=2.0)}[kind]
+    ref = {"cosine_with_restarts": lambda o: optimization.get_cosine_with_hard_restarts_schedule_with_warmup(
+               o, 3, 20, num_cycles=3),
+           "polynomial": lambda o: optimization.get_polynomial_decay_schedule_with_warmup(o, 3, 20, power=2.0)}[kind]
+    _compare(make, ref, steps=24)  # past num_training_steps too
+
+
 def test_scheduler_state_dict_resume():
     fo, _ = _pair_opts("AdamW")
     sched = S.OneCycleLR(fo, max_lr=0.2, total_steps=40)

@@ -257,6 +257,13 @@ class _Warmup(LRScheduler):
         self.num_cycles = num_cycles
         super().__init__(optimizer, last_epoch)
 
+    def _progress(self, step):
+        """The fraction of the decay phase done at ``step`` (after the warmup)."""
+        return float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
+
+    def _warming(self, step):
+        return float(step) / float(max(1, self.num_warmup_steps))
+
     def lr_at(self, base_lr, epoch, index):
         return base_lr * self.factor(epoch)
 
@@ -285,9 +292,41 @@ class CosineWithWarmupLR(_Warmup):
 
     def factor(self, step):
         if step < self.num_warmup_steps:
-            return float(step) / float(max(1, self.num_warmup_steps))
-        progress = float(step - self.num_warmup_steps) / float(max(1, self.num_training_steps - self.num_warmup_steps))
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(self.num_cycles) * 2.0 * progress)))
+            return self._warming(step)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(self.num_cycles) * 2.0 * self._progress(step))))
+
+
+class CosineWithHardRestartsLR(_Warmup):
+    """Linear warmup, then ``num_cycles`` cosine decays from the peak to 0, each restarting at the
+    peak (``get_cosine_with_hard_restarts_schedule_with_warmup``); 0 from ``num_training_steps`` on."""
+
+    def factor(self, step):
+        if step < self.num_warmup_steps:
+            return self._warming(step)
+        progress = self._progress(step)
+        if progress >= 1.0:
+            return 0.0
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(self.num_cycles) * progress) % 1.0))))
+
+
+class PolynomialWithWarmupLR(_Warmup):
+    """Linear warmup, then a polynomial decay of the optimizer's default lr to ``lr_end``: factor
+    ((lr - lr_end) (1 - progress)^power + lr_end) / lr, ``lr_end / lr`` from ``num_training_steps``
+    on (``get_polynomial_decay_schedule_with_warmup``; groups with their own lr get the same factor)."""
+
+    def __init__(self, optimizer, num_warmup_steps, num_training_steps, lr_end=1e-7, power=1.0, last_epoch=-1):
+        self.lr_init, self.lr_end, self.power = float(optimizer.defaults["lr"]), float(lr_end), float(power)
+        if not self.lr_init > self.lr_end:
+            raise ValueError(f"polynomial schedule: lr_end ({self.lr_end}) must be below the lr ({self.lr_init})")
+        super().__init__(optimizer, num_warmup_steps, num_training_steps, last_epoch=last_epoch)
+
+    def factor(self, step):
+        if step < self.num_warmup_steps:
+            return self._warming(step)
+        if step > self.num_training_steps:
+            return self.lr_end / self.lr_init
+        decayed = (self.lr_init - self.lr_end) * (1.0 - self._progress(step)) ** self.power + self.lr_end
+        return decayed / self.lr_init
 
 
 def get_constant_schedule(optimizer, last_epoch=-1):
@@ -307,17 +346,21 @@ def get_cosine_schedule_with_warmup(optimizer, num_warmup_steps, num_training_st
 
 
 _SCHEDULES = {
-    "constant": lambda opt, w, t: get_constant_schedule(opt),
-    "constant_with_warmup": lambda opt, w, t: get_constant_schedule_with_warmup(opt, w),
-    "linear": lambda opt, w, t: get_linear_schedule_with_warmup(opt, w, t),
-    "cosine": lambda opt, w, t: get_cosine_schedule_with_warmup(opt, w, t),
+    "constant": lambda opt, w, t, cycles, power: get_constant_schedule(opt),
+    "constant_with_warmup": lambda opt, w, t, cycles, power: get_constant_schedule_with_warmup(opt, w),
+    "linear": lambda opt, w, t, cycles, power: get_linear_schedule_with_warmup(opt, w, t),
+    "cosine": lambda opt, w, t, cycles, power: get_cosine_schedule_with_warmup(opt, w, t),
+    "cosine_with_restarts": lambda opt, w, t, cycles, power: CosineWithHardRestartsLR(opt, w, t, cycles or 1),
+    "polynomial": lambda opt, w, t, cycles, power: PolynomialWithWarmupLR(opt, w, t, power=power or 1.0),
 }
+SCHEDULE_NAMES = tuple(_SCHEDULES)
 
 
-def get_scheduler(name, optimizer, num_warmup_steps=0, num_training_steps=None):
-    """Diffusers' ``get_scheduler`` for the names above."""
+def get_scheduler(name, optimizer, num_warmup_steps=0, num_training_steps=None, num_cycles=None, power=None):
+    """Diffusers' ``get_scheduler`` for the names above (``num_cycles``: cosine_with_restarts,
+    default 1; ``power``: polynomial, default 1)."""
     if name not in _SCHEDULES:
         raise ValueError(f"unknown scheduler {name!r}; expected one of {sorted(_SCHEDULES)}")
-    if name in ("linear", "cosine") and num_training_steps is None:
+    if name not in ("constant", "constant_with_warmup") and num_training_steps is None:
         raise ValueError(f"{name} schedule needs num_training_steps")
-    return _SCHEDULES[name](optimizer, num_warmup_steps, num_training_steps)
+    return _SCHEDULES[name](optimizer, num_warmup_steps, num_training_steps, num_cycles, power)

@@ -20,6 +20,7 @@ import yaml
 
 from ..diffusion.samplers import SAMPLERS
 from ..nn.lora import target_pattern_error
+from ..optim.lr_scheduler import SCHEDULE_NAMES
 from .model import CONFIG_NAMES
 from .outputs import TRACKERS
 
@@ -73,7 +74,9 @@ SCHEMA = {
         "epochs": Opt(None, "int", "passes over the training split (or set train.steps)", low=1, nullable=True),
         "lr": Opt(1e-4, "float", "peak learning rate", low=0.0),
         "lr_scheduler": Opt("constant", "choice", "learning-rate schedule (diffusers' names)",
-                            choices=("constant", "constant_with_warmup", "linear", "cosine")),
+                            choices=SCHEDULE_NAMES),
+        "lr_num_cycles": Opt(1, "int", "cosine_with_restarts: cosine cycles (each restarting at the peak lr)", low=1),
+        "lr_power": Opt(1.0, "float", "polynomial: the decay's power (1: linear to 1e-7)", low=0.0),
         "warmup_steps": Opt(0, "int", "linear warm-up steps", low=0),
         "grad_accum": Opt(1, "int", "micro-batches per optimizer step", low=1),
         "precision": Opt("bf16", "choice", "compute dtype of the frozen UNet (fp16 adds the dynamic loss scaler; "
@@ -154,6 +157,7 @@ ALIASES = {
     "sample_prompts": "sample.prompts", "sample_every_n_steps": "sample.every_n_steps",
     "validation_prompt": "sample.prompts", "sample_sampler": "sample.sampler",
     "save_precision": "output.save_dtype", "log_with": "output.report_to",
+    "lr_scheduler_num_cycles": "train.lr_num_cycles", "lr_scheduler_power": "train.lr_power",
 }
 
 

@@ -163,7 +163,8 @@ class Trainer:
         self.params = lora_parameters(model)
         self.optimizer = AdamW(self.params, lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                eps=c.train.adam_eps, weight_decay=c.train.weight_decay)
-        self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps)
+        self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
+                                       num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
         self.scaler = DynamicLossScaler() if self.dtype == torch.float16 else None
         graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
         if c.train.cuda_graph and c.lora.dropout:
