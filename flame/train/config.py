@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import yaml
 
+from ..diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES
 from ..diffusion.samplers import SAMPLERS
 from ..nn.lora import target_pattern_error
 from ..optim.lr_scheduler import SCHEDULE_NAMES
@@ -100,6 +101,13 @@ SCHEMA = {
                              nullable=True),
         "timestep_min": Opt(0, "int", "timesteps are drawn uniformly from [timestep_min, timestep_max)", low=0),
         "timestep_max": Opt(1000, "int", "exclusive upper bound of the timesteps", low=1, high=1001),
+        "loss_type": Opt("l2", "choice", "l2 (MSE), l1, huber (pseudo-Huber) or smooth_l1, as kohya's --loss_type",
+                         choices=LOSS_TYPES),
+        "huber_c": Opt(0.1, "float", "huber / smooth_l1: the threshold c (kohya's --huber_c)", low=0.0),
+        "huber_schedule": Opt("snr", "choice", "huber / smooth_l1: c per timestep: constant, exponential or snr "
+                                               "(kohya's --huber_schedule)", choices=HUBER_SCHEDULES),
+        "huber_scale": Opt(1.0, "float", "huber / smooth_l1: scale of c in the constant and exponential schedules",
+                           low=0.0),
     },
     "output": {
         "dir": Opt(REQUIRED, "path", "run folder: LoRA file, checkpoints/, metrics.jsonl, config.yaml"),
@@ -158,6 +166,8 @@ ALIASES = {
     "validation_prompt": "sample.prompts", "sample_sampler": "sample.sampler",
     "save_precision": "output.save_dtype", "log_with": "output.report_to",
     "lr_scheduler_num_cycles": "train.lr_num_cycles", "lr_scheduler_power": "train.lr_power",
+    "loss_type": "diffusion.loss_type", "huber_c": "diffusion.huber_c", "huber_schedule": "diffusion.huber_schedule",
+    "huber_scale": "diffusion.huber_scale",
 }
 
 
@@ -309,6 +319,8 @@ def _cross_checks(c, errors):
     if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
         errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
+    if d["loss_type"] in ("huber", "smooth_l1") and not d["huber_c"] > 0:
+        errors.append(f"diffusion.huber_c: {d['loss_type']} needs a positive threshold, got {d['huber_c']}")
     for tracker in c["output"]["report_to"]:
         if tracker != "jsonl" and importlib.util.find_spec(tracker) is None:
             errors.append(f"output.report_to: {tracker} is not installed (pip install {tracker}), or drop it")

@@ -49,7 +49,14 @@ from .. import runtime
 from ..amp import DynamicLossScaler
 from ..autograd import GradientMap, no_grad
 from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache_for
-from ..diffusion import DDPMSchedule, min_snr_weights, sample_noise, sample_timesteps, weighted_mse_loss
+from ..diffusion import (
+    DDPMSchedule,
+    diffusion_loss,
+    huber_c_per_timestep,
+    min_snr_weights,
+    sample_noise,
+    sample_timesteps,
+)
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
 from ..models import SDXLUNet
@@ -361,7 +368,8 @@ class Trainer:
 
     # ---- the step ----------------------------------------------------------------------------
     def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids):
-        """The min-SNR-weighted MSE between the UNet's prediction and its target (0-d fp32)."""
+        """The loss (``diffusion.loss_type``; min-SNR-weighted when set) between the UNet's
+        prediction and its target (0-d fp32)."""
         d = self.cfg.diffusion
         noisy = self.schedule.add_noise(latents, noise, timesteps, check=False)
         target = self.schedule.target(latents, noise, timesteps, d.prediction_type, check=False)
@@ -369,7 +377,11 @@ class Trainer:
         weights = None
         if d.min_snr_gamma:
             weights = min_snr_weights(self.schedule.snr(timesteps, check=False), d.min_snr_gamma, d.prediction_type)
-        return weighted_mse_loss(pred, target, weights)
+        huber_c = None
+        if d.loss_type in ("huber", "smooth_l1"):
+            huber_c = huber_c_per_timestep(timesteps, self.schedule, d.huber_schedule, d.huber_c, d.huber_scale,
+                                           check=False)
+        return diffusion_loss(pred, target, d.loss_type, weights, huber_c)
 
     def loss_and_grads(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids):
         """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
