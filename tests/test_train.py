@@ -248,6 +248,18 @@ def test_loss_types_train_and_validate_with_kohyas_formulas(cache_dir, tmp_path,
         _config(cache_dir, tmp_path, "diffusion.loss_type=huber", "diffusion.huber_c=0")
 
 
+def test_lora_init_from_starts_from_a_file(cache_dir, tmp_path):
+    first = _trainer(_config(cache_dir, tmp_path / "a", "train.steps=2", "output.validate_every=2")).train()
+    cfg = _config(cache_dir, tmp_path / "b", "train.steps=2", "output.validate_every=2",
+                  f"lora.init_from={first['lora']}")
+    second = _trainer(cfg)
+    assert second.validate() == pytest.approx(first["val_losses"][2], rel=1e-5)  # the file's weights, not an init
+    with pytest.raises(ConfigError, match=r"lora\.init_from: .*rank 4 in the file, the model's adapter has rank 2"):
+        _trainer(_config(cache_dir, tmp_path / "c", "train.steps=2", f"lora.init_from={first['lora']}", "lora.rank=2"))
+    with pytest.raises(ConfigError, match=r"lora\.init_from: .*nothing\.safetensors is not a file"):
+        _config(cache_dir, tmp_path / "d", f"lora.init_from={tmp_path / 'nothing.safetensors'}")
+
+
 def test_resume_reproduces_the_loss_curve_exactly(cache_dir, tmp_path, straight):
     """3 steps, then 3 more from the checkpoint (train.steps raised to 6) = 6 straight steps."""
     first = _trainer(_config(cache_dir, tmp_path / "b", "train.steps=3")).train()

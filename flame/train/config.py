@@ -69,6 +69,8 @@ SCHEMA = {
         "init": Opt("kaiming", "choice", "A's init (B starts at zero)", choices=("kaiming", "gaussian")),
         "dropout": Opt(0.0, "float", "dropout on the adapter input", low=0.0, high=1.0),
         "format": Opt("peft", "choice", "LoRA file format: peft (diffusers) or kohya", choices=("peft", "kohya")),
+        "init_from": Opt(None, "path", "start from this LoRA file (PEFT or kohya; its layers must be among the "
+                                       "targets, with lora.rank) instead of a fresh init", nullable=True),
     },
     "train": {
         "steps": Opt(None, "int", "optimizer steps (or set train.epochs)", low=1, nullable=True),
@@ -319,6 +321,8 @@ def _cross_checks(c, errors):
     if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
         errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
+    if c["lora"]["init_from"] is not None and not os.path.isfile(c["lora"]["init_from"]):
+        errors.append(f"lora.init_from: {c['lora']['init_from']} is not a file")
     if d["loss_type"] in ("huber", "smooth_l1") and not d["huber_c"] > 0:
         errors.append(f"diffusion.huber_c: {d['loss_type']} needs a positive threshold, got {d['huber_c']}")
     for tracker in c["output"]["report_to"]:

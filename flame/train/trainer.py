@@ -164,6 +164,11 @@ class Trainer:
         self.model = model
         model.requires_grad_(False)
         self.lora_layers = inject_lora(model, c.lora.targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout)
+        if c.lora.init_from is not None:
+            try:  # into the adapters just made: a layer outside the targets or another rank is refused whole
+                load_lora(model, c.lora.init_from, inject=False)
+            except (KeyError, ValueError) as e:
+                raise ConfigError(f"lora.init_from: {c.lora.init_from}: {e.args[0] if e.args else e}") from None
         model.train()
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
