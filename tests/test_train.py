@@ -230,19 +230,23 @@ def test_lora_file_in_bf16_with_training_metadata_and_tensorboard_scalars(cache_
     assert events.Scalars("val_loss")[-1].value == pytest.approx(result["val_losses"][4], rel=1e-6)
 
 
-@pytest.mark.parametrize("loss", ["huber-snr", "smooth_l1-exponential", "l1-constant"])
+@pytest.mark.parametrize("loss", ["huber-snr", "smooth_l1-exponential", "l1-constant", "l2-debiased"])
 def test_loss_types_train_and_validate_with_kohyas_formulas(cache_dir, tmp_path, loss):
     from flame.diffusion import diffusion_loss, huber_c_per_timestep
     loss_type, schedule = loss.split("-")
+    debiased = schedule == "debiased"
     cfg = _config(cache_dir, tmp_path, "train.steps=2", f"diffusion.loss_type={loss_type}",
-                  f"diffusion.huber_schedule={schedule}", "diffusion.huber_c=0.2", "diffusion.min_snr_gamma=null")
+                  f"diffusion.huber_schedule={'snr' if debiased else schedule}", "diffusion.huber_c=0.2",
+                  "diffusion.min_snr_gamma=null", f"diffusion.debiased_estimation={str(debiased).lower()}")
     trainer = _trainer(cfg)
     b = trainer.loader.cache.batch([0, 1, 2, 3])
     noise, t = flame.randn(*b.latents.shape), flame.tensor([5, 300, 700, 990])
     got = trainer.compute_loss(b.latents, noise, t, b.prompt_embeds, b.pooled, b.time_ids).item()
     pred = trainer.model(trainer.schedule.add_noise(b.latents, noise, t), t, b.prompt_embeds, b.pooled, b.time_ids)
-    c = huber_c_per_timestep(t, trainer.schedule, schedule, 0.2) if loss_type != "l1" else None
-    assert got == pytest.approx(diffusion_loss(pred, noise, loss_type, None, c).item(), rel=1e-6)
+    c = huber_c_per_timestep(t, trainer.schedule, schedule, 0.2) if loss_type in ("huber", "smooth_l1") else None
+    snr = trainer.schedule.snr(t).numpy()
+    w = flame.tensor(1 / np.sqrt(np.minimum(snr, 1000))) if debiased else None  # kohya's debiased estimation
+    assert got == pytest.approx(diffusion_loss(pred, noise, loss_type, w, c).item(), rel=1e-5)
     assert all(math.isfinite(v) for v in trainer.train()["losses"])
     with pytest.raises(ConfigError, match=r"diffusion\.huber_c: huber needs a positive threshold"):
         _config(cache_dir, tmp_path, "diffusion.loss_type=huber", "diffusion.huber_c=0")

@@ -16,6 +16,7 @@ from .schedule import (
     PREDICTION_TYPES,
     Coefficients,
     DDPMSchedule,
+    debiased_weights,
     make_betas,
     min_snr_weights,
     sample_noise,

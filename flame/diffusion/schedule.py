@@ -35,7 +35,7 @@ import torch
 from .. import runtime
 from ..kernels import copy as KC
 from ..ops.creation import rand, randn, tensor
-from ..ops.elementwise import add, clamp, div, mul, sub, to
+from ..ops.elementwise import add, clamp, div, mul, rsqrt, sub, to
 from ..ops.index import index_select
 from ..tensor import Tensor
 from .losses import diffusion_loss
@@ -180,6 +180,17 @@ def min_snr_weights(snr: Tensor, gamma: float, prediction_type: str = "epsilon")
     if prediction_type == "v_prediction":
         return div(clipped, add(snr, 1.0))
     return clipped
+
+
+def debiased_weights(snr: Tensor, prediction_type: str = "epsilon") -> Tensor:
+    """Debiased-estimation loss weights (Yu et al. 2024, as kohya's ``--debiased_estimation_loss``):
+    ``1 / sqrt(snr)`` for epsilon and sample prediction, ``1 / (snr + 1)`` for v-prediction, with
+    ``snr`` capped at 1000 (the lowest timesteps would otherwise get weights near 0)."""
+    _check_prediction_type(prediction_type)
+    capped = clamp(snr, max=1000.0)
+    if prediction_type == "v_prediction":
+        return div(1.0, add(capped, 1.0))
+    return rsqrt(capped)
 
 
 def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000) -> Tensor:

@@ -103,6 +103,9 @@ SCHEMA = {
                              nullable=True),
         "timestep_min": Opt(0, "int", "timesteps are drawn uniformly from [timestep_min, timestep_max)", low=0),
         "timestep_max": Opt(1000, "int", "exclusive upper bound of the timesteps", low=1, high=1001),
+        "debiased_estimation": Opt(False, "bool", "weight each sample by 1/sqrt(snr) (v-prediction: 1/(snr+1)), snr "
+                                                  "capped at 1000, as kohya's --debiased_estimation_loss (combines "
+                                                  "with min_snr_gamma)"),
         "loss_type": Opt("l2", "choice", "l2 (MSE), l1, huber (pseudo-Huber) or smooth_l1, as kohya's --loss_type",
                          choices=LOSS_TYPES),
         "huber_c": Opt(0.1, "float", "huber / smooth_l1: the threshold c (kohya's --huber_c)", low=0.0),
@@ -169,7 +172,7 @@ ALIASES = {
     "save_precision": "output.save_dtype", "log_with": "output.report_to",
     "lr_scheduler_num_cycles": "train.lr_num_cycles", "lr_scheduler_power": "train.lr_power",
     "loss_type": "diffusion.loss_type", "huber_c": "diffusion.huber_c", "huber_schedule": "diffusion.huber_schedule",
-    "huber_scale": "diffusion.huber_scale",
+    "huber_scale": "diffusion.huber_scale", "debiased_estimation_loss": "diffusion.debiased_estimation",
 }
 
 

@@ -51,6 +51,7 @@ from ..autograd import GradientMap, no_grad
 from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache_for
 from ..diffusion import (
     DDPMSchedule,
+    debiased_weights,
     diffusion_loss,
     huber_c_per_timestep,
     min_snr_weights,
@@ -373,15 +374,20 @@ class Trainer:
 
     # ---- the step ----------------------------------------------------------------------------
     def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids):
-        """The loss (``diffusion.loss_type``; min-SNR-weighted when set) between the UNet's
-        prediction and its target (0-d fp32)."""
+        """The loss (``diffusion.loss_type``; weighted per sample by min-SNR and/or debiased
+        estimation when set) between the UNet's prediction and its target (0-d fp32)."""
         d = self.cfg.diffusion
         noisy = self.schedule.add_noise(latents, noise, timesteps, check=False)
         target = self.schedule.target(latents, noise, timesteps, d.prediction_type, check=False)
         pred = self.model(noisy, timesteps, prompt_embeds, pooled, time_ids)
         weights = None
-        if d.min_snr_gamma:
-            weights = min_snr_weights(self.schedule.snr(timesteps, check=False), d.min_snr_gamma, d.prediction_type)
+        if d.min_snr_gamma or d.debiased_estimation:
+            snr = self.schedule.snr(timesteps, check=False)
+            if d.min_snr_gamma:
+                weights = min_snr_weights(snr, d.min_snr_gamma, d.prediction_type)
+            if d.debiased_estimation:
+                debiased = debiased_weights(snr, d.prediction_type)
+                weights = debiased if weights is None else mul(weights, debiased)
         huber_c = None
         if d.loss_type in ("huber", "smooth_l1"):
             huber_c = huber_c_per_timestep(timesteps, self.schedule, d.huber_schedule, d.huber_c, d.huber_scale,
