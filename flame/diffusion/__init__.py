@@ -1,6 +1,6 @@
 """Diffusion utilities: the DDPM noise schedule, targets, loss weights and noise sampling for training;
 the samplers (Euler, Euler ancestral, DPM++ 2M Karras, DDIM) for inference."""
-from .losses import HUBER_SCHEDULES, LOSS_TYPES, diffusion_loss, huber_c_per_timestep
+from .losses import HUBER_SCHEDULES, LOSS_TYPES, diffusion_loss, huber_c_per_timestep, weighted_mse_loss
 from .samplers import (
     SAMPLERS,
     SDXL_BASE_SCHEDULER_CONFIG,
@@ -21,5 +21,4 @@ from .schedule import (
     min_snr_weights,
     sample_noise,
     sample_timesteps,
-    weighted_mse_loss,
 )

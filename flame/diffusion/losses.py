@@ -109,6 +109,12 @@ def diffusion_loss(pred: Tensor, target: Tensor, loss_type: str = "l2", weights:
     return mean(mul(r, factor))
 
 
+def weighted_mse_loss(pred: Tensor, target: Tensor, weights: Tensor | None = None) -> Tensor:
+    """``mean_b(w_b * mean_{c,h,w}((pred - target)^2))`` as a 0-d fp32 tensor; ``weights`` is (B,)
+    or None (all ones: the plain mean). ``diffusion_loss(pred, target, "l2", weights)``."""
+    return diffusion_loss(pred, target, "l2", weights)
+
+
 def huber_c_per_timestep(timesteps: Tensor, schedule: DDPMSchedule, huber_schedule: str = "snr",
                          huber_c: float = 0.1, huber_scale: float = 1.0, check: bool = True) -> Tensor:
     """The Huber threshold ``c`` of each sample for its timestep: an fp32 (B,) device tensor for

@@ -16,8 +16,9 @@ Training formulas (``shared/reference/sdxl.md``), all flame ops on the device:
   ``min(snr, gamma)`` (sample);
 - ``sample_noise``: ``randn(shape) + offset * randn(B, C, 1, 1)`` (noise offset);
 - ``sample_timesteps``: integers uniform in ``[low, high)`` from flame's Philox generator;
-- ``weighted_mse_loss``: mean over C, H, W of the squared error, times the per-sample weight, mean
-  over the batch (one fused loss kernel).
+- ``debiased_weights``: ``1 / sqrt(snr)`` (v: ``1 / (snr + 1)``), snr capped at 1000.
+
+The losses themselves are in ``flame.diffusion.losses``.
 
 Timesteps are integer tensors. Lookups check that every timestep lies in ``[0, T)`` (a host
 transfer); ``check=False`` skips that for timesteps that are in range by construction, such as
@@ -38,7 +39,6 @@ from ..ops.creation import rand, randn, tensor
 from ..ops.elementwise import add, clamp, div, mul, rsqrt, sub, to
 from ..ops.index import index_select
 from ..tensor import Tensor
-from .losses import diffusion_loss
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 BETA_SCHEDULES = ("scaled_linear", "linear")
@@ -216,9 +216,3 @@ def sample_noise(shape, offset: float = 0.0, dtype=torch.float32) -> Tensor:
         raise ValueError(f"sample_noise: a noise offset needs (B, C, ...) shapes, got {shape}")
     per_channel = randn(*shape[:2], *(1,) * (len(shape) - 2), dtype=dtype)
     return add(noise, mul(per_channel, float(offset)))
-
-
-def weighted_mse_loss(pred: Tensor, target: Tensor, weights: Tensor | None = None) -> Tensor:
-    """``mean_b(w_b * mean_{c,h,w}((pred - target)^2))`` as a 0-d fp32 tensor; ``weights`` is (B,)
-    or None (all ones: the plain mean). ``diffusion_loss(pred, target, "l2", weights)``."""
-    return diffusion_loss(pred, target, "l2", weights)
