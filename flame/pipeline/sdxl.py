@@ -118,11 +118,12 @@ def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time
     if predict is None:
         predict = CapturedStep(unet.__call__, enabled=cuda_graph)
     x = sampler.prepare_latents(noise)
-    for i, t in enumerate(sampler.timesteps):
+    steps = np.asarray(sampler.timesteps, dtype=np.float32)
+    all_t = tensor(np.repeat(steps[:, None], rows, axis=1))  # (steps, rows): one host copy, not one per step
+    for i in range(len(steps)):
         x_in = sampler.scale_model_input(x, i)
         x_in = cat([x_in, x_in], 0) if guided else x_in
-        t_rows = tensor([float(t)] * rows, dtype=float32)
-        out = to(predict(x_in, t_rows, context, pooled, ids), float32)
+        out = to(predict(x_in, all_t[i], context, pooled, ids), float32)
         if guided:
             uncond, cond_out = out.narrow(0, 0, B), out.narrow(0, B, B)
             out = add(uncond, mul(sub(cond_out, uncond), float(cfg)))
