@@ -2,6 +2,10 @@
 
 The backend is chosen once, when flame is imported: CUDA when ``torch.cuda.is_available()``,
 otherwise Triton's interpreter on CPU tensors. ``FLAME_DEVICE=cpu|cuda`` overrides the choice.
+On CUDA, flame uses one GPU per process: ``cuda:LOCAL_RANK`` when the launcher set ``LOCAL_RANK``
+(``torchrun`` does, one process per GPU), else the current device. It is made the current device
+at import, before anything is allocated or launched, so every allocation, kernel launch, launch
+cache, CUDA graph and tuning lookup of the process belongs to that one GPU.
 ``TRITON_INTERPRET=1`` must be set before ``triton`` is imported for the interpreter to take
 effect, so this module must be imported before any kernel module (``flame/__init__.py`` does so).
 
@@ -52,7 +56,23 @@ if INTERPRETER:
         )
     os.environ["TRITON_INTERPRET"] = "1"
 
-device = torch.device(DEVICE_TYPE)
+
+
+def _choose_index():
+    """The GPU of this process: ``LOCAL_RANK`` when set (made current), else the current one."""
+    local = os.environ.get("LOCAL_RANK", "").strip()
+    if not local:
+        return torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    if not local.isdigit() or int(local) >= count:
+        raise RuntimeError(f"LOCAL_RANK={local!r} names no GPU of this machine's {count} "
+                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at "
+                           f"most {count} processes per machine (torchrun --nproc-per-node {count})")
+    torch.cuda.set_device(int(local))
+    return int(local)
+
+
+device = torch.device("cpu") if INTERPRETER else torch.device("cuda", _choose_index())
 _default_dtype = torch.float32
 
 

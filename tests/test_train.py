@@ -20,61 +20,14 @@ import pytest
 import yaml
 
 import flame
-import flame.nn.functional as F
-from flame import nn
 from flame.data import LatentCache, write_synthetic_cache
 from flame.io import load_lora, load_safetensors, read_metadata, save_safetensors
 from flame.models import SDXLUNetConfig
 from flame.train import ConfigError, Trainer, TrainingStopped, build_config, cli, list_checkpoints, load_config
 from flame.train.trainer import TrainingError
+from tests.standin import DIMS, StandInUNet
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DIMS = SimpleNamespace(in_channels=4, cross_attention_dim=16, pooled_dim=8, sample_size=4)
-
-
-class _Attention(nn.Module):
-    def __init__(self, dim, context_dim):
-        super().__init__()
-        self.to_q = nn.Linear(dim, dim, bias=False)
-        self.to_k = nn.Linear(context_dim, dim, bias=False)
-        self.to_v = nn.Linear(context_dim, dim, bias=False)
-        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
-
-    def forward(self, x, context):
-        q, k, v = self.to_q(x), self.to_k(context), self.to_v(context)
-        return self.to_out[0](F.scaled_dot_product_attention(q, k, v))
-
-
-class StandInUNet(nn.Module):
-    """``SDXLUNet``'s forward signature on a few layers: latent pixels as tokens, a timestep and
-    pooled embedding added, one cross-attention block (to_q/to_k/to_v/to_out.0) over the text."""
-
-    def __init__(self, dims=DIMS, width=16, dtype=None):
-        super().__init__()
-        self.config = dims
-        self.proj_in = nn.Linear(dims.in_channels, width, dtype=dtype)
-        self.cond = nn.Linear(dims.pooled_dim + 1, width, dtype=dtype)
-        self.attn2 = _Attention(width, dims.cross_attention_dim)
-        self.proj_out = nn.Linear(width, dims.in_channels, dtype=dtype)
-        self.attn2.to(dtype or flame.float32)
-
-    @property
-    def dtype(self):
-        return self.proj_in.weight.dtype
-
-    def enable_gradient_checkpointing(self, enabled=True):
-        self.checkpointing = enabled
-        return self
-
-    def forward(self, sample, timestep, encoder_hidden_states, text_embeds, time_ids):
-        B, C, H, W = sample.shape
-        dt = self.dtype
-        x = sample.to(dt).permute(0, 2, 3, 1).reshape(B, H * W, C)
-        t = (timestep.to(flame.float32) * 0.001).reshape(B, 1)
-        cond = self.cond(flame.cat([text_embeds.to(flame.float32), t], -1).to(dt)).reshape(B, 1, -1)
-        h = self.proj_in(x) + cond
-        h = h + self.attn2(h, encoder_hidden_states.to(dt))
-        return self.proj_out(h).reshape(B, H, W, C).permute(0, 3, 1, 2)
 
 
 @pytest.fixture(scope="module")

@@ -2,5 +2,5 @@
 and a synthetic cache for demos and tests."""
 from .buckets import fit_to_bucket, make_buckets, nearest_bucket
 from .cache import Batch, CacheError, CacheNotFoundError, CacheWriter, LatentCache
-from .loader import BucketBatchLoader
+from .loader import BucketBatchLoader, part_bounds
 from .synthetic import write_synthetic_cache, write_synthetic_cache_for

@@ -7,6 +7,12 @@ same generator. The plan depends on nothing but the cache, the seed and the epoc
 state is two integers: ``{"epoch": e, "position": p}`` (``p`` batches of epoch ``e`` consumed).
 ``load_state_dict`` of a saved state continues with exactly the batch an uninterrupted run would
 have read next. Iterating never stops: after the last batch of an epoch comes the first of the next.
+
+Data parallelism: with ``parts=W`` the plan is made of global batches of ``W * batch_size`` samples
+(one aspect bucket each), exactly the plan a single process with that batch size makes. Every
+rank walks the same plan (``next_indices``) and takes its own rows of each global batch
+(``part_bounds``), so the ranks' batches share one shape and the run is the single-process run at
+the global batch size, split.
 """
 from __future__ import annotations
 
@@ -15,14 +21,23 @@ import numpy as np
 from .cache import Batch, LatentCache
 
 
+def part_bounds(total: int, parts: int, part: int) -> tuple:
+    """Rows ``[start, stop)`` of part ``part`` when ``total`` rows are split into ``parts`` parts
+    as evenly as possible (sizes differ by at most one; a part may be empty)."""
+    return part * total // parts, (part + 1) * total // parts
+
+
 class BucketBatchLoader:
-    """Infinite iterator of ``Batch``es of ``split`` ("train" or "val") of ``cache``."""
+    """Infinite iterator of ``Batch``es of ``split`` ("train" or "val") of ``cache``; ``parts``:
+    the data-parallel world size (batches of ``parts * batch_size``, see the module doc)."""
 
     def __init__(self, cache: LatentCache, batch_size: int, split: str = "train", shuffle: bool = True,
-                 seed: int = 0, drop_last: bool = False):
+                 seed: int = 0, drop_last: bool = False, parts: int = 1):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        self.cache, self.batch_size, self.split = cache, batch_size, split
+        if not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"parts must be a positive int, got {parts!r}")
+        self.cache, self.batch_size, self.split, self.parts = cache, batch_size, split, parts
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         by_bucket = {}
         for i in cache.split(split):
@@ -32,7 +47,7 @@ class BucketBatchLoader:
         self._plan_cache = (None, None)
         if not self.plan(0):
             sizes = [len(b) for b in self._buckets]
-            raise ValueError(f"no batch of {batch_size} in the {split!r} split of {cache.path} "
+            raise ValueError(f"no batch of {batch_size * parts} in the {split!r} split of {cache.path} "
                              f"(bucket sizes {sizes}{', drop_last' if drop_last else ''})")
 
     def plan(self, epoch: int) -> list:
@@ -40,13 +55,13 @@ class BucketBatchLoader:
         if self._plan_cache[0] == epoch:
             return self._plan_cache[1]
         rng = np.random.default_rng([self.seed, epoch]) if self.shuffle else None
-        batches = []
+        batches, size = [], self.batch_size * self.parts
         for ids in self._buckets:
             if rng is not None:
                 ids = rng.permutation(ids)
-            for start in range(0, len(ids), self.batch_size):
-                chunk = ids[start:start + self.batch_size]
-                if len(chunk) == self.batch_size or not self.drop_last:
+            for start in range(0, len(ids), size):
+                chunk = ids[start:start + size]
+                if len(chunk) == size or not self.drop_last:
                     batches.append(tuple(int(i) for i in chunk))
         if rng is not None:
             batches = [batches[i] for i in rng.permutation(len(batches))]
@@ -65,13 +80,17 @@ class BucketBatchLoader:
         return self
 
     def __next__(self) -> Batch:
+        return self.cache.batch(self.next_indices())
+
+    def next_indices(self) -> tuple:
+        """The sample indices of the next (global) batch, advancing the position."""
         plan = self.plan(self.epoch)
         if self.position >= len(plan):
             self.epoch, self.position = self.epoch + 1, 0
             plan = self.plan(self.epoch)
         ids = plan[self.position]
         self.position += 1
-        return self.cache.batch(ids)
+        return ids
 
     def epoch_batches(self, epoch: int = 0):
         """The batches of one epoch in order, without touching the iterator's state (validation)."""
@@ -79,14 +98,25 @@ class BucketBatchLoader:
             yield self.cache.batch(ids)
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size}
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
+                "parts": self.parts}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``. A state saved with another ``parts`` (world size) continues at the
+        same fraction of its epoch in this loader's plan, which has other batches."""
         for key in ("seed", "batch_size"):
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(f"loader state was saved with {key}={state[key]}, this loader has "
                                  f"{key}={getattr(self, key)}: the batches would differ")
         epoch, position = int(state["epoch"]), int(state["position"])
+        parts = int(state.get("parts", 1))
+        if parts != self.parts:
+            saved = BucketBatchLoader(self.cache, self.batch_size, self.split, self.shuffle, self.seed, self.drop_last,
+                                      parts)
+            planned = len(saved.plan(epoch))
+            if epoch < 0 or not 0 <= position <= planned:
+                raise ValueError(f"loader state out of range: epoch {epoch}, position {position}")
+            position = position * len(self.plan(epoch)) // planned
         if epoch < 0 or not 0 <= position <= len(self.plan(epoch)):
             raise ValueError(f"loader state out of range: epoch {epoch}, position {position}")
         self.epoch, self.position = epoch, position

@@ -193,26 +193,29 @@ def debiased_weights(snr: Tensor, prediction_type: str = "epsilon") -> Tensor:
     return rsqrt(capped)
 
 
-def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000) -> Tensor:
+def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000, rows=None) -> Tensor:
     """``batch_size`` int64 timesteps uniform in ``[low, high)`` from flame's Philox generator
-    (a uniform draw scaled, truncated and clamped on the device: no host sync)."""
+    (a uniform draw scaled, truncated and clamped on the device: no host sync). ``rows=(start,
+    total)``: these are samples ``start:start + batch_size`` of a batch of ``total`` (one
+    data-parallel rank's part; see ``flame.rand``)."""
     if not isinstance(batch_size, numbers.Integral) or batch_size < 0:
         raise ValueError(f"sample_timesteps: batch_size must be a non-negative int, got {batch_size!r}")
     if not (isinstance(low, numbers.Integral) and isinstance(high, numbers.Integral) and 0 <= low < high):
         raise ValueError(f"sample_timesteps: need integers 0 <= low < high, got low={low!r}, high={high!r}")
-    u = rand(int(batch_size))
+    u = rand(int(batch_size), rows=rows)
     t = to(add(mul(u, float(high - low)), float(low)), torch.int64)
     return clamp(t, int(low), int(high) - 1)  # u * n may round up to n in fp32
 
 
-def sample_noise(shape, offset: float = 0.0, dtype=torch.float32) -> Tensor:
+def sample_noise(shape, offset: float = 0.0, dtype=torch.float32, rows=None) -> Tensor:
     """Standard normal noise of ``shape`` (B, C, ...) plus ``offset * randn(B, C, 1, ...)`` when
-    ``offset`` is non-zero (the "noise offset" that lets a model learn overall brightness)."""
+    ``offset`` is non-zero (the "noise offset" that lets a model learn overall brightness).
+    ``rows``: as in ``sample_timesteps``."""
     shape = tuple(shape)
-    noise = randn(*shape, dtype=dtype)
+    noise = randn(*shape, dtype=dtype, rows=rows)
     if not offset:
         return noise
     if len(shape) < 3:
         raise ValueError(f"sample_noise: a noise offset needs (B, C, ...) shapes, got {shape}")
-    per_channel = randn(*shape[:2], *(1,) * (len(shape) - 2), dtype=dtype)
+    per_channel = randn(*shape[:2], *(1,) * (len(shape) - 2), dtype=dtype, rows=rows)
     return add(noise, mul(per_channel, float(offset)))

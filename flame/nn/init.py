@@ -12,7 +12,7 @@ import math
 from .. import runtime
 from ..kernels import elementwise as KE
 from ..kernels import random as KR
-from ..ops.creation import _generator, _next_offset
+from ..ops.creation import draw
 from ..tensor import Tensor
 
 _skipping = 0
@@ -43,7 +43,7 @@ def _random_into(t, dist, a, b):
         return t
     buf = t._data
     dst = buf if buf.is_contiguous() else runtime.empty(tuple(buf.shape), buf.dtype)
-    KR.random_(dst, dist, _generator["seed"], _next_offset(t.numel()), a, b)
+    KR.random_(dst, dist, *draw(t.numel()), a, b)
     if dst is not buf:
         KE.copy_(buf, dst)
     return t

@@ -31,7 +31,7 @@ class Parameter(Tensor):
                 raise RuntimeError("Parameter: data must be a leaf tensor (use detach())")
             data = data._data
         elif isinstance(data, torch.Tensor):
-            if data.device.type != runtime.device.type:
+            if data.device != runtime.device:
                 raise RuntimeError(f"Parameter: tensor is on {data.device} but flame runs on {runtime.device}")
             data = data.detach()
         else:

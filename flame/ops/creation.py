@@ -13,6 +13,8 @@ from ..kernels import random as KR
 from ..tensor import SUPPORTED_DTYPES, Tensor, check_dtype
 
 _generator = {"seed": 0x5EED, "offset": 0}
+_substream = 0  # this process's stream of the generator (its rank in data-parallel training)
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads substreams over Philox keys
 
 
 def manual_seed(seed: int) -> None:
@@ -31,11 +33,29 @@ def set_rng_state(state: dict) -> None:
     _generator.update(seed=int(state["seed"]), offset=int(state["offset"]))
 
 
-def _next_offset(n: int) -> int:
+def set_rng_substream(index: int) -> None:
+    """Draw from substream ``index`` of the generator in this process (data-parallel rank ``index``):
+    the Philox key mixes the seed with ``index`` (substream 0 is the plain seed), while the offset
+    advances as in every other process. Processes that make the same draws keep one generator
+    state, yet their dropout masks and other draws differ; draws of ``rows`` of a shared batch
+    (``rand``, ``randn``) use the plain seed in every process."""
+    global _substream
+    if not isinstance(index, numbers.Integral) or index < 0:
+        raise ValueError(f"set_rng_substream: index must be a non-negative int, got {index!r}")
+    _substream = int(index)
+
+
+def draw(n: int, shared: bool = False) -> tuple:
+    """``(key, offset)`` for ``n`` numbers of flame's generator, advancing it: element ``i`` of the
+    draw is Philox(key, offset + i). ``shared``: the key every process uses (the plain seed), not
+    this process's substream."""
+    key = _generator["seed"]
+    if _substream and not shared:
+        key = (key + _substream * _GOLDEN) & 0x7FFFFFFFFFFFFFFF
     # Philox yields 4 numbers per counter; keep offsets 4-aligned so tensors never share counters.
     off = _generator["offset"]
     _generator["offset"] = off + ((n + 3) // 4) * 4
-    return off
+    return key, off
 
 
 def _shape(size) -> tuple:
@@ -84,24 +104,45 @@ def ones(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
     return full(_shape(size), 1, dtype=dtype or runtime.get_default_dtype(), device=device, requires_grad=requires_grad)
 
 
-def _random(size, dist, a, b, dtype, device, requires_grad):
+def _random(size, dist, a, b, dtype, device, requires_grad, rows=None):
     dtype = check_dtype(dtype or runtime.get_default_dtype())
     if not dtype.is_floating_point:
         raise TypeError(f"random factories need a floating dtype, got {dtype}")
     out = empty(*size, dtype=dtype, device=device)
-    KR.random_(out._data, dist, _generator["seed"], _next_offset(out.numel()), a, b)
+    if rows is None:
+        key, offset = draw(out.numel())
+    else:  # rows start:start + size[0] of a (total, *size[1:]) draw every process makes alike
+        start, total = _rows(rows, size)
+        row = math.prod(size[1:])
+        key, offset = draw(total * row, shared=True)
+        offset += start * row
+    KR.random_(out._data, dist, key, offset, a, b)
     out.requires_grad = requires_grad
     return out
 
 
-def rand(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
-    """Uniform numbers in [0, 1) from flame's Philox generator."""
-    return _random(_shape(size), KR.UNIFORM, 0.0, 1.0, dtype, device, requires_grad)
+def _rows(rows, size):
+    try:
+        start, total = (int(v) for v in rows)
+    except (TypeError, ValueError):
+        raise TypeError(f"rows must be (start, total), got {rows!r}") from None
+    if not size or not 0 <= start <= start + size[0] <= total:
+        raise ValueError(f"rows=({start}, {total}) does not hold the {size[0] if size else 0} rows of a draw of "
+                         f"shape {size}: need 0 <= start and start + rows <= total")
+    return start, total
 
 
-def randn(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
-    """Standard normal numbers from flame's Philox generator."""
-    return _random(_shape(size), KR.NORMAL, 0.0, 1.0, dtype, device, requires_grad)
+def rand(*size, dtype=None, device=None, requires_grad=False, rows=None) -> Tensor:
+    """Uniform numbers in [0, 1) from flame's Philox generator. ``rows=(start, total)``: the rows
+    ``start:start + size[0]`` of a draw of shape ``(total, *size[1:])`` that every process makes
+    alike (a data-parallel rank's part of one global batch): the same numbers however the rows are
+    split, and the generator advances by the whole draw."""
+    return _random(_shape(size), KR.UNIFORM, 0.0, 1.0, dtype, device, requires_grad, rows)
+
+
+def randn(*size, dtype=None, device=None, requires_grad=False, rows=None) -> Tensor:
+    """Standard normal numbers from flame's Philox generator (``rows``: see ``rand``)."""
+    return _random(_shape(size), KR.NORMAL, 0.0, 1.0, dtype, device, requires_grad, rows)
 
 
 def uniform(size, low=0.0, high=1.0, dtype=None, requires_grad=False) -> Tensor:
@@ -187,7 +228,7 @@ def from_torch(t: torch.Tensor, requires_grad: bool | None = None) -> Tensor:
     """Wrap a torch tensor without copying. It must live on flame's device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"from_torch expects a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != runtime.device.type:
+    if t.device != runtime.device:
         raise RuntimeError(f"from_torch: tensor is on {t.device} but flame runs on {runtime.device}")
     check_dtype(t.dtype)
     return Tensor(t.detach(), requires_grad=t.requires_grad if requires_grad is None else requires_grad)

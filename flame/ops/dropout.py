@@ -15,7 +15,7 @@ from ..kernels import elementwise as KE
 from ..kernels.launch import launch
 from ..tensor import Tensor
 from ._util import check_float, check_tensor, new
-from .creation import _generator, _next_offset
+from .creation import draw
 
 
 @triton.jit(do_not_specialize=["seed", "offset", "p", "scale"])
@@ -64,7 +64,7 @@ def dropout(x: Tensor, p: float = 0.5, training: bool = True) -> Tensor:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return x
-    seed, offset = _generator["seed"], _next_offset(x.numel())
+    seed, offset = draw(x.numel())
     out = _apply(_dense(x._data), seed, offset, p)
     if needs_grad(x):
         record(out, (x,), _dropout_backward, seed=seed, offset=offset, p=p)

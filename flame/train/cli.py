@@ -1,8 +1,12 @@
 """``flame-train-lora CONFIG [section.key=value ...] [--resume [CHECKPOINT]]``: train an SDXL LoRA.
 
-Exit status: 0 when the LoRA file was written; 1 when a non-finite loss stopped the run or a file
-could not be written; 2 for a config, cache or usage error (found before training starts); 128 + the
-signal number when Ctrl-C (130) or SIGTERM (143) stopped the run after saving a checkpoint.
+Exit status: 0 when the LoRA file was written; 1 when a non-finite loss stopped the run, a file
+could not be written or (several processes) another process was lost; 2 for a config, cache or
+usage error (found before training starts); 128 + the signal number when Ctrl-C (130) or SIGTERM
+(143) stopped the run after saving a checkpoint.
+
+Several GPUs: ``torchrun --nproc-per-node N -m flame.train.cli CONFIG ...`` (or the console script
+under torchrun) trains data-parallel; errors every process meets alike are printed by rank 0 only.
 """
 from __future__ import annotations
 
@@ -15,8 +19,11 @@ from .config import REQUIRED, SCHEMA, ConfigError, load_config, to_dict
 PROG = "flame-train-lora"
 
 
-def _error(message) -> None:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def _error(message, every_rank=False) -> None:
+    """Print an error; one that every process meets alike only from rank 0 (under torchrun)."""
+    rank = os.environ.get("RANK", "0") if os.environ.get("WORLD_SIZE", "1") not in ("", "1") else "0"
+    if every_rank or rank == "0":
+        print(f"{PROG}: error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
 
 
 def _options_help():
@@ -84,7 +91,7 @@ def main(argv=None) -> int:
         _error(e)
         return 2
     except TrainingError as e:
-        _error(e)
+        _error(e, every_rank=True)
         return 1
     return 0
 

@@ -52,7 +52,9 @@ SCHEMA = {
     },
     "data": {
         "cache_dir": Opt(REQUIRED, "path", "latent cache folder (scripts/prepare_cache.py)"),
-        "batch_size": Opt(1, "int", "samples per micro-batch (all from one aspect bucket)", low=1),
+        "batch_size": Opt(1, "int", "samples per micro-batch and process (all from one aspect bucket; under "
+                                    "torchrun each of the N processes takes this many of a global batch of N times "
+                                    "as many)", low=1),
         "drop_last": Opt(False, "bool", "drop each bucket's last partial batch (fixed batch shapes)"),
         "synthetic_samples": Opt(0, "int", "if > 0 and cache_dir holds no cache, write a synthetic cache of this "
                                            "many samples first (demos, tests)", low=0),
@@ -152,6 +154,11 @@ SCHEMA = {
                                    "null: model.path", nullable=True),
         "tokenizers": Opt(None, "path", "pipeline folder with tokenizer/ and tokenizer_2/ (for a single-file "
                                         "checkpoint)", nullable=True),
+    },
+    "distributed": {
+        "timeout": Opt(600.0, "float", "torchrun runs: seconds a process waits for the others (at a collective) "
+                                       "before the run stops with an error; a process that ended is noticed within "
+                                       "seconds", low=1.0),
     },
     "resume": Opt(None, "str", "null, 'latest' (the newest complete checkpoint in output.dir, if any) or a "
                                "checkpoint folder", nullable=True),

@@ -27,6 +27,14 @@ Signals: Ctrl-C (SIGINT) or SIGTERM (what schedulers send) finishes the current 
 checkpoint and stops. A second one abandons the step in flight (or, during the few launches that
 update the weights, lets them finish first), so the checkpoint saved then is the state of one step
 boundary; a third quits without saving.
+
+Several GPUs (``torchrun --nproc-per-node N``, see ``flame.distributed``): each process trains on
+its rows of every global batch (``data.batch_size`` each, the loader's ``parts``), noise and
+timesteps are the rows of one global draw (the run equals one process at the global batch size),
+and one all-reduce per optimizer step sums the gradients, the loss and the stop requests. Rank 0
+alone writes files and prints. A stop signal that reaches any rank stops every rank at the same
+step, a step or two later (a second signal does not abandon a step: the ranks must finish it
+together; a third quits without saving); the weights are compared across ranks at every log line.
 """
 from __future__ import annotations
 
@@ -45,10 +53,10 @@ import numpy as np
 import torch
 import yaml
 
-from .. import runtime
+from .. import distributed, runtime
 from ..amp import DynamicLossScaler
 from ..autograd import GradientMap, no_grad
-from ..data import BucketBatchLoader, LatentCache, write_synthetic_cache_for
+from ..data import BucketBatchLoader, LatentCache, part_bounds, write_synthetic_cache_for
 from ..diffusion import (
     DDPMSchedule,
     debiased_weights,
@@ -63,13 +71,13 @@ from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safe
 from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
 from ..nn.lora import adaptable_layers, matching_layers
-from ..ops.creation import get_rng_state, manual_seed, set_rng_state, tensor
+from ..ops.creation import get_rng_state, manual_seed, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, lt, mul, sub, to
 from ..ops.shape import stack
 from ..optim import AdamW, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
-from .checkpoints import latest_checkpoint, list_checkpoints, save_checkpoint
+from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
 from .model import build_unet, unet_config
 from .outputs import Trackers, lora_metadata
@@ -120,8 +128,10 @@ class Trainer:
     """
 
     def __init__(self, config, model=None, progress=None, log=print):
-        self.cfg, self.log = config, log
-        self.progress = progress
+        self.world = distributed.init(config.distributed.timeout)
+        main = self.world.is_main
+        self.cfg, self.log = config, log if main else _quiet
+        self.progress = progress if main else False
         self.dtype = PRECISIONS[config.train.precision]
         self.out_dir = config.output.dir
         self.ckpt_dir = os.path.join(self.out_dir, "checkpoints")
@@ -137,7 +147,7 @@ class Trainer:
         # ---- checks that need no model weights: a bad setting fails here, in seconds
         mcfg = model.config if model is not None else self._model_config()
         self._check_precision()
-        self._prepare_output_dir()
+        self._agreed(self._prepare_output_dir)
         self.cache = self._open_cache(mcfg)
         self.loader = self._loader("train", c.data.batch_size, shuffle=True)
         self.val_loader = None
@@ -149,11 +159,14 @@ class Trainer:
             raise ConfigError(f"diffusion.timestep_max ({c.diffusion.timestep_max}) exceeds the noise schedule's "
                               f"{self.schedule.num_train_timesteps} timesteps")
         self._check_targets(model, mcfg)
-        self._resume_from = self._find_checkpoint()  # (path, trainer state) or None
+        self._resume_from = self._agreed(self._find_checkpoint)  # (path, trainer state) or None
         if self._resume_from is None:
-            self._check_fresh_start()
+            self._agreed(self._check_fresh_start)
+        else:
+            self._resume_loader(*self._resume_from)
         # ---- the run
-        self.samples = self._prepare_samples(mcfg)  # before the UNet: the text encoders come and go first
+        # before the UNet: the text encoders come and go first (rank 0 alone makes samples)
+        self.samples = self._prepare_samples(mcfg) if self.world.is_main else None
         manual_seed(c.train.seed)
         if model is None:
             try:
@@ -171,9 +184,12 @@ class Trainer:
             except (KeyError, ValueError) as e:
                 raise ConfigError(f"lora.init_from: {c.lora.init_from}: {e.args[0] if e.args else e}") from None
         model.train()
+        self.params = lora_parameters(model)
+        distributed.broadcast_(self.params)  # every rank starts from rank 0's adapters
+        set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
+        self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
-        self.params = lora_parameters(model)
         self.optimizer = AdamW(self.params, lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                eps=c.train.adam_eps, weight_decay=c.train.weight_decay)
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
@@ -183,8 +199,8 @@ class Trainer:
         if c.train.cuda_graph and c.lora.dropout:
             self.log("train.cuda_graph: off because lora.dropout > 0 (a replayed step would reuse its dropout masks)")
         self.step_fn = CapturedStep(self.loss_and_grads, enabled=graph)
-        self.trackers = Trackers([t for t in c.output.report_to if t != "jsonl"], self.out_dir, c.output.name,
-                                 to_dict(c))
+        trackers = [t for t in c.output.report_to if t != "jsonl"] if self.world.is_main else []
+        self.trackers = Trackers(trackers, self.out_dir, c.output.name, to_dict(c))
         self.step = 0
         self.losses = {}  # step -> loss, as read on the host
         self.val_losses = {}  # step -> validation loss
@@ -196,8 +212,25 @@ class Trainer:
         self._bar_ = None
         self._step_done = True  # False while a step's state changes are not all applied
         self._deferring, self._deferred = 0, False
+        self._requested, self._signals = None, 0  # several processes: this rank's stop request, signals seen
 
     # ---- setup -------------------------------------------------------------------------------
+    def _agreed(self, fn):
+        """``fn()`` on rank 0, and its result (or the error it raised) on every rank: decisions that
+        read or change files are made once."""
+        if self.world.size == 1:
+            return fn()
+        result = error = None
+        if self.world.is_main:
+            try:
+                result = fn()
+            except Exception as e:  # every rank raises it
+                error = e
+        result, error = distributed.broadcast_object((result, error))
+        if error is not None:
+            raise error
+        return result
+
     def _model_config(self):
         c = self.cfg.model
         option = "path" if c.path and os.path.isdir(c.path) else "config"  # a folder holds its config.json
@@ -266,10 +299,14 @@ class Trainer:
 
     def _open_cache(self, mcfg):
         c = self.cfg.data
-        if c.synthetic_samples and not os.path.isfile(os.path.join(c.cache_dir, "index.json")):
-            self.log(f"writing a synthetic cache of {c.synthetic_samples} samples to {c.cache_dir}")
-            write_synthetic_cache_for(c.cache_dir, c.synthetic_samples, mcfg, c.synthetic_latent_sizes,
-                                      seed=self.cfg.train.seed)
+
+        def write_synthetic():
+            if c.synthetic_samples and not os.path.isfile(os.path.join(c.cache_dir, "index.json")):
+                self.log(f"writing a synthetic cache of {c.synthetic_samples} samples to {c.cache_dir}")
+                write_synthetic_cache_for(c.cache_dir, c.synthetic_samples, mcfg, c.synthetic_latent_sizes,
+                                          seed=self.cfg.train.seed)
+
+        self._agreed(write_synthetic)
         cache = LatentCache(c.cache_dir)
         want = {"latent_channels": mcfg.in_channels, "text_dim": mcfg.cross_attention_dim,
                 "pooled_dim": mcfg.pooled_dim}
@@ -284,10 +321,11 @@ class Trainer:
         c = self.cfg
         try:
             return BucketBatchLoader(self.cache, batch_size, split, shuffle=shuffle, seed=c.train.seed,
-                                     drop_last=c.data.drop_last and split == "train")
+                                     drop_last=c.data.drop_last and split == "train", parts=self.world.size)
         except ValueError as e:
             option = "data.batch_size" if split == "train" else "output.val_batch_size"
-            raise ConfigError(f"{option}: {e}; lower it (or set data.drop_last=false)") from None
+            each = f" ({self.world.size} processes take {batch_size} each)" if self.world.size > 1 else ""
+            raise ConfigError(f"{option}: {e}{each}; lower it (or set data.drop_last=false)") from None
 
     def _check_targets(self, model, mcfg):
         """lora.targets must select at least one layer (checked on the module names, no weights)."""
@@ -324,11 +362,22 @@ class Trainer:
             raise ConfigError(f"resume: cannot read {state_file} ({e}); resume from an earlier checkpoint "
                               f"({[p for _, p in list_checkpoints(self.ckpt_dir)]})") from None
         self._check_resumable(path, state.get("config", {}))
+        return path, state
+
+    def _resume_loader(self, path, state):
+        """The loader continues where the checkpoint's run stopped (at the same fraction of the epoch
+        when that run had another number of processes, with a warning)."""
+        saved, now = int(state.get("world_size", 1)), self.world.size
+        if saved != now:
+            b = self.cfg.data.batch_size
+            self.log(f"warning: {path} was trained by {_count(saved, 'process')}, this run has {now}: the global batch "
+                     f"changes from {saved * b} to {now * b} samples, the data order goes on at the same point of the "
+                     "epoch in the new batches, and each process's random stream is derived anew from its rank; the "
+                     f"steps from here are not the ones {_count(saved, 'process')} would take")
         try:
             self.loader.load_state_dict(state["loader"])  # the position resuming continues from
         except ValueError as e:
             raise ConfigError(f"resume: {path} does not fit data.cache_dir {self.cfg.data.cache_dir}: {e}") from None
-        return path, state
 
     def _check_resumable(self, path, saved):
         """Settings that change tensor shapes or the data order are errors; other changes are warned about."""
@@ -404,25 +453,38 @@ class Trainer:
             scaled = self.scaler.scale(scaled)
         return loss, scaled.backward()
 
-    def _draw(self, batch):
-        d = self.cfg.diffusion
-        noise = sample_noise(batch.latents.shape, d.noise_offset)
-        timesteps = sample_timesteps(len(batch), d.timestep_min, d.timestep_max)
-        return noise, timesteps
+    def _part(self, ids):
+        """This rank's rows ``(start, stop)`` of the global batch ``ids`` and their latents' shape."""
+        start, stop = part_bounds(len(ids), self.world.size, self.world.rank)
+        size = self.cache.buckets[self.cache.bucket_of(ids[0])]
+        return start, stop, (stop - start, self.cache.latent_channels, *size)
 
     def _micro_batches(self):
-        """Forward+backward of grad_accum micro-batches: (mean loss, summed gradients)."""
+        """Forward+backward of grad_accum micro-batches: (mean loss, summed gradients). With several
+        processes, each packs its share of every micro-batch (weighted by its rows) into the bucket,
+        and one all-reduce makes the global mean loss and gradients."""
+        d, accum = self.cfg.diffusion, self.cfg.train.grad_accum
         losses, total = [], None
-        for _ in range(self.cfg.train.grad_accum):
-            batch = next(self.loader)
-            noise, timesteps = self._draw(batch)
+        for m in range(accum):
+            ids = self.loader.next_indices()  # the global micro-batch, the same on every rank
+            start, stop, shape = self._part(ids)
+            rows = (start, len(ids))  # this rank's rows of one global draw
+            noise = sample_noise(shape, d.noise_offset, rows=rows)
+            timesteps = sample_timesteps(shape[0], d.timestep_min, d.timestep_max, rows=rows)
+            if start == stop:  # fewer samples than ranks in a bucket's last batch
+                self.bucket.pack(None, None, 0.0, m > 0, self._requested is not None)
+                continue
+            batch = self.cache.batch(ids[start:stop])
             loss, grads = self.step_fn(batch.latents, noise, timesteps, batch.prompt_embeds, batch.pooled,
                                        batch.time_ids)
-            losses.append(loss if self.cfg.train.grad_accum == 1 else loss.clone())
-            if self.cfg.train.grad_accum == 1:
-                total = grads
-            else:
-                total = (total or GradientMap()).accumulate(grads)
+            if self.bucket is not None:
+                self.bucket.pack(grads, loss, (stop - start) / len(ids), m > 0, self._requested is not None)
+                continue
+            losses.append(loss if accum == 1 else loss.clone())
+            total = grads if accum == 1 else (total or GradientMap()).accumulate(grads)
+        if self.bucket is not None:
+            self.bucket.all_reduce()
+            return (self.bucket.loss if accum == 1 else mul(self.bucket.loss, 1.0 / accum)), self.bucket.grads
         mean = losses[0] if len(losses) == 1 else mul(stack(losses).sum(), 1.0 / len(losses))
         return mean, total
 
@@ -457,6 +519,8 @@ class Trainer:
             self.step += 1
             self._pending.append((self.step, loss.clone(), norm, lr, self.loader.epoch))
             self._step_done = True
+        if self.bucket is not None and self._stop is None and self.bucket.stop_requested():
+            self._stop = ("interrupted", self._requested or signal.SIGTERM)  # every rank stops after this step
 
     # ---- validation --------------------------------------------------------------------------
     def validate(self) -> float:
@@ -468,21 +532,24 @@ class Trainer:
         n = self.val_loader.num_samples
         span = d.timestep_max - d.timestep_min
         all_t = d.timestep_min + (np.arange(n) + 0.5) * span // n
-        total, seen = None, 0
+        total, seen = zeros((1,)), 0
         self.model.eval()
         try:
             with no_grad():
-                for batch in self.val_loader.epoch_batches(0):
-                    b = len(batch)
-                    noise = sample_noise(batch.latents.shape, d.noise_offset)
-                    timesteps = tensor(all_t[seen:seen + b].astype(np.int64))
-                    loss = mul(self.compute_loss(batch.latents, noise, timesteps, batch.prompt_embeds, batch.pooled,
-                                                 batch.time_ids), float(b))
-                    total = loss if total is None else add(total, loss)
-                    seen += b
+                for ids in self.val_loader.plan(0):  # global batches: each rank takes its rows
+                    start, stop, shape = self._part(ids)
+                    noise = sample_noise(shape, d.noise_offset, rows=(start, len(ids)))
+                    if stop > start:
+                        batch = self.cache.batch(ids[start:stop])
+                        timesteps = tensor(all_t[seen + start:seen + stop].astype(np.int64))
+                        loss = self.compute_loss(batch.latents, noise, timesteps, batch.prompt_embeds, batch.pooled,
+                                                 batch.time_ids)
+                        total = add(total, mul(loss, float(stop - start)))
+                    seen += len(ids)
         finally:
             self.model.train()
             set_rng_state(saved)
+        distributed.all_reduce_(total)
         value = float(total.item()) / seen  # host sync (validation only)
         self.val_losses[self.step] = value
         self._metrics([{"step": self.step, "val_loss": value}])
@@ -494,7 +561,9 @@ class Trainer:
         return os.path.join(self.out_dir, "metrics.jsonl")
 
     def _metrics(self, records):
-        """Append ``records`` to metrics.jsonl in one write."""
+        """Append ``records`` to metrics.jsonl in one write (rank 0 alone)."""
+        if not self.world.is_main:
+            return
         try:
             with open(self._metrics_path(), "a") as f:
                 f.write(_json_lines(records))
@@ -538,6 +607,7 @@ class Trainer:
             records.append(rec)
             if bad is None and not math.isfinite(value):
                 bad = (step, value)
+        distributed.check_same(self.params, f"LoRA weights at step {pending[-1][0]}")
         speed = {"step": pending[-1][0], "it_s": its}
         if not runtime.is_interpreter():
             speed["max_memory_gb"] = runtime.max_memory_allocated() / 2 ** 30
@@ -568,6 +638,7 @@ class Trainer:
     def state(self, opt: dict) -> dict:
         """The host-side part of a checkpoint (JSON-able); ``opt``: the optimizer's state dict."""
         return {"step": self.step, "loader": self.loader.state_dict(), "rng": get_rng_state(),
+                "world_size": self.world.size,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "optimizer": {"param_groups": opt["param_groups"],
@@ -575,7 +646,9 @@ class Trainer:
                 "config": to_dict(self.cfg)}
 
     def save(self) -> str:
-        """Write a checkpoint of the current step (reads pending losses first)."""
+        """Write a checkpoint of the current step (rank 0 alone; the others return its path)."""
+        if not self.world.is_main:
+            return checkpoint_path(self.ckpt_dir, self.step)
         opt = self.optimizer.state_dict()
         tensors = {f"{i}.{k}": v for i, entry in opt["state"].items() for k, v in entry.items() if k != "step"}
         state = self.state(opt)
@@ -625,7 +698,9 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         set_rng_state(state["rng"])
         self.step = int(state["step"])
-        self._restore_metrics()
+        distributed.check_same(self.params, f"LoRA weights loaded from {path}")
+        if self.world.is_main:
+            self._restore_metrics()
 
     def _restore_metrics(self):
         """Keep the metric records up to the resumed step (later ones belong to the run that was cut
@@ -659,7 +734,18 @@ class Trainer:
     # ---- the loop ----------------------------------------------------------------------------
     def _on_signal(self, signum, frame):
         """SIGINT / SIGTERM: the first asks for a checkpoint at the end of this step; the next one
-        abandons the step (``KeyboardInterrupt``), after the weight update when it is under way."""
+        abandons the step (``KeyboardInterrupt``), after the weight update when it is under way.
+        With several processes the first is this rank's stop request (the ranks stop together, see
+        ``train_step``), the second changes nothing and the third quits without saving."""
+        if self.world.size > 1:
+            self._signals += 1
+            if self._signals == 1:
+                self._requested = signum
+                _notice(f"\n{signal.Signals(signum).name}: the {self.world.size} processes finish the step they agree "
+                        "on and save a checkpoint (a third signal quits without saving)\n")
+            elif self._signals >= 3:
+                raise KeyboardInterrupt
+            return
         if self._stop is None:
             self._stop = ("interrupted", signum)
             _notice(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint (again: stop "
@@ -706,17 +792,20 @@ class Trainer:
         if self._resume_from is not None:
             self.load(*self._resume_from)
             self.log(f"resumed from {self._resume_from[0]} at step {self.step}")
-        else:
+        elif self.world.is_main:
             self._start_fresh()
         first = self.step
-        with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
-            yaml.safe_dump(to_dict(c), f, sort_keys=False)
+        if self.world.is_main:
+            with open(os.path.join(self.out_dir, "config.yaml"), "w") as f:
+                yaml.safe_dump(to_dict(c), f, sort_keys=False)
         todo = (_count(self.total_steps, "step") if first == 0 else
                 f"steps {first + 1}-{self.total_steps} of {self.total_steps}" if first < self.total_steps else
                 f"no steps (the run finished at step {first} of {self.total_steps})")
         self.log(f"training {_count(len(self.lora_layers), 'LoRA layer')} ({sum(p.numel() for p in self.params):,} "
                  f"params) on {_count(len(self.loader.cache.split('train')), 'sample')}: {todo} "
-                 f"({c.train.precision}, {runtime.device_name()})")
+                 f"({c.train.precision}, {runtime.device_name()}"
+                 + (f", {self.world.size} processes, global batch {self.world.size * c.data.batch_size}"
+                    if self.world.size > 1 else "") + ")")
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -725,6 +814,12 @@ class Trainer:
         started_at = time.time()
         try:
             checkpoint = self._loop()
+            distributed.barrier()  # no rank leaves (and torchrun stops none) before rank 0's checkpoint is written
+        except distributed.PeerLostError as e:
+            kept = latest_checkpoint(self.ckpt_dir)
+            raise TrainingError(f"{e}. Nothing half-written was kept; "
+                                + (f"the newest complete checkpoint is {kept}" if kept else "no checkpoint was written")
+                                + ": continue with --resume once every process can run") from e
         finally:
             if self._bar_ is not None:
                 self._bar_.close()
@@ -745,13 +840,14 @@ class Trainer:
                        f"{checkpoint}; continue with --resume (resume=latest)")
             self.log(msg)
             raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
-        try:
-            meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time())
-            save_lora(self.model, self.lora_path(), format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
-                      metadata=meta)
-        except OSError as e:
-            raise self._write_error(e, "the LoRA file", self.lora_path()) from e
-        self._summary(self.step - first, time.perf_counter() - started, checkpoint)
+        if self.world.is_main:
+            try:
+                meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time())
+                save_lora(self.model, self.lora_path(), format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
+                          metadata=meta)
+            except OSError as e:
+                raise self._write_error(e, "the LoRA file", self.lora_path()) from e
+            self._summary(self.step - first, time.perf_counter() - started, checkpoint)
         return {"step": self.step, "losses": [self.losses[s] for s in sorted(self.losses)],
                 "val_losses": dict(self.val_losses), "lora": self.lora_path(), "checkpoint": checkpoint}
 
@@ -781,6 +877,8 @@ class Trainer:
                 if self._stop is None and due_save and s < self.total_steps:
                     self.save()
             except KeyboardInterrupt:  # a second signal (or Ctrl-C without our handler)
+                if self.world.size > 1:  # a rank cannot abandon a step alone: quit without saving
+                    raise
                 if not self._step_done:  # abandoned before its update: back to the step boundary
                     self.loader.load_state_dict(snapshot[0])
                     set_rng_state(snapshot[1])
@@ -820,6 +918,10 @@ class Trainer:
 
 def _json_lines(records) -> str:
     return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def _quiet(*args, **kwargs):
+    """The log of ranks other than 0: they print nothing (rank 0 says the same)."""
 
 
 def _notice(text):
