@@ -115,29 +115,38 @@ def run_flame(args):
             "device": flame.device_name(), "graphs": step_fn.num_graphs}
 
 
-def run_diffusers(args):
+def diffusers_lora_unet(cfg, rank, checkpointing, dev):
+    """diffusers' UNet of ``cfg`` (random weights, frozen in bf16) with peft's LoRA of ``rank`` on the
+    attention projections in fp32, in training mode: ``(unet, LoRA parameters)``."""
     # isort: off
-    from flame.models import SDXLUNetConfig  # flame first: it picks the backend before triton is imported
     import torch
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
     # isort: on
-
-    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     with torch.device(dev):
         unet = UNet2DConditionModel(**cfg.to_diffusers())
     unet.to(torch.bfloat16)
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=args.rank, lora_alpha=args.rank, init_lora_weights="gaussian",
-                                target_modules=LORA_TARGETS))
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS))
     params = [p for p in unet.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
-    if args.checkpointing == "on":
+    if checkpointing:
         unet.enable_gradient_checkpointing()
     unet.train()
+    return unet, params
+
+
+def run_diffusers(args):
+    # isort: off
+    from flame.models import SDXLUNetConfig  # flame first: it picks the backend before triton is imported
+    import torch
+    # isort: on
+
+    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev)
     opt = torch.optim.AdamW(params, lr=1e-4)
     shapes = _inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (torch.randn(*s, device=dev) for s in shapes)

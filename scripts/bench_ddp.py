@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""SDXL LoRA training on several GPUs: flame's data-parallel trainer against diffusers + peft under
+torch's DistributedDataParallel, both started by torchrun, on the same machine in the same run.
+
+    python3 scripts/bench_ddp.py                          # N = 1, 2, 4 (up to the GPUs there), checkpointing off and on
+    python3 scripts/bench_ddp.py --nproc 1 --nproc 2 --checkpointing off --out out/ddp.json
+    python scripts/bench_ddp.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1
+                                                          # CPU smoke test (gloo, the interpreter)
+
+flame: the trainer itself (``flame.train.Trainer``) on a synthetic latent cache; each process trains
+batch 1 of every global batch from a CUDA graph, and one all-reduce per step sums the gradients.
+diffusers + peft: the UNet under DDP (bucketed all-reduces overlapped with the backward),
+``torch.autocast(bf16)``, AdamW, as ``scripts/bench_sdxl.py`` builds it. Both: the SDXL base UNet with
+random weights, LoRA rank 16 on the attention projections, 1024x1024 (128x128 latents), batch 1
+per GPU, bf16.
+
+Reported per (checkpointing, framework, N): the step time (median over ``--blocks`` blocks of
+``--steps`` steps, each timed from a barrier to the end of the slowest rank), images/s, the scaling
+efficiency (images/s with N processes over N times images/s with 1), rank 0's peak memory, and for
+flame the time of the step's all-reduce alone (CUDA events around the bucket's collective) and its
+share of the step. Needs diffusers and peft for the second framework (see ``bench_sdxl.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _blocks(step, args, sync, slowest):
+    """Warm-up steps, then the per-step seconds of each timed block (the slowest rank's)."""
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.blocks):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        sync()
+        times.append(slowest(time.perf_counter() - t0) / args.steps)
+    return times
+
+
+def run_flame(args):
+    import flame
+    from flame import distributed
+    from flame.train import Trainer, build_config
+
+    latent = args.resolution // 8
+    cfg = build_config({
+        "model": {"config": args.config},
+        "data": {"cache_dir": args.cache, "batch_size": 1, "synthetic_samples": 64,
+                 "synthetic_latent_sizes": [[latent, latent]]},
+        "lora": {"rank": args.rank, "alpha": args.rank, "targets": "attn"},
+        "train": {"steps": 10 ** 6, "lr": 1e-4, "precision": "fp32" if flame.is_interpreter() else "bf16",
+                  "gradient_checkpointing": args.checkpointing == "on"},
+        "output": {"dir": tempfile.mkdtemp(prefix="flame-ddp-"), "save_every": 0, "log_every": 10 ** 6}})
+    trainer = Trainer(cfg, progress=False, log=lambda *a: None)
+    world = trainer.world
+
+    def sync():
+        flame.synchronize()
+        distributed.barrier()
+
+    def slowest(seconds):
+        t = flame.tensor([seconds])
+        distributed.all_reduce_(t, "max")
+        return t.item()
+
+    flame.reset_peak_memory_stats()
+    times = _blocks(trainer.train_step, args, sync, slowest)
+    allreduce_ms = None
+    if trainer.bucket is not None and not flame.is_interpreter():
+        import torch
+        samples = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            trainer.bucket.all_reduce()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        allreduce_ms = statistics.median(samples)
+    return {"framework": "flame", "world": world.size, "times_s": times, "peak_bytes": flame.max_memory_allocated(),
+            "allreduce_ms": allreduce_ms, "allreduce_mb": trainer.bucket.nbytes / 2 ** 20 if trainer.bucket else 0,
+            "device": flame.device_name()}
+
+
+def run_diffusers(args):
+    # isort: off
+    from flame.models import SDXLUNetConfig  # flame first: it picks the backend (and this rank's GPU)
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from bench_sdxl import diffusers_lora_unet
+    # isort: on
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
+    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev)
+    model = unet
+    if world > 1:  # static_graph: the same parameters take part in every step (and checkpointing works)
+        model = DistributedDataParallel(unet, device_ids=[local] if cuda else None, static_graph=True)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    latent = args.resolution // 8
+    gen = torch.Generator(dev).manual_seed(int(os.environ.get("RANK", "0")))
+    sample = torch.randn(1, cfg.in_channels, latent, latent, device=dev, generator=gen)
+    context = torch.randn(1, 77, cfg.cross_attention_dim, device=dev, generator=gen)
+    pooled = torch.randn(1, cfg.pooled_dim, device=dev, generator=gen)
+    time_ids = torch.randn(1, 6, device=dev, generator=gen).abs() * 1024.0
+
+    def step():
+        noise = torch.randn(sample.shape, device=dev, generator=gen)
+        timesteps = torch.randint(0, 1000, (1,), device=dev, generator=gen)
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            pred = model(sample + noise * 0.5, timesteps, context,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+        loss = torch.nn.functional.mse_loss(pred.float(), noise)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+        if world > 1:
+            dist.barrier()
+
+    def slowest(seconds):
+        if world == 1:
+            return seconds
+        t = torch.tensor([seconds], device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = _blocks(step, args, sync, slowest)
+    result = {"framework": "diffusers+peft DDP", "world": world, "times_s": times,
+              "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+              "device": torch.cuda.get_device_name() if cuda else "cpu"}
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=["sdxl", "tiny"], default="sdxl", help="UNet config (default: SDXL base)")
+    p.add_argument("--resolution", type=int, default=1024, help="image side in pixels (latent = /8)")
+    p.add_argument("--nproc", type=int, action="append", help="processes (GPUs; repeatable; default 1, 2, 4 up to "
+                                                              "the GPUs there)")
+    p.add_argument("--checkpointing", choices=["on", "off", "both"], default="both")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--steps", type=int, default=10, help="steps per timed block")
+    p.add_argument("--blocks", type=int, default=3, help="timed blocks (the median is reported)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (flame captures on its 2nd)")
+    p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
+    p.add_argument("--cache", help="latent cache folder for flame (written on first use; default: a temp folder)")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--worker", choices=["flame", "diffusers"], help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def _nprocs(args):
+    if args.nproc:
+        return args.nproc
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 2
+    return [n for n in (1, 2, 4, 8) if n <= gpus]
+
+
+def _frameworks(args):
+    import importlib.util
+    frameworks = ["flame", "diffusers"] if args.framework == "both" else [args.framework]
+    if "diffusers" in frameworks and not (importlib.util.find_spec("diffusers") and importlib.util.find_spec("peft")):
+        print("diffusers/peft not importable: measuring flame only", file=sys.stderr)
+        frameworks.remove("diffusers")
+    return frameworks
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        res = (run_flame if args.worker == "flame" else run_diffusers)(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(res), flush=True)
+        return 0
+    args.cache = args.cache or os.path.join(tempfile.mkdtemp(prefix="flame-ddp-cache-"), "cache")
+    rows = []
+    for ckpt in (["off", "on"] if args.checkpointing == "both" else [args.checkpointing]):
+        for fw in _frameworks(args):
+            for n in _nprocs(args):
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                       __file__, "--worker", fw, "--config", args.config, "--resolution", str(args.resolution),
+                       "--checkpointing", ckpt, "--rank", str(args.rank), "--steps", str(args.steps),
+                       "--blocks", str(args.blocks), "--warmup", str(args.warmup), "--cache", args.cache]
+                label = f"{fw} ckpt {ckpt} N={n}"
+                print(f"== {label}", flush=True)
+                started = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                result = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
+                               if line.startswith("RESULT ")), None)
+                if proc.returncode or result is None:
+                    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+                    rows.append({"setting": label, "checkpointing": ckpt, "nproc": n, "error": proc.stderr[-2000:]})
+                    continue
+                result.update(setting=label, checkpointing=ckpt, nproc=n, median_s=statistics.median(result["times_s"]),
+                              wall_s=time.perf_counter() - started)
+                result["images_s"] = n / result["median_s"]
+                rows.append(result)
+                ar = f", all-reduce {result['allreduce_ms']:.2f} ms" if result.get("allreduce_ms") else ""
+                print(f"   {result['median_s'] * 1e3:.1f} ms/step, {result['images_s']:.2f} images/s, peak "
+                      f"{result['peak_bytes'] / 2 ** 30:.2f} GiB{ar} ({result['wall_s']:.0f} s)", flush=True)
+    _report(rows)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _report(rows):
+    ok = [r for r in rows if "error" not in r]
+    one = {(r["framework"], r["checkpointing"]): r for r in ok if r["nproc"] == 1}
+    base = {(r["checkpointing"], r["nproc"]): r for r in ok if r["framework"] != "flame"}
+    print(f"\n{'setting':<36} {'step ms':>8} {'images/s':>9} {'scaling':>8} {'all-reduce':>16} {'peak GiB':>9} "
+          f"{'vs diffusers':>13}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['setting']:<36} failed")
+            continue
+        single = one.get((r["framework"], r["checkpointing"]))
+        scaling = f"{r['images_s'] / (r['nproc'] * single['images_s']):.3f}" if single else ""
+        ar = (f"{r['allreduce_ms']:.2f} ms {r['allreduce_ms'] / (r['median_s'] * 1e3):.1%}"
+              if r.get("allreduce_ms") else "")
+        ref = base.get((r["checkpointing"], r["nproc"]))
+        vs = f"{r['images_s'] / ref['images_s']:.2f}x" if ref and r["framework"] == "flame" else ""
+        print(f"{r['setting']:<36} {r['median_s'] * 1e3:8.1f} {r['images_s']:9.2f} {scaling:>8} {ar:>16} "
+              f"{r['peak_bytes'] / 2 ** 30:9.2f} {vs:>13}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
