@@ -230,10 +230,10 @@ def main(argv=None):
                 ar = f", all-reduce {result['allreduce_ms']:.2f} ms" if result.get("allreduce_ms") else ""
                 print(f"   {result['median_s'] * 1e3:.1f} ms/step, {result['images_s']:.2f} images/s, peak "
                       f"{result['peak_bytes'] / 2 ** 30:.2f} GiB{ar} ({result['wall_s']:.0f} s)", flush=True)
+            if args.out:  # after every setting: a run cut short keeps what it measured
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(rows, indent=1))
     _report(rows)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
 
 
