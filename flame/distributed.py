@@ -23,8 +23,9 @@ attention -- are small enough that one collective per optimizer step is all it t
 Faults. A watcher thread per rank records its host and process id in the launcher's store and
 beats there every second. A collective that fails (gloo reports a closed connection at once)
 raises ``PeerLostError`` naming the rank(s) whose process ended (same host) or whose heartbeat
-stopped (another host); when a peer is found lost while this rank waits inside a collective (NCCL
-waits on the device), the watcher prints the same message and ends the process with exit status 1.
+stopped (another host). NCCL instead waits on the device for the lost rank, so once a peer is found
+lost the watcher prints the same message and ends the process with exit status 1 (after any
+``hold_exit`` block, e.g. rank 0 writing a checkpoint, is finished).
 A rank that hangs while alive stops the others after ``timeout`` seconds, the collectives' own
 timeout. Files are written atomically (``flame.train.checkpoints``), so an ended process never
 leaves a half-written checkpoint that could be resumed from.
@@ -117,6 +118,12 @@ def shutdown() -> None:
     set_rng_substream(0)
 
 
+def hold_exit():
+    """A context in which this rank finishes local work (writing a checkpoint) even when a peer is
+    found lost meanwhile; the watcher ends the process only after it."""
+    return _watch.holding() if _watch is not None else contextlib.nullcontext()
+
+
 def _buffer(t):
     return t._data if isinstance(t, Tensor) else t
 
@@ -124,8 +131,7 @@ def _buffer(t):
 def _collective(what, fn):
     """Run a collective; a failure becomes a ``PeerLostError`` naming the lost rank(s) when known."""
     try:
-        with (_watch.waiting() if _watch is not None else contextlib.nullcontext()):
-            return fn()
+        return fn()
     except (RuntimeError, dist.DistError) as e:
         lost = _watch.verdict(wait=3.0) if _watch is not None else None
         cause = f"{lost}" if lost else f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
@@ -307,7 +313,7 @@ class _PeerWatch(threading.Thread):
         self._stop = threading.Event()
         self._peers = {}  # rank -> {"host", "pid"}
         self._beats = {}  # rank -> (last beat seen, monotonic time it changed)
-        self._waiting = 0  # > 0 while the main thread is inside a collective
+        self._holding = 0  # > 0 while the main thread writes files that must be finished (``hold_exit``)
         self._lock = threading.Lock()
 
     def run(self):
@@ -319,23 +325,28 @@ class _PeerWatch(threading.Thread):
             except Exception:  # the store's host is gone: a collective will fail and name it
                 continue
             lost = self.verdict()
-            if lost and self._waiting and not self._stop.is_set():
-                time.sleep(2 * HEARTBEAT_S)  # let a failing collective raise on the main thread first
-                if self._waiting and not self._stop.is_set():
+            if lost and not self._stop.is_set():
+                # the main thread may be waiting on the device for a collective that never ends (NCCL):
+                # end the process, after giving a failing collective (gloo) time to raise there first and
+                # letting a file being written be finished
+                self._stop.wait(2 * HEARTBEAT_S)
+                while self._holding and not self._stop.is_set():
+                    time.sleep(0.1)
+                if not self._stop.is_set():
                     with contextlib.suppress(OSError):
                         os.write(2, f"\nrank {self.rank}: {lost}; stopping (exit status 1). Nothing half-written was "
                                     "kept: continue from the newest complete checkpoint with --resume\n".encode())
                     os._exit(1)
 
     @contextlib.contextmanager
-    def waiting(self):
+    def holding(self):
         with self._lock:
-            self._waiting += 1
+            self._holding += 1
         try:
             yield
         finally:
             with self._lock:
-                self._waiting -= 1
+                self._holding -= 1
 
     def verdict(self, wait: float = 0.0) -> str | None:
         """A sentence naming the lost ranks, or None when all look alive (polls up to ``wait`` s)."""
@@ -378,4 +389,4 @@ class _PeerWatch(threading.Thread):
 
 
 __all__ = ["GradientBucket", "PeerLostError", "World", "all_reduce_", "barrier", "broadcast_", "broadcast_object",
-           "check_same", "init", "shutdown", "world"]
+           "check_same", "hold_exit", "init", "shutdown", "world"]

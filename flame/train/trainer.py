@@ -658,7 +658,8 @@ class Trainer:
             "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
         try:
-            return save_checkpoint(self.ckpt_dir, self.step, writers, self.cfg.output.keep_last)
+            with distributed.hold_exit():  # a peer lost meanwhile does not cut this checkpoint short
+                return save_checkpoint(self.ckpt_dir, self.step, writers, self.cfg.output.keep_last)
         except OSError as e:
             raise self._write_error(e, f"the checkpoint of step {self.step}", self.ckpt_dir) from e
 
