@@ -297,3 +297,18 @@ def test_ctrl_c_on_one_process_under_torchrun_stops_both_at_one_step_with_one_ch
     statuses = [int(_rank_file(tmp_path / "ranks", r)["status"]) for r in range(2)]
     steps = [int(_rank_file(tmp_path / "ranks", r)["steps"][-1]) for r in range(2)]
     assert statuses == [130, 143] and steps == [done[0]] * 2
+
+
+@needs_two
+def test_resuming_with_another_number_of_processes_warns_and_goes_on(two_ranks, tmp_path):
+    import shutil
+    root, config, _ = two_ranks
+    shutil.copytree(root / "run", tmp_path / "run")
+    cfg = build_config({**__import__("yaml").safe_load(config.read_text()), "resume": "latest"},
+                       [f"output.dir={tmp_path / 'run'}", "train.steps=6", "output.validate_every=0"])
+    lines = []
+    flame.manual_seed(3)
+    result = Trainer(cfg, model=StandInUNet(), progress=False, log=lines.append).train()
+    text = "\n".join(map(str, lines))
+    assert "was trained by 2 processes, this run has 1: the global batch changes from 4 to 2 samples" in text
+    assert "resumed from" in text and result["step"] == 6

@@ -370,10 +370,11 @@ class Trainer:
         saved, now = int(state.get("world_size", 1)), self.world.size
         if saved != now:
             b = self.cfg.data.batch_size
-            self.log(f"warning: {path} was trained by {_count(saved, 'process')}, this run has {now}: the global batch "
-                     f"changes from {saved * b} to {now * b} samples, the data order goes on at the same point of the "
-                     "epoch in the new batches, and each process's random stream is derived anew from its rank; the "
-                     f"steps from here are not the ones {_count(saved, 'process')} would take")
+            was = f"{saved} process{'es' if saved > 1 else ''}"
+            self.log(f"warning: {path} was trained by {was}, this run has {now}: the global batch changes from "
+                     f"{saved * b} to {now * b} samples, the data order goes on at the same point of the epoch in the "
+                     "new batches, and each process's random stream is derived anew from its rank; the steps from here "
+                     f"are not the ones {was} would take")
         try:
             self.loader.load_state_dict(state["loader"])  # the position resuming continues from
         except ValueError as e:
