@@ -103,7 +103,7 @@ def run_diffusers(args):
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from bench_sdxl import diffusers_lora_unet
+    from bench_sdxl import diffusers_lora_unet, diffusers_train_step
     # isort: on
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -128,13 +128,7 @@ def run_diffusers(args):
     def step():
         noise = torch.randn(sample.shape, device=dev, generator=gen)
         timesteps = torch.randint(0, 1000, (1,), device=dev, generator=gen)
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            pred = model(sample + noise * 0.5, timesteps, context,
-                         added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
-        loss = torch.nn.functional.mse_loss(pred.float(), noise)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        diffusers_train_step(model, opt, (sample, context, pooled, time_ids), noise, timesteps)
 
     def sync():
         if cuda:

@@ -138,6 +138,21 @@ def diffusers_lora_unet(cfg, rank, checkpointing, dev):
     return unet, params
 
 
+def diffusers_train_step(model, opt, inputs, noise, timesteps):
+    """One LoRA training step of diffusers' UNet (``model``, plain or under DDP) under autocast(bf16):
+    MSE against the noise, backward, the optimizer step. ``inputs``: (sample, context, pooled, time ids)."""
+    import torch
+    sample, context, pooled, time_ids = inputs
+    with torch.autocast(sample.device.type, dtype=torch.bfloat16):
+        pred = model(sample + noise * 0.5, timesteps, context,
+                     added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
+    loss = torch.nn.functional.mse_loss(pred.float(), noise)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss
+
+
 def run_diffusers(args):
     # isort: off
     from flame.models import SDXLUNetConfig  # flame first: it picks the backend before triton is imported
@@ -155,14 +170,7 @@ def run_diffusers(args):
     def step(i):
         noise = torch.randn_like(sample)
         timesteps = torch.randint(0, 1000, (args.batch,), device=dev)
-        with torch.autocast(dev, dtype=torch.bfloat16):
-            pred = unet(sample + noise * 0.5, timesteps, context,
-                        added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
-        loss = torch.nn.functional.mse_loss(pred.float(), noise)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+        return diffusers_train_step(unet, opt, (sample, context, pooled, time_ids), noise, timesteps)
 
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     if dev == "cuda":
