@@ -123,6 +123,44 @@ def test_sample_timesteps_range_uniformity_and_determinism():
         sample_timesteps(4, 10, 10)
 
 
+@pytest.mark.parametrize("distribution, shift", [("logit_normal", 1.0), ("uniform", 3.0), ("logit_normal", 0.5)])
+def test_timestep_distributions_map_the_same_draw(distribution, shift):
+    """logit-normal: u = sigmoid(mean + std * z) of the normal draw z; a shift maps u to
+    shift u / (1 + (shift - 1) u); then t = low + u (high - low), truncated."""
+    n, low, high, mean, std = 4000, 10, 990, -0.3, 1.2
+    flame.manual_seed(5)
+    base = (flame.randn(n) if distribution == "logit_normal" else flame.rand(n)).numpy().astype(np.float64)
+    flame.manual_seed(5)
+    t = sample_timesteps(n, low, high, distribution=distribution, logit_mean=mean, logit_std=std, shift=shift).numpy()
+    u = 1.0 / (1.0 + np.exp(-(mean + std * base))) if distribution == "logit_normal" else base
+    u = shift * u / (1.0 + (shift - 1.0) * u)
+    want = np.clip(np.floor(low + u * (high - low)), low, high - 1)
+    assert np.abs(t - want).max() <= 1 and (t == want).mean() > 0.99  # fp32 on the device, fp64 here
+    assert t.min() >= low and t.max() < high
+    if distribution == "logit_normal" and shift == 1.0:  # the median lands at sigmoid(mean)
+        assert abs(np.median(t) - (low + (high - low) / (1 + math.exp(-mean)))) < 15
+    if shift > 1:
+        assert np.mean(t) > 0.6 * (low + high)  # shifted towards noise
+    with pytest.raises(ValueError, match="distribution must be one of"):
+        sample_timesteps(4, 0, 10, distribution="cosmap")
+    with pytest.raises(ValueError, match="shift > 0"):
+        sample_timesteps(4, 0, 10, shift=0.0)
+
+
+def test_zero_terminal_snr_matches_diffusers():
+    s = DDPMSchedule(rescale_betas_zero_snr=True)
+    abar = s.alphas_cumprod.numpy()
+    assert abar[-1] == 0 and s.snr(flame.tensor([999])).item() == 0
+    np.testing.assert_allclose(abar[0], DDPMSchedule().alphas_cumprod.numpy()[0], rtol=1e-6)
+    assert DDPMSchedule.from_config({"rescale_betas_zero_snr": True}).rescale_betas_zero_snr
+    diffusers = pytest.importorskip("diffusers")
+    ref = diffusers.DDPMScheduler(beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+                                  rescale_betas_zero_snr=True)
+    torch.testing.assert_close(torch.from_numpy(abar), ref.alphas_cumprod, rtol=2e-5, atol=1e-7)
+    # diffusers rescales in fp32, flame in fp64: the small early betas (ratios of near-1 products) differ most
+    torch.testing.assert_close(s.betas.to_torch().cpu(), ref.betas, rtol=5e-4, atol=1e-5)
+
+
 def test_noise_offset_adds_a_per_channel_constant():
     flame.manual_seed(11)
     base = flame.randn(2, 3, 4, 5)

@@ -205,6 +205,32 @@ def test_loss_types_train_and_validate_with_kohyas_formulas(cache_dir, tmp_path,
         _config(cache_dir, tmp_path, "diffusion.loss_type=huber", "diffusion.huber_c=0")
 
 
+def test_timestep_sampling_zero_terminal_snr_and_input_perturbation(cache_dir, tmp_path):
+    over = ["train.steps=2", "diffusion.timestep_sampling=logit_normal", "diffusion.timestep_shift=2.0",
+            "diffusion.zero_terminal_snr=true", "diffusion.prediction_type=v_prediction",
+            "diffusion.input_perturbation=0.1"]
+    trainer = _trainer(_config(cache_dir, tmp_path, *over))
+    assert trainer.schedule.rescale_betas_zero_snr and trainer.schedule.alphas_cumprod.numpy()[-1] == 0
+    seen, real = [], trainer.step_fn
+    trainer.step_fn = lambda *args: seen.append(args) or real(*args)
+    losses = trainer.train()["losses"]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    latents, noise, timesteps, embeds, pooled, time_ids, input_noise = seen[0]
+    extra = ((input_noise - noise) * 10.0).numpy()  # gamma = 0.1 times a standard normal draw
+    assert abs(extra.std() - 1.0) < 0.2 and abs(extra.mean()) < 0.2
+    # the UNet sees the perturbed noise, the target stays the plain noise
+    same = trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids, input_noise=noise).item()
+    assert same == trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids).item()
+    assert same != trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids, input_noise).item()
+    with pytest.raises(ConfigError, match="zero_terminal_snr: .* set diffusion.prediction_type=v_prediction"):
+        _config(cache_dir, tmp_path, "diffusion.zero_terminal_snr=true")
+    plain = _trainer(_config(cache_dir, tmp_path / "plain", "train.steps=1"))
+    plain_step = plain.step_fn
+    plain.step_fn = lambda *args: seen.append(args) or plain_step(*args)
+    plain.train_step()
+    assert seen[-1][6] is None  # no perturbation: the step gets no second noise
+
+
 def test_lora_init_from_starts_from_a_file(cache_dir, tmp_path):
     first = _trainer(_config(cache_dir, tmp_path / "a", "train.steps=2", "output.validate_every=2")).train()
     cfg = _config(cache_dir, tmp_path / "b", "train.steps=2", "output.validate_every=2",

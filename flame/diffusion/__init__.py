@@ -14,11 +14,13 @@ from .samplers import (
 from .schedule import (
     BETA_SCHEDULES,
     PREDICTION_TYPES,
+    TIMESTEP_DISTRIBUTIONS,
     Coefficients,
     DDPMSchedule,
     debiased_weights,
     make_betas,
     min_snr_weights,
+    rescale_zero_terminal_snr,
     sample_noise,
     sample_timesteps,
 )

@@ -76,7 +76,7 @@ from ..ops._util import argument_error
 from ..ops.creation import randn_like, zeros_like
 from ..ops.elementwise import map_op, mul, to
 from ..tensor import Tensor
-from .schedule import PREDICTION_TYPES, make_betas
+from .schedule import PREDICTION_TYPES, make_betas, rescale_zero_terminal_snr
 
 SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")
 
@@ -452,9 +452,7 @@ def _alphas_cumprod(s, name, zero_snr_floor):
             raise ValueError(f"{name}: config: {e}") from None
     abar = np.cumprod(1.0 - betas)
     if _flag(s, "rescale_betas_zero_snr", name):
-        root = np.sqrt(abar)
-        first, last = root[0], root[-1]
-        abar = ((root - last) * (first / (first - last))) ** 2
+        abar = rescale_zero_terminal_snr(abar)
         if zero_snr_floor:
             abar[-1] = 2.0 ** -24
     return abar

@@ -15,7 +15,11 @@ Training formulas (``shared/reference/sdxl.md``), all flame ops on the device:
 - ``min_snr_weights``: ``min(snr, gamma) / snr`` (epsilon), ``min(snr, gamma) / (snr + 1)`` (v),
   ``min(snr, gamma)`` (sample);
 - ``sample_noise``: ``randn(shape) + offset * randn(B, C, 1, 1)`` (noise offset);
-- ``sample_timesteps``: integers uniform in ``[low, high)`` from flame's Philox generator;
+- ``sample_timesteps``: integers in ``[low, high)`` from flame's Philox generator: ``low + u (high -
+  low)`` for ``u`` uniform in [0, 1) or logit-normal (``sigmoid(mean + std * randn)``, as SD3), then
+  optionally shifted towards noise, ``u' = shift u / (1 + (shift - 1) u)``;
+- ``rescale_zero_terminal_snr``: the betas rescaled so that the last timestep is pure noise (Lin et
+  al. 2023, Algorithm 1: ``sqrt(abar)`` shifted and scaled to end at 0, its start unchanged);
 - ``debiased_weights``: ``1 / sqrt(snr)`` (v: ``1 / (snr + 1)``), snr capped at 1000.
 
 The losses themselves are in ``flame.diffusion.losses``.
@@ -36,12 +40,13 @@ import torch
 from .. import runtime
 from ..kernels import copy as KC
 from ..ops.creation import rand, randn, tensor
-from ..ops.elementwise import add, clamp, div, mul, rsqrt, sub, to
+from ..ops.elementwise import add, clamp, div, mul, rsqrt, sigmoid, sub, to
 from ..ops.index import index_select
 from ..tensor import Tensor
 
 PREDICTION_TYPES = ("epsilon", "v_prediction", "sample")
 BETA_SCHEDULES = ("scaled_linear", "linear")
+TIMESTEP_DISTRIBUTIONS = ("uniform", "logit_normal")
 
 
 class Coefficients(NamedTuple):
@@ -75,15 +80,29 @@ def make_betas(num_train_timesteps: int = 1000, beta_start: float = 0.00085, bet
     return np.linspace(beta_start, beta_end, int(num_train_timesteps))
 
 
+def rescale_zero_terminal_snr(alphas_cumprod: np.ndarray) -> np.ndarray:
+    """``alpha_bar`` (float64) rescaled so that the last timestep has zero SNR (pure noise) and the
+    first is unchanged: ``sqrt(alpha_bar)`` shifted by its last value and scaled back to its first
+    (Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are Flawed", Algorithm 1)."""
+    root = np.sqrt(np.asarray(alphas_cumprod, dtype=np.float64))
+    first, last = root[0], root[-1]
+    return ((root - last) * (first / (first - last))) ** 2
+
+
 class DDPMSchedule:
-    """The forward (noising) process of a DDPM with a fixed beta schedule (SDXL's by default)."""
+    """The forward (noising) process of a DDPM with a fixed beta schedule (SDXL's by default);
+    ``rescale_betas_zero_snr``: rescaled to a zero terminal SNR (train with v-prediction then)."""
 
     def __init__(self, num_train_timesteps: int = 1000, beta_start: float = 0.00085, beta_end: float = 0.012,
-                 beta_schedule: str = "scaled_linear"):
+                 beta_schedule: str = "scaled_linear", rescale_betas_zero_snr: bool = False):
         betas = make_betas(num_train_timesteps, beta_start, beta_end, beta_schedule)
         self.num_train_timesteps = int(num_train_timesteps)
         self.beta_start, self.beta_end, self.beta_schedule = float(beta_start), float(beta_end), beta_schedule
+        self.rescale_betas_zero_snr = bool(rescale_betas_zero_snr)
         abar = np.cumprod(1.0 - betas)
+        if self.rescale_betas_zero_snr:
+            abar = rescale_zero_terminal_snr(abar)
+            betas = 1.0 - abar / np.concatenate([[1.0], abar[:-1]])
         rows = np.stack([abar, np.sqrt(abar), np.sqrt(1.0 - abar), abar / (1.0 - abar)]).astype(np.float32)
         self._table = tensor(rows)  # (4, T) fp32 on the device
         self.betas = tensor(betas.astype(np.float32))
@@ -91,7 +110,7 @@ class DDPMSchedule:
     @classmethod
     def from_config(cls, config: dict) -> DDPMSchedule:
         """From a diffusers ``scheduler/scheduler_config.json`` dict (other keys are ignored)."""
-        keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule")
+        keys = ("num_train_timesteps", "beta_start", "beta_end", "beta_schedule", "rescale_betas_zero_snr")
         return cls(**{k: config[k] for k in keys if k in config})
 
     @property
@@ -150,7 +169,8 @@ class DDPMSchedule:
 
     def __repr__(self):
         return (f"DDPMSchedule(num_train_timesteps={self.num_train_timesteps}, beta_start={self.beta_start}, "
-                f"beta_end={self.beta_end}, beta_schedule={self.beta_schedule!r})")
+                f"beta_end={self.beta_end}, beta_schedule={self.beta_schedule!r}, "
+                f"rescale_betas_zero_snr={self.rescale_betas_zero_snr})")
 
 
 def _per_sample(x, noise, a, b, op):
@@ -193,16 +213,29 @@ def debiased_weights(snr: Tensor, prediction_type: str = "epsilon") -> Tensor:
     return rsqrt(capped)
 
 
-def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000, rows=None) -> Tensor:
-    """``batch_size`` int64 timesteps uniform in ``[low, high)`` from flame's Philox generator
-    (a uniform draw scaled, truncated and clamped on the device: no host sync). ``rows=(start,
-    total)``: these are samples ``start:start + batch_size`` of a batch of ``total`` (one
-    data-parallel rank's part; see ``flame.rand``)."""
+def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000, rows=None, distribution: str = "uniform",
+                     logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0) -> Tensor:
+    """``batch_size`` int64 timesteps in ``[low, high)`` from flame's Philox generator, computed on
+    the device (no host sync): ``low + u (high - low)``, truncated and clamped, where ``u`` in
+    [0, 1) is uniform, or ``sigmoid(logit_mean + logit_std * randn)`` for ``"logit_normal"``; a
+    ``shift`` other than 1 maps ``u`` to ``shift u / (1 + (shift - 1) u)`` (above 1: more noise).
+    ``rows=(start, total)``: these are samples ``start:start + batch_size`` of a batch of ``total``
+    (one data-parallel rank's part; see ``flame.rand``)."""
     if not isinstance(batch_size, numbers.Integral) or batch_size < 0:
         raise ValueError(f"sample_timesteps: batch_size must be a non-negative int, got {batch_size!r}")
     if not (isinstance(low, numbers.Integral) and isinstance(high, numbers.Integral) and 0 <= low < high):
         raise ValueError(f"sample_timesteps: need integers 0 <= low < high, got low={low!r}, high={high!r}")
-    u = rand(int(batch_size), rows=rows)
+    if distribution not in TIMESTEP_DISTRIBUTIONS:
+        raise ValueError(f"sample_timesteps: distribution must be one of {TIMESTEP_DISTRIBUTIONS}, got "
+                         f"{distribution!r}")
+    if not shift > 0 or not logit_std >= 0:
+        raise ValueError(f"sample_timesteps: need shift > 0 and logit_std >= 0, got {shift!r}, {logit_std!r}")
+    if distribution == "uniform":
+        u = rand(int(batch_size), rows=rows)
+    else:
+        u = sigmoid(add(mul(randn(int(batch_size), rows=rows), float(logit_std)), float(logit_mean)))
+    if shift != 1.0:
+        u = div(mul(u, float(shift)), add(mul(u, float(shift) - 1.0), 1.0))
     t = to(add(mul(u, float(high - low)), float(low)), torch.int64)
     return clamp(t, int(low), int(high) - 1)  # u * n may round up to n in fp32
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import yaml
 
+from ..diffusion import TIMESTEP_DISTRIBUTIONS
 from ..diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES
 from ..diffusion.samplers import SAMPLERS
 from ..nn.lora import target_pattern_error
@@ -105,6 +106,18 @@ SCHEMA = {
                              nullable=True),
         "timestep_min": Opt(0, "int", "timesteps are drawn uniformly from [timestep_min, timestep_max)", low=0),
         "timestep_max": Opt(1000, "int", "exclusive upper bound of the timesteps", low=1, high=1001),
+        "timestep_sampling": Opt("uniform", "choice", "how timesteps are drawn in [timestep_min, timestep_max): "
+                                                      "uniform, or logit_normal (sigmoid of a normal, as SD3)",
+                                 choices=TIMESTEP_DISTRIBUTIONS),
+        "logit_mean": Opt(0.0, "float", "logit_normal: mean of the normal"),
+        "logit_std": Opt(1.0, "float", "logit_normal: standard deviation of the normal", low=0.0),
+        "timestep_shift": Opt(1.0, "float", "shift the drawn fraction u to shift*u / (1 + (shift-1)*u): above 1 "
+                                            "trains more on high noise, below 1 on detail", low=1e-6),
+        "zero_terminal_snr": Opt(False, "bool", "rescale the noise schedule so the last timestep is pure noise (Lin "
+                                                "et al. 2023; needs v_prediction; on by itself when the model's "
+                                                "scheduler config says rescale_betas_zero_snr)"),
+        "input_perturbation": Opt(0.0, "float", "noise the input with noise + gamma * randn while the target keeps "
+                                                "the noise (kohya's --ip_noise_gamma); 0: off", low=0.0),
         "debiased_estimation": Opt(False, "bool", "weight each sample by 1/sqrt(snr) (v-prediction: 1/(snr+1)), snr "
                                                   "capped at 1000, as kohya's --debiased_estimation_loss (combines "
                                                   "with min_snr_gamma)"),
@@ -180,6 +193,9 @@ ALIASES = {
     "lr_scheduler_num_cycles": "train.lr_num_cycles", "lr_scheduler_power": "train.lr_power",
     "loss_type": "diffusion.loss_type", "huber_c": "diffusion.huber_c", "huber_schedule": "diffusion.huber_schedule",
     "huber_scale": "diffusion.huber_scale", "debiased_estimation_loss": "diffusion.debiased_estimation",
+    "ip_noise_gamma": "diffusion.input_perturbation", "zero_terminal_snr": "diffusion.zero_terminal_snr",
+    "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
+    "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
 }
 
 
@@ -333,6 +349,9 @@ def _cross_checks(c, errors):
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
     if c["lora"]["init_from"] is not None and not os.path.isfile(c["lora"]["init_from"]):
         errors.append(f"lora.init_from: {c['lora']['init_from']} is not a file")
+    if d["zero_terminal_snr"] and d["prediction_type"] != "v_prediction":
+        errors.append("diffusion.zero_terminal_snr: the last timestep is pure noise, where only v_prediction has a "
+                      "target to learn: set diffusion.prediction_type=v_prediction")
     if d["loss_type"] in ("huber", "smooth_l1") and not d["huber_c"] > 0:
         errors.append(f"diffusion.huber_c: {d['loss_type']} needs a positive threshold, got {d['huber_c']}")
     for tracker in c["output"]["report_to"]:

@@ -71,7 +71,7 @@ from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safe
 from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
 from ..nn.lora import adaptable_layers, matching_layers
-from ..ops.creation import get_rng_state, manual_seed, set_rng_state, set_rng_substream, tensor, zeros
+from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, lt, mul, sub, to
 from ..ops.shape import stack
@@ -407,27 +407,35 @@ class Trainer:
                               "output.overwrite=true to replace it")
 
     def _noise_schedule(self):
-        """The checkpoint's own scheduler config when it has one (pipeline folder), else SDXL's."""
-        path = self.cfg.model.path
+        """The checkpoint's own scheduler config when it has one (pipeline folder), else SDXL's;
+        rescaled to a zero terminal SNR when diffusion.zero_terminal_snr or that config asks."""
+        d, path = self.cfg.diffusion, self.cfg.model.path
+        sched, source = {}, None
         if path and os.path.isdir(path):
             for candidate in (os.path.join(path, "scheduler", "scheduler_config.json"),
                               os.path.join(path, "..", "scheduler", "scheduler_config.json")):
                 if os.path.isfile(candidate):
                     with open(candidate) as f:
-                        sched = json.load(f)
+                        sched, source = json.load(f), candidate
                     kind = sched.get("prediction_type", "epsilon")
-                    if kind != self.cfg.diffusion.prediction_type:
+                    if kind != d.prediction_type:
                         self.log(f"warning: {candidate} says prediction_type={kind}, the config trains "
-                                 f"{self.cfg.diffusion.prediction_type}")
-                    return DDPMSchedule.from_config(sched)
-        return DDPMSchedule()
+                                 f"{d.prediction_type}")
+                    break
+        zero_snr = bool(sched.get("rescale_betas_zero_snr")) or d.zero_terminal_snr
+        if zero_snr and d.prediction_type != "v_prediction":
+            raise ConfigError(f"diffusion.prediction_type: {source} has a zero terminal SNR "
+                              "(rescale_betas_zero_snr), where only v_prediction has a target to learn: set "
+                              "diffusion.prediction_type=v_prediction")
+        return DDPMSchedule.from_config({**sched, "rescale_betas_zero_snr": zero_snr})
 
     # ---- the step ----------------------------------------------------------------------------
-    def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids):
+    def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None):
         """The loss (``diffusion.loss_type``; weighted per sample by min-SNR and/or debiased
-        estimation when set) between the UNet's prediction and its target (0-d fp32)."""
+        estimation when set) between the UNet's prediction and its target (0-d fp32). The UNet's
+        input is noised with ``input_noise`` when given (input perturbation), the target with ``noise``."""
         d = self.cfg.diffusion
-        noisy = self.schedule.add_noise(latents, noise, timesteps, check=False)
+        noisy = self.schedule.add_noise(latents, noise if input_noise is None else input_noise, timesteps, check=False)
         target = self.schedule.target(latents, noise, timesteps, d.prediction_type, check=False)
         pred = self.model(noisy, timesteps, prompt_embeds, pooled, time_ids)
         weights = None
@@ -444,11 +452,11 @@ class Trainer:
                                            check=False)
         return diffusion_loss(pred, target, d.loss_type, weights, huber_c)
 
-    def loss_and_grads(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids):
+    def loss_and_grads(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None):
         """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
         The loss is divided by grad_accum (and scaled by the loss scaler) for the backward only.
         Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it."""
-        loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids)
+        loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise)
         scaled = mul(loss, 1.0 / self.cfg.train.grad_accum) if self.cfg.train.grad_accum > 1 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
@@ -471,13 +479,18 @@ class Trainer:
             start, stop, shape = self._part(ids)
             rows = (start, len(ids))  # this rank's rows of one global draw
             noise = sample_noise(shape, d.noise_offset, rows=rows)
-            timesteps = sample_timesteps(shape[0], d.timestep_min, d.timestep_max, rows=rows)
+            timesteps = sample_timesteps(shape[0], d.timestep_min, d.timestep_max, rows=rows,
+                                         distribution=d.timestep_sampling, logit_mean=d.logit_mean,
+                                         logit_std=d.logit_std, shift=d.timestep_shift)
+            input_noise = None
+            if d.input_perturbation:  # the input sees noise + gamma * randn, the target the noise alone
+                input_noise = add(noise, mul(randn(*shape, rows=rows), d.input_perturbation))
             if start == stop:  # fewer samples than ranks in a bucket's last batch
                 self.bucket.pack(None, None, 0.0, m > 0, self._requested is not None)
                 continue
             batch = self.cache.batch(ids[start:stop])
             loss, grads = self.step_fn(batch.latents, noise, timesteps, batch.prompt_embeds, batch.pooled,
-                                       batch.time_ids)
+                                       batch.time_ids, input_noise)
             if self.bucket is not None:
                 self.bucket.pack(grads, loss, (stop - start) / len(ids), m > 0, self._requested is not None)
                 continue
