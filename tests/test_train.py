@@ -697,3 +697,31 @@ def test_sample_section_is_checked_before_any_work(cache_dir, tmp_path):
         _config(cache_dir, tmp_path / "o", f"sample.prompts={tmp_path / 'nothing.txt'}", f"sample.model={tmp_path}",
                 "sample.width=30")
     assert "nothing.txt is not a file" in str(e.value) and "sample.width: must be a multiple of 8" in str(e.value)
+
+
+def test_block_learning_rates_and_lora_plus_make_the_optimizer_groups(tiny_cache, cache_dir, tmp_path):
+    from flame.models import SDXLUNet
+    from flame.train.model import block_of
+    cfg = _config(tiny_cache, tmp_path / "sdxl", "lora.lr_down=0.5", "lora.lr_mid=0", "lora.lr_up=2",
+                  "lora.plus_ratio=16")
+    trainer = Trainer(cfg, model=SDXLUNet(SDXLUNetConfig.tiny()), progress=False, log=lambda *a: None)
+    lr = cfg.train.lr
+    want = {"down": 0.5 * lr, "mid": 0.0, "up": 2 * lr, "other": lr}
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    seen = set()
+    for group in trainer.optimizer.param_groups:
+        for p in group["params"]:
+            name = names[id(p)]
+            side = 16.0 if name.endswith("lora_B") else 1.0
+            assert group["lr"] == pytest.approx(want[block_of(name)] * side), name
+            seen.add(block_of(name))
+    assert seen == {"down", "mid", "up"}  # attn targets: no adapter outside the three parts
+    assert block_of("time_embedding.linear_1") == "other" and block_of("mid_block.attentions.0.proj_in") == "mid"
+    # LoRA+ on the stand-in: B starts at 0 and Adam's first step moves it by about its own lr
+    moved = {}
+    for ratio in (1.0, 4.0):
+        t = _trainer(_config(cache_dir, tmp_path / f"plus{ratio}", "train.steps=1", f"lora.plus_ratio={ratio}",
+                             "train.max_grad_norm=0"))
+        t.train_step()
+        moved[ratio] = max(float(np.abs(m.lora_B.numpy()).max()) for _, m in flame.nn.lora.lora_modules(t.model))
+    assert moved[1.0] == pytest.approx(3e-3, rel=0.02) and moved[4.0] == pytest.approx(4 * 3e-3, rel=0.02)

@@ -74,6 +74,12 @@ SCHEMA = {
         "format": Opt("peft", "choice", "LoRA file format: peft (diffusers) or kohya", choices=("peft", "kohya")),
         "init_from": Opt(None, "path", "start from this LoRA file (PEFT or kohya; its layers must be among the "
                                        "targets, with lora.rank) instead of a fresh init", nullable=True),
+        "lr_down": Opt(1.0, "float", "learning-rate multiplier of the adapters in the UNet's down blocks (0: frozen)",
+                       low=0.0),
+        "lr_mid": Opt(1.0, "float", "learning-rate multiplier of the adapters in the mid block", low=0.0),
+        "lr_up": Opt(1.0, "float", "learning-rate multiplier of the adapters in the up blocks", low=0.0),
+        "plus_ratio": Opt(1.0, "float", "LoRA+: B's learning rate is this times A's (16 in the LoRA+ paper; 1: "
+                                        "plain LoRA)", low=0.0),
     },
     "train": {
         "steps": Opt(None, "int", "optimizer steps (or set train.epochs)", low=1, nullable=True),
@@ -193,7 +199,9 @@ ALIASES = {
     "lr_scheduler_num_cycles": "train.lr_num_cycles", "lr_scheduler_power": "train.lr_power",
     "loss_type": "diffusion.loss_type", "huber_c": "diffusion.huber_c", "huber_schedule": "diffusion.huber_schedule",
     "huber_scale": "diffusion.huber_scale", "debiased_estimation_loss": "diffusion.debiased_estimation",
-    "ip_noise_gamma": "diffusion.input_perturbation", "zero_terminal_snr": "diffusion.zero_terminal_snr",
+    "ip_noise_gamma": "diffusion.input_perturbation", "loraplus_lr_ratio": "lora.plus_ratio",
+    "loraplus_unet_lr_ratio": "lora.plus_ratio", "down_lr_weight": "lora.lr_down", "mid_lr_weight": "lora.lr_mid",
+    "up_lr_weight": "lora.lr_up", "zero_terminal_snr": "diffusion.zero_terminal_snr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
 }

@@ -7,6 +7,14 @@ import os
 from ..models import SDXLUNet, SDXLUNetConfig
 
 CONFIG_NAMES = ("tiny", "sdxl")
+BLOCKS = ("down", "mid", "up", "other")
+
+
+def block_of(name: str) -> str:
+    """The UNet part a module path belongs to: "down" (``down_blocks.*``), "mid" (``mid_block.*``),
+    "up" (``up_blocks.*``) or "other" (conv_in, the time and text-time embeddings, conv_out)."""
+    head = name.split(".", 1)[0]
+    return {"down_blocks": "down", "mid_block": "mid", "up_blocks": "up"}.get(head, "other")
 
 
 def unet_config(spec) -> SDXLUNetConfig:

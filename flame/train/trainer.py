@@ -70,7 +70,7 @@ from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
 from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
-from ..nn.lora import adaptable_layers, matching_layers
+from ..nn.lora import adaptable_layers, lora_modules, matching_layers
 from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, lt, mul, sub, to
@@ -79,7 +79,7 @@ from ..optim import AdamW, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
-from .model import build_unet, unet_config
+from .model import block_of, build_unet, unet_config
 from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
@@ -190,7 +190,7 @@ class Trainer:
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
-        self.optimizer = AdamW(self.params, lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
+        self.optimizer = AdamW(self._param_groups(), lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                eps=c.train.adam_eps, weight_decay=c.train.weight_decay)
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
                                        num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
@@ -264,6 +264,25 @@ class Trainer:
         self.trackers.log_images(self.step, paths)
         self._say(f"step {self.step}: {_count(len(paths), 'sample')} in {os.path.dirname(paths[0])}")
         self._sampled = self.step
+
+    def _param_groups(self):
+        """The adapters in one optimizer group per (UNet part, A or B), in module order: the part's
+        learning-rate multiplier (``lora.lr_down`` / ``lr_mid`` / ``lr_up``) times ``train.lr``, and
+        for B also ``lora.plus_ratio`` (LoRA+). The groups are the same whatever the multipliers, so
+        a run may resume with other ones."""
+        lc = self.cfg.lora
+        scale = {"down": lc.lr_down, "mid": lc.lr_mid, "up": lc.lr_up, "other": 1.0}
+        groups = {}
+        for name, layer in lora_modules(self.model):
+            block = block_of(name)
+            groups.setdefault((block, "A"), []).append(layer.lora_A)
+            groups.setdefault((block, "B"), []).append(layer.lora_B)
+        return [{"params": params, "lr": self.cfg.train.lr * scale[block] * (lc.plus_ratio if side == "B" else 1.0)}
+                for (block, side), params in groups.items()]
+
+    def _lr(self) -> float:
+        """The scheduled learning rate of ``train.lr`` at this step (before the multipliers)."""
+        return self.scheduler.lr_at(self.cfg.train.lr, self.scheduler.last_epoch, 0)
 
     def _check_precision(self):
         """bf16 needs a GPU of compute capability 8.0 (Ampere) or later."""
@@ -526,7 +545,7 @@ class Trainer:
         """One optimizer step (grad_accum micro-batches); the loss stays on the device."""
         self._step_done = False
         loss, grads = self._micro_batches()
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self._lr()
         with self._signals_deferred():  # the state changes of a step are applied whole or not at all
             norm = self._update(loss, grads)
             self.scheduler.step()
@@ -698,6 +717,10 @@ class Trainer:
         load_lora(self.model, os.path.join(path, "lora.safetensors"), inject=False, strict=True)
         tensors = load_safetensors(os.path.join(path, "optimizer.safetensors"))
         opt = state["optimizer"]
+        if len(opt["param_groups"]) != len(self.optimizer.param_groups):
+            raise ConfigError(f"resume: {path} holds {len(opt['param_groups'])} optimizer groups, this run makes "
+                              f"{len(self.optimizer.param_groups)} (one per UNet part and adapter side since lora.lr_* "
+                              "and lora.plus_ratio); resume it with the flame release that wrote it")
         entries = {int(i): {"step": s} for i, s in opt["steps"].items()}
         for key, value in tensors.items():
             i, name = key.split(".", 1)
