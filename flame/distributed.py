@@ -257,7 +257,8 @@ class GradientBucket:
             return
         tables, _ = self._plan(grads, loss)
         for i, (t, dtype) in enumerate(tables):
-            KO.pack_(t, dtype, weight, accumulate, self._flag if i == 0 else None, float(stop))
+            KO.axpby_(t, dtype, torch.float32, weight, 1.0 if accumulate else 0.0, self._flag if i == 0 else None,
+                      float(stop))
 
     def all_reduce(self) -> None:
         """Sum the buffer over the ranks (one collective), then start copying the summed stop flag

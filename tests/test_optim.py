@@ -2,6 +2,7 @@
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -577,3 +578,32 @@ def test_several_blocks_per_work_item(monkeypatch, name, kw):
     torch.testing.assert_close(got.to_torch(), want, rtol=1e-5, atol=0)
     for f, p in zip(fg, tp):
         torch.testing.assert_close(f.to_torch(), p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_ema_follows_diffusers_decay_warmup_and_applies_for_a_while():
+    params = [flame.nn.Parameter(flame.randn(5, 3)), flame.nn.Parameter(flame.randn(7).to(flame.bfloat16))]
+    start = [p.to(flame.float32).numpy().astype(np.float64) for p in params]
+    ema = flame.optim.EMA(params, decay=0.9)
+    want = [s.copy() for s in start]
+    for n in range(4):
+        for p in params:  # the trained weights move
+            p._data.copy_(p._data * 0.5 + 1.0)
+        d = min(0.9, (1 + n) / (10 + n))
+        assert ema.current_decay() == pytest.approx(d)
+        ema.update()
+        want = [d * w + (1 - d) * p.to(flame.float32).numpy() for w, p in zip(want, params)]
+    for got, w in zip(ema.shadow, want):
+        np.testing.assert_allclose(got.numpy(), w, rtol=1e-6, atol=1e-6)
+    trained = [p.to(flame.float32).numpy() for p in params]
+    with ema.applied():
+        np.testing.assert_allclose(params[0].numpy(), want[0], rtol=1e-6)
+        np.testing.assert_allclose(params[1].to(flame.float32).numpy(), want[1], rtol=1e-2)  # cast to bf16
+    for p, t in zip(params, trained):
+        np.testing.assert_array_equal(p.to(flame.float32).numpy(), t)
+    other = flame.optim.EMA(params, decay=0.9)
+    other.load_state_dict(ema.state_dict())
+    assert other.updates == 4 and all((a.numpy() == b.numpy()).all() for a, b in zip(other.shadow, ema.shadow))
+    with pytest.raises(ValueError, match="decay must be in"):
+        flame.optim.EMA(params, decay=1.0)
+    with pytest.raises(ValueError, match="other shapes"):
+        other.load_state_dict({"updates": 1, "shadow": [flame.zeros(2)]})

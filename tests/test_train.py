@@ -725,3 +725,42 @@ def test_block_learning_rates_and_lora_plus_make_the_optimizer_groups(tiny_cache
         t.train_step()
         moved[ratio] = max(float(np.abs(m.lora_B.numpy()).max()) for _, m in flame.nn.lora.lora_modules(t.model))
     assert moved[1.0] == pytest.approx(3e-3, rel=0.02) and moved[4.0] == pytest.approx(4 * 3e-3, rel=0.02)
+
+
+def test_ema_file_checkpoints_and_exact_resume(cache_dir, tmp_path, monkeypatch):
+    over = ["ema.decay=0.5", "ema.every=2", "output.save_every=2"]
+    trainer = _trainer(_config(cache_dir, tmp_path / "a", *over))
+    start = {k: v.numpy().astype(np.float64) for k, v in trainer.model.state_dict().items() if "lora" in k}
+    at = {}
+    real_step = trainer.train_step
+
+    def recording_step():
+        real_step()
+        at[trainer.step] = {k: v.numpy() for k, v in trainer.model.state_dict().items() if "lora" in k}
+
+    monkeypatch.setattr(trainer, "train_step", recording_step)
+    straight = trainer.train()
+    want = start
+    for n, step in enumerate((2, 4, 6)):  # updates after steps 2, 4, 6 with diffusers' warm-up decay
+        d = min(0.5, (1 + n) / (10 + n))
+        want = {k: d * w + (1 - d) * at[step][k] for k, w in want.items()}
+    ema_file = load_safetensors(tmp_path / "a" / "lora_ema.safetensors")
+    plain = load_safetensors(tmp_path / "a" / "lora.safetensors")
+    assert ema_file.keys() == plain.keys()
+    for key, value in ema_file.items():  # PEFT names: unet.<path>.lora_A.weight
+        path = key.removeprefix("unet.").removesuffix(".weight")
+        np.testing.assert_allclose(value.numpy(), want[path], rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(plain[key].numpy(), at[6][path])  # the trained weights, not the average
+    # interrupted after step 2 and resumed: the same average at the end
+    b = _trainer(_config(cache_dir, tmp_path / "b", *over))
+    _interrupt_at(b, 2, monkeypatch)
+    with pytest.raises(TrainingStopped):
+        b.train()
+    assert (tmp_path / "b" / "checkpoints" / "step-00000002" / "ema.safetensors").is_file()
+    rest = _trainer(_config(cache_dir, tmp_path / "b", *over, "resume=latest")).train()
+    assert rest["losses"] == straight["losses"][2:]
+    again = load_safetensors(tmp_path / "b" / "lora_ema.safetensors")
+    for key in ema_file:
+        np.testing.assert_array_equal(again[key].numpy(), ema_file[key].numpy())
+    with pytest.raises(ConfigError, match="sample.use_ema: no moving average is kept"):
+        _config(cache_dir, tmp_path, "sample.use_ema=true")

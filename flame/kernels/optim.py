@@ -1,4 +1,4 @@
-"""Multi-tensor kernels for optimizers, gradient clipping and data-parallel gradient packing.
+"""Multi-tensor kernels for optimizers, gradient clipping, gradient packing and moving averages.
 
 Every launch here covers many tensors. The host packs, once per set of tensors, an int64 table of
 per-tensor rows ``[param ptr, grad ptr, m ptr, v ptr, numel, step slot, 0, 0]`` and a table of work
@@ -227,22 +227,22 @@ def _scale_kernel(tensors_ptr, work_ptr, coef_ptr, G_DTYPE: tl.constexpr, CHUNK:
         tl.store(g_ptr + idx, (g * c).to(G_DTYPE), mask=mask)
 
 
-@triton.jit(do_not_specialize=["weight", "flag"])
-def _pack_kernel(tensors_ptr, work_ptr, weight, flag_ptr, flag, S_DTYPE: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 HAS_FLAG: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    # dst = weight * src, or dst += weight * src when accumulating (dst fp32: slot 0, src: slot 1);
-    # program 0 also stores the host's ``flag`` (a stop request) into its fp32 slot
+@triton.jit(do_not_specialize=["a", "b", "flag"])
+def _axpby_kernel(tensors_ptr, work_ptr, a, b, flag_ptr, flag, S_DTYPE: tl.constexpr, D_DTYPE: tl.constexpr,
+                  READ_DST: tl.constexpr, HAS_FLAG: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    # dst = a * src + b * dst (dst: slot 0, src: slot 1; dst is not read when b == 0, READ_DST off:
+    # it may hold anything); program 0 also stores the host's ``flag`` into its fp32 slot
     row, start = _work(tensors_ptr, work_ptr)
-    d_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    d_ptr = tl.load(row).to(tl.pointer_type(D_DTYPE))
     s_ptr = tl.load(row + 1).to(tl.pointer_type(S_DTYPE))
     n = tl.load(row + 4)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
-        x = tl.load(s_ptr + idx, mask=mask, other=0.0).to(tl.float32) * weight
-        if ACCUMULATE:
-            x += tl.load(d_ptr + idx, mask=mask, other=0.0)
-        tl.store(d_ptr + idx, x, mask=mask)
+        x = tl.load(s_ptr + idx, mask=mask, other=0.0).to(tl.float32) * a
+        if READ_DST:
+            x += tl.load(d_ptr + idx, mask=mask, other=0.0).to(tl.float32) * b
+        tl.store(d_ptr + idx, x.to(D_DTYPE), mask=mask)
     if HAS_FLAG:
         tl.store(flag_ptr, flag, mask=tl.program_id(0) == 0)
 
@@ -376,12 +376,13 @@ def scale_(buckets, coef):
                CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
 
 
-def pack_(tables, src_dtype, weight, accumulate, flag_out=None, flag=0.0):
-    """dst = weight * src (``accumulate``: dst += weight * src) for every (fp32 dst, src) row of
-    ``tables``, in one launch; ``flag_out`` (an fp32 element), when given, is set to ``flag``."""
+def axpby_(tables, src_dtype, dst_dtype, a, b, flag_out=None, flag=0.0):
+    """dst = a * src + b * dst for every (dst, src) row of ``tables``, in one launch (``b == 0``: dst
+    is only written); ``flag_out`` (an fp32 element), when given, is set to ``flag``. Packs gradients
+    for the data-parallel all-reduce, keeps exponential moving averages, copies weights."""
     if tables.num_work == 0:
         return
-    launch(_pack_kernel, (tables.num_work,), tables.tensors, tables.work, float(weight),
+    launch(_axpby_kernel, (tables.num_work,), tables.tensors, tables.work, float(a), float(b),
            flag_out if flag_out is not None else tables.tensors, float(flag), S_DTYPE=tl_dtype(src_dtype),
-           ACCUMULATE=bool(accumulate), HAS_FLAG=flag_out is not None, CHUNK=tables.chunk, BLOCK=tables.block,
-           num_warps=4)
+           D_DTYPE=tl_dtype(dst_dtype), READ_DST=b != 0, HAS_FLAG=flag_out is not None, CHUNK=tables.chunk,
+           BLOCK=tables.block, num_warps=4)

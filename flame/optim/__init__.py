@@ -1,4 +1,5 @@
-"""Fused multi-tensor optimizers, learning-rate schedulers and gradient clipping."""
+"""Fused multi-tensor optimizers, learning-rate schedulers, gradient clipping and moving averages."""
 from . import lr_scheduler
 from .clip import clip_grad_norm_
+from .ema import EMA
 from .optimizers import SGD, Adam, AdamW, Optimizer

@@ -152,6 +152,13 @@ SCHEMA = {
                                              "(output.dir/tensorboard/), wandb (WANDB_MODE=offline works without "
                                              "network)", choices=TRACKERS),
     },
+    "ema": {
+        "decay": Opt(None, "float", "keep an exponential moving average of the LoRA weights with this decay (0.999 "
+                                    "is usual; diffusers' warm-up min(decay, (1+n)/(10+n))), saved as "
+                                    "NAME_ema.safetensors and in checkpoints; null: off", low=0.0, high=1.0,
+                     nullable=True),
+        "every": Opt(1, "int", "update the average every N optimizer steps", low=1),
+    },
     "sample": {
         "prompts": Opt(None, "prompts", "images to make while training: a list of prompts, or a text file with one "
                                         "per line; null: none", nullable=True),
@@ -173,6 +180,7 @@ SCHEMA = {
                                    "null: model.path", nullable=True),
         "tokenizers": Opt(None, "path", "pipeline folder with tokenizer/ and tokenizer_2/ (for a single-file "
                                         "checkpoint)", nullable=True),
+        "use_ema": Opt(False, "bool", "sample with the moving average of the weights (needs ema.decay)"),
     },
     "distributed": {
         "timeout": Opt(600.0, "float", "torchrun runs: seconds a process waits for the others (at a collective) "
@@ -201,7 +209,8 @@ ALIASES = {
     "huber_scale": "diffusion.huber_scale", "debiased_estimation_loss": "diffusion.debiased_estimation",
     "ip_noise_gamma": "diffusion.input_perturbation", "loraplus_lr_ratio": "lora.plus_ratio",
     "loraplus_unet_lr_ratio": "lora.plus_ratio", "down_lr_weight": "lora.lr_down", "mid_lr_weight": "lora.lr_mid",
-    "up_lr_weight": "lora.lr_up", "zero_terminal_snr": "diffusion.zero_terminal_snr",
+    "up_lr_weight": "lora.lr_up", "ema_decay": "ema.decay", "use_ema": "ema.decay",
+    "zero_terminal_snr": "diffusion.zero_terminal_snr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
 }
@@ -378,6 +387,8 @@ def _cross_checks(c, errors):
         for side in ("width", "height"):
             if smp[side] is not None and smp[side] % 8:
                 errors.append(f"sample.{side}: must be a multiple of 8, got {smp[side]}")
+    if smp["use_ema"] and c["ema"]["decay"] is None:
+        errors.append("sample.use_ema: no moving average is kept: set ema.decay (e.g. 0.999)")
     if t["lr_scheduler"] == "constant" and t["warmup_steps"]:
         errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
 

@@ -75,7 +75,7 @@ from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, set
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, lt, mul, sub, to
 from ..ops.shape import stack
-from ..optim import AdamW, clip_grad_norm_
+from ..optim import EMA, AdamW, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
@@ -194,6 +194,7 @@ class Trainer:
                                eps=c.train.adam_eps, weight_decay=c.train.weight_decay)
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
                                        num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
+        self.ema = EMA(self.params, c.ema.decay) if c.ema.decay is not None else None
         self.scaler = DynamicLossScaler() if self.dtype == torch.float16 else None
         graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
         if c.train.cuda_graph and c.lora.dropout:
@@ -257,7 +258,8 @@ class Trainer:
         """Images of the sample prompts from the current weights, their paths into metrics.jsonl."""
         folder = os.path.join(self.out_dir, "samples")
         try:
-            paths = self.samples.render(self.model, self.step, folder)
+            with self.ema.applied() if self.cfg.sample.use_ema else contextlib.nullcontext():
+                paths = self.samples.render(self.model, self.step, folder)
         except OSError as e:
             raise self._write_error(e, "sample images", folder) from e
         self._metrics([{"step": self.step, "samples": paths}])
@@ -550,6 +552,8 @@ class Trainer:
             norm = self._update(loss, grads)
             self.scheduler.step()
             self.step += 1
+            if self.ema is not None and self.step % self.cfg.ema.every == 0:
+                self.ema.update()
             self._pending.append((self.step, loss.clone(), norm, lr, self.loader.epoch))
             self._step_done = True
         if self.bucket is not None and self._stop is None and self.bucket.stop_requested():
@@ -674,6 +678,7 @@ class Trainer:
                 "world_size": self.world.size,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "ema": {"updates": self.ema.updates} if self.ema is not None else None,
                 "optimizer": {"param_groups": opt["param_groups"],
                               "steps": {str(i): e["step"] for i, e in opt["state"].items()}},
                 "config": to_dict(self.cfg)}
@@ -690,6 +695,9 @@ class Trainer:
             "optimizer.safetensors": lambda p: save_safetensors(tensors, p),
             "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
+        if self.ema is not None:
+            shadow = {str(i): t for i, t in enumerate(self.ema.shadow)}
+            writers["ema.safetensors"] = lambda p: save_safetensors(shadow, p)
         try:
             with distributed.hold_exit():  # a peer lost meanwhile does not cut this checkpoint short
                 return save_checkpoint(self.ckpt_dir, self.step, writers, self.cfg.output.keep_last)
@@ -734,6 +742,15 @@ class Trainer:
         self.scheduler.step()  # re-applies this step's lr to the optimizer
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.ema is not None:
+            ema_file = os.path.join(path, "ema.safetensors")
+            if state.get("ema") and os.path.isfile(ema_file):
+                shadow = load_safetensors(ema_file)
+                self.ema.load_state_dict({"updates": state["ema"]["updates"],
+                                          "shadow": [shadow[str(i)] for i in range(len(shadow))]})
+            else:
+                self.log(f"ema.decay: {path} holds no moving average; it starts from the weights of step "
+                         f"{state['step']}")
         set_rng_state(state["rng"])
         self.step = int(state["step"])
         distributed.check_same(self.params, f"LoRA weights loaded from {path}")
@@ -811,8 +828,9 @@ class Trainer:
                    disable=None if self.progress is None else not self.progress)
         return None if bar.disable else bar
 
-    def lora_path(self) -> str:
-        return os.path.join(self.out_dir, f"{self.cfg.output.name}.safetensors")
+    def lora_path(self, ema: bool = False) -> str:
+        """The LoRA file the run writes (``ema``: the one of the moving average, NAME_ema.safetensors)."""
+        return os.path.join(self.out_dir, f"{self.cfg.output.name}{'_ema' if ema else ''}.safetensors")
 
     def _start_fresh(self):
         """A run from step 0 does not mix with an earlier run's checkpoints and metrics (allowed by
@@ -879,12 +897,16 @@ class Trainer:
             self.log(msg)
             raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
         if self.world.is_main:
-            try:
-                meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time())
-                save_lora(self.model, self.lora_path(), format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
-                          metadata=meta)
-            except OSError as e:
-                raise self._write_error(e, "the LoRA file", self.lora_path()) from e
+            meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time())
+            for path, averaged in ((self.lora_path(), False), (self.lora_path(ema=True), True)):
+                if averaged and self.ema is None:
+                    continue
+                try:
+                    with self.ema.applied() if averaged else contextlib.nullcontext():
+                        save_lora(self.model, path, format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
+                                  metadata=meta)
+                except OSError as e:
+                    raise self._write_error(e, "the LoRA file", path) from e
             self._summary(self.step - first, time.perf_counter() - started, checkpoint)
         return {"step": self.step, "losses": [self.losses[s] for s in sorted(self.losses)],
                 "val_losses": dict(self.val_losses), "lora": self.lora_path(), "checkpoint": checkpoint}
@@ -943,9 +965,10 @@ class Trainer:
                          + (f" ({self.val_losses[first]:.4f} at step {first})" if first != last else ""))
         layers = self.lora_layers
         lines += [f"  LoRA file: {self.lora_path()} ({c.lora.format} format, {_count(len(layers), 'layer')}, "
-                  f"rank {c.lora.rank}, alpha {c.lora.alpha if c.lora.alpha is not None else c.lora.rank:g})",
-                  f"  checkpoint: {checkpoint} (--resume continues from it)",
-                  f"  metrics: {self._metrics_path()}"]
+                  f"rank {c.lora.rank}, alpha {c.lora.alpha if c.lora.alpha is not None else c.lora.rank:g})"]
+        if self.ema is not None:
+            lines.append(f"  moving average (decay {c.ema.decay:g}): {self.lora_path(ema=True)}")
+        lines += [f"  checkpoint: {checkpoint} (--resume continues from it)", f"  metrics: {self._metrics_path()}"]
         folder, name = os.path.split(os.path.abspath(self.lora_path()))
         lines.append("  in diffusers: pipe.load_lora_weights("
                      f"{folder!r}, weight_name={name!r}, use_safetensors=True)"
