@@ -299,6 +299,8 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
                          encoders.pooled_dim, text_dtype=text_dtype, shard_size=shard_size,
                          meta={"model": str(getattr(encoders, "source", "")), "scaling_factor": encoders.scaling_factor,
                                "resolution": resolution, "random_crop": random_crop, "seed": seed})
+    embeds, pooled = encoders.encode_prompts([""])  # the empty caption, for caption dropout
+    writer.set_empty_prompt(embeds[0], pooled[0])
     rng = np.random.default_rng(seed) if random_crop else None
     bar = _progress(len(images), "encoding") if show_progress else None
     try:

@@ -89,6 +89,31 @@ def test_cache_round_trip_shards_and_index(small_cache):
         cache.read([by_source["img0.png"], by_source["img10.png"]])
 
 
+def test_the_empty_caption_is_stored_once_and_old_caches_still_open(tmp_path, small_cache):
+    path, _ = small_cache  # written without an empty caption, as caches were before it existed
+    old = LatentCache(path)
+    assert not old.has_empty_prompt
+    with pytest.raises(CacheError, match=r"holds no embedding of the empty caption.*prepare_cache\.py"):
+        old.empty_prompt()
+    rng = np.random.default_rng(1)
+    w = CacheWriter(tmp_path / "new", 4, 5, 6, 3, text_dtype="fp16")
+    w.add(*_sample(rng, 2, 2))
+    embeds, pooled = rng.standard_normal((5, 6)), rng.standard_normal(3)
+    with pytest.raises(ValueError, match=r"empty prompt_embeds has shape \(6, 5\), expected \(5, 6\)"):
+        w.set_empty_prompt(embeds.T, pooled)
+    w.set_empty_prompt(embeds, pooled)
+    cache = LatentCache(w.close())
+    got_embeds, got_pooled = cache.empty_prompt()
+    assert cache.has_empty_prompt and got_embeds.shape == (1, 5, 6) and got_pooled.dtype == torch.float16
+    np.testing.assert_allclose(got_embeds.to(flame.float32).numpy()[0], embeds, rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(got_pooled.to(flame.float32).numpy()[0], pooled, rtol=1e-3, atol=1e-3)
+    damaged = {"prompt_embeds": torch.zeros(1, 5, 6, dtype=torch.float16)}  # no pooled
+    save_safetensors(damaged, tmp_path / "new" / "empty_prompt.safetensors")
+    with pytest.raises(CacheError, match=r"empty_prompt.safetensors: no tensor 'pooled'.*the file is damaged"):
+        LatentCache(tmp_path / "new")
+    assert LatentCache(write_synthetic_cache(tmp_path / "syn", 3, 4, 5, 6, 3, latent_sizes=[(2, 2)])).has_empty_prompt
+
+
 def test_cache_writer_and_reader_errors(tmp_path, small_cache):
     w = CacheWriter(tmp_path / "x", 4, 5, 6, 3)
     rng = np.random.default_rng(1)

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,7 +223,7 @@ def test_timestep_sampling_zero_terminal_snr_and_input_perturbation(cache_dir, t
     same = trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids, input_noise=noise).item()
     assert same == trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids).item()
     assert same != trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids, input_noise).item()
-    with pytest.raises(ConfigError, match="zero_terminal_snr: .* set diffusion.prediction_type=v_prediction"):
+    with pytest.raises(ConfigError, match=r"zero_terminal_snr: .* set diffusion\.prediction_type=v_prediction"):
         _config(cache_dir, tmp_path, "diffusion.zero_terminal_snr=true")
     plain = _trainer(_config(cache_dir, tmp_path / "plain", "train.steps=1"))
     plain_step = plain.step_fn
@@ -762,5 +763,25 @@ def test_ema_file_checkpoints_and_exact_resume(cache_dir, tmp_path, monkeypatch)
     again = load_safetensors(tmp_path / "b" / "lora_ema.safetensors")
     for key in ema_file:
         np.testing.assert_array_equal(again[key].numpy(), ema_file[key].numpy())
-    with pytest.raises(ConfigError, match="sample.use_ema: no moving average is kept"):
+    with pytest.raises(ConfigError, match=r"sample\.use_ema: no moving average is kept"):
         _config(cache_dir, tmp_path, "sample.use_ema=true")
+
+
+def test_caption_dropout_swaps_in_the_empty_caption_on_the_device(cache_dir, tmp_path):
+    trainer = _trainer(_config(cache_dir, tmp_path, "data.caption_dropout=0.5"))
+    empty_embeds, empty_pooled = (t.numpy() for t in LatentCache(cache_dir).empty_prompt())
+    seen, real = [], trainer.step_fn
+    trainer.step_fn = lambda *args: seen.append((args[3].numpy(), args[4].numpy())) or real(*args)
+    trainer.train()
+    rows = [(e, p) for embeds, pooled in seen for e, p in zip(embeds, pooled)]
+    dropped = [bool((e == empty_embeds[0]).all()) for e, _ in rows]
+    assert len(rows) == 24 and 4 <= sum(dropped) <= 20  # 6 steps of 4: Binomial(24, 0.5)
+    for (_, p), d in zip(rows, dropped):  # the pooled embedding goes with the hidden states
+        assert bool((p == empty_pooled[0]).all()) == d
+    old = tmp_path / "old_cache"
+    shutil.copytree(cache_dir, old)
+    index = json.loads((old / "index.json").read_text())
+    del index["empty_prompt"]
+    (old / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=r"data\.caption_dropout: the cache at .* holds no embedding of the empty"):
+        _trainer(_config(old, tmp_path / "o", "data.caption_dropout=0.1"))

@@ -5,6 +5,7 @@ A cache is a folder::
     index.json                      format, dims, dtypes, buckets, shards, and one entry per sample
     b128x128-00000.safetensors      one shard: rows of one aspect bucket
     b112x144-00000.safetensors      ...
+    empty_prompt.safetensors        the text encoders' outputs for the empty caption (optional)
 
 Each shard is a safetensors file holding, for its N samples (all of one aspect bucket, latent
 size h x w), four stacked tensors:
@@ -14,6 +15,10 @@ size h x w), four stacked tensors:
   (SDXL: 77 x 2048 = CLIP-L 768 + CLIP-G 1280);
 - ``pooled`` (N, P): the pooled, projected CLIP-G embedding (SDXL: 1280);
 - ``time_ids`` (N, 6): ``[orig_h, orig_w, crop_top, crop_left, target_h, target_w]`` in pixels.
+
+``empty_prompt.safetensors`` holds ``prompt_embeds`` (1, L, D) and ``pooled`` (1, P) of the empty
+caption, which caption dropout trains on; ``index.json`` names it under ``"empty_prompt"`` (caches
+written before it existed have none and still open).
 
 ``index.json`` lists every sample as ``{"shard", "row", "split", "caption", "source"}``; ``split``
 is "train" or "val" (held out for the validation loss). Shards are read through memory maps, so a
@@ -44,6 +49,8 @@ FORMAT = "flame-latent-cache"
 VERSION = 1
 INDEX = "index.json"
 FIELDS = ("latents", "prompt_embeds", "pooled", "time_ids")
+TEXT_FIELDS = ("prompt_embeds", "pooled")
+EMPTY_PROMPT = "empty_prompt.safetensors"
 SPLITS = ("train", "val")
 
 # safetensors dtype codes of the cache (both NumPy dtypes, so shards are read through memory maps)
@@ -92,6 +99,7 @@ class CacheWriter:
                       "pooled": _dtype_code(text_dtype, "text_dtype"), "time_ids": "F32"}
         self.shard_size = int(shard_size)
         self.meta = dict(meta or {})
+        self._empty = None  # {field: (1, ...) array} of the empty caption
         self._buckets = {}  # (h, w) -> bucket index
         self._pending = {}  # bucket index -> list of (fields, entry)
         self._counts = {}  # bucket index -> shards written
@@ -126,6 +134,16 @@ class CacheWriter:
         if len(self._pending[b]) >= self.shard_size:
             self._flush(b)
 
+    def set_empty_prompt(self, prompt_embeds, pooled) -> None:
+        """The text encoders' outputs for the empty caption, (L, D) and (P,): written once beside the
+        shards, for caption dropout."""
+        d = self.dims
+        fields = {"prompt_embeds": np.asarray(prompt_embeds, dtype=np.float32),
+                  "pooled": np.asarray(pooled, dtype=np.float32)}
+        self._shape_check("empty prompt_embeds", fields["prompt_embeds"], (d["text_len"], d["text_dim"]))
+        self._shape_check("empty pooled", fields["pooled"], (d["pooled_dim"],))
+        self._empty = {f: v[None] for f, v in fields.items()}
+
     def _flush(self, b):
         rows = self._pending[b]
         if not rows:
@@ -155,6 +173,10 @@ class CacheWriter:
         doc = {"format": FORMAT, "version": VERSION, **self.dims,
                "dtypes": {f: self.codes[f] for f in FIELDS}, "meta": self.meta,
                "buckets": self.buckets, "shards": self.shards, "samples": self.samples}
+        if self._empty is not None:
+            tensors = {f: torch.from_numpy(v.astype(_NUMPY[self.codes[f]])) for f, v in self._empty.items()}
+            save_safetensors(tensors, os.path.join(self.path, EMPTY_PROMPT), metadata={"format": FORMAT})
+            doc["empty_prompt"] = EMPTY_PROMPT
         atomic_write(os.path.join(self.path, INDEX), lambda f: f.write(json.dumps(doc, indent=1).encode()))
         return self.path
 
@@ -235,6 +257,8 @@ def _read_index(index) -> dict:
             raise bad(f"samples[{i}] points at row {row} of shards[{s}] ({shards[s]['file']}), as an earlier "
                       "sample does")
         seen[first[s] + row] = True
+    if "empty_prompt" in doc and not (isinstance(doc["empty_prompt"], str) and doc["empty_prompt"]):
+        raise bad(f"empty_prompt must be a file name, got {_short(doc['empty_prompt'])}")
     return doc
 
 
@@ -270,35 +294,47 @@ class LatentCache:
         self.shards = doc["shards"]
         self.samples = doc["samples"]
         self._layouts = [self._check_shard(s, doc["dtypes"]) for s in range(len(self.shards))]
+        self._empty_file = doc.get("empty_prompt")
+        self._empty_layout = None
+        if self._empty_file:
+            shapes = {"prompt_embeds": (1, self.text_len, self.text_dim), "pooled": (1, self.pooled_dim)}
+            self._empty_layout = self._check_file(os.path.join(self.path, self._empty_file), shapes, doc["dtypes"],
+                                                  "the empty-prompt file", kind="file")
         self._maps = {}  # shard -> {field: np.memmap}
 
     def _check_shard(self, shard, dtypes):
         """{field: (offset, NumPy dtype, shape)} of shard ``shard``, from its header, which must match
         the index (fields, dtypes, shapes) and the file's size (no data is read)."""
         entry = self.shards[shard]
-        path = os.path.join(self.path, entry["file"])
+        n, (h, w) = entry["count"], self.buckets[entry["bucket"]]
+        shapes = {"latents": (n, self.latent_channels, h, w), "prompt_embeds": (n, self.text_len, self.text_dim),
+                  "pooled": (n, self.pooled_dim), "time_ids": (n, 6)}
+        return self._check_file(os.path.join(self.path, entry["file"]), shapes, dtypes,
+                                f"shards[{shard}] of {os.path.join(self.path, INDEX)}",
+                                f" ({n} rows of bucket {h}x{w})")
+
+    def _check_file(self, path, shapes, dtypes, what, rows="", kind="shard"):
+        """{field: (offset, NumPy dtype, shape)} of the safetensors file ``path`` (``what`` in the
+        index) holding ``shapes``, from its header, which must match them, the index's dtypes and
+        the file's size (no data is read)."""
         try:
             size = os.stat(path).st_size
             with open(path, "rb") as f:
                 header, base = _read_header(f, path)
         except FileNotFoundError:
-            raise CacheNotFoundError(f"{path}: missing (shards[{shard}] of {os.path.join(self.path, INDEX)}); "
-                                     f"{_REBUILD}") from None
+            raise CacheNotFoundError(f"{path}: missing ({what}); {_REBUILD}") from None
         except OSError as e:
-            raise CacheError(f"{path}: cannot read this shard ({e.strerror}); {_REBUILD}") from None
+            raise CacheError(f"{path}: cannot read this file ({e.strerror}); {_REBUILD}") from None
         except ValueError as e:  # _read_header's "not a safetensors file" messages name the file
-            raise CacheError(f"{e}; the shard is damaged or not part of this cache, {_REBUILD}") from None
+            raise CacheError(f"{e}; the {kind} is damaged or not part of this cache, {_REBUILD}") from None
 
         def bad(what):
-            return CacheError(f"{path}: {what}; the shard is damaged or not part of this cache, {_REBUILD}")
+            return CacheError(f"{path}: {what}; the {kind} is damaged or not part of this cache, {_REBUILD}")
 
         if not isinstance(header, dict):
             raise bad("not a safetensors file (its header is not a JSON object)")
-        n, (h, w) = entry["count"], self.buckets[entry["bucket"]]
-        shapes = {"latents": (n, self.latent_channels, h, w), "prompt_embeds": (n, self.text_len, self.text_dim),
-                  "pooled": (n, self.pooled_dim), "time_ids": (n, 6)}
         layout, end = {}, base
-        for field in FIELDS:
+        for field in shapes:
             info = header.get(field)
             if not isinstance(info, dict):
                 names = sorted(k for k in header if k != "__metadata__")
@@ -306,8 +342,7 @@ class LatentCache:
             if info.get("dtype") != dtypes[field]:
                 raise bad(f"{field} is {info.get('dtype')!r}, the index says {dtypes[field]!r}")
             if info.get("shape") != list(shapes[field]):
-                raise bad(f"{field} has shape {info.get('shape')}, the index says {list(shapes[field])} "
-                          f"({n} rows of bucket {h}x{w})")
+                raise bad(f"{field} has shape {info.get('shape')}, the index says {list(shapes[field])}{rows}")
             offsets = info.get("data_offsets")
             nbytes = int(np.prod(shapes[field])) * np.dtype(_NUMPY[dtypes[field]]).itemsize
             if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(v) for v in offsets)
@@ -330,6 +365,25 @@ class LatentCache:
 
     def bucket_of(self, index: int) -> int:
         return self.shards[self.samples[index]["shard"]]["bucket"]
+
+    @property
+    def has_empty_prompt(self) -> bool:
+        """Whether the cache holds the empty caption's embedding (``empty_prompt``)."""
+        return self._empty_layout is not None
+
+    def empty_prompt(self) -> tuple:
+        """``(prompt_embeds (1, L, D), pooled (1, P))`` of the empty caption on flame's device, as
+        stored; a ``CacheError`` for a cache written without it."""
+        if self._empty_layout is None:
+            raise CacheError(f"{self.path} holds no embedding of the empty caption (caches written before "
+                             f"{EMPTY_PROMPT} existed); {_REBUILD} to use caption dropout")
+        path = os.path.join(self.path, self._empty_file)
+        out = []
+        for field in TEXT_FIELDS:
+            offset, dtype, shape = self._empty_layout[field]
+            host = torch.from_numpy(np.array(np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=shape)))
+            out.append(Tensor(host.to(runtime.device)))  # host transfer
+        return tuple(out)
 
     def _map(self, shard):
         maps = self._maps.get(shard)

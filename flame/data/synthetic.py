@@ -85,6 +85,7 @@ def write_synthetic_cache(path, num_samples: int, latent_channels: int = 4, text
                    source=f"synthetic-{i:06d}", split="val" if i >= num_samples - val_samples else "train")
         if progress is not None:
             progress(1)
+    writer.set_empty_prompt(*world.text(np.zeros(concepts), text_len, rng))  # no concept: the empty caption
     return writer.close()
 
 

@@ -57,6 +57,9 @@ SCHEMA = {
                                     "torchrun each of the N processes takes this many of a global batch of N times "
                                     "as many)", low=1),
         "drop_last": Opt(False, "bool", "drop each bucket's last partial batch (fixed batch shapes)"),
+        "caption_dropout": Opt(0.0, "float", "probability that a sample trains on the empty caption's embedding "
+                                             "(stored in the cache by prepare_cache.py) instead of its own", low=0.0,
+                               high=1.0),
         "synthetic_samples": Opt(0, "int", "if > 0 and cache_dir holds no cache, write a synthetic cache of this "
                                            "many samples first (demos, tests)", low=0),
         "synthetic_latent_sizes": Opt(None, "sizes", "latent (h, w) buckets of that synthetic cache, e.g. "
@@ -210,6 +213,7 @@ ALIASES = {
     "ip_noise_gamma": "diffusion.input_perturbation", "loraplus_lr_ratio": "lora.plus_ratio",
     "loraplus_unet_lr_ratio": "lora.plus_ratio", "down_lr_weight": "lora.lr_down", "mid_lr_weight": "lora.lr_mid",
     "up_lr_weight": "lora.lr_up", "ema_decay": "ema.decay", "use_ema": "ema.decay",
+    "caption_dropout_rate": "data.caption_dropout", "caption_dropout_probability": "data.caption_dropout",
     "zero_terminal_snr": "diffusion.zero_terminal_snr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",

@@ -71,9 +71,9 @@ from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safe
 from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
 from ..nn.lora import adaptable_layers, lora_modules, matching_layers
-from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, set_rng_substream, tensor, zeros
+from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
-from ..ops.elementwise import add, lt, mul, sub, to
+from ..ops.elementwise import add, ge, lt, mul, sub, to, where
 from ..ops.shape import stack
 from ..optim import EMA, AdamW, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
@@ -195,6 +195,7 @@ class Trainer:
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
                                        num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
         self.ema = EMA(self.params, c.ema.decay) if c.ema.decay is not None else None
+        self._empty_prompt = self.cache.empty_prompt() if c.data.caption_dropout else None
         self.scaler = DynamicLossScaler() if self.dtype == torch.float16 else None
         graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
         if c.train.cuda_graph and c.lora.dropout:
@@ -336,6 +337,10 @@ class Trainer:
             raise ConfigError(f"the cache at {c.cache_dir} does not fit the model: " + ", ".join(bad))
         if not cache.split("train"):
             raise ConfigError(f"the cache at {c.cache_dir} has no training samples")
+        if c.caption_dropout and not cache.has_empty_prompt:
+            raise ConfigError(f"data.caption_dropout: the cache at {c.cache_dir} holds no embedding of the empty "
+                              "caption (it was written before prepare_cache.py stored one): rebuild it, or set "
+                              "data.caption_dropout=0")
         return cache
 
     def _loader(self, split, batch_size, shuffle):
@@ -506,12 +511,19 @@ class Trainer:
             input_noise = None
             if d.input_perturbation:  # the input sees noise + gamma * randn, the target the noise alone
                 input_noise = add(noise, mul(randn(*shape, rows=rows), d.input_perturbation))
+            keep = None
+            if self._empty_prompt is not None:  # caption dropout, decided on the device
+                keep = ge(rand(shape[0], rows=rows), self.cfg.data.caption_dropout)
             if start == stop:  # fewer samples than ranks in a bucket's last batch
                 self.bucket.pack(None, None, 0.0, m > 0, self._requested is not None)
                 continue
             batch = self.cache.batch(ids[start:stop])
-            loss, grads = self.step_fn(batch.latents, noise, timesteps, batch.prompt_embeds, batch.pooled,
-                                       batch.time_ids, input_noise)
+            embeds, pooled = batch.prompt_embeds, batch.pooled
+            if keep is not None:
+                empty_embeds, empty_pooled = self._empty_prompt
+                embeds = where(keep.reshape(-1, 1, 1), embeds, empty_embeds)
+                pooled = where(keep.reshape(-1, 1), pooled, empty_pooled)
+            loss, grads = self.step_fn(batch.latents, noise, timesteps, embeds, pooled, batch.time_ids, input_noise)
             if self.bucket is not None:
                 self.bucket.pack(grads, loss, (stop - start) / len(ids), m > 0, self._requested is not None)
                 continue
