@@ -337,3 +337,51 @@ def test_conv_lora_matches_peft():
         if "lora_" in name:
             tname = name + ".default.weight"
             assert_close(grads[p], named[tname].grad, **TOL)
+
+
+KOHYA_SDXL = {  # diffusers module path -> the key kohya's sd-scripts write for it in an SDXL LoRA
+    "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q":
+        "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+    "mid_block.attentions.0.transformer_blocks.9.attn2.to_out.0":
+        "lora_unet_middle_block_1_transformer_blocks_9_attn2_to_out_0",
+    "up_blocks.0.attentions.2.transformer_blocks.9.ff.net.2":
+        "lora_unet_output_blocks_2_1_transformer_blocks_9_ff_net_2",
+    "down_blocks.2.attentions.1.proj_out": "lora_unet_input_blocks_8_1_proj_out",
+    "down_blocks.0.resnets.0.conv1": "lora_unet_input_blocks_1_0_in_layers_2",
+    "up_blocks.1.resnets.2.conv_shortcut": "lora_unet_output_blocks_5_0_skip_connection",
+    "down_blocks.0.downsamplers.0.conv": "lora_unet_input_blocks_3_0_op",
+    "up_blocks.1.upsamplers.0.conv": "lora_unet_output_blocks_5_2_conv",
+    "time_embedding.linear_1": "lora_unet_time_embed_0",
+    "add_embedding.linear_2": "lora_unet_label_emb_0_2",
+}
+
+
+def test_kohya_files_of_sdxl_use_the_original_layout_and_both_flavours_load(tmp_path):
+    from flame.io import load_lora, save_lora
+    from flame.models import SDXLUNet, SDXLUNetConfig
+    from flame.nn.lora import _kohya_name
+    skeleton = SDXLUNet.skeleton(SDXLUNetConfig())
+    assert {p: _kohya_name(skeleton.original_name(p), "unet") for p in KOHYA_SDXL} == KOHYA_SDXL
+    flame.manual_seed(4)
+    with flame.nn.init.skip_init():  # the base weights do not matter here
+        model = SDXLUNet(SDXLUNetConfig.tiny())
+    nn.inject_lora(model, "attn", rank=2, alpha=3)
+    for p in nn.lora_parameters(model):
+        flame.nn.init.normal_(p, 0.0, 0.5)
+    written = {k: v.numpy() for k, v in nn.lora_state_dict(model, format="kohya").items()}
+    assert "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q.lora_down.weight" in written
+    assert not any(k.startswith("lora_unet_down_blocks") for k in written)
+    save_lora(model, tmp_path / "sgm.safetensors", format="kohya")
+    paths = dict(nn.lora.lora_modules(model))
+    flat = {}  # the same adapters under kohya keys over the diffusers paths (what flame wrote before)
+    for path in paths:
+        old, new = _kohya_name(path, "unet"), _kohya_name(model.original_name(path), "unet")
+        flat.update({k.replace(new, old): flame.tensor(v) for k, v in written.items() if k.startswith(new + ".")})
+    flame.io.save_safetensors(flat, tmp_path / "flat.safetensors")
+    for name in ("sgm.safetensors", "flat.safetensors"):
+        with flame.nn.init.skip_init():
+            fresh = SDXLUNet(SDXLUNetConfig.tiny())
+        assert sorted(load_lora(fresh, tmp_path / name)) == sorted(paths)
+        for path, m in nn.lora.lora_modules(fresh):
+            np.testing.assert_array_equal(m.lora_B.numpy(), paths[path].lora_B.numpy())
+            assert m.alpha == 3

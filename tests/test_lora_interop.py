@@ -99,6 +99,8 @@ def test_saved_lora_reproduces_flame_output_in_diffusers(unets, tmp_path, fmt, m
         out = model(*(flame.from_torch(inp[k].to(DEVICE)) for k in inp)).to_torch()
     path = tmp_path / f"lora_{fmt}.safetensors"
     flame.io.save_lora(model, path, format=fmt)
+    if fmt == "kohya":  # the names kohya's sd-scripts write for SDXL: the original (SGM) layout
+        assert "lora_unet_middle_block_1_transformer_blocks_0_attn1_to_q.alpha" in flame.io.load_safetensors(path)
     no_adapter = _run_diffusers(base, inp)
 
     for load in loaders:

@@ -29,7 +29,7 @@ from ..ops.elementwise import cos, exp, sin, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float32
 from .checkpoints import load_pretrained, sort_config
-from .sdxl_keys import checkpoint_index
+from .sdxl_keys import checkpoint_index, diffusers_to_ldm
 
 _DOWN_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
 _UP_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
@@ -554,6 +554,12 @@ class SDXLUNet(nn.Module):
                 for p, shape in m.shapes.items():
                     out[f"{name}.{p}"] = shape
         return out
+
+    def original_name(self, path: str) -> str:
+        """The module at ``path`` (a diffusers name) under its name in the original LDM/SGM layout,
+        as kohya's sd-scripts and ComfyUI name LoRA layers: ``down_blocks.1.attentions.0.proj_in`` ->
+        ``input_blocks.4.1.proj_in``, ``down_blocks.0.resnets.0.conv1`` -> ``input_blocks.1.0.in_layers.2``."""
+        return diffusers_to_ldm(path + ".weight", self.config)[: -len(".weight")]
 
     @classmethod
     def layer_names(cls, config: SDXLUNetConfig | None = None, kind: str = "Linear") -> list:

@@ -15,7 +15,11 @@ still loads by name into the injected model); the adapters are the parameters ``
 ``shared/reference/sdxl.md``:
 
 - PEFT/diffusers: ``<prefix>.<module path>.lora_A.weight`` (rank, in), ``...lora_B.weight`` (out, rank);
-- kohya: ``lora_<prefix>_<module path with '_'>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-d).
+- kohya: ``lora_<prefix>_<module path with '_'>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-d),
+  where the module path is the model's original name for the module when the model has one
+  (``model.original_name(path)``: SDXL's LDM/SGM layout, ``input_blocks.4.1.transformer_blocks.0.attn1.to_q``
+  for ``down_blocks.1.attentions.0...``, as kohya's sd-scripts write SDXL files and ComfyUI reads them).
+  Files with kohya keys over the diffusers paths load too.
 
 Loading (``load_lora_state_dict``, ``flame.io.load_lora``) is all or nothing: ``plan_lora_load``
 checks every adapter against the model from the tensors' shapes and dtypes, then
@@ -320,6 +324,12 @@ def _kohya_name(path, prefix):
     return f"lora_{prefix}_{path.replace('.', '_')}" if prefix else f"lora_{path.replace('.', '_')}"
 
 
+def _original_name(model, path):
+    """``path`` in the model's original layout (``model.original_name``), or as it is."""
+    rename = getattr(model, "original_name", None)
+    return rename(path) if rename is not None else path
+
+
 def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -> dict:  # noqa: A002
     """Adapter tensors by file key name (``format`` "peft" or "kohya"); the values share memory
     with the parameters except kohya's ``.alpha`` (a new 0-d fp32 tensor)."""
@@ -333,7 +343,7 @@ def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -
             out[f"{key}.lora_A.weight"] = a
             out[f"{key}.lora_B.weight"] = b
         else:
-            key = _kohya_name(path, prefix)
+            key = _kohya_name(_original_name(model, path), prefix)
             out[f"{key}.lora_down.weight"] = a
             out[f"{key}.lora_up.weight"] = b
             alpha = runtime.empty((), torch.float32)
@@ -386,8 +396,9 @@ def _lookup(model, fmt, prefix):
                 for p in (f"{prefix}.{name}" if prefix else name, name, f"base_model.model.{name}"):
                     lookup.setdefault(p, name)
             else:
-                lookup.setdefault(_kohya_name(name, prefix), name)
-                lookup.setdefault(_kohya_name(name, ""), name)
+                for path in dict.fromkeys((_original_name(model, name), name)):
+                    lookup.setdefault(_kohya_name(path, prefix), name)
+                    lookup.setdefault(_kohya_name(path, ""), name)
     return lookup
 
 
