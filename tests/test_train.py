@@ -787,3 +787,22 @@ def test_caption_dropout_swaps_in_the_empty_caption_on_the_device(cache_dir, tmp
     (old / "index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"data\.caption_dropout: the cache at .* holds no embedding of the empty"):
         _trainer(_config(old, tmp_path / "o", "data.caption_dropout=0.1"))
+
+
+def test_locon_adds_conv_adapters_with_their_own_rank(tiny_cache, tmp_path):
+    from flame.models import SDXLUNet
+    with flame.nn.init.skip_init():
+        model = SDXLUNet(SDXLUNetConfig.tiny())
+    cfg = _config(tiny_cache, tmp_path, "lora.conv_targets=locon", "lora.conv_rank=2", "lora.conv_alpha=1")
+    trainer = Trainer(cfg, model=model, progress=False, log=lambda *a: None)
+    layers = dict(flame.nn.lora.lora_modules(trainer.model))
+    convs = {n for n, m in layers.items() if isinstance(m, flame.nn.lora.LoRAConv2d)}
+    assert {"down_blocks.0.resnets.0.conv1", "down_blocks.1.resnets.0.conv_shortcut",
+            "down_blocks.0.downsamplers.0.conv", "up_blocks.0.upsamplers.0.conv", "mid_block.resnets.1.conv2"} <= convs
+    assert not convs & {"conv_in", "conv_out"} and "down_blocks.0.resnets.0.time_emb_proj" not in layers
+    assert {(layers[n].rank, layers[n].alpha) for n in convs} == {(2, 1.0)}
+    assert layers["mid_block.attentions.0.transformer_blocks.0.attn1.to_q"].rank == 4
+    kohya = flame.nn.lora_state_dict(trainer.model, format="kohya")
+    assert kohya["lora_unet_input_blocks_1_0_in_layers_2.lora_down.weight"].shape == (2, 32, 3, 3)
+    with pytest.raises(ConfigError, match=r"lora\.conv_targets: 'to_q' matches none of the model's .* Conv2d"):
+        Trainer(_config(tiny_cache, tmp_path / "bad", "lora.conv_targets=to_q"), progress=False)

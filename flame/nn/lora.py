@@ -48,6 +48,9 @@ from .module import Module, Parameter
 PRESETS = {
     "attn": ("to_q", "to_k", "to_v", "to_out.0"),
     "attn-mlp": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "proj_in", "proj_out"),
+    # Conv2d sets (``conv=``): the resnets' convolutions, and with them the down/upsamplers' (kohya's LoCon)
+    "resnets": (r"re:.*resnets\.\d+\.(conv1|conv2|conv_shortcut)",),
+    "locon": (r"re:.*resnets\.\d+\.(conv1|conv2|conv_shortcut)", r"re:.*(downsamplers|upsamplers)\.0\.conv"),
 }
 
 _SUFFIX = re.compile(r"^[A-Za-z0-9_.]+$")
@@ -277,7 +280,8 @@ def inject_lora(model: Module, targets, rank: int, alpha: float | None = None, i
     """Wrap every ``Linear`` and ``Conv2d`` of ``model`` whose dotted name matches ``targets`` in a
     ``LoRALinear`` / ``LoRAConv2d``.
 
-    ``targets``: a preset name ("attn", "attn-mlp": Linear layers only), dotted suffixes ("to_q",
+    ``targets``: a preset name ("attn", "attn-mlp": Linear layers only; "resnets", "locon": the
+    resnets' convolutions, "locon" with the down/upsamplers' as kohya's LoCon), dotted suffixes ("to_q",
     "to_out.0", "conv1": match the name or its end after a '.'), regular expressions (a
     ``re.Pattern``, a string prefixed "re:", or any string with regex characters, matched against
     the whole name), or a list of these. ``conv``: False (Conv2d layers only where ``targets``

@@ -77,6 +77,13 @@ SCHEMA = {
         "format": Opt("peft", "choice", "LoRA file format: peft (diffusers) or kohya", choices=("peft", "kohya")),
         "init_from": Opt(None, "path", "start from this LoRA file (PEFT or kohya; its layers must be among the "
                                        "targets, with lora.rank) instead of a fresh init", nullable=True),
+        "conv_targets": Opt(None, "targets", "LoCon: Conv2d layers that get adapters too: locon (the resnets' "
+                                             "convolutions and the down/upsamplers', as kohya's LoCon), resnets, or "
+                                             "module-name suffixes / regular expressions; null: none",
+                            nullable=True),
+        "conv_rank": Opt(None, "int", "rank of the conv adapters (kohya's conv_dim); null: lora.rank", low=1,
+                         nullable=True),
+        "conv_alpha": Opt(None, "float", "alpha of the conv adapters; null: conv_rank", low=0.0, nullable=True),
         "lr_down": Opt(1.0, "float", "learning-rate multiplier of the adapters in the UNet's down blocks (0: frozen)",
                        low=0.0),
         "lr_mid": Opt(1.0, "float", "learning-rate multiplier of the adapters in the mid block", low=0.0),
@@ -214,6 +221,7 @@ ALIASES = {
     "loraplus_unet_lr_ratio": "lora.plus_ratio", "down_lr_weight": "lora.lr_down", "mid_lr_weight": "lora.lr_mid",
     "up_lr_weight": "lora.lr_up", "ema_decay": "ema.decay", "use_ema": "ema.decay",
     "caption_dropout_rate": "data.caption_dropout", "caption_dropout_probability": "data.caption_dropout",
+    "conv_dim": "lora.conv_rank",
     "zero_terminal_snr": "diffusion.zero_terminal_snr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",

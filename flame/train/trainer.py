@@ -70,6 +70,7 @@ from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
 from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
+from ..nn.layers import Conv2d
 from ..nn.lora import adaptable_layers, lora_modules, matching_layers
 from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
@@ -84,7 +85,8 @@ from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
-RESUME_FIXED = ("lora.rank", "lora.targets", "data.batch_size", "data.drop_last", "train.seed")
+RESUME_FIXED = ("lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "data.batch_size", "data.drop_last",
+                "train.seed")
 SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -177,7 +179,9 @@ class Trainer:
                 raise ConfigError(f"model.path: cannot load {c.model.path}: {e}") from None
         self.model = model
         model.requires_grad_(False)
-        self.lora_layers = inject_lora(model, c.lora.targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout)
+        self.lora_layers = inject_lora(model, c.lora.targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout,
+                                       conv=c.lora.conv_targets or False, conv_rank=c.lora.conv_rank,
+                                       conv_alpha=c.lora.conv_alpha)
         if c.lora.init_from is not None:
             try:  # into the adapters just made: a layer outside the targets or another rank is refused whole
                 load_lora(model, c.lora.init_from, inject=False)
@@ -357,12 +361,19 @@ class Trainer:
         """lora.targets must select at least one layer (checked on the module names, no weights)."""
         if model is not None:
             names = adaptable_layers(model)
+            convs = [n for n in names if isinstance(model.get_submodule(n), Conv2d)]
         else:
-            names = SDXLUNet.layer_names(mcfg, "Linear") + SDXLUNet.layer_names(mcfg, "Conv2d")
+            convs = SDXLUNet.layer_names(mcfg, "Conv2d")
+            names = SDXLUNet.layer_names(mcfg, "Linear") + convs
         if not matching_layers(names, self.cfg.lora.targets):
             example = next((n for n in names if n.endswith("to_q")), names[0] if names else "none")
             raise ConfigError(f"lora.targets: {self.cfg.lora.targets!r} matches none of the model's "
                               f"{len(names):,} Linear and Conv2d layers (names look like {example})")
+        conv = self.cfg.lora.conv_targets
+        if conv is not None and not matching_layers(convs, conv):
+            example = next((n for n in convs if n.endswith("conv1")), convs[0] if convs else "none")
+            raise ConfigError(f"lora.conv_targets: {conv!r} matches none of the model's {len(convs):,} Conv2d "
+                              f"layers (names look like {example})")
 
     def _find_checkpoint(self):
         """The checkpoint to resume from, as ``(path, trainer state)``, or None (a fresh start)."""
