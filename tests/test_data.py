@@ -16,6 +16,7 @@ from flame.data import (
     BucketBatchLoader,
     CacheError,
     CacheNotFoundError,
+    CacheSet,
     CacheWriter,
     LatentCache,
     fit_to_bucket,
@@ -112,6 +113,34 @@ def test_the_empty_caption_is_stored_once_and_old_caches_still_open(tmp_path, sm
     with pytest.raises(CacheError, match=r"empty_prompt.safetensors: no tensor 'pooled'.*the file is damaged"):
         LatentCache(tmp_path / "new")
     assert LatentCache(write_synthetic_cache(tmp_path / "syn", 3, 4, 5, 6, 3, latent_sizes=[(2, 2)])).has_empty_prompt
+
+
+def test_a_cache_set_reads_like_one_cache_with_repeats_and_weights(tmp_path, small_cache):
+    path, _ = small_cache
+    rng = np.random.default_rng(3)
+    w = CacheWriter(tmp_path / "b", 4, 5, 6, 3, shard_size=2)
+    extra = [_sample(rng, 2, 3) for _ in range(3)]  # a bucket the first cache has too
+    for s in extra:
+        w.add(*s)
+    a, b = LatentCache(path), LatentCache(w.close())
+    cs = CacheSet([(a, 2, 1.0), (b, 1, 0.25)])
+    assert len(cs) == 24 and cs.buckets == [(2, 2), (2, 3), (3, 2)]
+    assert cs.split("val") == a.split("val") and cs.split("train")[-3:] == [21, 22, 23]
+    assert (cs.repeats_of(0), cs.weight_of(0), cs.repeats_of(22), cs.weight_of(22)) == (2, 1.0, 1, 0.25)
+    assert cs.bucket_of(22) == cs.bucket_of(10) == 1
+    batch = cs.batch([22, 10, 21])  # rows of both caches, in the order asked
+    np.testing.assert_allclose(batch.latents.numpy()[0], extra[1][0], rtol=1e-6)
+    np.testing.assert_allclose(batch.latents.numpy()[1], a.read([10])["latents"].numpy()[0], rtol=1e-6)
+    np.testing.assert_allclose(batch.latents.numpy()[2], extra[0][0], rtol=1e-6)
+    loader = BucketBatchLoader(cs, 4, seed=1)
+    planned = [i for ids in loader.plan(0) for i in ids]
+    train_a = list(a.split("train"))
+    assert sorted(planned) == sorted(train_a * 2 + [21, 22, 23])  # cache a's samples twice per epoch
+    assert BucketBatchLoader(cs, 4, "val", shuffle=False).num_samples == 2  # no repeats in validation
+    w2 = CacheWriter(tmp_path / "c", 4, 5, 7, 3)
+    w2.add(rng.standard_normal((4, 2, 2)), rng.standard_normal((5, 7)), rng.standard_normal(3), [16] * 6)
+    with pytest.raises(CacheError, match=r"does not fit .*: text_dim 7 against 6"):
+        CacheSet([(a, 1, 1.0), (LatentCache(w2.close()), 1, 1.0)])
 
 
 def test_cache_writer_and_reader_errors(tmp_path, small_cache):

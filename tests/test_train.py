@@ -216,7 +216,8 @@ def test_timestep_sampling_zero_terminal_snr_and_input_perturbation(cache_dir, t
     trainer.step_fn = lambda *args: seen.append(args) or real(*args)
     losses = trainer.train()["losses"]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
-    latents, noise, timesteps, embeds, pooled, time_ids, input_noise = seen[0]
+    latents, noise, timesteps, embeds, pooled, time_ids, input_noise, weights = seen[0]
+    assert weights is None  # one dataset: no per-sample loss weights
     extra = ((input_noise - noise) * 10.0).numpy()  # gamma = 0.1 times a standard normal draw
     assert abs(extra.std() - 1.0) < 0.2 and abs(extra.mean()) < 0.2
     # the UNet sees the perturbed noise, the target stays the plain noise
@@ -806,3 +807,26 @@ def test_locon_adds_conv_adapters_with_their_own_rank(tiny_cache, tmp_path):
     assert kohya["lora_unet_input_blocks_1_0_in_layers_2.lora_down.weight"].shape == (2, 32, 3, 3)
     with pytest.raises(ConfigError, match=r"lora\.conv_targets: 'to_q' matches none of the model's .* Conv2d"):
         Trainer(_config(tiny_cache, tmp_path / "bad", "lora.conv_targets=to_q"), progress=False)
+
+
+def test_several_datasets_with_repeats_a_regularization_set_and_their_loss_weights(cache_dir, tmp_path):
+    reg = tmp_path / "reg"
+    write_synthetic_cache(reg, 6, DIMS.in_channels, 6, DIMS.cross_attention_dim, DIMS.pooled_dim,
+                          latent_sizes=[(4, 4)], val_samples=0, concepts=4, seed=9)
+    datasets = [{"cache_dir": str(cache_dir), "repeats": 2}, {"cache_dir": str(reg), "is_reg": True, "loss_weight": 2}]
+    cfg = _config(None, tmp_path / "run", f"data.datasets={json.dumps(datasets)}", "data.prior_loss_weight=0.25",
+                  "data.cache_dir=null")
+    trainer = _trainer(cfg)
+    n_main, n_reg = len(LatentCache(cache_dir).split("train")), 6
+    assert sum(len(b) for b in trainer.loader.plan(0)) == 2 * n_main + n_reg
+    seen, real = [], trainer.step_fn
+    trainer.step_fn = lambda *args: seen.append((args[7].numpy(), len(args[0]))) or real(*args)
+    trainer.train()
+    weights = np.concatenate([w for w, _ in seen])
+    assert set(weights.tolist()) <= {1.0, 0.5} and len(weights) == sum(n for _, n in seen)
+    with pytest.raises(ConfigError, match=r"data\.cache_dir / data\.datasets: set exactly one"):
+        _config(cache_dir, tmp_path, f"data.datasets={json.dumps(datasets)}")
+    with pytest.raises(ConfigError, match=r"data\.datasets\[1\]: unknown key\(s\) weight; an entry has cache_dir"):
+        _config(None, tmp_path, "data.cache_dir=null", 'data.datasets=[{cache_dir: a}, {cache_dir: b, weight: 2}]')
+    with pytest.raises(ConfigError, match=r"data\.datasets\[0\]\.repeats: must be >= 1"):
+        _config(None, tmp_path, "data.cache_dir=null", "data.datasets=[{cache_dir: a, repeats: 0}]")

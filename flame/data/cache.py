@@ -405,13 +405,25 @@ class LatentCache:
         rows = [(self._map(self.samples[i]["shard"]), self.samples[i]["row"]) for i in indices]
         return {field: torch.from_numpy(np.stack([maps[field][row] for maps, row in rows])) for field in FIELDS}
 
+    def repeats_of(self, index: int) -> int:
+        """How many times sample ``index`` is in an epoch (a ``CacheSet`` sets it per cache)."""
+        return 1
+
+    def weight_of(self, index: int) -> float:
+        """The factor of sample ``index``'s loss (a ``CacheSet`` sets it per cache)."""
+        return 1.0
+
     def batch(self, indices) -> Batch:
         """The rows of ``indices`` on flame's device; latents and time ids as fp32."""
-        host = self.read(indices)
+        return self.upload(self.read(indices), tuple(indices))
+
+    @staticmethod
+    def upload(host: dict, indices: tuple) -> Batch:
+        """A ``Batch`` on flame's device of host rows ``{field: torch tensor}`` (``read``'s)."""
         dev = {}
         for field, t in host.items():
             if runtime.device.type != "cpu":
                 t = t.pin_memory().to(runtime.device, non_blocking=True)  # host transfer, no stream sync
             x = Tensor(t)
             dev[field] = to(x, torch.float32) if field in ("latents", "time_ids") else x
-        return Batch(dev["latents"], dev["prompt_embeds"], dev["pooled"], dev["time_ids"], tuple(indices))
+        return Batch(dev["latents"], dev["prompt_embeds"], dev["pooled"], dev["time_ids"], indices)

@@ -40,8 +40,8 @@ class BucketBatchLoader:
         self.cache, self.batch_size, self.split, self.parts = cache, batch_size, split, parts
         self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
         by_bucket = {}
-        for i in cache.split(split):
-            by_bucket.setdefault(cache.bucket_of(i), []).append(i)
+        for i in cache.split(split):  # a sample with repeats is in the plan that many times
+            by_bucket.setdefault(cache.bucket_of(i), []).extend([i] * (cache.repeats_of(i) if split == "train" else 1))
         self._buckets = [np.array(by_bucket[b], dtype=np.int64) for b in sorted(by_bucket)]
         self.epoch, self.position = 0, 0
         self._plan_cache = (None, None)

@@ -52,7 +52,14 @@ SCHEMA = {
                                      "init and for single-file checkpoints)"),
     },
     "data": {
-        "cache_dir": Opt(REQUIRED, "path", "latent cache folder (scripts/prepare_cache.py)"),
+        "cache_dir": Opt(None, "path", "latent cache folder (scripts/prepare_cache.py); or set data.datasets",
+                         nullable=True),
+        "datasets": Opt(None, "datasets", "several caches in one run: a list of {cache_dir, repeats (1: each image "
+                                          "once per epoch), loss_weight (1.0), is_reg (false: a regularization set, "
+                                          "weighted by data.prior_loss_weight)}; instead of data.cache_dir",
+                        nullable=True),
+        "prior_loss_weight": Opt(1.0, "float", "loss weight of the regularization datasets (is_reg; kohya's "
+                                               "--prior_loss_weight)", low=0.0),
         "batch_size": Opt(1, "int", "samples per micro-batch and process (all from one aspect bucket; under "
                                     "torchrun each of the N processes takes this many of a global batch of N times "
                                     "as many)", low=1),
@@ -202,6 +209,13 @@ SCHEMA = {
 }
 
 
+DATASET = {  # one entry of data.datasets
+    "cache_dir": Opt(REQUIRED, "path", "latent cache folder"),
+    "repeats": Opt(1, "int", "times each of its images is trained per epoch", low=1),
+    "loss_weight": Opt(1.0, "float", "factor of its samples' loss", low=0.0),
+    "is_reg": Opt(False, "bool", "a regularization (prior) set: its loss also times data.prior_loss_weight"),
+}
+
 # diffusers' and kohya's names for options, pointed to in "unknown option" messages
 ALIASES = {
     "learning_rate": "train.lr", "max_train_steps": "train.steps", "num_train_epochs": "train.epochs",
@@ -220,6 +234,7 @@ ALIASES = {
     "ip_noise_gamma": "diffusion.input_perturbation", "loraplus_lr_ratio": "lora.plus_ratio",
     "loraplus_unet_lr_ratio": "lora.plus_ratio", "down_lr_weight": "lora.lr_down", "mid_lr_weight": "lora.lr_mid",
     "up_lr_weight": "lora.lr_up", "ema_decay": "ema.decay", "use_ema": "ema.decay",
+    "dataset_repeats": "data.datasets", "num_repeats": "data.datasets", "prior_loss_weight": "data.prior_loss_weight",
     "caption_dropout_rate": "data.caption_dropout", "caption_dropout_probability": "data.caption_dropout",
     "conv_dim": "lora.conv_rank",
     "zero_terminal_snr": "diffusion.zero_terminal_snr",
@@ -303,6 +318,8 @@ def _check_value(name, opt: Opt, value, errors):
                 value = value[:-len(".safetensors")]
             if os.sep in value or "/" in value or value in (".", "..") or not value:
                 raise ValueError("expected a file name without a folder part (the file goes to output.dir)")
+        elif kind == "datasets":
+            value = _check_datasets(name, value, errors)
         elif kind == "sizes":
             ok = isinstance(value, (list, tuple)) and value and all(
                 isinstance(s, (list, tuple)) and len(s) == 2 and all(isinstance(v, int) and v > 0 for v in s)
@@ -319,6 +336,20 @@ def _check_value(name, opt: Opt, value, errors):
         elif opt.high is not None and value >= opt.high:
             errors.append(f"{name}: must be < {opt.high}, got {value!r}")
     return value
+
+
+def _check_datasets(name, value, errors):
+    """``data.datasets``: a non-empty list of entries of ``DATASET``'s keys, each checked."""
+    if not (isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)):
+        raise TypeError("expected a list of {cache_dir, repeats, loss_weight, is_reg} entries")
+    out = []
+    for i, entry in enumerate(value):
+        unknown = sorted(set(entry) - set(DATASET))
+        if unknown:
+            errors.append(f"{name}[{i}]: unknown key(s) {', '.join(unknown)}; an entry has {', '.join(DATASET)}")
+        out.append({key: _check_value(f"{name}[{i}].{key}", opt, entry.get(key, opt.default), errors)
+                    for key, opt in DATASET.items()})
+    return out
 
 
 def _unknown(name, errors):
@@ -365,7 +396,11 @@ def _merge(schema, raw, prefix, errors):
 
 
 def _cross_checks(c, errors):
-    t, d = c["train"], c["diffusion"]
+    t, d, data = c["train"], c["diffusion"], c["data"]
+    if (data["cache_dir"] is None) == (data["datasets"] is None):
+        errors.append("data.cache_dir / data.datasets: set exactly one of them (the other null)")
+    if data["synthetic_samples"] and data["cache_dir"] is None:
+        errors.append("data.synthetic_samples: writes data.cache_dir, which is not set")
     if (t["steps"] is None) == (t["epochs"] is None):
         errors.append("train.steps / train.epochs: set exactly one of them (the other null)")
     if d["timestep_min"] is not None and d["timestep_max"] is not None and d["timestep_min"] >= d["timestep_max"]:

@@ -56,7 +56,7 @@ import yaml
 from .. import distributed, runtime
 from ..amp import DynamicLossScaler
 from ..autograd import GradientMap, no_grad
-from ..data import BucketBatchLoader, LatentCache, part_bounds, write_synthetic_cache_for
+from ..data import BucketBatchLoader, CacheError, CacheSet, LatentCache, part_bounds, write_synthetic_cache_for
 from ..diffusion import (
     DDPMSchedule,
     debiased_weights,
@@ -86,7 +86,7 @@ from .outputs import Trackers, lora_metadata
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
 RESUME_FIXED = ("lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "data.batch_size", "data.drop_last",
-                "train.seed")
+                "data.datasets", "train.seed")
 SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -333,18 +333,31 @@ class Trainer:
                                           seed=self.cfg.train.seed)
 
         self._agreed(write_synthetic)
-        cache = LatentCache(c.cache_dir)
+        entries = c.datasets or [{"cache_dir": c.cache_dir, "repeats": 1, "loss_weight": 1.0, "is_reg": False}]
+        caches = []
         want = {"latent_channels": mcfg.in_channels, "text_dim": mcfg.cross_attention_dim,
                 "pooled_dim": mcfg.pooled_dim}
-        bad = [f"{k} {getattr(cache, k)} (the model needs {v})" for k, v in want.items() if getattr(cache, k) != v]
-        if bad:
-            raise ConfigError(f"the cache at {c.cache_dir} does not fit the model: " + ", ".join(bad))
+        for e in entries:
+            cache = LatentCache(e["cache_dir"])
+            bad = [f"{k} {getattr(cache, k)} (the model needs {v})" for k, v in want.items() if getattr(cache, k) != v]
+            if bad:
+                raise ConfigError(f"the cache at {e['cache_dir']} does not fit the model: " + ", ".join(bad))
+            if c.caption_dropout and not cache.has_empty_prompt:
+                raise ConfigError(f"data.caption_dropout: the cache at {e['cache_dir']} holds no embedding of the "
+                                  "empty caption (it was written before prepare_cache.py stored one): rebuild it, or "
+                                  "set data.caption_dropout=0")
+            weight = e["loss_weight"] * (c.prior_loss_weight if e["is_reg"] else 1.0)
+            caches.append((cache, e["repeats"], weight))
+        if c.datasets is None:
+            cache = caches[0][0]
+        else:
+            try:
+                cache = CacheSet(caches)
+            except CacheError as err:
+                raise ConfigError(f"data.datasets: {err}") from None
+        self._weighted = any(w != 1.0 for _, _, w in caches)  # per-sample loss weights go into the step
         if not cache.split("train"):
-            raise ConfigError(f"the cache at {c.cache_dir} has no training samples")
-        if c.caption_dropout and not cache.has_empty_prompt:
-            raise ConfigError(f"data.caption_dropout: the cache at {c.cache_dir} holds no embedding of the empty "
-                              "caption (it was written before prepare_cache.py stored one): rebuild it, or set "
-                              "data.caption_dropout=0")
+            raise ConfigError(f"the cache at {cache.path} has no training samples")
         return cache
 
     def _loader(self, split, batch_size, shuffle):
@@ -415,7 +428,7 @@ class Trainer:
         try:
             self.loader.load_state_dict(state["loader"])  # the position resuming continues from
         except ValueError as e:
-            raise ConfigError(f"resume: {path} does not fit data.cache_dir {self.cfg.data.cache_dir}: {e}") from None
+            raise ConfigError(f"resume: {path} does not fit the cache at {self.cache.path}: {e}") from None
 
     def _check_resumable(self, path, saved):
         """Settings that change tensor shapes or the data order are errors; other changes are warned about."""
@@ -467,19 +480,22 @@ class Trainer:
         return DDPMSchedule.from_config({**sched, "rescale_betas_zero_snr": zero_snr})
 
     # ---- the step ----------------------------------------------------------------------------
-    def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None):
+    def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None,
+                     sample_weights=None):
         """The loss (``diffusion.loss_type``; weighted per sample by min-SNR and/or debiased
-        estimation when set) between the UNet's prediction and its target (0-d fp32). The UNet's
-        input is noised with ``input_noise`` when given (input perturbation), the target with ``noise``."""
+        estimation when set, and by ``sample_weights``: the datasets' loss weights) between the
+        UNet's prediction and its target (0-d fp32). The UNet's input is noised with ``input_noise``
+        when given (input perturbation), the target with ``noise``."""
         d = self.cfg.diffusion
         noisy = self.schedule.add_noise(latents, noise if input_noise is None else input_noise, timesteps, check=False)
         target = self.schedule.target(latents, noise, timesteps, d.prediction_type, check=False)
         pred = self.model(noisy, timesteps, prompt_embeds, pooled, time_ids)
-        weights = None
+        weights = sample_weights
         if d.min_snr_gamma or d.debiased_estimation:
             snr = self.schedule.snr(timesteps, check=False)
             if d.min_snr_gamma:
-                weights = min_snr_weights(snr, d.min_snr_gamma, d.prediction_type)
+                snr_weights = min_snr_weights(snr, d.min_snr_gamma, d.prediction_type)
+                weights = snr_weights if weights is None else mul(weights, snr_weights)
             if d.debiased_estimation:
                 debiased = debiased_weights(snr, d.prediction_type)
                 weights = debiased if weights is None else mul(weights, debiased)
@@ -489,11 +505,13 @@ class Trainer:
                                            check=False)
         return diffusion_loss(pred, target, d.loss_type, weights, huber_c)
 
-    def loss_and_grads(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None):
+    def loss_and_grads(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None,
+                       sample_weights=None):
         """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
         The loss is divided by grad_accum (and scaled by the loss scaler) for the backward only.
         Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it."""
-        loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise)
+        loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise,
+                                 sample_weights)
         scaled = mul(loss, 1.0 / self.cfg.train.grad_accum) if self.cfg.train.grad_accum > 1 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
@@ -534,7 +552,11 @@ class Trainer:
                 empty_embeds, empty_pooled = self._empty_prompt
                 embeds = where(keep.reshape(-1, 1, 1), embeds, empty_embeds)
                 pooled = where(keep.reshape(-1, 1), pooled, empty_pooled)
-            loss, grads = self.step_fn(batch.latents, noise, timesteps, embeds, pooled, batch.time_ids, input_noise)
+            weights = None
+            if self._weighted:  # the datasets' loss weights of these rows
+                weights = tensor(np.array([self.cache.weight_of(i) for i in batch.indices], dtype=np.float32))
+            loss, grads = self.step_fn(batch.latents, noise, timesteps, embeds, pooled, batch.time_ids, input_noise,
+                                       weights)
             if self.bucket is not None:
                 self.bucket.pack(grads, loss, (stop - start) / len(ids), m > 0, self._requested is not None)
                 continue
