@@ -73,6 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--min-side", type=int, default=512, help="smallest bucket side in pixels")
     p.add_argument("--max-side", type=int, default=2048, help="largest bucket side in pixels")
     p.add_argument("--random-crop", action="store_true", help="crop at a random offset instead of the centre")
+    p.add_argument("--flip", action="store_true", help="also encode each image mirrored, for the trainer's data.flip "
+                                                       "(twice the VAE work and latent storage)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share for the validation loss")
     p.add_argument("--val-samples", type=int, help="held-out samples (overrides --val-fraction)")
     p.add_argument("--batch-size", type=int, default=4, help="images per VAE / text-encoder batch")
@@ -111,14 +113,14 @@ def _progress(total, desc):
 # ---- synthetic ------------------------------------------------------------------------------------
 
 def prepare_synthetic(cache_dir, num_samples, model_config="sdxl", latent_sizes=None, val_samples=None, seed=0,
-                      shard_size=256, show_progress=True):
+                      shard_size=256, show_progress=True, flip=False):
     """A synthetic cache with the dims of ``model_config``; returns the folder."""
     from flame.train.model import unet_config
     bar = _progress(num_samples, "synthetic") if show_progress else None
     try:
         return write_synthetic_cache_for(cache_dir, num_samples, unet_config(model_config), latent_sizes,
                                          val_samples=val_samples, seed=seed, shard_size=shard_size,
-                                         progress=bar.update if bar else None)
+                                         progress=bar.update if bar else None, flipped=flip)
     finally:
         if bar:
             bar.close()
@@ -264,7 +266,8 @@ class SDXLEncoders:
 
 
 def load_pixels(path, bucket, rng):
-    """The image scaled to cover ``bucket`` and cropped: ((3, H, W) floats in [-1, 1], time_ids)."""
+    """The image scaled to cover ``bucket`` and cropped: ((3, H, W) floats in [-1, 1], time_ids, the
+    time ids of the mirrored crop, whose left edge is measured from the other side)."""
     import numpy as np
     from PIL import Image
     with Image.open(path) as im:
@@ -273,13 +276,15 @@ def load_pixels(path, bucket, rng):
         rw, rh, left, top = fit_to_bucket(w, h, bucket, rng)
         im = im.resize((rw, rh), Image.Resampling.LANCZOS).crop((left, top, left + bucket[0], top + bucket[1]))
         arr = np.asarray(im, dtype=np.float32) / 127.5 - 1.0
-    return arr.transpose(2, 0, 1), [h, w, top, left, bucket[1], bucket[0]]
+    return arr.transpose(2, 0, 1), [h, w, top, left, bucket[1], bucket[0]], \
+        [h, w, top, rw - left - bucket[0], bucket[1], bucket[0]]
 
 
 def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, max_side=2048, random_crop=False,
                    val_fraction=0.05, val_samples=None, batch_size=4, text_dtype="fp16", shard_size=256, seed=0,
-                   show_progress=True):
-    """Encode ``images`` ([(path, caption)]) with ``encoders`` into a new cache; returns the folder."""
+                   show_progress=True, flip=False):
+    """Encode ``images`` ([(path, caption)]) with ``encoders`` into a new cache (``flip``: each image
+    mirrored too); returns the folder."""
     import numpy as np
     try:
         from PIL import Image
@@ -298,7 +303,7 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
     writer = CacheWriter(cache_dir, encoders.latent_channels, encoders.text_len, encoders.text_dim,
                          encoders.pooled_dim, text_dtype=text_dtype, shard_size=shard_size,
                          meta={"model": str(getattr(encoders, "source", "")), "scaling_factor": encoders.scaling_factor,
-                               "resolution": resolution, "random_crop": random_crop, "seed": seed})
+                               "resolution": resolution, "random_crop": random_crop, "seed": seed}, flipped=flip)
     embeds, pooled = encoders.encode_prompts([""])  # the empty caption, for caption dropout
     writer.set_empty_prompt(embeds[0], pooled[0])
     rng = np.random.default_rng(seed) if random_crop else None
@@ -308,11 +313,14 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
             for start in range(0, len(items), batch_size):
                 chunk = items[start:start + batch_size]
                 loaded = [load_pixels(p, bucket, rng) for p, _ in chunk]
-                latents = encoders.encode_images(np.stack([px for px, _ in loaded]))
+                pixels = np.stack([px for px, _, _ in loaded])
+                latents = encoders.encode_images(pixels)
+                mirrored = encoders.encode_images(np.ascontiguousarray(pixels[..., ::-1])) if flip else None
                 embeds, pooled = encoders.encode_prompts([c for _, c in chunk])
                 for j, (path, caption) in enumerate(chunk):
+                    extra = {"latents_flipped": mirrored[j], "time_ids_flipped": loaded[j][2]} if flip else {}
                     writer.add(latents[j], embeds[j], pooled[j], loaded[j][1], caption, str(path),
-                               "val" if str(path) in held_out else "train")
+                               "val" if str(path) in held_out else "train", **extra)
                 if bar:
                     bar.update(len(chunk))
             writer.flush()  # one bucket at a time: at most a shard of samples in memory
@@ -326,7 +334,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.synthetic is not None:
         out = prepare_synthetic(args.cache_dir, args.synthetic, args.model_config, args.latent_sizes,
-                                args.val_samples, args.seed, args.shard_size)
+                                args.val_samples, args.seed, args.shard_size, flip=args.flip)
     else:
         images = scan_folder(args.images)
         if args.encoders == "flame":
@@ -336,7 +344,7 @@ def main(argv=None) -> int:
             encoders = SDXLEncoders(args.model, args.device, args.vae_dtype, args.seed, args.latents)
         out = prepare_images(args.cache_dir, images, encoders, args.resolution, args.min_side, args.max_side,
                              args.random_crop, args.val_fraction, args.val_samples, args.batch_size, args.text_dtype,
-                             args.shard_size, args.seed)
+                             args.shard_size, args.seed, flip=args.flip)
     from flame.data import LatentCache
     cache = LatentCache(out)
     print(f"wrote {len(cache)} samples ({len(cache.split('train'))} train, {len(cache.split('val'))} val) in "

@@ -143,6 +143,65 @@ def test_a_cache_set_reads_like_one_cache_with_repeats_and_weights(tmp_path, sma
         CacheSet([(a, 1, 1.0), (LatentCache(w2.close()), 1, 1.0)])
 
 
+def test_mirrored_images_are_cached_and_chosen_per_sample_and_epoch(tmp_path, small_cache):
+    rng = np.random.default_rng(5)
+    w = CacheWriter(tmp_path / "f", 4, 5, 6, 3, flipped=True, shard_size=3)
+    rows = []
+    for _ in range(8):
+        lat, emb, pooled, tid = _sample(rng, 2, 3)
+        rows.append((lat, lat[..., ::-1] + 1.0, [16, 24, 0, 4, 16, 24]))
+        w.add(lat, emb, pooled, tid, latents_flipped=rows[-1][1], time_ids_flipped=rows[-1][2])
+    with pytest.raises(ValueError, match="exactly when the writer was made with flipped=True"):
+        w.add(*_sample(rng, 2, 3))
+    cache = LatentCache(w.close())
+    assert cache.flipped and not LatentCache(small_cache[0]).flipped
+    host = cache.read([0, 1, 2], flips=[False, True, False])
+    np.testing.assert_allclose(host["latents"].numpy()[1], rows[1][1], rtol=1e-6)
+    np.testing.assert_allclose(host["latents"].numpy()[0], rows[0][0], rtol=1e-6)
+    np.testing.assert_array_equal(host["time_ids"].numpy()[1], rows[1][2])
+    with pytest.raises(CacheError, match=r"holds no mirrored images' latents.*--flip"):
+        LatentCache(small_cache[0]).read([0], flips=[True])
+    loader = BucketBatchLoader(cache, 4, seed=2)
+    first = loader.flips_of(range(8))
+    assert first == BucketBatchLoader(cache, 4, seed=2).flips_of(range(8))  # from (seed, epoch) alone
+    loader.epoch = 1
+    assert loader.flips_of(range(8)) != first or BucketBatchLoader(cache, 4, seed=3).flips_of(range(8)) != first
+    index = json.loads((tmp_path / "f" / "index.json").read_text())
+    shard = tmp_path / "f" / index["shards"][0]["file"]
+    tensors = {k: v.to_torch() for k, v in load_safetensors(shard).items() if k != "latents_flipped"}
+    save_safetensors(tensors, shard)
+    with pytest.raises(CacheError, match="no tensor 'latents_flipped'"):
+        LatentCache(tmp_path / "f")
+
+
+def test_prepare_cache_encodes_mirrored_images_with_their_crop(tmp_path):
+    from PIL import Image
+    pc = _prepare_cache_module()
+
+    class Encoders:  # a stand-in: latents are the pixels pooled 8x8, captions encode to zeros
+        latent_channels, text_len, text_dim, pooled_dim, scaling_factor = 3, 4, 5, 2, 1.0
+
+        def encode_images(self, pixels):
+            b, c, h, w = pixels.shape
+            return pixels.reshape(b, c, h // 8, 8, w // 8, 8).mean(axis=(3, 5))
+
+        def encode_prompts(self, captions):
+            return np.zeros((len(captions), 4, 5)), np.zeros((len(captions), 2))
+
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 80, 3), dtype=np.uint8)).save(folder / "a.png")
+    out = pc.prepare_images(tmp_path / "c", [(folder / "a.png", "x")], Encoders(), resolution=64, min_side=64,
+                            max_side=64, val_samples=0, flip=True, random_crop=True, seed=3, show_progress=False)
+    cache = LatentCache(out)
+    plain, mirrored = cache.read([0]), cache.read([0], flips=[True])
+    np.testing.assert_allclose(mirrored["latents"].numpy()[0], plain["latents"].numpy()[0][..., ::-1], atol=1e-6)
+    # 80x64 covers the 64x64 bucket at its size; the crop's left edge of the mirror is 80 - left - 64
+    ids, flipped_ids = plain["time_ids"].numpy()[0], mirrored["time_ids"].numpy()[0]
+    assert list(ids[:3]) == [64, 80, 0] and list(ids[4:]) == [64, 64] and 0 <= ids[3] <= 16
+    np.testing.assert_array_equal(flipped_ids, [64, 80, 0, 16 - ids[3], 64, 64])
+
+
 def test_cache_writer_and_reader_errors(tmp_path, small_cache):
     w = CacheWriter(tmp_path / "x", 4, 5, 6, 3)
     rng = np.random.default_rng(1)

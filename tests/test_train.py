@@ -830,3 +830,27 @@ def test_several_datasets_with_repeats_a_regularization_set_and_their_loss_weigh
         _config(None, tmp_path, "data.cache_dir=null", 'data.datasets=[{cache_dir: a}, {cache_dir: b, weight: 2}]')
     with pytest.raises(ConfigError, match=r"data\.datasets\[0\]\.repeats: must be >= 1"):
         _config(None, tmp_path, "data.cache_dir=null", "data.datasets=[{cache_dir: a, repeats: 0}]")
+
+
+def test_flip_trains_on_the_mirrored_latents_chosen_per_sample_and_epoch(tmp_path):
+    cache = tmp_path / "flipped"
+    write_synthetic_cache(cache, 16, DIMS.in_channels, 6, DIMS.cross_attention_dim, DIMS.pooled_dim,
+                          latent_sizes=[(4, 6)], val_samples=0, concepts=4, seed=2, flipped=True)
+    trainer = _trainer(_config(cache, tmp_path / "run", "data.flip=true", "train.steps=2"))
+    seen, asked, real = [], [], trainer.step_fn
+    real_flips = trainer.loader.flips_of
+    trainer.loader.flips_of = lambda ids: asked.append((tuple(ids), real_flips(ids))) or asked[-1][1]
+    trainer.step_fn = lambda *args: seen.append(args[0].numpy()) or real(*args)
+    trainer.train()
+    c = LatentCache(cache)
+    flips = [f for _, fs in asked for f in fs]
+    assert 0 < sum(flips) < len(flips)  # 8 coins: both sides
+    for (ids, fs), latents in zip(asked, seen):
+        np.testing.assert_array_equal(latents, c.read(ids, fs)["latents"].numpy())
+        for j, f in enumerate(fs):  # a mirrored sample's latents are its own, mirrored along the width
+            mine = c.read([ids[j]])["latents"].numpy()[0]
+            np.testing.assert_array_equal(latents[j], mine[..., ::-1] if f else mine)
+    plain = write_synthetic_cache(tmp_path / "plain", 4, DIMS.in_channels, 6, DIMS.cross_attention_dim,
+                                  DIMS.pooled_dim, latent_sizes=[(4, 4)], val_samples=0, concepts=4)
+    with pytest.raises(ConfigError, match=r"data\.flip: the cache at .* holds no mirrored images' latents"):
+        _trainer(_config(plain, tmp_path / "o", "data.flip=true"))

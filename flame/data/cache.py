@@ -14,7 +14,10 @@ size h x w), four stacked tensors:
 - ``prompt_embeds`` (N, L, D): the text encoders' penultimate hidden states, concatenated
   (SDXL: 77 x 2048 = CLIP-L 768 + CLIP-G 1280);
 - ``pooled`` (N, P): the pooled, projected CLIP-G embedding (SDXL: 1280);
-- ``time_ids`` (N, 6): ``[orig_h, orig_w, crop_top, crop_left, target_h, target_w]`` in pixels.
+- ``time_ids`` (N, 6): ``[orig_h, orig_w, crop_top, crop_left, target_h, target_w]`` in pixels;
+- with flips (``"flipped": true`` in the index, for flip augmentation): ``latents_flipped`` and
+  ``time_ids_flipped``, the same of the horizontally mirrored image (its crop's left edge measured
+  from the other side).
 
 ``empty_prompt.safetensors`` holds ``prompt_embeds`` (1, L, D) and ``pooled`` (1, P) of the empty
 caption, which caption dropout trains on; ``index.json`` names it under ``"empty_prompt"`` (caches
@@ -50,6 +53,7 @@ VERSION = 1
 INDEX = "index.json"
 FIELDS = ("latents", "prompt_embeds", "pooled", "time_ids")
 TEXT_FIELDS = ("prompt_embeds", "pooled")
+FLIPPED = {"latents": "latents_flipped", "time_ids": "time_ids_flipped"}  # field -> its mirrored image's
 EMPTY_PROMPT = "empty_prompt.safetensors"
 SPLITS = ("train", "val")
 
@@ -81,11 +85,13 @@ class CacheWriter:
 
     ``text_dtype``: dtype of ``prompt_embeds`` and ``pooled`` on disk (fp16 by default);
     ``latent_dtype``: of the latents (fp32 by default). ``meta``: free JSON-able facts recorded in
-    the index (the checkpoint, the VAE scaling factor, how the data was made).
+    the index (the checkpoint, the VAE scaling factor, how the data was made). ``flipped``: every
+    sample also brings the latents and time ids of its mirrored image (flip augmentation).
     """
 
     def __init__(self, path, latent_channels: int, text_len: int, text_dim: int, pooled_dim: int,
-                 text_dtype="fp16", latent_dtype="fp32", shard_size: int = 256, meta: dict | None = None):
+                 text_dtype="fp16", latent_dtype="fp32", shard_size: int = 256, meta: dict | None = None,
+                 flipped: bool = False):
         if shard_size < 1:
             raise ValueError(f"shard_size must be positive, got {shard_size}")
         self.path = os.fspath(path)
@@ -97,6 +103,9 @@ class CacheWriter:
         self.codes = {"latents": _dtype_code(latent_dtype, "latent_dtype"),
                       "prompt_embeds": _dtype_code(text_dtype, "text_dtype"),
                       "pooled": _dtype_code(text_dtype, "text_dtype"), "time_ids": "F32"}
+        self.flipped = bool(flipped)
+        if self.flipped:
+            self.codes.update({FLIPPED[f]: self.codes[f] for f in FLIPPED})
         self.shard_size = int(shard_size)
         self.meta = dict(meta or {})
         self._empty = None  # {field: (1, ...) array} of the empty caption
@@ -110,8 +119,9 @@ class CacheWriter:
             raise ValueError(f"CacheWriter.add: {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
 
     def add(self, latents, prompt_embeds, pooled, time_ids, caption: str = "", source: str = "",
-            split: str = "train") -> None:
-        """Queue one sample (NumPy arrays or anything ``np.asarray`` takes)."""
+            split: str = "train", latents_flipped=None, time_ids_flipped=None) -> None:
+        """Queue one sample (NumPy arrays or anything ``np.asarray`` takes); with ``flipped`` also its
+        mirrored image's latents and time ids."""
         if split not in SPLITS:
             raise ValueError(f"CacheWriter.add: split must be one of {SPLITS}, got {split!r}")
         d = self.dims
@@ -123,6 +133,14 @@ class CacheWriter:
         self._shape_check("prompt_embeds", fields["prompt_embeds"], (d["text_len"], d["text_dim"]))
         self._shape_check("pooled", fields["pooled"], (d["pooled_dim"],))
         self._shape_check("time_ids", fields["time_ids"], (6,))
+        if self.flipped != (latents_flipped is not None and time_ids_flipped is not None):
+            raise ValueError("CacheWriter.add: latents_flipped and time_ids_flipped are given exactly when the writer "
+                             f"was made with flipped=True (it was made with flipped={self.flipped})")
+        if self.flipped:
+            fields["latents_flipped"] = np.asarray(latents_flipped, dtype=np.float32)
+            fields["time_ids_flipped"] = np.asarray(time_ids_flipped, dtype=np.float32)
+            self._shape_check("latents_flipped", fields["latents_flipped"], latents.shape)
+            self._shape_check("time_ids_flipped", fields["time_ids_flipped"], (6,))
         key = tuple(latents.shape[1:])
         b = self._buckets.get(key)
         if b is None:
@@ -151,7 +169,7 @@ class CacheWriter:
         h, w = self.buckets[b]["latent_size"]
         name = f"b{h}x{w}-{self._counts[b]:05d}.safetensors"
         tensors = {f: torch.from_numpy(np.stack([r[0][f] for r in rows]).astype(_NUMPY[self.codes[f]]))
-                   for f in FIELDS}
+                   for f in self.codes}
         save_safetensors(tensors, os.path.join(self.path, name), metadata={"format": FORMAT})
         shard = len(self.shards)
         self.shards.append({"file": name, "bucket": b, "count": len(rows)})
@@ -171,7 +189,7 @@ class CacheWriter:
         if not self.samples:
             raise ValueError("CacheWriter.close: no samples were added")
         doc = {"format": FORMAT, "version": VERSION, **self.dims,
-               "dtypes": {f: self.codes[f] for f in FIELDS}, "meta": self.meta,
+               "dtypes": dict(self.codes), "meta": self.meta, "flipped": self.flipped,
                "buckets": self.buckets, "shards": self.shards, "samples": self.samples}
         if self._empty is not None:
             tensors = {f: torch.from_numpy(v.astype(_NUMPY[self.codes[f]])) for f, v in self._empty.items()}
@@ -215,8 +233,9 @@ def _read_index(index) -> dict:
         if not _count(doc[key]) or doc[key] == 0:
             raise bad(f"{key} must be a positive integer, got {_short(doc[key])}")
     dtypes = doc["dtypes"]
-    if not isinstance(dtypes, dict) or any(dtypes.get(f) not in _NUMPY for f in FIELDS):
-        raise bad(f"dtypes must give each of {list(FIELDS)} as 'F32' or 'F16', got {_short(dtypes)}")
+    fields = FIELDS + (tuple(FLIPPED.values()) if doc.get("flipped") else ())
+    if not isinstance(dtypes, dict) or any(dtypes.get(f) not in _NUMPY for f in fields):
+        raise bad(f"dtypes must give each of {list(fields)} as 'F32' or 'F16', got {_short(dtypes)}")
     buckets, shards, samples = doc["buckets"], doc["shards"], doc["samples"]
     for key, value in (("buckets", buckets), ("shards", shards), ("samples", samples)):
         if not isinstance(value, list):
@@ -291,6 +310,7 @@ class LatentCache:
         self.latent_channels, self.text_len, self.text_dim, self.pooled_dim = (doc[k] for k in _DIMS)
         self.meta = doc.get("meta", {})
         self.buckets = [tuple(b["latent_size"]) for b in doc["buckets"]]
+        self.flipped = bool(doc.get("flipped"))  # mirrored images' latents too (flip augmentation)
         self.shards = doc["shards"]
         self.samples = doc["samples"]
         self._layouts = [self._check_shard(s, doc["dtypes"]) for s in range(len(self.shards))]
@@ -309,6 +329,8 @@ class LatentCache:
         n, (h, w) = entry["count"], self.buckets[entry["bucket"]]
         shapes = {"latents": (n, self.latent_channels, h, w), "prompt_embeds": (n, self.text_len, self.text_dim),
                   "pooled": (n, self.pooled_dim), "time_ids": (n, 6)}
+        if self.flipped:
+            shapes.update({FLIPPED[f]: shapes[f] for f in FLIPPED})
         return self._check_file(os.path.join(self.path, entry["file"]), shapes, dtypes,
                                 f"shards[{shard}] of {os.path.join(self.path, INDEX)}",
                                 f" ({n} rows of bucket {h}x{w})")
@@ -394,16 +416,22 @@ class LatentCache:
                 for field, (offset, dtype, shape) in self._layouts[shard].items()}
         return maps
 
-    def read(self, indices) -> dict:
-        """{field: host torch tensor} stacking the rows of ``indices`` (all of one bucket)."""
+    def read(self, indices, flips=None) -> dict:
+        """{field: host torch tensor} stacking the rows of ``indices`` (all of one bucket);
+        ``flips``: per index, whether its mirrored image's latents and time ids are taken."""
         indices = [int(i) for i in indices]
         if not indices:
             raise ValueError("LatentCache.read: no indices")
+        flips = [bool(f) for f in flips] if flips is not None else [False] * len(indices)
+        if any(flips) and not self.flipped:
+            raise CacheError(f"{self.path} holds no mirrored images' latents; rebuild it with scripts/prepare_cache.py "
+                             "--flip to use flip augmentation")
         buckets = {self.bucket_of(i) for i in indices}
         if len(buckets) != 1:
             raise ValueError(f"LatentCache.read: a batch must come from one aspect bucket, got {sorted(buckets)}")
         rows = [(self._map(self.samples[i]["shard"]), self.samples[i]["row"]) for i in indices]
-        return {field: torch.from_numpy(np.stack([maps[field][row] for maps, row in rows])) for field in FIELDS}
+        return {field: torch.from_numpy(np.stack([maps[FLIPPED.get(field, field) if flip else field][row]
+                                                  for (maps, row), flip in zip(rows, flips)])) for field in FIELDS}
 
     def repeats_of(self, index: int) -> int:
         """How many times sample ``index`` is in an epoch (a ``CacheSet`` sets it per cache)."""
@@ -413,9 +441,9 @@ class LatentCache:
         """The factor of sample ``index``'s loss (a ``CacheSet`` sets it per cache)."""
         return 1.0
 
-    def batch(self, indices) -> Batch:
-        """The rows of ``indices`` on flame's device; latents and time ids as fp32."""
-        return self.upload(self.read(indices), tuple(indices))
+    def batch(self, indices, flips=None) -> Batch:
+        """The rows of ``indices`` on flame's device (``flips``: see ``read``); latents and time ids as fp32."""
+        return self.upload(self.read(indices, flips), tuple(indices))
 
     @staticmethod
     def upload(host: dict, indices: tuple) -> Batch:

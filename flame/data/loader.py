@@ -45,6 +45,7 @@ class BucketBatchLoader:
         self._buckets = [np.array(by_bucket[b], dtype=np.int64) for b in sorted(by_bucket)]
         self.epoch, self.position = 0, 0
         self._plan_cache = (None, None)
+        self._coins = (None, None)  # (epoch, flip coin per sample)
         if not self.plan(0):
             sizes = [len(b) for b in self._buckets]
             raise ValueError(f"no batch of {batch_size * parts} in the {split!r} split of {cache.path} "
@@ -91,6 +92,15 @@ class BucketBatchLoader:
         ids = plan[self.position]
         self.position += 1
         return ids
+
+    def flips_of(self, ids) -> list:
+        """Whether each sample of ``ids`` (a batch of the current epoch) trains on its mirrored image:
+        a fair coin per sample and epoch, drawn from (seed, epoch), so a resumed run and every
+        data-parallel rank flip alike."""
+        if self._coins[0] != self.epoch:
+            rng = np.random.default_rng([self.seed, self.epoch, 0xF11B])
+            self._coins = (self.epoch, rng.random(len(self.cache)) < 0.5)
+        return [bool(self._coins[1][i]) for i in ids]
 
     def epoch_batches(self, epoch: int = 0):
         """The batches of one epoch in order, without touching the iterator's state (validation)."""

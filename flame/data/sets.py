@@ -70,13 +70,21 @@ class CacheSet:
             cache.empty_prompt()  # each one has it (or raises naming its folder)
         return self.parts[0][0].empty_prompt()
 
-    def batch(self, indices) -> Batch:
-        """The rows of ``indices`` (one bucket, any caches) on flame's device, in order."""
+    @property
+    def flipped(self) -> bool:
+        return all(c.flipped for c, _, _ in self.parts)
+
+    def batch(self, indices, flips=None) -> Batch:
+        """The rows of ``indices`` (one bucket, any caches) on flame's device, in order (``flips``:
+        as ``LatentCache.read`` takes them)."""
         indices = [int(i) for i in indices]
+        flips = list(flips) if flips is not None else [False] * len(indices)
         where = [self._locate(i) for i in indices]
         rows = {}  # cache -> its host rows of this batch, in batch order
         for k in sorted({k for k, _ in where}):
-            rows[k] = {f: t.numpy() for f, t in self.parts[k][0].read([i for kk, i in where if kk == k]).items()}
+            mine = [j for j, (kk, _) in enumerate(where) if kk == k]
+            read = self.parts[k][0].read([where[j][1] for j in mine], [flips[j] for j in mine])
+            rows[k] = {f: t.numpy() for f, t in read.items()}
         taken = dict.fromkeys(rows, 0)
         host = {f: [] for f in FIELDS}
         for k, _ in where:

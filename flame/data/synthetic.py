@@ -55,12 +55,13 @@ class _World:
 def write_synthetic_cache(path, num_samples: int, latent_channels: int = 4, text_len: int = 77,
                           text_dim: int = 2048, pooled_dim: int = 1280, latent_sizes=((128, 128), (112, 144)),
                           val_samples: int | None = None, concepts: int = 8, seed: int = 0,
-                          shard_size: int = 256, progress=None) -> str:
+                          shard_size: int = 256, progress=None, flipped: bool = False) -> str:
     """Write ``num_samples`` synthetic samples to a new cache at ``path`` (see the module doc).
 
     Samples go round-robin to the buckets of ``latent_sizes`` ((h, w) latent sizes); the last
     ``val_samples`` (default: one in eight, at least one when there are 8 or more samples) are held
     out as the "val" split. ``progress``: a callable ``progress(n)`` told of each written sample.
+    ``flipped``: also the mirrored images' latents (the latents mirrored along the width).
     """
     if num_samples < 1:
         raise ValueError(f"write_synthetic_cache: num_samples must be positive, got {num_samples}")
@@ -75,14 +76,17 @@ def write_synthetic_cache(path, num_samples: int, latent_channels: int = 4, text
     world = _World(rng, concepts, latent_channels, text_dim, pooled_dim)
     writer = CacheWriter(path, latent_channels, text_len, text_dim, pooled_dim, shard_size=shard_size,
                          meta={"synthetic": {"seed": seed, "concepts": concepts, "samples": num_samples},
-                               "scaling_factor": None})
+                               "scaling_factor": None}, flipped=flipped)
     for i in range(num_samples):
         h, w = latent_sizes[i % len(latent_sizes)]
         z = rng.standard_normal(concepts)
         prompt, pooled = world.text(z, text_len, rng)
         caption = "synthetic " + " ".join(f"c{k}={z[k]:+.2f}" for k in range(concepts))
-        writer.add(world.latents(z, h, w, rng), prompt, pooled, [8 * h, 8 * w, 0, 0, 8 * h, 8 * w], caption,
-                   source=f"synthetic-{i:06d}", split="val" if i >= num_samples - val_samples else "train")
+        latents, time_ids = world.latents(z, h, w, rng), [8 * h, 8 * w, 0, 0, 8 * h, 8 * w]
+        mirrored = (latents[..., ::-1], time_ids) if flipped else (None, None)
+        writer.add(latents, prompt, pooled, time_ids, caption, source=f"synthetic-{i:06d}",
+                   split="val" if i >= num_samples - val_samples else "train", latents_flipped=mirrored[0],
+                   time_ids_flipped=mirrored[1])
         if progress is not None:
             progress(1)
     writer.set_empty_prompt(*world.text(np.zeros(concepts), text_len, rng))  # no concept: the empty caption

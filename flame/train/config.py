@@ -64,6 +64,8 @@ SCHEMA = {
                                     "torchrun each of the N processes takes this many of a global batch of N times "
                                     "as many)", low=1),
         "drop_last": Opt(False, "bool", "drop each bucket's last partial batch (fixed batch shapes)"),
+        "flip": Opt(False, "bool", "flip augmentation: each sample trains on its mirrored image half of the epochs "
+                                   "(the cache must hold them: prepare_cache.py --flip; kohya's --flip_aug)"),
         "caption_dropout": Opt(0.0, "float", "probability that a sample trains on the empty caption's embedding "
                                              "(stored in the cache by prepare_cache.py) instead of its own", low=0.0,
                                high=1.0),
@@ -236,7 +238,7 @@ ALIASES = {
     "up_lr_weight": "lora.lr_up", "ema_decay": "ema.decay", "use_ema": "ema.decay",
     "dataset_repeats": "data.datasets", "num_repeats": "data.datasets", "prior_loss_weight": "data.prior_loss_weight",
     "caption_dropout_rate": "data.caption_dropout", "caption_dropout_probability": "data.caption_dropout",
-    "conv_dim": "lora.conv_rank",
+    "conv_dim": "lora.conv_rank", "flip_aug": "data.flip",
     "zero_terminal_snr": "diffusion.zero_terminal_snr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",

@@ -330,7 +330,7 @@ class Trainer:
             if c.synthetic_samples and not os.path.isfile(os.path.join(c.cache_dir, "index.json")):
                 self.log(f"writing a synthetic cache of {c.synthetic_samples} samples to {c.cache_dir}")
                 write_synthetic_cache_for(c.cache_dir, c.synthetic_samples, mcfg, c.synthetic_latent_sizes,
-                                          seed=self.cfg.train.seed)
+                                          seed=self.cfg.train.seed, flipped=c.flip)
 
         self._agreed(write_synthetic)
         entries = c.datasets or [{"cache_dir": c.cache_dir, "repeats": 1, "loss_weight": 1.0, "is_reg": False}]
@@ -342,6 +342,9 @@ class Trainer:
             bad = [f"{k} {getattr(cache, k)} (the model needs {v})" for k, v in want.items() if getattr(cache, k) != v]
             if bad:
                 raise ConfigError(f"the cache at {e['cache_dir']} does not fit the model: " + ", ".join(bad))
+            if c.flip and not cache.flipped:
+                raise ConfigError(f"data.flip: the cache at {e['cache_dir']} holds no mirrored images' latents: "
+                                  "rebuild it with scripts/prepare_cache.py --flip, or set data.flip=false")
             if c.caption_dropout and not cache.has_empty_prompt:
                 raise ConfigError(f"data.caption_dropout: the cache at {e['cache_dir']} holds no embedding of the "
                                   "empty caption (it was written before prepare_cache.py stored one): rebuild it, or "
@@ -546,7 +549,8 @@ class Trainer:
             if start == stop:  # fewer samples than ranks in a bucket's last batch
                 self.bucket.pack(None, None, 0.0, m > 0, self._requested is not None)
                 continue
-            batch = self.cache.batch(ids[start:stop])
+            flips = self.loader.flips_of(ids[start:stop]) if self.cfg.data.flip else None
+            batch = self.cache.batch(ids[start:stop], flips)
             embeds, pooled = batch.prompt_embeds, batch.pooled
             if keep is not None:
                 empty_embeds, empty_pooled = self._empty_prompt
