@@ -73,6 +73,11 @@ def parse_args(argv=None):
     p.add_argument("--min-side", type=int, default=512, help="smallest bucket side in pixels")
     p.add_argument("--max-side", type=int, default=2048, help="largest bucket side in pixels")
     p.add_argument("--random-crop", action="store_true", help="crop at a random offset instead of the centre")
+    p.add_argument("--caption-variants", type=int, default=1, metavar="K",
+                   help="encode K captions per image: the caption, and K-1 with its comma-separated tags shuffled "
+                        "(for the trainer's data.caption_variants)")
+    p.add_argument("--keep-tokens", type=int, default=0, metavar="N",
+                   help="--caption-variants: the first N tags stay in place (kohya's keep_tokens)")
     p.add_argument("--flip", action="store_true", help="also encode each image mirrored, for the trainer's data.flip "
                                                        "(twice the VAE work and latent storage)")
     p.add_argument("--val-fraction", type=float, default=0.05, help="held-out share for the validation loss")
@@ -97,9 +102,11 @@ def parse_args(argv=None):
         p.error("--synthetic must be at least 1")
     if not 0.0 <= args.val_fraction < 1.0:
         p.error("--val-fraction must be in [0, 1)")
-    for name in ("resolution", "batch_size", "shard_size"):
+    for name in ("resolution", "batch_size", "shard_size", "caption_variants"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be positive")
+    if args.keep_tokens < 0:
+        p.error("--keep-tokens must not be negative")
     if (args.cache_dir / "index.json").exists():
         p.error(f"{args.cache_dir} already holds a cache (index.json); remove it or pick another folder")
     return args
@@ -265,6 +272,14 @@ class SDXLEncoders:
         return torch.cat(hidden, dim=-1).float().cpu().numpy(), pooled.float().cpu().numpy()
 
 
+def shuffled_captions(caption, count, keep_tokens, rng):
+    """``count - 1`` variants of ``caption`` with its comma-separated tags shuffled, the first
+    ``keep_tokens`` tags kept in place (kohya's tag shuffling, done once at cache time)."""
+    tags = [t.strip() for t in caption.split(",") if t.strip()]
+    head, tail = tags[:keep_tokens], tags[keep_tokens:]
+    return [", ".join(head + [tail[i] for i in rng.permutation(len(tail))]) for _ in range(count - 1)]
+
+
 def load_pixels(path, bucket, rng):
     """The image scaled to cover ``bucket`` and cropped: ((3, H, W) floats in [-1, 1], time_ids, the
     time ids of the mirrored crop, whose left edge is measured from the other side)."""
@@ -282,9 +297,9 @@ def load_pixels(path, bucket, rng):
 
 def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, max_side=2048, random_crop=False,
                    val_fraction=0.05, val_samples=None, batch_size=4, text_dtype="fp16", shard_size=256, seed=0,
-                   show_progress=True, flip=False):
+                   show_progress=True, flip=False, caption_variants=1, keep_tokens=0):
     """Encode ``images`` ([(path, caption)]) with ``encoders`` into a new cache (``flip``: each image
-    mirrored too); returns the folder."""
+    mirrored too; ``caption_variants``: K captions each, see ``shuffled_captions``); returns the folder."""
     import numpy as np
     try:
         from PIL import Image
@@ -303,10 +318,12 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
     writer = CacheWriter(cache_dir, encoders.latent_channels, encoders.text_len, encoders.text_dim,
                          encoders.pooled_dim, text_dtype=text_dtype, shard_size=shard_size,
                          meta={"model": str(getattr(encoders, "source", "")), "scaling_factor": encoders.scaling_factor,
-                               "resolution": resolution, "random_crop": random_crop, "seed": seed}, flipped=flip)
+                               "resolution": resolution, "random_crop": random_crop, "seed": seed,
+                               "keep_tokens": keep_tokens}, flipped=flip, caption_variants=caption_variants)
     embeds, pooled = encoders.encode_prompts([""])  # the empty caption, for caption dropout
     writer.set_empty_prompt(embeds[0], pooled[0])
     rng = np.random.default_rng(seed) if random_crop else None
+    shuffle_rng = np.random.default_rng([seed, 0xCA9])
     bar = _progress(len(images), "encoding") if show_progress else None
     try:
         for bucket, items in sorted(groups.items()):
@@ -317,8 +334,17 @@ def prepare_images(cache_dir, images, encoders, resolution=1024, min_side=512, m
                 latents = encoders.encode_images(pixels)
                 mirrored = encoders.encode_images(np.ascontiguousarray(pixels[..., ::-1])) if flip else None
                 embeds, pooled = encoders.encode_prompts([c for _, c in chunk])
+                more = caption_variants - 1
+                if more:
+                    others = [v for _, c in chunk for v in shuffled_captions(c, caption_variants, keep_tokens,
+                                                                             shuffle_rng)]
+                    v_embeds, v_pooled = encoders.encode_prompts(others)
+                    v_embeds = v_embeds.reshape(len(chunk), more, *v_embeds.shape[1:])
+                    v_pooled = v_pooled.reshape(len(chunk), more, *v_pooled.shape[1:])
                 for j, (path, caption) in enumerate(chunk):
                     extra = {"latents_flipped": mirrored[j], "time_ids_flipped": loaded[j][2]} if flip else {}
+                    if more:
+                        extra.update(prompt_embeds_variants=v_embeds[j], pooled_variants=v_pooled[j])
                     writer.add(latents[j], embeds[j], pooled[j], loaded[j][1], caption, str(path),
                                "val" if str(path) in held_out else "train", **extra)
                 if bar:
@@ -344,7 +370,8 @@ def main(argv=None) -> int:
             encoders = SDXLEncoders(args.model, args.device, args.vae_dtype, args.seed, args.latents)
         out = prepare_images(args.cache_dir, images, encoders, args.resolution, args.min_side, args.max_side,
                              args.random_crop, args.val_fraction, args.val_samples, args.batch_size, args.text_dtype,
-                             args.shard_size, args.seed, flip=args.flip)
+                             args.shard_size, args.seed, flip=args.flip, caption_variants=args.caption_variants,
+                             keep_tokens=args.keep_tokens)
     from flame.data import LatentCache
     cache = LatentCache(out)
     print(f"wrote {len(cache)} samples ({len(cache.split('train'))} train, {len(cache.split('val'))} val) in "

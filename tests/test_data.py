@@ -196,10 +196,49 @@ def test_prepare_cache_encodes_mirrored_images_with_their_crop(tmp_path):
     cache = LatentCache(out)
     plain, mirrored = cache.read([0]), cache.read([0], flips=[True])
     np.testing.assert_allclose(mirrored["latents"].numpy()[0], plain["latents"].numpy()[0][..., ::-1], atol=1e-6)
+    # the captions: as written, and with their tags shuffled behind the first (keep_tokens=1)
+    out = pc.prepare_images(tmp_path / "v", [(folder / "a.png", "sks, red, blue, green")], Encoders(),
+                            resolution=64, min_side=64, max_side=64, val_samples=0, caption_variants=4,
+                            keep_tokens=1, show_progress=False)
+    assert LatentCache(out).caption_variants == 4
+    variants = pc.shuffled_captions("sks, red, blue, green", 40, 1, np.random.default_rng(0))
+    assert all(v.startswith("sks, ") and sorted(v.split(", ")[1:]) == ["blue", "green", "red"] for v in variants)
+    assert len(set(variants)) > 1
     # 80x64 covers the 64x64 bucket at its size; the crop's left edge of the mirror is 80 - left - 64
     ids, flipped_ids = plain["time_ids"].numpy()[0], mirrored["time_ids"].numpy()[0]
     assert list(ids[:3]) == [64, 80, 0] and list(ids[4:]) == [64, 64] and 0 <= ids[3] <= 16
     np.testing.assert_array_equal(flipped_ids, [64, 80, 0, 16 - ids[3], 64, 64])
+
+
+def test_caption_variants_are_cached_and_one_is_chosen_per_sample_and_epoch(tmp_path):
+    rng = np.random.default_rng(6)
+    w = CacheWriter(tmp_path / "v", 4, 5, 6, 3, caption_variants=3)
+    texts = []
+    for _ in range(6):
+        lat, emb, pooled, tid = _sample(rng, 2, 2)
+        more_e, more_p = rng.standard_normal((2, 5, 6)), rng.standard_normal((2, 3))
+        texts.append(([emb, *more_e], [pooled, *more_p]))
+        w.add(lat, emb, pooled, tid, prompt_embeds_variants=more_e, pooled_variants=more_p)
+    with pytest.raises(ValueError, match="exactly when the writer keeps several caption variants"):
+        w.add(*_sample(rng, 2, 2))
+    cache = LatentCache(w.close())
+    host = cache.read([0, 1, 2], variants=[2, 0, 1])
+    for j, (i, v) in enumerate([(0, 2), (1, 0), (2, 1)]):
+        np.testing.assert_allclose(host["prompt_embeds"].float().numpy()[j], texts[i][0][v], rtol=1e-3, atol=1e-3)
+        np.testing.assert_allclose(host["pooled"].float().numpy()[j], texts[i][1][v], rtol=1e-3, atol=1e-3)
+    with pytest.raises(CacheError, match=r"holds 3 caption variant\(s\) per image, asked for \[0, 3\]"):
+        cache.read([0, 1], variants=[0, 3])
+    loader = BucketBatchLoader(cache, 2, seed=1)
+    picks = loader.variants_of(range(6), 3)
+    assert picks == BucketBatchLoader(cache, 2, seed=1).variants_of(range(6), 3) and set(picks) <= {0, 1, 2}
+    counts = np.bincount([v for e in range(300) for v in _epoch_picks(cache, e)], minlength=3)
+    assert counts.min() > 0.25 * counts.sum()  # each variant about a third of the time
+
+
+def _epoch_picks(cache, epoch):
+    loader = BucketBatchLoader(cache, 2, seed=1)
+    loader.epoch = epoch
+    return loader.variants_of([0], 3)
 
 
 def test_cache_writer_and_reader_errors(tmp_path, small_cache):

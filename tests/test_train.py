@@ -854,3 +854,31 @@ def test_flip_trains_on_the_mirrored_latents_chosen_per_sample_and_epoch(tmp_pat
                                   DIMS.pooled_dim, latent_sizes=[(4, 4)], val_samples=0, concepts=4)
     with pytest.raises(ConfigError, match=r"data\.flip: the cache at .* holds no mirrored images' latents"):
         _trainer(_config(plain, tmp_path / "o", "data.flip=true"))
+
+
+def test_caption_variants_train_on_the_variant_picked_per_sample_and_epoch(tmp_path):
+    from flame.data import CacheWriter
+    rng = np.random.default_rng(0)
+    w = CacheWriter(tmp_path / "variants", DIMS.in_channels, 6, DIMS.cross_attention_dim, DIMS.pooled_dim,
+                    caption_variants=3, text_dtype="fp32")
+    for _ in range(8):
+        w.add(rng.standard_normal((DIMS.in_channels, 4, 4)), rng.standard_normal((6, DIMS.cross_attention_dim)),
+              rng.standard_normal(DIMS.pooled_dim), [32, 32, 0, 0, 32, 32],
+              prompt_embeds_variants=rng.standard_normal((2, 6, DIMS.cross_attention_dim)),
+              pooled_variants=rng.standard_normal((2, DIMS.pooled_dim)))
+    cache = LatentCache(w.close())
+    trainer = _trainer(_config(cache.path, tmp_path / "run", "data.caption_variants=true", "train.steps=2"))
+    seen, real = [], trainer.step_fn
+    trainer.step_fn = lambda *args: seen.append((args[3].numpy(), args[4].numpy())) or real(*args)
+    picked = []
+    real_variants = trainer.loader.variants_of
+    trainer.loader.variants_of = lambda ids, n: picked.append((tuple(ids), real_variants(ids, n))) or picked[-1][1]
+    trainer.train()
+    assert {v for _, vs in picked for v in vs} - {0} and all(n == 4 for n in map(len, (ids for ids, _ in picked)))
+    for (ids, vs), (embeds, pooled) in zip(picked, seen):
+        host = cache.read(ids, variants=vs)
+        np.testing.assert_array_equal(embeds, host["prompt_embeds"].numpy())
+        np.testing.assert_array_equal(pooled, host["pooled"].numpy())
+    with pytest.raises(ConfigError, match=r"data\.caption_variants: the cache at .* holds one caption per image"):
+        _trainer(_config(tmp_path / "variants_none", tmp_path / "o", "data.caption_variants=true",
+                         "data.synthetic_samples=4"))

@@ -17,7 +17,10 @@ size h x w), four stacked tensors:
 - ``time_ids`` (N, 6): ``[orig_h, orig_w, crop_top, crop_left, target_h, target_w]`` in pixels;
 - with flips (``"flipped": true`` in the index, for flip augmentation): ``latents_flipped`` and
   ``time_ids_flipped``, the same of the horizontally mirrored image (its crop's left edge measured
-  from the other side).
+  from the other side);
+- with K caption variants (``"caption_variants": K`` in the index, e.g. its tags shuffled):
+  ``prompt_embeds_variants`` (N, K - 1, L, D) and ``pooled_variants`` (N, K - 1, P), variants 1..K-1
+  (variant 0 is ``prompt_embeds`` / ``pooled``).
 
 ``empty_prompt.safetensors`` holds ``prompt_embeds`` (1, L, D) and ``pooled`` (1, P) of the empty
 caption, which caption dropout trains on; ``index.json`` names it under ``"empty_prompt"`` (caches
@@ -54,6 +57,7 @@ INDEX = "index.json"
 FIELDS = ("latents", "prompt_embeds", "pooled", "time_ids")
 TEXT_FIELDS = ("prompt_embeds", "pooled")
 FLIPPED = {"latents": "latents_flipped", "time_ids": "time_ids_flipped"}  # field -> its mirrored image's
+VARIANTS = {"prompt_embeds": "prompt_embeds_variants", "pooled": "pooled_variants"}  # field -> its other captions
 EMPTY_PROMPT = "empty_prompt.safetensors"
 SPLITS = ("train", "val")
 
@@ -87,11 +91,12 @@ class CacheWriter:
     ``latent_dtype``: of the latents (fp32 by default). ``meta``: free JSON-able facts recorded in
     the index (the checkpoint, the VAE scaling factor, how the data was made). ``flipped``: every
     sample also brings the latents and time ids of its mirrored image (flip augmentation).
+    ``caption_variants``: K, every sample brings the text embeddings of K - 1 more captions.
     """
 
     def __init__(self, path, latent_channels: int, text_len: int, text_dim: int, pooled_dim: int,
                  text_dtype="fp16", latent_dtype="fp32", shard_size: int = 256, meta: dict | None = None,
-                 flipped: bool = False):
+                 flipped: bool = False, caption_variants: int = 1):
         if shard_size < 1:
             raise ValueError(f"shard_size must be positive, got {shard_size}")
         self.path = os.fspath(path)
@@ -106,6 +111,11 @@ class CacheWriter:
         self.flipped = bool(flipped)
         if self.flipped:
             self.codes.update({FLIPPED[f]: self.codes[f] for f in FLIPPED})
+        if not isinstance(caption_variants, int) or caption_variants < 1:
+            raise ValueError(f"caption_variants must be a positive int, got {caption_variants!r}")
+        self.caption_variants = caption_variants
+        if caption_variants > 1:
+            self.codes.update({VARIANTS[f]: self.codes[f] for f in VARIANTS})
         self.shard_size = int(shard_size)
         self.meta = dict(meta or {})
         self._empty = None  # {field: (1, ...) array} of the empty caption
@@ -119,9 +129,11 @@ class CacheWriter:
             raise ValueError(f"CacheWriter.add: {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
 
     def add(self, latents, prompt_embeds, pooled, time_ids, caption: str = "", source: str = "",
-            split: str = "train", latents_flipped=None, time_ids_flipped=None) -> None:
+            split: str = "train", latents_flipped=None, time_ids_flipped=None, prompt_embeds_variants=None,
+            pooled_variants=None) -> None:
         """Queue one sample (NumPy arrays or anything ``np.asarray`` takes); with ``flipped`` also its
-        mirrored image's latents and time ids."""
+        mirrored image's latents and time ids; with K caption variants the other captions' embeddings,
+        (K - 1, L, D) and (K - 1, P)."""
         if split not in SPLITS:
             raise ValueError(f"CacheWriter.add: split must be one of {SPLITS}, got {split!r}")
         d = self.dims
@@ -141,6 +153,16 @@ class CacheWriter:
             fields["time_ids_flipped"] = np.asarray(time_ids_flipped, dtype=np.float32)
             self._shape_check("latents_flipped", fields["latents_flipped"], latents.shape)
             self._shape_check("time_ids_flipped", fields["time_ids_flipped"], (6,))
+        more = self.caption_variants - 1
+        if bool(more) != (prompt_embeds_variants is not None and pooled_variants is not None):
+            raise ValueError(f"CacheWriter.add: prompt_embeds_variants and pooled_variants are given exactly when the "
+                             f"writer keeps several caption variants (it keeps {self.caption_variants})")
+        if more:
+            fields["prompt_embeds_variants"] = np.asarray(prompt_embeds_variants, dtype=np.float32)
+            fields["pooled_variants"] = np.asarray(pooled_variants, dtype=np.float32)
+            self._shape_check("prompt_embeds_variants", fields["prompt_embeds_variants"],
+                              (more, d["text_len"], d["text_dim"]))
+            self._shape_check("pooled_variants", fields["pooled_variants"], (more, d["pooled_dim"]))
         key = tuple(latents.shape[1:])
         b = self._buckets.get(key)
         if b is None:
@@ -190,6 +212,7 @@ class CacheWriter:
             raise ValueError("CacheWriter.close: no samples were added")
         doc = {"format": FORMAT, "version": VERSION, **self.dims,
                "dtypes": dict(self.codes), "meta": self.meta, "flipped": self.flipped,
+               "caption_variants": self.caption_variants,
                "buckets": self.buckets, "shards": self.shards, "samples": self.samples}
         if self._empty is not None:
             tensors = {f: torch.from_numpy(v.astype(_NUMPY[self.codes[f]])) for f, v in self._empty.items()}
@@ -233,7 +256,11 @@ def _read_index(index) -> dict:
         if not _count(doc[key]) or doc[key] == 0:
             raise bad(f"{key} must be a positive integer, got {_short(doc[key])}")
     dtypes = doc["dtypes"]
-    fields = FIELDS + (tuple(FLIPPED.values()) if doc.get("flipped") else ())
+    variants = doc.get("caption_variants", 1)
+    if not (_count(variants) and variants >= 1):
+        raise bad(f"caption_variants must be a positive integer, got {_short(variants)}")
+    fields = FIELDS + (tuple(FLIPPED.values()) if doc.get("flipped") else ()) + \
+        (tuple(VARIANTS.values()) if variants > 1 else ())
     if not isinstance(dtypes, dict) or any(dtypes.get(f) not in _NUMPY for f in fields):
         raise bad(f"dtypes must give each of {list(fields)} as 'F32' or 'F16', got {_short(dtypes)}")
     buckets, shards, samples = doc["buckets"], doc["shards"], doc["samples"]
@@ -311,6 +338,7 @@ class LatentCache:
         self.meta = doc.get("meta", {})
         self.buckets = [tuple(b["latent_size"]) for b in doc["buckets"]]
         self.flipped = bool(doc.get("flipped"))  # mirrored images' latents too (flip augmentation)
+        self.caption_variants = int(doc.get("caption_variants", 1))  # text embeddings of K captions per image
         self.shards = doc["shards"]
         self.samples = doc["samples"]
         self._layouts = [self._check_shard(s, doc["dtypes"]) for s in range(len(self.shards))]
@@ -331,6 +359,8 @@ class LatentCache:
                   "pooled": (n, self.pooled_dim), "time_ids": (n, 6)}
         if self.flipped:
             shapes.update({FLIPPED[f]: shapes[f] for f in FLIPPED})
+        if self.caption_variants > 1:
+            shapes.update({VARIANTS[f]: (n, self.caption_variants - 1, *shapes[f][1:]) for f in VARIANTS})
         return self._check_file(os.path.join(self.path, entry["file"]), shapes, dtypes,
                                 f"shards[{shard}] of {os.path.join(self.path, INDEX)}",
                                 f" ({n} rows of bucket {h}x{w})")
@@ -416,9 +446,10 @@ class LatentCache:
                 for field, (offset, dtype, shape) in self._layouts[shard].items()}
         return maps
 
-    def read(self, indices, flips=None) -> dict:
+    def read(self, indices, flips=None, variants=None) -> dict:
         """{field: host torch tensor} stacking the rows of ``indices`` (all of one bucket);
-        ``flips``: per index, whether its mirrored image's latents and time ids are taken."""
+        ``flips``: per index, whether its mirrored image's latents and time ids are taken;
+        ``variants``: per index, which caption variant's embeddings (0: the first)."""
         indices = [int(i) for i in indices]
         if not indices:
             raise ValueError("LatentCache.read: no indices")
@@ -426,12 +457,25 @@ class LatentCache:
         if any(flips) and not self.flipped:
             raise CacheError(f"{self.path} holds no mirrored images' latents; rebuild it with scripts/prepare_cache.py "
                              "--flip to use flip augmentation")
+        variants = [int(v) for v in variants] if variants is not None else [0] * len(indices)
+        if any(not 0 <= v < self.caption_variants for v in variants):
+            raise CacheError(f"{self.path} holds {self.caption_variants} caption variant(s) per image, asked for "
+                             f"{sorted(set(variants))}; rebuild it with scripts/prepare_cache.py --caption-variants K")
         buckets = {self.bucket_of(i) for i in indices}
         if len(buckets) != 1:
             raise ValueError(f"LatentCache.read: a batch must come from one aspect bucket, got {sorted(buckets)}")
         rows = [(self._map(self.samples[i]["shard"]), self.samples[i]["row"]) for i in indices]
-        return {field: torch.from_numpy(np.stack([maps[FLIPPED.get(field, field) if flip else field][row]
-                                                  for (maps, row), flip in zip(rows, flips)])) for field in FIELDS}
+
+        def row_of(field, maps, row, flip, variant):
+            if flip and field in FLIPPED:
+                return maps[FLIPPED[field]][row]
+            if variant and field in VARIANTS:
+                return maps[VARIANTS[field]][row, variant - 1]
+            return maps[field][row]
+
+        return {field: torch.from_numpy(np.stack([row_of(field, maps, row, f, v)
+                                                  for (maps, row), f, v in zip(rows, flips, variants)]))
+                for field in FIELDS}
 
     def repeats_of(self, index: int) -> int:
         """How many times sample ``index`` is in an epoch (a ``CacheSet`` sets it per cache)."""
@@ -441,9 +485,10 @@ class LatentCache:
         """The factor of sample ``index``'s loss (a ``CacheSet`` sets it per cache)."""
         return 1.0
 
-    def batch(self, indices, flips=None) -> Batch:
-        """The rows of ``indices`` on flame's device (``flips``: see ``read``); latents and time ids as fp32."""
-        return self.upload(self.read(indices, flips), tuple(indices))
+    def batch(self, indices, flips=None, variants=None) -> Batch:
+        """The rows of ``indices`` on flame's device (``flips``, ``variants``: see ``read``); latents
+        and time ids as fp32."""
+        return self.upload(self.read(indices, flips, variants), tuple(indices))
 
     @staticmethod
     def upload(host: dict, indices: tuple) -> Batch:

@@ -45,7 +45,7 @@ class BucketBatchLoader:
         self._buckets = [np.array(by_bucket[b], dtype=np.int64) for b in sorted(by_bucket)]
         self.epoch, self.position = 0, 0
         self._plan_cache = (None, None)
-        self._coins = (None, None)  # (epoch, flip coin per sample)
+        self._epoch_draws = {}  # (epoch, salt) -> a uniform number per sample (flips, caption variants)
         if not self.plan(0):
             sizes = [len(b) for b in self._buckets]
             raise ValueError(f"no batch of {batch_size * parts} in the {split!r} split of {cache.path} "
@@ -93,14 +93,27 @@ class BucketBatchLoader:
         self.position += 1
         return ids
 
+    def _draws(self, salt):
+        """Per sample of the cache, a uniform number in [0, 1) for the current epoch, from (seed,
+        epoch, salt): a resumed run and every data-parallel rank draw alike."""
+        key = (self.epoch, salt)
+        if key not in self._epoch_draws:
+            kept = {k: v for k, v in self._epoch_draws.items() if k[0] == self.epoch}
+            kept[key] = np.random.default_rng([self.seed, self.epoch, salt]).random(len(self.cache))
+            self._epoch_draws = kept
+        return self._epoch_draws[key]
+
     def flips_of(self, ids) -> list:
         """Whether each sample of ``ids`` (a batch of the current epoch) trains on its mirrored image:
-        a fair coin per sample and epoch, drawn from (seed, epoch), so a resumed run and every
-        data-parallel rank flip alike."""
-        if self._coins[0] != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch, 0xF11B])
-            self._coins = (self.epoch, rng.random(len(self.cache)) < 0.5)
-        return [bool(self._coins[1][i]) for i in ids]
+        a fair coin per sample and epoch."""
+        draws = self._draws(0xF11B)
+        return [bool(draws[i] < 0.5) for i in ids]
+
+    def variants_of(self, ids, count: int) -> list:
+        """Which of ``count`` caption variants each sample of ``ids`` trains with this epoch (each
+        equally likely, per sample and epoch)."""
+        draws = self._draws(0xCA9)
+        return [min(int(draws[i] * count), count - 1) for i in ids]
 
     def epoch_batches(self, epoch: int = 0):
         """The batches of one epoch in order, without touching the iterator's state (validation)."""

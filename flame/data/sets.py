@@ -74,16 +74,23 @@ class CacheSet:
     def flipped(self) -> bool:
         return all(c.flipped for c, _, _ in self.parts)
 
-    def batch(self, indices, flips=None) -> Batch:
-        """The rows of ``indices`` (one bucket, any caches) on flame's device, in order (``flips``:
-        as ``LatentCache.read`` takes them)."""
+    @property
+    def caption_variants(self) -> int:
+        """The caption variants every cache of the set holds."""
+        return min(c.caption_variants for c, _, _ in self.parts)
+
+    def batch(self, indices, flips=None, variants=None) -> Batch:
+        """The rows of ``indices`` (one bucket, any caches) on flame's device, in order (``flips``,
+        ``variants``: as ``LatentCache.read`` takes them)."""
         indices = [int(i) for i in indices]
         flips = list(flips) if flips is not None else [False] * len(indices)
+        variants = list(variants) if variants is not None else [0] * len(indices)
         where = [self._locate(i) for i in indices]
         rows = {}  # cache -> its host rows of this batch, in batch order
         for k in sorted({k for k, _ in where}):
             mine = [j for j, (kk, _) in enumerate(where) if kk == k]
-            read = self.parts[k][0].read([where[j][1] for j in mine], [flips[j] for j in mine])
+            read = self.parts[k][0].read([where[j][1] for j in mine], [flips[j] for j in mine],
+                                         [variants[j] for j in mine])
             rows[k] = {f: t.numpy() for f, t in read.items()}
         taken = dict.fromkeys(rows, 0)
         host = {f: [] for f in FIELDS}

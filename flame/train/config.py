@@ -66,6 +66,8 @@ SCHEMA = {
         "drop_last": Opt(False, "bool", "drop each bucket's last partial batch (fixed batch shapes)"),
         "flip": Opt(False, "bool", "flip augmentation: each sample trains on its mirrored image half of the epochs "
                                    "(the cache must hold them: prepare_cache.py --flip; kohya's --flip_aug)"),
+        "caption_variants": Opt(False, "bool", "train each sample with one of the cache's caption variants per "
+                                               "epoch (prepare_cache.py --caption-variants K, e.g. shuffled tags)"),
         "caption_dropout": Opt(0.0, "float", "probability that a sample trains on the empty caption's embedding "
                                              "(stored in the cache by prepare_cache.py) instead of its own", low=0.0,
                                high=1.0),

@@ -345,6 +345,10 @@ class Trainer:
             if c.flip and not cache.flipped:
                 raise ConfigError(f"data.flip: the cache at {e['cache_dir']} holds no mirrored images' latents: "
                                   "rebuild it with scripts/prepare_cache.py --flip, or set data.flip=false")
+            if c.caption_variants and cache.caption_variants < 2:
+                raise ConfigError(f"data.caption_variants: the cache at {e['cache_dir']} holds one caption per image: "
+                                  "rebuild it with scripts/prepare_cache.py --caption-variants K, or set "
+                                  "data.caption_variants=false")
             if c.caption_dropout and not cache.has_empty_prompt:
                 raise ConfigError(f"data.caption_dropout: the cache at {e['cache_dir']} holds no embedding of the "
                                   "empty caption (it was written before prepare_cache.py stored one): rebuild it, or "
@@ -549,8 +553,11 @@ class Trainer:
             if start == stop:  # fewer samples than ranks in a bucket's last batch
                 self.bucket.pack(None, None, 0.0, m > 0, self._requested is not None)
                 continue
-            flips = self.loader.flips_of(ids[start:stop]) if self.cfg.data.flip else None
-            batch = self.cache.batch(ids[start:stop], flips)
+            mine = ids[start:stop]
+            flips = self.loader.flips_of(mine) if self.cfg.data.flip else None
+            variants = self.loader.variants_of(mine, self.cache.caption_variants) if self.cfg.data.caption_variants \
+                else None
+            batch = self.cache.batch(mine, flips, variants)
             embeds, pooled = batch.prompt_embeds, batch.pooled
             if keep is not None:
                 empty_embeds, empty_pooled = self._empty_prompt
