@@ -607,3 +607,41 @@ def test_ema_follows_diffusers_decay_warmup_and_applies_for_a_while():
         flame.optim.EMA(params, decay=1.0)
     with pytest.raises(ValueError, match="other shapes"):
         other.load_state_dict({"updates": 1, "shadow": [flame.zeros(2)]})
+
+
+class _ReferenceLion(torch.optim.Optimizer):
+    """lion-pytorch's update (Chen et al. 2023), the reference flame's fused Lion is checked against."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_((m * b1 + p.grad * (1 - b1)).sign(), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+def test_lion_matches_the_reference_and_honours_found_inf_and_grad_scale():
+    fp, tp = _params()
+    kw = dict(lr=3e-3, betas=(0.9, 0.99), weight_decay=0.5)
+    fo, to = optim.Lion(fp, **kw), _ReferenceLion(tp, **kw)
+    for i in range(6):
+        gs = _grads(tp)
+        if i == 3:  # a skipped step changes nothing
+            before = [p.to_torch().clone() for p in fp]
+            fo.step(_grad_map(fp, gs), found_inf=_flag(1))
+            assert all(torch.equal(p.to_torch(), b) for p, b in zip(fp, before))
+            continue
+        fo.step(_grad_map(fp, [g * 64.0 for g in gs]), grad_scale=flame.tensor([1.0 / 64.0]))
+        _torch_step(to, tp, gs)
+    _assert_params(fp, tp, rtol=0, atol=1e-6)
+    assert fo.state_dict()["state"][0]["step"] == 5
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        optim.Lion(fp, betas=(0.9, 1.0))

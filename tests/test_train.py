@@ -882,3 +882,15 @@ def test_caption_variants_train_on_the_variant_picked_per_sample_and_epoch(tmp_p
     with pytest.raises(ConfigError, match=r"data\.caption_variants: the cache at .* holds one caption per image"):
         _trainer(_config(tmp_path / "variants_none", tmp_path / "o", "data.caption_variants=true",
                          "data.synthetic_samples=4"))
+
+
+def test_the_lion_optimizer_trains_and_its_moment_is_checkpointed(cache_dir, tmp_path):
+    trainer = _trainer(_config(cache_dir, tmp_path, "train.optimizer=lion", "train.lr=3e-4", "train.steps=2",
+                               "output.save_every=2"))
+    assert type(trainer.optimizer).__name__ == "Lion" and trainer.optimizer.param_groups[0]["betas"] == (0.9, 0.99)
+    result = trainer.train()
+    assert all(math.isfinite(v) for v in result["losses"])
+    saved = load_safetensors(pathlib.Path(result["checkpoint"]) / "optimizer.safetensors")
+    assert saved and all(k.endswith(".exp_avg") for k in saved)
+    with pytest.raises(ConfigError, match=r"train\.optimizer: expected one of adamw, lion"):
+        _config(cache_dir, tmp_path, "train.optimizer=sgd")

@@ -143,6 +143,34 @@ def _sgd_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, mome
         tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
 
 
+@triton.jit(do_not_specialize=["lr", "b1", "b2", "decay"])
+def _lion_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, lr, b1, b2, decay, P_DTYPE: tl.constexpr,
+                 G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay:
+    #   p *= 1 - lr * wd;  p -= lr * sign(b1 m + (1 - b1) g);  m = b2 m + (1 - b2) g
+    row, start = _work(tensors_ptr, work_ptr)
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 4)
+    if HAS_FOUND:
+        n = tl.where(tl.load(found_ptr) == 0, n, 0)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            g = g * tl.load(scale_ptr)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+        c = b1 * m + (1.0 - b1) * g
+        direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
+        p = p * decay - lr * direction
+        tl.store(m_ptr + idx, b2 * m + (1.0 - b2) * g, mask=mask)
+        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+
+
 @triton.jit
 def _advance_kernel(tensors_ptr, steps_ptr, found_ptr, HAS_FOUND: tl.constexpr):
     # one program per tensor row: steps[slot] += 1 (unless found_inf)
@@ -327,6 +355,18 @@ def sgd_step(tables, steps, p_dtype, g_dtype, lr, momentum, dampening, weight_de
            float(lr), float(momentum), float(dampening), float(weight_decay),
            P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
            HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
+           CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+    advance(tables, steps, found_inf)
+
+
+def lion_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, weight_decay, found_inf=None, grad_scale=None):
+    """One Lion update of every tensor in ``tables`` (two launches: the update, the step counters)."""
+    if tables.num_work == 0:
+        return
+    launch(_lion_kernel, (tables.num_work,), tables.tensors, tables.work,
+           found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
+           float(lr), float(beta1), float(beta2), 1.0 - float(lr) * float(weight_decay), P_DTYPE=tl_dtype(p_dtype),
+           G_DTYPE=tl_dtype(g_dtype), HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
            CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
     advance(tables, steps, found_inf)
 

@@ -2,4 +2,4 @@
 from . import lr_scheduler
 from .clip import clip_grad_norm_
 from .ema import EMA
-from .optimizers import SGD, Adam, AdamW, Optimizer
+from .optimizers import SGD, Adam, AdamW, Lion, Optimizer

@@ -76,7 +76,7 @@ from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_stat
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, ge, lt, mul, sub, to, where
 from ..ops.shape import stack
-from ..optim import EMA, AdamW, clip_grad_norm_
+from ..optim import EMA, AdamW, Lion, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
@@ -86,7 +86,7 @@ from .outputs import Trackers, lora_metadata
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
 RESUME_FIXED = ("lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "data.batch_size", "data.drop_last",
-                "data.datasets", "train.seed")
+                "data.datasets", "train.seed", "train.optimizer")
 SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -194,8 +194,13 @@ class Trainer:
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
-        self.optimizer = AdamW(self._param_groups(), lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
-                               eps=c.train.adam_eps, weight_decay=c.train.weight_decay)
+        t = c.train
+        if t.optimizer == "lion":
+            self.optimizer = Lion(self._param_groups(), lr=t.lr, betas=(t.lion_beta1, t.lion_beta2),
+                                  weight_decay=t.weight_decay)
+        else:
+            self.optimizer = AdamW(self._param_groups(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
+                                   weight_decay=t.weight_decay)
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
                                        num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
         self.ema = EMA(self.params, c.ema.decay) if c.ema.decay is not None else None
