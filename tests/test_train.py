@@ -821,7 +821,10 @@ def test_several_datasets_with_repeats_a_regularization_set_and_their_loss_weigh
     assert sum(len(b) for b in trainer.loader.plan(0)) == 2 * n_main + n_reg
     seen, real = [], trainer.step_fn
     trainer.step_fn = lambda *args: seen.append((args[7].numpy(), len(args[0]))) or real(*args)
-    trainer.train()
+    result = trainer.train()
+    meta = read_metadata(result["lora"])
+    assert meta["ss_num_reg_images"] == str(n_reg) and meta["ss_prior_loss_weight"] == "0.25"
+    assert json.loads(meta["ss_dataset_dirs"])[str(cache_dir)] == {"n_repeats": 2, "img_count": n_main}
     weights = np.concatenate([w for w, _ in seen])
     assert set(weights.tolist()) <= {1.0, 0.5} and len(weights) == sum(n for _, n in seen)
     with pytest.raises(ConfigError, match=r"data\.cache_dir / data\.datasets: set exactly one"):

@@ -21,10 +21,17 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 _INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 
 
-def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: float) -> dict:
-    """{str: str} training metadata for the LoRA file of a run with config ``cfg``."""
+def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: float, datasets=()) -> dict:
+    """{str: str} training metadata for the LoRA file of a run with config ``cfg``; ``datasets``:
+    ``(folder, repeats, training images, is_reg)`` of each cache it trained on."""
     c = cfg
     alpha = c.lora.alpha if c.lora.alpha is not None else c.lora.rank
+    network_args = {}
+    if c.lora.conv_targets is not None:
+        network_args = {"conv_dim": c.lora.conv_rank or c.lora.rank,
+                        "conv_alpha": c.lora.conv_alpha if c.lora.conv_alpha is not None else
+                        (c.lora.conv_rank or c.lora.rank)}
+    dirs = {folder: {"n_repeats": repeats, "img_count": count} for folder, repeats, count, _ in datasets}
     size = f"{c.sample.width or 1024}x{c.sample.height or 1024}" if c.model.config == "sdxl" else ""
     values = {
         "ss_network_module": "networks.lora", "ss_network_dim": c.lora.rank, "ss_network_alpha": alpha,
@@ -32,7 +39,13 @@ def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: fl
         "ss_output_name": c.output.name, "ss_steps": step, "ss_max_train_steps": c.train.steps or "",
         "ss_num_train_images": num_samples, "ss_learning_rate": c.train.lr, "ss_unet_lr": c.train.lr,
         "ss_lr_scheduler": c.train.lr_scheduler, "ss_lr_warmup_steps": c.train.warmup_steps,
-        "ss_optimizer": "AdamW", "ss_mixed_precision": c.train.precision, "ss_seed": c.train.seed,
+        "ss_optimizer": {"adamw": "AdamW", "lion": "Lion"}[c.train.optimizer], "ss_mixed_precision": c.train.precision,
+        "ss_seed": c.train.seed, "ss_network_args": json.dumps(network_args) if network_args else "",
+        "ss_num_reg_images": sum(n for _, _, n, reg in datasets if reg),
+        "ss_dataset_dirs": json.dumps(dirs) if dirs else "", "ss_prior_loss_weight": c.data.prior_loss_weight,
+        "ss_flip_aug": c.data.flip, "ss_caption_dropout_rate": c.data.caption_dropout,
+        "ss_ip_noise_gamma": c.diffusion.input_perturbation or "",
+        "ss_zero_terminal_snr": c.diffusion.zero_terminal_snr,
         "ss_gradient_accumulation_steps": c.train.grad_accum, "ss_batch_size_per_device": c.data.batch_size,
         "ss_noise_offset": c.diffusion.noise_offset, "ss_min_snr_gamma": c.diffusion.min_snr_gamma or "",
         "ss_v_parameterization": c.diffusion.prediction_type == "v_prediction",

@@ -339,7 +339,7 @@ class Trainer:
 
         self._agreed(write_synthetic)
         entries = c.datasets or [{"cache_dir": c.cache_dir, "repeats": 1, "loss_weight": 1.0, "is_reg": False}]
-        caches = []
+        caches, self._datasets = [], []  # (folder, repeats, training images, is_reg): for the LoRA's metadata
         want = {"latent_channels": mcfg.in_channels, "text_dim": mcfg.cross_attention_dim,
                 "pooled_dim": mcfg.pooled_dim}
         for e in entries:
@@ -360,6 +360,7 @@ class Trainer:
                                   "set data.caption_dropout=0")
             weight = e["loss_weight"] * (c.prior_loss_weight if e["is_reg"] else 1.0)
             caches.append((cache, e["repeats"], weight))
+            self._datasets.append((e["cache_dir"], e["repeats"], len(cache.split("train")), e["is_reg"]))
         if c.datasets is None:
             cache = caches[0][0]
         else:
@@ -958,7 +959,8 @@ class Trainer:
             self.log(msg)
             raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
         if self.world.is_main:
-            meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time())
+            meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time(),
+                                 self._datasets)
             for path, averaged in ((self.lora_path(), False), (self.lora_path(ema=True), True)):
                 if averaged and self.ema is None:
                     continue
