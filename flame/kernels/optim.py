@@ -60,6 +60,28 @@ def _work(tensors_ptr, work_ptr):
     return tensors_ptr + _ROW * t, start
 
 
+@triton.jit
+def _param_grad_rows(row, found_ptr, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr):
+    # a tensor row's parameter and gradient pointers and its element count (0 when found_inf is set:
+    # every element masked off, the update skipped)
+    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
+    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    n = tl.load(row + 4)
+    if HAS_FOUND:
+        n = tl.where(tl.load(found_ptr) == 0, n, 0)
+    return p_ptr, g_ptr, n
+
+
+@triton.jit
+def _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE: tl.constexpr):
+    # fp32 parameter and gradient elements, the gradient times grad_scale when given (a fused unscale)
+    p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr)
+    return p, g
+
+
 @triton.jit(do_not_specialize=["lr_hi", "lr_lo", "b1_hi", "b1_lo", "b2_hi", "b2_lo", "eps", "wd", "decay"])
 def _adam_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr,
                  lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps, wd, decay,
@@ -70,11 +92,9 @@ def _adam_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr,
     #   m = m + (1 - b1) (g - m);  v = b2 v + (1 - b2) g^2
     #   p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     row, start = _work(tensors_ptr, work_ptr)
-    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    n = tl.load(row + 4)
     step = tl.load(steps_ptr + tl.load(row + 5)) + 1
     b1 = _f64(b1_hi, b1_lo)
     b2 = _f64(b2_hi, b2_lo)
@@ -83,15 +103,10 @@ def _adam_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr,
     omb1 = (1.0 - b1).to(tl.float32)
     omb2 = (1.0 - b2).to(tl.float32)
     b2f = b2.to(tl.float32)
-    if HAS_FOUND:
-        n = tl.where(tl.load(found_ptr) == 0, n, 0)  # skip: every element masked off
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            g = g * tl.load(scale_ptr)
+        p, g = _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE)
         m = tl.load(m_ptr + idx, mask=mask, other=0.0)
         v = tl.load(v_ptr + idx, mask=mask, other=0.0)
         if DECOUPLED:
@@ -115,21 +130,14 @@ def _sgd_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, mome
     #   with momentum: buf = g at the first step, else buf = momentum buf + (1 - dampening) g;
     #   g = g + momentum buf (nesterov) or g = buf;   p -= lr g
     row, start = _work(tensors_ptr, work_ptr)
-    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
     b_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    n = tl.load(row + 4)
     prev = tl.load(steps_ptr + tl.load(row + 5))  # 0 before the first update
-    if HAS_FOUND:
-        n = tl.where(tl.load(found_ptr) == 0, n, 0)
     n_buf = tl.where(prev != 0, n, 0)  # the momentum buffer is uninitialised before the first update
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            g = g * tl.load(scale_ptr)
+        p, g = _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE)
         g = g + wd * p
         if MOMENTUM:
             buf = tl.load(b_ptr + idx, mask=idx < n_buf, other=0.0)
@@ -150,19 +158,12 @@ def _lion_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, lr, b1, b2, decay,
     # Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay:
     #   p *= 1 - lr * wd;  p -= lr * sign(b1 m + (1 - b1) g);  m = b2 m + (1 - b2) g
     row, start = _work(tensors_ptr, work_ptr)
-    p_ptr = tl.load(row).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(G_DTYPE))
+    p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    n = tl.load(row + 4)
-    if HAS_FOUND:
-        n = tl.where(tl.load(found_ptr) == 0, n, 0)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
-        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
-            g = g * tl.load(scale_ptr)
+        p, g = _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE)
         m = tl.load(m_ptr + idx, mask=mask, other=0.0)
         c = b1 * m + (1.0 - b1) * g
         direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))

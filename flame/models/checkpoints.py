@@ -172,6 +172,17 @@ def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
             part, size = [], 0
 
 
+def component_config(cfg_dict, config, parse, who, path):
+    """The config of a component: ``parse(cfg_dict)`` of its config.json, which a ``config`` given
+    too must equal; ``config`` as given for a single file (no config.json: ``cfg_dict`` None)."""
+    if cfg_dict is None:
+        return config
+    file_cfg = parse(cfg_dict)
+    if config is not None and config != file_cfg:
+        raise ValueError(f"{who}.from_pretrained: the config given differs from {path}'s config.json")
+    return file_cfg
+
+
 def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, config_class, index):
     """A diffusers component ``cls`` (``parameter_shapes(config)``, ``cls(config, dtype=...)``) from
     ``path`` (``resolve_component``): the config from its config.json
@@ -179,11 +190,7 @@ def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, conf
     ``config`` (default ``config_class()``); ``index(files, config)`` maps the file's names to the
     model's. Checked whole before the model is built without an init and loaded."""
     cfg_dict, files = resolve_component(path, subfolder, "diffusion_pytorch_model", what)
-    if cfg_dict is not None:
-        file_cfg = config_class.from_diffusers(cfg_dict)
-        if config is not None and config != file_cfg:
-            raise ValueError(f"{cls.__name__}.from_pretrained: the config given differs from {path}'s config.json")
-        config = file_cfg
+    config = component_config(cfg_dict, config, config_class.from_diffusers, cls.__name__, path)
     config = config if config is not None else config_class()
     found = index(files, config)
     check_index(found, cls.parameter_shapes(config), what, ", ".join(str(f) for f in files))

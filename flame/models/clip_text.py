@@ -39,7 +39,15 @@ from ..ops.elementwise import add
 from ..ops.index import index_select
 from ..ops.shape import narrow
 from ..tensor import Tensor, check_dtype
-from .checkpoints import Source, check_index, load_into, resolve_component, sort_config, stored_tensors
+from .checkpoints import (
+    Source,
+    check_index,
+    component_config,
+    load_into,
+    resolve_component,
+    sort_config,
+    stored_tensors,
+)
 
 _ACTIVATIONS = ("quick_gelu", "gelu")
 # transformers CLIPTextConfig keys that change nothing in this forward: metadata, initialisation and output flags
@@ -416,12 +424,8 @@ class CLIPTextModel(nn.Module):
         unexpected or misshapen tensors raise one RuntimeError before anything is read."""
         what = f"CLIP text encoder ({subfolder})"
         cfg_dict, files = resolve_component(path, subfolder, "model", what)
-        if cfg_dict is not None:
-            file_cfg = CLIPTextConfig.from_transformers(cfg_dict)
-            if config is not None and config != file_cfg:
-                raise ValueError(f"CLIPTextModel.from_pretrained: the config given differs from {path}'s config.json")
-            config = file_cfg
-        elif config is None:
+        config = component_config(cfg_dict, config, CLIPTextConfig.from_transformers, "CLIPTextModel", path)
+        if config is None:
             defaults = {"text_encoder": CLIPTextConfig.sdxl_clip_l, "text_encoder_2": CLIPTextConfig.sdxl_clip_g}
             if subfolder not in defaults:
                 raise ValueError(f"CLIPTextModel.from_pretrained: {path} is a single file and subfolder={subfolder!r} "
