@@ -9,8 +9,8 @@
 Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
 bf16, with LoRA rank 16 on the ``attn`` targets (560 Linear layers, 23.2M fp32 parameters), AdamW
 on the LoRA parameters, an MSE loss against a noise target, 77x2048 context and pooled 1280 + 6
-time ids. diffusers runs under ``torch.autocast(bf16)`` with peft's LoRA, as in
-``shared/reference/baselines.md``. flame runs its own step, eagerly and (with ``--capture``, the
+time ids. diffusers runs under ``torch.autocast(bf16)`` with peft's LoRA, as diffusers' training
+scripts run it. flame runs its own step, eagerly and (with ``--capture``, the
 default on a GPU) with the forward+backward replayed from a CUDA graph (``flame.graphs``).
 
 Each (framework, batch, checkpointing) setting runs in its own process so that peak memory is the

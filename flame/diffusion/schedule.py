@@ -7,7 +7,7 @@ a constant: it is computed once on the host in float64 and kept on the device in
 quantity (``alpha_bar``, ``sqrt(alpha_bar)``, ``sqrt(1 - alpha_bar)``, ``snr = alpha_bar / (1 -
 alpha_bar)``), so one gather kernel gives every coefficient a batch of timesteps needs.
 
-Training formulas (``shared/reference/sdxl.md``), all flame ops on the device:
+Training formulas (diffusers' DDPMScheduler and training scripts), all flame ops on the device:
 
 - ``add_noise``: ``x_t = sqrt(abar_t) x0 + sqrt(1 - abar_t) noise``;
 - ``target``: epsilon-prediction -> ``noise``, v-prediction -> ``sqrt(abar) noise - sqrt(1 - abar) x0``,

@@ -1,7 +1,7 @@
 """SDXL UNet checkpoints: the diffusers <-> original LDM/SGM (kohya, ComfyUI, A1111) name map, and
 loading a checkpoint's tensors into an ``SDXLUNet``.
 
-The map (``shared/reference/sdxl.md``), with n = layers_per_block + 1 (3 in SDXL):
+The map, with n = layers_per_block + 1 (3 in SDXL):
 
 - ``down_blocks.i.resnets.j`` <-> ``input_blocks.{n*i + j + 1}.0``, ``down_blocks.i.attentions.j`` <->
   ``input_blocks.{n*i + j + 1}.1``, ``down_blocks.i.downsamplers.0.conv`` <-> ``input_blocks.{n*(i + 1)}.0.op``;

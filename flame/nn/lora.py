@@ -11,8 +11,8 @@ them with ``conv=True``) get a ``LoRAConv2d`` ("LoCon"): A a conv with the base'
 
 Names: the base layer keeps its ``weight``/``bias`` parameter names (so a diffusers checkpoint
 still loads by name into the injected model); the adapters are the parameters ``lora_A`` and
-``lora_B`` of the wrapped module. ``lora_state_dict`` writes them with the file key names of
-``shared/reference/sdxl.md``:
+``lora_B`` of the wrapped module. ``lora_state_dict`` writes them with the file key names that
+PEFT/diffusers and kohya's sd-scripts use:
 
 - PEFT/diffusers: ``<prefix>.<module path>.lora_A.weight`` (rank, in), ``...lora_B.weight`` (out, rank);
 - kohya: ``lora_<prefix>_<module path with '_'>.lora_down.weight``, ``.lora_up.weight``, ``.alpha`` (0-d),
