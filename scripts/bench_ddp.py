@@ -19,6 +19,11 @@ Reported per (checkpointing, framework, N): the step time (median over ``--block
 efficiency (images/s with N processes over N times images/s with 1), rank 0's peak memory, and for
 flame the time of the step's all-reduce alone (CUDA events around the bucket's collective) and its
 share of the step. Needs diffusers and peft for the second framework (see ``bench_sdxl.py``).
+
+``--load``: instead of steps, the time for N processes to hold the frozen UNet (bf16, from a random
+fp16 SDXL file written to ``--weights``' folder first, diffusers names): every rank reading the file
+(``every``) against rank 0 reading it and broadcasting each parameter (``broadcast``), each timed from
+a barrier to the slowest rank's end, with the OS page cache dropped first where the system allows.
 """
 from __future__ import annotations
 
@@ -97,6 +102,52 @@ def run_flame(args):
             "device": flame.device_name()}
 
 
+def write_weights(args):
+    """A random SDXL UNet in fp16 under diffusers' names, as a single-file checkpoint."""
+    import flame
+    from flame import io
+    from flame.models import SDXLUNet, SDXLUNetConfig
+    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    io.save_safetensors(SDXLUNet(cfg, dtype=flame.float16).state_dict(), args.weights)
+    return {"bytes": os.path.getsize(args.weights)}
+
+
+def run_load(args):
+    import flame
+    from flame import distributed
+    from flame.models import SDXLUNet, SDXLUNetConfig
+    from flame.nn.init import skip_init
+
+    world = distributed.init()
+    cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    dtype = flame.float32 if flame.is_interpreter() else flame.bfloat16
+    flame.synchronize()
+    distributed.barrier()
+    t0 = time.perf_counter()
+    if args.worker == "load-every" or world.is_main:
+        unet = SDXLUNet.from_pretrained(args.weights, dtype=dtype, config=cfg)
+    else:
+        with skip_init():
+            unet = SDXLUNet(cfg, dtype=dtype)
+    if args.worker == "load-broadcast":
+        distributed.broadcast_(unet.parameters())
+    flame.synchronize()
+    seconds = flame.tensor([time.perf_counter() - t0])
+    distributed.all_reduce_(seconds, "max")
+    return {"framework": args.worker, "world": world.size, "times_s": [seconds.item()], "peak_bytes": 0,
+            "device": flame.device_name()}
+
+
+def _drop_page_cache() -> bool:
+    """Empty the OS page cache (root on Linux), so the next read comes from the disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def run_diffusers(args):
     # isort: off
     from flame.models import SDXLUNetConfig  # flame first: it picks the backend (and this rank's GPU)
@@ -169,7 +220,11 @@ def parse_args(argv):
     p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
     p.add_argument("--cache", help="latent cache folder for flame (written on first use; default: a temp folder)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
-    p.add_argument("--worker", choices=["flame", "diffusers"], help=argparse.SUPPRESS)
+    p.add_argument("--load", action="store_true", help="measure loading the frozen UNet on every rank against "
+                                                          "rank 0 + broadcast, instead of steps")
+    p.add_argument("--weights", help="the single-file UNet --load reads (written first; default: a temp folder)")
+    p.add_argument("--worker", choices=["flame", "diffusers", "load-every", "load-broadcast", "write-weights"],
+                   help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -194,40 +249,72 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.worker:
-        res = (run_flame if args.worker == "flame" else run_diffusers)(args)
+        res = {"flame": run_flame, "diffusers": run_diffusers, "write-weights": write_weights}.get(
+            args.worker, run_load)(args)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(res), flush=True)
         return 0
+    if args.load:
+        return _measure_loading(args)
     args.cache = args.cache or os.path.join(tempfile.mkdtemp(prefix="flame-ddp-cache-"), "cache")
     rows = []
     for ckpt in (["off", "on"] if args.checkpointing == "both" else [args.checkpointing]):
         for fw in _frameworks(args):
             for n in _nprocs(args):
-                cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
-                       __file__, "--worker", fw, "--config", args.config, "--resolution", str(args.resolution),
-                       "--checkpointing", ckpt, "--rank", str(args.rank), "--steps", str(args.steps),
-                       "--blocks", str(args.blocks), "--warmup", str(args.warmup), "--cache", args.cache]
-                label = f"{fw} ckpt {ckpt} N={n}"
-                print(f"== {label}", flush=True)
-                started = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, text=True)
-                result = next((json.loads(line[7:]) for line in proc.stdout.splitlines()
-                               if line.startswith("RESULT ")), None)
-                if proc.returncode or result is None:
-                    print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
-                    rows.append({"setting": label, "checkpointing": ckpt, "nproc": n, "error": proc.stderr[-2000:]})
-                    continue
-                result.update(setting=label, checkpointing=ckpt, nproc=n, median_s=statistics.median(result["times_s"]),
-                              wall_s=time.perf_counter() - started)
-                result["images_s"] = n / result["median_s"]
+                result = _launch(args, fw, n, f"{fw} ckpt {ckpt} N={n}", ["--checkpointing", ckpt, "--cache", args.cache])
                 rows.append(result)
+                if "error" in result:
+                    continue
+                result.update(checkpointing=ckpt, images_s=n / result["median_s"])
                 ar = f", all-reduce {result['allreduce_ms']:.2f} ms" if result.get("allreduce_ms") else ""
                 print(f"   {result['median_s'] * 1e3:.1f} ms/step, {result['images_s']:.2f} images/s, peak "
                       f"{result['peak_bytes'] / 2 ** 30:.2f} GiB{ar} ({result['wall_s']:.0f} s)", flush=True)
-            if args.out:  # after every setting: a run cut short keeps what it measured
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(rows, indent=1))
+            _save(args, rows)
     _report(rows)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _launch(args, worker, n, label, extra=(), torchrun=True):
+    """One setting in fresh processes (``n`` under torchrun); rank 0's result, or the error."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)] if torchrun else []
+    cmd = [sys.executable, *launcher, __file__, "--worker", worker, "--config", args.config,
+           "--resolution", str(args.resolution), "--rank", str(args.rank), "--steps", str(args.steps),
+           "--blocks", str(args.blocks), "--warmup", str(args.warmup), *extra]
+    print(f"== {label}", flush=True)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode or result is None:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+        return {"setting": label, "nproc": n, "error": proc.stderr[-2000:]}
+    if "times_s" in result:
+        result.update(median_s=statistics.median(result["times_s"]))
+    return {**result, "setting": label, "nproc": n, "wall_s": time.perf_counter() - started}
+
+
+def _save(args, rows):
+    if args.out:  # after every setting: a run cut short keeps what it measured
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+def _measure_loading(args):
+    args.weights = args.weights or os.path.join(tempfile.mkdtemp(prefix="flame-ddp-weights-"), "unet.safetensors")
+    written = _launch(args, "write-weights", 1, f"write {args.weights}", ["--weights", args.weights], torchrun=False)
+    if "error" in written:
+        return 1
+    print(f"   {written['bytes'] / 2 ** 30:.2f} GiB", flush=True)
+    rows = []
+    for n in _nprocs(args):
+        for how in ("every", "broadcast"):
+            cold = _drop_page_cache()
+            result = _launch(args, f"load-{how}", n, f"load {how} N={n}", ["--weights", args.weights])
+            result["page_cache"] = "dropped" if cold else "warm"
+            rows.append(result)
+            if "error" not in result:
+                print(f"   {result['median_s']:.2f} s (page cache {result['page_cache']}; "
+                      f"{result['wall_s']:.0f} s with the start)", flush=True)
+        _save(args, rows)
     return 1 if any("error" in r for r in rows) else 0
 
 
