@@ -645,3 +645,136 @@ def test_lion_matches_the_reference_and_honours_found_inf_and_grad_scale():
     assert fo.state_dict()["state"][0]["step"] == 5
     with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
         optim.Lion(fp, betas=(0.9, 1.0))
+
+
+def _bnb_dynamic_map(signed):
+    """bitsandbytes' ``create_dynamic_map(signed)`` (defaults: 7 exponent bits, 8 bits), in torch."""
+    values = [0.0, 1.0]
+    for e in range(7):
+        edges = torch.linspace(0.1, 1, (2 ** e if signed else 2 ** (e + 1)) + 1, dtype=torch.float32)
+        mids = (10 ** (e - 6)) * ((edges[:-1] + edges[1:]) / 2.0)
+        values += mids.tolist() + ((-mids).tolist() if signed else [])
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+def test_dynamic_maps_are_bitsandbytes_maps():
+    for signed in (True, False):
+        mine = torch.from_numpy(KO.dynamic_map(signed))
+        assert mine.shape == (256,) and bool((mine[1:] > mine[:-1]).all())
+        assert mine[-1] == 1.0 and (mine[0] < -0.99 if signed else mine[0] == 0.0) and 0.0 in mine
+        torch.testing.assert_close(mine, _bnb_dynamic_map(signed), rtol=2e-7, atol=0)
+
+
+class _ReferenceAdamW8bit:
+    """bitsandbytes' blockwise 8-bit AdamW update (its CUDA kernel's order of operations), in torch,
+    on flat fp32 tensors."""
+
+    def __init__(self, params, lr, betas, eps, weight_decay, min_8bit_size=4096):
+        self.params, self.lr, self.betas, self.eps, self.wd = params, lr, betas, eps, weight_decay
+        self.maps = (_bnb_dynamic_map(True).to(DEVICE), _bnb_dynamic_map(False).to(DEVICE))
+        self.state = []
+        for p in params:
+            n = p.numel()
+            if n < min_8bit_size:
+                self.state.append({"m": torch.zeros(n, device=DEVICE), "v": torch.zeros(n, device=DEVICE)})
+            else:
+                nb = -(-n // 256)
+                self.state.append({"cm": torch.zeros(n, dtype=torch.long, device=DEVICE),
+                                   "cv": torch.zeros(n, dtype=torch.long, device=DEVICE),
+                                   "am": torch.zeros(nb, device=DEVICE), "av": torch.zeros(nb, device=DEVICE)})
+        self.t = 0
+
+    @staticmethod
+    def _nearest(qmap, x):
+        lo = (torch.searchsorted(qmap, x, right=True) - 1).clamp(0, 255)
+        hi = (lo + 1).clamp(max=255)
+        return torch.where(qmap[hi] - x < x - qmap[lo], hi, lo)
+
+    def _blocks(self, x, n):
+        return torch.nn.functional.pad(x, (0, -n % 256)).view(-1, 256)
+
+    @torch.no_grad()
+    def step(self, grads):
+        self.t += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1 ** self.t, math.sqrt(1 - b2 ** self.t)
+        smap, umap = self.maps
+        for p, g, st in zip(self.params, grads, self.state):
+            n = p.numel()
+            flat, g = p.data.view(-1), g.reshape(-1).float()
+            if "m" in st:
+                m, v = st["m"], st["v"]
+            else:
+                m = (smap[st["cm"]].view(-1) * self._blocks(torch.ones(n, device=DEVICE), n)
+                     .mul(st["am"][:, None]).view(-1)[:n])
+                v = umap[st["cv"]] * st["av"].repeat_interleave(256)[:n]
+            ok = torch.isfinite(g)
+            m = torch.where(ok, m * b1 + (1 - b1) * g, 0.0)
+            v = torch.where(ok, v * b2 + (1 - b2) * g * g, 0.0)
+            new = (flat + (-self.lr * bc2 / bc1) * (m / (v.sqrt() + bc2 * self.eps))) * (1 - self.lr * self.wd)
+            flat.copy_(torch.where(ok, new, flat))
+            if "m" in st:
+                st["m"], st["v"] = m, v
+                continue
+            am = self._blocks(m.abs(), n).amax(1)
+            av = self._blocks(v, n).amax(1)
+            st["am"], st["av"] = am, av
+            xm = torch.where(am.repeat_interleave(256)[:n] > 0, m / am.repeat_interleave(256)[:n], 0.0)
+            cm = self._nearest(smap, xm)
+            neg = smap[cm] < 0
+            st["cm"] = torch.where((m < 0) & ~neg, cm - 1, torch.where((m > 0) & neg, cm + 1, cm))
+            st["cv"] = self._nearest(umap, torch.where(av.repeat_interleave(256)[:n] > 0,
+                                                       v / av.repeat_interleave(256)[:n], 0.0))
+
+
+def test_adamw8bit_matches_bitsandbytes_blockwise_update():
+    # (3, 5) keeps fp32 moments (< 4096 elements); 4500 and 21000 elements are quantized, over two
+    # and three work items, each with a partial last 256-block
+    fp, tp = _params([(3, 5), (4500,), (3, 7000)])
+    kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    fo, ref = optim.AdamW8bit(fp, **kw), _ReferenceAdamW8bit(tp, **kw)
+    for i in range(5):
+        gs = _grads(tp)
+        if i == 2:
+            gs[2][1, 5] = float("nan")  # resets that element's moments, leaves its parameter
+            before = [p.to_torch().clone() for p in fp]
+            fo.step(_grad_map(fp, gs), found_inf=_flag(1))
+            assert all(torch.equal(p.to_torch(), b) for p, b in zip(fp, before))
+        fo.step(_grad_map(fp, [g * 8.0 for g in gs]), grad_scale=flame.tensor([1.0 / 8.0]))
+        ref.step(gs)
+    _assert_params(fp, tp, rtol=1e-5, atol=1e-6)
+    state = fo.state_dict()["state"]
+    assert state[0]["state1"].dtype == torch.float32 and "absmax1" not in state[0]
+    for i in (1, 2):
+        st, want = state[i], ref.state[i]
+        assert st["state1"].dtype == torch.uint8 and st["step"] == 5
+        torch.testing.assert_close(st["absmax1"].to_torch(), want["am"], rtol=1e-5, atol=0)
+        torch.testing.assert_close(st["absmax2"].to_torch(), want["av"], rtol=1e-5, atol=0)
+        for got, ref_codes in ((st["state1"], want["cm"]), (st["state2"], want["cv"])):
+            differ = (got.to_torch().reshape(-1).long() - ref_codes).abs()
+            assert differ.max() <= 1 and (differ > 0).float().mean() < 1e-3  # rounding at code midpoints
+
+
+def test_adamw8bit_tracks_adamw_and_resumes_from_its_state():
+    fp, tp = _params([(64, 96)])
+    f8 = [flame.from_torch(p.detach().clone(), requires_grad=True) for p in tp]
+    o32, o8 = optim.AdamW(fp, lr=1e-2, weight_decay=0.0), optim.AdamW8bit(f8, lr=1e-2, weight_decay=0.0)
+    start = tp[0].detach().clone()
+    grads = [_grads(tp) for _ in range(8)]
+    for gs in grads[:4]:
+        o32.step(_grad_map(fp, gs))
+        o8.step(_grad_map(f8, gs))
+    saved = o8.state_dict()
+    resumed_ps = [flame.from_torch(f8[0].to_torch().clone(), requires_grad=True)]
+    resumed = optim.AdamW8bit(resumed_ps, lr=1e-2, weight_decay=0.0)
+    resumed.load_state_dict(saved)
+    for gs in grads[4:]:
+        o32.step(_grad_map(fp, gs))
+        o8.step(_grad_map(f8, gs))
+        resumed.step(_grad_map(resumed_ps, gs))
+    assert torch.equal(resumed_ps[0].to_torch(), f8[0].to_torch())
+    moved = (fp[0].to_torch() - start).abs().mean()
+    assert (f8[0].to_torch() - fp[0].to_torch()).abs().mean() < 0.02 * moved  # 8-bit moments, same path
+    bad = {**saved, "state": {0: {**saved["state"][0], "state1": flame.zeros(64, 96)}}}
+    with pytest.raises(TypeError, match="state1.*expected torch.uint8"):
+        resumed.load_state_dict(bad)

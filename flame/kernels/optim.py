@@ -1,8 +1,9 @@
 """Multi-tensor kernels for optimizers, gradient clipping, gradient packing and moving averages.
 
 Every launch here covers many tensors. The host packs, once per set of tensors, an int64 table of
-per-tensor rows ``[param ptr, grad ptr, m ptr, v ptr, numel, step slot, 0, 0]`` and a table of work
-items ``[tensor row, first element]``; program ``w`` of a launch reads work item ``w`` and updates
+per-tensor rows ``[param ptr, grad ptr, state0 ptr, state1 ptr, numel, step slot, state2 ptr, state3
+ptr]`` (the state buffers an optimizer keeps per parameter: moments, quantization scales, ...) and a
+table of work items ``[tensor row, first element]``; program ``w`` of a launch reads work item ``w`` and updates
 ``CHUNK`` elements of one tensor (``BLOCK`` at a time). Pointers are cast back to typed pointers
 inside the kernel, so each launch serves one (param dtype, grad dtype) combination.
 
@@ -173,6 +174,84 @@ def _lion_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, lr, b1, b2, decay,
 
 
 @triton.jit
+def _nearest_code(x, qmap_ptr):
+    # index of the value nearest to x in a sorted 256-entry map (ties to the lower one): a binary
+    # search for the last entry <= x, then that entry or the next
+    lo = tl.zeros(x.shape, tl.int32)
+    for i in tl.static_range(8):
+        cand = lo + (128 >> i)
+        lo = tl.where(tl.load(qmap_ptr + cand) <= x, cand, lo)
+    hi = tl.minimum(lo + 1, 255)
+    nearer_hi = tl.load(qmap_ptr + hi) - x < x - tl.load(qmap_ptr + lo)
+    return tl.where(nearer_hi, hi, lo)
+
+
+@triton.jit(do_not_specialize=["lr", "b1", "b2", "eps", "decay"])
+def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qmap_ptr, lr, b1, b2, eps, decay,
+                     P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     CHUNK: tl.constexpr, ROWS: tl.constexpr):
+    # Adam with blockwise 8-bit moments (bitsandbytes' AdamW8bit), t = step + 1, per 256-element block:
+    #   m = b1 * smap[cm] * am + (1 - b1) g;   v = b2 * umap[cv] * av + (1 - b2) g^2
+    #   p += -lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + sqrt(1 - b2^t) eps);   p *= 1 - lr * wd
+    #   am, av = max |m|, max v over the block;  cm, cv = the nearest codes to m / am, v / av
+    # (smap: the signed dynamic map, umap: the unsigned one; cm moved one code toward m's sign when
+    # the nearest code has the other sign). A non-finite gradient element zeroes its moments and
+    # leaves its parameter. A tensor whose state2 slot is 0 keeps fp32 moments instead (the same
+    # update without the codes: bitsandbytes does so below 4096 elements).
+    row, start = _work(tensors_ptr, work_ptr)
+    p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
+    step = tl.load(steps_ptr + tl.load(row + 5)) + 1
+    bc1 = 1.0 - _powi(tl.cast(b1, tl.float64), step)
+    bc2_sqrt = tl.sqrt(1.0 - _powi(tl.cast(b2, tl.float64), step))
+    step_size = (-lr * bc2_sqrt / bc1).to(tl.float32)
+    eps_c = (eps * bc2_sqrt).to(tl.float32)
+    am_addr = tl.load(row + 6)
+    quantized = am_addr != 0
+    blocks = start // 256 + tl.arange(0, ROWS)
+    cols = tl.arange(0, 256)
+    for off in range(0, CHUNK, ROWS * 256):
+        block = blocks + off // 256
+        idx = block[:, None] * 256 + cols[None, :]
+        mask = idx < n
+        p, g = _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE)
+        finite = tl.abs(g) < float("inf")  # false for inf and NaN
+        if quantized:
+            m_codes = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
+            v_codes = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
+            am_ptr = am_addr.to(tl.pointer_type(tl.float32))
+            av_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+            bmask = block * 256 < n
+            cm = tl.load(m_codes + idx, mask=mask, other=0).to(tl.int32)
+            cv = tl.load(v_codes + idx, mask=mask, other=0).to(tl.int32)
+            m = tl.load(qmap_ptr + cm) * tl.load(am_ptr + block, mask=bmask, other=0.0)[:, None]
+            v = tl.load(qmap_ptr + 256 + cv) * tl.load(av_ptr + block, mask=bmask, other=0.0)[:, None]
+        else:
+            m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+            v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+            m = tl.load(m_ptr + idx, mask=mask, other=0.0)
+            v = tl.load(v_ptr + idx, mask=mask, other=0.0)
+        keep = finite & mask
+        m = tl.where(keep, m * b1 + (1.0 - b1) * g, 0.0)
+        v = tl.where(keep, v * b2 + (1.0 - b2) * (g * g), 0.0)
+        new_p = (p + step_size * (m / (tl.sqrt(v) + eps_c))) * decay
+        tl.store(p_ptr + idx, tl.where(finite, new_p, p).to(P_DTYPE), mask=mask)
+        if quantized:
+            am = tl.max(tl.abs(m), axis=1)
+            av = tl.max(v, axis=1)
+            tl.store(am_ptr + block, am, mask=bmask)
+            tl.store(av_ptr + block, av, mask=bmask)
+            cm = _nearest_code(tl.where(am[:, None] > 0, m / am[:, None], 0.0), qmap_ptr)
+            code_neg = tl.load(qmap_ptr + cm) < 0
+            cm = tl.where((m < 0) & ~code_neg, cm - 1, tl.where((m > 0) & code_neg, cm + 1, cm))
+            cv = _nearest_code(tl.where(av[:, None] > 0, v / av[:, None], 0.0), qmap_ptr + 256)
+            tl.store(m_codes + idx, cm.to(tl.uint8), mask=mask)
+            tl.store(v_codes + idx, cv.to(tl.uint8), mask=mask)
+        else:
+            tl.store(m_ptr + idx, m, mask=mask)
+            tl.store(v_ptr + idx, v, mask=mask)
+
+
+@triton.jit
 def _advance_kernel(tensors_ptr, steps_ptr, found_ptr, HAS_FOUND: tl.constexpr):
     # one program per tensor row: steps[slot] += 1 (unless found_inf)
     row = tensors_ptr + _ROW * tl.program_id(0).to(tl.int64)
@@ -304,9 +383,9 @@ def _split(x):
 class Tables:
     """Device tables for one multi-tensor launch set.
 
-    ``rows``: per tensor ``(param, grad, m, v)`` buffers (torch tensors, or None for unused slots),
-    the element count and the step slot. Keeps references to the tables so they outlive the
-    (asynchronous) launches that read them.
+    ``rows``: per tensor ``(param, grad, state0, ..., state3)`` buffers (torch tensors, or None for
+    unused slots; trailing ones may be left out), the element count and the step slot. Keeps
+    references to the tables so they outlive the (asynchronous) launches that read them.
     """
 
     def __init__(self, rows):
@@ -316,7 +395,10 @@ class Tables:
         n = len(rows)
         table = np.zeros((n, ROW), dtype=np.int64)
         if n:
-            table[:, :4] = [[b.data_ptr() if b is not None else 0 for b in bufs] for bufs, _, _ in rows]
+            ptrs = np.zeros((n, 6), dtype=np.int64)
+            for i, (bufs, _, _) in enumerate(rows):
+                ptrs[i, : len(bufs)] = [b.data_ptr() if b is not None else 0 for b in bufs]
+            table[:, [0, 1, 2, 3, 6, 7]] = ptrs
             table[:, 4] = [r[1] for r in rows]
             table[:, 5] = [r[2] for r in rows]
         chunks = (table[:, 4] + chunk - 1) // chunk
@@ -369,6 +451,47 @@ def lion_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, weight_decay, f
            float(lr), float(beta1), float(beta2), 1.0 - float(lr) * float(weight_decay), P_DTYPE=tl_dtype(p_dtype),
            G_DTYPE=tl_dtype(g_dtype), HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
            CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+    advance(tables, steps, found_inf)
+
+
+def dynamic_map(signed: bool) -> np.ndarray:
+    """bitsandbytes' dynamic 8-bit quantization map (Dettmers 2016), 256 sorted fp32 values in
+    [-1, 1] (signed) or [0, 1]: for each decade 10^(e-6), e = 0..6, the midpoints of 2^e (signed;
+    2^(e+1) unsigned) equal steps of [0.1, 1] times it (and their negatives when signed), then 0 and 1.
+    Dense near zero, where most moments lie."""
+    values = [0.0, 1.0]
+    for e in range(7):
+        count = 2 ** e if signed else 2 ** (e + 1)
+        edges = np.linspace(0.1, 1.0, count + 1, dtype=np.float32)
+        mids = (np.float32(10.0 ** (e - 6)) * ((edges[:-1] + edges[1:]) / np.float32(2))).astype(np.float32)
+        values += mids.tolist() + ((-mids).tolist() if signed else [])
+    return np.sort(np.asarray(values, dtype=np.float32))
+
+
+_QMAPS = {}
+
+
+def quantization_maps():
+    """The signed map then the unsigned one, 512 fp32 values on the device (made once)."""
+    dev = runtime.device
+    if dev not in _QMAPS:
+        _QMAPS[dev] = torch.from_numpy(np.concatenate([dynamic_map(True), dynamic_map(False)])).to(dev)
+    return _QMAPS[dev]
+
+
+def adam8bit_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, eps, weight_decay, found_inf=None,
+                  grad_scale=None):
+    """One 8-bit-state AdamW update (bitsandbytes' semantics) of every tensor in ``tables``, whose
+    state slots hold (m codes, v codes, m block maxima, v block maxima), or (m, v) in fp32."""
+    if tables.num_work == 0:
+        return
+    rows = tables.chunk // 256 if runtime.INTERPRETER else 4  # the interpreter: one pass per program
+    launch(_adam8bit_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
+           found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
+           quantization_maps(), float(lr), float(beta1), float(beta2), float(eps),
+           1.0 - float(lr) * float(weight_decay),
+           P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), HAS_FOUND=found_inf is not None,
+           HAS_SCALE=grad_scale is not None, CHUNK=tables.chunk, ROWS=rows, num_warps=4)
     advance(tables, steps, found_inf)
 
 

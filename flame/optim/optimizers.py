@@ -1,4 +1,4 @@
-"""Fused multi-tensor optimizers: ``AdamW``, ``Adam``, ``SGD`` and ``Lion``.
+"""Fused multi-tensor optimizers: ``AdamW``, ``Adam``, ``AdamW8bit``, ``SGD`` and ``Lion``.
 
 ``opt.step(grads)`` takes the ``GradientMap`` returned by ``backward()`` (there is no ``.grad``
 attribute to zero); parameters without a gradient in the map are skipped, their step counters
@@ -65,6 +65,8 @@ def _copy_in(dst, src, what):
         raise TypeError(f"load_state_dict: {what} must be a tensor, got {type(src).__name__}")
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"load_state_dict: {what} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    if src.dtype.is_floating_point != dst.dtype.is_floating_point:
+        raise TypeError(f"load_state_dict: {what} is {src.dtype}, expected {dst.dtype}")
     if src.device != dst.device:
         src = src.to(dst.device)  # host transfer
     KE.copy_(dst, src)
@@ -139,14 +141,24 @@ class Optimizer:
             raise ValueError(f"Invalid learning rate: {group['lr']}")
         if group.get("weight_decay", 0.0) < 0:
             raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+        for i, b in enumerate(group.get("betas", ())):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+        eps = group.get("eps", 0.0)
+        if isinstance(eps, (int, float)) and eps < 0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
 
     # ---- state ----------------------------------------------------------------------------
     def _state_for(self, p):
         st = self.state.get(p.id)
         if st is None:
-            st = {name: _zeros_like(p._data, torch.float32) for name in self._state_names}
-            self.state[p.id] = st
+            st = self.state[p.id] = self._new_state(p)
         return st
+
+    def _new_state(self, p) -> dict:
+        """A parameter's state buffers, named as ``_state_names`` (at most four, in that order in
+        the kernels' tables): fp32 zeros in the parameter's layout unless an optimizer keeps others."""
+        return {name: _zeros_like(p._data, torch.float32) for name in self._state_names}
 
     def _plan(self, gi):
         """Per-group list of (param, its buffer, id, step slot, state buffers, numel), built once
@@ -157,8 +169,8 @@ class Optimizer:
         entries = []
         for p in self.param_groups[gi]["params"]:
             st = self._state_for(p)
-            bufs = tuple(st[n] for n in self._state_names)[:2]
-            entries.append((p, p._data, p.id, self._slots[p.id], bufs + (None,) * (2 - len(bufs)), p.numel()))
+            bufs = tuple(st[n] for n in self._state_names)
+            entries.append((p, p._data, p.id, self._slots[p.id], bufs, p.numel()))
         self._version += 1
         plan = self._plans[gi] = (self._version, entries)
         return plan
@@ -221,9 +233,14 @@ class Optimizer:
         found = _check_flag(found_inf, "found_inf", torch.int32)
         scale = _check_flag(grad_scale, "grad_scale", torch.float32)
         held = []  # gradients copied for the kernels, alive until the launches below
-        for gi, group in enumerate(self.param_groups):
-            for (pd, gd), tables in self._buckets(gi, lookup, held).items():
-                self._update(group, tables, pd, gd, found, scale)
+        self._apply([(group, tables, pd, gd) for gi, group in enumerate(self.param_groups)
+                     for (pd, gd), tables in self._buckets(gi, lookup, held).items()], found, scale)
+
+    def _apply(self, buckets, found, scale):
+        """Launch the update of every ``(group, Tables, param dtype, grad dtype)`` bucket: each on its
+        own (``_update``) unless an optimizer needs statistics over all of them first."""
+        for group, tables, pd, gd in buckets:
+            self._update(group, tables, pd, gd, found, scale)
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         raise NotImplementedError
@@ -244,6 +261,8 @@ class Optimizer:
                 continue
             entry = {"step": step}
             for name, buf in st.items():
+                if buf is None:  # a state this parameter does not keep (e.g. fp32 moments: no block maxima)
+                    continue
                 copy = runtime.empty(tuple(buf.shape), buf.dtype)
                 KE.copy_(copy, buf)
                 entry[name] = Tensor(copy)
@@ -284,6 +303,8 @@ class Optimizer:
                                f"(this optimizer has {len(flat)} parameters)")
             st = self._state_for(p)
             for name in self._state_names:
+                if st[name] is None:
+                    continue
                 if name not in entry:
                     raise KeyError(f"load_state_dict: state of parameter {idx} lacks {name!r}")
                 _copy_in(st[name], entry[name], f"state[{idx}][{name!r}]")
@@ -319,16 +340,6 @@ class Adam(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=False, maximize=False))
 
-    def _validate(self, group):
-        super()._validate(group)
-        b1, b2 = group["betas"]
-        if not 0.0 <= b1 < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 0: {b1}")
-        if not 0.0 <= b2 < 1.0:
-            raise ValueError(f"Invalid beta parameter at index 1: {b2}")
-        if group["eps"] < 0:
-            raise ValueError(f"Invalid epsilon value: {group['eps']}")
-
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         b1, b2 = group["betas"]
         K.adam_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
@@ -344,6 +355,39 @@ class AdamW(Adam):
                  maximize=False):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          maximize=maximize)
+
+
+class AdamW8bit(Optimizer):
+    """AdamW with its two moments stored in 8 bits per element (bitsandbytes' ``AdamW8bit``, the
+    blockwise kind): each block of 256 elements keeps its largest magnitude in fp32 and each element
+    the nearest of 256 codes of a dynamic map (dense near zero) to its value over that maximum; the
+    update dequantizes, computes in fp32 and quantizes again in the same kernel. Tensors of fewer
+    than ``min_8bit_size`` elements keep fp32 moments. About a quarter of AdamW's state memory.
+    As bitsandbytes: the weight decay multiplies the parameter after the Adam step; a non-finite
+    gradient element resets its moments and leaves its parameter (use ``found_inf`` to skip a step).
+    State names are bitsandbytes' (``state1``, ``state2``, ``absmax1``, ``absmax2``)."""
+
+    _state_names = ("state1", "state2", "absmax1", "absmax2")
+    BLOCK = 256
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
+        if min_8bit_size < 0:
+            raise ValueError(f"Invalid min_8bit_size: {min_8bit_size}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      min_8bit_size=int(min_8bit_size)))
+
+    def _new_state(self, p):
+        if p.numel() < self.defaults["min_8bit_size"]:
+            return {"state1": _zeros_like(p._data, torch.float32), "state2": _zeros_like(p._data, torch.float32),
+                    "absmax1": None, "absmax2": None}
+        blocks = -(-p.numel() // self.BLOCK)
+        return {"state1": _zeros_like(p._data, torch.uint8), "state2": _zeros_like(p._data, torch.uint8),
+                "absmax1": _zeros((blocks,), torch.float32), "absmax2": _zeros((blocks,), torch.float32)}
+
+    def _update(self, group, tables, p_dtype, g_dtype, found, scale):
+        b1, b2 = group["betas"]
+        K.adam8bit_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
+                        float(group["eps"]), float(group["weight_decay"]), found, scale)
 
 
 class SGD(Optimizer):
@@ -384,12 +428,6 @@ class Lion(Optimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
-
-    def _validate(self, group):
-        super()._validate(group)
-        for i, b in enumerate(group["betas"]):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {b}")
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         b1, b2 = group["betas"]
