@@ -778,3 +778,51 @@ def test_adamw8bit_tracks_adamw_and_resumes_from_its_state():
     bad = {**saved, "state": {0: {**saved["state"][0], "state1": flame.zeros(64, 96)}}}
     with pytest.raises(TypeError, match="state1.*expected torch.uint8"):
         resumed.load_state_dict(bad)
+
+
+PRODIGY_CONFIGS = [
+    dict(weight_decay=0.01),
+    dict(d0=1e-3, betas=(0.9, 0.99), use_bias_correction=True, growth_rate=1.5, weight_decay=0.1, decouple=False),
+    dict(d0=1e-2, betas=(0.0, 0.999), safeguard_warmup=True, d_coef=0.5, lr=0.5),
+]
+
+
+@pytest.mark.parametrize("kw", PRODIGY_CONFIGS, ids=range(len(PRODIGY_CONFIGS)))
+def test_prodigy_matches_prodigyopt(kw):
+    prodigyopt = pytest.importorskip("prodigyopt")
+    fp, tp = _params([(3, 5), (4500,), (17,)])
+    with torch.no_grad():
+        tp[2].zero_()  # a zero tensor (LoRA's B): prodigyopt keeps p0 as a scalar 0 then
+        fp[2].to_torch().zero_()
+    fo, to = optim.Prodigy(fp, **kw), prodigyopt.Prodigy(tp, **kw)
+    for i in range(8):
+        gs = _grads(tp)
+        if i == 3:
+            before = [p.to_torch().clone() for p in fp]
+            fo.step(_grad_map(fp, gs), found_inf=_flag(1))
+            assert all(torch.equal(p.to_torch(), b) for p, b in zip(fp, before))
+        fo.step(_grad_map(fp, [g * 4.0 for g in gs]), grad_scale=flame.tensor([0.25]))
+        _torch_step(to, tp, gs)
+    group = fo.state_dict()["param_groups"][0]
+    for name in ("d", "d_max", "d_numerator", "k"):
+        assert group[name] == pytest.approx(to.param_groups[0][name], rel=1e-5), name
+    _assert_params(fp, tp, rtol=1e-5, atol=1e-6)
+
+
+def test_prodigy_resumes_and_refuses_groups_with_different_lrs():
+    fp, tp = _params([(3, 5), (17,)])
+    grads = [_grads(tp) for _ in range(6)]
+    whole = optim.Prodigy(fp, d0=1e-3, weight_decay=0.01)
+    for gs in grads[:3]:
+        whole.step(_grad_map(fp, gs))
+    copies = [flame.from_torch(p.to_torch().clone(), requires_grad=True) for p in fp]
+    resumed = optim.Prodigy(copies, d0=1e-3, weight_decay=0.01)
+    resumed.load_state_dict(whole.state_dict())
+    for gs in grads[3:]:
+        whole.step(_grad_map(fp, gs))
+        resumed.step(_grad_map(copies, gs))
+    assert all(torch.equal(a.to_torch(), b.to_torch()) for a, b in zip(fp, copies))
+    assert resumed.state_dict()["param_groups"][0]["d"] == whole.state_dict()["param_groups"][0]["d"] > 1e-3
+    split = optim.Prodigy([{"params": [copies[0]]}, {"params": [copies[1]], "lr": 0.5}])
+    with pytest.raises(ValueError, match="different learning rates"):
+        split.step(_grad_map(copies, grads[0]))

@@ -251,6 +251,135 @@ def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qma
             tl.store(v_ptr + idx, v, mask=mask)
 
 
+# Prodigy's device scalars (fp64): the D estimate, its running maximum, the numerator's running
+# sum, the global step k, the step's d * lr * bias correction (read by the update), d_hat,
+# whether the update is skipped (no gradient moved the estimate yet), and the initial estimate d0
+PRODIGY_D, PRODIGY_D_MAX, PRODIGY_NUM, PRODIGY_K, PRODIGY_DLR, PRODIGY_D_HAT, PRODIGY_SKIP, PRODIGY_D0 = range(8)
+
+
+@triton.jit
+def _prodigy_dlr(scalars_ptr, lr, b1, b2, BIAS_CORRECTION: tl.constexpr):
+    # d * lr, times sqrt(1 - b2^(k+1)) / (1 - b1^(k+1)) with the bias correction
+    dlr = tl.load(scalars_ptr + 0) * lr
+    if BIAS_CORRECTION:
+        k = tl.load(scalars_ptr + 3).to(tl.int64) + 1
+        dlr = dlr * tl.sqrt(1.0 - _powi(tl.cast(b2, tl.float64), k)) / (1.0 - _powi(tl.cast(b1, tl.float64), k))
+    return dlr
+
+
+@triton.jit(do_not_specialize=["part_base", "total", "lr", "b1", "b2", "b3", "wd"])
+def _prodigy_stats_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_ptr, part_ptr, part_base, total,
+                          lr, b1, b2, b3, wd, P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr,
+                          DECOUPLED: tl.constexpr, BIAS_CORRECTION: tl.constexpr, SAFEGUARD: tl.constexpr,
+                          HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    # Prodigy's first pass (Mishchenko & Defazio 2023; prodigyopt 1.1.2), with d the current estimate:
+    #   g += wd p (coupled decay);  m = b1 m + d (1 - b1) g;  v = b2 v + d^2 (1 - b2) g^2
+    #   s = b3 s + (d / d0) * (d if safeguard else dlr) * g
+    #   partials: (d / d0) dlr <g, p0 - p> and sum |s|, into part[w] and part[total + w]
+    # slots: m (state0), v (state1), s (state2), p0 (state3: the parameter at the first step)
+    row, start = _work(tensors_ptr, work_ptr)
+    p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    s_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
+    p0_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
+    d64 = tl.load(scalars_ptr + 0)
+    d0 = tl.load(scalars_ptr + 7)
+    dlr64 = _prodigy_dlr(scalars_ptr, lr, b1, b2, BIAS_CORRECTION)
+    d = d64.to(tl.float32)
+    weight = (d64 / d0 * dlr64).to(tl.float32)
+    if SAFEGUARD:
+        s_weight = (d64 / d0 * d64).to(tl.float32)
+    else:
+        s_weight = weight
+    dot = tl.zeros((BLOCK,), tl.float32)
+    s_abs = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p, g = _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE)
+        if not DECOUPLED:
+            g = g + wd * p
+        p0 = tl.load(p0_ptr + idx, mask=mask, other=0.0)
+        dot += g * (p0 - p)
+        m = tl.load(m_ptr + idx, mask=mask, other=0.0) * b1 + d * (1.0 - b1) * g
+        v = tl.load(v_ptr + idx, mask=mask, other=0.0) * b2 + d * d * (1.0 - b2) * (g * g)
+        s = tl.load(s_ptr + idx, mask=mask, other=0.0) * b3 + s_weight * g
+        s_abs += tl.abs(s)
+        tl.store(m_ptr + idx, m, mask=mask)
+        tl.store(v_ptr + idx, v, mask=mask)
+        tl.store(s_ptr + idx, s, mask=mask)
+    w = part_base + tl.program_id(0).to(tl.int64)
+    tl.store(part_ptr + w, weight * tl.sum(dot, axis=0))
+    tl.store(part_ptr + total + w, tl.sum(s_abs, axis=0))
+
+
+@triton.jit(do_not_specialize=["total", "lr", "b1", "b2", "b3", "d_coef", "growth"])
+def _prodigy_estimate_kernel(found_ptr, scalars_ptr, part_ptr, total, lr, b1, b2, b3, d_coef, growth,
+                             BIAS_CORRECTION: tl.constexpr, HAS_FOUND: tl.constexpr, BLOCK: tl.constexpr):
+    # one program: numerator = b3 numerator + sum part[:total];  denominator = sum part[total:]
+    #   d_hat = d_coef numerator / denominator;  d = max(d, d_hat) while d is still d0;
+    #   d_max = max(d_max, d_hat);  d = min(d_max, growth d);  k += 1
+    # (a zero denominator: no gradient yet, the update is skipped and nothing changes)
+    num = tl.zeros((BLOCK,), tl.float64)
+    den = tl.zeros((BLOCK,), tl.float64)
+    for off in range(0, total, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        num += tl.load(part_ptr + idx, mask=idx < total, other=0.0).to(tl.float64)
+        den += tl.load(part_ptr + total + idx, mask=idx < total, other=0.0).to(tl.float64)
+    numerator = tl.load(scalars_ptr + 2) * b3 + tl.sum(num, axis=0)
+    denominator = tl.sum(den, axis=0)
+    run = denominator != 0
+    if HAS_FOUND:
+        run = run & (tl.load(found_ptr) == 0)
+    d = tl.load(scalars_ptr + 0)
+    d_max = tl.load(scalars_ptr + 1)
+    d_hat = d_coef * numerator / tl.where(run, denominator, 1.0)
+    new_d = tl.where(d == tl.load(scalars_ptr + 7), tl.maximum(d, d_hat), d)
+    new_max = tl.maximum(d_max, d_hat)
+    new_d = tl.minimum(new_max, new_d * growth)
+    dlr = _prodigy_dlr(scalars_ptr, lr, b1, b2, BIAS_CORRECTION)  # before k moves
+    tl.store(scalars_ptr + 0, tl.where(run, new_d, d))
+    tl.store(scalars_ptr + 1, tl.where(run, new_max, d_max))
+    tl.store(scalars_ptr + 2, tl.where(run, numerator, tl.load(scalars_ptr + 2)))
+    tl.store(scalars_ptr + 3, tl.load(scalars_ptr + 3) + tl.where(run, 1.0, 0.0))
+    tl.store(scalars_ptr + 4, dlr)
+    tl.store(scalars_ptr + 5, tl.where(run, d_hat, tl.load(scalars_ptr + 5)))
+    tl.store(scalars_ptr + 6, tl.where(run, 0.0, 1.0))
+
+
+@triton.jit(do_not_specialize=["b1", "wd", "eps"])
+def _prodigy_update_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_ptr, b1, wd, eps,
+                           P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, DECOUPLED: tl.constexpr,
+                           HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    # Prodigy's second pass, with d the new estimate and dlr the step's (from the old d):
+    #   p -= wd dlr p (decoupled);  p -= dlr m / (sqrt(v) + d eps)   (b1 = 0: p -= dlr d g / (...))
+    row, start = _work(tensors_ptr, work_ptr)
+    p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
+    n = tl.where(tl.load(scalars_ptr + 6) == 0, n, 0)
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    d = tl.load(scalars_ptr + 0).to(tl.float32)
+    dlr = tl.load(scalars_ptr + 4).to(tl.float32)
+    for off in range(0, CHUNK, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        mask = idx < n
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        denom = tl.sqrt(tl.load(v_ptr + idx, mask=mask, other=0.0)) + d * eps
+        if DECOUPLED:
+            p = p - wd * dlr * p
+        if b1 > 0:
+            p = p - dlr * tl.load(m_ptr + idx, mask=mask, other=0.0) / denom
+        else:
+            g = tl.load(g_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SCALE:
+                g = g * tl.load(scale_ptr)
+            p = p - dlr * d * g / denom
+        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+
+
 @triton.jit
 def _advance_kernel(tensors_ptr, steps_ptr, found_ptr, HAS_FOUND: tl.constexpr):
     # one program per tensor row: steps[slot] += 1 (unless found_inf)
@@ -495,6 +624,39 @@ def adam8bit_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, eps, weight
     advance(tables, steps, found_inf)
 
 
+def prodigy_step(buckets, steps, scalars, lr, beta1, beta2, beta3, decoupled, d_coef, growth_rate,
+                 bias_correction, safeguard_warmup, found_inf=None, grad_scale=None):
+    """One Prodigy update of every tensor of ``buckets`` ([(Tables, param dtype, grad dtype, weight
+    decay, eps)]): a
+    statistics launch per bucket, one launch for the new D estimate (``scalars``, fp64 device
+    values indexed by ``PRODIGY_*``), an update launch per bucket, the step counters."""
+    buckets = [b for b in buckets if b[0].num_work]
+    total = sum(b[0].num_work for b in buckets)
+    if not total:
+        return
+    partial = runtime.empty((2 * total,), torch.float32)
+    found = found_inf if found_inf is not None else scalars
+    scale = grad_scale if grad_scale is not None else scalars
+    flags = dict(HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None)
+    base = 0
+    for tables, p_dtype, g_dtype, weight_decay, _ in buckets:
+        launch(_prodigy_stats_kernel, (tables.num_work,), tables.tensors, tables.work, found, scale, scalars,
+               partial, base, total, float(lr), float(beta1), float(beta2), float(beta3), float(weight_decay),
+               P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), DECOUPLED=bool(decoupled),
+               BIAS_CORRECTION=bool(bias_correction), SAFEGUARD=bool(safeguard_warmup), **flags,
+               CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+        base += tables.num_work
+    block = _finish_block(total)
+    launch(_prodigy_estimate_kernel, (1,), found, scalars, partial, total, float(lr), float(beta1), float(beta2),
+           float(beta3), float(d_coef), float(growth_rate), BIAS_CORRECTION=bool(bias_correction),
+           HAS_FOUND=found_inf is not None, BLOCK=block, num_warps=4)
+    for tables, p_dtype, g_dtype, weight_decay, eps in buckets:
+        launch(_prodigy_update_kernel, (tables.num_work,), tables.tensors, tables.work, found, scale, scalars,
+               float(beta1), float(weight_decay), float(eps), P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype),
+               DECOUPLED=bool(decoupled), **flags, CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+        advance(tables, steps, found_inf)
+
+
 def advance(tables, steps, found_inf=None):
     """steps[slot] += 1 for every tensor row (unless found_inf is set)."""
     launch(_advance_kernel, (tables.count,), tables.tensors, steps,
@@ -509,6 +671,12 @@ def _norm_code(norm_type):
     if norm_type == float("inf"):
         return NORM_INF.value
     return NORM_P.value
+
+
+def _finish_block(total):
+    """Block of a one-program launch that sums ``total`` partials: GPU-sized, or on the
+    interpreter (one block per pass) the partials rounded up to a power of two."""
+    return 1024 if not runtime.INTERPRETER else max(16, 1 << max(0, (min(total, 1 << 16) - 1).bit_length()))
 
 
 def grad_norm_(buckets, norm_out, coef_out, norm_type, max_norm):
@@ -526,7 +694,7 @@ def grad_norm_(buckets, norm_out, coef_out, norm_type, max_norm):
                float(norm_type) if code == NORM_P.value else 2.0, G_DTYPE=tl_dtype(g_dtype), NORM=code,
                CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
         base += tables.num_work
-    block = 1024 if not runtime.INTERPRETER else max(16, 1 << max(0, (min(total, 1 << 16) - 1).bit_length()))
+    block = _finish_block(total)
     launch(_norm_finish_kernel, (1,), partial, total, norm_out, coef_out,
            float(norm_type) if code == NORM_P.value else 2.0, float(max_norm), NORM=code, BLOCK=block, num_warps=4)
 

@@ -1,4 +1,4 @@
-"""Fused multi-tensor optimizers: ``AdamW``, ``Adam``, ``AdamW8bit``, ``SGD`` and ``Lion``.
+"""Fused multi-tensor optimizers: ``AdamW``, ``Adam``, ``AdamW8bit``, ``SGD``, ``Lion`` and ``Prodigy``.
 
 ``opt.step(grads)`` takes the ``GradientMap`` returned by ``backward()`` (there is no ``.grad``
 attribute to zero); parameters without a gradient in the map are skipped, their step counters
@@ -20,6 +20,8 @@ leaf's gradient in the leaf's layout).
 unscale for a loss scaler).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -433,3 +435,72 @@ class Lion(Optimizer):
         b1, b2 = group["betas"]
         K.lion_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
                     float(group["weight_decay"]), found, scale)
+
+
+class Prodigy(Optimizer):
+    """Prodigy (Mishchenko & Defazio 2023): Adam whose step size D is estimated on the fly from how
+    far the parameters moved against the gradients, so ``lr`` stays 1.0 (a multiplier on D), as
+    ``prodigyopt.Prodigy`` 1.1.2. D, its maximum, the estimate's running numerator and the step
+    count live on the device and are shared by all parameter groups, which must therefore have one
+    ``lr`` (groups with lr 0 are left out). Per parameter: exp_avg, exp_avg_sq, s and p0 (the
+    parameter at its first step), fp32. Each step: a statistics launch per bucket, one launch for
+    the new D, an update launch per bucket; no host sync. ``slice_p`` and FSDP are not offered."""
+
+    _state_names = ("exp_avg", "exp_avg_sq", "s", "p0")
+    _GROUP_SCALARS = {"d": K.PRODIGY_D, "d_max": K.PRODIGY_D_MAX, "d_numerator": K.PRODIGY_NUM, "k": K.PRODIGY_K,
+                      "d_hat": K.PRODIGY_D_HAT}
+
+    def __init__(self, params, lr=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, weight_decay=0.0, decouple=True,
+                 use_bias_correction=False, safeguard_warmup=False, d0=1e-6, d_coef=1.0, growth_rate=float("inf")):
+        if not d0 > 0:
+            raise ValueError(f"Invalid d0 value: {d0}")
+        if not lr > 0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not eps > 0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), beta3=beta3, eps=eps, weight_decay=weight_decay,
+                                      decouple=decouple, use_bias_correction=use_bias_correction,
+                                      safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
+                                      growth_rate=growth_rate))
+        self._scalars = torch.tensor([d0, d0, 0.0, 0.0, 0.0, d0, 0.0, d0], dtype=torch.float64).to(runtime.device)
+
+    def _new_state(self, p):
+        state = super()._new_state(p)
+        KE.copy_(state["p0"], p._data)
+        return state
+
+    def _apply(self, buckets, found, scale):
+        lrs = {float(g["lr"]) for g, *_ in buckets} - {0.0}
+        if len(lrs) > 1:
+            raise ValueError(f"Prodigy: parameter groups with different learning rates ({sorted(lrs)}); D is one "
+                             "estimate for all groups, so their lr (a multiplier on D) must be the same, or 0")
+        if not lrs:
+            return
+        g0 = self.param_groups[0]
+        b1, b2 = g0["betas"]
+        b3 = g0["beta3"] if g0["beta3"] is not None else math.sqrt(b2)
+        K.prodigy_step([(t, pd, gd, float(g["weight_decay"]), float(g["eps"])) for g, t, pd, gd in buckets
+                        if g["lr"] != 0], self._steps, self._scalars, lrs.pop(), b1, b2, b3, g0["decouple"],
+                       g0["d_coef"], g0["growth_rate"], g0["use_bias_correction"], g0["safeguard_warmup"],
+                       found, scale)
+
+    def state_dict(self) -> dict:
+        """As the base, with the estimate's scalars in every group (as prodigyopt keeps them)."""
+        out = super().state_dict()
+        values = self._scalars.cpu().tolist()  # host transfer
+        for group in out["param_groups"]:
+            group.update({name: values[i] for name, i in self._GROUP_SCALARS.items()})
+            group["k"] = int(group["k"])
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        values = self._scalars.cpu().tolist()  # host transfer
+        for name, i in self._GROUP_SCALARS.items():
+            if name in self.param_groups[0]:
+                values[i] = float(self.param_groups[0].pop(name))
+        for group in self.param_groups[1:]:
+            for name in self._GROUP_SCALARS:
+                group.pop(name, None)
+        values[K.PRODIGY_D0] = float(self.param_groups[0]["d0"])
+        self._scalars = torch.tensor(values, dtype=torch.float64).to(runtime.device)
