@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""SDXL LoRA training on several GPUs: flame's data-parallel trainer against diffusers + peft under
-torch's DistributedDataParallel, both started by torchrun, on the same machine in the same run.
+"""The SDXL LoRA trainer's step: on several GPUs, flame's data-parallel trainer against diffusers +
+peft under torch's DistributedDataParallel, both started by torchrun, on the same machine in the
+same run; with the trainer's data, EMA and optimizer features on against the plain step; loading.
 
-    python3 scripts/bench_ddp.py                          # N = 1, 2, 4 (up to the GPUs there), checkpointing off and on
-    python3 scripts/bench_ddp.py --nproc 1 --nproc 2 --checkpointing off --out out/ddp.json
-    python scripts/bench_ddp.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1
+    python3 scripts/bench_train.py                   # N = 1, 2, 4 (up to the GPUs there), checkpointing off and on
+    python3 scripts/bench_train.py --nproc 1 --nproc 2 --checkpointing off --out out/ddp.json
+    python3 scripts/bench_train.py --features --steps 10 --blocks 5 --out out/features.json
+    python3 scripts/bench_train.py --load --nproc 1 --nproc 2
+    python scripts/bench_train.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1
                                                           # CPU smoke test (gloo, the interpreter)
 
 flame: the trainer itself (``flame.train.Trainer``) on a synthetic latent cache; each process trains
@@ -19,6 +22,11 @@ Reported per (checkpointing, framework, N): the step time (median over ``--block
 efficiency (images/s with N processes over N times images/s with 1), rank 0's peak memory, and for
 flame the time of the step's all-reduce alone (CUDA events around the bucket's collective) and its
 share of the step. Needs diffusers and peft for the second framework (see ``bench_sdxl.py``).
+
+``--features``: flame alone, one process, the plain step (one cache, AdamW) against the step with
+two datasets (the second repeated twice at half the loss weight), flip augmentation, caption dropout
+0.1, an EMA of the LoRA weights (decay 0.999) and ``--optimizer`` (default AdamW8bit), each in fresh
+processes; reported: step time, its ratio to the plain step, peak memory, CUDA graphs captured.
 
 ``--load``: instead of steps, the time for N processes to hold the frozen UNet (bf16, from a random
 fp16 SDXL file written to ``--weights``' folder first, diffusers names): every rank reading the file
@@ -57,20 +65,41 @@ def _blocks(step, args, sync, slowest):
     return times
 
 
+def _feature_settings(args, latent):
+    """The data/EMA/optimizer settings of ``--features`` (two flipped synthetic caches written first)."""
+    from flame.data import write_synthetic_cache_for
+    from flame.models import SDXLUNetConfig
+    mcfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
+    dirs = [os.path.join(args.cache, name) for name in ("set-a", "set-b")]
+    for i, d in enumerate(dirs):
+        if not os.path.isfile(os.path.join(d, "index.json")):
+            write_synthetic_cache_for(d, 32, mcfg, [(latent, latent)], flipped=True, seed=i)
+    return {"data": {"cache_dir": None, "datasets": [{"cache_dir": dirs[0]},
+                                                     {"cache_dir": dirs[1], "repeats": 2, "loss_weight": 0.5}],
+                     "flip": True, "caption_dropout": 0.1},
+            "ema": {"decay": 0.999}, "train": {"optimizer": args.optimizer}}
+
+
 def run_flame(args):
     import flame
     from flame import distributed
     from flame.train import Trainer, build_config
 
     latent = args.resolution // 8
-    cfg = build_config({
+    settings = {
         "model": {"config": args.config},
-        "data": {"cache_dir": args.cache, "batch_size": 1, "synthetic_samples": 64,
+        "data": {"cache_dir": os.path.join(args.cache, "plain"), "batch_size": 1, "synthetic_samples": 64,
                  "synthetic_latent_sizes": [[latent, latent]]},
         "lora": {"rank": args.rank, "alpha": args.rank, "targets": "attn"},
         "train": {"steps": 10 ** 6, "lr": 1e-4, "precision": "fp32" if flame.is_interpreter() else "bf16",
                   "gradient_checkpointing": args.checkpointing == "on"},
-        "output": {"dir": tempfile.mkdtemp(prefix="flame-ddp-"), "save_every": 0, "log_every": 10 ** 6}})
+        "output": {"dir": tempfile.mkdtemp(prefix="flame-train-"), "save_every": 0, "log_every": 10 ** 6}}
+    if args.with_features:
+        for section, values in _feature_settings(args, latent).items():
+            settings.setdefault(section, {}).update(values)
+        for key in ("synthetic_samples", "synthetic_latent_sizes"):
+            settings["data"].pop(key)
+    cfg = build_config(settings)
     trainer = Trainer(cfg, progress=False, log=lambda *a: None)
     world = trainer.world
 
@@ -98,6 +127,7 @@ def run_flame(args):
             samples.append(start.elapsed_time(end))
         allreduce_ms = statistics.median(samples)
     return {"framework": "flame", "world": world.size, "times_s": times, "peak_bytes": flame.max_memory_allocated(),
+            "graphs": trainer.step_fn.num_graphs,
             "allreduce_ms": allreduce_ms, "allreduce_mb": trainer.bucket.nbytes / 2 ** 20 if trainer.bucket else 0,
             "device": flame.device_name()}
 
@@ -220,6 +250,10 @@ def parse_args(argv):
     p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
     p.add_argument("--cache", help="latent cache folder for flame (written on first use; default: a temp folder)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--features", action="store_true", help="flame's plain step against the step with datasets, "
+                                                              "flip, caption dropout, EMA and --optimizer on")
+    p.add_argument("--optimizer", default="adamw8bit", help="the optimizer of --features (train.optimizer)")
+    p.add_argument("--with-features", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--load", action="store_true", help="measure loading the frozen UNet on every rank against "
                                                           "rank 0 + broadcast, instead of steps")
     p.add_argument("--weights", help="the single-file UNet --load reads (written first; default: a temp folder)")
@@ -256,12 +290,15 @@ def main(argv=None):
         return 0
     if args.load:
         return _measure_loading(args)
-    args.cache = args.cache or os.path.join(tempfile.mkdtemp(prefix="flame-ddp-cache-"), "cache")
+    args.cache = args.cache or tempfile.mkdtemp(prefix="flame-train-cache-")
+    if args.features:
+        return _measure_features(args)
     rows = []
     for ckpt in (["off", "on"] if args.checkpointing == "both" else [args.checkpointing]):
         for fw in _frameworks(args):
             for n in _nprocs(args):
-                result = _launch(args, fw, n, f"{fw} ckpt {ckpt} N={n}", ["--checkpointing", ckpt, "--cache", args.cache])
+                result = _launch(args, fw, n, f"{fw} ckpt {ckpt} N={n}",
+                                 ["--checkpointing", ckpt, "--cache", args.cache])
                 rows.append(result)
                 if "error" in result:
                     continue
@@ -296,6 +333,24 @@ def _save(args, rows):
     if args.out:  # after every setting: a run cut short keeps what it measured
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
+
+
+def _measure_features(args):
+    rows = []
+    ckpt = "off" if args.checkpointing == "both" else args.checkpointing
+    for label, extra in (("plain", []), (f"features ({args.optimizer})", ["--with-features"])):
+        result = _launch(args, "flame", 1, label, ["--checkpointing", ckpt, "--cache", args.cache,
+                                                   "--optimizer", args.optimizer, *extra])
+        rows.append(result)
+        _save(args, rows)
+    if any("error" in r for r in rows):
+        return 1
+    plain = rows[0]["median_s"]
+    print(f"\n{'setting':<28} {'step ms':>8} {'vs plain':>9} {'peak GiB':>9} {'graphs':>7}")
+    for r in rows:
+        print(f"{r['setting']:<28} {r['median_s'] * 1e3:8.1f} {r['median_s'] / plain:8.3f}x "
+              f"{r['peak_bytes'] / 2 ** 30:9.2f} {r['graphs']:7d}")
+    return 0
 
 
 def _measure_loading(args):
