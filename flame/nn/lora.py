@@ -21,9 +21,22 @@ PEFT/diffusers and kohya's sd-scripts use:
   for ``down_blocks.1.attentions.0...``, as kohya's sd-scripts write SDXL files and ComfyUI reads them).
   Files with kohya keys over the diffusers paths load too.
 
+DoRA (``dora=True``; Liu et al. 2024, "weight-decomposed low-rank adaptation", as PEFT's
+``use_dora`` builds it): the layer also has a trainable fp32 magnitude ``lora_magnitude`` m, one
+value per output channel, initialised to the row norms of ``W + scale * B A`` (= ``||W||`` at init,
+B being zero). With ``c = m / ||W + scale * B A||`` (norm per output row of W, over (in) for a
+Linear and (in, kh, kw) for a Conv2d, computed outside the graph: no gradient flows through it, as
+in PEFT and the paper's section 4.3) the layer outputs ``c * (W x + scale * B A x) + b``. Merged
+or folded, ``W' = c * (W + scale * B A)``. File keys: PEFT/diffusers
+``<prefix>.<module path>.lora_magnitude_vector`` ((out,) for a Linear, (1, out, 1, 1) for a Conv2d,
+as PEFT saves them and diffusers' ``load_lora_weights`` reads them); kohya ``<name>.dora_scale``
+((out, 1) or (out, 1, 1, 1): LyCORIS's ``dora_wd`` with ``wd_on_output``, the orientation ComfyUI
+takes for the output axis).
+
 Loading (``load_lora_state_dict``, ``flame.io.load_lora``) is all or nothing: ``plan_lora_load``
 checks every adapter against the model from the tensors' shapes and dtypes, then
-``apply_lora_load`` injects and copies; a load that fails leaves the model as it was.
+``apply_lora_load`` injects and copies; a load that fails leaves the model as it was. An adapter
+with a magnitude in the file is DoRA, one without plain LoRA.
 """
 from __future__ import annotations
 
@@ -37,8 +50,10 @@ from .. import runtime
 from ..autograd import no_grad
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
+from ..kernels import reduce as KR
 from ..ops.conv import conv2d
 from ..ops.dropout import dropout as _dropout
+from ..ops.elementwise import to as _to
 from ..ops.matmul import linear, lora_linear
 from ..tensor import Tensor
 from . import init
@@ -56,11 +71,24 @@ PRESETS = {
 _SUFFIX = re.compile(r"^[A-Za-z0-9_.]+$")
 
 
+def _row_norms(rows, scratch):
+    """``||rows[o, :]||_2`` of a fp32 (n, K) buffer as a new fp32 (n,) buffer: squares into
+    ``scratch`` (same shape; ``rows`` itself when its values are not needed after), sums each row
+    with the reduction kernel, takes the square root."""
+    n, k = rows.shape
+    KE.map_(scratch, [rows, rows], KE.MUL.value)
+    norm = runtime.empty((n,), torch.float32)
+    KR.reduce_(norm, scratch, n, k, 1, (k, 1, 0), KR.SUM)
+    KE.map_(norm, [norm], KE.SQRT.value)
+    return norm
+
+
 class _LoRALayer(Module):
     """What ``LoRALinear`` and ``LoRAConv2d`` share: the frozen base parameters (same names as the
-    base layer), rank/alpha/dropout, the fp32 adapters ``lora_A``/``lora_B``, init and merge."""
+    base layer), rank/alpha/dropout, the fp32 adapters ``lora_A``/``lora_B`` (and DoRA's
+    ``lora_magnitude``), init, the DoRA forward and merge."""
 
-    def _wrap(self, base, rank, alpha, init_mode, dropout, a_shape, b_shape):
+    def _wrap(self, base, rank, alpha, init_mode, dropout, a_shape, b_shape, dora=False):
         rank = int(rank)
         if rank <= 0:
             raise ValueError(f"LoRA rank must be positive, got {rank}")
@@ -80,9 +108,15 @@ class _LoRALayer(Module):
         self.alpha = float(rank if alpha is None else alpha)
         self.dropout = float(dropout)
         self.merged = False
+        self.dora = bool(dora)
+        self._merged_norm = None  # DoRA: the row norms a merge divided by, which unmerge needs
         f32 = torch.float32
         self.lora_A = Parameter(Tensor(runtime.empty((rank, *a_shape), f32)))
         self.lora_B = Parameter(Tensor(runtime.empty((b_shape[0], rank, *b_shape[1:]), f32)))
+        if self.dora:
+            self.lora_magnitude = Parameter(Tensor(runtime.empty((b_shape[0],), f32)))
+        else:
+            self.register_parameter("lora_magnitude", None)
         self.reset_lora(init_mode)
 
     @property
@@ -90,51 +124,142 @@ class _LoRALayer(Module):
         return self.alpha / self.rank
 
     def reset_lora(self, init_mode: str = "kaiming"):
-        """A: kaiming-uniform(a=sqrt(5)) (kohya, PEFT default) or N(0, (1/rank)^2) (PEFT "gaussian"); B: zeros."""
+        """A: kaiming-uniform(a=sqrt(5)) (kohya, PEFT default) or N(0, (1/rank)^2) (PEFT "gaussian"); B: zeros;
+        DoRA's magnitude: the base weight's row norms."""
         if init_mode == "kaiming":
             init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         else:
             init.normal_(self.lora_A, 0.0, 1.0 / self.rank)
         init.zeros_(self.lora_B)
+        if self.dora:
+            self.init_magnitude()
+
+    def init_magnitude(self):
+        """DoRA: m = ||W + scale * B A|| per output channel (PEFT's init), with which the layer outputs
+        exactly what plain LoRA with these A, B would (c = 1)."""
+        if self.merged:
+            raise RuntimeError(f"{type(self).__name__}.init_magnitude: the layer is merged; unmerge it first")
+        v = self._adapted_weight()
+        KE.copy_(self.lora_magnitude._data, _row_norms(v, v))
+
+    def _per_channel(self, t):
+        """A per-output-channel vector ``t`` (out,) shaped to broadcast over this layer's output."""
+        return t
 
     def forward(self, x):
         if not isinstance(x, Tensor):
             raise TypeError(f"{type(self).__name__}: input must be a flame Tensor, got {type(x).__name__}")
-        y = self._base(x)
         if self.merged:
-            return y
+            return self._base(x)
+        if self.dora:
+            return self._dora_forward(x)
         h = _dropout(x, self.dropout, self.training) if self.dropout > 0 else x
-        return y + self._up(self._down(h)) * self.scale
+        return self._base(x) + self._up(self._down(h)) * self.scale
+
+    def _adapted(self, h):
+        """``W h + scale * B(A(h))`` without the bias."""
+        return self._base(h, bias=False) + self._up(self._down(h)) * self.scale
+
+    def _dora_forward(self, x):
+        # PEFT (tuners/lora/variants.py, Dora*Variant.forward and dora.py): without dropout (or in
+        # eval) the layer gives base(x) + (c - 1) W x + c s B A x = c (W x + s B A x) + b. With
+        # dropout PEFT feeds the dropped input h to the whole DoRA term, its base correction
+        # included (base_result=None makes DoraLinearLayer recompute W h): base(x) + (c - 1) W h
+        # + c s B A h = W (x - h) + b + c (W h + s B A h). We do the same; the bias is never scaled.
+        drop = self.dropout > 0 and self.training
+        h = _dropout(x, self.dropout, True) if drop else x
+        y = self._adapted(h)
+        y = y * self._per_channel(_to(self._magnitude_scale(), y.dtype))
+        if drop:
+            return y + self._base(x - h)
+        if self.bias is None:
+            return y
+        return y + self._per_channel(_to(self.bias, y.dtype))
+
+    def _magnitude_scale(self):
+        """DoRA's ``c = m / ||W + scale * B A||`` (out,): a graph op on m, the norm a constant."""
+        v = self._adapted_weight()
+        return self.lora_magnitude / Tensor(_row_norms(v, v))
 
     # ---- merge: W += scale * B @ A (fp32 product over the flattened A, one add kernel into W's dtype)
-    def _delta(self, strength=1.0):
+    def _delta(self, strength=1.0, plus_weight=False):
+        """``strength * scale * B @ A`` as a new fp32 buffer shaped like W; ``plus_weight``: ``+ W``
+        (added in the GEMM's epilogue when W is contiguous: a channels-last conv weight is not a
+        strided (out, in * kh * kw) matrix, so it gets an add kernel)."""
         a = self.lora_A._data.reshape(self.rank, -1)
         b = self.lora_B._data.reshape(-1, self.rank)
+        w = self.weight._data
         prod = runtime.empty((b.shape[0], a.shape[1]), torch.float32)
-        KM.matmul_(prod, b, a)
-        KE.map_(prod, [prod], KE.MUL.value, float(self.scale * strength))
-        return prod.view(self.weight.shape)
+        fused = plus_weight and w.is_contiguous()
+        KM.matmul_(prod, b, a, alpha=float(self.scale * strength), residual=w.view(prod.shape) if fused else None)
+        if plus_weight and not fused:
+            KE.map_(prod.view(w.shape), [prod.view(w.shape), w], KE.ADD.value)
+        return prod.view(w.shape)
+
+    def _adapted_weight(self, strength=1.0):
+        """``W + strength * scale * B A`` as a new fp32 (out, K) buffer (K: in, or in * kh * kw)."""
+        v = self._delta(strength, plus_weight=True)
+        return v.view(v.shape[0], -1)
+
+    def _dora_into_weight(self, strength):
+        """W = c * v with v = W + strength * scale * B A and c = m / ||v|| (rows): computed in fp32,
+        rounded once into W's dtype. Returns ||v|| (fp32, (out,))."""
+        v = self._adapted_weight(strength)
+        norm = _row_norms(v, runtime.empty(v.shape, torch.float32))
+        c = runtime.empty(norm.shape, torch.float32)
+        KE.map_(c, [self.lora_magnitude._data, norm], KE.DIV.value)
+        w = self.weight._data
+        KE.map_(w, [v.view(w.shape), self._channel_buffer(c)], KE.MUL.value)
+        return norm
+
+    def _channel_buffer(self, c):
+        """A (out,) buffer broadcast (stride 0) to the weight's shape."""
+        w = self.weight._data
+        return c.view(c.shape[0], *([1] * (w.ndim - 1))).expand(w.shape)
 
     def merge(self):
+        """W += scale * B A (DoRA: W = c * (W + scale * B A), keeping the norm for ``unmerge``)."""
         if self.merged:
             return
         w = self.weight._data
-        KE.map_(w, [w, self._delta()], KE.ADD.value)
+        if self.dora:
+            self._merged_norm = self._dora_into_weight(1.0)
+        else:
+            KE.map_(w, [w, self._delta()], KE.ADD.value)
         self.merged = True
 
     def unmerge(self):
+        """Undo ``merge`` (up to rounding in W's dtype). DoRA, as PEFT: W = W' / c - scale * B A with
+        c = m / (the norm the merge used), in fp32 and rounded once."""
         if not self.merged:
             return
         w = self.weight._data
-        KE.map_(w, [w, self._delta()], KE.SUB.value)
+        if self.dora:
+            c = runtime.empty(self._merged_norm.shape, torch.float32)
+            KE.map_(c, [self.lora_magnitude._data, self._merged_norm], KE.DIV.value)
+            v = runtime.empty(w.shape, torch.float32)
+            KE.map_(v, [w, self._channel_buffer(c)], KE.DIV.value)
+            KE.map_(w, [v, self._delta()], KE.SUB.value)
+            self._merged_norm = None
+        else:
+            KE.map_(w, [w, self._delta()], KE.SUB.value)
         self.merged = False
 
     def fold(self, strength: float = 1.0) -> Module:
-        """W += strength * scale * B A, then the base layer (holding W, b) to put in this one's place."""
+        """W += strength * scale * B A, then the base layer (holding W, b) to put in this one's place.
+
+        DoRA: W = c_s * (W + strength * scale * B A) with c_s = m / ||W + strength * scale * B A||,
+        which is what diffusers computes for a DoRA adapter at ``set_adapters(..., weights=strength)``
+        (PEFT's scaling becomes strength * alpha / rank in both the norm and the update). The
+        magnitude always applies in full: strength 0 gives ``m * W / ||W||``, not W (ComfyUI and
+        LyCORIS instead interpolate, W + strength * (W_dora - W))."""
         if self.merged:
             self.unmerge()
         w = self.weight._data
-        KE.map_(w, [w, self._delta(strength)], KE.ADD.value)
+        if self.dora:
+            self._dora_into_weight(strength)
+        else:
+            KE.map_(w, [w, self._delta(strength)], KE.ADD.value)
         base = self._base_layer
         base.weight = self.weight
         if self.bias is not None:
@@ -142,30 +267,39 @@ class _LoRALayer(Module):
         return base
 
     def _lora_repr(self):
-        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, merged={self.merged}"
+        return (f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, dora={self.dora}, "
+                f"merged={self.merged}")
 
 
 class LoRALinear(_LoRALayer):
-    """``y = x W^T + b + scale * (dropout(x) A^T) B^T`` with ``scale = alpha / rank``; W, b frozen."""
+    """``y = x W^T + b + scale * (dropout(x) A^T) B^T`` with ``scale = alpha / rank``; W, b frozen.
+    ``dora``: DoRA, ``y = c * (x W^T + scale * (x A^T) B^T) + b`` with ``c = m / ||W + scale B A||``
+    (rows; see the module docstring)."""
 
     def __init__(self, base: Linear, rank: int, alpha: float | None = None, init_mode: str = "kaiming",
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, dora: bool = False):
         super().__init__()
         if not isinstance(base, Linear):
             raise TypeError(f"LoRALinear wraps a flame.nn.Linear, got {type(base).__name__}")
         self.in_features, self.out_features = base.in_features, base.out_features
-        self._wrap(base, rank, alpha, init_mode, dropout, (self.in_features,), (self.out_features,))
+        self._wrap(base, rank, alpha, init_mode, dropout, (self.in_features,), (self.out_features,), dora)
 
-    def _base(self, x):
+    def _check(self, x):
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(f"LoRALinear: input of shape {x.shape} does not end in in_features={self.in_features}")
-        return linear(x, self.weight, self.bias)
+
+    def _base(self, x, bias=True):
+        self._check(x)
+        return linear(x, self.weight, self.bias if bias else None)
+
+    def _adapted(self, h):
+        self._check(h)
+        return lora_linear(h, self.weight, None, self.lora_A, self.lora_B, self.scale)
 
     def forward(self, x):
-        if self.merged or not isinstance(x, Tensor):
+        if self.merged or self.dora or not isinstance(x, Tensor):
             return super().forward(x)
-        if x.ndim == 0 or x.shape[-1] != self.in_features:
-            raise RuntimeError(f"LoRALinear: input of shape {x.shape} does not end in in_features={self.in_features}")
+        self._check(x)
         h = _dropout(x, self.dropout, True) if self.dropout > 0 and self.training else None
         return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, lora_input=h)
 
@@ -185,10 +319,12 @@ class LoRAConv2d(_LoRALayer):
     kernel size, stride, padding and dilation from the input channels to ``rank`` channels, B a
     1x1 conv from ``rank`` to the output channels, ``y = conv(x; W, b) + scale * B(A(dropout(x)))``.
     ``lora_A`` is (rank, in, kh, kw) and ``lora_B`` (out, rank, 1, 1), fp32; W, b frozen. Base
-    convs with groups > 1 are not supported (PEFT's LoRA does not cover them either)."""
+    convs with groups > 1 are not supported (PEFT's LoRA does not cover them either). ``dora``:
+    DoRA as PEFT's ``DoraConv2dLayer``, the norms over (in, kh, kw) of ``W + scale * B A`` (B A the
+    flattened product, as a merge adds it), one magnitude per output channel."""
 
     def __init__(self, base: Conv2d, rank: int, alpha: float | None = None, init_mode: str = "kaiming",
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, dora: bool = False):
         super().__init__()
         if not isinstance(base, Conv2d):
             raise TypeError(f"LoRAConv2d wraps a flame.nn.Conv2d, got {type(base).__name__}")
@@ -198,10 +334,13 @@ class LoRAConv2d(_LoRALayer):
         self.kernel_size, self.stride = base.kernel_size, base.stride
         self.padding, self.dilation = base.padding, base.dilation
         self._wrap(base, rank, alpha, init_mode, dropout, (self.in_channels, *self.kernel_size),
-                   (self.out_channels, 1, 1))
+                   (self.out_channels, 1, 1), dora)
 
-    def _base(self, x):
-        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation)
+    def _base(self, x, bias=True):
+        return conv2d(x, self.weight, self.bias if bias else None, self.stride, self.padding, self.dilation)
+
+    def _per_channel(self, t):
+        return t.reshape(t.shape[0], 1, 1)  # over (N, out, H, W)
 
     def _down(self, h):
         return conv2d(h, self.lora_A, None, self.stride, self.padding, self.dilation)
@@ -276,7 +415,7 @@ def _set_module(model, path, new):
 
 def inject_lora(model: Module, targets, rank: int, alpha: float | None = None, init: str = "kaiming",
                 dropout: float = 0.0, conv=False, conv_rank: int | None = None,
-                conv_alpha: float | None = None) -> list:
+                conv_alpha: float | None = None, dora: bool = False) -> list:
     """Wrap every ``Linear`` and ``Conv2d`` of ``model`` whose dotted name matches ``targets`` in a
     ``LoRALinear`` / ``LoRAConv2d``.
 
@@ -287,7 +426,8 @@ def inject_lora(model: Module, targets, rank: int, alpha: float | None = None, i
     the whole name), or a list of these. ``conv``: False (Conv2d layers only where ``targets``
     name them), True (every Conv2d as well: kohya's LoCon) or a targets spec of its own selecting
     Conv2d layers. Conv adapters use ``conv_rank``/``conv_alpha`` (default ``rank``/``alpha``).
-    ``alpha`` defaults to ``rank``. Freezes nothing else; returns the wrapped module names.
+    ``alpha`` defaults to ``rank``. ``dora``: DoRA adapters (a magnitude per output channel, Linear
+    and Conv2d alike). Freezes nothing else; returns the wrapped module names.
     """
     if type(model) in _WRAPPERS:
         raise TypeError("inject_lora: pass the model containing the layers, not the layer itself")
@@ -304,9 +444,10 @@ def inject_lora(model: Module, targets, rank: int, alpha: float | None = None, i
     for name in names:
         base = model.get_submodule(name)
         if type(base) is Conv2d:
-            layer = LoRAConv2d(base, conv_rank or rank, alpha if conv_alpha is None else conv_alpha, init, dropout)
+            layer = LoRAConv2d(base, conv_rank or rank, alpha if conv_alpha is None else conv_alpha, init, dropout,
+                               dora)
         else:
-            layer = LoRALinear(base, rank, alpha, init, dropout)
+            layer = LoRALinear(base, rank, alpha, init, dropout, dora)
         _set_module(model, name, layer)
     return names
 
@@ -317,10 +458,10 @@ def lora_modules(model: Module):
 
 
 def lora_parameters(model: Module) -> list:
-    """The trainable adapter parameters (A then B of each layer)."""
+    """The trainable adapter parameters (A, B, and DoRA's magnitude, of each layer in turn)."""
     out = []
     for _, m in lora_modules(model):
-        out += [m.lora_A, m.lora_B]
+        out += [m.lora_A, m.lora_B] + ([m.lora_magnitude] if m.dora else [])
     return out
 
 
@@ -334,9 +475,20 @@ def _original_name(model, path):
     return rename(path) if rename is not None else path
 
 
+def _magnitude_shapes(m) -> dict:
+    """{format: the shape DoRA's magnitude has in a file of that format} for layer ``m``: PEFT saves
+    (out,) for a Linear and (1, out, 1, 1) for a Conv2d (its conv norm is taken keepdim, then
+    transposed); LyCORIS's ``dora_scale`` on the output axis is (out, 1) or (out, 1, 1, 1)."""
+    if isinstance(m, (Conv2d, LoRAConv2d)):
+        return {"peft": (1, m.out_channels, 1, 1), "kohya": (m.out_channels, 1, 1, 1)}
+    return {"peft": (m.out_features,), "kohya": (m.out_features, 1)}
+
+
 def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -> dict:  # noqa: A002
     """Adapter tensors by file key name (``format`` "peft" or "kohya"); the values share memory
-    with the parameters except kohya's ``.alpha`` (a new 0-d fp32 tensor)."""
+    with the parameters except kohya's ``.alpha`` (a new 0-d fp32 tensor). DoRA layers add their
+    magnitude: ``.lora_magnitude_vector`` (PEFT/diffusers) or ``.dora_scale`` (kohya/LyCORIS), in
+    the shapes ``_magnitude_shapes`` gives."""
     if format not in ("peft", "kohya"):
         raise ValueError(f"lora_state_dict: format must be 'peft' or 'kohya', got {format!r}")
     out = {}
@@ -346,6 +498,8 @@ def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -
             key = f"{prefix}.{path}" if prefix else path
             out[f"{key}.lora_A.weight"] = a
             out[f"{key}.lora_B.weight"] = b
+            if m.dora:
+                out[f"{key}.lora_magnitude_vector"] = Tensor(m.lora_magnitude._data.view(_magnitude_shapes(m)["peft"]))
         else:
             key = _kohya_name(_original_name(model, path), prefix)
             out[f"{key}.lora_down.weight"] = a
@@ -353,6 +507,8 @@ def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -
             alpha = runtime.empty((), torch.float32)
             KE.fill_(alpha, m.alpha)
             out[f"{key}.alpha"] = Tensor(alpha)
+            if m.dora:
+                out[f"{key}.dora_scale"] = Tensor(m.lora_magnitude._data.view(_magnitude_shapes(m)["kohya"]))
     return out
 
 
@@ -373,15 +529,17 @@ def _adapter_shapes(m, rank):
     return (rank, m.in_features), (m.out_features, rank)
 
 
-_SLOTS = {"peft": ((".lora_A.weight", "A"), (".lora_B.weight", "B")),
-          "kohya": ((".lora_down.weight", "A"), (".lora_up.weight", "B"), (".alpha", "alpha"))}
+_SLOTS = {"peft": ((".lora_A.weight", "A"), (".lora_B.weight", "B"), (".lora_magnitude_vector", "mag")),
+          "kohya": ((".lora_down.weight", "A"), (".lora_up.weight", "B"), (".alpha", "alpha"), (".dora_scale", "mag"))}
 
 
 @dataclasses.dataclass(frozen=True)
 class LoadStep:
     """One adapter of a checked LoRA load (``plan_lora_load``): the layer's module ``path``, the
-    file keys of its A (down) and B (up) weights, its ``rank`` and ``alpha``, and whether an
-    adapter is injected there first (``inject``: the layer is a plain Linear/Conv2d)."""
+    file keys of its A (down) and B (up) weights, its ``rank`` and ``alpha``, whether an adapter
+    is injected there first (``inject``: the layer is a plain Linear/Conv2d), and the file key of
+    its DoRA magnitude (``m_key``; None: a plain LoRA adapter, or a DoRA one whose magnitude is
+    initialised from the loaded A and B)."""
 
     path: str
     a_key: str
@@ -389,6 +547,7 @@ class LoadStep:
     rank: int
     alpha: float
     inject: bool
+    m_key: str | None = None
 
 
 def _lookup(model, fmt, prefix):
@@ -417,11 +576,15 @@ def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str =
     tensor (kohya's ``.alpha``). Checked: every adapter's key names a Linear/Conv2d layer of the
     model (no two adapters the same layer) and has both weights, floating-point, of the shapes
     the layer takes for their rank; a layer without an adapter needs ``inject``, one with an
-    adapter the same rank and not merged. With ``strict`` every key is a LoRA weight and every
-    adapter layer the model already has gets weights. ``alpha`` as ``load_lora_state_dict`` takes it.
+    adapter the same rank and not merged. A DoRA magnitude (``.lora_magnitude_vector`` /
+    ``.dora_scale``) must be floating-point, of the shape ``_magnitude_shapes`` gives for the
+    layer (or (out,)), and goes to a layer that gets a DoRA adapter injected or has one; a DoRA
+    adapter without a magnitude in the file starts from ``init_magnitude`` (not with ``strict``).
+    With ``strict`` every key is a LoRA weight and every adapter layer the model already has gets
+    weights. ``alpha`` as ``load_lora_state_dict`` takes it.
     """
     fmt = detect_format(specs)
-    entries, stray = {}, []  # module name as written -> {"A", "B", "alpha": file key}
+    entries, stray = {}, []  # module name as written -> {"A", "B", "alpha", "mag": file key}
     for k in specs:
         for suffix, slot in _SLOTS[fmt]:
             if k.endswith(suffix):
@@ -465,6 +628,9 @@ def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str =
             al = float(alpha)
         else:
             al = float(rank)
+        mag = e.get("mag")
+        if mag is not None:
+            _check_magnitude(m, mag, fmt, *specs[mag])
         if type(m) in _WRAPPERS:
             if not inject:
                 raise KeyError(f"load_lora: layer {path!r} has no adapter (inject_lora first, or inject=True)")
@@ -472,7 +638,13 @@ def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str =
             raise ValueError(f"load_lora: {key}: rank {rank} in the file, the model's adapter has rank {m.rank}")
         elif m.merged:
             raise RuntimeError(f"load_lora: {path} is merged; unmerge_lora first")
-        steps.append(LoadStep(path, e["A"], e["B"], rank, al, type(m) in _WRAPPERS))
+        elif mag is not None and not m.dora:
+            raise ValueError(f"load_lora: {key}: the file has a DoRA magnitude ({mag}), the model's adapter at "
+                             f"{path!r} is plain LoRA (inject_lora(..., dora=True); the trainer's lora.dora)")
+        elif mag is None and m.dora and strict:
+            raise KeyError(f"load_lora: {key}: the model's adapter at {path!r} is DoRA, the file has no magnitude "
+                           "for it (strict)")
+        steps.append(LoadStep(path, e["A"], e["B"], rank, al, type(m) in _WRAPPERS, mag))
     if strict:
         missing = [n for n, _ in lora_modules(model) if n not in taken]
         if missing:
@@ -481,18 +653,40 @@ def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str =
     return steps
 
 
+def _check_magnitude(m, key, fmt, shape, dtype):
+    """A DoRA magnitude of file ``fmt`` for layer ``m``: floating-point, on the output axis."""
+    if not dtype.is_floating_point:
+        raise TypeError(f"load_lora: {key} is {dtype}, not a floating-point tensor")
+    shape, want = tuple(shape), _magnitude_shapes(m)[fmt]
+    n_out, n_in = m.weight.shape[:2]
+    if shape in (want, (n_out,)):
+        return
+    axis = (" (LyCORIS's decomposition on the input axis, wd_on_output=False, which flame does not implement: "
+            "PEFT's DoRA normalises the output rows)") if shape in ((1, n_in), (1, n_in, 1, 1)) else ""
+    expected = " or ".join(str(s) for s in dict.fromkeys((want, (n_out,))))
+    raise ValueError(f"load_lora: {key}: a DoRA magnitude of shape {shape} doesn't fit the layer (weight "
+                     f"{tuple(m.weight.shape)}: expected {expected}){axis}")
+
+
 def apply_lora_load(model: Module, steps: list, read) -> list:
-    """Carry out a load checked by ``plan_lora_load``: inject the adapters it plans, set each
-    alpha and copy ``read(key)`` (a torch buffer on flame's device, any floating dtype: the copy
-    kernel casts it) into A and B. Returns the loaded module paths."""
+    """Carry out a load checked by ``plan_lora_load``: inject the adapters it plans (DoRA ones
+    where the step has a magnitude), set each alpha and copy ``read(key)`` (a torch buffer on
+    flame's device, any floating dtype: the copy kernel casts it) into A and B and the magnitude;
+    a DoRA adapter the file gives no magnitude gets ``init_magnitude`` from the loaded weights.
+    Returns the loaded module paths."""
     for step in steps:
         m = model.get_submodule(step.path)
         if step.inject:
-            m = _WRAPPERS[type(m)](m, step.rank, step.alpha)
+            m = _WRAPPERS[type(m)](m, step.rank, step.alpha, dora=step.m_key is not None)
             _set_module(model, step.path, m)
         m.alpha = step.alpha
         KE.copy_(m.lora_A._data, read(step.a_key))
         KE.copy_(m.lora_B._data, read(step.b_key))
+        if step.m_key is not None:
+            src = read(step.m_key)
+            KE.copy_(m.lora_magnitude._data.view(src.shape), src)
+        elif m.dora:
+            m.init_magnitude()
     return [step.path for step in steps]
 
 
@@ -527,7 +721,8 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
 
 @no_grad()
 def merge_lora(model: Module) -> Module:
-    """W += (alpha/rank) B A in every adapter layer (the adapters then stop adding their branch)."""
+    """W += (alpha/rank) B A in every adapter layer (the adapters then stop adding their branch;
+    DoRA layers: W = c * (W + (alpha/rank) B A))."""
     for _, m in lora_modules(model):
         m.merge()
     return model
@@ -537,7 +732,10 @@ def merge_lora(model: Module) -> Module:
 def fold_lora(model: Module, strength: float = 1.0) -> list:
     """W += strength * (alpha/rank) B A in every adapter layer, and the adapter layers replaced by
     their base layers (the adapters are released): inference with LoRA files at chosen strengths,
-    each loaded (``flame.io.load_lora``) and folded in turn. Returns the folded layers' names."""
+    each loaded (``flame.io.load_lora``) and folded in turn. DoRA layers fold as ``_LoRALayer.fold``
+    says (diffusers' adapter weight; each DoRA file folded in turn normalises the weight the earlier
+    ones left, where diffusers, with several DoRA adapters active at once, normalises each against
+    the base weight). Returns the folded layers' names."""
     names = []
     for name, m in lora_modules(model):
         _set_module(model, name, m.fold(strength))
@@ -547,7 +745,8 @@ def fold_lora(model: Module, strength: float = 1.0) -> list:
 
 @no_grad()
 def unmerge_lora(model: Module) -> Module:
-    """Undo ``merge_lora``: W -= (alpha/rank) B A (exact up to rounding in W's dtype)."""
+    """Undo ``merge_lora``: W -= (alpha/rank) B A (DoRA: W = W / c - (alpha/rank) B A); exact up to
+    rounding in W's dtype."""
     for _, m in lora_modules(model):
         m.unmerge()
     return model

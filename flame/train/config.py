@@ -85,6 +85,8 @@ SCHEMA = {
                                           "suffixes / regular expressions"),
         "init": Opt("kaiming", "choice", "A's init (B starts at zero)", choices=("kaiming", "gaussian")),
         "dropout": Opt(0.0, "float", "dropout on the adapter input", low=0.0, high=1.0),
+        "dora": Opt(False, "bool", "DoRA (PEFT's use_dora; LyCORIS's dora_wd): each adapted layer, Linear or Conv2d "
+                                   "(lora.conv_targets), also trains a magnitude per output channel"),
         "format": Opt("peft", "choice", "LoRA file format: peft (diffusers) or kohya", choices=("peft", "kohya")),
         "init_from": Opt(None, "path", "start from this LoRA file (PEFT or kohya; its layers must be among the "
                                        "targets, with lora.rank) instead of a fresh init", nullable=True),
@@ -245,6 +247,7 @@ ALIASES = {
     "dataset_repeats": "data.datasets", "num_repeats": "data.datasets", "prior_loss_weight": "data.prior_loss_weight",
     "caption_dropout_rate": "data.caption_dropout", "caption_dropout_probability": "data.caption_dropout",
     "conv_dim": "lora.conv_rank", "flip_aug": "data.flip", "optimizer_type": "train.optimizer",
+    "use_dora": "lora.dora", "dora_wd": "lora.dora",
     "zero_terminal_snr": "diffusion.zero_terminal_snr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",

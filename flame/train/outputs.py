@@ -31,6 +31,8 @@ def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: fl
         network_args = {"conv_dim": c.lora.conv_rank or c.lora.rank,
                         "conv_alpha": c.lora.conv_alpha if c.lora.conv_alpha is not None else
                         (c.lora.conv_rank or c.lora.rank)}
+    if c.lora.dora:  # LyCORIS's network args for DoRA (strings, as kohya's --network_args pass them): magnitudes
+        network_args.update({"dora_wd": "True", "wd_on_output": "True"})  # per output channel, PEFT's axis
     dirs = {folder: {"n_repeats": repeats, "img_count": count} for folder, repeats, count, _ in datasets}
     size = f"{c.sample.width or 1024}x{c.sample.height or 1024}" if c.model.config == "sdxl" else ""
     values = {

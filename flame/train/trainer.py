@@ -85,8 +85,8 @@ from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
-RESUME_FIXED = ("lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "data.batch_size", "data.drop_last",
-                "data.datasets", "train.seed", "train.optimizer")
+RESUME_FIXED = ("lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "lora.dora", "data.batch_size",
+                "data.drop_last", "data.datasets", "train.seed", "train.optimizer")
 SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -181,7 +181,7 @@ class Trainer:
         model.requires_grad_(False)
         self.lora_layers = inject_lora(model, c.lora.targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout,
                                        conv=c.lora.conv_targets or False, conv_rank=c.lora.conv_rank,
-                                       conv_alpha=c.lora.conv_alpha)
+                                       conv_alpha=c.lora.conv_alpha, dora=c.lora.dora)
         if c.lora.init_from is not None:
             try:  # into the adapters just made: a layer outside the targets or another rank is refused whole
                 load_lora(model, c.lora.init_from, inject=False)
@@ -280,8 +280,9 @@ class Trainer:
     def _param_groups(self):
         """The adapters in one optimizer group per (UNet part, A or B), in module order: the part's
         learning-rate multiplier (``lora.lr_down`` / ``lr_mid`` / ``lr_up``) times ``train.lr``, and
-        for B also ``lora.plus_ratio`` (LoRA+). The groups are the same whatever the multipliers, so
-        a run may resume with other ones."""
+        for B also ``lora.plus_ratio`` (LoRA+). DoRA's magnitudes go with their layer's A (the
+        part's rate, not LoRA+'s). The groups are the same whatever the multipliers, so a run may
+        resume with other ones."""
         lc = self.cfg.lora
         scale = {"down": lc.lr_down, "mid": lc.lr_mid, "up": lc.lr_up, "other": 1.0}
         groups = {}
@@ -289,6 +290,8 @@ class Trainer:
             block = block_of(name)
             groups.setdefault((block, "A"), []).append(layer.lora_A)
             groups.setdefault((block, "B"), []).append(layer.lora_B)
+            if layer.dora:
+                groups[block, "A"].append(layer.lora_magnitude)
         return [{"params": params, "lr": self.cfg.train.lr * scale[block] * (lc.plus_ratio if side == "B" else 1.0)}
                 for (block, side), params in groups.items()]
 
