@@ -224,7 +224,7 @@ def save_lora(model, path, format: str = "peft", prefix: str = "unet", dtype=Non
         cfg = {"r": r0, "lora_alpha": a0, "target_modules": sorted({n for n, _ in mods}),
                "rank_pattern": {n: m.rank for n, m in mods if m.rank != r0},
                "alpha_pattern": {n: m.alpha for n, m in mods if m.alpha != a0},
-               "init_lora_weights": True, "use_dora": False, "lora_bias": False}
+               "init_lora_weights": True, "use_dora": any(m.dora for _, m in mods), "lora_bias": False}
         if prefix:
             cfg = {f"{prefix}.{k}": v for k, v in cfg.items()}
         meta[METADATA_KEY] = json.dumps(cfg, indent=2, sort_keys=True)

@@ -776,7 +776,7 @@ def test_adamw8bit_tracks_adamw_and_resumes_from_its_state():
     moved = (fp[0].to_torch() - start).abs().mean()
     assert (f8[0].to_torch() - fp[0].to_torch()).abs().mean() < 0.02 * moved  # 8-bit moments, same path
     bad = {**saved, "state": {0: {**saved["state"][0], "state1": flame.zeros(64, 96)}}}
-    with pytest.raises(TypeError, match="state1.*expected torch.uint8"):
+    with pytest.raises(TypeError, match=r"state1.*expected torch\.uint8"):
         resumed.load_state_dict(bad)
 
 

@@ -15,6 +15,7 @@ later, inside ``step``).
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..kernels import adafactor as KA
@@ -109,5 +110,5 @@ class Adafactor(Optimizer):
                     raise KeyError(f"load_state_dict: state of parameter {idx} lacks {name!r}")
                 value = entry[name]
                 if not hasattr(value, "shape"):  # transformers' RMS before a first step: a number
-                    value = torch.tensor(float(value), dtype=torch.float32)
+                    value = torch.from_numpy(np.asarray(float(value), dtype=np.float32))
                 _copy_in(buf, value, f"state[{idx}][{name!r}]")

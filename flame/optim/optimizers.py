@@ -59,6 +59,10 @@ def _zeros_like(buf, dtype):
     return out
 
 
+def _device_f64(values):
+    return torch.from_numpy(np.asarray(values, dtype=np.float64)).to(runtime.device)  # host transfer
+
+
 def _copy_in(dst, src, what):
     """Copy a saved state value (flame or torch tensor) into device buffer ``dst``."""
     if isinstance(src, Tensor):
@@ -462,7 +466,7 @@ class Prodigy(Optimizer):
                                       decouple=decouple, use_bias_correction=use_bias_correction,
                                       safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
                                       growth_rate=growth_rate))
-        self._scalars = torch.tensor([d0, d0, 0.0, 0.0, 0.0, d0, 0.0, d0], dtype=torch.float64).to(runtime.device)
+        self._scalars = _device_f64([d0, d0, 0.0, 0.0, 0.0, d0, 0.0, d0])
 
     def _new_state(self, p):
         state = super()._new_state(p)
@@ -503,4 +507,4 @@ class Prodigy(Optimizer):
             for name in self._GROUP_SCALARS:
                 group.pop(name, None)
         values[K.PRODIGY_D0] = float(self.param_groups[0]["d0"])
-        self._scalars = torch.tensor(values, dtype=torch.float64).to(runtime.device)
+        self._scalars = _device_f64(values)
