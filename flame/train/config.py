@@ -120,12 +120,23 @@ SCHEMA = {
         "max_grad_norm": Opt(1.0, "float", "clip the LoRA gradients' global norm; 0 or null: no clipping",
                              low=0.0, nullable=True),
         "seed": Opt(0, "int", "seed of model init, LoRA init, noise, timesteps and data order"),
-        "optimizer": Opt("adamw", "choice", "adamw, or lion (Chen et al. 2023: use a learning rate 3-10x lower and a "
-                                            "weight decay as many times higher)", choices=("adamw", "lion")),
+        "optimizer": Opt("adamw", "choice", "adamw; adamw8bit (bitsandbytes' 8-bit moments: a quarter of the state "
+                                            "memory); lion (Chen et al. 2023: a learning rate 3-10x lower and a weight "
+                                            "decay as many times higher); prodigy (estimates its own step size: "
+                                            "train.lr 1.0); adafactor (factored second moments, with train.lr)",
+                         choices=("adamw", "adamw8bit", "lion", "prodigy", "adafactor")),
         "weight_decay": Opt(1e-2, "float", "decoupled weight decay", low=0.0),
-        "adam_beta1": Opt(0.9, "float", "AdamW beta1", low=0.0, high=1.0),
-        "adam_beta2": Opt(0.999, "float", "AdamW beta2", low=0.0, high=1.0),
-        "adam_eps": Opt(1e-8, "float", "AdamW epsilon", low=0.0),
+        "adam_beta1": Opt(0.9, "float", "AdamW / AdamW8bit / Prodigy beta1", low=0.0, high=1.0),
+        "adam_beta2": Opt(0.999, "float", "AdamW / AdamW8bit / Prodigy beta2", low=0.0, high=1.0),
+        "adam_eps": Opt(1e-8, "float", "AdamW / AdamW8bit / Prodigy epsilon", low=0.0),
+        "prodigy_d0": Opt(1e-6, "float", "Prodigy: the initial step-size estimate", low=0.0),
+        "prodigy_d_coef": Opt(1.0, "float", "Prodigy: multiplier of the estimate (0.5-2 work; its main knob)",
+                              low=0.0),
+        "prodigy_growth_rate": Opt(None, "float", "Prodigy: largest factor the estimate grows by per step (e.g. "
+                                                  "1.02, a warm-up); null: unbounded", low=1.0, nullable=True),
+        "prodigy_bias_correction": Opt(False, "bool", "Prodigy: Adam's bias correction of the step"),
+        "prodigy_safeguard_warmup": Opt(False, "bool", "Prodigy: leave the lr out of the estimate's denominator "
+                                                       "(steadier with a warm-up)"),
         "lion_beta1": Opt(0.9, "float", "Lion: weight of the momentum in the update's sign", low=0.0, high=1.0),
         "lion_beta2": Opt(0.99, "float", "Lion: decay of the momentum", low=0.0, high=1.0),
         "cuda_graph": Opt(True, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only; "
@@ -424,6 +435,11 @@ def _cross_checks(c, errors):
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
     if c["lora"]["init_from"] is not None and not os.path.isfile(c["lora"]["init_from"]):
         errors.append(f"lora.init_from: {c['lora']['init_from']} is not a file")
+    lora = c["lora"]
+    if c["train"]["optimizer"] == "prodigy" and (lora["plus_ratio"] != 1 or any(
+            lora[k] not in (0.0, 1.0) for k in ("lr_down", "lr_mid", "lr_up"))):
+        errors.append("train.optimizer: prodigy estimates one step size for all adapters, so lora.plus_ratio must be "
+                      "1 and lora.lr_down/lr_mid/lr_up 1 or 0 (frozen)")
     if d["zero_terminal_snr"] and d["prediction_type"] != "v_prediction":
         errors.append("diffusion.zero_terminal_snr: the last timestep is pure noise, where only v_prediction has a "
                       "target to learn: set diffusion.prediction_type=v_prediction")

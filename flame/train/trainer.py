@@ -76,7 +76,7 @@ from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_stat
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, ge, lt, mul, sub, to, where
 from ..ops.shape import stack
-from ..optim import EMA, AdamW, Lion, clip_grad_norm_
+from ..optim import EMA, Adafactor, AdamW, AdamW8bit, Lion, Prodigy, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
@@ -119,6 +119,22 @@ def _duration(seconds):
         return f"{minutes} min {sec:02d} s"
     return f"{minutes // 60} h {minutes % 60:02d} min"
 
+
+
+def make_optimizer(t, groups):
+    """``train.optimizer`` over the adapters' parameter ``groups``, with the ``train`` section's settings."""
+    adam = dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+    if t.optimizer == "adamw8bit":
+        return AdamW8bit(groups, lr=t.lr, **adam)
+    if t.optimizer == "lion":
+        return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), weight_decay=t.weight_decay)
+    if t.optimizer == "prodigy":
+        return Prodigy(groups, lr=t.lr, **adam, d0=t.prodigy_d0, d_coef=t.prodigy_d_coef,
+                       growth_rate=t.prodigy_growth_rate or float("inf"), use_bias_correction=t.prodigy_bias_correction,
+                       safeguard_warmup=t.prodigy_safeguard_warmup)
+    if t.optimizer == "adafactor":  # an external lr and schedule, as kohya's SDXL recipes set it
+        return Adafactor(groups, lr=t.lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False)
+    return AdamW(groups, lr=t.lr, **adam)
 
 class Trainer:
     """Builds a run from a validated config (``flame.train.config``) and trains it (``train()``).
@@ -195,12 +211,9 @@ class Trainer:
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True)
         t = c.train
-        if t.optimizer == "lion":
-            self.optimizer = Lion(self._param_groups(), lr=t.lr, betas=(t.lion_beta1, t.lion_beta2),
-                                  weight_decay=t.weight_decay)
-        else:
-            self.optimizer = AdamW(self._param_groups(), lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-                                   weight_decay=t.weight_decay)
+        self.optimizer = make_optimizer(t, self._param_groups())
+        if t.optimizer == "prodigy" and t.lr < 0.1:
+            self.log(f"train.lr is {t.lr}: Prodigy's lr multiplies the step size it estimates; 1.0 is usual")
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
                                        num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
         self.ema = EMA(self.params, c.ema.decay) if c.ema.decay is not None else None
