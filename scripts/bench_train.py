@@ -25,7 +25,7 @@ share of the step. Needs diffusers and peft for the second framework (see ``benc
 
 ``--features``: flame alone, one process, the plain step (one cache, AdamW) against the step with
 two datasets (the second repeated twice at half the loss weight), flip augmentation, caption dropout
-0.1, an EMA of the LoRA weights (decay 0.999) and ``--optimizer`` (default AdamW8bit), each in fresh
+0.1, an EMA of the LoRA weights (decay 0.999) and each ``--optimizer`` (default AdamW8bit), each in fresh
 processes; reported: step time, its ratio to the plain step, peak memory, CUDA graphs captured.
 
 ``--load``: instead of steps, the time for N processes to hold the frozen UNet (bf16, from a random
@@ -77,7 +77,7 @@ def _feature_settings(args, latent):
     return {"data": {"cache_dir": None, "datasets": [{"cache_dir": dirs[0]},
                                                      {"cache_dir": dirs[1], "repeats": 2, "loss_weight": 0.5}],
                      "flip": True, "caption_dropout": 0.1},
-            "ema": {"decay": 0.999}, "train": {"optimizer": args.optimizer}}
+            "ema": {"decay": 0.999}, "train": {"optimizer": args.optimizer[-1]}}
 
 
 def run_flame(args):
@@ -252,7 +252,8 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--features", action="store_true", help="flame's plain step against the step with datasets, "
                                                               "flip, caption dropout, EMA and --optimizer on")
-    p.add_argument("--optimizer", default="adamw8bit", help="the optimizer of --features (train.optimizer)")
+    p.add_argument("--optimizer", action="append", help="the optimizer of --features (train.optimizer; "
+                                                         "repeatable; default adamw8bit)")
     p.add_argument("--with-features", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--load", action="store_true", help="measure loading the frozen UNet on every rank against "
                                                           "rank 0 + broadcast, instead of steps")
@@ -338,9 +339,11 @@ def _save(args, rows):
 def _measure_features(args):
     rows = []
     ckpt = "off" if args.checkpointing == "both" else args.checkpointing
-    for label, extra in (("plain", []), (f"features ({args.optimizer})", ["--with-features"])):
+    settings = [("plain", "adamw", [])] + [(f"features ({name})", name, ["--with-features"])
+                                           for name in args.optimizer or ["adamw8bit"]]
+    for label, name, extra in settings:
         result = _launch(args, "flame", 1, label, ["--checkpointing", ckpt, "--cache", args.cache,
-                                                   "--optimizer", args.optimizer, *extra])
+                                                   "--optimizer", name, *extra])
         rows.append(result)
         _save(args, rows)
     if any("error" in r for r in rows):

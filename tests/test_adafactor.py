@@ -42,7 +42,7 @@ def _assert_state(fo, fp, to, tp, **tol):
         assert steps[fo._slots[f.id]] == want["step"]
         for name, value in got.items():
             assert value.shape == want[name].shape, name
-            torch.testing.assert_close(value.cpu(), want[name], **tol)
+            torch.testing.assert_close(value, want[name].to(value.device), **tol)
 
 
 CONFIGS = [

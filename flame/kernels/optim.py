@@ -207,6 +207,12 @@ def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qma
     eps_c = (eps * bc2_sqrt).to(tl.float32)
     am_addr = tl.load(row + 6)
     quantized = am_addr != 0
+    m_codes = tl.load(row + 2).to(tl.pointer_type(tl.uint8))  # state0/1 as codes, or as fp32 moments
+    v_codes = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
+    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    am_ptr = am_addr.to(tl.pointer_type(tl.float32))
+    av_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
     blocks = start // 256 + tl.arange(0, ROWS)
     cols = tl.arange(0, 256)
     for off in range(0, CHUNK, ROWS * 256):
@@ -215,19 +221,13 @@ def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qma
         mask = idx < n
         p, g = _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE)
         finite = tl.abs(g) < float("inf")  # false for inf and NaN
+        bmask = block * 256 < n
         if quantized:
-            m_codes = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-            v_codes = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
-            am_ptr = am_addr.to(tl.pointer_type(tl.float32))
-            av_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-            bmask = block * 256 < n
             cm = tl.load(m_codes + idx, mask=mask, other=0).to(tl.int32)
             cv = tl.load(v_codes + idx, mask=mask, other=0).to(tl.int32)
             m = tl.load(qmap_ptr + cm) * tl.load(am_ptr + block, mask=bmask, other=0.0)[:, None]
             v = tl.load(qmap_ptr + 256 + cv) * tl.load(av_ptr + block, mask=bmask, other=0.0)[:, None]
         else:
-            m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-            v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
             m = tl.load(m_ptr + idx, mask=mask, other=0.0)
             v = tl.load(v_ptr + idx, mask=mask, other=0.0)
         keep = finite & mask

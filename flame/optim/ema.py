@@ -28,17 +28,26 @@ class EMA:
             raise ValueError(f"EMA: decay must be in [0, 1), got {decay}")
         self.params, self.decay, self.updates = list(params), decay, 0
         self.shadow = [Tensor(runtime.empty(tuple(p.shape), torch.float32)) for p in self.params]
+        self._update_tables = (None, None)  # (buffer pointers, tables) of the per-step update, built once
         self._copy(self.shadow, self.params)
 
     @staticmethod
-    def _copy(dst, src, a=1.0, b=0.0):
-        """dst = a * src + b * dst for each pair, one launch per (src dtype, dst dtype)."""
+    def _tables(dst, src):
+        """{(src dtype, dst dtype): Tables} over the (dst, src) pairs, and their buffers' pointers."""
         groups = {}
         for d, s in zip(dst, src):
             if d.numel():
-                groups.setdefault((s.dtype, d.dtype), []).append(((d._data, s._data, None, None), d.numel(), 0))
-        for (s_dtype, d_dtype), rows in groups.items():
-            K.axpby_(K.Tables(rows), s_dtype, d_dtype, a, b)
+                groups.setdefault((s.dtype, d.dtype), []).append(((d._data, s._data), d.numel(), 0))
+        return EMA._pointers(dst, src), {key: K.Tables(rows) for key, rows in groups.items()}
+
+    @staticmethod
+    def _pointers(dst, src):
+        return tuple(b.data_ptr() for d, s in zip(dst, src) if d.numel() for b in (d._data, s._data))
+
+    def _copy(self, dst, src, a=1.0, b=0.0):
+        """dst = a * src + b * dst for each pair, one launch per (src dtype, dst dtype)."""
+        for (s_dtype, d_dtype), tables in self._tables(dst, src)[1].items():
+            K.axpby_(tables, s_dtype, d_dtype, a, b)
 
     def current_decay(self) -> float:
         """The decay the next update uses."""
@@ -47,7 +56,11 @@ class EMA:
     def update(self) -> None:
         """Move the averages towards the parameters' current values."""
         d = self.current_decay()
-        self._copy(self.shadow, self.params, 1.0 - d, d)
+        # the device tables are reused while the buffers stay: a host transfer per step would stall it
+        if self._update_tables[0] != self._pointers(self.shadow, self.params):
+            self._update_tables = self._tables(self.shadow, self.params)
+        for (s_dtype, d_dtype), tables in self._update_tables[1].items():
+            K.axpby_(tables, s_dtype, d_dtype, 1.0 - d, d)
         self.updates += 1
 
     @contextlib.contextmanager
