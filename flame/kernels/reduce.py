@@ -105,7 +105,7 @@ def _target_programs():
 def _reduce_default(R, inner):
     """reduce's heuristic config: rows (inner == 1) in blocks of 1024, else tiles of up to 64
     columns and ~2048 elements; the interpreter's: up to 16384 elements."""
-    if inner == 1:  # H200 sweep (scripts/sweep_basic.py): 1024 x 4 warps is best or near it for bf16 and fp32
+    if inner == 1:  # an H200 sweep of block sizes: 1024 x 4 warps is best or near it for bf16 and fp32
         block_i = 1
         block_r = _pow2(min(R, 1 << 14 if runtime.INTERPRETER else 1024))
     else:
