@@ -65,7 +65,7 @@ def rel_err(x, ref):
 
 
 def assert_within_torch_error(got, torch_lowp, ref32, factor):
-    """DESIGN.md's low-precision rule: flame's error against an fp32 reference is at most
+    """The low-precision rule (docs/design.md, Testing): flame's error against an fp32 reference is at most
     ``factor`` times PyTorch's own error in the same dtype (plus a floor of one bf16 ulp)."""
     e_flame, e_torch = rel_err(got, ref32), rel_err(torch_lowp, ref32)
     assert e_flame <= factor * max(e_torch, 2 ** -9), \

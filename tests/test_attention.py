@@ -1,7 +1,7 @@
 """scaled_dot_product_attention: values and gradients against a float64 naive reference, PyTorch's
 masking conventions, strided layouts, block-boundary paths, gradcheck, errors, the forward-only
-head dims above 256 (split value columns); bf16 SDXL shapes on the GPU (DESIGN.md's rule: error at
-most 2x / 3x PyTorch SDPA's own)."""
+head dims above 256 (split value columns); bf16 SDXL shapes on the GPU (docs/design.md, Testing:
+error at most 2x / 3x PyTorch SDPA's own)."""
 import math
 import os
 import subprocess
@@ -468,7 +468,7 @@ def test_bad_inputs_raise(args, kwargs, exc, match):
         sdpa(*args, **kwargs)
 
 
-# ---- GPU: bf16 numerics on the SDXL shapes (DESIGN.md's 2x / 3x rule) ---------------------------
+# ---- GPU: bf16 numerics on the SDXL shapes (the 2x / 3x rule of docs/design.md) -----------------
 
 SDXL = [(1, 10, 4096, 4096, 64), (1, 20, 1024, 1024, 64), (1, 10, 4096, 77, 64), (1, 20, 1024, 77, 64)]
 OTHER = [(2, 4, 1000, 333, 40), (1, 4, 777, 1025, 80), (1, 4, 513, 77, 96), (2, 4, 1024, 1024, 128)]

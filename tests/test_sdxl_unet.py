@@ -35,7 +35,7 @@ def _rel(got, ref):
 
 def _assert_grads_close(got, ref32, ref64):
     """{name: gradient}: flame's error against the fp64 reference is at most 3x PyTorch's own fp32
-    error (DESIGN.md's rule), with a floor of RTOL; gradients that nearly cancel (attention q/k
+    error (docs/design.md's rule), with a floor of RTOL; gradients that nearly cancel (attention q/k
     over 4 tokens: ~1e-8 where others are ~1e-3) carry large relative errors in any fp32 code."""
     for n, g in got.items():
         e_flame, e_torch = _rel(g, ref64[n]), _rel(ref32[n], ref64[n])
