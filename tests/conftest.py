@@ -8,12 +8,15 @@ import flame
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 numerics, SDXL shapes, speed paths)")
+    config.addinivalue_line("markers", "slow: a minute or more on the interpreter; collected first, so that parallel "
+                                       "workers (pytest -n) start it early instead of ending the run on it")
     flame.testing.simulate_shared_memory_limit()  # FLAME_TEST_MAX_SHARED_MEMORY: as a smaller card would run
     # The interpreter evaluates masked-out lanes too (log(0), x/0): NumPy warns about them.
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\..*")
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: otherwise file order
     if not flame.is_interpreter():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run with FLAME_DEVICE=cuda on a GPU machine)")

@@ -289,6 +289,7 @@ def test_conv2d_unbatched_and_mixed_precision():
     assert_close(grads[w], wt.grad, **_tol(wt.grad, torch.float16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(padding="same", dilation=2), dict(stride=(1, 2)),
                                 dict(padding=1, groups=2), dict(stride=2, dilation=2, padding=1)], ids=str)
 def test_conv2d_gradcheck(kw):

@@ -489,6 +489,7 @@ def test_prepare_cache_synthetic_cli(tmp_path):
     assert r.returncode == 2 and "--images needs --model" in r.stderr
 
 
+@pytest.mark.slow
 def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
     """flame's encoders (the default) write the cache the diffusers path writes, on a tiny pipeline."""
     pytest.importorskip("diffusers")

@@ -173,6 +173,7 @@ def test_lora_linear_matches_composed_torch(dtype, x_shape, bias, branch, train_
         assert_close(grads[leaf].to(t.dtype), t.grad, t.dtype, **tol)
 
 
+@pytest.mark.slow
 def test_lora_linear_gradcheck_and_bad_shapes():
     x = flame.randn(5, 6, dtype=flame.float64).requires_grad_()
     w = flame.randn(4, 6, dtype=flame.float64).requires_grad_()

@@ -32,6 +32,7 @@ def pipe(tiny):
     return SDXLPipeline.from_pretrained(tiny, dtype=flame.float32)
 
 
+@pytest.mark.slow
 def test_images_equal_diffusers_for_the_same_initial_latents(tiny, pipe):
     ref = diffusers.StableDiffusionXLPipeline.from_pretrained(tiny, torch_dtype=torch.float32)
     ref.set_progress_bar_config(disable=True)

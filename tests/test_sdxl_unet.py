@@ -93,6 +93,7 @@ def reference(tmp_path_factory):
 
 # ---- parity with diffusers ------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_forward_and_gradients_match_diffusers(reference, checkpointing):
     if checkpointing:
@@ -147,6 +148,7 @@ def test_sgm_named_file_loads_the_same_weights_and_output(reference):
     assert _rel(out.to_torch(), ref) < RTOL
 
 
+@pytest.mark.slow
 def test_lora_loss_and_gradients_match_peft(reference):
     peft = pytest.importorskip("peft")
     unet, root = reference

@@ -137,6 +137,7 @@ def test_epochs_set_the_number_of_steps(cache_dir, tmp_path):
     assert trainer.loader.state_dict()["epoch"] == 0 and trainer.loader.state_dict()["position"] == 4
 
 
+@pytest.mark.slow
 def test_loss_goes_down_and_lora_file_loads(cache_dir, tmp_path):
     cfg = _config(cache_dir, tmp_path, "train.steps=12", "output.validate_every=12", "output.log_every=4",
                   "lora.format=kohya", "lora.targets=attn-mlp", "train.lr=3e-2", "train.lr_scheduler=cosine",
@@ -264,6 +265,7 @@ def test_resume_reproduces_the_loss_curve_exactly(cache_dir, tmp_path, straight)
         _trainer(_config(cache_dir, tmp_path / "b", f"resume={tmp_path / 'nowhere'}")).train()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mixed", [False, True])
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(cache_dir, tmp_path, straight, monkeypatch, mixed):
     over = []
@@ -325,6 +327,7 @@ def test_non_finite_loss_stops_with_a_clean_checkpoint(tmp_path):
     assert math.isnan(rows[bad_step - 1]["loss"]) and len(rows) == 6
 
 
+@pytest.mark.slow
 def test_tiny_sdxl_config_trains_through_the_cli(tmp_path):
     """configs/sdxl_lora_tiny.yaml end to end on the real tiny SDXL UNet (2 steps instead of 6 to
     save time): synthetic cache, training, validation loss down, a checkpoint, a LoRA file that
