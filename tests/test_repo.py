@@ -1,9 +1,10 @@
 """Repository-level checks: the README's commands, the scripts, and the rule that flame/ calls no
-PyTorch compute."""
-import ast
+PyTorch compute (tests/torch_usage.py)."""
 import contextlib
+import importlib.util
 import itertools
 import json
+import math
 import os
 import pathlib
 import re
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+import torch_usage
 
 import flame
 
@@ -269,89 +271,129 @@ def test_bench_rejects_unknown_family():
     assert r.returncode == 2 and "unknown family nope" in r.stderr, r.stderr
 
 
-# ---- no PyTorch compute in flame/ ---------------------------------------------------------------
-# The scanner's logic from ../shared/tools/torch_usage.py, copied so the test does not depend on
-# where shared/ lies. It reads the source with `ast` and reports every `torch.<name>` reference
-# outside the allow-list (allocation, views, dtype/device objects, host transfers, torch.cuda and
-# torch.distributed). It cannot see methods called on tensor objects: a tripwire, not a proof.
+# ---- no PyTorch compute in flame/ (the checks live in tests/torch_usage.py) ---------------------
 
-ALLOWED_TOP = {
-    "empty", "empty_strided", "empty_like", "from_numpy", "is_tensor", "Tensor", "Size", "dtype",
-    "device", "finfo", "iinfo", "float16", "bfloat16", "float32", "float64", "half", "float",
-    "int8", "int16", "int32", "int64", "uint8", "bool", "long", "int", "cuda", "distributed",
-    "utils", "version", "__version__", "float8_e4m3fn", "float8_e5m2", "Stream", "Event",
+def test_static_check_passes_on_flame():
+    hits = torch_usage.scan(ROOT / "flame")
+    assert not hits, "PyTorch compute in flame/ (torch_usage.TORCH_API lists what is allowed):\n" + \
+        "\n".join(map(str, hits))
+    # the aliases are followed in flame's own code: ``import torch.distributed as dist`` there
+    refs = torch_usage.references((ROOT / "flame" / "distributed.py").read_text())
+    assert ("torch.distributed.all_reduce", "distributed") in {(h.name, h.reason) for h in refs}
+
+
+def test_static_check_follows_how_a_module_binds_torch():
+    source = """\
+import torch as th
+import torch.nn.functional as F
+from torch import cuda as c, empty, matmul as mm
+relu = F.relu
+def f(x, n):
+    a = th.exp(x)
+    b = mm(x, x)
+    c.synchronize()
+    buf = empty(n, dtype=th.float32, device=th.device("cpu")).view(-1).to(th.device("cpu"))
+    return relu(a), getattr(th, "tanh")(b), buf, [th.sigmoid(v) for v in x]
+def shadowed(th, F):
+    return th.exp(1), F.relu(2), (lambda mm: mm(1))(3)
+class K:
+    mm = None
+    def m(self):
+        global grab
+        grab = th.nn.functional
+        return mm(1, 2)
+"""
+    hits = torch_usage.scan_source(source, "planted.py")
+    assert [(h.line, h.name) for h in hits] == [
+        (2, "torch.nn.functional"), (3, "torch.matmul"), (4, "torch.nn.functional.relu"), (6, "torch.exp"),
+        (7, "torch.matmul"), (10, "torch.nn.functional.relu"), (10, "torch.sigmoid"), (10, "torch.tanh"),
+        (17, "torch.nn.functional"), (18, "torch.matmul")], "\n".join(map(str, hits))
+    assert hits[0].reason == "compute (not in the allow-list)"
+    assert str(hits[1]) == "planted.py:3: torch.matmul: compute (not in the allow-list)"
+    # the allowed uses were resolved too, each with its category
+    refs = {(h.line, h.name): h.reason for h in torch_usage.references(source)}
+    assert refs[3, "torch.cuda"] == refs[8, "torch.cuda.synchronize"] == "CUDA runtime"
+    assert refs[3, "torch.empty"] == refs[9, "torch.empty"] == "allocation"
+    assert refs[9, "torch.float32"] == refs[9, "torch.device"] == "dtypes/devices"
+    # an exception carved out of an allowed module; what cannot be followed is reported as such
+    assert [h.reason for h in torch_usage.scan_source("import torch.cuda.amp\n")] == \
+        ["compute (an exception listed inside an allowed module)"]
+    hits = torch_usage.scan_source("from torch import *\nimport torch\nf = getattr(torch, name)\ng(torch)\n")
+    assert [(h.line, h.reason.split(":")[0]) for h in hits] == [
+        (1, "a star import"), (3, "an attribute looked up by a computed name cannot be followed"),
+        (4, "a torch module used as a value")]
+
+
+# Torch compute that the dynamic check finds in flame/ today, to be fixed in flame/: (file, function,
+# op) -> what it is. The test xfails while these remain, fails on any other, and fails once one of
+# them is gone (delete its entry then).
+_GRADIENT_RESHAPE = ("reshapes the incoming gradient with torch, g._data.reshape(-1, g.shape[-1]): torch "
+                     "clones a gradient that cannot be viewed so (the expanded gradient of a mean over tokens)")
+KNOWN_ATEN_VIOLATIONS = {
+    ("flame/ops/matmul.py", "_linear_backward", "aten.clone.default"): _GRADIENT_RESHAPE,
+    ("flame/ops/matmul.py", "_lora_linear_backward", "aten.clone.default"): _GRADIENT_RESHAPE,
 }
-ALLOWED_MODULES = ("torch.cuda", "torch.distributed", "torch.utils.dlpack")
 
 
-def _dotted(node):
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-        return ".".join(reversed(parts))
-    return None
+def test_dynamic_check_passes_on_flame(tmp_path):
+    with torch_usage.AtenRecorder() as rec:
+        out = torch_usage.workload(tmp_path)
+    assert out["merged"] and out["unmerged"] and out["loaded"] == ["b", "w", "x"] and out["adamw_state"] == 10
+    assert not out["skipped"] and all(math.isfinite(v) for v in out["losses"] + out["bias"])
+    seen = {c.category for c in rec.calls}
+    assert {"allocation", "views/metadata", "host transfer"} <= seen, seen
+    if flame.is_interpreter():  # the interpreter's own argument copies are attributed to Triton
+        assert rec.others.get("triton", 0) > 0, rec.others
+    found = rec.violations()
+    unexpected = [c for c in found if (c.path, c.function, c.op) not in KNOWN_ATEN_VIOLATIONS]
+    assert not unexpected, "PyTorch compute issued by flame/ (torch_usage.ATEN_OPS lists what is allowed):\n" + \
+        "\n".join(map(str, unexpected))
+    gone = set(KNOWN_ATEN_VIOLATIONS) - {(c.path, c.function, c.op) for c in found}
+    assert not gone, f"fixed in flame/: remove {sorted(gone)} from KNOWN_ATEN_VIOLATIONS"
+    if found:
+        pytest.xfail("known PyTorch compute in flame/: " + "; ".join(
+            f"{c} ({KNOWN_ATEN_VIOLATIONS[c.path, c.function, c.op]})" for c in found))
 
 
-def scan_torch_usage(root):
-    found = []
-    for path in sorted(pathlib.Path(root).rglob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except SyntaxError as e:
-            found.append(f"{path}:{e.lineno}: cannot parse: {e.msg}")
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
-                if not node.module.startswith(ALLOWED_MODULES) and node.module != "torch":
-                    found.append(f"{path}:{node.lineno}: from {node.module} import ...")
-                elif node.module == "torch":
-                    bad = [a.name for a in node.names if a.name not in ALLOWED_TOP]
-                    if bad:
-                        found.append(f"{path}:{node.lineno}: from torch import {', '.join(bad)}")
-            elif isinstance(node, ast.Import):
-                for a in node.names:
-                    if a.name.startswith("torch.") and not a.name.startswith(ALLOWED_MODULES):
-                        found.append(f"{path}:{node.lineno}: import {a.name}")
-            elif isinstance(node, ast.Attribute):
-                name = _dotted(node)
-                if (name and name.startswith("torch.") and name.count(".") == 1
-                        and name.split(".")[1] not in ALLOWED_TOP):
-                    found.append(f"{path}:{node.lineno}: {name}")
-    return found
-
-
-def test_flame_calls_no_torch_compute():
-    hits = scan_torch_usage(ROOT / "flame")
-    assert not hits, "PyTorch compute in flame/ (only allocation, views, dtypes/devices, host transfers " \
-                     "and torch.cuda/torch.distributed are allowed):\n" + "\n".join(hits)
-
-
-def test_torch_usage_scanner_catches_compute(tmp_path):
-    (tmp_path / "bad.py").write_text(
-        "import torch\nimport torch.nn.functional as F\nfrom torch import matmul, empty\n"
-        "def f(x):\n    return torch.exp(x) + torch.empty(3).sum()\n")
-    (tmp_path / "good.py").write_text(
-        "import torch\nfrom torch.cuda import Stream\n"
-        "def g(n):\n    return torch.empty(n, dtype=torch.float32, device=torch.device('cpu'))\n")
-    hits = scan_torch_usage(tmp_path)
-    assert [h.split(": ", 1)[1] for h in hits] == ["import torch.nn.functional", "from torch import matmul",
-                                                   "torch.exp"], hits
-
-
-@pytest.mark.skipif(not (ROOT.parent / "shared" / "tools" / "torch_usage.py").is_file(),
-                    reason="../shared/tools/torch_usage.py not beside the repo")
-def test_scanner_copy_matches_shared_tool():
-    """The copy above agrees with the shared tool it was taken from, when that tool is present."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("torch_usage", ROOT.parent / "shared" / "tools" / "torch_usage.py")
+def test_dynamic_check_catches_tensor_methods(tmp_path):
+    """Ops from a file under a (fake) flame/ folder are flame's; the same ops issued here are not."""
+    (tmp_path / "flame").mkdir()
+    planted = tmp_path / "flame" / "planted.py"
+    planted.write_text("""\
+import numpy as np
+import torch
+def bad(buf, x):
+    s = buf.sum()
+    c = x.clone()
+    x.mul_(2)
+    buf.copy_(x)
+    return s, c, x.to(torch.float64)
+def good(buf, n):
+    e = torch.empty(n, device=buf.device)
+    v = buf.view(-1)[1:].unsqueeze(0).t()
+    host = torch.from_numpy(np.ones(n, dtype=np.float32))
+    dev = host.to(buf.device, copy=True)
+    return e, v, host.to("cpu"), dev, buf.reshape(-1)[0].item()
+""")
+    spec = importlib.util.spec_from_file_location("flame_planted", planted)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.ALLOWED_TOP == ALLOWED_TOP and mod.ALLOWED_MODULES == ALLOWED_MODULES
-    assert mod.scan(ROOT / "flame") == scan_torch_usage(ROOT / "flame")
+    buf, x = torch.ones(4, device=flame.device), torch.ones(4, device=flame.device)
+    with torch_usage.AtenRecorder(roots=[tmp_path / "flame"]) as rec:
+        mod.good(buf, 4)
+        assert not rec.violations(), rec.violations()
+        mod.bad(buf, x)
+        buf.sum()  # issued by this test: not flame's
+    assert {(c.path, c.function) for c in rec.violations()} == {("flame/planted.py", "bad")}
+    got = [(c.line, c.op.split(".")[1], c.category) for c in rec.violations()]
+    assert got == [(4, "sum", "compute"), (5, "clone", "compute"), (6, "mul_", "compute"),
+                   (7, "copy_", f"compute (a copy within {buf.device})"),
+                   (8, "_to_copy", "compute (a cast from torch.float32 to torch.float64)")], got
+    assert str(rec.violations()[0]) == "flame/planted.py:4: aten.sum.default in bad: compute"
+    allowed = {(c.line, c.op.split(".")[1]): c.category for c in rec.calls if c.line >= 10}
+    assert allowed[10, "empty"] == "allocation" and allowed[11, "view"] == allowed[11, "t"] == "views/metadata"
+    assert allowed[13, "_to_copy"] == allowed[14, "_local_scalar_dense"] == "host transfer", allowed
+    assert rec.others.get("tests", 0) >= 1, rec.others
 
 
 def test_flame_imported_before_triton_selects_backend():
