@@ -324,17 +324,6 @@ class K:
         (4, "a torch module used as a value")]
 
 
-# Torch compute that the dynamic check finds in flame/ today, to be fixed in flame/: (file, function,
-# op) -> what it is. The test xfails while these remain, fails on any other, and fails once one of
-# them is gone (delete its entry then).
-_GRADIENT_RESHAPE = ("reshapes the incoming gradient with torch, g._data.reshape(-1, g.shape[-1]): torch "
-                     "clones a gradient that cannot be viewed so (the expanded gradient of a mean over tokens)")
-KNOWN_ATEN_VIOLATIONS = {
-    ("flame/ops/matmul.py", "_linear_backward", "aten.clone.default"): _GRADIENT_RESHAPE,
-    ("flame/ops/matmul.py", "_lora_linear_backward", "aten.clone.default"): _GRADIENT_RESHAPE,
-}
-
-
 def test_dynamic_check_passes_on_flame(tmp_path):
     with torch_usage.AtenRecorder() as rec:
         out = torch_usage.workload(tmp_path)
@@ -345,14 +334,8 @@ def test_dynamic_check_passes_on_flame(tmp_path):
     if flame.is_interpreter():  # the interpreter's own argument copies are attributed to Triton
         assert rec.others.get("triton", 0) > 0, rec.others
     found = rec.violations()
-    unexpected = [c for c in found if (c.path, c.function, c.op) not in KNOWN_ATEN_VIOLATIONS]
-    assert not unexpected, "PyTorch compute issued by flame/ (torch_usage.ATEN_OPS lists what is allowed):\n" + \
-        "\n".join(map(str, unexpected))
-    gone = set(KNOWN_ATEN_VIOLATIONS) - {(c.path, c.function, c.op) for c in found}
-    assert not gone, f"fixed in flame/: remove {sorted(gone)} from KNOWN_ATEN_VIOLATIONS"
-    if found:
-        pytest.xfail("known PyTorch compute in flame/: " + "; ".join(
-            f"{c} ({KNOWN_ATEN_VIOLATIONS[c.path, c.function, c.op]})" for c in found))
+    assert not found, "PyTorch compute issued by flame/ (torch_usage.ATEN_OPS lists what is allowed):\n" + \
+        "\n".join(map(str, found))
 
 
 def test_dynamic_check_catches_tensor_methods(tmp_path):

@@ -200,7 +200,7 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 def _linear_backward(node, g):
     x2, w, pre = node.saved
     need_x, need_w, need_b = node.needs_input_grad
-    g2 = g._data.reshape(-1, g.shape[-1])
+    g2 = _as_rows(g)
     if g2.dtype != x2.dtype:
         g2 = to(Tensor(g2), x2.dtype)._data
     if pre is not None:
@@ -287,7 +287,7 @@ def _lora_linear_backward(node, g):
     x2, xl2, w, h, a16, b16 = node.saved
     need_x, need_w, need_b, need_a, need_lb, need_xl = node.needs_input_grad
     s = node.attrs["scale"]
-    g2 = g._data.reshape(-1, g.shape[-1])
+    g2 = _as_rows(g)
     if g2.dtype != x2.dtype:
         g2 = to(Tensor(g2), x2.dtype)._data
     dx = da = dlb = dxl = None
