@@ -1,5 +1,6 @@
 """Repository-level checks: the README's commands, the scripts, and the rule that flame/ calls no
 PyTorch compute (tests/torch_usage.py)."""
+import ast
 import contextlib
 import importlib.util
 import itertools
@@ -425,3 +426,81 @@ def test_every_bench_target_selects_cases_of_its_family(monkeypatch):
     for fam, targets in bench.TARGETS.items():
         for t in targets:
             assert any(t.select(n) for n in names[fam]), (fam, t.text)
+
+
+# ---- layers: imports go down (docs/design.md, section 1) ----------------------------------------------
+
+LAYER_OF = {"runtime": 0, "tune": 1, "autotune": 2, "kernels": 3, "autograd": 4, "tensor": 4, "ops": 5,
+            "nn": 6, "optim": 6, "amp": 6, "checkpoint": 6, "graphs": 6, "io": 6, "distributed": 6, "testing": 6,
+            "models": 7, "diffusion": 8, "data": 8, "pipeline": 9, "train": 10}
+# (importer, imported top-level part) pairs that go up or sideways between services, each inside a function,
+# each with its reason in docs/design.md's table "Imports that go against the order"
+AGAINST_THE_ORDER = {("flame.amp", "nn"), ("flame.autograd", "ops"), ("flame.autotune", "kernels"),
+                  ("flame.autotune", "tensor"), ("flame.io", "nn"), ("flame.tensor", "ops"), ("flame.tune", "io")}
+
+
+def _flame_imports(path):
+    """(imported flame module, line, inside a function) for each import in the file at ``path``."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    package = parts[:-1] if parts[-1] != "__init__" else parts
+    found = []
+
+    def walk(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.ImportFrom):
+                base = list(package[: len(package) - child.level + 1]) if child.level else []
+                module = ".".join(base + ([child.module] if child.module else []))
+                for alias in child.names:  # `from . import x` names a module; `from .m import x` names m
+                    found.append((module if child.module else f"{module}.{alias.name}", child.lineno, in_function))
+            elif isinstance(child, ast.Import):
+                found.extend((alias.name, child.lineno, in_function) for alias in child.names)
+            walk(child, nested)
+
+    walk(ast.parse(path.read_text()), False)
+    return [(m, line, lazy) for m, line, lazy in found if m.startswith("flame.")]
+
+
+def _layer_violations(root):
+    """(imports against the order, the documented ones made) over the flame package under ``root``."""
+    wrong, used = [], set()
+    for path in sorted((root / "flame").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if len(parts) < 2 or parts[1] == "__init__":
+            continue  # the package's __init__ sits on top
+        me = ".".join(parts[:2])
+        for module, line, lazy in _flame_imports(path):
+            theirs = module.split(".")[1]
+            up = LAYER_OF[theirs] > LAYER_OF[parts[1]]
+            sideways = LAYER_OF[theirs] == LAYER_OF[parts[1]] == 6 and theirs != parts[1]  # one service to another
+            if not (up or sideways):
+                continue
+            if (me, theirs) in AGAINST_THE_ORDER and lazy:
+                used.add((me, theirs))
+            else:
+                wrong.append(f"{path.relative_to(root)}:{line} imports {module} ("
+                             f"{'a higher layer' if up else 'another service'}{'' if lazy else ', at module level'})")
+    return wrong, used
+
+
+def test_imports_go_down_the_layers():
+    wrong, used = _layer_violations(ROOT)
+    assert not wrong, "imports against docs/design.md's layer order:\n" + "\n".join(wrong)
+    assert used == AGAINST_THE_ORDER, f"documented imports no longer made: {sorted(AGAINST_THE_ORDER - used)}"
+
+
+def test_the_layer_check_sees_relative_imports(tmp_path, monkeypatch):
+    kernels = tmp_path / "flame" / "kernels"
+    kernels.mkdir(parents=True)
+    (kernels / "bad.py").write_text("from ..ops import shape\nfrom . import launch\n\ndef f():\n"
+                                    "    from ..train.trainer import Trainer\n")
+    (tmp_path / "flame" / "io.py").write_text("def f():\n    from .nn import lora\n")
+    (tmp_path / "flame" / "optim.py").write_text("from .amp import Policy\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _flame_imports(kernels / "bad.py") == [("flame.ops", 1, False), ("flame.kernels.launch", 2, False),
+                                                  ("flame.train.trainer", 5, True)]
+    wrong, used = _layer_violations(tmp_path)
+    assert wrong == ["flame/kernels/bad.py:1 imports flame.ops (a higher layer, at module level)",
+                     "flame/kernels/bad.py:5 imports flame.train.trainer (a higher layer)",
+                     "flame/optim.py:1 imports flame.amp (another service, at module level)"]
+    assert used == {("flame.io", "nn")}  # documented, lazy: allowed
