@@ -16,6 +16,8 @@ import functools
 import threading
 import types
 
+from . import runtime
+
 _state = threading.local()
 
 
@@ -465,7 +467,6 @@ def _in_leaf_layout(grad, leaf):
     """``grad`` laid out as ``leaf`` is when the leaf is dense (a channels-last conv weight gets a
     channels-last gradient: torch's rule for ``.grad``, and what the optimizers update in place
     with flat kernels), else contiguous; a stride-0 expand from sum's backward becomes dense."""
-    from . import runtime
     from .ops.shape import copy_as
     if runtime.same_dense_layout(grad._data, leaf._data):
         return grad

@@ -22,6 +22,7 @@ import torch
 
 from . import runtime
 from .kernels import elementwise as KE
+from .ops.elementwise import to
 from .tensor import Tensor
 
 _CODES = {
@@ -216,7 +217,6 @@ def save_lora(model, path, format: str = "peft", prefix: str = "unet", dtype=Non
         raise ValueError("save_lora: the model has no LoRA layers (inject_lora first)")
     sd = lora_state_dict(model, format=format, prefix=prefix)
     if dtype is not None:
-        from .ops.elementwise import to
         sd = {k: v if k.endswith(".alpha") else to(v, dtype) for k, v in sd.items()}
     meta = {**(metadata or {}), "format": "pt"}
     if format == "peft":

@@ -6,8 +6,10 @@ import os
 
 import numpy as np
 
+from . import runtime
 from .autograd import grad as _grad
 from .autograd import no_grad
+from .ops.creation import tensor
 from .tensor import Tensor, float64
 
 
@@ -28,7 +30,6 @@ def gradcheck(fn, inputs, eps: float = 1e-6, atol: float = 1e-5, rtol: float = 1
     ``AssertionError`` naming the input and the worst element (returns False when
     ``raise_exception=False``).
     """
-    from .ops.creation import tensor
 
     inputs = list(inputs)
     wrt = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) and x.requires_grad]
@@ -81,7 +82,6 @@ def simulate_shared_memory_limit(limit_bytes: int | None = None) -> None:
     nothing changes. Call it before the first kernel launch of the process."""
     if limit_bytes is None:
         limit_bytes = int(os.environ.get("FLAME_TEST_MAX_SHARED_MEMORY") or 0)
-    from . import runtime
     if not limit_bytes or runtime.is_interpreter():
         return
     import triton.compiler.compiler as compiler

@@ -52,7 +52,7 @@ import triton.language as tl
 from .. import runtime, tune
 from ..autotune import tunable
 from . import matmul as KM
-from .elementwise import _pow2, cdiv, collapse
+from .elementwise import _pow2, cdiv, collapse, copy_, fill_
 from .launch import TensorDescriptor, launch
 from .matmul import _epilogue, _kernel_switches, _tile_coords, linear_, matmul_
 from .reduce import SUM, reduce_
@@ -787,7 +787,6 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     if dw_out.numel() == 0:
         return dw_out
     if M == 0:
-        from .elementwise import fill_
         return fill_(dw_out, 0.0)
     (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
     tma = groups == 1 and _phase_view_ok(x, sh, sw) and _tma_buffers_ok(dy, x)
@@ -852,7 +851,6 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         else:
             tmp = runtime.empty(tuple(dw_out.shape), dw_out.dtype)
             reduce_(tmp, target_buf, 1, splits, n, (0, n, 1), SUM)
-            from .elementwise import copy_
             copy_(dw_out, tmp)
     return dw_out
 

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .. import runtime, tune
 from ..autotune import tunable
-from .elementwise import _pow2, cdiv
+from .elementwise import _pow2, cdiv, fill_
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -620,7 +620,6 @@ def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
 def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_m):
     """LayerNorm/RMSNorm backward; any of dx, dw, db may be None (not wanted)."""
     if M == 0:
-        from .elementwise import fill_
         for t in (dw, db):
             if t is not None:
                 fill_(t, 0.0)

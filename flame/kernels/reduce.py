@@ -20,7 +20,7 @@ import triton.language as tl
 
 from .. import runtime, tune
 from ..autotune import tunable
-from .elementwise import _pow2, cdiv, compute_dtype
+from .elementwise import _pow2, cdiv, compute_dtype, fill_
 from .launch import launch
 
 SUM, MAX, MIN, SQDEV = (tl.constexpr(i) for i in range(4))
@@ -145,7 +145,6 @@ def reduce_(out, x, outer, R, inner, strides, op, scale=1.0, mean=None):
     cd = compute_dtype(x.dtype, out.dtype)
     ident = _identity(op, cd)
     if R == 0:  # empty sum: 0 (times scale, so an empty mean is NaN)
-        from .elementwise import fill_
         return fill_(out, 0.0 * scale)
     plan = _plans.get((outer, R, inner, x.dtype))
     if plan is None:

@@ -23,6 +23,7 @@ from collections import OrderedDict
 
 from .. import nn, runtime
 from ..autograd import is_grad_enabled
+from ..checkpoint import checkpoint
 from ..nn import functional as F
 from ..ops.creation import arange, full
 from ..ops.elementwise import cos, exp, sin, to
@@ -275,7 +276,6 @@ class _Checkpointed(nn.Module):
 
     def __call__(self, *args):
         if self.gradient_checkpointing and is_grad_enabled():
-            from ..checkpoint import checkpoint  # lazily: keeps the model importable on its own
             return checkpoint(self.forward, *args)
         return self.forward(*args)
 

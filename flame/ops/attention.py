@@ -40,6 +40,7 @@ from ..tensor import Tensor
 from . import _autocast
 from ._util import argument_error, check_tensor
 from .elementwise import to
+from .shape import contiguous
 
 _OP = "scaled_dot_product_attention"
 MAX_HEAD_DIM = 512  # the forward's limit
@@ -170,7 +171,6 @@ def _sdpa_backward(node, g):
         g = to(g, qb.dtype)
     gb = g._data
     if D > 1 and gb.stride(-1) != 1:
-        from .shape import contiguous
         gb = contiguous(g)._data
     dq, dk, dv = _empty_like_order(qb), _empty_like_order(kb), _empty_like_order(vb)
     if D > 0 and B * H > 0 and (Lq > 0 or Lk > 0):

@@ -18,6 +18,7 @@ from ..tensor import Tensor, int64
 from . import _autocast, reduce
 from ._util import check_tensor
 from .elementwise import cast_params, to
+from .shape import expand, permute, reshape, squeeze, unsqueeze
 
 
 def _pair(v, name, op):
@@ -110,7 +111,6 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         raise ValueError(f"{op}: weight must be 4-D (out_channels, in_channels/groups, kH, kW), "
                          f"got shape {weight.shape}")
     if input.ndim == 3:  # unbatched (C, H, W)
-        from .shape import squeeze, unsqueeze
         return squeeze(conv2d(unsqueeze(input, 0), weight, bias, stride, padding, dilation, groups), 0)
     if input.ndim != 4:
         raise ValueError(f"{op}: expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape {input.shape}")
@@ -154,8 +154,7 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     x0, wb = input._data, weight._data
     x = _nhwc_data(x0)
     if ci == 0:
-        from ..kernels.elementwise import fill_
-        fill_(out, 0.0)
+        KE.fill_(out, 0.0)
         y = Tensor(out)
         return y if bias is None else y + bias.reshape(1, co, 1, 1)
     KC.conv2d_forward_(out, x, wb, None if bias is None else bias._data, stride, top_left, dilation, groups)
@@ -185,7 +184,6 @@ def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         raise ValueError(f"{op}: expected a 2-D (C, L) or 3-D (N, C, L) input, got shape {input.shape}")
     if weight.ndim != 3:
         raise ValueError(f"{op}: weight must be 3-D (out_channels, in_channels/groups, k), got shape {weight.shape}")
-    from .shape import squeeze, unsqueeze
     stride, dilation = _single(stride, "stride", op), _single(dilation, "dilation", op)
     pad = padding if isinstance(padding, str) else (0, _single(padding, "padding", op))
     try:
@@ -233,7 +231,6 @@ def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corne
         raise ValueError(f"{op}: antialias only applies to bilinear/bicubic modes")
     if input.ndim not in (3, 4):
         raise ValueError(f"{op}: expected a 3-D (N, C, L) or 4-D (N, C, H, W) input, got shape {input.shape}")
-    from .shape import expand, permute, reshape
     spatial = input.shape[2:]
     f = _factors(spatial, size, scale_factor, op)
     if all(k == 1 for k in f):
@@ -356,7 +353,6 @@ def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode
     op = "max_pool2d"
     _pool_input(input, op)
     if input.ndim == 3:
-        from .shape import squeeze, unsqueeze
         out = max_pool2d(unsqueeze(input, 0), kernel_size, stride, padding, dilation, ceil_mode, return_indices)
         return (squeeze(out[0], 0), squeeze(out[1], 0)) if return_indices else squeeze(out, 0)
     geometry, out_hw = _pool_geometry(input, kernel_size, stride, padding, dilation, ceil_mode, op)
@@ -378,7 +374,6 @@ def avg_pool2d(input, kernel_size, stride=None, padding=0, ceil_mode=False, coun
         if divisor_override == 0:
             raise ValueError(f"{op}: divisor_override must not be zero")
     if input.ndim == 3:
-        from .shape import squeeze, unsqueeze
         return squeeze(avg_pool2d(unsqueeze(input, 0), kernel_size, stride, padding, ceil_mode, count_include_pad,
                                   divisor_override), 0)
     geometry, out_hw = _pool_geometry(input, kernel_size, stride, padding, 1, ceil_mode, op)

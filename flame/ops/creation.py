@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import runtime
+from ..autograd import is_grad_enabled
 from ..kernels import elementwise as KE
 from ..kernels import random as KR
 from ..tensor import SUPPORTED_DTYPES, Tensor, check_dtype
@@ -236,10 +237,8 @@ def from_torch(t: torch.Tensor, requires_grad: bool | None = None) -> Tensor:
 
 def fill_(x: Tensor, value) -> Tensor:
     """In place: set every element of ``x`` to ``value`` (outside the graph)."""
-    if x.requires_grad and x.is_leaf:
-        from ..autograd import is_grad_enabled
-        if is_grad_enabled():
-            raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation")
+    if x.requires_grad and x.is_leaf and is_grad_enabled():
+        raise RuntimeError("a leaf Variable that requires grad is being used in an in-place operation")
     KE.fill_(x._data, value)
     return x
 

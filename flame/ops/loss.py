@@ -24,6 +24,8 @@ from ..kernels import softmax as K
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import _autocast
 from ._util import check_tensor, normalize_dim
+from .elementwise import to
+from .reduce import sum_to_shape
 
 _REDUCTIONS = ("none", "mean", "sum")
 
@@ -97,7 +99,6 @@ def _softmax(x, dim, dtype, log, op):
     if dim is None:
         raise TypeError(f"{op}: dim must be given (implicit dim choice is deprecated in PyTorch)")
     if dtype is not None:
-        from .elementwise import to
         x = to(x, dtype)
     if not x.dtype.is_floating_point:
         raise TypeError(f"{op}: expected a floating-point input, got dtype {x.dtype}")
@@ -212,7 +213,6 @@ def _loss_backward(node, g):
                x, y, w, a["w_div"], a["w_mod"], gbuf, wsum, out, a["kind"], a["beta"], a["reduction"])
     dw = None
     if need_w:
-        from .reduce import sum_to_shape
         dw = sum_to_shape(dwf, a["wshape"])
     return dx, dy, dw
 

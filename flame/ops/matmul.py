@@ -17,6 +17,7 @@ from ..kernels import matmul as KM
 from ..kernels import reduce as KR
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import _autocast
+from . import elementwise as ew
 from ._util import check_tensor
 from .elementwise import cast_params, to
 from .shape import contiguous
@@ -270,7 +271,6 @@ def linear(x, weight, bias=None, activation=None):
 
 
 def _apply_activation(y, activation):
-    from . import elementwise as ew
     return y if activation is None else ew.gelu(y, "tanh") if activation == "gelu_tanh" else getattr(ew, activation)(y)
 
 

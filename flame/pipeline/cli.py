@@ -13,6 +13,7 @@ import re
 import sys
 
 from ..diffusion.samplers import SAMPLERS
+from ..tensor import bfloat16, float32
 
 PROG = "flame-sample"
 
@@ -66,7 +67,6 @@ def run(args) -> list:
     """Generate the images ``args`` describe; returns the written paths."""
     from tqdm import tqdm
 
-    from ..tensor import bfloat16, float32
     from .images import save_grid, save_png
     from .sdxl import SDXLPipeline, encode_prompts, generate, parse_lora, read_prompt_file
 
