@@ -329,14 +329,15 @@ def test_non_finite_loss_stops_with_a_clean_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_sdxl_config_trains_through_the_cli(tmp_path):
-    """configs/sdxl_lora_tiny.yaml end to end on the real tiny SDXL UNet (2 steps instead of 6 to
-    save time): synthetic cache, training, validation loss down, a checkpoint, a LoRA file that
-    loads into SDXLUNet."""
+    """configs/sdxl_lora_tiny.yaml end to end on the real tiny SDXL UNet (2 steps of batch 1 instead
+    of 6 of batch 2, to save time): synthetic cache, training, validation loss down, a checkpoint, a
+    LoRA file that loads into SDXLUNet."""
     from flame.models import SDXLUNet, SDXLUNetConfig
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "scripts/train_sdxl_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
                         f"output.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2",
-                        "output.validate_every=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+                        "data.batch_size=1", "output.validate_every=2"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "writing a synthetic cache of 20 samples" in r.stdout and "step 2/2" in r.stdout
     rows = _metrics(tmp_path)
