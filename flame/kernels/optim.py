@@ -254,15 +254,16 @@ def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qma
 # Prodigy's device scalars (fp64): the D estimate, its running maximum, the numerator's running
 # sum, the global step k, the step's d * lr * bias correction (read by the update), d_hat,
 # whether the update is skipped (no gradient moved the estimate yet), and the initial estimate d0
-PRODIGY_D, PRODIGY_D_MAX, PRODIGY_NUM, PRODIGY_K, PRODIGY_DLR, PRODIGY_D_HAT, PRODIGY_SKIP, PRODIGY_D0 = range(8)
+PRODIGY_D, PRODIGY_D_MAX, PRODIGY_NUM, PRODIGY_K, PRODIGY_DLR, PRODIGY_D_HAT, PRODIGY_SKIP, PRODIGY_D0 = (
+    tl.constexpr(i) for i in range(8))
 
 
 @triton.jit
 def _prodigy_dlr(scalars_ptr, lr, b1, b2, BIAS_CORRECTION: tl.constexpr):
     # d * lr, times sqrt(1 - b2^(k+1)) / (1 - b1^(k+1)) with the bias correction
-    dlr = tl.load(scalars_ptr + 0) * lr
+    dlr = tl.load(scalars_ptr + PRODIGY_D) * lr
     if BIAS_CORRECTION:
-        k = tl.load(scalars_ptr + 3).to(tl.int64) + 1
+        k = tl.load(scalars_ptr + PRODIGY_K).to(tl.int64) + 1
         dlr = dlr * tl.sqrt(1.0 - _powi(tl.cast(b2, tl.float64), k)) / (1.0 - _powi(tl.cast(b1, tl.float64), k))
     return dlr
 
@@ -284,8 +285,8 @@ def _prodigy_stats_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_p
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     s_ptr = tl.load(row + 6).to(tl.pointer_type(tl.float32))
     p0_ptr = tl.load(row + 7).to(tl.pointer_type(tl.float32))
-    d64 = tl.load(scalars_ptr + 0)
-    d0 = tl.load(scalars_ptr + 7)
+    d64 = tl.load(scalars_ptr + PRODIGY_D)
+    d0 = tl.load(scalars_ptr + PRODIGY_D0)
     dlr64 = _prodigy_dlr(scalars_ptr, lr, b1, b2, BIAS_CORRECTION)
     d = d64.to(tl.float32)
     weight = (d64 / d0 * dlr64).to(tl.float32)
@@ -328,25 +329,25 @@ def _prodigy_estimate_kernel(found_ptr, scalars_ptr, part_ptr, total, lr, b1, b2
         idx = off + tl.arange(0, BLOCK)
         num += tl.load(part_ptr + idx, mask=idx < total, other=0.0).to(tl.float64)
         den += tl.load(part_ptr + total + idx, mask=idx < total, other=0.0).to(tl.float64)
-    numerator = tl.load(scalars_ptr + 2) * b3 + tl.sum(num, axis=0)
+    numerator = tl.load(scalars_ptr + PRODIGY_NUM) * b3 + tl.sum(num, axis=0)
     denominator = tl.sum(den, axis=0)
     run = denominator != 0
     if HAS_FOUND:
         run = run & (tl.load(found_ptr) == 0)
-    d = tl.load(scalars_ptr + 0)
-    d_max = tl.load(scalars_ptr + 1)
+    d = tl.load(scalars_ptr + PRODIGY_D)
+    d_max = tl.load(scalars_ptr + PRODIGY_D_MAX)
     d_hat = d_coef * numerator / tl.where(run, denominator, 1.0)
-    new_d = tl.where(d == tl.load(scalars_ptr + 7), tl.maximum(d, d_hat), d)
+    new_d = tl.where(d == tl.load(scalars_ptr + PRODIGY_D0), tl.maximum(d, d_hat), d)
     new_max = tl.maximum(d_max, d_hat)
     new_d = tl.minimum(new_max, new_d * growth)
     dlr = _prodigy_dlr(scalars_ptr, lr, b1, b2, BIAS_CORRECTION)  # before k moves
-    tl.store(scalars_ptr + 0, tl.where(run, new_d, d))
-    tl.store(scalars_ptr + 1, tl.where(run, new_max, d_max))
-    tl.store(scalars_ptr + 2, tl.where(run, numerator, tl.load(scalars_ptr + 2)))
-    tl.store(scalars_ptr + 3, tl.load(scalars_ptr + 3) + tl.where(run, 1.0, 0.0))
-    tl.store(scalars_ptr + 4, dlr)
-    tl.store(scalars_ptr + 5, tl.where(run, d_hat, tl.load(scalars_ptr + 5)))
-    tl.store(scalars_ptr + 6, tl.where(run, 0.0, 1.0))
+    tl.store(scalars_ptr + PRODIGY_D, tl.where(run, new_d, d))
+    tl.store(scalars_ptr + PRODIGY_D_MAX, tl.where(run, new_max, d_max))
+    tl.store(scalars_ptr + PRODIGY_NUM, tl.where(run, numerator, tl.load(scalars_ptr + PRODIGY_NUM)))
+    tl.store(scalars_ptr + PRODIGY_K, tl.load(scalars_ptr + PRODIGY_K) + tl.where(run, 1.0, 0.0))
+    tl.store(scalars_ptr + PRODIGY_DLR, dlr)
+    tl.store(scalars_ptr + PRODIGY_D_HAT, tl.where(run, d_hat, tl.load(scalars_ptr + PRODIGY_D_HAT)))
+    tl.store(scalars_ptr + PRODIGY_SKIP, tl.where(run, 0.0, 1.0))
 
 
 @triton.jit(do_not_specialize=["b1", "wd", "eps"])
@@ -358,11 +359,11 @@ def _prodigy_update_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_
     #   p -= wd dlr p (decoupled);  p -= dlr m / (sqrt(v) + d eps)   (b1 = 0: p -= dlr d g / (...))
     row, start = _work(tensors_ptr, work_ptr)
     p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
-    n = tl.where(tl.load(scalars_ptr + 6) == 0, n, 0)
+    n = tl.where(tl.load(scalars_ptr + PRODIGY_SKIP) == 0, n, 0)
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    d = tl.load(scalars_ptr + 0).to(tl.float32)
-    dlr = tl.load(scalars_ptr + 4).to(tl.float32)
+    d = tl.load(scalars_ptr + PRODIGY_D).to(tl.float32)
+    dlr = tl.load(scalars_ptr + PRODIGY_DLR).to(tl.float32)
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n

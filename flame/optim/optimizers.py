@@ -451,8 +451,9 @@ class Prodigy(Optimizer):
     the new D, an update launch per bucket; no host sync. ``slice_p`` and FSDP are not offered."""
 
     _state_names = ("exp_avg", "exp_avg_sq", "s", "p0")
-    _GROUP_SCALARS = {"d": K.PRODIGY_D, "d_max": K.PRODIGY_D_MAX, "d_numerator": K.PRODIGY_NUM, "k": K.PRODIGY_K,
-                      "d_hat": K.PRODIGY_D_HAT}
+    _GROUP_SCALARS = {name: slot.value for name, slot in (
+        ("d", K.PRODIGY_D), ("d_max", K.PRODIGY_D_MAX), ("d_numerator", K.PRODIGY_NUM), ("k", K.PRODIGY_K),
+        ("d_hat", K.PRODIGY_D_HAT))}
 
     def __init__(self, params, lr=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, weight_decay=0.0, decouple=True,
                  use_bias_correction=False, safeguard_warmup=False, d0=1e-6, d_coef=1.0, growth_rate=float("inf")):
@@ -506,5 +507,5 @@ class Prodigy(Optimizer):
         for group in self.param_groups[1:]:
             for name in self._GROUP_SCALARS:
                 group.pop(name, None)
-        values[K.PRODIGY_D0] = float(self.param_groups[0]["d0"])
+        values[K.PRODIGY_D0.value] = float(self.param_groups[0]["d0"])
         self._scalars = _device_f64(values)

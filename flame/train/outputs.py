@@ -21,12 +21,11 @@ TRACKERS = ("jsonl", "tensorboard", "wandb")
 _INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb"}
 
 
-OPTIMIZER_NAMES = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "lion": "Lion", "prodigy": "Prodigy",
-                   "adafactor": "Adafactor"}  # train.optimizer -> the class, as kohya's ss_optimizer names it
-
-def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: float, datasets=()) -> dict:
+def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: float, datasets=(),
+                  optimizer: str = "AdamW") -> dict:
     """{str: str} training metadata for the LoRA file of a run with config ``cfg``; ``datasets``:
-    ``(folder, repeats, training images, is_reg)`` of each cache it trained on."""
+    ``(folder, repeats, training images, is_reg)`` of each cache it trained on; ``optimizer``: its
+    class name (kohya's ``ss_optimizer``)."""
     c = cfg
     alpha = c.lora.alpha if c.lora.alpha is not None else c.lora.rank
     network_args = {}
@@ -44,7 +43,7 @@ def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: fl
         "ss_output_name": c.output.name, "ss_steps": step, "ss_max_train_steps": c.train.steps or "",
         "ss_num_train_images": num_samples, "ss_learning_rate": c.train.lr, "ss_unet_lr": c.train.lr,
         "ss_lr_scheduler": c.train.lr_scheduler, "ss_lr_warmup_steps": c.train.warmup_steps,
-        "ss_optimizer": OPTIMIZER_NAMES[c.train.optimizer], "ss_mixed_precision": c.train.precision,
+        "ss_optimizer": optimizer, "ss_mixed_precision": c.train.precision,
         "ss_seed": c.train.seed, "ss_network_args": json.dumps(network_args) if network_args else "",
         "ss_num_reg_images": sum(n for _, _, n, reg in datasets if reg),
         "ss_dataset_dirs": json.dumps(dirs) if dirs else "", "ss_prior_loss_weight": c.data.prior_loss_weight,

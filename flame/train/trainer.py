@@ -120,7 +120,6 @@ def _duration(seconds):
     return f"{minutes // 60} h {minutes % 60:02d} min"
 
 
-
 def make_optimizer(t, groups):
     """``train.optimizer`` over the adapters' parameter ``groups``, with the ``train`` section's settings."""
     adam = dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
@@ -135,6 +134,7 @@ def make_optimizer(t, groups):
     if t.optimizer == "adafactor":  # an external lr and schedule, as kohya's SDXL recipes set it
         return Adafactor(groups, lr=t.lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False)
     return AdamW(groups, lr=t.lr, **adam)
+
 
 class Trainer:
     """Builds a run from a validated config (``flame.train.config``) and trains it (``train()``).
@@ -976,7 +976,7 @@ class Trainer:
             raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
         if self.world.is_main:
             meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time(),
-                                 self._datasets)
+                                 self._datasets, type(self.optimizer).__name__)
             for path, averaged in ((self.lora_path(), False), (self.lora_path(ema=True), True)):
                 if averaged and self.ema is None:
                     continue
