@@ -310,6 +310,45 @@ def linear_family(ctx: Ctx) -> list[Case]:
     return cases
 
 
+LORA_SHAPES = [(4096, 640, 640), (77, 2048, 640), (1024, 1280, 1280), (77, 2048, 1280)]  # SDXL's attn projections
+
+
+def _torch_lora(x, w, a, b, m, scale):
+    """LoRA (``m`` None) or PEFT's DoRA on a Linear in torch: the base product, the two adapter
+    products in x's dtype, and for DoRA the scale m / ||W + s B A|| (fp32, detached)."""
+    lin = torch.nn.functional.linear
+    z = lin(x, w) + lin(lin(x, a.to(x.dtype)), b.to(x.dtype)) * scale
+    if m is None:
+        return z
+    return z * (m / (w.float() + scale * b @ a).norm(dim=1).detach()).to(z.dtype)
+
+
+@family("lora", "F.lora_linear: LoRA and DoRA (magnitude) adapters, rank 16, on SDXL's attention projections")
+def lora_family(ctx: Ctx) -> list[Case]:
+    import flame.nn.functional as F
+
+    cases = []
+    shapes = LORA_SHAPES if not ctx.quick else [(256, 128, 192)]
+    if ctx.interpreter:
+        shapes = [(16, 24, 32)]
+    for m, k, n in shapes:
+        x, tx = _randn(m, k, dtype=ctx.dtype, requires_grad=True)
+        w, tw = _randn(n, k, dtype=ctx.dtype)
+        a, ta = _randn(16, k, dtype=torch.float32, requires_grad=True)
+        lb, tlb = _randn(n, 16, dtype=torch.float32, requires_grad=True)
+        with flame.no_grad():
+            mag = (flame.rand(n) + 20.0).requires_grad_()
+        tmag = mag.to_torch().detach().clone().requires_grad_()
+        g = flame.randn(m, n, dtype=ctx.dtype)
+        for dora in (False, True):
+            f_in, t_in = ((x, w, a, lb, mag), (tx, tw, ta, tlb, tmag)) if dora else ((x, w, a, lb), (tx, tw, ta, tlb))
+            cases += _fwd_bwd_cases(f"{'dora' if dora else 'lora'} {m}x{k}->{n}",
+                                    lambda x, w, a, b, mag=None: F.lora_linear(x, w, None, a, b, 0.5, magnitude=mag),
+                                    lambda x, w, a, b, mag=None: _torch_lora(x, w, a, b, mag, 0.5), f_in, t_in, g,
+                                    g.to_torch(), flops=2 * m * n * (k + 16) + 2 * m * k * 16)
+    return cases
+
+
 def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0):
     """A forward case (no graph) and a forward+backward case for one op; ``f_fn(*inputs)`` and
     ``t_fn(*inputs)`` compute it, ``g``/``tg`` is the incoming gradient. Backward work is counted as

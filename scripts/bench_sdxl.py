@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 scripts/bench_sdxl.py                       # full SDXL, 1024x1024, batch 1 and 4
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --out out/sdxl.json
     PYTHONPATH=. python3 scripts/bench_sdxl.py --paths both    # + flame as an Ampere/Ada card runs (no TMA, no table)
+    PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --dora both   # + DoRA on both sides
     python scripts/bench_sdxl.py --config tiny --resolution 64 --steps 2 --warmup 1   # CPU smoke test
 
 Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
@@ -85,7 +86,7 @@ def run_flame(args):
     flame.manual_seed(0)
     model = SDXLUNet(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)
     model.requires_grad_(False)
-    nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank)
+    nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
     if args.checkpointing == "on":
         model.enable_gradient_checkpointing(True)
     params = nn.lora_parameters(model)
@@ -115,9 +116,9 @@ def run_flame(args):
             "device": flame.device_name(), "graphs": step_fn.num_graphs}
 
 
-def diffusers_lora_unet(cfg, rank, checkpointing, dev):
+def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False):
     """diffusers' UNet of ``cfg`` (random weights, frozen in bf16) with peft's LoRA of ``rank`` on the
-    attention projections in fp32, in training mode: ``(unet, LoRA parameters)``."""
+    attention projections in fp32 (``dora``: peft's DoRA), in training mode: ``(unet, LoRA parameters)``."""
     # isort: off
     import torch
     from diffusers import UNet2DConditionModel
@@ -128,7 +129,8 @@ def diffusers_lora_unet(cfg, rank, checkpointing, dev):
         unet = UNet2DConditionModel(**cfg.to_diffusers())
     unet.to(torch.bfloat16)
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS))
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS,
+                                use_dora=dora))
     params = [p for p in unet.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
@@ -161,7 +163,7 @@ def run_diffusers(args):
 
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev)
+    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev, dora=args.dora == "on")
     opt = torch.optim.AdamW(params, lr=1e-4)
     shapes = _inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (torch.randn(*s, device=dev) for s in shapes)
@@ -190,6 +192,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 4)")
     p.add_argument("--checkpointing", choices=["on", "off", "both"], default="both")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dora", choices=["off", "on", "both"], default="off",
+                   help="DoRA adapters (flame's lora.dora, peft's use_dora) instead of plain LoRA, or both")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (flame captures on its 2nd)")
     p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
@@ -217,12 +221,14 @@ def _settings(args):
     captures = ["off", "on"] if capture == "both" else [capture]
     ckpts = ["off", "on"] if args.checkpointing == "both" else [args.checkpointing]
     paths = ["default", "portable"] if args.paths == "both" else [args.paths]
+    doras = ["off", "on"] if args.dora == "both" else [args.dora]
     for batch in args.batch or [1, 4]:
         for ckpt in ckpts:
-            for fw in frameworks:
-                for cap in (captures if fw == "flame" else [None]):
-                    for path in (paths if fw == "flame" else ["default"]):
-                        yield fw, batch, ckpt, cap, path
+            for dora in doras:
+                for fw in frameworks:
+                    for cap in (captures if fw == "flame" else [None]):
+                        for path in (paths if fw == "flame" else ["default"]):
+                            yield fw, batch, ckpt, cap, path, dora
 
 
 ADA_SHARED_MEMORY = 101376  # bytes per block on Ampere consumer and Ada cards (sm_86, sm_89)
@@ -245,14 +251,13 @@ def main(argv=None):
         return 0
     rows = []
     no_table = tempfile.mkdtemp(prefix="flame-no-table-")
-    for fw, batch, ckpt, cap, path in _settings(args):
+    for fw, batch, ckpt, cap, path, dora in _settings(args):
         cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
                "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
-        if cap:
-            cmd += ["--capture", cap]
-        label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''} batch {batch} " \
-                f"ckpt {ckpt}"
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
+        cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
+        label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
+                f"{' dora' if dora == 'on' else ''} batch {batch} ckpt {ckpt}"
         print(f"== {label}", flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               env=_portable_env(no_table) if path == "portable" else None)
@@ -261,7 +266,8 @@ def main(argv=None):
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
             rows.append({"setting": label, "error": (proc.stderr or proc.stdout)[-2000:]})
             continue
-        result.update(setting=label, batch=batch, checkpointing=ckpt, median_s=statistics.median(result["times_s"]))
+        result.update(setting=label, batch=batch, checkpointing=ckpt, dora=dora,
+                      median_s=statistics.median(result["times_s"]))
         rows.append(result)
         print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB", flush=True)
         if result.get("profile"):
@@ -277,13 +283,13 @@ def main(argv=None):
 
 
 def _report(rows):
-    base = {(r["batch"], r["checkpointing"]): r for r in rows if r.get("framework") == "diffusers+peft"}
+    base = {(r["batch"], r["checkpointing"], r["dora"]): r for r in rows if r.get("framework") == "diffusers+peft"}
     print(f"\n{'setting':<38} {'step ms':>9} {'peak GiB':>9} {'time ratio':>11} {'mem ratio':>10}")
     for r in rows:
         if "error" in r:
             print(f"{r['setting']:<38} failed")
             continue
-        ref = base.get((r["batch"], r["checkpointing"]))
+        ref = base.get((r["batch"], r["checkpointing"], r["dora"]))
         tr = f"{r['median_s'] / ref['median_s']:.2f}x" if ref and r is not ref else ""
         mr = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}x" if ref and r is not ref and ref["peak_bytes"] else ""
         print(f"{r['setting']:<38} {r['median_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**30:9.2f} {tr:>11} {mr:>10}")

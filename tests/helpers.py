@@ -20,6 +20,8 @@ FLOAT_DTYPES_CPU = [torch.float32, torch.float16]
 # fp32 matrix products run as tf32 on the GPU (inputs rounded to 10 mantissa bits) and exactly in
 # the interpreter: fp32 results that went through a GEMM get this tolerance on the GPU.
 TF32_TOL = {} if flame.is_interpreter() else dict(rtol=1e-2, atol=1e-2)
+# The interpreter converts fp32 to bf16 by truncating the mantissa (Triton 3.6's _convert_float),
+# twice round-to-nearest's error and biased: bf16 results are compared on the GPU.
 GPU_ONLY_DTYPES = [torch.bfloat16]
 
 

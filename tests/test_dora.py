@@ -127,6 +127,35 @@ def test_dropout_follows_peft(kind, monkeypatch):
     _assert_matches_peft(layer, pl, mag, x)
 
 
+@pytest.mark.parametrize("shape,rank,layout,dtype", [
+    ((37, 50), 3, "contiguous", torch.float32),
+    ((20, 8, 3, 3), 20, "contiguous", torch.float16),
+    ((20, 8, 3, 3), 4, "channels_last", torch.float32),
+    ((6, 5, 3, 2), 1, "window_transposed", torch.float32),  # kh, kw not one stride apart: read from a copy
+    ((9, 4, 1, 1), 2, "channels_last", torch.float32),
+], ids=str)
+def test_adapted_norms_kernel(shape, rank, layout, dtype):
+    """``||W + s B A||`` per output row (and ``m / norm``) in one launch, for Linear and conv weights
+    in any layout, odd ranks (1, 3, 20 > the 16-wide dot), a 16-bit W, against float64."""
+    from flame.kernels import dora as KD
+    w = torch.randn(shape, dtype=torch.float64).to(dtype)
+    if layout == "channels_last":
+        w = w.to(memory_format=torch.channels_last)
+    elif layout == "window_transposed":
+        w = w.transpose(2, 3).contiguous().transpose(2, 3)
+    a = torch.randn((rank, *shape[1:]))
+    b = torch.randn((shape[0], rank, *(1,) * (len(shape) - 2)))
+    m = torch.rand(shape[0]) + 0.5
+    want = (w.double().flatten(1) + 0.3 * b.double().flatten(1) @ a.double().flatten(1)).norm(dim=1)
+    norm, ratio = torch.empty(shape[0], device=DEVICE), torch.empty(shape[0], device=DEVICE)
+    out = KD.adapted_norms_(norm, w.to(DEVICE), a.to(DEVICE), b.to(DEVICE), 0.3, m.to(DEVICE), ratio)
+    assert out is norm
+    torch.testing.assert_close(norm.cpu().double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ratio.cpu().double(), m.double() / want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="don't form W \\+ B A"):
+        KD.adapted_norms_(norm, w.to(DEVICE), a[:, :1].contiguous().to(DEVICE), b.to(DEVICE), 0.3)
+
+
 def test_init_magnitude_is_the_weight_norm_and_leaves_the_output_alone():
     flame.manual_seed(0)
     lin = nn.Linear(9, 6)

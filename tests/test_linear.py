@@ -5,7 +5,7 @@ import torch
 import flame
 import flame.nn.functional as F
 from flame.testing import gradcheck
-from helpers import FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error, pair
+from helpers import FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, assert_close, assert_within_torch_error, pair
 
 TORCH_ACT = {
     None: lambda t: t,
@@ -191,6 +191,74 @@ def test_lora_linear_gradcheck_and_bad_shapes():
         F.lora_linear(x, w, b, a, lb, 1.0, lora_input=flame.randn(5, 7, dtype=flame.float64))
 
 
+def _torch_dora(leaves, g, scale, dtype):
+    """PEFT's DoRA (no dropout) in torch at ``dtype`` (the adapters' products in x's dtype, c rounded
+    to it): c * (x W^T + s x A^T B^T) + b, c = m / ||W + s B A|| (detached). ``leaves`` (x, w, b, a, lb,
+    m): torch tensors, copied here. Returns the output and the leaves' gradients for ``g``."""
+    x, w, b, a, lb, m = (None if t is None else t.detach().to(dtype if i < 3 else torch.float64)
+                         .requires_grad_() for i, t in enumerate(leaves))
+    lin = torch.nn.functional.linear
+    z = lin(x, w) + lin(lin(x, a.to(dtype)), lb.to(dtype)) * scale
+    norm = (w.double() + scale * lb @ a).norm(dim=1).detach()
+    y = z * (m / norm).to(dtype) + (0 if b is None else b)
+    y.backward(g.to(dtype))
+    return y.detach(), [None if t is None else t.grad for t in (x, w, b, a, lb, m)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU + [pytest.param(d, marks=pytest.mark.gpu) for d in GPU_ONLY_DTYPES])
+@pytest.mark.parametrize("x_shape,n_out,rank,bias,noncontig", [
+    ((33, 40), 24, 4, True, False),
+    ((2, 7, 40), 17, 20, False, False),
+    ((9, 40), 24, 1, True, True),
+], ids=str)
+def test_dora_linear_matches_torch(dtype, x_shape, n_out, rank, bias, noncontig):
+    """``magnitude``: DoRA's output and every gradient (x, W, b, A, B, m; none through the norm)
+    against float64, odd sizes, ranks 1..20, a transposed input; 16-bit within 3x PyTorch's own
+    error in that dtype."""
+    x, tx = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig)
+    w, tw = pair((n_out, x_shape[-1]), dtype, requires_grad=True)
+    b, tb = pair((n_out,), dtype, requires_grad=True) if bias else (None, None)
+    a, ta = pair((rank, x_shape[-1]), torch.float32, requires_grad=True)
+    lb, tlb = pair((n_out, rank), torch.float32, requires_grad=True)
+    norm = (tw.double() + 0.75 * tlb.double() @ ta.double()).norm(dim=1)
+    tm = (norm * (0.5 + torch.rand(n_out, dtype=torch.float64, device=norm.device))).float()
+    m = flame.from_torch(tm.clone(), requires_grad=True)
+    y = F.lora_linear(x, w, b, a, lb, 0.75, magnitude=m)
+    g, tg = pair(tuple(y.shape), dtype)
+    grads = y.backward(g)
+    leaves = (tx, tw, tb, ta, tlb, tm)
+    y64, grads64 = _torch_dora(leaves, tg, 0.75, torch.float64)
+    assert y.dtype == dtype and grads[m].dtype == grads[a].dtype == torch.float32
+    got = [y] + [None if t is None else grads[t] for t in (x, w, b, a, lb, m)]
+    want = [y64] + grads64
+    if dtype == torch.float32:
+        tol = dict(rtol=1e-4, atol=1e-4) if flame.is_interpreter() else dict(rtol=1e-2, atol=0.15)  # tf32
+        for g_, w_ in zip(got, want):
+            if w_ is not None:
+                assert_close(g_.to_torch().double(), w_, torch.float64, **tol)
+    else:
+        y_low, grads_low = _torch_dora(leaves, tg, 0.75, dtype)
+        for g_, lo, w_ in zip(got, [y_low] + grads_low, want):
+            if w_ is not None:
+                assert_within_torch_error(g_, lo, w_, 3)
+
+
+def test_dora_linear_gradcheck_and_bad_input():
+    x = flame.randn(5, 6, dtype=flame.float64).requires_grad_()
+    w = flame.randn(4, 6, dtype=flame.float64)
+    b = flame.randn(4, dtype=flame.float64).requires_grad_()
+    a, lb = flame.randn(3, 6, dtype=flame.float64), flame.randn(4, 3, dtype=flame.float64)
+    m = flame.randn(4, dtype=flame.float64).requires_grad_()
+    # the norm is a constant: finite differences only over x, b and m (A, B and W move it)
+    assert gradcheck(lambda x, b, m: F.lora_linear(x, w, b, a, lb, 0.5, magnitude=m), (x, b, m))
+    with pytest.raises(ValueError, match=r"magnitude must be a floating-point \(4,\) vector, got \(3,\)"):
+        F.lora_linear(x, w, b, a, lb, 0.5, magnitude=flame.randn(3, dtype=flame.float64))
+    with pytest.raises(ValueError, match="with a separate lora_input"):
+        F.lora_linear(x, w, b, a, lb, 0.5, lora_input=x, magnitude=m)
+    empty = F.lora_linear(flame.randn(0, 6, dtype=flame.float64), w, b, a, lb, 0.5, magnitude=m)
+    assert empty.shape == (0, 4)
+
+
 def test_lora_linear_launches_fewer_kernels_than_the_composed_ops():
     import flame.kernels.launch as L
     x = flame.randn(16, 32, dtype=flame.float16).requires_grad_()
@@ -206,3 +274,8 @@ def test_lora_linear_launches_fewer_kernels_than_the_composed_ops():
         counts.append(L.launches)
     # 2 casts + 3 GEMMs forward, 5 GEMMs backward, 1 cast of x's gradient into its fp32 accumulator
     assert counts[0] <= 11 and counts[0] < counts[1], counts
+    # DoRA adds the norm and the scale-and-bias pass forward, the scale's gradient pass and its sum backward
+    m = flame.ones(8).requires_grad_()
+    L.launches = 0
+    F.lora_linear(x, w, b, a, lb, 0.5, magnitude=m).backward(g)
+    assert L.launches <= counts[0] + 4, (L.launches, counts)

@@ -26,7 +26,9 @@ DoRA (``dora=True``; Liu et al. 2024, "weight-decomposed low-rank adaptation", a
 value per output channel, initialised to the row norms of ``W + scale * B A`` (= ``||W||`` at init,
 B being zero). With ``c = m / ||W + scale * B A||`` (norm per output row of W, over (in) for a
 Linear and (in, kh, kw) for a Conv2d, computed outside the graph: no gradient flows through it, as
-in PEFT and the paper's section 4.3) the layer outputs ``c * (W x + scale * B A x) + b``. Merged
+in PEFT and the paper's section 4.3) the layer outputs ``c * (W x + scale * B A x) + b``. A Linear
+runs it as one op (``lora_linear(..., magnitude=m)``: the norm in one launch, the scale and bias in
+one pass after the LoRA GEMMs); with dropout, and for a Conv2d, it is composed of graph ops. Merged
 or folded, ``W' = c * (W + scale * B A)``. File keys: PEFT/diffusers
 ``<prefix>.<module path>.lora_magnitude_vector`` ((out,) for a Linear, (1, out, 1, 1) for a Conv2d,
 as PEFT saves them and diffusers' ``load_lora_weights`` reads them); kohya ``<name>.dora_scale``
@@ -48,9 +50,9 @@ import torch
 
 from .. import runtime
 from ..autograd import no_grad
+from ..kernels import dora as KD
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
-from ..kernels import reduce as KR
 from ..ops.conv import conv2d
 from ..ops.dropout import dropout as _dropout
 from ..ops.elementwise import to as _to
@@ -69,18 +71,6 @@ PRESETS = {
 }
 
 _SUFFIX = re.compile(r"^[A-Za-z0-9_.]+$")
-
-
-def _row_norms(rows, scratch):
-    """``||rows[o, :]||_2`` of a fp32 (n, K) buffer as a new fp32 (n,) buffer: squares into
-    ``scratch`` (same shape; ``rows`` itself when its values are not needed after), sums each row
-    with the reduction kernel, takes the square root."""
-    n, k = rows.shape
-    KE.map_(scratch, [rows, rows], KE.MUL.value)
-    norm = runtime.empty((n,), torch.float32)
-    KR.reduce_(norm, scratch, n, k, 1, (k, 1, 0), KR.SUM)
-    KE.map_(norm, [norm], KE.SQRT.value)
-    return norm
 
 
 class _LoRALayer(Module):
@@ -139,8 +129,7 @@ class _LoRALayer(Module):
         exactly what plain LoRA with these A, B would (c = 1)."""
         if self.merged:
             raise RuntimeError(f"{type(self).__name__}.init_magnitude: the layer is merged; unmerge it first")
-        v = self._adapted_weight()
-        KE.copy_(self.lora_magnitude._data, _row_norms(v, v))
+        self._adapted_norm(out=self.lora_magnitude._data)
 
     def _per_channel(self, t):
         """A per-output-channel vector ``t`` (out,) shaped to broadcast over this layer's output."""
@@ -178,8 +167,13 @@ class _LoRALayer(Module):
 
     def _magnitude_scale(self):
         """DoRA's ``c = m / ||W + scale * B A||`` (out,): a graph op on m, the norm a constant."""
-        v = self._adapted_weight()
-        return self.lora_magnitude / Tensor(_row_norms(v, v))
+        return self.lora_magnitude / Tensor(self._adapted_norm())
+
+    def _adapted_norm(self, strength=1.0, out=None):
+        """``||W + strength * scale * B A||`` per output channel (fp32, (out,); into ``out`` if given),
+        in one launch without forming the sum."""
+        norm = runtime.empty((self.weight.shape[0],), torch.float32) if out is None else out
+        return KD.adapted_norms_(norm, self.weight._data, self.lora_A._data, self.lora_B._data, self.scale * strength)
 
     # ---- merge: W += scale * B @ A (fp32 product over the flattened A, one add kernel into W's dtype)
     def _delta(self, strength=1.0, plus_weight=False):
@@ -205,7 +199,7 @@ class _LoRALayer(Module):
         """W = c * v with v = W + strength * scale * B A and c = m / ||v|| (rows): computed in fp32,
         rounded once into W's dtype. Returns ||v|| (fp32, (out,))."""
         v = self._adapted_weight(strength)
-        norm = _row_norms(v, runtime.empty(v.shape, torch.float32))
+        norm = self._adapted_norm(strength)
         c = runtime.empty(norm.shape, torch.float32)
         KE.map_(c, [self.lora_magnitude._data, norm], KE.DIV.value)
         w = self.weight._data
@@ -297,11 +291,13 @@ class LoRALinear(_LoRALayer):
         return lora_linear(h, self.weight, None, self.lora_A, self.lora_B, self.scale)
 
     def forward(self, x):
-        if self.merged or self.dora or not isinstance(x, Tensor):
-            return super().forward(x)
+        drop = self.dropout > 0 and self.training
+        if self.merged or (self.dora and drop) or not isinstance(x, Tensor):
+            return super().forward(x)  # DoRA with dropout: composed, as PEFT (see _dora_forward)
         self._check(x)
-        h = _dropout(x, self.dropout, True) if self.dropout > 0 and self.training else None
-        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, lora_input=h)
+        h = _dropout(x, self.dropout, True) if drop else None
+        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, lora_input=h,
+                           magnitude=self.lora_magnitude)
 
     def _down(self, h):
         return linear(h, self.lora_A)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .. import runtime
 from ..autograd import needs_grad, record
+from ..kernels import dora as KD
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
 from ..kernels import reduce as KR
@@ -283,19 +286,29 @@ def _apply_activation(y, activation):
 #   dX  = G W  (+ dH A16 when X_l is X: accumulated in the same GEMM's epilogue)
 #   dX_l = dH A16            (when the branch has its own input)
 #   dW  = G^T X, db = sum_r G (only when the base layer trains)
+# DoRA (a magnitude m): Y = c * Z + b with Z = X W^T + s * H B^T and c = m / n per column, n the row
+# norms of W + s B A (a constant, as in PEFT). The products above take dZ = G * c in place of G
+# (db keeps G), and dm = sum_r (G * Z) / n (kernels.dora.scale_grad_: one pass over G and Z).
 def _lora_linear_backward(node, g):
-    x2, xl2, w, h, a16, b16 = node.saved
-    need_x, need_w, need_b, need_a, need_lb, need_xl = node.needs_input_grad
+    x2, xl2, w, h, a16, b16, z, ratio, norm = node.saved
+    need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad
     s = node.attrs["scale"]
     g2 = _as_rows(g)
     if g2.dtype != x2.dtype:
         g2 = to(Tensor(g2), x2.dtype)._data
+    gz, dm = g2, None
+    if ratio is not None:
+        gz = runtime.empty(g2.shape, g2.dtype)
+        if need_m:
+            dm = runtime.empty(ratio.shape, node.attrs["m_dtype"])
+        KD.scale_grad_(gz, dm, g2, z, ratio, norm)
+        dm = None if dm is None else Tensor(dm)
     dx = da = dlb = dxl = None
     dh = runtime.empty(h.shape, h.dtype)
-    KM.matmul_(dh, g2, b16, alpha=s)
+    KM.matmul_(dh, gz, b16, alpha=s)
     if need_lb:
         dlb = runtime.empty(node.attrs["b_shape"], node.attrs["b_dtype"])
-        KM.matmul_(dlb, g2.t(), h, alpha=s)
+        KM.matmul_(dlb, gz.t(), h, alpha=s)
         dlb = Tensor(dlb)
     if need_a:
         da = runtime.empty(node.attrs["a_shape"], node.attrs["a_dtype"])
@@ -303,7 +316,7 @@ def _lora_linear_backward(node, g):
         da = Tensor(da)
     if need_x:
         dxb = runtime.empty(x2.shape, x2.dtype)
-        KM.matmul_(dxb, g2, w)
+        KM.matmul_(dxb, gz, w)
         if xl2 is None:
             KM.matmul_(dxb, dh, a16, residual=dxb)
         dx = Tensor(dxb.view(node.attrs["x_shape"]))
@@ -311,8 +324,9 @@ def _lora_linear_backward(node, g):
         dxlb = runtime.empty(xl2.shape, xl2.dtype)
         KM.matmul_(dxlb, dh, a16)
         dxl = Tensor(dxlb.view(node.attrs["x_shape"]))
-    dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
-    return dx, dw, db, da, dlb, dxl
+    dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
+    db = _weight_and_bias_grads(g2, x2, w, False, need_b)[1]
+    return dx, dw, db, da, dlb, dxl, dm
 
 
 def _cast_once(t, dtype):
@@ -325,16 +339,23 @@ def _cast_once(t, dtype):
     return out
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None):
+def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitude=None):
     """``x @ weight^T + bias + scale * (lora_input @ lora_a^T) @ lora_b^T`` as one op: a LoRA
     adapter on a Linear layer, ``lora_input`` defaulting to ``x`` (pass the dropped-out ``x`` for
     LoRA dropout). ``weight`` (N, K), ``bias`` (N,) or None, ``lora_a`` (r, K), ``lora_b`` (N, r);
     the adapter weights (fp32 masters) are cast once to ``x``'s dtype and get gradients in their
     own dtype. Three GEMM launches forward (the up-projection adds into the base output in its
-    epilogue), four or five backward, against about twice that for the composed ops."""
+    epilogue), four or five backward, against about twice that for the composed ops.
+
+    ``magnitude`` (N,): DoRA, ``c * (x @ weight^T + scale * (x @ lora_a^T) @ lora_b^T) + bias`` with
+    ``c = magnitude / ||weight + scale * lora_b @ lora_a||`` (rows; the norm a constant, computed
+    from ``weight`` as passed, in fp32, in one launch); the scale and bias are one elementwise pass
+    and the backward adds two small launches (``kernels.dora``). Not with ``lora_input``: PEFT's
+    DoRA with dropout also corrects the base output, which ``nn.LoRALinear`` composes."""
     op = "lora_linear"
     for name, t in (("input", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
         check_tensor(t, name, op)
+    stored_weight = weight
     x, weight, bias = _autocast.lower(x, weight, bias)
     if lora_input is not None:
         check_tensor(lora_input, "lora_input", op)
@@ -350,21 +371,46 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None):
             or lora_a.shape[1] != k or lora_b.shape != (n_out, lora_a.shape[0])):
         raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
                          f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
+    ratio = norm = None
+    if magnitude is not None:
+        check_tensor(magnitude, "magnitude", op)
+        if magnitude.shape != (n_out,) or not magnitude.dtype.is_floating_point:
+            raise ValueError(f"{op}: magnitude must be a floating-point ({n_out},) vector, got {magnitude.shape} "
+                             f"{magnitude.dtype}")
+        if lora_input is not None:
+            raise ValueError(f"{op}: DoRA (magnitude) with a separate lora_input (dropout) is not one op; "
+                             f"nn.LoRALinear composes it")
+        wide = torch.float64 in (stored_weight.dtype, lora_a.dtype, lora_b.dtype, magnitude.dtype)
+        acc = torch.float64 if wide else torch.float32
+        norm, ratio = runtime.empty((n_out,), acc), runtime.empty((n_out,), acc)
+        KD.adapted_norms_(norm, stored_weight._data, lora_a._data, lora_b._data, scale, magnitude._data, ratio)
     weight, bias = cast_params(weight, bias, n_out, x.dtype, op, ValueError)
     if x.numel() == 0 or k == 0 or lora_a.shape[0] == 0:  # degenerate: the composed ops handle the edge cases
         branch = lora_input if lora_input is not None else x
-        return linear(x, weight, bias) + linear(linear(branch, lora_a), lora_b) * scale
+        z = linear(x, weight, None if ratio is not None else bias) + linear(linear(branch, lora_a), lora_b) * scale
+        if ratio is None:
+            return z
+        y = z * to(magnitude / Tensor(norm), z.dtype)
+        return y if bias is None else y + bias
     x2 = _as_rows(x)
     xl2 = None if lora_input is None else _as_rows(lora_input)
     a16, b16 = _cast_once(lora_a, x.dtype), _cast_once(lora_b, x.dtype)
-    out = runtime.empty((x2.shape[0], n_out), x.dtype)
+    z = runtime.empty((x2.shape[0], n_out), x.dtype)
     h = runtime.empty((x2.shape[0], lora_a.shape[0]), x.dtype)
-    KM.linear_(out, x2, weight._data, None if bias is None else bias._data)
+    KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data)
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
-    KM.matmul_(out, h, b16.t(), alpha=float(scale), residual=out)
+    KM.matmul_(z, h, b16.t(), alpha=float(scale), residual=z)
+    out = z
+    if ratio is not None:
+        out = runtime.empty(z.shape, z.dtype)
+        per_column = [ratio] + ([] if bias is None else [bias._data])
+        op_code = KE.MUL if bias is None else KE.MUL_ADD
+        KE.map_(out, [z] + [t[None].expand(z.shape) for t in per_column], op_code.value)
     y = Tensor(out.view(x.shape[:-1] + (n_out,)))
-    if needs_grad(x, weight, bias, lora_a, lora_b, lora_input):
-        record(y, (x, weight, bias, lora_a, lora_b, lora_input), _lora_linear_backward,
-               saved=(x2, xl2, weight._data, h, a16, b16), scale=float(scale), x_shape=x.shape,
-               a_shape=tuple(lora_a.shape), a_dtype=lora_a.dtype, b_shape=tuple(lora_b.shape), b_dtype=lora_b.dtype)
+    if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude):
+        keep_z = ratio is not None and magnitude.requires_grad
+        record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,
+               saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm), scale=float(scale),
+               x_shape=x.shape, a_shape=tuple(lora_a.shape), a_dtype=lora_a.dtype, b_shape=tuple(lora_b.shape),
+               b_dtype=lora_b.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
     return y
