@@ -115,6 +115,7 @@ class Case:
     ops: int = 1
     check: bool = True
     note: str = ""
+    check_dtype: torch.dtype | None = None  # the check's tolerance for every output (default: each output's dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -345,16 +346,18 @@ def lora_family(ctx: Ctx) -> list[Case]:
             cases += _fwd_bwd_cases(f"{'dora' if dora else 'lora'} {m}x{k}->{n}",
                                     lambda x, w, a, b, mag=None: F.lora_linear(x, w, None, a, b, 0.5, magnitude=mag),
                                     lambda x, w, a, b, mag=None: _torch_lora(x, w, a, b, mag, 0.5), f_in, t_in, g,
-                                    g.to_torch(), flops=2 * m * n * (k + 16) + 2 * m * k * 16)
+                                    g.to_torch(), flops=2 * m * n * (k + 16) + 2 * m * k * 16,
+                                    check_dtype=ctx.dtype)  # fp32 adapter gradients of 16-bit products
     return cases
 
 
-def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0):
+def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flops=None, bwd_factor=2.0,
+                   check_dtype=None):
     """A forward case (no graph) and a forward+backward case for one op; ``f_fn(*inputs)`` and
     ``t_fn(*inputs)`` compute it, ``g``/``tg`` is the incoming gradient. Backward work is counted as
-    ``bwd_factor`` times the forward's. Both sides return the gradients of the inputs that require
-    them, as ``torch.autograd.grad`` does: flame's backward stops at the inputs (no accumulation into
-    fp32 leaf gradients, which torch's side does not do either)."""
+    ``bwd_factor`` times the forward's; ``check_dtype``: see ``Case``. Both sides return the gradients
+    of the inputs that require them, as ``torch.autograd.grad`` does: flame's backward stops at the
+    inputs (no accumulation into fp32 leaf gradients, which torch's side does not do either)."""
     f_leaves = [x for x in f_inputs if isinstance(x, flame.Tensor) and x.requires_grad]
     t_leaves = [x for x in t_inputs if isinstance(x, torch.Tensor) and x.requires_grad]
     boundary = {x.id for x in f_leaves}
@@ -376,9 +379,9 @@ def _fwd_bwd_cases(name, f_fn, t_fn, f_inputs, t_inputs, g, tg, nbytes=None, flo
 
     scale = 1 + bwd_factor
     return [
-        Case(f"fwd {name}", f_fwd, t_fwd, nbytes=nbytes, flops=flops),
+        Case(f"fwd {name}", f_fwd, t_fwd, nbytes=nbytes, flops=flops, check_dtype=check_dtype),
         Case(f"fwd+bwd {name}", f_bwd, t_bwd, nbytes=None if nbytes is None else int(nbytes * scale),
-             flops=None if flops is None else int(flops * scale)),
+             flops=None if flops is None else int(flops * scale), check_dtype=check_dtype),
     ]
 
 
@@ -604,7 +607,7 @@ def check_case(case: Case) -> str | None:
         g64, w64 = g.detach().double().cpu(), w.detach().double().cpu()
         err = float((g64 - w64).abs().max()) if g64.numel() else 0.0
         scale = float(w64.abs().max()) if w64.numel() else 0.0
-        tol = CHECK_TOL.get(w.dtype, 1e-4) * max(1.0, scale)
+        tol = CHECK_TOL.get(case.check_dtype or w.dtype, 1e-4) * max(1.0, scale)
         if not err <= tol:
             return f"output {i}: max abs error {err:.3g} > {tol:.3g}"
     return None
