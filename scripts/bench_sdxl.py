@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --out out/sdxl.json
     PYTHONPATH=. python3 scripts/bench_sdxl.py --paths both    # + flame as an Ampere/Ada card runs (no TMA, no table)
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --dora both   # + DoRA on both sides
+    PYTHONPATH=. python3 scripts/bench_sdxl.py --framework all --cold-cache   # + PyTorch graphed and compiled
     python scripts/bench_sdxl.py --config tiny --resolution 64 --steps 2 --warmup 1   # CPU smoke test
 
 Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
@@ -13,6 +14,16 @@ on the LoRA parameters, an MSE loss against a noise target, 77x2048 context and 
 time ids. diffusers runs under ``torch.autocast(bf16)`` with peft's LoRA, as diffusers' training
 scripts run it. flame runs its own step, eagerly and (with ``--capture``, the
 default on a GPU) with the forward+backward replayed from a CUDA graph (``flame.graphs``).
+
+PyTorch comes in three settings (``--framework``): ``diffusers`` (eager), ``diffusers-graph`` (the
+whole step -- forward, backward, AdamW with ``capturable=True`` -- captured once in a
+``torch.cuda.CUDAGraph`` and replayed) and ``diffusers-compile`` (the same with ``torch.compile(unet)``,
+inductor's default mode, inside the graph; its compile time is reported). Ratios are taken against
+the fastest PyTorch setting in the run. MFU: the step's model FLOPs, counted by torch's FLOP counter
+over one eager diffusers step (matrix products, convolutions, attention, forward and backward; no
+recomputation), over the step time, as a fraction of the card's dense bf16 peak (989 TFLOP/s on the
+H100 and H200 SXM). flame reports the time from its process start to the end of its first step
+(``--cold-cache``: with an empty Triton cache, every kernel compiled).
 
 Each (framework, batch, checkpointing) setting runs in its own process so that peak memory is the
 setting's own. Reported: median step time over ``--steps`` timed steps after ``--warmup`` steps,
@@ -36,10 +47,12 @@ import tempfile
 import time
 from pathlib import Path
 
+STARTED = time.perf_counter()  # a worker's first-step time counts from here (the interpreter's own start is ~50 ms)
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+FRAMEWORKS = ["flame", "diffusers", "diffusers-graph", "diffusers-compile"]
 
 
 def _inputs_shape(args, cfg):
@@ -109,9 +122,13 @@ def run_flame(args):
         opt.step(grads)
         return loss
 
+    step(0)  # the first step: every kernel compiled (or read from Triton's cache)
+    flame.synchronize()
+    first_step_s = time.perf_counter() - STARTED
     flame.reset_peak_memory_stats()
     times = _time_steps(step, args, flame.synchronize)
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
+            "first_step_s": first_step_s,
             "peak_bytes": flame.max_memory_allocated(), "lora_params": sum(p.numel() for p in params),
             "device": flame.device_name(), "graphs": step_fn.num_graphs}
 
@@ -140,9 +157,10 @@ def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False):
     return unet, params
 
 
-def diffusers_train_step(model, opt, inputs, noise, timesteps):
+def diffusers_train_step(model, opt, inputs, noise, timesteps, zero_grad=True):
     """One LoRA training step of diffusers' UNet (``model``, plain or under DDP) under autocast(bf16):
-    MSE against the noise, backward, the optimizer step. ``inputs``: (sample, context, pooled, time ids)."""
+    MSE against the noise, backward, the optimizer step. ``inputs``: (sample, context, pooled, time ids).
+    ``zero_grad=False`` leaves the gradient buffers in place (a step captured in a CUDA graph)."""
     import torch
     sample, context, pooled, time_ids = inputs
     with torch.autocast(sample.device.type, dtype=torch.bfloat16):
@@ -151,11 +169,33 @@ def diffusers_train_step(model, opt, inputs, noise, timesteps):
     loss = torch.nn.functional.mse_loss(pred.float(), noise)
     loss.backward()
     opt.step()
-    opt.zero_grad(set_to_none=True)
+    if zero_grad:
+        opt.zero_grad(set_to_none=True)
     return loss
 
 
+DENSE_BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12}  # dense bf16 tensor-core FLOP/s (SXM cards)
+
+
+def _peak_flops(device_name):
+    return next((v for k, v in DENSE_BF16_PEAK.items() if k in device_name), None)
+
+
+def _count_flops(step):
+    """Model FLOPs of one step (torch's FLOP counter over the matrix products, convolutions and
+    attention of the forward and backward; a checkpointed forward's recomputation is not model work
+    and is counted only if ``step`` does it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        step(-1)
+    return counter.get_total_flops()
+
+
 def run_diffusers(args):
+    """diffusers + peft: eager (``diffusers``), the whole step (forward, backward, AdamW with
+    ``capturable=True``) captured once in a ``torch.cuda.CUDAGraph`` and replayed
+    (``diffusers-graph``), or the same with ``torch.compile(unet)`` (inductor, default mode) inside
+    the graph (``diffusers-compile``; ``compile_s``: the first call, compilation included)."""
     # isort: off
     from flame.models import SDXLUNetConfig  # flame first: it picks the backend before triton is imported
     import torch
@@ -163,24 +203,48 @@ def run_diffusers(args):
 
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    graph = args.worker != "diffusers"
+    if graph and dev != "cuda":
+        raise SystemExit(f"{args.worker} needs a CUDA GPU")
     unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev, dora=args.dora == "on")
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, capturable=graph)
     shapes = _inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (torch.randn(*s, device=dev) for s in shapes)
     time_ids = time_ids.abs() * 1024.0
+    model = torch.compile(unet) if args.worker == "diffusers-compile" else unet
 
-    def step(i):
+    def body(zero_grad=True):
         noise = torch.randn_like(sample)
         timesteps = torch.randint(0, 1000, (args.batch,), device=dev)
-        return diffusers_train_step(unet, opt, (sample, context, pooled, time_ids), noise, timesteps)
+        return diffusers_train_step(model, opt, (sample, context, pooled, time_ids), noise, timesteps, zero_grad)
 
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    flops = _count_flops(lambda i: body()) if args.worker == "diffusers" and args.checkpointing == "off" else None
+    compile_s = None
+    if graph:  # warm up on a side stream (the first call compiles), then capture one step
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(3):
+                t0 = time.perf_counter()
+                body()
+                sync()
+                compile_s = compile_s if i else time.perf_counter() - t0
+        torch.cuda.current_stream().wait_stream(side)
+        opt.zero_grad(set_to_none=True)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            body(zero_grad=False)
+
+    def step(i):
+        return captured.replay() if graph else body()
+
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = _time_steps(step, args, sync)
-    return {"framework": "diffusers+peft", "times_s": times, "profile": _profile(step, args),
-            "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
-            "lora_params": sum(p.numel() for p in params),
+    return {"framework": args.worker.replace("diffusers", "diffusers+peft"), "times_s": times,
+            "profile": _profile(step, args), "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
+            "lora_params": sum(p.numel() for p in params), "flops": flops, "compile_s": compile_s,
             "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
 
 
@@ -196,7 +260,10 @@ def parse_args(argv):
                    help="DoRA adapters (flame's lora.dora, peft's use_dora) instead of plain LoRA, or both")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (flame captures on its 2nd)")
-    p.add_argument("--framework", choices=["flame", "diffusers", "both"], default="both")
+    p.add_argument("--framework", action="append", choices=FRAMEWORKS + ["both", "all"],
+                   help="flame, diffusers (eager), diffusers-graph (the whole step in one CUDA graph), "
+                        "diffusers-compile (torch.compile inside the graph; minutes to compile); both = flame + "
+                        "diffusers; all = every one (repeatable; default: both)")
     p.add_argument("--capture", choices=["on", "off", "both"], default=None,
                    help="flame's CUDA-graph step (default: on with a GPU, off on the interpreter)")
     p.add_argument("--paths", choices=["default", "portable", "both"], default="default",
@@ -204,8 +271,10 @@ def parse_args(argv):
                         "an Ampere or Ada card runs: no TMA, no tuning table, the built-in heuristics, 99 KB "
                         "of shared memory per block)")
     p.add_argument("--profile", action="store_true", help="add the GPU kernel time by kernel name of one step")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="flame workers start with an empty Triton cache (the first step compiles every kernel)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
-    p.add_argument("--worker", choices=["flame", "diffusers"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -213,10 +282,12 @@ def _settings(args):
     import importlib.util
 
     import torch
-    frameworks = ["flame", "diffusers"] if args.framework == "both" else [args.framework]
-    if "diffusers" in frameworks and not (importlib.util.find_spec("diffusers") and importlib.util.find_spec("peft")):
+    asked = {"both": ["flame", "diffusers"], "all": FRAMEWORKS}
+    frameworks = [fw for name in args.framework or ["both"] for fw in asked.get(name, [name])]
+    frameworks = [fw for i, fw in enumerate(frameworks) if fw not in frameworks[:i]]
+    if not (importlib.util.find_spec("diffusers") and importlib.util.find_spec("peft")) and frameworks != ["flame"]:
         print("diffusers/peft not importable: measuring flame only", file=sys.stderr)
-        frameworks.remove("diffusers")
+        frameworks = ["flame"]
     capture = args.capture or ("on" if torch.cuda.is_available() else "off")
     captures = ["off", "on"] if capture == "both" else [capture]
     ckpts = ["off", "on"] if args.checkpointing == "both" else [args.checkpointing]
@@ -259,8 +330,10 @@ def main(argv=None):
         label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
                 f"{' dora' if dora == 'on' else ''} batch {batch} ckpt {ckpt}"
         print(f"== {label}", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True,
-                              env=_portable_env(no_table) if path == "portable" else None)
+        env = _portable_env(no_table) if path == "portable" else dict(os.environ)
+        if args.cold_cache and fw == "flame":
+            env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flame-cold-triton-")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
         if proc.returncode or result is None:
             print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
@@ -269,7 +342,10 @@ def main(argv=None):
         result.update(setting=label, batch=batch, checkpointing=ckpt, dora=dora,
                       median_s=statistics.median(result["times_s"]))
         rows.append(result)
-        print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB", flush=True)
+        start = f", first step {result['first_step_s']:.1f} s after start" if result.get("first_step_s") else ""
+        start += f", {result['compile_s']:.0f} s to compile" if result.get("compile_s") else ""
+        print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{start}",
+              flush=True)
         if result.get("profile"):
             prof = result["profile"]
             print(f"   GPU kernel time {prof['total_ms']:.1f} ms in {prof['kernels']} kernels; top:")
@@ -283,16 +359,35 @@ def main(argv=None):
 
 
 def _report(rows):
-    base = {(r["batch"], r["checkpointing"], r["dora"]): r for r in rows if r.get("framework") == "diffusers+peft"}
-    print(f"\n{'setting':<38} {'step ms':>9} {'peak GiB':>9} {'time ratio':>11} {'mem ratio':>10}")
+    """Per setting: step time, peak memory, both as ratios to the strongest (fastest) PyTorch setting
+    of the same batch, checkpointing and adapter, and MFU: the model FLOPs of the step (counted by
+    the eager diffusers worker, without checkpointing's recomputation) over the time, as a fraction
+    of the card's dense bf16 peak."""
+    ok = [r for r in rows if "error" not in r]
+    strongest, flops = {}, {}
+    for r in ok:
+        key = (r["batch"], r["checkpointing"], r["dora"])
+        if r["framework"] != "flame" and (key not in strongest or r["median_s"] < strongest[key]["median_s"]):
+            strongest[key] = r
+        if r.get("flops"):
+            flops[r["batch"], r["dora"]] = r["flops"]
+    print(f"\n{'setting':<44} {'step ms':>9} {'peak GiB':>9} {'vs torch':>9} {'memory':>7} {'MFU':>6} "
+          f"{'compile s':>10}")
     for r in rows:
         if "error" in r:
-            print(f"{r['setting']:<38} failed")
+            print(f"{r['setting']:<44} failed")
             continue
-        ref = base.get((r["batch"], r["checkpointing"], r["dora"]))
+        ref = strongest.get((r["batch"], r["checkpointing"], r["dora"]))
         tr = f"{r['median_s'] / ref['median_s']:.2f}x" if ref and r is not ref else ""
         mr = f"{r['peak_bytes'] / ref['peak_bytes']:.2f}x" if ref and r is not ref and ref["peak_bytes"] else ""
-        print(f"{r['setting']:<38} {r['median_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**30:9.2f} {tr:>11} {mr:>10}")
+        peak, work = _peak_flops(r.get("device", "")), flops.get((r["batch"], r["dora"]))
+        r["mfu"] = work / r["median_s"] / peak if peak and work else None
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else ""
+        comp = f"{r['compile_s']:.0f}" if r.get("compile_s") else ""
+        print(f"{r['setting']:<44} {r['median_s'] * 1e3:9.1f} {r['peak_bytes'] / 2**30:9.2f} {tr:>9} {mr:>7} {mfu:>6} "
+              f"{comp:>10}")
+    if strongest:
+        print("(vs torch, memory: ratios to the fastest PyTorch setting of the same batch, checkpointing and adapter)")
 
 
 if __name__ == "__main__":
