@@ -419,7 +419,7 @@ SOFTMAX_SLACK = 2.0
 def softmax_family(ctx: Ctx, shape) -> list[Problem]:
     """softmax or log_softmax over the last dim of (ROWS, R), forward (kernel softmax_fwd) and backward (softmax_bwd)"""
     rows, r, log = shape
-    strides = (r, 1, 1)  # (outer, R, inner) strides of a contiguous (ROWS, R) tensor, as flame/ops/loss.py
+    strides = (r, 1, 1)  # (outer, R, inner) strides of a contiguous (ROWS, R) tensor, as flame/ops/softmax.py
 
     def torch_fn(x):
         return torch.log_softmax(x, -1) if log else torch.softmax(x, -1)
