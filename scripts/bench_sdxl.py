@@ -92,8 +92,10 @@ def run_flame(args):
     import flame
     from flame import nn, optim
     from flame.graphs import CapturedStep
+    from flame.kernels import precompile
     from flame.models import SDXLUNet, SDXLUNetConfig
     flame.testing.simulate_shared_memory_limit()  # the portable setting's smaller card
+    ahead = precompile.compile_ahead(args.precompile, progress=False) if args.precompile else None
 
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     flame.manual_seed(0)
@@ -128,7 +130,7 @@ def run_flame(args):
     flame.reset_peak_memory_stats()
     times = _time_steps(step, args, flame.synchronize)
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
-            "first_step_s": first_step_s,
+            "first_step_s": first_step_s, "compiled_ahead": ahead,
             "peak_bytes": flame.max_memory_allocated(), "lora_params": sum(p.numel() for p in params),
             "device": flame.device_name(), "graphs": step_fn.num_graphs}
 
@@ -274,6 +276,9 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true", help="add the GPU kernel time by kernel name of one step")
     p.add_argument("--cold-cache", action="store_true",
                    help="flame workers start with an empty Triton cache (the first step compiles every kernel)")
+    p.add_argument("--precompile", metavar="FILE",
+                   help="flame workers first compile the kernel variants FILE records, in parallel processes "
+                        "(flame.kernels.precompile; record a FILE with FLAME_RECORD_KERNELS=FILE)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -327,6 +332,7 @@ def main(argv=None):
         cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
                "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
+        cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []
         cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
         label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
                 f"{' dora' if dora == 'on' else ''} batch {batch} ckpt {ckpt}"
@@ -345,6 +351,9 @@ def main(argv=None):
         rows.append(result)
         start = f", first step {result['first_step_s']:.1f} s after start" if result.get("first_step_s") else ""
         start += f", {result['compile_s']:.0f} s to compile" if result.get("compile_s") else ""
+        ahead = result.get("compiled_ahead")
+        start += (f" ({ahead['variants']} kernel variants compiled ahead in {ahead['seconds']:.1f} s, "
+                  f"{ahead['failed']} failed)") if ahead else ""
         print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{start}",
               flush=True)
         if result.get("profile"):

@@ -24,11 +24,13 @@ the heuristic); a config short of shared memory on this GPU runs with fewer pipe
 """
 from __future__ import annotations
 
+import json
 import operator
 import os
 import warnings
 
 import torch
+import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
 from .. import runtime, tune
@@ -125,6 +127,58 @@ def _warn_fitted(kernel, error):
                       "for this card are faster: scripts/autotune.py", RuntimeWarning, stacklevel=4)
 
 
+# ---- recording the variants a run compiles (kernels/precompile.py compiles them ahead) ----------
+
+RECORD_ENV = "FLAME_RECORD_KERNELS"
+_noted: set = set()  # variant lines this process has recorded
+
+
+def _describe_arg(a):
+    if isinstance(a, torch.Tensor):
+        return ["tensor", str(a.dtype).removeprefix("torch."), a.data_ptr() % 16 == 0]
+    if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
+        return ["descriptor", str(a.base.dtype).removeprefix("torch."), list(a.block_shape)]
+    if a is None or isinstance(a, int):  # bools too
+        return ["value", a]
+    if isinstance(a, float):
+        return ["float"]
+    raise TypeError(type(a).__name__)
+
+
+def _describe_meta(v):
+    if isinstance(v, tl.dtype):
+        return {"tl": v.name}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    raise TypeError(type(v).__name__)
+
+
+def describe_variant(kernel, args, meta):
+    """The JSON line of one launch's variant, or None for arguments it cannot describe."""
+    fn = getattr(kernel, "fn", None)
+    if fn is None:
+        return None
+    try:
+        spec = {"kernel": f"{fn.__module__}:{fn.__qualname__}", "args": [_describe_arg(a) for a in args],
+                "meta": {k: _describe_meta(v) for k, v in meta.items()}}
+    except TypeError:
+        return None
+    return json.dumps(spec, sort_keys=True)
+
+
+def note_variant(kernel, args, meta):
+    """Record a launch's variant when ``FLAME_RECORD_KERNELS`` names a file (once per process)."""
+    path = os.environ.get(RECORD_ENV)
+    if not path:
+        return
+    line = describe_variant(kernel, args, meta)
+    if line is None or line in _noted:
+        return
+    _noted.add(line)
+    with open(path, "a") as f:  # one write per line: a crash loses nothing already noted
+        f.write(line + "\n")
+
+
 def launch(kernel, grid, *args, sig=None, **meta):
     """Launch ``kernel`` on ``grid`` (a tuple of up to 3 ints): ``kernel[grid](*args, **meta)``.
 
@@ -150,6 +204,7 @@ def launch(kernel, grid, *args, sig=None, **meta):
         key = (sig, *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in _tensor_args[kid]])
     entry = cache.get(key)
     if entry is None:
+        note_variant(kernel, args, meta)
         compiled = _through_triton(kernel, grid, args, meta)
         try:
             consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
