@@ -96,6 +96,9 @@ TORCH_API = {
 # reaches). Keyed by text rather than line, so that edits around it do not invalidate it.
 REVIEWED_DYNAMIC = {
     "getattr(torch, dtype_name)": ("flame/autotune.py", "a dtype by name (tuning tables key dtypes by name)"),
+    "getattr(torch, a[1])": ("flame/kernels/precompile.py", "a dtype by name (a recorded kernel variant's argument)"),
+    "importlib.import_module(module)": ("flame/kernels/precompile.py", "a module under flame.kernels (checked first) "
+                                                                       "holding a recorded kernel"),
 }
 
 _ENTRIES = {name: category for category, names in TORCH_API.items() for name in names}
