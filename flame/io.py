@@ -1,38 +1,31 @@
-"""safetensors files, read and written by flame itself, and LoRA adapter files.
+"""safetensors files through the ``safetensors`` package, and LoRA adapter files.
 
-The format: 8 bytes little-endian header length N, N bytes of JSON
-``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {str: str}}``
-(padded with spaces to a multiple of 8), then the raw little-endian tensor bytes, offsets counted
-from the end of the header. Loading checks the whole header first (dtypes, shapes, offsets, and
-that no tensor ends past the end of the file: a truncated file is an error before anything is
-read), then reads one tensor at a time into host memory and moves it to flame's device (never two
-copies of a whole file); saving writes a temporary file in the target directory, fsyncs it and
-renames it over the target (atomic).
+Loading opens the file with ``safe_open`` (which checks the whole header -- dtypes, shapes,
+offsets, and that the data covers them: a truncated file is an error before anything is read),
+then reads one tensor at a time into host memory and moves it to flame's device (never two copies
+of a whole file). Saving serialises the tensors' host copies with ``safetensors.torch.save`` and
+writes the bytes through ``atomic_write``: a temporary file in the target directory, fsynced and
+renamed over the target. Errors name the file.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
-import struct
 import tempfile
 
-import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as serialize
 
 from . import runtime
 from .kernels import elementwise as KE
 from .ops.elementwise import to
 from .tensor import Tensor
 
-_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_DTYPES = {v: k for k, v in _CODES.items()}
-_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-_MAX_HEADER = 100_000_000
+# the format's dtype names of the dtypes flame holds
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+          "BOOL": torch.bool}
 
 
 def _buffer(value, name):
@@ -43,18 +36,16 @@ def _buffer(value, name):
     raise TypeError(f"save_safetensors: {name!r} is a {type(value).__name__}, not a tensor")
 
 
-def _host_bytes(buf):
-    """The tensor's bytes in row-major order (a contiguous copy by flame's copy kernel if needed)."""
+def _host_copy(buf):
+    """A contiguous host tensor of ``buf``'s values, not sharing memory with any other (a dense
+    copy by flame's copy kernel first if needed)."""
     if buf.device.type == runtime.device.type and not buf.is_contiguous():
         dense = runtime.empty(tuple(buf.shape), buf.dtype)
         KE.copy_(dense, buf)
         buf = dense
-    elif not buf.is_contiguous():  # a host tensor while flame runs on the GPU: a host-side copy, no math
-        buf = buf.contiguous()
-    host = buf.cpu() if buf.device.type != "cpu" else buf  # host transfer
-    if host.numel() == 0:
-        return b""
-    return host.reshape(-1).view(torch.uint8).numpy().tobytes()
+    if buf.device.type != "cpu":
+        return buf.cpu()  # host transfer (a new host buffer)
+    return buf.contiguous().clone()  # host-side copy, no math
 
 
 def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
@@ -62,37 +53,20 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
     atomically. ``metadata``: {str: str}, stored under ``__metadata__``."""
     if not isinstance(tensors, dict):
         raise TypeError(f"save_safetensors: expected a dict of tensors, got {type(tensors).__name__}")
-    header = {}
     if metadata:
         bad = [k for k, v in metadata.items() if not (isinstance(k, str) and isinstance(v, str))]
         if bad:
             raise TypeError(f"save_safetensors: metadata keys and values must be str, bad entries: {bad[:5]}")
-        header["__metadata__"] = dict(metadata)
-    blobs = []
-    offset = 0
-    # largest alignment first, then by name (as the safetensors package orders them)
-    items = sorted(((k, _buffer(v, k)) for k, v in tensors.items()),
-                   key=lambda kv: (-kv[1].element_size(), kv[0]))
-    for name, buf in items:
+    host = {}
+    for name, value in tensors.items():
         if not isinstance(name, str) or name == "__metadata__":
             raise ValueError(f"save_safetensors: invalid tensor name {name!r}")
-        if buf.dtype not in _CODES:
-            raise TypeError(f"save_safetensors: {name!r} has unsupported dtype {buf.dtype}")
-        data = _host_bytes(buf)
-        header[name] = {"dtype": _CODES[buf.dtype], "shape": list(buf.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)
-
-    def write(f):
-        f.write(struct.pack("<Q", len(head)))
-        f.write(head)
-        for data in blobs:
-            f.write(data)
-
-    atomic_write(path, write)
+        host[name] = _host_copy(_buffer(value, name))
+    try:
+        data = serialize(host, metadata=dict(metadata) if metadata else None)
+    except (SafetensorError, ValueError, TypeError) as e:
+        raise TypeError(f"save_safetensors: {path}: {e}") from None
+    atomic_write(path, lambda f: f.write(data))
 
 
 def atomic_write(path, write) -> None:
@@ -116,87 +90,71 @@ def atomic_write(path, write) -> None:
         raise
 
 
-def _read_header(f, path):
-    raw = f.read(8)
-    if len(raw) != 8:
-        raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", raw)
-    if n > _MAX_HEADER:
-        raise ValueError(f"{path}: not a safetensors file (header length {n})")
+def open_safetensors(path, framework: str = "pt"):
+    """``safe_open(path)`` (a context manager over the file's header and memory map), with the
+    package's errors for a damaged file as a ValueError naming it."""
     try:
-        header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a safetensors file (bad JSON header: {e})") from None
-    if not isinstance(header, dict):
-        raise ValueError(f"{path}: not a safetensors file (its header is a JSON {type(header).__name__})")
-    return header, 8 + n
+        return safe_open(os.fspath(path), framework=framework, device="cpu")
+    except SafetensorError as e:
+        what = "truncated or damaged" if "not fully covered" in str(e) else "damaged or not a safetensors file"
+        raise ValueError(f"{path}: {what} (safetensors: {e})") from None
 
 
-def _index(header, base, size, path, names) -> dict:
-    """{name: (dtype code, shape, begin, end)} of the tensors ``names`` of a safetensors ``header``
-    whose data starts at byte ``base`` of the ``size``-byte file ``path``, every entry checked: a
-    known dtype, a shape of non-negative integers, offsets spanning exactly its bytes, inside the file."""
-    index, needs = {}, base
-    for name in names:
-        info = header[name]
-        try:
-            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"{path}: not a safetensors file (header entry {name!r} is {info!r})") from None
-        if code not in _DTYPES:
-            raise TypeError(f"load_safetensors: {path}: {name!r} has unsupported dtype {code}")
-        if not all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)):
-            raise ValueError(f"{path}: not a safetensors file (header entry {name!r} is {info!r})")
-        n = math.prod(shape)
-        if end - begin != n * _SIZES[code]:
-            raise ValueError(f"load_safetensors: {path}: {name!r}: {end - begin} bytes for shape {shape} of {code}")
-        index[name] = (code, shape, begin, end)
-        needs = max(needs, base + end)
-    if size < needs:
-        raise ValueError(f"{path} is truncated ({size} bytes, its header needs {needs})")
-    return index
-
-
-def _read_tensor(f, base, entry, dtype=None):
-    """The tensor at ``entry`` (an ``_index`` value) of the open file ``f``, on flame's device;
-    ``dtype``: floating-point tensors cast to it (a copy kernel)."""
-    code, shape, begin, end = entry
-    if end == begin:
-        return Tensor(runtime.empty(shape, dtype if dtype is not None and _DTYPES[code].is_floating_point
-                                    else _DTYPES[code]))
-    raw = np.empty(end - begin, dtype=np.uint8)
-    f.seek(base + begin)
-    if f.readinto(raw) != raw.size:  # the file shrank since its size was checked
-        raise ValueError(f"{f.name} is truncated (tensor at bytes {base + begin}..{base + end})")
-    host = torch.from_numpy(raw).view(_DTYPES[code]).reshape(shape)
+def _to_device(host, dtype=None):
+    """A host tensor read from a file as a flame Tensor on flame's device; ``dtype``: floating-point
+    tensors cast to it (a copy kernel)."""
     buf = host.to(runtime.device) if runtime.device.type != "cpu" else host  # host transfer
     if dtype is not None and buf.dtype.is_floating_point and buf.dtype != dtype:
-        cast = runtime.empty(shape, dtype)
+        cast = runtime.empty(tuple(buf.shape), dtype)
         KE.copy_(cast, buf)
         buf = cast
     return Tensor(buf)
 
 
+def _spec(f, name, path, op):
+    """(shape, torch dtype) of tensor ``name`` of an open file, from its header."""
+    part = f.get_slice(name)
+    if part.get_dtype() not in DTYPES:
+        raise TypeError(f"{op}: {path}: {name!r} has unsupported dtype {part.get_dtype()}")
+    return tuple(part.get_shape()), DTYPES[part.get_dtype()]
+
+
 def read_metadata(path) -> dict:
     """The ``__metadata__`` dict of a safetensors file (empty if none)."""
+    with open_safetensors(path) as f:
+        return dict(f.metadata() or {})
+
+
+def stored_shapes(path) -> dict:
+    """{name: shape} of every tensor in the safetensors file ``path`` (its header only)."""
+    with open_safetensors(path) as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (not a dict)
+
+
+def data_offsets(path) -> dict:
+    """{name: byte offset in the file} of each tensor's data, for memory maps of single rows (the
+    ``safetensors`` package reads whole tensors and slices, copying each; a memory-mapped row is a
+    view). Only for a file that ``open_safetensors`` accepted: its header is trusted here (8 bytes
+    of little-endian length, the JSON header, then the data, offsets counted from its start)."""
     with open(path, "rb") as f:
-        header, _ = _read_header(f, path)
-    return dict(header.get("__metadata__") or {})
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def load_safetensors(path, device=None, dtype=None, keys=None) -> dict:
     """{name: flame Tensor} from a safetensors file. ``keys``: only these names (a KeyError names
     any that are absent); ``dtype``: cast floating-point tensors to it (a copy kernel)."""
     runtime.resolve_device(device)
-    with open(path, "rb") as f:
-        header, base = _read_header(f, path)
-        header.pop("__metadata__", None)
-        names = list(header) if keys is None else list(keys)
-        missing = [k for k in names if k not in header]
+    with open_safetensors(path) as f:
+        stored = list(f.keys())
+        names = stored if keys is None else list(keys)
+        missing = [k for k in names if k not in stored]
         if missing:
             raise KeyError(f"load_safetensors: {path} has no tensor(s) {missing[:5]}")
-        index = _index(header, base, os.fstat(f.fileno()).st_size, path, names)
-        return {name: _read_tensor(f, base, index[name], dtype) for name in names}
+        for name in names:
+            _spec(f, name, path, "load_safetensors")
+        return {name: _to_device(f.get_tensor(name), dtype) for name in names}
 
 
 # ---- LoRA files ---------------------------------------------------------------------------------
@@ -255,11 +213,9 @@ def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bo
     the first weight is written; then the weights are read one tensor at a time into their
     adapters. Returns the loaded module paths."""
     from .nn.lora import apply_lora_load, detect_format, plan_lora_load
-    with open(path, "rb") as f:
-        header, base = _read_header(f, path)
-        meta = header.pop("__metadata__", None) or {}
-        index = _index(header, base, os.fstat(f.fileno()).st_size, path, list(header))
-        specs = {name: (shape, _DTYPES[code]) for name, (code, shape, _, _) in index.items()}
+    with open_safetensors(path) as f:
+        meta = f.metadata() or {}
+        specs = {name: _spec(f, name, path, "load_lora") for name in f.keys()}  # noqa: SIM118 (not a dict)
         try:
             fmt = detect_format(specs)
         except ValueError as e:
@@ -269,6 +225,6 @@ def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bo
         if found is not None:
             default, pattern = found
             alpha = {n: float(pattern.get(n, default)) for n, _ in model.named_modules()}
-        steps = plan_lora_load(model, specs, lambda k: _read_tensor(f, base, index[k]).item(),  # host transfer
+        steps = plan_lora_load(model, specs, lambda k: f.get_tensor(k).item(),  # a host value
                                alpha=alpha, prefix=prefix, inject=inject, strict=strict)
-        return apply_lora_load(model, steps, lambda k: _read_tensor(f, base, index[k])._data)
+        return apply_lora_load(model, steps, lambda k: _to_device(f.get_tensor(k))._data)

@@ -95,13 +95,10 @@ def stored_tensors(files) -> dict:
     """{name: (file, shape)} of every tensor in the safetensors ``files`` (headers only)."""
     stored = {}
     for f in files:
-        with open(f, "rb") as fh:
-            header, _ = io._read_header(fh, f)
-        header.pop("__metadata__", None)
-        for k, v in header.items():
+        for k, shape in io.stored_shapes(f).items():
             if k in stored:
                 raise ValueError(f"tensor {k!r} is in both {stored[k][0]} and {f}")
-            stored[k] = (pathlib.Path(f), tuple(v["shape"]))
+            stored[k] = (pathlib.Path(f), shape)
     return stored
 
 
