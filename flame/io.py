@@ -37,15 +37,15 @@ def _buffer(value, name):
 
 
 def _host_copy(buf):
-    """A contiguous host tensor of ``buf``'s values, not sharing memory with any other (a dense
-    copy by flame's copy kernel first if needed)."""
+    """``buf``'s values as a contiguous host tensor (a dense copy by flame's copy kernel first if
+    needed)."""
     if buf.device.type == runtime.device.type and not buf.is_contiguous():
         dense = runtime.empty(tuple(buf.shape), buf.dtype)
         KE.copy_(dense, buf)
         buf = dense
-    if buf.device.type != "cpu":
-        return buf.cpu()  # host transfer (a new host buffer)
-    return buf.contiguous().clone()  # host-side copy, no math
+    elif not buf.is_contiguous():  # a host tensor while flame runs on the GPU: a host-side copy, no math
+        buf = buf.contiguous()
+    return buf.cpu() if buf.device.type != "cpu" else buf  # host transfer
 
 
 def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:

@@ -481,9 +481,10 @@ def scan(root) -> list[Hit]:
 # ATen op names: the overload packet, so "view" covers aten.view.default and aten.view.dtype.
 # Any other op that flame's code issues is compute.
 ATEN_OPS = {
-    # Memory without values; ``lift_fresh`` is ``torch.from_numpy`` wrapping host memory as it is.
+    # Memory without values; ``lift_fresh`` is ``torch.from_numpy`` wrapping host memory as it is,
+    # ``set_`` a tensor pointed at a storage as it is (the safetensors package's ``get_tensor``).
     "allocation": (
-        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
+        "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "set_",
     ),
     # Another description of the same storage: no element read or written.
     "views/metadata": (
