@@ -440,21 +440,39 @@ def _unpack_kernel(bits_ptr, out_ptr, B, F, sbf, sbw, sob, sof, BLOCK_F: tl.cons
     tl.store(out_ptr + offs_b[None, :] * sob + offs_f[:, None] * sof, bit.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# out[b, c] = scale * sum_{r < size} bit b of row c * size + r (GroupSum on bits: a count per group)
+# GroupSum: out[b, c] = scale * sum_{r < size} x[b, c size + r], x float (B, K size) with any strides,
+# or BITS: bit b of packed row c size + r (x (K size, words(B)) int32). BLOCK_R rows of a group at a time.
 @triton.jit
-def _group_count_kernel(bits_ptr, out_ptr, B, K, size, scale, sbf, sbw, sob, sok,
-                        BLOCK_K: tl.constexpr, BLOCK_B: tl.constexpr):
+def _group_sum_kernel(x_ptr, out_ptr, B, K, size, scale, sxb, sxf, sob, sok, CD: tl.constexpr, BITS: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr):
     offs_k = tl.program_id(0).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_b = tl.program_id(1).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
-    mask = (offs_k < K)[:, None] & (offs_b < B)[None, :]
-    shift = (offs_b % 32).to(tl.int32)[None, :]
-    count = tl.zeros((BLOCK_K, BLOCK_B), tl.int32)
-    for r in range(0, size):
-        word = tl.load(bits_ptr + (offs_k * size + r)[:, None] * sbf + (offs_b // 32)[None, :] * sbw, mask=mask,
-                       other=0)
-        count += (word >> shift) & 1
-    tl.store(out_ptr + offs_b[None, :] * sob + offs_k[:, None] * sok, (count.to(tl.float32) * scale).to(
-        out_ptr.dtype.element_ty), mask=mask)
+    mask_kb = (offs_k < K)[:, None] & (offs_b < B)[None, :]
+    shift = (offs_b % 32).to(tl.int32)[None, None, :]
+    step_b = (offs_b // 32 if BITS else offs_b)[None, None, :] * sxb
+    rows = offs_k[:, None, None] * size + tl.arange(0, BLOCK_R)[None, :, None]
+    acc = tl.zeros((BLOCK_K, BLOCK_B), CD)
+    for r in range(0, size, BLOCK_R):
+        mask = mask_kb[:, None, :] & (tl.arange(0, BLOCK_R) < size - r)[None, :, None]
+        v = tl.load(x_ptr + (rows + r) * sxf + step_b, mask=mask, other=0)
+        if BITS:
+            acc += tl.sum(((v >> shift) & 1).to(CD), axis=1)
+        else:
+            acc += tl.sum(v.to(CD), axis=1)
+    tl.store(out_ptr + offs_b[None, :] * sob + offs_k[:, None] * sok, (acc * scale).to(out_ptr.dtype.element_ty),
+             mask=mask_kb)
+
+
+# GroupSum's backward: dx[b, f] = scale * g[b, f // size]
+@triton.jit
+def _group_sum_grad_kernel(g_ptr, dx_ptr, B, F, size, scale, sgb, sgk, sdb, sdf, CD: tl.constexpr,
+                           BLOCK_F: tl.constexpr, BLOCK_B: tl.constexpr):
+    offs_f = tl.program_id(0).to(tl.int64) * BLOCK_F + tl.arange(0, BLOCK_F)
+    offs_b = tl.program_id(1).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
+    mask = (offs_f < F)[:, None] & (offs_b < B)[None, :]
+    g = tl.load(g_ptr + ((offs_f // size) * sgk)[:, None] + offs_b[None, :] * sgb, mask=mask, other=0.0).to(CD)
+    tl.store(dx_ptr + (offs_f * sdf)[:, None] + offs_b[None, :] * sdb, (g * scale).to(dx_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def _tile(rows, cols, interpreter_tile=_INTERPRETER_TILE, gpu=(32, 32)):
@@ -515,14 +533,29 @@ def unpack_(out, bits):
     return out
 
 
-def group_count_(out, bits, scale):
-    """``out[b, c] = scale * (number of ones among bits rows c * size ... (c + 1) * size - 1 at sample
-    b)``: ``out`` (B, K) float, ``bits`` (K * size, words(B)) int32."""
+def group_sum_(out, x, scale, bits=False):
+    """``out[b, c] = scale * sum of x[b, c size + r] over r < size`` for ``out`` (B, K) float (any
+    strides) and ``x`` (B, K size) float with any strides; ``bits``: ``x`` is packed (K size,
+    words(B)) int32 and the sum counts its ones. Returns ``out``."""
     B, K = out.shape
     if B == 0 or K == 0:
         return out
-    size = bits.shape[0] // K
+    size = (x.shape[0] if bits else x.shape[1]) // K
     bk, bb = _tile(K, B, gpu=(16, 128))
-    launch(_group_count_kernel, (cdiv(K, bk), cdiv(B, bb)), bits, out, B, K, size, float(scale), *bits.stride(),
-           *out.stride(), BLOCK_K=bk, BLOCK_B=bb, num_warps=4)
+    br = _pow2(min(size, max(1, _INTERPRETER_TILE // (bk * bb)))) if runtime.INTERPRETER else 1
+    sxb, sxf = (x.stride(1), x.stride(0)) if bits else x.stride()
+    launch(_group_sum_kernel, (cdiv(K, bk), cdiv(B, bb)), x, out, B, K, size, float(scale), sxb, sxf, *out.stride(),
+           CD=compute_dtype(out.dtype), BITS=bool(bits), BLOCK_K=bk, BLOCK_R=br, BLOCK_B=bb, num_warps=4)
     return out
+
+
+def group_sum_grad_(dx, g, scale):
+    """GroupSum's input gradient: ``dx[b, f] = scale * g[b, f // size]``, ``dx`` (B, K size) and
+    ``g`` (B, K), any strides. Returns ``dx``."""
+    B, F = dx.shape
+    if B == 0 or F == 0:
+        return dx
+    bf, bb = _tile(F, B, gpu=(16, 128))
+    launch(_group_sum_grad_kernel, (cdiv(F, bf), cdiv(B, bb)), g, dx, B, F, F // g.shape[1], float(scale),
+           *g.stride(), *dx.stride(), CD=compute_dtype(dx.dtype), BLOCK_F=bf, BLOCK_B=bb, num_warps=4)
+    return dx

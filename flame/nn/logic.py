@@ -26,9 +26,6 @@ from .. import runtime
 from ..kernels import elementwise as KE
 from ..ops import logic as L
 from ..ops.creation import tensor as _to_device
-from ..ops.elementwise import mul
-from ..ops.reduce import sum as _sum
-from ..ops.shape import reshape
 from ..tensor import Tensor, check_dtype
 from . import init
 from .module import Module, Parameter
@@ -227,10 +224,7 @@ class GroupSum(Module):
 
     def __init__(self, k: int, tau: float = 1.0):
         super().__init__()
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"GroupSum: k must be a positive int, got {k!r}")
-        if not tau > 0:
-            raise ValueError(f"GroupSum: tau must be positive, got {tau!r}")
+        L._check_groups(k, tau, k, "GroupSum")
         self.k, self.tau = int(k), float(tau)
 
     def forward(self, x):
@@ -240,7 +234,7 @@ class GroupSum(Module):
                              f"{type(x).__name__} of shape {getattr(x, 'shape', None)}")
         if isinstance(x, Bits):
             return L.group_count(x.data, x.batch, self.k, self.tau)
-        return mul(_sum(reshape(x, x.shape[0], self.k, n // self.k), -1), 1.0 / self.tau)
+        return L.group_sum(x, self.k, self.tau)
 
     def extra_repr(self):
         return f"k={self.k}, tau={self.tau}"

@@ -21,8 +21,8 @@ from ..tensor import Tensor
 from ._util import check_tensor
 from .reduce import amax, amin
 
-__all__ = ["LogicPlan", "group_count", "logic_codes", "logic_gates", "logic_gates_packed", "logic_plan", "pack_bits",
-           "unpack_bits"]
+__all__ = ["LogicPlan", "group_count", "group_sum", "logic_codes", "logic_gates", "logic_gates_packed", "logic_plan",
+           "pack_bits", "unpack_bits"]
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -185,13 +185,43 @@ def unpack_bits(bits, batch: int, dtype=torch.float32) -> Tensor:
     return Tensor(K.unpack_(out, bits._data))
 
 
+def _group_sum_backward(node, g):
+    (x_shape, x_dtype, x_layout), scale = node.saved, node.attrs["scale"]
+    dx = runtime.empty_strided(x_shape, x_layout, x_dtype)
+    return (Tensor(K.group_sum_grad_(dx, g._data, scale)),)
+
+
+def group_sum(x, k: int, tau: float = 1.0) -> Tensor:
+    """GroupSum (Petersen et al.): (B, n) -> (B, k), entry (b, c) the sum of ``x[b, c n/k ... (c + 1) n/k - 1]``
+    divided by ``tau``; ``x`` with any strides; differentiable."""
+    op = "group_sum"
+    check_tensor(x, "input", op)
+    if not x.dtype.is_floating_point or x.ndim != 2:
+        raise ValueError(f"{op}: input must be a 2-D floating-point (batch, n) tensor, got {x.dtype} {x.shape}")
+    _check_groups(k, tau, x.shape[1], op)
+    out = runtime.empty((x.shape[0], k), x.dtype)
+    K.group_sum_(out, x._data, 1.0 / tau)
+    y = Tensor(out)
+    if needs_grad(x):
+        # the gradient in x's layout when it is dense (a LogicLayer's feature-major output), else row-major
+        layout = x.stride() if runtime.dense_order(x._data) is not None else (x.shape[1], 1)
+        record(y, (x,), _group_sum_backward, saved=(tuple(x.shape), x.dtype, layout), scale=1.0 / tau)
+    return y
+
+
+def _check_groups(k, tau, n, op):
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1 or n % k:
+        raise ValueError(f"{op}: k must be a positive int dividing the {n} inputs, got {k!r}")
+    if not tau > 0:
+        raise ValueError(f"{op}: tau must be positive, got {tau!r}")
+
+
 def group_count(bits, batch: int, k: int, tau: float = 1.0, dtype=torch.float32) -> Tensor:
     """GroupSum on packed bits: (batch, k), entry (b, c) = the number of ones among rows
-    c * F/k ... (c + 1) * F/k - 1 at sample b, divided by ``tau``."""
+    c F/k ... (c + 1) F/k - 1 at sample b, divided by ``tau``."""
     op = "group_count"
     _check_bits(bits, op)
     _check_batch(bits, batch, op)
-    if not isinstance(k, int) or k < 1 or bits.shape[0] % k:
-        raise ValueError(f"{op}: k must be a positive int dividing the {bits.shape[0]} rows, got {k!r}")
+    _check_groups(k, tau, bits.shape[0], op)
     out = runtime.empty((batch, k), dtype)
-    return Tensor(K.group_count_(out, bits._data, 1.0 / tau))
+    return Tensor(K.group_sum_(out, bits._data, 1.0 / tau, bits=True))
