@@ -60,13 +60,13 @@ class LogicCA(nn.Module):
     """A cell update shared by every cell: (left, center, right) -> LogicLayers -> the mean of the
     last layer's gates (an odd count: a majority in hard mode, where the next step thresholds at 0.5)."""
 
-    def __init__(self, cells: int, widths=(16, 16, 5), seed: int = 0):
+    def __init__(self, cells: int, widths=(16, 16, 5), seed: int = 0, init: str = "gaussian"):
         super().__init__()
         if widths[-1] % 2 == 0:
             raise ValueError("LogicCA: the last layer needs an odd number of gates (a majority)")
         self.cells = cells
         dims = (3, *widths)
-        self.layers = nn.Sequential(*[nn.LogicLayer(dims[i], dims[i + 1], seed=seed * 100 + i)
+        self.layers = nn.Sequential(*[nn.LogicLayer(dims[i], dims[i + 1], seed=seed * 100 + i, init=init)
                                       for i in range(len(widths))])
         self.vote = nn.GroupSum(1, tau=float(widths[-1]))
         # neighbourhood columns: left (w - 1), center (w), right (w + 1), each over every cell w
@@ -121,12 +121,13 @@ def parse_args(argv=None):
     p.add_argument("--cells", type=int, default=32)
     p.add_argument("--steps", type=int, default=None, help="unrolled steps T (default 8; quick 3)")
     p.add_argument("--batch", type=int, default=32, help="rows per rollout")
-    p.add_argument("--epochs", type=int, default=None, help="epochs of --updates optimizer steps (default 15)")
+    p.add_argument("--epochs", type=int, default=None, help="epochs of --updates optimizer steps (default 10)")
     p.add_argument("--updates", type=int, default=10, help="optimizer steps per epoch")
     p.add_argument("--accumulate", type=int, default=1, help="rollouts whose gradients each step adds up")
     p.add_argument("--checkpoint", type=int, default=0, metavar="K", help="recompute every K steps in backward")
     p.add_argument("--widths", default="16,16,5", help="gates per logic layer (the last odd)")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.2)
+    p.add_argument("--init", choices=("gaussian", "residual"), default="gaussian", help="LogicLayer init")
     p.add_argument("--seed", type=int, default=0, help="wiring, initialisation and training rows")
     p.add_argument("--test-rows", type=int, default=256)
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 updates of 3-step rollouts")
@@ -134,7 +135,7 @@ def parse_args(argv=None):
     if args.steps is None:
         args.steps = 3 if args.quick else 8
     if args.epochs is None:
-        args.epochs = 1 if args.quick else 15
+        args.epochs = 1 if args.quick else 10
     if args.quick:
         args.updates = 2
     args.widths = tuple(int(w) for w in args.widths.split(","))
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     flame.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
-    model = LogicCA(args.cells, args.widths, args.seed)
+    model = LogicCA(args.cells, args.widths, args.seed, args.init)
     opt = optim.Adam(list(model.parameters()), lr=args.lr)
     test_rng = np.random.default_rng([args.seed, 1])  # a separate stream: rows never used in training
     test_rows = test_rng.integers(0, 2, (args.test_rows, args.cells))

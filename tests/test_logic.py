@@ -91,48 +91,30 @@ def test_matches_torch_reference(batch, in_dim, gates, layout, fused):
         assert_close(got.to_torch().double(), ref, rtol=1e-5, atol=1e-5 * scale)
 
 
-def test_fp16_within_torch_error():
-    x, x64 = _inputs(300, 50, torch.float16)
-    a, b, at, bt = _wiring(50, 700)
-    w0 = torch.randn(700, 16, dtype=torch.float64)
-    w = flame.from_torch(w0.float().to(DEVICE), requires_grad=True)
+@pytest.mark.parametrize("dtype,batch,in_dim,gates", [
+    (torch.float16, 300, 50, 700),
+    pytest.param(torch.bfloat16, 1024, 4096, 8192, marks=pytest.mark.gpu),  # the interpreter's bf16 is not torch's
+], ids=["fp16", "bf16"])
+def test_16_bit_within_torch_error(dtype, batch, in_dim, gates):
+    x, x64 = _inputs(batch, in_dim, dtype, "features")
+    a, b, at, bt = _wiring(in_dim, gates)
+    w0 = torch.randn(gates, 16, dtype=torch.float64)
+    w = flame.from_torch(w0.float().to(DEVICE), requires_grad=True)  # fp32 logits, 16-bit activations
     y = logic_gates(x, w, a, b)
-    g = torch.randn(300, 700, dtype=torch.float64).to(DEVICE)
-    grads = y.backward(flame.from_torch(g.half()))
+    g = torch.randn(batch, gates, dtype=torch.float64).to(DEVICE)
+    grads = y.backward(flame.from_torch(g.to(dtype)))
     x64.requires_grad_()
     w64 = w0.clone().to(DEVICE).requires_grad_()
     ref = torch_gates(x64, w64, at, bt)
     ref.backward(g)
-    xh = x64.detach().half().requires_grad_()
-    wh = w0.detach().float().to(DEVICE).requires_grad_()  # fp32 logits, fp16 activations, as flame
-    low = torch_gates(xh, wh, at, bt)
-    low.backward(g.half())
-    assert y.dtype == flame.float16 and grads[w].dtype == flame.float32  # (a 16-bit leaf's gradient is fp32)
+    x_low = x64.detach().to(dtype).requires_grad_()
+    w_low = w0.detach().float().to(DEVICE).requires_grad_()
+    low = torch_gates(x_low, w_low, at, bt)
+    low.backward(g.to(dtype))
+    assert y.dtype == dtype and grads[w].dtype == flame.float32  # (a 16-bit leaf's gradient is fp32)
     assert_within_torch_error(y, low, ref, 2)
-    assert_within_torch_error(grads[x], xh.grad, x64.grad, 3)
-    assert_within_torch_error(grads[w], wh.grad, w64.grad, 3)
-
-
-@pytest.mark.gpu
-def test_bf16_within_torch_error():
-    x, x64 = _inputs(1024, 4096, torch.bfloat16, "features")
-    a, b, at, bt = _wiring(4096, 8192)
-    w0 = torch.randn(8192, 16, dtype=torch.float64)
-    w = flame.from_torch(w0.float().to(DEVICE), requires_grad=True)
-    y = logic_gates(x, w, a, b)
-    g = torch.randn(1024, 8192, dtype=torch.float64).to(DEVICE)
-    grads = y.backward(flame.from_torch(g.bfloat16()))
-    x64.requires_grad_()
-    w64 = w0.clone().to(DEVICE).requires_grad_()
-    ref = torch_gates(x64, w64, at, bt)
-    ref.backward(g)
-    xl = x64.detach().bfloat16().requires_grad_()
-    wl = w0.detach().float().to(DEVICE).requires_grad_()
-    low = torch_gates(xl, wl, at, bt)
-    low.backward(g.bfloat16())
-    assert_within_torch_error(y, low, ref, 2)
-    assert_within_torch_error(grads[x], xl.grad, x64.grad, 3)
-    assert_within_torch_error(grads[w], wl.grad, w64.grad, 3)
+    assert_within_torch_error(grads[x], x_low.grad, x64.grad, 3)
+    assert_within_torch_error(grads[w], w_low.grad, w64.grad, 3)
 
 
 def test_gradcheck_inputs_and_logits():
@@ -472,6 +454,39 @@ def _run_script(*args, timeout=300):
                        stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout.strip().splitlines()
+
+
+def _load_script(name):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"flame_{name}", ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_mnist_idx_files_are_parsed(tmp_path):
+    import gzip
+    digits = _load_script("train_digits")
+    rng = np.random.default_rng(0)
+    for kind, n in (("train", 5), ("t10k", 3)):
+        images = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, n, dtype=np.uint8)
+        (tmp_path / f"{kind}-images-idx3-ubyte.gz").write_bytes(gzip.compress(
+            b"\x00\x00\x08\x03" + np.array([n, 28, 28], ">i4").tobytes() + images.tobytes()))
+        (tmp_path / f"{kind}-labels-idx1-ubyte").write_bytes(b"\x00\x00\x08\x01" + np.array([n], ">i4").tobytes()
+                                                             + labels.tobytes())
+        if kind == "train":
+            want_x, want_y = images.reshape(n, -1) / 255.0, labels
+    xtr, ytr, xte, yte = digits.load_mnist(str(tmp_path))
+    assert yte.shape == (3,)
+    assert xtr.shape == (5, 784) and xte.shape == (3, 784) and xtr.dtype == np.float32 and ytr.dtype == np.int64
+    assert np.allclose(xtr, want_x) and np.array_equal(ytr, want_y)
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x08\x01")
+    with pytest.raises(ValueError, match="not an IDX file"):
+        digits.read_idx(tmp_path / "bad")
+    (tmp_path / "short").write_bytes(b"\x00\x00\x08\x01" + np.array([4], ">i4").tobytes() + b"\x01")
+    with pytest.raises(ValueError, match="1 data bytes for shape"):
+        digits.read_idx(tmp_path / "short")
 
 
 @pytest.mark.parametrize("model", ["mlp", "cnn"])

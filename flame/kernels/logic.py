@@ -396,11 +396,11 @@ def _pack_kernel(x_ptr, bits_ptr, B, F, W, threshold, sxb, sxf, sbf, sbw,
 
 # code[g] = argmax_i logits[g, i] (first maximum): the index of the gate's function, its truth table
 @triton.jit
-def _codes_kernel(w_ptr, codes_ptr, G, swg, swi, BLOCK_G: tl.constexpr):
+def _codes_kernel(w_ptr, codes_ptr, G, swg, swi, CD: tl.constexpr, BLOCK_G: tl.constexpr):
     offs_g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     mask_g = offs_g < G
     i = tl.arange(0, 16)
-    logits = tl.load(w_ptr + offs_g[:, None] * swg + i[None, :] * swi, mask=mask_g[:, None], other=0.0)
+    logits = tl.load(w_ptr + offs_g[:, None] * swg + i[None, :] * swi, mask=mask_g[:, None], other=0.0).to(CD)
     tl.store(codes_ptr + offs_g, tl.argmax(logits, axis=1, tie_break_left=True).to(tl.int32), mask=mask_g)
 
 
@@ -449,7 +449,10 @@ def _group_sum_kernel(x_ptr, out_ptr, B, K, size, scale, sxb, sxf, sob, sok, CD:
     offs_b = tl.program_id(1).to(tl.int64) * BLOCK_B + tl.arange(0, BLOCK_B)
     mask_kb = (offs_k < K)[:, None] & (offs_b < B)[None, :]
     shift = (offs_b % 32).to(tl.int32)[None, None, :]
-    step_b = (offs_b // 32 if BITS else offs_b)[None, None, :] * sxb
+    if BITS:
+        step_b = (offs_b // 32)[None, None, :] * sxb
+    else:
+        step_b = offs_b[None, None, :] * sxb
     rows = offs_k[:, None, None] * size + tl.arange(0, BLOCK_R)[None, :, None]
     acc = tl.zeros((BLOCK_K, BLOCK_B), CD)
     for r in range(0, size, BLOCK_R):
@@ -506,7 +509,8 @@ def codes_(codes, weight):
     G = weight.shape[0]
     if G:
         bg = _pow2(min(G, 4096)) if runtime.INTERPRETER else 64
-        launch(_codes_kernel, (cdiv(G, bg),), weight, codes, G, *weight.stride(), BLOCK_G=bg, num_warps=4)
+        launch(_codes_kernel, (cdiv(G, bg),), weight, codes, G, *weight.stride(), CD=compute_dtype(weight.dtype),
+               BLOCK_G=bg, num_warps=4)
     return codes
 
 

@@ -168,14 +168,8 @@ class LogicLayer(Module):
             if a_index is None or b_index is None:
                 raise ValueError("LogicLayer.rewire: give both a_index and b_index")
             for name, v in (("a_index", a_index), ("b_index", b_index)):
-                arr = v.numpy() if isinstance(v, Tensor) else np.asarray(v)
-                if arr.shape != (self.out_dim,) or not (arr.dtype.kind in "iu" or arr.size == 0):
-                    raise ValueError(f"LogicLayer: {name} must hold {self.out_dim} integer indices (one per gate), "
-                                     f"got shape {arr.shape} dtype {arr.dtype}")
-                if arr.size and (arr.min() < 0 or arr.max() >= self.in_dim):
-                    raise IndexError(f"LogicLayer: {name} values must lie in [0, {self.in_dim}) (in_dim), got "
-                                     f"values in [{arr.min()}, {arr.max()}]")
-                KE.copy_(getattr(self, name)._data, _to_device(arr.astype(np.int64))._data)
+                arr = L.wiring_array(v, name, self.out_dim, self.in_dim, "LogicLayer")
+                KE.copy_(getattr(self, name)._data, _to_device(arr)._data)
         self._buffers.stale = True
         return self
 

@@ -22,7 +22,7 @@ from ._util import check_tensor
 from .reduce import amax, amin
 
 __all__ = ["LogicPlan", "group_count", "group_sum", "logic_codes", "logic_gates", "logic_gates_packed", "logic_plan",
-           "pack_bits", "unpack_bits"]
+           "pack_bits", "unpack_bits", "wiring_array"]
 
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -36,18 +36,28 @@ def _check_wiring(a_index, b_index, gates, op):
             raise ValueError(f"{op}: {name} must have shape ({gates},) (one index per gate), got {t.shape}")
 
 
+def wiring_array(values, name: str, gates: int, in_dim: int, op: str) -> np.ndarray:
+    """``values`` (a flame integer Tensor, read to the host, or anything NumPy takes) as an int64
+    array of ``gates`` indices, checked to lie in [0, in_dim)."""
+    arr = values.numpy() if isinstance(values, Tensor) else np.asarray(values)
+    if arr.shape != (gates,) or not (arr.dtype.kind in "iu" or arr.size == 0):
+        raise ValueError(f"{op}: {name} must hold {gates} integer indices (one per gate), got shape {arr.shape} "
+                         f"dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() >= in_dim):
+        raise IndexError(f"{op}: {name} values must lie in [0, {in_dim}) (in_dim), got values in "
+                         f"[{arr.min()}, {arr.max()}]")
+    return arr.astype(np.int64)
+
+
 def logic_plan(a_index, b_index, in_dim: int) -> LogicPlan:
     """The input-gradient plan of a wiring (``LogicPlan``): reads the indices to the host (a sync),
     checks that they lie in [0, in_dim) and builds the per-column reader lists."""
     op = "logic_plan"
     check_tensor(a_index, "a_index", op)
-    _check_wiring(a_index, b_index, a_index.shape[0] if a_index.ndim == 1 else -1, op)
-    a, b = a_index.numpy(), b_index.numpy()
-    for name, arr in (("a_index", a), ("b_index", b)):
-        if arr.size and (arr.min() < 0 or arr.max() >= in_dim):
-            raise IndexError(f"{op}: {name} values must lie in [0, {in_dim}) (in_dim), got values in "
-                             f"[{arr.min()}, {arr.max()}]")
-    return LogicPlan(a, b, in_dim)
+    _check_wiring(a_index, b_index, a_index.shape[0] if a_index.ndim == 1 else a_index.numel(), op)
+    gates = a_index.shape[0]
+    return LogicPlan(wiring_array(a_index, "a_index", gates, in_dim, op),
+                     wiring_array(b_index, "b_index", gates, in_dim, op), in_dim)
 
 
 def _check_unit_range(x, op):
