@@ -147,17 +147,35 @@ def _forward_kernel(x_ptr, coef_ptr, a_ptr, b_ptr, out_ptr, err_ptr, B, G, IN, b
         tl.store(out_ptr + offs_g[:, None] * sog + offs_b[None, :] * sob, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _forward_config(G, B):
-    """(BLOCK_G, BLOCK_B, batch ranges per gate block). GPU: 16 gates x 128 samples (rows of 512
-    contiguous bytes when the input is feature-major), the batch split into ranges only when there
-    are too few gate blocks to give every SM about four programs. Interpreter: tiles of up to 2^17
-    elements (a program costs ~10 ms of Python whatever its size; 2^17 halves the time of 2^15)."""
+_l2 = None
+
+
+def _batch_block(rows: int, elem_bytes: int) -> int:
+    """GPU: samples per program (a power of two from 32 to 128), the most for which the slices of
+    the ``rows`` rows a launch reads and writes fit in a third of the L2 cache. The grids run batch
+    block after batch block (it is their slow axis), so the repeated reads of a row slice (an input
+    column several gates read, a gate's gradient read at both its inputs) come from L2, not DRAM."""
+    global _l2
+    if _l2 is None:
+        props = torch.cuda.get_device_properties(runtime.device)
+        _l2 = int(getattr(props, "L2_cache_size", 0) or (50 << 20))
+    bb = 128
+    while bb > 32 and rows * bb * elem_bytes > _l2 // 3:
+        bb //= 2
+    return bb
+
+
+def _forward_config(G, B, IN, elem_bytes):
+    """(BLOCK_G, BLOCK_B, batch ranges per gate block). GPU: one tile of 2048 outputs per program,
+    ``_batch_block`` samples (rows of 128-512 contiguous bytes of a feature-major input) by the gates
+    that fill it, gates the fast axis of the grid. Interpreter: a program per tile of up to 2^17
+    elements, looping over the batch (a program costs ~10 ms of Python whatever its size; 2^17
+    halves the time of 2^15)."""
     if runtime.INTERPRETER:
         block_b = _pow2(min(max(B, 1), 1024))
         return _pow2(min(G, max(1, _INTERPRETER_TILE // block_b))), block_b, 1
-    block_g, block_b = 16, 128
-    ranges = max(1, min(cdiv(B, block_b), cdiv(4 * runtime.num_sms(), cdiv(G, block_g))))
-    return block_g, block_b, ranges
+    block_b = min(_batch_block(IN + G, elem_bytes), _pow2(B))
+    return min(2048 // block_b, _pow2(G)), block_b, cdiv(B, block_b)
 
 
 def forward_(out, x, coef, a_index, b_index, hard=False):
@@ -169,7 +187,7 @@ def forward_(out, x, coef, a_index, b_index, hard=False):
     G = coef.shape[0]
     if G == 0 or B == 0:
         return out
-    block_g, block_b, ranges = _forward_config(G, B)
+    block_g, block_b, ranges = _forward_config(G, B, IN, max(x.element_size(), out.element_size()))
     per = block_b * cdiv(B, block_b * ranges)
     launch(_forward_kernel, (cdiv(G, block_g), cdiv(B, per)), x, coef, a_index, b_index, out,
            runtime.error_flag(_BAD_INDEX), B, G, IN, per, *x.stride(), *out.stride(),
@@ -322,13 +340,13 @@ def _weight_grad_kernel(part_ptr, w_ptr, coef_ptr, dw_ptr, a_ptr, b_ptr, plan_pt
         tl.store(err_ptr + live_a * 0, 1, mask=stale)
 
 
-def _backward_config(G, IN, B, readers):
+def _backward_config(G, IN, B, readers, elem_bytes):
     """Blocks of the three backward kernels: (BLOCK_G, BLOCK_B) of the gate sums, (BLOCK_J, BLOCK_K,
     BLOCK_B) of the input gradient, BLOCK_G of the logit gradient. ``readers``: the mean entries per
-    column; BLOCK_K is its power of two (GPU: at most 16, with BLOCK_J x BLOCK_K = 16), so that a
-    tile's columns take about one pass each. GPU: 128-sample rows (512 contiguous bytes of a
-    feature-major input). Interpreter: tiles of up to 2^17 elements, one entry per column at a time
-    unless the columns have four or more."""
+    column; BLOCK_K is its power of two (GPU: at most 16), so that a tile's columns take about one
+    pass each. GPU: tiles of 2048 elements, ``_batch_block`` samples wide (the grids' slow axis).
+    Interpreter: tiles of up to 2^17 elements, one entry per column at a time unless the columns
+    have four or more."""
     k = 1 << max(0, int(readers).bit_length() - 1)  # the power of two at or below the mean
     if runtime.INTERPRETER:
         bb = _pow2(min(max(B, 1), 1024))
@@ -336,8 +354,9 @@ def _backward_config(G, IN, B, readers):
         bb = min(bb, max(1, _INTERPRETER_TILE // bk))
         bj = _pow2(min(max(IN, 1), max(1, _INTERPRETER_TILE // (bb * bk))))
         return _pow2(min(max(G, 1), max(1, _INTERPRETER_TILE // bb))), bb, bj, bk, bb, _pow2(min(max(G, 1), 4096))
-    bk = min(16, k)
-    return 16, 128, 16 // bk, bk, 128, 64
+    bb = min(_batch_block(2 * IN + G, elem_bytes), _pow2(max(B, 1)))
+    bk = min(16, k, 2048 // bb)
+    return min(2048 // bb, _pow2(max(G, 1))), bb, min(_pow2(max(IN, 1)), max(1, 2048 // (bb * bk))), bk, bb, 64
 
 
 # Whether the input-gradient kernel also writes the logits' partial sums (one pass over g and x
@@ -354,7 +373,7 @@ def backward_(g, x, weight, coef, a_index, b_index, dweight=None, dx=None, plan=
     G = weight.shape[0]
     cd = compute_dtype(x.dtype, weight.dtype)
     acc = torch.float64 if cd == tl.float64 else torch.float32
-    gb, gbb, bj, bk, bjb, wg = _backward_config(G, IN, B, 2 * G / max(IN, 1))
+    gb, gbb, bj, bk, bjb, wg = _backward_config(G, IN, B, 2 * G / max(IN, 1), max(x.element_size(), g.element_size()))
     fused = FUSED_SUMS and dx is not None and dweight is not None
     part, blocks = None, 1
     if dweight is not None:
