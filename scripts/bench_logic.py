@@ -21,6 +21,7 @@ interpreter the sizes are tiny and the times mean nothing: that mode smoke-tests
 
     python3 scripts/bench_logic.py                      # GPU: 64k gates x batch 1024 and the examples' sizes
     python3 scripts/bench_logic.py --dtype bf16 --out out/bench_logic.json
+    python3 scripts/bench_logic.py --quick              # tiny cases: a smoke test (the CPU always runs these)
 """
 from __future__ import annotations
 
@@ -204,13 +205,14 @@ def main(argv=None) -> int:
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time, ms")
     p.add_argument("--skip-16op", action="store_true",
                    help="leave out the (slow, memory-hungry) 16-function torch side")
+    p.add_argument("--quick", action="store_true", help="the tiny smoke-test cases (what the interpreter runs)")
     p.add_argument("--out", help="write the results as JSON to this file")
     args = p.parse_args(argv)
     interpreter = flame.is_interpreter()
     dtype = DTYPES[args.dtype]
     if interpreter and dtype == torch.bfloat16:
         p.error("bf16 needs a GPU (the interpreter's bf16 conversions are not PyTorch's)")
-    cases = CPU_CASES if interpreter else GPU_CASES
+    cases = CPU_CASES if interpreter or args.quick else GPU_CASES
     if args.case:
         cases = [c for c in cases if any(t in c[0] for t in args.case)]
     device = flame.device_name()

@@ -509,7 +509,7 @@ def test_train_logic_rnn_quick():
 
 def test_bench_logic_smoke(tmp_path):
     out = tmp_path / "bench.json"
-    lines = _run_script("scripts/bench_logic.py", "--out", str(out))
+    lines = _run_script("scripts/bench_logic.py", "--quick", "--out", str(out))
     import json
     doc = json.loads(out.read_text())
     assert doc["results"] and all(r["flame_ms"] > 0 for r in doc["results"] if "flame_ms" in r)
