@@ -436,6 +436,16 @@ def test_layer_and_bits_errors():
         unpack_bits(pack_bits(flame.rand(20, 3)), 40)
     with pytest.raises(ValueError, match="input must be a 2-D floating-point"):
         group_sum(flame.rand(3), 1)
+    # a state dict from a wider layer: its indices are out of range here
+    narrow, wide = LogicLayer(4, 3, seed=0), LogicLayer(6, 3, a_index=[5, 0, 1], b_index=[1, 2, 3])
+    narrow.load_state_dict(wide.state_dict())
+    with pytest.raises(IndexError, match=r"a_index values must lie in \[0, 4\)"):
+        narrow(flame.rand(2, 4, requires_grad=True))
+    with pytest.raises(IndexError, match=r"a_index values must lie in \[0, 4\)"):  # still: no stale plan kept
+        narrow(flame.rand(2, 4, requires_grad=True))
+    y = narrow(flame.rand(2, 4))  # without a gradient no plan is built: the kernel flags it
+    with pytest.raises(IndexError, match="wiring index"):
+        y.numpy()  # (every host read checks the flags first)
     # a wiring changed behind the layer's back (not by load_state_dict or rewire): flagged
     layer = LogicLayer(5, 4, seed=0)
     x = flame.rand(3, 5, requires_grad=True)

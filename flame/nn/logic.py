@@ -176,8 +176,8 @@ class LogicLayer(Module):
     def plan(self) -> L.LogicPlan:
         """The input-gradient plan of the current wiring (built when stale: one host read)."""
         if self._plan is None or self._buffers.stale:
+            self._plan = L.logic_plan(self.a_index, self.b_index, self.in_dim)  # raises on a bad wiring
             self._buffers.stale = False
-            self._plan = L.logic_plan(self.a_index, self.b_index, self.in_dim)
         return self._plan
 
     # ---- modes ----------------------------------------------------------------------------------
