@@ -45,31 +45,24 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import json
 import math
-import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for common (also when imported by path)
 
 # isort: off
-import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
+import common  # first: puts the checkout on sys.path and imports flame, which selects the backend
+import flame
 from flame import tune
 from flame.autograd import run_backward
 import torch
-import triton
-import triton.testing
 # isort: on
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Loose agreement bounds for the pre-timing check (kernels have their own tests; this only catches
-# a benchmark that measures something broken).
-CHECK_TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+DTYPES = common.DTYPES
 
 
 @dataclasses.dataclass
@@ -279,11 +272,18 @@ def overhead_family(ctx: Ctx) -> list[Case]:
     ]
 
 
-LINEAR_SHAPES = [  # (M, K, N, activation): SDXL's linears at 1024x1024, batch 1 (sdxl.md), and a big square
-    (4096, 640, 640, None), (4096, 640, 5120, None), (4096, 2560, 640, None), (1024, 1280, 1280, None),
-    (1024, 1280, 10240, None), (1024, 5120, 1280, None), (77, 2048, 640, None), (77, 2048, 1280, None),
-    (16384, 320, 320, None), (4096, 640, 5120, "gelu_tanh"), (1024, 1280, 10240, "gelu_tanh"),
-    (8192, 8192, 8192, None),
+# Shapes: the SDXL problems bench times (one per layer kind, batch 1 at 1024x1024, a few batch 4)
+# are rows of the SDXL shapes file that scripts/autotune.py tunes (common.sdxl_rows checks each);
+# the rest are reference sizes outside SDXL. bench keeps its own selection: the file lists every
+# SDXL problem at 3 batch sizes and 2 resolutions, too many for a benchmark run.
+SDXL_LINEAR = common.sdxl_rows("linear", [  # (M, K, N): the transformers' linears and the text projections
+    (4096, 640, 640), (4096, 640, 5120), (4096, 2560, 640), (1024, 1280, 1280), (1024, 1280, 10240),
+    (1024, 5120, 1280), (77, 2048, 640), (77, 2048, 1280)])
+LINEAR_SHAPES = [  # (M, K, N, activation)
+    *((m, k, n, None) for m, k, n in SDXL_LINEAR),
+    (16384, 320, 320, None),  # a 320-channel transformer's (SD 1.x; SDXL has none)
+    (4096, 640, 5120, "gelu_tanh"), (1024, 1280, 10240, "gelu_tanh"),  # SDXL's feed-forward, bias+GELU fused
+    (8192, 8192, 8192, None),  # a big square
 ]
 _TORCH_ACT = {None: lambda t: t, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
@@ -311,7 +311,8 @@ def linear_family(ctx: Ctx) -> list[Case]:
     return cases
 
 
-LORA_SHAPES = [(4096, 640, 640), (77, 2048, 640), (1024, 1280, 1280), (77, 2048, 1280)]  # SDXL's attn projections
+LORA_SHAPES = common.sdxl_rows("linear", [(4096, 640, 640), (77, 2048, 640), (1024, 1280, 1280),
+                                          (77, 2048, 1280)])  # SDXL's attention projections
 
 
 def _torch_lora(x, w, a, b, m, scale):
@@ -393,6 +394,17 @@ def _leaf(shape, dtype, channels_last=False):
     return x, t
 
 
+# (N, C, H, W), 32 groups: SDXL's GroupNorms, each NCHW and channels-last, with and without SiLU
+GROUP_NORM_SHAPES = [(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32), (1, 2560, 32, 32), (4, 320, 128, 128)]
+common.sdxl_rows("group_norm", [(*shape, 32, cl, 1) for shape in GROUP_NORM_SHAPES for cl in (0, 1)])
+# (rows, C): SDXL's transformers at 640 and 1280 channels, then two reference sizes
+LAYER_NORM_SHAPES = [(4096, 640), (1024, 1280), (16384, 320), (8192, 4096)]
+common.sdxl_rows("layer_norm", [(*shape, 0) for shape in LAYER_NORM_SHAPES[:2]])
+VOCAB_SHAPES = [(8192, 32000)]  # (rows, classes): softmax and cross-entropy over a Llama-2-sized vocabulary
+common.sdxl_rows("softmax", [(*shape, 0) for shape in VOCAB_SHAPES])
+common.sdxl_rows("cross_entropy", VOCAB_SHAPES)
+
+
 @family("norms", "GroupNorm(32)(+SiLU) NCHW/channels-last, LayerNorm, RMSNorm, softmax, cross_entropy",
         NORMS_TARGETS)
 def norms_family(ctx: Ctx) -> list[Case]:
@@ -400,9 +412,7 @@ def norms_family(ctx: Ctx) -> list[Case]:
 
     tf = torch.nn.functional
     dt, es = ctx.dtype, torch.empty((), dtype=ctx.dtype).element_size()
-    gn = [(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32), (1, 2560, 32, 32), (4, 320, 128, 128)]
-    rows = [(4096, 640), (1024, 1280), (16384, 320), (8192, 4096)]
-    vocab = [(8192, 32000)]
+    gn, rows, vocab = GROUP_NORM_SHAPES, LAYER_NORM_SHAPES, VOCAB_SHAPES
     if ctx.quick or ctx.interpreter:
         gn, rows, vocab = [(1, 64, 8, 8)], [(64, 96)], [(16, 100)]
     cases = []
@@ -448,9 +458,10 @@ def norms_family(ctx: Ctx) -> list[Case]:
 
 
 ATTENTION_SHAPES = [  # (B, H, Lq, Lk, D, causal): SDXL self/cross attention and two reference sizes
-    (1, 10, 4096, 4096, 64, False), (1, 20, 1024, 1024, 64, False), (1, 10, 4096, 77, 64, False),
-    (1, 20, 1024, 77, 64, False), (4, 10, 4096, 4096, 64, False), (2, 16, 4096, 4096, 128, False),
-    (4, 32, 2048, 2048, 128, True),
+    *((b, h, lq, lk, d, bool(c)) for b, h, lq, lk, d, c in common.sdxl_rows("attention", [
+        (1, 10, 4096, 4096, 64, 0), (1, 20, 1024, 1024, 64, 0), (1, 10, 4096, 77, 64, 0), (1, 20, 1024, 77, 64, 0),
+        (4, 10, 4096, 4096, 64, 0)])),
+    (2, 16, 4096, 4096, 128, False), (4, 32, 2048, 2048, 128, True),
 ]
 
 
@@ -479,7 +490,19 @@ def attention_family(ctx: Ctx) -> list[Case]:
     return cases
 
 
-CONV_SHAPES = [  # (N, Ci, H, W, Co, kernel, stride, nearest-2x upsample first): SDXL's convs at 1024x1024
+def _sdxl_convs(rows):
+    """``rows`` of CONV_SHAPES, each checked against the SDXL shapes file: a k x k convolution is a
+    row of its conv section (the input size after the upsampler's 2x), a 1x1 one a row of its linear
+    section (batch x pixels, Ci, Co: it runs on the GEMM)."""
+    for n, ci, h, w, co, k, s, up in rows:
+        if k == 1:
+            common.sdxl_rows("linear", [(n * h * w, ci, co)])
+        else:
+            common.sdxl_rows("conv", [(n, ci, 2 * h if up else h, 2 * w if up else w, co, k, s)])
+    return rows
+
+
+CONV_SHAPES = _sdxl_convs([  # (N, Ci, H, W, Co, kernel, stride, nearest-2x upsample first): SDXL's convs at 1024x1024
     (1, 320, 128, 128, 320, 3, 1, False), (1, 640, 64, 64, 640, 3, 1, False), (1, 1280, 32, 32, 1280, 3, 1, False),
     (4, 320, 128, 128, 320, 3, 1, False),
     (1, 2560, 32, 32, 1280, 3, 1, False), (1, 1920, 64, 64, 640, 3, 1, False), (1, 960, 128, 128, 320, 3, 1, False),
@@ -487,7 +510,7 @@ CONV_SHAPES = [  # (N, Ci, H, W, Co, kernel, stride, nearest-2x upsample first):
     (1, 4, 128, 128, 320, 3, 1, False), (1, 320, 128, 128, 4, 3, 1, False),  # conv_in, conv_out
     (1, 2560, 32, 32, 1280, 1, 1, False), (1, 960, 128, 128, 320, 1, 1, False),  # 1x1 shortcuts
     (1, 1280, 32, 32, 1280, 3, 1, True), (1, 640, 64, 64, 640, 3, 1, True),  # up-samplers
-]
+])
 
 
 def _conv_fn(lib, k, stride, up):
@@ -530,24 +553,9 @@ def conv_family(ctx: Ctx) -> list[Case]:
 
 # ---- measurement -------------------------------------------------------------------------------
 
-def _sync():
-    flame.synchronize()
-    if torch.cuda.is_available() and not flame.is_interpreter():
-        torch.cuda.synchronize()
-
-
 def time_device(fn, ctx: Ctx) -> float:
-    """Median milliseconds per call."""
-    if not ctx.interpreter:
-        return float(triton.testing.do_bench(fn, warmup=ctx.warmup, rep=ctx.rep, return_mode="median"))
-    # do_bench needs CUDA events; on the interpreter time a few calls on the host.
-    fn()
-    times = []
-    for _ in range(3 if ctx.quick else 5):
-        t0 = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    """Median milliseconds per call (``do_bench``; the interpreter: host time of a few calls)."""
+    return common.device_ms(fn, ctx.warmup, ctx.rep, interpreter_calls=3 if ctx.quick else 5)
 
 
 PROFILE_CALLS = 10  # calls per side profiled by --kernels
@@ -558,11 +566,11 @@ def kernel_times(fn, calls=PROFILE_CALLS) -> list[list]:
     time first: torch.profiler over ``calls`` calls after one warm-up call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
-    _sync()
+    common.sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
-        _sync()
+        common.sync()
     return per_call_kernels(prof.events(), calls)
 
 
@@ -581,14 +589,7 @@ def per_call_kernels(events, calls) -> list[list]:
 def time_host(fn, ctx: Ctx, ops: int) -> float:
     """Microseconds of host time per op, averaged over a loop that is synchronised at the end."""
     warmup, iters = (2, 3) if ctx.interpreter else ((5, 20) if ctx.quick else (20, 200))
-    for _ in range(warmup):
-        fn()
-    _sync()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    _sync()
-    return 1e6 * (time.perf_counter() - t0) / (iters * ops)
+    return common.host_us_per_op(fn, warmup, iters, ops)
 
 
 def _as_tuple(out):
@@ -596,35 +597,16 @@ def _as_tuple(out):
 
 
 def check_case(case: Case) -> str | None:
-    """None when flame's and PyTorch's outputs agree, else a description of the mismatch."""
+    """None when flame's and PyTorch's outputs agree (``common.mismatch``: the library's tolerance
+    with bench's slack), else a description of the mismatch."""
     got, want = _as_tuple(case.flame()), _as_tuple(case.torch())
     if len(got) != len(want):
         return f"flame returned {len(got)} outputs, torch {len(want)}"
     for i, (g, w) in enumerate(zip(got, want)):
-        g = g.to_torch() if isinstance(g, flame.Tensor) else g
-        if tuple(g.shape) != tuple(w.shape) or g.dtype != w.dtype:
-            return f"output {i}: flame {tuple(g.shape)} {g.dtype} vs torch {tuple(w.shape)} {w.dtype}"
-        g64, w64 = g.detach().double().cpu(), w.detach().double().cpu()
-        err = float((g64 - w64).abs().max()) if g64.numel() else 0.0
-        scale = float(w64.abs().max()) if w64.numel() else 0.0
-        tol = CHECK_TOL.get(case.check_dtype or w.dtype, 1e-4) * max(1.0, scale)
-        if not err <= tol:
-            return f"output {i}: max abs error {err:.3g} > {tol:.3g}"
+        problem = common.mismatch(g.to_torch() if isinstance(g, flame.Tensor) else g, w, case.check_dtype)
+        if problem:
+            return f"output {i}: {problem}"
     return None
-
-
-def _captured(fn):
-    """A CUDA graph of ``fn``'s launches (after a warm-up call), or None where capturing fails."""
-    try:
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph
-    except Exception:  # a host sync or an uncapturable call: time it eagerly instead
-        torch.cuda.synchronize()
-        return None
 
 
 def _alternated(a, b, ctx):
@@ -638,9 +620,9 @@ def _tuned_and_default_times(case, ctx, tuned=None):
     two sides replay CUDA graphs ("graph": device time alone, free of the shared host's noise);
     else both run eagerly ("eager"). ``tuned``: a graph of ``case.flame`` captured already."""
     if not ctx.interpreter:
-        tuned = _captured(case.flame) if tuned is None else tuned
+        tuned = common.captured(case.flame) if tuned is None else tuned
         with ctx.baseline_configs():
-            default = _captured(case.flame)
+            default = common.captured(case.flame)
         if tuned is not None and default is not None:
             return ("graph", *_alternated(tuned.replay, default.replay, ctx))
 
@@ -685,7 +667,8 @@ def run_case(fam: str, case: Case, ctx: Ctx) -> dict:
         if ctx.tuning == "compare" and not compare:
             row.update(tuned_same_configs=True)
         # both sides replayed from CUDA graphs: device time alone, without either framework's host cost
-        graphs = None if ctx.interpreter or ctx.timer == "eager" else (_captured(case.flame), _captured(case.torch))
+        graphs = (None if ctx.interpreter or ctx.timer == "eager"
+                  else (common.captured(case.flame), common.captured(case.torch)))
         graphed = _alternated(graphs[0].replay, graphs[1].replay, ctx) if graphs and None not in graphs else None
         if graphed is not None:
             gf, gt = (statistics.median(x) for x in graphed)
@@ -829,20 +812,6 @@ def print_targets(results: list[dict]) -> None:
         print(f"  {fam}: {text} [bound {bound:.3g}x]: " + "; ".join(parts))
 
 
-def environment(argv) -> dict:
-    return {
-        "gpu": torch.cuda.get_device_name() if not flame.is_interpreter() else None,
-        "device": flame.device_name(),
-        "backend": "interpreter" if flame.is_interpreter() else "cuda",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "flame": flame.__version__,
-        "python": platform.python_version(),
-        "command": " ".join(["scripts/bench.py", *argv]),
-    }
-
-
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -901,7 +870,7 @@ def main(argv=None) -> int:
               rep=args.rep if args.rep is not None else (20 if args.quick else 100), repeat=max(1, args.repeat),
               tuning=args.tuning, timer=args.timer, kernels=args.kernels,
               baseline=str(args.baseline_table) if args.baseline_table else None)
-    env = environment(argv)
+    env = common.environment("bench.py", argv)
     print(f"flame bench on {env['device']} ({env['backend']}); torch {env['torch']}, triton {env['triton']}; "
           f"dtype {dtype}; {env['date']}")
     if ctx.interpreter:
