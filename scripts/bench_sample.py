@@ -32,14 +32,15 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny pipeline and letter tokenizer of the tests
 
-import flame  # noqa: E402  (picks the backend before anything imports triton)
+import common  # noqa: E402  (scripts/: the shared timers; imports flame, which picks the backend before triton)
+
+import flame  # noqa: E402
 
 PROMPT = "a photograph of an astronaut riding a horse on the moon"
 
@@ -84,14 +85,7 @@ def write_random_pipeline(folder: Path, config: str) -> Path:
 def _timed(fn, args, sync):
     """Median seconds of ``args.repeat`` calls after a warm-up call; with ``--profile`` (on a GPU)
     also the GPU time of one more call by kernel name (top 15)."""
-    fn()  # warm-up: compiles kernels, captures graphs
-    times = []
-    for _ in range(args.repeat):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
+    times = common.wall_times(fn, args.repeat, warmup=1, sync=sync)  # the warm-up compiles, captures graphs
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

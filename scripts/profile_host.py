@@ -7,10 +7,11 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for common (it puts the checkout on the path)
+import common  # first: imports flame, which selects the backend
+
 import flame
 
 
@@ -32,14 +33,7 @@ def main():
     def step():
         chain().backward()
 
-    for _ in range(20):
-        step()
-    flame.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(args.iters):
-        step()
-    flame.synchronize()
-    per_op = (time.perf_counter() - t0) / args.iters / 51 * 1e6
+    per_op = common.host_us_per_op(step, 20, args.iters, ops=51)
     print(f"fwd+bwd: {per_op:.1f} us per forward op (51 ops per chain) on {flame.device_name()}")
     prof = cProfile.Profile()
     prof.enable()
