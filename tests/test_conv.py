@@ -722,3 +722,91 @@ def test_tma_launch_configs_name_registered_tuning_kernels():
     assert KM._tma_config(4096, 640, 640, torch.bfloat16)["BLOCK_M"] in (64, 128, 256)
     assert KC._spatial_tile(128, 144, 144) == (8, 16)  # 144 = 9 x 16: no wasted columns
     assert KC._spatial_tile(128, 128, 128) == (1, 128)
+
+
+# ---- routes: plan() names the path a convolution takes ------------------------------------------
+
+F64, F16 = torch.float64, torch.float16
+ROUTE_CASES = [  # (route, direction, x shape, w shape, dtype, kwargs, TMA device)
+    ("gemm", "forward", (2, 8, 5, 6), (4, 8, 1, 1), F64, dict(), False),
+    ("gemm", "input_grad", (2, 8, 5, 6), (4, 8, 1, 1), F64, dict(), False),
+    ("gemm", "weight_grad", (2, 8, 5, 6), (4, 8, 1, 1), F64, dict(), False),
+    ("none", "forward", (0, 8, 5, 6), (4, 8, 3, 3), F64, dict(padding=(1, 1)), False),
+    ("zero_fill", "weight_grad", (0, 8, 5, 6), (4, 8, 3, 3), F64, dict(padding=(1, 1)), False),
+    ("fold", "forward", (2, 4, 9, 11), (16, 4, 3, 3), F64, dict(padding=(1, 1)), False),  # conv_in
+    ("fold", "input_grad", (2, 24, 9, 8), (4, 24, 3, 3), F64, dict(padding=(1, 1)), False),  # conv_out's dX
+    ("implicit_gemm", "forward", (2, 24, 7, 9), (8, 24, 3, 3), F64, dict(padding=(1, 1)), False),
+    ("implicit_gemm", "forward", (2, 8, 7, 9), (6, 4, 3, 3), F64, dict(padding=(1, 1), groups=2), False),
+    ("implicit_gemm", "input_grad", (2, 8, 7, 9), (16, 8, 3, 3), F64, dict(stride=(2, 2), padding=(1, 1)), False),
+    ("tma", "forward", (1, 16, 9, 7), (24, 16, 3, 3), F16, dict(padding=(1, 1)), True),
+    ("tma", "input_grad", (2, 32, 16, 16), (48, 32, 3, 3), F16, dict(stride=(2, 2), padding=(1, 1)), True),
+    ("implicit_gemm", "forward", (1, 16, 9, 7), (24, 16, 3, 3), F16, dict(padding=(1, 1)), False),  # no TMA
+    ("wgrad_tma", "weight_grad", (1, 16, 9, 7), (24, 16, 3, 3), F16, dict(padding=(1, 1)), True),
+    ("wgrad_swap", "weight_grad", (2, 24, 9, 11), (4, 24, 3, 3), F64, dict(padding=(1, 1)), False),  # conv_out
+    ("wgrad_fold", "weight_grad", (2, 4, 9, 11), (16, 4, 3, 3), F64, dict(padding=(1, 1)), False),  # conv_in
+    ("wgrad", "weight_grad", (1, 3, 9, 7), (8, 3, 5, 5), F64, dict(padding=(2, 2)), False),  # 75 (tap, ci) columns
+    ("wgrad", "weight_grad", (2, 16, 7, 9), (6, 8, 3, 3), F64, dict(padding=(1, 1), groups=2), False),
+]
+
+
+def _route_problem(direction, x_shape, w_shape, dtype, kw, tma):
+    import flame.kernels.conv2d as KC
+    return KC.ConvProblem.dense(direction, x_shape, w_shape, dtype, tma=tma, **kw)
+
+
+@pytest.mark.parametrize("route,direction,x_shape,w_shape,dtype,kw,tma", ROUTE_CASES, ids=str)
+def test_plan_names_each_route(route, direction, x_shape, w_shape, dtype, kw, tma):
+    """Which path a problem takes, from its description alone (no buffers, no launch)."""
+    import flame.kernels.conv2d as KC
+    got = KC.plan(_route_problem(direction, x_shape, w_shape, dtype, kw, tma))
+    assert got.kernel == route, got
+    assert got.reason and got.splits == (0 if route in ("none", "zero_fill") else 1)
+
+
+# one launch per route (the first case of each), against PyTorch
+ROUTE_LAUNCHES = [c for i, c in enumerate(ROUTE_CASES) if c[0] not in [d[0] for d in ROUTE_CASES[:i]]]
+
+
+@pytest.mark.parametrize("route,direction,x_shape,w_shape,dtype,kw,tma", ROUTE_LAUNCHES, ids=str)
+def test_each_route_runs_and_matches_torch(route, direction, x_shape, w_shape, dtype, kw, tma, monkeypatch, request):
+    """The launchers take the route plan() names for their buffers, and its result matches PyTorch."""
+    import flame.kernels.conv2d as KC
+    if tma and flame.is_interpreter():
+        request.getfixturevalue("tma_in_interpreter")
+    taken = []
+    monkeypatch.setattr(KC, "plan", lambda p, real=KC.plan: taken.append(real(p)) or taken[-1])
+    cl = torch.channels_last
+    p = _route_problem(direction, x_shape, w_shape, dtype, kw, tma)
+    x, w = (torch.randn(s, dtype=F64).contiguous(memory_format=cl) for s in (x_shape, w_shape))
+    y = torch.randn(p.y.shape, dtype=F64).contiguous(memory_format=cl)
+    args = (p.stride, p.padding, p.dilation, p.groups)
+    torch_kw = dict(stride=p.stride, padding=p.padding, dilation=p.dilation, groups=p.groups)
+    low = [t.to(dtype) for t in (x, w, y)]
+    x, w, y = (t.double() for t in low)  # the reference sees the rounded inputs
+    if direction == "forward":
+        want = torch.nn.functional.conv2d(x, w, **torch_kw)
+        got = torch.full(want.shape, float("nan"), dtype=dtype).contiguous(memory_format=cl)
+        KC.conv2d_forward_(got, low[0], low[1], None, *args)
+    elif direction == "input_grad":
+        want = torch.nn.grad.conv2d_input(x_shape, w, y, **torch_kw)
+        got = torch.full(x_shape, float("nan"), dtype=dtype).contiguous(memory_format=cl)
+        KC.conv2d_input_grad_(got, low[2], low[1], *args)
+    else:
+        want = torch.nn.grad.conv2d_weight(x, w_shape, y, **torch_kw)
+        got = torch.full(w_shape, float("nan"), dtype=dtype).contiguous(memory_format=cl)
+        KC.conv2d_weight_grad_(got, low[2], low[0], *args)
+    assert [r.kernel for r in taken] == [route], taken
+    assert_close(got.double(), want, dtype, **_tol(want, dtype))
+
+
+def test_debug_routes_prints_each_problem_once(monkeypatch, capsys):
+    """FLAME_DEBUG_ROUTES=1 (read at import; here switched on directly): one line per distinct
+    problem on stderr, naming the route and why."""
+    import flame.kernels.conv2d as KC
+    monkeypatch.setattr(KC, "DEBUG_ROUTES", True)
+    monkeypatch.setattr(KC, "_reported", set())
+    fold = _route_problem(*ROUTE_CASES[5][1:])
+    for p in (fold, fold, _route_problem(*ROUTE_CASES[-2][1:]), fold):
+        KC.plan(p)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "fold" in lines[0] and "one K block" in lines[0] and "wgrad" in lines[1], lines

@@ -45,6 +45,12 @@ A 1x1 convolution with stride 1, no padding and one group is a plain GEMM over t
 matrices of its activations: when those are strided views of the buffers (``_gemm_views``), all
 three functions call the GEMM kernel (``flame.kernels.matmul``) instead, with no im2col indexing.
 """
+import dataclasses
+import math
+import os
+import sys
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -493,67 +499,304 @@ def _wgrad_config(CO, CI, M, taps, dtype, tma):
 
 
 def _nhwc(t):
-    """(n, h, w, c) strides of a 4-D (N, C, H, W) buffer."""
+    """(n, h, w, c) strides of a 4-D (N, C, H, W) buffer (or ``Operand``)."""
     s = t.stride()
     return s[0], s[2], s[3], s[1]
 
 
-def conv_gemm_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed, groups=1):
-    """One implicit-GEMM launch (see ``_conv_gemm_kernel``).
+# ---- routes: which kernel runs a convolution ----------------------------------------------------
+# ``plan(problem)`` decides, from a ``ConvProblem`` (the direction, each operand's shape, strides
+# and dtype, stride/padding/dilation/groups, and whether the buffers and the device allow TMA),
+# which of the paths below runs and with which config; the three entry points build the problem
+# from their buffers, ask ``plan`` and run the route it names. Forward and input gradient:
+#   "gemm"           1x1, stride 1, no padding, one group, activations viewable as (N*H*W, C)
+#                    matrices: the GEMM launcher (``linear_``/``matmul_``), which picks its own config
+#   "tma"            ``_conv_tma_kernel``: 16-bit channels-last buffers TMA can describe, stride 1 or
+#                    phase views; split-K below one wave of SMs (``_wave_splits``)
+#   "fold"           ``_conv_fold_kernel``: few reduction channels, every tap x channel in one K block
+#   "implicit_gemm"  ``_conv_gemm_kernel``: everything else (groups, odd sizes, fp32/fp64, any
+#                    layout); an input gradient under a stride runs its output phases on grid axis 2
+# Weight gradient:
+#   "gemm"           as above (dW = dY^T X)
+#   "wgrad_tma"      ``_conv_wgrad_tma_kernel`` over spatial tiles
+#   "wgrad_swap"     few output channels at stride 1: the pointer kernel with the operands swapped
+#                    (then its few "input" channels fold with the taps)
+#   "wgrad_fold"     few input channels: the pointer kernel with every (tap, ci) in one column tile
+#   "wgrad"          ``_conv_wgrad_kernel``, one program per tap
+# and "none" (an empty output) or "zero_fill" (a weight gradient over no output pixels). The
+# weight-gradient routes split their reduction when their grid is small (``_wgrad_splits``): fp32
+# partials then summed by the reduction kernel. ``FLAME_DEBUG_ROUTES=1`` prints each distinct
+# problem's route and why, once, to stderr.
 
-    ``out`` (NB, N, OH, OW) and ``src`` (NB, C, XH, XW) are 4-D buffers with any strides;
-    ``w`` is (Co, Ci, KH, KW): read as (k=ci, n=co) for the forward and (k=co, n=ci) when
-    ``transposed``. ``geom_*`` = (A, B, C, D) of the source-position formula. With ``groups``
-    the channels of ``src`` and ``out`` (and the rows of ``w``) split into that many independent
-    problems, one per program-grid row."""
-    NB, N = out.shape[0], out.shape[1] // groups
-    C, XH, XW = src.shape[1] // groups, src.shape[2], src.shape[3]
-    KH, KW = w.shape[2], w.shape[3]
+FORWARD, INPUT_GRAD, WEIGHT_GRAD = "forward", "input_grad", "weight_grad"
+DEBUG_ROUTES = os.environ.get("FLAME_DEBUG_ROUTES", "") == "1"
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Operand(NamedTuple):
+    """A buffer as routing sees it: shape, strides and dtype (``stride()`` as a tensor's)."""
+
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t):
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def stride(self):
+        return self.strides
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvProblem:
+    """One convolution launch: ``direction`` (FORWARD, INPUT_GRAD or WEIGHT_GRAD), the input ``x``
+    (N, Ci, H, W) (the input gradient's output dX), the weight ``w`` (Co, Ci/groups, KH, KW) (the
+    weight gradient's output dW), the output ``y`` (N, Co, OH, OW) (the gradients' dY); stride,
+    (top, left) padding, dilation, groups; the forward's bias dtype (None: no bias); ``aligned``:
+    the buffers a TMA kernel would read have 16-byte aligned bases; ``tma``: the device runs
+    flame's TMA kernels for this dtype."""
+
+    direction: str
+    x: Operand
+    w: Operand
+    y: Operand
+    stride: tuple = (1, 1)
+    padding: tuple = (0, 0)
+    dilation: tuple = (1, 1)
+    groups: int = 1
+    bias: torch.dtype | None = None
+    aligned: bool = True
+    tma: bool = False
+
+    @classmethod
+    def of(cls, direction, x, w, y, stride, padding, dilation, groups=1, bias=None):
+        """The problem of a launch on these torch buffers."""
+        bufs = (y, x) if direction == WEIGHT_GRAD else (y, x, w)
+        dtype = (x if direction == INPUT_GRAD else y).dtype  # the first operand the TMA checks take
+        return cls(direction, Operand.of(x), Operand.of(w), Operand.of(y), tuple(stride), tuple(padding),
+                   tuple(dilation), groups, None if bias is None else bias.dtype,
+                   all(t.data_ptr() % 16 == 0 for t in bufs),
+                   bool(KM.TMA and dtype in _TMA_DTYPES and KM.tma_available()))
+
+    @classmethod
+    def dense(cls, direction, x_shape, w_shape, dtype, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
+              channels_last=True, bias=False, tma=False):
+        """A problem on freshly allocated buffers (channels-last activations and weight, or
+        contiguous NCHW ones): how tests describe one without allocating it."""
+        (nb, _, h, wd), (co, _, kh, kw) = x_shape, w_shape
+        oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+        ow = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+
+        def operand(shape):
+            _, c, hh, ww = shape
+            strides = (hh * ww * c, 1, ww * c, c) if channels_last else (c * hh * ww, hh * ww, ww, 1)
+            return Operand(tuple(shape), strides, dtype)
+
+        return cls(direction, operand(x_shape), operand(w_shape), operand((nb, co, oh, ow)), tuple(stride),
+                   tuple(padding), tuple(dilation), groups, dtype if bias else None, True,
+                   tma and dtype in _TMA_DTYPES)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What ``plan`` chose: the path (``kernel``, one of the names above), its launch config (the
+    kernel's constexprs: tuned fields as ``flame.tune`` answered them, with the derived ones; empty
+    for "gemm", "none", "zero_fill"), how many splits its reduction runs in, and why."""
+
+    kernel: str
+    config: dict
+    splits: int
+    reason: str
+
+
+_reported: set = set()
+
+
+def plan(p: ConvProblem) -> Route:
+    """The route of convolution problem ``p`` (see above)."""
+    route = _plan_wgrad(p) if p.direction == WEIGHT_GRAD else _plan_conv(p)
+    if DEBUG_ROUTES and p not in _reported:
+        _reported.add(p)
+        print(f"flame conv route: {p.direction} x{list(p.x.shape)} w{list(p.w.shape)} y{list(p.y.shape)} "
+              f"{p.x.dtype} stride {p.stride} padding {p.padding} dilation {p.dilation} groups {p.groups}: "
+              f"{route.kernel}, splits {route.splits}, config {route.config}: {route.reason}", file=sys.stderr)
+    return route
+
+
+def _gemm_route(p, *acts):
+    """The "gemm" route when the convolution is a plain GEMM over ``acts`` (1x1 kernel, stride 1,
+    no padding, one group, each activation viewable as an (N*H*W, C) matrix), else None."""
+    if tuple(p.w.shape[2:]) != (1, 1) or p.stride != (1, 1) or p.padding != (0, 0) or p.groups != 1:
+        return None
+    if any(_row_stride(a) is None for a in acts):
+        return None
+    return Route("gemm", {}, 1, "1x1 kernel, stride 1, no padding, one group, activations viewable as (N*H*W, C) "
+                                "matrices: a plain GEMM")
+
+
+def _geometry(p):
+    """(out, src, geom_h, geom_w) of a forward or input gradient: ``geom_*`` = (A, B, C, D) of the
+    source-position formula of ``_conv_gemm_kernel``."""
+    (sh, sw), (ph, pw), (dh, dw) = p.stride, p.padding, p.dilation
+    if p.direction == INPUT_GRAD:
+        return p.x, p.y, (1, ph, -dh, sh), (1, pw, -dw, sw)
+    return p.y, p.x, (sh, -ph, dh, 1), (sw, -pw, dw, 1)
+
+
+def _plan_conv(p):
+    out, src, geom_h, geom_w = _geometry(p)
+    transposed = p.direction == INPUT_GRAD
+    gemm = _gemm_route(p, out, src)
+    if gemm is not None:
+        return gemm
+    if math.prod(out.shape) == 0:
+        return Route("none", {}, 0, "empty output")
+    groups = p.groups
+    NB, N, OH, OW = out.shape[0], out.shape[1] // groups, out.shape[2], out.shape[3]
+    C = src.shape[1] // groups
+    KH, KW = p.w.shape[2], p.w.shape[3]
     # with a divisor D > 1 (the input gradient of a strided conv) the rows split into D_h * D_w
     # phases, each of which only meets the taps whose offset it divides: no work on masked taps
     P_h, P_w = geom_h[3], geom_w[3]
     M = NB * cdiv(OH, P_h) * cdiv(OW, P_w)
-    if out.numel() == 0:
-        return out
-    if groups == 1 and _tma_ok(out, src, w, bias, geom_h, geom_w):
-        return _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed)
-    ws = w.stride()
-    sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
-    acc, precision, upcast = _kernel_switches(src.dtype)
-    bias_buf, s_bias = (out, 0) if bias is None else (bias, bias.stride(0))
-    src_s, out_s = _nhwc(src), _nhwc(out)
+    if groups == 1 and _tma_ok(p, out, src, geom_h, geom_w):
+        return _plan_tma(p, out, src, geom_h, geom_w, transposed)
     fold = folds(C, KH * KW) if groups == 1 and P_h * P_w == 1 else None
     if fold:
         cfg = _fold_config(M, N, C, KH * KW, src.dtype)
-        launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, bias_buf,
-               M, OH, OW, C, N, KH * KW, KW, XH, XW, *geom_h[:3], *geom_w[:3],
-               *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, s_bias,
-               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **fold, **cfg)
-        return out
+        return Route("fold", dict(fold, **cfg), 1, f"{C} reduction channels x {KH * KW} taps fit one K block of "
+                                                  f"{fold['TAPS_P2'] * fold['C_P2']} columns")
     cfg = _gemm_config(M, N, C, src.dtype, KH * KW, "conv2d_dgrad" if transposed else "conv2d")
-    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)
-    launch(_conv_gemm_kernel, grid, src, w, out, bias_buf,
-           M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
-           *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, s_bias,
-           C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
-           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=P_h * P_w != 1, GROUP_M=8,
-           **cfg)
-    return out
+    if groups > 1:
+        why = f"{groups} groups"
+    else:
+        why = (f"{P_h * P_w} output phases" if P_h * P_w > 1 else f"{C} channels x {KH * KW} taps: too wide to fold")
+        why += "; no TMA: " + ("layout or sizes TMA cannot take" if p.tma else "not on this device or dtype")
+    return Route("implicit_gemm", dict(cfg), 1, why)
 
 
-def _tma_ok(out, src, w, bias, geom_h, geom_w):
+def _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg):
+    """(output tiles of one phase, reduction steps of the longest phase) of ``_conv_tma_kernel``."""
+    tiles = NB * cdiv(OH // D_h, cfg["TH"]) * cdiv(OW // D_w, cfg["TW"]) * cdiv(N, cfg["BLOCK_N"])
+    return tiles, cdiv(KH, D_h) * cdiv(KW, D_w) * cdiv(C, cfg["BLOCK_K"])
+
+
+def _plan_tma(p, out, src, geom_h, geom_w, transposed):
+    NB, N, OH, OW = out.shape
+    C = src.shape[1]
+    KH, KW = p.w.shape[2], p.w.shape[3]
+    phased, divided = (geom_h[0], geom_w[0]) != (1, 1), (geom_h[3], geom_w[3]) != (1, 1)
+    D_h, D_w = geom_h[3], geom_w[3]  # output phases: D_h * D_w launches' worth along grid axis 1
+    # tuned per phase: a stride-2 input gradient is 4 problems of a quarter of the pixels and at most
+    # ceil(K / 2)^2 taps each, not the stride-1 problem of its shape (M, N, C, taps)
+    cfg = dict(_conv_tma_config(NB * OH * OW // (D_h * D_w), N, C, src.dtype, cdiv(KH, D_h) * cdiv(KW, D_w),
+                                "conv2d_dgrad" if transposed else "conv2d"))
+    cfg["BLOCK_K"] = _dividing_block(cfg["BLOCK_K"], C, phased)
+    cfg["BLOCK_N"] = _dividing_block(cfg["BLOCK_N"], N, divided)
+    cfg["TH"], cfg["TW"] = _spatial_tile(cfg.pop("BLOCK_M"), OH // D_h, OW // D_w)
+    tiles, steps = _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg)
+    splits = _wave_splits(tiles * D_h * D_w, steps, runtime.num_sms())  # 1 in the interpreter (1 SM)
+    # the sum pass writes ``out`` as (NB*OH*OW, N) rows; none of the splits empty in the longest phase
+    splits = cdiv(steps, cdiv(steps, splits)) if splits > 1 and _row_stride(out) is not None else 1
+    why = f"16-bit channels-last buffers TMA can describe, {'phase views' if phased or divided else 'stride 1'}"
+    if splits > 1:
+        why += f"; {tiles * D_h * D_w} programs under one wave of {runtime.num_sms()} SMs: split-K"
+    return Route("tma", cfg, splits, why)
+
+
+def _wgrad_geometry(p):
+    """The weight gradient's (dy, x, CO, CI, OH, OW, H, W, ph, pw, swap): with ``swap`` (few
+    output channels at stride 1, see ``_run_wgrad``) the operands' roles are exchanged."""
+    (CO, CI, KH, KW), (sh, sw), (ph, pw), (dh, dwl) = p.w.shape, p.stride, p.padding, p.dilation
+    dy, x = p.y, p.x
+    CO //= p.groups
+    OH, OW, H, W = dy.shape[2], dy.shape[3], x.shape[2], x.shape[3]
+    taps = KH * KW
+    swap = not _wgrad_tma(p) and p.groups == 1 and (sh, sw) == (1, 1) and CO * taps <= _FOLD_COLUMNS < CI * taps
+    if swap:
+        dy, x, CO, CI, OH, OW, H, W = x, dy, CI, CO, H, W, OH, OW
+        ph, pw = (KH - 1) * dh - ph, (KW - 1) * dwl - pw
+    return dy, x, CO, CI, OH, OW, H, W, ph, pw, swap
+
+
+def _wgrad_tma(p):
+    return p.groups == 1 and _phase_view_ok(p.x, *p.stride) and _tma_operands_ok(p, p.y, p.x)
+
+
+def _wgrad_units(p, cfg, NB, OH, OW):
+    """(reduction units, rows per unit) of the weight gradient: spatial tiles (TMA) or BLOCK_K rows."""
+    if "TH" in cfg:
+        return NB * cdiv(OH, cfg["TH"]) * cdiv(OW, cfg["TW"]), 1
+    return cdiv(NB * OH * OW, cfg["BLOCK_K"]), cfg["BLOCK_K"]
+
+
+def _plan_wgrad(p):
+    gemm = _gemm_route(p, p.y, p.x)
+    if gemm is not None:
+        return gemm
+    NB, KH, KW, groups = p.y.shape[0], p.w.shape[2], p.w.shape[3], p.groups
+    if math.prod(p.w.shape) == 0:
+        return Route("none", {}, 0, "empty weight")
+    if NB * p.y.shape[2] * p.y.shape[3] == 0:
+        return Route("zero_fill", {}, 0, "no output pixels: dW = 0")
+    tma = _wgrad_tma(p)
+    dy, x, CO, CI, OH, OW, _, _, _, _, swap = _wgrad_geometry(p)
+    taps = KH * KW
+    fold = not tma and taps > 1 and CI * taps <= _FOLD_COLUMNS
+    cfg = dict(_wgrad_config(CO, CI, NB * OH * OW, taps, x.dtype, tma))
+    if tma:
+        cfg["TH"], cfg["TW"], cfg["FLAT_DY"] = _wgrad_spatial_tile(cfg.pop("BLOCK_K"), OH, OW,
+                                                                   _row_stride(dy) is not None)
+        cfg["BLOCK_N"] = _dividing_block(cfg["BLOCK_N"], CI, p.stride != (1, 1))
+    else:
+        cfg["FOLD_TAPS"] = fold
+    if fold:  # one column tile holds every (tap, channel) column
+        cfg["BLOCK_N"] = max(16, _pow2(CI * taps))
+    units, _ = _wgrad_units(p, cfg, NB, OH, OW)
+    tiles = cdiv(CO, cfg["BLOCK_M"]) * (1 if fold else cdiv(CI, cfg["BLOCK_N"]))
+    splits = cdiv(units, cdiv(units, _wgrad_splits(tiles * groups * (1 if fold else taps), units)))
+    if tma:
+        kernel, why = "wgrad_tma", "16-bit channels-last buffers TMA can describe"
+    elif swap:
+        kernel, why = "wgrad_swap", f"{CI} output channels at stride 1: operands swapped"
+        why += "; taps folded" if fold else ""
+    elif fold:
+        kernel, why = "wgrad_fold", f"{CI} input channels x {taps} taps fit one column tile"
+    else:
+        kernel, why = "wgrad", "one program per tap" + (f", groups {groups}" if groups > 1 else "")
+    return Route(kernel, cfg, splits, why + (f"; {splits} splits of the rows: few programs" if splits > 1 else ""))
+
+
+def _tma_ok(p, out, src, geom_h, geom_w):
     """Whether ``_conv_tma_kernel`` can run this problem: source stride A and divisor D that the
     phase views take (``_phase_view_ok``; a divisor with unit dilation only, C = -1), one 16-bit
-    dtype, buffers as ``_tma_buffers_ok`` wants them and the weight's taps and channels dense."""
+    dtype, buffers as ``_tma_operands_ok`` wants them and the weight's taps and channels dense."""
     if not (_phase_view_ok(src, geom_h[0], geom_w[0]) and _phase_view_ok(out, geom_h[3], geom_w[3])):
         return False
     if (geom_h[3] > 1 and geom_h[2] != -1) or (geom_w[3] > 1 and geom_w[2] != -1):
         return False
-    ci, kw = w.shape[1], w.shape[3]
-    ws = w.stride()
-    if ws[3] != ci or ws[2] != kw * ci or (bias is not None and bias.dtype != src.dtype):
+    ci, kw = p.w.shape[1], p.w.shape[3]
+    ws = p.w.strides
+    if ws[3] != ci or ws[2] != kw * ci or (p.bias is not None and p.bias != src.dtype):
         return False
-    return _tma_buffers_ok(out, src, w)
+    return _tma_operands_ok(p, out, src, p.w)
+
+
+def _tma_operands_ok(p, *ops):
+    """Whether TMA descriptors can describe these 4-D operands: the device runs TMA kernels, one
+    16-bit dtype, channels (dim 1) contiguous, 16-byte aligned bases and other strides (channels a
+    multiple of 8)."""
+    dtype = ops[0].dtype
+    if not p.tma or dtype not in _TMA_DTYPES or not p.aligned:
+        return False
+    es = dtype.itemsize
+    for t in ops:
+        if t.dtype != dtype or t.strides[1] != 1:
+            return False
+        if any((st * es) % 16 for st in t.strides if st != 1):
+            return False
+    return True
 
 
 def _phase_view_ok(src, S_h, S_w):
@@ -583,20 +826,6 @@ def _dividing_block(block, C, phased):
         block //= 2
     return block
 
-
-def _tma_buffers_ok(*bufs):
-    """Whether TMA descriptors can describe these 4-D buffers: one 16-bit dtype, channels (dim 1)
-    contiguous, 16-byte aligned base and other strides (channels a multiple of 8)."""
-    dtype = bufs[0].dtype
-    if not KM.TMA or dtype not in (torch.float16, torch.bfloat16) or not KM.tma_available():
-        return False
-    es = bufs[0].element_size()
-    for t in bufs:
-        if t.dtype != dtype or t.stride(1) != 1 or t.data_ptr() % 16:
-            return False
-        if any((st * es) % 16 for st in t.stride() if st != 1):
-            return False
-    return True
 
 
 def _spatial_tile(block_m, OH, OW):
@@ -659,44 +888,6 @@ def _conv_tma_config(M, N, C, dtype, taps, kernel):
     return tune.config(kernel + "_tma", (M, N, C, taps), dtype, default)
 
 
-def _conv_tma_(out, src, w, bias, OH, OW, geom_h, geom_w, transposed):
-    NB, N = out.shape[0], out.shape[1]
-    C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
-    KH, KW = w.shape[2], w.shape[3]
-    phased, divided = (geom_h[0], geom_w[0]) != (1, 1), (geom_h[3], geom_w[3]) != (1, 1)
-    D_h, D_w = geom_h[3], geom_w[3]  # output phases: D_h * D_w launches' worth along grid axis 1
-    # tuned per phase: a stride-2 input gradient is 4 problems of a quarter of the pixels and at most
-    # ceil(K / 2)^2 taps each, not the stride-1 problem of its shape (M, N, C, taps)
-    cfg = dict(_conv_tma_config(NB * OH * OW // (D_h * D_w), N, C, src.dtype, cdiv(KH, D_h) * cdiv(KW, D_w),
-                                "conv2d_dgrad" if transposed else "conv2d"))
-    cfg["BLOCK_K"] = _dividing_block(cfg["BLOCK_K"], C, phased)
-    cfg["BLOCK_N"] = _dividing_block(cfg["BLOCK_N"], N, divided)
-    th, tw = _spatial_tile(cfg.pop("BLOCK_M"), OH // D_h, OW // D_w)
-    tiles = NB * cdiv(OH // D_h, th) * cdiv(OW // D_w, tw) * cdiv(N, cfg["BLOCK_N"])
-    steps = cdiv(KH, D_h) * cdiv(KW, D_w) * cdiv(C, cfg["BLOCK_K"])  # the longest phase's reduction loop
-    splits = _wave_splits(tiles * D_h * D_w, steps, runtime.num_sms())  # 1 in the interpreter (1 SM)
-    rows = as_rows(out) if splits > 1 else None  # the sum pass writes ``out`` as (NB*OH*OW, N) rows
-    splits = cdiv(steps, cdiv(steps, splits)) if rows is not None else 1  # none empty in the longest phase
-    if splits > 1:  # fp32 partial sums of out's pixels, channels last, split-major
-        target, target_s = runtime.empty((splits, NB * OH * OW, N), torch.float32), (OH * OW * N, OW * N, N)
-    else:
-        target, target_s = out, _nhwc(out)[:3]
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    src_desc = _pixel_descriptor(src, NB, XH, XW, C, *_nhwc(src)[:3], geom_h[0], geom_w[0], th, tw, bk, phased)
-    target_desc = _pixel_descriptor(target, splits * NB, OH, OW, N, *target_s, D_h, D_w, th, tw, bn, divided)
-    # the weight (channels-last, taps and channels dense) as a (Co, taps * Ci) matrix: (k=co, n=ci) tiles for
-    # the input gradient, (n=co, k=ci) tiles for the forward
-    w_desc = (TensorDescriptor(w, [C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
-              else TensorDescriptor(w, [N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
-    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src_desc, w_desc, target_desc, out if bias is None else bias,
-           NB, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
-           *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, 0 if bias is None else bias.stride(0),
-           cdiv(steps, splits), TRANSPOSED=transposed,
-           BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided, TH=th, TW=tw, GROUP_M=8, **cfg)
-    if splits > 1:
-        KM.split_k_sum_(rows, rows.stride(), target, KM.Fusion(bias))
-    return out
-
 
 _SPLIT_COST = 4  # loop steps: see _wave_splits
 
@@ -719,104 +910,127 @@ def _wave_splits(programs, steps, sms):
     return min(range(1, max(1, min(8, steps // 4)) + 1), key=time)  # min keeps the first (smallest) on a tie
 
 
-def as_rows(t):
-    """A 4-D (N, C, H, W) buffer as an (N*H*W, C) strided view, or None when the (N, H, W) dims
-    do not collapse to one row stride (NCHW with N > 1). A single row keeps the batch stride."""
-    n, c, h, w = t.shape
+# ---- running a route ----------------------------------------------------------------------------
+
+def _row_stride(t):
+    """The row stride of a 4-D (N, C, H, W) buffer (or ``Operand``) seen as an (N*H*W, C) matrix,
+    or None when the (N, H, W) dims do not collapse to one stride (NCHW with N > 1). A single row
+    keeps the batch stride."""
+    n, _, h, w = t.shape
     s = t.stride()
     shape, (rs,) = collapse([n, h, w], [[s[0], s[2], s[3]]])
     if len(shape) != 1:
         return None
-    return t.as_strided((n * h * w, c), (rs[0] if shape[0] > 1 else s[0], s[1]), t.storage_offset())
+    return rs[0] if shape[0] > 1 else s[0]
 
 
-def _gemm_views(w, stride, padding, groups, *acts):
-    """(``w`` as a (Co, Ci) matrix, then each activation buffer of ``acts`` as an (N*H*W, C)
-    matrix) when the convolution is a plain GEMM: 1x1 kernel, stride 1, no padding (dilation
-    does not matter), one group, and every activation viewable as a matrix without a copy.
-    None otherwise (the implicit-GEMM kernels take it)."""
-    if tuple(w.shape[2:]) != (1, 1) or tuple(stride) != (1, 1) or tuple(padding) != (0, 0) or groups != 1:
+def as_rows(t):
+    """A 4-D (N, C, H, W) buffer as an (N*H*W, C) strided view, or None (see ``_row_stride``)."""
+    rs = _row_stride(t)
+    if rs is None:
         return None
-    mats = [as_rows(t) for t in acts]
-    if any(m is None for m in mats):
-        return None
+    n, c, h, w = t.shape
+    return t.as_strided((n * h * w, c), (rs, t.stride(1)), t.storage_offset())
+
+
+def _gemm_views(w, *acts):
+    """``w`` as a (Co, Ci) matrix, then each activation buffer of ``acts`` as an (N*H*W, C) matrix
+    (the "gemm" route: ``_gemm_route`` checked that they are views)."""
     ws = w.stride()
-    return (w.as_strided(tuple(w.shape[:2]), ws[:2], w.storage_offset()), *mats)
+    return (w.as_strided(tuple(w.shape[:2]), ws[:2], w.storage_offset()), *map(as_rows, acts))
 
 
-@tunable("out")
-def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
-    """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
-    views = _gemm_views(w, stride, padding, groups, out, x)
-    if views is not None:  # out (NHW, Co) = x (NHW, Ci) @ w (Co, Ci)^T + bias
-        w2, out2, x2 = views
-        linear_(out2, x2, w2, bias)
+def _run_conv(route, p, out, src, w, bias):
+    """Run the forward or input-gradient route ``route`` of problem ``p`` (see ``_conv_gemm_kernel``):
+    ``out`` (NB, N, OH, OW) and ``src`` (NB, C, XH, XW) are 4-D buffers with any strides; ``w`` is
+    (Co, Ci, KH, KW): read as (k=ci, n=co) for the forward and (k=co, n=ci) for the input gradient.
+    With groups the channels of ``src`` and ``out`` (and the rows of ``w``) split into that many
+    independent problems, one per program-grid row."""
+    if route.kernel == "none":
         return out
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    return conv_gemm_(out, x, w, bias, out.shape[2], out.shape[3], (sh, -ph, dh, 1), (sw, -pw, dw, 1), False,
-                      groups)
+    _, _, geom_h, geom_w = _geometry(p)
+    transposed = p.direction == INPUT_GRAD
+    if route.kernel == "tma":
+        return _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route)
+    groups = p.groups
+    NB, N, OH, OW = out.shape[0], out.shape[1] // groups, out.shape[2], out.shape[3]
+    C, XH, XW = src.shape[1] // groups, src.shape[2], src.shape[3]
+    KH, KW = w.shape[2], w.shape[3]
+    P_h, P_w = geom_h[3], geom_w[3]
+    M = NB * cdiv(OH, P_h) * cdiv(OW, P_w)
+    ws = w.stride()
+    sw_k, sw_n = (ws[0], ws[1]) if transposed else (ws[1], ws[0])
+    acc, precision, upcast = _kernel_switches(src.dtype)
+    bias_buf, s_bias = (out, 0) if bias is None else (bias, bias.stride(0))
+    src_s, out_s = _nhwc(src), _nhwc(out)
+    cfg = route.config
+    if route.kernel == "fold":
+        launch(_conv_fold_kernel, (cdiv(M, cfg["BLOCK_M"]),), src, w, out, bias_buf,
+               M, OH, OW, C, N, KH * KW, KW, XH, XW, *geom_h[:3], *geom_w[:3],
+               *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, s_bias,
+               ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, **cfg)
+        return out
+    grid = (cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"]), groups, P_h * P_w)
+    launch(_conv_gemm_kernel, grid, src, w, out, bias_buf,
+           M, OH, OW, C, N, KH, KW, XH, XW, *geom_h, *geom_w,
+           *src_s, sw_k, sw_n, ws[2], ws[3], *out_s, s_bias,
+           C * src_s[3], (C if transposed else N) * ws[0], N * out_s[3], P_h, P_w,
+           ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=bias is not None, DIV=P_h * P_w != 1, GROUP_M=8,
+           **cfg)
+    return out
 
 
-@tunable("dx")
-def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
-    """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
-    views = _gemm_views(w, stride, padding, groups, dx, dy)
-    if views is not None:  # dx (NHW, Ci) = dy (NHW, Co) @ w (Co, Ci)
-        w2, dx2, dy2 = views
-        matmul_(dx2, dy2, w2)
-        return dx
-    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
-    return conv_gemm_(dx, dy, w, None, dx.shape[2], dx.shape[3], (1, ph, -dh, sh), (1, pw, -dw, sw), True,
-                      groups)
-
-
-@tunable("dw_out")
-def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
-    """``dw_out`` (Co, Ci/groups, KH, KW) = the gradient of conv2d's weight (any strides, any
-    float dtype)."""
-    views = _gemm_views(dw_out, stride, padding, groups, dy, x)
-    if views is not None:  # dw (Co, Ci) = dy (NHW, Co)^T @ x (NHW, Ci)
-        dw2, dy2, x2 = views
-        matmul_(dw2, dy2.t(), x2)
-        return dw_out
-    CO, CI, KH, KW = dw_out.shape
-    CO //= groups
-    NB, _, OH, OW = dy.shape
-    H, W = x.shape[2], x.shape[3]
-    M = NB * OH * OW
-    if dw_out.numel() == 0:
-        return dw_out
-    if M == 0:
-        return fill_(dw_out, 0.0)
-    (sh, sw), (ph, pw), (dh, dwl) = stride, padding, dilation
-    tma = groups == 1 and _phase_view_ok(x, sh, sw) and _tma_buffers_ok(dy, x)
-    taps = KH * KW
-    # Few output channels at stride 1 (conv_out's 4): swap the operands' roles, dW[co, ci, kh, kw] =
-    # sum_q x[q, ci] * dY[q - ph' + (KH-1-kh) * dh, co] with ph' = (KH-1) * dh - ph, q over x's pixels:
-    # the weight gradient of a convolution of dY by "dY" = x, stored transposed and tap-flipped, whose
-    # few "input" channels then fold with the taps (below).
-    swap = not tma and groups == 1 and (sh, sw) == (1, 1) and CO * taps <= _FOLD_COLUMNS < CI * taps
-    if swap:
-        dy, x, CO, CI, OH, OW, H, W = x, dy, CI, CO, H, W, OH, OW
-        ph, pw, M = (KH - 1) * dh - ph, (KW - 1) * dwl - pw, NB * OH * OW
-    fold = not tma and taps > 1 and CI * taps <= _FOLD_COLUMNS
-    cfg = _wgrad_config(CO, CI, M, taps, x.dtype, tma)
-    bm, bn, bk, warps, stages = (cfg[f] for f in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
-    if tma:
-        dy_rows = as_rows(dy)
-        th, tw, flat = _wgrad_spatial_tile(bk, OH, OW, dy_rows is not None)
-        units, per_unit = NB * cdiv(OH, th) * cdiv(OW, tw), 1
-        phased = (sh, sw) != (1, 1)
-        phase = _phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW)
-        bn = _dividing_block(bn, CI, phased)
+def _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route):
+    NB, N, OH, OW = out.shape
+    C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
+    KH, KW = w.shape[2], w.shape[3]
+    phased, divided = (geom_h[0], geom_w[0]) != (1, 1), (geom_h[3], geom_w[3]) != (1, 1)
+    D_h, D_w = geom_h[3], geom_w[3]
+    cfg, splits = route.config, route.splits
+    th, tw, bn, bk = cfg["TH"], cfg["TW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles, steps = _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg)
+    rows = as_rows(out) if splits > 1 else None  # the sum pass writes ``out`` as (NB*OH*OW, N) rows
+    if splits > 1:  # fp32 partial sums of out's pixels, channels last, split-major
+        target, target_s = runtime.empty((splits, NB * OH * OW, N), torch.float32), (OH * OW * N, OW * N, N)
     else:
-        units, per_unit = cdiv(M, bk), bk
-    if fold:  # one column tile holds every (tap, channel) column
-        bn = max(16, _pow2(CI * taps))
-    tiles = cdiv(CO, bm) * (1 if fold else cdiv(CI, bn))
-    splits = _wgrad_splits(tiles * groups * (1 if fold else taps), units)
+        target, target_s = out, _nhwc(out)[:3]
+    src_desc = _pixel_descriptor(src, NB, XH, XW, C, *_nhwc(src)[:3], geom_h[0], geom_w[0], th, tw, bk, phased)
+    target_desc = _pixel_descriptor(target, splits * NB, OH, OW, N, *target_s, D_h, D_w, th, tw, bn, divided)
+    # the weight (channels-last, taps and channels dense) as a (Co, taps * Ci) matrix: (k=co, n=ci) tiles for
+    # the input gradient, (n=co, k=ci) tiles for the forward
+    w_desc = (TensorDescriptor(w, [C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
+              else TensorDescriptor(w, [N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
+    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src_desc, w_desc, target_desc, out if bias is None else bias,
+           NB, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
+           *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, 0 if bias is None else bias.stride(0),
+           cdiv(steps, splits), TRANSPOSED=transposed,
+           BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided, GROUP_M=8, **cfg)
+    if splits > 1:
+        KM.split_k_sum_(rows, rows.stride(), target, KM.Fusion(bias))
+    return out
+
+
+def _run_wgrad(route, p, dw_out, dy, x):
+    """Run the weight-gradient route ``route`` of problem ``p``. With "wgrad_swap" (few output
+    channels at stride 1, conv_out's 4) the operands' roles are swapped: dW[co, ci, kh, kw] =
+    sum_q x[q, ci] * dY[q - ph' + (KH-1-kh) * dh, co] with ph' = (KH-1) * dh - ph, q over x's pixels,
+    the weight gradient of a convolution of dY by "dY" = x, stored transposed and tap-flipped, whose
+    few "input" channels then fold with the taps."""
+    if route.kernel == "none":
+        return dw_out
+    if route.kernel == "zero_fill":
+        return fill_(dw_out, 0.0)
+    KH, KW = dw_out.shape[2], dw_out.shape[3]
+    NB, groups, taps = dy.shape[0], p.groups, KH * KW
+    (sh, sw), (dh, dwl) = p.stride, p.dilation
+    _, _, CO, CI, OH, OW, H, W, ph, pw, swap = _wgrad_geometry(p)
+    if swap:
+        dy, x = x, dy
+    cfg, splits = route.config, route.splits
+    fold = cfg.get("FOLD_TAPS", False)
+    units, per_unit = _wgrad_units(p, cfg, NB, OH, OW)
     per_split = cdiv(units, splits)
-    splits = cdiv(units, per_split)
+    tiles = cdiv(CO, cfg["BLOCK_M"]) * (1 if fold else cdiv(CI, cfg["BLOCK_N"]))
     order = runtime.dense_order(dw_out)  # channels-last weights: ci innermost, so tile stores are contiguous
     if splits == 1:
         target_buf, so = dw_out, (0,) + tuple(dw_out.stride())
@@ -830,20 +1044,19 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
         out_base = target_buf[..., KH - 1:, KW - 1:]
         so = (so[0], so[2], so[1], -so[3], -so[4])
     grid = (tiles * groups, 1 if fold else taps, splits)
-    if tma:
-        dy_desc = (TensorDescriptor(dy, [NB * OH * OW, CO], [dy_rows.stride(0), 1], [th * tw, bm]) if flat
+    if route.kernel == "wgrad_tma":
+        th, tw, bm, bn = cfg["TH"], cfg["TW"], cfg["BLOCK_M"], cfg["BLOCK_N"]
+        phased = (sh, sw) != (1, 1)
+        dy_desc = (TensorDescriptor(dy, [NB * OH * OW, CO], [_row_stride(dy), 1], [th * tw, bm]) if cfg["FLAT_DY"]
                    else TensorDescriptor(dy, [NB, OH, OW, CO], [*_nhwc(dy)[:3], 1], [1, th, tw, bm]))
         x_desc = _pixel_descriptor(x, NB, H, W, CI, *_nhwc(x)[:3], sh, sw, th, tw, bn, phased)
         launch(_conv_wgrad_tma_kernel, grid, dy_desc, x_desc, target_buf, NB, OH, OW, CO, CI, KW, -ph, dh, -pw, dwl,
-               *phase, per_split, *so, PHASED=phased, FLAT_DY=flat, TH=th, TW=tw, BLOCK_M=bm, BLOCK_N=bn,
-               num_warps=warps, num_stages=stages)
+               *_phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW), per_split, *so, PHASED=phased, **cfg)
     else:
         acc, precision, upcast = _kernel_switches(x.dtype)
         launch(_conv_wgrad_kernel, grid, dy, x, out_base,
-               M, OH, OW, CO, CI, KW, taps, H, W, sh, ph, dh, sw, pw, dwl, per_split * per_unit, tiles,
-               *_nhwc(dy), *_nhwc(x), *so,
-               ACC=acc, PRECISION=precision, UPCAST=upcast, FOLD_TAPS=fold, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-               num_warps=warps, num_stages=stages)
+               NB * OH * OW, OH, OW, CO, CI, KW, taps, H, W, sh, ph, dh, sw, pw, dwl, per_split * per_unit, tiles,
+               *_nhwc(dy), *_nhwc(x), *so, ACC=acc, PRECISION=precision, UPCAST=upcast, **cfg)
     if splits > 1:
         n = dw_out.numel()
         if order is not None:
@@ -853,6 +1066,43 @@ def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
             reduce_(tmp, target_buf, 1, splits, n, (0, n, 1), SUM)
             copy_(dw_out, tmp)
     return dw_out
+
+
+@tunable("out")
+def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
+    """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
+    p = ConvProblem.of(FORWARD, x, w, out, stride, padding, dilation, groups, bias)
+    route = plan(p)
+    if route.kernel == "gemm":  # out (NHW, Co) = x (NHW, Ci) @ w (Co, Ci)^T + bias
+        w2, out2, x2 = _gemm_views(w, out, x)
+        linear_(out2, x2, w2, bias)
+        return out
+    return _run_conv(route, p, out, x, w, bias)
+
+
+@tunable("dx")
+def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
+    """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
+    p = ConvProblem.of(INPUT_GRAD, dx, w, dy, stride, padding, dilation, groups)
+    route = plan(p)
+    if route.kernel == "gemm":  # dx (NHW, Ci) = dy (NHW, Co) @ w (Co, Ci)
+        w2, dx2, dy2 = _gemm_views(w, dx, dy)
+        matmul_(dx2, dy2, w2)
+        return dx
+    return _run_conv(route, p, dx, dy, w, None)
+
+
+@tunable("dw_out")
+def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
+    """``dw_out`` (Co, Ci/groups, KH, KW) = the gradient of conv2d's weight (any strides, any
+    float dtype)."""
+    p = ConvProblem.of(WEIGHT_GRAD, x, dw_out, dy, stride, padding, dilation, groups)
+    route = plan(p)
+    if route.kernel == "gemm":  # dw (Co, Ci) = dy (NHW, Co)^T @ x (NHW, Ci)
+        dw2, dy2, x2 = _gemm_views(dw_out, dy, x)
+        matmul_(dw2, dy2.t(), x2)
+        return dw_out
+    return _run_wgrad(route, p, dw_out, dy, x)
 
 
 def acc_dtype(dtype):
