@@ -49,6 +49,9 @@ DOC = ROOT / "BENCHMARKS.md"
 # bench.py's families in its order (a family not listed here goes last)
 FAMILIES = ("elementwise", "overhead", "linear", "lora", "norms", "attention", "conv")
 PASSES = {"fwd": "forward", "fwd+bwd": "forward+backward"}
+# Rows a family's table leaves out, to keep BENCHMARKS.md short (every case stays in the JSON): the
+# GroupNorms show NCHW without SiLU and channels-last with it (SDXL's resnets), not the other two.
+HIDDEN = {"norms": lambda row: row.startswith("group_norm") and (" CL" in row) != ("+silu" in row)}
 BLOCK = re.compile(r"(<!-- bench-table (\S+) -->\n)(.*?)(<!-- /bench-table -->)", re.S)
 
 
@@ -146,17 +149,16 @@ def _num(v: float) -> str:
     return f"{v:.1f}" if abs(v) < 1e4 else f"{v:.0f}"
 
 
-def _cell(case: dict | None) -> str:
-    """"flame / torch (flame/torch)", in µs (device time) or µs per op (host time)."""
-    if case is None:
-        return "-"
+def _cell(case: dict, timer: str) -> str:
+    """"flame / torch (flame/torch)", in µs (device time) or µs per op (host time); "eager" marks a
+    case timed eagerly in a run that shows graph replays."""
     if "error" in case:
         return "check failed"
     scale = 1e3 if case.get("unit") == "ms" else 1.0
     times = [_num(case[k] * scale) for k in ("flame", "torch") if case.get(k) is not None]
     ratio = f"{case['ratio']:.2f}x" if case.get("ratio") is not None else "-"
     text = f"{' / '.join(times)} ({ratio})" if times else ratio
-    return text + (" eager" if case.get("unit") == "ms" and case.get("timer") == "eager" else "")
+    return text + (" eager" if case.get("unit") == "ms" and case.get("timer") != timer else "")
 
 
 def _split(name: str, passes: bool) -> tuple[str | None, str, str | None]:
@@ -182,17 +184,19 @@ def _date(run: dict) -> str:
     return (run.get("date") or "date unknown")[:10]
 
 
-def _describe(card: str, run: dict) -> str:
-    commit = run.get("commit") or "commit unknown"
-    if run.get("dirty"):
-        commit += " with local changes"
-    how = "graph replays" if run.get("timer") == "graph" else "eager calls"
-    tuning = {"table": "tuned tables", "defaults": "heuristic configs", "compare": "tuned tables"}.get(
-        run.get("tuning"))
-    parts = [f"`{run.get('command')}`", _date(run), commit, f"torch {run.get('torch')}", f"Triton {run.get('triton')}",
-             run["dtype"], how, tuning]
-    line = f"- {card}: " + ", ".join(p for p in parts if p)
-    return line + (f" ({run['source']})" if run.get("source") else "")
+def _describe(runs) -> list[str]:
+    """One line per run, or per group of runs that differ only in their card and commit."""
+    groups = {}
+    for card, run in runs:
+        how = "graph replays" if run.get("timer") == "graph" else "eager calls"
+        tuning = "heuristic configs" if run.get("tuning") == "defaults" else "tuned tables"
+        key = tuple(p for p in (f"`{run.get('command')}`", _date(run), f"torch {run.get('torch')}",
+                                f"Triton {run.get('triton')}", run["dtype"], how, tuning) if p)
+        commit = run.get("commit") or "commit unknown"
+        groups.setdefault((key, run.get("source")), []).append(
+            f"{card} ({commit}{' with local changes' if run.get('dirty') else ''})")
+    return [f"{', '.join(cards)}: " + ", ".join(key) + (f" ({source})" if source else "")
+            for (key, source), cards in groups.items()]
 
 
 def _targets(card: str, run: dict) -> str | None:
@@ -204,18 +208,22 @@ def _targets(card: str, run: dict) -> str | None:
 
 
 def family_table(family: str, cards: list[dict]) -> str:
-    """The block of one family: a line per card's run (command, date, commit, versions), one table
-    with a column group per card (and dtype, variant, pass), and each run's targets."""
+    """The block of one family: one table with a column group per card (and dtype, variant, pass),
+    then a line per card's run (command, date, commit, versions) and per run's targets."""
     runs = [(c["card"], r) for c in cards for r in c["runs"] if r["family"] == family]
     if not runs:
         return (f"No stored run yet: `PYTHONPATH=. python3 scripts/bench.py --family {family} --out out/bench.json`"
                 " on a GPU, then `python3 scripts/bench_tables.py add out/bench.json`.\n")
     dtypes = {r["dtype"] for _, r in runs}
-    columns, rows, cells = [], [], {}
+    hidden = HIDDEN.get(family, lambda row: False)
+    columns, rows, cells, left_out = [], [], {}, set()
     for card, run in runs:
         passes = _has_passes(run["cases"])
         for case in run["cases"]:
             pass_, row, variant = _split(case["case"], passes)
+            if hidden(row):
+                left_out.add(row)
+                continue
             label = " ".join(p for p in (_short(card) if len(cards) > 1 else None,
                                          run["dtype"] if len(dtypes) > 1 else None,
                                          PASSES.get(pass_), f"vs {variant}" if variant else None) if p)
@@ -224,16 +232,14 @@ def family_table(family: str, cards: list[dict]) -> str:
                 columns.append(col)
             if row not in rows:
                 rows.append(row)
-            cells[row, col] = case
-    unit = "µs per op, host time" if all(c.get("unit") == "us/op" for _, r in runs for c in r["cases"]) else "µs"
-    lines = [_describe(card, run) for card, run in runs]
-    lines += ["", f"Cells: flame / PyTorch in {unit} (flame/PyTorch).", "",
-              "| case | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
-    lines += [f"| {row} | " + " | ".join(_cell(cells.get((row, col))) for col in columns) + " |" for row in rows]
-    targets = [t for t in (_targets(card, run) for card, run in runs) if t]
-    if targets:
-        lines += ["", *targets]
-    return "\n".join(lines) + "\n"
+            cells[row, col] = (case, run["timer"])
+    lines = ["| case | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
+    lines += [f"| {row} | " + " | ".join(_cell(*cells[row, col]) if (row, col) in cells else "-" for col in columns)
+              + " |" for row in rows]
+    notes = _describe(runs) + [t for t in (_targets(card, run) for card, run in runs) if t]
+    if left_out:
+        notes.append(f"{len(left_out)} more cases (the other variants) are in `benchmarks/`.")
+    return "\n".join(lines + [""] + [n + "\\" for n in notes[:-1]] + notes[-1:]) + "\n"  # one paragraph, a line each
 
 
 def _geo(values) -> float:

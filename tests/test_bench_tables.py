@@ -127,13 +127,14 @@ def test_write_fills_the_blocks_and_keeps_the_prose(bt, tmp_path):
     assert bt.main(["check", "--store", str(store), "--doc", str(doc)]) == 0
     assert "Prose that stays." in text and "prose after the table stays" in text and "stale" not in text
     linear = text.split("<!-- bench-table linear -->\n")[1].split("<!-- /bench-table -->")[0]
-    assert "- NVIDIA H100 80GB HBM3: `scripts/bench.py --family linear,conv --tuning compare`, 2026-12-01, abc1234, " \
-           "torch 2.11.0+cu130, Triton 3.6.0, bf16, graph replays, tuned tables" in linear
+    assert "\nNVIDIA H100 80GB HBM3 (abc1234), NVIDIA H200 (abc1234): `scripts/bench.py --family linear,conv " \
+           "--tuning compare`, 2026-12-01, torch 2.11.0+cu130, Triton 3.6.0, bf16, graph replays, tuned tables\\\n" \
+           in linear  # one line for the two runs that differ only in card and commit
     # fwd / fwd+bwd of one shape side by side, one column group per card (graph replays, µs)
     assert "| case | H100 forward | H100 forward+backward | H200 forward | H200 forward+backward |" in linear
     assert "| 64x32->16 +bias | 10.0 / 8.0 (1.25x) | 30.0 / 32.0 (0.94x) | 10.0 / 8.0 (1.25x) |" in linear
     assert "| 8x8->8 +bias | 5.0 / 4.0 (1.25x) | - | 5.0 / 4.0 (1.25x) | - |" in linear
-    assert "Targets on the NVIDIA H200 (graph): forward at most 1.1x: 1.250x max **missed**." in linear
+    assert "Targets on the NVIDIA H200 (graph): forward at most 1.1x: 1.250x max **missed**.\n" in linear
     conv = text.split("<!-- bench-table conv -->\n")[1].split("<!-- /bench-table -->")[0]
     assert "H200 forward vs NCHW | H200 forward vs CL | H200 forward+backward vs NCHW" in conv
     assert "| 3x3 1x4x8x8->16 | 20.0 / 40.0 (0.50x) | 20.0 / 10.0 (2.00x) |" in conv
