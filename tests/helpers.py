@@ -1,4 +1,7 @@
-"""Shared test helpers: paired flame/torch tensors and per-dtype comparisons."""
+"""Shared test helpers: paired flame/torch tensors, per-dtype comparisons, and ``check_op``, which
+runs a flame op and its PyTorch reference on the same inputs and compares outputs and gradients."""
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -76,3 +79,84 @@ def assert_within_torch_error(got, torch_lowp, ref32, factor):
 
 def numpy64(x):
     return np.asarray(to_torch(x).detach().double().cpu())
+
+
+# ---- one op against its PyTorch reference ------------------------------------------------------
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class OpRun:
+    """Both sides of one forward+backward: outputs, inputs as passed, and each input's gradient
+    (None where the input takes none; flame's as flame Tensors)."""
+
+    out: object
+    ref: torch.Tensor
+    grads: list
+    ref_grads: list
+    inputs: list
+    ref_inputs: list
+
+
+def _sides(x, wants_grad, upcast=False):
+    """(flame input, torch input) for one entry of ``check_op``'s ``inputs``."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], flame.Tensor):
+        f, t = x
+        if upcast and t.dtype in LOW_PRECISION:
+            t = t.detach().float().requires_grad_(t.requires_grad)
+        return f, t
+    if not isinstance(x, torch.Tensor):
+        return x, x
+    rg = wants_grad and x.dtype.is_floating_point
+    t = x.detach().float() if upcast and x.dtype in LOW_PRECISION else x.detach()
+    return flame.from_torch(x.detach().to(DEVICE, copy=True), requires_grad=rg), t.clone().requires_grad_(rg)
+
+
+def run_op(f_fn, t_fn, inputs, g=None, grad_mask=None, flame_side=True, upcast=False) -> OpRun:
+    """Forward and backward of ``f_fn`` (flame) and ``t_fn`` (torch) on the same ``inputs``: each a
+    torch tensor (both sides get copies of its values; floating ones require grad unless
+    ``grad_mask`` says no), a ``(flame, torch)`` pair such as ``pair()`` makes (used as given), or
+    anything else (passed to both). ``g``: the output's gradient, a torch tensor (default: random,
+    of the reference's shape and dtype). ``flame_side=False`` runs only torch; ``upcast`` runs torch
+    on fp32 copies of fp16/bf16 inputs, with ``g`` in fp32 (the reference of the low-precision rule)."""
+    mask = grad_mask if grad_mask is not None else [True] * len(inputs)
+    sides = [_sides(x, m, upcast) for x, m in zip(inputs, mask)]
+    ref_inputs = [t for _, t in sides]
+    ref = t_fn(*ref_inputs)
+    if g is None:
+        g = torch.randn(ref.shape, dtype=torch.float64).to(ref.dtype).to(ref.device)
+    ref.backward(g.float() if upcast else g)
+    ref_grads = [t.grad if isinstance(t, torch.Tensor) and t.requires_grad else None for t in ref_inputs]
+    out, grads, f_inputs = None, [], [f for f, _ in sides]
+    if flame_side:
+        out = f_fn(*f_inputs)
+        gmap = out.backward(flame.from_torch(g.detach().to(DEVICE, copy=True)))
+        grads = [gmap[f] if isinstance(f, flame.Tensor) and f.requires_grad else None for f in f_inputs]
+    return OpRun(out, ref.detach(), grads, ref_grads, f_inputs, ref_inputs)
+
+
+def check_op(f_fn, t_fn, inputs, g=None, *, grad_mask=None, tol=None, grad_tol=None, lowp=None) -> OpRun:
+    """``run_op``, then flame's output and every input gradient against PyTorch's: ``assert_close``
+    with the reference dtype's ``TOL``, or ``tol`` (output) and ``grad_tol`` (gradients; default
+    ``tol``). ``lowp=(out_factor, grad_factor)``: for fp16/bf16 outputs, the low-precision rule
+    instead (``assert_within_torch_error`` against torch on fp32 copies; an out_factor of None keeps
+    ``tol`` for the output, for ops that only copy). Returns the ``OpRun``."""
+    run = run_op(f_fn, t_fn, inputs, g, grad_mask)
+    tol, grad_tol = tol or {}, grad_tol if grad_tol is not None else (tol or {})
+    if lowp is not None and run.ref.dtype in LOW_PRECISION:
+        assert run.out.dtype == run.ref.dtype, f"dtype {run.out.dtype} != {run.ref.dtype}"
+        up = run_op(f_fn, t_fn, inputs, g, grad_mask, flame_side=False, upcast=True)
+        if lowp[0] is None:
+            assert_close(run.out, run.ref, **tol)
+        else:
+            assert_within_torch_error(run.out, run.ref, up.ref, lowp[0])
+        for got, low, want in zip(run.grads, run.ref_grads, up.ref_grads):
+            if want is not None:
+                assert_within_torch_error(got, low, want, lowp[1])
+        return run
+    assert_close(run.out, run.ref, **tol)
+    for got, want in zip(run.grads, run.ref_grads):
+        if want is not None:
+            assert_close(got.to_torch().to(want.dtype), want, **grad_tol)
+    return run

@@ -9,7 +9,7 @@ import flame
 import flame.nn.functional as F
 from flame import tune
 from flame.testing import gradcheck
-from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, check_op, run_op
 
 # ---- helpers ------------------------------------------------------------------------------------
 
@@ -22,39 +22,11 @@ def _leaf(t):
     return None if t is None else t.detach().clone().requires_grad_(True)
 
 
-def _torch_run(fn, inputs, g):
-    """Run torch ``fn`` on leaf copies of ``inputs``; returns (output, grads)."""
-    leaves = [_leaf(t) for t in inputs]
-    out = fn(*leaves)
-    out.backward(g)
-    return out.detach(), [None if t is None else t.grad for t in leaves]
-
-
-def _flame_run(fn, inputs, g):
-    leaves = [None if t is None else _f(t, True) for t in inputs]
-    out = fn(*leaves)
-    grads = out.backward(_f(g))
-    return out, [None if t is None else grads[t] for t in leaves]
-
-
-def _check(f_fn, t_fn, inputs, g, dtype, factor_out=2, factor_grad=3):
-    """flame vs torch, values and every gradient. fp32/fp64: torch tolerances; fp16/bf16: DESIGN's
-    rule against an fp32 reference computed from the same (rounded) inputs."""
-    out, grads = _flame_run(f_fn, inputs, g)
-    ref, ref_grads = _torch_run(t_fn, inputs, g)
-    if dtype in (torch.float32, torch.float64):
-        assert_close(out, ref, atol=1e-5, rtol=1e-4)
-        for got, want in zip(grads, ref_grads):
-            if want is not None:
-                assert_close(got.to_torch().to(want.dtype), want, atol=1e-4, rtol=1e-4)
-        return out
-    assert out.dtype == dtype
-    ref32, ref32_grads = _torch_run(t_fn, [None if t is None else t.float() for t in inputs], g.float())
-    assert_within_torch_error(out, ref, ref32, factor_out)
-    for got, low, want in zip(grads, ref_grads, ref32_grads):
-        if want is not None:
-            assert_within_torch_error(got, low, want, factor_grad)
-    return out
+def _check(f_fn, t_fn, inputs, g, factor_out=2, factor_grad=3):
+    """flame vs torch, values and every gradient (``check_op``): torch tolerances in fp32/fp64; in
+    fp16/bf16 the design's rule against an fp32 reference computed from the same (rounded) inputs."""
+    return check_op(f_fn, t_fn, inputs, g, tol=dict(atol=1e-5, rtol=1e-4), grad_tol=dict(atol=1e-4, rtol=1e-4),
+                    lowp=(factor_out, factor_grad)).out
 
 
 def _gn_torch(G, eps, act):
@@ -96,7 +68,7 @@ GN_CASES = [
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_group_norm(shape, G, dtype, channels_last, act):
     x, w, b, g = _gn_inputs(shape, dtype, True, channels_last)
-    out = _check(_gn_flame(G, 1e-5, act), _gn_torch(G, 1e-5, act), [x, w, b], g, dtype)
+    out = _check(_gn_flame(G, 1e-5, act), _gn_torch(G, 1e-5, act), [x, w, b], g)
     # output keeps the input's memory format
     assert out.stride() == x.stride()
 
@@ -105,14 +77,14 @@ def test_group_norm(shape, G, dtype, channels_last, act):
 @pytest.mark.parametrize("eps", [1e-5, 1e-2])
 def test_group_norm_no_affine_and_eps(affine, eps):
     x, w, b, g = _gn_inputs((2, 6, 3, 4), torch.float32, affine, False)
-    _check(_gn_flame(2, eps, None), _gn_torch(2, eps, None), [x, w, b], g, torch.float32)
+    _check(_gn_flame(2, eps, None), _gn_torch(2, eps, None), [x, w, b], g)
 
 
 def test_group_norm_weight_only_and_3d_5d():
     x, w, _, g = _gn_inputs((2, 6, 11), torch.float32, True, False)
-    _check(lambda x, w: F.group_norm(x, 3, w), lambda x, w: TF.group_norm(x, 3, w), [x, w], g, torch.float32)
+    _check(lambda x, w: F.group_norm(x, 3, w), lambda x, w: TF.group_norm(x, 3, w), [x, w], g)
     x, w, b, g = _gn_inputs((1, 4, 2, 3, 3), torch.float32, True, True)
-    out = _check(_gn_flame(2, 1e-5, "silu"), _gn_torch(2, 1e-5, "silu"), [x, w, b], g, torch.float32)
+    out = _check(_gn_flame(2, 1e-5, "silu"), _gn_torch(2, 1e-5, "silu"), [x, w, b], g)
     assert out.stride() == x.stride()
 
 
@@ -142,7 +114,7 @@ def test_group_norm_split_statistics(channels_last, act, batch):
     # pass in blocks that do not divide C or S either
     x, w, b, g = _gn_inputs((batch, 6, 7, 9), torch.float32, True, channels_last)
     with _forced(group_norm_fwd=_gn_config(4, 8, 3), group_norm_bwd=_gn_config(4, 8, 3)):
-        _check(_gn_flame(3, 1e-5, act), _gn_torch(3, 1e-5, act), [x, w, b], g, torch.float32)
+        _check(_gn_flame(3, 1e-5, act), _gn_torch(3, 1e-5, act), [x, w, b], g)
 
 
 def test_group_norm_large_mean_is_stable():
@@ -167,7 +139,7 @@ def test_group_norm_non_collapsible_input():
     x = base.permute(0, 3, 2, 1)  # (2, 4, 6, 5), odd strides
     w, b = torch.randn(4, device=DEVICE), torch.randn(4, device=DEVICE)
     g = torch.randn(2, 4, 6, 5, device=DEVICE)
-    _check(_gn_flame(2, 1e-5, None), _gn_torch(2, 1e-5, None), [x, w, b], g, torch.float32)
+    _check(_gn_flame(2, 1e-5, None), _gn_torch(2, 1e-5, None), [x, w, b], g)
 
 
 def test_group_norm_gradcheck():
@@ -247,7 +219,7 @@ def _ln_inputs(shape, ns, dtype, affine, rms, noncontig=False):
 def test_layer_rms_norm(shape, ns, dtype, rms):
     inputs, g = _ln_inputs(shape, ns, dtype, True, rms)
     f_fn, t_fn = _ln_fns(rms, ns, 1e-5)
-    _check(f_fn, t_fn, inputs, g, dtype)
+    _check(f_fn, t_fn, inputs, g)
 
 
 @pytest.mark.parametrize("rms", [False, True])
@@ -256,7 +228,7 @@ def test_layer_rms_norm_no_affine_noncontig_eps(rms, affine):
     inputs, g = _ln_inputs((6, 10), (10,), torch.float32, affine, rms, noncontig=True)
     for eps in ([None, 1e-3] if rms else [1e-5, 0.1]):
         f_fn, t_fn = _ln_fns(rms, (10,), eps)
-        _check(f_fn, t_fn, inputs, g, torch.float32)
+        _check(f_fn, t_fn, inputs, g)
 
 
 @pytest.mark.parametrize("shape, offset, fwd, bwd", [
@@ -272,7 +244,7 @@ def test_layer_rms_norm_paths(shape, offset, fwd, bwd, rms):
     inputs[0] = inputs[0] + offset  # offset mean: the looped LayerNorm's centred variance pass
     f_fn, t_fn = _ln_fns(rms, shape[-1:], 1e-5)
     with _forced(layer_norm_fwd=fwd, **({"layer_norm_bwd": bwd} if bwd else {})):
-        _check(f_fn, t_fn, inputs, g, torch.float32)
+        _check(f_fn, t_fn, inputs, g)
 
 
 def test_layer_rms_norm_gradcheck():
@@ -322,7 +294,7 @@ def test_layer_norm_bad_inputs():
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_group_norm_bf16(channels_last, act):
     x, w, b, g = _gn_inputs((2, 64, 9, 7), torch.bfloat16, True, channels_last)
-    _check(_gn_flame(32, 1e-5, act), _gn_torch(32, 1e-5, act), [x, w, b], g, torch.bfloat16)
+    _check(_gn_flame(32, 1e-5, act), _gn_torch(32, 1e-5, act), [x, w, b], g)
 
 
 @pytest.mark.gpu
@@ -330,7 +302,7 @@ def test_group_norm_bf16(channels_last, act):
 def test_layer_rms_norm_bf16(rms):
     inputs, g = _ln_inputs((300, 640), (640,), torch.bfloat16, True, rms)
     f_fn, t_fn = _ln_fns(rms, (640,), 1e-5)
-    _check(f_fn, t_fn, inputs, g, torch.bfloat16)
+    _check(f_fn, t_fn, inputs, g)
 
 
 SDXL_GN = [(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32), (1, 2560, 32, 32), (4, 320, 128, 128)]
@@ -342,7 +314,7 @@ SDXL_GN = [(1, 320, 128, 128), (1, 640, 64, 64), (1, 1280, 32, 32), (1, 2560, 32
 @pytest.mark.parametrize("act", [None, "silu"])
 def test_group_norm_sdxl_shapes(shape, channels_last, act):
     x, w, b, g = _gn_inputs(shape, torch.bfloat16, True, channels_last)
-    out = _check(_gn_flame(32, 1e-5, act), _gn_torch(32, 1e-5, act), [x, w, b], g, torch.bfloat16)
+    out = _check(_gn_flame(32, 1e-5, act), _gn_torch(32, 1e-5, act), [x, w, b], g)
     assert out.stride() == x.stride()
 
 
@@ -352,13 +324,13 @@ def test_group_norm_sdxl_shapes(shape, channels_last, act):
 def test_layer_rms_norm_sdxl_shapes(shape, rms):
     inputs, g = _ln_inputs(shape, shape[-1:], torch.bfloat16, True, rms)
     f_fn, t_fn = _ln_fns(rms, shape[-1:], 1e-5)
-    _check(f_fn, t_fn, inputs, g, torch.bfloat16)
+    _check(f_fn, t_fn, inputs, g)
 
 
 @pytest.mark.gpu
 def test_group_norm_deterministic():
     x, w, b, g = _gn_inputs((1, 320, 64, 64), torch.bfloat16, True, True)
-    runs = [_flame_run(_gn_flame(32, 1e-5, "silu"), [x, w, b], g)[1] for _ in range(2)]
+    runs = [run_op(_gn_flame(32, 1e-5, "silu"), _gn_torch(32, 1e-5, "silu"), [x, w, b], g).grads for _ in range(2)]
     for a, c in zip(*runs):
         assert torch.equal(a.to_torch(), c.to_torch())
 
@@ -371,32 +343,23 @@ def test_strided_weight_and_bias():
     w2 = torch.randn(3, 4, device=DEVICE).t()  # (4, 3) non-contiguous, two normalised dims
     fw, fb, fw2 = (flame.from_torch(t, requires_grad=True) for t in (w, b, w2))
     assert not fw.is_contiguous() and not fb.is_contiguous() and not fw2.is_contiguous()
-    cases = [
-        (lambda x: F.group_norm(x, 3, fw, fb, 1e-5, "silu"), lambda x, w, b: TF.silu(TF.group_norm(x, 3, w, b)),
-         x, g, (fw, fb), (w, b)),
-        (lambda x: F.layer_norm(x, 6, fw, fb), lambda x, w, b: TF.layer_norm(x, (6,), w, b),
-         x[:, :, 0, 0].contiguous(), g[:, :, 0, 0].contiguous(), (fw, fb), (w, b)),
-        (lambda x: F.rms_norm(x, (4, 3), fw2), lambda x, w: TF.rms_norm(x, (4, 3), w),
-         x[:, :4, :, 0].contiguous(), g[:, :4, :, 0].contiguous(), (fw2,), (w2,)),
+    cases = [  # the parameters as (flame view, torch leaf) pairs
+        (lambda x, w, b: F.group_norm(x, 3, w, b, 1e-5, "silu"), lambda x, w, b: TF.silu(TF.group_norm(x, 3, w, b)),
+         x, g, ((fw, _leaf(w)), (fb, _leaf(b)))),
+        (lambda x, w, b: F.layer_norm(x, 6, w, b), lambda x, w, b: TF.layer_norm(x, (6,), w, b),
+         x[:, :, 0, 0].contiguous(), g[:, :, 0, 0].contiguous(), ((fw, _leaf(w)), (fb, _leaf(b)))),
+        (lambda x, w: F.rms_norm(x, (4, 3), w), lambda x, w: TF.rms_norm(x, (4, 3), w),
+         x[:, :4, :, 0].contiguous(), g[:, :4, :, 0].contiguous(), ((fw2, _leaf(w2)),)),
     ]
-    for f_fn, t_fn, xt, gt, fparams, tparams in cases:
-        fx = _f(xt, True)
-        y = f_fn(fx)
-        grads = y.backward(_f(gt))
-        leaves = [_leaf(t) for t in (xt, *tparams)]
-        ref = t_fn(*leaves)
-        ref.backward(gt)
-        assert_close(y, ref.detach(), atol=1e-5, rtol=1e-4)
-        for got, want in zip([grads[fx]] + [grads[p] for p in fparams], leaves):
-            assert_close(got, want.grad, atol=1e-4, rtol=1e-4)
+    for f_fn, t_fn, xt, gt, params in cases:
+        _check(f_fn, t_fn, [xt, *params], gt)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rms", [False, True])
 def test_layer_rms_norm_deterministic(rms):
     inputs, g = _ln_inputs((4096, 640), (640,), torch.bfloat16, True, rms)
-    f_fn, _ = _ln_fns(rms, (640,), 1e-5)
-    runs = [_flame_run(f_fn, inputs, g)[1] for _ in range(2)]
+    runs = [run_op(*_ln_fns(rms, (640,), 1e-5), inputs, g).grads for _ in range(2)]
     for a, c in zip(*runs):
         assert torch.equal(a.to_torch(), c.to_torch())
 

@@ -11,41 +11,17 @@ import flame.nn.functional as F
 from flame import tune
 from flame.kernels import softmax as KS
 from flame.testing import gradcheck
-from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, check_op
 
 
 def _f(t, requires_grad=False):
     return flame.from_torch(t.detach().to(DEVICE, copy=True), requires_grad=requires_grad)
 
 
-def _run(f_fn, t_fn, inputs, grad_mask, g):
-    """(flame out, flame grads, torch out, torch grads); grads only where grad_mask."""
-    fl = [_f(t, m) for t, m in zip(inputs, grad_mask)]
-    out = f_fn(*fl)
-    grads = out.backward(_f(g))
-    tl_ = [t.detach().clone().requires_grad_(m) for t, m in zip(inputs, grad_mask)]
-    ref = t_fn(*tl_)
-    ref.backward(g)
-    return (out, [grads[x] if m else None for x, m in zip(fl, grad_mask)],
-            ref.detach(), [t.grad if m else None for t, m in zip(tl_, grad_mask)])
-
-
-def _check(f_fn, t_fn, inputs, grad_mask, g, dtype, atol=1e-5, rtol=1e-4):
-    out, grads, ref, ref_grads = _run(f_fn, t_fn, inputs, grad_mask, g)
-    if dtype in (torch.float32, torch.float64):
-        assert_close(out, ref, atol=atol, rtol=rtol)
-        for got, want in zip(grads, ref_grads):
-            if want is not None:
-                assert_close(got.to_torch().to(want.dtype), want, atol=atol, rtol=rtol)
-        return out
-    assert out.dtype == ref.dtype
-    up = [t.float() if t.dtype.is_floating_point else t for t in inputs]
-    _, _, ref32, ref32_grads = _run(f_fn, t_fn, up, grad_mask, g.float())
-    assert_within_torch_error(out, ref, ref32, 2)
-    for got, low, want in zip(grads, ref_grads, ref32_grads):
-        if want is not None:
-            assert_within_torch_error(got, low, want, 3)
-    return out
+def _check(f_fn, t_fn, inputs, grad_mask, g, atol=1e-5, rtol=1e-4):
+    """flame vs torch, values and the gradients ``grad_mask`` asks for (``check_op``): ``atol`` and
+    ``rtol`` in fp32/fp64, the design's low-precision rule in fp16/bf16."""
+    return check_op(f_fn, t_fn, inputs, g, grad_mask=grad_mask, tol=dict(atol=atol, rtol=rtol), lowp=(2, 3)).out
 
 
 @contextlib.contextmanager
@@ -75,7 +51,7 @@ def test_softmax(shape, dim, dtype, log):
     g = _randn(*shape, dtype=dtype)
     f_fn = (lambda x: F.log_softmax(x, dim)) if log else (lambda x: F.softmax(x, dim))
     t_fn = (lambda x: TF.log_softmax(x, dim)) if log else (lambda x: TF.softmax(x, dim))
-    _check(f_fn, t_fn, [x], [True], g, dtype)
+    _check(f_fn, t_fn, [x], [True], g)
 
 
 @pytest.mark.parametrize("log", [False, True])
@@ -87,7 +63,7 @@ def test_softmax_streamed_large_logits_noncontig(log, dim):
     f_fn = (lambda x: F.log_softmax(x, dim)) if log else (lambda x: F.softmax(x, dim))
     t_fn = (lambda x: TF.log_softmax(x, dim)) if log else (lambda x: TF.softmax(x, dim))
     with _tiles(2, 8):
-        _check(f_fn, t_fn, [x], [True], g, torch.float32, atol=1e-3, rtol=1e-4)
+        _check(f_fn, t_fn, [x], [True], g, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -130,7 +106,7 @@ def _check_ce(x, t, red, ls, dtype, ii=-100, atol=1e-5):
     f_ce = lambda x, t: F.cross_entropy(x, t, ignore_index=ii, reduction=red, label_smoothing=ls)
     t_ce = lambda x, t: TF.cross_entropy(x, t, ignore_index=ii, reduction=red, label_smoothing=ls)
     g = _randn(*(t.shape if red == "none" else ()), dtype=dtype)
-    return _check(f_ce, t_ce, [x, t], [True, False], g, dtype, atol=atol)
+    return _check(f_ce, t_ce, [x, t], [True, False], g, atol=atol)
 
 
 @pytest.mark.parametrize("red", ["none", "mean", "sum"])
@@ -268,7 +244,7 @@ def test_losses(name, red, dtype):
     x[0, 1] = y[0, 1]  # d == 0: the gradient of |d| is 0 there, as torch's sign
     g = _randn(*((3, 4, 5) if red == "none" else ()), dtype=dtype)
     _check(lambda x, y: f_l(x, y, reduction=red, **kw), lambda x, y: t_l(x, y, reduction=red, **kw),
-           [x, y], [True, True], g, dtype)
+           [x, y], [True, True], g)
 
 
 @pytest.mark.parametrize("name", ["mse", "l1", "huber"])
@@ -281,12 +257,8 @@ def test_weighted_losses(name, red, wshape):
     x, y = _randn(3, 4, 5), _randn(3, 4, 5)
     w = torch.rand(wshape, device=DEVICE) + 0.5
     g = _randn(*((3, 4, 5) if red == "none" else ()))
-    out, grads, ref, ref_grads = _run(lambda x, y, w: f_l(x, y, reduction=red, weight=w, **kw),
-                                      lambda x, y, w: t_l(x, y, reduction=red, weight=w.expand(3, 4, 5), **kw),
-                                      [x, y, w], [True, True, True], g)
-    assert_close(out, ref, atol=1e-5, rtol=1e-4)
-    for got, want in zip(grads, ref_grads):
-        assert_close(got, want, atol=1e-5, rtol=1e-4)
+    _check(lambda x, y, w: f_l(x, y, reduction=red, weight=w, **kw),
+           lambda x, y, w: t_l(x, y, reduction=red, weight=w.expand(3, 4, 5), **kw), [x, y, w], [True, True, True], g)
 
 
 def test_losses_noncontig_mixed_dtype_and_empty():
@@ -339,7 +311,7 @@ def test_softmax_bf16_vocab(log):
     g = _randn(512, 32000, dtype=torch.bfloat16)
     f_fn = (lambda x: F.log_softmax(x, -1)) if log else (lambda x: F.softmax(x, -1))
     t_fn = (lambda x: TF.log_softmax(x, -1)) if log else (lambda x: TF.softmax(x, -1))
-    _check(f_fn, t_fn, [x], [True], g, torch.bfloat16)
+    _check(f_fn, t_fn, [x], [True], g)
 
 
 @pytest.mark.gpu
@@ -356,4 +328,4 @@ def test_losses_bf16_latents(name):
     f_l, t_l, kw = LOSSES[name]
     x, y = _randn(4, 4, 128, 128, dtype=torch.bfloat16), _randn(4, 4, 128, 128, dtype=torch.bfloat16)
     _check(lambda x, y: f_l(x, y, **kw), lambda x, y: t_l(x, y, **kw), [x, y], [True, True],
-           _randn(dtype=torch.bfloat16), torch.bfloat16)
+           _randn(dtype=torch.bfloat16))
