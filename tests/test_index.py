@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as TF
 
 import flame
-from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error, pair
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error, check_op, pair
 
 ALL_DTYPES = FLOAT_DTYPES_CPU + [pytest.param(torch.bfloat16, marks=pytest.mark.gpu)]
 
@@ -14,23 +14,12 @@ def _f(t, requires_grad=False):
     return flame.from_torch(t.to(DEVICE), requires_grad=requires_grad)
 
 
-def _run(f_fn, t_fn, x_shape, dtype, noncontig=False, grad_dtype_check=True):
+def _run(f_fn, t_fn, x_shape, dtype, noncontig=False):
     """Forward values must match exactly (a copy); gradients against torch in the same dtype
     (fp32) or within 3x torch's own error against an fp32 reference (fp16/bf16)."""
-    fx, tx = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig)
-    fy, ty = f_fn(fx), t_fn(tx)
-    assert_close(fy, ty, rtol=0, atol=0)
-    g = torch.randn(ty.shape, dtype=torch.float64).to(dtype).to(DEVICE)
-    grads = fy.backward(_f(g.clone()))
-    ty.backward(g)
-    got = grads[fx]
-    if dtype == torch.float32:
-        assert_close(got, tx.grad)
-    else:
-        x32 = tx.detach().float().requires_grad_()
-        t_fn(x32).backward(g.float())
-        assert_within_torch_error(got, tx.grad, x32.grad, 3)
-    return fy, grads[fx]
+    x = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig)
+    run = check_op(f_fn, t_fn, [x], tol=dict(rtol=0, atol=0), grad_tol={}, lowp=(None, 3))
+    return run.out, run.grads[0]
 
 
 # ---- index_select ------------------------------------------------------------------------------

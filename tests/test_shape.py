@@ -4,21 +4,13 @@ import torch
 
 import flame
 from flame.testing import gradcheck
-from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, pair
+from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, check_op, pair
 
 
 def _check(f_op, t_op, shapes, dtype=torch.float32, noncontig=False):
-    pairs = [pair(s, dtype, requires_grad=True, noncontig=noncontig) for s in shapes]
-    y = f_op(*[p[0] for p in pairs])
-    yt = t_op(*[p[1] for p in pairs])
-    assert_close(y, yt)
-    g, gt = pair(tuple(yt.shape), dtype)
-    # multiply by a non-trivial gradient through a mul so views' backward sees real values
-    grads = (y * g).sum().backward()
-    (yt * gt).sum().backward()
-    for (x, xt) in pairs:
-        assert_close(grads[x].to(dtype), xt.grad, dtype)
-    return y
+    """``check_op`` on inputs of ``shapes``: values and every input's gradient (views' backward
+    rules see a random incoming gradient)."""
+    return check_op(f_op, t_op, [pair(s, dtype, requires_grad=True, noncontig=noncontig) for s in shapes]).out
 
 
 VIEWS = {
