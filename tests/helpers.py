@@ -2,7 +2,6 @@
 runs a flame op and its PyTorch reference on the same inputs and compares outputs and gradients."""
 import dataclasses
 
-import numpy as np
 import torch
 
 import flame
@@ -75,10 +74,6 @@ def assert_within_torch_error(got, torch_lowp, ref32, factor):
     e_flame, e_torch = rel_err(got, ref32), rel_err(torch_lowp, ref32)
     assert e_flame <= factor * max(e_torch, 2 ** -9), \
         f"flame error {e_flame:.3g} > {factor} x torch error {e_torch:.3g}"
-
-
-def numpy64(x):
-    return np.asarray(to_torch(x).detach().double().cpu())
 
 
 # ---- one op against its PyTorch reference ------------------------------------------------------
