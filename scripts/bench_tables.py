@@ -185,7 +185,8 @@ def _date(run: dict) -> str:
 
 
 def _describe(runs) -> list[str]:
-    """One line per run, or per group of runs that differ only in their card and commit."""
+    """One line per run, its targets at the end, or per group of runs without targets that differ
+    only in their card and commit."""
     groups = {}
     for card, run in runs:
         how = "graph replays" if run.get("timer") == "graph" else "eager calls"
@@ -193,23 +194,26 @@ def _describe(runs) -> list[str]:
         key = tuple(p for p in (f"`{run.get('command')}`", _date(run), f"torch {run.get('torch')}",
                                 f"Triton {run.get('triton')}", run["dtype"], how, tuning) if p)
         commit = run.get("commit") or "commit unknown"
-        groups.setdefault((key, run.get("source")), []).append(
+        groups.setdefault((key, run.get("source"), _targets(run) or ""), []).append(
             f"{card} ({commit}{' with local changes' if run.get('dirty') else ''})")
-    return [f"{', '.join(cards)}: " + ", ".join(key) + (f" ({source})" if source else "")
-            for (key, source), cards in groups.items()]
+    lines = []
+    for (key, source, targets), cards in groups.items():
+        line = f"{', '.join(cards)}: " + ", ".join(key) + (f" ({source})" if source else "")
+        lines.append(line + (f". {targets}" if targets else ""))
+    return lines
 
 
-def _targets(card: str, run: dict) -> str | None:
+def _targets(run: dict) -> str | None:
     if not run.get("targets"):
         return None
     parts = [f"{t['target']}: {t['value']:.3f}x {'geo-mean' if t['stat'] == 'geo' else 'max'} "
              f"{'met' if t['met'] else '**missed**'}" for t in run["targets"]]
-    return f"Targets on the {card} ({run['targets'][0]['timer']}): " + "; ".join(parts) + "."
+    return f"Targets ({run['targets'][0]['timer']}): " + "; ".join(parts) + "."
 
 
 def family_table(family: str, cards: list[dict]) -> str:
     """The block of one family: one table with a column group per card (and dtype, variant, pass),
-    then a line per card's run (command, date, commit, versions) and per run's targets."""
+    then a line per card's run (command, date, commit, versions; its targets)."""
     runs = [(c["card"], r) for c in cards for r in c["runs"] if r["family"] == family]
     if not runs:
         return (f"No stored run yet: `PYTHONPATH=. python3 scripts/bench.py --family {family} --out out/bench.json`"
@@ -236,7 +240,7 @@ def family_table(family: str, cards: list[dict]) -> str:
     lines = ["| case | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
     lines += [f"| {row} | " + " | ".join(_cell(*cells[row, col]) if (row, col) in cells else "-" for col in columns)
               + " |" for row in rows]
-    notes = _describe(runs) + [t for t in (_targets(card, run) for card, run in runs) if t]
+    notes = _describe(runs)
     if left_out:
         notes.append(f"{len(left_out)} more cases (the other variants) are in `benchmarks/`.")
     return "\n".join(lines + [""] + [n + "\\" for n in notes[:-1]] + notes[-1:]) + "\n"  # one paragraph, a line each
