@@ -2,10 +2,13 @@
 Triton specialises on, the stand-ins built from a line specialise the same way, a process records
 each variant once, and the real compile runs on the GPU (the interpreter compiles nothing)."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 import flame
 from flame.kernels import launch as L
@@ -65,6 +68,24 @@ def test_the_interpreter_compiles_nothing_ahead(tmp_path):
     assert precompile.compile_ahead(path) == {"variants": 0, "failed": 0, "seconds": 0.0}
 
 
+def test_pending_lines_join_the_lists_and_leave_out_those_compiled_ahead(tmp_path):
+    a, b, done = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / precompile.DONE_FILE
+    a.write_text("x\ny\nx\n")
+    b.write_text("y\n\nz\n")
+    assert precompile.pending(a) == ["x", "y"]
+    assert precompile.pending([a, b], done) == ["x", "y", "z"]  # no record yet: everything
+    done.write_text(precompile._digest("y") + "\n")
+    assert precompile.pending([a, b], done) == ["x", "z"]
+    assert precompile.pending([a, b]) == ["x", "y", "z"]  # skip_compiled=False reads no record
+
+
+def test_the_recorded_lists_are_named_by_gpu_and_triton(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLAME_CACHE_DIR", str(tmp_path))
+    name = precompile.manifest_name("NVIDIA H200")
+    assert name.startswith("nvidia-h200-triton") and name.endswith(".jsonl")
+    assert precompile.recorded_path().parent == tmp_path / "kernels"
+
+
 @pytest.mark.gpu
 def test_compiled_ahead_variants_are_found_by_the_run(tmp_path, monkeypatch):
     """A recorded variant compiled in a worker process lands in Triton's cache: the same launch in
@@ -80,3 +101,60 @@ def test_compiled_ahead_variants_are_found_by_the_run(tmp_path, monkeypatch):
     stats = precompile.compile_ahead(path, jobs=2, progress=False)
     assert stats["variants"] == len(lines) and stats["failed"] == 0, stats
     assert any((tmp_path / "cache").rglob("*.cubin"))
+
+
+# three jit functions, each calling the next; the innermost reads a constexpr global
+_SCALE = tl.constexpr(3)
+
+
+def _inner(x):
+    return x * _SCALE
+
+
+def _middle(x):
+    return _inner_fn(x) + 1
+
+
+def _outer(x):
+    return _middle_fn(x) - 1
+
+
+_inner_fn, _middle_fn, _outer_fn = JITFunction(_inner), JITFunction(_middle), JITFunction(_outer)
+
+
+def _fresh_keys(order):
+    fns = (_outer_fn, _middle_fn, _inner_fn)
+    for f in fns:
+        f.hash, f.used_global_vals = None, {}
+    hashed = [f.cache_key for f in order]  # in this order: callers possibly before their callees
+    assert len(hashed) == len(order)
+    L.settle_cache_keys(list(order))
+    return [f.cache_key for f in fns]
+
+
+def test_settled_cache_keys_do_not_depend_on_the_order_functions_were_hashed():
+    """Triton < 3.7 lets a caller's key depend on whether its callees were hashed before it
+    (launch.settle_cache_keys): settled keys are the same whichever order a process hashed them in."""
+    callers_first = _fresh_keys((_outer_fn, _middle_fn, _inner_fn))
+    callees_first = _fresh_keys((_inner_fn, _middle_fn, _outer_fn))
+    assert callers_first == callees_first
+    assert len(set(callers_first)) == 3
+
+
+_KEY_SCRIPT = """
+import sys, flame
+from flame.kernels import elementwise, launch, matmul
+first = elementwise._map_contiguous_kernel if sys.argv[1] == "map" else matmul._matmul_kernel
+key = first.cache_key  # this process hashes one kernel (and what it calls) before the others
+launch.settle_cache_keys()
+print(*(k.cache_key for k in (matmul._matmul_kernel, matmul._split_k_sum_kernel, elementwise._map_contiguous_kernel)))
+"""
+
+
+@pytest.mark.gpu
+def test_processes_that_hash_kernels_in_another_order_agree_on_their_keys():
+    """The run and the compile-ahead workers must compute the same cache keys (else Triton's
+    on-disk cache misses): two processes that hash kernels in different orders agree."""
+    keys = [subprocess.run([sys.executable, "-c", _KEY_SCRIPT, first], capture_output=True, text=True, check=True,
+                           ).stdout.split() for first in ("map", "matmul")]
+    assert keys[0] == keys[1] and len(keys[0]) == 3

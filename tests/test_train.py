@@ -98,6 +98,8 @@ def test_config_defaults_overrides_and_errors(tmp_path):
         load_config(path, ["train.epochs=2"])
     with pytest.raises(ConfigError, match=r"timestep_min .* must be below"):
         load_config(path, ["diffusion.timestep_min=500", "diffusion.timestep_max=400"])
+    with pytest.raises(ConfigError, match=r"train.compile_ahead: expected auto, off or a recorded kernel list"):
+        load_config(path, ["train.compile_ahead=no-such-list.jsonl"])
     with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         load_config(path, ["train.lr"])
     with pytest.raises(ConfigError, match=r"output\.dir: required"):

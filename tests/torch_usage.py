@@ -99,6 +99,8 @@ REVIEWED_DYNAMIC = {
     "getattr(torch, a[1])": ("flame/kernels/precompile.py", "a dtype by name (a recorded kernel variant's argument)"),
     "importlib.import_module(module)": ("flame/kernels/precompile.py", "a module under flame.kernels (checked first) "
                                                                        "holding a recorded kernel"),
+    'importlib.import_module(f"{__package__}.{info.name}")': ("flame/kernels/launch.py", "each module of flame.kernels "
+                                                                                         "(settle_cache_keys)"),
 }
 
 _ENTRIES = {name: category for category, names in TORCH_API.items() for name in names}

@@ -24,13 +24,17 @@ the heuristic); a config short of shared memory on this GPU runs with fewer pipe
 """
 from __future__ import annotations
 
+import importlib
 import json
 import operator
 import os
+import pkgutil
+import sys
 import warnings
 
 import torch
 import triton.language as tl
+from triton.runtime import jit as _jit
 from triton.runtime.errors import OutOfResources
 
 from .. import runtime, tune
@@ -98,6 +102,8 @@ def _through_triton(kernel, grid, args, meta):
     A config that needs more shared memory per block than this GPU has (tiles and pipeline depths
     chosen for Hopper's 227 KB on a card with 99 KB, say) runs with fewer pipeline stages, the
     first count that fits, remembered per kernel and config; one warning per process says so."""
+    if not _settled:
+        settle_cache_keys()
     fit_key = (id(kernel), tuple(meta.items()))
     run_meta = _fitted.get(fit_key, meta)
     while True:
@@ -125,6 +131,46 @@ def _warn_fitted(kernel, error):
         warnings.warn(f"some launch configs need more shared memory per block than this GPU has ({name}: "
                       f"{error.required} > {error.limit} bytes); they run with fewer pipeline stages. Configs tuned "
                       "for this card are faster: scripts/autotune.py", RuntimeWarning, stacklevel=4)
+
+
+# ---- Triton's on-disk cache across processes ----------------------------------------------------
+
+_settled = False
+
+
+def settle_cache_keys(functions=None) -> None:
+    """Give every jit function the cache key it would have in any other process.
+
+    In Triton before 3.7 (triton-lang/triton#10494) a function's key folds in the globals of the
+    jit functions it calls *as far as those have been hashed yet*, so the same kernel gets another
+    key, and misses Triton's on-disk cache, in a process that happened to compile other kernels
+    first: kernels compiled ahead (``precompile``) were compiled again by the run. Hashing
+    ``functions`` (default: every jit function of ``flame.kernels``, all its modules imported)
+    again until no key changes leaves each key a function of the sources alone. Called before the
+    first compile of a process; does nothing on the interpreter."""
+    global _settled
+    _settled = True
+    if runtime.INTERPRETER and functions is None:
+        return
+    if functions is None:
+        package = sys.modules[__package__]
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{__package__}.{info.name}")
+        seen, functions = set(), []
+        for name in sorted(m for m in sys.modules if m.startswith(__package__ + ".")):
+            for v in vars(sys.modules[name]).values():
+                if isinstance(v, _jit.JITFunction) and id(v) not in seen:
+                    seen.add(id(v))
+                    functions.append(v)
+    functions = [f for f in functions if hasattr(f, "hash")]  # a Triton without the attribute: nothing to do
+    keys = None
+    for _ in range(16):  # one round per level of calls; flame's kernels nest a few deep
+        for f in functions:
+            f.hash = None
+        new = [f.cache_key for f in functions]
+        if new == keys:
+            return
+        keys = new
 
 
 # ---- recording the variants a run compiles (kernels/precompile.py compiles them ahead) ----------
@@ -204,8 +250,8 @@ def launch(kernel, grid, *args, sig=None, **meta):
         key = (sig, *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in _tensor_args[kid]])
     entry = cache.get(key)
     if entry is None:
-        note_variant(kernel, args, meta)
         compiled = _through_triton(kernel, grid, args, meta)
+        note_variant(kernel, args, _fitted.get((id(kernel), tuple(meta.items())), meta))  # as compiled
         try:
             consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
             if len(cache) >= _MAX_KEYS:

@@ -6,28 +6,39 @@ module and name, what Triton specialises each argument on (a tensor's dtype and 
 a TMA descriptor's dtype and block shape, an int's value, a float's type, a bool, None) and the
 constexprs and launch options. ``compile_ahead(FILE, jobs)`` hands the lines to ``jobs`` worker
 processes, which build stand-in arguments of those kinds on the GPU and call each kernel's
-``warmup`` (compile, no launch): the compiled kernels land in Triton's on-disk cache, where the run
-that follows finds them as if it had compiled them itself. The cache is keyed by the kernel's
+``warmup`` (compile, no launch) and load the result (which builds its host launcher): kernels
+and launchers land in Triton's on-disk cache, where the run that follows finds them as if it had
+compiled them itself. The cache is keyed by the kernel's
 source, the specialisation and the options, so a line that no longer matches anything (a kernel
 edited since the file was written, another GPU) costs its compile and nothing else; a kernel the
 file lacks compiles on first use, as without it.
 
 The JSON lines are the whole interface; they depend on nothing but flame's kernel names, so a file
-recorded on one machine serves every machine with the same GPU and Triton.
+recorded on one machine serves every machine with the same GPU and Triton. A digest of every line
+compiled lands in ``flame-compiled-ahead.txt`` in Triton's cache folder, so a warm cache skips the
+work (``pending``). ``configs/kernels/<gpu>-triton<version>.jsonl`` holds the lists recorded for
+full SDXL runs on the GPUs flame is measured on; the trainer (``train.compile_ahead: auto``)
+compiles those and the variants its earlier runs on this machine recorded (``recorded_path``)
+in the background while it loads the model (``Background``).
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import multiprocessing
 import os
+import threading
 import time
+from pathlib import Path
 
 import torch
+import triton
 import triton.language as tl
 from tqdm import tqdm
 
-from .. import runtime
+from .. import runtime, tune
+from . import launch
 from .launch import TensorDescriptor
 
 
@@ -43,7 +54,7 @@ def _stand_in(a):
 
 
 def _compile_line(line):
-    """Compile one recorded variant into Triton's cache: (kernel name, seconds, error or None)."""
+    """Compile one recorded variant into Triton's cache: (the line, seconds, error or None)."""
     spec = json.loads(line)
     t0 = time.perf_counter()
     try:
@@ -52,15 +63,48 @@ def _compile_line(line):
             raise ValueError(f"{module} is not a flame kernel module")
         kernel = getattr(importlib.import_module(module), name)
         meta = {k: tl.dtype(v["tl"]) if isinstance(v, dict) else v for k, v in spec["meta"].items()}
-        kernel.warmup(*[_stand_in(a) for a in spec["args"]], grid=(1,), **meta)
+        compiled = kernel.warmup(*[_stand_in(a) for a in spec["args"]], grid=(1,), **meta)
+        load = getattr(compiled, "_init_handles", None)
+        if load is not None:  # loading builds the host launcher too (C, compiled and cached by Triton < 3.7)
+            load()
         error = None
     except Exception as e:  # a stale line costs its compile, nothing else
         error = f"{type(e).__name__}: {str(e)[:200]}"
-    return spec["kernel"], time.perf_counter() - t0, error
+    return line, time.perf_counter() - t0, error
 
 
 def _worker_init():
     import flame  # noqa: F401 -- selects the device before triton compiles anything
+    launch.settle_cache_keys()  # the keys the run will compute (launch.settle_cache_keys says why)
+
+
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "configs" / "kernels"
+DONE_FILE = "flame-compiled-ahead.txt"
+
+
+def manifest_name(device_name: str | None = None) -> str:
+    """``<gpu-slug>-triton<version>.jsonl``: a recorded list serves one GPU model and Triton release."""
+    return f"{tune.slug(device_name or runtime.device_name())}-triton{triton.__version__}.jsonl"
+
+
+def recorded_path() -> Path:
+    """Where the trainer records the variants its runs compile, for the next run on this machine:
+    ``kernels/<manifest_name()>`` in flame's cache folder (next to ``tune.cache_path()``'s)."""
+    return tune.cache_path().parent.parent / "kernels" / manifest_name()
+
+
+def auto_paths() -> list:
+    """The recorded lists that exist for this GPU and Triton: the shipped one, then this machine's."""
+    return [p for p in (SHIPPED_DIR / manifest_name(), recorded_path()) if p.exists()]
+
+
+def triton_cache_dir() -> Path:
+    """Triton's on-disk cache folder (``TRITON_CACHE_DIR``, default ``~/.triton/cache``)."""
+    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+
+
+def _digest(line: str) -> str:
+    return hashlib.sha1(f"{triton.__version__} {line}".encode()).hexdigest()[:20]
 
 
 def read_lines(path) -> list:
@@ -69,22 +113,65 @@ def read_lines(path) -> list:
         return list(dict.fromkeys(line.strip() for line in f if line.strip()))
 
 
-def compile_ahead(path, jobs: int | None = None, progress: bool = True) -> dict:
-    """Compile every variant recorded in ``path`` into Triton's on-disk cache, ``jobs`` processes
-    at a time (default: the CPU count, at most 32). Returns ``{"variants", "failed", "seconds"}``;
-    a variant that fails to compile is counted and left to compile on first use. Does nothing on
-    the interpreter (nothing compiles there)."""
+def pending(paths, done_file=None) -> list:
+    """The distinct lines of ``paths`` (one file or several) not yet compiled into the cache whose
+    ``done_file`` lists the digests of the lines compiled ahead into it (None: every line)."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    lines = list(dict.fromkeys(line for p in paths for line in read_lines(p)))
+    done = set(Path(done_file).read_text().split()) if done_file and Path(done_file).exists() else set()
+    return [line for line in lines if _digest(line) not in done]
+
+
+def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_compiled: bool = True) -> dict:
+    """Compile every variant recorded in ``paths`` (a file or several) into Triton's on-disk cache,
+    ``jobs`` processes at a time (default: the CPU count, at most 32). ``skip_compiled``: leave out
+    the lines already compiled ahead into this cache folder. Returns ``{"variants", "failed",
+    "seconds"}`` (the lines compiled now); a variant that fails to compile is counted and left to
+    compile on first use. Does nothing on the interpreter (nothing compiles there)."""
     if runtime.INTERPRETER:
         return {"variants": 0, "failed": 0, "seconds": 0.0}
-    lines = read_lines(path)
-    jobs = max(1, min(jobs or os.cpu_count() or 1, 32, len(lines)))
+    done_file = triton_cache_dir() / DONE_FILE
+    lines = pending(paths, done_file if skip_compiled else None)
     t0 = time.perf_counter()
-    failed = 0
+    if not lines:
+        return {"variants": 0, "failed": 0, "seconds": 0.0}
+    jobs = max(1, min(jobs or os.cpu_count() or 1, 32, len(lines)))
+    compiled, failed = [], 0
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, initializer=_worker_init) as pool:
         results = pool.imap_unordered(_compile_line, lines)
         if progress:
             results = tqdm(results, total=len(lines), desc="compiling kernels ahead", unit="kernel")
-        for _, _, error in results:
+        for line, _, error in results:
             failed += error is not None
+            if error is None:
+                compiled.append(_digest(line))
+    try:
+        done_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(done_file, "a") as f:
+            f.write("".join(d + "\n" for d in compiled))
+    except OSError:  # a read-only cache: the next run compiles these ahead again
+        pass
     return {"variants": len(lines), "failed": failed, "seconds": time.perf_counter() - t0}
+
+
+class Background:
+    """``compile_ahead(paths, jobs)`` on a thread (the compiles run in worker processes), for a
+    caller with other work meanwhile (the trainer loads its model). ``wait()`` returns its result,
+    or None when it failed (``error`` says why): compiling ahead only saves time, so a failure
+    costs the compiles on first use and nothing else."""
+
+    def __init__(self, paths, jobs: int | None = None):
+        self.result, self.error = None, None
+        self._thread = threading.Thread(target=self._run, args=(paths, jobs), name="flame-compile-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self, paths, jobs):
+        try:
+            self.result = compile_ahead(paths, jobs, progress=False)
+        except Exception as e:  # reported by wait(), never raised into the run
+            self.error = f"{type(e).__name__}: {e}"
+
+    def wait(self) -> dict | None:
+        self._thread.join()
+        return self.result

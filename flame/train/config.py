@@ -141,6 +141,10 @@ SCHEMA = {
         "lion_beta2": Opt(0.99, "float", "Lion: decay of the momentum", low=0.0, high=1.0),
         "cuda_graph": Opt(True, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only; "
                                         "off when lora.dropout > 0, whose masks must change every step)"),
+        "compile_ahead": Opt("auto", "str", "compile kernels in parallel processes while the model loads: auto "
+                                            "(configs/kernels' list for this GPU and Triton, plus the kernels earlier "
+                                            "runs on this machine recorded), off, or a file recorded with "
+                                            "FLAME_RECORD_KERNELS (GPU only)"),
     },
     "diffusion": {
         "prediction_type": Opt("epsilon", "choice", "what the UNet predicts (SDXL base: epsilon)",
@@ -433,6 +437,9 @@ def _cross_checks(c, errors):
     if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
         errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
                       f"folder holding one), got {c['model']['config']!r} (no such file)")
+    if t["compile_ahead"] not in ("auto", "off") and not os.path.isfile(t["compile_ahead"]):
+        errors.append(f"train.compile_ahead: expected auto, off or a recorded kernel list, got "
+                      f"{t['compile_ahead']!r} (no such file)")
     if c["lora"]["init_from"] is not None and not os.path.isfile(c["lora"]["init_from"]):
         errors.append(f"lora.init_from: {c['lora']['init_from']} is not a file")
     lora = c["lora"]

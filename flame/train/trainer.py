@@ -68,6 +68,7 @@ from ..diffusion import (
 )
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
+from ..kernels import launch, precompile
 from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
 from ..nn.layers import Conv2d
@@ -183,6 +184,7 @@ class Trainer:
         else:
             self._resume_loader(*self._resume_from)
         # ---- the run
+        self._ahead = self._compile_ahead()  # kernels compile in other processes while the model loads
         # before the UNet: the text encoders come and go first (rank 0 alone makes samples)
         self.samples = self._prepare_samples(mcfg) if self.world.is_main else None
         manual_seed(c.train.seed)
@@ -262,6 +264,24 @@ class Trainer:
             return unet_config(getattr(c, option))
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.{option}: {e}") from None
+
+    def _compile_ahead(self):
+        """Start compiling the kernels ``train.compile_ahead`` lists (kernels/precompile.py), one
+        process per host; with ``auto`` the kernels this run compiles are recorded for the next."""
+        setting = self.cfg.train.compile_ahead
+        if setting == "off" or runtime.is_interpreter() or self.world.local_rank != 0:
+            return None
+        if setting == "auto":
+            paths = precompile.auto_paths()
+            record = precompile.recorded_path()
+            try:
+                record.parent.mkdir(parents=True, exist_ok=True)
+                os.environ.setdefault(launch.RECORD_ENV, str(record))
+            except OSError as e:  # an unwritable cache folder: nothing recorded, nothing else changes
+                self.log(f"train.compile_ahead: not recording this run's kernels ({e})")
+        else:
+            paths = [setting]
+        return precompile.Background(paths) if paths else None
 
     def _prepare_samples(self, mcfg):
         """The ``sample`` section's prompts encoded and its VAE loaded (None without prompts)."""
@@ -923,6 +943,13 @@ class Trainer:
         after saving a checkpoint when interrupted or when a loss is not finite, and
         ``TrainingError`` when a file cannot be written."""
         c = self.cfg
+        if self._ahead is not None:
+            background, self._ahead = self._ahead, None
+            ahead = background.wait()
+            if ahead is None:
+                self.log(f"train.compile_ahead failed ({background.error}); kernels compile on first use")
+            elif ahead["variants"]:
+                self.log(f"compiled {ahead['variants'] - ahead['failed']} kernels ahead in {ahead['seconds']:.1f} s")
         if self._resume_from is not None:
             self.load(*self._resume_from)
             self.log(f"resumed from {self._resume_from[0]} at step {self.step}")
