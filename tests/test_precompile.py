@@ -27,8 +27,11 @@ def test_a_variant_line_names_what_triton_specialises_on():
     spec = json.loads(line)
     assert spec["kernel"] == "flame.kernels.elementwise:_map_contiguous_kernel"
     assert spec["args"] == [["tensor", "bfloat16", True], ["tensor", "bfloat16", False], ["tensor", "int64", True],
-                            ["value", 7], ["value", 1], ["float"], ["value", True], ["value", None]]
+                            ["value", 3], ["value", 1], ["float"], ["value", True], ["value", None]]
     assert spec["meta"] == {"OP": 3, "CD": {"tl": "fp32"}, "num_warps": 4}
+    # ints by what Triton specialises on: 1, a multiple of 16 or neither, 32 or 64 bits
+    assert [L._int_class(v) for v in (1, 7, 23, -5, 0, 32, 2**40 + 5, 2**40)] == [1, 3, 3, 3, 16, 16, 2**32 + 3,
+                                                                                    2**32 + 16]
     # stand-ins rebuilt from the line describe as the same variant
     stand_ins = [precompile._stand_in(a) for a in spec["args"]]
     assert L.describe_variant(_map_contiguous_kernel, stand_ins, {"OP": 3, "CD": tl.float32, "num_warps": 4}) == line

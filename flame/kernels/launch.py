@@ -179,13 +179,23 @@ RECORD_ENV = "FLAME_RECORD_KERNELS"
 _noted: set = set()  # variant lines this process has recorded
 
 
+def _int_class(v: int) -> int:
+    """An int that Triton specialises as it does ``v`` (1, a multiple of 16, or neither; 32 or 64
+    bits): variants that differ only in such values compile to one kernel, so they share a line."""
+    if v == 1 or not -2**63 <= v < 2**63:
+        return v
+    return (0 if -2**31 <= v < 2**31 else 2**32) + (16 if v % 16 == 0 else 3)
+
+
 def _describe_arg(a):
+    if isinstance(a, bool) or a is None:
+        return ["value", a]
     if isinstance(a, torch.Tensor):
         return ["tensor", str(a.dtype).removeprefix("torch."), a.data_ptr() % 16 == 0]
     if TensorDescriptor is not None and isinstance(a, TensorDescriptor):
         return ["descriptor", str(a.base.dtype).removeprefix("torch."), list(a.block_shape)]
-    if a is None or isinstance(a, int):  # bools too
-        return ["value", a]
+    if isinstance(a, int):
+        return ["value", _int_class(a)]
     if isinstance(a, float):
         return ["float"]
     raise TypeError(type(a).__name__)
@@ -210,6 +220,11 @@ def describe_variant(kernel, args, meta):
     except TypeError:
         return None
     return json.dumps(spec, sort_keys=True)
+
+
+def note_known(lines) -> None:
+    """Variant lines already recorded (a list the run compiles ahead): not written again."""
+    _noted.update(lines)
 
 
 def note_variant(kernel, args, meta):

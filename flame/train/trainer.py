@@ -277,6 +277,7 @@ class Trainer:
             try:
                 record.parent.mkdir(parents=True, exist_ok=True)
                 os.environ.setdefault(launch.RECORD_ENV, str(record))
+                launch.note_known(line for p in paths for line in precompile.read_lines(p))  # only new ones
             except OSError as e:  # an unwritable cache folder: nothing recorded, nothing else changes
                 self.log(f"train.compile_ahead: not recording this run's kernels ({e})")
         else:
