@@ -58,6 +58,7 @@ Environment:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -65,6 +66,7 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import triton
@@ -74,57 +76,61 @@ from . import runtime
 
 FORMAT = 1
 
-_GEMM_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-_ATTN_KEY = ("Lq", "Lk", "D", "BH")  # BH: batch x heads
-_GN_KEY = ("N", "C", "S", "G", "channels_last")  # S: positions per channel; channels_last 0 or 1
-# the statistics (partial) pass's tile, splits of each group's positions and warps, then the apply pass's
-_GN_FIELDS = ("BLOCK_C", "BLOCK_S", "SPLITS", "num_warps", "BLOCK_C_APPLY", "BLOCK_S_APPLY", "num_warps_apply")
+# ---- the tunable kernels: one spec each, next to its @triton.jit ---------------------------------
 
-# kernel name -> (names of the shape-key dimensions, the config fields its launcher takes)
-KERNELS = {
-    "matmul": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _config
-    "matmul_tma": (("M", "N", "K", "batch"), _GEMM_FIELDS + ("GROUP_M",)),  # kernels/matmul.py _tma_config
-    "conv2d": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _gemm_config, forward
-    "conv2d_dgrad": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same kernel as the input gradient
-    "conv2d_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # kernels/conv2d.py _conv_tma_config, forward
-    "conv2d_dgrad_tma": (("M", "N", "C", "taps"), _GEMM_FIELDS),  # the same, stride-1 input gradient
-    # kernels/conv2d.py _fold_config: few channels, every tap in one K block (forward, input gradient)
-    "conv2d_fold": (("M", "N", "C", "taps"), ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")),
-    # kernels/attention.py _fwd_config: the flash-attention forward (BLOCK_D, SINGLE_KV derived)
-    "attention_fwd": (_ATTN_KEY, ("BLOCK_M", "BLOCK_N", "M_GROUP", "num_warps", "num_stages")),
-    # kernels/attention.py _bwd_config: the dK/dV program, the dQ program (*_DQ, *_dq; unused when
-    # dQ is fused into dK/dV for short K/V) and how many chunks split the query blocks
-    "attention_bwd": (_ATTN_KEY, ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ",
-                                  "num_warps_dq", "num_stages_dq", "CHUNKS")),
-    # kernels/conv2d.py _wgrad_config: the weight gradient, M = output and N = input channels per
-    # group, K = batch x output pixels (the reduction), taps = KH x KW; split-K follows from the tiles
-    "conv2d_wgrad": (("M", "N", "K", "taps"), _GEMM_FIELDS),
-    "conv2d_wgrad_tma": (("M", "N", "K", "taps"), _GEMM_FIELDS),  # the same, TMA kernel
-    # kernels/norms.py _ln_fwd_plan / _ln_bwd_plan: LayerNorm and RMSNorm over M rows of D (BLOCK_D
-    # derived from D); the backward's PROGRAMS persistent programs each reduce a share of dW/dB
-    "layer_norm_fwd": (("M", "D"), ("BLOCK_M", "num_warps")),
-    "layer_norm_bwd": (("M", "D"), ("BLOCK_M", "num_warps", "PROGRAMS")),
-    # kernels/norms.py _gn_plan: GroupNorm (+ SiLU) over (N, C, S), forward and backward
-    "group_norm_fwd": (_GN_KEY, _GN_FIELDS),
-    "group_norm_bwd": (_GN_KEY, _GN_FIELDS),
-    # kernels/softmax.py _softmax_plan: softmax and log_softmax over ROWS rows of R, forward and
-    # backward; a row that fits one BLOCK_R block (cut to R rounded up to a power of two) is read
-    # whole, a longer one streamed through such blocks (SINGLE derived)
-    "softmax_fwd": (("ROWS", "R"), ("BLOCK_ROWS", "BLOCK_R", "num_warps")),
-    "softmax_bwd": (("ROWS", "R"), ("BLOCK_ROWS", "BLOCK_R", "num_warps")),
-    # kernels/softmax.py _ce_plan: cross-entropy over ROWS rows of C classes, streamed in BLOCK_C blocks
-    "cross_entropy_fwd": (("ROWS", "C"), ("BLOCK_ROWS", "BLOCK_C", "num_warps")),
-    "cross_entropy_bwd": (("ROWS", "C"), ("BLOCK_ROWS", "BLOCK_C", "num_warps")),
-    # kernels/elementwise.py _plan_map: elementwise maps (dtype: the output's). A dense stream of
-    # numel elements in BLOCK_SIZE-element programs; otherwise ROWS collapsed rows of COLS (the innermost
-    # dim; transposed 1 when some operand is not unit-stride there) in BLOCK_R x BLOCK_C tiles, cut
-    # to the dims rounded up to powers of two
-    "map_contiguous": (("numel",), ("BLOCK_SIZE", "num_warps")),
-    "map_strided": (("ROWS", "COLS", "transposed"), ("BLOCK_R", "BLOCK_C", "num_warps")),
-    # kernels/reduce.py _reduce_plan: sum/max/min/squared deviations over R of an (outer, R, inner)
-    # view (dtype: the input's) in BLOCK_R x BLOCK_I tiles (cut likewise); the R splits are derived
-    "reduce": (("outer", "R", "inner"), ("BLOCK_R", "BLOCK_I", "num_warps")),
-}
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Spec:
+    """One tunable kernel, declared by its kernel file next to the ``@triton.jit`` and registered
+    with ``register`` when that file is imported (``flame/kernels/__init__.py`` imports them all):
+
+    - ``name``: the tables' kernel name; ``key``: the names of its shape-key dimensions;
+      ``fields``: the config fields its launcher takes (a table entry has exactly these);
+    - ``heuristic(key, dtype, *extra)``: the default config (a dict of ``fields``) for a shape
+      key and dtype (a torch dtype), ``extra`` what else the launcher knows; the launcher asks
+      ``spec.config(key, dtype, *extra)``, which is ``config(name, key, dtype, heuristic(...))``;
+    - ``space`` and ``quick``: the search space, field (or knob) -> values, full and the few tiny
+      candidates of ``scripts/autotune.py --quick``; ``stages(ctx, key, spec)``: the candidates to
+      try as stages, each a function from the fastest config so far to the next candidates (``ctx``
+      is a ``flame.autotune.Space``: dtype, quick, shared memory); ``keep(config, key)``: candidates
+      that fail it are never tried (``flame.autotune.search_stages`` applies it to every stage);
+    - ``helper``: a map or reduction that other launchers run around their main kernel (zero
+      fills, casts, split-K sums): the tuners tune the main kernel of such a launch, never these;
+    - ``doc``: one line for people (``scripts/autotune.py --kernels`` lists them)."""
+
+    name: str
+    key: tuple
+    fields: tuple
+    heuristic: Callable
+    stages: Callable | None = None
+    space: dict | None = None
+    quick: dict | None = None
+    keep: Callable | None = None
+    helper: bool = False
+    doc: str = ""
+
+    def config(self, key: tuple, dtype, *extra) -> dict:
+        """The launch config of this kernel at shape ``key`` in ``dtype`` (see ``config``)."""
+        return config(self.name, key, dtype, self.heuristic(key, dtype, *extra))
+
+
+SPECS: dict = {}  # kernel name -> Spec, in registration order
+# kernel name -> (names of the shape-key dimensions, the config fields its launcher takes): what the
+# tables are checked against, filled by register()
+KERNELS: dict = {}
+
+
+def register(*specs: Spec):
+    """Register each of ``specs`` (a kernel file does so at import); returns the first. A name may
+    be registered again only with the same key and fields (a reloaded module)."""
+    for spec in specs:
+        old = SPECS.get(spec.name)
+        if old is not None and (old.key, old.fields) != (spec.key, spec.fields):
+            raise ValueError(f"tune.register: kernel {spec.name!r} registered twice with different keys or fields")
+        SPECS[spec.name] = spec
+        KERNELS[spec.name] = (tuple(spec.key), tuple(spec.fields))
+    return specs[0]
+
 
 DTYPES = ("float16", "bfloat16", "float32", "float64")
 _ENTRY_FIELDS = ("key", "config", "ms", "default_ms")

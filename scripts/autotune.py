@@ -42,9 +42,11 @@ Compiling a candidate takes Triton about a second and timing it a few millisecon
 candidates once, side by side, filling Triton's on-disk cache; the timing process then loads
 them from there and times them one by one while the workers wait.
 
-Adding a family: a function ``fn(ctx, shape) -> list[Problem]`` for one entry of a section of the
-shapes file, decorated with ``@family(name, section, fields, flags)``; a kernel that is new to
-``flame.tune`` also needs its candidate space in ``search_stages``.
+Adding a kernel to tuning touches three files: its kernel file declares a ``flame.tune.Spec`` (key,
+config fields, heuristic, search space) next to the ``@triton.jit`` and registers it; here, a
+function ``fn(ctx, shape) -> list[Problem]`` for one entry of a section of the shapes file,
+decorated with ``@family(name, section, fields, flags)`` (with a tiny shape in ``QUICK_SHAPES``);
+and that section in the shapes file. ``--kernels`` lists the registered kernels.
 """
 from __future__ import annotations
 
@@ -885,6 +887,13 @@ def load_shapes(path: Path, families, error) -> dict:
     return shapes
 
 
+def kernel_table() -> str:
+    """The registered kernels as a Markdown table: name, key, config fields, what it is."""
+    rows = ["| kernel | key | config fields | what |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{s.name}` | `[{', '.join(s.key)}]` | `{' '.join(s.fields)}` | {s.doc} |" for s in tune.SPECS.values()]
+    return "\n".join(rows)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -901,11 +910,14 @@ def parse_args(argv):
     p.add_argument("--out", type=Path, default=None,
                    help="table to write (default: configs/autotune/<gpu-slug>.json, or under $FLAME_TUNE_DIR)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and a few candidates (smoke test)")
+    p.add_argument("--kernels", action="store_true", help="list the tunable kernels (flame.tune.SPECS) and exit")
     p.add_argument("--jobs", type=int, default=None,
                    help="worker processes that compile each stage's candidates ahead of their timing, no more "
                         "at once than the GPU's free memory holds copies of the problem (default: half the CPU "
                         "cores, at most 8, on a GPU; 0 on the interpreter; 0: compile while timing)")
     args = p.parse_args(argv)
+    if args.kernels:
+        return args
     if args.jobs is None:
         args.jobs = 0 if flame.is_interpreter() else min(8, (os.cpu_count() or 2) // 2)
     if args.jobs < 0:
@@ -926,6 +938,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.kernels:
+        print(kernel_table())
+        return 0
     gpu = runtime.device_name()
     path = args.out or tune.table_path(gpu)
     smem = None

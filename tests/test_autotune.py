@@ -197,7 +197,8 @@ def test_attention_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, 
     # the candidates really ran: every forward tile of the loop path, both stages of the backward
     # (the dQ program's blocks too), the fused path's query chunks, M_GROUP query blocks per program
     ctx = autotune.Ctx(torch.bfloat16, quick=True, smem=None)
-    fwd_tiles = {(c["BLOCK_M"], c["BLOCK_N"]) for c in ctx.attention_fwd_space(24, 136, 16, 2)}
+    fwd = autotune.search_stages(ctx, "attention_fwd", (24, 136, 16, 2))[0](None)
+    fwd_tiles = {(c["BLOCK_M"], c["BLOCK_N"]) for c in fwd}
     assert len(fwd_tiles) == 4 and fwd_tiles <= {(m, n) for k, _, m, n in launched if k == "_attn_fwd_kernel"}
     dq_blocks = {(m, n) for k, _, m, n in launched if k == "_attn_bwd_dq_kernel"}
     assert {(16, 16), (32, 16)} <= dq_blocks
@@ -700,3 +701,10 @@ def test_launches_are_timed_as_graph_replays(autotune, monkeypatch):
     monkeypatch.setattr(triton.testing, "do_bench_cudagraph", not_capturable)
     monkeypatch.setattr(autotune.torch.cuda, "synchronize", lambda: None)
     assert autotune.time_ms(lambda: None, warmup=1, rep=1) == 0.5
+
+
+def test_kernels_lists_every_registered_spec(capsys):
+    from flame import tune
+    assert autotune.main(["--kernels"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| `{name}` |" in out for name in tune.SPECS)

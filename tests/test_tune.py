@@ -1004,3 +1004,29 @@ def test_record_lists_each_query_with_its_answer(tables, caches):
     assert inner == [("conv2d", (8, 8, 8, 9), "float16", CONV)]
     ask((5, 5, 5, 1))
     assert len(asked) == 3 and tune._records == []  # nothing is recorded after the block
+
+
+# Small keys per kernel (each kernel's spec lists its key names): every spec's heuristic and quick
+# search space give configs of exactly its fields, so a new kernel is covered by registering its spec.
+SPEC_KEYS = {("M", "N", "K", "batch"): (40, 24, 72, 1), ("M", "N", "C", "taps"): (40, 24, 8, 9),
+             ("M", "N", "K", "taps"): (24, 8, 40, 9), ("Lq", "Lk", "D", "BH"): (24, 136, 16, 2),
+             ("M", "D"): (10, 24), ("N", "C", "S", "G", "channels_last"): (1, 6, 35, 3, 1), ("ROWS", "R"): (10, 40),
+             ("ROWS", "C"): (7, 100), ("numel",): (105,), ("ROWS", "COLS", "transposed"): (15, 7, 0),
+             ("outer", "R", "inner"): (1, 40, 24)}
+
+
+@pytest.mark.parametrize("name", sorted(tune.SPECS))
+def test_every_spec_gives_configs_of_its_fields(name):
+    from flame import autotune
+    spec = tune.SPECS[name]
+    assert tune.KERNELS[name] == (spec.key, spec.fields) and spec.doc
+    key = SPEC_KEYS[spec.key]
+    default = spec.heuristic(key, torch.float32)
+    assert set(default) == set(spec.fields), default
+    assert spec.config(key, torch.float32) == default  # no table on the interpreter
+    best = default
+    for stage in autotune.search_stages(autotune.Space(torch.float32, quick=True), name, key):
+        configs = stage(best)
+        assert configs and all(set(c) == set(spec.fields) for c in configs), (name, configs[:3])
+        assert spec.keep is None or all(spec.keep(c, key) for c in configs)
+        best = configs[0]

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, tune
+from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .launch import launch
 from .matmul import tma_available
@@ -58,6 +58,72 @@ KV_TMA_MIN_KEYS = 2048
 
 # log2(e) = 1.4426950408889634 (written inline in jit code)
 LOG2E = 1.4426950408889634
+
+
+# ---- shared pieces of the forward and backward kernels -------------------------------------------
+
+@triton.jit
+def _offsets(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """Row indices start .. start + BLOCK (int64 when offsets may pass 2^31)."""
+    offs = start + tl.arange(0, BLOCK)
+    if WIDE:
+        offs = offs.to(tl.int64)
+    return offs
+
+
+@triton.jit
+def _load_rows(base, offs, offs_d, L, row_stride, HEAD_DIM, UPCAST: tl.constexpr):
+    """Rows ``offs`` of a head's (L, HEAD_DIM) operand at ``base`` (row stride ``row_stride``, the
+    head dim contiguous), columns ``offs_d``; zeros past L and HEAD_DIM; fp32 with UPCAST (the
+    interpreter's bf16 dot is wrong). Q, K, V and dO tiles alike."""
+    t = tl.load(base + offs[:, None] * row_stride + offs_d[None, :],
+                mask=(offs < L)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    if UPCAST:
+        t = t.to(tl.float32)
+    return t
+
+
+@triton.jit
+def _mask_scores(s, mask_base, offs_m, offs_n, Lq, Lk, smm, smn, add_scale, MASK_KIND: tl.constexpr,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, KEY_BOUND: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """The score tile ``s`` (queries x keys, or keys x queries with TRANSPOSED) with the user mask
+    applied (MASK_KIND 1: additive, times ``add_scale``; 2: boolean, False -> -inf) and, in a
+    MASKED stage of the loops, keys past Lk (KEY_BOUND) and, with CAUSAL, keys after the query
+    (top-left diagonal) set to -inf."""
+    if TRANSPOSED:
+        m2 = offs_m[None, :]
+        n2 = offs_n[:, None]
+    else:
+        m2 = offs_m[:, None]
+        n2 = offs_n[None, :]
+    if MASK_KIND == 1:
+        am = tl.load(mask_base + m2 * smm + n2 * smn, mask=(m2 < Lq) & (n2 < Lk), other=0.0)
+        s = s + am.to(s.dtype) * add_scale
+    elif MASK_KIND == 2:
+        am = tl.load(mask_base + m2 * smm + n2 * smn, mask=(m2 < Lq) & (n2 < Lk), other=0)
+        s = tl.where(am != 0, s, float("-inf"))
+    if MASKED:
+        if CAUSAL:
+            keep = n2 <= m2
+            if KEY_BOUND:
+                keep = keep & (n2 < Lk)
+            s = tl.where(keep, s, float("-inf"))
+        elif KEY_BOUND:
+            s = tl.where(n2 < Lk, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _key_stages(start_m, Lk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """(n_full, hi) for the query block at ``start_m``: key blocks [0, n_full) lie inside [0, Lk) and
+    (CAUSAL) at or below the diagonal for every row, so they need no masks; [n_full, hi) do."""
+    if CAUSAL:
+        hi = tl.minimum(Lk, start_m + BLOCK_M)
+        n_full = tl.minimum((Lk // BLOCK_N) * BLOCK_N, ((start_m + 1) // BLOCK_N) * BLOCK_N)
+    else:
+        hi = Lk
+        n_full = (Lk // BLOCK_N) * BLOCK_N
+    return n_full, hi
 
 
 # ---- forward ----------------------------------------------------------------------------------
@@ -74,19 +140,8 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
     if not POS_SCALE:
         qk = qk * qk_scale
         scale = 1.0
-    if MASK_KIND == 1:
-        am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                     mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0.0)
-        qk = qk + am.to(ACC) * (1.4426950408889634 / scale)
-    elif MASK_KIND == 2:
-        am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                     mask=(offs_m < Lq)[:, None] & (offs_n < Lk)[None, :], other=0)
-        qk = tl.where(am != 0, qk, float("-inf"))
-    if MASKED:
-        keep = (offs_n < Lk)[None, :]
-        if CAUSAL:
-            keep = keep & (offs_n[None, :] <= offs_m[:, None])
-        qk = tl.where(keep, qk, float("-inf"))
+    qk = _mask_scores(qk, mask_base, offs_m, offs_n, Lq, Lk, smm, smn, 1.4426950408889634 / scale,
+                      MASK_KIND=MASK_KIND, MASKED=MASKED, CAUSAL=CAUSAL, KEY_BOUND=True, TRANSPOSED=False)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
     m_use = m_new
     if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far: subtract 0 (m_i stays -inf)
@@ -107,23 +162,18 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, lo
               UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr):
     # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors. K is
     # read over the whole head dim (offs_d), V over this program's value columns dv0 + [0, BLOCK_DV).
-    d_ok = offs_d < HEAD_DIM
     offs_dv = dv0 + tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < HEAD_DIM
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        if WIDE:
-            offs_n = offs_n.to(tl.int64)
+        offs_n = _offsets(start_n, BLOCK_N, WIDE)
         if KV_TMA:  # rows past Lk arrive as zeros
             k = k_src.load([start_n, 0])
             v = v_src.load([start_n, dv0])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
         else:
-            n_ok = (offs_n < Lk)[:, None]
-            k = tl.load(k_src + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok[None, :], other=0.0)
-            v = tl.load(v_src + offs_n[:, None] * svn + offs_dv[None, :], mask=n_ok & dv_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            k = _load_rows(k_src, offs_n, offs_d, Lk, skn, HEAD_DIM, UPCAST)
+            v = _load_rows(v_src, offs_n, offs_dv, Lk, svn, HEAD_DIM, UPCAST)
         acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
                                     smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
     return acc, m_i, l_i
@@ -152,20 +202,13 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
     mask_base = mask_ptr + b * smb + h * smh
     lse_base = lse_ptr + pid_bh.to(tl.int64) * Lq
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
     dv0 = pid_dv * BLOCK_DV
     offs_dv = dv0 + tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < HEAD_DIM
     if SINGLE_KV:  # every key in one block: load K/V once for all M_GROUP query blocks
-        offs_n = tl.arange(0, BLOCK_N)
-        if WIDE:
-            offs_n = offs_n.to(tl.int64)
-        n_ok = (offs_n < Lk)[:, None]
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=n_ok & d_ok[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :], mask=n_ok & dv_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_n = _offsets(0, BLOCK_N, WIDE)
+        k = _load_rows(k_base, offs_n, offs_d, Lk, skn, HEAD_DIM, UPCAST)
+        v = _load_rows(v_base, offs_n, offs_dv, Lk, svn, HEAD_DIM, UPCAST)
     k_src = k_base
     v_src = v_base
     if KV_TMA:  # K/V blocks by TMA (Hopper): one descriptor each per program
@@ -175,14 +218,9 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                                           block_shape=[BLOCK_N, BLOCK_DV])
     for g in range(M_GROUP):
         start_m = (pid_g * M_GROUP + g) * BLOCK_M
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        if WIDE:
-            offs_m = offs_m.to(tl.int64)
+        offs_m = _offsets(start_m, BLOCK_M, WIDE)
         row_ok = offs_m < Lq
-        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                    other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
+        q = _load_rows(q_base, offs_m, offs_d, Lq, sqm, HEAD_DIM, UPCAST)
         acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=ACC)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=ACC)
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
@@ -190,12 +228,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
             acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
                                         smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
         else:
-            if CAUSAL:
-                hi = tl.minimum(Lk, start_m + BLOCK_M)
-                n_full = tl.minimum((Lk // BLOCK_N) * BLOCK_N, ((start_m + 1) // BLOCK_N) * BLOCK_N)
-            else:
-                hi = Lk
-                n_full = (Lk // BLOCK_N) * BLOCK_N
+            n_full, hi = _key_stages(start_m, Lk, BLOCK_M, BLOCK_N, CAUSAL)
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, 0, n_full,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, False,
                                       CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
@@ -231,9 +264,7 @@ def _attn_bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, H, Lq, sob, soh, som, 
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if WIDE:
-        offs_m = offs_m.to(tl.int64)
+    offs_m = _offsets(pid_m * BLOCK_M, BLOCK_M, WIDE)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_m < Lq)[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :], mask=ok, other=0.0)
@@ -253,41 +284,20 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, o_base, lse_base, delta_base, ma
     #   dP^T = V dO^T, dS^T = P^T * (dP^T - delta), dK += dS^T Q  (scaled by `scale` at the end),
     #   and with FUSED_DQ (the block holds every key, so this program is the only one to see these
     #   query rows): delta = rowsum(dO * O) computed here and dQ = dS K * scale for this query block.
-    d_ok = offs_d < HEAD_DIM
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        if WIDE:
-            offs_m = offs_m.to(tl.int64)
+        offs_m = _offsets(start_m, BLOCK_M, WIDE)
         row_ok = offs_m < Lq
-        ok = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=ok, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=ok, other=0.0)
+        q = _load_rows(q_base, offs_m, offs_d, Lq, sqm, HEAD_DIM, UPCAST)
+        do = _load_rows(do_base, offs_m, offs_d, Lq, sdom, HEAD_DIM, UPCAST)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
         if FUSED_DQ:
-            o = tl.load(o_base + offs_m[:, None] * som + offs_d[None, :], mask=ok, other=0.0)
+            o = _load_rows(o_base, offs_m, offs_d, Lq, som, HEAD_DIM, False)
             delta = tl.sum(o.to(ACC) * do.to(ACC), 1)
         else:
             delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
         st = tl.dot(k, tl.trans(q), input_precision=PRECISION, out_dtype=ACC) * qk_scale
-        if MASK_KIND == 1:
-            am = tl.load(mask_base + offs_m[None, :] * smm + offs_n[:, None] * smn,
-                         mask=row_ok[None, :] & (offs_n < Lk)[:, None], other=0.0)
-            st = st + am.to(ACC) * 1.4426950408889634
-        elif MASK_KIND == 2:
-            am = tl.load(mask_base + offs_m[None, :] * smm + offs_n[:, None] * smn,
-                         mask=row_ok[None, :] & (offs_n < Lk)[:, None], other=0)
-            st = tl.where(am != 0, st, float("-inf"))
-        if MASKED:
-            if CAUSAL:
-                keep = offs_m[None, :] >= offs_n[:, None]
-                if KEY_BOUND:
-                    keep = keep & (offs_n < Lk)[:, None]
-                st = tl.where(keep, st, float("-inf"))
-            elif KEY_BOUND:
-                st = tl.where((offs_n < Lk)[:, None], st, float("-inf"))
+        st = _mask_scores(st, mask_base, offs_m, offs_n, Lq, Lk, smm, smn, 1.4426950408889634, MASK_KIND=MASK_KIND,
+                          MASKED=MASKED, CAUSAL=CAUSAL, KEY_BOUND=KEY_BOUND, TRANSPOSED=True)
         pt = tl.math.exp2(st - lse[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION, out_dtype=ACC)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION, out_dtype=ACC)
@@ -296,7 +306,8 @@ def _bwd_kv_loop(dk, dv, k, v, q_base, do_base, o_base, lse_base, delta_base, ma
         dk = tl.dot(dst_lp, q, dk, input_precision=PRECISION, out_dtype=ACC)
         if FUSED_DQ:
             dq = tl.dot(tl.trans(dst_lp), k, input_precision=PRECISION, out_dtype=ACC) * sm_scale
-            tl.store(dq_base + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(dq_base.dtype.element_ty), mask=ok)
+            tl.store(dq_base + offs_m[:, None] * sdqm + offs_d[None, :], dq.to(dq_base.dtype.element_ty),
+                     mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
     return dk, dv
 
 
@@ -318,16 +329,11 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    if WIDE:
-        offs_n = offs_n.to(tl.int64)
+    offs_n = _offsets(start_n, BLOCK_N, WIDE)
     offs_d = tl.arange(0, BLOCK_D)
     kv_ok = (offs_n < Lk)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_ptr + b * skb + h * skh + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
-    v = tl.load(v_ptr + b * svb + h * svh + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_rows(k_ptr + b * skb + h * skh, offs_n, offs_d, Lk, skn, HEAD_DIM, UPCAST)
+    v = _load_rows(v_ptr + b * svb + h * svh, offs_n, offs_d, Lk, svn, HEAD_DIM, UPCAST)
     q_base = q_ptr + b * sqb + h * sqh
     do_base = do_ptr + b * sdob + h * sdoh
     o_base = o_ptr + b * sob + h * soh
@@ -372,32 +378,13 @@ def _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, mask_base, offs_m, offs_d
                 MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                 WIDE: tl.constexpr):
     # S = Q K^T (BLOCK_M, BLOCK_N), P = exp2(S - lse2), dP = dO V^T, dS = P * (dP - delta), dQ += dS K
-    d_ok = offs_d < HEAD_DIM
-    row_ok = offs_m < Lq
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        if WIDE:
-            offs_n = offs_n.to(tl.int64)
-        kv_ok = (offs_n < Lk)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=kv_ok, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        offs_n = _offsets(start_n, BLOCK_N, WIDE)
+        k = _load_rows(k_base, offs_n, offs_d, Lk, skn, HEAD_DIM, UPCAST)
+        v = _load_rows(v_base, offs_n, offs_d, Lk, svn, HEAD_DIM, UPCAST)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION, out_dtype=ACC) * qk_scale
-        if MASK_KIND == 1:
-            am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                         mask=row_ok[:, None] & (offs_n < Lk)[None, :], other=0.0)
-            s = s + am.to(ACC) * 1.4426950408889634
-        elif MASK_KIND == 2:
-            am = tl.load(mask_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                         mask=row_ok[:, None] & (offs_n < Lk)[None, :], other=0)
-            s = tl.where(am != 0, s, float("-inf"))
-        if MASKED:
-            keep = (offs_n < Lk)[None, :]
-            if CAUSAL:
-                keep = keep & (offs_n[None, :] <= offs_m[:, None])
-            s = tl.where(keep, s, float("-inf"))
+        s = _mask_scores(s, mask_base, offs_m, offs_n, Lq, Lk, smm, smn, 1.4426950408889634, MASK_KIND=MASK_KIND,
+                         MASKED=MASKED, CAUSAL=CAUSAL, KEY_BOUND=True, TRANSPOSED=False)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION, out_dtype=ACC)
         ds = p * (dp - delta[:, None])
@@ -422,28 +409,18 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    if WIDE:
-        offs_m = offs_m.to(tl.int64)
+    offs_m = _offsets(start_m, BLOCK_M, WIDE)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < Lq
     ok = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(do_ptr + b * sdob + h * sdoh + offs_m[:, None] * sdom + offs_d[None, :], mask=ok, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_rows(q_ptr + b * sqb + h * sqh, offs_m, offs_d, Lq, sqm, HEAD_DIM, UPCAST)
+    do = _load_rows(do_ptr + b * sdob + h * sdoh, offs_m, offs_d, Lq, sdom, HEAD_DIM, UPCAST)
     lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=float("inf"))
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * Lq + offs_m, mask=row_ok, other=0.0)
     k_base = k_ptr + b * skb + h * skh
     v_base = v_ptr + b * svb + h * svh
     mask_base = mask_ptr + b * smb + h * smh
-    if CAUSAL:
-        hi = tl.minimum(Lk, start_m + BLOCK_M)
-        n_full = tl.minimum((Lk // BLOCK_N) * BLOCK_N, ((start_m + 1) // BLOCK_N) * BLOCK_N)
-    else:
-        hi = Lk
-        n_full = (Lk // BLOCK_N) * BLOCK_N
+    n_full, hi = _key_stages(start_m, Lk, BLOCK_M, BLOCK_N, CAUSAL)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=ACC)
     dq = _bwd_q_loop(dq, q, do, lse, delta, k_base, v_base, mask_base, offs_m, offs_d, 0, n_full, Lq, Lk,
                      qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_N, False, CAUSAL, MASK_KIND, ACC, PRECISION,
@@ -566,7 +543,7 @@ def _fwd_config(Lq, Lk, D, BH, dtype):
                    KV_TMA=FORCE_BLOCKS.get("KV_TMA", False) and not short and bd == D, num_warps=4, num_stages=1)
         dv = FORCE_BLOCKS.get("BLOCK_DV", bd)
     else:
-        cfg = tune.config("attention_fwd", (Lq, Lk, D, BH), dtype, _fwd_heuristic(Lq, Lk, bd, BH, esize, short))
+        cfg = ATTN_FWD.config((Lq, Lk, D, BH), dtype)
         single = short and Lk <= cfg["BLOCK_N"]
         cfg = dict(cfg, BLOCK_D=bd, SINGLE_KV=single,
                    KV_TMA=KV_TMA and not single and bd == D and Lk >= KV_TMA_MIN_KEYS)
@@ -659,7 +636,7 @@ def _bwd_config(Lq, Lk, D, BH, dtype):
             return dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=max(16, _pow2(Lk)), num_warps=4, num_stages=1), None, bpc
         kv = dict(BLOCK_D=bd, BLOCK_M=bm, BLOCK_N=bn, num_warps=4, num_stages=1)
         return kv, dict(kv), _cdiv(Lq, bm)
-    cfg = tune.config("attention_bwd", (Lq, Lk, D, BH), dtype, _bwd_heuristic(Lq, Lk, bd, BH, esize, short))
+    cfg = ATTN_BWD.config((Lq, Lk, D, BH), dtype)
     kv = dict(BLOCK_D=bd, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"],
               num_stages=cfg["num_stages"])
     bpc = _cdiv(_cdiv(Lq, kv["BLOCK_M"]), cfg["CHUNKS"])
@@ -692,6 +669,105 @@ def _bwd_heuristic(Lq, Lk, bd, BH, esize, short):
     if bd <= 64:
         return _bwd_fields((32, 64, 4, 3), (64, 64, 4, 3), 1)
     return _bwd_fields((32, 64, 4, 3), (128, 64, 8, 3), 1)
+
+
+def _derived(key, dtype):
+    """(Lq, Lk, BLOCK_D, BH, element size, short K/V) of an attention key (Lq, Lk, D, BH)."""
+    Lq, Lk, D, BH = key
+    return Lq, Lk, max(16, _pow2(D)), BH, dtype.itemsize, short_kv(Lk, D, dtype.itemsize)
+
+
+# ---- tuning: the specs and their search spaces ----------------------------------------------------
+# Field -> values (from a sweep of every config on an H200): the forward on long K/V ("fwd") and on
+# short K/V ("fwd_short": every key in one block of the padded Lk, M_GROUP query blocks per
+# program); the backward's dK/dV program ("kv"; tuned with the dQ fields at the default), then its
+# dQ program ("dq", with the fastest dK/dV config), or on short K/V the fused program ("kv_short")
+# with CHUNKS from PROGRAMS_PER_SM: about that many programs per SM over the query chunks.
+# --quick: a few tiny blocks.
+SPACE = dict(
+    fwd=dict(BLOCK_M=(64, 128), BLOCK_N=(32, 64, 128), M_GROUP=(1,), num_warps=(4, 8), num_stages=(1, 2, 3, 4)),
+    fwd_short=dict(BLOCK_M=(64, 128), M_GROUP=(1, 2, 4), num_warps=(4, 8), num_stages=(1, 2)),
+    kv=dict(BLOCK_M=(32, 64, 128), BLOCK_N=(64, 128), num_warps=(4, 8), num_stages=(1, 2, 3)),
+    dq=dict(BLOCK_M_DQ=(64, 128), BLOCK_N_DQ=(32, 64), num_warps_dq=(4, 8), num_stages_dq=(2, 3)),
+    kv_short=dict(BLOCK_M=(32, 64, 128), num_warps=(4, 8), num_stages=(1, 2), PROGRAMS_PER_SM=(1, 2, 4, 8)),
+)
+QUICK_SPACE = dict(
+    fwd=dict(BLOCK_M=(16, 32), BLOCK_N=(16, 32), M_GROUP=(1,), num_warps=(4,), num_stages=(1,)),
+    fwd_short=dict(BLOCK_M=(16,), M_GROUP=(1, 2), num_warps=(4,), num_stages=(1,)),
+    kv=dict(BLOCK_M=(16, 32), BLOCK_N=(16,), num_warps=(4,), num_stages=(1,)),
+    dq=dict(BLOCK_M_DQ=(16, 32), BLOCK_N_DQ=(16,), num_warps_dq=(4,), num_stages_dq=(1,)),
+    kv_short=dict(BLOCK_M=(16,), num_warps=(4,), num_stages=(1,), PROGRAMS_PER_SM=(1, 4)),
+)
+MAX_BWD_AREA = 128 * 64  # dK/dV tiles of 128 x 128 spill registers (the sweep skipped them)
+
+
+def _fwd_stages(ctx, key, spec):
+    """The candidate attention_fwd configs at key (Lq, Lk, D, B*H) that fit in shared memory (the
+    query tile, the K and V blocks of every pipeline stage and the probabilities P), one stage."""
+    lq, lk, d, _ = key
+    space, es, bd = ctx.choices(spec), ctx.dtype.itemsize, max(16, _pow2(d))
+    if short_kv(lk, d, es):  # K/V loaded once, query tiles pipelined
+        bn = max(16, _pow2(lk))
+        configs = autotune.product(autotune.fitted(space["fwd_short"], BLOCK_M=lq), dict(BLOCK_N=bn))
+        configs = [c for c in configs if ctx.fits(2 * bn, c["num_stages"] * c["BLOCK_M"], c["BLOCK_M"] * bn, bd)]
+    else:
+        configs = autotune.product(autotune.fitted(space["fwd"], BLOCK_M=lq, BLOCK_N=lk))
+        configs = [c for c in configs if ctx.fits(c["BLOCK_M"], c["num_stages"] * 2 * c["BLOCK_N"],
+                                                  c["BLOCK_M"] * c["BLOCK_N"], bd)]
+    return [lambda best: configs]
+
+
+def _bwd_stages(ctx, key, spec):
+    """The candidate attention_bwd configs at key (Lq, Lk, D, B*H) as stages: on long K/V the dK/dV
+    program's (K and V resident, Q and dO tiles pipelined), then the dQ program's (Q and dO
+    resident, K and V pipelined) over the fastest so far; on short K/V the fused program's block,
+    warps, stages and query chunks."""
+    lq, lk, d, bh = key
+    space, es, bd = ctx.choices(spec), ctx.dtype.itemsize, max(16, _pow2(d))
+
+    def kv_fits(c, bn):
+        return ctx.fits(2 * bn, c["num_stages"] * 2 * c["BLOCK_M"], 2 * c["BLOCK_M"] * bn, bd)
+
+    if short_kv(lk, d, es):
+        bn = max(16, _pow2(lk))
+        choices = autotune.fitted(space["kv_short"], BLOCK_M=lq)
+        per_sm = choices.pop("PROGRAMS_PER_SM")
+
+        def fused(best):
+            configs = []
+            for bm in choices["BLOCK_M"]:
+                nm = -(-lq // bm)
+                chunks = sorted({max(1, min(nm, p * runtime.num_sms() // bh)) for p in per_sm})
+                configs += autotune.product(dict(choices, BLOCK_M=(bm,), CHUNKS=chunks), dict(best, BLOCK_N=bn))
+            return [c for c in configs if kv_fits(c, bn)]
+
+        return [fused]
+
+    def dkdv(best):
+        return [c for c in autotune.product(autotune.fitted(space["kv"], BLOCK_M=lq, BLOCK_N=lk), dict(best, CHUNKS=1))
+                if c["BLOCK_M"] * c["BLOCK_N"] <= MAX_BWD_AREA and kv_fits(c, c["BLOCK_N"])]
+
+    def dq(best):
+        return [c for c in autotune.product(autotune.fitted(space["dq"], BLOCK_M_DQ=lq, BLOCK_N_DQ=lk), best)
+                if ctx.fits(2 * c["BLOCK_M_DQ"], c["num_stages_dq"] * 2 * c["BLOCK_N_DQ"],
+                            c["BLOCK_M_DQ"] * c["BLOCK_N_DQ"], bd)]
+
+    return [dkdv, dq]
+
+
+_KEY = ("Lq", "Lk", "D", "BH")  # BH: batch x heads
+# the forward: BLOCK_D and SINGLE_KV derived (``_fwd_config``)
+ATTN_FWD = tune.register(tune.Spec(
+    "attention_fwd", _KEY, ("BLOCK_M", "BLOCK_N", "M_GROUP", "num_warps", "num_stages"),
+    lambda key, dtype: _fwd_heuristic(*_derived(key, dtype)), _fwd_stages, SPACE, QUICK_SPACE,
+    doc="_attn_fwd_kernel: the flash-attention forward"))
+# the dK/dV program, the dQ program (*_DQ, *_dq; unused when dQ is fused into dK/dV for short K/V)
+# and how many chunks split the query blocks (``_bwd_config``)
+ATTN_BWD = tune.register(tune.Spec(
+    "attention_bwd", _KEY, ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "BLOCK_M_DQ", "BLOCK_N_DQ",
+                            "num_warps_dq", "num_stages_dq", "CHUNKS"),
+    lambda key, dtype: _bwd_heuristic(*_derived(key, dtype)), _bwd_stages, SPACE, QUICK_SPACE,
+    doc="_attn_bwd_dkdv_kernel and _attn_bwd_dq_kernel: the flash-attention backward"))
 
 
 def _bwd_fields(kv, dq, chunks):

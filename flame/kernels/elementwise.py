@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, tune
+from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .launch import launch
 
@@ -433,6 +433,47 @@ def _strided_default(rows, d3, transposed, tile):
     return dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_r * block_c >= 4096 else 4)
 
 
+# The maps' search space: map_contiguous takes BLOCK elements per program (its BLOCK_SIZE);
+# map_strided BLOCK_R x BLOCK_C tiles of BLOCK elements, rows of BLOCK_C. Blocks are cut to the
+# dims rounded up to powers of two, and the warps give each thread 2 to 64 elements of the tile.
+SPACE = dict(BLOCK=(256, 512, 1024, 2048, 4096, 8192), BLOCK_C=(64, 256, 1024), num_warps=(2, 4, 8, 16))
+QUICK_SPACE = dict(BLOCK=(64, 128), BLOCK_C=(8, 32), num_warps=(1,))
+
+
+def _map_stages(ctx, key, spec):
+    """The candidate map_contiguous (key (numel,)) or map_strided (key (ROWS, COLS, transposed))
+    configs as stages: one, block (tile) sizes x warps."""
+    space = ctx.choices(spec)
+    if spec.name == "map_contiguous":
+        tiles = [dict(BLOCK_SIZE=b) for b in space["BLOCK"]]
+    else:
+        rows, cols = triton.next_power_of_2(key[0]), triton.next_power_of_2(key[1])
+        tiles = autotune.unique([dict(BLOCK_R=min(rows, max(1, b // c)), BLOCK_C=min(cols, c))
+                                 for b in space["BLOCK"] for c in space["BLOCK_C"]])
+    configs = [dict(t, num_warps=w) for t in tiles for w in space["num_warps"]
+               if autotune.per_thread_ok(math.prod(t.values()), w)]
+    return [lambda best: configs]
+
+
+def _tile(dtype):
+    """Elements per GPU tile of a map whose narrowest operand has ``dtype`` (~8 KiB per operand)."""
+    return 8192 // dtype.itemsize
+
+
+# elementwise maps (dtype: the output's; ``tile`` as _plan_map computes it). A dense stream of numel
+# elements in BLOCK_SIZE-element programs; otherwise ROWS collapsed rows of COLS (the innermost dim;
+# transposed 1 when some operand is not unit-stride there) in BLOCK_R x BLOCK_C tiles, cut to the
+# dims rounded up to powers of two
+MAP_CONTIGUOUS = tune.register(tune.Spec(
+    "map_contiguous", ("numel",), ("BLOCK_SIZE", "num_warps"),
+    lambda key, dtype, tile=None: _contiguous_default(key[0], tile or _tile(dtype)), _map_stages, SPACE, QUICK_SPACE,
+    helper=True, doc="_map_contiguous_kernel: a map over dense operands of one layout"))
+MAP_STRIDED = tune.register(tune.Spec(
+    "map_strided", ("ROWS", "COLS", "transposed"), ("BLOCK_R", "BLOCK_C", "num_warps"),
+    lambda key, dtype, tile=None: _strided_default(*key, tile or _tile(dtype)), _map_stages, SPACE, QUICK_SPACE,
+    helper=True, doc="_map_strided_kernel: any other map (broadcasts, transposes), up to four collapsed dims"))
+
+
 def _plan_map(out, inputs, op, cd):
     """Choose the kernel, grid and launch arguments of one map (see map_)."""
     n = out.numel()
@@ -451,7 +492,7 @@ def _plan_map(out, inputs, op, cd):
     # each thread keeps 32 bytes in flight
     tile = 8192 // min([out.element_size()] + [t.element_size() for t in inputs])
     if len(shape) == 1 and all(st[0] == 1 for st in strides):
-        cfg = tune.config("map_contiguous", (n,), out.dtype, _contiguous_default(n, tile))
+        cfg = MAP_CONTIGUOUS.config((n,), out.dtype, tile)
         block = cfg["BLOCK_SIZE"]
         meta.update(WIDE=n + block >= 2 ** 31, BLOCK=block, num_warps=cfg["num_warps"])
         return _map_contiguous_kernel, (cdiv(n, block),), (n,), meta
@@ -464,7 +505,7 @@ def _plan_map(out, inputs, op, cd):
     rows = shape[0] * shape[1] * shape[2]
     # some operand not unit-stride innermost (a transpose): the GPU heuristic takes square tiles
     transposed = int(any(st[3] not in (0, 1) for st in strides))
-    cfg = tune.config("map_strided", (rows, d3, transposed), out.dtype, _strided_default(rows, d3, transposed, tile))
+    cfg = MAP_STRIDED.config((rows, d3, transposed), out.dtype, tile)
     block_r, block_c = min(cfg["BLOCK_R"], _pow2(rows)), min(cfg["BLOCK_C"], _pow2(d3))
     ints = (rows, shape[1], shape[2], d3, *[s for st in strides for s in st])
     meta.update(WIDE=needs_int64(shape, strides, block_r, block_c), BLOCK_R=block_r, BLOCK_C=block_c,

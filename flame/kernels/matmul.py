@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, tune
+from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
 from .launch import TensorDescriptor, launch
@@ -194,10 +194,15 @@ def _config(M, N, K, dtype, batch=1):
     SMs idle. In the interpreter every program costs ~1.5 ms of Python, so one big block covers
     as much of the problem as numpy handles comfortably.
     """
+    return MATMUL.config((M, N, K, batch), dtype)
+
+
+def _heuristic(key, dtype):
+    """matmul's default config at key (M, N, K, batch) (see ``_config``)."""
+    M, N, K, batch = key
     if runtime.INTERPRETER:
-        default = dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 256)), BLOCK_K=_pow2(min(K, 512)),
-                       GROUP_M=8, num_warps=4, num_stages=1)
-        return tune.config("matmul", (M, N, K, batch), dtype, default)
+        return dict(BLOCK_M=_pow2(min(M, 256)), BLOCK_N=_pow2(min(N, 256)), BLOCK_K=_pow2(min(K, 512)),
+                    GROUP_M=8, num_warps=4, num_stages=1)
     sms = runtime.num_sms()
     if dtype == torch.float64:
         bm, bn, bk, warps, stages = 64, 64, 32, 4, 3
@@ -213,8 +218,15 @@ def _config(M, N, K, dtype, batch=1):
             bm //= 2
         else:
             bn //= 2
-    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-    return tune.config("matmul", (M, N, K, batch), dtype, default)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+# The tile-loop kernels' config fields (the conv kernels' too); the GEMMs add GROUP_M.
+GEMM_FIELDS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+MATMUL = tune.register(tune.Spec(
+    "matmul", ("M", "N", "K", "batch"), GEMM_FIELDS + ("GROUP_M",), _heuristic, autotune.gemm_stages,
+    autotune.GEMM_SPACE, autotune.QUICK_GEMM_SPACE,
+    doc="_matmul_kernel: every GEMM (matmul, bmm, linear and its backward, 1x1 convolutions)"))
 
 
 def _shrink_tiles(bm, bn, bk, M, N, K, min_m):
@@ -342,6 +354,12 @@ def _tma_config(M, N, K, dtype):
     wide with K blocks of 128, 4 warps, 4 stages, unsplit: H200, against pointer split-K (us,
     graph replays), 77x2048->1280 6.6 vs 11.2, 77x1280->2048 5.0 vs 8.1, LoRA dB 1280x1024->16
     4.2 vs 7.4; past K = 2048 split-K wins (LoRA dA 16x4096->640 8.4 vs 10.0, _launch)."""
+    return MATMUL_TMA.config((M, N, K, 1), dtype)
+
+
+def _tma_heuristic(key, dtype):
+    """matmul_tma's default config at key (M, N, K, 1) (see ``_tma_config``)."""
+    M, N, K, _ = key
     if _few_tiles(cdiv(M, 128) * cdiv(N, 128)):
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
     elif M >= 4096 and 512 <= N <= 1024:
@@ -349,8 +367,13 @@ def _tma_config(M, N, K, dtype):
     else:
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
     bm, bn, bk = _shrink_tiles(bm, bn, bk, M, N, K, 64)
-    default = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
-    return tune.config("matmul_tma", (M, N, K, 1), dtype, default)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+
+
+MATMUL_TMA = tune.register(tune.Spec(
+    "matmul_tma", ("M", "N", "K", "batch"), GEMM_FIELDS + ("GROUP_M",), _tma_heuristic, autotune.gemm_stages,
+    autotune.GEMM_SPACE, autotune.QUICK_GEMM_SPACE,
+    doc="_matmul_tma_kernel: the TMA GEMM that 16-bit 2-D problems with K >= 128 run on Hopper"))
 
 
 _FEW_TILES_TMA_MAX_K = 2048

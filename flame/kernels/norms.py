@@ -27,11 +27,13 @@ heuristics here; memoised per shape and dtype (``tune.memoised``). Block
 sizes that must cover a dimension (LayerNorm's BLOCK_D, the combine kernels') are derived.
 """
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, tune
+from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _pow2, cdiv, fill_
 from .launch import launch
@@ -273,14 +275,58 @@ def _cd(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+# GroupNorm's search space: the statistics pass's tiles of TILE elements, channels innermost for
+# channels-last input (BLOCK_C channels, BLOCK_S = TILE / BLOCK_C positions), positions for NCHW
+# (BLOCK_S), its warps and SPLITS of each group's positions, chosen so that about PROGRAMS_PER_SM
+# programs per SM share the statistics; then the apply pass's tiles and warps (the same choices).
+GN_SPACE = dict(BLOCK_C=(16, 32, 64, 128), BLOCK_S=(256, 512, 1024, 2048), TILE=(2048, 4096, 8192), num_warps=(4, 8),
+                PROGRAMS_PER_SM=(2, 4, 8))
+QUICK_GN_SPACE = dict(BLOCK_C=(2, 4), BLOCK_S=(8, 16), TILE=(32,), num_warps=(4,), PROGRAMS_PER_SM=(4, 16))
+
+
+def _gn_stages(ctx, key, spec):
+    """The candidate group_norm_fwd/bwd configs at key (N, C, S, G, channels_last) as stages: the
+    statistics pass's tiles, warps and splits (the apply pass at its default), then the apply
+    pass's tiles and warps over the fastest statistics config."""
+    n, c, s, _, cl = key
+    space = ctx.choices(spec)
+    pc, ps = triton.next_power_of_2(c), triton.next_power_of_2(s)
+    tiles = set()
+    for t, b in itertools.product(space["TILE"], space["BLOCK_C" if cl else "BLOCK_S"]):
+        tiles.add((min(b, pc), min(max(1, t // b), ps)) if cl else (min(max(1, t // b), pc), min(b, ps)))
+    choices = list(itertools.product(sorted(tiles), space["num_warps"]))
+
+    def statistics(best):
+        configs = []
+        for ((bc, bs), w), per_sm in itertools.product(choices, space["PROGRAMS_PER_SM"]):
+            want = triton.cdiv(per_sm * runtime.num_sms(), n * triton.cdiv(c, bc))
+            per_split = triton.cdiv(triton.cdiv(s, max(1, min(want, triton.cdiv(s, bs)))), bs) * bs
+            configs.append(dict(best, BLOCK_C=bc, BLOCK_S=bs, SPLITS=triton.cdiv(s, per_split), num_warps=w))
+        return autotune.unique(configs)
+
+    def apply(best):
+        return [dict(best, BLOCK_C_APPLY=bc, BLOCK_S_APPLY=bs, num_warps_apply=w) for (bc, bs), w in choices]
+
+    return [statistics, apply]
+
+
+# (N, C, S, G, channels_last): S positions per channel, channels_last 0 or 1; the statistics
+# (partial) pass's tile, splits of each group's positions and warps, then the apply pass's
+_GN_KEY = ("N", "C", "S", "G", "channels_last")
+_GN_FIELDS = ("BLOCK_C", "BLOCK_S", "SPLITS", "num_warps", "BLOCK_C_APPLY", "BLOCK_S_APPLY", "num_warps_apply")
+GN_FWD, GN_BWD = (tune.register(tune.Spec(
+    name, _GN_KEY, _GN_FIELDS, lambda key, dtype: _gn_default(key[0], key[1], key[2], key[4]), _gn_stages,
+    GN_SPACE, QUICK_GN_SPACE, doc=f"GroupNorm (+ SiLU) {what}: statistics, combine and apply passes"))
+    for name, what in (("group_norm_fwd", "forward"), ("group_norm_bwd", "backward")))
+
+
 @tune.memoised
 def _gn_plan(N, C, S, G, cl, dtype, bwd):
     """Launch geometry of the three GroupNorm passes, forward or backward (``bwd``); memoised, so
     the host path stays thin. The tiles, splits and warps of the statistics and apply passes come
     from ``flame.tune`` (kernel "group_norm_fwd" or "group_norm_bwd", key (N, C, S, G, cl)); the
     combine kernels' blocks follow from them."""
-    cfg = tune.config("group_norm_bwd" if bwd else "group_norm_fwd", (N, C, S, G, int(cl)), dtype,
-                      _gn_default(N, C, S, cl))
+    cfg = (GN_BWD if bwd else GN_FWD).config((N, C, S, G, int(cl)), dtype)
     CG = C // G
     bc, bs = cfg["BLOCK_C"], cfg["BLOCK_S"]
     s_per_split = cdiv(cdiv(S, cfg["SPLITS"]), bs) * bs
@@ -562,12 +608,55 @@ def _ln_default(M, D, bwd):
     return cfg
 
 
+# LayerNorm's search space: BLOCK_M rows of BLOCK_D (D rounded up, derived) per program, at most
+# MAX_LN_TILE elements (the backward holds four such tiles: half, its fastest on the H100 held
+# 8192), warps that give each thread 2 to 64 of them; then the backward's persistent programs,
+# PROGRAMS_PER_SM per SM.
+LN_SPACE = dict(BLOCK_M=(1, 2, 4, 8, 16, 32), num_warps=(1, 2, 4, 8, 16), PROGRAMS_PER_SM=(1, 2, 4, 8))
+QUICK_LN_SPACE = dict(BLOCK_M=(2, 4), num_warps=(1,), PROGRAMS_PER_SM=(1, 3))
+MAX_LN_TILE = 16384
+
+
+def _ln_stages(ctx, key, spec):
+    """The candidate layer_norm_fwd/bwd configs at key (M, D) as stages: rows per program and warps,
+    then (backward) the persistent programs, each at most one per row block. Rows longer than one
+    block are streamed, in the backward one row per program: warps only."""
+    m, d = key
+    space = ctx.choices(spec)
+    bd, bwd = row_block(d), spec.name == "layer_norm_bwd"
+    streamed = bd < d
+    rows = (1,) if bwd and streamed else sorted({min(r, triton.next_power_of_2(m)) for r in space["BLOCK_M"]})
+    cap = MAX_LN_TILE // 2 if bwd else MAX_LN_TILE
+    tiles = [(r, w) for r in rows for w in space["num_warps"]
+             if (r == 1 or r * bd <= cap) and autotune.per_thread_ok(r * bd, w)]
+
+    def blocks(best):
+        return [dict(best, BLOCK_M=r, num_warps=w) for r, w in tiles]
+
+    def programs(best):
+        row_blocks = triton.cdiv(m, best["BLOCK_M"])
+        counts = {min(p * runtime.num_sms(), row_blocks) for p in space["PROGRAMS_PER_SM"]}
+        return [dict(best, PROGRAMS=p) for p in sorted(counts - {min(best["PROGRAMS"], row_blocks)})]
+
+    return [blocks, programs] if bwd and not streamed else [blocks]
+
+
+# LayerNorm and RMSNorm over M rows of D (BLOCK_D derived from D); the backward's PROGRAMS
+# persistent programs each reduce a share of dW/dB
+LN_FWD = tune.register(tune.Spec(
+    "layer_norm_fwd", ("M", "D"), ("BLOCK_M", "num_warps"), lambda key, dtype: _ln_default(*key, False), _ln_stages,
+    LN_SPACE, QUICK_LN_SPACE, doc="_ln_fwd_kernel: LayerNorm and RMSNorm forward"))
+LN_BWD = tune.register(tune.Spec(
+    "layer_norm_bwd", ("M", "D"), ("BLOCK_M", "num_warps", "PROGRAMS"), lambda key, dtype: _ln_default(*key, True),
+    _ln_stages, LN_SPACE, QUICK_LN_SPACE, doc="_ln_bwd_kernel + _colsum_kernel: their backward"))
+
+
 @tune.memoised
 def _ln_fwd_plan(M, D, dtype):
     """(programs, launch meta) of the LayerNorm/RMSNorm forward, memoised: BLOCK_M rows per program
     and the warps from ``flame.tune`` (kernel "layer_norm_fwd", key (M, D)), BLOCK_D from D."""
     bd = row_block(D)
-    cfg = tune.config("layer_norm_fwd", (M, D), dtype, _ln_default(M, D, False))
+    cfg = LN_FWD.config((M, D), dtype)
     return cdiv(M, cfg["BLOCK_M"]), dict(SINGLE=bd >= D, BLOCK_M=cfg["BLOCK_M"], BLOCK_D=bd,
                                          num_warps=cfg["num_warps"])
 
@@ -580,7 +669,7 @@ def _ln_bwd_plan(M, D, dtype):
     "layer_norm_bwd", key (M, D)); streamed rows take one program each (BLOCK_M and PROGRAMS
     unused)."""
     bd = row_block(D)
-    cfg = tune.config("layer_norm_bwd", (M, D), dtype, _ln_default(M, D, True))
+    cfg = LN_BWD.config((M, D), dtype)
     if bd >= D:
         bm = cfg["BLOCK_M"]
         n_rblocks = cdiv(M, bm)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, tune
+from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _pow2, cdiv, compute_dtype, fill_
 from .launch import launch
@@ -114,11 +114,40 @@ def _reduce_default(R, inner):
     return dict(BLOCK_R=block_r, BLOCK_I=block_i, num_warps=4 if block_r * block_i <= 1024 else 8)
 
 
+# The search space: BLOCK_R x BLOCK_I tiles (BLOCK_I 1 when reducing rows, inner == 1) of
+# REDUCE_AREA elements (or the whole of a shorter R), cut to the dims rounded up to powers of two;
+# warps that give each thread 2 to 64 elements.
+SPACE = dict(BLOCK_R=(8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), BLOCK_I=(32, 64, 128),
+             REDUCE_AREA=(1024, 2048, 4096, 8192), num_warps=(1, 2, 4, 8, 16))
+QUICK_SPACE = dict(BLOCK_R=(16, 32, 64, 128), BLOCK_I=(4, 8), REDUCE_AREA=(64, 128), num_warps=(1,))
+
+
+def _stages(ctx, key, spec):
+    """The candidate configs at key (outer, R, inner) as stages: one, BLOCK_R x BLOCK_I tiles (rows:
+    BLOCK_I 1) x warps."""
+    _, r, inner = key
+    space = ctx.choices(spec)
+    widths = [1] if inner == 1 else sorted({min(i, triton.next_power_of_2(inner)) for i in space["BLOCK_I"]})
+    lengths = sorted({min(b, triton.next_power_of_2(r)) for b in space["BLOCK_R"]})
+    tiles = [(b, i) for i in widths for b in lengths
+             if b * i in space["REDUCE_AREA"] or (b * i < min(space["REDUCE_AREA"]) and b == lengths[-1])]
+    return [lambda best: [dict(BLOCK_R=b, BLOCK_I=i, num_warps=w) for b, i in tiles for w in space["num_warps"]
+                          if autotune.per_thread_ok(b * i, w)]]
+
+
+# sum/max/min/squared deviations over R of an (outer, R, inner) view (dtype: the input's) in
+# BLOCK_R x BLOCK_I tiles (cut likewise); the R splits are derived
+REDUCE = tune.register(tune.Spec(
+    "reduce", ("outer", "R", "inner"), ("BLOCK_R", "BLOCK_I", "num_warps"),
+    lambda key, dtype: _reduce_default(*key[1:]), _stages, SPACE, QUICK_SPACE, helper=True,
+    doc="_reduce_kernel: sums, max, min, squared deviations over one axis"))
+
+
 def _reduce_plan(outer, R, inner, dtype):
     """(grid, R per split, launch config) of a reduction of (outer, R, inner) in ``dtype``
     (``reduce_`` memoises it in ``_plans``): BLOCK_R, BLOCK_I and the warps from ``flame.tune``;
     when there are too few programs to fill the GPU, R is split in whole blocks (grid axis 2)."""
-    cfg = tune.config("reduce", (outer, R, inner), dtype, _reduce_default(R, inner))
+    cfg = REDUCE.config((outer, R, inner), dtype)
     block_r, block_i = min(cfg["BLOCK_R"], _pow2(R)), min(cfg["BLOCK_I"], _pow2(inner))
     programs = outer * cdiv(inner, block_i)
     splits = 1

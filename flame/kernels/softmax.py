@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime, tune
+from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _pow2, cdiv
 from .launch import launch
@@ -383,14 +383,52 @@ def _ce_default(ROWS, C):
     return dict(BLOCK_ROWS=bm, BLOCK_C=bc, num_warps=_warps(bm * bc))
 
 
+# The search space of softmax_fwd/bwd and cross_entropy_fwd/bwd: BLOCK_ROWS rows of BLOCK_R (or
+# BLOCK_C) elements per program, blocks cut to the row's length rounded up to a power of two (a
+# softmax row that fits one block is read whole, longer rows are streamed through such blocks), at
+# most MAX_TILE elements divided by the kernel's TILE_SHARE (softmax's backward holds two tiles, y
+# and g; cross-entropy's forward three running tiles), warps that give each thread 2 to 64 of them.
+SPACE = dict(BLOCK_ROWS=(1, 2, 4, 8, 16, 32), BLOCK_R=(1024, 2048, 4096, 8192, 16384), num_warps=(1, 2, 4, 8, 16))
+QUICK_SPACE = dict(BLOCK_ROWS=(2, 4), BLOCK_R=(32, 64), num_warps=(1,))
+MAX_TILE = 16384
+TILE_SHARE = dict(softmax_fwd=1, softmax_bwd=2, cross_entropy_fwd=4, cross_entropy_bwd=2)
+
+
+def _stages(ctx, key, spec):
+    """The candidate configs at key (ROWS, R or C) as stages: one, rows per program x block length x warps."""
+    rows, r = key
+    space = ctx.choices(spec)
+    block = spec.fields[1]  # BLOCK_R or BLOCK_C
+    row_counts = sorted({min(m, triton.next_power_of_2(rows)) for m in space["BLOCK_ROWS"]})
+    lengths = sorted({min(b, triton.next_power_of_2(r)) for b in space["BLOCK_R"]})
+    cap = MAX_TILE // TILE_SHARE[spec.name]
+    configs = [{"BLOCK_ROWS": m, block: b, "num_warps": w} for m in row_counts for b in lengths
+               for w in space["num_warps"] if m * b <= cap and autotune.per_thread_ok(m * b, w)]
+    return [lambda best: configs]
+
+
+def _spec(name, key, block, heuristic, doc):
+    return tune.register(tune.Spec(name, ("ROWS", key), ("BLOCK_ROWS", block, "num_warps"), heuristic, _stages,
+                                   SPACE, QUICK_SPACE, doc=doc))
+
+
+# softmax and log_softmax over ROWS rows of R, forward and backward; a row that fits one BLOCK_R block
+# is read whole, a longer one streamed through such blocks (SINGLE derived); cross-entropy over ROWS
+# rows of C classes, streamed in BLOCK_C blocks
+SOFTMAX_FWD, SOFTMAX_BWD = (
+    _spec(name, "R", "BLOCK_R", lambda key, dtype: _softmax_default(*key, dtype.itemsize), f"softmax, log_softmax {d}")
+    for name, d in (("softmax_fwd", "forward"), ("softmax_bwd", "backward")))
+CE_FWD, CE_BWD = (_spec(name, "C", "BLOCK_C", lambda key, dtype: _ce_default(*key), f"cross-entropy {d}")
+                  for name, d in (("cross_entropy_fwd", "forward"), ("cross_entropy_bwd", "backward")))
+
+
 @tune.memoised
 def _softmax_plan(ROWS, R, dtype, bwd):
     """(programs, launch meta) of softmax_fwd/bwd over ROWS rows of R, memoised: BLOCK_ROWS rows per
     program, BLOCK_R and the warps from ``flame.tune`` (kernel "softmax_fwd"/"softmax_bwd", key
     (ROWS, R)); BLOCK_R is cut to R rounded up to a power of two, and a row that fits one block is
     read whole (SINGLE), a longer one streamed through blocks of BLOCK_R."""
-    cfg = tune.config("softmax_bwd" if bwd else "softmax_fwd", (ROWS, R), dtype,
-                      _softmax_default(ROWS, R, dtype.itemsize))
+    cfg = (SOFTMAX_BWD if bwd else SOFTMAX_FWD).config((ROWS, R), dtype)
     br = min(cfg["BLOCK_R"], _pow2(R))
     return cdiv(ROWS, cfg["BLOCK_ROWS"]), dict(SINGLE=br >= R, BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_R=br,
                                                num_warps=cfg["num_warps"])
@@ -402,7 +440,7 @@ def _ce_plan(ROWS, C, dtype, bwd):
     BLOCK_ROWS, BLOCK_C (cut to C rounded up to a power of two; the classes are always looped
     over) and the warps from ``flame.tune`` (kernel "cross_entropy_fwd"/"cross_entropy_bwd", key
     (ROWS, C))."""
-    cfg = tune.config("cross_entropy_bwd" if bwd else "cross_entropy_fwd", (ROWS, C), dtype, _ce_default(ROWS, C))
+    cfg = (CE_BWD if bwd else CE_FWD).config((ROWS, C), dtype)
     return cdiv(ROWS, cfg["BLOCK_ROWS"]), dict(BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_C=min(cfg["BLOCK_C"], _pow2(C)),
                                                num_warps=cfg["num_warps"])
 
