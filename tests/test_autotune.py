@@ -703,7 +703,7 @@ def test_launches_are_timed_as_graph_replays(autotune, monkeypatch):
     assert autotune.time_ms(lambda: None, warmup=1, rep=1) == 0.5
 
 
-def test_kernels_lists_every_registered_spec(capsys):
+def test_kernels_lists_every_registered_spec(autotune, capsys):
     from flame import tune
     assert autotune.main(["--kernels"]) == 0
     out = capsys.readouterr().out
