@@ -221,6 +221,7 @@ def family_table(family: str, cards: list[dict]) -> str:
     dtypes = {r["dtype"] for _, r in runs}
     hidden = HIDDEN.get(family, lambda row: False)
     columns, rows, cells, left_out = [], [], {}, set()
+    order, variants = {}, []  # column -> (card, dtype, pass, variant) rank: every card's groups in one order
     for card, run in runs:
         passes = _has_passes(run["cases"])
         for case in run["cases"]:
@@ -232,11 +233,16 @@ def family_table(family: str, cards: list[dict]) -> str:
                                          run["dtype"] if len(dtypes) > 1 else None,
                                          PASSES.get(pass_), f"vs {variant}" if variant else None) if p)
             col = label or "flame / torch (ratio)"
+            if variant not in variants:
+                variants.append(variant)
             if col not in columns:
                 columns.append(col)
+                order[col] = ([c["card"] for c in cards].index(card), run["dtype"], list(PASSES).index(pass_)
+                              if pass_ in PASSES else -1, variants.index(variant))
             if row not in rows:
                 rows.append(row)
             cells[row, col] = (case, run["timer"])
+    columns.sort(key=order.__getitem__)
     lines = ["| case | " + " | ".join(columns) + " |", "| --- |" + " --- |" * len(columns)]
     lines += [f"| {row} | " + " | ".join(_cell(*cells[row, col]) if (row, col) in cells else "-" for col in columns)
               + " |" for row in rows]
