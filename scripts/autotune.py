@@ -66,10 +66,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for common (also when imported by path)
 
 # isort: off
-import flame  # first: selects the backend (the interpreter sets TRITON_INTERPRET) before triton is imported
+import common  # first: puts the checkout on sys.path and imports flame, which selects the backend
+import flame
 from flame import autotune, runtime, tune
 from flame.kernels import attention as KA
 from flame.kernels import conv2d as KC
@@ -85,14 +86,14 @@ import yaml
 from tqdm import tqdm
 # isort: on
 
-ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Largest error allowed, as a fraction of the reference's largest magnitude: the output's own
-# rounding (bf16: 2^-8, fp16: 2^-11) or tf32 products (fp32 on the GPU), with room to spare.
-CHECK_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 5e-3}
+ROOT = common.ROOT
+DTYPES = common.DTYPES
+# Largest error allowed, as a fraction of the reference's largest magnitude: the library's check of
+# a tuned config (flame.autotune.CHECK_TOL), the same job.
+CHECK_TOL = common.CHECK_TOL
 SCREEN = dict(warmup=2, rep=10)  # ms of timing (time_ms) for the first pass over every candidate
 FINAL = dict(warmup=10, rep=50)  # ... and for the finalists and the default
-DEFAULT_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
+DEFAULT_SHAPES = common.SDXL_SHAPES
 QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
                 "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V
                 "group_norm": [(1, 6, 5, 7, 3, 1, 1), (2, 4, 3, 5, 2, 0, 0)],  # channels-last + SiLU, NCHW
