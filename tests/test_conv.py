@@ -8,6 +8,16 @@ from flame.testing import gradcheck
 from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_error, pair
 
 
+@pytest.fixture(autouse=True)
+def _fresh_routes():
+    """Routes are memoised per problem (kernels/conv2d.py): each test plans afresh, so one that
+    patches the planner's helpers (split counts, config lookups) reaches them."""
+    from flame.kernels.conv2d import _route
+    _route.cache_clear()
+    yield
+    _route.cache_clear()
+
+
 def _tol(want, dtype):
     """Convolutions sum in another order than PyTorch: the error scales with the summands (~the
     largest magnitude of the result), not with each element. fp32 products run as tf32 on the

@@ -672,9 +672,15 @@ class Route:
 _reported: set = set()
 
 
+@tune.memoised
+def _route(p: ConvProblem) -> Route:
+    return _plan_wgrad(p) if p.direction == WEIGHT_GRAD else _plan_conv(p)
+
+
 def plan(p: ConvProblem) -> Route:
-    """The route of convolution problem ``p`` (see above)."""
-    route = _plan_wgrad(p) if p.direction == WEIGHT_GRAD else _plan_conv(p)
+    """The route of convolution problem ``p`` (see above), memoised per problem (a training loop's
+    shapes repeat): one dictionary lookup on the host after the first call."""
+    route = _route(p)
     if DEBUG_ROUTES and p not in _reported:
         _reported.add(p)
         print(f"flame conv route: {p.direction} x{list(p.x.shape)} w{list(p.w.shape)} y{list(p.y.shape)} "
