@@ -708,3 +708,7 @@ def test_kernels_lists_every_registered_spec(autotune, capsys):
     assert autotune.main(["--kernels"]) == 0
     out = capsys.readouterr().out
     assert all(f"| `{name}` |" in out for name in tune.SPECS)
+    readme = (ROOT / "configs" / "autotune" / "README.md").read_text()
+    block = readme.split("<!-- kernels: python3 scripts/autotune.py --kernels -->\n")[1].split("\n<!-- /kernels -->")[0]
+    assert block == autotune.kernel_table(), "configs/autotune/README.md: paste `scripts/autotune.py --kernels` again"
+
