@@ -175,6 +175,11 @@ def memory_allocated() -> int:
     return torch.cuda.memory_allocated() if not INTERPRETER else 0
 
 
+def free_memory() -> int:
+    """Bytes the device has free, as the CUDA driver reports them (0 on the interpreter backend)."""
+    return torch.cuda.mem_get_info(device)[0] if not INTERPRETER else 0
+
+
 def max_memory_allocated() -> int:
     return torch.cuda.max_memory_allocated() if not INTERPRETER else 0
 

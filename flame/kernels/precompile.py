@@ -78,6 +78,7 @@ def _worker_init():
     launch.settle_cache_keys()  # the keys the run will compute (launch.settle_cache_keys says why)
 
 
+WORKER_BYTES = 1 << 30  # device memory a compile worker may hold (context ~0.5 GB, stand-ins a few MB)
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "configs" / "kernels"
 DONE_FILE = "flame-compiled-ahead.txt"
 
@@ -124,8 +125,10 @@ def pending(paths, done_file=None) -> list:
 
 def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_compiled: bool = True) -> dict:
     """Compile every variant recorded in ``paths`` (a file or several) into Triton's on-disk cache,
-    ``jobs`` processes at a time (default: the CPU count, at most 32). ``skip_compiled``: leave out
-    the lines already compiled ahead into this cache folder. Returns ``{"variants", "failed",
+    ``jobs`` processes at a time (default: the CPU count, at most 32 and at most one per
+    ``WORKER_BYTES`` in a quarter of the device's free memory, so a small card keeps room for the
+    model loading meanwhile). ``skip_compiled``: leave out the lines already compiled ahead into
+    this cache folder. Returns ``{"variants", "failed",
     "seconds"}`` (the lines compiled now); a variant that fails to compile is counted and left to
     compile on first use. Does nothing on the interpreter (nothing compiles there)."""
     if runtime.INTERPRETER:
@@ -135,7 +138,9 @@ def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_co
     t0 = time.perf_counter()
     if not lines:
         return {"variants": 0, "failed": 0, "seconds": 0.0}
-    jobs = max(1, min(jobs or os.cpu_count() or 1, 32, len(lines)))
+    if jobs is None:  # each worker holds a CUDA context and stand-ins: a quarter of the free memory at most
+        jobs = min(os.cpu_count() or 1, 32, runtime.free_memory() // 4 // WORKER_BYTES)
+    jobs = max(1, min(jobs, len(lines)))
     compiled, failed = [], 0
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, initializer=_worker_init) as pool:
