@@ -134,24 +134,31 @@ def run_op(f_fn, t_fn, inputs, g=None, grad_mask=None, flame_side=True, upcast=F
 def check_op(f_fn, t_fn, inputs, g=None, *, grad_mask=None, tol=None, grad_tol=None, lowp=None) -> OpRun:
     """``run_op``, then flame's output and every input gradient against PyTorch's: ``assert_close``
     with the reference dtype's ``TOL``, or ``tol`` (output) and ``grad_tol`` (gradients; default
-    ``tol``). ``lowp=(out_factor, grad_factor)``: for fp16/bf16 outputs, the low-precision rule
+    ``tol``; a list gives one per input, None there meaning ``tol``). A tolerance is a dict or a
+    function of the reference tensor returning one (errors that scale with its magnitude).
+    ``lowp=(out_factor, grad_factor)``: for fp16/bf16 outputs, the low-precision rule
     instead (``assert_within_torch_error`` against torch on fp32 copies; an out_factor of None keeps
     ``tol`` for the output, for ops that only copy). Returns the ``OpRun``."""
     run = run_op(f_fn, t_fn, inputs, g, grad_mask)
-    tol, grad_tol = tol or {}, grad_tol if grad_tol is not None else (tol or {})
+    grad_tols = grad_tol if isinstance(grad_tol, list) else [grad_tol] * len(inputs)
     if lowp is not None and run.ref.dtype in LOW_PRECISION:
         assert run.out.dtype == run.ref.dtype, f"dtype {run.out.dtype} != {run.ref.dtype}"
         up = run_op(f_fn, t_fn, inputs, g, grad_mask, flame_side=False, upcast=True)
         if lowp[0] is None:
-            assert_close(run.out, run.ref, **tol)
+            assert_close(run.out, run.ref, **_tol(tol, run.ref))
         else:
             assert_within_torch_error(run.out, run.ref, up.ref, lowp[0])
         for got, low, want in zip(run.grads, run.ref_grads, up.ref_grads):
             if want is not None:
                 assert_within_torch_error(got, low, want, lowp[1])
         return run
-    assert_close(run.out, run.ref, **tol)
-    for got, want in zip(run.grads, run.ref_grads):
+    assert_close(run.out, run.ref, **_tol(tol, run.ref))
+    for got, want, gt in zip(run.grads, run.ref_grads, grad_tols):
         if want is not None:
-            assert_close(got.to_torch().to(want.dtype), want, **grad_tol)
+            assert_close(got.to_torch().to(want.dtype), want, **_tol(tol if gt is None else gt, want))
     return run
+
+
+def _tol(spec, want):
+    """``check_op``'s tolerance for the reference ``want``: a dict, a function of ``want``, or None."""
+    return (spec(want) if callable(spec) else spec) or {}
