@@ -7,7 +7,7 @@ import torch
 import flame
 import flame.nn.functional as F
 from flame.testing import gradcheck
-from helpers import DEVICE, FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, assert_close, pair
+from helpers import DEVICE, FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, assert_close, check_op, pair
 
 tf = torch.nn.functional
 
@@ -30,25 +30,26 @@ def _check(op, shape, dtype=torch.float32, channels_last=False, noncontig=False,
     """flame's op against torch's: values, (max) indices, input gradient, memory format of the
     output and of the gradient that reaches the input."""
     x, xt = _inputs(shape, dtype, channels_last, noncontig)
-    seen = []
+    seen, idx = [], []
     x.register_hook(lambda g: seen.append(g.to_torch()))
+    f_pool, t_pool = (F.max_pool2d, tf.max_pool2d) if op == "max" else (F.avg_pool2d, tf.avg_pool2d)
+
+    def f_fn(x):
+        if op != "max":
+            return f_pool(x, **kw)
+        y, i = f_pool(x, return_indices=True, **kw)
+        idx.append(i)
+        return y
+
+    # The reference runs on an NCHW copy: torch's CUDA channels-last avg_pool2d backward drops the
+    # padding offset (pytorch/pytorch#188344, fixed by #188345 in July 2026, present in torch 2.11
+    # on the GPU machine): there, it and not flame was wrong with padding.
+    y = check_op(f_fn, lambda t: t_pool(t.contiguous(), **kw), [(x, xt)]).out
     if op == "max":
-        y, idx = F.max_pool2d(x, return_indices=True, **kw)
-        yt, idxt = tf.max_pool2d(xt, return_indices=True, **kw)
-        assert torch.equal(idx.to_torch(), idxt), "indices differ"
-        assert idx.stride() == y.stride()
-    else:
-        y, yt = F.avg_pool2d(x, **kw), tf.avg_pool2d(xt, **kw)
-    assert_close(y, yt)
-    assert _layout(y) == _layout(yt) or y.numel() == 0  # torch makes empty outputs NCHW
-    g, gt = pair(tuple(yt.shape), dtype)
-    grads = y.backward(g)
-    # The reference gradient comes from an NCHW copy: torch's CUDA channels-last avg_pool2d
-    # backward drops the padding offset (pytorch/pytorch#188344, fixed by #188345 in July 2026,
-    # present in torch 2.11 on the GPU machine): there, it and not flame was wrong with padding.
-    xr = xt.detach().contiguous().requires_grad_()
-    (tf.max_pool2d if op == "max" else tf.avg_pool2d)(xr, **kw).backward(gt)
-    assert_close(grads[x].to(dtype), xr.grad)  # fp16 leaves get fp32 gradients
+        assert torch.equal(idx[0].to_torch(), t_pool(xt.detach(), return_indices=True, **kw)[1]), "indices differ"
+        assert idx[0].stride() == y.stride()
+    # torch makes empty outputs NCHW
+    assert _layout(y) == _layout(t_pool(xt.detach(), **kw)) or y.numel() == 0
     if x.numel():
         assert _layout(seen[0]) == _layout(xt if channels_last else xt.contiguous())
     return y
@@ -141,12 +142,9 @@ def test_max_pool2d_gradient_of_tied_window_goes_to_one_element():
     want[..., ::2, ::2] = 1.0
     assert_close(grads[x], want)
     # overlapping windows sharing one maximum add their gradients there
-    x = flame.from_torch(torch.arange(25.0).reshape(1, 1, 5, 5).to(DEVICE), requires_grad=True)
-    grads = F.max_pool2d(x, 3, stride=1).sum().backward()
-    xt = torch.arange(25.0).reshape(1, 1, 5, 5).requires_grad_()
-    tf.max_pool2d(xt, 3, stride=1).sum().backward()
-    assert_close(grads[x], xt.grad)
-    assert float(grads[x].to_torch().max()) == 1.0
+    run = check_op(lambda x: F.max_pool2d(x, 3, stride=1), lambda t: tf.max_pool2d(t, 3, stride=1),
+                   [torch.arange(25.0).reshape(1, 1, 5, 5)], g=torch.ones(1, 1, 3, 3))
+    assert float(run.grads[0].to_torch().max()) == 1.0
 
 
 @pytest.mark.parametrize("kw", [dict(kernel_size=3, stride=2, padding=1, ceil_mode=True),
