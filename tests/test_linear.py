@@ -5,7 +5,7 @@ import torch
 import flame
 import flame.nn.functional as F
 from flame.testing import gradcheck
-from helpers import FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, assert_close, assert_within_torch_error, pair
+from helpers import FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, TOL, assert_close, assert_within_torch_error, check_op, pair
 
 TORCH_ACT = {
     None: lambda t: t,
@@ -16,33 +16,26 @@ TORCH_ACT = {
 }
 
 
-def _run(x_shape, n_out, dtype, act, bias=True, weight_t=False, noncontig_x=False):
-    x, xt = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig_x)
+def _check(x_shape, n_out, dtype, act, tol, bias=True, weight_t=False, noncontig_x=False):
+    """``check_op`` of ``F.linear`` (bias, activation) against torch: output, x, W and b gradients."""
+    x = pair(x_shape, dtype, requires_grad=True, noncontig=noncontig_x)
     if weight_t:  # a transposed view of an (in, out) buffer: read in place
         w0, w0t = pair((x_shape[-1], n_out), dtype)
-        w, wt = w0.t().detach().requires_grad_(), w0t.t().detach().requires_grad_()
+        w = w0.t().detach().requires_grad_(), w0t.t().detach().requires_grad_()
     else:
-        w, wt = pair((n_out, x_shape[-1]), dtype, requires_grad=True)
-    b, bt = pair((n_out,), dtype, requires_grad=True) if bias else (None, None)
-    y = F.linear(x, w, b, activation=act)
-    yt = TORCH_ACT[act](torch.nn.functional.linear(xt, wt, bt))
-    g, gt = pair(tuple(yt.shape), dtype)
-    grads = y.backward(g)
-    yt.backward(gt)
-    return y, yt, grads, (x, xt), (w, wt), (b, bt)
+        w = pair((n_out, x_shape[-1]), dtype, requires_grad=True)
+    b = pair((n_out,), dtype, requires_grad=True) if bias else None
+    check_op(lambda x, w, b: F.linear(x, w, b, activation=act),
+             lambda x, w, b: TORCH_ACT[act](torch.nn.functional.linear(x, w, b)), [x, w, b], tol=tol)
 
 
 @pytest.mark.parametrize("act", list(TORCH_ACT))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
 @pytest.mark.parametrize("shape,n_out", [((7, 33), 17), ((2, 5, 16), 8), ((1, 1), 1), ((3, 77, 40), 24)], ids=str)
 def test_linear_matches_torch(act, dtype, shape, n_out):
-    y, yt, grads, (x, xt), (w, wt), (b, bt) = _run(shape, n_out, dtype, act)
     # GEMMs sum in another order than PyTorch: a few ulp of the sum, not of each element; fp32
     # products run as tf32 on the GPU (10 mantissa bits), exactly in the interpreter
-    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-4, atol=1e-5)
-    pairs = [(y, yt)] + [(grads[p].to(dtype), pt.grad) for p, pt in ((x, xt), (w, wt), (b, bt))]
-    for got, want in pairs:
-        assert_close(got, want, dtype, **(_tf32_tol(want) if dtype == torch.float32 else tol))
+    _check(shape, n_out, dtype, act, dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else _tf32_tol)
 
 
 def _tf32_tol(want):
@@ -55,10 +48,7 @@ def _tf32_tol(want):
 
 @pytest.mark.parametrize("act", [None, "gelu"])
 def test_linear_strided_operands_and_no_bias(act):
-    y, yt, grads, (x, xt), (w, wt), _ = _run((9, 12), 5, torch.float32, act, bias=False, weight_t=True,
-                                             noncontig_x=True)
-    for got, want in ((y, yt), (grads[x], xt.grad), (grads[w], wt.grad)):
-        assert_close(got, want, **_tf32_tol(want))
+    _check((9, 12), 5, torch.float32, act, _tf32_tol, bias=False, weight_t=True, noncontig_x=True)
 
 
 @pytest.mark.parametrize("act", list(TORCH_ACT))
@@ -76,15 +66,15 @@ def test_linear_gradcheck(act):
 
 def test_mixed_precision_master_weight():
     # fp32 master weight with fp16 activations: cast once, gradient back in fp32
-    x, xt = pair((4, 8), torch.float16, requires_grad=True)
-    w, wt = pair((3, 8), torch.float32, requires_grad=True)
-    y = F.linear(x, w)
-    assert y.dtype == torch.float16
-    grads = y.float().sum().backward()
-    assert grads[w].dtype == torch.float32 and grads[x].dtype == torch.float32
-    yt = torch.nn.functional.linear(xt, wt.half())
-    yt.float().sum().backward()
-    assert_close(grads[w], wt.grad, torch.float16)
+    def f_fn(x, w):
+        y = F.linear(x, w)
+        assert y.dtype == torch.float16
+        return y.float()
+
+    run = check_op(f_fn, lambda x, w: torch.nn.functional.linear(x, w.half()).float(),
+                   [pair((4, 8), torch.float16, requires_grad=True), pair((3, 8), torch.float32, requires_grad=True)],
+                   tol=TOL[torch.float16])
+    assert run.grads[0].dtype == run.grads[1].dtype == torch.float32
 
 
 def test_linear_empty_and_zero_k():
@@ -147,30 +137,20 @@ def _torch_lora(x, w, b, a, lb, scale, xl=None):
 ], ids=str)
 def test_lora_linear_matches_composed_torch(dtype, x_shape, bias, branch, train_base):
     n_out, rank = 24, 4
-    x, tx = pair(x_shape, dtype, requires_grad=True)
-    w, tw = pair((n_out, x_shape[-1]), dtype, requires_grad=train_base)
-    b, tb = pair((n_out,), dtype, requires_grad=train_base) if bias else (None, None)
-    a, ta = pair((rank, x_shape[-1]), torch.float32, requires_grad=True)  # fp32 masters
-    lb, tlb = pair((n_out, rank), torch.float32, requires_grad=True)
-    xl, txl = pair(x_shape, dtype, requires_grad=True) if branch else (None, None)
-    y = F.lora_linear(x, w, b, a, lb, 0.75, lora_input=xl)
-    ty = _torch_lora(tx, tw, tb, ta, tlb, 0.75, txl)
-    g, tg = pair(tuple(ty.shape), dtype)
-    grads = y.backward(g)
-    ty.backward(tg)
+    inputs = [pair(x_shape, dtype, requires_grad=True), pair((n_out, x_shape[-1]), dtype, requires_grad=train_base),
+              pair((n_out,), dtype, requires_grad=train_base) if bias else None,
+              pair((rank, x_shape[-1]), torch.float32, requires_grad=True),  # fp32 masters
+              pair((n_out, rank), torch.float32, requires_grad=True),
+              pair(x_shape, dtype, requires_grad=True) if branch else None]
     if dtype != torch.float32:
         tol = dict(rtol=2e-2, atol=2e-2)
     elif flame.is_interpreter():
         tol = dict(rtol=1e-4, atol=1e-4)
     else:  # tf32 products in two chained GEMMs: inputs rounded to 10 mantissa bits, sums of 40 terms
         tol = dict(rtol=1e-2, atol=0.15)
-    assert_close(y, ty.detach(), dtype, **tol)
-    checks = [(x, tx), (a, ta), (lb, tlb)] + ([(xl, txl)] if branch else [])
-    if train_base:
-        checks += [(w, tw)] + ([(b, tb)] if bias else [])
-    assert grads[a].dtype == grads[lb].dtype == torch.float32  # the masters' own dtype
-    for leaf, t in checks:
-        assert_close(grads[leaf].to(t.dtype), t.grad, t.dtype, **tol)
+    run = check_op(lambda x, w, b, a, lb, xl: F.lora_linear(x, w, b, a, lb, 0.75, lora_input=xl),
+                   lambda x, w, b, a, lb, xl: _torch_lora(x, w, b, a, lb, 0.75, xl), inputs, tol=tol)
+    assert run.grads[3].dtype == run.grads[4].dtype == torch.float32  # the masters' own dtype
 
 
 @pytest.mark.slow
