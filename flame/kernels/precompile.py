@@ -129,7 +129,8 @@ def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_co
     ``WORKER_BYTES`` in a quarter of the device's free memory, so a small card keeps room for the
     model loading meanwhile). ``skip_compiled``: leave out the lines already compiled ahead into
     this cache folder. Returns ``{"variants", "failed", "seconds"}`` (the lines compiled now); a
-    variant that fails to compile is counted and left to compile on first use. Does nothing on the interpreter (nothing compiles there)."""
+    variant that fails to compile is counted and left to compile on first use. Does nothing on the
+    interpreter (nothing compiles there)."""
     if runtime.INTERPRETER:
         return {"variants": 0, "failed": 0, "seconds": 0.0}
     done_file = triton_cache_dir() / DONE_FILE
