@@ -820,3 +820,18 @@ def test_debug_routes_prints_each_problem_once(monkeypatch, capsys):
         KC.plan(p)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "fold" in lines[0] and "one K block" in lines[0] and "wgrad" in lines[1], lines
+
+
+def test_a_frozen_conv_keeps_no_input_for_the_backward():
+    """The input is saved for the weight's gradient only: a frozen conv holds no activation, and the
+    input's gradient is still right (its layout too)."""
+    x, xt = pair((2, 3, 6, 5), requires_grad=True)
+    w, wt = pair((4, 3, 3, 3))
+    y = F.conv2d(x, w, padding=1)
+    assert y._node.saved[0] is None
+    g = torch.randn(2, 4, 6, 5)
+    grads = y.backward(flame.from_torch(g))
+    torch.nn.functional.conv2d(xt, wt, padding=1).backward(g)
+    assert_close(grads[x], xt.grad, atol=1e-4, rtol=1e-4)
+    w.requires_grad = True
+    assert F.conv2d(x, w, padding=1)._node.saved[0] is not None

@@ -259,3 +259,22 @@ def test_lora_linear_launches_fewer_kernels_than_the_composed_ops():
     L.launches = 0
     F.lora_linear(x, w, b, a, lb, 0.5, magnitude=m).backward(g)
     assert L.launches <= counts[0] + 4, (L.launches, counts)
+
+
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_a_frozen_weight_keeps_no_input_for_the_backward(activation):
+    """The input is saved for the weight's gradient only: a frozen layer (LoRA training's base
+    layers) holds no activation, and the input's gradient is still right."""
+    x, xt = pair((6, 10), requires_grad=True)
+    w, wt = pair((7, 10))
+    b, bt = pair((7,))
+    y = F.linear(x, w, b, activation=activation)
+    assert y._node.saved[0] is None
+    yt = torch.nn.functional.linear(xt, wt, bt)
+    yt = torch.nn.functional.gelu(yt) if activation else yt
+    g = torch.randn(6, 7)
+    grads = y.backward(flame.from_torch(g))
+    yt.backward(g)
+    assert_close(grads[x], xt.grad, **TOL[torch.float32])
+    w.requires_grad = True
+    assert F.linear(x, w, b, activation=activation)._node.saved[0] is not None

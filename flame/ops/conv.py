@@ -61,18 +61,19 @@ def _is_channels_last(buf):
 #   dW[co, ci, kh, kw] = sum_{n, oh, ow} G[n, co, oh, ow] * X[n, ci, oh * s - p + kh * d, ...]
 #   db[co] = sum_{n, oh, ow} G[n, co, oh, ow]
 def _conv2d_backward(node, g):
-    x, w = node.saved
+    x, w = node.saved  # x only when the weight needs a gradient
     need_x, need_w, need_b = node.needs_input_grad
     a = node.attrs
     stride, padding, dilation, groups = a["stride"], a["padding"], a["dilation"], a["groups"]
+    x_shape, x_dtype = a["x_shape"], a["x_dtype"]
     gd = g._data
-    if gd.dtype != x.dtype:
-        gd = to(Tensor(gd), x.dtype)._data
+    if gd.dtype != x_dtype:
+        gd = to(Tensor(gd), x_dtype)._data
     gd = _nhwc_data(gd)
     dx = dw = db = None
     if need_x:
         # the input's own layout, so an NCHW leaf's gradient needs no copy in the engine
-        dxb = _empty_nhwc(tuple(x.shape), x.dtype) if a["x_nhwc"] else runtime.empty(tuple(x.shape), x.dtype)
+        dxb = _empty_nhwc(x_shape, x_dtype) if a["x_nhwc"] else runtime.empty(x_shape, x_dtype)
         KC.conv2d_input_grad_(dxb, gd, w, stride, padding, dilation, groups)
         dx = Tensor(dxb)
     if need_w:
@@ -159,8 +160,10 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     KC.conv2d_forward_(out, x, wb, None if bias is None else bias._data, stride, top_left, dilation, groups)
     y = Tensor(out)
     if needs_grad(input, weight, bias):
-        record(y, (input, weight, bias), _conv2d_backward, saved=(x, wb),
-               stride=stride, padding=top_left, dilation=dilation, groups=groups, x_nhwc=_is_channels_last(x0))
+        # the input is kept for the weight's gradient only: a frozen conv (LoRA training) saves none
+        record(y, (input, weight, bias), _conv2d_backward, saved=(x if weight.requires_grad else None, wb),
+               stride=stride, padding=top_left, dilation=dilation, groups=groups, x_nhwc=_is_channels_last(x0),
+               x_shape=tuple(x.shape), x_dtype=x.dtype)
     return y
 
 

@@ -202,18 +202,19 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 #   dW = G'^T X            (N, R) x (R, K), G'^T a transposed view
 #   db = sum_r G'[r, :]    (a column reduction, fp32 accumulation)
 def _linear_backward(node, g):
-    x2, w, pre = node.saved
+    x2, w, pre = node.saved  # x2 only when the weight needs a gradient
     need_x, need_w, need_b = node.needs_input_grad
+    x_dtype = node.attrs["x_dtype"]
     g2 = _as_rows(g)
-    if g2.dtype != x2.dtype:
-        g2 = to(Tensor(g2), x2.dtype)._data
+    if g2.dtype != x_dtype:
+        g2 = to(Tensor(g2), x_dtype)._data
     if pre is not None:
         gp = runtime.empty(g2.shape, g2.dtype)
         KE.map_(gp, [g2, pre], node.attrs["grad_op"])
         g2 = gp
     dx = None
     if need_x:
-        dx = runtime.empty(x2.shape, x2.dtype)
+        dx = runtime.empty((g2.shape[0], w.shape[1]), x_dtype)
         KM.matmul_(dx, g2, w._data)
         dx = Tensor(dx.view(node.attrs["x_shape"]))
     dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
@@ -269,7 +270,9 @@ def linear(x, weight, bias=None, activation=None):
     KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre)
     y = Tensor(out.view(out_shape))
     if grad:
-        record(y, (x, weight, bias), _linear_backward, saved=(x2, weight, pre), grad_op=grad_op, x_shape=x.shape)
+        # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
+        record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
+               grad_op=grad_op, x_shape=x.shape, x_dtype=x2.dtype)
     return y
 
 
