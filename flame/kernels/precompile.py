@@ -8,10 +8,10 @@ constexprs and launch options. ``compile_ahead(FILE, jobs)`` hands the lines to 
 processes, which build stand-in arguments of those kinds on the GPU and call each kernel's
 ``warmup`` (compile, no launch) and load the result (which builds its host launcher): kernels
 and launchers land in Triton's on-disk cache, where the run that follows finds them as if it had
-compiled them itself. The cache is keyed by the kernel's
-source, the specialisation and the options, so a line that no longer matches anything (a kernel
-edited since the file was written, another GPU) costs its compile and nothing else; a kernel the
-file lacks compiles on first use, as without it.
+compiled them itself. The cache is keyed by the kernel's source, the specialisation and the
+options, so a line that no longer matches anything (a kernel edited since the file was written,
+another GPU) costs its compile and nothing else; a kernel the file lacks compiles on first use,
+as without it.
 
 The JSON lines are the whole interface; they depend on nothing but flame's kernel names, so a file
 recorded on one machine serves every machine with the same GPU and Triton. A digest of every line
@@ -99,11 +99,6 @@ def auto_paths() -> list:
     return [p for p in (SHIPPED_DIR / manifest_name(), recorded_path()) if p.exists()]
 
 
-def triton_cache_dir() -> Path:
-    """Triton's on-disk cache folder (``TRITON_CACHE_DIR``, default ``~/.triton/cache``)."""
-    return Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
-
-
 def _digest(line: str) -> str:
     return hashlib.sha1(f"{triton.__version__} {line}".encode()).hexdigest()[:20]
 
@@ -133,7 +128,7 @@ def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_co
     interpreter (nothing compiles there)."""
     if runtime.INTERPRETER:
         return {"variants": 0, "failed": 0, "seconds": 0.0}
-    done_file = triton_cache_dir() / DONE_FILE
+    done_file = Path(triton.knobs.cache.dir) / DONE_FILE  # Triton's cache folder, as Triton resolves it
     lines = pending(paths, done_file if skip_compiled else None)
     t0 = time.perf_counter()
     if not lines:
