@@ -48,6 +48,7 @@ def first_use(monkeypatch, tmp_path):
     ASKED.clear()
     tune.reset()
     yield tmp_path
+    monkeypatch.undo()  # FLAME_AUTOTUNE off again before tune re-reads it: later tests must not tune
     tune.reset()
 
 

@@ -770,7 +770,10 @@ def test_plan_names_each_route(route, direction, x_shape, w_shape, dtype, kw, tm
     import flame.kernels.conv2d as KC
     got = KC.plan(_route_problem(direction, x_shape, w_shape, dtype, kw, tma))
     assert got.kernel == route, got
-    assert got.reason and got.splits == (0 if route in ("none", "zero_fill") else 1)
+    if route in ("none", "zero_fill"):
+        assert got.reason and got.splits == 0
+    else:  # tiny problems: one split on the interpreter's single SM, split-K to fill a GPU's
+        assert got.reason and (got.splits == 1 if flame.is_interpreter() else got.splits >= 1), got
 
 
 # one launch per route (the first case of each), against PyTorch
@@ -787,23 +790,24 @@ def test_each_route_runs_and_matches_torch(route, direction, x_shape, w_shape, d
     monkeypatch.setattr(KC, "plan", lambda p, real=KC.plan: taken.append(real(p)) or taken[-1])
     cl = torch.channels_last
     p = _route_problem(direction, x_shape, w_shape, dtype, kw, tma)
-    x, w = (torch.randn(s, dtype=F64).contiguous(memory_format=cl) for s in (x_shape, w_shape))
-    y = torch.randn(p.y.shape, dtype=F64).contiguous(memory_format=cl)
+    dev = flame.device
+    x, w = (torch.randn(s, dtype=F64, device=dev).contiguous(memory_format=cl) for s in (x_shape, w_shape))
+    y = torch.randn(p.y.shape, dtype=F64, device=dev).contiguous(memory_format=cl)
     args = (p.stride, p.padding, p.dilation, p.groups)
     torch_kw = dict(stride=p.stride, padding=p.padding, dilation=p.dilation, groups=p.groups)
     low = [t.to(dtype) for t in (x, w, y)]
     x, w, y = (t.double() for t in low)  # the reference sees the rounded inputs
     if direction == "forward":
         want = torch.nn.functional.conv2d(x, w, **torch_kw)
-        got = torch.full(want.shape, float("nan"), dtype=dtype).contiguous(memory_format=cl)
+        got = torch.full(want.shape, float("nan"), dtype=dtype, device=dev).contiguous(memory_format=cl)
         KC.conv2d_forward_(got, low[0], low[1], None, *args)
     elif direction == "input_grad":
         want = torch.nn.grad.conv2d_input(x_shape, w, y, **torch_kw)
-        got = torch.full(x_shape, float("nan"), dtype=dtype).contiguous(memory_format=cl)
+        got = torch.full(x_shape, float("nan"), dtype=dtype, device=dev).contiguous(memory_format=cl)
         KC.conv2d_input_grad_(got, low[2], low[1], *args)
     else:
         want = torch.nn.grad.conv2d_weight(x, w_shape, y, **torch_kw)
-        got = torch.full(w_shape, float("nan"), dtype=dtype).contiguous(memory_format=cl)
+        got = torch.full(w_shape, float("nan"), dtype=dtype, device=dev).contiguous(memory_format=cl)
         KC.conv2d_weight_grad_(got, low[2], low[0], *args)
     assert [r.kernel for r in taken] == [route], taken
     assert_close(got.double(), want, dtype, **_tol(want, dtype))
@@ -829,7 +833,7 @@ def test_a_frozen_conv_keeps_no_input_for_the_backward():
     w, wt = pair((4, 3, 3, 3))
     y = F.conv2d(x, w, padding=1)
     assert y._node.saved[0] is None
-    g = torch.randn(2, 4, 6, 5)
+    g = torch.randn(2, 4, 6, 5, device=flame.device)
     grads = y.backward(flame.from_torch(g))
     torch.nn.functional.conv2d(xt, wt, padding=1).backward(g)
     assert_close(grads[x], xt.grad, atol=1e-4, rtol=1e-4)

@@ -272,7 +272,7 @@ def test_a_frozen_weight_keeps_no_input_for_the_backward(activation):
     assert y._node.saved[0] is None
     yt = torch.nn.functional.linear(xt, wt, bt)
     yt = torch.nn.functional.gelu(yt) if activation else yt
-    g = torch.randn(6, 7)
+    g = torch.randn(6, 7, device=flame.device)
     grads = y.backward(flame.from_torch(g))
     yt.backward(g)
     assert_close(grads[x], xt.grad, **TOL[torch.float32])
