@@ -218,6 +218,64 @@ def test_full_sdxl_sizes_and_lora_targets():
     assert len(SDXLUNet.layer_names(kind="LayerNorm")) == 3 * 70  # 70 transformer blocks
 
 
+# ---- checkpointing scopes ---------------------------------------------------------------------------
+
+def _saved_bytes(out):
+    """Bytes of the distinct tensors the graph behind ``out`` keeps for its backward (checkpoint
+    segments: their arguments)."""
+    seen, nodes, stack = {}, set(), [out._node]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in nodes or not hasattr(node, "edges"):
+            continue
+        nodes.add(id(node))
+        saved = node.saved
+        items = saved.args if hasattr(saved, "args") else saved if isinstance(saved, (tuple, list)) else (saved,)
+        for t in items:
+            data = t if isinstance(t, torch.Tensor) else getattr(t, "_data", None)  # ops keep either
+            if isinstance(data, torch.Tensor):  # a view of the same bytes counts once
+                seen[data.data_ptr()] = max(seen.get(data.data_ptr(), 0), data.numel() * data.element_size())
+        stack.extend(e for e in node.edges if e is not None)
+    return sum(seen.values())
+
+
+def test_feed_forward_scope_keeps_the_input_not_the_projection_and_changes_no_gradient():
+    """scope feed_forward: each GEGLU (projection + gate) keeps its (B, L, dim) input instead of the
+    (B, L, 8 dim) projection and recomputes it; outputs and gradients are the same numbers."""
+    from flame.models.sdxl_unet import FeedForward, _Layers
+    flame.manual_seed(3)
+    ff = FeedForward(_Layers(flame.float32), 8)
+    x = flame.randn(2, 5, 8, requires_grad=True)
+    g = flame.randn(2, 5, 8)
+    runs = []
+    for on in (False, True):
+        ff.net[0].gradient_checkpointing = on
+        y = ff(x)
+        kept = _saved_bytes(y)
+        grads = y.backward(g)
+        runs.append((y.to_torch(), kept, [grads[t].to_torch() for t in (x, ff.net[0].proj.weight, ff.net[2].bias)]))
+    (y0, kept0, g0), (y1, kept1, g1) = runs
+    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
+    projection, weight = 2 * 5 * 64 * 4, 64 * 8 * 4  # bytes, fp32; x is kept either way (proj's dW, or the segment)
+    assert kept0 - kept1 == projection + weight, (kept0, kept1)  # the weight: proj's dX
+
+
+def test_enable_gradient_checkpointing_switches_one_scope():
+    from flame.models.sdxl_unet import GEGLU, _Checkpointed
+    model = SDXLUNet(TINY)
+    flags = lambda: {type(m).__name__: m.gradient_checkpointing for m in model.modules()
+                     if isinstance(m, _Checkpointed)}
+    assert set(flags().values()) == {False}
+    model.enable_gradient_checkpointing(True, scope="feed_forward")
+    assert flags() == {"ResnetBlock2D": False, "BasicTransformerBlock": False, "GEGLU": True}
+    model.enable_gradient_checkpointing(True)  # blocks: a GEGLU inside a recomputed block is not checkpointed again
+    assert flags() == {"ResnetBlock2D": True, "BasicTransformerBlock": True, "GEGLU": False}
+    model.enable_gradient_checkpointing(False)
+    assert set(flags().values()) == {False} and any(isinstance(m, GEGLU) for m in model.modules())
+    with pytest.raises(ValueError, match="scope must be one of blocks, feed_forward"):
+        model.enable_gradient_checkpointing(True, scope="attention")
+
+
 # ---- LDM / SGM names -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cfg", [TINY, SDXLUNetConfig()], ids=["tiny", "sdxl"])

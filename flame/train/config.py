@@ -21,6 +21,7 @@ import yaml
 from ..diffusion import TIMESTEP_DISTRIBUTIONS
 from ..diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES
 from ..diffusion.samplers import SAMPLERS
+from ..models.sdxl_unet import CHECKPOINT_SCOPES
 from ..nn.lora import target_pattern_error
 from ..optim.lr_scheduler import SCHEDULE_NAMES
 from .model import CONFIG_NAMES
@@ -116,7 +117,13 @@ SCHEMA = {
         "grad_accum": Opt(1, "int", "micro-batches per optimizer step", low=1),
         "precision": Opt("bf16", "choice", "compute dtype of the frozen UNet (fp16 adds the dynamic loss scaler; "
                                            "LoRA weights are always fp32)", choices=("bf16", "fp16", "fp32")),
-        "gradient_checkpointing": Opt(False, "bool", "recompute each resnet / transformer block in the backward"),
+        "gradient_checkpointing": Opt(False, "bool", "recompute activations in the backward instead of keeping them "
+                                                     "(train.checkpoint_scope says which)"),
+        "checkpoint_scope": Opt("blocks", "choice", "gradient_checkpointing's scope: blocks (each resnet and "
+                                                    "transformer block: the least memory, a second forward) or "
+                                                    "feed_forward (each transformer block's GEGLU projection: the "
+                                                    "largest activation, for one GEMM per block)",
+                                choices=CHECKPOINT_SCOPES),
         "max_grad_norm": Opt(1.0, "float", "clip the LoRA gradients' global norm; 0 or null: no clipping",
                              low=0.0, nullable=True),
         "seed": Opt(0, "int", "seed of model init, LoRA init, noise, timesteps and data order"),

@@ -211,7 +211,7 @@ class Trainer:
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
-            model.enable_gradient_checkpointing(True)
+            model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope)
         t = c.train
         self.optimizer = make_optimizer(t, self._param_groups())
         if t.optimizer == "prodigy" and t.lr < 0.1:
