@@ -836,6 +836,6 @@ def test_a_frozen_conv_keeps_no_input_for_the_backward():
     g = torch.randn(2, 4, 6, 5, device=flame.device)
     grads = y.backward(flame.from_torch(g))
     torch.nn.functional.conv2d(xt, wt, padding=1).backward(g)
-    assert_close(grads[x], xt.grad, atol=1e-4, rtol=1e-4)
+    assert_close(grads[x], xt.grad, **_tol(xt.grad, torch.float32))
     w.requires_grad = True
     assert F.conv2d(x, w, padding=1)._node.saved[0] is not None
