@@ -1,7 +1,15 @@
 #!/usr/bin/env python3
-"""Where flame's host time goes: cProfile of a chain of small ops (forward and backward).
+"""Where flame's host time goes: cProfile of a chain of small ops (forward and backward), or
+with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out.
 
     PYTHONPATH=. python3 scripts/profile_host.py [--iters 200] [--top 25]
+    PYTHONPATH=. python3 scripts/profile_host.py --sdxl [--resolution 1024] [--top 25]
+
+``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
+and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
+card (TMA paths, split-K). It prints the launches per kernel of one eager step (forward,
+backward, AdamW on rank-16 LoRA on attn, bf16) and the host profile of a second step: a GPU-free
+count of what a change adds or removes. Host times are this machine's, not a GPU host's.
 """
 import argparse
 import cProfile
@@ -15,11 +23,63 @@ import common  # first: imports flame, which selects the backend
 import flame
 
 
+def sdxl_step(args):
+    """One SDXL LoRA step on stubbed launches: launches per kernel, then a profiled second step."""
+    import collections
+
+    from flame import nn, optim
+    from flame.kernels import launch as L
+    from flame.kernels import matmul as KM
+    from flame.models import SDXLUNet
+    if not flame.is_interpreter():
+        raise SystemExit("--sdxl stubs the kernel launches: run it on the interpreter (FLAME_DEVICE=cpu)")
+    counts = collections.Counter()
+
+    def stub(kernel, grid, launch_args, meta):
+        counts[getattr(kernel, "fn", kernel).__name__] += 1
+    L._through_triton = stub
+    flame.runtime.num_sms = lambda: 132
+    KM.TMA, KM.tma_available = True, lambda: True
+    model = SDXLUNet(dtype=flame.bfloat16)
+    model.requires_grad_(False)
+    nn.inject_lora(model, "attn", rank=16, alpha=16)
+    if args.checkpointing != "off":
+        model.enable_gradient_checkpointing(True, scope="feed_forward" if args.checkpointing == "ff" else "blocks")
+    params = nn.lora_parameters(model)
+    opt = optim.AdamW(params, lr=1e-4)
+    side = args.resolution // 8
+    shapes = (1, 4, side, side), (1, 77, 2048), (1, 1280), (1, 6)
+    sample, context, pooled, time_ids = (flame.randn(*s, dtype=flame.bfloat16) for s in shapes)
+
+    def step():
+        pred = model(sample, flame.full((1,), 500, dtype=flame.int64), context, pooled, time_ids)
+        loss = flame.nn.functional.mse_loss(pred.to(flame.float32), sample.to(flame.float32))
+        opt.step(loss.backward())
+
+    counts.clear()
+    step()
+    total = sum(counts.values())
+    print(f"one eager SDXL LoRA step, {args.resolution}x{args.resolution}, checkpointing {args.checkpointing}: "
+          f"{total} launches")
+    for name, n in counts.most_common(args.top):
+        print(f"  {n:6d}  {name}")
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sdxl", action="store_true", help="one SDXL LoRA step on stubbed launches (see above)")
+    ap.add_argument("--resolution", type=int, default=1024, help="--sdxl: image side in pixels")
+    ap.add_argument("--checkpointing", choices=["off", "on", "ff"], default="off", help="--sdxl: as bench_sdxl.py")
     args = ap.parse_args()
+    if args.sdxl:
+        return sdxl_step(args)
     x = flame.randn(64, 64)
     w = flame.randn(64, 64, requires_grad=True)
     b = flame.randn(64, requires_grad=True)
