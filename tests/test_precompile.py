@@ -161,3 +161,23 @@ def test_processes_that_hash_kernels_in_another_order_agree_on_their_keys():
     keys = [subprocess.run([sys.executable, "-c", _KEY_SCRIPT, first], capture_output=True, text=True, check=True,
                            ).stdout.split() for first in ("map", "matmul")]
     assert keys[0] == keys[1] and len(keys[0]) == 3
+
+
+def test_variants_a_run_compiled_are_marked_for_the_next_compile_ahead(tmp_path, monkeypatch):
+    """What this process recorded (and so compiled into its cache) is listed in the cache's done
+    file by mark_compiled: a later compile_ahead of a list holding it skips it."""
+    import triton
+    path = tmp_path / "kernels.jsonl"
+    monkeypatch.setenv(L.RECORD_ENV, str(path))
+    monkeypatch.setattr(L, "_noted", set())
+    monkeypatch.setattr(L, "_recorded", [])
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(precompile.runtime, "INTERPRETER", False)
+    L.note_variant(_map_contiguous_kernel, _args(), {"OP": 3})
+    L.note_variant(_map_contiguous_kernel, _args(), {"OP": 4})
+    done = tmp_path / "triton" / precompile.DONE_FILE
+    assert precompile.pending(path, done) == precompile.read_lines(path)
+    precompile.mark_compiled(L.take_recorded())
+    assert precompile.pending(path, done) == [] and L.take_recorded() == []
+    precompile.mark_compiled([])  # nothing new: the file is left alone
+    assert len(done.read_text().split()) == 2

@@ -176,7 +176,8 @@ def settle_cache_keys(functions=None) -> None:
 # ---- recording the variants a run compiles (kernels/precompile.py compiles them ahead) ----------
 
 RECORD_ENV = "FLAME_RECORD_KERNELS"
-_noted: set = set()  # variant lines this process has recorded
+_noted: set = set()  # variant lines this process has recorded, or was told are known
+_recorded: list = []  # lines this process compiled and wrote to the record file since take_recorded()
 
 
 def _int_class(v: int) -> int:
@@ -238,6 +239,14 @@ def note_variant(kernel, args, meta):
     _noted.add(line)
     with open(path, "a") as f:  # one write per line: a crash loses nothing already noted
         f.write(line + "\n")
+    _recorded.append(line)
+
+
+def take_recorded() -> list:
+    """The variant lines recorded since the last call, in order (then forgotten)."""
+    lines = _recorded[:]
+    _recorded.clear()
+    return lines
 
 
 def launch(kernel, grid, *args, sig=None, **meta):

@@ -146,13 +146,27 @@ def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_co
             failed += error is not None
             if error is None:
                 compiled.append(_digest(line))
+    _mark_done(done_file, compiled)
+    return {"variants": len(lines), "failed": failed, "seconds": time.perf_counter() - t0}
+
+
+def mark_compiled(lines) -> None:
+    """Note ``lines`` (variant lines this process compiled: ``launch.take_recorded()``) as compiled
+    into Triton's cache folder, so that a later ``compile_ahead`` of a list holding them skips them
+    instead of starting workers that would only find them in the cache."""
+    if not runtime.INTERPRETER:
+        _mark_done(Path(triton.knobs.cache.dir) / DONE_FILE, [_digest(line) for line in lines])
+
+
+def _mark_done(done_file, digests):
+    if not digests:
+        return
     try:
         done_file.parent.mkdir(parents=True, exist_ok=True)
         with open(done_file, "a") as f:
-            f.write("".join(d + "\n" for d in compiled))
+            f.write("".join(d + "\n" for d in digests))
     except OSError:  # a read-only cache: the next run compiles these ahead again
         pass
-    return {"variants": len(lines), "failed": failed, "seconds": time.perf_counter() - t0}
 
 
 class Background:

@@ -989,6 +989,7 @@ class Trainer:
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
             self.trackers.close()
+            precompile.mark_compiled(launch.take_recorded())  # the next run's compile_ahead skips them
         if self._stop is not None:
             reason, info = self._stop
             if reason == "non_finite":
