@@ -8,13 +8,16 @@ with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
 and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
 card (TMA paths, split-K). It prints the launches per kernel of one eager step (forward,
-backward, AdamW on rank-16 LoRA on attn, bf16) and the host profile of a second step: a GPU-free
-count of what a change adds or removes. Host times are this machine's, not a GPU host's.
+backward, AdamW on rank-16 LoRA on attn, bf16), the median host time of ``--steps`` more and the
+host profile of one: a GPU-free count of what a change adds or removes. Host times are this
+machine's, not a GPU host's.
 """
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for common (it puts the checkout on the path)
@@ -63,6 +66,14 @@ def sdxl_step(args):
           f"{total} launches")
     for name, n in counts.most_common(args.top):
         print(f"  {n:6d}  {name}")
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    if times:
+        print(f"host time of an eager step (no kernel runs), median of {len(times)}: "
+              f"{1e3 * statistics.median(times):.0f} ms")
     prof = cProfile.Profile()
     prof.enable()
     step()
@@ -77,6 +88,7 @@ def main():
     ap.add_argument("--sdxl", action="store_true", help="one SDXL LoRA step on stubbed launches (see above)")
     ap.add_argument("--resolution", type=int, default=1024, help="--sdxl: image side in pixels")
     ap.add_argument("--checkpointing", choices=["off", "on", "ff"], default="off", help="--sdxl: as bench_sdxl.py")
+    ap.add_argument("--steps", type=int, default=5, help="--sdxl: unprofiled steps timed after the first")
     args = ap.parse_args()
     if args.sdxl:
         return sdxl_step(args)
