@@ -55,7 +55,11 @@ LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 FRAMEWORKS = ["flame", "diffusers", "diffusers-graph", "diffusers-compile"]
 
 
-def _inputs_shape(args, cfg):
+CHECKPOINT_SCOPES = {"on": "blocks", "ff": "feed_forward"}  # --checkpointing -> flame's checkpoint scope
+
+
+def inputs_shape(args, cfg):
+    """Shapes of a step's inputs: latents, text states (77 tokens), pooled text, time ids."""
     latent = args.resolution // 8
     return (args.batch, cfg.in_channels, latent, latent), (args.batch, 77, cfg.cross_attention_dim), \
         (args.batch, cfg.pooled_dim), (args.batch, 6)
@@ -103,10 +107,10 @@ def run_flame(args):
     model.requires_grad_(False)
     nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
     if args.checkpointing != "off":
-        model.enable_gradient_checkpointing(True, scope="feed_forward" if args.checkpointing == "ff" else "blocks")
+        model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
-    shapes = _inputs_shape(args, cfg)
+    shapes = inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (flame.randn(*s) for s in shapes)
     time_ids = time_ids.abs() * 1024.0
 
@@ -210,7 +214,7 @@ def run_diffusers(args):
         raise SystemExit(f"{args.worker} needs a CUDA GPU")
     unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev, dora=args.dora == "on")
     opt = torch.optim.AdamW(params, lr=1e-4, capturable=graph)
-    shapes = _inputs_shape(args, cfg)
+    shapes = inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (torch.randn(*s, device=dev) for s in shapes)
     time_ids = time_ids.abs() * 1024.0
     model = torch.compile(unet) if args.worker == "diffusers-compile" else unet

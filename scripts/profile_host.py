@@ -30,6 +30,8 @@ def sdxl_step(args):
     """One SDXL LoRA step on stubbed launches: launches per kernel, then a profiled second step."""
     import collections
 
+    from bench_sdxl import CHECKPOINT_SCOPES, inputs_shape
+
     from flame import nn, optim
     from flame.kernels import launch as L
     from flame.kernels import matmul as KM
@@ -47,11 +49,11 @@ def sdxl_step(args):
     model.requires_grad_(False)
     nn.inject_lora(model, "attn", rank=16, alpha=16)
     if args.checkpointing != "off":
-        model.enable_gradient_checkpointing(True, scope="feed_forward" if args.checkpointing == "ff" else "blocks")
+        model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
-    side = args.resolution // 8
-    shapes = (1, 4, side, side), (1, 77, 2048), (1, 1280), (1, 6)
+    args.batch = 1
+    shapes = inputs_shape(args, model.config)
     sample, context, pooled, time_ids = (flame.randn(*s, dtype=flame.bfloat16) for s in shapes)
 
     def step():

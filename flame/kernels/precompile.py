@@ -128,7 +128,7 @@ def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_co
     interpreter (nothing compiles there)."""
     if runtime.INTERPRETER:
         return {"variants": 0, "failed": 0, "seconds": 0.0}
-    done_file = Path(triton.knobs.cache.dir) / DONE_FILE  # Triton's cache folder, as Triton resolves it
+    done_file = _done_file()
     lines = pending(paths, done_file if skip_compiled else None)
     t0 = time.perf_counter()
     if not lines:
@@ -155,7 +155,12 @@ def mark_compiled(lines) -> None:
     into Triton's cache folder, so that a later ``compile_ahead`` of a list holding them skips them
     instead of starting workers that would only find them in the cache."""
     if not runtime.INTERPRETER:
-        _mark_done(Path(triton.knobs.cache.dir) / DONE_FILE, [_digest(line) for line in lines])
+        _mark_done(_done_file(), [_digest(line) for line in lines])
+
+
+def _done_file() -> Path:
+    """The list of lines compiled ahead into Triton's cache folder (as Triton resolves it)."""
+    return Path(triton.knobs.cache.dir) / DONE_FILE
 
 
 def _mark_done(done_file, digests):
