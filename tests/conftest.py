@@ -33,6 +33,16 @@ def _seed():
     os.environ.setdefault("PYTHONHASHSEED", "0")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _return_cached_gpu_memory():
+    """On a GPU, hand each module's cached blocks back to the driver: the parallel workers of
+    ``pytest -n`` (and the trainer and benchmark processes the tests start) share one card."""
+    yield
+    if not flame.is_interpreter():
+        import torch
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def tma_in_interpreter(monkeypatch):
     """Route 16-bit GEMMs and convolutions to the TMA kernels on the interpreter, which emulates

@@ -1025,8 +1025,11 @@ def test_every_spec_gives_configs_of_its_fields(name):
     assert set(default) == set(spec.fields), default
     assert spec.config(key, torch.float32) == default  # no table on the interpreter
     best = default
-    for stage in autotune.search_stages(autotune.Space(torch.float32, quick=True), name, key):
+    for i, stage in enumerate(autotune.search_stages(autotune.Space(torch.float32, quick=True), name, key)):
         configs = stage(best)
-        assert configs and all(set(c) == set(spec.fields) for c in configs), (name, configs[:3])
+        # a later stage may have nothing left to vary at a small key (on a GPU every count of
+        # layer_norm_bwd's persistent programs is capped at the default's, the row blocks)
+        assert configs or i > 0, name
+        assert all(set(c) == set(spec.fields) for c in configs), (name, configs[:3])
         assert spec.keep is None or all(spec.keep(c, key) for c in configs)
-        best = configs[0]
+        best = configs[0] if configs else best
