@@ -181,3 +181,26 @@ def test_variants_a_run_compiled_are_marked_for_the_next_compile_ahead(tmp_path,
     assert precompile.pending(path, done) == [] and L.take_recorded() == []
     precompile.mark_compiled([])  # nothing new: the file is left alone
     assert len(done.read_text().split()) == 2
+
+
+def test_the_shipped_list_is_compiled_ahead_for_sdxls_architecture_only(tmp_path, monkeypatch):
+    """``train.compile_ahead: auto`` compiles configs/kernels' list (a full SDXL run's variants)
+    only for SDXL's UNet; another model (the tiny configs, the trainer tests' stand-in) compiles
+    only what earlier runs on this machine recorded."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from flame.models import SDXLUNetConfig
+    from flame.train.model import is_sdxl_architecture
+    assert is_sdxl_architecture(SDXLUNetConfig()) and is_sdxl_architecture(SDXLUNetConfig(sample_size=64))
+    assert not is_sdxl_architecture(SDXLUNetConfig.tiny())
+    assert not is_sdxl_architecture(dataclasses.replace(SDXLUNetConfig(), transformer_layers_per_block=(1, 1, 1)))
+    assert not is_sdxl_architecture(SimpleNamespace(**dataclasses.asdict(SDXLUNetConfig())))
+    shipped, recorded = tmp_path / "shipped" / precompile.manifest_name(), tmp_path / "recorded.jsonl"
+    for path in (shipped, recorded):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text("{}\n")
+    monkeypatch.setattr(precompile, "SHIPPED_DIR", shipped.parent)
+    monkeypatch.setattr(precompile, "recorded_path", lambda: recorded)
+    assert precompile.auto_paths() == [shipped, recorded]
+    assert precompile.auto_paths(shipped=False) == [recorded]

@@ -94,9 +94,11 @@ def recorded_path() -> Path:
     return tune.cache_path().parent.parent / "kernels" / manifest_name()
 
 
-def auto_paths() -> list:
-    """The recorded lists that exist for this GPU and Triton: the shipped one, then this machine's."""
-    return [p for p in (SHIPPED_DIR / manifest_name(), recorded_path()) if p.exists()]
+def auto_paths(shipped: bool = True) -> list:
+    """The recorded lists that exist for this GPU and Triton: the shipped one (recorded for full
+    SDXL runs: ``shipped=False`` leaves it out for another model), then this machine's."""
+    paths = [SHIPPED_DIR / manifest_name()] if shipped else []
+    return [p for p in paths + [recorded_path()] if p.exists()]
 
 
 def _digest(line: str) -> str:

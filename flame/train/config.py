@@ -149,8 +149,8 @@ SCHEMA = {
         "cuda_graph": Opt(True, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only; "
                                         "off when lora.dropout > 0, whose masks must change every step)"),
         "compile_ahead": Opt("auto", "str", "compile kernels in parallel processes while the model loads: auto "
-                                            "(configs/kernels' list for this GPU and Triton, plus the kernels earlier "
-                                            "runs on this machine recorded), off, or a file recorded with "
+                                            "(configs/kernels' list for this GPU and Triton when the model is SDXL's "
+                                            "architecture, plus the kernels earlier runs on this machine recorded), off, or a file recorded with "
                                             "FLAME_RECORD_KERNELS (GPU only)"),
     },
     "diffusion": {

@@ -1,6 +1,7 @@
 """The UNet a run trains: its config from a name or a diffusers config, its weights from a checkpoint."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -33,6 +34,13 @@ def unet_config(spec) -> SDXLUNetConfig:
                 return SDXLUNetConfig.from_diffusers(json.load(f))
     raise ValueError(f"model config must be one of {CONFIG_NAMES} or a diffusers UNet config.json (or a folder "
                      f"holding one), got {spec!r}")
+
+
+def is_sdxl_architecture(config) -> bool:
+    """Whether ``config`` is SDXL's UNet (any ``sample_size``): the model the kernel lists in
+    ``configs/kernels/`` were recorded for."""
+    return (isinstance(config, SDXLUNetConfig)
+            and dataclasses.replace(config, sample_size=SDXLUNetConfig.sample_size) == SDXLUNetConfig())
 
 
 def build_unet(path=None, config="sdxl", dtype=None) -> SDXLUNet:

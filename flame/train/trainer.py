@@ -81,7 +81,7 @@ from ..optim import EMA, Adafactor, AdamW, AdamW8bit, Lion, Prodigy, clip_grad_n
 from ..optim.lr_scheduler import get_scheduler
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
-from .model import block_of, build_unet, unet_config
+from .model import block_of, build_unet, is_sdxl_architecture, unet_config
 from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
@@ -184,7 +184,7 @@ class Trainer:
         else:
             self._resume_loader(*self._resume_from)
         # ---- the run
-        self._ahead = self._compile_ahead()  # kernels compile in other processes while the model loads
+        self._ahead = self._compile_ahead(mcfg)  # kernels compile in other processes while the model loads
         # before the UNet: the text encoders come and go first (rank 0 alone makes samples)
         self.samples = self._prepare_samples(mcfg) if self.world.is_main else None
         manual_seed(c.train.seed)
@@ -265,14 +265,16 @@ class Trainer:
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.{option}: {e}") from None
 
-    def _compile_ahead(self):
+    def _compile_ahead(self, mcfg):
         """Start compiling the kernels ``train.compile_ahead`` lists (kernels/precompile.py), one
-        process per host; with ``auto`` the kernels this run compiles are recorded for the next."""
+        process per host; with ``auto`` the kernels this run compiles are recorded for the next.
+        ``auto`` compiles the shipped list, an SDXL run's kernels, only for SDXL's architecture: a
+        smaller model (the tiny configs, tests) would compile hundreds of variants it never runs."""
         setting = self.cfg.train.compile_ahead
         if setting == "off" or runtime.is_interpreter() or self.world.local_rank != 0:
             return None
         if setting == "auto":
-            paths = precompile.auto_paths()
+            paths = precompile.auto_paths(shipped=is_sdxl_architecture(mcfg))
             record = precompile.recorded_path()
             try:
                 record.parent.mkdir(parents=True, exist_ok=True)
