@@ -8,6 +8,7 @@ import torch
 from triton.runtime.errors import OutOfResources
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+import flame
 from flame.kernels import launch as L
 
 
@@ -133,3 +134,27 @@ def test_a_config_short_of_shared_memory_runs_with_fewer_stages(monkeypatch):
         L._through_triton(_SharedMemoryKernel(fits=0), (1,), (0,), {"BLOCK": 64, "num_stages": 2})
     with pytest.raises(OutOfResources):  # registers are not shared memory: raised as it was
         L._through_triton(_SharedMemoryKernel(fits=1, resource="registers"), (1,), (0,), {"num_stages": 3})
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's helper calls (CPU backend)")
+def test_interpreter_helper_calls_skip_repatching_the_language(monkeypatch):
+    """flame.kernels.interpreter: inside a launch, a helper whose language modules the launch has
+    patched is not patched again (one patch per launch, not one per helper call); a helper that
+    sees another module (tl.randn's triton.language.core) is patched once; results are right."""
+    import triton.runtime.interpreter as interp
+
+    from flame.kernels import interpreter
+    assert getattr(interp.InterpretedFunction.__call__, "flame_installed", False)  # installed as flame loads
+    assert interpreter.install()  # installing again changes nothing
+    calls = []
+    real = interp._patch_lang
+    monkeypatch.setattr(interp, "_patch_lang", lambda fn: calls.append(fn.__name__) or real(fn))
+    x = torch.randn(6, 5, 7)
+    y = flame.from_torch(x).permute(2, 0, 1) * 3.0 + 1.0  # strided maps: tile_4d, offsets_4d, loads, store
+    assert torch.allclose(y.to_torch(), x.permute(2, 0, 1) * 3.0 + 1.0)
+    assert len(calls) == 2, calls  # two launches, each patched once for all its helper calls
+    calls.clear()
+    flame.manual_seed(0)
+    r = flame.randn(4096).to_torch()
+    assert calls.count("_random_kernel") == 1 and len(calls) <= 2, calls  # the launch, then tl.randn's module once
+    assert abs(r.mean().item()) < 0.05 and abs(r.std().item() - 1) < 0.05
