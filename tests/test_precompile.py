@@ -204,3 +204,28 @@ def test_the_shipped_list_is_compiled_ahead_for_sdxls_architecture_only(tmp_path
     monkeypatch.setattr(precompile, "recorded_path", lambda: recorded)
     assert precompile.auto_paths() == [shipped, recorded]
     assert precompile.auto_paths(shipped=False) == [recorded]
+
+
+def test_one_compile_ahead_pool_at_a_time_per_cache_folder(tmp_path, monkeypatch):
+    """A compile_ahead while another process holds the cache folder's lock waits for it, then finds
+    the lines it compiled done: trainers started together do not each start a pool of workers."""
+    import fcntl
+    import threading
+
+    import triton
+    monkeypatch.setattr(triton.knobs.cache, "dir", str(tmp_path / "triton"))
+    monkeypatch.setattr(precompile.runtime, "INTERPRETER", False)
+    path = tmp_path / "kernels.jsonl"
+    path.write_text('{"a": 1}\n')
+    done = tmp_path / "triton" / precompile.DONE_FILE
+    done.parent.mkdir()
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(precompile.compile_ahead(path, progress=False)))
+    with open(done.with_suffix(".lock"), "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another process's pool, compiling the same line
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not result  # waiting for the lock
+        precompile._mark_done(done, [precompile._digest('{"a": 1}')])  # the other pool finishes
+    waiter.join(10)
+    assert result == {"variants": 0, "failed": 0, "seconds": 0.0}

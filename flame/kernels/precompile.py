@@ -23,6 +23,7 @@ in the background while it loads the model (``Background``).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
@@ -36,6 +37,11 @@ import torch
 import triton
 import triton.language as tl
 from tqdm import tqdm
+
+try:  # POSIX: one pool per cache folder at a time (_one_pool_at_a_time)
+    import fcntl
+except ImportError:
+    fcntl = None
 
 from .. import runtime, tune
 from . import launch
@@ -126,11 +132,34 @@ def compile_ahead(paths, jobs: int | None = None, progress: bool = True, skip_co
     ``WORKER_BYTES`` in a quarter of the device's free memory, so a small card keeps room for the
     model loading meanwhile). ``skip_compiled``: leave out the lines already compiled ahead into
     this cache folder. Returns ``{"variants", "failed", "seconds"}`` (the lines compiled now); a
-    variant that fails to compile is counted and left to compile on first use. Does nothing on the
-    interpreter (nothing compiles there)."""
+    variant that fails to compile is counted and left to compile on first use. One process at a time
+    compiles into a cache folder (``_one_pool_at_a_time``). Does nothing on the interpreter (nothing
+    compiles there)."""
     if runtime.INTERPRETER:
         return {"variants": 0, "failed": 0, "seconds": 0.0}
     done_file = _done_file()
+    with _one_pool_at_a_time(done_file):
+        return _compile_pending(paths, jobs, progress, skip_compiled, done_file)
+
+
+@contextlib.contextmanager
+def _one_pool_at_a_time(done_file):
+    """Hold an advisory lock next to ``done_file``: one compile-ahead pool per Triton cache folder at a
+    time. Runs started together on one machine (a sweep, the GPU test suite) would otherwise each start
+    workers, each with a CUDA context, for the same variants; a later one waits and then finds them
+    compiled. Without POSIX locks or a writable folder, no lock."""
+    with contextlib.ExitStack() as stack:
+        try:
+            done_file.parent.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(done_file.with_suffix(".lock"), "a")) if fcntl is not None else None
+        except OSError:
+            lock = None
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def _compile_pending(paths, jobs, progress, skip_compiled, done_file) -> dict:
     lines = pending(paths, done_file if skip_compiled else None)
     t0 = time.perf_counter()
     if not lines:
