@@ -64,10 +64,10 @@ def install() -> bool:
             stack.pop()
 
     def helper_call(self, *args, **kwargs):
-        stack = _patched()
-        if not stack or not _languages(self.fn) <= stack[-1]:
+        stack, languages = _patched(), _languages(self.fn)
+        if not stack or not languages <= stack[-1]:
             if stack:
-                stack[-1] |= _languages(self.fn)
+                stack[-1] |= languages
             return call_helper(self, *args, **kwargs)
         try:  # what the interpreter's own helper call does after patching
             return self.rewrite()(*args, **kwargs)

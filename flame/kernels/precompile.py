@@ -149,13 +149,13 @@ def _one_pool_at_a_time(done_file):
     workers, each with a CUDA context, for the same variants; a later one waits and then finds them
     compiled. Without POSIX locks or a writable folder, no lock."""
     with contextlib.ExitStack() as stack:
-        try:
-            done_file.parent.mkdir(parents=True, exist_ok=True)
-            lock = stack.enter_context(open(done_file.with_suffix(".lock"), "a")) if fcntl is not None else None
-        except OSError:
-            lock = None
-        if lock is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if fcntl is not None:
+            try:
+                done_file.parent.mkdir(parents=True, exist_ok=True)
+                lock = stack.enter_context(open(done_file.with_suffix(".lock"), "a"))
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            except OSError:  # a read-only cache folder: no lock
+                pass
         yield
 
 
