@@ -353,6 +353,32 @@ def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     assert not split_k_everywhere
 
 
+@pytest.mark.parametrize("splits", [1, 5, 37])
+def test_split_k_sum_adds_every_slice_in_chunks(splits):
+    """The sum pass loads up to 16 slices at once: 37 = 16 + 16 + 5 (a masked last chunk), into a
+    transposed output with bias and a residual; fp64 partials sum to the float64 reference."""
+    import flame.kernels.matmul as KM
+    dev = flame.device
+    part = torch.randn(splits, 7, 45, dtype=torch.float64, device=dev)
+    bias = torch.randn(45, dtype=torch.float64, device=dev)
+    res = torch.randn(45, 7, dtype=torch.float64, device=dev).t()  # (7, 45), column-major
+    out = res.clone().t().contiguous().t()  # the residual is the output itself: out += ...
+    KM.split_k_sum_(out, out.stride(), part, KM.Fusion(bias=bias, alpha=0.5, residual=out))
+    torch.testing.assert_close(out, 0.5 * part.sum(0) + bias + res, rtol=1e-12, atol=1e-12)
+
+
+def test_split_k_sum_blocks_spread_a_thin_result_over_more_programs(monkeypatch):
+    """On a GPU, LoRA's (16, 640) weight gradient of 16 slices: one load per program, 20 programs
+    (32x128 tiles made 5 programs each waiting on 16 loads in turn), each load within 8192 values."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM.runtime, "INTERPRETER", False)
+    for (splits, M, N), want in {(16, 16, 640): (16, 8, 64), (16, 640, 16): (16, 32, 16),
+                                 (3, 1280, 1280): (4, 32, 64), (64, 1, 5): (16, 1, 8)}.items():
+        bs, bm, bn = KM._sum_blocks(splits, M, N)
+        assert (bs, bm, bn) == want and bs * bm * bn <= 8192, (splits, M, N)
+    assert KM.cdiv(16, 8) * KM.cdiv(640, 64) == 20
+
+
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
 def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, monkeypatch, tma_in_interpreter):
     """A few-tile 16-bit GEMM that split-K would take runs unsplit on the TMA kernel's small tiles

@@ -385,7 +385,7 @@ def _conv_wgrad_tma_kernel(dyd, xd, out_ptr, NB, OH, OW, CO, CI, KW, B_h, C_h, B
 # (s + 1) * steps_per_split) of its phase's reduction (possibly none: phases meet different numbers
 # of taps) and stores its fp32 partial sum, with no bias, as images s * NB.. of a scratch with
 # ``out``'s (OH, OW) pixels, channels last: (splits * NB, OH, OW, N), read by the same 4-D or phase
-# view. split_k_sum_ (kernels/matmul.py) then sums the splits in order, adds the bias and casts.
+# view. split_k_sum_ (kernels/matmul.py) then sums the splits, adds the bias and casts.
 # One split is the plain kernel: images 0.. of ``out`` itself, the whole loop.
 @triton.jit
 def _conv_tma_kernel(src, wd, out, bias_ptr, NB, C, OH, OW, N, KH, KW, B_h, C_h, B_w, C_w, S_h, S_w,

@@ -96,20 +96,26 @@ def _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_of
 
 
 # Split-K's second pass: part (splits, M, N) holds the fp32 (fp64) products of the K slices;
-# C = ACT(alpha * sum_s part[s] + bias[n]) + R, summed in slice order (deterministic, no atomics).
+# C = ACT(alpha * sum_s part[s] + bias[n]) + R. Each program loads BLOCK_S slices of its tile at
+# once and adds their sum (a fixed tree) to the running total, chunk after chunk in slice order:
+# the same order every run (no atomics), and splits / BLOCK_S dependent loads instead of splits
+# (a loop of one slice per load waited on L2 once per slice: latency-bound with few programs).
 @triton.jit
 def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, splits, scm, scn, s_bias, alpha,
                         BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    p_off = offs_m[:, None] * N + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
+    p_ptrs = part_ptr + offs_s[:, None, None] * M * N + (offs_m[:, None] * N + offs_n[None, :])[None, :, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), part_ptr.dtype.element_ty)
-    for s in range(splits):
-        acc += tl.load(part_ptr + s * M * N + p_off, mask=mask, other=0.0)
+    for s0 in range(0, splits, BLOCK_S):
+        mask_s = offs_s < splits - s0
+        acc += tl.sum(tl.load(p_ptrs, mask=mask_s[:, None, None] & mask[None, :, :], other=0.0), axis=0)
+        p_ptrs += BLOCK_S * M * N
     _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr,
                  offs_m[:, None] * scm + offs_n[None, :] * scn, offs_n, mask_m, mask_n, BIAS, ACT, STORE_PRE, RESIDUAL)
 
@@ -429,8 +435,8 @@ def _few_tiles(tiles):
 
 def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
     """Split-K: ``splits`` equal K slices as one batched GEMM into an fp32 (fp64) scratch
-    (splits, M, N), then ``_split_k_sum_kernel``: the slices summed in order with the whole
-    epilogue ``f`` (bias, activation, pre-activation, residual) applied once, into ``out``."""
+    (splits, M, N), then ``_split_k_sum_kernel``: the slices summed (the same order every run) with
+    the whole epilogue ``f`` (bias, activation, pre-activation, residual) applied once, into ``out``."""
     kc = K // splits
     scratch = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
     _launch(scratch, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (M * N, N, 1))
@@ -440,13 +446,26 @@ def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
 def split_k_sum_(out, sc, part, f):
     """Split-K's second pass (``_split_k_sum_kernel``): ``out`` (M, N), with row and column strides
     ``sc``, = the epilogue ``f`` (a ``Fusion``) of ``sum_s part[s]``, the contiguous fp32 (fp64)
-    partial products ``part`` (splits, M, N) summed in order. Returns ``out``."""
+    partial products ``part`` (splits, M, N) summed (the same order every run). Returns ``out``."""
     splits, M, N = part.shape
-    bm, bn = (_pow2(min(M, 256)), _pow2(min(N, 256))) if runtime.INTERPRETER else (32, 128)
+    bs, bm, bn = _sum_blocks(splits, M, N)
     launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)), part, out, _or(f.bias, out), _or(f.pre_out, out),
            _or(f.residual, out), M, N, splits, *sc, f.bias_stride, f.alpha, BIAS=f.bias is not None, ACT=f.act,
-           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, num_warps=4)
+           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs,
+           num_warps=4)
     return out
+
+
+def _sum_blocks(splits, M, N):
+    """(BLOCK_S, BLOCK_M, BLOCK_N) of the split-K sum: up to 16 slices per load (LoRA's weight
+    gradients cut K into 16), tiles of at most 64 columns and as many rows as keep one load within
+    8192 elements (32 KB of fp32 for 4 warps), so that a (16, 640) result is 20 programs, not 5.
+    The interpreter takes bigger blocks (fewer, vectorised programs are faster there)."""
+    budget = 1 << 16 if runtime.INTERPRETER else 8192
+    bs = min(_pow2(splits), 16)
+    bn = min(_pow2(N), 256 if runtime.INTERPRETER else 64)
+    bm = max(1, min(_pow2(M), budget // (bs * bn)))
+    return bs, bm, bn
 
 
 def _or(t, default):
