@@ -102,6 +102,14 @@ def test_config_defaults_overrides_and_errors(tmp_path):
         load_config(path, ["train.compile_ahead=no-such-list.jsonl"])
     with pytest.raises(ConfigError, match=r"expected section\.key=value"):
         load_config(path, ["train.lr"])
+    # YAML 1.1 reads off/on/yes/no as booleans; the config keeps them words (compile_ahead: off), and
+    # options of kind bool read the words as booleans
+    words = load_config(path, ["train.compile_ahead=off", "train.gradient_checkpointing=yes", "data.flip=Off",
+                               "train.cuda_graph=no"])
+    assert words.train.compile_ahead == "off" and words.train.gradient_checkpointing is True
+    assert words.data.flip is False and words.train.cuda_graph is False
+    with pytest.raises(ConfigError, match=r"data\.flip: expected true or false, got 'maybe'"):
+        load_config(path, ["data.flip=maybe"])
     with pytest.raises(ConfigError, match=r"output\.dir: required"):
         build_config({"data": {"cache_dir": "c"}, "train": {"steps": 1}})
 

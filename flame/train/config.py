@@ -13,6 +13,7 @@ import difflib
 import importlib.util
 import math
 import os
+import re
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -296,6 +297,7 @@ def _check_value(name, opt: Opt, value, errors):
     kind = opt.kind
     try:
         if kind == "bool":
+            value = _BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
             if not isinstance(value, bool):
                 raise TypeError("expected true or false")
         elif kind == "int":
@@ -481,6 +483,24 @@ def _cross_checks(c, errors):
         errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as users of this config mean it: only true and false are booleans (YAML 1.2), so the
+    words on, off, yes and no stay strings (``train.compile_ahead: off``); options of kind bool
+    read them as booleans (``_BOOL_WORDS``)."""
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+_BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+
+
+def _read_yaml(text_or_file):
+    return yaml.load(text_or_file, Loader=_Loader)
+
+
 def apply_override(raw: dict, item: str) -> None:
     """Apply one ``section.key=value`` override (value parsed as YAML) to the raw config dict."""
     key, sep, text = item.partition("=")
@@ -488,7 +508,7 @@ def apply_override(raw: dict, item: str) -> None:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r}: expected section.key=value, e.g. train.lr=2e-4")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = _read_yaml(text) if text.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: the value is not valid YAML ({e})") from None
     node = raw
@@ -521,7 +541,7 @@ def load_config(path, overrides=()) -> SimpleNamespace:
     """Read the YAML file ``path``, apply ``overrides`` and validate (see ``build_config``)."""
     try:
         with open(path) as f:
-            raw = yaml.safe_load(f)
+            raw = _read_yaml(f)
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
     except yaml.YAMLError as e:
