@@ -94,7 +94,7 @@ def _profile(step, args):
 
 def run_flame(args):
     import flame
-    from flame import nn, optim
+    from flame import amp, nn, optim
     from flame.graphs import CapturedStep
     from flame.kernels import precompile
     from flame.models import SDXLUNet, SDXLUNetConfig
@@ -114,10 +114,13 @@ def run_flame(args):
     sample, context, pooled, time_ids = (flame.randn(*s) for s in shapes)
     time_ids = time_ids.abs() * 1024.0
 
+    adapter_casts = amp.ParameterCasts(params, model.dtype)  # as the trainer: one launch casts them
+
     def fwd_bwd(noisy, target, timesteps, context, pooled, time_ids):
-        pred = model(noisy, timesteps, context, pooled, time_ids)
-        loss = flame.nn.functional.mse_loss(pred.to(flame.float32), target)
-        return loss, loss.backward()
+        with adapter_casts:
+            pred = model(noisy, timesteps, context, pooled, time_ids)
+            loss = flame.nn.functional.mse_loss(pred.to(flame.float32), target)
+            return loss, loss.backward()
 
     step_fn = CapturedStep(fwd_bwd, enabled=args.capture == "on")
 

@@ -32,7 +32,7 @@ def sdxl_step(args):
 
     from bench_sdxl import CHECKPOINT_SCOPES, inputs_shape
 
-    from flame import nn, optim
+    from flame import amp, nn, optim
     from flame.kernels import launch as L
     from flame.kernels import matmul as KM
     from flame.models import SDXLUNet
@@ -56,10 +56,14 @@ def sdxl_step(args):
     shapes = inputs_shape(args, model.config)
     sample, context, pooled, time_ids = (flame.randn(*s, dtype=flame.bfloat16) for s in shapes)
 
+    adapter_casts = amp.ParameterCasts(params, flame.bfloat16)  # as the trainer
+
     def step():
-        pred = model(sample, flame.full((1,), 500, dtype=flame.int64), context, pooled, time_ids)
-        loss = flame.nn.functional.mse_loss(pred.to(flame.float32), sample.to(flame.float32))
-        opt.step(loss.backward())
+        with adapter_casts:
+            pred = model(sample, flame.full((1,), 500, dtype=flame.int64), context, pooled, time_ids)
+            loss = flame.nn.functional.mse_loss(pred.to(flame.float32), sample.to(flame.float32))
+            grads = loss.backward()
+        opt.step(grads)
 
     counts.clear()
     step()

@@ -308,6 +308,62 @@ def test_autocast_casts_a_parameter_once_per_region_and_nests():
         amp.autocast(torch.float64)
 
 
+def test_parameter_casts_give_lora_adapters_their_copies_in_one_launch():
+    """Inside ``ParameterCasts`` each LoRA layer reads its adapters' copies, made on entry by one
+    launch, instead of casting them (two launches a layer): same outputs and gradients, bit for bit;
+    each entry copies the current values into a fresh buffer (16-byte aligned copies, for TMA)."""
+    from flame.kernels import launch as L
+    from flame.ops._autocast import parameter_copy
+    half = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    layers = [nn.LoRALinear(nn.Linear(k, n).to(half), rank=3, alpha=5.0) for k, n in ((24, 40), (40, 13), (13, 24))]
+    params = [p for layer in layers for p in (layer.lora_A, layer.lora_B)]
+    for layer in layers:
+        flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
+    x = flame.randn(5, 24, dtype=half)
+
+    def run():
+        y = x
+        for layer in layers:
+            y = layer(y)
+        loss = (y.to(torch.float32) ** 2).sum()
+        grads = loss.backward()
+        return [loss] + [grads[p] for p in params]
+
+    before = L.launches
+    want = run()
+    plain = L.launches - before
+    casts = amp.ParameterCasts(params + [x], half)
+    assert casts.params == params  # the input is already in the compute dtype: not copied
+    before = L.launches
+    with casts:
+        got = run()
+        inside = L.launches - before
+        copies = [parameter_copy(p, half) for p in params]
+        assert all(c.data_ptr() % 16 == 0 and tuple(c.shape) == tuple(p.shape) for c, p in zip(copies, params))
+        assert parameter_copy(x, half) is None and parameter_copy(params[0], torch.float32) is None
+    assert parameter_copy(params[0], half) is None  # outside the region
+    assert inside == plain - 2 * len(layers) + 1
+    for g, w in zip(got, want):
+        assert_close(g, w, rtol=0, atol=0)
+    assert got[1].dtype == torch.float32
+
+    # each entry copies the values of its time: a graph recorded in the first region keeps its copies
+    with casts:
+        y_old = layers[0](x)
+    old_ref = layers[0](x)
+    flame.nn.init.normal_(layers[0].lora_B, 0.0, 0.5)
+    with casts:
+        y_new = layers[0](x)
+    assert_close(y_new, layers[0](x), rtol=0, atol=0)
+    assert not np.array_equal(y_new.to(torch.float32).numpy(), y_old.to(torch.float32).numpy())
+    assert_close(y_old.to(torch.float32).sum().backward()[layers[0].lora_A],
+                 old_ref.to(torch.float32).sum().backward()[layers[0].lora_A], rtol=0, atol=0)
+    with pytest.raises(TypeError, match="dtype"):
+        amp.ParameterCasts(params, torch.float64)
+    with pytest.raises(TypeError, match="flame Tensors"):
+        amp.ParameterCasts([torch.zeros(3)], half)
+
+
 def test_backward_inside_autocast_is_unaffected():
     lin = nn.Linear(5, 5)
     x = flame.randn(3, 5)

@@ -466,12 +466,17 @@ def _scale_kernel(tensors_ptr, work_ptr, coef_ptr, G_DTYPE: tl.constexpr, CHUNK:
 
 
 @triton.jit(do_not_specialize=["a", "b", "flag"])
-def _axpby_kernel(tensors_ptr, work_ptr, a, b, flag_ptr, flag, S_DTYPE: tl.constexpr, D_DTYPE: tl.constexpr,
-                  READ_DST: tl.constexpr, HAS_FLAG: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _axpby_kernel(tensors_ptr, work_ptr, a, b, flag_ptr, flag, dst_base, S_DTYPE: tl.constexpr,
+                  D_DTYPE: tl.constexpr, READ_DST: tl.constexpr, HAS_FLAG: tl.constexpr, DST_OFFSET: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # dst = a * src + b * dst (dst: slot 0, src: slot 1; dst is not read when b == 0, READ_DST off:
-    # it may hold anything); program 0 also stores the host's ``flag`` into its fp32 slot
+    # it may hold anything); program 0 also stores the host's ``flag`` into its fp32 slot. With
+    # DST_OFFSET slot 0 holds dst's element offset from ``dst_base`` (one buffer per call, fixed tables)
     row, start = _work(tensors_ptr, work_ptr)
-    d_ptr = tl.load(row).to(tl.pointer_type(D_DTYPE))
+    if DST_OFFSET:
+        d_ptr = dst_base + tl.load(row)
+    else:
+        d_ptr = tl.load(row).to(tl.pointer_type(D_DTYPE))
     s_ptr = tl.load(row + 1).to(tl.pointer_type(S_DTYPE))
     n = tl.load(row + 4)
     for off in range(0, CHUNK, BLOCK):
@@ -513,8 +518,9 @@ def _split(x):
 class Tables:
     """Device tables for one multi-tensor launch set.
 
-    ``rows``: per tensor ``(param, grad, state0, ..., state3)`` buffers (torch tensors, or None for
-    unused slots; trailing ones may be left out), the element count and the step slot. Keeps
+    ``rows``: per tensor ``(param, grad, state0, ..., state3)`` buffers (torch tensors, element
+    offsets as ints for kernels that add them to a base pointer, or None for unused slots;
+    trailing ones may be left out), the element count and the step slot. Keeps
     references to the tables so they outlive the (asynchronous) launches that read them.
     """
 
@@ -527,7 +533,7 @@ class Tables:
         if n:
             ptrs = np.zeros((n, 6), dtype=np.int64)
             for i, (bufs, _, _) in enumerate(rows):
-                ptrs[i, : len(bufs)] = [b.data_ptr() if b is not None else 0 for b in bufs]
+                ptrs[i, : len(bufs)] = [0 if b is None else b if isinstance(b, int) else b.data_ptr() for b in bufs]
             table[:, [0, 1, 2, 3, 6, 7]] = ptrs
             table[:, 4] = [r[1] for r in rows]
             table[:, 5] = [r[2] for r in rows]
@@ -709,13 +715,15 @@ def scale_(buckets, coef):
                CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
 
 
-def axpby_(tables, src_dtype, dst_dtype, a, b, flag_out=None, flag=0.0):
+def axpby_(tables, src_dtype, dst_dtype, a, b, flag_out=None, flag=0.0, dst_base=None):
     """dst = a * src + b * dst for every (dst, src) row of ``tables``, in one launch (``b == 0``: dst
-    is only written); ``flag_out`` (an fp32 element), when given, is set to ``flag``. Packs gradients
-    for the data-parallel all-reduce, keeps exponential moving averages, copies weights."""
+    is only written); ``flag_out`` (an fp32 element), when given, is set to ``flag``. ``dst_base``
+    (a buffer of ``dst_dtype``): the rows' dst entries are element offsets into it. Packs gradients
+    for the data-parallel all-reduce, keeps exponential moving averages, copies and casts weights."""
     if tables.num_work == 0:
         return
     launch(_axpby_kernel, (tables.num_work,), tables.tensors, tables.work, float(a), float(b),
-           flag_out if flag_out is not None else tables.tensors, float(flag), S_DTYPE=tl_dtype(src_dtype),
-           D_DTYPE=tl_dtype(dst_dtype), READ_DST=b != 0, HAS_FLAG=flag_out is not None, CHUNK=tables.chunk,
-           BLOCK=tables.block, num_warps=4)
+           flag_out if flag_out is not None else tables.tensors, float(flag),
+           dst_base if dst_base is not None else tables.tensors,
+           S_DTYPE=tl_dtype(src_dtype), D_DTYPE=tl_dtype(dst_dtype), READ_DST=b != 0, HAS_FLAG=flag_out is not None,
+           DST_OFFSET=dst_base is not None, CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)

@@ -333,10 +333,13 @@ def _lora_linear_backward(node, g):
 
 
 def _cast_once(t, dtype):
-    """``t``'s buffer in ``dtype`` (one cast kernel, not recorded: the caller's backward routes
-    the gradient to ``t`` itself)."""
+    """``t``'s buffer in ``dtype``: the copy a ``flame.amp.ParameterCasts`` region made, or one
+    cast kernel (not recorded: the caller's backward routes the gradient to ``t`` itself)."""
     if t.dtype == dtype:
         return t._data
+    copy = _autocast.parameter_copy(t, dtype)
+    if copy is not None:
+        return copy
     out = runtime.empty(tuple(t.shape), dtype)
     KE.copy_(out, t._data)
     return out

@@ -54,7 +54,7 @@ import torch
 import yaml
 
 from .. import distributed, runtime
-from ..amp import DynamicLossScaler
+from ..amp import DynamicLossScaler, ParameterCasts
 from ..autograd import GradientMap, no_grad
 from ..data import BucketBatchLoader, CacheError, CacheSet, LatentCache, part_bounds, write_synthetic_cache_for
 from ..diffusion import (
@@ -207,6 +207,7 @@ class Trainer:
                 raise ConfigError(f"lora.init_from: {c.lora.init_from}: {e.args[0] if e.args else e}") from None
         model.train()
         self.params = lora_parameters(model)
+        self.adapter_casts = ParameterCasts(self.params, self.dtype)  # one launch casts them for each step
         distributed.broadcast_(self.params)  # every rank starts from rank 0's adapters
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
@@ -562,12 +563,13 @@ class Trainer:
         """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
         The loss is divided by grad_accum (and scaled by the loss scaler) for the backward only.
         Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it."""
-        loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise,
-                                 sample_weights)
-        scaled = mul(loss, 1.0 / self.cfg.train.grad_accum) if self.cfg.train.grad_accum > 1 else loss
-        if self.scaler is not None:
-            scaled = self.scaler.scale(scaled)
-        return loss, scaled.backward()
+        with self.adapter_casts:
+            loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise,
+                                     sample_weights)
+            scaled = mul(loss, 1.0 / self.cfg.train.grad_accum) if self.cfg.train.grad_accum > 1 else loss
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            return loss, scaled.backward()
 
     def _part(self, ids):
         """This rank's rows ``(start, stop)`` of the global batch ``ids`` and their latents' shape."""
