@@ -158,3 +158,26 @@ def test_interpreter_helper_calls_skip_repatching_the_language(monkeypatch):
     r = flame.randn(4096).to_torch()
     assert calls.count("_random_kernel") == 1 and len(calls) <= 2, calls  # the launch, then tl.randn's module once
     assert abs(r.mean().item()) < 0.05 and abs(r.std().item() - 1) < 0.05
+
+
+def test_descriptors_of_one_layout_share_a_validated_template():
+    """launch.descriptor equals Triton's TensorDescriptor of the same arguments; the second of a
+    layout is made from the first's fields (no second validation) with its own base, the template
+    keeps no buffer alive, and an unaligned base is refused."""
+    import gc
+    import weakref
+
+    L._descriptor_fields.clear()
+    a = torch.zeros(64, 32, dtype=torch.float16, device=flame.device)
+    b = torch.ones(64, 32, dtype=torch.float16, device=flame.device)
+    first = L.descriptor(a, [64, 32], [32, 1], [16, 32])
+    assert first == TensorDescriptor(a, [64, 32], [32, 1], [16, 32])
+    second = L.descriptor(b, [64, 32], [32, 1], [16, 32])
+    assert second == TensorDescriptor(b, [64, 32], [32, 1], [16, 32]) and second.base is b
+    assert len(L._descriptor_fields) == 1
+    gone = weakref.ref(a)
+    del a, first
+    gc.collect()
+    assert gone() is None
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        L.descriptor(b.view(-1)[1:], [63], [1], [16])

@@ -59,7 +59,7 @@ from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import matmul as KM
 from .elementwise import _pow2, cdiv, collapse, copy_, fill_
-from .launch import TensorDescriptor, launch
+from .launch import descriptor, launch
 from .matmul import GEMM_FIELDS, _epilogue, _kernel_switches, _tile_coords, linear_, matmul_
 from .reduce import SUM, reduce_
 
@@ -300,9 +300,9 @@ def _pixel_descriptor(buf, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK
     """The (n, h, w, c) buffer ``buf`` as a host-built TMA descriptor of TH x TW pixel x BLOCK_C
     channel boxes: 4-D, or the 5-D phase view above (``phased``)."""
     if phased:
-        return TensorDescriptor(buf, [NB, XH // S_h, S_h, XW // S_w, S_w * C], [s_n, S_h * s_h, s_h, S_w * s_w, 1],
+        return descriptor(buf, [NB, XH // S_h, S_h, XW // S_w, S_w * C], [s_n, S_h * s_h, s_h, S_w * s_w, 1],
                                 [1, TH, 1, TW, BLOCK_C])
-    return TensorDescriptor(buf, [NB, XH, XW, C], [s_n, s_h, s_w, 1], [1, TH, TW, BLOCK_C])
+    return descriptor(buf, [NB, XH, XW, C], [s_n, s_h, s_w, 1], [1, TH, TW, BLOCK_C])
 
 
 @triton.jit
@@ -1059,8 +1059,8 @@ def _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route):
     target_desc = _pixel_descriptor(target, splits * NB, OH, OW, N, *target_s, D_h, D_w, th, tw, bn, divided)
     # the weight (channels-last, taps and channels dense) as a (Co, taps * Ci) matrix: (k=co, n=ci) tiles for
     # the input gradient, (n=co, k=ci) tiles for the forward
-    w_desc = (TensorDescriptor(w, [C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
-              else TensorDescriptor(w, [N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
+    w_desc = (descriptor(w, [C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
+              else descriptor(w, [N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
     launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src_desc, w_desc, target_desc, out if bias is None else bias,
            NB, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
            *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, 0 if bias is None else bias.stride(0),
@@ -1108,8 +1108,8 @@ def _run_wgrad(route, p, dw_out, dy, x):
     if route.kernel == "wgrad_tma":
         th, tw, bm, bn = cfg["TH"], cfg["TW"], cfg["BLOCK_M"], cfg["BLOCK_N"]
         phased = (sh, sw) != (1, 1)
-        dy_desc = (TensorDescriptor(dy, [NB * OH * OW, CO], [_row_stride(dy), 1], [th * tw, bm]) if cfg["FLAT_DY"]
-                   else TensorDescriptor(dy, [NB, OH, OW, CO], [*_nhwc(dy)[:3], 1], [1, th, tw, bm]))
+        dy_desc = (descriptor(dy, [NB * OH * OW, CO], [_row_stride(dy), 1], [th * tw, bm]) if cfg["FLAT_DY"]
+                   else descriptor(dy, [NB, OH, OW, CO], [*_nhwc(dy)[:3], 1], [1, th, tw, bm]))
         x_desc = _pixel_descriptor(x, NB, H, W, CI, *_nhwc(x)[:3], sh, sw, th, tw, bn, phased)
         launch(_conv_wgrad_tma_kernel, grid, dy_desc, x_desc, target_buf, NB, OH, OW, CO, CI, KW, -ph, dh, -pw, dwl,
                *_phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW), per_split, *so, PHASED=phased, **cfg)

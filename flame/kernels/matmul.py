@@ -25,7 +25,7 @@ import triton.language as tl
 from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
-from .launch import TensorDescriptor, launch
+from .launch import TensorDescriptor, descriptor, launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
 
@@ -401,10 +401,10 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
             _tma_cache.clear()
         _tma_cache[key] = cfg
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_desc = TensorDescriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else TensorDescriptor(a, [K, M], [s_a, 1], [bk, bm])
-    b_desc = TensorDescriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else TensorDescriptor(b, [K, N], [s_b, 1], [bk, bn])
-    c_desc = TensorDescriptor(out, [M, N], [s_c, 1], [bm, bn])
-    pre_desc, res_desc = (c_desc if t is None else TensorDescriptor(t, [M, N], [s_c, 1], [bm, bn])
+    a_desc = descriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else descriptor(a, [K, M], [s_a, 1], [bk, bm])
+    b_desc = descriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else descriptor(b, [K, N], [s_b, 1], [bk, bn])
+    c_desc = descriptor(out, [M, N], [s_c, 1], [bm, bn])
+    pre_desc, res_desc = (c_desc if t is None else descriptor(t, [M, N], [s_c, 1], [bm, bn])
                           for t in (f.pre_out, f.residual))
     tiles = cdiv(M, bm) * cdiv(N, bn)
     launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,

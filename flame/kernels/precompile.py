@@ -45,7 +45,7 @@ except ImportError:
 
 from .. import runtime, tune
 from . import launch
-from .launch import TensorDescriptor
+from .launch import descriptor
 
 
 def _stand_in(a):
@@ -55,7 +55,7 @@ def _stand_in(a):
         return buf if a[2] else buf[1:]
     if kind == "descriptor":
         base = runtime.empty(tuple(a[2]), getattr(torch, a[1]))
-        return TensorDescriptor(base, list(base.shape), list(base.stride()), list(a[2]))
+        return descriptor(base, list(base.shape), list(base.stride()), list(a[2]))
     return 1.5 if kind == "float" else a[1]
 
 
