@@ -239,6 +239,19 @@ def test_dora_linear_gradcheck_and_bad_input():
     assert empty.shape == (0, 4)
 
 
+def test_dora_with_a_frozen_magnitude_trains_the_adapters():
+    """A magnitude that does not train (A and B do) gives A and B the gradients they get when it
+    trains (the backward used to read the unsaved pre-scale output then)."""
+    x, w, b, g = flame.randn(6, 12), flame.randn(5, 12), flame.randn(5), flame.randn(6, 5)
+    a, lb = flame.randn(3, 12).requires_grad_(), flame.randn(5, 3).requires_grad_()
+    m = flame.rand(5) + 0.5
+    frozen = F.lora_linear(x, w, b, a, lb, 0.5, magnitude=m).backward(g)
+    trained = F.lora_linear(x, w, b, a, lb, 0.5, magnitude=flame.from_torch(m.to_torch(), requires_grad=True)
+                            ).backward(g)
+    for p in (a, lb):
+        assert_close(frozen[p], trained[p], rtol=0, atol=0)
+
+
 def test_lora_linear_launches_fewer_kernels_than_the_composed_ops():
     import flame.kernels.launch as L
     x = flame.randn(16, 32, dtype=flame.float16).requires_grad_()

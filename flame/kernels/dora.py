@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import _pow2, cdiv, copy_
+from .elementwise import MUL, _pow2, cdiv, copy_, map_
 from .launch import launch
 from .reduce import accumulation_dtype
 
@@ -145,8 +145,11 @@ def _magnitude_grad_kernel(part_ptr, norm_ptr, dm_ptr, programs, N, BLOCK_N: tl.
 def scale_grad_(dz, dm, g, z, ratio, norm):
     """The gradients of ``y = ratio * z + b`` (``ratio = m / norm`` per column, ``norm`` a
     constant): ``dz = g * ratio`` into ``dz`` (M, N) and, when ``dm`` (N,) is given,
-    ``dm = sum_rows(g * z) / norm``. ``g``, ``z``, ``dz`` are 2-D, any strides."""
+    ``dm = sum_rows(g * z) / norm``. ``g``, ``z``, ``dz`` are 2-D, any strides; without ``dm``,
+    ``z`` is not read (None will do): dz is one elementwise pass."""
     M, N = g.shape
+    if dm is None:
+        return map_(dz, [g, ratio[None].expand(M, N)], MUL.value)
     if runtime.INTERPRETER:
         block_m, block_n = _pow2(min(M, 256)), _pow2(min(N, 256))
         rows = M
