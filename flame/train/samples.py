@@ -2,9 +2,10 @@
 
 At setup the prompts are encoded once by both text encoders, which then leave GPU memory; the VAE
 stays (about 170 MB in bf16). At a sampling step the UNet being trained (its adapters live, in eval
-mode) runs the sampler's loop for each prompt in turn, eagerly: the training step's CUDA graph is
-left as it is, and the extra memory is one no-grad forward of batch 2 and one VAE decode. flame's
-random generator is restored afterwards, so sampling does not change the training run.
+mode, cast to the UNet's dtype once for all prompts: ``amp.ParameterCasts``) runs the sampler's loop
+for each prompt in turn, eagerly: the training step's CUDA graph is left as it is, and the extra
+memory is one no-grad forward of batch 2 and one VAE decode. flame's random generator is restored
+afterwards, so sampling does not change the training run.
 
 Images go to ``output.dir/samples/step-N/NN.png`` with their settings in the PNG metadata.
 """
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import pathlib
 
+from ..amp import ParameterCasts
 from ..models.sdxl_text import SDXLTextEncoders
 from ..models.vae import AutoencoderKL
+from ..nn.lora import lora_parameters
 from ..pipeline import save_png
 from ..pipeline.sdxl import encode_prompts, generate, pipeline_settings, read_prompt_file
 
@@ -43,15 +46,16 @@ class TrainingSamples:
         was_training = unet.training
         unet.eval()
         paths = []
-        try:
-            for k, (prompt, cond) in enumerate(zip(self.prompts, self.conditioning)):
-                image, = generate(unet, self.vae, cond, self.scheduler_config, steps=s.steps, cfg=s.cfg,
-                                  width=self.width, height=self.height, seed=s.seed, sampler=s.sampler,
-                                  cuda_graph=False)
-                settings = {"prompt": prompt, "negative_prompt": s.negative_prompt or "", "steps": s.steps,
-                            "sampler": s.sampler, "cfg": s.cfg, "seed": s.seed, "size": f"{self.width}x{self.height}",
-                            "model": self.source, "step": step}
-                paths.append(str(save_png(image, out / f"{k:02d}.png", settings)))
+        try:  # the adapters do not change while sampling: cast once for every UNet call, not once per call and layer
+            with ParameterCasts(lora_parameters(unet), unet.dtype):
+                for k, (prompt, cond) in enumerate(zip(self.prompts, self.conditioning)):
+                    image, = generate(unet, self.vae, cond, self.scheduler_config, steps=s.steps, cfg=s.cfg,
+                                      width=self.width, height=self.height, seed=s.seed, sampler=s.sampler,
+                                      cuda_graph=False)
+                    settings = {"prompt": prompt, "negative_prompt": s.negative_prompt or "", "steps": s.steps,
+                                "sampler": s.sampler, "cfg": s.cfg, "seed": s.seed,
+                                "size": f"{self.width}x{self.height}", "model": self.source, "step": step}
+                    paths.append(str(save_png(image, out / f"{k:02d}.png", settings)))
         finally:
             unet.train(was_training)
         return paths
