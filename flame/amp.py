@@ -36,8 +36,8 @@ from .kernels import amp as KA
 from .kernels import elementwise as KE
 from .kernels import optim as KO
 from .kernels.optim import _split
-from .ops._autocast import autocast_state, get_autocast, parameter_copies
-from .ops.elementwise import mul, to
+from .ops._autocast import autocast_state, get_autocast
+from .ops.elementwise import mul, parameter_copies, to
 from .tensor import FLOAT_DTYPES, Tensor
 
 __all__ = ["DynamicLossScaler", "GradScaler", "ParameterCasts", "Policy", "autocast", "get_autocast_dtype",
@@ -137,11 +137,13 @@ class ParameterCasts:
 
     ``with ParameterCasts(params, torch.bfloat16): ...`` casts every floating parameter of
     ``params`` that is not already bf16 (the fp32 master weights of LoRA adapters) into one new
-    buffer on entry, one launch per source dtype; inside, ops that cast a parameter themselves
-    (``F.lora_linear``'s adapters) read these copies instead of launching a cast each: an SDXL
-    step with rank-16 LoRA on attn launches one kernel where it launched 1,120. Gradients still
-    reach the parameters. The copies are of the values at entry: the parameters must not change
-    inside the region (the optimizer steps after it, as with PyTorch's autocast weight cache).
+    buffer on entry, one launch per source dtype; inside, every cast of such a parameter to
+    ``dtype`` (``to``, so the recorded casts of ``F.linear``, ``conv2d`` and autocast, and
+    ``F.lora_linear``'s adapters) is its copy, not a launch each: an SDXL step with rank-16 LoRA
+    on attn launches one kernel where it launched 1,120. Gradients still reach the parameters;
+    a cast's result is shared, so it must not be written in place. The copies are of the values
+    at entry: the parameters must not change inside the region (the optimizer steps after it, as
+    with PyTorch's autocast weight cache).
     Each entry makes fresh copies, so a graph recorded in one region stays valid after the next;
     a region can be captured in a CUDA graph (the tables of buffer addresses are built on the
     first entry, or when a parameter's buffer moves, and must not be during a capture)."""
@@ -154,9 +156,10 @@ class ParameterCasts:
         for p in params:
             if not isinstance(p, Tensor):
                 raise TypeError(f"ParameterCasts: expected flame Tensors, got {type(p).__name__}")
-        # contiguous floating parameters of another dtype; the rest the ops cast themselves
+        # dense floating parameters of another dtype (any dim order: channels-last conv weights too), each
+        # copied as its memory lies; the rest the ops cast themselves
         self.params = [p for p in params if p.dtype in FLOAT_DTYPES and p.dtype != dtype and p.numel()
-                       and p._data.is_contiguous()]
+                       and runtime.dense_order(p._data) is not None]
         self.dtype = dtype
         self._pointers, self._groups, self._copies, self._total = None, [], {}, 0
         self._prev = []
@@ -171,7 +174,7 @@ class ParameterCasts:
         rows, self._copies, offset = {}, {}, 0
         for p in self.params:
             rows.setdefault(p.dtype, []).append(((offset, p._data), p.numel(), 0))
-            self._copies[(p.id, self.dtype)] = (offset, tuple(p.shape))
+            self._copies[(p.id, self.dtype)] = (offset, tuple(p.shape), p._data.stride())
             offset += -(-p.numel() // align) * align
         self._groups = [(dtype, KO.Tables(r)) for dtype, r in rows.items()]
         self._pointers, self._total = pointers, offset

@@ -313,7 +313,7 @@ def test_parameter_casts_give_lora_adapters_their_copies_in_one_launch():
     launch, instead of casting them (two launches a layer): same outputs and gradients, bit for bit;
     each entry copies the current values into a fresh buffer (16-byte aligned copies, for TMA)."""
     from flame.kernels import launch as L
-    from flame.ops._autocast import parameter_copy
+    from flame.ops.elementwise import parameter_copy
     half = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
     layers = [nn.LoRALinear(nn.Linear(k, n).to(half), rank=3, alpha=5.0) for k, n in ((24, 40), (40, 13), (13, 24))]
     params = [p for layer in layers for p in (layer.lora_A, layer.lora_B)]
@@ -362,6 +362,45 @@ def test_parameter_casts_give_lora_adapters_their_copies_in_one_launch():
         amp.ParameterCasts(params, torch.float64)
     with pytest.raises(TypeError, match="flame Tensors"):
         amp.ParameterCasts([torch.zeros(3)], half)
+
+
+def test_parameter_casts_serve_every_cast_of_a_parameter():
+    """``to`` (so conv2d's, linear's and autocast's recorded casts) returns the region's copy: a LoRA
+    conv runs without its adapters' cast launches, with the same output and gradients; a dense
+    parameter in another dim order (channels-last) is copied as it lies; ``copy=True`` still copies."""
+    from flame.kernels import launch as L
+    from flame.ops.elementwise import parameter_copy
+    half = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
+    conv = nn.LoRAConv2d(nn.Conv2d(4, 6, 3, padding=1).to(half), rank=2, alpha=2.0)
+    flame.nn.init.normal_(conv.lora_B, 0.0, 0.5)
+    params = [conv.lora_A, conv.lora_B]
+    x = flame.randn(2, 4, 5, 5, dtype=half)
+
+    def run():
+        y = conv(x)
+        grads = (y.to(torch.float32) ** 2).sum().backward()
+        return [y] + [grads[p] for p in params]
+
+    casts = amp.ParameterCasts(params, half)
+    before = L.launches
+    want = run()
+    plain = L.launches - before
+    before = L.launches
+    with casts:
+        got = run()
+        a16 = flame.ops.elementwise.to(conv.lora_A, half)
+        assert a16._data.data_ptr() == parameter_copy(conv.lora_A, half).data_ptr()
+        assert a16._data.stride() == conv.lora_A._data.stride()
+        assert flame.ops.elementwise.to(conv.lora_A, half, copy=True)._data.data_ptr() != a16._data.data_ptr()
+    assert L.launches - before == plain - 2 + 1 + 1  # two casts fewer, the region's one, the copy=True above
+    for g, w in zip(got, want):
+        assert_close(g, w, rtol=0, atol=0)
+    nhwc = flame.from_torch(torch.randn(3, 4, 2, 5, device=DEVICE).to(memory_format=torch.channels_last),
+                            requires_grad=True)
+    with amp.ParameterCasts([nhwc], half):
+        copy = flame.ops.elementwise.to(nhwc, half)
+        assert copy._data.stride() == nhwc._data.stride()
+        assert_close(copy, nhwc.to_torch().to(half), rtol=0, atol=0)
 
 
 def test_backward_inside_autocast_is_unaffected():

@@ -6,7 +6,7 @@ computed for it) and adds ``(alpha / rank) * B(A(dropout(x)))`` with A (rank, in
 fp32 master parameters. ``W + BA`` is never materialised in training: the adapter is two small
 GEMMs through flame's ``linear`` (which casts A and B once per forward to the activation dtype,
 their gradients flowing back through that cast in fp32; a step inside
-``flame.amp.ParameterCasts(lora_parameters(model), dtype)`` casts every Linear adapter in one
+``flame.amp.ParameterCasts(lora_parameters(model), dtype)`` casts every adapter in one
 launch, as the trainer does). ``Conv2d`` layers (by name, or all of
 them with ``conv=True``) get a ``LoRAConv2d`` ("LoCon"): A a conv with the base's geometry to
 ``rank`` channels, B a 1x1 conv, A (rank, in, kh, kw) and B (out, rank, 1, 1).

@@ -12,9 +12,6 @@ Both return their arguments unchanged (non-tensors and None included) when autoc
 Casts are recorded ops, so an fp32 parameter cast down gets an fp32 gradient. A parameter (a
 leaf that requires grad) is cast once per autocast region and grad mode: later ops reuse the
 cast, as PyTorch's autocast weight cache does (until a backward releases that cast's node).
-
-Also per thread: the parameter copies of the current ``flame.amp.ParameterCasts`` region, which
-ops that cast parameters themselves (``lora_linear``'s adapters) read through ``parameter_copy``.
 """
 from __future__ import annotations
 
@@ -82,21 +79,3 @@ def fp32(*tensors):
         return tensors
     return tuple(to(t, torch.float32) if isinstance(t, Tensor) and t.dtype in _DTYPES[:2] else t for t in tensors)
 
-
-def parameter_copies(copies):
-    """Make ``copies`` (``(buffer, {(tensor id, dtype): (element offset, shape)})``, or None) the
-    current region's parameter copies; returns the previous ones (to restore on leaving)."""
-    prev = getattr(_state, "copies", None)
-    _state.copies = copies
-    return prev
-
-
-def parameter_copy(t, dtype):
-    """The copy of ``t`` in ``dtype`` that the current ``ParameterCasts`` region made (a view of
-    its buffer, ``t``'s shape), or None."""
-    copies = getattr(_state, "copies", None)
-    hit = copies[1].get((t.id, dtype)) if copies is not None else None
-    if hit is None:
-        return None
-    offset, shape = hit
-    return copies[0][offset:offset + t.numel()].view(shape)

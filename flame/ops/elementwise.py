@@ -4,6 +4,7 @@ kernels of ``flame.kernels.elementwise``."""
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -363,13 +364,38 @@ def _to_backward(node, g):
     return g  # the engine casts the gradient back to the input's dtype
 
 
+_copies = threading.local()  # the parameter copies of this thread's ParameterCasts region
+
+
+def parameter_copies(copies):
+    """Make ``copies`` (``(buffer, {(tensor id, dtype): (element offset, shape, strides)})``, or
+    None) this thread's parameter copies (``flame.amp.ParameterCasts``); returns the previous ones."""
+    prev = getattr(_copies, "current", None)
+    _copies.current = copies
+    return prev
+
+
+def parameter_copy(t, dtype):
+    """The copy of ``t`` in ``dtype`` that the current ``ParameterCasts`` region made (a view of
+    its buffer with ``t``'s shape and strides), or None."""
+    copies = getattr(_copies, "current", None)
+    hit = copies[1].get((t.id, dtype)) if copies is not None else None
+    if hit is None:
+        return None
+    offset, shape, strides = hit
+    return copies[0].as_strided(shape, strides, offset)
+
+
 def to(x, *args, dtype=None, device=None, copy=False):
-    """Cast to ``dtype`` (a copy kernel); ``device`` may only name flame's own device."""
+    """Cast to ``dtype`` (a copy kernel; inside a ``ParameterCasts`` region a parameter's cast is
+    its copy there, which the region's other casts of it share); ``device`` may only name flame's
+    own device."""
     dtype = runtime.to_args(args, dtype, device)
     if dtype is None or (dtype == x.dtype and not copy):
         return x
     check_dtype(dtype)
-    y = map_op(K.IDENTITY, (x,), dtype)
+    made = None if copy else parameter_copy(x, dtype)
+    y = Tensor(made) if made is not None else map_op(K.IDENTITY, (x,), dtype)
     if dtype.is_floating_point and needs_grad(x):
         record(y, (x,), _to_backward)
     return y

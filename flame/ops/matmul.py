@@ -337,7 +337,7 @@ def _cast_once(t, dtype):
     cast kernel (not recorded: the caller's backward routes the gradient to ``t`` itself)."""
     if t.dtype == dtype:
         return t._data
-    copy = _autocast.parameter_copy(t, dtype)
+    copy = ew.parameter_copy(t, dtype)
     if copy is not None:
         return copy
     out = runtime.empty(tuple(t.shape), dtype)
