@@ -78,4 +78,3 @@ def fp32(*tensors):
     if getattr(_state, "dtype", None) is None:
         return tensors
     return tuple(to(t, torch.float32) if isinstance(t, Tensor) and t.dtype in _DTYPES[:2] else t for t in tensors)
-
