@@ -13,7 +13,7 @@ import math
 import torch
 
 from .. import runtime
-from ..autograd import needs_grad, record
+from ..autograd import needs_grad, no_grad, record
 from ..kernels import dora as KD
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
@@ -333,16 +333,10 @@ def _lora_linear_backward(node, g):
 
 
 def _cast_once(t, dtype):
-    """``t``'s buffer in ``dtype``: the copy a ``flame.amp.ParameterCasts`` region made, or one
-    cast kernel (not recorded: the caller's backward routes the gradient to ``t`` itself)."""
-    if t.dtype == dtype:
-        return t._data
-    copy = ew.parameter_copy(t, dtype)
-    if copy is not None:
-        return copy
-    out = runtime.empty(tuple(t.shape), dtype)
-    KE.copy_(out, t._data)
-    return out
+    """``t``'s buffer in ``dtype`` (``to``: the copy a ``flame.amp.ParameterCasts`` region made, or
+    one cast kernel), not recorded: the caller's backward routes the gradient to ``t`` itself."""
+    with no_grad():
+        return to(t, dtype)._data
 
 
 def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitude=None):
