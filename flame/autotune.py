@@ -208,7 +208,7 @@ def _time_ms(run, reps) -> float:
     return statistics.median(times)
 
 
-def _shared_memory():
+def shared_memory():
     """Shared memory per block of the current GPU in bytes (None on the interpreter: no limit)."""
     if runtime.INTERPRETER:
         return None
@@ -274,7 +274,7 @@ def _tune_key(fn, places, args, kwargs, kernel, key, dtype_name, default):
             _, run = _fresh_call(fn, places, args, kwargs)
             return _time_ms(run, FINAL_REPS)
 
-    stages = search_stages(Space(dtype, smem=_shared_memory()), kernel, key)
+    stages = search_stages(Space(dtype, smem=shared_memory()), kernel, key)
     best, best_ms, default_ms, tried = search(stages, default, _time_ms(run_default, SCREEN_REPS), screen, final)
     path = tune.remember(kernel, key, dtype_name, best, best_ms, default_ms)
     print(f"flame autotune: {kernel} {list(key)} {dtype_name}: {tried} configs ({failed['wrong']} wrong, "

@@ -469,3 +469,86 @@ def test_tma_residual_in_the_interpreter(monkeypatch, tma_in_interpreter):
     KM.matmul_(out, a.to_torch(), c.to_torch(), alpha=0.5, residual=out)
     _check(flame.from_torch(out), (0.5 * _ref(ta, tc).double() + tr.double()).to(torch.float16), 264)
     assert taken == [(True, False)], taken
+
+
+# ---- a low-rank term in the GEMM (LoRA's up-projection inside the base GEMM) --------------------
+
+def _low_rank_case(M, N, K, r, dtype, act=None, roundings=1):
+    """out = act(0.5 A B + 0.25 U V + bias) + R by one ``Fusion``, against float64. U is read
+    transposed in place (a (r, M) buffer's .t()), as LoRA's B16.t() is. ``roundings``: how many
+    times the output is rounded to ``dtype`` on the way (the tolerance scales with it)."""
+    import flame.kernels.matmul as KM
+    a, ta = pair((M, K), dtype)
+    b, tb = pair((K, N), dtype)
+    u, tu = pair((r, M), dtype)
+    v, tv = pair((r, N), dtype)
+    bias, tbias = pair((N,), dtype)
+    r_, tr = pair((M, N), dtype)
+    ref = 0.5 * ta.double() @ tb.double() + 0.25 * tu.double().t() @ tv.double() + tbias.double()
+    if act:
+        ref = torch.nn.functional.gelu(ref, approximate="tanh")
+    out = r_.to_torch().clone()
+    fusion = KM.Fusion(bias.to_torch(), KE.GELU_TANH.value if act else 0, alpha=0.5, residual=out,
+                       low_rank=(u.to_torch().t(), v.to_torch(), 0.25))
+    st = ta.stride(), tb.stride(), out.stride()
+    KM._launch(out, a.to_torch(), b.to_torch(), M, N, K, (), *st, fusion)
+    tol = {k: roundings * t for k, t in _tol(dtype, K + r).items()}
+    torch.testing.assert_close(out.cpu(), (ref + tr.double()).to(dtype).cpu(), **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("r", [3, 16, 17, 64])
+def test_low_rank_term_in_the_pointer_kernel(dtype, r, monkeypatch):
+    import flame.kernels.matmul as KM
+    apart = []
+    monkeypatch.setattr(KM, "_low_rank_apart", lambda *a: apart.append(a))
+    for act in (None, "gelu_tanh"):
+        _low_rank_case(33, 70, 45, r, dtype, act)  # K < 128: the pointer kernel on every device
+    assert not apart  # fused, rank padded to a power of two >= 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_low_rank_term_apart_for_split_k_and_high_ranks(dtype, split_k_everywhere, monkeypatch):
+    """Split-K problems and ranks above 64 add the term in a second GEMM (no activation allowed)."""
+    import flame.kernels.matmul as KM
+    apart = []
+    real = KM._low_rank_apart
+    monkeypatch.setattr(KM, "_low_rank_apart", lambda *a: apart.append(a[9].rank) or real(*a))
+    _low_rank_case(20, 9, 515, 16, dtype, roundings=2)  # split-K (out rounded before the term's GEMM)
+    assert split_k_everywhere and apart == [16]
+    split_k_everywhere.clear()
+    _low_rank_case(12, 40, 33, 70, dtype, roundings=2)  # rank 70
+    assert apart == [16, 70]
+    with pytest.raises(ValueError, match="without an activation"):
+        _low_rank_case(12, 40, 33, 70, dtype, "gelu_tanh")
+
+
+def test_low_rank_term_in_the_tma_kernel(monkeypatch, request):
+    """The TMA kernel's term (fp16, 16-byte aligned rows, K >= 128): on the GPU, or by the
+    interpreter's emulation of tensor descriptors."""
+    import flame.kernels.matmul as KM
+    if flame.is_interpreter():
+        request.getfixturevalue("tma_in_interpreter")
+    elif not KM.TMA or not KM.tma_available():
+        pytest.skip("no TMA on this GPU / Triton")
+    monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
+    taken = []
+    real = KM._launch_tma
+    monkeypatch.setattr(KM, "_launch_tma", lambda *a: taken.append(a[6].rank) or real(*a))
+    for r in (5, 16):
+        for act in (None, "gelu_tanh"):
+            _low_rank_case(136, 200, 264, r, torch.float16, act)
+    assert taken == [5, 5, 16, 16], taken
+
+
+def test_low_rank_term_cuts_tma_stages_to_fit_shared_memory(monkeypatch):
+    """On an H200 (232,448 bytes a block) a rank-16 term fits beside 128x128x64 tiles of 5 stages
+    (204,800 bytes) but not beside tuned 128x128x128 tiles of 3 (237,568): those run 2."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM.autotune, "shared_memory", lambda: 232_448)
+    cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_stages=5)
+    assert KM._stages_with_room_for_low_rank(cfg, 16, 2) == 5
+    assert KM._stages_with_room_for_low_rank(dict(cfg, BLOCK_K=128, num_stages=3), 16, 2) == 2
+    assert KM._stages_with_room_for_low_rank(dict(cfg, BLOCK_N=256, num_stages=3), 64, 2) == 2
+    monkeypatch.setattr(KM.autotune, "shared_memory", lambda: None)  # the interpreter: no limit
+    assert KM._stages_with_room_for_low_rank(dict(cfg, BLOCK_K=128, num_stages=3), 64, 2) == 3

@@ -11,8 +11,13 @@ One kernel, ``_matmul_kernel``, computes a (BLOCK_M, BLOCK_N) tile of one batch 
   tf32 tensor cores on the GPU and exact products in the interpreter; fp16/bf16 inputs go to the
   tensor cores as they are. The tile is stored in C's dtype.
 
-Launch configs come from ``_config(M, N, K, dtype)``: a tuning-table entry (``flame.tune``) or a heuristic.
-The kernel is deliberately general (no epilogue yet): the fused-epilogue GEMM grows from here.
+- A ``Fusion`` adds work to the tile before it is stored: a scale, a bias, an activation (its
+  argument kept for the backward), a residual, and a low-rank product U V (LoRA's up-projection
+  inside the base GEMM: one more tl.dot of depth r per tile).
+
+Launch configs come from ``_config(M, N, K, dtype)``: a tuning-table entry (``flame.tune``) or a
+heuristic. 16-bit 2-D problems on Hopper run ``_matmul_tma_kernel`` (TMA loads, persistent); GEMMs
+with few output tiles and a long K split K (``_launch_split_k``).
 """
 import itertools
 import math
@@ -30,18 +35,20 @@ from .reduce import SUM, accumulation_dtype, reduce_
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K, B1,
-                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, s_bias, alpha,
-                   ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v_ptr, M, N, K, B1, R,
+                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, sum_, sur, svr, svn, s_bias, alpha,
+                   lr_ratio, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
     # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
     # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
     # over two (collapsed) batch dims of size (B0, B1).
-    # Fused epilogue (constexpr switches, off = IDENTITY / False): C = ACT(alpha * acc + bias[n])
+    # Fused epilogue (constexpr switches, off = IDENTITY / False / 0): C = ACT(alpha * acc + bias[n])
     # + R, where R (RESIDUAL, C's strides; may be C itself) is read before C is written;
-    # STORE_PRE also writes alpha * acc + bias (with C's strides) for the activation's backward.
+    # STORE_PRE also writes alpha * acc + bias (with C's strides) for the activation's backward;
+    # RANK > 0 adds a low-rank product U V, U (M, R), V (R, N), R <= RANK, to acc first
+    # (_low_rank_update).
     # (A prologue fusing dY * act'(pre) into the backward GEMMs' A loads, with the bias gradient
     # as row sums of those tiles, gave wrong 16-bit results on Triton 3.6 when the loaded tile
     # fed both tl.sum and tl.dot: measured on an H200, 2026-11-26; the backward is unfused until
@@ -74,6 +81,9 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, K,
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
+    if RANK:
+        acc = _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn, lr_ratio,
+                               PRECISION, UPCAST, RANK)
 
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
     _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
@@ -121,10 +131,11 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 
 @triton.jit
-def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, N, K, s_bias, alpha,
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_ptr, v_ptr, M, N, K, R,
+                       sum_, sur, svr, svn, s_bias, alpha, lr_ratio,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
@@ -156,12 +167,36 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, 
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
         offs_n = off_n + tl.arange(0, BLOCK_N)
+        if RANK:
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            acc = _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, offs_m < M, offs_n < N, R, sum_, sur, svr, svn,
+                                   lr_ratio, "tf32", False, RANK)
         pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
         if STORE_PRE:
             pre_desc.store([off_m, off_n], pre.to(pre_desc.dtype))
         if RESIDUAL:
             acc += res_desc.load([off_m, off_n]).to(acc.dtype)
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
+@triton.jit
+def _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn, ratio,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, RANK: tl.constexpr):
+    """``ratio * acc + U V`` for a tile: U (M, R) and V (R, N) by strides, R padded to RANK (>= 16,
+    tl.dot's minimum) with zeros. The caller's epilogue multiplies by beta (the launch's alpha)
+    and the host passes ratio = alpha / beta, so the tile becomes alpha * A B + beta * U V with
+    both products accumulated in fp32, nothing rounded between them (a LoRA layer's up-projection
+    added into its base GEMM: one more tl.dot of depth RANK per tile)."""
+    offs_r = tl.arange(0, RANK)
+    mask_r = offs_r < R
+    u = tl.load(u_ptr + offs_m[:, None] * sum_ + offs_r[None, :] * sur, mask=mask_m[:, None] & mask_r[None, :],
+                other=0.0)
+    v = tl.load(v_ptr + offs_r[:, None] * svr + offs_n[None, :] * svn, mask=mask_r[:, None] & mask_n[None, :],
+                other=0.0)
+    if UPCAST:
+        u = u.to(tl.float32)
+        v = v.to(tl.float32)
+    return tl.dot(u, v, acc * ratio, input_precision=PRECISION, out_dtype=acc.dtype)
 
 
 @triton.jit
@@ -276,6 +311,8 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
         _launch_cache[key] = cfg
     tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
     f = epilogue or _NO_FUSION
+    if f.rank and (B0 * B1 > 1 or f.rank > _MAX_FUSED_RANK):
+        return _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f)
     if B0 * B1 == 1:
         splits = _k_splits(tiles, K, cfg["BLOCK_K"])
         # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x); with few
@@ -283,13 +320,30 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
         tma_ok = K >= 128 and (splits == 1 or K <= _FEW_TILES_TMA_MAX_K)
         layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if tma_ok else None
         if splits > 1 and layout is None:
+            if f.rank:
+                return _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f)
             return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
         if layout is not None:
             return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
     launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), _or(f.residual, out),
-           M, N, K, B1, *sa, *sb, *sc, f.bias_stride, f.alpha, BIAS=f.bias is not None, ACT=f.act,
-           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, **cfg)
+           _or(f.u, out), _or(f.v, out), M, N, K, B1, f.rank, *sa, *sb, *sc, *f.u_strides, *f.v_strides, f.bias_stride,
+           f.scale, f.rank_ratio, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+           RESIDUAL=f.residual is not None, RANK=f.rank_block, **cfg)
+
+
+_MAX_FUSED_RANK = 64  # the low-rank term's tl.dot takes U (BLOCK_M, RANK) and V (RANK, BLOCK_N) tiles whole
+
+
+def _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f):
+    """A 2-D GEMM whose ``Fusion`` has a low-rank term the kernels don't take (split-K problems,
+    ranks above _MAX_FUSED_RANK), as two launches: ``out = alpha * A B + bias + residual``, then
+    ``out += beta * U V`` (a second GEMM accumulating into ``out``). Not with an activation or a
+    pre-activation, which would need the term inside them. ``s*``: batch-padded strides."""
+    if f.act or f.pre_out is not None or any(sa[:2]) or any(sc[:2]):
+        raise ValueError("matmul: a low-rank term is fused into 2-D GEMMs without an activation only")
+    _launch(out, a, b, M, N, K, (), sa[2:], sb[2:], sc[2:], Fusion(f.bias, alpha=f.alpha, residual=f.residual))
+    _launch(out, f.u, f.v, M, N, f.rank, (), f.u_strides, f.v_strides, sc[2:], Fusion(alpha=f.beta, residual=out))
 
 
 # ---- the TMA path (Hopper and later, 16-bit, 2-D problems) -----------------------------------
@@ -389,7 +443,7 @@ tune.register_cache(_tma_cache.clear)
 
 def _launch_tma(out, a, b, M, N, K, f, layout):
     a_k, b_k, s_a, s_b, s_c = layout
-    key = (M, N, K, a.dtype, f.act != 0)
+    key = (M, N, K, a.dtype, f.act != 0, f.rank_block)
     cfg = _tma_cache.get(key)
     if cfg is None:
         cfg = dict(_tma_config(M, N, K, a.dtype), FLATTEN=FLATTEN)
@@ -397,6 +451,8 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
             # an activation epilogue on 4 warps costs more than its GEMM saves (H200, gelu_tanh,
             # 4096x640->5120: +30 us on 4 warps, +14 us on 8); tables are tuned without one
             cfg["num_warps"] = 8
+        if f.rank_block:
+            cfg["num_stages"] = _stages_with_room_for_low_rank(cfg, f.rank_block, a.element_size())
         if len(_tma_cache) > 4096:
             _tma_cache.clear()
         _tma_cache[key] = cfg
@@ -408,9 +464,24 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
                           for t in (f.pre_out, f.residual))
     tiles = cdiv(M, bm) * cdiv(N, bn)
     launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
-           _or(f.bias, out), M, N, K, f.bias_stride, f.alpha, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
-           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
-           **cfg)
+           _or(f.bias, out), _or(f.u, out), _or(f.v, out), M, N, K, f.rank, *f.u_strides, *f.v_strides,
+           f.bias_stride, f.scale, f.rank_ratio, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None,
+           ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, RANK=f.rank_block, **cfg)
+
+
+def _stages_with_room_for_low_rank(cfg, rank_block, es):
+    """The TMA kernel's pipeline stages, cut (to 1 at least) until its shared memory with a
+    low-rank term fits the GPU: per stage an A and a B tile ((BLOCK_M + BLOCK_N) x BLOCK_K), then
+    C's store tile and the term's U and V tiles ((BLOCK_M + BLOCK_N) x RANK). Compiled for sm_90
+    (Triton 3.9) this sum is within 0.05% of what Triton allocates; 128x128x128 tiles of 3 stages
+    (tuned for some SDXL shapes) need 229,376 bytes alone, 237,568 with a rank-16 term, against the
+    H200's 232,448."""
+    limit = autotune.shared_memory()
+    bm, bn, bk, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"]
+    fixed = (bm * bn + (bm + bn) * rank_block) * es
+    while limit is not None and stages > 1 and stages * (bm + bn) * bk * es + fixed > limit:
+        stages -= 1
+    return stages
 
 
 def _k_splits(tiles, K, block_k):
@@ -474,33 +545,46 @@ def _or(t, default):
 
 class Fusion:
     """Epilogue work fused into one GEMM launch (see ``_matmul_kernel``):
-    ``C = act(alpha * A @ B + bias) + residual`` with ``bias`` (N,), ``act`` an elementwise op
-    code, ``residual`` a buffer with C's strides (C itself for an in-place accumulation);
-    ``pre_out`` receives ``alpha * A @ B + bias`` before the activation."""
+    ``C = act(alpha * A @ B + beta * U @ V + bias) + residual`` with ``bias`` (N,), ``act`` an
+    elementwise op code, ``residual`` a buffer with C's strides (C itself for an in-place
+    accumulation); ``pre_out`` receives the argument of ``act``. ``low_rank = (U, V, beta)``: U
+    (M, r) and V (r, N) buffers of A's dtype, any strides (a LoRA up-projection added to the base
+    GEMM, or the adapter's share of the input gradient)."""
 
-    __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual")
+    __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "u", "v", "beta", "rank",
+                 "rank_block", "scale", "rank_ratio", "u_strides", "v_strides")
 
-    def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None):
+    def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None):
         self.bias = bias
         self.bias_stride = bias.stride(0) if bias is not None else 0
         self.act = act
         self.pre_out = pre_out
         self.alpha = float(alpha)
         self.residual = residual
+        self.u, self.v, self.beta = low_rank if low_rank is not None else (None, None, 0.0)
+        self.beta = float(self.beta)
+        self.rank = 0 if self.u is None or self.beta == 0.0 else self.u.shape[1]
+        self.rank_block = max(16, _pow2(self.rank)) if self.rank else 0
+        self.u_strides = self.u.stride() if self.rank else (0, 0)
+        self.v_strides = self.v.stride() if self.rank else (0, 0)
+        # what the kernels multiply the accumulator by, and by what they scale A B before adding U V:
+        # alpha * AB + beta * UV = beta * (alpha / beta * AB + UV)
+        self.scale, self.rank_ratio = (self.beta, self.alpha / self.beta) if self.rank else (self.alpha, 1.0)
 
 
 _NO_FUSION = Fusion()
 
 
 @tunable("out")
-def matmul_(out, a, b, alpha=1.0, residual=None):
-    """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ residual)`` over torch buffers
-    with any strides.
+def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None):
+    """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ beta * u @ v) (+ residual)`` over
+    torch buffers with any strides.
 
     ``a``, ``b`` and ``out`` have the same batch shape (broadcast batch dims are stride-0
     expanded views) and ``a`` and ``b`` the same dtype; ``out`` may be any float dtype.
     ``residual`` (2-D problems only) has ``out``'s strides and may be ``out`` itself.
-    Returns ``out``.
+    ``low_rank = (u, v, beta)`` (2-D problems only): ``u`` (M, r), ``v`` (r, N) of ``a``'s dtype,
+    added in the same launch (``Fusion``). Returns ``out``.
     """
     shape_a = a.shape
     M, K = shape_a[-2], shape_a[-1]
@@ -511,11 +595,12 @@ def matmul_(out, a, b, alpha=1.0, residual=None):
         return fill_(out, 0.0)
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
-        fusion = None if alpha == 1.0 and residual is None else Fusion(alpha=alpha, residual=residual)
-        _launch(out, a, b, M, N, K, (), st_a, st_b, st_c, fusion)
+        plain = alpha == 1.0 and residual is None and low_rank is None
+        _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
+                None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank))
         return out
-    if alpha != 1.0 or residual is not None:
-        raise ValueError(f"matmul_: alpha and residual need a 2-D problem, got a of shape {tuple(shape_a)}")
+    if alpha != 1.0 or residual is not None or low_rank is not None:
+        raise ValueError(f"matmul_: alpha, residual and low_rank need a 2-D problem, got a of shape {tuple(shape_a)}")
     batch = list(shape_a[:-2])
     # B does not vary over the batch: fold the batch into M (one big GEMM, no batch index)
     if all(s == 0 or d == 1 for s, d in zip(st_b[:-2], batch)):
@@ -539,15 +624,17 @@ def matmul_(out, a, b, alpha=1.0, residual=None):
 
 
 @tunable("out", "pre_out")
-def linear_(out, x, w, bias=None, act=0, pre_out=None):
-    """``out[R, N] = act(x[R, K] @ w[N, K]^T + bias[N])`` in one launch (any strides; the weight
-    is read transposed in place). ``pre_out`` (R, N), if given, receives ``x @ w^T + bias``."""
+def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None):
+    """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N])`` in one launch (any
+    strides; the weight is read transposed in place). ``pre_out`` (R, N), if given, receives the
+    argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N)."""
     R, K = x.shape
     N = w.shape[0]
     if out.numel() == 0:
         return out
     ws = w.stride()
-    _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(), Fusion(bias, act, pre_out))
+    _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
+            Fusion(bias, act, pre_out, low_rank=low_rank))
     return out
 
 

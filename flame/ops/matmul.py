@@ -286,7 +286,7 @@ def _apply_activation(y, activation):
 #   dH  = s * G B16          (R, N) x (N, r)
 #   dB  = s * G^T H          (N, R) x (R, r), written in B's dtype
 #   dA  = dH^T X_l           (r, R) x (R, K), written in A's dtype
-#   dX  = G W  (+ dH A16 when X_l is X: accumulated in the same GEMM's epilogue)
+#   dX  = G W  (+ dH A16 when X_l is X: a rank-r term of the same GEMM, kernels.matmul.Fusion)
 #   dX_l = dH A16            (when the branch has its own input)
 #   dW  = G^T X, db = sum_r G (only when the base layer trains)
 # DoRA (a magnitude m): Y = c * Z + b with Z = X W^T + s * H B^T and c = m / n per column, n the row
@@ -319,9 +319,7 @@ def _lora_linear_backward(node, g):
         da = Tensor(da)
     if need_x:
         dxb = runtime.empty(x2.shape, x2.dtype)
-        KM.matmul_(dxb, gz, w)
-        if xl2 is None:
-            KM.matmul_(dxb, dh, a16, residual=dxb)
+        KM.matmul_(dxb, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0))
         dx = Tensor(dxb.view(node.attrs["x_shape"]))
     if need_xl and xl2 is not None:
         dxlb = runtime.empty(xl2.shape, xl2.dtype)
@@ -344,8 +342,9 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     adapter on a Linear layer, ``lora_input`` defaulting to ``x`` (pass the dropped-out ``x`` for
     LoRA dropout). ``weight`` (N, K), ``bias`` (N,) or None, ``lora_a`` (r, K), ``lora_b`` (N, r);
     the adapter weights (fp32 masters) are cast once to ``x``'s dtype and get gradients in their
-    own dtype. Three GEMM launches forward (the up-projection adds into the base output in its
-    epilogue), four or five backward, against about twice that for the composed ops.
+    own dtype. Two GEMM launches forward (the down-projection, then the base GEMM with the
+    up-projection added to its tiles as a rank-r term), four backward (five with a separate
+    ``lora_input``), against about twice that for the composed ops.
 
     ``magnitude`` (N,): DoRA, ``c * (x @ weight^T + scale * (x @ lora_a^T) @ lora_b^T) + bias`` with
     ``c = magnitude / ||weight + scale * lora_b @ lora_a||`` (rows; the norm a constant, computed
@@ -397,9 +396,9 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     a16, b16 = _cast_once(lora_a, x.dtype), _cast_once(lora_b, x.dtype)
     z = runtime.empty((x2.shape[0], n_out), x.dtype)
     h = runtime.empty((x2.shape[0], lora_a.shape[0]), x.dtype)
-    KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data)
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
-    KM.matmul_(z, h, b16.t(), alpha=float(scale), residual=z)
+    KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
+               low_rank=(h, b16.t(), float(scale)))
     out = z
     if ratio is not None:
         out = runtime.empty(z.shape, z.dtype)
