@@ -48,7 +48,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
     # + R, where R (RESIDUAL, C's strides; may be C itself) is read before C is written;
     # STORE_PRE also writes alpha * acc + bias (with C's strides) for the activation's backward;
     # RANK > 0 adds a low-rank product U V, U (M, R), V (R, N), R <= RANK, to acc first
-    # (_low_rank_update).
+    # (_low_rank_tiles).
     # (A prologue fusing dY * act'(pre) into the backward GEMMs' A loads, with the bias gradient
     # as row sums of those tiles, gave wrong 16-bit results on Triton 3.6 when the loaded tile
     # fed both tl.sum and tl.dot: measured on an H200, 2026-11-26; the backward is unfused until
@@ -71,6 +71,8 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
     b_ptrs = b_ptr + (i0 * sb0 + i1 * sb1) + offs_k[:, None].to(tl.int64) * sbk + offs_n[None, :] * sbn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
+    if RANK:  # loaded first, used after the loop: their latency hides behind it
+        u, v = _low_rank_tiles(u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn, UPCAST, RANK)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -82,8 +84,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
     if RANK:
-        acc = _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn, lr_ratio,
-                               PRECISION, UPCAST, RANK)
+        acc = tl.dot(u, v, acc * lr_ratio, input_precision=PRECISION, out_dtype=ACC)
 
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
     _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
@@ -155,6 +156,11 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_p
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        if RANK:  # loaded first, used after the K loop: their latency hides behind it
+            u, v = _low_rank_tiles(u_ptr, v_ptr, offs_m, offs_n, offs_m < M, offs_n < N, R, sum_, sur, svr, svn,
+                                   False, RANK)
         for kk in range(k_tiles):
             off_k = kk * BLOCK_K
             if A_K_CONTIGUOUS:
@@ -166,11 +172,8 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_p
             else:
                 b = b_desc.load([off_k, off_n])
             acc = tl.dot(a, b, acc)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
         if RANK:
-            offs_m = off_m + tl.arange(0, BLOCK_M)
-            acc = _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, offs_m < M, offs_n < N, R, sum_, sur, svr, svn,
-                                   lr_ratio, "tf32", False, RANK)
+            acc = tl.dot(u, v, acc * lr_ratio)
         pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
         if STORE_PRE:
             pre_desc.store([off_m, off_n], pre.to(pre_desc.dtype))
@@ -180,13 +183,14 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_p
 
 
 @triton.jit
-def _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn, ratio,
-                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, RANK: tl.constexpr):
-    """``ratio * acc + U V`` for a tile: U (M, R) and V (R, N) by strides, R padded to RANK (>= 16,
-    tl.dot's minimum) with zeros. The caller's epilogue multiplies by beta (the launch's alpha)
-    and the host passes ratio = alpha / beta, so the tile becomes alpha * A B + beta * U V with
-    both products accumulated in fp32, nothing rounded between them (a LoRA layer's up-projection
-    added into its base GEMM: one more tl.dot of depth RANK per tile)."""
+def _low_rank_tiles(u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn,
+                    UPCAST: tl.constexpr, RANK: tl.constexpr):
+    """A tile's share of a low-rank term U V: the (BLOCK_M, RANK) rows of U (M, R) and the (RANK,
+    BLOCK_N) columns of V (R, N), by strides, R padded to RANK (>= 16, tl.dot's minimum) with zeros.
+    The kernels add ``tl.dot(u, v, ratio * acc)`` after their K loop and scale the sum by beta
+    (their alpha), with ratio = alpha / beta from the host: the tile becomes alpha * A B + beta *
+    U V, both products accumulated in fp32 with nothing rounded between them (a LoRA layer's
+    up-projection added into its base GEMM: one more tl.dot of depth RANK per tile)."""
     offs_r = tl.arange(0, RANK)
     mask_r = offs_r < R
     u = tl.load(u_ptr + offs_m[:, None] * sum_ + offs_r[None, :] * sur, mask=mask_m[:, None] & mask_r[None, :],
@@ -196,7 +200,7 @@ def _low_rank_update(acc, u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_,
     if UPCAST:
         u = u.to(tl.float32)
         v = v.to(tl.float32)
-    return tl.dot(u, v, acc * ratio, input_precision=PRECISION, out_dtype=acc.dtype)
+    return u, v
 
 
 @triton.jit
@@ -446,7 +450,10 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
     key = (M, N, K, a.dtype, f.act != 0, f.rank_block)
     cfg = _tma_cache.get(key)
     if cfg is None:
-        cfg = dict(_tma_config(M, N, K, a.dtype), FLATTEN=FLATTEN)
+        # a low-rank term's U and V loads, issued at each tile's start, would be buffered per
+        # pipeline stage in a flattened loop (sm_90, 128x128x64, 5 stages: +40 KB of shared memory,
+        # past the H200's, and 157 -> 249 registers): its launches walk their tiles unflattened
+        cfg = dict(_tma_config(M, N, K, a.dtype), FLATTEN=FLATTEN and not f.rank_block)
         if f.act and cfg["num_warps"] == 4:
             # an activation epilogue on 4 warps costs more than its GEMM saves (H200, gelu_tanh,
             # 4096x640->5120: +30 us on 4 warps, +14 us on 8); tables are tuned without one
@@ -472,8 +479,8 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
 def _stages_with_room_for_low_rank(cfg, rank_block, es):
     """The TMA kernel's pipeline stages, cut (to 1 at least) until its shared memory with a
     low-rank term fits the GPU: per stage an A and a B tile ((BLOCK_M + BLOCK_N) x BLOCK_K), then
-    C's store tile and the term's U and V tiles ((BLOCK_M + BLOCK_N) x RANK). Compiled for sm_90
-    (Triton 3.9) this sum is within 0.05% of what Triton allocates; 128x128x128 tiles of 3 stages
+    C's store tile and the term's U and V tiles ((BLOCK_M + BLOCK_N) x RANK, once: the loop is not
+    flattened). Compiled for sm_90 (Triton 3.9) this sum is within 0.05% of what Triton allocates; 128x128x128 tiles of 3 stages
     (tuned for some SDXL shapes) need 229,376 bytes alone, 237,568 with a rank-16 term, against the
     H200's 232,448."""
     limit = autotune.shared_memory()
