@@ -265,8 +265,9 @@ def test_lora_linear_launches_fewer_kernels_than_the_composed_ops():
         L.launches = 0
         fn().backward(g)
         counts.append(L.launches)
-    # 2 casts + 3 GEMMs forward, 5 GEMMs backward, 1 cast of x's gradient into its fp32 accumulator
-    assert counts[0] <= 11 and counts[0] < counts[1], counts
+    # 2 casts + 2 GEMMs forward (the up-projection inside the base GEMM), 4 GEMMs backward (the input
+    # gradient's adapter term inside its GEMM), 1 cast of x's gradient into its fp32 accumulator
+    assert counts[0] <= 9 and counts[0] < counts[1], counts
     # DoRA adds the norm and the scale-and-bias pass forward, the scale's gradient pass and its sum backward
     m = flame.ones(8).requires_grad_()
     L.launches = 0

@@ -480,9 +480,9 @@ def _stages_with_room_for_low_rank(cfg, rank_block, es):
     """The TMA kernel's pipeline stages, cut (to 1 at least) until its shared memory with a
     low-rank term fits the GPU: per stage an A and a B tile ((BLOCK_M + BLOCK_N) x BLOCK_K), then
     C's store tile and the term's U and V tiles ((BLOCK_M + BLOCK_N) x RANK, once: the loop is not
-    flattened). Compiled for sm_90 (Triton 3.9) this sum is within 0.05% of what Triton allocates; 128x128x128 tiles of 3 stages
-    (tuned for some SDXL shapes) need 229,376 bytes alone, 237,568 with a rank-16 term, against the
-    H200's 232,448."""
+    flattened). Compiled for sm_90 (Triton 3.9) this sum is within 0.05% of what Triton
+    allocates; 128x128x128 tiles of 3 stages (tuned for some SDXL shapes) need 229,376 bytes
+    alone, 237,568 with a rank-16 term, against the H200's 232,448."""
     limit = autotune.shared_memory()
     bm, bn, bk, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"]
     fixed = (bm * bn + (bm + bn) * rank_block) * es
