@@ -552,3 +552,12 @@ def test_low_rank_term_cuts_tma_stages_to_fit_shared_memory(monkeypatch):
     assert KM._stages_with_room_for_low_rank(dict(cfg, BLOCK_N=256, num_stages=3), 64, 2) == 2
     monkeypatch.setattr(KM.autotune, "shared_memory", lambda: None)  # the interpreter: no limit
     assert KM._stages_with_room_for_low_rank(dict(cfg, BLOCK_K=128, num_stages=3), 64, 2) == 3
+
+
+def test_low_rank_term_of_the_wrong_shape_or_dtype_raises():
+    import flame.kernels.matmul as KM
+    a, b, out = torch.randn(8, 12), torch.randn(12, 10), torch.empty(8, 10)
+    with pytest.raises(ValueError, match=r"low_rank u \(8, 4\) and v \(3, 10\) must be \(8, r\) and \(r, 10\)"):
+        KM.matmul_(out, a, b, low_rank=(torch.randn(8, 4), torch.randn(3, 10), 1.0))
+    with pytest.raises(TypeError, match=r"low_rank u and v must be torch\.float32"):
+        KM.linear_(out, a, b.t(), low_rank=(torch.randn(8, 4, dtype=torch.float64), torch.randn(4, 10), 1.0))

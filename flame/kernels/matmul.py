@@ -602,6 +602,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None):
         return fill_(out, 0.0)
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
+        _check_low_rank(low_rank, M, N, a.dtype)
         plain = alpha == 1.0 and residual is None and low_rank is None
         _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
                 None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank))
@@ -637,12 +638,25 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None):
     argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N)."""
     R, K = x.shape
     N = w.shape[0]
+    _check_low_rank(low_rank, R, N, x.dtype)
     if out.numel() == 0:
         return out
     ws = w.stride()
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
             Fusion(bias, act, pre_out, low_rank=low_rank))
     return out
+
+
+def _check_low_rank(low_rank, M, N, dtype):
+    """A clear error for a low-rank term the kernels cannot take: ``(u (M, r), v (r, N), beta)``, u
+    and v in the GEMM's operand dtype (their tl.dot runs with the main product's precision)."""
+    if low_rank is None:
+        return
+    u, v, _ = low_rank
+    if u.dim() != 2 or v.dim() != 2 or u.shape[0] != M or v.shape[1] != N or u.shape[1] != v.shape[0]:
+        raise ValueError(f"matmul: low_rank u {tuple(u.shape)} and v {tuple(v.shape)} must be ({M}, r) and (r, {N})")
+    if u.dtype != dtype or v.dtype != dtype:
+        raise TypeError(f"matmul: low_rank u and v must be {dtype} like the operands, got {u.dtype} and {v.dtype}")
 
 
 def matmul_sum_batch_(out, a, b):
