@@ -84,6 +84,8 @@ def test_linear_empty_and_zero_k():
     xk = flame.empty(2, 0)
     b = flame.tensor([1.0, -2.0, 3.0])
     assert_close(F.linear(xk, flame.empty(3, 0), b, activation="relu"), torch.tensor([[1.0, 0.0, 3.0]] * 2))
+    # 3-D input without features: the rows of an empty buffer are still 2 x 4
+    assert_close(F.linear(flame.empty(2, 4, 0), flame.empty(3, 0), b), torch.tensor([[[1.0, -2.0, 3.0]] * 4] * 2))
 
 
 def test_linear_bad_inputs():

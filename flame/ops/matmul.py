@@ -117,7 +117,9 @@ def _as_rows(x):
     x2 = _rows(x._data)
     if x2 is not None:
         return x2
-    return x._data.contiguous() if x.numel() == 0 else contiguous(x)._data.view(-1, x.shape[-1])
+    if x.numel() == 0:  # nothing to copy (and view(-1, n) cannot infer the rows of an empty buffer)
+        return runtime.empty((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
+    return contiguous(x)._data.view(-1, x.shape[-1])
 
 
 def _grad_operand(x, y, operand, batch, mat_shape):
