@@ -345,7 +345,7 @@ def _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f):
     ``out += beta * U V`` (a second GEMM accumulating into ``out``). Not with an activation or a
     pre-activation, which would need the term inside them. ``s*``: batch-padded strides."""
     if f.act or f.pre_out is not None or any(sa[:2]) or any(sc[:2]):
-        raise ValueError("matmul: a low-rank term is fused into 2-D GEMMs without an activation only")
+        raise ValueError("matmul: a low-rank term is added to 2-D GEMMs, without an activation, only")
     _launch(out, a, b, M, N, K, (), sa[2:], sb[2:], sc[2:], Fusion(f.bias, alpha=f.alpha, residual=f.residual))
     _launch(out, f.u, f.v, M, N, f.rank, (), f.u_strides, f.v_strides, sc[2:], Fusion(alpha=f.beta, residual=out))
 
@@ -568,8 +568,8 @@ class Fusion:
         self.pre_out = pre_out
         self.alpha = float(alpha)
         self.residual = residual
-        self.u, self.v, self.beta = low_rank if low_rank is not None else (None, None, 0.0)
-        self.beta = float(self.beta)
+        u, v, beta = low_rank if low_rank is not None else (None, None, 0.0)
+        self.u, self.v, self.beta = u, v, float(beta)
         self.rank = 0 if self.u is None or self.beta == 0.0 else self.u.shape[1]
         self.rank_block = max(16, _pow2(self.rank)) if self.rank else 0
         self.u_strides = self.u.stride() if self.rank else (0, 0)
