@@ -341,6 +341,72 @@ def test_split_k_applies_the_whole_epilogue_once(dtype, split_k_everywhere):
     assert split_k_everywhere and min(split_k_everywhere) > 1
 
 
+def test_split_k_is_one_launch_that_leaves_its_arrival_counts_at_zero(split_k_everywhere, monkeypatch):
+    """The tile's last K slice to arrive sums the slices: one _matmul_kernel launch, no sum pass;
+    every counter it used is zero again, and launches take the buffer's slots in turn, wrapping
+    at its end. Results repeat bit for bit (the slices are summed in slice order, whichever
+    program arrives last)."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM, "_ARRIVAL_SLOTS", 8)  # (20, 9) in 16x16 tiles: 2 counters a launch
+    monkeypatch.setattr(KM, "_arrivals", None)
+    monkeypatch.setattr(KM, "_arrival_next", 0)
+    launched = []
+    real_launch = KM.launch
+    monkeypatch.setattr(KM, "launch", lambda kernel, *a, **k: launched.append(kernel.fn.__name__ if hasattr(
+        kernel, "fn") else kernel.__name__) or real_launch(kernel, *a, **k))
+    a, ta = pair((20, 515), torch.float32)
+    b, tb = pair((515, 9), torch.float32)
+    first = (a @ b).to_torch()
+    _check(flame.from_torch(first), _ref(ta, tb), 515)
+    assert split_k_everywhere == [5] and launched == ["_matmul_kernel"], (split_k_everywhere, launched)
+    starts = [KM._arrival_next]
+    for _ in range(4):  # 2 + 2 + 2 + 2 slots: the fourth launch wraps to slot 0
+        assert torch.equal((a @ b).to_torch(), first)
+        starts.append(KM._arrival_next)
+    assert starts == [2, 4, 6, 8, 2]
+    assert KM._arrivals.numel() == 8 and not KM._arrivals.any()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA-graph capture")
+@pytest.mark.parametrize("warm", [True, False])
+def test_split_k_in_a_captured_graph(split_k_everywhere, monkeypatch, warm):
+    """Replays give the eager result bit for bit, with the device's counters (made by the eager run)
+    or, first needed inside the capture, with counters of the graph's own (their fill captured)."""
+    import flame.kernels.matmul as KM
+    from flame.graphs import CapturedStep
+    monkeypatch.setattr(KM, "_arrivals", None)
+    a, _ = pair((20, 515), torch.bfloat16)
+    b, _ = pair((515, 9), torch.bfloat16)
+    eager = (a @ b).to_torch().clone()
+    step = CapturedStep(lambda x, y: x @ y)
+    assert torch.equal(step(a, b).to_torch(), eager)  # the eager call
+    if not warm:
+        monkeypatch.setattr(KM, "_arrivals", None)
+    for _ in range(3):  # the capture, replays
+        assert torch.equal(step(a, b).to_torch(), eager)
+    assert split_k_everywhere and step.num_graphs() == 1
+    assert (KM._arrivals is None) != warm
+    if warm:
+        assert not KM._arrivals.any()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the GPU's memory ordering between programs")
+@pytest.mark.parametrize("M, K, N", [(16, 4096, 640), (640, 4096, 16), (16, 16384, 1280)])
+def test_split_k_lora_weight_gradients_repeat_exactly(M, K, N):
+    """LoRA's weight-gradient shapes at their own configs (16 to 64 slices, 10 to 20 tiles): the
+    last program reads every other program's slice (stored on other SMs just before), so a missing
+    release or a stale cached line would show as a result that differs now and then."""
+    import flame.kernels.matmul as KM
+    assert KM._k_splits(KM.cdiv(M, 64) * KM.cdiv(N, 64), K, 64) > 1
+    a, ta = pair((K, M), torch.bfloat16)  # read transposed, as dA = dH^T X reads dH
+    b, tb = pair((K, N), torch.bfloat16)
+    first = (a.t() @ b).to_torch().clone()
+    _check(flame.from_torch(first), _ref(ta.t(), tb), K)
+    for _ in range(50):
+        assert torch.equal((a.t() @ b).to_torch(), first)
+    assert not KM._arrivals.any()
+
+
 def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     import flame.kernels.matmul as KM
     assert KM._k_splits(tiles=200, K=4096, block_k=64) == 1   # enough tiles already

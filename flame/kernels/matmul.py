@@ -35,12 +35,12 @@ from .reduce import SUM, accumulation_dtype, reduce_
 
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v_ptr, M, N, K, B1, R,
-                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, sum_, sur, svr, svn, s_bias, alpha,
-                   lr_ratio, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v_ptr, part_ptr, count_ptr,
+                   M, N, K, B1, R, sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, sum_, sur, svr, svn,
+                   s_bias, alpha, lr_ratio, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                    BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                   RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr):
+                   RANK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, GROUP_M: tl.constexpr):
     # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
     # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
     # over two (collapsed) batch dims of size (B0, B1).
@@ -49,6 +49,12 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
     # STORE_PRE also writes alpha * acc + bias (with C's strides) for the activation's backward;
     # RANK > 0 adds a low-rank product U V, U (M, R), V (R, N), R <= RANK, to acc first
     # (_low_rank_tiles).
+    # SPLIT_K: the batch entries (B0 = 1, B1 = splits) are slices of one GEMM's K, all writing the
+    # same C (batch strides 0): each program stores its slice's product into part (splits, M, N)
+    # and counts its arrival at its tile (count_ptr, one int32 per tile, zero before the launch);
+    # the tile's last program to arrive sums the slices in slice order (_sum_slices: the same order
+    # every run, whichever program is last), applies the epilogue once and sets the count back
+    # to zero.
     # (A prologue fusing dY * act'(pre) into the backward GEMMs' A loads, with the bias gradient
     # as row sums of those tiles, gave wrong 16-bit results on Triton 3.6 when the loaded tile
     # fed both tl.sum and tl.dot: measured on an H200, 2026-11-26; the backward is unfused until
@@ -87,8 +93,41 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
         acc = tl.dot(u, v, acc * lr_ratio, input_precision=PRECISION, out_dtype=ACC)
 
     c_off = (i0 * sc0 + i1 * sc1) + offs_m[:, None] * scm + offs_n[None, :] * scn
-    _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
-                 BIAS, ACT, STORE_PRE, RESIDUAL)
+    if SPLIT_K:
+        part_off = offs_m[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        tl.store(part_ptr + i1 * M * N + part_off, acc, mask=mask)
+        # every thread's stores come before the arrival, released at GPU scope (and acquired by
+        # the last program, whose loads then bypass L1: the slices were written on other SMs)
+        tl.debug_barrier()
+        if tl.atomic_add(count_ptr + pid % tiles, 1, sem="acq_rel", scope="gpu") == B1 - 1:
+            acc = _sum_slices(part_ptr, part_off, mask, B1, M * N, BLOCK_M, BLOCK_N, BLOCK_S)
+            tl.store(count_ptr + pid % tiles, 0)
+            _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
+                         BIAS, ACT, STORE_PRE, RESIDUAL)
+    else:
+        _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_off, offs_n, mask_m, mask_n,
+                     BIAS, ACT, STORE_PRE, RESIDUAL)
+
+
+@triton.jit
+def _sum_slices(part_ptr, part_off, mask, splits, slice_size, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_S: tl.constexpr):
+    """One tile of ``sum_s part[s]`` over the ``splits`` slices of split-K's partial products (at
+    ``part_off`` within each slice of ``slice_size`` elements): BLOCK_S slices per load, their sum
+    (a fixed tree) added to the running total chunk after chunk in slice order, so the order is
+    the same every run, and splits / BLOCK_S dependent loads instead of splits (one slice per load
+    waited on L2 once per slice: latency-bound with few programs). Loads bypass L1 (``.cg``):
+    other SMs wrote the slices during this launch."""
+    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
+    ptrs = part_ptr + offs_s[:, None, None] * slice_size + part_off[None, :, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), part_ptr.dtype.element_ty)
+    for s0 in range(0, splits, BLOCK_S):
+        mask_s = offs_s < splits - s0
+        acc += tl.sum(tl.load(ptrs, mask=mask_s[:, None, None] & mask[None, :, :], other=0.0, cache_modifier=".cg"),
+                      axis=0)
+        ptrs += BLOCK_S * slice_size
+    return acc
 
 
 @triton.jit
@@ -106,27 +145,19 @@ def _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_of
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
-# Split-K's second pass: part (splits, M, N) holds the fp32 (fp64) products of the K slices;
-# C = ACT(alpha * sum_s part[s] + bias[n]) + R. Each program loads BLOCK_S slices of its tile at
-# once and adds their sum (a fixed tree) to the running total, chunk after chunk in slice order:
-# the same order every run (no atomics), and splits / BLOCK_S dependent loads instead of splits
-# (a loop of one slice per load waited on L2 once per slice: latency-bound with few programs).
+# Split-K's second pass, for a split computed elsewhere (conv2d's weight gradient): part
+# (splits, M, N) holds the fp32 (fp64) products of the K slices; C = ACT(alpha * sum_s part[s] +
+# bias[n]) + R, the slices summed by _sum_slices (the same order every run, no atomics).
 @triton.jit
 def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, splits, scm, scn, s_bias, alpha,
                         BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_s = tl.arange(0, BLOCK_S).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    mask = mask_m[:, None] & mask_n[None, :]
-    p_ptrs = part_ptr + offs_s[:, None, None] * M * N + (offs_m[:, None] * N + offs_n[None, :])[None, :, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), part_ptr.dtype.element_ty)
-    for s0 in range(0, splits, BLOCK_S):
-        mask_s = offs_s < splits - s0
-        acc += tl.sum(tl.load(p_ptrs, mask=mask_s[:, None, None] & mask[None, :, :], other=0.0), axis=0)
-        p_ptrs += BLOCK_S * M * N
+    acc = _sum_slices(part_ptr, offs_m[:, None] * N + offs_n[None, :], mask_m[:, None] & mask_n[None, :], splits,
+                      M * N, BLOCK_M, BLOCK_N, BLOCK_S)
     _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr,
                  offs_m[:, None] * scm + offs_n[None, :] * scn, offs_n, mask_m, mask_n, BIAS, ACT, STORE_PRE, RESIDUAL)
 
@@ -293,11 +324,12 @@ _launch_cache = {}  # (M, N, K, dtype, batch) -> kernel switches and launch conf
 tune.register_cache(_launch_cache.clear)
 
 
-def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
+def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None, part=None):
     """One launch. ``a``, ``b``, ``out`` give the base pointers and the dtype; the problem is
     (at most two) batch dims ``batch_shape`` and per-operand strides ``s* = (batch strides...,
     row stride, column stride)``, so no torch view needs to be built on the hot path.
-    ``epilogue`` (a ``Fusion``) switches on the kernel's fused prologue/epilogue work."""
+    ``epilogue`` (a ``Fusion``) switches on the kernel's fused prologue/epilogue work. ``part``
+    (splits, M, N): the batch entries are K slices summed into ``out`` (``_launch_split_k``)."""
     pad = 2 - len(batch_shape)
     if pad:
         batch_shape = (1,) * pad + tuple(batch_shape)
@@ -330,10 +362,13 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None):
         if layout is not None:
             return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
+    counts = out if part is None else _arrival_counts(tiles)
+    block_s = 1 if part is None else _slices_per_load(B1, cfg["BLOCK_M"] * cfg["BLOCK_N"])
     launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), _or(f.residual, out),
-           _or(f.u, out), _or(f.v, out), M, N, K, B1, f.rank, *sa, *sb, *sc, *f.u_strides, *f.v_strides, f.bias_stride,
-           f.scale, f.rank_ratio, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-           RESIDUAL=f.residual is not None, RANK=f.rank_block, **cfg)
+           _or(f.u, out), _or(f.v, out), _or(part, out), counts, M, N, K, B1, f.rank, *sa, *sb, *sc, *f.u_strides,
+           *f.v_strides, f.bias_stride, f.scale, f.rank_ratio, BIAS=f.bias is not None, ACT=f.act,
+           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, RANK=f.rank_block,
+           SPLIT_K=part is not None, BLOCK_S=block_s, **cfg)
 
 
 _MAX_FUSED_RANK = 64  # the low-rank term's tl.dot takes U (BLOCK_M, RANK) and V (RANK, BLOCK_N) tiles whole
@@ -512,13 +547,39 @@ def _few_tiles(tiles):
 
 
 def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
-    """Split-K: ``splits`` equal K slices as one batched GEMM into an fp32 (fp64) scratch
-    (splits, M, N), then ``_split_k_sum_kernel``: the slices summed (the same order every run) with
-    the whole epilogue ``f`` (bias, activation, pre-activation, residual) applied once, into ``out``."""
+    """Split-K in one launch: ``splits`` equal K slices as the batch entries of ``_matmul_kernel``,
+    each program storing its slice's product into an fp32 (fp64) scratch (splits, M, N); the last
+    program of each output tile to finish sums the tile's slices (the same order every run) and
+    applies the whole epilogue ``f`` (bias, activation, pre-activation, residual) once, into
+    ``out``."""
     kc = K // splits
-    scratch = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
-    _launch(scratch, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (M * N, N, 1))
-    split_k_sum_(out, sc, scratch, f)
+    part = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
+    _launch(out, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (0, *sc), f, part)
+
+
+_ARRIVAL_SLOTS = 1 << 16
+_arrivals = None  # this device's split-K arrival counts (int32): zero between launches
+_arrival_next = 0  # the first slot the next split-K launch takes
+
+
+def _arrival_counts(tiles):
+    """``tiles`` zero int32 counters for one split-K launch (its programs count their arrivals at
+    each output tile there, and the last one sets the count back to zero). Launches take the slots
+    of one per-device buffer in turn, so launches on streams running at the same time, or in
+    graphs replayed on them, get different counters unless 65,536 slots apart. The buffer is
+    zero-filled once, when first needed; needed first inside a CUDA-graph capture, each launch
+    there gets its own from the graph's pool, its fill captured with it (run once eagerly before
+    capturing, as ``flame.graphs.CapturedStep`` does, to share the device's)."""
+    global _arrivals, _arrival_next
+    if _arrivals is None:
+        counts = fill_(runtime.empty((max(tiles, _ARRIVAL_SLOTS),), torch.int32), 0)
+        if runtime.is_capturing():
+            return counts
+        _arrivals = counts
+    if _arrival_next + tiles > _arrivals.numel():
+        _arrival_next = 0
+    first, _arrival_next = _arrival_next, _arrival_next + tiles
+    return _arrivals[first:first + tiles]
 
 
 def split_k_sum_(out, sc, part, f):
@@ -535,15 +596,24 @@ def split_k_sum_(out, sc, part, f):
 
 
 def _sum_blocks(splits, M, N):
-    """(BLOCK_S, BLOCK_M, BLOCK_N) of the split-K sum: up to 16 slices per load (LoRA's weight
-    gradients cut K into 16), tiles of at most 64 columns and as many rows as keep one load within
-    8192 elements (32 KB of fp32 for 4 warps), so that a (16, 640) result is 20 programs, not 5.
-    The interpreter takes bigger blocks (fewer, vectorised programs are faster there)."""
-    budget = 1 << 16 if runtime.INTERPRETER else 8192
+    """(BLOCK_S, BLOCK_M, BLOCK_N) of the split-K sum pass: tiles of at most 64 columns and as many
+    rows as keep one load of up to 16 slices within 8192 elements (32 KB of fp32 for 4 warps), so
+    that a (16, 640) result is 20 programs, not 5. The interpreter takes bigger blocks (fewer,
+    vectorised programs are faster there)."""
     bs = min(_pow2(splits), 16)
     bn = min(_pow2(N), 256 if runtime.INTERPRETER else 64)
-    bm = max(1, min(_pow2(M), budget // (bs * bn)))
+    bm = max(1, min(_pow2(M), _load_budget() // (bs * bn)))
     return bs, bm, bn
+
+
+def _slices_per_load(splits, tile):
+    """BLOCK_S of ``_sum_slices``: how many split-K slices of a ``tile``-element tile one load
+    takes (at most 16, within _load_budget() elements)."""
+    return max(1, min(_pow2(splits), 16, _load_budget() // tile))
+
+
+def _load_budget():
+    return 1 << 16 if runtime.INTERPRETER else 8192
 
 
 def _or(t, default):
