@@ -384,7 +384,7 @@ def test_split_k_in_a_captured_graph(split_k_everywhere, monkeypatch, warm):
         monkeypatch.setattr(KM, "_arrivals", None)
     for _ in range(3):  # the capture, replays
         assert torch.equal(step(a, b).to_torch(), eager)
-    assert split_k_everywhere and step.num_graphs() == 1
+    assert split_k_everywhere and step.num_graphs == 1
     assert (KM._arrivals is None) != warm
     if warm:
         assert not KM._arrivals.any()
