@@ -247,6 +247,29 @@ def test_geglu_forward_backward(dtype, shape, noncontig):
     check_op(flame.nn.functional.geglu, _torch_geglu, [pair(shape, dtype, requires_grad=True, noncontig=noncontig)])
 
 
+@pytest.mark.parametrize("view", ["rows", "row_slice", "unmerged"])
+def test_geglu_backward_is_one_pass_when_rows_merge(view, monkeypatch):
+    """The gradient is one _geglu_backward_kernel launch when the leading dims of the input and
+    of the output's gradient merge into rows (contiguous, or a slice of wider rows); otherwise
+    two strided maps. Both against PyTorch in float64."""
+    import flame.kernels.elementwise as KE
+    base = torch.randn(3, 6, 22, dtype=torch.float64, device=flame.device)
+    view_t = {"rows": base[..., :18].contiguous(), "row_slice": base[..., 2:20], "unmerged": base[:, :4, :18]}[view]
+    x = flame.from_torch(view_t, requires_grad=True)
+    assert x._data.stride() == view_t.stride()
+    xt = view_t.detach().clone().requires_grad_(True)
+    gt = torch.randn(*xt.shape[:-1], 9, dtype=torch.float64, device=flame.device)
+    launched = []
+    real = KE.launch
+    monkeypatch.setattr(KE, "launch", lambda k, *a, **kw: launched.append(k.fn.__name__) or real(k, *a, **kw))
+    grads = flame.nn.functional.geglu(x).backward(flame.from_torch(gt))
+    _torch_geglu(xt).backward(gt)
+    torch.testing.assert_close(grads[x].to_torch(), xt.grad, rtol=1e-12, atol=1e-12)
+    backward = launched[1:3]  # after the forward's map (autograd may then lay the gradient out like x)
+    one_pass = view != "unmerged"
+    assert backward[:1 if one_pass else 2] == (["_geglu_backward_kernel"] if one_pass else ["_map_strided_kernel"] * 2)
+
+
 @pytest.mark.gpu
 def test_geglu_bf16():
     test_geglu_forward_backward(torch.bfloat16, (64, 4096), False)

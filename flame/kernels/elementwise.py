@@ -301,6 +301,25 @@ def _map_strided_kernel(out_ptr, a_ptr, b_ptr, c_ptr, s0, s1,
     _store(out_ptr, o_off, out, mask, OUT_BOOL)
 
 
+# GEGLU's backward in one pass. y = h * gelu(x) with (h, x) the two halves of each input row and
+# g = dL/dy:  dh = g * gelu(x),  dx = g * h * gelu'(x)  (_apply's GEGLU and GEGLU_GATE_BWD), written
+# into the two halves of each gradient row: g and x are read once (two maps read them twice).
+# Rows (of H per half) have their own stride in each operand, columns are unit-stride.
+@triton.jit
+def _geglu_backward_kernel(grad_ptr, g_ptr, inp_ptr, rows, H, s_grad, s_g, s_inp, CD: tl.constexpr,
+                           WIDE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = _index(tl.program_id(0), BLOCK_R, WIDE)
+    col = _index(tl.program_id(1), BLOCK_C, WIDE)[None, :]
+    mask = (r < rows)[:, None] & (col < H)
+    g = tl.load(g_ptr + (r * s_g)[:, None] + col, mask=mask).to(CD)
+    inp = inp_ptr + (r * s_inp)[:, None] + col
+    h = tl.load(inp, mask=mask).to(CD)
+    x = tl.load(inp + H, mask=mask).to(CD)
+    grad = grad_ptr + (r * s_grad)[:, None] + col
+    tl.store(grad, _apply(g, x, x, 0.0, 0.0, GEGLU).to(grad_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad + H, _apply(g, x, h, 0.0, 0.0, GEGLU_GATE_BWD).to(grad_ptr.dtype.element_ty), mask=mask)
+
+
 # ---- host side ------------------------------------------------------------------------------
 
 _MAX_DIMS = 4
@@ -529,6 +548,29 @@ def needs_int64(shape, strides, *blocks):
     span = max(sum((s - 1) * abs(st) for s, st in zip(shape, sts)) for sts in strides)
     overshoot = max(blocks) * (1 + max(abs(st) for sts in strides for st in sts))
     return max(span, math.prod(shape)) + overshoot >= 2 ** 31
+
+
+def geglu_backward_(grad, g, inp):
+    """GEGLU's input gradient: ``grad[..., :H] = g * gelu(x)``, ``grad[..., H:] = g * h * gelu'(x)``
+    for ``y = h * gelu(x)``, ``(h, x)`` the halves of ``inp``'s last dim (2H) and ``g`` (..., H)
+    the output's gradient. One launch when every operand's leading dims merge into rows and its
+    last dim is unit-stride (the usual case: contiguous activations), else two maps."""
+    H = g.shape[-1]
+    if g.numel() == 0:
+        return grad
+    shape, strides = collapse(g.shape[:-1], [t.stride()[:-1] for t in (grad, g, inp)])
+    if len(shape) > 1 or any(t.stride(-1) != 1 for t in (grad, g, inp)):
+        hidden, gate = inp.narrow(-1, 0, H), inp.narrow(-1, H, H)
+        map_(grad.narrow(-1, 0, H), [g, gate], GEGLU)
+        return map_(grad.narrow(-1, H, H), [g, gate, hidden], GEGLU_GATE_BWD)
+    rows = shape[0]
+    cfg = _strided_default(rows, H, False, _tile(g.dtype))
+    block_r, block_c = cfg["BLOCK_R"], cfg["BLOCK_C"]
+    wide = needs_int64((rows, 2 * H), [(st[0], 1) for st in strides], block_r, block_c)
+    launch(_geglu_backward_kernel, (cdiv(rows, block_r), cdiv(H, block_c)), grad, g, inp, rows, H,
+           *(st[0] for st in strides), CD=compute_dtype(g.dtype, inp.dtype), WIDE=wide, BLOCK_R=block_r,
+           BLOCK_C=block_c, num_warps=cfg["num_warps"])
+    return grad
 
 
 def fill_(out, value):

@@ -90,20 +90,17 @@ def _geglu_halves(buf):
 
 
 # y = h * gelu(x) with (h, x) the two halves of the input's last dim:
-#   dh = g * gelu(x),  dx = g * h * gelu'(x)  — two maps writing the two halves of one gradient buffer
+#   dh = g * gelu(x),  dx = g * h * gelu'(x)  (kernels/elementwise.py: geglu_backward_)
 def _geglu_backward(node, g):
     (inp,) = node.saved
-    hidden, gate = _geglu_halves(inp._data)
     grad = new(inp.shape, g.dtype)
-    grad_hidden, grad_gate = _geglu_halves(grad._data)
-    K.map_(grad_hidden, [g._data, gate], K.GEGLU)
-    K.map_(grad_gate, [g._data, gate, hidden], K.GEGLU_GATE_BWD)
+    K.geglu_backward_(grad._data, g._data, inp._data)
     return grad
 
 
 def geglu(x):
     """GEGLU: split the last dim into halves ``(hidden, gate)`` and return ``hidden * gelu(gate)``
-    (exact GELU), one fused map forward and two maps backward (SDXL's feed-forward activation)."""
+    (exact GELU), one fused map forward and one pass backward (SDXL's feed-forward activation)."""
     check_tensor(x, "input", "geglu")
     if not x.dtype.is_floating_point:
         raise TypeError(f"geglu: expected a floating-point tensor, got {x.dtype}")
