@@ -572,10 +572,9 @@ def _arrival_counts(tiles):
     capturing, as ``flame.graphs.CapturedStep`` does, to share the device's)."""
     global _arrivals, _arrival_next
     if _arrivals is None:
-        counts = fill_(runtime.empty((max(tiles, _ARRIVAL_SLOTS),), torch.int32), 0)
         if runtime.is_capturing():
-            return counts
-        _arrivals = counts
+            return fill_(runtime.empty((tiles,), torch.int32), 0)
+        _arrivals = fill_(runtime.empty((max(tiles, _ARRIVAL_SLOTS),), torch.int32), 0)
     if _arrival_next + tiles > _arrivals.numel():
         _arrival_next = 0
     first, _arrival_next = _arrival_next, _arrival_next + tiles
