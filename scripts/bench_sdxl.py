@@ -6,6 +6,7 @@
     PYTHONPATH=. python3 scripts/bench_sdxl.py --paths both    # + flame as an Ampere/Ada card runs (no TMA, no table)
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --dora both   # + DoRA on both sides
     PYTHONPATH=. python3 scripts/bench_sdxl.py --framework all --cold-cache   # + PyTorch graphed and compiled
+    PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --capture off --rounds 3  # eager
     python scripts/bench_sdxl.py --config tiny --resolution 64 --steps 2 --warmup 1   # CPU smoke test
 
 Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
@@ -27,8 +28,10 @@ H100 and H200 SXM). flame reports the time from its process start to the end of 
 
 Each (framework, batch, checkpointing) setting runs in its own process so that peak memory is the
 setting's own. Reported: median step time over ``--steps`` timed steps after ``--warmup`` steps,
-peak allocated memory, and flame/diffusers ratios. diffusers and peft are optional: without them
-only flame is measured. On a GPU machine without network access, bring them as wheels (Python 3.12):
+peak allocated memory, and flame/diffusers ratios. Host-bound (eager) steps drift between processes
+on a busy machine: ``--rounds N`` runs every setting N times, alternating, and pools each one's
+steps. diffusers and peft are optional: without them only flame is measured. On a GPU machine
+without network access, bring them as wheels (Python 3.12):
 
     pip download -d wheels --python-version 3.12 --only-binary=:all: --platform manylinux_2_28_x86_64 \
         --platform manylinux2014_x86_64 --platform any diffusers==0.42.1 transformers huggingface_hub regex
@@ -273,6 +276,9 @@ def parse_args(argv):
                    help="DoRA adapters (flame's lora.dora, peft's use_dora) instead of plain LoRA, or both")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (flame captures on its 2nd)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every setting this many times, alternating (each setting once, then again...): its "
+                        "steps pooled, each run's median listed, so drift on the machine reaches every setting alike")
     p.add_argument("--framework", action="append", choices=FRAMEWORKS + ["both", "all"],
                    help="flame, diffusers (eager), diffusers-graph (the whole step in one CUDA graph), "
                         "diffusers-compile (torch.compile inside the graph; minutes to compile); both = flame + "
@@ -291,7 +297,10 @@ def parse_args(argv):
                         "(flame.kernels.precompile; record a FILE with FLAME_RECORD_KERNELS=FILE)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    return args
 
 
 def _settings(args):
@@ -336,46 +345,73 @@ def main(argv=None):
         res = (run_flame if args.worker == "flame" else run_diffusers)(args)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
-    rows = []
     no_table = tempfile.mkdtemp(prefix="flame-no-table-")
-    for fw, batch, ckpt, cap, path, dora in _settings(args):
-        cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
-               "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
-        cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []
-        cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
-        label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
-                f"{' dora' if dora == 'on' else ''} batch {batch} ckpt {ckpt}"
-        print(f"== {label}", flush=True)
-        env = _portable_env(no_table) if path == "portable" else dict(os.environ)
-        if args.cold_cache and fw == "flame":
-            env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flame-cold-triton-")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
-        if proc.returncode or result is None:
-            print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
-            rows.append({"setting": label, "error": (proc.stderr or proc.stdout)[-2000:]})
-            continue
-        result.update(setting=label, batch=batch, checkpointing=ckpt, dora=dora,
-                      median_s=statistics.median(result["times_s"]))
-        rows.append(result)
-        start = f", first step {result['first_step_s']:.1f} s after start" if result.get("first_step_s") else ""
-        start += f", {result['compile_s']:.0f} s to compile" if result.get("compile_s") else ""
-        ahead = result.get("compiled_ahead")
-        start += (f" ({ahead['variants']} kernel variants compiled ahead in {ahead['seconds']:.1f} s, "
-                  f"{ahead['failed']} failed)") if ahead else ""
-        print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{start}",
-              flush=True)
-        if result.get("profile"):
-            prof = result["profile"]
-            print(f"   GPU kernel time {prof['total_ms']:.1f} ms in {prof['kernels']} kernels; top:")
-            for k in prof["top"][:15]:
-                print(f"     {k['ms']:8.2f} ms {k['count']:5d}x  {k['name'][:90]}")
+    settings = list(_settings(args))
+    runs = {}  # setting label -> its runs' results (one per round), in the order first run
+    for rnd in range(args.rounds):
+        for setting in settings:
+            label, result = _run_setting(args, setting, no_table)
+            runs.setdefault(label, []).append(result)
+            if "error" not in result:
+                _print_run(result, f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "")
+    rows = [_pool_rounds(label, results) for label, results in runs.items()]
     _report(rows)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _run_setting(args, setting, no_table):
+    """One setting's worker process: (label, its result, or {"error": ...} when it failed)."""
+    fw, batch, ckpt, cap, path, dora = setting
+    cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
+           "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
+    cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []
+    cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
+    label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
+            f"{' dora' if dora == 'on' else ''} batch {batch} ckpt {ckpt}"
+    print(f"== {label}", flush=True)
+    env = _portable_env(no_table) if path == "portable" else dict(os.environ)
+    if args.cold_cache and fw == "flame":
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="flame-cold-triton-")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    result = next((json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if proc.returncode or result is None:
+        print(proc.stdout[-3000:], proc.stderr[-3000:], sep="\n", file=sys.stderr)
+        return label, {"error": (proc.stderr or proc.stdout)[-2000:]}
+    result.update(setting=label, batch=batch, checkpointing=ckpt, dora=dora,
+                  median_s=statistics.median(result["times_s"]))
+    return label, result
+
+
+def _print_run(result, round_note):
+    start = f", first step {result['first_step_s']:.1f} s after start" if result.get("first_step_s") else ""
+    start += f", {result['compile_s']:.0f} s to compile" if result.get("compile_s") else ""
+    ahead = result.get("compiled_ahead")
+    start += (f" ({ahead['variants']} kernel variants compiled ahead in {ahead['seconds']:.1f} s, "
+              f"{ahead['failed']} failed)") if ahead else ""
+    print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{start}"
+          f"{round_note}", flush=True)
+    if result.get("profile"):
+        prof = result["profile"]
+        print(f"   GPU kernel time {prof['total_ms']:.1f} ms in {prof['kernels']} kernels; top:")
+        for k in prof["top"][:15]:
+            print(f"     {k['ms']:8.2f} ms {k['count']:5d}x  {k['name'][:90]}")
+
+
+def _pool_rounds(label, results):
+    """One row per setting from its runs in every round: the first run's result (its start-up times,
+    profile) with the timed steps of all runs pooled (``median_s`` their median), each run's median
+    in ``round_medians_s`` and the highest peak memory; an error row if any run failed."""
+    failed = [r for r in results if "error" in r]
+    if failed:
+        return {"setting": label, "error": failed[0]["error"]}
+    row = dict(results[0], times_s=[t for r in results for t in r["times_s"]],
+               round_medians_s=[r["median_s"] for r in results], peak_bytes=max(r["peak_bytes"] for r in results))
+    row["median_s"] = statistics.median(row["times_s"])
+    return row
 
 
 def _report(rows):
@@ -410,6 +446,10 @@ def _report(rows):
     if strongest:
         print("(vs torch, memory: ratios to the fastest PyTorch setting of the same batch, checkpointing and adapter; "
               "flame's ckpt ff against PyTorch's ckpt off)")
+    for r in ok:
+        if len(r.get("round_medians_s", ())) > 1:
+            print(f"{r['setting']}: the medians of its rounds "
+                  + " / ".join(f"{m * 1e3:.1f}" for m in r["round_medians_s"]) + " ms")
 
 
 if __name__ == "__main__":
