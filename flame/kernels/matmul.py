@@ -145,7 +145,7 @@ def _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_of
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
-# Split-K's second pass, for a split computed elsewhere (conv2d's weight gradient): part
+# Split-K's second pass, for a split computed elsewhere (conv2d's TMA forward and input gradient): part
 # (splits, M, N) holds the fp32 (fp64) products of the K slices; C = ACT(alpha * sum_s part[s] +
 # bias[n]) + R, the slices summed by _sum_slices (the same order every run, no atomics).
 @triton.jit
