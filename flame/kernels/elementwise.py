@@ -550,6 +550,12 @@ def needs_int64(shape, strides, *blocks):
     return max(span, math.prod(shape)) + overshoot >= 2 ** 31
 
 
+def geglu_halves(buf):
+    """The (hidden, gate) halves of ``buf``'s last dim: GEGLU's operands, as views."""
+    half = buf.shape[-1] // 2
+    return buf.narrow(-1, 0, half), buf.narrow(-1, half, half)
+
+
 def geglu_backward_(grad, g, inp):
     """GEGLU's input gradient: ``grad[..., :H] = g * gelu(x)``, ``grad[..., H:] = g * h * gelu'(x)``
     for ``y = h * gelu(x)``, ``(h, x)`` the halves of ``inp``'s last dim (2H) and ``g`` (..., H)
@@ -560,9 +566,9 @@ def geglu_backward_(grad, g, inp):
         return grad
     shape, strides = collapse(g.shape[:-1], [t.stride()[:-1] for t in (grad, g, inp)])
     if len(shape) > 1 or any(t.stride(-1) != 1 for t in (grad, g, inp)):
-        hidden, gate = inp.narrow(-1, 0, H), inp.narrow(-1, H, H)
-        map_(grad.narrow(-1, 0, H), [g, gate], GEGLU)
-        return map_(grad.narrow(-1, H, H), [g, gate, hidden], GEGLU_GATE_BWD)
+        (hidden, gate), (grad_hidden, grad_gate) = geglu_halves(inp), geglu_halves(grad)
+        map_(grad_hidden, [g, gate], GEGLU)
+        return map_(grad_gate, [g, gate, hidden], GEGLU_GATE_BWD)
     rows = shape[0]
     cfg = _strided_default(rows, H, False, _tile(g.dtype))
     block_r, block_c = cfg["BLOCK_R"], cfg["BLOCK_C"]

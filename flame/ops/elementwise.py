@@ -84,11 +84,6 @@ def gelu(x, approximate: str = "none"):
     raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
 
 
-def _geglu_halves(buf):
-    half = buf.shape[-1] // 2
-    return buf.narrow(-1, 0, half), buf.narrow(-1, half, half)
-
-
 # y = h * gelu(x) with (h, x) the two halves of the input's last dim:
 #   dh = g * gelu(x),  dx = g * h * gelu'(x)  (kernels/elementwise.py: geglu_backward_)
 def _geglu_backward(node, g):
@@ -106,7 +101,7 @@ def geglu(x):
         raise TypeError(f"geglu: expected a floating-point tensor, got {x.dtype}")
     if x.ndim == 0 or x.shape[-1] % 2:
         raise ValueError(f"geglu: the last dimension must be even (split into hidden and gate), got shape {x.shape}")
-    hidden, gate = _geglu_halves(x._data)
+    hidden, gate = K.geglu_halves(x._data)
     y = new(hidden.shape, x.dtype)
     K.map_(y._data, [hidden, gate], K.GEGLU)
     if needs_grad(x):
