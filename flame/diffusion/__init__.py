@@ -1,5 +1,13 @@
-"""Diffusion utilities: the DDPM noise schedule, targets, loss weights and noise sampling for training;
-the samplers (Euler, Euler ancestral, DPM++ 2M Karras, DDIM) for inference."""
+"""Diffusion utilities: the DDPM noise schedule and rectified flow (flow matching), their targets, loss
+weights and noise sampling for training; the samplers (Euler, Euler ancestral, DPM++ 2M Karras, DDIM) for inference."""
+from .flow import (
+    WEIGHTING_SCHEMES,
+    flow_loss_weights,
+    flow_noisy,
+    flow_target,
+    resolution_shift,
+    sample_sigmas,
+)
 from .losses import HUBER_SCHEDULES, LOSS_TYPES, diffusion_loss, huber_c_per_timestep, weighted_mse_loss
 from .samplers import (
     SAMPLERS,
@@ -21,6 +29,7 @@ from .schedule import (
     make_betas,
     min_snr_weights,
     rescale_zero_terminal_snr,
+    sample_fraction,
     sample_noise,
     sample_timesteps,
 )

@@ -213,29 +213,44 @@ def debiased_weights(snr: Tensor, prediction_type: str = "epsilon") -> Tensor:
     return rsqrt(capped)
 
 
-def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000, rows=None, distribution: str = "uniform",
-                     logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0) -> Tensor:
-    """``batch_size`` int64 timesteps in ``[low, high)`` from flame's Philox generator, computed on
-    the device (no host sync): ``low + u (high - low)``, truncated and clamped, where ``u`` in
-    [0, 1) is uniform, or ``sigmoid(logit_mean + logit_std * randn)`` for ``"logit_normal"``; a
-    ``shift`` other than 1 maps ``u`` to ``shift u / (1 + (shift - 1) u)`` (above 1: more noise).
-    ``rows=(start, total)``: these are samples ``start:start + batch_size`` of a batch of ``total``
-    (one data-parallel rank's part; see ``flame.rand``)."""
-    if not isinstance(batch_size, numbers.Integral) or batch_size < 0:
-        raise ValueError(f"sample_timesteps: batch_size must be a non-negative int, got {batch_size!r}")
-    if not (isinstance(low, numbers.Integral) and isinstance(high, numbers.Integral) and 0 <= low < high):
-        raise ValueError(f"sample_timesteps: need integers 0 <= low < high, got low={low!r}, high={high!r}")
+def _check_fraction_args(distribution, logit_std, shift, op):
     if distribution not in TIMESTEP_DISTRIBUTIONS:
-        raise ValueError(f"sample_timesteps: distribution must be one of {TIMESTEP_DISTRIBUTIONS}, got "
-                         f"{distribution!r}")
+        raise ValueError(f"{op}: distribution must be one of {TIMESTEP_DISTRIBUTIONS}, got {distribution!r}")
     if not shift > 0 or not logit_std >= 0:
-        raise ValueError(f"sample_timesteps: need shift > 0 and logit_std >= 0, got {shift!r}, {logit_std!r}")
+        raise ValueError(f"{op}: need shift > 0 and logit_std >= 0, got {shift!r}, {logit_std!r}")
+
+
+def sample_fraction(batch_size: int, rows=None, distribution: str = "uniform", logit_mean: float = 0.0,
+                    logit_std: float = 1.0, shift: float = 1.0) -> Tensor:
+    """``batch_size`` fp32 values ``u`` in [0, 1) from flame's Philox generator, on the device:
+    uniform, or ``sigmoid(logit_mean + logit_std * randn)`` for ``"logit_normal"`` (SD3); a
+    ``shift`` other than 1 maps ``u`` to ``shift u / (1 + (shift - 1) u)`` (above 1: more noise).
+    The noise level both objectives draw: DDPM timesteps scale it to integers, flow matching uses
+    it as sigma. ``rows=(start, total)``: samples ``start:start + batch_size`` of a batch of
+    ``total`` (one data-parallel rank's part; see ``flame.rand``)."""
+    if not isinstance(batch_size, numbers.Integral) or batch_size < 0:
+        raise ValueError(f"sample_fraction: batch_size must be a non-negative int, got {batch_size!r}")
+    _check_fraction_args(distribution, logit_std, shift, "sample_fraction")
     if distribution == "uniform":
         u = rand(int(batch_size), rows=rows)
     else:
         u = sigmoid(add(mul(randn(int(batch_size), rows=rows), float(logit_std)), float(logit_mean)))
     if shift != 1.0:
         u = div(mul(u, float(shift)), add(mul(u, float(shift) - 1.0), 1.0))
+    return u
+
+
+def sample_timesteps(batch_size: int, low: int = 0, high: int = 1000, rows=None, distribution: str = "uniform",
+                     logit_mean: float = 0.0, logit_std: float = 1.0, shift: float = 1.0) -> Tensor:
+    """``batch_size`` int64 timesteps in ``[low, high)`` from flame's Philox generator, computed on
+    the device (no host sync): ``low + u (high - low)``, truncated and clamped, with ``u`` from
+    ``sample_fraction`` (uniform or logit-normal, optionally shifted)."""
+    if not isinstance(batch_size, numbers.Integral) or batch_size < 0:
+        raise ValueError(f"sample_timesteps: batch_size must be a non-negative int, got {batch_size!r}")
+    if not (isinstance(low, numbers.Integral) and isinstance(high, numbers.Integral) and 0 <= low < high):
+        raise ValueError(f"sample_timesteps: need integers 0 <= low < high, got low={low!r}, high={high!r}")
+    _check_fraction_args(distribution, logit_std, shift, "sample_timesteps")
+    u = sample_fraction(batch_size, rows, distribution, logit_mean, logit_std, shift)
     t = to(add(mul(u, float(high - low)), float(low)), torch.int64)
     return clamp(t, int(low), int(high) - 1)  # u * n may round up to n in fp32
 

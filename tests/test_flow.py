@@ -1,0 +1,100 @@
+"""Rectified-flow training helpers against diffusers' Flux/SD3 formulas."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame.diffusion import (
+    flow_loss_weights,
+    flow_noisy,
+    flow_target,
+    resolution_shift,
+    sample_fraction,
+    sample_sigmas,
+    sample_timesteps,
+)
+
+
+def _np(t):
+    return t.numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("tokens", [256, 1024, 4096, 4608, 77])
+def test_resolution_shift_is_diffusers_calculate_shift(tokens):
+    pipeline_flux = pytest.importorskip("diffusers.pipelines.flux.pipeline_flux")
+    mu = pipeline_flux.calculate_shift(tokens, 256, 4096, 0.5, 1.15)
+    assert resolution_shift(tokens) == pytest.approx(math.exp(mu), rel=1e-12)
+
+
+def test_shifted_sigmas_are_the_schedulers_time_shift():
+    diffusers = pytest.importorskip("diffusers")
+    sched = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+    flame.manual_seed(3)
+    plain = _np(sample_sigmas(64))
+    mu = 1.15
+    flame.manual_seed(3)
+    shifted = _np(sample_sigmas(64, shift=resolution_shift(4096)))
+    ref = sched.time_shift(mu, 1.0, torch.tensor(plain, dtype=torch.float64)).numpy()
+    np.testing.assert_allclose(shifted, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_sigma_distributions_and_range():
+    flame.manual_seed(0)
+    u = _np(sample_sigmas(20000))
+    assert u.min() >= 0.0 and u.max() < 1.0 and abs(u.mean() - 0.5) < 0.02
+    ln = _np(sample_sigmas(20000, distribution="logit_normal", logit_mean=0.0, logit_std=1.0))
+    z = np.log(ln / (1 - ln))  # the normal it came from
+    assert abs(z.mean()) < 0.05 and abs(z.std() - 1.0) < 0.05
+    shifted = _np(sample_sigmas(20000, shift=3.0))
+    assert shifted.mean() > 0.6  # more noise
+
+
+def test_timesteps_and_sigmas_share_the_draw():
+    flame.manual_seed(5)
+    u = _np(sample_fraction(8, distribution="logit_normal", shift=2.0))
+    flame.manual_seed(5)
+    t = sample_timesteps(8, 0, 1000, distribution="logit_normal", shift=2.0).numpy()
+    np.testing.assert_array_equal(t, np.clip(np.floor(u.astype(np.float32) * 1000), 0, 999))
+
+
+def test_noisy_and_target_match_flow_match_scheduler():
+    diffusers = pytest.importorskip("diffusers")
+    sched = diffusers.FlowMatchEulerDiscreteScheduler()
+    x0 = torch.randn(3, 4, 6, 10)
+    noise = torch.randn(3, 4, 6, 10)
+    sig = torch.tensor([0.05, 0.5, 0.97])
+    # scale_noise takes timesteps and looks their sigmas up in its table: use table entries
+    timesteps = sched.timesteps[[980, 500, 30]]
+    sig = sched.sigmas[[980, 500, 30]]
+    ref = sched.scale_noise(x0, timesteps, noise)
+    got = flow_noisy(flame.from_torch(x0), flame.from_torch(noise), flame.from_torch(sig.float())).to_torch()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    target = flow_target(flame.from_torch(x0), flame.from_torch(noise)).to_torch()
+    torch.testing.assert_close(target, noise - x0)
+
+
+@pytest.mark.parametrize("scheme", ["none", "sigma_sqrt", "cosmap"])
+def test_weighting_schemes_match_diffusers(scheme):
+    training_utils = pytest.importorskip("diffusers.training_utils")
+    sig = torch.tensor([0.01, 0.2, 0.5, 0.9, 0.999])
+    ref = training_utils.compute_loss_weighting_for_sd3(scheme, sig)
+    got = flow_loss_weights(flame.from_torch(sig), scheme)
+    if scheme == "none":
+        assert got is None
+        return
+    torch.testing.assert_close(got.to_torch(), ref.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="scheme"):
+        flow_loss_weights(flame.ones(2), "snr")
+    with pytest.raises(ValueError, match="image_seq_len"):
+        resolution_shift(0)
+    with pytest.raises(ValueError, match="distribution"):
+        sample_sigmas(2, distribution="beta")
+    with pytest.raises(ValueError, match="same shape"):
+        flow_target(flame.ones(2, 3), flame.ones(2, 4))
+    with pytest.raises(ValueError, match="timestep"):
+        flow_noisy(flame.ones(2, 3), flame.ones(2, 3), flame.ones(3))
