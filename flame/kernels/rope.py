@@ -1,0 +1,237 @@
+"""Flux's attention prologue in one pass: RMSNorm of q and k per head, the rotary embedding, and
+q, k, v moved from the fused projections into dense (B, L, H, D) buffers; and its backward.
+
+The input is one or two "streams" (Flux's double block: the text and the image projection; the
+single block: linear1's output), each (B, L_s, W_s) with batch and row strides of its own and a
+unit column stride, whose first 3 H D columns are [q | k | v] (head h's element d at column
+h D + d); the columns past 3 H D are never read. The streams are concatenated along L in order:
+token l of stream 1 is token L_0 + l of the outputs and of the cos/sin tables (L_total, D/2).
+
+A program owns BLOCK_L tokens of one stream and one batch, and one head, and does q, k and v.
+Its tiles are (BLOCK_L, HB, 2): the rotary pairs (x[2i], x[2i+1]) lie on the last axis, so a row
+is read as one unit-stride run and split into its even and odd halves in registers (HB: D/2
+rounded up to a power of two). The first B * nb_0 programs of grid axis 0 take stream 0 (nb_s:
+token blocks of stream s, batch-major), the rest stream 1; each program selects its stream's
+pointers and strides. Grid axis 1 is the head.
+
+The backward writes each stream's input gradient (dense (B, L_s, W_s): [dq | dk | dv] columns,
+zeros past 3 H D, so that it has the input's shape) and, when the norm weights need gradients,
+one fp32 partial row per program (q's D columns of sum_tokens dy * xhat, then k's), reduced per
+stream by ``reduce_`` afterwards: deterministic, no atomics. Launch configs are a heuristic
+(``rope_config``), not tuned.
+"""
+import triton
+import triton.language as tl
+
+from .. import runtime
+from .elementwise import _pow2, cdiv, compute_dtype
+from .launch import launch
+from .reduce import SUM, accumulation_dtype, reduce_
+
+
+@triton.jit
+def _program(B, L0, L1, nb0, nb1, BLOCK_L: tl.constexpr):
+    """This program's stream (``first``: stream 0), batch, rows (tokens of its stream) and their
+    mask, and the rows' tokens in the concatenated sequence."""
+    pid = tl.program_id(0)
+    first = pid < B * nb0
+    p = tl.where(first, pid, pid - B * nb0)
+    nb = tl.where(first, nb0, nb1)
+    rows = (p % nb) * BLOCK_L + tl.arange(0, BLOCK_L)
+    mask = rows < tl.where(first, L0, L1)
+    tokens = rows + tl.where(first, 0, L0)
+    return first, (p // nb).to(tl.int64), rows.to(tl.int64), mask, tokens.to(tl.int64)
+
+
+@triton.jit
+def _pairs(D, HB: tl.constexpr):
+    """Column offsets 2 i + j of a head's (HB, 2) pair tile, and their mask."""
+    i = tl.arange(0, HB)[:, None]
+    j = tl.arange(0, 2)[None, :]
+    return 2 * i + j, (i < D // 2) & (j < 2)
+
+
+@triton.jit
+def _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB: tl.constexpr):
+    """cos and sin of the rows' tokens, (BLOCK_L, HB) fp32."""
+    i = tl.arange(0, HB)[None, :]
+    m = rmask[:, None] & (i < D // 2)
+    c = tl.load(cos_ptr + (tokens * cs_l)[:, None] + i * cs_i, mask=m, other=0.0)
+    s = tl.load(sin_ptr + (tokens * ss_l)[:, None] + i * ss_i, mask=m, other=0.0)
+    return c, s
+
+
+@triton.jit
+def _rstd(x, D, eps):
+    """1 / sqrt(mean(x^2) + eps) of each row of a (BLOCK_L, HB, 2) tile (masked entries are 0)."""
+    return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / D + eps)
+
+
+@triton.jit
+def _norm_rope(x, w_ptr, col, cmask, c, s, D, eps, CD: tl.constexpr):
+    # y = x * rstd * w (RMSNorm over the head's D), then the rotation of each pair by the token's angle:
+    #   out[2i] = y[2i] cos_i - y[2i+1] sin_i,  out[2i+1] = y[2i+1] cos_i + y[2i] sin_i
+    w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(CD)
+    y = x * _rstd(x, D, eps)[:, None, None] * w[None, :, :]
+    ye, yo = tl.split(y)
+    return tl.join(ye * c - yo * s, yo * c + ye * s)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr, cos_ptr, sin_ptr,
+                             q_ptr, k_ptr, v_ptr, B, L0, L1, H, D, nb0, nb1,
+                             xs0_b, xs0_l, xs1_b, xs1_l, cs_l, cs_i, ss_l, ss_i, eps,
+                             CD: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr):
+    first, b, rows, rmask, tokens = _program(B, L0, L1, nb0, nb1, BLOCK_L)
+    h = tl.program_id(1)
+    col, cmask = _pairs(D, HB)
+    m = rmask[:, None, None] & cmask[None, :, :]
+    x_row = tl.where(first, x0_ptr, x1_ptr) + b * tl.where(first, xs0_b, xs1_b) + rows * tl.where(first, xs0_l, xs1_l)
+    x = x_row[:, None, None] + h * D + col[None, :, :]
+    out = ((b * (L0 + L1) + tokens) * H + h) * D
+    o = out[:, None, None] + col[None, :, :]
+    c, s = _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB)
+    q = _norm_rope(tl.load(x, mask=m, other=0.0).to(CD), tl.where(first, wq0_ptr, wq1_ptr), col, cmask, c, s,
+                   D, eps, CD)
+    tl.store(q_ptr + o, q.to(q_ptr.dtype.element_ty), mask=m)
+    k = _norm_rope(tl.load(x + H * D, mask=m, other=0.0).to(CD), tl.where(first, wk0_ptr, wk1_ptr), col, cmask,
+                   c, s, D, eps, CD)
+    tl.store(k_ptr + o, k.to(k_ptr.dtype.element_ty), mask=m)
+    tl.store(v_ptr + o, tl.load(x + 2 * H * D, mask=m), mask=m)
+
+
+@triton.jit
+def _grad_tile(g_ptr, b, h, tokens, sb, sh, sl, col, m, HAS: tl.constexpr, CD: tl.constexpr,
+               BLOCK_L: tl.constexpr, HB: tl.constexpr):
+    """A (BLOCK_L, HB, 2) tile of one output's gradient (B, H, L, D), zeros when it has none."""
+    if HAS:
+        row = b * sb + h * sh + tokens * sl
+        return tl.load(g_ptr + row[:, None, None] + col[None, :, :], mask=m, other=0.0).to(CD)
+    else:
+        return tl.zeros((BLOCK_L, HB, 2), CD)
+
+
+# Backward of one of q and k. out = R y with y = xhat * w, xhat = x * rstd, and R the rotation of
+# each pair by the token's angle; R is orthogonal, so its adjoint is the inverse rotation:
+#   dy[2i] = g[2i] cos_i + g[2i+1] sin_i,  dy[2i+1] = g[2i+1] cos_i - g[2i] sin_i
+# RMSNorm (rstd recomputed from x; means over the head's D):
+#   dxhat = dy * w,  dx = rstd * (dxhat - xhat * mean(dxhat * xhat))
+#   dw = sum over tokens, batches and heads of dy * xhat: this tile's sum over its tokens here.
+@triton.jit
+def _norm_rope_bwd(g, x, w_ptr, col, cmask, c, s, D, eps, CD: tl.constexpr):
+    ge, go = tl.split(g)
+    dy = tl.join(ge * c + go * s, go * c - ge * s)
+    rstd = _rstd(x, D, eps)[:, None, None]
+    xhat = x * rstd
+    dxhat = dy * tl.load(w_ptr + col, mask=cmask, other=0.0).to(CD)[None, :, :]
+    k2 = tl.sum(tl.sum(dxhat * xhat, axis=2), axis=1) / D
+    return rstd * (dxhat - xhat * k2[:, None, None]), tl.sum(dy * xhat, axis=0)
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr, cos_ptr, sin_ptr,
+                             dq_ptr, dk_ptr, dv_ptr, dx0_ptr, dx1_ptr, part_ptr, B, L0, L1, H, D, nb0, nb1,
+                             xs0_b, xs0_l, xs1_b, xs1_l, W0, W1, cs_l, cs_i, ss_l, ss_i,
+                             dqs_b, dqs_h, dqs_l, dks_b, dks_h, dks_l, dvs_b, dvs_h, dvs_l, eps,
+                             HAS_DQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DV: tl.constexpr,
+                             NEED_W: tl.constexpr, CD: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr,
+                             BLOCK_E: tl.constexpr):
+    # dx (dense (B, L_s, W_s)): columns [0, 3HD) from _norm_rope_bwd for q and k, dv moved for v;
+    # columns [3HD, W_s) zero, head h's program taking its share of them for its rows.
+    first, b, rows, rmask, tokens = _program(B, L0, L1, nb0, nb1, BLOCK_L)
+    h = tl.program_id(1)
+    col, cmask = _pairs(D, HB)
+    m = rmask[:, None, None] & cmask[None, :, :]
+    x_row = tl.where(first, x0_ptr, x1_ptr) + b * tl.where(first, xs0_b, xs1_b) + rows * tl.where(first, xs0_l, xs1_l)
+    x = x_row[:, None, None] + h * D + col[None, :, :]
+    W = tl.where(first, W0, W1)
+    dx_row = tl.where(first, dx0_ptr, dx1_ptr) + (b * tl.where(first, L0, L1) + rows) * W
+    dx = dx_row[:, None, None] + h * D + col[None, :, :]
+    c, s = _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB)
+    g = _grad_tile(dq_ptr, b, h, tokens, dqs_b, dqs_h, dqs_l, col, m, HAS_DQ, CD, BLOCK_L, HB)
+    dxq, dwq = _norm_rope_bwd(g, tl.load(x, mask=m, other=0.0).to(CD), tl.where(first, wq0_ptr, wq1_ptr), col,
+                              cmask, c, s, D, eps, CD)
+    tl.store(dx, dxq.to(dx0_ptr.dtype.element_ty), mask=m)
+    g = _grad_tile(dk_ptr, b, h, tokens, dks_b, dks_h, dks_l, col, m, HAS_DK, CD, BLOCK_L, HB)
+    dxk, dwk = _norm_rope_bwd(g, tl.load(x + H * D, mask=m, other=0.0).to(CD), tl.where(first, wk0_ptr, wk1_ptr),
+                              col, cmask, c, s, D, eps, CD)
+    tl.store(dx + H * D, dxk.to(dx0_ptr.dtype.element_ty), mask=m)
+    g = _grad_tile(dv_ptr, b, h, tokens, dvs_b, dvs_h, dvs_l, col, m, HAS_DV, CD, BLOCK_L, HB)
+    tl.store(dx + 2 * H * D, g.to(dx0_ptr.dtype.element_ty), mask=m)
+    if NEED_W:
+        part = part_ptr + (tl.program_id(0).to(tl.int64) * H + h) * 2 * D + col
+        tl.store(part, dwq, mask=cmask)
+        tl.store(part + D, dwk, mask=cmask)
+    extra = W - 3 * H * D
+    share = (extra + H - 1) // H
+    lo = 3 * H * D + h * share
+    hi = 3 * H * D + tl.minimum((h + 1) * share, extra)
+    for e0 in range(lo, hi, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        tl.store(dx_row[:, None] + e[None, :], tl.zeros((BLOCK_L, BLOCK_E), dx0_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (e < hi)[None, :])
+
+
+def rope_config(D, L):
+    """The launch config of both kernels for head dim ``D`` and streams of up to ``L`` tokens:
+    tiles of BLOCK_L tokens x HB pairs, 2048 elements on the GPU (16 tokens at D = 128), up to
+    16384 on the interpreter; BLOCK_E, the width of the zero-filled columns' blocks, is the tile's."""
+    hb = _pow2(D // 2)
+    tile = 1 << 14 if runtime.INTERPRETER else 2048
+    bl = max(1, min(_pow2(max(L, 1)), tile // (2 * hb)))
+    return dict(BLOCK_L=bl, HB=hb, num_warps=4)
+
+
+def _streams(xs, weights, L_total, D):
+    """The per-stream launch arguments shared by both kernels: (x0, x1, weights, B, L0, L1, nb0,
+    nb1, config); a single stream is passed as stream 0 with an empty stream 1."""
+    B, L0 = xs[0].shape[0], xs[0].shape[1]
+    L1 = L_total - L0
+    cfg = rope_config(D, max(L0, L1))
+    nb0, nb1 = cdiv(L0, cfg["BLOCK_L"]), cdiv(L1, cfg["BLOCK_L"])
+    (wq0, wk0), (wq1, wk1) = weights[0], weights[-1]
+    return xs[0], xs[-1], (wq0, wk0, wq1, wk1), B, L0, L1, nb0, nb1, cfg
+
+
+def qk_norm_rope_fwd(q, k, v, xs, weights, cos, sin, H, D, eps):
+    """q, k, v (dense (B, L_total, H, D) buffers) from the streams ``xs`` (1 or 2 buffers (B, L_s,
+    W_s), unit column stride) with per-stream ``weights`` ((q weight, k weight), dense (D,)) and
+    the fp32 tables ``cos``, ``sin`` (L_total, D/2), any strides. One launch."""
+    x0, x1, w, B, L0, L1, nb0, nb1, cfg = _streams(xs, weights, q.shape[1], D)
+    if B * (nb0 + nb1) == 0 or H == 0:
+        return
+    launch(_qk_norm_rope_fwd_kernel, (B * (nb0 + nb1), H), x0, x1, *w, cos, sin, q, k, v, B, L0, L1, H, D,
+           nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0), x1.stride(1), *cos.stride(), *sin.stride(),
+           float(eps), CD=compute_dtype(x0.dtype), **cfg)
+
+
+def _bhl(g):
+    """(batch, head, row) strides of a (B, H, L, D) gradient buffer, or zeros for None."""
+    return (0, 0, 0) if g is None else g.stride()[:3]
+
+
+def qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, eps):
+    """The backward of ``qk_norm_rope_fwd``: writes each stream's input gradient ``dxs[s]`` (dense,
+    the input's shape) from the outputs' gradients ``dq``, ``dk``, ``dv`` ((B, H, L_total, D), unit
+    last stride; None for none) and, where ``dws[s]`` is a (2D,) buffer, the stream's norm weight
+    gradients into it ([q weight | k weight]; None: not wanted). One launch, plus one reduction per
+    stream whose weight gradients are wanted."""
+    L_total = sum(x.shape[1] for x in xs)
+    x0, x1, w, B, L0, L1, nb0, nb1, cfg = _streams(xs, weights, L_total, D)
+    programs = B * (nb0 + nb1)
+    need_w = any(dw is not None for dw in dws)
+    part = runtime.empty((programs * H, 2 * D), accumulation_dtype(x0.dtype)) if need_w else None
+    if programs and H:
+        dx0, dx1 = dxs[0], dxs[-1]
+        launch(_qk_norm_rope_bwd_kernel, (programs, H), x0, x1, *w, cos, sin, dq if dq is not None else x0,
+               dk if dk is not None else x0, dv if dv is not None else x0, dx0, dx1, part if need_w else dx0,
+               B, L0, L1, H, D, nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0), x1.stride(1),
+               dx0.shape[2], dx1.shape[2], *cos.stride(), *sin.stride(), *_bhl(dq), *_bhl(dk), *_bhl(dv), float(eps),
+               HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None, NEED_W=need_w,
+               CD=compute_dtype(x0.dtype), BLOCK_E=2 * cfg["HB"], **cfg)
+    first_row = 0
+    for dw, nb in zip(dws, (nb0, nb1)):
+        rows = B * nb * H
+        if dw is not None:
+            reduce_(dw, part[first_row:first_row + rows], 1, rows, 2 * D, (0, 2 * D, 1), SUM)
+        first_row += rows
