@@ -261,10 +261,10 @@ def run_diffusers(args):
             "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", choices=["sdxl", "tiny"], default="sdxl", help="UNet config (default: SDXL base)")
+def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
+    """The options of a training-step bench (this one, and ``bench_flux.py`` with its ``configs``)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", choices=list(configs), default=configs[0], help=f"model config (default {configs[0]})")
     p.add_argument("--resolution", type=int, default=1024, help="image side in pixels (latent = /8)")
     p.add_argument("--batch", type=int, action="append", help="batch size (repeatable; default 1 and 4)")
     p.add_argument("--checkpointing", choices=["on", "off", "ff", "both"], default="both",
@@ -337,12 +337,15 @@ def _portable_env(tmp):
                 FLAME_TEST_MAX_SHARED_MEMORY=str(ADA_SHARED_MEMORY))
 
 
-def main(argv=None):
+def main(argv=None, workers=None, script=__file__, parse=parse_args):
+    """The bench driver: each setting in a worker process (``script --worker ...``), results pooled
+    and reported. ``workers``: (flame worker, PyTorch worker) of the model benched (SDXL's here)."""
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    args = parse(argv)
     if args.worker:
         args.batch = args.batch[0]
-        res = (run_flame if args.worker == "flame" else run_diffusers)(args)
+        flame_worker, torch_worker = workers or (run_flame, run_diffusers)
+        res = (flame_worker if args.worker == "flame" else torch_worker)(args)
         print("RESULT " + json.dumps(res), flush=True)
         return 0
     no_table = tempfile.mkdtemp(prefix="flame-no-table-")
@@ -350,7 +353,7 @@ def main(argv=None):
     runs = {}  # setting label -> its runs' results (one per round), in the order first run
     for rnd in range(args.rounds):
         for setting in settings:
-            label, result = _run_setting(args, setting, no_table)
+            label, result = _run_setting(args, setting, no_table, script)
             runs.setdefault(label, []).append(result)
             if "error" not in result:
                 _print_run(result, f" (round {rnd + 1} of {args.rounds})" if args.rounds > 1 else "")
@@ -362,10 +365,10 @@ def main(argv=None):
     return 1 if any("error" in r for r in rows) else 0
 
 
-def _run_setting(args, setting, no_table):
+def _run_setting(args, setting, no_table, script=__file__):
     """One setting's worker process: (label, its result, or {"error": ...} when it failed)."""
     fw, batch, ckpt, cap, path, dora = setting
-    cmd = [sys.executable, __file__, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
+    cmd = [sys.executable, script, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
            "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
     cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []

@@ -118,11 +118,11 @@ def test_cli_reports_config_errors_and_prints_config(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"data": {"cache_dir": "cache"}, "output": {"dir": "out"}, "train": {"steps": 2}}))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "scripts/train_sdxl_lora.py", str(path), "train.lr=abc", "lora.nope=1"],
+    r = subprocess.run([sys.executable, "scripts/train_lora.py", str(path), "train.lr=abc", "lora.nope=1"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "train.lr: expected a number" in r.stderr and "lora.nope: unknown option" in r.stderr
-    r = subprocess.run([sys.executable, "scripts/train_sdxl_lora.py", str(path), "lora.rank=8", "--print-config"],
+    r = subprocess.run([sys.executable, "scripts/train_lora.py", str(path), "lora.rank=8", "--print-config"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["lora"]["rank"] == 8
@@ -344,7 +344,7 @@ def test_tiny_sdxl_config_trains_through_the_cli(tmp_path):
     LoRA file that loads into SDXLUNet."""
     from flame.models import SDXLUNet, SDXLUNetConfig
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, "scripts/train_sdxl_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
+    r = subprocess.run([sys.executable, "scripts/train_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
                         f"output.dir={tmp_path}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2",
                         "data.batch_size=1", "output.validate_every=2"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -422,7 +422,7 @@ def test_cli_refuses_bad_settings_before_any_work(tiny_cache, tmp_path, case):
         _damage_index(cache)
     elif setup == "checkpoint_rank_8":
         _fake_checkpoint(out, **{"lora.rank": 8})
-    args = [sys.executable, "scripts/train_sdxl_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
+    args = [sys.executable, "scripts/train_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
             f"output.dir={out}", f"data.cache_dir={cache}", "data.batch_size=4", "lora.targets=attn", *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -717,7 +717,7 @@ def test_sample_section_is_checked_before_any_work(cache_dir, tmp_path):
 
 def test_block_learning_rates_and_lora_plus_make_the_optimizer_groups(tiny_cache, cache_dir, tmp_path):
     from flame.models import SDXLUNet
-    from flame.train.model import block_of
+    from flame.train.families.sdxl import block_of
     cfg = _config(tiny_cache, tmp_path / "sdxl", "lora.lr_down=0.5", "lora.lr_mid=0", "lora.lr_up=2",
                   "lora.plus_ratio=16")
     with flame.nn.init.skip_init():  # only the adapters' groups matter here
