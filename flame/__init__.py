@@ -12,8 +12,8 @@ from .autograd import GradientMap, enable_grad, grad, is_grad_enabled, no_grad, 
 from .ops.creation import (arange, empty, empty_like, from_torch, full, full_like, get_rng_state, manual_seed,
                            normal, ones, ones_like, rand, rand_like, randn, randn_like, set_rng_state, tensor,
                            uniform, zeros, zeros_like)
-from .ops.elementwise import (abs, add, clamp, cos, div, eq, exp, ge, gelu, gt, le, log, lt, maximum, minimum,
-                              mul, ne, neg, pow, relu, rsqrt, sigmoid, silu, sin, sqrt, sub, tanh, to, where)
+from .ops.elementwise import (abs, add, addcmul, clamp, cos, div, eq, exp, ge, gelu, gt, le, log, lt, maximum,
+                              minimum, mul, ne, neg, pow, relu, rsqrt, sigmoid, silu, sin, sqrt, sub, tanh, to, where)
 from .ops.reduce import amax, amin, max, mean, min, sum, sum_to_shape, var
 from .ops.shape import (broadcast_to, cat, chunk, clone, contiguous, expand, flatten, narrow, pad, permute,
                         reshape, split, squeeze, stack, t, transpose, unsqueeze, view)

@@ -41,7 +41,8 @@ def _codes(start, count):
 
 # ---- op codes (forward) -------------------------------------------------------------------
 IDENTITY, NEG, ABS, EXP, LOG, SQRT, RSQRT, SIN, COS, TANH, SIGMOID, RELU, SILU, GELU, GELU_TANH = _codes(0, 15)
-ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV, GEGLU, MUL_ADD = _codes(20, 15)
+(ADD, SUB, RSUB, MUL, DIV, RDIV, POW, RPOW, MAXIMUM, MINIMUM, CLAMP, WHERE, WHERE_INV, GEGLU, MUL_ADD,
+ ADDCMUL) = _codes(20, 16)
 EQ, NE, LT, LE, GT, GE = _codes(40, 6)
 # ---- op codes (backward: the incoming gradient is always operand a) ------------------------
 (ABS_BWD, SQRT_BWD, RSQRT_BWD, SIN_BWD, COS_BWD, TANH_BWD, SIGMOID_BWD, RELU_BWD, SILU_BWD,
@@ -156,6 +157,8 @@ def _apply(a, b, c, s0, s1, OP: tl.constexpr):
         return a * _gelu(b)
     elif OP == MUL_ADD:  # rounded once: a per-channel scale and bias in one pass
         return a * b + c
+    elif OP == ADDCMUL:  # torch.addcmul: a + value * b * c (value = s0), rounded once; a gated residual
+        return a + s0 * b * c
     elif OP == EQ:
         return a == b
     elif OP == NE:

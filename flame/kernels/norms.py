@@ -1,4 +1,5 @@
-"""Normalisation kernels: GroupNorm (+ fused SiLU), LayerNorm and RMSNorm, forward and backward.
+"""Normalisation kernels: GroupNorm (+ fused SiLU), LayerNorm, RMSNorm and the modulated LayerNorm
+(AdaLayerNormZero's), forward and backward.
 
 GroupNorm views its input as (N, C, S) with strides (xs_n, xs_c, xs_s): S collapses every spatial
 dim, so the same kernels read NCHW (xs_s == 1) and channels-last (xs_c == 1) memory in place, and
@@ -732,3 +733,113 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
     part = pw if pw is not None else pb
     launch(_colsum_kernel, (colsum[0],), part, pb if pb is not None else part, dw if dw is not None else part,
            db if db is not None else part, P, D, NEED_W=pw is not None, NEED_B=pb is not None, **colsum[1])
+
+
+# ---- modulated LayerNorm (AdaLayerNormZero's normalisation) -------------------------------------
+#
+# x (B, L, C) with batch and row strides of its own and a unit column stride; shift and scale
+# (B, C) with any strides (column slices of a modulation output, read in place). Rows are whole
+# (C up to MAX_MODULATED_C: one block); grid axis 1 is the batch, so each program loads its
+# batch's shift and scale once. Configs: LayerNorm's heuristic (``_ln_default``), not tuned.
+
+MAX_MODULATED_C = 8192
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _ln_modulated_fwd_kernel(x_ptr, shift_ptr, scale_ptr, y_ptr, mean_ptr, rstd_ptr, L, C,
+                             xs_b, xs_l, sh_b, sh_c, sc_b, sc_c, eps,
+                             CD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # y = (x - mean) * rstd * (1 + scale[b]) + shift[b], rstd = 1 / sqrt(var + eps) (biased var)
+    b = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    rm, cm = rows < L, cols < C
+    m = rm[:, None] & cm[None, :]
+    x = tl.load(x_ptr + b * xs_b + (rows * xs_l)[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
+    mean = tl.sum(x, axis=1) / C
+    d = tl.where(m, x - mean[:, None], 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(d * d, axis=1) / C + eps)
+    scale = tl.load(scale_ptr + b * sc_b + cols * sc_c, mask=cm, other=0.0).to(CD)
+    shift = tl.load(shift_ptr + b * sh_b + cols * sh_c, mask=cm, other=0.0).to(CD)
+    y = d * rstd[:, None] * (1.0 + scale[None, :]) + shift[None, :]
+    tl.store(y_ptr + ((b * L + rows) * C)[:, None] + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
+    tl.store(mean_ptr + b * L + rows, mean, mask=rm)
+    tl.store(rstd_ptr + b * L + rows, rstd, mask=rm)
+
+
+# Backward. xhat = (x - mean) * rstd, dxhat = dy * (1 + scale[b]), means over the row's C:
+#   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat))
+#   dshift[b] = sum_l dy, dscale[b] = sum_l dy * xhat: program p of batch b visits row blocks
+#   p, p + P, ... (a fixed order) and writes its sums as one partial pair of part (B, P, 2, C),
+#   reduced over P afterwards.
+@triton.jit
+def _ln_modulated_bwd_kernel(x_ptr, dy_ptr, scale_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr, L, C, n_rblocks, P,
+                             xs_b, xs_l, gs_b, gs_l, sc_b, sc_c,
+                             NEED_X: tl.constexpr, NEED_MOD: tl.constexpr, CD: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    p = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    cm = cols < C
+    s = 1.0 + tl.load(scale_ptr + b * sc_b + cols * sc_c, mask=cm, other=0.0).to(CD)
+    acc_shift = tl.zeros((BLOCK_D,), CD)
+    acc_scale = tl.zeros((BLOCK_D,), CD)
+    for rb in range(p, n_rblocks, P):
+        rows = tl.arange(0, BLOCK_M).to(tl.int64) + rb * BLOCK_M
+        rm = rows < L
+        m = rm[:, None] & cm[None, :]
+        x = tl.load(x_ptr + b * xs_b + (rows * xs_l)[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
+        dy = tl.load(dy_ptr + b * gs_b + (rows * gs_l)[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
+        mean = tl.load(mean_ptr + b * L + rows, mask=rm, other=0.0)
+        rstd = tl.load(rstd_ptr + b * L + rows, mask=rm, other=0.0)
+        xhat = tl.where(m, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if NEED_X:
+            dxhat = dy * s[None, :]
+            k1 = tl.sum(dxhat, axis=1) / C
+            k2 = tl.sum(dxhat * xhat, axis=1) / C
+            dx = rstd[:, None] * (dxhat - k1[:, None] - xhat * k2[:, None])
+            tl.store(dx_ptr + ((b * L + rows) * C)[:, None] + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=m)
+        if NEED_MOD:
+            acc_shift += tl.sum(dy, axis=0)
+            acc_scale += tl.sum(dy * xhat, axis=0)
+    if NEED_MOD:
+        part = part_ptr + (b * P + p) * 2 * C + cols
+        tl.store(part, acc_shift, mask=cm)
+        tl.store(part + C, acc_scale, mask=cm)
+
+
+def layer_norm_modulated_fwd(y, x, shift, scale, eps):
+    """``y`` (dense (B, L, C)) = LayerNorm(x) * (1 + scale[:, None]) + shift[:, None] for ``x``
+    (B, L, C) with a unit column stride and ``shift``, ``scale`` (B, C) with any strides. One launch.
+    Returns (mean, rstd), each (B * L,) in fp32 (fp64 for fp64 inputs)."""
+    B, L, C = x.shape
+    stat_dtype = accumulation_dtype(x.dtype)
+    mean, rstd = runtime.empty((B * L,), stat_dtype), runtime.empty((B * L,), stat_dtype)
+    if B * L * C == 0:
+        return mean, rstd
+    cfg = _ln_default(L, C, False)
+    launch(_ln_modulated_fwd_kernel, (cdiv(L, cfg["BLOCK_M"]), B), x, shift, scale, y, mean, rstd, L, C,
+           x.stride(0), x.stride(1), *shift.stride(), *scale.stride(), float(eps),
+           CD=_cd(x.dtype), BLOCK_D=row_block(C), **cfg)
+    return mean, rstd
+
+
+def layer_norm_modulated_bwd(dx, dmod, dy, x, scale, mean, rstd):
+    """The backward of ``layer_norm_modulated_fwd``: ``dx`` (dense (B, L, C)) and ``dmod`` ((B, 2, C):
+    dshift, then dscale, per batch), either None when not wanted, from ``dy`` (B, L, C) (unit
+    column stride). One launch, plus one reduction when ``dmod`` is wanted."""
+    B, L, C = x.shape
+    if B * L * C == 0:
+        if dmod is not None:
+            fill_(dmod, 0.0)
+        return
+    cfg = _ln_default(L, C, True)
+    n_rblocks = cdiv(L, cfg["BLOCK_M"])
+    P = max(1, min(cdiv(cfg["PROGRAMS"], B), n_rblocks))
+    part = runtime.empty((B, P, 2, C), accumulation_dtype(x.dtype)) if dmod is not None else None
+    launch(_ln_modulated_bwd_kernel, (P, B), x, dy, scale, mean, rstd, dx if dx is not None else x,
+           part if part is not None else mean, L, C, n_rblocks, P, x.stride(0), x.stride(1), dy.stride(0),
+           dy.stride(1), *scale.stride(), NEED_X=dx is not None, NEED_MOD=dmod is not None, CD=_cd(x.dtype),
+           BLOCK_M=cfg["BLOCK_M"], BLOCK_D=row_block(C), num_warps=cfg["num_warps"])
+    if dmod is not None:
+        reduce_(dmod, part, B, P, 2 * C, (P * 2 * C, 2 * C, 1), SUM)

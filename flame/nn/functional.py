@@ -6,7 +6,8 @@ from ..ops.elementwise import geglu, gelu, relu, sigmoid, silu, tanh  # noqa: F4
 from ..ops.index import embedding, gather, index_select  # noqa: F401
 from ..ops.loss import cross_entropy, huber_loss, l1_loss, mse_loss, smooth_l1_loss  # noqa: F401
 from ..ops.matmul import linear, lora_linear, matmul  # noqa: F401
-from ..ops.norm import group_norm, layer_norm, rms_norm  # noqa: F401
+from ..ops.norm import group_norm, layer_norm, layer_norm_modulated, rms_norm  # noqa: F401
 from ..ops.pool import avg_pool2d, interpolate, max_pool2d  # noqa: F401
+from ..ops.rope import qk_norm_rope  # noqa: F401
 from ..ops.shape import pad  # noqa: F401
 from ..ops.softmax import log_softmax, softmax  # noqa: F401

@@ -265,6 +265,35 @@ maximum = _extremum("maximum", K.MAXIMUM, K.MAXIMUM_BWD)
 minimum = _extremum("minimum", K.MINIMUM, K.MINIMUM_BWD)
 
 
+# y = x + value * t1 * t2:  dx = g,  dt1 = value * g * t2,  dt2 = value * g * t1 (maps of the
+# broadcast shape; the engine sums each down to its input's shape, e.g. a gate's (B, 1, C))
+def _addcmul_backward(node, g):
+    t1, t2 = node.saved
+    value = node.attrs["value"]
+    need_x, need_1, need_2 = node.needs_input_grad
+    return (g if need_x else None,
+            map_op(K.SCALE_MUL, (g, t2), g.dtype, value) if need_1 else None,
+            map_op(K.SCALE_MUL, (g, t1), g.dtype, value) if need_2 else None)
+
+
+def addcmul(x, tensor1, tensor2, value=1.0):
+    """``x + value * tensor1 * tensor2`` with broadcasting (``torch.addcmul``), one map forward: a
+    gated residual ``x + gate[:, None, :] * y`` is ``addcmul(x, gate[:, None, :], y)``."""
+    for t, name in ((x, "input"), (tensor1, "tensor1"), (tensor2, "tensor2")):
+        check_tensor(t, name, "addcmul")
+    if not is_scalar(value):
+        raise argument_error(value, "value", "addcmul", "a number")
+    dtype = result_type(x, tensor1, tensor2)
+    if not dtype.is_floating_point and not float(value).is_integer():
+        raise TypeError(f"addcmul: for integral inputs ({dtype}) value must be an integer, got {value!r}")
+    out = map_op(K.ADDCMUL, (x, tensor1, tensor2), dtype, _scalar_for(value, dtype))
+    need_1, need_2 = needs_grad(tensor1), needs_grad(tensor2)
+    if need_1 or need_2 or needs_grad(x):
+        record(out, (x, tensor1, tensor2), _addcmul_backward, saved=(tensor1 if need_2 else None,
+                                                                    tensor2 if need_1 else None), value=float(value))
+    return out
+
+
 # ---- comparisons (no gradient) -----------------------------------------------------------------
 
 _MIRROR = {K.EQ: K.EQ, K.NE: K.NE, K.LT: K.GT, K.GT: K.LT, K.LE: K.GE, K.GE: K.LE}

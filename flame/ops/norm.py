@@ -1,5 +1,7 @@
 """Normalisation ops: ``group_norm`` (optionally with a fused SiLU), ``layer_norm`` and
-``rms_norm``, with PyTorch's argument order; each forward sits beside its backward rule.
+``rms_norm``, with PyTorch's argument order, and ``layer_norm_modulated`` (LayerNorm without
+affine, then a per-sample scale and shift: Flux's AdaLayerNormZero); each forward sits beside its
+backward rule.
 
 GroupNorm reads NCHW and channels-last inputs in place and writes its output in the same memory
 format; statistics (mean, rstd) are saved in fp32 (fp64 for fp64 inputs). Weight and bias
@@ -278,3 +280,56 @@ def rms_norm(x, normalized_shape, weight=None, eps=None):
     """RMSNorm over the trailing ``normalized_shape`` dims: x / sqrt(mean(x^2) + eps) * weight;
     ``eps=None`` uses the input dtype's machine epsilon, as ``torch.nn.functional.rms_norm``."""
     return _norm_common(x, normalized_shape, weight, None, eps, True, "rms_norm")
+
+
+# ---- layer_norm_modulated -----------------------------------------------------------------------
+
+# y = xhat * (1 + scale[b]) + shift[b], xhat = (x - mean) * rstd over each row of C:
+#   dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) with dxhat = dy * (1 + scale[b]),
+#   dshift[b] = sum_l dy, dscale[b] = sum_l dy * xhat (fp32 partials, reduced in a fixed order);
+# both come from one (B, 2, C) buffer (kernels/norms.py: layer_norm_modulated_bwd).
+def _layer_norm_modulated_backward(node, g):
+    x, scale, mean, rstd = node.saved
+    need_x, need_shift, need_scale = node.needs_input_grad
+    gb = g._data if g._data.stride(-1) == 1 else _dense(g._data)
+    dx = runtime.empty(tuple(x.shape), x.dtype) if need_x else None
+    dmod = runtime.empty((x.shape[0], 2, x.shape[2]), node.attrs["mod_dtype"]) if need_shift or need_scale else None
+    K.layer_norm_modulated_bwd(dx, dmod, gb, x, scale, mean, rstd)
+    return (Tensor(dx) if need_x else None, Tensor(dmod[:, 0]) if need_shift else None,
+            Tensor(dmod[:, 1]) if need_scale else None)
+
+
+def layer_norm_modulated(x, shift, scale, eps=1e-6):
+    """``LayerNorm(x) * (1 + scale[:, None, :]) + shift[:, None, :]`` without affine parameters
+    (AdaLayerNormZero's and AdaLayerNormContinuous's normalisation): ``x`` (B, L, C) with any
+    batch and row strides and a contiguous last dim, ``shift`` and ``scale`` (B, C) with any
+    strides (columns of a modulation output, read in place), C up to 8192. Statistics in fp32,
+    output dense (B, L, C) in x's dtype; one launch forward, backward one plus one reduction for
+    the modulation's gradients."""
+    op = "layer_norm_modulated"
+    _check_input(x, op)
+    if x.ndim != 3:
+        raise ValueError(f"{op}: expected an input of shape (B, L, C), got shape {x.shape}")
+    B, L, C = x.shape
+    if C > 1 and x.stride(2) != 1:
+        raise ValueError(f"{op}: the last dim of the input must be contiguous (stride 1), got strides {x.stride()}")
+    if C > K.MAX_MODULATED_C:
+        raise ValueError(f"{op}: rows of up to {K.MAX_MODULATED_C} channels are supported, got C = {C}")
+    for name, t in (("shift", shift), ("scale", scale)):
+        check_tensor(t, name, op)
+        if tuple(t.shape) != (B, C):
+            raise ValueError(f"{op}: expected {name} of shape (B, C) = ({B}, {C}) for input of shape {x.shape}, "
+                             f"got {name} of shape {t.shape}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{op}: {name} must be floating point, got dtype {t.dtype}")
+        if t.device != x.device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but the input is on {x.device}")
+    if shift.dtype != scale.dtype:
+        raise TypeError(f"{op}: shift and scale must have one dtype, got {shift.dtype} and {scale.dtype}")
+    eps = _check_eps(eps, op)
+    y = Tensor(runtime.empty((B, L, C), x.dtype))
+    mean, rstd = K.layer_norm_modulated_fwd(y._data, x._data, shift._data, scale._data, eps)
+    if needs_grad(x, shift, scale):
+        record(y, (x, shift, scale), _layer_norm_modulated_backward, saved=(x._data, scale._data, mean, rstd),
+               mod_dtype=shift.dtype)
+    return y
