@@ -19,7 +19,7 @@ from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import rope as K
 from ..tensor import Tensor
-from ._util import argument_error, check_tensor
+from ._util import check_tensor
 
 _OP = "qk_norm_rope"
 
@@ -33,10 +33,14 @@ def _dense(t):
     return KE.copy_(out, buf)
 
 
+def _kind(v):
+    """What an argument is, for errors: its type, and its length if it is a list or tuple."""
+    return type(v).__name__ + (f" of {len(v)}" if isinstance(v, (list, tuple)) else "")
+
+
 def _check_streams(qkvs):
     if not isinstance(qkvs, (list, tuple)) or not 1 <= len(qkvs) <= 2:
-        raise TypeError(f"{_OP}: qkvs must be a list of 1 or 2 flame Tensors (B, L_i, W_i), got "
-                        f"{type(qkvs).__name__}{'' if not isinstance(qkvs, (list, tuple)) else f' of {len(qkvs)}'}")
+        raise TypeError(f"{_OP}: qkvs must be a list of 1 or 2 flame Tensors (B, L_i, W_i), got {_kind(qkvs)}")
     for i, x in enumerate(qkvs):
         check_tensor(x, f"qkvs[{i}]", _OP)
         if x.ndim != 3:
@@ -63,7 +67,7 @@ def _check_weights(norm_weights, qkvs):
     if not isinstance(norm_weights, (list, tuple)) or len(norm_weights) != n or not all(
             isinstance(p, (list, tuple)) and len(p) == 2 for p in norm_weights):
         raise TypeError(f"{_OP}: norm_weights must be a list of {n} (q_weight, k_weight) pairs, one per stream, "
-                        f"got {norm_weights!r}")
+                        f"got {_kind(norm_weights)}")
     first = None
     for i, pair in enumerate(norm_weights):
         for name, w in zip(("q_weight", "k_weight"), pair):
