@@ -284,6 +284,57 @@ def test_geglu_gradcheck_and_errors():
         flame.nn.functional.geglu(flame.arange(6))
 
 
+# ---- addcmul -------------------------------------------------------------------------------------
+
+ADDCMUL_SHAPES = [((2, 5, 6), (2, 1, 6), (2, 5, 6)),  # the gated residual x + gate[:, None] * y
+                  ((6,), (4, 1, 1), (5, 1)),  # every operand broadcast
+                  ((3, 4), (3, 4), (3, 4))]
+
+
+@pytest.mark.parametrize("shapes", ADDCMUL_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("value", [1.0, -0.5])
+def test_addcmul(shapes, dtype, value):
+    inputs = [pair(shape, dtype, requires_grad=True) for shape in shapes]
+    check_op(lambda x, a, b: flame.addcmul(x, a, b, value=value), lambda x, a, b: torch.addcmul(x, a, b, value=value),
+             inputs, lowp=(2, 3))
+
+
+def test_addcmul_one_launch_gradients_only_where_needed_and_gradcheck():
+    import flame.kernels.launch as L
+    x, gate, y = (flame.randn(*s, dtype=flame.float64) for s in ((2, 2, 3), (2, 1, 3), (2, 2, 3)))
+    gate.requires_grad_()
+    before = L.launches
+    out = flame.addcmul(x, gate, y, value=0.5)
+    assert L.launches - before == 1
+    grads = out.backward(flame.ones(2, 2, 3, dtype=flame.float64))
+    assert list(grads.by_id) == [gate.id]  # no gradient for x and y, nor a map for y's
+    assert_close(grads[gate], 0.5 * y.to_torch().sum(1, keepdim=True))
+    for t in (x, y):
+        t.requires_grad_()
+    assert gradcheck(lambda x, g, y: flame.addcmul(x, g, y, value=0.5), [x, gate, y])
+
+
+def test_addcmul_integers_and_bad_inputs():
+    a, at = pair((3, 4), torch.int64)
+    b, bt = pair((4,), torch.int64)
+    assert_close(flame.addcmul(a, b, a, value=3), torch.addcmul(at, bt, at, value=3))
+    with pytest.raises(TypeError, match="integer"):
+        flame.addcmul(a, b, a, value=0.5)
+    with pytest.raises(TypeError, match="from_torch"):
+        flame.addcmul(flame.ones(3), at, flame.ones(3))
+    with pytest.raises(TypeError, match="value must be a number"):
+        flame.addcmul(a, a, a, value=flame.ones(1))
+    with pytest.raises(ValueError, match="broadcast"):
+        flame.addcmul(flame.ones(3), flame.ones(4), flame.ones(3))
+
+
+@pytest.mark.gpu
+def test_addcmul_bf16_flux_gated_residual():
+    inputs = [pair(s, torch.bfloat16, requires_grad=True) for s in ((1, 4608, 3072), (1, 1, 3072), (1, 4608, 3072))]
+    check_op(flame.addcmul, torch.addcmul, inputs, lowp=(2, 3))
+
+
 # ---- output layout: elementwise results follow the first full-shape operand's layout -------------
 
 def test_elementwise_output_keeps_channels_last_and_runs_contiguous(monkeypatch):

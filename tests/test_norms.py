@@ -386,3 +386,115 @@ def test_partial_requires_grad(which):
         t_fn(*leaves).backward(gg)
         assert_close(grads[fl[want]], leaves[want].grad, atol=1e-4, rtol=1e-4)
         assert len(grads) == 1
+
+
+# ---- layer_norm_modulated (AdaLayerNormZero) ------------------------------------------------------
+
+def _mod_fns(C):
+    """(flame, torch) functions of (x, emb): shift and scale are the first and third C-column
+    slices of the (B, 6C) modulation output ``emb``, read in place."""
+    def flame_fn(x, emb):
+        return F.layer_norm_modulated(x, emb[:, :C], emb[:, 2 * C:3 * C])
+
+    def torch_fn(x, emb):
+        return TF.layer_norm(x, (C,), eps=1e-6) * (1 + emb[:, None, 2 * C:3 * C]) + emb[:, None, :C]
+
+    return flame_fn, torch_fn
+
+
+def _mod_inputs(B, L, C, dtype, strided=False):
+    """x (B, L, C) (``strided``: a slice of wider rows of a (L + 2, B, C + 3) buffer, transposed:
+    batch and row strides of its own), the modulation output (B, 6C) and the output's gradient."""
+    if strided:
+        x = torch.randn(L + 2, B, C + 3, dtype=torch.float64).to(dtype).to(DEVICE).transpose(0, 1)[:, 1:L + 1, 2:C + 2]
+    else:
+        x = torch.randn(B, L, C, dtype=torch.float64).to(dtype).to(DEVICE)
+    emb = (0.5 * torch.randn(B, 6 * C, dtype=torch.float64)).to(dtype).to(DEVICE)
+    return x, emb, torch.randn(B, L, C, dtype=torch.float64).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7), (1, 3, 32), (3, 1, 6)], ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_layer_norm_modulated(shape, dtype):
+    x, emb, g = _mod_inputs(*shape, dtype)
+    _check(*_mod_fns(shape[2]), [x, emb], g)
+
+
+def test_layer_norm_modulated_reads_strided_input_in_place_and_several_programs(monkeypatch):
+    """x with batch and row strides of its own (read in place); blocks of 2 rows, the backward's 3
+    programs per batch each summing several row blocks into the modulation's partials."""
+    x, emb, g = _mod_inputs(2, 11, 5, torch.float32, strided=True)
+    fx = flame.from_torch(x, requires_grad=True)
+    assert fx.stride() == x.stride()
+    real = flame.kernels.norms._ln_default
+    monkeypatch.setattr(flame.kernels.norms, "_ln_default", lambda M, D, bwd: dict(
+        real(M, D, bwd), BLOCK_M=2, **({"PROGRAMS": 6} if bwd else {})))
+    _check(*_mod_fns(5), [(fx, x.detach().clone().requires_grad_()), emb], g)
+
+
+def test_layer_norm_modulated_one_launch_forward_and_gradcheck():
+    x, emb, _ = _mod_inputs(2, 3, 4, torch.float64)
+    fx, femb = _f(x, True), _f(emb, True)
+    shift, scale = femb[:, :4], femb[:, 8:12]
+    before = flame.kernels.launch.launches
+    F.layer_norm_modulated(fx, shift, scale)
+    assert flame.kernels.launch.launches - before == 1
+    assert gradcheck(lambda x, emb: _mod_fns(4)[0](x, emb), [fx, femb])
+    assert gradcheck(lambda x, s, c: F.layer_norm_modulated(x, s, c, eps=0.1), [fx, _f(emb[:, :4], True),
+                                                                              _f(emb[:, 4:8], True)])
+
+
+@pytest.mark.parametrize("which", ["x", "shift", "scale"])
+def test_layer_norm_modulated_partial_requires_grad(which):
+    x, emb, g = _mod_inputs(2, 4, 6, torch.float32)
+    args = [x, emb[:, :6], emb[:, 6:12]]
+    want = ["x", "shift", "scale"].index(which)
+    fl = [_f(t, i == want) for i, t in enumerate(args)]
+    grads = F.layer_norm_modulated(*fl).backward(_f(g))
+    leaves = [t.detach().clone().requires_grad_(True) for t in args]
+    (TF.layer_norm(leaves[0], (6,), eps=1e-6) * (1 + leaves[2][:, None]) + leaves[1][:, None]).backward(g)
+    assert_close(grads[fl[want]], leaves[want].grad, atol=1e-4, rtol=1e-4)
+    assert len(grads) == 1
+
+
+def test_layer_norm_modulated_empty():
+    x = _f(torch.randn(2, 0, 4), True)
+    s, c = _f(torch.randn(2, 4), True), _f(torch.randn(2, 4), True)
+    y = F.layer_norm_modulated(x, s, c)
+    assert y.shape == (2, 0, 4)
+    grads = y.sum().backward()
+    assert_close(grads[s], torch.zeros(2, 4))
+    assert_close(grads[c], torch.zeros(2, 4))
+
+
+def test_layer_norm_modulated_bad_inputs():
+    x, s = _f(torch.randn(2, 3, 4)), _f(torch.randn(2, 4))
+    wide, wide_mod = _f(torch.randn(1, 1, 8193)), _f(torch.randn(1, 8193))
+    bad = [
+        (ValueError, r"\(B, L, C\)", lambda: F.layer_norm_modulated(_f(torch.randn(3, 4)), s, s)),
+        (ValueError, "contiguous", lambda: F.layer_norm_modulated(_f(torch.randn(2, 4, 3)).transpose(1, 2), s, s)),
+        (ValueError, "shift of shape", lambda: F.layer_norm_modulated(x, _f(torch.randn(1, 4)), s)),
+        (ValueError, "scale of shape", lambda: F.layer_norm_modulated(x, s, _f(torch.randn(2, 3)))),
+        (TypeError, "one dtype", lambda: F.layer_norm_modulated(x, s, _f(torch.randn(2, 4, dtype=torch.float64)))),
+        (TypeError, "floating", lambda: F.layer_norm_modulated(x, _f(torch.ones(2, 4, dtype=torch.int32)), s)),
+        (TypeError, "from_torch", lambda: F.layer_norm_modulated(x, torch.randn(2, 4), s)),
+        (ValueError, "8192", lambda: F.layer_norm_modulated(wide, wide_mod, wide_mod)),
+        (ValueError, "eps", lambda: F.layer_norm_modulated(x, s, s, eps=float("inf"))),
+    ]
+    before = flame.kernels.launch.launches
+    for exc, match, call in bad:
+        with pytest.raises(exc, match=match):
+            call()
+    assert flame.kernels.launch.launches == before
+
+
+@pytest.mark.gpu
+def test_layer_norm_modulated_flux_bf16():
+    # Flux.1's image stream at 1024x1024 (4096 tokens) and both streams of a single block (4608)
+    for L in (4096, 4608):
+        x, emb, g = _mod_inputs(1, L, 3072, torch.bfloat16)
+        _check(*_mod_fns(3072), [x, emb], g)
+    x, emb, g = _mod_inputs(2, 4096, 3072, torch.bfloat16)
+    runs = [run_op(*_mod_fns(3072), [x, emb], g).grads for _ in range(2)]
+    for a, c in zip(*runs):
+        assert torch.equal(a.to_torch(), c.to_torch())
