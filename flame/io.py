@@ -169,20 +169,15 @@ def save_lora(model, path, format: str = "peft", prefix: str = "unet", dtype=Non
     rank/alpha patterns for layers that differ); kohya files carry a ``.alpha`` tensor per layer.
     ``dtype``: the weights' dtype in the file (default: as trained, fp32; ``.alpha`` stays fp32);
     ``metadata``: more {str: str} entries for the file's metadata (e.g. training settings)."""
-    from .nn.lora import lora_modules, lora_state_dict
-    mods = lora_modules(model)
-    if not mods:
+    from .nn.lora import lora_modules, lora_state_dict, peft_config
+    if not lora_modules(model):
         raise ValueError("save_lora: the model has no LoRA layers (inject_lora first)")
     sd = lora_state_dict(model, format=format, prefix=prefix)
     if dtype is not None:
         sd = {k: v if k.endswith(".alpha") else to(v, dtype) for k, v in sd.items()}
     meta = {**(metadata or {}), "format": "pt"}
     if format == "peft":
-        r0, a0 = mods[0][1].rank, mods[0][1].alpha
-        cfg = {"r": r0, "lora_alpha": a0, "target_modules": sorted({n for n, _ in mods}),
-               "rank_pattern": {n: m.rank for n, m in mods if m.rank != r0},
-               "alpha_pattern": {n: m.alpha for n, m in mods if m.alpha != a0},
-               "init_lora_weights": True, "use_dora": any(m.dora for _, m in mods), "lora_bias": False}
+        cfg = peft_config(model)
         if prefix:
             cfg = {f"{prefix}.{k}": v for k, v in cfg.items()}
         meta[METADATA_KEY] = json.dumps(cfg, indent=2, sort_keys=True)
@@ -222,9 +217,16 @@ def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bo
             raise ValueError(f"load_lora: {path}: {e}") from None
         alpha = None
         found = _peft_alpha(meta, prefix, path) if fmt == "peft" else None
-        if found is not None:
+        if found is not None:  # by the file's module names (without the prefix), as its metadata has them
             default, pattern = found
-            alpha = {n: float(pattern.get(n, default)) for n, _ in model.named_modules()}
+            names = {k[:-len(".lora_A.weight")] for k in specs if k.endswith(".lora_A.weight")}
+            for lead in (f"{prefix}." if prefix else None, "base_model.model."):
+                names = {n[len(lead):] if lead and n.startswith(lead) else n for n in names}
+            alpha = {n: float(pattern.get(n, default)) for n in names}
+
+        def read(k):
+            return _to_device(f.get_tensor(k))._data
+
         steps = plan_lora_load(model, specs, lambda k: f.get_tensor(k).item(),  # a host value
-                               alpha=alpha, prefix=prefix, inject=inject, strict=strict)
-        return apply_lora_load(model, steps, lambda k: _to_device(f.get_tensor(k))._data)
+                               alpha=alpha, prefix=prefix, inject=inject, strict=strict, read=read)
+        return apply_lora_load(model, steps, read)

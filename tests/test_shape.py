@@ -117,3 +117,35 @@ def test_empty_shape_ops():
     y = flame.cat([x, x], 0).reshape(-1, 3).t()
     assert y.shape == (3, 0)
     assert flame.pad(x, (1, 1)).shape == (0, 5)
+
+
+def test_block_diagonal_and_diagonal_blocks():
+    """block_diagonal puts each row block of x (N, r) in its own r columns, zeros elsewhere (as
+    torch.block_diag of the blocks); diagonal_blocks reads them back, from strided input too; each
+    is the other's adjoint (float64 gradcheck, through the other's backward too)."""
+    from flame.ops.shape import block_diagonal, diagonal_blocks
+    sizes = (3, 1, 4)
+    x, xt = pair((8, 2))
+    y = block_diagonal(x, sizes)
+    assert_close(y, torch.block_diag(xt[:3], xt[3:4], xt[4:]), rtol=0, atol=0)
+    wide = flame.randn(6, 8).t()  # (8, 6), strided
+    blocks = diagonal_blocks(wide, sizes)
+    wt = wide.to_torch()
+    assert_close(blocks, torch.cat([wt[:3, 0:2], wt[3:4, 2:4], wt[4:, 4:6]]), rtol=0, atol=0)
+    assert_close(diagonal_blocks(y, list(sizes)), xt, rtol=0, atol=0)
+    rng = np.random.default_rng(3)
+    a = flame.tensor(rng.standard_normal((8, 2)), requires_grad=True)
+    assert gradcheck(lambda t: block_diagonal(t, sizes) * 1.0, [a])
+    assert gradcheck(lambda t: diagonal_blocks(block_diagonal(t, sizes) * 2.0, sizes), [a])
+    b = flame.tensor(rng.standard_normal((8, 6)), requires_grad=True)
+    assert gradcheck(lambda t: diagonal_blocks(t, sizes) * 1.0, [b])
+    with pytest.raises(ValueError, match=r"block_diagonal: sizes \(3, 4\) must sum to the 8 rows"):
+        block_diagonal(x, (3, 4))
+    with pytest.raises(ValueError, match="sequence of positive ints"):
+        block_diagonal(x, (8, 0))
+    with pytest.raises(ValueError, match="not 3 blocks of equal width"):
+        diagonal_blocks(flame.randn(8, 7), sizes)
+    with pytest.raises(TypeError, match="block_diagonal: input must be a floating-point"):
+        block_diagonal(flame.zeros(8, 2, dtype=flame.int64), sizes)
+    with pytest.raises(TypeError, match="block_diagonal: input must be a flame Tensor"):
+        block_diagonal(xt, sizes)

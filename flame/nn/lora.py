@@ -45,7 +45,9 @@ with a magnitude in the file is DoRA, one without plain LoRA.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import numbers
 import re
 
 import torch
@@ -57,8 +59,12 @@ from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
 from ..ops.conv import conv2d
 from ..ops.dropout import dropout as _dropout
+from ..ops.elementwise import abs as abs_
+from ..ops.elementwise import sub
 from ..ops.elementwise import to as _to
 from ..ops.matmul import linear, lora_linear
+from ..ops.reduce import amax
+from ..ops.shape import block_diagonal, diagonal_blocks
 from ..tensor import Tensor
 from . import init
 from .layers import Conv2d, Linear
@@ -80,7 +86,7 @@ class _LoRALayer(Module):
     base layer), rank/alpha/dropout, the fp32 adapters ``lora_A``/``lora_B`` (and DoRA's
     ``lora_magnitude``), init, the DoRA forward and merge."""
 
-    def _wrap(self, base, rank, alpha, init_mode, dropout, a_shape, b_shape, dora=False):
+    def _wrap(self, base, rank, alpha, init_mode, dropout, a_shape, b_shape, dora=False, adapters=1):
         rank = int(rank)
         if rank <= 0:
             raise ValueError(f"LoRA rank must be positive, got {rank}")
@@ -103,7 +109,7 @@ class _LoRALayer(Module):
         self.dora = bool(dora)
         self._merged_norm = None  # DoRA: the row norms a merge divided by, which unmerge needs
         f32 = torch.float32
-        self.lora_A = Parameter(Tensor(runtime.empty((rank, *a_shape), f32)))
+        self.lora_A = Parameter(Tensor(runtime.empty((adapters * rank, *a_shape), f32)))
         self.lora_B = Parameter(Tensor(runtime.empty((b_shape[0], rank, *b_shape[1:]), f32)))
         if self.dora:
             self.lora_magnitude = Parameter(Tensor(runtime.empty((b_shape[0],), f32)))
@@ -175,15 +181,20 @@ class _LoRALayer(Module):
         """``||W + strength * scale * B A||`` per output channel (fp32, (out,); into ``out`` if given),
         in one launch without forming the sum."""
         norm = runtime.empty((self.weight.shape[0],), torch.float32) if out is None else out
-        return KD.adapted_norms_(norm, self.weight._data, self.lora_A._data, self.lora_B._data, self.scale * strength)
+        return KD.adapted_norms_(norm, self.weight._data, self.lora_A._data, self._up_buffer(), self.scale * strength)
+
+    def _up_buffer(self):
+        """The up-projection B as a buffer (fp32): ``lora_B``'s (a LoRALinear of several parts: the
+        block-diagonal matrix of its parts' B)."""
+        return self.lora_B._data
 
     # ---- merge: W += scale * B @ A (fp32 product over the flattened A, one add kernel into W's dtype)
     def _delta(self, strength=1.0, plus_weight=False):
         """``strength * scale * B @ A`` as a new fp32 buffer shaped like W; ``plus_weight``: ``+ W``
         (added in the GEMM's epilogue when W is contiguous: a channels-last conv weight is not a
         strided (out, in * kh * kw) matrix, so it gets an add kernel)."""
-        a = self.lora_A._data.reshape(self.rank, -1)
-        b = self.lora_B._data.reshape(-1, self.rank)
+        a = self.lora_A._data.reshape(self.lora_A.shape[0], -1)
+        b = self._up_buffer().reshape(-1, a.shape[0])
         w = self.weight._data
         prod = runtime.empty((b.shape[0], a.shape[1]), torch.float32)
         fused = plus_weight and w.is_contiguous()
@@ -270,7 +281,14 @@ class _LoRALayer(Module):
 class LoRALinear(_LoRALayer):
     """``y = x W^T + b + scale * (dropout(x) A^T) B^T`` with ``scale = alpha / rank``; W, b frozen.
     ``dora``: DoRA, ``y = c * (x W^T + scale * (x A^T) B^T) + b`` with ``c = m / ||W + scale B A||``
-    (rows; see the module docstring)."""
+    (rows; see the module docstring).
+
+    A base layer with ``parts`` (output sizes in row order: a fused projection such as Flux's QKV)
+    gets one rank-``rank`` adapter per part, as PEFT gives each of the separate layers the fused
+    one stands for: ``lora_A`` (P * rank, in) holds the parts' A one after another, ``lora_B``
+    (out, rank) their B, part p's rows of B using A's rows p * rank to (p + 1) * rank. The layer
+    runs as one adapter of rank P * rank whose up-projection is the block-diagonal matrix of the
+    parts' B (``ops.shape.block_diagonal``, one launch per forward; its backward one gather)."""
 
     def __init__(self, base: Linear, rank: int, alpha: float | None = None, init_mode: str = "kaiming",
                  dropout: float = 0.0, dora: bool = False):
@@ -278,7 +296,9 @@ class LoRALinear(_LoRALayer):
         if not isinstance(base, Linear):
             raise TypeError(f"LoRALinear wraps a flame.nn.Linear, got {type(base).__name__}")
         self.in_features, self.out_features = base.in_features, base.out_features
-        self._wrap(base, rank, alpha, init_mode, dropout, (self.in_features,), (self.out_features,), dora)
+        self.parts = layer_parts(base)
+        self._wrap(base, rank, alpha, init_mode, dropout, (self.in_features,), (self.out_features,), dora,
+                   adapters=len(self.parts or (1,)))
 
     def _check(self, x):
         if x.ndim == 0 or x.shape[-1] != self.in_features:
@@ -288,9 +308,18 @@ class LoRALinear(_LoRALayer):
         self._check(x)
         return linear(x, self.weight, self.bias if bias else None)
 
+    def _up_weight(self):
+        """B as the graph sees it: ``lora_B``, or the block-diagonal matrix of the parts' B."""
+        return self.lora_B if self.parts is None else block_diagonal(self.lora_B, self.parts)
+
+    def _up_buffer(self):
+        if self.parts is None:
+            return self.lora_B._data
+        return block_diagonal(Tensor(self.lora_B._data), self.parts)._data
+
     def _adapted(self, h):
         self._check(h)
-        return lora_linear(h, self.weight, None, self.lora_A, self.lora_B, self.scale)
+        return lora_linear(h, self.weight, None, self.lora_A, self._up_weight(), self.scale)
 
     def forward(self, x):
         drop = self.dropout > 0 and self.training
@@ -298,18 +327,33 @@ class LoRALinear(_LoRALayer):
             return super().forward(x)  # DoRA with dropout: composed, as PEFT (see _dora_forward)
         self._check(x)
         h = _dropout(x, self.dropout, True) if drop else None
-        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, lora_input=h,
+        return lora_linear(x, self.weight, self.bias, self.lora_A, self._up_weight(), self.scale, lora_input=h,
                            magnitude=self.lora_magnitude)
 
     def _down(self, h):
         return linear(h, self.lora_A)
 
     def _up(self, h):
-        return linear(h, self.lora_B)
+        return linear(h, self._up_weight())
 
     def extra_repr(self):
+        parts = f"parts={self.parts}, " if self.parts else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                + self._lora_repr())
+                + parts + self._lora_repr())
+
+
+def layer_parts(layer) -> tuple | None:
+    """The output parts of a ``Linear`` (its ``parts`` attribute, set by the model: output sizes in
+    row order summing to ``out_features``) or ``LoRALinear``, None for a layer of one part."""
+    parts = getattr(layer, "parts", None)
+    if parts is None or not isinstance(layer, (Linear, LoRALinear)):
+        return None
+    if isinstance(parts, numbers.Integral) or not all(isinstance(p, numbers.Integral) and p > 0 for p in parts):
+        raise ValueError(f"LoRA: a Linear's parts must be a sequence of positive ints, got {parts!r}")
+    parts = tuple(int(p) for p in parts)
+    if sum(parts) != layer.out_features:
+        raise ValueError(f"LoRA: a Linear's parts {parts} must sum to its out_features={layer.out_features}")
+    return parts if len(parts) > 1 else None
 
 
 class LoRAConv2d(_LoRALayer):
@@ -463,7 +507,13 @@ def lora_parameters(model: Module) -> list:
     return out
 
 
+# kohya's sd-scripts name every denoiser's adapters "lora_unet_...", a DiT's too (whose PEFT/diffusers
+# files use the prefix "transformer"): sd-scripts' networks/lora_flux.py, LORA_PREFIX_FLUX
+_KOHYA_PREFIXES = {"transformer": "unet"}
+
+
 def _kohya_name(path, prefix):
+    prefix = _KOHYA_PREFIXES.get(prefix, prefix)
     return f"lora_{prefix}_{path.replace('.', '_')}" if prefix else f"lora_{path.replace('.', '_')}"
 
 
@@ -473,41 +523,122 @@ def _original_name(model, path):
     return rename(path) if rename is not None else path
 
 
-def _magnitude_shapes(m) -> dict:
-    """{format: the shape DoRA's magnitude has in a file of that format} for layer ``m``: PEFT saves
-    (out,) for a Linear and (1, out, 1, 1) for a Conv2d (its conv norm is taken keepdim, then
-    transposed); LyCORIS's ``dora_scale`` on the output axis is (out, 1) or (out, 1, 1, 1)."""
+def _diffusers_names(model, path, parts):
+    """The PEFT/diffusers module path(s) of layer ``path``: ``model.diffusers_names(path)`` (one per
+    part, or one for the whole layer) when the model defines it, else the path itself."""
+    rename = getattr(model, "diffusers_names", None)
+    if rename is None:
+        return (path,)
+    names = tuple(rename(path))
+    if len(names) not in (1, len(parts or (1,))):
+        raise ValueError(f"{type(model).__name__}.diffusers_names({path!r}) gives {len(names)} names {names}; "
+                         f"the layer has {len(parts or (1,))} part(s)")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class FileAdapter:
+    """One adapter as a LoRA file holds it: ``name`` the module path the file gives it (without the
+    prefix), ``path`` the flame layer it belongs to, ``part`` the layer's part it covers (None: the
+    whole layer) and ``rows`` (start, stop) the layer's output rows it covers."""
+
+    name: str
+    path: str
+    part: int | None
+    rows: tuple
+
+
+def _file_adapters(model, path, layer, fmt) -> list:
+    """The ``FileAdapter``s of ``model``'s layer ``path`` in a file of ``fmt``. PEFT/diffusers: one per
+    part where ``model.diffusers_names`` names each part (the separate layers diffusers has for a
+    fused one), else one under the path (as diffusers, or flame's path); kohya: one for the whole
+    layer under its original name, a fused layer included (as sd-scripts write Flux's QKV)."""
+    n_out = layer.weight.shape[0]
+    parts = layer_parts(layer)
+    if fmt == "kohya":
+        return [FileAdapter(_original_name(model, path), path, None, (0, n_out))]
+    names = _diffusers_names(model, path, parts)
+    if len(names) == 1:
+        return [FileAdapter(names[0], path, None, (0, n_out))]
+    starts = list(itertools.accumulate(parts, initial=0))
+    return [FileAdapter(n, path, p, (starts[p], starts[p + 1])) for p, n in enumerate(names)]
+
+
+def _file_rank_alpha(m, fa):
+    """(rank, alpha) of LoRA layer ``m``'s adapter ``fa`` in the file. A fused layer of P parts
+    written whole is one adapter of rank P * rank with alpha P * alpha, so that alpha / rank (the
+    scale every loader applies) stays the layer's."""
+    n = 1 if fa.part is not None else len(layer_parts(m) or (1,))
+    return n * m.rank, n * m.alpha
+
+
+def _file_tensors(m, fa):
+    """(A, B, DoRA magnitude or None) of LoRA layer ``m``'s adapter ``fa``: views of the parameters
+    (a part's rows of A, B and the magnitude), except a fused layer's B written whole: the new
+    block-diagonal matrix of its parts' B."""
+    mag = m.lora_magnitude._data if m.dora else None
+    if fa.part is None:
+        return m.lora_A._data, m._up_buffer(), mag
+    lo, hi = fa.rows
+    a = m.lora_A._data[fa.part * m.rank:(fa.part + 1) * m.rank]
+    return a, m.lora_B._data[lo:hi], None if mag is None else mag[lo:hi]
+
+
+def _magnitude_shapes(m, n_out=None) -> dict:
+    """{format: the shape DoRA's magnitude has in a file of that format} for layer ``m`` (``n_out``:
+    for a part of that many output rows): PEFT saves (out,) for a Linear and (1, out, 1, 1) for a
+    Conv2d (its conv norm is taken keepdim, then transposed); LyCORIS's ``dora_scale`` on the output
+    axis is (out, 1) or (out, 1, 1, 1)."""
     if isinstance(m, (Conv2d, LoRAConv2d)):
         return {"peft": (1, m.out_channels, 1, 1), "kohya": (m.out_channels, 1, 1, 1)}
-    return {"peft": (m.out_features,), "kohya": (m.out_features, 1)}
+    n_out = m.out_features if n_out is None else n_out
+    return {"peft": (n_out,), "kohya": (n_out, 1)}
 
 
 def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -> dict:  # noqa: A002
     """Adapter tensors by file key name (``format`` "peft" or "kohya"); the values share memory
-    with the parameters except kohya's ``.alpha`` (a new 0-d fp32 tensor). DoRA layers add their
-    magnitude: ``.lora_magnitude_vector`` (PEFT/diffusers) or ``.dora_scale`` (kohya/LyCORIS), in
-    the shapes ``_magnitude_shapes`` gives."""
+    with the parameters except kohya's ``.alpha`` (a new 0-d fp32 tensor) and a fused layer's
+    block-diagonal B. DoRA layers add their magnitude: ``.lora_magnitude_vector`` (PEFT/diffusers)
+    or ``.dora_scale`` (kohya/LyCORIS), in the shapes ``_magnitude_shapes`` gives. Where the adapters
+    go and under which names: ``_file_adapters``."""
     if format not in ("peft", "kohya"):
         raise ValueError(f"lora_state_dict: format must be 'peft' or 'kohya', got {format!r}")
     out = {}
     for path, m in lora_modules(model):
-        a, b = Tensor(m.lora_A._data), Tensor(m.lora_B._data)
-        if format == "peft":
-            key = f"{prefix}.{path}" if prefix else path
-            out[f"{key}.lora_A.weight"] = a
-            out[f"{key}.lora_B.weight"] = b
-            if m.dora:
-                out[f"{key}.lora_magnitude_vector"] = Tensor(m.lora_magnitude._data.view(_magnitude_shapes(m)["peft"]))
-        else:
-            key = _kohya_name(_original_name(model, path), prefix)
-            out[f"{key}.lora_down.weight"] = a
-            out[f"{key}.lora_up.weight"] = b
-            alpha = runtime.empty((), torch.float32)
-            KE.fill_(alpha, m.alpha)
-            out[f"{key}.alpha"] = Tensor(alpha)
-            if m.dora:
-                out[f"{key}.dora_scale"] = Tensor(m.lora_magnitude._data.view(_magnitude_shapes(m)["kohya"]))
+        for fa in _file_adapters(model, path, m, format):
+            a, b, mag = _file_tensors(m, fa)
+            shapes = _magnitude_shapes(m, fa.rows[1] - fa.rows[0])
+            if format == "peft":
+                key = f"{prefix}.{fa.name}" if prefix else fa.name
+                out[f"{key}.lora_A.weight"] = Tensor(a)
+                out[f"{key}.lora_B.weight"] = Tensor(b)
+                if mag is not None:
+                    out[f"{key}.lora_magnitude_vector"] = Tensor(mag.view(shapes["peft"]))
+            else:
+                key = _kohya_name(fa.name, prefix)
+                out[f"{key}.lora_down.weight"] = Tensor(a)
+                out[f"{key}.lora_up.weight"] = Tensor(b)
+                alpha = runtime.empty((), torch.float32)
+                KE.fill_(alpha, _file_rank_alpha(m, fa)[1])
+                out[f"{key}.alpha"] = Tensor(alpha)
+                if mag is not None:
+                    out[f"{key}.dora_scale"] = Tensor(mag.view(shapes["kohya"]))
     return out
+
+
+def peft_config(model: Module) -> dict:
+    """The PEFT ``LoraConfig`` fields of ``model``'s adapters under the module names a PEFT/diffusers
+    file gives them (diffusers' ``lora_adapter_metadata``): r, lora_alpha, target_modules, the rank
+    and alpha patterns of the modules that differ from the first, use_dora."""
+    adapters = [(fa.name, *_file_rank_alpha(m, fa), m.dora) for path, m in lora_modules(model)
+                for fa in _file_adapters(model, path, m, "peft")]
+    if not adapters:
+        raise ValueError("peft_config: the model has no LoRA layers (inject_lora first)")
+    _, r0, a0, _ = adapters[0]
+    return {"r": r0, "lora_alpha": a0, "target_modules": sorted({n for n, *_ in adapters}),
+            "rank_pattern": {n: r for n, r, _, _ in adapters if r != r0},
+            "alpha_pattern": {n: a for n, _, a, _ in adapters if a != a0},
+            "init_lora_weights": True, "use_dora": any(d for *_, d in adapters), "lora_bias": False}
 
 
 def detect_format(keys) -> str:
@@ -520,11 +651,12 @@ def detect_format(keys) -> str:
                      "'.lora_down.weight'/'.lora_up.weight' (kohya) keys")
 
 
-def _adapter_shapes(m, rank):
-    """The (A, B) shapes an adapter of ``rank`` has on layer ``m`` (plain or wrapped)."""
+def _adapter_shapes(m, rank, n_out=None):
+    """The (A, B) shapes an adapter of ``rank`` has on layer ``m`` (plain or wrapped; ``n_out``: on
+    a part of that many output rows)."""
     if isinstance(m, (Conv2d, LoRAConv2d)):
         return (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
-    return (rank, m.in_features), (m.out_features, rank)
+    return (rank, m.in_features), (m.out_features if n_out is None else n_out, rank)
 
 
 _SLOTS = {"peft": ((".lora_A.weight", "A"), (".lora_B.weight", "B"), (".lora_magnitude_vector", "mag")),
@@ -533,53 +665,198 @@ _SLOTS = {"peft": ((".lora_A.weight", "A"), (".lora_B.weight", "B"), (".lora_mag
 
 @dataclasses.dataclass(frozen=True)
 class LoadStep:
-    """One adapter of a checked LoRA load (``plan_lora_load``): the layer's module ``path``, the
-    file keys of its A (down) and B (up) weights, its ``rank`` and ``alpha``, whether an adapter
-    is injected there first (``inject``: the layer is a plain Linear/Conv2d), and the file key of
-    its DoRA magnitude (``m_key``; None: a plain LoRA adapter, or a DoRA one whose magnitude is
-    initialised from the loaded A and B)."""
+    """One layer of a checked LoRA load (``plan_lora_load``): the layer's module ``path``, the
+    ``rank`` and ``alpha`` of its adapter(s), whether an adapter is injected there first (``inject``:
+    the layer is a plain Linear/Conv2d; ``dora``: a DoRA one), and the ``copies`` that fill it, each
+    ``(parameter, file key, rows, region)``: parameter "A", "B" or "mag" (DoRA's magnitude), the
+    destination rows (start, stop) of the parameter (None: all of it) and the source region
+    ((row start, stop), (column start, stop)) of the file tensor (None: all of it). A DoRA adapter
+    without a magnitude copy starts from ``init_magnitude``."""
 
     path: str
-    a_key: str
-    b_key: str
     rank: int
     alpha: float
     inject: bool
-    m_key: str | None = None
+    dora: bool
+    copies: tuple
 
 
 def _lookup(model, fmt, prefix):
-    """{module path as the file spells it: module path} of the layers that can take an adapter."""
+    """{module path as the file spells it: its ``FileAdapter``} for the layers that can take an
+    adapter: PEFT under ``_file_adapters``' names and the flame path (a fused layer's whole adapter),
+    each bare, with ``prefix`` or PEFT's ``base_model.model``; kohya under the original name and the
+    flame path, with the (kohya) prefix or without."""
     lookup = {}
     for name, m in model.named_modules():
-        if (type(m) in _WRAPPERS or isinstance(m, _LoRALayer)) and name:
-            if fmt == "peft":
-                for p in (f"{prefix}.{name}" if prefix else name, name, f"base_model.model.{name}"):
-                    lookup.setdefault(p, name)
-            else:
-                for path in dict.fromkeys((_original_name(model, name), name)):
-                    lookup.setdefault(_kohya_name(path, prefix), name)
-                    lookup.setdefault(_kohya_name(path, ""), name)
+        if not name or not (type(m) in _WRAPPERS or isinstance(m, _LoRALayer)):
+            continue
+        whole = (0, m.weight.shape[0])
+        if fmt == "peft":
+            for fa in [*_file_adapters(model, name, m, "peft"), FileAdapter(name, name, None, whole)]:
+                for spelled in (f"{prefix}.{fa.name}" if prefix else fa.name, fa.name, f"base_model.model.{fa.name}"):
+                    lookup.setdefault(spelled, fa)
+        else:
+            for path in dict.fromkeys((_original_name(model, name), name)):
+                fa = FileAdapter(path, name, None, whole)
+                lookup.setdefault(_kohya_name(path, prefix), fa)
+                lookup.setdefault(_kohya_name(path, ""), fa)
     return lookup
 
 
+def _file_alpha(e, specs, scalar, alpha, fa, rank):
+    """The alpha of a file adapter: its kohya ``.alpha`` tensor, else ``alpha`` (a number, or a dict
+    by the file's module name or the flame path), else its rank."""
+    if "alpha" in e:
+        shape, dt = specs[e["alpha"]]
+        if math.prod(shape) != 1 or dt == torch.bool:
+            raise ValueError(f"load_lora: {e['alpha']} is a {dt} tensor of shape {tuple(shape)}, not one number")
+        return float(scalar(e["alpha"]))
+    if isinstance(alpha, dict):
+        return float(alpha.get(fa.name, alpha.get(fa.path, rank)))
+    return float(rank if alpha is None else alpha)
+
+
+def _check_weights(m, key, e, specs, rank, n_out=None):
+    """A file adapter's A and B: floating-point, of the shapes layer ``m`` (or its part of ``n_out``
+    rows) takes at ``rank``."""
+    (a_shape, a_dtype), (b_shape, b_dtype) = specs[e["A"]], specs[e["B"]]
+    for k, dt in ((e["A"], a_dtype), (e["B"], b_dtype)):
+        if not dt.is_floating_point:
+            raise TypeError(f"load_lora: {k} is {dt}, not a floating-point tensor")
+    a_want, b_want = _adapter_shapes(m, rank, n_out)
+    if rank < 1 or tuple(a_shape) != a_want or tuple(b_shape) != b_want:
+        what = "the layer" if n_out is None else f"its part of {n_out} output rows"
+        raise ValueError(f"load_lora: {key}: A {tuple(a_shape)} and B {tuple(b_shape)} don't fit {what} "
+                         f"(weight {tuple(m.weight.shape)}: expected A {a_want} and B {b_want})")
+
+
+def _check_target(m, path, key, rank, mag, fmt, inject, strict):
+    """Whether layer ``m`` can take an adapter of ``rank`` (per part) from file adapter ``key``
+    (``mag``: its magnitude's key, or None)."""
+    if type(m) in _WRAPPERS:
+        if not inject:
+            raise KeyError(f"load_lora: layer {path!r} has no adapter (inject_lora first, or inject=True)")
+    elif m.rank != rank:
+        raise ValueError(f"load_lora: {key}: rank {rank} in the file, the model's adapter has rank {m.rank}")
+    elif m.merged:
+        raise RuntimeError(f"load_lora: {path} is merged; unmerge_lora first")
+    elif mag is not None and not m.dora:
+        raise ValueError(f"load_lora: {key}: the file has a DoRA magnitude ({mag}), the model's adapter at "
+                         f"{path!r} is plain LoRA (inject_lora(..., dora=True); the trainer's lora.dora)")
+    elif mag is None and m.dora and strict:
+        raise KeyError(f"load_lora: {key}: the model's adapter at {path!r} is DoRA, the file has no magnitude "
+                       "for it (strict)")
+
+
+def _is_block_diagonal(buf, parts) -> bool:
+    """Whether the (out, P * r) matrix ``buf`` is zero outside the diagonal blocks of the row
+    partition ``parts`` (a few launches and one host transfer)."""
+    up = Tensor(buf)
+    rebuilt = block_diagonal(diagonal_blocks(up, parts), parts)
+    return float(amax(abs_(sub(up, rebuilt))).item()) == 0.0
+
+
+def _plan_whole(m, path, key, e, fa, specs, scalar, read, alpha, fmt, inject, strict):
+    """The ``LoadStep`` of one file adapter for the whole layer ``m``. Into a fused layer of P parts:
+    an adapter of rank P * r whose up matrix is block-diagonal (what flame and sd-scripts write)
+    gives part p the rows p * r to (p + 1) * r of the down matrix and the diagonal block p of the up
+    matrix, alpha / P; one of rank r with a shared down matrix (kohya's fused QKV) gives every part
+    that down matrix and its rows of the up matrix, alpha unchanged. Either is exactly the file's
+    delta (alpha / rank) up @ down. A layer with adapters of rank r takes the form its rank says."""
+    (a_shape, _) = specs[e["A"]]
+    rank = a_shape[0] if a_shape else 0
+    _check_weights(m, key, e, specs, rank)
+    al = _file_alpha(e, specs, scalar, alpha, fa, rank)
+    mag = e.get("mag")
+    if mag is not None:
+        _check_magnitude(m, mag, fmt, *specs[mag])
+    parts = layer_parts(m)
+    copies = [("A", e["A"], None, None), ("B", e["B"], None, None)]
+    if parts is not None:
+        n, have = len(parts), None if type(m) in _WRAPPERS else m.rank
+        if have is None:
+            blocks = rank % n == 0 and _is_block_diagonal(read(e["B"]), parts)
+        elif rank == n * have:
+            blocks = True
+            if not _is_block_diagonal(read(e["B"]), parts):
+                raise ValueError(f"load_lora: {key}: its up matrix has non-zero entries outside the diagonal blocks "
+                                 f"of layer {path!r}'s parts {parts}, whose {n} adapters of rank {have} cannot hold "
+                                 "it")
+        elif rank == have:
+            blocks = False
+        else:
+            raise ValueError(f"load_lora: {key}: rank {rank} in the file; layer {path!r} has {n} adapters of rank "
+                             f"{have} (parts {parts}), which take a block-diagonal adapter of rank {n * have} or "
+                             f"one of rank {have} with a shared down matrix")
+        starts = list(itertools.accumulate(parts, initial=0))
+        if blocks:
+            rank, al = rank // n, al / n
+            copies[1:] = [("B", e["B"], (lo, hi), ((lo, hi), (p * rank, (p + 1) * rank)))
+                          for p, (lo, hi) in enumerate(itertools.pairwise(starts))]
+        else:
+            copies[:1] = [("A", e["A"], (p * rank, (p + 1) * rank), None) for p in range(n)]
+    _check_target(m, path, key, rank, mag, fmt, inject, strict)
+    if mag is not None:
+        copies.append(("mag", mag, None, None))
+    return LoadStep(path, rank, al, type(m) in _WRAPPERS, mag is not None, tuple(copies))
+
+
+def _plan_parts(model, m, path, got, specs, scalar, alpha, fmt, inject, strict, prefix):
+    """The ``LoadStep`` of the per-part adapters ``got`` ({part: (file key, slots, FileAdapter)}) of
+    fused layer ``m``: every part present, one rank and one alpha for all, DoRA magnitudes for all or
+    none."""
+    parts = layer_parts(m)
+    if len(got) != len(parts):
+        names = [fa.name for fa in _file_adapters(model, path, m, "peft")]
+        missing = [f"{prefix}.{names[p]}" if prefix else names[p] for p in range(len(parts)) if p not in got]
+        raise KeyError(f"load_lora: layer {path!r} takes one adapter per part ({len(parts)} parts {parts}); the file "
+                       f"lacks {[k + s for k in missing for s in ('.lora_A.weight', '.lora_B.weight')]}")
+    ranks, alphas, copies, mags = set(), set(), [], []
+    for p in range(len(parts)):
+        key, e, fa = got[p]
+        (a_shape, _) = specs[e["A"]]
+        rank = a_shape[0] if a_shape else 0
+        lo, hi = fa.rows
+        _check_weights(m, key, e, specs, rank, hi - lo)
+        ranks.add(rank)
+        alphas.add(_file_alpha(e, specs, scalar, alpha, fa, rank))
+        copies += [("A", e["A"], (p * rank, (p + 1) * rank), None), ("B", e["B"], (lo, hi), None)]
+        if "mag" in e:
+            _check_magnitude(m, e["mag"], fmt, *specs[e["mag"]], hi - lo)
+            copies.append(("mag", e["mag"], (lo, hi), None))
+            mags.append(e["mag"])
+    keys = [got[p][0] for p in range(len(parts))]
+    if len(ranks) > 1 or len(alphas) > 1:
+        raise ValueError(f"load_lora: the adapters {keys} of layer {path!r}'s parts have ranks {sorted(ranks)} and "
+                         f"alphas {sorted(alphas)}: a fused layer's parts take one rank and one alpha")
+    if mags and len(mags) != len(parts):
+        raise ValueError(f"load_lora: only some of the adapters {keys} of layer {path!r}'s parts have a DoRA "
+                         "magnitude")
+    rank = ranks.pop()
+    _check_target(m, path, keys[0], rank, mags[0] if mags else None, fmt, inject, strict)
+    return LoadStep(path, rank, alphas.pop(), type(m) in _WRAPPERS, bool(mags), tuple(copies))
+
+
 def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str = "unet", inject: bool = True,
-                   strict: bool = False) -> list:
+                   strict: bool = False, read=None) -> list:
     """Check a load of adapters (either file format, detected from the key names) into ``model``
-    from their shapes and dtypes alone, before anything is written: returns its ``LoadStep``s for
+    from their shapes and dtypes, before anything is written: returns its ``LoadStep``s for
     ``apply_lora_load``, or raises (KeyError, ValueError, TypeError, RuntimeError) naming what
     does not fit.
 
     ``specs``: {file key: (shape tuple, torch dtype)}; ``scalar(key)``: the value of a one-element
-    tensor (kohya's ``.alpha``). Checked: every adapter's key names a Linear/Conv2d layer of the
-    model (no two adapters the same layer) and has both weights, floating-point, of the shapes
-    the layer takes for their rank; a layer without an adapter needs ``inject``, one with an
-    adapter the same rank and not merged. A DoRA magnitude (``.lora_magnitude_vector`` /
-    ``.dora_scale``) must be floating-point, of the shape ``_magnitude_shapes`` gives for the
-    layer (or (out,)), and goes to a layer that gets a DoRA adapter injected or has one; a DoRA
-    adapter without a magnitude in the file starts from ``init_magnitude`` (not with ``strict``).
-    With ``strict`` every key is a LoRA weight and every adapter layer the model already has gets
-    weights. ``alpha`` as ``load_lora_state_dict`` takes it.
+    tensor (kohya's ``.alpha``); ``read(key)``: a tensor's values as a buffer on flame's device,
+    needed where a file's adapter for a whole fused layer (``parts``) may be block-diagonal
+    (``_plan_whole``), whose up matrix is then checked. Checked: every adapter's key names a
+    Linear/Conv2d layer of the model, or a part of a fused one (``_file_adapters``; no two adapters
+    the same layer or part, a fused layer's parts all present with one rank and alpha) and has both
+    weights, floating-point, of the shapes the layer takes for their rank; a layer without an
+    adapter needs ``inject``, one with an adapter the same rank and not merged. A DoRA magnitude
+    (``.lora_magnitude_vector`` / ``.dora_scale``) must be floating-point, of the shape
+    ``_magnitude_shapes`` gives for the layer (or (out,)), and goes to a layer that gets a DoRA
+    adapter injected or has one; a DoRA adapter without a magnitude in the file starts from
+    ``init_magnitude`` (not with ``strict``). With ``strict`` every key is a LoRA weight and every
+    adapter layer the model already has gets weights. ``alpha`` as ``load_lora_state_dict`` takes it.
     """
     fmt = detect_format(specs)
     entries, stray = {}, []  # module name as written -> {"A", "B", "alpha", "mag": file key}
@@ -597,66 +874,43 @@ def plan_lora_load(model: Module, specs: dict, scalar, alpha=None, prefix: str =
     if unknown:
         raise KeyError(f"load_lora: {len(unknown)} adapter(s) match no Linear or Conv2d layer of the model, "
                        f"e.g. {unknown[:3]}")
-    steps, taken = [], {}  # layer path -> the adapter key naming it
+    layers = {}  # layer path -> {part (None: the whole layer): (adapter key, slots, FileAdapter)}
     for key, e in entries.items():
         if "A" not in e or "B" not in e:
             raise KeyError(f"load_lora: adapter {key!r} lacks its {'A/down' if 'A' not in e else 'B/up'} weight")
-        path = lookup[key]
-        if path in taken:
-            raise ValueError(f"load_lora: adapters {taken[path]!r} and {key!r} both name layer {path!r}")
-        taken[path] = key
-        (a_shape, a_dtype), (b_shape, b_dtype) = specs[e["A"]], specs[e["B"]]
-        for k, dt in ((e["A"], a_dtype), (e["B"], b_dtype)):
-            if not dt.is_floating_point:
-                raise TypeError(f"load_lora: {k} is {dt}, not a floating-point tensor")
+        fa = lookup[key]
+        got = layers.setdefault(fa.path, {})
+        clash = got.get(fa.part) or (next(iter(got.values())) if got and None in (fa.part, *got) else None)
+        if clash is not None:  # the same layer or part twice, or a whole layer and one of its parts
+            raise ValueError(f"load_lora: adapters {clash[0]!r} and {key!r} both name layer {fa.path!r}")
+        got[fa.part] = (key, e, fa)
+    if read is None:
+        def read(k):
+            raise TypeError(f"plan_lora_load: {k} must be read (a fused layer's adapter), pass read=")
+    steps = []
+    for path, got in layers.items():
         m = model.get_submodule(path)
-        rank = a_shape[0] if a_shape else 0
-        a_want, b_want = _adapter_shapes(m, rank)
-        if rank < 1 or tuple(a_shape) != a_want or tuple(b_shape) != b_want:
-            raise ValueError(f"load_lora: {key}: A {tuple(a_shape)} and B {tuple(b_shape)} don't fit the layer "
-                             f"(weight {tuple(m.weight.shape)}: expected A {a_want} and B {b_want})")
-        if "alpha" in e:
-            shape, dt = specs[e["alpha"]]
-            if math.prod(shape) != 1 or dt == torch.bool:
-                raise ValueError(f"load_lora: {e['alpha']} is a {dt} tensor of shape {tuple(shape)}, not one number")
-            al = float(scalar(e["alpha"]))
-        elif isinstance(alpha, dict):
-            al = float(alpha.get(path, rank))
-        elif alpha is not None:
-            al = float(alpha)
+        if None in got:
+            key, e, fa = got[None]
+            steps.append(_plan_whole(m, path, key, e, fa, specs, scalar, read, alpha, fmt, inject, strict))
         else:
-            al = float(rank)
-        mag = e.get("mag")
-        if mag is not None:
-            _check_magnitude(m, mag, fmt, *specs[mag])
-        if type(m) in _WRAPPERS:
-            if not inject:
-                raise KeyError(f"load_lora: layer {path!r} has no adapter (inject_lora first, or inject=True)")
-        elif m.rank != rank:
-            raise ValueError(f"load_lora: {key}: rank {rank} in the file, the model's adapter has rank {m.rank}")
-        elif m.merged:
-            raise RuntimeError(f"load_lora: {path} is merged; unmerge_lora first")
-        elif mag is not None and not m.dora:
-            raise ValueError(f"load_lora: {key}: the file has a DoRA magnitude ({mag}), the model's adapter at "
-                             f"{path!r} is plain LoRA (inject_lora(..., dora=True); the trainer's lora.dora)")
-        elif mag is None and m.dora and strict:
-            raise KeyError(f"load_lora: {key}: the model's adapter at {path!r} is DoRA, the file has no magnitude "
-                           "for it (strict)")
-        steps.append(LoadStep(path, e["A"], e["B"], rank, al, type(m) in _WRAPPERS, mag))
+            steps.append(_plan_parts(model, m, path, got, specs, scalar, alpha, fmt, inject, strict, prefix))
     if strict:
-        missing = [n for n, _ in lora_modules(model) if n not in taken]
+        missing = [n for n, _ in lora_modules(model) if n not in layers]
         if missing:
             raise KeyError(f"load_lora: {len(missing)} adapter(s) of the model get no weights (strict), "
                            f"e.g. {missing[:3]}")
     return steps
 
 
-def _check_magnitude(m, key, fmt, shape, dtype):
-    """A DoRA magnitude of file ``fmt`` for layer ``m``: floating-point, on the output axis."""
+def _check_magnitude(m, key, fmt, shape, dtype, n_out=None):
+    """A DoRA magnitude of file ``fmt`` for layer ``m`` (or its part of ``n_out`` output rows):
+    floating-point, on the output axis."""
     if not dtype.is_floating_point:
         raise TypeError(f"load_lora: {key} is {dtype}, not a floating-point tensor")
-    shape, want = tuple(shape), _magnitude_shapes(m)[fmt]
-    n_out, n_in = m.weight.shape[:2]
+    shape, want = tuple(shape), _magnitude_shapes(m, n_out)[fmt]
+    n_in = m.weight.shape[1]
+    n_out = m.weight.shape[0] if n_out is None else n_out
     if shape in (want, (n_out,)):
         return
     axis = (" (LyCORIS's decomposition on the input axis, wd_on_output=False, which flame does not implement: "
@@ -668,22 +922,25 @@ def _check_magnitude(m, key, fmt, shape, dtype):
 
 def apply_lora_load(model: Module, steps: list, read) -> list:
     """Carry out a load checked by ``plan_lora_load``: inject the adapters it plans (DoRA ones
-    where the step has a magnitude), set each alpha and copy ``read(key)`` (a torch buffer on
-    flame's device, any floating dtype: the copy kernel casts it) into A and B and the magnitude;
-    a DoRA adapter the file gives no magnitude gets ``init_magnitude`` from the loaded weights.
-    Returns the loaded module paths."""
+    where the step says so), set each alpha and copy ``read(key)`` (a torch buffer on flame's
+    device, any floating dtype: the copy kernel casts it), or its region, into the rows of A, B and
+    the magnitude each copy names; a DoRA adapter the file gives no magnitude gets
+    ``init_magnitude`` from the loaded weights. Returns the loaded module paths."""
     for step in steps:
         m = model.get_submodule(step.path)
         if step.inject:
-            m = _WRAPPERS[type(m)](m, step.rank, step.alpha, dora=step.m_key is not None)
+            m = _WRAPPERS[type(m)](m, step.rank, step.alpha, dora=step.dora)
             _set_module(model, step.path, m)
         m.alpha = step.alpha
-        KE.copy_(m.lora_A._data, read(step.a_key))
-        KE.copy_(m.lora_B._data, read(step.b_key))
-        if step.m_key is not None:
-            src = read(step.m_key)
-            KE.copy_(m.lora_magnitude._data.view(src.shape), src)
-        elif m.dora:
+        params = {"A": m.lora_A, "B": m.lora_B, "mag": m.lora_magnitude}
+        for target, key, rows, region in step.copies:
+            dst, src = params[target]._data, read(key)
+            if rows is not None:
+                dst = dst[rows[0]:rows[1]]
+            if region is not None:
+                src = src[region[0][0]:region[0][1], region[1][0]:region[1][1]]
+            KE.copy_(dst.view(src.shape), src)
+        if m.dora and not any(c[0] == "mag" for c in step.copies):
             m.init_magnitude()
     return [step.path for step in steps]
 
@@ -692,11 +949,12 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
                          inject: bool = True, strict: bool = False) -> list:
     """Load adapters in either file format (detected from the key names) into ``model``.
 
-    ``alpha``: for PEFT files, a number or a {module path: alpha} dict (from the file metadata);
-    missing means alpha = rank. Layers that are plain ``Linear``/``Conv2d`` get an adapter injected
-    when ``inject`` (rank from the tensors); unknown module paths raise. All or nothing: every
-    adapter is checked first (``plan_lora_load``, ``strict`` included), so an error leaves the
-    model as it was. Returns the loaded paths.
+    ``alpha``: for PEFT files, a number or a {module name: alpha} dict (the file's module names
+    without the prefix, or flame's paths; from the file metadata); missing means alpha = rank.
+    Layers that are plain ``Linear``/``Conv2d`` get an adapter injected when ``inject`` (rank from
+    the tensors); unknown module paths raise. All or nothing: every adapter is checked first
+    (``plan_lora_load``, ``strict`` included), so an error leaves the model as it was. Returns the
+    loaded paths.
     """
     bufs = {}
     for k, v in state_dict.items():
@@ -707,13 +965,13 @@ def load_lora_state_dict(model: Module, state_dict: dict, alpha=None, prefix: st
         else:
             raise TypeError(f"load_lora: {k!r} is a {type(v).__name__}, not a tensor")
     specs = {k: (tuple(b.shape), b.dtype) for k, b in bufs.items()}
-    steps = plan_lora_load(model, specs, lambda k: bufs[k].item(), alpha=alpha, prefix=prefix,  # host transfer
-                           inject=inject, strict=strict)
 
     def read(k):
         b = bufs[k]
         return b.to(runtime.device) if b.device.type != runtime.device.type else b  # host transfer
 
+    steps = plan_lora_load(model, specs, lambda k: bufs[k].item(), alpha=alpha, prefix=prefix,  # host transfer
+                           inject=inject, strict=strict, read=read)
     return apply_lora_load(model, steps, read)
 
 

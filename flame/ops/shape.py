@@ -6,8 +6,11 @@ from __future__ import annotations
 import math
 import numbers
 
+import torch
+
 from .. import runtime
 from ..autograd import needs_grad, record
+from ..kernels import copy as KC
 from ..kernels import elementwise as KE
 from ..tensor import Tensor, result_type
 from ._util import check_tensor, new, normalize_dim
@@ -328,6 +331,91 @@ def chunk(x, chunks, dim=0):
     d = normalize_dim(dim, x.ndim, "chunk")
     step = max(1, -(-x.shape[d] // chunks))
     return split(x, step, d)
+
+
+# ---- block-diagonal matrices of row blocks -----------------------------------------------------
+
+_BLOCK_LAYOUTS = {}  # (sizes, device) -> (mask, part): the constants of one partition of the rows
+
+
+def _block_layout(sizes):
+    """(mask (N, P) fp32, 1 where row n lies in block p and 0 elsewhere; part (N,) int64, the block
+    of row n) of the row partition ``sizes``: made once per partition (P + 1 fills) and kept."""
+    key = (sizes, str(runtime.device))
+    layout = _BLOCK_LAYOUTS.get(key)
+    if layout is None:
+        mask = runtime.empty((sum(sizes), len(sizes)), torch.float32)
+        part = runtime.empty((sum(sizes),), torch.int64)
+        KE.fill_(mask, 0.0)
+        start = 0
+        for p, size in enumerate(sizes):
+            KE.fill_(mask[start:start + size, p], 1.0)
+            KE.fill_(part[start:start + size], p)
+            start += size
+        layout = _BLOCK_LAYOUTS[key] = (mask, part)
+    return layout
+
+
+def _check_blocks(x, sizes, op, name):
+    """``sizes`` as a tuple of positive ints summing to the rows of the 2-D float tensor ``x``."""
+    check_tensor(x, name, op)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{op}: {name} must be a floating-point tensor, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"{op}: {name} must be 2-D, got shape {x.shape}")
+    if isinstance(sizes, numbers.Integral) or not all(isinstance(s, numbers.Integral) and s > 0 for s in sizes):
+        raise ValueError(f"{op}: sizes must be a sequence of positive ints, got {sizes!r}")
+    sizes = tuple(int(s) for s in sizes)
+    if not sizes or sum(sizes) != x.shape[0]:
+        raise ValueError(f"{op}: sizes {sizes} must sum to the {x.shape[0]} rows of {name} {x.shape}")
+    return sizes
+
+
+# Y = block_diagonal(X), X: (N, r), rows split into P blocks; Y: (N, P * r) with
+#   Y[n, p * r + j] = X[n, j] if row n lies in block p, else 0.
+#   dX[n, j] = dY[n, part(n) * r + j]     (the diagonal blocks of dY: diagonal_blocks)
+def _block_diagonal_backward(node, g):
+    return diagonal_blocks(g, node.attrs["sizes"])
+
+
+def block_diagonal(x, sizes):
+    """The block-diagonal matrix of ``x``'s row blocks: ``x`` (N, r) with rows split in order into
+    blocks of ``sizes`` (P blocks summing to N) gives (N, P * r) whose block p, its rows in columns
+    p * r to (p + 1) * r, is ``x``'s and every other entry zero (a LoRA up-projection of one rank-r
+    adapter per block, as one matrix). One launch: ``x`` times the partition's 0/1 mask."""
+    sizes = _check_blocks(x, sizes, "block_diagonal", "input")
+    mask, _ = _block_layout(sizes)
+    (n, r), p = x.shape, len(sizes)
+    out = new((n, p, r), x.dtype)
+    KE.map_(out._data, [x._data[:, None, :].expand(n, p, r), mask[:, :, None].expand(n, p, r)], KE.MUL.value)
+    y = Tensor(out._data.view(n, p * r))
+    if needs_grad(x):
+        record(y, (x,), _block_diagonal_backward, sizes=sizes)
+    return y
+
+
+# X = diagonal_blocks(Y), X[n, j] = Y[n, part(n) * r + j]:
+#   dY = block_diagonal(dX)     (dX in the diagonal blocks, zeros elsewhere)
+def _diagonal_blocks_backward(node, g):
+    return block_diagonal(g, node.attrs["sizes"])
+
+
+def diagonal_blocks(y, sizes):
+    """The inverse of ``block_diagonal`` on its image: ``y`` (N, P * r) with rows split into blocks of
+    ``sizes`` gives (N, r) holding, for each row, the r columns of its own block (p * r to (p + 1) * r
+    for a row of block p); entries outside the diagonal blocks are not read. One gather launch."""
+    sizes = _check_blocks(y, sizes, "diagonal_blocks", "input")
+    if y.shape[1] % len(sizes):
+        raise ValueError(f"diagonal_blocks: the {y.shape[1]} columns of input {y.shape} are not {len(sizes)} "
+                         "blocks of equal width")
+    _, part = _block_layout(sizes)
+    n, r = y.shape[0], y.shape[1] // len(sizes)
+    out = new((n, r), y.dtype)
+    s0, s1 = y.stride()
+    KC.gather_(out._data, y._data, part, (s0, s1), (part.stride(0), 0), r * s1)
+    if needs_grad(y):
+        record(out, (y,), _diagonal_blocks_backward, sizes=sizes)
+    return out
 
 
 def _pad_amounts(ndim, pad, d):

@@ -1,0 +1,321 @@
+"""LoRA on fused Linear layers (``parts``): one adapter per part, as PEFT gives the separate layers.
+
+A toy flame model has a fused projection ``attn.qkv`` (5 -> 4 + 4 + 6, ``parts=(4, 4, 6)``) and a
+plain ``attn.proj``, and names them as diffusers would (``diffusers_names``); its torch twin has
+three ``nn.Linear`` (``to_q``, ``to_k``, ``to_v``) and ``to_out``, wrapped by real PEFT. Checked:
+
+- same adapters (copied through flame's PEFT file keys) give the same output and the same A, B
+  (and DoRA magnitude) gradients as PEFT;
+- PEFT file: the keys and shapes PEFT itself saves, loaded back bitwise; kohya file: one fused
+  adapter (down (3r, in), up block-diagonal (out, 3r), alpha 3 * alpha, as sd-scripts' split_qkv
+  writes it, alpha scaled so alpha / rank stays), loaded back bitwise; a shared-down kohya file
+  (kohya's default for a fused layer) loads as per-part adapters with the same output; files that
+  do not fit raise a clear error and leave the model as it was;
+- merge / unmerge / fold of a fused layer; launches of a fused against a plain layer.
+"""
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+import flame.io
+import flame.kernels.launch as L
+from flame import nn
+from flame.amp import ParameterCasts
+from flame.nn.lora import LoRALinear, lora_modules, lora_parameters
+from flame.ops.matmul import lora_linear
+from helpers import DEVICE, TF32_TOL, assert_close
+
+TOL = TF32_TOL or dict(rtol=1e-5, atol=1e-5)
+PARTS = (4, 4, 6)
+SPLIT = ("to_q", "to_k", "to_v")
+peft = pytest.importorskip("peft")
+
+
+class Fused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.qkv = nn.Linear(5, sum(PARTS))
+        self.attn.qkv.parts = PARTS
+        self.attn.proj = nn.Linear(sum(PARTS), 3)
+
+    def forward(self, x):
+        return self.attn.proj(self.attn.qkv(x))
+
+    def diffusers_names(self, path):
+        return {"attn.qkv": tuple(f"attn.{n}" for n in SPLIT), "attn.proj": ("attn.to_out",)}[path]
+
+
+class Split(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Module()
+        for name, n in zip(SPLIT, PARTS):
+            setattr(self.attn, name, torch.nn.Linear(5, n))
+        self.attn.to_out = torch.nn.Linear(sum(PARTS), 3)
+
+    def forward(self, x):
+        a = self.attn
+        return a.to_out(torch.cat([a.to_q(x), a.to_k(x), a.to_v(x)], -1))
+
+
+def _model(rank=2, alpha=3.0, dora=False, seed=0):
+    """A Fused model with adapters on both layers, every adapter weight random (B != 0)."""
+    flame.manual_seed(seed)
+    m = Fused()
+    assert nn.inject_lora(m, ["qkv", "proj"], rank=rank, alpha=alpha, dora=dora) == ["attn.qkv", "attn.proj"]
+    for layer in (m.attn.qkv, m.attn.proj):
+        flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
+        if dora:
+            mag = layer.lora_magnitude.to_torch()
+            mag.mul_(0.5 + torch.rand(mag.shape, device=mag.device))
+    return m
+
+
+def _peft_twin(m, dora=False):
+    """PEFT on the split torch model, holding ``m``'s base weights and (through flame's PEFT keys) adapters."""
+    twin = Split().to(DEVICE)
+    w, b = m.attn.qkv.weight.to_torch(), m.attn.qkv.bias.to_torch()
+    with torch.no_grad():
+        start = 0
+        for name, n in zip(SPLIT, PARTS):
+            getattr(twin.attn, name).weight.copy_(w[start:start + n])
+            getattr(twin.attn, name).bias.copy_(b[start:start + n])
+            start += n
+        twin.attn.to_out.weight.copy_(m.attn.proj.weight.to_torch())
+        twin.attn.to_out.bias.copy_(m.attn.proj.bias.to_torch())
+    layer = m.attn.qkv
+    cfg = peft.LoraConfig(r=layer.rank, lora_alpha=layer.alpha, target_modules=[*SPLIT, "to_out"], use_dora=dora)
+    pm = peft.get_peft_model(twin, cfg)
+    ours = nn.lora_state_dict(m, format="peft", prefix="base_model.model")
+    theirs = peft.get_peft_model_state_dict(pm)
+    assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in theirs.items()}
+    result = peft.set_peft_model_state_dict(pm, {k: v.to_torch().clone() for k, v in ours.items()})
+    assert not result.unexpected_keys
+    return pm
+
+
+def _state(m, only="."):
+    return {k: v.to_torch().clone() for k, v in m.state_dict().items() if only in k}
+
+
+def _same_state(m, before, only="."):
+    after = _state(m, only)
+    assert after.keys() == before.keys()
+    for k in before:
+        assert torch.equal(after[k], before[k]), k
+
+
+def test_parts_give_one_adapter_each():
+    m = _model()
+    qkv = m.attn.qkv
+    assert isinstance(qkv, LoRALinear) and qkv.parts == PARTS and m.attn.proj.parts is None
+    assert qkv.lora_A.shape == (6, 5) and qkv.lora_B.shape == (14, 2)
+    assert len(lora_parameters(m)) == 4
+    with pytest.raises(ValueError, match="must sum to its out_features=14"):
+        bad = nn.Linear(5, 14)
+        bad.parts = (4, 4)
+        LoRALinear(bad, rank=2)
+    fresh = Fused()
+    fresh.attn.qkv.parts = (14,)  # one part: a plain layer
+    nn.inject_lora(fresh, "qkv", rank=2)
+    assert fresh.attn.qkv.parts is None and fresh.attn.qkv.lora_A.shape == (2, 5)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_matches_peft_on_separate_layers(dora):
+    m = _model(dora=dora)
+    pm = _peft_twin(m, dora)
+    xt = torch.randn(2, 3, 5, device=DEVICE)
+    x = flame.from_torch(xt.clone(), requires_grad=True)
+    xt.requires_grad_(True)
+    y, yt = m(x), pm(xt)
+    assert_close(y, yt.detach(), **TOL)
+    g = torch.randn_like(yt)
+    grads = (y * flame.from_torch(g)).sum().backward()
+    (yt * g).sum().backward()
+    named = dict(pm.named_parameters())
+
+    def peft_grad(name, what):
+        return named[f"base_model.model.attn.{name}.{what}.default.weight"].grad
+
+    qkv, proj = m.attn.qkv, m.attn.proj
+    assert_close(grads[qkv.lora_A], torch.cat([peft_grad(n, "lora_A") for n in SPLIT]), **TOL)
+    assert_close(grads[qkv.lora_B], torch.cat([peft_grad(n, "lora_B") for n in SPLIT]), **TOL)
+    assert_close(grads[proj.lora_B], peft_grad("to_out", "lora_B"), **TOL)
+    if dora:
+        assert_close(grads[qkv.lora_magnitude], torch.cat([peft_grad(n, "lora_magnitude_vector") for n in SPLIT]),
+                     **TOL)
+    assert_close(grads[x], xt.grad, **TOL)
+    assert qkv.weight not in grads
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_peft_file_has_one_adapter_per_part_and_loads_back_bitwise(tmp_path, dora):
+    import json
+    m = _model(alpha=5.0, dora=dora)
+    path = tmp_path / "peft.safetensors"
+    flame.io.save_lora(m, path, format="peft", prefix="transformer")
+    shapes = flame.io.stored_shapes(path)
+    want = {f"transformer.attn.{n}.lora_{ab}.weight": (2, 5) if ab == "A" else (size, 2)
+            for n, size in zip(SPLIT, PARTS) for ab in "AB"}
+    want.update({"transformer.attn.to_out.lora_A.weight": (2, 14), "transformer.attn.to_out.lora_B.weight": (3, 2)})
+    if dora:
+        want.update({f"transformer.attn.{n}.lora_magnitude_vector": (size,) for n, size in zip(SPLIT, PARTS)})
+        want["transformer.attn.to_out.lora_magnitude_vector"] = (3,)
+    assert shapes == want
+    cfg = json.loads(flame.io.read_metadata(path)[flame.io.METADATA_KEY])
+    assert cfg["transformer.target_modules"] == sorted(f"attn.{n}" for n in (*SPLIT, "to_out"))
+    assert (cfg["transformer.r"], cfg["transformer.lora_alpha"], cfg["transformer.use_dora"]) == (2, 5.0, dora)
+    fresh = Fused()
+    assert sorted(flame.io.load_lora(fresh, path, prefix="transformer")) == ["attn.proj", "attn.qkv"]
+    for (name, a), (_, b) in zip(lora_modules(m), lora_modules(fresh)):
+        assert (b.rank, b.alpha, b.dora, b.parts) == (a.rank, a.alpha, a.dora, a.parts), name
+    _same_state(fresh, _state(m, "lora_"), "lora_")
+
+
+def test_kohya_file_is_one_fused_adapter_and_loads_back_bitwise(tmp_path):
+    m = _model(alpha=5.0)
+    sd = {k: v.to_torch().clone() for k, v in nn.lora_state_dict(m, format="kohya", prefix="transformer").items()}
+    key = "lora_unet_attn_qkv"  # kohya names every denoiser "unet", a DiT too
+    assert sorted(sd) == sorted(f"lora_unet_attn_{n}.{s}" for n in ("qkv", "proj")
+                                for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+    qkv = m.attn.qkv
+    assert torch.equal(sd[f"{key}.lora_down.weight"], qkv.lora_A.to_torch())
+    b = qkv.lora_B.to_torch()
+    assert torch.equal(sd[f"{key}.lora_up.weight"], torch.block_diag(b[:4, :], b[4:8], b[8:]))
+    assert float(sd[f"{key}.alpha"]) == 15.0 and float(sd["lora_unet_attn_proj.alpha"]) == 5.0  # alpha / rank kept
+    path = tmp_path / "kohya.safetensors"
+    flame.io.save_lora(m, path, format="kohya", prefix="unet")
+    fresh = Fused()
+    flame.io.load_lora(fresh, path, prefix="transformer")
+    assert (fresh.attn.qkv.rank, fresh.attn.qkv.alpha) == (2, 5.0)
+    _same_state(fresh, _state(m, "lora_"), "lora_")
+    nn.load_lora_state_dict(fresh, sd, prefix="transformer")  # into the adapters it has
+    _same_state(fresh, _state(m, "lora_"), "lora_")
+
+
+def _fused_reference(m, x, down, up, alpha):
+    """The base model with the delta (alpha / rank) up @ down on the fused layer (torch)."""
+    qkv, proj = m.attn.qkv, m.attn.proj
+    h = x @ qkv.weight.to_torch().t() + qkv.bias.to_torch() + alpha / down.shape[0] * (x @ down.t()) @ up.t()
+    return h @ proj.weight.to_torch().t() + proj.bias.to_torch()
+
+
+def test_shared_down_kohya_file_loads_as_per_part_adapters():
+    flame.manual_seed(2)
+    m = Fused()
+    down, up = torch.randn(2, 5, device=DEVICE), torch.randn(14, 2, device=DEVICE)
+    sd = {"lora_unet_attn_qkv.lora_down.weight": down, "lora_unet_attn_qkv.lora_up.weight": up,
+          "lora_unet_attn_qkv.alpha": torch.tensor(7.0)}
+    x = torch.randn(4, 5, device=DEVICE)
+    want = _fused_reference(m, x, down, up, 7.0)
+    assert nn.load_lora_state_dict(m, sd) == ["attn.qkv"]
+    qkv = m.attn.qkv
+    assert (qkv.rank, qkv.alpha) == (2, 7.0)
+    assert torch.equal(qkv.lora_A.to_torch(), down.repeat(3, 1)) and torch.equal(qkv.lora_B.to_torch(), up)
+    assert_close(m(flame.from_torch(x)), want, **TOL)
+    nn.load_lora_state_dict(m, sd, inject=False)  # into adapters of rank 2: the same
+    assert_close(m(flame.from_torch(x)), want, **TOL)
+    # a block-diagonal file of rank 6 into a fresh layer: three adapters of rank 2
+    blocks = torch.zeros(14, 6, device=DEVICE)
+    for p, (lo, hi) in enumerate(((0, 4), (4, 8), (8, 14))):
+        blocks[lo:hi, 2 * p:2 * p + 2] = up[lo:hi]
+    fresh = Fused()
+    fresh.load_state_dict({k: v for k, v in m.state_dict().items() if "lora_" not in k}, strict=False)
+    down6 = torch.randn(6, 5, device=DEVICE)
+    nn.load_lora_state_dict(fresh, {"lora_unet_attn_qkv.lora_down.weight": down6,
+                                    "lora_unet_attn_qkv.lora_up.weight": blocks})
+    assert (fresh.attn.qkv.rank, fresh.attn.qkv.alpha) == (2, 2.0)  # alpha = file rank 6, / 3
+    assert_close(fresh(flame.from_torch(x)), _fused_reference(fresh, x, down6, blocks, 6.0), **TOL)
+
+
+def test_files_that_do_not_fit_raise_and_leave_the_model_unchanged(tmp_path):
+    m = _model()
+    before = _state(m)
+    kohya = {k: v.to_torch().clone() for k, v in nn.lora_state_dict(m, format="kohya").items()}
+    up = kohya["lora_unet_attn_qkv.lora_up.weight"]
+    up[0, 5] = 1.0  # off the diagonal blocks
+    with pytest.raises(ValueError, match=r"lora_unet_attn_qkv: its up matrix has non-zero entries outside the "
+                                         r"diagonal blocks of layer 'attn.qkv'"):
+        nn.load_lora_state_dict(m, kohya)
+    _same_state(m, before)
+    wrong_rank = {"lora_unet_attn_qkv.lora_down.weight": torch.zeros(4, 5),
+                  "lora_unet_attn_qkv.lora_up.weight": torch.zeros(14, 4)}
+    with pytest.raises(ValueError, match=r"rank 4 in the file; layer 'attn\.qkv' has 3 adapters of rank 2"):
+        nn.load_lora_state_dict(m, wrong_rank)
+    _same_state(m, before)
+    peft_sd = {k: v.to_torch().clone() for k, v in nn.lora_state_dict(m, format="peft").items()}
+    partial = {k: v for k, v in peft_sd.items() if ".to_k." not in k}
+    with pytest.raises(KeyError, match=r"lacks \['unet.attn.to_k.lora_A.weight', 'unet.attn.to_k.lora_B.weight'\]"):
+        nn.load_lora_state_dict(m, partial)
+    uneven = {**peft_sd, "unet.attn.to_k.lora_A.weight": torch.zeros(3, 5),
+              "unet.attn.to_k.lora_B.weight": torch.zeros(4, 3)}
+    with pytest.raises(ValueError, match=r"have ranks \[2, 3\] .* one rank and one alpha"):
+        nn.load_lora_state_dict(Fused(), uneven)
+    both = {**peft_sd, "unet.attn.qkv.lora_A.weight": torch.zeros(6, 5),
+            "unet.attn.qkv.lora_B.weight": torch.zeros(14, 6)}
+    with pytest.raises(ValueError, match=r"both name layer 'attn\.qkv'"):
+        nn.load_lora_state_dict(m, both)
+    path = tmp_path / "partial.safetensors"
+    flame.io.save_safetensors(partial, path)
+    with pytest.raises(KeyError, match="to_k"):
+        flame.io.load_lora(m, path)
+    _same_state(m, before)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+def test_merge_unmerge_and_fold_of_a_fused_layer(dora):
+    m = _model(dora=dora)
+    x = flame.randn(4, 5)
+    y = m(x).numpy()
+    w0 = m.attn.qkv.weight.to_torch().clone()
+    tol = TF32_TOL or dict(rtol=1e-5, atol=1e-5)
+    nn.merge_lora(m)
+    np.testing.assert_allclose(m(x).numpy(), y, **tol)
+    nn.unmerge_lora(m)
+    assert_close(m.attn.qkv.weight.to_torch().clone(), w0, **tol)
+    np.testing.assert_allclose(m(x).numpy(), y, **tol)
+    assert nn.fold_lora(m) == ["attn.qkv", "attn.proj"]
+    assert type(m.attn.qkv) is nn.Linear and m.attn.qkv.parts == PARTS
+    np.testing.assert_allclose(m(x).numpy(), y, **tol)
+
+
+def _launches(fn, *args):
+    """(launches, result) of ``fn(*args)``."""
+    L.launches = 0
+    out = fn(*args)
+    return L.launches, out
+
+
+def test_a_fused_layer_adds_one_launch_forward_and_one_backward():
+    """The block-diagonal B: one launch forward (and its cast to the activations' dtype, which a
+    plain layer's B gets from the ParameterCasts region), one gather backward; a plain layer's
+    forward and backward are F.lora_linear's alone."""
+    flame.manual_seed(0)
+    fused, plain = nn.Linear(32, 24).to(torch.float16), nn.Linear(32, 24).to(torch.float16)
+    fused.parts = (8, 16)
+    fused, plain = LoRALinear(fused, rank=4), LoRALinear(plain, rank=4)
+    x = flame.randn(16, 32, dtype=flame.float16).requires_grad_()
+    g = flame.randn(16, 24, dtype=flame.float16)
+    fused(x)  # the partition's constant mask and index, made once
+
+    def count(layer, region, fn=None):
+        with ParameterCasts([layer.lora_A, layer.lora_B], torch.float16) if region else contextlib.nullcontext():
+            forward, y = _launches(fn or layer, x)
+            backward, _ = _launches(y.backward, g)
+        return forward, backward
+
+    counts = {}
+    for name, layer in (("fused", fused), ("plain", plain)):
+        for region in (False, True):
+            counts[name, region] = count(layer, region)
+    direct = count(plain, False, lambda x: lora_linear(x, plain.weight, plain.bias, plain.lora_A, plain.lora_B,
+                                                       plain.scale))
+    assert counts["plain", False] == direct, (counts, direct)
+    for region, extra_forward in ((False, 1), (True, 2)):
+        (ff, fb), (pf, pb) = counts["fused", region], counts["plain", region]
+        assert (ff - pf, fb - pb) == (extra_forward, 1), counts
