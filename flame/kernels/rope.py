@@ -30,25 +30,32 @@ from .reduce import SUM, accumulation_dtype, reduce_
 
 
 @triton.jit
-def _program(B, L0, L1, nb0, nb1, BLOCK_L: tl.constexpr):
-    """This program's stream (``first``: stream 0), batch, rows (tokens of its stream) and their
-    mask, and the rows' tokens in the concatenated sequence."""
-    pid = tl.program_id(0)
-    first = pid < B * nb0
-    p = tl.where(first, pid, pid - B * nb0)
-    nb = tl.where(first, nb0, nb1)
-    rows = (p % nb) * BLOCK_L + tl.arange(0, BLOCK_L)
-    mask = rows < tl.where(first, L0, L1)
-    tokens = rows + tl.where(first, 0, L0)
-    return first, (p // nb).to(tl.int64), rows.to(tl.int64), mask, tokens.to(tl.int64)
-
-
-@triton.jit
 def _pairs(D, HB: tl.constexpr):
     """Column offsets 2 i + j of a head's (HB, 2) pair tile, and their mask."""
     i = tl.arange(0, HB)[:, None]
     j = tl.arange(0, 2)[None, :]
     return 2 * i + j, (i < D // 2) & (j < 2)
+
+
+@triton.jit
+def _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l, xs1_b, xs1_l,
+             BLOCK_L: tl.constexpr, HB: tl.constexpr):
+    """This program's stream (``first``: stream 0), batch, rows (tokens of its stream) and their
+    mask, the rows' tokens in the concatenated sequence, its head, the pair tile's columns and
+    mask, the tile's mask and the pointers of its head's q columns in the input."""
+    pid = tl.program_id(0)
+    first = pid < B * nb0
+    p = tl.where(first, pid, pid - B * nb0)
+    nb = tl.where(first, nb0, nb1)
+    b = (p // nb).to(tl.int64)
+    rows = ((p % nb) * BLOCK_L + tl.arange(0, BLOCK_L)).to(tl.int64)
+    rmask = rows < tl.where(first, L0, L1)
+    tokens = rows + tl.where(first, 0, L0)
+    h = tl.program_id(1)
+    col, cmask = _pairs(D, HB)
+    m = rmask[:, None, None] & cmask[None, :, :]
+    x_row = tl.where(first, x0_ptr, x1_ptr) + b * tl.where(first, xs0_b, xs1_b) + rows * tl.where(first, xs0_l, xs1_l)
+    return first, b, rows, rmask, tokens, h, col, cmask, m, x_row[:, None, None] + h * D + col[None, :, :]
 
 
 @triton.jit
@@ -82,12 +89,8 @@ def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
                              q_ptr, k_ptr, v_ptr, B, L0, L1, H, D, nb0, nb1,
                              xs0_b, xs0_l, xs1_b, xs1_l, cs_l, cs_i, ss_l, ss_i, eps,
                              CD: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr):
-    first, b, rows, rmask, tokens = _program(B, L0, L1, nb0, nb1, BLOCK_L)
-    h = tl.program_id(1)
-    col, cmask = _pairs(D, HB)
-    m = rmask[:, None, None] & cmask[None, :, :]
-    x_row = tl.where(first, x0_ptr, x1_ptr) + b * tl.where(first, xs0_b, xs1_b) + rows * tl.where(first, xs0_l, xs1_l)
-    x = x_row[:, None, None] + h * D + col[None, :, :]
+    first, b, _, rmask, tokens, h, col, cmask, m, x = _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l,
+                                                               xs1_b, xs1_l, BLOCK_L, HB)
     out = ((b * (L0 + L1) + tokens) * H + h) * D
     o = out[:, None, None] + col[None, :, :]
     c, s = _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB)
@@ -138,12 +141,8 @@ def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
                              BLOCK_E: tl.constexpr):
     # dx (dense (B, L_s, W_s)): columns [0, 3HD) from _norm_rope_bwd for q and k, dv moved for v;
     # columns [3HD, W_s) zero, head h's program taking its share of them for its rows.
-    first, b, rows, rmask, tokens = _program(B, L0, L1, nb0, nb1, BLOCK_L)
-    h = tl.program_id(1)
-    col, cmask = _pairs(D, HB)
-    m = rmask[:, None, None] & cmask[None, :, :]
-    x_row = tl.where(first, x0_ptr, x1_ptr) + b * tl.where(first, xs0_b, xs1_b) + rows * tl.where(first, xs0_l, xs1_l)
-    x = x_row[:, None, None] + h * D + col[None, :, :]
+    first, b, rows, rmask, tokens, h, col, cmask, m, x = _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b,
+                                                                  xs0_l, xs1_b, xs1_l, BLOCK_L, HB)
     W = tl.where(first, W0, W1)
     dx_row = tl.where(first, dx0_ptr, dx1_ptr) + (b * tl.where(first, L0, L1) + rows) * W
     dx = dx_row[:, None, None] + h * D + col[None, :, :]
@@ -175,7 +174,7 @@ def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
 def rope_config(D, L):
     """The launch config of both kernels for head dim ``D`` and streams of up to ``L`` tokens:
     tiles of BLOCK_L tokens x HB pairs, 2048 elements on the GPU (16 tokens at D = 128), up to
-    16384 on the interpreter; BLOCK_E, the width of the zero-filled columns' blocks, is the tile's."""
+    16384 on the interpreter. (The backward zero-fills ignored columns 2 HB at a time.)"""
     hb = _pow2(D // 2)
     tile = 1 << 14 if runtime.INTERPRETER else 2048
     bl = max(1, min(_pow2(max(L, 1)), tile // (2 * hb)))
@@ -198,7 +197,7 @@ def qk_norm_rope_fwd(q, k, v, xs, weights, cos, sin, H, D, eps):
     W_s), unit column stride) with per-stream ``weights`` ((q weight, k weight), dense (D,)) and
     the fp32 tables ``cos``, ``sin`` (L_total, D/2), any strides. One launch."""
     x0, x1, w, B, L0, L1, nb0, nb1, cfg = _streams(xs, weights, q.shape[1], D)
-    if B * (nb0 + nb1) == 0 or H == 0:
+    if B * (nb0 + nb1) == 0:
         return
     launch(_qk_norm_rope_fwd_kernel, (B * (nb0 + nb1), H), x0, x1, *w, cos, sin, q, k, v, B, L0, L1, H, D,
            nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0), x1.stride(1), *cos.stride(), *sin.stride(),
@@ -221,7 +220,7 @@ def qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, eps):
     programs = B * (nb0 + nb1)
     need_w = any(dw is not None for dw in dws)
     part = runtime.empty((programs * H, 2 * D), accumulation_dtype(x0.dtype)) if need_w else None
-    if programs and H:
+    if programs:
         dx0, dx1 = dxs[0], dxs[-1]
         launch(_qk_norm_rope_bwd_kernel, (programs, H), x0, x1, *w, cos, sin, dq if dq is not None else x0,
                dk if dk is not None else x0, dv if dv is not None else x0, dx0, dx1, part if need_w else dx0,
