@@ -1,8 +1,10 @@
 """LoRA on fused Linear layers (``parts``): one adapter per part, as PEFT gives the separate layers.
 
-A toy flame model has a fused projection ``attn.qkv`` (5 -> 4 + 4 + 6, ``parts=(4, 4, 6)``) and a
-plain ``attn.proj``, and names them as diffusers would (``diffusers_names``); its torch twin has
-three ``nn.Linear`` (``to_q``, ``to_k``, ``to_v``) and ``to_out``, wrapped by real PEFT. Checked:
+A toy flame model has a fused projection ``attn.qkv`` (5 -> 4 + 4 + 6, ``parts=(4, 4, 6)``), a
+plain ``attn.proj`` and a modulation ``mod`` (shift, scale), and names them as diffusers would
+(``diffusers_names``; ``diffusers_rows``: the twin's ``norm_out`` holds (scale, shift), as diffusers'
+Flux ``norm_out.linear``); its torch twin has three ``nn.Linear`` (``to_q``, ``to_k``, ``to_v``),
+``to_out`` and ``norm_out``, wrapped by real PEFT. Checked:
 
 - same adapters (copied through flame's PEFT file keys) give the same output and the same A, B
   (and DoRA magnitude) gradients as PEFT;
@@ -41,12 +43,18 @@ class Fused(nn.Module):
         self.attn.qkv = nn.Linear(5, sum(PARTS))
         self.attn.qkv.parts = PARTS
         self.attn.proj = nn.Linear(sum(PARTS), 3)
+        self.mod = nn.Linear(5, 6)
 
     def forward(self, x):
-        return self.attn.proj(self.attn.qkv(x))
+        shift_scale = self.mod(x)
+        return self.attn.proj(self.attn.qkv(x)) * (shift_scale[..., 3:] + 1.0) + shift_scale[..., :3]
 
     def diffusers_names(self, path):
-        return {"attn.qkv": tuple(f"attn.{n}" for n in SPLIT), "attn.proj": ("attn.to_out",)}[path]
+        names = {"attn.qkv": tuple(f"attn.{n}" for n in SPLIT), "attn.proj": ("attn.to_out",), "mod": ("norm_out",)}
+        return names[path]
+
+    def diffusers_rows(self, path):
+        return ((3, 6), (0, 3)) if path == "mod" else None
 
 
 class Split(torch.nn.Module):
@@ -56,18 +64,21 @@ class Split(torch.nn.Module):
         for name, n in zip(SPLIT, PARTS):
             setattr(self.attn, name, torch.nn.Linear(5, n))
         self.attn.to_out = torch.nn.Linear(sum(PARTS), 3)
+        self.norm_out = torch.nn.Linear(5, 6)
 
     def forward(self, x):
         a = self.attn
-        return a.to_out(torch.cat([a.to_q(x), a.to_k(x), a.to_v(x)], -1))
+        scale, shift = self.norm_out(x).chunk(2, -1)
+        return a.to_out(torch.cat([a.to_q(x), a.to_k(x), a.to_v(x)], -1)) * (1 + scale) + shift
 
 
 def _model(rank=2, alpha=3.0, dora=False, seed=0):
     """A Fused model with adapters on both layers, every adapter weight random (B != 0)."""
     flame.manual_seed(seed)
     m = Fused()
-    assert nn.inject_lora(m, ["qkv", "proj"], rank=rank, alpha=alpha, dora=dora) == ["attn.qkv", "attn.proj"]
-    for layer in (m.attn.qkv, m.attn.proj):
+    assert nn.inject_lora(m, ["qkv", "proj", "mod"], rank=rank, alpha=alpha, dora=dora) == \
+        ["attn.qkv", "attn.proj", "mod"]
+    for layer in (m.attn.qkv, m.attn.proj, m.mod):
         flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)
         if dora:
             mag = layer.lora_magnitude.to_torch()
@@ -87,8 +98,11 @@ def _peft_twin(m, dora=False):
             start += n
         twin.attn.to_out.weight.copy_(m.attn.proj.weight.to_torch())
         twin.attn.to_out.bias.copy_(m.attn.proj.bias.to_torch())
+        twin.norm_out.weight.copy_(_swap(m.mod.weight.to_torch()))
+        twin.norm_out.bias.copy_(_swap(m.mod.bias.to_torch()))
     layer = m.attn.qkv
-    cfg = peft.LoraConfig(r=layer.rank, lora_alpha=layer.alpha, target_modules=[*SPLIT, "to_out"], use_dora=dora)
+    cfg = peft.LoraConfig(r=layer.rank, lora_alpha=layer.alpha, target_modules=[*SPLIT, "to_out", "norm_out"],
+                          use_dora=dora)
     pm = peft.get_peft_model(twin, cfg)
     ours = nn.lora_state_dict(m, format="peft", prefix="base_model.model")
     theirs = peft.get_peft_model_state_dict(pm)
@@ -96,6 +110,11 @@ def _peft_twin(m, dora=False):
     result = peft.set_peft_model_state_dict(pm, {k: v.to_torch().clone() for k, v in ours.items()})
     assert not result.unexpected_keys
     return pm
+
+
+def _swap(t):
+    """mod's rows (shift, scale) as norm_out holds them, (scale, shift)."""
+    return torch.cat([t[3:], t[:3]])
 
 
 def _state(m, only="."):
@@ -114,7 +133,7 @@ def test_parts_give_one_adapter_each():
     qkv = m.attn.qkv
     assert isinstance(qkv, LoRALinear) and qkv.parts == PARTS and m.attn.proj.parts is None
     assert qkv.lora_A.shape == (6, 5) and qkv.lora_B.shape == (14, 2)
-    assert len(lora_parameters(m)) == 4
+    assert len(lora_parameters(m)) == 6
     with pytest.raises(ValueError, match="must sum to its out_features=14"):
         bad = nn.Linear(5, 14)
         bad.parts = (4, 4)
@@ -146,6 +165,9 @@ def test_matches_peft_on_separate_layers(dora):
     assert_close(grads[qkv.lora_A], torch.cat([peft_grad(n, "lora_A") for n in SPLIT]), **TOL)
     assert_close(grads[qkv.lora_B], torch.cat([peft_grad(n, "lora_B") for n in SPLIT]), **TOL)
     assert_close(grads[proj.lora_B], peft_grad("to_out", "lora_B"), **TOL)
+    assert_close(grads[m.mod.lora_A], named["base_model.model.norm_out.lora_A.default.weight"].grad, **TOL)
+    assert_close(_swap(grads[m.mod.lora_B].to_torch()), named["base_model.model.norm_out.lora_B.default.weight"].grad,
+                 **TOL)
     if dora:
         assert_close(grads[qkv.lora_magnitude], torch.cat([peft_grad(n, "lora_magnitude_vector") for n in SPLIT]),
                      **TOL)
@@ -162,16 +184,20 @@ def test_peft_file_has_one_adapter_per_part_and_loads_back_bitwise(tmp_path, dor
     shapes = flame.io.stored_shapes(path)
     want = {f"transformer.attn.{n}.lora_{ab}.weight": (2, 5) if ab == "A" else (size, 2)
             for n, size in zip(SPLIT, PARTS) for ab in "AB"}
-    want.update({"transformer.attn.to_out.lora_A.weight": (2, 14), "transformer.attn.to_out.lora_B.weight": (3, 2)})
+    want.update({"transformer.attn.to_out.lora_A.weight": (2, 14), "transformer.attn.to_out.lora_B.weight": (3, 2),
+                 "transformer.norm_out.lora_A.weight": (2, 5), "transformer.norm_out.lora_B.weight": (6, 2)})
     if dora:
         want.update({f"transformer.attn.{n}.lora_magnitude_vector": (size,) for n, size in zip(SPLIT, PARTS)})
-        want["transformer.attn.to_out.lora_magnitude_vector"] = (3,)
+        want.update({"transformer.attn.to_out.lora_magnitude_vector": (3,),
+                     "transformer.norm_out.lora_magnitude_vector": (6,)})
     assert shapes == want
+    stored = flame.io.load_safetensors(path)
+    assert torch.equal(stored["transformer.norm_out.lora_B.weight"].to_torch(), _swap(m.mod.lora_B.to_torch()))
     cfg = json.loads(flame.io.read_metadata(path)[flame.io.METADATA_KEY])
-    assert cfg["transformer.target_modules"] == sorted(f"attn.{n}" for n in (*SPLIT, "to_out"))
+    assert cfg["transformer.target_modules"] == sorted(["norm_out", *(f"attn.{n}" for n in (*SPLIT, "to_out"))])
     assert (cfg["transformer.r"], cfg["transformer.lora_alpha"], cfg["transformer.use_dora"]) == (2, 5.0, dora)
     fresh = Fused()
-    assert sorted(flame.io.load_lora(fresh, path, prefix="transformer")) == ["attn.proj", "attn.qkv"]
+    assert sorted(flame.io.load_lora(fresh, path, prefix="transformer")) == ["attn.proj", "attn.qkv", "mod"]
     for (name, a), (_, b) in zip(lora_modules(m), lora_modules(fresh)):
         assert (b.rank, b.alpha, b.dora, b.parts) == (a.rank, a.alpha, a.dora, a.parts), name
     _same_state(fresh, _state(m, "lora_"), "lora_")
@@ -181,8 +207,9 @@ def test_kohya_file_is_one_fused_adapter_and_loads_back_bitwise(tmp_path):
     m = _model(alpha=5.0)
     sd = {k: v.to_torch().clone() for k, v in nn.lora_state_dict(m, format="kohya", prefix="transformer").items()}
     key = "lora_unet_attn_qkv"  # kohya names every denoiser "unet", a DiT too
-    assert sorted(sd) == sorted(f"lora_unet_attn_{n}.{s}" for n in ("qkv", "proj")
+    assert sorted(sd) == sorted(f"lora_unet_{n}.{s}" for n in ("attn_qkv", "attn_proj", "mod")
                                 for s in ("lora_down.weight", "lora_up.weight", "alpha"))
+    assert torch.equal(sd["lora_unet_mod.lora_up.weight"], m.mod.lora_B.to_torch())  # kohya keeps flame's rows
     qkv = m.attn.qkv
     assert torch.equal(sd[f"{key}.lora_down.weight"], qkv.lora_A.to_torch())
     b = qkv.lora_B.to_torch()
@@ -200,9 +227,12 @@ def test_kohya_file_is_one_fused_adapter_and_loads_back_bitwise(tmp_path):
 
 def _fused_reference(m, x, down, up, alpha):
     """The base model with the delta (alpha / rank) up @ down on the fused layer (torch)."""
-    qkv, proj = m.attn.qkv, m.attn.proj
-    h = x @ qkv.weight.to_torch().t() + qkv.bias.to_torch() + alpha / down.shape[0] * (x @ down.t()) @ up.t()
-    return h @ proj.weight.to_torch().t() + proj.bias.to_torch()
+    def base(layer, x):
+        return x @ layer.weight.to_torch().t() + layer.bias.to_torch()
+
+    h = base(m.attn.qkv, x) + alpha / down.shape[0] * (x @ down.t()) @ up.t()
+    shift_scale = base(m.mod, x)
+    return base(m.attn.proj, h) * (1 + shift_scale[..., 3:]) + shift_scale[..., :3]
 
 
 def test_shared_down_kohya_file_loads_as_per_part_adapters():
@@ -279,7 +309,7 @@ def test_merge_unmerge_and_fold_of_a_fused_layer(dora):
     nn.unmerge_lora(m)
     assert_close(m.attn.qkv.weight.to_torch().clone(), w0, **tol)
     np.testing.assert_allclose(m(x).numpy(), y, **tol)
-    assert nn.fold_lora(m) == ["attn.qkv", "attn.proj"]
+    assert nn.fold_lora(m) == ["attn.qkv", "attn.proj", "mod"]
     assert type(m.attn.qkv) is nn.Linear and m.attn.qkv.parts == PARTS
     np.testing.assert_allclose(m(x).numpy(), y, **tol)
 
@@ -319,3 +349,14 @@ def test_a_fused_layer_adds_one_launch_forward_and_one_backward():
     for region, extra_forward in ((False, 1), (True, 2)):
         (ff, fb), (pf, pb) = counts["fused", region], counts["plain", region]
         assert (ff - pf, fb - pb) == (extra_forward, 1), counts
+
+
+def test_a_model_naming_its_layers_wrongly_is_told_so():
+    m = _model()
+    m.diffusers_names = lambda path: ("a", "b") if path == "attn.qkv" else (path,)
+    with pytest.raises(ValueError, match=r"diffusers_names\('attn.qkv'\) gives 2 names .* the layer has 3 part"):
+        nn.lora_state_dict(m)
+    m = _model()
+    m.diffusers_rows = lambda path: ((0, 4), (3, 6)) if path == "mod" else None
+    with pytest.raises(ValueError, match=r"diffusers_rows\('mod'\) gives \(\(0, 4\), \(3, 6\)\), which do not split"):
+        nn.lora_state_dict(m)

@@ -21,7 +21,22 @@ PEFT/diffusers and kohya's sd-scripts use:
   where the module path is the model's original name for the module when the model has one
   (``model.original_name(path)``: SDXL's LDM/SGM layout, ``input_blocks.4.1.transformer_blocks.0.attn1.to_q``
   for ``down_blocks.1.attentions.0...``, as kohya's sd-scripts write SDXL files and ComfyUI reads them).
-  Files with kohya keys over the diffusers paths load too.
+  Files with kohya keys over the diffusers paths load too. kohya's sd-scripts call every denoiser
+  ``unet`` (``lora_unet_...``), a DiT too: the PEFT prefix ``transformer`` is ``unet`` in kohya keys.
+
+Fused layers: a base ``Linear`` with ``parts`` (output sizes in row order, set by the model: Flux's
+``img_attn.qkv`` (q, k, v), ``linear1`` (q, k, v, MLP in)) gets one adapter of ``rank`` per part, as
+PEFT on diffusers' separate layers (``LoRALinear``). Its files: PEFT/diffusers one adapter per part
+under the names ``model.diffusers_names(path)`` gives (``transformer_blocks.0.attn.to_q``, ...: A
+(rank, in), B (part, rank)); a model without that method keeps its paths, and a fused layer then
+writes, as kohya files always do, one adapter for the whole layer: A (P * rank, in), B the
+block-diagonal (out, P * rank), alpha P * alpha (so alpha / rank, what every loader scales by, is the
+layer's). sd-scripts' ``split_qkv`` writes the same matrices but keeps alpha (its
+``LoRANetwork.state_dict``), so its files apply such layers at 1 / P strength (sd-scripts issue #2204);
+flame reads a whole-layer file at its own alpha / rank. A whole-layer adapter loads into a fused
+layer block by block when its up matrix is block-diagonal (rank P * r), or as kohya's fused-QKV
+form, one down matrix shared by the parts (rank r: every part's A is the down matrix, B the up
+matrix): both are exactly the file's delta (``_plan_whole``).
 
 DoRA (``dora=True``; Liu et al. 2024, "weight-decomposed low-rank adaptation", as PEFT's
 ``use_dora`` builds it): the layer also has a trainable fp32 magnitude ``lora_magnitude`` m, one
@@ -35,7 +50,8 @@ or folded, ``W' = c * (W + scale * B A)``. File keys: PEFT/diffusers
 ``<prefix>.<module path>.lora_magnitude_vector`` ((out,) for a Linear, (1, out, 1, 1) for a Conv2d,
 as PEFT saves them and diffusers' ``load_lora_weights`` reads them); kohya ``<name>.dora_scale``
 ((out, 1) or (out, 1, 1, 1): LyCORIS's ``dora_wd`` with ``wd_on_output``, the orientation ComfyUI
-takes for the output axis).
+takes for the output axis). On a fused layer the magnitude is the whole layer's (out,), one per
+output row: PEFT's per-part magnitudes one after another (per part in PEFT files).
 
 Loading (``load_lora_state_dict``, ``flame.io.load_lora``) is all or nothing: ``plan_lora_load``
 checks every adapter against the model from the tensors' shapes and dtypes, then
@@ -536,16 +552,38 @@ def _diffusers_names(model, path, parts):
     return names
 
 
+def _diffusers_rows(model, path, n_out):
+    """Layer ``path``'s output rows in the order its diffusers module holds them, as (start, stop)
+    segments: ``model.diffusers_rows(path)`` when the model defines it and gives segments (Flux's
+    final modulation, whose two halves diffusers swaps), else all rows in order."""
+    order = getattr(model, "diffusers_rows", None)
+    segments = None if order is None else order(path)
+    if segments is None:
+        return ((0, n_out),)
+    segments = tuple((int(lo), int(hi)) for lo, hi in segments)
+    ordered = sorted(segments)
+    gaps = any(a[1] != b[0] for a, b in itertools.pairwise(ordered)) or any(lo >= hi for lo, hi in segments)
+    if gaps or ordered[0][0] != 0 or ordered[-1][1] != n_out:
+        raise ValueError(f"{type(model).__name__}.diffusers_rows({path!r}) gives {segments}, which do not split "
+                         f"the layer's {n_out} output rows")
+    return segments
+
+
 @dataclasses.dataclass(frozen=True)
 class FileAdapter:
     """One adapter as a LoRA file holds it: ``name`` the module path the file gives it (without the
     prefix), ``path`` the flame layer it belongs to, ``part`` the layer's part it covers (None: the
-    whole layer) and ``rows`` (start, stop) the layer's output rows it covers."""
+    whole layer) and ``rows`` the layer's output rows it covers, (start, stop) segments in the order
+    the file holds them (one segment but for ``diffusers_rows``)."""
 
     name: str
     path: str
     part: int | None
     rows: tuple
+
+    @property
+    def n_out(self) -> int:
+        return sum(hi - lo for lo, hi in self.rows)
 
 
 def _file_adapters(model, path, layer, fmt) -> list:
@@ -556,12 +594,15 @@ def _file_adapters(model, path, layer, fmt) -> list:
     n_out = layer.weight.shape[0]
     parts = layer_parts(layer)
     if fmt == "kohya":
-        return [FileAdapter(_original_name(model, path), path, None, (0, n_out))]
-    names = _diffusers_names(model, path, parts)
+        return [FileAdapter(_original_name(model, path), path, None, ((0, n_out),))]
+    names, rows = _diffusers_names(model, path, parts), _diffusers_rows(model, path, n_out)
+    if rows != ((0, n_out),) and (parts is not None or isinstance(layer, (Conv2d, LoRAConv2d))):
+        raise ValueError(f"{type(model).__name__}: layer {path!r} has reordered diffusers rows {rows} and parts "
+                         f"{parts} (or is a Conv2d): not supported")
     if len(names) == 1:
-        return [FileAdapter(names[0], path, None, (0, n_out))]
+        return [FileAdapter(names[0], path, None, rows)]
     starts = list(itertools.accumulate(parts, initial=0))
-    return [FileAdapter(n, path, p, (starts[p], starts[p + 1])) for p, n in enumerate(names)]
+    return [FileAdapter(n, path, p, ((starts[p], starts[p + 1]),)) for p, n in enumerate(names)]
 
 
 def _file_rank_alpha(m, fa):
@@ -574,14 +615,30 @@ def _file_rank_alpha(m, fa):
 
 def _file_tensors(m, fa):
     """(A, B, DoRA magnitude or None) of LoRA layer ``m``'s adapter ``fa``: views of the parameters
-    (a part's rows of A, B and the magnitude), except a fused layer's B written whole: the new
-    block-diagonal matrix of its parts' B."""
+    (a part's rows of A, B and the magnitude), except a fused layer's B written whole (the new
+    block-diagonal matrix of its parts' B) and rows in another order (new copies)."""
     mag = m.lora_magnitude._data if m.dora else None
     if fa.part is None:
-        return m.lora_A._data, m._up_buffer(), mag
-    lo, hi = fa.rows
-    a = m.lora_A._data[fa.part * m.rank:(fa.part + 1) * m.rank]
-    return a, m.lora_B._data[lo:hi], None if mag is None else mag[lo:hi]
+        b = m._up_buffer()
+    else:
+        a = m.lora_A._data[fa.part * m.rank:(fa.part + 1) * m.rank]
+        b = m.lora_B._data
+    if len(fa.rows) > 1:
+        b, mag = (None if t is None else _rows_in_order(t, fa.rows) for t in (b, mag))
+    else:
+        (lo, hi), = fa.rows
+        b, mag = b[lo:hi], None if mag is None else mag[lo:hi]
+    return (m.lora_A._data if fa.part is None else a), b, mag
+
+
+def _rows_in_order(buf, segments):
+    """A new buffer of ``buf``'s row ``segments`` one after another (one copy each)."""
+    out = runtime.empty((sum(hi - lo for lo, hi in segments), *buf.shape[1:]), buf.dtype)
+    start = 0
+    for lo, hi in segments:
+        KE.copy_(out[start:start + hi - lo], buf[lo:hi])
+        start += hi - lo
+    return out
 
 
 def _magnitude_shapes(m, n_out=None) -> dict:
@@ -607,7 +664,7 @@ def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -
     for path, m in lora_modules(model):
         for fa in _file_adapters(model, path, m, format):
             a, b, mag = _file_tensors(m, fa)
-            shapes = _magnitude_shapes(m, fa.rows[1] - fa.rows[0])
+            shapes = _magnitude_shapes(m, fa.n_out)
             if format == "peft":
                 key = f"{prefix}.{fa.name}" if prefix else fa.name
                 out[f"{key}.lora_A.weight"] = Tensor(a)
@@ -670,7 +727,8 @@ class LoadStep:
     the layer is a plain Linear/Conv2d; ``dora``: a DoRA one), and the ``copies`` that fill it, each
     ``(parameter, file key, rows, region)``: parameter "A", "B" or "mag" (DoRA's magnitude), the
     destination rows (start, stop) of the parameter (None: all of it) and the source region
-    ((row start, stop), (column start, stop)) of the file tensor (None: all of it). A DoRA adapter
+    ((row start, stop), (column start, stop) or None: all columns) of the file tensor (None: all of
+    it). A DoRA adapter
     without a magnitude copy starts from ``init_magnitude``."""
 
     path: str
@@ -690,7 +748,7 @@ def _lookup(model, fmt, prefix):
     for name, m in model.named_modules():
         if not name or not (type(m) in _WRAPPERS or isinstance(m, _LoRALayer)):
             continue
-        whole = (0, m.weight.shape[0])
+        whole = ((0, m.weight.shape[0]),)
         if fmt == "peft":
             for fa in [*_file_adapters(model, name, m, "peft"), FileAdapter(name, name, None, whole)]:
                 for spelled in (f"{prefix}.{fa.name}" if prefix else fa.name, fa.name, f"base_model.model.{fa.name}"):
@@ -795,9 +853,14 @@ def _plan_whole(m, path, key, e, fa, specs, scalar, read, alpha, fmt, inject, st
                           for p, (lo, hi) in enumerate(itertools.pairwise(starts))]
         else:
             copies[:1] = [("A", e["A"], (p * rank, (p + 1) * rank), None) for p in range(n)]
-    _check_target(m, path, key, rank, mag, fmt, inject, strict)
     if mag is not None:
         copies.append(("mag", mag, None, None))
+    if len(fa.rows) > 1:  # rows in another order: each segment its own copy
+        starts = list(itertools.accumulate((hi - lo for lo, hi in fa.rows), initial=0))
+        copies = [c for c in copies if c[0] == "A"] + [
+            (target, k, (lo, hi), ((f, f + hi - lo), None)) for target, k, _, _ in copies if target != "A"
+            for f, (lo, hi) in zip(starts, fa.rows)]
+    _check_target(m, path, key, rank, mag, fmt, inject, strict)
     return LoadStep(path, rank, al, type(m) in _WRAPPERS, mag is not None, tuple(copies))
 
 
@@ -816,7 +879,7 @@ def _plan_parts(model, m, path, got, specs, scalar, alpha, fmt, inject, strict, 
         key, e, fa = got[p]
         (a_shape, _) = specs[e["A"]]
         rank = a_shape[0] if a_shape else 0
-        lo, hi = fa.rows
+        (lo, hi), = fa.rows
         _check_weights(m, key, e, specs, rank, hi - lo)
         ranks.add(rank)
         alphas.add(_file_alpha(e, specs, scalar, alpha, fa, rank))
@@ -938,7 +1001,8 @@ def apply_lora_load(model: Module, steps: list, read) -> list:
             if rows is not None:
                 dst = dst[rows[0]:rows[1]]
             if region is not None:
-                src = src[region[0][0]:region[0][1], region[1][0]:region[1][1]]
+                (r0, r1), cols = region
+                src = src[r0:r1] if cols is None else src[r0:r1, cols[0]:cols[1]]
             KE.copy_(dst.view(src.shape), src)
         if m.dora and not any(c[0] == "mag" for c in step.copies):
             m.init_magnitude()
