@@ -360,3 +360,125 @@ def test_a_model_naming_its_layers_wrongly_is_told_so():
     m.diffusers_rows = lambda path: ((0, 4), (3, 6)) if path == "mod" else None
     with pytest.raises(ValueError, match=r"diffusers_rows\('mod'\) gives \(\(0, 4\), \(3, 6\)\), which do not split"):
         nn.lora_state_dict(m)
+
+
+# ---- Flux.1: flame's fused layers against diffusers' FluxTransformer2DModel with PEFT ------------
+
+def _flux_inputs(flux):
+    g = torch.Generator().manual_seed(1)
+    cfg = flux.FluxConfig.tiny()
+    return {"hidden_states": torch.randn(1, 4, cfg.in_channels, generator=g),
+            "encoder_hidden_states": torch.randn(1, 3, cfg.joint_attention_dim, generator=g),
+            "pooled_projections": torch.randn(1, cfg.pooled_projection_dim, generator=g),
+            "timestep": torch.tensor([0.7]), "img_ids": flux.latent_image_ids(4, 4).to_torch().cpu(),
+            "txt_ids": flux.text_ids(3).to_torch().cpu(), "guidance": torch.tensor([3.5])}
+
+
+@pytest.fixture(scope="module")
+def flux_models(tmp_path_factory):
+    """(diffusers' tiny Flux transformer, flame's of the same weights with rank-2 adapters (alpha 3,
+    B random) on attention and MLP, the base weights' file)."""
+    flux = pytest.importorskip("flame.models.flux")
+    diffusers = pytest.importorskip("diffusers")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    cfg = flux.FluxConfig.tiny()
+    torch.manual_seed(0)
+    ref = diffusers.FluxTransformer2DModel(**cfg.to_diffusers()).eval()
+    weights = tmp_path_factory.mktemp("flux_lora") / "transformer.safetensors"
+    safetensors_torch.save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, weights)
+    model = flux.FluxTransformer2DModel.from_pretrained(weights, config=cfg, dtype=torch.float32)
+    model.requires_grad_(False)
+    nn.inject_lora(model, flux.LORA_PRESETS["attn-mlp"], rank=2, alpha=3.0)
+    flame.manual_seed(5)
+    for _, layer in lora_modules(model):
+        flame.nn.init.normal_(layer.lora_B, 0.0, 0.3)
+    return ref, model, weights
+
+
+def _flame_flux(model, inp, grad=None):
+    """flame's output (torch) and, with ``grad``, its LoRA gradients {diffusers module: (dA, dB)}."""
+    out = model(*(flame.from_torch(inp[k].to(DEVICE)) for k in
+                  ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids")),
+                guidance=flame.from_torch(inp["guidance"].to(DEVICE)))
+    if grad is None:
+        return out.to_torch().cpu(), None
+    grads = (out * flame.from_torch(grad.to(DEVICE))).sum().backward()
+    per_module = {}
+    for path, layer in lora_modules(model):
+        da, db = grads[layer.lora_A].to_torch().cpu(), grads[layer.lora_B].to_torch().cpu()
+        names, rows = model.diffusers_names(path), np.cumsum((0, *(layer.parts or (layer.out_features,))))
+        for p, name in enumerate(names):
+            per_module[name] = (da[p * layer.rank:(p + 1) * layer.rank], db[rows[p]:rows[p + 1]])
+    return out.to_torch().cpu(), per_module
+
+
+def _rel(got, ref):
+    return (got.double() - ref.double()).abs().max().item() / ref.double().abs().max().item()
+
+
+FLUX_RTOL = 1e-4 if flame.is_interpreter() else 2e-2  # fp32 GEMMs run as tf32 on the GPU
+FLUX_LORA_MODULES = ({f"transformer_blocks.{i}.{m}" for i in range(2) for m in (
+    "attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_out.0",
+    "attn.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")}
+    | {f"single_transformer_blocks.{i}.{m}" for i in range(2) for m in (
+        "attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp", "proj_out")})
+
+
+def test_flux_peft_file_loads_in_diffusers_with_the_same_output_and_lora_gradients(flux_models, tmp_path):
+    import copy
+    ref, model, _ = flux_models
+    path = tmp_path / "flux_peft.safetensors"
+    flame.io.save_lora(model, path, format="peft", prefix="transformer")
+    transformer = copy.deepcopy(ref)
+    # use_safetensors: diffusers reads the metadata (alpha) only through its safetensors branch
+    transformer.load_lora_adapter(str(path), prefix="transformer", use_safetensors=True)
+    layers = {n: m for n, m in transformer.named_modules() if getattr(m, "lora_A", None)}
+    assert set(layers) == FLUX_LORA_MODULES
+    assert {next(iter(m.scaling.values())) for m in layers.values()} == {1.5}
+    inp = _flux_inputs(pytest.importorskip("flame.models.flux"))
+    theirs = transformer(**inp).sample
+    g = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(2))
+    ours, grads = _flame_flux(model, inp, g)
+    assert _rel(ours, theirs.detach()) < FLUX_RTOL
+    assert _rel(theirs.detach(), ref(**inp).sample.detach()) > 0.05  # the adapters matter
+    (theirs * g).sum().backward()
+    params = dict(transformer.named_parameters())
+    assert set(grads) == FLUX_LORA_MODULES
+    for name, (da, db) in grads.items():
+        ta, tb = (next(p for k, p in params.items() if k.startswith(f"{name}.lora_{ab}.")) for ab in "AB")
+        assert _rel(da, ta.grad) < FLUX_RTOL and _rel(db, tb.grad) < FLUX_RTOL, name
+
+
+def test_flux_kohya_file_loads_in_diffusers_and_in_flame(flux_models, tmp_path):
+    """diffusers converts flame's kohya file (its fused QKV adapters block-diagonal, split into
+    to_q/to_k/to_v by its sparse check) to the same output. diffusers' conversion has Flux.1-dev's
+    sizes for a single block's linear1 written in (3 x 3072 + 12288), so the tiny model's file
+    leaves linear1 out; flame loads the same file into a fresh model of the base weights."""
+    import copy
+
+    from diffusers import FluxPipeline
+    flux = pytest.importorskip("flame.models.flux")
+    ref, model, weights = flux_models
+    sd = {k: v for k, v in nn.lora_state_dict(model, format="kohya", prefix="transformer").items()
+          if "_linear1." not in k}
+    assert sd["lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight"].shape == (96, 6)
+    assert float(sd["lora_unet_double_blocks_0_img_attn_qkv.alpha"].item()) == 9.0
+    path = tmp_path / "flux_kohya.safetensors"
+    flame.io.save_safetensors(sd, path)
+    other = flux.FluxTransformer2DModel.from_pretrained(weights, config=flux.FluxConfig.tiny(), dtype=torch.float32)
+    loaded = flame.io.load_lora(other, path, prefix="transformer")
+    assert len(loaded) == len(lora_modules(model)) - 2  # all but the two single blocks' linear1
+    assert all(other.get_submodule(n).rank == 2 and other.get_submodule(n).alpha == 3.0 for n in loaded)
+    transformer = copy.deepcopy(ref)
+    # what FluxPipeline.load_lora_weights does for the transformer (no pipeline needed)
+    state, alphas, metadata = FluxPipeline.lora_state_dict(str(path), return_alphas=True, return_lora_metadata=True)
+    FluxPipeline.load_lora_into_transformer(state, network_alphas=alphas, transformer=transformer, metadata=metadata)
+    layers = {n for n, m in transformer.named_modules() if getattr(m, "lora_A", None)}
+    assert layers == {n for n in FLUX_LORA_MODULES if not (n.startswith("single") and "proj_out" not in n)}
+    inp = _flux_inputs(flux)
+    with torch.no_grad():
+        theirs = transformer(**inp).sample
+        base = ref(**inp).sample
+    ours, _ = _flame_flux(other, inp)
+    assert _rel(ours, theirs) < FLUX_RTOL
+    assert _rel(theirs, base) > 0.05  # the adapters matter
