@@ -8,9 +8,10 @@ Every model (UNet, text encoders, VAE) loads the same way:
    ``{stem}.safetensors``, the ``{stem}.fp16.safetensors`` variant, or either's sharded
    ``.safetensors.index.json``.
 2. ``stored_tensors(files)``: {name in the file: (file, shape)} from the headers only.
-3. The model's own name map turns that into an index {parameter name: ``Source``}; a ``Source``
-   may take a row range of a stored tensor (a fused q/k/v projection), transpose it, or view it
-   in another shape of the same size (a 1x1 conv weight read as a linear one).
+3. The model's own name map turns that into an index {parameter name: ``Source`` or ``Rows``}; a
+   ``Source`` may take a row range of a stored tensor (a fused q/k/v projection), transpose it, or
+   view it in another shape of the same size (a 1x1 conv weight read as a linear one); ``Rows``
+   stacks several such blocks into one parameter (separately stored q, k, v into a fused one).
 4. ``check_index(index, expected, what, where)`` raises one error listing every missing, unexpected
    and misshapen tensor before anything is read; ``load_into(model, index, dtype)`` then reads the
    tensors a chunk at a time, each becoming the new Parameter.
@@ -38,6 +39,21 @@ class Source(NamedTuple):
     shape: tuple
     rows: tuple | None = None
     transpose: bool = False
+
+
+class Rows(NamedTuple):
+    """A parameter stacked from row blocks, the ``Source``s ``parts`` in order (a fused projection
+    whose pieces are stored as separate tensors, or one tensor's row blocks reordered)."""
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple:
+        """The stacked shape; blocks whose trailing dims differ cannot stack, and their shapes
+        stand in for it (so ``check_index`` reports them)."""
+        trailing = {tuple(p.shape[1:]) for p in self.parts}
+        if len(trailing) != 1:
+            return tuple(tuple(p.shape) for p in self.parts)
+        return (sum(p.shape[0] for p in self.parts), *trailing.pop())
 
 
 def sort_config(cls, config: dict, fixed: dict, ignored=()) -> tuple:
@@ -126,8 +142,8 @@ def check_index(index: dict, expected: dict, what: str, where: str) -> None:
         raise RuntimeError(f"Error(s) loading the {what} from {where}:\n\t" + "\n\t".join(errors))
 
 
-def _materialize(loaded: Tensor, src: Source, like) -> Tensor:
-    """``src``'s part of the stored tensor ``loaded``, in the layout of the parameter ``like``."""
+def _part(loaded: Tensor, src: Source):
+    """``src``'s part of the stored tensor ``loaded``: a view of its buffer."""
     buf = loaded._data
     if src.rows is not None:
         buf = buf[src.rows[0]:src.rows[1]]
@@ -135,6 +151,12 @@ def _materialize(loaded: Tensor, src: Source, like) -> Tensor:
         buf = buf.t()
     if tuple(buf.shape) != tuple(src.shape):
         buf = buf.view(src.shape)
+    return buf
+
+
+def _materialize(loaded: Tensor, src: Source, like) -> Tensor:
+    """``src``'s part of the stored tensor ``loaded``, in the layout of the parameter ``like``."""
+    buf = _part(loaded, src)
     if buf.is_contiguous() and like.is_contiguous():
         return Tensor(buf)
     out = runtime.empty_strided(tuple(like.shape), like.stride(), loaded.dtype)
@@ -146,24 +168,35 @@ def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
     """Give ``model`` (freshly built) the tensors of a checked ``index`` as its parameters, read in
     ``dtype`` about ``chunk_bytes`` at a time: each loaded tensor becomes the new Parameter (no
     copy into the initial one, which is released) unless a row range, transpose or layout change
-    makes it a copy."""
+    makes it a copy. The blocks of a ``Rows`` entry are copied into their rows of the initial
+    Parameter as their tensors arrive (they may lie in different files)."""
     by_file = {}
     for name, src in index.items():
-        by_file.setdefault(src.file, {}).setdefault(src.key, []).append((name, src))
+        blocks, at = [(src, None)], 0
+        if isinstance(src, Rows):
+            blocks = []
+            for block in src.parts:
+                blocks.append((block, at))
+                at += block.shape[0]
+        for block, row in blocks:
+            by_file.setdefault(block.file, {}).setdefault(block.key, []).append((name, block, row))
     for f, by_key in by_file.items():
         part, size = [], 0
         keys = list(by_key)
         for i, key in enumerate(keys):
             part.append(key)
-            size += 4 * sum(math.prod(s.shape) for _, s in by_key[key])
+            size += 4 * sum(math.prod(s.shape) for _, s, _ in by_key[key])
             if size < chunk_bytes and i < len(keys) - 1:
                 continue
             tensors = io.load_safetensors(f, dtype=dtype, keys=part)
             for k in part:
                 loaded = tensors.pop(k)
-                for name, src in by_key[k]:
+                for name, src, row in by_key[k]:
                     path, _, attr = name.rpartition(".")
                     table = model.get_submodule(path)._parameters
+                    if row is not None:  # one block of a stacked parameter
+                        KE.copy_(table[attr]._data.narrow(0, row, src.shape[0]), _part(loaded, src))
+                        continue
                     # in place in the module's table: state_dict order stays the architecture's
                     table[attr] = Parameter(_materialize(loaded, src, table[attr]._data))
             part, size = [], 0
