@@ -482,3 +482,61 @@ def test_flux_kohya_file_loads_in_diffusers_and_in_flame(flux_models, tmp_path):
     ours, _ = _flame_flux(other, inp)
     assert _rel(ours, theirs) < FLUX_RTOL
     assert _rel(theirs, base) > 0.05  # the adapters matter
+
+
+def test_flux_final_modulation_is_written_in_diffusers_row_order(flux_models, tmp_path):
+    """``final_layer.adaLN_modulation.1`` holds (shift, scale), diffusers' ``norm_out.linear`` (scale,
+    shift): the model's ``diffusers_rows`` has flame write and read its PEFT adapter in diffusers'
+    order (forward only)."""
+    import copy
+    flux = pytest.importorskip("flame.models.flux")
+    if not hasattr(flux.FluxTransformer2DModel, "diffusers_rows"):
+        pytest.skip("FluxTransformer2DModel has no diffusers_rows: a PEFT file's norm_out.linear adapter would "
+                    "keep BFL's row order")
+    ref, _, weights = flux_models
+    model = flux.FluxTransformer2DModel.from_pretrained(weights, config=flux.FluxConfig.tiny(), dtype=torch.float32)
+    nn.inject_lora(model, ["final_layer.adaLN_modulation.1", "final_layer.linear"], rank=2, alpha=3.0)
+    flame.manual_seed(6)
+    for _, layer in lora_modules(model):
+        flame.nn.init.normal_(layer.lora_B, 0.0, 0.3)
+    path = tmp_path / "final.safetensors"
+    flame.io.save_lora(model, path, format="peft", prefix="transformer")
+    transformer = copy.deepcopy(ref)
+    transformer.load_lora_adapter(str(path), prefix="transformer", use_safetensors=True)
+    inp = _flux_inputs(flux)
+    with torch.no_grad():
+        theirs, base = transformer(**inp).sample, ref(**inp).sample
+    ours, _ = _flame_flux(model, inp)
+    assert _rel(ours, theirs) < FLUX_RTOL and _rel(theirs, base) > 0.05
+    fresh = flux.FluxTransformer2DModel.from_pretrained(weights, config=flux.FluxConfig.tiny(), dtype=torch.float32)
+    flame.io.load_lora(fresh, path, prefix="transformer")
+    for (_, a), (_, b) in zip(lora_modules(model), lora_modules(fresh)):
+        assert torch.equal(a.lora_B.to_torch(), b.lora_B.to_torch())
+
+
+@pytest.mark.gpu
+def test_flux_sized_fused_layer_in_bf16():
+    """linear1 of Flux.1 (3072 -> 3 x 3072 + 12288) at rank 16 in bf16 inside a ParameterCasts
+    region: output and A, B gradients against four separate adapters in fp32 PyTorch."""
+    parts = (3072, 3072, 3072, 12288)
+    flame.manual_seed(0)
+    base = nn.Linear(3072, sum(parts)).to(torch.bfloat16)
+    base.parts = parts
+    layer = LoRALinear(base, rank=16, alpha=16)
+    flame.nn.init.normal_(layer.lora_B, 0.0, 0.02)
+    x = flame.randn(2, 512, 3072, dtype=flame.bfloat16)
+    with ParameterCasts([layer.lora_A, layer.lora_B], torch.bfloat16):
+        y = layer(x)
+        g = flame.randn(*y.shape, dtype=flame.bfloat16)
+        grads = y.backward(g)
+    xt, gt = x.to_torch().float(), g.to_torch().float()
+    w, b = layer.weight.to_torch().float(), layer.bias.to_torch().float()
+    a = layer.lora_A.to_torch().clone().requires_grad_(True)
+    bb = layer.lora_B.to_torch().clone().requires_grad_(True)
+    starts = np.cumsum((0, *parts))
+    delta = torch.cat([(xt @ a[16 * p:16 * (p + 1)].t()) @ bb[starts[p]:starts[p + 1]].t() for p in range(4)], -1)
+    ref = xt @ w.t() + b + delta
+    (ref * gt).sum().backward()
+    assert_close(y.to(torch.float32), ref.detach(), rtol=2e-2, atol=5e-2)
+    assert_close(grads[layer.lora_A], a.grad, rtol=3e-2, atol=3e-2 * a.grad.abs().max().item())
+    assert_close(grads[layer.lora_B], bb.grad, rtol=3e-2, atol=3e-2 * bb.grad.abs().max().item())
