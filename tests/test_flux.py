@@ -20,7 +20,7 @@ SCHNELL = dataclasses.replace(TINY, guidance_embeds=False)
 ONE_BLOCK = dataclasses.replace(TINY, num_layers=1, num_single_layers=1)  # gradients: one block of each kind
 # exact fp32 products in the interpreter; tf32 GEMMs on the GPU
 RTOL = 1e-5 if flame.is_interpreter() else 1e-2
-GRAD_RTOL = 1e-4 if flame.is_interpreter() else 3e-2
+GRAD_RTOL = 1e-5 if flame.is_interpreter() else 3e-2
 
 
 def _flame_inputs(inp):
@@ -354,7 +354,7 @@ def test_bf16_forward_and_gradients_within_diffusers_bf16_error(tmp_path):
 
     def reference(ref, dtype):
         x = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inp.items()}
-        x["hidden_states"].requires_grad_(True)
+        x["hidden_states"] = x["hidden_states"].detach().clone().requires_grad_(True)  # a leaf of its own
         out = ref(**x).sample
         (out.float() * weights).sum().backward()
         q = ref.transformer_blocks[1].attn
