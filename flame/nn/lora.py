@@ -330,7 +330,7 @@ class LoRALinear(_LoRALayer):
 
     def _up_buffer(self):
         if self.parts is None:
-            return self.lora_B._data
+            return super()._up_buffer()
         return block_diagonal(Tensor(self.lora_B._data), self.parts)._data
 
     def _adapted(self, h):
