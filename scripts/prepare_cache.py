@@ -122,7 +122,7 @@ def _progress(total, desc):
 def prepare_synthetic(cache_dir, num_samples, model_config="sdxl", latent_sizes=None, val_samples=None, seed=0,
                       shard_size=256, show_progress=True, flip=False):
     """A synthetic cache with the dims of ``model_config``; returns the folder."""
-    from flame.train.model import unet_config
+    from flame.train.families.sdxl import unet_config
     bar = _progress(num_samples, "synthetic") if show_progress else None
     try:
         return write_synthetic_cache_for(cache_dir, num_samples, unet_config(model_config), latent_sizes,

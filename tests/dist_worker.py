@@ -23,6 +23,7 @@ import flame  # noqa: E402 - first: it picks the backend
 from flame import distributed  # noqa: E402
 from flame.train import cli, trainer  # noqa: E402
 from flame.train.config import load_config  # noqa: E402
+from flame.train.families import sdxl  # noqa: E402
 from tests.standin import StandInUNet  # noqa: E402
 
 
@@ -59,7 +60,7 @@ def main(argv):
 
     trainer.Trainer.train_step, trainer.Trainer.__init__ = train_step, init
     if use_cli:
-        trainer.build_unet = lambda path, config, dtype: StandInUNet(trainer.unet_config(config))
+        sdxl.SDXLFamily.build = lambda self, path, config, dtype: StandInUNet(sdxl.unet_config(config))
         status = cli.main([config, "--no-progress", *overrides])
     else:
         cfg = load_config(config, overrides)

@@ -490,9 +490,6 @@ def test_flux_final_modulation_is_written_in_diffusers_row_order(flux_models, tm
     order (forward only)."""
     import copy
     flux = pytest.importorskip("flame.models.flux")
-    if not hasattr(flux.FluxTransformer2DModel, "diffusers_rows"):
-        pytest.skip("FluxTransformer2DModel has no diffusers_rows: a PEFT file's norm_out.linear adapter would "
-                    "keep BFL's row order")
     ref, _, weights = flux_models
     model = flux.FluxTransformer2DModel.from_pretrained(weights, config=flux.FluxConfig.tiny(), dtype=torch.float32)
     nn.inject_lora(model, ["final_layer.adaLN_modulation.1", "final_layer.linear"], rank=2, alpha=3.0)

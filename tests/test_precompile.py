@@ -191,7 +191,7 @@ def test_the_shipped_list_is_compiled_ahead_for_sdxls_architecture_only(tmp_path
     from types import SimpleNamespace
 
     from flame.models import SDXLUNetConfig
-    from flame.train.model import is_sdxl_architecture
+    from flame.train.families.sdxl import is_sdxl_architecture
     assert is_sdxl_architecture(SDXLUNetConfig()) and is_sdxl_architecture(SDXLUNetConfig(sample_size=64))
     assert not is_sdxl_architecture(SDXLUNetConfig.tiny())
     assert not is_sdxl_architecture(dataclasses.replace(SDXLUNetConfig(), transformer_layers_per_block=(1, 1, 1)))

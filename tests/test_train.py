@@ -207,9 +207,10 @@ def test_loss_types_train_and_validate_with_kohyas_formulas(cache_dir, tmp_path,
     b = trainer.loader.cache.batch([0, 1, 2, 3])
     noise, t = flame.randn(*b.latents.shape), flame.tensor([5, 300, 700, 990])
     got = trainer.compute_loss(b.latents, noise, t, b.prompt_embeds, b.pooled, b.time_ids).item()
-    pred = trainer.model(trainer.schedule.add_noise(b.latents, noise, t), t, b.prompt_embeds, b.pooled, b.time_ids)
-    c = huber_c_per_timestep(t, trainer.schedule, schedule, 0.2) if loss_type in ("huber", "smooth_l1") else None
-    snr = trainer.schedule.snr(t).numpy()
+    sched = trainer.objective.schedule
+    pred = trainer.model(sched.add_noise(b.latents, noise, t), t, b.prompt_embeds, b.pooled, b.time_ids)
+    c = huber_c_per_timestep(t, sched, schedule, 0.2) if loss_type in ("huber", "smooth_l1") else None
+    snr = sched.snr(t).numpy()
     w = flame.tensor(1 / np.sqrt(np.minimum(snr, 1000))) if debiased else None  # kohya's debiased estimation
     assert got == pytest.approx(diffusion_loss(pred, noise, loss_type, w, c).item(), rel=1e-5)
     assert all(math.isfinite(v) for v in trainer.train()["losses"])
@@ -222,26 +223,28 @@ def test_timestep_sampling_zero_terminal_snr_and_input_perturbation(cache_dir, t
             "diffusion.zero_terminal_snr=true", "diffusion.prediction_type=v_prediction",
             "diffusion.input_perturbation=0.1"]
     trainer = _trainer(_config(cache_dir, tmp_path, *over))
-    assert trainer.schedule.rescale_betas_zero_snr and trainer.schedule.alphas_cumprod.numpy()[-1] == 0
+    schedule = trainer.objective.schedule
+    assert schedule.rescale_betas_zero_snr and schedule.alphas_cumprod.numpy()[-1] == 0
     seen, real = [], trainer.step_fn
     trainer.step_fn = lambda *args: seen.append(args) or real(*args)
     losses = trainer.train()["losses"]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
-    latents, noise, timesteps, embeds, pooled, time_ids, input_noise, weights = seen[0]
+    latents, noise, timesteps, embeds, pooled, input_noise, weights, time_ids = seen[0]
     assert weights is None  # one dataset: no per-sample loss weights
     extra = ((input_noise - noise) * 10.0).numpy()  # gamma = 0.1 times a standard normal draw
     assert abs(extra.std() - 1.0) < 0.2 and abs(extra.mean()) < 0.2
     # the UNet sees the perturbed noise, the target stays the plain noise
     same = trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids, input_noise=noise).item()
     assert same == trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids).item()
-    assert same != trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids, input_noise).item()
+    assert same != trainer.compute_loss(latents, noise, timesteps, embeds, pooled, time_ids,
+                                        input_noise=input_noise).item()
     with pytest.raises(ConfigError, match=r"zero_terminal_snr: .* set diffusion\.prediction_type=v_prediction"):
         _config(cache_dir, tmp_path, "diffusion.zero_terminal_snr=true")
     plain = _trainer(_config(cache_dir, tmp_path / "plain", "train.steps=1"))
     plain_step = plain.step_fn
     plain.step_fn = lambda *args: seen.append(args) or plain_step(*args)
     plain.train_step()
-    assert seen[-1][6] is None  # no perturbation: the step gets no second noise
+    assert seen[-1][5] is None  # no perturbation: the step gets no second noise
 
 
 def test_lora_init_from_starts_from_a_file(cache_dir, tmp_path):
@@ -834,7 +837,7 @@ def test_several_datasets_with_repeats_a_regularization_set_and_their_loss_weigh
     n_main, n_reg = len(LatentCache(cache_dir).split("train")), 6
     assert sum(len(b) for b in trainer.loader.plan(0)) == 2 * n_main + n_reg
     seen, real = [], trainer.step_fn
-    trainer.step_fn = lambda *args: seen.append((args[7].numpy(), len(args[0]))) or real(*args)
+    trainer.step_fn = lambda *args: seen.append((args[6].numpy(), len(args[0]))) or real(*args)
     result = trainer.train()
     meta = read_metadata(result["lora"])
     assert meta["ss_num_reg_images"] == str(n_reg) and meta["ss_prior_loss_weight"] == "0.25"

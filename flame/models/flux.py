@@ -22,15 +22,16 @@ Computation follows diffusers 0.42 step for step (same conventions, inputs and o
   tokens.
 
 Activations run in the model's dtype (bf16 or fp32). RoPE tables are made from the ids with flame
-ops once per forward (angles in fp64 as diffusers, tables in fp32); RoPE itself runs in fp32 and
-rounds to the activation dtype. The forward has no host syncs, host-to-device copies or random
-draws (CUDA-graph friendly); its two lazily made constant tables (the RoPE and timestep
-frequencies) are made by the first call, which a ``CapturedStep`` runs eagerly.
+ops once per forward (angles in fp64 as diffusers, tables in fp32). The LayerNorm with its
+modulation, the gated residuals and the attention prologue (QK RMSNorm, RoPE and the head split of
+one or two streams, read in place from the fused projections) are one kernel each. The forward has
+no host syncs, host-to-device copies or random draws (CUDA-graph friendly); its two lazily made
+constant tables (the RoPE and timestep frequencies) are made by the first call, which a
+``CapturedStep`` runs eagerly.
 
-Layout and copies (for the fused ops that will replace the composed ones): q and k are strided
-views of the QKV output, so ``rms_norm`` copies each to rows first; the double blocks concatenate
-the two streams' q, k and v (one copy each), and for batches above 1 the attention output's text
-and image parts are row-strided views that the projections copy.
+Copies left: each single block concatenates its attention output and GELU(MLP in) before
+``linear2``, and for batches above 1 the attention output's text and image parts are row-strided
+views that the projections copy.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from ..nn import functional as F
 from ..nn.init import ones_, skip_init
 from ..ops.creation import arange, full, tensor, zeros
 from ..ops.elementwise import addcmul, cos, exp, log, sin, to
-from ..ops.shape import cat, stack
+from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float32, float64
 from . import flux_keys
 from .checkpoints import (
@@ -155,15 +156,15 @@ class FluxConfig:
         return cls(**kwargs)
 
 
-# ---- the pieces that fused ops replace -------------------------------------------------------------
-# Composed from flame's ops. Their signatures are those of the fused ops: _modulate is
-# F.layer_norm_modulated(x, shift, scale, eps), _gated_add is flame.addcmul(x, gate[:, None, :], y),
-# _qk_norm_rope is F.qk_norm_rope (its tables are the (L, D/2) ones _rope makes).
+# ---- the fused pieces of a block ---------------------------------------------------------------------
+# LayerNorm + adaLN modulation, the gated residual and the attention prologue (QK RMSNorm, RoPE, the
+# head split of both streams) are one kernel each (ops.norm.layer_norm_modulated, addcmul,
+# ops.rope.qk_norm_rope).
 
 def _modulate(x, shift, scale):
-    """``LayerNorm(x) * (1 + scale) + shift`` over (B, L, H): LayerNorm of the last dim without affine
-    (eps 1e-6); ``shift`` and ``scale`` (B, H)."""
-    return addcmul(shift.unsqueeze(1), F.layer_norm(x, (x.shape[-1],), eps=_EPS), scale.unsqueeze(1) + 1.0)
+    """``LayerNorm(x) * (1 + scale) + shift`` over (B, L, H) (no affine, eps 1e-6); ``shift`` and
+    ``scale`` (B, H), read in place from the modulation's output."""
+    return F.layer_norm_modulated(x, shift, scale, _EPS)
 
 
 def _gated_add(x, gate, y):
@@ -171,35 +172,11 @@ def _gated_add(x, gate, y):
     return addcmul(x, gate.unsqueeze(1), y)
 
 
-def _apply_rope(x, cos_table, sin_table):
-    """RoPE on ``x`` (B, L, heads, D), contiguous: pair i, (x[2i], x[2i+1]), becomes
-    ``(x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin)`` of its angle in the (L, D/2) fp32 tables,
-    computed in fp32 and rounded to ``x``'s dtype (diffusers' ``apply_rotary_emb``). Only the
-    tables are broadcast: a broadcast ``x`` would make its gradient a reduction."""
-    B, L, heads, D = x.shape
-    pairs = x.reshape(B, L, heads, D // 2, 2)
-    rotated = stack([-pairs[..., 1], pairs[..., 0]], -1)
-    c, s = cos_table.reshape(L, 1, D // 2, 1), sin_table.reshape(L, 1, D // 2, 1)
-    return to(addcmul(pairs * c, rotated, s), x.dtype).reshape(B, L, heads, D)
-
-
 def _qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads):
-    """The attention inputs from the fused projections ``qkvs`` (1 or 2 streams (B, L_i, >= 3 H D),
-    columns [q | k | v | ...]): per stream q and k RMS-normalised per head by its (q, k) scales in
-    ``norm_weights`` (eps 1e-6), the streams concatenated along L in list order, RoPE on q and k.
-    Returns (q, k, v), each (B, heads, L, D), transposed views of (B, L, heads, D) buffers."""
-    parts = []
-    for x, (wq, wk) in zip(qkvs, norm_weights):
-        D = wq.shape[0]
-        width = num_heads * D
-        q, k, v = (_heads(x.narrow(-1, i * width, width), num_heads) for i in range(3))
-        parts.append((F.rms_norm(q, (D,), wq, _EPS), F.rms_norm(k, (D,), wk, _EPS), v))
-    q, k, v = (cat(list(p), 1) if len(parts) > 1 else p[0] for p in zip(*parts))
-    q, k = _apply_rope(q, cos_table, sin_table), _apply_rope(k, cos_table, sin_table)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    """(q, k, v), each (B, heads, L, D), from the fused projections ``qkvs`` (1 or 2 streams) with
+    QK RMSNorm (eps 1e-6) and RoPE (``F.qk_norm_rope``)."""
+    return F.qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads, _EPS)
 
-
-# ---- layers -----------------------------------------------------------------------------------------
 
 class _FluxLayers(_Layers):
     """``sdxl_unet._Layers`` with Linears marked by their ``parts`` and the q/k-norm scales."""
@@ -420,6 +397,15 @@ class FluxTransformer2DModel(nn.Module):
         except AttributeError:
             raise ValueError(f"FluxTransformer2DModel.diffusers_names: the model has no module {path!r}") from None
         return flux_keys.diffusers_modules(path)
+
+    def diffusers_rows(self, path: str):
+        """Row segments of the module at ``path`` in the order diffusers stores them, or None when
+        it is flame's order: diffusers' ``norm_out.linear`` holds the final modulation's (shift,
+        scale) halves as (scale, shift) (LoRA files follow it)."""
+        if path != flux_keys.SWAPPED_HALVES:
+            return None
+        h = self.config.hidden_size
+        return ((h, 2 * h), (0, h))
 
     def diffusers_state_dict(self) -> OrderedDict:
         """The base weights under diffusers' names: views of the parameters (fused ones split into

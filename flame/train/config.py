@@ -19,20 +19,17 @@ from types import SimpleNamespace
 
 import yaml
 
-from ..diffusion import TIMESTEP_DISTRIBUTIONS
+from ..diffusion import TIMESTEP_DISTRIBUTIONS, WEIGHTING_SCHEMES
 from ..diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES
 from ..diffusion.samplers import SAMPLERS
 from ..models.sdxl_unet import CHECKPOINT_SCOPES
 from ..nn.lora import target_pattern_error
 from ..optim.lr_scheduler import SCHEDULE_NAMES
-from .model import CONFIG_NAMES
+from . import families
+from .errors import ConfigError
 from .outputs import TRACKERS
 
 REQUIRED = object()
-
-
-class ConfigError(ValueError):
-    """A config problem the user must fix (the message lists every problem found)."""
 
 
 @dataclass(frozen=True)
@@ -50,8 +47,13 @@ SCHEMA = {
     "model": {
         "path": Opt(None, "path", "diffusers unet/ or pipeline folder, or one .safetensors file (diffusers or "
                                   "LDM/SGM names); null: random init from model.config", nullable=True),
-        "config": Opt("sdxl", "str", "architecture: tiny, sdxl, or a diffusers UNet config.json (used for random "
-                                     "init and for single-file checkpoints)"),
+        "config": Opt("sdxl", "str", "architecture: tiny, sdxl (SDXL), tiny, flux-dev, flux-schnell (Flux.1), or a "
+                                     "diffusers UNet / Flux transformer config.json (used for random init and for "
+                                     "single-file checkpoints)"),
+        "family": Opt("auto", "choice", "model family: sdxl (DDPM noise prediction) or flux (rectified flow); auto: "
+                                        "from model.path (its model_index.json, config.json or tensor names), else "
+                                        "from model.config (tiny is SDXL's unless family is flux)",
+                      choices=("auto", "sdxl", "flux")),
     },
     "data": {
         "cache_dir": Opt(None, "path", "latent cache folder (scripts/prepare_cache.py); or set data.datasets",
@@ -155,7 +157,8 @@ SCHEMA = {
                                             "off, or a file recorded with FLAME_RECORD_KERNELS (GPU only)"),
     },
     "diffusion": {
-        "prediction_type": Opt("epsilon", "choice", "what the UNet predicts (SDXL base: epsilon)",
+        "prediction_type": Opt("epsilon", "choice", "what the UNet predicts (SDXL base: epsilon; Flux always "
+                                                    "predicts the flow's velocity, noise - latents)",
                                choices=("epsilon", "v_prediction")),
         "noise_offset": Opt(0.0, "float", "noise += offset * randn(B, C, 1, 1); 0: off", low=0.0),
         "min_snr_gamma": Opt(None, "float", "min-SNR-gamma loss weighting (5 is usual); null: off", low=0.0,
@@ -169,6 +172,14 @@ SCHEMA = {
         "logit_std": Opt(1.0, "float", "logit_normal: standard deviation of the normal", low=0.0),
         "timestep_shift": Opt(1.0, "float", "shift the drawn fraction u to shift*u / (1 + (shift-1)*u): above 1 "
                                             "trains more on high noise, below 1 on detail", low=1e-6),
+        "resolution_shift": Opt(False, "bool", "Flux: shift each batch's noise levels by e^mu, mu linear in its "
+                                               "image tokens from 0.5 (256 tokens) to 1.15 (4096: 1024x1024), as "
+                                               "Flux samples (kohya's --timestep_sampling flux_shift); replaces "
+                                               "timestep_shift"),
+        "weighting_scheme": Opt("none", "choice", "Flux: SD3's per-sample loss weighting of the noise level s: none, "
+                                                  "sigma_sqrt (1/s^2) or cosmap", choices=WEIGHTING_SCHEMES),
+        "guidance": Opt(1.0, "float", "Flux.1-dev: the distilled-guidance input while training (1.0, as kohya's "
+                                      "--guidance_scale; schnell has none)", low=0.0),
         "zero_terminal_snr": Opt(False, "bool", "rescale the noise schedule so the last timestep is pure noise (Lin "
                                                 "et al. 2023; needs v_prediction; on by itself when the model's "
                                                 "scheduler config says rescale_betas_zero_snr)"),
@@ -443,9 +454,7 @@ def _cross_checks(c, errors):
                       f"({d['timestep_max']})")
     if c["model"]["path"] is not None and not os.path.exists(c["model"]["path"]):
         errors.append(f"model.path: {c['model']['path']} does not exist")
-    if c["model"]["config"] not in CONFIG_NAMES and not os.path.exists(c["model"]["config"]):
-        errors.append(f"model.config: expected {' or '.join(CONFIG_NAMES)} or a diffusers UNet config.json (or a "
-                      f"folder holding one), got {c['model']['config']!r} (no such file)")
+    _family_checks(c, errors)
     if t["compile_ahead"] not in ("auto", "off") and not os.path.isfile(t["compile_ahead"]):
         errors.append(f"train.compile_ahead: expected auto, off or a recorded kernel list, got "
                       f"{t['compile_ahead']!r} (no such file)")
@@ -481,6 +490,39 @@ def _cross_checks(c, errors):
         errors.append("sample.use_ema: no moving average is kept: set ema.decay (e.g. 0.999)")
     if t["lr_scheduler"] == "constant" and t["warmup_steps"]:
         errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
+
+
+_DDPM_ONLY = {"min_snr_gamma": None, "debiased_estimation": False, "zero_terminal_snr": False, "timestep_min": 0,
+              "timestep_max": 1000}
+_FLOW_ONLY = {"resolution_shift": False, "weighting_scheme": "none"}
+
+
+def _family_checks(c, errors):
+    """Resolve ``model.family`` (auto: from the checkpoint or config name) and refuse the options
+    the other family's objective alone has."""
+    m, d, lora = c["model"], c["diffusion"], c["lora"]
+    if m["path"] is not None and not os.path.exists(m["path"]):
+        return  # reported above
+    family = m["family"] if m["family"] != "auto" else families.detect(m["path"], m["config"])
+    m["family"] = family
+    names = families.FAMILIES[family].config_names
+    if m["config"] not in names and not os.path.exists(m["config"]):
+        errors.append(f"model.config: a {family} model's config is {', '.join(names)} or a diffusers config.json "
+                      f"(or a folder holding one), got {m['config']!r} (no such file)")
+    if family == "flux":
+        wrong = [f"diffusion.{k}={d[k]!r}" for k, v in _DDPM_ONLY.items() if d[k] != v]
+        if d["prediction_type"] != "epsilon":
+            wrong.append(f"diffusion.prediction_type={d['prediction_type']!r}")
+        if d["loss_type"] in ("huber", "smooth_l1") and d["huber_schedule"] != "constant":
+            wrong.append(f"diffusion.huber_schedule={d['huber_schedule']!r} (use constant)")
+        wrong += [f"lora.{k}={lora[k]!r}" for k in ("lr_down", "lr_mid", "lr_up") if lora[k] != 1.0]
+        if wrong:
+            errors.append(f"model.family flux trains a rectified flow, where these DDPM/UNet options have no "
+                          f"meaning: {', '.join(wrong)}; remove them")
+    else:
+        wrong = [f"diffusion.{k}={d[k]!r}" for k, v in _FLOW_ONLY.items() if d[k] != v]
+        if wrong:
+            errors.append(f"model.family {family}: {', '.join(wrong)} apply to rectified-flow models (Flux) only")
 
 
 class _Loader(yaml.SafeLoader):

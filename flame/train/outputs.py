@@ -22,10 +22,11 @@ _INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wand
 
 
 def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: float, datasets=(),
-                  optimizer: str = "AdamW") -> dict:
+                  optimizer: str = "AdamW", family=None) -> dict:
     """{str: str} training metadata for the LoRA file of a run with config ``cfg``; ``datasets``:
     ``(folder, repeats, training images, is_reg)`` of each cache it trained on; ``optimizer``: its
-    class name (kohya's ``ss_optimizer``)."""
+    class name (kohya's ``ss_optimizer``); ``family``: the run's model family (its base-model version and
+    modelspec architecture; SDXL's when None)."""
     c = cfg
     alpha = c.lora.alpha if c.lora.alpha is not None else c.lora.rank
     network_args = {}
@@ -39,7 +40,8 @@ def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: fl
     size = f"{c.sample.width or 1024}x{c.sample.height or 1024}" if c.model.config == "sdxl" else ""
     values = {
         "ss_network_module": "networks.lora", "ss_network_dim": c.lora.rank, "ss_network_alpha": alpha,
-        "ss_base_model_version": "sdxl_base_v1-0", "ss_sd_model_name": c.model.path or c.model.config,
+        "ss_base_model_version": family.base_model_version if family else "sdxl_base_v1-0",
+        "ss_sd_model_name": c.model.path or c.model.config,
         "ss_output_name": c.output.name, "ss_steps": step, "ss_max_train_steps": c.train.steps or "",
         "ss_num_train_images": num_samples, "ss_learning_rate": c.train.lr, "ss_unet_lr": c.train.lr,
         "ss_lr_scheduler": c.train.lr_scheduler, "ss_lr_warmup_steps": c.train.warmup_steps,
@@ -56,7 +58,8 @@ def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: fl
         "ss_gradient_checkpointing": c.train.gradient_checkpointing, "ss_max_grad_norm": c.train.max_grad_norm or 0,
         "ss_training_started_at": started, "ss_training_finished_at": finished,
         "ss_training_comment": json.dumps({"trainer": "flame", "lora_targets": c.lora.targets}),
-        "modelspec.sai_model_spec": "1.0.0", "modelspec.architecture": "stable-diffusion-xl-v1-base/lora",
+        "modelspec.sai_model_spec": "1.0.0",
+        "modelspec.architecture": family.architecture if family else "stable-diffusion-xl-v1-base/lora",
         "modelspec.implementation": "https://github.com/Stability-AI/generative-models",
         "modelspec.title": c.output.name, "modelspec.resolution": size,
         "modelspec.prediction_type": "v" if c.diffusion.prediction_type == "v_prediction" else "epsilon",

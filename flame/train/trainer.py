@@ -1,15 +1,19 @@
-"""The SDXL LoRA trainer: cached latents in, a LoRA file out.
+"""The LoRA trainer (SDXL and Flux.1): cached latents in, a LoRA file out.
+
+What differs between model families (the model, its layer names and LoRA presets, the cache fields,
+the objective: DDPM noise prediction or rectified flow, the conditioning inputs) sits behind
+``flame.train.families``; this module is the one loop, checkpoint/resume path and console for all.
 
 One optimizer step::
 
     for each of grad_accum micro-batches:           (host: next batch of one aspect bucket)
-        noise, t = sample_noise(...), sample_timesteps(...)        (flame's Philox RNG)
-        loss, grads = loss_and_grads(latents, noise, t, embeds, pooled, time_ids)
+        noise, levels = sample_noise(...), objective.draw(...)     (flame's Philox RNG)
+        loss, grads = loss_and_grads(latents, noise, levels, embeds, pooled, ..., *conditioning)
     [unscale_ + found-inf check (fp16)] clip_grad_norm_, AdamW step (skipped on the device when
     the loss or the gradient norm is not finite), loss-scaler update, lr-scheduler step
 
-``loss_and_grads`` is a pure device function of fixed-shape tensors (noising, UNet forward,
-min-SNR-weighted MSE, backward): no host sync and no random numbers inside, so it can be replayed
+``loss_and_grads`` is a pure device function of fixed-shape tensors (noising, model forward,
+weighted loss, backward): no host sync and no random numbers inside, so it can be replayed
 from a CUDA graph (``train.cuda_graph``). The host reads losses only every ``output.log_every``
 steps (and before any checkpoint): a non-finite loss then stops the run with a checkpoint whose
 weights never saw that step's update.
@@ -56,20 +60,11 @@ import yaml
 from .. import distributed, runtime
 from ..amp import DynamicLossScaler, ParameterCasts
 from ..autograd import GradientMap, no_grad
-from ..data import BucketBatchLoader, CacheError, CacheSet, LatentCache, part_bounds, write_synthetic_cache_for
-from ..diffusion import (
-    DDPMSchedule,
-    debiased_weights,
-    diffusion_loss,
-    huber_c_per_timestep,
-    min_snr_weights,
-    sample_noise,
-    sample_timesteps,
-)
+from ..data import BucketBatchLoader, CacheError, CacheSet, LatentCache, part_bounds
+from ..diffusion import sample_noise
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
 from ..kernels import launch, precompile
-from ..models import SDXLUNet
 from ..nn import inject_lora, lora_parameters
 from ..nn.layers import Conv2d
 from ..nn.lora import adaptable_layers, lora_modules, matching_layers
@@ -79,15 +74,15 @@ from ..ops.elementwise import add, ge, lt, mul, sub, to, where
 from ..ops.shape import stack
 from ..optim import EMA, Adafactor, AdamW, AdamW8bit, Lion, Prodigy, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
+from . import families
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
-from .model import block_of, build_unet, is_sdxl_architecture, unet_config
 from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
-RESUME_FIXED = ("lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "lora.dora", "data.batch_size",
-                "data.drop_last", "data.datasets", "train.seed", "train.optimizer")
+RESUME_FIXED = ("model.family", "lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "lora.dora",
+                "data.batch_size", "data.drop_last", "data.datasets", "train.seed", "train.optimizer")
 SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -163,6 +158,7 @@ class Trainer:
 
     def _setup(self, model):
         c = self.cfg
+        self.family = families.get(c.model.family, c)
         # ---- checks that need no model weights: a bad setting fails here, in seconds
         mcfg = model.config if model is not None else self._model_config()
         self._check_precision()
@@ -173,10 +169,7 @@ class Trainer:
         if c.output.validate_every and self.cache.split("val"):
             self.val_loader = self._loader("val", c.output.val_batch_size or c.data.batch_size, shuffle=False)
         self.total_steps = c.train.steps or c.train.epochs * math.ceil(len(self.loader) / c.train.grad_accum)
-        self.schedule = self._noise_schedule()
-        if c.diffusion.timestep_max > self.schedule.num_train_timesteps:
-            raise ConfigError(f"diffusion.timestep_max ({c.diffusion.timestep_max}) exceeds the noise schedule's "
-                              f"{self.schedule.num_train_timesteps} timesteps")
+        self.objective = self.family.objective(c, self.log)
         self._check_targets(model, mcfg)
         self._resume_from = self._agreed(self._find_checkpoint)  # (path, trainer state) or None
         if self._resume_from is None:
@@ -190,19 +183,20 @@ class Trainer:
         manual_seed(c.train.seed)
         if model is None:
             try:
-                model = build_unet(c.model.path, c.model.config, self.dtype)
+                model = self.family.build(c.model.path, c.model.config, self.dtype)
             except torch.cuda.OutOfMemoryError:
                 raise
             except (OSError, ValueError, RuntimeError) as e:  # a damaged or mismatched checkpoint
                 raise ConfigError(f"model.path: cannot load {c.model.path}: {e}") from None
         self.model = model
         model.requires_grad_(False)
-        self.lora_layers = inject_lora(model, c.lora.targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout,
+        targets = self.family.lora_targets(c.lora.targets)
+        self.lora_layers = inject_lora(model, targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout,
                                        conv=c.lora.conv_targets or False, conv_rank=c.lora.conv_rank,
                                        conv_alpha=c.lora.conv_alpha, dora=c.lora.dora)
         if c.lora.init_from is not None:
             try:  # into the adapters just made: a layer outside the targets or another rank is refused whole
-                load_lora(model, c.lora.init_from, inject=False)
+                load_lora(model, c.lora.init_from, prefix=self.family.lora_prefix, inject=False)
             except (KeyError, ValueError) as e:
                 raise ConfigError(f"lora.init_from: {c.lora.init_from}: {e.args[0] if e.args else e}") from None
         model.train()
@@ -262,7 +256,7 @@ class Trainer:
         c = self.cfg.model
         option = "path" if c.path and os.path.isdir(c.path) else "config"  # a folder holds its config.json
         try:
-            return unet_config(getattr(c, option))
+            return self.family.model_config(getattr(c, option))
         except (OSError, ValueError) as e:
             raise ConfigError(f"model.{option}: {e}") from None
 
@@ -275,7 +269,7 @@ class Trainer:
         if setting == "off" or runtime.is_interpreter() or self.world.local_rank != 0:
             return None
         if setting == "auto":
-            paths = precompile.auto_paths(shipped=is_sdxl_architecture(mcfg))
+            paths = precompile.auto_paths(shipped=self.family.shipped_kernels(mcfg))
             record = precompile.recorded_path()
             try:
                 record.parent.mkdir(parents=True, exist_ok=True)
@@ -292,14 +286,7 @@ class Trainer:
         s = self.cfg.sample
         if s.prompts is None:
             return None
-        from .samples import TrainingSamples
-        source = s.model or self.cfg.model.path
-        try:
-            return TrainingSamples(s, source, self.dtype, default_size=8 * mcfg.sample_size)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"sample: cannot load the text encoders and VAE from {source}: {e}") from None
+        return self.family.training_samples(s, s.model or self.cfg.model.path, self.dtype, mcfg)
 
     def _sample(self):
         """Images of the sample prompts from the current weights, their paths into metrics.jsonl."""
@@ -315,16 +302,16 @@ class Trainer:
         self._sampled = self.step
 
     def _param_groups(self):
-        """The adapters in one optimizer group per (UNet part, A or B), in module order: the part's
-        learning-rate multiplier (``lora.lr_down`` / ``lr_mid`` / ``lr_up``) times ``train.lr``, and
+        """The adapters in one optimizer group per (model part, A or B), in module order: the part's
+        learning-rate multiplier (SDXL: ``lora.lr_down`` / ``lr_mid`` / ``lr_up``) times ``train.lr``, and
         for B also ``lora.plus_ratio`` (LoRA+). DoRA's magnitudes go with their layer's A (the
         part's rate, not LoRA+'s). The groups are the same whatever the multipliers, so a run may
         resume with other ones."""
         lc = self.cfg.lora
-        scale = {"down": lc.lr_down, "mid": lc.lr_mid, "up": lc.lr_up, "other": 1.0}
+        scale = self.family.lr_scales(lc)
         groups = {}
         for name, layer in lora_modules(self.model):
-            block = block_of(name)
+            block = self.family.block_of(name)
             groups.setdefault((block, "A"), []).append(layer.lora_A)
             groups.setdefault((block, "B"), []).append(layer.lora_B)
             if layer.dora:
@@ -374,14 +361,13 @@ class Trainer:
         def write_synthetic():
             if c.synthetic_samples and not os.path.isfile(os.path.join(c.cache_dir, "index.json")):
                 self.log(f"writing a synthetic cache of {c.synthetic_samples} samples to {c.cache_dir}")
-                write_synthetic_cache_for(c.cache_dir, c.synthetic_samples, mcfg, c.synthetic_latent_sizes,
-                                          seed=self.cfg.train.seed, flipped=c.flip)
+                self.family.write_synthetic_cache(c.cache_dir, c.synthetic_samples, mcfg, c.synthetic_latent_sizes,
+                                                  seed=self.cfg.train.seed, flipped=c.flip)
 
         self._agreed(write_synthetic)
         entries = c.datasets or [{"cache_dir": c.cache_dir, "repeats": 1, "loss_weight": 1.0, "is_reg": False}]
         caches, self._datasets = [], []  # (folder, repeats, training images, is_reg): for the LoRA's metadata
-        want = {"latent_channels": mcfg.in_channels, "text_dim": mcfg.cross_attention_dim,
-                "pooled_dim": mcfg.pooled_dim}
+        want = self.family.cache_dims(mcfg)
         for e in entries:
             cache = LatentCache(e["cache_dir"])
             bad = [f"{k} {getattr(cache, k)} (the model needs {v})" for k, v in want.items() if getattr(cache, k) != v]
@@ -429,10 +415,10 @@ class Trainer:
             names = adaptable_layers(model)
             convs = [n for n in names if isinstance(model.get_submodule(n), Conv2d)]
         else:
-            convs = SDXLUNet.layer_names(mcfg, "Conv2d")
-            names = SDXLUNet.layer_names(mcfg, "Linear") + convs
-        if not matching_layers(names, self.cfg.lora.targets):
-            example = next((n for n in names if n.endswith("to_q")), names[0] if names else "none")
+            convs = self.family.layer_names(mcfg, "Conv2d")
+            names = self.family.layer_names(mcfg, "Linear") + convs
+        if not matching_layers(names, self.family.lora_targets(self.cfg.lora.targets)):
+            example = next((n for n in names if n.endswith(("to_q", "qkv"))), names[0] if names else "none")
             raise ConfigError(f"lora.targets: {self.cfg.lora.targets!r} matches none of the model's "
                               f"{len(names):,} Linear and Conv2d layers (names look like {example})")
         conv = self.cfg.lora.conv_targets
@@ -509,63 +495,25 @@ class Trainer:
                               "continue it with --resume (resume=latest), or pick another output.dir, or set "
                               "output.overwrite=true to replace it")
 
-    def _noise_schedule(self):
-        """The checkpoint's own scheduler config when it has one (pipeline folder), else SDXL's;
-        rescaled to a zero terminal SNR when diffusion.zero_terminal_snr or that config asks."""
-        d, path = self.cfg.diffusion, self.cfg.model.path
-        sched, source = {}, None
-        if path and os.path.isdir(path):
-            for candidate in (os.path.join(path, "scheduler", "scheduler_config.json"),
-                              os.path.join(path, "..", "scheduler", "scheduler_config.json")):
-                if os.path.isfile(candidate):
-                    with open(candidate) as f:
-                        sched, source = json.load(f), candidate
-                    kind = sched.get("prediction_type", "epsilon")
-                    if kind != d.prediction_type:
-                        self.log(f"warning: {candidate} says prediction_type={kind}, the config trains "
-                                 f"{d.prediction_type}")
-                    break
-        zero_snr = bool(sched.get("rescale_betas_zero_snr")) or d.zero_terminal_snr
-        if zero_snr and d.prediction_type != "v_prediction":
-            raise ConfigError(f"diffusion.prediction_type: {source} has a zero terminal SNR "
-                              "(rescale_betas_zero_snr), where only v_prediction has a target to learn: set "
-                              "diffusion.prediction_type=v_prediction")
-        return DDPMSchedule.from_config({**sched, "rescale_betas_zero_snr": zero_snr})
-
     # ---- the step ----------------------------------------------------------------------------
-    def compute_loss(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None,
+    def compute_loss(self, latents, noise, levels, prompt_embeds, pooled, *conditioning, input_noise=None,
                      sample_weights=None):
-        """The loss (``diffusion.loss_type``; weighted per sample by min-SNR and/or debiased
-        estimation when set, and by ``sample_weights``: the datasets' loss weights) between the
-        UNet's prediction and its target (0-d fp32). The UNet's input is noised with ``input_noise``
-        when given (input perturbation), the target with ``noise``."""
-        d = self.cfg.diffusion
-        noisy = self.schedule.add_noise(latents, noise if input_noise is None else input_noise, timesteps, check=False)
-        target = self.schedule.target(latents, noise, timesteps, d.prediction_type, check=False)
-        pred = self.model(noisy, timesteps, prompt_embeds, pooled, time_ids)
-        weights = sample_weights
-        if d.min_snr_gamma or d.debiased_estimation:
-            snr = self.schedule.snr(timesteps, check=False)
-            if d.min_snr_gamma:
-                snr_weights = min_snr_weights(snr, d.min_snr_gamma, d.prediction_type)
-                weights = snr_weights if weights is None else mul(weights, snr_weights)
-            if d.debiased_estimation:
-                debiased = debiased_weights(snr, d.prediction_type)
-                weights = debiased if weights is None else mul(weights, debiased)
-        huber_c = None
-        if d.loss_type in ("huber", "smooth_l1"):
-            huber_c = huber_c_per_timestep(timesteps, self.schedule, d.huber_schedule, d.huber_c, d.huber_scale,
-                                           check=False)
-        return diffusion_loss(pred, target, d.loss_type, weights, huber_c)
+        """The objective's loss (0-d fp32) of the model's prediction for ``latents`` noised to
+        ``levels`` (timesteps or flow noise levels), with ``conditioning`` the family's further
+        inputs (SDXL's time ids; Flux's position ids and guidance); ``input_noise``: input
+        perturbation; ``sample_weights``: the datasets' loss weights."""
+        def predict(noisy):
+            return self.family.predict(self.model, noisy, levels, prompt_embeds, pooled, *conditioning)
+        return self.objective.loss(predict, latents, noise, levels, input_noise, sample_weights)
 
-    def loss_and_grads(self, latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise=None,
-                       sample_weights=None):
+    def loss_and_grads(self, latents, noise, levels, prompt_embeds, pooled, input_noise=None, sample_weights=None,
+                       *conditioning):
         """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
         The loss is divided by grad_accum (and scaled by the loss scaler) for the backward only.
         Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it."""
         with self.adapter_casts:
-            loss = self.compute_loss(latents, noise, timesteps, prompt_embeds, pooled, time_ids, input_noise,
-                                     sample_weights)
+            loss = self.compute_loss(latents, noise, levels, prompt_embeds, pooled, *conditioning,
+                                     input_noise=input_noise, sample_weights=sample_weights)
             scaled = mul(loss, 1.0 / self.cfg.train.grad_accum) if self.cfg.train.grad_accum > 1 else loss
             if self.scaler is not None:
                 scaled = self.scaler.scale(scaled)
@@ -588,9 +536,7 @@ class Trainer:
             start, stop, shape = self._part(ids)
             rows = (start, len(ids))  # this rank's rows of one global draw
             noise = sample_noise(shape, d.noise_offset, rows=rows)
-            timesteps = sample_timesteps(shape[0], d.timestep_min, d.timestep_max, rows=rows,
-                                         distribution=d.timestep_sampling, logit_mean=d.logit_mean,
-                                         logit_std=d.logit_std, shift=d.timestep_shift)
+            levels = self.objective.draw(shape, rows)
             input_noise = None
             if d.input_perturbation:  # the input sees noise + gamma * randn, the target the noise alone
                 input_noise = add(noise, mul(randn(*shape, rows=rows), d.input_perturbation))
@@ -613,8 +559,9 @@ class Trainer:
             weights = None
             if self._weighted:  # the datasets' loss weights of these rows
                 weights = tensor(np.array([self.cache.weight_of(i) for i in batch.indices], dtype=np.float32))
-            loss, grads = self.step_fn(batch.latents, noise, timesteps, embeds, pooled, batch.time_ids, input_noise,
-                                       weights)
+            conditioning = self.family.conditioning(batch, shape, embeds.shape[1])
+            loss, grads = self.step_fn(batch.latents, noise, levels, embeds, pooled, input_noise, weights,
+                                       *conditioning)
             if self.bucket is not None:
                 self.bucket.pack(grads, loss, (stop - start) / len(ids), m > 0, self._requested is not None)
                 continue
@@ -669,9 +616,7 @@ class Trainer:
         d = self.cfg.diffusion
         saved = get_rng_state()
         set_rng_state({"seed": VAL_SEED, "offset": 0})
-        n = self.val_loader.num_samples
-        span = d.timestep_max - d.timestep_min
-        all_t = d.timestep_min + (np.arange(n) + 0.5) * span // n
+        all_levels = self.objective.validation_levels(self.val_loader.num_samples)
         total, seen = zeros((1,)), 0
         self.model.eval()
         try:
@@ -681,9 +626,10 @@ class Trainer:
                     noise = sample_noise(shape, d.noise_offset, rows=(start, len(ids)))
                     if stop > start:
                         batch = self.cache.batch(ids[start:stop])
-                        timesteps = tensor(all_t[seen + start:seen + stop].astype(np.int64))
-                        loss = self.compute_loss(batch.latents, noise, timesteps, batch.prompt_embeds, batch.pooled,
-                                                 batch.time_ids)
+                        levels = tensor(all_levels[seen + start:seen + stop])
+                        conditioning = self.family.conditioning(batch, shape, batch.prompt_embeds.shape[1])
+                        loss = self.compute_loss(batch.latents, noise, levels, batch.prompt_embeds, batch.pooled,
+                                                 *conditioning)
                         total = add(total, mul(loss, float(stop - start)))
                     seen += len(ids)
         finally:
@@ -794,7 +740,7 @@ class Trainer:
         tensors = {f"{i}.{k}": v for i, entry in opt["state"].items() for k, v in entry.items() if k != "step"}
         state = self.state(opt)
         writers = {
-            "lora.safetensors": lambda p: save_lora(self.model, p, format="peft"),
+            "lora.safetensors": lambda p: save_lora(self.model, p, format="peft", prefix=self.family.lora_prefix),
             "optimizer.safetensors": lambda p: save_safetensors(tensors, p),
             "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
@@ -825,7 +771,8 @@ class Trainer:
         """Restore a checkpoint written by ``save`` (the model must already carry its adapters);
         ``state``: its trainer_state.json, read and checked by ``_find_checkpoint``, which has set
         the loader's position too."""
-        load_lora(self.model, os.path.join(path, "lora.safetensors"), inject=False, strict=True)
+        load_lora(self.model, os.path.join(path, "lora.safetensors"), prefix=self.family.lora_prefix, inject=False,
+                  strict=True)
         tensors = load_safetensors(os.path.join(path, "optimizer.safetensors"))
         opt = state["optimizer"]
         if len(opt["param_groups"]) != len(self.optimizer.param_groups):
@@ -1009,14 +956,14 @@ class Trainer:
             raise TrainingStopped(msg, reason, self.step, checkpoint, signum)
         if self.world.is_main:
             meta = lora_metadata(c, self.step, len(self.loader.cache.split("train")), started_at, time.time(),
-                                 self._datasets, type(self.optimizer).__name__)
+                                 self._datasets, type(self.optimizer).__name__, self.family)
             for path, averaged in ((self.lora_path(), False), (self.lora_path(ema=True), True)):
                 if averaged and self.ema is None:
                     continue
                 try:
                     with self.ema.applied() if averaged else contextlib.nullcontext():
                         save_lora(self.model, path, format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
-                                  metadata=meta)
+                                  metadata=meta, prefix=self.family.lora_prefix)
                 except OSError as e:
                     raise self._write_error(e, "the LoRA file", path) from e
             self._summary(self.step - first, time.perf_counter() - started, checkpoint)
@@ -1108,4 +1055,4 @@ def train(config, model=None, **kwargs) -> dict:
     return Trainer(config, model=model, **kwargs).train()
 
 
-__all__ = ["PRECISIONS", "Trainer", "TrainingError", "TrainingStopped", "train", "unet_config"]
+__all__ = ["PRECISIONS", "Trainer", "TrainingError", "TrainingStopped", "train"]

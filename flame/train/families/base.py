@@ -1,0 +1,82 @@
+"""``Family``: what the trainer asks of a model family (the SDXL UNet, the Flux transformer)."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+
+
+class Family:
+    """One model family's side of a training run; ``cfg`` is the run's config (None for questions
+    that need none, such as layer names). Class attributes: ``name``, ``config_names`` (what
+    ``model.config`` may name), ``lora_prefix`` (the PEFT/diffusers key prefix of its LoRA files),
+    ``blocks`` (the parts ``block_of`` returns), kohya's ``base_model_version`` and modelspec's
+    ``architecture``."""
+
+    name = ""
+    config_names: tuple = ()
+    lora_prefix = ""
+    blocks: tuple = ("other",)
+    base_model_version = ""
+    architecture = ""
+
+    def __init__(self, cfg=None):
+        self.cfg = cfg
+
+    # ---- the model, before and after its weights exist
+    def model_config(self, spec):
+        """The model config of ``model.config`` (a config name, a config object, or a diffusers
+        config.json / a folder holding one). Raises ValueError or OSError."""
+        raise NotImplementedError
+
+    def build(self, path, config, dtype):
+        """The model: loaded from ``path`` (a folder or one file) or randomly initialised from ``config``."""
+        raise NotImplementedError
+
+    def layer_names(self, mcfg, kind: str) -> list:
+        """The dotted names of the ``kind`` ("Linear" or "Conv2d") layers of a model of ``mcfg``."""
+        raise NotImplementedError
+
+    def lora_targets(self, targets):
+        """``lora.targets`` as ``flame.nn.inject_lora`` takes them (a family's own presets expanded)."""
+        return targets
+
+    # ---- data
+    def cache_dims(self, mcfg) -> dict:
+        """The cache fields the model reads: ``latent_channels``, ``text_dim``, ``pooled_dim``."""
+        raise NotImplementedError
+
+    def write_synthetic_cache(self, path, num_samples, mcfg, latent_sizes, **kwargs):
+        raise NotImplementedError
+
+    def default_image_size(self, mcfg) -> int:
+        raise NotImplementedError
+
+    # ---- the step
+    def objective(self, cfg, log):
+        """The ``flame.train.objectives`` object the run trains with."""
+        raise NotImplementedError
+
+    def conditioning(self, batch, latent_shape, text_len) -> tuple:
+        """The step's tensors besides latents, noise, noise levels, text states and pooled vector;
+        made outside the captured step."""
+        raise NotImplementedError
+
+    def predict(self, model, noisy, levels, embeds, pooled, *conditioning):
+        """The model's prediction for ``noisy`` latents (B, C, h, w), in the latents' layout."""
+        raise NotImplementedError
+
+    def block_of(self, name: str) -> str:
+        """The part of the model (one of ``blocks``) that the layer ``name`` belongs to."""
+        return "other"
+
+    def lr_scales(self, lora_cfg) -> dict:
+        """Learning-rate multiplier of each part in ``blocks``."""
+        return dict.fromkeys(self.blocks, 1.0)
+
+    def shipped_kernels(self, mcfg) -> bool:
+        """Whether configs/kernels/' compile-ahead list was recorded for this architecture."""
+        return False
+
+    def training_samples(self, sample_cfg, source, dtype, mcfg):
+        """The ``sample`` section's prompts encoded, ready to render images while training."""
+        raise ConfigError(f"sample.prompts: flame cannot sample images of a {self.name} model yet: set "
+                          "sample.prompts=null")

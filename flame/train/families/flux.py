@@ -1,0 +1,136 @@
+"""Flux.1: the transformer a run trains (dev, schnell, or the tiny test model), trained with rectified
+flow on cached 16-channel latents, T5 states and the pooled CLIP-L vector.
+
+The cache's latents (B, 16, h, w) are packed into 2x2 patches for the transformer (h/2 * w/2 image
+tokens) and its prediction unpacked again; the image and text position ids (RoPE) and the guidance
+input of dev models are built once per latent size, outside the captured step.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ...data import write_synthetic_cache
+from ...models.flux import (
+    LORA_PRESETS,
+    FluxConfig,
+    FluxTransformer2DModel,
+    latent_image_ids,
+    pack_latents,
+    text_ids,
+    unpack_latents,
+)
+from ...ops.creation import full
+from ..objectives import FlowObjective
+from .base import Family
+
+CONFIG_NAMES = ("tiny", "flux-dev", "flux-schnell")
+BLOCKS = ("double", "single", "other")
+
+
+def flux_config(spec) -> FluxConfig:
+    """``"tiny"`` (FluxConfig.tiny()), ``"flux-dev"``, ``"flux-schnell"`` (no guidance input), a
+    ``FluxConfig``, or a diffusers transformer ``config.json`` (or a folder holding one, directly
+    or in ``transformer/``)."""
+    if isinstance(spec, FluxConfig):
+        return spec
+    if spec == "tiny":
+        return FluxConfig.tiny()
+    if spec == "flux-dev":
+        return FluxConfig()
+    if spec == "flux-schnell":
+        return FluxConfig(guidance_embeds=False)
+    path = os.fspath(spec)
+    for candidate in (path, os.path.join(path, "config.json"), os.path.join(path, "transformer", "config.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                return FluxConfig.from_diffusers(json.load(f))
+    raise ValueError(f"model config must be one of {CONFIG_NAMES} or a diffusers Flux transformer config.json (or a "
+                     f"folder holding one), got {spec!r}")
+
+
+class FluxFamily(Family):
+    """Flux.1's ``Family``."""
+
+    name = "flux"
+    config_names = CONFIG_NAMES
+    lora_prefix = "transformer"
+    blocks = BLOCKS
+    base_model_version = "flux1"
+    architecture = "Flux.1-dev/lora"
+    # tensor names only a Flux single file has (BFL's layout, or diffusers' names in one file)
+    single_file_marks = ("double_blocks.0.img_attn.qkv.weight", "transformer_blocks.0.attn.add_q_proj.weight")
+
+    def __init__(self, cfg=None):
+        super().__init__(cfg)
+        self._guidance = cfg.diffusion.guidance if cfg is not None else 1.0  # the dev models' guidance input
+        self._conditioning = {}  # (B, h, w, text tokens) -> (img_ids, txt_ids, guidance)
+
+    def model_config(self, spec):
+        return flux_config(spec)
+
+    def build(self, path, config, dtype):
+        if path:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"model.path {path!r} does not exist")
+            single_file = os.path.isfile(path)
+            return FluxTransformer2DModel.from_pretrained(path, dtype=dtype,
+                                                          config=flux_config(config) if single_file else None)
+        return FluxTransformer2DModel(flux_config(config), dtype=dtype)
+
+    def layer_names(self, mcfg, kind: str) -> list:
+        return FluxTransformer2DModel.layer_names(mcfg, kind)
+
+    def lora_targets(self, targets):
+        """``lora.targets`` with Flux's presets (``attn``, ``attn-mlp``, ``all-linear``) expanded."""
+        names = [targets] if isinstance(targets, str) else list(targets)
+        out = []
+        for t in names:
+            out.extend(LORA_PRESETS.get(t, (t,)))
+        return out
+
+    def cache_dims(self, mcfg) -> dict:
+        return {"latent_channels": mcfg.in_channels // 4, "text_dim": mcfg.joint_attention_dim,
+                "pooled_dim": mcfg.pooled_projection_dim}
+
+    def _full_size(self, mcfg) -> bool:
+        return mcfg.joint_attention_dim == FluxConfig.joint_attention_dim
+
+    def write_synthetic_cache(self, path, num_samples, mcfg, latent_sizes, **kwargs):
+        """A synthetic cache of the model's dims: T5's 512 tokens (256 for schnell, 8 for the tiny
+        model), latents of 1024² and a 7:9 bucket (8x8 for the tiny model) unless given."""
+        full_size = self._full_size(mcfg)
+        text_len = (512 if mcfg.guidance_embeds else 256) if full_size else 8
+        if latent_sizes is None:
+            latent_sizes = [(128, 128), (112, 144)] if full_size else [(8, 8)]
+        dims = self.cache_dims(mcfg)
+        return write_synthetic_cache(path, num_samples, dims["latent_channels"], text_len, dims["text_dim"],
+                                     dims["pooled_dim"], latent_sizes, **kwargs)
+
+    def default_image_size(self, mcfg) -> int:
+        return 1024 if self._full_size(mcfg) else 64
+
+    def block_of(self, name: str) -> str:
+        head = name.split(".", 1)[0]
+        return {"double_blocks": "double", "single_blocks": "single"}.get(head, "other")
+
+    def objective(self, cfg, log):
+        return FlowObjective(cfg.diffusion)
+
+    def conditioning(self, batch, latent_shape, text_len) -> tuple:
+        """(image ids, text ids, guidance or None) for latents of ``latent_shape`` and ``text_len``
+        text tokens: made once per shape (host-to-device copies stay out of the captured step)."""
+        B, _, h, w = latent_shape
+        key = (B, h, w, text_len)
+        if key not in self._conditioning:
+            guidance = full((B,), float(self._guidance))
+            self._conditioning[key] = (latent_image_ids(h, w), text_ids(text_len), guidance)
+        return self._conditioning[key]
+
+    def predict(self, model, noisy, levels, embeds, pooled, img_ids, txt_ids, guidance):
+        h, w = noisy.shape[-2:]
+        if not model.config.guidance_embeds:
+            guidance = None
+        out = model(hidden_states=pack_latents(noisy), encoder_hidden_states=embeds, pooled_projections=pooled,
+                    timestep=levels, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance)
+        return unpack_latents(out, h, w)

@@ -1,0 +1,122 @@
+"""SDXL: the UNet a run trains (its config from a name or a diffusers config, its weights from a
+checkpoint), trained as a DDPM noise predictor on cached SDXL latents and both text encoders' states."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+
+from ...data import write_synthetic_cache_for
+from ...models import SDXLUNet, SDXLUNetConfig
+from ..errors import ConfigError
+from ..objectives import DDPMObjective
+from .base import Family
+
+CONFIG_NAMES = ("tiny", "sdxl")
+BLOCKS = ("down", "mid", "up", "other")
+
+
+def block_of(name: str) -> str:
+    """The UNet part a module path belongs to: "down" (``down_blocks.*``), "mid" (``mid_block.*``),
+    "up" (``up_blocks.*``) or "other" (conv_in, the time and text-time embeddings, conv_out)."""
+    head = name.split(".", 1)[0]
+    return {"down_blocks": "down", "mid_block": "mid", "up_blocks": "up"}.get(head, "other")
+
+
+def unet_config(spec) -> SDXLUNetConfig:
+    """``"tiny"`` (SDXLUNetConfig.tiny()), ``"sdxl"`` (SDXL base), an ``SDXLUNetConfig``, or the path
+    of a diffusers UNet ``config.json`` (or of a folder holding one, directly or in ``unet/``)."""
+    if isinstance(spec, SDXLUNetConfig):
+        return spec
+    if spec == "tiny":
+        return SDXLUNetConfig.tiny()
+    if spec == "sdxl":
+        return SDXLUNetConfig()
+    path = os.fspath(spec)
+    for candidate in (path, os.path.join(path, "config.json"), os.path.join(path, "unet", "config.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                return SDXLUNetConfig.from_diffusers(json.load(f))
+    raise ValueError(f"model config must be one of {CONFIG_NAMES} or a diffusers UNet config.json (or a folder "
+                     f"holding one), got {spec!r}")
+
+
+def is_sdxl_architecture(config) -> bool:
+    """Whether ``config`` is SDXL's UNet (any ``sample_size``): the model the kernel lists in
+    ``configs/kernels/`` were recorded for."""
+    return (isinstance(config, SDXLUNetConfig)
+            and dataclasses.replace(config, sample_size=SDXLUNetConfig.sample_size) == SDXLUNetConfig())
+
+
+def build_unet(path=None, config="sdxl", dtype=None) -> SDXLUNet:
+    """``SDXLUNet.from_pretrained(path)`` when ``path`` is given (a diffusers ``unet/`` or pipeline
+    folder, or one .safetensors file whose architecture is ``config``), else a random init of ``config``."""
+    if path:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model.path {path!r} does not exist")
+        single_file = os.path.isfile(path)
+        return SDXLUNet.from_pretrained(path, dtype=dtype, config=unet_config(config) if single_file else None)
+    return SDXLUNet(unet_config(config), dtype=dtype)
+
+
+class SDXLFamily(Family):
+    """SDXL's ``Family``."""
+
+    name = "sdxl"
+    config_names = CONFIG_NAMES
+    lora_prefix = "unet"
+    blocks = BLOCKS
+    base_model_version = "sdxl_base_v1-0"
+    architecture = "stable-diffusion-xl-v1-base/lora"
+
+    def model_config(self, spec):
+        return unet_config(spec)
+
+    def build(self, path, config, dtype):
+        return build_unet(path, config, dtype)
+
+    def layer_names(self, mcfg, kind: str) -> list:
+        return SDXLUNet.layer_names(mcfg, kind)
+
+    def lora_targets(self, targets):
+        return targets  # flame.nn.lora's presets are SDXL's
+
+    def cache_dims(self, mcfg) -> dict:
+        return {"latent_channels": mcfg.in_channels, "text_dim": mcfg.cross_attention_dim,
+                "pooled_dim": mcfg.pooled_dim}
+
+    def write_synthetic_cache(self, path, num_samples, mcfg, latent_sizes, **kwargs):
+        return write_synthetic_cache_for(path, num_samples, mcfg, latent_sizes, **kwargs)
+
+    def default_image_size(self, mcfg) -> int:
+        return 8 * mcfg.sample_size
+
+    def shipped_kernels(self, mcfg) -> bool:
+        return is_sdxl_architecture(mcfg)
+
+    def block_of(self, name: str) -> str:
+        return block_of(name)
+
+    def lr_scales(self, lora_cfg) -> dict:
+        return {"down": lora_cfg.lr_down, "mid": lora_cfg.lr_mid, "up": lora_cfg.lr_up, "other": 1.0}
+
+    def objective(self, cfg, log):
+        return DDPMObjective(cfg.diffusion, cfg.model.path, log)
+
+    def conditioning(self, batch, latent_shape, text_len) -> tuple:
+        """The step's inputs besides latents, text states and pooled vector: SDXL's size/crop ids."""
+        return (batch.time_ids,)
+
+    def predict(self, model, noisy, levels, embeds, pooled, time_ids):
+        return model(noisy, levels, embeds, pooled, time_ids)
+
+    def training_samples(self, sample_cfg, source, dtype, mcfg):
+        from ..samples import TrainingSamples
+        try:
+            return TrainingSamples(sample_cfg, source, dtype, default_size=self.default_image_size(mcfg))
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"sample: cannot load the text encoders and VAE from {source}: {e}") from None

@@ -1,0 +1,122 @@
+"""The trainer on Flux.1: the family chosen from the model, rectified-flow training of a small random
+Flux end to end, the LoRA file read by diffusers with the same effect as in flame, exact resume."""
+import json
+import os
+import pathlib
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+import flame
+from flame.io import save_safetensors
+from flame.models.flux import FluxConfig, FluxTransformer2DModel, latent_image_ids, text_ids
+from flame.train import ConfigError, Trainer, build_config
+from flame.train.families import detect
+
+SMALL = FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                   joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
+
+
+def _config(out, *overrides, cache=None):
+    raw = {"model": {"family": "flux", "config": "tiny"},
+           "data": {"cache_dir": str(cache or pathlib.Path(out) / "cache"), "batch_size": 2,
+                    "synthetic_samples": 6, "synthetic_latent_sizes": [[4, 6]]},
+           "lora": {"rank": 4, "alpha": 8, "targets": "attn-mlp"},
+           "train": {"steps": 2, "lr": 2e-2, "precision": "fp32", "seed": 5, "lr_scheduler": "constant"},
+           "diffusion": {"timestep_sampling": "logit_normal", "resolution_shift": True},
+           "output": {"dir": str(out), "save_every": 0, "log_every": 1, "overwrite": True}}
+    return build_config(raw, overrides)
+
+
+def _trainer(cfg, **kw):
+    flame.manual_seed(cfg.train.seed)
+    return Trainer(cfg, model=FluxTransformer2DModel(SMALL), progress=False, log=lambda *a: None, **kw)
+
+
+# ---- the family ------------------------------------------------------------------------------------
+
+def test_family_is_detected_from_folders_files_and_names(tmp_path):
+    pipe = tmp_path / "pipe"
+    (pipe / "transformer").mkdir(parents=True)
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    assert detect(str(pipe), "sdxl") == "flux"
+    (pipe / "model_index.json").unlink()
+    (pipe / "transformer" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel"}))
+    assert detect(str(pipe), "sdxl") == detect(str(pipe / "transformer"), "sdxl") == "flux"
+    single = tmp_path / "flux1-dev.safetensors"
+    save_safetensors({"double_blocks.0.img_attn.qkv.weight": flame.zeros(6, 2)}, single)
+    assert detect(str(single), "sdxl") == "flux"
+    assert detect(None, "flux-dev") == detect(None, "flux-schnell") == "flux"
+    assert detect(None, "tiny") == detect(None, "sdxl") == "sdxl"
+    cfg = build_config({"model": {"config": "flux-schnell"}, "data": {"cache_dir": "c"}, "train": {"steps": 1},
+                        "output": {"dir": str(tmp_path / "o")}})
+    assert cfg.model.family == "flux"
+
+
+def test_options_of_the_other_objective_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"min_snr_gamma=5\.0.*lora\.lr_up=0\.5"):
+        _config(tmp_path, "diffusion.min_snr_gamma=5", "lora.lr_up=0.5")
+    with pytest.raises(ConfigError, match=r"model\.config: a flux model's config is tiny, flux-dev, flux-schnell"):
+        _config(tmp_path, "model.config=sdxl")
+    with pytest.raises(ConfigError, match=r"resolution_shift=True.*rectified-flow models \(Flux\) only"):
+        _config(tmp_path, "model.family=sdxl")
+
+
+# ---- training --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("flux_run")
+    trainer = _trainer(_config(out))
+    return trainer, trainer.train()
+
+
+def test_flux_lora_trains_and_diffusers_reads_the_file_with_the_same_effect(trained):
+    diffusers = pytest.importorskip("diffusers")
+    trainer, result = trained
+    assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
+    model = trainer.model
+    ref = diffusers.FluxTransformer2DModel(**SMALL.to_diffusers())
+    ref.load_state_dict({k: v.to_torch().clone() for k, v in model.diffusers_state_dict().items()})
+    folder, name = os.path.split(result["lora"])
+    ref.load_lora_adapter(folder, weight_name=name, prefix="transformer", use_safetensors=True)
+    B, h, w, n_txt = 2, 4, 6, 5
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, (h // 2) * (w // 2), SMALL.in_channels, generator=gen)
+    txt = torch.randn(B, n_txt, SMALL.joint_attention_dim, generator=gen)
+    pooled = torch.randn(B, SMALL.pooled_projection_dim, generator=gen)
+    t, g = torch.tensor([0.3, 0.8]), torch.tensor([1.0, 3.5])
+    img_ids, txt_ids = latent_image_ids(h, w), text_ids(n_txt)
+    with torch.no_grad():
+        want = ref(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled, timestep=t,
+                   img_ids=img_ids.to_torch(), txt_ids=txt_ids.to_torch(), guidance=g).sample
+    model.eval()
+    with flame.no_grad():
+        got = model(hidden_states=flame.from_torch(x), encoder_hidden_states=flame.from_torch(txt),
+                    pooled_projections=flame.from_torch(pooled), timestep=flame.from_torch(t),
+                    img_ids=img_ids, txt_ids=txt_ids, guidance=flame.from_torch(g)).to_torch()
+    base = ref.disable_adapters() or ref(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled,
+                                         timestep=t, img_ids=img_ids.to_torch(), txt_ids=txt_ids.to_torch(),
+                                         guidance=g).sample.detach()
+    assert (want - base).norm() > 1e-3 * base.norm()  # the LoRA changes the output
+    assert (got - want).norm() <= 1e-5 * want.norm()
+
+
+def test_flux_resume_continues_exactly(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    straight = _trainer(_config(tmp_path / "a", "train.steps=3", cache=cache)).train()["losses"]
+    cut = _trainer(_config(tmp_path / "b", "train.steps=3", cache=cache))
+    real_step = cut.train_step
+
+    def step_then_interrupt():
+        real_step()
+        if cut.step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(cut, "train_step", step_then_interrupt)
+    with pytest.raises(Exception, match="interrupted"):
+        cut.train()
+    resumed = _trainer(_config(tmp_path / "b", "train.steps=3", "resume=latest", cache=cache)).train()["losses"]
+    np.testing.assert_array_equal(resumed, straight[1:])  # the run after the checkpoint of step 1
