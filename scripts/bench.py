@@ -182,7 +182,8 @@ CONV_TARGETS = tuple(
         Target(f"3x3 stride-1 {kind.strip()} at most 1.15x cuDNN channels-last, geometric mean (issue 5)",
                _starts(kind, "3x3", "vs torch CL", **_CONV_S1), "geo", 1.15))
 )
-_SDXL_ATTENTION = dict(without=("causal", "D128"))
+_SDXL_ATTENTION = dict(without=("causal", "D128", "vs cuDNN"))
+_VS_CUDNN = dict(without=("causal", "B2 ", "B4 "))  # SDXL's batch-1 shapes and Flux's (D128, 4608 tokens)
 ATTENTION_TARGETS = (
     Target("forward at most 1.1x on every SDXL shape (issue 6)", _starts("fwd ", "D64", **_SDXL_ATTENTION),
            "max", 1.1),
@@ -190,6 +191,10 @@ ATTENTION_TARGETS = (
            _starts("fwd+bwd", "D64", **_SDXL_ATTENTION), "max", 1.2),
     Target("forward+backward at most 1.0x on the geometric mean (issue 6)",
            _starts("fwd+bwd", "D64", **_SDXL_ATTENTION), "geo", 1.0),
+    Target("forward at most 0.95x cuDNN SDPA on SDXL's and Flux's shapes (issue 46)",
+           _starts("fwd ", "vs cuDNN", **_VS_CUDNN), "max", 0.95),
+    Target("forward+backward at most 1.0x cuDNN SDPA on SDXL's and Flux's shapes (issue 46)",
+           _starts("fwd+bwd", "vs cuDNN", **_VS_CUDNN), "max", 1.0),
 )
 
 
@@ -457,12 +462,26 @@ def norms_family(ctx: Ctx) -> list[Case]:
     return cases
 
 
-ATTENTION_SHAPES = [  # (B, H, Lq, Lk, D, causal): SDXL self/cross attention and two reference sizes
+ATTENTION_SHAPES = [  # (B, H, Lq, Lk, D, causal): SDXL self/cross attention, Flux's and two reference sizes
     *((b, h, lq, lk, d, bool(c)) for b, h, lq, lk, d, c in common.sdxl_rows("attention", [
         (1, 10, 4096, 4096, 64, 0), (1, 20, 1024, 1024, 64, 0), (1, 10, 4096, 77, 64, 0), (1, 20, 1024, 77, 64, 0),
         (4, 10, 4096, 4096, 64, 0)])),
+    (1, 24, 4608, 4608, 128, False),  # Flux (1024x1024: 4096 image + 512 text tokens, 24 heads of 128)
     (2, 16, 4096, 4096, 128, False), (4, 32, 2048, 2048, 128, True),
 ]
+
+
+def _sdpa_on(backend, causal):
+    """``fn(q, k, v)``: PyTorch's SDPA on one backend (``torch.nn.attention.SDPBackend``), or on
+    whichever it picks (None)."""
+    import torch.nn.attention
+
+    def sdpa(q, k, v):
+        if backend is None:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with torch.nn.attention.sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return sdpa
 
 
 @family("attention", "scaled_dot_product_attention vs PyTorch SDPA: SDXL shapes, (B, L, H, D) inputs",
@@ -473,6 +492,7 @@ def attention_family(ctx: Ctx) -> list[Case]:
     shapes = ATTENTION_SHAPES
     if ctx.quick or ctx.interpreter:
         shapes = [(1, 2, 64, 64, 32, False), (1, 2, 64, 17, 32, False)]
+    cudnn = None if ctx.interpreter else torch.backends.cuda.SDPBackend.CUDNN_ATTENTION
     cases = []
     for bsz, h, lq, lk, d, causal in shapes:
         # q/k/v as diffusers makes them: (B, L, H, D) projections viewed as (B, H, L, D)
@@ -483,10 +503,12 @@ def attention_family(ctx: Ctx) -> list[Case]:
         g = flame.randn(bsz, h, lq, d, dtype=ctx.dtype)
         flops = 4 * bsz * h * lq * lk * d // (2 if causal else 1)
         name = f"B{bsz} H{h} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
-        cases += _fwd_bwd_cases(
-            name, lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
-            lambda q, k, v, c=causal: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c),
-            tuple(f for f, _ in qkv), tuple(t for _, t in qkv), g, g.to_torch(), flops=flops, bwd_factor=2.5)
+        # PyTorch's own pick, and (CUDA) its cuDNN backend, the fastest on Hopper (issue 46)
+        for suffix, backend in [("", None)] + ([(" vs cuDNN", cudnn)] if cudnn is not None else []):
+            cases += _fwd_bwd_cases(
+                name + suffix, lambda q, k, v, c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+                _sdpa_on(backend, causal),
+                tuple(f for f, _ in qkv), tuple(t for _, t in qkv), g, g.to_torch(), flops=flops, bwd_factor=2.5)
     return cases
 
 

@@ -471,7 +471,8 @@ def test_bad_inputs_raise(args, kwargs, exc, match):
 # ---- GPU: bf16 numerics on the SDXL shapes (the 2x / 3x rule of docs/design.md) -----------------
 
 SDXL = [(1, 10, 4096, 4096, 64), (1, 20, 1024, 1024, 64), (1, 10, 4096, 77, 64), (1, 20, 1024, 77, 64)]
-OTHER = [(2, 4, 1000, 333, 40), (1, 4, 777, 1025, 80), (1, 4, 513, 77, 96), (2, 4, 1024, 1024, 128)]
+OTHER = [(2, 4, 1000, 333, 40), (1, 4, 777, 1025, 80), (1, 4, 513, 77, 96), (2, 4, 1024, 1024, 128),
+         (1, 6, 4608, 4608, 128)]  # Flux's attention (of 24 heads): 128 x 128 tiles, K/V by TMA
 
 
 def _gpu_rule(B, H, Lq, Lk, D, dtype, causal=False, layout="bhld", mask=None):

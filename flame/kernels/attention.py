@@ -594,8 +594,10 @@ def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
                     num_warps=4, num_stages=1)
     # GPU heuristics from a sweep on an H200 (Triton 3.6, bf16, the bench shapes): 64x64 tiles with
     # 4 warps beat 128-row tiles at batch 1 (1.03x SDPA's time at 4096 tokens against 1.59x);
-    # with many programs (batch 4) 128 rows and 8 warps win. fp32/fp64 (tests) get smaller tiles
-    # so that they fit in shared memory.
+    # with many programs (batch 4) 128 rows and 8 warps win. Head dim 128 with K/V by TMA (Flux:
+    # 24 heads of 4608 tokens) takes 128x128 tiles, 8 warps, 3 stages (230 KB of shared memory):
+    # 0.531 ms against 0.582 for 64x64 (cuDNN 0.463; notes/attention.md). fp32/fp64 (tests) get
+    # smaller tiles so that they fit in shared memory.
     warps = 4
     if bd > 256:  # 128-row tiles over two value slices (see ACC_REGS); fp32/fp64 (tests): 4 warps, no slices
         bm, bn, warps, stages = (128, 32, 8, 2) if esize <= 2 else (32, 16, 4, 1) if esize == 4 else (16, 16, 4, 1)
@@ -605,6 +607,8 @@ def _fwd_heuristic(Lq, Lk, bd, BH, esize, short):
         bm, bn, stages = 64, 32, 2
     elif bd <= 64 and BH * _cdiv(Lq, 64) >= 8 * runtime.num_sms():
         bm, bn, warps, stages = 128, 64, 8, 3
+    elif bd == 128 and Lk >= KV_TMA_MIN_KEYS:  # K/V by TMA: two warpgroups of 64 rows, 128-key blocks
+        bm, bn, warps, stages = 128, 128, 8, 3
     else:
         bm, bn, stages = 64, 64, 4 if (bd <= 64 and Lk >= 2048) else 3
     if short:  # K/V in one block; 64 query rows, one stage (nothing to pipeline)
