@@ -219,11 +219,11 @@ def test_matches_diffusers_modules():
     ids = torch.cat([torch.zeros(Lt, 3), torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(side * 1.0),
                                                                    torch.arange(side * 1.0), indexing="ij"), -1)
                      .reshape(-1, 3)])
-    cos_full, sin_full = FluxPosEmbed(theta=10000, axes_dim=[2, 2, 4])(ids)
     xs, weights, _, _, gs = _case(B, H, D, (Lt, side * side), (0, 4), torch.float32)
+    cos_full, sin_full = FluxPosEmbed(theta=10000, axes_dim=[2, 2, 4])(ids.to(xs[0].device))
     norms = []
     for wq, wk in weights:
-        pair = [RMSNorm(D, eps=EPS), RMSNorm(D, eps=EPS)]
+        pair = [RMSNorm(D, eps=EPS).to(wq.device), RMSNorm(D, eps=EPS).to(wq.device)]
         with torch.no_grad():
             pair[0].weight.copy_(wq)
             pair[1].weight.copy_(wk)

@@ -120,3 +120,10 @@ def test_flux_resume_continues_exactly(tmp_path, monkeypatch):
         cut.train()
     resumed = _trainer(_config(tmp_path / "b", "train.steps=3", "resume=latest", cache=cache)).train()["losses"]
     np.testing.assert_array_equal(resumed, straight[1:])  # the run after the checkpoint of step 1
+
+
+def test_compile_ahead_list_is_flux_1s_own():
+    from flame.train.families.flux import FluxFamily
+    family = FluxFamily()
+    assert family.kernel_list(FluxConfig()) == family.kernel_list(FluxConfig(guidance_embeds=False)) == "flux"
+    assert family.kernel_list(FluxConfig.tiny()) is None and family.kernel_list(SMALL) is None

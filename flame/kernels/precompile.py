@@ -89,9 +89,11 @@ SHIPPED_DIR = Path(__file__).resolve().parents[2] / "configs" / "kernels"
 DONE_FILE = "flame-compiled-ahead.txt"
 
 
-def manifest_name(device_name: str | None = None) -> str:
-    """``<gpu-slug>-triton<version>.jsonl``: a recorded list serves one GPU model and Triton release."""
-    return f"{tune.slug(device_name or runtime.device_name())}-triton{triton.__version__}.jsonl"
+def manifest_name(device_name: str | None = None, model: str = "") -> str:
+    """``<gpu-slug>-triton<version>[-<model>].jsonl``: a recorded list serves one GPU model and Triton
+    release, and a shipped one one model architecture (SDXL's has no suffix, Flux's ``-flux``)."""
+    suffix = f"-{model}" if model else ""
+    return f"{tune.slug(device_name or runtime.device_name())}-triton{triton.__version__}{suffix}.jsonl"
 
 
 def recorded_path() -> Path:
@@ -100,10 +102,11 @@ def recorded_path() -> Path:
     return tune.cache_path().parent.parent / "kernels" / manifest_name()
 
 
-def auto_paths(shipped: bool = True) -> list:
-    """The recorded lists that exist for this GPU and Triton: the shipped one (recorded for full
-    SDXL runs: ``shipped=False`` leaves it out for another model), then this machine's."""
-    paths = [SHIPPED_DIR / manifest_name()] if shipped else []
+def auto_paths(shipped: bool = True, model: str = "") -> list:
+    """The recorded lists that exist for this GPU and Triton: the shipped one of ``model`` (recorded
+    for full SDXL runs, or with ``model="flux"`` full Flux.1 runs: ``shipped=False`` leaves it out
+    for another architecture), then this machine's."""
+    paths = [SHIPPED_DIR / manifest_name(model=model)] if shipped else []
     return [p for p in paths + [recorded_path()] if p.exists()]
 
 

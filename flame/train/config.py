@@ -153,8 +153,9 @@ SCHEMA = {
                                         "off when lora.dropout > 0, whose masks must change every step)"),
         "compile_ahead": Opt("auto", "str", "compile kernels in parallel processes while the model loads: auto "
                                             "(configs/kernels' list for this GPU and Triton when the model is SDXL's "
-                                            "architecture, plus the kernels earlier runs on this machine recorded), "
-                                            "off, or a file recorded with FLAME_RECORD_KERNELS (GPU only)"),
+                                            "or Flux.1's architecture, plus the kernels earlier runs on this "
+                                            "machine recorded), off, or a file recorded with FLAME_RECORD_KERNELS "
+                                            "(GPU only)"),
     },
     "diffusion": {
         "prediction_type": Opt("epsilon", "choice", "what the UNet predicts (SDXL base: epsilon; Flux always "

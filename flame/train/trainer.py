@@ -263,13 +263,15 @@ class Trainer:
     def _compile_ahead(self, mcfg):
         """Start compiling the kernels ``train.compile_ahead`` lists (kernels/precompile.py), one
         process per host; with ``auto`` the kernels this run compiles are recorded for the next.
-        ``auto`` compiles the shipped list, an SDXL run's kernels, only for SDXL's architecture: a
-        smaller model (the tiny configs, tests) would compile hundreds of variants it never runs."""
+        ``auto`` compiles a shipped list (a full SDXL or Flux.1 run's kernels) only for the architecture
+        it was recorded on: a smaller model (the tiny configs, tests) would compile hundreds of
+        variants it never runs."""
         setting = self.cfg.train.compile_ahead
         if setting == "off" or runtime.is_interpreter() or self.world.local_rank != 0:
             return None
         if setting == "auto":
-            paths = precompile.auto_paths(shipped=self.family.shipped_kernels(mcfg))
+            shipped = self.family.kernel_list(mcfg)
+            paths = precompile.auto_paths(shipped=shipped is not None, model=shipped or "")
             record = precompile.recorded_path()
             try:
                 record.parent.mkdir(parents=True, exist_ok=True)

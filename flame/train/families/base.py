@@ -72,9 +72,10 @@ class Family:
         """Learning-rate multiplier of each part in ``blocks``."""
         return dict.fromkeys(self.blocks, 1.0)
 
-    def shipped_kernels(self, mcfg) -> bool:
-        """Whether configs/kernels/' compile-ahead list was recorded for this architecture."""
-        return False
+    def kernel_list(self, mcfg) -> str | None:
+        """The name of configs/kernels/' compile-ahead list recorded for this architecture ("" for
+        SDXL's, "flux"), or None when none was (``precompile.manifest_name``'s ``model``)."""
+        return None
 
     def training_samples(self, sample_cfg, source, dtype, mcfg):
         """The ``sample`` section's prompts encoded, ready to render images while training."""

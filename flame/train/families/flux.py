@@ -7,6 +7,7 @@ input of dev models are built once per latent size, outside the captured step.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -109,6 +110,10 @@ class FluxFamily(Family):
 
     def default_image_size(self, mcfg) -> int:
         return 1024 if self._full_size(mcfg) else 64
+
+    def kernel_list(self, mcfg) -> str | None:
+        """Flux.1's list (recorded on dev's architecture; schnell runs the same kernels)."""
+        return "flux" if dataclasses.replace(mcfg, guidance_embeds=True) == FluxConfig() else None
 
     def block_of(self, name: str) -> str:
         head = name.split(".", 1)[0]

@@ -93,8 +93,8 @@ class SDXLFamily(Family):
     def default_image_size(self, mcfg) -> int:
         return 8 * mcfg.sample_size
 
-    def shipped_kernels(self, mcfg) -> bool:
-        return is_sdxl_architecture(mcfg)
+    def kernel_list(self, mcfg) -> str | None:
+        return "" if is_sdxl_architecture(mcfg) else None
 
     def block_of(self, name: str) -> str:
         return block_of(name)
