@@ -21,6 +21,11 @@ def _np(t):
     return t.numpy().astype(np.float64)
 
 
+def _flame(t):
+    """A (CPU) torch reference input as a flame tensor on flame's device."""
+    return flame.from_torch(t.to(flame.device))
+
+
 @pytest.mark.parametrize("tokens", [256, 1024, 4096, 4608, 77])
 def test_resolution_shift_is_diffusers_calculate_shift(tokens):
     pipeline_flux = pytest.importorskip("diffusers.pipelines.flux.pipeline_flux")
@@ -69,9 +74,9 @@ def test_noisy_and_target_match_flow_match_scheduler():
     timesteps = sched.timesteps[[980, 500, 30]]
     sig = sched.sigmas[[980, 500, 30]]
     ref = sched.scale_noise(x0, timesteps, noise)
-    got = flow_noisy(flame.from_torch(x0), flame.from_torch(noise), flame.from_torch(sig.float())).to_torch()
+    got = flow_noisy(_flame(x0), _flame(noise), _flame(sig.float())).to_torch().cpu()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-    target = flow_target(flame.from_torch(x0), flame.from_torch(noise)).to_torch()
+    target = flow_target(_flame(x0), _flame(noise)).to_torch().cpu()
     torch.testing.assert_close(target, noise - x0)
 
 
@@ -80,11 +85,11 @@ def test_weighting_schemes_match_diffusers(scheme):
     training_utils = pytest.importorskip("diffusers.training_utils")
     sig = torch.tensor([0.01, 0.2, 0.5, 0.9, 0.999])
     ref = training_utils.compute_loss_weighting_for_sd3(scheme, sig)
-    got = flow_loss_weights(flame.from_torch(sig), scheme)
+    got = flow_loss_weights(_flame(sig), scheme)
     if scheme == "none":
         assert got is None
         return
-    torch.testing.assert_close(got.to_torch(), ref.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.to_torch().cpu(), ref.float(), rtol=1e-5, atol=1e-6)
 
 
 def test_bad_arguments():

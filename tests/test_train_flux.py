@@ -78,16 +78,17 @@ def test_flux_lora_trains_and_diffusers_reads_the_file_with_the_same_effect(trai
     trainer, result = trained
     assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))
     model = trainer.model
-    ref = diffusers.FluxTransformer2DModel(**SMALL.to_diffusers())
+    dev = flame.device
+    ref = diffusers.FluxTransformer2DModel(**SMALL.to_diffusers()).to(dev)
     ref.load_state_dict({k: v.to_torch().clone() for k, v in model.diffusers_state_dict().items()})
     folder, name = os.path.split(result["lora"])
     ref.load_lora_adapter(folder, weight_name=name, prefix="transformer", use_safetensors=True)
     B, h, w, n_txt = 2, 4, 6, 5
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(B, (h // 2) * (w // 2), SMALL.in_channels, generator=gen)
-    txt = torch.randn(B, n_txt, SMALL.joint_attention_dim, generator=gen)
-    pooled = torch.randn(B, SMALL.pooled_projection_dim, generator=gen)
-    t, g = torch.tensor([0.3, 0.8]), torch.tensor([1.0, 3.5])
+    x = torch.randn(B, (h // 2) * (w // 2), SMALL.in_channels, generator=gen).to(dev)
+    txt = torch.randn(B, n_txt, SMALL.joint_attention_dim, generator=gen).to(dev)
+    pooled = torch.randn(B, SMALL.pooled_projection_dim, generator=gen).to(dev)
+    t, g = torch.tensor([0.3, 0.8], device=dev), torch.tensor([1.0, 3.5], device=dev)
     img_ids, txt_ids = latent_image_ids(h, w), text_ids(n_txt)
     with torch.no_grad():
         want = ref(hidden_states=x, encoder_hidden_states=txt, pooled_projections=pooled, timestep=t,
