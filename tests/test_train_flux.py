@@ -102,7 +102,8 @@ def test_flux_lora_trains_and_diffusers_reads_the_file_with_the_same_effect(trai
                                          timestep=t, img_ids=img_ids.to_torch(), txt_ids=txt_ids.to_torch(),
                                          guidance=g).sample.detach()
     assert (want - base).norm() > 1e-3 * base.norm()  # the LoRA changes the output
-    assert (got - want).norm() <= 1e-5 * want.norm()
+    # fp32 GEMMs: exact products on the interpreter, tf32 on a GPU (flame's fp32 GEMMs run in tf32 there)
+    assert (got - want).norm() <= (1e-5 if flame.is_interpreter() else 3e-3) * want.norm()
 
 
 def test_flux_resume_continues_exactly(tmp_path, monkeypatch):
