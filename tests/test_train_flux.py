@@ -129,3 +129,28 @@ def test_compile_ahead_list_is_flux_1s_own():
     family = FluxFamily()
     assert family.kernel_list(FluxConfig()) == family.kernel_list(FluxConfig(guidance_embeds=False)) == "flux"
     assert family.kernel_list(FluxConfig.tiny()) is None and family.kernel_list(SMALL) is None
+
+
+def test_two_processes_train_flux_as_one_process_at_the_global_batch(tmp_path):
+    """Data-parallel Flux (2 processes on gloo through the CLI, batch 1 each) is the one-process run at batch 2."""
+    import yaml
+    from test_distributed import TWO_DEVICES, _launch, _rank_file
+    if not TWO_DEVICES:
+        pytest.skip("needs 2 GPUs (or the interpreter)")
+    raw = {"model": {"family": "flux", "config": "tiny"},
+           "data": {"cache_dir": str(tmp_path / "cache"), "batch_size": 1, "synthetic_samples": 4,
+                    "synthetic_latent_sizes": [[4, 4]]},
+           "lora": {"rank": 2, "targets": "attn"},
+           "train": {"steps": 2, "lr": 1e-2, "precision": "fp32", "seed": 7, "lr_scheduler": "constant"},
+           "output": {"dir": str(tmp_path / "run"), "save_every": 0, "log_every": 1}}
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    results = _launch(config, tmp_path / "ranks", "--cli")
+    assert [r[0] for r in results] == [0, 0], results
+    ranks = [_rank_file(tmp_path / "ranks", r) for r in range(2)]
+    for key in ranks[0].files:
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key])
+    cfg = build_config({**raw, "data": {**raw["data"], "batch_size": 2},
+                        "output": {**raw["output"], "dir": str(tmp_path / "one")}})
+    one = Trainer(cfg, progress=False, log=lambda *a: None).train()
+    np.testing.assert_allclose(ranks[0]["losses"], one["losses"], rtol=1e-5)
