@@ -283,6 +283,77 @@ def test_bad_inputs_raise_before_any_launch():
     assert L.launches == before
 
 
+# ---- the tail: the single block's MLP input through GELU ---------------------------------------------
+
+def _tail_case(B, H, D, L, extra, dtype):
+    xs, weights, cos, sin, gs = _case(B, H, D, (L,), (extra,), dtype)
+    gt = torch.randn(B, L, extra, dtype=torch.float64).to(dtype).to(DEVICE)
+    return xs[0], weights, cos, sin, gs, gt
+
+
+def _tail_runs(x, weights, cos, sin, gs, gt, H, upcast=False):
+    """flame's (q, k, v, tail) and gradients (input, weights) against torch's: q, k, v as
+    ``_reference``, tail = gelu_tanh(x[..., 3HD:]), every output's gradient backpropagated."""
+    fx = flame.from_torch(x, requires_grad=True)
+    fw = [tuple(_f(w, True) for w in pair) for pair in weights]
+    outs = F.qk_norm_rope([fx], fw, _f(cos), _f(sin), H, EPS, tail="gelu_tanh")
+    grads = flame.grad(list(outs), [fx, *fw[0]], [_f(g) for g in (*gs, gt)])
+    tx = (x.float() if upcast else x).detach().clone().requires_grad_()
+    tw = [(w.float() if upcast else w).detach().clone().requires_grad_() for w in weights[0]]
+    D = weights[0][0].shape[0]
+    ref = (*_reference([tx], [tw], cos, sin, H), torch.nn.functional.gelu(tx[..., 3 * H * D:], approximate="tanh"))
+    torch.autograd.backward(list(ref), [g.float() if upcast else g for g in (*gs, gt)])
+    return outs, grads, [r.detach() for r in ref], [tx.grad, *(w.grad for w in tw)]
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_tail_is_gelu_of_the_mlp_columns_and_the_input_gets_one_gradient(dtype):
+    x, weights, cos, sin, gs, gt = _tail_case(2, 2, 4, 5, 11, dtype)
+    outs, grads, ref, ref_grads = _tail_runs(x, weights, cos, sin, gs, gt, 2)
+    assert outs[3].shape == (2, 5, 11) and outs[3]._data.is_contiguous()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    for got, want in zip(outs, ref):
+        assert_close(got, want, **tol)
+    gtol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    for got, want in zip(grads, ref_grads):
+        assert_close(got.to(want.dtype), want, **gtol)
+
+
+def test_tail_launches_and_gradcheck():
+    x, weights, cos, sin, gs, gt = _tail_case(1, 2, 4, 6, 9, torch.float32)
+    fx = flame.from_torch(x, requires_grad=True)
+    fw = [_f(w) for w in weights[0]]
+    before = L.launches
+    outs = F.qk_norm_rope([fx], [tuple(fw)], _f(cos), _f(sin), 2, EPS, tail="gelu_tanh")
+    assert L.launches - before == 1
+    before = L.launches
+    flame.grad(list(outs), [fx], [_f(g) for g in (*gs, gt)])
+    assert L.launches - before == 1  # one backward kernel writes the whole input gradient, tail included
+    torch.manual_seed(1)
+    x64 = flame.tensor(torch.randn(1, 2, 12 + 3, dtype=torch.float64).numpy(), requires_grad=True)
+    ws = [flame.tensor((1 + 0.3 * torch.randn(4, dtype=torch.float64)).numpy()) for _ in range(2)]
+    angles = torch.randn(2, 2, dtype=torch.float64)
+    c, s = _f(angles.cos().float()), _f(angles.sin().float())
+
+    def fn(x0):
+        q, k, v, t = F.qk_norm_rope([x0], [tuple(ws)], c, s, 1, tail="gelu_tanh")
+        return flame.cat([q.reshape(-1), k.reshape(-1), v.reshape(-1), t.reshape(-1)], 0)
+
+    assert gradcheck(fn, [x64])
+
+
+def test_tail_errors():
+    xs, weights, cos, sin, _ = _case(1, 1, 4, (2, 3), (4, 4), torch.float32)
+    fx, fw = [_f(x) for x in xs], [tuple(_f(w) for w in p) for p in weights]
+    with pytest.raises(ValueError, match="tail needs one stream"):
+        F.qk_norm_rope(fx, fw, _f(cos), _f(sin), 1, tail="gelu_tanh")
+    one, w1, c1, s1, _ = _case(1, 1, 4, (3,), (0,), torch.float32)
+    with pytest.raises(ValueError, match="tail needs one stream with columns past"):
+        F.qk_norm_rope([_f(one[0])], [tuple(_f(w) for w in w1[0])], _f(c1), _f(s1), 1, tail="gelu_tanh")
+    with pytest.raises(ValueError, match="tail must be None or 'gelu_tanh'"):
+        F.qk_norm_rope(fx[:1], fw[:1], _f(cos[:2]), _f(sin[:2]), 1, tail="relu")
+
+
 # ---- GPU: bf16 at Flux's sizes ----------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -294,6 +365,14 @@ def test_flux_sizes_bf16(block):
     lengths, extra = ((512, 4096), (0, 0)) if block == "double" else ((4608,), (12288,))
     case = _case(1, 24, 128, lengths, extra, torch.bfloat16)
     _compare(*case, 24)
+    if block == "single":  # and as the model runs it: the MLP columns through GELU in the same launches
+        x, weights, cos, sin, gs, gt = _tail_case(1, 24, 128, 4608, 12288, torch.bfloat16)
+        outs, grads, low, low_grads = _tail_runs(x, weights, cos, sin, gs, gt, 24)
+        _, _, want, want_grads = _tail_runs(x, weights, cos, sin, gs, gt, 24, upcast=True)
+        for got, lo, hi in zip((outs[0], outs[1], outs[3]), (low[0], low[1], low[3]), (want[0], want[1], want[3])):
+            assert_within_torch_error(got, lo, hi, 2)
+        for got, lo, hi in zip(grads, low_grads, want_grads):
+            assert_within_torch_error(got.to(lo.dtype), lo, hi, 3)
     runs = [_flame_run(*case, 24)[1] for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a.to_torch(), b.to_torch())

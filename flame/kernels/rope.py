@@ -14,8 +14,13 @@ rounded up to a power of two). The first B * nb_0 programs of grid axis 0 take s
 token blocks of stream s, batch-major), the rest stream 1; each program selects its stream's
 pointers and strides. Grid axis 1 is the head.
 
+With TAIL (one stream: the single block's linear1 output, whose columns past 3 H D are the MLP
+input) the forward also writes ``tail = gelu_tanh(x[:, :, 3HD:])`` (dense (B, L, W - 3 H D)), each
+head's program taking its share of those columns for its rows.
+
 The backward writes each stream's input gradient (dense (B, L_s, W_s): [dq | dk | dv] columns,
-zeros past 3 H D, so that it has the input's shape) and, when the norm weights need gradients,
+past 3 H D the tail's gradient through GELU, or zeros without a tail, so that it has the input's
+shape) and, when the norm weights need gradients,
 one fp32 partial row per program (q's D columns of sum_tokens dy * xhat, then k's), reduced per
 stream by ``reduce_`` afterwards: deterministic, no atomics. Launch configs are a heuristic
 (``rope_config``), not tuned.
@@ -24,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime
-from .elementwise import _pow2, cdiv, compute_dtype
+from .elementwise import GELU_TANH, GELU_TANH_BWD, _apply, _pow2, cdiv, compute_dtype
 from .launch import launch
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -84,12 +89,21 @@ def _norm_rope(x, w_ptr, col, cmask, c, s, D, eps, CD: tl.constexpr):
     return tl.join(ye * c - yo * s, yo * c + ye * s)
 
 
+@triton.jit
+def _tail_share(h, H, D, W):
+    """The columns [lo, hi) past 3 H D of a row that head ``h``'s program handles."""
+    extra = W - 3 * H * D
+    share = (extra + H - 1) // H
+    return 3 * H * D + h * share, 3 * H * D + tl.minimum((h + 1) * share, extra)
+
+
 @triton.jit(do_not_specialize=["eps"])
 def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr, cos_ptr, sin_ptr,
-                             q_ptr, k_ptr, v_ptr, B, L0, L1, H, D, nb0, nb1,
-                             xs0_b, xs0_l, xs1_b, xs1_l, cs_l, cs_i, ss_l, ss_i, eps,
-                             CD: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr):
-    first, b, _, rmask, tokens, h, col, cmask, m, x = _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l,
+                             q_ptr, k_ptr, v_ptr, t_ptr, B, L0, L1, H, D, nb0, nb1,
+                             xs0_b, xs0_l, xs1_b, xs1_l, cs_l, cs_i, ss_l, ss_i, W0, eps,
+                             CD: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr, TAIL: tl.constexpr,
+                             BLOCK_E: tl.constexpr):
+    first, b, rows, rmask, tokens, h, col, cmask, m, x = _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l,
                                                                xs1_b, xs1_l, BLOCK_L, HB)
     out = ((b * (L0 + L1) + tokens) * H + h) * D
     o = out[:, None, None] + col[None, :, :]
@@ -101,6 +115,16 @@ def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
                    c, s, D, eps, CD)
     tl.store(k_ptr + o, k.to(k_ptr.dtype.element_ty), mask=m)
     tl.store(v_ptr + o, tl.load(x + 2 * H * D, mask=m), mask=m)
+    if TAIL:  # one stream: tail = gelu_tanh(x[3HD:]), this head's share of the columns
+        x_row = x0_ptr + b * xs0_b + rows * xs0_l
+        t_row = t_ptr + (b * L0 + rows) * (W0 - 3 * H * D) - 3 * H * D
+        lo, hi = _tail_share(h, H, D, W0)
+        for e0 in range(lo, hi, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            em = rmask[:, None] & (e < hi)[None, :]
+            a = tl.load(x_row[:, None] + e[None, :], mask=em, other=0.0).to(CD)
+            tl.store(t_row[:, None] + e[None, :], _apply(a, a, a, 0.0, 0.0, GELU_TANH).to(t_ptr.dtype.element_ty),
+                     mask=em)
 
 
 @triton.jit
@@ -133,14 +157,15 @@ def _norm_rope_bwd(g, x, w_ptr, col, cmask, c, s, D, eps, CD: tl.constexpr):
 
 @triton.jit(do_not_specialize=["eps"])
 def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr, cos_ptr, sin_ptr,
-                             dq_ptr, dk_ptr, dv_ptr, dx0_ptr, dx1_ptr, part_ptr, B, L0, L1, H, D, nb0, nb1,
+                             dq_ptr, dk_ptr, dv_ptr, dt_ptr, dx0_ptr, dx1_ptr, part_ptr, B, L0, L1, H, D, nb0, nb1,
                              xs0_b, xs0_l, xs1_b, xs1_l, W0, W1, cs_l, cs_i, ss_l, ss_i,
-                             dqs_b, dqs_h, dqs_l, dks_b, dks_h, dks_l, dvs_b, dvs_h, dvs_l, eps,
-                             HAS_DQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DV: tl.constexpr,
+                             dqs_b, dqs_h, dqs_l, dks_b, dks_h, dks_l, dvs_b, dvs_h, dvs_l, dts_b, dts_l, eps,
+                             HAS_DQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DV: tl.constexpr, HAS_DT: tl.constexpr,
                              NEED_W: tl.constexpr, CD: tl.constexpr, BLOCK_L: tl.constexpr, HB: tl.constexpr,
                              BLOCK_E: tl.constexpr):
     # dx (dense (B, L_s, W_s)): columns [0, 3HD) from _norm_rope_bwd for q and k, dv moved for v;
-    # columns [3HD, W_s) zero, head h's program taking its share of them for its rows.
+    # columns [3HD, W_s), head h's program taking its share of them for its rows: with the tail's
+    # gradient dt (one stream), dx = dt * gelu_tanh'(x) (kernels/elementwise.py: GELU_TANH_BWD); else 0.
     first, b, rows, rmask, tokens, h, col, cmask, m, x = _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b,
                                                                   xs0_l, xs1_b, xs1_l, BLOCK_L, HB)
     W = tl.where(first, W0, W1)
@@ -161,14 +186,18 @@ def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
         part = part_ptr + (tl.program_id(0).to(tl.int64) * H + h) * 2 * D + col
         tl.store(part, dwq, mask=cmask)
         tl.store(part + D, dwk, mask=cmask)
-    extra = W - 3 * H * D
-    share = (extra + H - 1) // H
-    lo = 3 * H * D + h * share
-    hi = 3 * H * D + tl.minimum((h + 1) * share, extra)
+    lo, hi = _tail_share(h, H, D, W)
     for e0 in range(lo, hi, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
-        tl.store(dx_row[:, None] + e[None, :], tl.zeros((BLOCK_L, BLOCK_E), dx0_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & (e < hi)[None, :])
+        em = rmask[:, None] & (e < hi)[None, :]
+        if HAS_DT:
+            dt_row = dt_ptr + b * dts_b + rows * dts_l - 3 * H * D
+            g = tl.load(dt_row[:, None] + e[None, :], mask=em, other=0.0).to(CD)
+            a = tl.load(x0_ptr + (b * xs0_b + rows * xs0_l)[:, None] + e[None, :], mask=em, other=0.0).to(CD)
+            val = _apply(g, a, a, 0.0, 0.0, GELU_TANH_BWD)
+        else:
+            val = tl.zeros((BLOCK_L, BLOCK_E), CD)
+        tl.store(dx_row[:, None] + e[None, :], val.to(dx0_ptr.dtype.element_ty), mask=em)
 
 
 def rope_config(D, L):
@@ -192,16 +221,18 @@ def _streams(xs, weights, L_total, D):
     return xs[0], xs[-1], (wq0, wk0, wq1, wk1), B, L0, L1, nb0, nb1, cfg
 
 
-def qk_norm_rope_fwd(q, k, v, xs, weights, cos, sin, H, D, eps):
+def qk_norm_rope_fwd(q, k, v, xs, weights, cos, sin, H, D, eps, tail=None):
     """q, k, v (dense (B, L_total, H, D) buffers) from the streams ``xs`` (1 or 2 buffers (B, L_s,
     W_s), unit column stride) with per-stream ``weights`` ((q weight, k weight), dense (D,)) and
-    the fp32 tables ``cos``, ``sin`` (L_total, D/2), any strides. One launch."""
+    the fp32 tables ``cos``, ``sin`` (L_total, D/2), any strides; with ``tail`` (a dense (B, L,
+    W - 3 H D) buffer; one stream) also gelu_tanh of the columns past 3 H D. One launch."""
     x0, x1, w, B, L0, L1, nb0, nb1, cfg = _streams(xs, weights, q.shape[1], D)
     if B * (nb0 + nb1) == 0:
         return
-    launch(_qk_norm_rope_fwd_kernel, (B * (nb0 + nb1), H), x0, x1, *w, cos, sin, q, k, v, B, L0, L1, H, D,
-           nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0), x1.stride(1), *cos.stride(), *sin.stride(),
-           float(eps), CD=compute_dtype(x0.dtype), **cfg)
+    launch(_qk_norm_rope_fwd_kernel, (B * (nb0 + nb1), H), x0, x1, *w, cos, sin, q, k, v,
+           tail if tail is not None else q, B, L0, L1, H, D, nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0),
+           x1.stride(1), *cos.stride(), *sin.stride(), x0.shape[2], float(eps), CD=compute_dtype(x0.dtype),
+           TAIL=tail is not None, BLOCK_E=2 * cfg["HB"], **cfg)
 
 
 def _bhl(g):
@@ -209,10 +240,11 @@ def _bhl(g):
     return (0, 0, 0) if g is None else g.stride()[:3]
 
 
-def qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, eps):
+def qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, eps, dt=None):
     """The backward of ``qk_norm_rope_fwd``: writes each stream's input gradient ``dxs[s]`` (dense,
     the input's shape) from the outputs' gradients ``dq``, ``dk``, ``dv`` ((B, H, L_total, D), unit
-    last stride; None for none) and, where ``dws[s]`` is a (2D,) buffer, the stream's norm weight
+    last stride; None for none) and the tail's ``dt`` ((B, L, W - 3 H D), unit last stride; None:
+    zeros past 3 H D) and, where ``dws[s]`` is a (2D,) buffer, the stream's norm weight
     gradients into it ([q weight | k weight]; None: not wanted). One launch, plus one reduction per
     stream whose weight gradients are wanted."""
     L_total = sum(x.shape[1] for x in xs)
@@ -223,10 +255,12 @@ def qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, eps):
     if programs:
         dx0, dx1 = dxs[0], dxs[-1]
         launch(_qk_norm_rope_bwd_kernel, (programs, H), x0, x1, *w, cos, sin, dq if dq is not None else x0,
-               dk if dk is not None else x0, dv if dv is not None else x0, dx0, dx1, part if need_w else dx0,
-               B, L0, L1, H, D, nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0), x1.stride(1),
-               dx0.shape[2], dx1.shape[2], *cos.stride(), *sin.stride(), *_bhl(dq), *_bhl(dk), *_bhl(dv), float(eps),
-               HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None, NEED_W=need_w,
+               dk if dk is not None else x0, dv if dv is not None else x0, dt if dt is not None else x0, dx0, dx1,
+               part if need_w else dx0, B, L0, L1, H, D, nb0, nb1, x0.stride(0), x0.stride(1), x1.stride(0),
+               x1.stride(1), dx0.shape[2], dx1.shape[2], *cos.stride(), *sin.stride(), *_bhl(dq), *_bhl(dk),
+               *_bhl(dv), *(dt.stride()[:2] if dt is not None else (0, 0)), float(eps),
+               HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None, HAS_DT=dt is not None,
+               NEED_W=need_w,
                CD=compute_dtype(x0.dtype), BLOCK_E=2 * cfg["HB"], **cfg)
     first_row = 0
     for dw, nb in zip(dws, (nb0, nb1)):

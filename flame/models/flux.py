@@ -172,10 +172,11 @@ def _gated_add(x, gate, y):
     return addcmul(x, gate.unsqueeze(1), y)
 
 
-def _qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads):
+def _qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads, tail=None):
     """(q, k, v), each (B, heads, L, D), from the fused projections ``qkvs`` (1 or 2 streams) with
-    QK RMSNorm (eps 1e-6) and RoPE (``F.qk_norm_rope``)."""
-    return F.qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads, _EPS)
+    QK RMSNorm (eps 1e-6) and RoPE (``F.qk_norm_rope``); with ``tail`` also that activation of the
+    columns past q, k and v (the single block's MLP input)."""
+    return F.qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads, _EPS, tail)
 
 
 class _FluxLayers(_Layers):
@@ -318,11 +319,9 @@ class SingleStreamBlock(_Checkpointed):
 
     def forward(self, x, vec_act, cos_table, sin_table):
         shift, scale, gate = self.modulation(vec_act)
-        H = x.shape[-1]
         h = self.linear1(_modulate(x, shift, scale))
-        o = _attention(*_qk_norm_rope([h], [self.norm.weights()], cos_table, sin_table, self.heads))
-        mlp = F.gelu(h.narrow(-1, 3 * H, h.shape[-1] - 3 * H), approximate="tanh")
-        return _gated_add(x, gate, self.linear2(cat([o, mlp], -1)))
+        q, k, v, mlp = _qk_norm_rope([h], [self.norm.weights()], cos_table, sin_table, self.heads, "gelu_tanh")
+        return _gated_add(x, gate, self.linear2(cat([_attention(q, k, v), mlp], -1)))
 
 
 class LastLayer(nn.Module):

@@ -1,8 +1,8 @@
 """``qk_norm_rope``: Flux's attention prologue (RMSNorm of q and k per head, the rotary embedding,
 q, k, v split into heads) as one op over the fused QKV projections, read in place.
 
-The op has three outputs, and flame records one node per output. Their backward is one kernel,
-so the three output nodes hand their gradients to a fourth node, ``hub`` (an empty tensor the op
+The op has three outputs (four with ``tail``), and flame records one node per output. Their
+backward is one kernel, so the output nodes hand their gradients to a fourth node, ``hub`` (an empty tensor the op
 makes): each stores its gradient in a dict the nodes share and passes an empty gradient on to
 ``hub``, whose node runs after all of them (its consumers) and reads the dict. Empty tensors cost
 no launch, not even where the engine sums them.
@@ -91,9 +91,14 @@ def _check_weights(norm_weights, qkvs):
     return D
 
 
-def _check(qkvs, norm_weights, cos, sin, num_heads, eps):
+TAILS = (None, "gelu_tanh")
+
+
+def _check(qkvs, norm_weights, cos, sin, num_heads, eps, tail):
     """(H, D, L_total, eps) of a valid call; otherwise the error, before any launch."""
     _check_streams(qkvs)
+    if tail not in TAILS:
+        raise ValueError(f"{_OP}: tail must be None or 'gelu_tanh', got {tail!r}")
     if not isinstance(num_heads, numbers.Integral) or isinstance(num_heads, bool) or num_heads <= 0:
         raise ValueError(f"{_OP}: num_heads must be a positive int, got {num_heads!r}")
     H = int(num_heads)
@@ -102,6 +107,9 @@ def _check(qkvs, norm_weights, cos, sin, num_heads, eps):
         if x.shape[2] < 3 * H * D:
             raise ValueError(f"{_OP}: qkvs[{i}] has {x.shape[2]} columns, fewer than 3 * num_heads * D = "
                              f"3 * {H} * {D} = {3 * H * D} ([q | k | v]); shape {x.shape}")
+    if tail is not None and (len(qkvs) != 1 or qkvs[0].shape[2] == 3 * H * D):
+        raise ValueError(f"{_OP}: tail needs one stream with columns past 3 * num_heads * D = {3 * H * D} (the "
+                         f"single block's MLP input), got {len(qkvs)} stream(s) of shapes {[x.shape for x in qkvs]}")
     L_total = sum(x.shape[1] for x in qkvs)
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(t, name, _OP)
@@ -118,7 +126,7 @@ def _check(qkvs, norm_weights, cos, sin, num_heads, eps):
 
 
 def _part_backward(node, g):
-    # q, k or v: its gradient is kept for the hub's backward; the hub gets an empty one
+    # q, k, v or the tail: its gradient is kept for the hub's backward; the hub gets an empty one
     node.attrs["grads"][node.attrs["part"]] = g
     return Tensor(runtime.empty((0,), node.attrs["dtype"]))
 
@@ -128,28 +136,29 @@ def _part_backward(node, g):
 # kernels/rope.py:_norm_rope_bwd): dy = R^T dq (the inverse rotation), dxhat = dy * w,
 # dx = rstd * (dxhat - xhat * mean(dxhat * xhat)), dw = sum over B, L, H of dy * xhat (fp32
 # partials per program, reduced per stream); dv is moved back into the v columns. A stream wider
-# than 3 H D gets a full-width gradient (the engine needs the input's shape) with zeros past 3 H D.
+# than 3 H D gets a full-width gradient (the engine needs the input's shape): past 3 H D the
+# tail's, dx = dt * gelu_tanh'(x), or zeros without a tail.
 def _qk_norm_rope_backward(node, _):
     xs, weights, cos, sin = node.saved
     a = node.attrs
     H, D = a["H"], a["D"]
     grads = a["grads"]
-    dq, dk, dv = (_head_dim_dense(grads.get(i)) for i in range(3))
+    dq, dk, dv, dt = (_unit_last_stride(grads.get(i)) for i in range(4))
     grads.clear()
     need = node.needs_input_grad
     n = len(xs)
     dxs = [runtime.empty(tuple(x.shape), x.dtype) for x in xs]
     need_w = [need[n + 2 * i] or need[n + 2 * i + 1] for i in range(n)]
     dws = [runtime.empty((2 * D,), weights[i][0].dtype) if need_w[i] else None for i in range(n)]
-    K.qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, a["eps"])
+    K.qk_norm_rope_bwd(dxs, dws, dq, dk, dv, xs, weights, cos, sin, H, D, a["eps"], dt)
     out = [Tensor(dx) if need[i] else None for i, dx in enumerate(dxs)]
     for i, dw in enumerate(dws):
         out += [Tensor(dw[:D]) if need[n + 2 * i] else None, Tensor(dw[D:]) if need[n + 2 * i + 1] else None]
     return tuple(out)
 
 
-def _head_dim_dense(g):
-    """An output gradient's buffer with a unit-stride head dim (a copy otherwise), or None."""
+def _unit_last_stride(g):
+    """An output gradient's buffer with a unit-stride last dim (a copy otherwise), or None."""
     if g is None:
         return None
     buf = g._data
@@ -159,7 +168,7 @@ def _head_dim_dense(g):
     return KE.copy_(out, buf)
 
 
-def qk_norm_rope(qkvs, norm_weights, cos, sin, num_heads, eps=1e-6):
+def qk_norm_rope(qkvs, norm_weights, cos, sin, num_heads, eps=1e-6, tail=None):
     """Flux's attention prologue over the fused QKV projection(s) ``qkvs`` (a list of 1 or 2
     streams (B, L_i, W_i), last dim contiguous, whose first 3 H D columns are [q | k | v], H =
     ``num_heads`` heads of D; later columns are ignored): per stream and head, RMSNorm of q and k
@@ -168,21 +177,25 @@ def qk_norm_rope(qkvs, norm_weights, cos, sin, num_heads, eps=1e-6):
     ``sin`` (L_total, D/2) of the streams concatenated along L in list order; v is only moved.
 
     Returns ``(q, k, v)``, each (B, H, L_total, D) in the input's dtype: permuted views of dense
-    (B, L_total, H, D) buffers. One launch forward; backward one launch plus one reduction per
-    stream whose norm weights need gradients. The tables take no gradient."""
-    H, D, L_total, eps = _check(qkvs, norm_weights, cos, sin, num_heads, eps)
+    (B, L_total, H, D) buffers. ``tail="gelu_tanh"`` (one stream; Flux's single block, whose
+    linear1 output holds the MLP input past 3 H D) also returns ``gelu_tanh(qkvs[0][..., 3HD:])``
+    (B, L, W - 3 H D), so that the input gets one gradient, written once, instead of two
+    zero-padded halves and their sum. One launch forward; backward one launch plus one reduction
+    per stream whose norm weights need gradients. The tables take no gradient."""
+    H, D, L_total, eps = _check(qkvs, norm_weights, cos, sin, num_heads, eps, tail)
     xs = [x._data for x in qkvs]
     weights = [(_dense(wq), _dense(wk)) for wq, wk in norm_weights]
     B, dtype = xs[0].shape[0], xs[0].dtype
     outs = [runtime.empty((B, L_total, H, D), dtype) for _ in range(3)]
-    K.qk_norm_rope_fwd(*outs, xs, weights, cos._data, sin._data, H, D, eps)
-    q, k, v = (Tensor(o.permute(0, 2, 1, 3)) for o in outs)
+    t = runtime.empty((B, L_total, xs[0].shape[2] - 3 * H * D), dtype) if tail else None
+    K.qk_norm_rope_fwd(*outs, xs, weights, cos._data, sin._data, H, D, eps, t)
+    results = [Tensor(o.permute(0, 2, 1, 3)) for o in outs] + ([Tensor(t)] if tail else [])
     inputs = (*qkvs, *(w for pair in norm_weights for w in pair))
     if needs_grad(*inputs):
-        grads = {}  # the outputs' gradients, by part (0 q, 1 k, 2 v), until the hub's backward takes them
+        grads = {}  # the outputs' gradients, by part (0 q, 1 k, 2 v, 3 tail), until the hub's backward takes them
         hub = Tensor(runtime.empty((0,), dtype))
         record(hub, inputs, _qk_norm_rope_backward, saved=(xs, weights, cos._data, sin._data), grads=grads,
                H=H, D=D, eps=eps)
-        for part, out in enumerate((q, k, v)):
+        for part, out in enumerate(results):
             record(out, (hub,), _part_backward, grads=grads, part=part, dtype=dtype)
-    return q, k, v
+    return tuple(results)
