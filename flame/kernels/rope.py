@@ -122,9 +122,9 @@ def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
         for e0 in range(lo, hi, BLOCK_E):
             e = e0 + tl.arange(0, BLOCK_E)
             em = rmask[:, None] & (e < hi)[None, :]
-            a = tl.load(x_row[:, None] + e[None, :], mask=em, other=0.0).to(CD)
-            tl.store(t_row[:, None] + e[None, :], _apply(a, a, a, 0.0, 0.0, GELU_TANH).to(t_ptr.dtype.element_ty),
-                     mask=em)
+            x_tail = tl.load(x_row[:, None] + e[None, :], mask=em, other=0.0).to(CD)
+            tl.store(t_row[:, None] + e[None, :],
+                     _apply(x_tail, x_tail, x_tail, 0.0, 0.0, GELU_TANH).to(t_ptr.dtype.element_ty), mask=em)
 
 
 @triton.jit
@@ -192,9 +192,9 @@ def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
         em = rmask[:, None] & (e < hi)[None, :]
         if HAS_DT:
             dt_row = dt_ptr + b * dts_b + rows * dts_l - 3 * H * D
-            g = tl.load(dt_row[:, None] + e[None, :], mask=em, other=0.0).to(CD)
-            a = tl.load(x0_ptr + (b * xs0_b + rows * xs0_l)[:, None] + e[None, :], mask=em, other=0.0).to(CD)
-            val = _apply(g, a, a, 0.0, 0.0, GELU_TANH_BWD)
+            g_tail = tl.load(dt_row[:, None] + e[None, :], mask=em, other=0.0).to(CD)
+            x_tail = tl.load(x0_ptr + (b * xs0_b + rows * xs0_l)[:, None] + e[None, :], mask=em, other=0.0).to(CD)
+            val = _apply(g_tail, x_tail, x_tail, 0.0, 0.0, GELU_TANH_BWD)
         else:
             val = tl.zeros((BLOCK_L, BLOCK_E), CD)
         tl.store(dx_row[:, None] + e[None, :], val.to(dx0_ptr.dtype.element_ty), mask=em)
