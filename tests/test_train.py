@@ -667,7 +667,7 @@ def test_load_config_file_errors_name_the_option(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"data": {"cache_dir": "c"}, "output": {"dir": "o"}, "train": {"steps": 1},
                                     "model": {"config": "foo"}}))
-    with pytest.raises(ConfigError, match=r"model.config: expected tiny or sdxl or a diffusers UNet config.json"):
+    with pytest.raises(ConfigError, match=r"model\.config: a sdxl model's config is tiny, sdxl or a diffusers config"):
         load_config(path)
 
 
