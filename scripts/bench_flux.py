@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_sdxl as driver
-from bench_sdxl import STARTED, _count_flops, _profile, _time_steps
+from bench_sdxl import STARTED, _profile, _time_steps
 
 CHECKPOINT_SCOPES = {"on": "blocks"}
 # peft's target modules on diffusers' Flux that equal flame's attn-mlp preset on the fused layers
@@ -103,22 +103,11 @@ def diffusers_lora_flux(cfg, rank, checkpointing, dev, dora=False):
     # isort: off
     import torch
     from diffusers import FluxTransformer2DModel
-    from peft import LoraConfig
     # isort: on
     torch.manual_seed(0)
     with torch.device(dev):
         model = FluxTransformer2DModel(**cfg.to_diffusers())
-    model.to(torch.bfloat16)
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=PEFT_TARGETS,
-                                 use_dora=dora))
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.data = p.data.float()
-    if checkpointing:
-        model.enable_gradient_checkpointing()
-    model.train()
-    return model, params
+    return driver.with_peft_lora(model, rank, PEFT_TARGETS, checkpointing, dora)
 
 
 def run_diffusers(args):
@@ -159,36 +148,11 @@ def run_diffusers(args):
             opt.zero_grad(set_to_none=True)
         return loss
 
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     with attention:
-        flops = _count_flops(lambda i: body()) if args.worker == "diffusers" and args.checkpointing == "off" else None
-        compile_s = None
-        if dev == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        if graph:
-            side_stream = torch.cuda.Stream()
-            side_stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side_stream):
-                for i in range(3):
-                    t0 = time.perf_counter()
-                    body()
-                    sync()
-                    if i == 0 and args.worker == "diffusers-compile":
-                        compile_s = time.perf_counter() - t0
-            torch.cuda.current_stream().wait_stream(side_stream)
-            opt.zero_grad(set_to_none=True)
-            captured = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(captured):
-                body(zero_grad=False)
-
-        def step(i):
-            return captured.replay() if graph else body()
-
-        times = _time_steps(step, args, sync)
-        profile = _profile(step, args)
-    return {"framework": args.worker.replace("diffusers", "diffusers+peft"), "times_s": times, "profile": profile,
+        timed = driver.time_torch_step(args, body, opt, dev)
+    return {"framework": args.worker.replace("diffusers", "diffusers+peft"), **timed,
             "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
-            "lora_params": sum(p.numel() for p in params), "flops": flops, "compile_s": compile_s,
+            "lora_params": sum(p.numel() for p in params),
             "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
 
 

@@ -151,22 +151,30 @@ def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False):
     # isort: off
     import torch
     from diffusers import UNet2DConditionModel
-    from peft import LoraConfig
     # isort: on
     torch.manual_seed(0)
     with torch.device(dev):
         unet = UNet2DConditionModel(**cfg.to_diffusers())
-    unet.to(torch.bfloat16)
-    unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS,
-                                use_dora=dora))
-    params = [p for p in unet.parameters() if p.requires_grad]
+    return with_peft_lora(unet, rank, LORA_TARGETS, checkpointing, dora)
+
+
+def with_peft_lora(model, rank, targets, checkpointing, dora=False):
+    """``model`` (a diffusers model) frozen in bf16 with peft's LoRA of ``rank`` on ``targets`` in fp32
+    (``dora``: peft's DoRA), gradient checkpointing on or off, in training mode: ``(model, LoRA
+    parameters)``."""
+    import torch
+    from peft import LoraConfig
+    model.to(torch.bfloat16)
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=targets,
+                                 use_dora=dora))
+    params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.data = p.data.float()
     if checkpointing:
-        unet.enable_gradient_checkpointing()
-    unet.train()
-    return unet, params
+        model.enable_gradient_checkpointing()
+    model.train()
+    return model, params
 
 
 def diffusers_train_step(model, opt, inputs, noise, timesteps, zero_grad=True):
@@ -230,8 +238,23 @@ def run_diffusers(args):
         timesteps = torch.randint(0, 1000, (args.batch,), device=dev)
         return diffusers_train_step(model, opt, (sample, context, pooled, time_ids), noise, timesteps, zero_grad)
 
+    timed = time_torch_step(args, body, opt, dev)
+    return {"framework": args.worker.replace("diffusers", "diffusers+peft"), **timed,
+            "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
+            "lora_params": sum(p.numel() for p in params),
+            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+
+
+def time_torch_step(args, body, opt, dev):
+    """Time a PyTorch training step ``body(zero_grad=True)`` as ``args.worker`` asks: eagerly
+    (``diffusers``; its model FLOPs counted too), or captured once in a ``torch.cuda.CUDAGraph`` after
+    three warm-up calls on a side stream (the first compiles under ``diffusers-compile``: its time is
+    ``compile_s``) and replayed. Peak memory counts from the warm-up on. Returns ``times_s``,
+    ``profile``, ``flops``, ``compile_s``."""
+    import torch
+    graph = args.worker != "diffusers"
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-    flops = _count_flops(lambda i: body()) if args.worker == "diffusers" and args.checkpointing == "off" else None
+    flops = _count_flops(lambda i: body()) if not graph and args.checkpointing == "off" else None
     compile_s = None
     if dev == "cuda":  # from here: a graph's private pool is allocated during its capture, not at replay
         torch.cuda.reset_peak_memory_stats()
@@ -255,10 +278,7 @@ def run_diffusers(args):
         return captured.replay() if graph else body()
 
     times = _time_steps(step, args, sync)
-    return {"framework": args.worker.replace("diffusers", "diffusers+peft"), "times_s": times,
-            "profile": _profile(step, args), "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
-            "lora_params": sum(p.numel() for p in params), "flops": flops, "compile_s": compile_s,
-            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+    return {"times_s": times, "profile": _profile(step, args), "flops": flops, "compile_s": compile_s}
 
 
 def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):

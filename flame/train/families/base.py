@@ -1,7 +1,27 @@
 """``Family``: what the trainer asks of a model family (the SDXL UNet, the Flux transformer)."""
 from __future__ import annotations
 
+import json
+import os
+
 from ..errors import ConfigError
+
+
+def config_from(spec, named: dict, config_class, subfolder: str, what: str):
+    """``spec`` as a model config: a ``config_class`` instance (itself), a name in ``named`` (its
+    factory's config), or the path of a diffusers ``config.json`` (or of a folder holding one,
+    directly or in ``subfolder``), read by ``config_class.from_diffusers``."""
+    if isinstance(spec, config_class):
+        return spec
+    if isinstance(spec, str) and spec in named:
+        return named[spec]()
+    path = os.fspath(spec)
+    for candidate in (path, os.path.join(path, "config.json"), os.path.join(path, subfolder, "config.json")):
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                return config_class.from_diffusers(json.load(f))
+    raise ValueError(f"model config must be one of {tuple(named)} or a diffusers {what} config.json (or a folder "
+                     f"holding one), got {spec!r}")
 
 
 class Family:

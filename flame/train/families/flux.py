@@ -8,7 +8,6 @@ input of dev models are built once per latent size, outside the captured step.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 from ...data import write_synthetic_cache
@@ -23,7 +22,7 @@ from ...models.flux import (
 )
 from ...ops.creation import full
 from ..objectives import FlowObjective
-from .base import Family
+from .base import Family, config_from
 
 CONFIG_NAMES = ("tiny", "flux-dev", "flux-schnell")
 BLOCKS = ("double", "single", "other")
@@ -33,21 +32,8 @@ def flux_config(spec) -> FluxConfig:
     """``"tiny"`` (FluxConfig.tiny()), ``"flux-dev"``, ``"flux-schnell"`` (no guidance input), a
     ``FluxConfig``, or a diffusers transformer ``config.json`` (or a folder holding one, directly
     or in ``transformer/``)."""
-    if isinstance(spec, FluxConfig):
-        return spec
-    if spec == "tiny":
-        return FluxConfig.tiny()
-    if spec == "flux-dev":
-        return FluxConfig()
-    if spec == "flux-schnell":
-        return FluxConfig(guidance_embeds=False)
-    path = os.fspath(spec)
-    for candidate in (path, os.path.join(path, "config.json"), os.path.join(path, "transformer", "config.json")):
-        if os.path.isfile(candidate):
-            with open(candidate) as f:
-                return FluxConfig.from_diffusers(json.load(f))
-    raise ValueError(f"model config must be one of {CONFIG_NAMES} or a diffusers Flux transformer config.json (or a "
-                     f"folder holding one), got {spec!r}")
+    named = {"tiny": FluxConfig.tiny, "flux-dev": FluxConfig, "flux-schnell": lambda: FluxConfig(guidance_embeds=False)}
+    return config_from(spec, named, FluxConfig, "transformer", "Flux transformer")
 
 
 class FluxFamily(Family):

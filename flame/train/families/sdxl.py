@@ -3,7 +3,6 @@ checkpoint), trained as a DDPM noise predictor on cached SDXL latents and both t
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 
 import torch
@@ -12,7 +11,7 @@ from ...data import write_synthetic_cache_for
 from ...models import SDXLUNet, SDXLUNetConfig
 from ..errors import ConfigError
 from ..objectives import DDPMObjective
-from .base import Family
+from .base import Family, config_from
 
 CONFIG_NAMES = ("tiny", "sdxl")
 BLOCKS = ("down", "mid", "up", "other")
@@ -28,19 +27,7 @@ def block_of(name: str) -> str:
 def unet_config(spec) -> SDXLUNetConfig:
     """``"tiny"`` (SDXLUNetConfig.tiny()), ``"sdxl"`` (SDXL base), an ``SDXLUNetConfig``, or the path
     of a diffusers UNet ``config.json`` (or of a folder holding one, directly or in ``unet/``)."""
-    if isinstance(spec, SDXLUNetConfig):
-        return spec
-    if spec == "tiny":
-        return SDXLUNetConfig.tiny()
-    if spec == "sdxl":
-        return SDXLUNetConfig()
-    path = os.fspath(spec)
-    for candidate in (path, os.path.join(path, "config.json"), os.path.join(path, "unet", "config.json")):
-        if os.path.isfile(candidate):
-            with open(candidate) as f:
-                return SDXLUNetConfig.from_diffusers(json.load(f))
-    raise ValueError(f"model config must be one of {CONFIG_NAMES} or a diffusers UNet config.json (or a folder "
-                     f"holding one), got {spec!r}")
+    return config_from(spec, {"tiny": SDXLUNetConfig.tiny, "sdxl": SDXLUNetConfig}, SDXLUNetConfig, "unet", "UNet")
 
 
 def is_sdxl_architecture(config) -> bool:
