@@ -1,4 +1,4 @@
-"""``flame-train-lora CONFIG [section.key=value ...] [--resume [CHECKPOINT]]``: train an SDXL LoRA.
+"""``flame-train-lora CONFIG [section.key=value ...] [--resume [CHECKPOINT]]``: train an SDXL or Flux.1 LoRA.
 
 Exit status: 0 when the LoRA file was written; 1 when a non-finite loss stopped the run, a file
 could not be written or (several processes) another process was lost; 2 for a config, cache or

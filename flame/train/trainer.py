@@ -135,10 +135,11 @@ def make_optimizer(t, groups):
 class Trainer:
     """Builds a run from a validated config (``flame.train.config``) and trains it (``train()``).
 
-    ``model``: a ready UNet to use instead of ``model.path`` / ``model.config`` (it must follow
-    ``SDXLUNet``'s forward signature and expose ``config``, ``dtype`` and
-    ``enable_gradient_checkpointing``). ``progress``: show a tqdm bar (default: when stderr is a
-    terminal; otherwise a log line every ``log_every`` steps). ``log``: where text lines go.
+    ``model``: a ready model to use instead of ``model.path`` / ``model.config`` (it must follow
+    its family's forward signature, ``SDXLUNet``'s or ``FluxTransformer2DModel``'s, and expose
+    ``config``, ``dtype`` and ``enable_gradient_checkpointing``). ``progress``: show a tqdm bar
+    (default: when stderr is a terminal; otherwise a log line every ``log_every`` steps). ``log``:
+    where text lines go.
     """
 
     def __init__(self, config, model=None, progress=None, log=print):

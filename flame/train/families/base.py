@@ -67,9 +67,6 @@ class Family:
     def write_synthetic_cache(self, path, num_samples, mcfg, latent_sizes, **kwargs):
         raise NotImplementedError
 
-    def default_image_size(self, mcfg) -> int:
-        raise NotImplementedError
-
     # ---- the step
     def objective(self, cfg, log):
         """The ``flame.train.objectives`` object the run trains with."""

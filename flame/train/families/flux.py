@@ -94,9 +94,6 @@ class FluxFamily(Family):
         return write_synthetic_cache(path, num_samples, dims["latent_channels"], text_len, dims["text_dim"],
                                      dims["pooled_dim"], latent_sizes, **kwargs)
 
-    def default_image_size(self, mcfg) -> int:
-        return 1024 if self._full_size(mcfg) else 64
-
     def kernel_list(self, mcfg) -> str | None:
         """Flux.1's list (recorded on dev's architecture; schnell runs the same kernels)."""
         return "flux" if dataclasses.replace(mcfg, guidance_embeds=True) == FluxConfig() else None
@@ -109,8 +106,9 @@ class FluxFamily(Family):
         return FlowObjective(cfg.diffusion)
 
     def conditioning(self, batch, latent_shape, text_len) -> tuple:
-        """(image ids, text ids, guidance or None) for latents of ``latent_shape`` and ``text_len``
-        text tokens: made once per shape (host-to-device copies stay out of the captured step)."""
+        """(image ids, text ids, guidance: ``diffusion.guidance`` per sample, which ``predict`` drops
+        for a model without a guidance input) for latents of ``latent_shape`` and ``text_len`` text
+        tokens: made once per shape (host-to-device copies stay out of the captured step)."""
         B, _, h, w = latent_shape
         key = (B, h, w, text_len)
         if key not in self._conditioning:

@@ -77,9 +77,6 @@ class SDXLFamily(Family):
     def write_synthetic_cache(self, path, num_samples, mcfg, latent_sizes, **kwargs):
         return write_synthetic_cache_for(path, num_samples, mcfg, latent_sizes, **kwargs)
 
-    def default_image_size(self, mcfg) -> int:
-        return 8 * mcfg.sample_size
-
     def kernel_list(self, mcfg) -> str | None:
         return "" if is_sdxl_architecture(mcfg) else None
 
@@ -102,7 +99,7 @@ class SDXLFamily(Family):
     def training_samples(self, sample_cfg, source, dtype, mcfg):
         from ..samples import TrainingSamples
         try:
-            return TrainingSamples(sample_cfg, source, dtype, default_size=self.default_image_size(mcfg))
+            return TrainingSamples(sample_cfg, source, dtype, default_size=8 * mcfg.sample_size)
         except torch.cuda.OutOfMemoryError:
             raise
         except (OSError, ValueError, RuntimeError) as e:
