@@ -103,3 +103,54 @@ def test_bad_arguments():
         flow_target(flame.ones(2, 3), flame.ones(2, 4))
     with pytest.raises(ValueError, match="timestep"):
         flow_noisy(flame.ones(2, 3), flame.ones(2, 3), flame.ones(3))
+
+
+# ---- sampling: FlowMatchEulerDiscreteScheduler as FluxPipeline drives it ------------------------------
+
+FLOW_CONFIGS = {
+    "dev": (None, 28, 4096),  # Flux.1-dev's scheduler config (dynamic shift) at 1024x1024
+    "dev-512": (None, 20, 1024),
+    "schnell": ({"use_dynamic_shifting": False, "shift": 1.0}, 4, None),
+    "static-shift": ({"use_dynamic_shifting": False, "shift": 3.0}, 7, None),
+    "linear-time-shift": ({"use_dynamic_shifting": True, "time_shift_type": "linear"}, 5, 2000),
+}
+
+
+@pytest.mark.parametrize("case", list(FLOW_CONFIGS))
+def test_flow_euler_matches_diffusers_step_for_step(case):
+    diffusers = pytest.importorskip("diffusers")
+    pipeline_flux = pytest.importorskip("diffusers.pipelines.flux.pipeline_flux")
+    from flame.diffusion import FLUX_SCHEDULER_CONFIG, make_sampler
+    config, n, tokens = FLOW_CONFIGS[case]
+    full = dict(FLUX_SCHEDULER_CONFIG, **(config or {}))
+    ref = diffusers.FlowMatchEulerDiscreteScheduler.from_config(full)
+    kwargs = {}
+    if full["use_dynamic_shifting"]:
+        kwargs["mu"] = pipeline_flux.calculate_shift(tokens, full["base_image_seq_len"], full["max_image_seq_len"],
+                                                     full["base_shift"], full["max_shift"])
+    ref.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), **kwargs)
+    sampler = make_sampler("flow_euler", n, config, image_seq_len=tokens)
+    np.testing.assert_allclose(sampler.timesteps, ref.timesteps.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(sampler.sigmas, ref.sigmas.numpy(), rtol=1e-5, atol=1e-7)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 8, generator=gen)
+    mine = sampler.prepare_latents(_flame(x))
+    for i, t in enumerate(ref.timesteps[:3]):
+        v = torch.randn(2, 6, 8, generator=gen)
+        x = ref.step(v, t, x).prev_sample
+        mine = sampler.step(_flame(v), i, mine)
+        torch.testing.assert_close(mine.to_torch().cpu(), x, rtol=1e-5, atol=1e-6)
+
+
+def test_flow_euler_errors():
+    from flame.diffusion import make_sampler
+    with pytest.raises(ValueError, match="use_dynamic_shifting needs image_seq_len"):
+        make_sampler("flow_euler", 4)
+    with pytest.raises(ValueError, match="image_seq_len is a flow sampler's setting"):
+        make_sampler("euler", 4, image_seq_len=1024)
+    with pytest.raises(ValueError, match="use_karras_sigmas=True is not supported"):
+        make_sampler("flow_euler", 4, {"use_karras_sigmas": True}, image_seq_len=16)
+    with pytest.raises(ValueError, match="shift_terminal is not supported"):
+        make_sampler("flow_euler", 4, {"shift_terminal": 0.02, "use_dynamic_shifting": False})
+    with pytest.raises(ValueError, match="unknown sampler 'flux'"):
+        make_sampler("flux", 4)

@@ -10,12 +10,15 @@ from .flow import (
 )
 from .losses import HUBER_SCHEDULES, LOSS_TYPES, diffusion_loss, huber_c_per_timestep, weighted_mse_loss
 from .samplers import (
+    FLOW_SAMPLERS,
+    FLUX_SCHEDULER_CONFIG,
     SAMPLERS,
     SDXL_BASE_SCHEDULER_CONFIG,
     DDIMSampler,
     DPMSolverMultistepSampler,
     EulerAncestralSampler,
     EulerSampler,
+    FlowEulerSampler,
     Sampler,
     make_sampler,
 )

@@ -28,6 +28,15 @@ a key missing or null gets that class's default) and the name fixes the settings
   keys do not apply, as in diffusers);
 - ddim: ``clip_sample``, ``clip_sample_range``, ``set_alpha_to_one``.
 
+``make_sampler("flow_euler", n, config, image_seq_len)`` is diffusers' ``FlowMatchEulerDiscreteScheduler``
+as ``FluxPipeline`` drives it (rectified flow: no betas, the model predicts a velocity): noise levels
+``linspace(1, 1/n, n)``, shifted by ``shift`` or, with ``use_dynamic_shifting``, by ``e^mu`` with
+``mu`` linear in ``image_seq_len`` (``base_shift`` at ``base_image_seq_len`` tokens, ``max_shift``
+at ``max_image_seq_len``; ``time_shift_type`` exponential or linear), then a final 0; the model's
+timestep is ``1000 s`` and each step is ``x + (s_next - s) v``. Read keys: those, and
+``num_train_timesteps``; ``shift_terminal``, ``invert_sigmas``, Karras/exponential/beta sigmas and
+stochastic sampling are refused.
+
 A value flame does not implement (``thresholding``, ``use_beta_sigmas``, ``squaredcos_cap_v2``,
 flow sigmas, learned variance, ...) is a ValueError naming the key; so is any bad value.
 
@@ -78,7 +87,8 @@ from ..ops.elementwise import map_op, mul, to
 from ..tensor import Tensor
 from .schedule import PREDICTION_TYPES, make_betas, rescale_zero_terminal_snr
 
-SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")
+SAMPLERS = ("euler", "euler_a", "dpmpp_2m", "ddim")  # DDPM-trained models (SDXL)
+FLOW_SAMPLERS = ("flow_euler",)  # rectified-flow models (Flux.1)
 
 # SDXL base 1.0's scheduler/scheduler_config.json (EulerDiscreteScheduler): the default config.
 SDXL_BASE_SCHEDULER_CONFIG = {
@@ -101,12 +111,18 @@ SPACINGS = ("leading", "trailing", "linspace")
 _KARRAS_RHO = 7.0
 
 
-def make_sampler(name: str, num_inference_steps: int, config: Mapping | None = None) -> Sampler:
-    """A sampler ``name`` (one of ``SAMPLERS``) of ``num_inference_steps`` steps, configured from a
-    diffusers scheduler config dict (None: SDXL base's)."""
+def make_sampler(name: str, num_inference_steps: int, config: Mapping | None = None,
+                 image_seq_len: int | None = None) -> Sampler:
+    """A sampler ``name`` (one of ``SAMPLERS`` or ``FLOW_SAMPLERS``) of ``num_inference_steps`` steps,
+    configured from a diffusers scheduler config dict (None: SDXL base's, or Flux.1's for a flow
+    sampler). ``image_seq_len``: the image tokens of a flow sampler's dynamic shift."""
     cls = _BY_NAME.get(name) if isinstance(name, str) else None
     if cls is None:
-        raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS)}")
+        raise ValueError(f"unknown sampler {name!r}; choose one of {', '.join(SAMPLERS + FLOW_SAMPLERS)}")
+    if name in FLOW_SAMPLERS:
+        return cls(num_inference_steps, config, image_seq_len)
+    if image_seq_len is not None:
+        raise ValueError(f"{name}: image_seq_len is a flow sampler's setting")
     return cls(num_inference_steps, config)
 
 
@@ -125,6 +141,7 @@ class Sampler:
     FIXED: dict = {}  # settings the sampler's name defines, whatever the config says
     zero_snr_floor = True  # diffusers' sigma-based schedulers set alpha_bar[-1] = 2**-24 under zero SNR
     init_noise_sigma = 1.0
+    ddpm = True  # a DDPM schedule: prediction_type and alphas_cumprod (not a rectified flow)
 
     def __init__(self, num_inference_steps: int, config: Mapping | None = None):
         self.config = _resolve(config, self.DEFAULTS, self.FIXED, self.name)
@@ -134,8 +151,9 @@ class Sampler:
             raise ValueError(f"{self.name}: num_inference_steps must be an int in [1, num_train_timesteps = "
                              f"{self.num_train_timesteps}], got {num_inference_steps!r}")
         self.num_inference_steps = int(num_inference_steps)
-        self.prediction_type = _one_of(self.config, "prediction_type", PREDICTION_TYPES, self.name)
-        self.alphas_cumprod = _alphas_cumprod(self.config, self.name, self.zero_snr_floor)
+        if self.ddpm:
+            self.prediction_type = _one_of(self.config, "prediction_type", PREDICTION_TYPES, self.name)
+            self.alphas_cumprod = _alphas_cumprod(self.config, self.name, self.zero_snr_floor)
 
     def __len__(self) -> int:
         return len(self.timesteps)
@@ -393,7 +411,59 @@ class DDIMSampler(Sampler):
         return _combine([(a, x0), (b * ex, x), (b * em, model_output)], x.dtype)
 
 
-_BY_NAME = {cls.name: cls for cls in (EulerSampler, EulerAncestralSampler, DPMSolverMultistepSampler, DDIMSampler)}
+# Flux.1-dev's scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler): a flow sampler's default.
+FLUX_SCHEDULER_CONFIG = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler", "base_image_seq_len": 256, "base_shift": 0.5,
+    "max_image_seq_len": 4096, "max_shift": 1.15, "num_train_timesteps": 1000, "shift": 3.0,
+    "use_dynamic_shifting": True,
+}
+
+
+class FlowEulerSampler(Sampler):
+    """diffusers' ``FlowMatchEulerDiscreteScheduler`` as FluxPipeline drives it (module docstring):
+    Euler steps of ``dx/ds = v`` from ``s = 1`` (noise) to 0, ``x' = x + (s_next - s) v``."""
+
+    name = "flow_euler"
+    ddpm = False
+    prediction_type = "flow"
+    DEFAULTS = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False, "base_shift": 0.5,
+                "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096,
+                "time_shift_type": "exponential", "shift_terminal": None, "invert_sigmas": False,
+                "use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False,
+                "stochastic_sampling": False}
+
+    def __init__(self, num_inference_steps: int, config: Mapping | None = None, image_seq_len: int | None = None):
+        super().__init__(num_inference_steps, FLUX_SCHEDULER_CONFIG if config is None else config)
+        s, name, n = self.config, self.name, self.num_inference_steps
+        for key in ("invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas",
+                    "stochastic_sampling"):
+            _unsupported(s, key, name, "not implemented for flow matching")
+        if s["shift_terminal"] is not None:
+            raise ValueError(f"{name}: config shift_terminal is not supported, got {s['shift_terminal']!r}")
+        sigmas = np.linspace(1.0, 1.0 / n, n)
+        if _flag(s, "use_dynamic_shifting", name):
+            if not isinstance(image_seq_len, numbers.Integral) or isinstance(image_seq_len, bool) or image_seq_len < 1:
+                raise ValueError(f"{name}: use_dynamic_shifting needs image_seq_len, the image's tokens (a positive "
+                                 f"int), got {image_seq_len!r}")
+            lo, hi = _integer(s, "base_image_seq_len", 1, name), _integer(s, "max_image_seq_len", 1, name)
+            if hi == lo:
+                raise ValueError(f"{name}: base_image_seq_len and max_image_seq_len must differ, both {lo}")
+            mu = s["base_shift"] + (s["max_shift"] - s["base_shift"]) / (hi - lo) * (image_seq_len - lo)
+            kind = _one_of(s, "time_shift_type", ("exponential", "linear"), name)
+            factor = math.exp(mu) if kind == "exponential" else mu
+            sigmas = factor / (factor + (1.0 / sigmas - 1.0))
+        else:
+            shift = _positive(s, "shift", name)
+            sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+        self.sigmas = np.append(sigmas, 0.0)
+        self.timesteps = (sigmas * self.num_train_timesteps).astype(np.float32)
+
+    def _step(self, model_output, i, x, noise):
+        return _combine([(1.0, x), (self.sigmas[i + 1] - self.sigmas[i], model_output)], x.dtype)
+
+
+_BY_NAME = {cls.name: cls for cls in (EulerSampler, EulerAncestralSampler, DPMSolverMultistepSampler, DDIMSampler,
+                                      FlowEulerSampler)}
 
 
 # ---- the update: a linear combination on the device ----------------------------------------------
