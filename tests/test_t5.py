@@ -145,4 +145,5 @@ def test_t5_bf16_matches_transformers(tmp_path):
     ids, mask = ids_and_mask(cfg, batch=2, length=300, pad_from=170)
     want = expected(ref.float(), ids.cuda(), mask.cuda()).cpu()
     got = encode(model, ids, mask).float()
-    torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()).item() < 2e-2  # bf16 activations through 3 blocks

@@ -21,7 +21,9 @@ The network, per token sequence x (B, L) of ids and its padding mask m (B, L) of
 T5's layer norm is an RMSNorm (no mean, no bias; the mean square in fp32). ``bucket`` is
 transformers' bidirectional ``_relative_position_bucket``: the sign takes half of the buckets, of
 each half the first half are exact distances, the rest log-spaced up to ``relative_attention_max_distance``.
-Not reproduced: transformers' fp16 clamping of infinite activations (run T5 in bf16 or fp32).
+Not reproduced: transformers' fp16 clamping of infinite activations (run T5 in bf16 or fp32). The
+bias enters the attention as its additive mask, which takes no gradient: ``relative_attention_bias``
+is not trained (everything else is; Flux keeps T5 frozen anyway).
 """
 from __future__ import annotations
 
