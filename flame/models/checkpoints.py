@@ -213,14 +213,19 @@ def component_config(cfg_dict, config, parse, who, path):
     return file_cfg
 
 
-def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, config_class, index):
-    """A diffusers component ``cls`` (``parameter_shapes(config)``, ``cls(config, dtype=...)``) from
-    ``path`` (``resolve_component``): the config from its config.json
-    (``config_class.from_diffusers``; a ``config`` given too must equal it) or, for a single file,
-    ``config`` (default ``config_class()``); ``index(files, config)`` maps the file's names to the
-    model's. Checked whole before the model is built without an init and loaded."""
-    cfg_dict, files = resolve_component(path, subfolder, "diffusion_pytorch_model", what)
-    config = component_config(cfg_dict, config, config_class.from_diffusers, cls.__name__, path)
+def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, config_class, index,
+                    stem: str = "diffusion_pytorch_model", parse=None, default=None):
+    """A diffusers or transformers component ``cls`` (``parameter_shapes(config)``, ``cls(config,
+    dtype=...)``) from ``path`` (``resolve_component`` of ``subfolder`` and the weights' ``stem``):
+    the config from its config.json (``parse``, default ``config_class.from_diffusers``; a ``config``
+    given too must equal it) or, for a single file, ``config`` (when None ``default(files)``, else
+    ``config_class()``); ``index(files, config)`` maps the file's names to the model's (and may
+    check them in the file's own names first). Checked whole before the model is built without an
+    init and loaded."""
+    cfg_dict, files = resolve_component(path, subfolder, stem, what)
+    if cfg_dict is None and config is None and default is not None:
+        config = default(files)
+    config = component_config(cfg_dict, config, parse or config_class.from_diffusers, cls.__name__, path)
     config = config if config is not None else config_class()
     found = index(files, config)
     check_index(found, cls.parameter_shapes(config), what, ", ".join(str(f) for f in files))

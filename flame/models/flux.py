@@ -45,7 +45,7 @@ from .. import nn, runtime
 from ..autograd import no_grad
 from ..nn import Parameter
 from ..nn import functional as F
-from ..nn.init import ones_, skip_init
+from ..nn.init import ones_
 from ..ops.creation import arange, full, tensor, zeros
 from ..ops.elementwise import addcmul, cos, exp, log, sin, to
 from ..ops.shape import cat
@@ -55,9 +55,7 @@ from .checkpoints import (
     Rows,
     Source,
     check_index,
-    component_config,
-    load_into,
-    resolve_component,
+    load_pretrained,
     sort_config,
     stored_tensors,
 )
@@ -435,17 +433,19 @@ class FluxTransformer2DModel(nn.Module):
         (flame's default when None). Missing, unexpected or misshapen tensors raise one RuntimeError,
         in the file's own names, before anything is loaded."""
         what = "Flux transformer"
-        cfg_dict, files = resolve_component(path, "transformer", "diffusion_pytorch_model", what)
-        stored = stored_tensors(files)
-        where = ", ".join(str(f) for f in files)
-        if cfg_dict is None and config is None:
-            config = FluxConfig(**flux_keys.infer_config({k: s for k, (_, s) in stored.items()}, where))
-        config = component_config(cfg_dict, config, FluxConfig.from_diffusers, cls.__name__, path)
-        index = _checkpoint_index(stored, config, what, where)
-        with skip_init():  # every parameter is loaded next
-            model = cls(config, dtype=dtype)
-        load_into(model, index, model.dtype)
-        return model
+
+        def where(files):
+            return ", ".join(str(f) for f in files)
+
+        def inferred(files):
+            stored = stored_tensors(files)
+            return FluxConfig(**flux_keys.infer_config({k: s for k, (_, s) in stored.items()}, where(files)))
+
+        def index(files, cfg):
+            return _checkpoint_index(stored_tensors(files), cfg, what, where(files))
+
+        return load_pretrained(cls, path, dtype, config, subfolder="transformer", what=what, config_class=FluxConfig,
+                               index=index, default=inferred)
 
     # ---- running ---------------------------------------------------------------------------------
     @property

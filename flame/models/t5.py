@@ -41,10 +41,7 @@ from ..ops.elementwise import to
 from ..tensor import Tensor, check_dtype, float32
 from .checkpoints import (
     Source,
-    check_index,
-    component_config,
-    load_into,
-    resolve_component,
+    load_pretrained,
     sort_config,
     stored_tensors,
 )
@@ -315,6 +312,7 @@ class T5EncoderModel(nn.Module):
         dtype = check_dtype(dtype or runtime.get_default_dtype())
         self.shared = Embedding(cfg.vocab_size, cfg.d_model, dtype)
         self.encoder = T5Stack(cfg, dtype, self.shared)  # encoder.embed_tokens is shared: one table
+        self._buckets = {}  # sequence length -> its (L, L) bucket indices on the device, copied once
 
     @staticmethod
     def parameter_shapes(config: T5Config) -> OrderedDict:
@@ -349,17 +347,13 @@ class T5EncoderModel(nn.Module):
         (flame's default when None). float8 files (``t5xxl_fp8_e4m3fn``) are refused. Missing,
         unexpected or misshapen tensors raise one RuntimeError before anything is read."""
         what = f"T5 encoder ({subfolder})"
-        cfg_dict, files = resolve_component(path, subfolder, "model", what)
-        _refuse_float8(files, what)
-        config = component_config(cfg_dict, config, T5Config.from_transformers, "T5EncoderModel", path)
-        config = config if config is not None else T5Config()
-        where = ", ".join(str(f) for f in files)
-        index = checkpoint_index(files)
-        check_index(index, cls.parameter_shapes(config), what, where)
-        with nn.init.skip_init():  # every parameter is loaded next
-            model = cls(config, dtype=dtype)
-        load_into(model, index, model.dtype)
-        return model
+
+        def index(files, cfg):
+            _refuse_float8(files, what)
+            return checkpoint_index(files)
+
+        return load_pretrained(cls, path, dtype, config, subfolder=subfolder, what=what, config_class=T5Config,
+                               index=index, stem="model", parse=T5Config.from_transformers)
 
     @property
     def dtype(self):
@@ -384,9 +378,11 @@ class T5EncoderModel(nn.Module):
         (from the host-computed buckets of ``length``), plus -1e9 on the keys that
         ``attention_mask`` (B, L; 1 keep, 0 padding) masks, giving (B, H, L, L) in float32."""
         cfg = self.config
-        buckets = _bucket_table(length, cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance)
+        if length not in self._buckets:  # a host-to-device copy per length, not per call (CUDA graphs allow none)
+            self._buckets[length] = tensor(_bucket_table(length, cfg.relative_attention_num_buckets,
+                                                         cfg.relative_attention_max_distance))
         table = self.encoder.block[0].layer[0].SelfAttention.relative_attention_bias
-        bias = table(tensor(buckets)).permute(2, 0, 1).unsqueeze(0)  # (L, L, H) -> (1, H, L, L), a view
+        bias = table(self._buckets[length]).permute(2, 0, 1).unsqueeze(0)  # (L, L, H) -> (1, H, L, L), a view
         if attention_mask is None:
             return bias
         keep = to(attention_mask, float32)
