@@ -1,8 +1,10 @@
-"""SDXL's VAE: diffusers 0.42's ``AutoencoderKL`` on flame's modules and ops.
+"""SDXL's and Flux.1's VAE: diffusers 0.42's ``AutoencoderKL`` on flame's modules and ops.
 
 Parameter names and shapes are diffusers' (``state_dict`` keys match 1:1), so a diffusers ``vae/``
 folder loads by name; original LDM checkpoints (a full SDXL file's ``first_stage_model.`` part, or
-a standalone VAE file) load through ``ldm_to_diffusers_vae``.
+a standalone VAE file such as Black Forest Labs' ``ae.safetensors``) load through ``ldm_to_diffusers_vae``.
+Flux.1's VAE is SDXL's architecture with 16 latent channels, no quant convs and shifted latents
+(``AutoencoderKLConfig.flux()``).
 
 Architecture (n = len(block_out_channels) levels; every GroupNorm has eps 1e-6):
 
@@ -61,13 +63,16 @@ _LOGVAR_RANGE = (-30.0, 20.0)  # diffusers' DiagonalGaussianDistribution clamps 
 # checked per block in from_diffusers.
 _FIXED = {"act_fn": ("silu",), "latents_mean": (None,), "latents_std": (None,)}
 _BLOCK_TYPES = {"down_block_types": "DownEncoderBlock2D", "up_block_types": "UpDecoderBlock2D"}
+# what Flux.1's VAE changes in SDXL's (black-forest-labs/FLUX.1-dev vae/config.json)
+_FLUX_LATENTS = {"latent_channels": 16, "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False,
+                 "use_post_quant_conv": False}
 
 
 @dataclasses.dataclass(frozen=True)
 class AutoencoderKLConfig:
     """The VAE's architecture and latent scaling, with diffusers' config names; the defaults are
     SDXL's (``stabilityai/sdxl-vae``: 4 levels of 128, 256, 512, 512 channels, 2 resnets per
-    encoder level, 8x downsampling, 4 latent channels, scaling factor 0.13025).
+    encoder level, 8x downsampling, 4 latent channels, scaling factor 0.13025); ``flux()`` is Flux.1's.
 
     ``sample_size`` is the default tile size (in pixels) of the tiled paths, as in diffusers.
     ``scaling_factor`` and ``shift_factor`` relate the VAE's latents z to the diffusion model's:
@@ -122,6 +127,17 @@ class AutoencoderKLConfig:
         (the default tile). 43,711 parameters (124 tensors); through Triton's interpreter an
         encode is about 60 kernel launches and a decode about 75, each GroupNorm three of them."""
         return cls(block_out_channels=(8, 16), layers_per_block=1, norm_num_groups=4, sample_size=16)
+
+    @classmethod
+    def flux(cls) -> AutoencoderKLConfig:
+        """Flux.1's VAE (``black-forest-labs/FLUX.1-dev``'s ``vae/``, BFL's ``ae.safetensors``): SDXL's
+        architecture with 16 latent channels and neither quant conv; scaled latents (z - 0.1159) * 0.3611."""
+        return cls(**_FLUX_LATENTS)
+
+    @classmethod
+    def tiny_flux(cls) -> AutoencoderKLConfig:
+        """``tiny()`` with Flux.1's latents: 16 channels, no quant convs, Flux's shift and scaling."""
+        return dataclasses.replace(cls.tiny(), **_FLUX_LATENTS)
 
     @property
     def downsample_factor(self) -> int:
@@ -409,13 +425,14 @@ class AutoencoderKL(nn.Module):
     def from_pretrained(cls, path, dtype=None, config: AutoencoderKLConfig | None = None) -> AutoencoderKL:
         """Load a diffusers ``vae/`` folder (or a pipeline folder holding one): config.json plus
         ``diffusion_pytorch_model[.fp16].safetensors`` or its sharded index; or one ``.safetensors``
-        file with diffusers or LDM names (a full SDXL checkpoint's ``first_stage_model.`` part is
-        taken, the rest ignored), for which ``config`` (default SDXL's) gives the architecture.
-        Weights are cast to ``dtype`` (flame's default when None). Missing, unexpected or misshapen
-        tensors raise RuntimeError before anything is loaded."""
+        file with diffusers or LDM names (a full checkpoint's ``first_stage_model.`` part is taken,
+        the rest ignored; BFL's ``ae.safetensors`` has LDM names without the prefix), for which
+        ``config`` gives the architecture: when None, ``single_file_config`` reads Flux.1's or SDXL's
+        from the file. Weights are cast to ``dtype`` (flame's default when None). Missing, unexpected
+        or misshapen tensors raise RuntimeError before anything is loaded."""
         return load_pretrained(cls, path, dtype, config,
                                subfolder="vae", what="VAE", config_class=AutoencoderKLConfig,
-                               index=checkpoint_index)
+                               index=checkpoint_index, default=single_file_config)
 
     # ---- inputs ----------------------------------------------------------------------------------
     @property
@@ -638,3 +655,16 @@ def checkpoint_index(files, config: AutoencoderKLConfig | None = None) -> dict:
             shape = shape[:2]
         out[name] = Source(file, k, shape)
     return out
+
+
+def single_file_config(files) -> AutoencoderKLConfig:
+    """The config of a VAE file given without one: ``AutoencoderKLConfig.flux()`` when its tensors
+    are Flux.1's (16 latent channels, i.e. a 32-channel ``encoder.conv_out``, and no ``quant_conv``),
+    else SDXL's. Only the latent width and the quant convs are read: any other architecture, or
+    another VAE with Flux's tensors but its own latent scaling (SD3's), needs its config given."""
+    index = checkpoint_index(files)
+    flux = AutoencoderKLConfig.flux()
+    conv_out = index.get("encoder.conv_out.weight")
+    if conv_out is not None and conv_out.shape[0] == 2 * flux.latent_channels and "quant_conv.weight" not in index:
+        return flux
+    return AutoencoderKLConfig.sdxl()
