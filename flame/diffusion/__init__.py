@@ -1,5 +1,6 @@
 """Diffusion utilities: the DDPM noise schedule and rectified flow (flow matching), their targets, loss
-weights and noise sampling for training; the samplers (Euler, Euler ancestral, DPM++ 2M Karras, DDIM) for inference."""
+weights and noise sampling for training; the samplers for inference (Euler, Euler ancestral, DPM++ 2M
+Karras, DDIM; for Flux.1 flow Euler, DPM++ 2M and Heun)."""
 from .flow import (
     WEIGHTING_SCHEMES,
     flow_loss_weights,
@@ -18,7 +19,9 @@ from .samplers import (
     DPMSolverMultistepSampler,
     EulerAncestralSampler,
     EulerSampler,
+    FlowDPMSolverSampler,
     FlowEulerSampler,
+    FlowHeunSampler,
     Sampler,
     make_sampler,
 )
