@@ -447,6 +447,8 @@ LAZY_IMPORTS = {
     ("flame.train.cli", "flame.train.trainer"): "--help and config errors answer before torch and the models load",
     ("flame.pipeline.cli", "flame.pipeline.images"): "--help answers before the pipeline loads",
     ("flame.pipeline.cli", "flame.pipeline.sdxl"): "--help answers before the pipeline loads",
+    ("flame.pipeline.cli", "flame.pipeline.flux"): "--help answers before the pipeline loads",
+    ("flame.pipeline.cli", "flame.pipeline.stages"): "--help answers before the pipeline loads",
     ("flame.train.families.sdxl", "flame.train.samples"): "the pipeline loads only when sample.prompts is set",
 }
 

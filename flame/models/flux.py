@@ -56,6 +56,7 @@ from .checkpoints import (
     Source,
     check_index,
     load_pretrained,
+    resolve_component,
     sort_config,
     stored_tensors,
 )
@@ -337,6 +338,19 @@ class LastLayer(nn.Module):
 
 # ---- the model -------------------------------------------------------------------------------------
 
+_WHAT = "Flux transformer"
+
+
+def _where(files) -> str:
+    return ", ".join(str(f) for f in files)
+
+
+def _inferred_config(files) -> FluxConfig:
+    """The config of single-file weights, from their tensor shapes (``flux_keys.infer_config``)."""
+    stored = stored_tensors(files)
+    return FluxConfig(**flux_keys.infer_config({k: s for k, (_, s) in stored.items()}, _where(files)))
+
+
 class FluxTransformer2DModel(nn.Module):
     """The Flux.1 transformer with BFL's parameter names.
 
@@ -432,20 +446,18 @@ class FluxTransformer2DModel(nn.Module):
         single block's MLP input) are stacked into the fused parameters. Weights are cast to ``dtype``
         (flame's default when None). Missing, unexpected or misshapen tensors raise one RuntimeError,
         in the file's own names, before anything is loaded."""
-        what = "Flux transformer"
-
-        def where(files):
-            return ", ".join(str(f) for f in files)
-
-        def inferred(files):
-            stored = stored_tensors(files)
-            return FluxConfig(**flux_keys.infer_config({k: s for k, (_, s) in stored.items()}, where(files)))
-
         def index(files, cfg):
-            return _checkpoint_index(stored_tensors(files), cfg, what, where(files))
+            return _checkpoint_index(stored_tensors(files), cfg, _WHAT, _where(files))
 
-        return load_pretrained(cls, path, dtype, config, subfolder="transformer", what=what, config_class=FluxConfig,
-                               index=index, default=inferred)
+        return load_pretrained(cls, path, dtype, config, subfolder="transformer", what=_WHAT, config_class=FluxConfig,
+                               index=index, default=_inferred_config)
+
+    @staticmethod
+    def pretrained_config(path) -> FluxConfig:
+        """The config ``from_pretrained(path)`` would build, read without loading any weight: a folder's
+        config.json, or a single file's tensor shapes."""
+        cfg_dict, files = resolve_component(path, "transformer", "diffusion_pytorch_model", _WHAT)
+        return FluxConfig.from_diffusers(cfg_dict) if cfg_dict is not None else _inferred_config(files)
 
     # ---- running ---------------------------------------------------------------------------------
     @property

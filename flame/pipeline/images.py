@@ -12,13 +12,13 @@ import pathlib
 
 from ..io import atomic_write
 
-_LABELS = (("steps", "Steps"), ("sampler", "Sampler"), ("cfg", "CFG scale"), ("seed", "Seed"), ("size", "Size"),
-           ("model", "Model"), ("loras", "LoRAs"), ("step", "Training step"))
+_LABELS = (("steps", "Steps"), ("sampler", "Sampler"), ("cfg", "CFG scale"), ("guidance", "Guidance"), ("seed", "Seed"),
+           ("size", "Size"), ("model", "Model"), ("loras", "LoRAs"), ("step", "Training step"))
 
 
 def parameters_text(settings: dict) -> str:
-    """The ``parameters`` chunk for ``settings`` (prompt, negative_prompt, steps, sampler, cfg, seed,
-    size, model, loras; missing ones are left out)."""
+    """The ``parameters`` chunk for ``settings`` (prompt, negative_prompt, steps, sampler, cfg,
+    guidance, seed, size, model, loras; missing ones are left out)."""
     lines = [settings.get("prompt", "")]
     if settings.get("negative_prompt"):
         lines.append(f"Negative prompt: {settings['negative_prompt']}")

@@ -6,7 +6,7 @@ training (adapters live), prompts encoded once, and the VAE alone:
 
 - ``encode_prompts(text_encoders, prompts, negative_prompt, ...)`` -> ``Conditioning``;
 - ``denoise(unet, conditioning, noise, sampler, cfg, time_ids, ...)`` -> latents;
-- ``decode(vae, latents)`` -> uint8 images (H, W, 3).
+- ``decode(vae, latents)`` -> uint8 images (H, W, 3) (``flame.pipeline.stages``, shared with Flux).
 
 ``SDXLPipeline`` holds the three models of one checkpoint and runs them in turn.
 
@@ -32,21 +32,18 @@ import json
 import pathlib
 from typing import NamedTuple
 
-import numpy as np
-
 from .. import runtime
 from ..autograd import no_grad
 from ..diffusion.samplers import SDXL_BASE_SCHEDULER_CONFIG, make_sampler
 from ..graphs import CapturedStep
-from ..io import load_lora
 from ..models.sdxl_text import SDXLTextEncoders, prompt_list
 from ..models.sdxl_unet import SDXLUNet
 from ..models.vae import AutoencoderKL
-from ..nn.lora import fold_lora
-from ..ops.creation import get_rng_state, manual_seed, randn, set_rng_state, tensor, zeros_like
-from ..ops.elementwise import add, clamp, mul, sub, to
+from ..ops.creation import get_rng_state, manual_seed, set_rng_state, tensor, zeros_like
+from ..ops.elementwise import to
 from ..ops.shape import cat
 from ..tensor import Tensor, bfloat16, float32
+from .stages import add_lora, check_image_size, decode, guide, initial_noise, sampler_loop
 
 
 class Conditioning(NamedTuple):
@@ -87,15 +84,6 @@ def time_ids_for(height, width, batch, original_size=None, crop_top_left=(0, 0))
     return tensor([row] * batch, dtype=float32)
 
 
-def initial_noise(batch, latent_shape, seed):
-    """(batch, *latent_shape) float32 noise, image k drawn after seeding flame's generator with seed + k."""
-    parts = []
-    for k in range(batch):
-        manual_seed(seed + k)
-        parts.append(randn(1, *latent_shape, dtype=float32))
-    return parts[0] if batch == 1 else cat(parts, 0)
-
-
 @no_grad()
 def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time_ids, cuda_graph: bool = True,
             progress=None, predict=None):
@@ -114,36 +102,14 @@ def denoise(unet: SDXLUNet, cond: Conditioning, noise, sampler, cfg: float, time
         ids = cat([time_ids, time_ids], 0)
     else:
         context, pooled, ids = cond.embeds, cond.pooled, time_ids
-    rows = 2 * B if guided else B
     if predict is None:
         predict = CapturedStep(unet.__call__, enabled=cuda_graph)
-    x = sampler.prepare_latents(noise)
-    steps = np.asarray(sampler.timesteps, dtype=np.float32)
-    all_t = tensor(np.repeat(steps[:, None], rows, axis=1))  # (steps, rows): one host copy, not one per step
-    for i in range(len(steps)):
-        x_in = sampler.scale_model_input(x, i)
-        x_in = cat([x_in, x_in], 0) if guided else x_in
-        out = to(predict(x_in, all_t[i], context, pooled, ids), float32)
-        if guided:
-            uncond, cond_out = out.narrow(0, 0, B), out.narrow(0, B, B)
-            out = add(uncond, mul(sub(cond_out, uncond), float(cfg)))
-        x = sampler.step(out, i, x)
-        if progress is not None:
-            progress()
-    return x
 
+    def guided_output(x_in, t):
+        out = to(predict(cat([x_in, x_in], 0) if guided else x_in, t, context, pooled, ids), float32)
+        return guide(out, B, cfg) if guided else out
 
-@no_grad()
-def decode(vae: AutoencoderKL, latents, tile: bool | None = None) -> list:
-    """Scaled latents -> [(H, W, 3) uint8 arrays]. ``tile``: decode in blended tiles (None: when
-    the image has at least 4x the area of the VAE's sample size, 2048x2048 for SDXL, where an
-    untiled decode's activations take several GB)."""
-    if tile is None:
-        pixels = latents.shape[2] * latents.shape[3] * vae.config.downsample_factor ** 2
-        tile = pixels >= 4 * vae.config.sample_size ** 2
-    images = vae.decode_latents(to(latents, vae.dtype), tile=tile)
-    pixels = clamp(mul(add(to(images, float32), 1.0), 127.5), 0.0, 255.0).numpy()  # host transfer
-    return [np.rint(p).astype(np.uint8).transpose(1, 2, 0) for p in pixels]
+    return sampler_loop(sampler, noise, guided_output, 2 * B if guided else B, progress)
 
 
 def pipeline_settings(path) -> tuple:
@@ -157,26 +123,6 @@ def pipeline_settings(path) -> tuple:
         if (p / "model_index.json").is_file():
             force_zeros = json.loads((p / "model_index.json").read_text()).get("force_zeros_for_empty_prompt", True)
     return scheduler, bool(force_zeros)
-
-
-def read_prompt_file(path) -> list:
-    """One prompt per line of ``path``; empty lines and lines starting with # are skipped."""
-    lines = [line.strip() for line in pathlib.Path(path).read_text(encoding="utf-8").splitlines()]
-    prompts = [line for line in lines if line and not line.startswith("#")]
-    if not prompts:
-        raise ValueError(f"{path} holds no prompt")
-    return prompts
-
-
-def parse_lora(spec: str):
-    """``FILE`` or ``FILE:STRENGTH`` -> (path, strength)."""
-    path, sep, strength = spec.rpartition(":")
-    if sep:
-        try:
-            return pathlib.Path(path), float(strength)
-        except ValueError:
-            pass
-    return pathlib.Path(spec), 1.0
 
 
 class SDXLPipeline:
@@ -210,11 +156,7 @@ class SDXLPipeline:
     def load_lora(self, path, strength: float = 1.0) -> list:
         """Add a LoRA file (PEFT or kohya) into the UNet's weights at ``strength``; returns the layers
         it changed. Files load one after another, each folded in before the next."""
-        try:
-            names = load_lora(self.unet, path, inject=True)
-        except (KeyError, ValueError) as e:  # nothing was written: the file is checked first
-            raise ValueError(f"{path}: not a LoRA for this SDXL UNet: {e.args[0] if e.args else e}") from None
-        fold_lora(self.unet, strength)
+        names = add_lora(self.unet, path, strength, "SDXL UNet")
         self.loras.append((pathlib.Path(path).name, float(strength)))
         return names
 
@@ -235,9 +177,7 @@ def generate(unet, vae, cond: Conditioning, scheduler_config: dict, steps=30, cf
     """Images for prompts already encoded (``cond``): noise from ``seed``, the sampler's loop, the
     VAE decode. flame's generator state is the same afterwards."""
     vae_factor = vae.config.downsample_factor  # 8 in SDXL
-    factor = vae_factor * 2 ** (len(unet.config.block_out_channels) - 1)
-    if width % factor or height % factor or width <= 0 or height <= 0:
-        raise ValueError(f"width and height must be positive multiples of {factor}, got {width}x{height}")
+    check_image_size(width, height, vae_factor * 2 ** (len(unet.config.block_out_channels) - 1))
     rng = get_rng_state()
     try:
         latent_shape = (unet.config.in_channels, height // vae_factor, width // vae_factor)

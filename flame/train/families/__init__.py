@@ -11,58 +11,30 @@ metadata. ``detect(path, config)`` picks the family of a checkpoint or config na
 """
 from __future__ import annotations
 
-import json
 import os
 
-from ...io import stored_shapes
+from ...models.families import checkpoint_family, config_family
 from .flux import FluxFamily
 from .sdxl import SDXLFamily
 
 FAMILIES = {"sdxl": SDXLFamily, "flux": FluxFamily}
 CONFIG_NAMES = tuple(dict.fromkeys(n for f in FAMILIES.values() for n in f.config_names))
 
-_PIPELINES = {"FluxPipeline": "flux", "StableDiffusionXLPipeline": "sdxl"}
-_MODELS = {"FluxTransformer2DModel": "flux", "UNet2DConditionModel": "sdxl"}
-
-
-def _class_name(path):
-    try:
-        with open(path) as f:
-            return json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError):
-        return None
-
 
 def detect(path, config) -> str:
-    """The family of ``model.path`` (a pipeline folder's model_index.json, a component folder's
-    config.json, or a single file's tensor names), else of ``model.config`` (a family's config
-    name, or a diffusers config.json); SDXL when nothing says otherwise (``"tiny"``: SDXL's tiny
-    UNet; set ``model.family: flux`` for the tiny Flux)."""
-    if path and os.path.isdir(path):
-        name = _class_name(os.path.join(path, "model_index.json"))
-        if name in _PIPELINES:
-            return _PIPELINES[name]
-        for sub in ("transformer", "unet", ""):
-            name = _class_name(os.path.join(path, sub, "config.json"))
-            if name in _MODELS:
-                return _MODELS[name]
-    elif path and os.path.isfile(path):
-        try:
-            keys = stored_shapes(path)
-        except (OSError, ValueError):
-            keys = {}
-        if any(k.endswith(FluxFamily.single_file_marks) for k in keys):
-            return "flux"
-        return "sdxl"
+    """The family of ``model.path`` (``flame.models.families.checkpoint_family``: a pipeline
+    folder's model_index.json, a component folder's config.json, or a single file's tensor names),
+    else of ``model.config`` (a family's config name, or a diffusers config.json); SDXL when nothing
+    says otherwise (``"tiny"``: SDXL's tiny UNet; set ``model.family: flux`` for the tiny Flux)."""
+    if path and os.path.exists(path):
+        found = checkpoint_family(path)
+        if found is not None:
+            return found
     for family, cls in FAMILIES.items():
         if config in cls.config_names and config != "tiny":
             return family
     if isinstance(config, str) and os.path.exists(config):
-        folder = os.path.isdir(config)
-        for candidate in ([os.path.join(config, "config.json"), os.path.join(config, "transformer", "config.json"),
-                           os.path.join(config, "unet", "config.json")] if folder else [config]):
-            if _class_name(candidate) in _MODELS:
-                return _MODELS[_class_name(candidate)]
+        return config_family(config) or "sdxl"
     return "sdxl"
 
 

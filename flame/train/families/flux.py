@@ -45,8 +45,6 @@ class FluxFamily(Family):
     blocks = BLOCKS
     base_model_version = "flux1"
     architecture = "Flux.1-dev/lora"
-    # tensor names only a Flux single file has (BFL's layout, or diffusers' names in one file)
-    single_file_marks = ("double_blocks.0.img_attn.qkv.weight", "transformer_blocks.0.attn.add_q_proj.weight")
 
     def __init__(self, cfg=None):
         super().__init__(cfg)
