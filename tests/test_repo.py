@@ -450,6 +450,7 @@ LAZY_IMPORTS = {
     ("flame.pipeline.cli", "flame.pipeline.flux"): "--help answers before the pipeline loads",
     ("flame.pipeline.cli", "flame.pipeline.stages"): "--help answers before the pipeline loads",
     ("flame.train.families.sdxl", "flame.train.samples"): "the pipeline loads only when sample.prompts is set",
+    ("flame.train.families.flux", "flame.train.samples"): "the pipeline loads only when sample.prompts is set",
 }
 
 

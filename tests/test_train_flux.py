@@ -154,3 +154,37 @@ def test_two_processes_train_flux_as_one_process_at_the_global_batch(tmp_path):
                         "output": {**raw["output"], "dir": str(tmp_path / "one")}})
     one = Trainer(cfg, progress=False, log=lambda *a: None).train()
     np.testing.assert_allclose(ranks[0]["losses"], one["losses"], rtol=1e-5)
+
+
+# ---- sample images while training --------------------------------------------------------------------
+
+def test_flux_run_writes_sample_images_from_its_pipeline_folder(tmp_path):
+    pytest.importorskip("diffusers")
+    from PIL import Image
+    from tiny_flux import write_tiny_flux_pipeline
+    folder = write_tiny_flux_pipeline(tmp_path / "pipe")
+    cfg = _config(tmp_path / "o", f"model.path={folder}", "model.family=auto", "train.steps=1",
+                  "data.synthetic_latent_sizes=[[8, 8]]", "sample.prompts=[a cat]", "sample.steps=1",
+                  "sample.width=16", "sample.height=16", "sample.max_sequence_length=8")
+    assert cfg.model.family == "flux"
+    flame.manual_seed(cfg.train.seed)
+    result = Trainer(cfg, progress=False, log=lambda *a: None).train()
+    assert np.isfinite(result["losses"]).all()
+    image = tmp_path / "o" / "samples" / "step-1" / "00.png"
+    with Image.open(image) as im:
+        assert im.size == (16, 16)
+        text = im.text["parameters"]
+    assert text.startswith("a cat") and "Sampler: flow_euler" in text and "Guidance: 3.5" in text
+    assert "Training step: 1" in text
+
+
+def test_sample_options_of_the_other_family_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"sample\.sampler='euler' \(Flux: flow_euler"):
+        _config(tmp_path, "sample.sampler=euler")
+    with pytest.raises(ConfigError, match=r"sample\.max_tokens=150"):
+        _config(tmp_path, "sample.max_tokens=150")
+    with pytest.raises(ConfigError, match=r"sample\.width: Flux images are multiples of 16"):
+        _config(tmp_path, "sample.prompts=[a]", "sample.width=24", f"sample.model={tmp_path}")
+    with pytest.raises(ConfigError, match=r"sample\.guidance=2\.0.*\(Flux\) only"):
+        build_config({"model": {"config": "tiny"}, "data": {"cache_dir": "c"}, "train": {"steps": 1},
+                      "sample": {"guidance": 2.0}, "output": {"dir": str(tmp_path / "o")}})

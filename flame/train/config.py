@@ -21,7 +21,7 @@ import yaml
 
 from ..diffusion import TIMESTEP_DISTRIBUTIONS, WEIGHTING_SCHEMES
 from ..diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES
-from ..diffusion.samplers import SAMPLERS
+from ..diffusion.samplers import FLOW_SAMPLERS, SAMPLERS
 from ..models.sdxl_unet import CHECKPOINT_SCOPES
 from ..nn.lora import target_pattern_error
 from ..optim.lr_scheduler import SCHEDULE_NAMES
@@ -224,23 +224,31 @@ SCHEMA = {
     "sample": {
         "prompts": Opt(None, "prompts", "images to make while training: a list of prompts, or a text file with one "
                                         "per line; null: none", nullable=True),
-        "negative_prompt": Opt(None, "str", "negative prompt for every sample; null: zero embeddings (SDXL's "
-                                            "default)", nullable=True),
+        "negative_prompt": Opt(None, "str", "negative prompt for every sample; null: SDXL zero embeddings (SDXL's "
+                                            "default), Flux none (used by true CFG, sample.cfg above 1)",
+                               nullable=True),
         "every_n_steps": Opt(0, "int", "sample every N steps (always at the end of the run); 0: only at the end",
                              low=0),
         "at_start": Opt(False, "bool", "also sample before the first step"),
         "seed": Opt(0, "int", "seed of every sample's noise (the same for each sampling, to compare steps)"),
-        "steps": Opt(25, "int", "sampler steps", low=1),
-        "cfg": Opt(5.0, "float", "classifier-free guidance scale", low=0.0),
-        "sampler": Opt("euler", "choice", "sampling method", choices=SAMPLERS),
-        "width": Opt(None, "int", "image width in pixels (multiple of 8); null: the model's sample size", low=8,
+        "steps": Opt(None, "int", "sampler steps; null: SDXL 25, Flux.1-dev 28, Flux.1-schnell 4", low=1,
                      nullable=True),
-        "height": Opt(None, "int", "image height in pixels (multiple of 8); null: the model's sample size", low=8,
-                      nullable=True),
-        "max_tokens": Opt(75, "choice", "caption tokens per prompt (75, 150 or 225)", choices=(75, 150, 225)),
-        "model": Opt(None, "path", "pipeline folder or single-file checkpoint holding the text encoders and VAE; "
-                                   "null: model.path", nullable=True),
-        "tokenizers": Opt(None, "path", "pipeline folder with tokenizer/ and tokenizer_2/ (for a single-file "
+        "cfg": Opt(None, "float", "classifier-free guidance scale; null: SDXL 5, Flux 1 (none; above 1 with a "
+                                  "negative prompt: diffusers' true_cfg_scale)", low=0.0, nullable=True),
+        "guidance": Opt(3.5, "float", "Flux.1-dev's distilled guidance (a model input)", low=0.0),
+        "sampler": Opt(None, "choice", "sampling method; null: euler for SDXL, flow_euler for Flux (which takes "
+                                       f"{', '.join(FLOW_SAMPLERS)})", choices=SAMPLERS + FLOW_SAMPLERS,
+                       nullable=True),
+        "width": Opt(None, "int", "image width in pixels (multiple of 8, Flux 16); null: the model's sample size",
+                     low=8, nullable=True),
+        "height": Opt(None, "int", "image height in pixels (multiple of 8, Flux 16); null: the model's sample size",
+                      low=8, nullable=True),
+        "max_tokens": Opt(75, "choice", "SDXL: caption tokens per prompt (75, 150 or 225)", choices=(75, 150, 225)),
+        "max_sequence_length": Opt(None, "int", "Flux: T5 tokens per prompt; null: dev 512, schnell 256", low=1,
+                                   high=513, nullable=True),
+        "model": Opt(None, "path", "pipeline folder (or SDXL single-file checkpoint) holding the text encoders and "
+                                   "VAE; null: model.path", nullable=True),
+        "tokenizers": Opt(None, "path", "pipeline folder with tokenizer/ and tokenizer_2/ (for an SDXL single-file "
                                         "checkpoint)", nullable=True),
         "use_ema": Opt(False, "bool", "sample with the moving average of the weights (needs ema.decay)"),
     },
@@ -480,8 +488,8 @@ def _cross_checks(c, errors):
             errors.append(f"sample.prompts: {smp['prompts']} is not a file (give a list of prompts or a text file)")
         source = smp["model"] or c["model"]["path"]
         if source is None:
-            errors.append("sample.prompts: sampling needs the text encoders and VAE: set model.path to an SDXL "
-                          "pipeline folder or checkpoint file, or sample.model")
+            errors.append("sample.prompts: sampling needs the text encoders and VAE: set model.path to a "
+                          "pipeline folder (or SDXL checkpoint file), or sample.model")
         elif not os.path.exists(source):
             errors.append(f"sample.model: {source} does not exist")
         for side in ("width", "height"):
@@ -496,12 +504,14 @@ def _cross_checks(c, errors):
 _DDPM_ONLY = {"min_snr_gamma": None, "debiased_estimation": False, "zero_terminal_snr": False, "timestep_min": 0,
               "timestep_max": 1000}
 _FLOW_ONLY = {"resolution_shift": False, "weighting_scheme": "none"}
+_SDXL_SAMPLES = {"max_tokens": 75, "tokenizers": None}  # sample options of one family, at their defaults
+_FLUX_SAMPLES = {"max_sequence_length": None, "guidance": 3.5}
 
 
 def _family_checks(c, errors):
     """Resolve ``model.family`` (auto: from the checkpoint or config name) and refuse the options
     the other family's objective alone has."""
-    m, d, lora = c["model"], c["diffusion"], c["lora"]
+    m, d, lora, smp = c["model"], c["diffusion"], c["lora"], c["sample"]
     if m["path"] is not None and not os.path.exists(m["path"]):
         return  # reported above
     family = m["family"] if m["family"] != "auto" else families.detect(m["path"], m["config"])
@@ -517,11 +527,25 @@ def _family_checks(c, errors):
         if d["loss_type"] in ("huber", "smooth_l1") and d["huber_schedule"] != "constant":
             wrong.append(f"diffusion.huber_schedule={d['huber_schedule']!r} (use constant)")
         wrong += [f"lora.{k}={lora[k]!r}" for k in ("lr_down", "lr_mid", "lr_up") if lora[k] != 1.0]
+        wrong += [f"sample.{k}={smp[k]!r}" for k, v in _SDXL_SAMPLES.items() if smp[k] != v]
+        if smp["sampler"] is not None and smp["sampler"] not in FLOW_SAMPLERS:
+            wrong.append(f"sample.sampler={smp['sampler']!r} (Flux: {', '.join(FLOW_SAMPLERS)})")
         if wrong:
             errors.append(f"model.family flux trains a rectified flow, where these DDPM/UNet options have no "
                           f"meaning: {', '.join(wrong)}; remove them")
+        if smp["prompts"] is not None:
+            errors.extend(f"sample.{side}: Flux images are multiples of 16 pixels, got {smp[side]}"
+                          for side in ("width", "height") if smp[side] is not None and smp[side] % 16)
+            source = smp["model"] or m["path"]
+            if source is not None and os.path.isfile(source):
+                errors.append(f"sample.model: Flux samples need the text encoders, tokenizers and VAE of a Flux "
+                              f"pipeline folder, and {source} is a single file: set sample.model to a Flux "
+                              "pipeline folder")
     else:
         wrong = [f"diffusion.{k}={d[k]!r}" for k, v in _FLOW_ONLY.items() if d[k] != v]
+        wrong += [f"sample.{k}={smp[k]!r}" for k, v in _FLUX_SAMPLES.items() if smp[k] != v]
+        if smp["sampler"] in FLOW_SAMPLERS:
+            wrong.append(f"sample.sampler={smp['sampler']!r}")
         if wrong:
             errors.append(f"model.family {family}: {', '.join(wrong)} apply to rectified-flow models (Flux) only")
 

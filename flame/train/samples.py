@@ -1,11 +1,12 @@
-"""Sample images during training (the config's ``sample:`` section).
+"""Sample images during training (the config's ``sample:`` section), for SDXL and Flux.
 
-At setup the prompts are encoded once by both text encoders, which then leave GPU memory; the VAE
-stays (about 170 MB in bf16). At a sampling step the UNet being trained (its adapters live, in eval
-mode, cast to the UNet's dtype once for all prompts: ``amp.ParameterCasts``) runs the sampler's loop
-for each prompt in turn, eagerly: the training step's CUDA graph is left as it is, and the extra
-memory is one no-grad forward of batch 2 and one VAE decode. flame's random generator is restored
-afterwards, so sampling does not change the training run.
+At setup the prompts are encoded once by the family's text encoders, which then leave GPU memory
+(T5-XXL's ~9.5 GB included: they come and go before the model being trained loads); the VAE stays
+(about 170 MB in bf16). At a sampling step the model being trained (its adapters live, in eval
+mode, cast to the model's dtype once for all prompts: ``amp.ParameterCasts``) runs the sampler's
+loop for each prompt in turn, eagerly: the training step's CUDA graph is left as it is, and the
+extra memory is one no-grad forward (batch 2 with classifier-free guidance) and one VAE decode.
+flame's random generator is restored afterwards, so sampling does not change the training run.
 
 Images go to ``output.dir/samples/step-N/NN.png`` with their settings in the PNG metadata.
 """
@@ -17,46 +18,92 @@ from ..amp import ParameterCasts
 from ..models.sdxl_text import SDXLTextEncoders
 from ..models.vae import AutoencoderKL
 from ..nn.lora import lora_parameters
-from ..pipeline import save_png
-from ..pipeline.sdxl import encode_prompts, generate, pipeline_settings, read_prompt_file
+from ..pipeline import flux, sdxl
+from ..pipeline.images import save_png
+from ..pipeline.stages import read_prompt_file
 
 
 class TrainingSamples:
-    """The encoded prompts and the VAE of a run's ``sample`` config, and ``render(unet, step)``."""
+    """A run's encoded sample prompts and VAE, and ``render(model, step, folder)``.
 
-    def __init__(self, sample_cfg, source, dtype, default_size: int):
-        s = sample_cfg
-        self.cfg = s
-        self.prompts = read_prompt_file(s.prompts) if isinstance(s.prompts, str) else list(s.prompts)
-        self.width = s.width or default_size
-        self.height = s.height or default_size
-        self.scheduler_config, force_zeros = pipeline_settings(source)
-        encoders = SDXLTextEncoders.from_pretrained(source, dtype=dtype, tokenizer_path=s.tokenizers)
-        self.conditioning = [encode_prompts(encoders, [p], s.negative_prompt, force_zeros, s.max_tokens)
-                             for p in self.prompts]
-        del encoders  # the text encoders leave GPU memory here
-        self.vae = AutoencoderKL.from_pretrained(source, dtype=dtype)
+    ``conditioning``: one encoded prompt per prompt; ``make_image(model, vae, cond, width, height)``
+    -> the (H, W, 3) uint8 image of one; ``settings``: what the PNGs record besides prompt, seed,
+    size, model and step."""
+
+    def __init__(self, sample_cfg, prompts, conditioning, vae, make_image, settings: dict, width, height, source):
+        self.cfg, self.prompts, self.conditioning, self.vae = sample_cfg, prompts, conditioning, vae
+        self.make_image, self.settings = make_image, settings
+        self.width, self.height = width, height
         self.source = pathlib.Path(source).name
 
-    def render(self, unet, step: int, folder) -> list:
-        """One image per prompt from ``unet`` into ``folder/step-{step}/``; returns the paths."""
+    def render(self, model, step: int, folder) -> list:
+        """One image per prompt from ``model`` into ``folder/step-{step}/``; returns the paths."""
         s = self.cfg
         out = pathlib.Path(folder) / f"step-{step}"
         out.mkdir(parents=True, exist_ok=True)
-        was_training = unet.training
-        unet.eval()
+        was_training = model.training
+        model.eval()
         paths = []
-        try:  # the adapters do not change while sampling: cast once for every UNet call, not once per call and layer
-            with ParameterCasts(lora_parameters(unet), unet.dtype):
+        try:  # the adapters do not change while sampling: cast once for every model call, not once per call and layer
+            with ParameterCasts(lora_parameters(model), model.dtype):
                 for k, (prompt, cond) in enumerate(zip(self.prompts, self.conditioning)):
-                    image, = generate(unet, self.vae, cond, self.scheduler_config, steps=s.steps, cfg=s.cfg,
-                                      width=self.width, height=self.height, seed=s.seed, sampler=s.sampler,
-                                      cuda_graph=False)
-                    settings = {"prompt": prompt, "negative_prompt": s.negative_prompt or "", "steps": s.steps,
-                                "sampler": s.sampler, "cfg": s.cfg, "seed": s.seed,
-                                "size": f"{self.width}x{self.height}", "model": self.source, "step": step}
+                    image = self.make_image(model, self.vae, cond, self.width, self.height)
+                    settings = {"prompt": prompt, "negative_prompt": s.negative_prompt or "", **self.settings,
+                                "seed": s.seed, "size": f"{self.width}x{self.height}", "model": self.source,
+                                "step": step}
                     paths.append(str(save_png(image, out / f"{k:02d}.png", settings)))
         finally:
-            unet.train(was_training)
+            model.train(was_training)
         return paths
+
+
+def _prompts(s) -> list:
+    return read_prompt_file(s.prompts) if isinstance(s.prompts, str) else list(s.prompts)
+
+
+def sdxl_samples(sample_cfg, source, dtype, default_size: int) -> TrainingSamples:
+    """SDXL's: both CLIP encoders and the VAE of ``source`` (a pipeline folder or checkpoint file)."""
+    s = sample_cfg
+    prompts = _prompts(s)
+    scheduler_config, force_zeros = sdxl.pipeline_settings(source)
+    encoders = SDXLTextEncoders.from_pretrained(source, dtype=dtype, tokenizer_path=s.tokenizers)
+    conditioning = [sdxl.encode_prompts(encoders, [p], s.negative_prompt, force_zeros, s.max_tokens) for p in prompts]
+    del encoders  # the text encoders leave GPU memory here
+    vae = AutoencoderKL.from_pretrained(source, dtype=dtype)
+    steps, cfg, sampler = s.steps or 25, 5.0 if s.cfg is None else s.cfg, s.sampler or "euler"
+
+    def make_image(unet, vae, cond, width, height):
+        return sdxl.generate(unet, vae, cond, scheduler_config, steps=steps, cfg=cfg, width=width, height=height,
+                             seed=s.seed, sampler=sampler, cuda_graph=False)[0]
+
+    return TrainingSamples(s, prompts, conditioning, vae, make_image, {"steps": steps, "sampler": sampler, "cfg": cfg},
+                           s.width or default_size, s.height or default_size, source)
+
+
+def flux_samples(sample_cfg, source, dtype, transformer_config) -> TrainingSamples:
+    """Flux's: CLIP-L, T5 and the VAE of ``source`` (a Flux pipeline folder); dev or schnell
+    defaults from ``transformer_config`` (the model being trained); images of the VAE's sample
+    size (1024) unless the config says otherwise."""
+    s = sample_cfg
+    prompts = _prompts(s)
+    sources = flux.component_sources(source)
+    kind = flux.variant(transformer_config)
+    encoders = flux.load_text_encoders(sources, dtype)
+    length = s.max_sequence_length or flux.MAX_SEQUENCE_LENGTH[kind]
+    conditioning = [flux.encode_prompts(encoders, [p], s.negative_prompt, length) for p in prompts]
+    del encoders  # T5 leaves GPU memory here
+    vae = flux.load_vae(sources["vae"], dtype)
+    scheduler_config = flux.scheduler_settings(sources["base"], kind)
+    steps, sampler = s.steps or flux.DEFAULT_STEPS[kind], s.sampler or "flow_euler"
+    cfg = 1.0 if s.cfg is None else s.cfg
+    guidance = s.guidance if kind == "dev" else None
+
+    def make_image(transformer, vae, cond, width, height):
+        return flux.generate(transformer, vae, cond, scheduler_config, steps=steps, guidance=s.guidance,
+                             true_cfg=cfg, width=width, height=height, seed=s.seed, sampler=sampler,
+                             cuda_graph=False)[0]
+
+    return TrainingSamples(s, prompts, conditioning, vae, make_image,
+                           {"steps": steps, "sampler": sampler, "cfg": cfg, "guidance": guidance},
+                           s.width or vae.config.sample_size, s.height or vae.config.sample_size, source)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from ..errors import ConfigError
 
 
@@ -95,6 +97,15 @@ class Family:
         return None
 
     def training_samples(self, sample_cfg, source, dtype, mcfg):
-        """The ``sample`` section's prompts encoded, ready to render images while training."""
-        raise ConfigError(f"sample.prompts: flame cannot sample images of a {self.name} model yet: set "
-                          "sample.prompts=null")
+        """The ``sample`` section's prompts encoded, ready to render images while training
+        (``make_samples``); a source that cannot be loaded is a ConfigError naming it."""
+        try:
+            return self.make_samples(sample_cfg, source, dtype, mcfg)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"sample: cannot load the text encoders and VAE from {source}: {e}") from None
+
+    def make_samples(self, sample_cfg, source, dtype, mcfg):
+        """A ``flame.train.samples.TrainingSamples`` of the model's family."""
+        raise NotImplementedError

@@ -121,3 +121,7 @@ class FluxFamily(Family):
         out = model(hidden_states=pack_latents(noisy), encoder_hidden_states=embeds, pooled_projections=pooled,
                     timestep=levels, img_ids=img_ids, txt_ids=txt_ids, guidance=guidance)
         return unpack_latents(out, h, w)
+
+    def make_samples(self, sample_cfg, source, dtype, mcfg):
+        from ..samples import flux_samples
+        return flux_samples(sample_cfg, source, dtype, transformer_config=mcfg)

@@ -5,11 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import torch
-
 from ...data import write_synthetic_cache_for
 from ...models import SDXLUNet, SDXLUNetConfig
-from ..errors import ConfigError
 from ..objectives import DDPMObjective
 from .base import Family, config_from
 
@@ -96,11 +93,6 @@ class SDXLFamily(Family):
     def predict(self, model, noisy, levels, embeds, pooled, time_ids):
         return model(noisy, levels, embeds, pooled, time_ids)
 
-    def training_samples(self, sample_cfg, source, dtype, mcfg):
-        from ..samples import TrainingSamples
-        try:
-            return TrainingSamples(sample_cfg, source, dtype, default_size=8 * mcfg.sample_size)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"sample: cannot load the text encoders and VAE from {source}: {e}") from None
+    def make_samples(self, sample_cfg, source, dtype, mcfg):
+        from ..samples import sdxl_samples
+        return sdxl_samples(sample_cfg, source, dtype, default_size=8 * mcfg.sample_size)
