@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""SDXL inference: flame against diffusers on the same card in the same run.
+"""SDXL and Flux.1 inference: flame against diffusers on the same card in the same run.
 
     PYTHONPATH=. python3 scripts/bench_sample.py --out out/sample.json          # everything below, full SDXL
     PYTHONPATH=. python3 scripts/bench_sample.py --only pipeline --steps 30
+    PYTHONPATH=. python3 scripts/bench_sample.py --family flux --steps 28 --out out/flux_sample.json
     python scripts/bench_sample.py --config tiny --size 64 --steps 2 --repeat 1   # CPU smoke test
 
 Measured, each (part, framework) in its own process so peak memory is its own:
@@ -22,6 +23,18 @@ The models are SDXL base's architectures with random weights (nothing can be dow
 written once as a diffusers pipeline folder in bf16 (``--model`` reuses one), with a small letter
 tokenizer (token ids, not their meaning, matter for speed). Reported: median of ``--repeat`` timed
 runs after one warm-up run, peak allocated memory, and flame/diffusers ratios.
+
+``--family flux``: Flux.1-dev's architectures (transformer, T5-XXL, CLIP-L, the 16-channel VAE) with
+random bf16 weights built on the GPU by each process (a 33 GB folder would take longer to write and
+read than the runs), the tests' letter tokenizers:
+
+- ``pipeline``: text to image, ``--size`` square, ``--steps`` flow-matching Euler steps, guidance
+  3.5 (dev's distilled guidance), batch 1, T5 512 tokens: flame's ``FluxPipeline`` (per-step CUDA
+  graph) against diffusers' ``FluxPipeline`` (bf16, SDPA), eager and with ``torch.compile`` on its
+  transformer (the warm-up call compiles; its time is reported as ``first_s``).
+- ``cache``: the VAE encode of 1024x1024 images in batches of 4 and T5 + CLIP-L of their captions:
+  ``scripts/prepare_cache.py``'s Flux encoders, flame against diffusers/transformers, in images/s
+  (from a folder of the random VAE and text encoders, written once).
 """
 from __future__ import annotations
 
@@ -85,7 +98,18 @@ def write_random_pipeline(folder: Path, config: str) -> Path:
 def _timed(fn, args, sync):
     """Median seconds of ``args.repeat`` calls after a warm-up call; with ``--profile`` (on a GPU)
     also the GPU time of one more call by kernel name (top 15)."""
-    times = common.wall_times(fn, args.repeat, warmup=1, sync=sync)  # the warm-up compiles, captures graphs
+    return statistics.median(_times(fn, args, sync)[1])
+
+
+def _times(fn, args, sync):
+    """(seconds of the warm-up call, [seconds of each of ``args.repeat`` calls after it]); with
+    ``--profile`` (on a GPU) also the GPU time of one more call by kernel name (top 15)."""
+    import time
+    start = time.perf_counter()
+    fn()  # the warm-up compiles, captures graphs
+    sync()
+    first = time.perf_counter() - start
+    times = common.wall_times(fn, args.repeat, warmup=0, sync=sync)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -95,7 +119,7 @@ def _timed(fn, args, sync):
                        if e.device_time_total > 0), key=lambda r: -r[1])
         print(json.dumps({"gpu_ms": round(sum(r[1] for r in rows), 2),
                           "top": [(k[:90], round(ms, 2), c) for k, ms, c in rows[:15]]}), file=sys.stderr)
-    return statistics.median(times)
+    return first, times
 
 
 # ---- the measured parts, one per process ----------------------------------------------------------
@@ -161,7 +185,11 @@ def cache_encoders(args, framework):
     spec = importlib.util.spec_from_file_location("prepare_cache", ROOT / "scripts" / "prepare_cache.py")
     pc = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pc)
-    enc = pc.FlameEncoders(args.model) if framework == "flame" else pc.SDXLEncoders(args.model, vae_dtype="bf16")
+    make = {("sdxl", "flame"): lambda: pc.FlameEncoders(args.model),
+            ("sdxl", "diffusers"): lambda: pc.SDXLEncoders(args.model, vae_dtype="bf16"),
+            ("flux", "flame"): lambda: pc.FluxFlameEncoders(args.model),
+            ("flux", "diffusers"): lambda: pc.FluxDiffusersEncoders(args.model, vae_dtype="bf16")}
+    enc = make[args.family, framework]()
     batch = 4
     pixels = np.random.default_rng(0).uniform(-1, 1, (batch, 3, args.size, args.size)).astype(np.float32)
     captions = [PROMPT] * batch
@@ -172,6 +200,143 @@ def cache_encoders(args, framework):
     s = _timed(run, args, lambda: None)  # both return host arrays: already synchronized
     return {"images_per_s": batch / s}
 
+
+# ---- Flux.1 ---------------------------------------------------------------------------------------
+
+def _tokenizer_folder() -> Path:
+    """The tests' letter CLIP tokenizer and tiny T5 tokenizer in tokenizer/ and tokenizer_2/ of a new folder."""
+    from test_clip_text import write_tiny_clip_tokenizer
+    from tiny_flux import write_tiny_t5_tokenizer
+    folder = Path(tempfile.mkdtemp())
+    write_tiny_clip_tokenizer(folder / "tokenizer")
+    write_tiny_t5_tokenizer(folder / "tokenizer_2")
+    return folder
+
+
+def write_random_flux_encoders(folder: Path, config: str) -> Path:
+    """A Flux.1-dev pipeline folder without the transformer's weights (its config.json only): the
+    VAE, CLIP-L and T5-XXL with random bf16 weights, the letter tokenizers (``--config tiny``: the
+    tests' whole tiny pipeline)."""
+    import diffusers
+    import torch
+    import transformers
+    from tiny_flux import FLUX_MODEL_INDEX, write_tiny_flux_pipeline
+
+    from flame.diffusion.samplers import FLUX_SCHEDULER_CONFIG
+    from flame.models import FluxConfig
+    from flame.models.clip_text import CLIPTextConfig
+    from flame.models.t5 import T5Config
+    from flame.models.vae import AutoencoderKLConfig
+    if config == "tiny":
+        return write_tiny_flux_pipeline(folder)
+    tok = _tokenizer_folder()
+    folder.mkdir(parents=True)
+    for name in ("tokenizer", "tokenizer_2"):
+        (tok / name).rename(folder / name)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        parts = {"vae": diffusers.AutoencoderKL(**AutoencoderKLConfig.flux().to_diffusers()),
+                 "text_encoder": transformers.CLIPTextModel(transformers.CLIPTextConfig(
+                     **CLIPTextConfig.sdxl_clip_l().to_transformers())),
+                 "text_encoder_2": transformers.T5EncoderModel(transformers.T5Config(**T5Config().to_transformers()))}
+    torch.set_default_dtype(torch.float32)
+    for name, model in parts.items():
+        model.save_pretrained(folder / name)
+    (folder / "transformer").mkdir()
+    (folder / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "FluxTransformer2DModel", **FluxConfig().to_diffusers()}))
+    diffusers.FlowMatchEulerDiscreteScheduler(**{k: v for k, v in FLUX_SCHEDULER_CONFIG.items()
+                                                 if k != "_class_name"}).save_pretrained(folder / "scheduler")
+    (folder / "model_index.json").write_text(json.dumps(FLUX_MODEL_INDEX))
+    return folder
+
+
+def flame_flux_pipeline(args):
+    from flame.models import FluxConfig, FluxTransformer2DModel
+    from flame.models.clip_text import CLIPTextConfig, CLIPTextModel
+    from flame.models.flux_text import FluxTextEncoders, load_t5_tokenizer
+    from flame.models.sdxl_text import load_tokenizer
+    from flame.models.t5 import T5Config, T5EncoderModel
+    from flame.models.vae import AutoencoderKL, AutoencoderKLConfig
+    from flame.pipeline.flux import FluxPipeline
+    dtype = flame.float32 if flame.is_interpreter() else flame.bfloat16
+    tiny = args.config == "tiny"
+    tok = _tokenizer_folder()
+    text = FluxTextEncoders(CLIPTextModel(CLIPTextConfig.tiny() if tiny else CLIPTextConfig.sdxl_clip_l(), dtype),
+                            T5EncoderModel(T5Config.tiny() if tiny else T5Config(), dtype),
+                            load_tokenizer(tok / "tokenizer"), load_t5_tokenizer(tok / "tokenizer_2"))
+    transformer = FluxTransformer2DModel(_flux_config(tiny, FluxConfig), dtype)
+    vae = AutoencoderKL(_flux_vae_config(tiny, AutoencoderKLConfig), dtype)
+    pipe = FluxPipeline(transformer, text, vae)
+    flame.reset_peak_memory_stats()
+    run = lambda: pipe(PROMPT, steps=args.steps, guidance=3.5, width=args.size, height=args.size, seed=0)
+    first, times = _times(run, args, flame.synchronize)
+    return {"s": statistics.median(times), "first_s": first, "peak_gib": flame.max_memory_allocated() / 2**30}
+
+
+def _flux_config(tiny, FluxConfig):
+    """Flux.1-dev's transformer, or for ``--config tiny`` the tiny one taking the tiny CLIP's 12 wide vector."""
+    import dataclasses
+    return dataclasses.replace(FluxConfig.tiny(), pooled_projection_dim=12) if tiny else FluxConfig()
+
+
+def _flux_vae_config(tiny, AutoencoderKLConfig):
+    """Flux.1's VAE, or for ``--config tiny`` a tiny one with the tiny transformer's 4 latent channels."""
+    import dataclasses
+    return dataclasses.replace(AutoencoderKLConfig.tiny_flux(), latent_channels=4) if tiny else \
+        AutoencoderKLConfig.flux()
+
+
+def diffusers_flux_pipeline(args, compiled):
+    import diffusers
+    import torch
+    import transformers
+
+    from flame.diffusion.samplers import FLUX_SCHEDULER_CONFIG
+    from flame.models import FluxConfig
+    from flame.models.clip_text import CLIPTextConfig
+    from flame.models.t5 import T5Config
+    from flame.models.vae import AutoencoderKLConfig
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    tiny = args.config == "tiny"
+    tok = _tokenizer_folder()
+    torch.set_default_dtype(dtype)  # the random models are built in bf16 on the GPU: no fp32 copy of 12B weights
+    with torch.device(dev):
+        parts = {
+            "transformer": diffusers.FluxTransformer2DModel(**_flux_config(tiny, FluxConfig).to_diffusers()),
+            "vae": diffusers.AutoencoderKL(**_flux_vae_config(tiny, AutoencoderKLConfig).to_diffusers()),
+            "text_encoder": transformers.CLIPTextModel(transformers.CLIPTextConfig(
+                **(CLIPTextConfig.tiny() if tiny else CLIPTextConfig.sdxl_clip_l()).to_transformers())),
+            "text_encoder_2": transformers.T5EncoderModel(transformers.T5Config(
+                **(T5Config.tiny() if tiny else T5Config()).to_transformers()))}
+    torch.set_default_dtype(torch.float32)
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(
+        **{k: v for k, v in FLUX_SCHEDULER_CONFIG.items() if k != "_class_name"})
+    pipe = diffusers.FluxPipeline(scheduler=scheduler, tokenizer=transformers.CLIPTokenizer.from_pretrained(
+        tok / "tokenizer"), tokenizer_2=transformers.T5TokenizerFast.from_pretrained(tok / "tokenizer_2"),
+        **{k: m.eval() for k, m in parts.items()})
+    pipe.set_progress_bar_config(disable=True)
+    if compiled:
+        pipe.transformer = torch.compile(pipe.transformer)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    run = lambda: pipe(PROMPT, num_inference_steps=args.steps, guidance_scale=3.5, width=args.size,
+                       height=args.size, generator=torch.Generator(dev).manual_seed(0), output_type="np")
+    with torch.no_grad():
+        first, times = _times(run, args, sync)
+    return {"s": statistics.median(times), "first_s": first,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+
+
+FLUX_PARTS = {
+    "pipeline": [("flame (CUDA graph)", flame_flux_pipeline),
+                 ("diffusers", lambda a: diffusers_flux_pipeline(a, False)),
+                 ("diffusers (torch.compile)", lambda a: diffusers_flux_pipeline(a, True))],
+    "cache": [("flame", lambda a: cache_encoders(a, "flame")), ("diffusers", lambda a: cache_encoders(a, "diffusers"))],
+}
 
 PARTS = {
     "pipeline": [("flame (CUDA graph)", lambda a: flame_pipeline(a, True)),
@@ -185,8 +350,11 @@ PARTS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", choices=sorted(PARTS), action="append", help="parts to measure (default: all)")
-    p.add_argument("--config", choices=("sdxl", "tiny"), default="sdxl")
+    p.add_argument("--family", choices=("sdxl", "flux"), default="sdxl", help="the model family measured")
+    p.add_argument("--only", choices=sorted(set(PARTS) | set(FLUX_PARTS)), action="append",
+                   help="parts to measure (default: all of the family's)")
+    p.add_argument("--config", choices=("full", "tiny"), default="full",
+                   help="the family's real architectures, or the tests' tiny ones (CPU smoke test)")
     p.add_argument("--model", help="an existing pipeline folder (default: write a random one)")
     p.add_argument("--size", type=int, default=1024, help="image side for the pipeline and cache parts")
     p.add_argument("--vae-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1024, 2048],
@@ -195,26 +363,39 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="print each part's GPU time by kernel (stderr)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one (part, framework) process may take")
     p.add_argument("--run", help=argparse.SUPPRESS)  # internal: "part:index" in a child process
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    parts = FLUX_PARTS if args.family == "flux" else PARTS
     if args.run:
         part, index = args.run.split(":")
-        print(json.dumps(PARTS[part][int(index)][1](args)))
+        print(json.dumps(parts[part][int(index)][1](args)))
         return 0
+    unknown = [p for p in args.only or [] if p not in parts]
+    if unknown:
+        raise SystemExit(f"--only {', '.join(unknown)}: not a part of the {args.family} benchmark ({', '.join(parts)})")
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model is None:
-            args.model = str(write_random_pipeline(Path(tmp) / "sdxl", args.config))
+        todo = args.only or list(parts)
+        if args.model is None and (args.family == "sdxl" or "cache" in todo):
+            write = write_random_pipeline if args.family == "sdxl" else write_random_flux_encoders
+            args.model = str(write(Path(tmp) / args.family, args.config))
         results = {}
-        for part in args.only or list(PARTS):
-            for i, (name, _) in enumerate(PARTS[part]):
-                cmd = [sys.executable, __file__, "--run", f"{part}:{i}", "--model", args.model, "--size",
-                       str(args.size), "--steps", str(args.steps), "--repeat", str(args.repeat), "--vae-sizes",
-                       ",".join(map(str, args.vae_sizes))] + (["--profile"] if args.profile else [])
-                r = subprocess.run(cmd, capture_output=True, text=True)
+        for part in todo:
+            for i, (name, _) in enumerate(parts[part]):
+                cmd = [sys.executable, __file__, "--run", f"{part}:{i}", "--family", args.family, "--config",
+                       args.config, "--size", str(args.size), "--steps", str(args.steps), "--repeat",
+                       str(args.repeat), "--vae-sizes", ",".join(map(str, args.vae_sizes))] + \
+                    (["--model", args.model] if args.model else []) + (["--profile"] if args.profile else [])
+                try:
+                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                except subprocess.TimeoutExpired:
+                    results[f"{part}/{name}"] = {"error": f"did not finish in {args.timeout:g} s"}
+                    print(f"{part}/{name}: {results[f'{part}/{name}']}", flush=True)
+                    continue
                 if args.profile:
                     print("\n".join(line for line in r.stderr.splitlines() if line.startswith('{"gpu_ms"')))
                 if r.returncode:
@@ -237,7 +418,9 @@ def _ratios(results):
         if ra.get(key) and rb.get(key):
             print(f"{a} / {b} ({key}): {ra[key] / rb[key]:.3f}")
     for name in ("flame (CUDA graph)", "flame (eager)"):
-        ratio(f"pipeline/{name}", "pipeline/diffusers", "s")
+        for baseline in ("diffusers", "diffusers (torch.compile)"):
+            ratio(f"pipeline/{name}", f"pipeline/{baseline}", "s")
+            ratio(f"pipeline/{name}", f"pipeline/{baseline}", "peak_gib")
     for k in (0, 1):
         ratio(f"vae/flame {k}", f"vae/diffusers {k}", "s")
         ratio(f"vae/flame {k}", f"vae/diffusers {k}", "peak_gib")
