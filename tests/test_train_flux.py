@@ -188,3 +188,20 @@ def test_sample_options_of_the_other_family_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"sample\.guidance=2\.0.*\(Flux\) only"):
         build_config({"model": {"config": "tiny"}, "data": {"cache_dir": "c"}, "train": {"steps": 1},
                       "sample": {"guidance": 2.0}, "output": {"dir": str(tmp_path / "o")}})
+
+
+def test_a_flux_checkpoint_brings_its_own_config(tmp_path):
+    from tiny_flux import bfl_state_dict, diffusers_flux
+    pytest.importorskip("diffusers")
+    sd = diffusers_flux(SMALL).state_dict()
+    single = tmp_path / "flux-small.safetensors"
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in bfl_state_dict(sd, SMALL).items()}, single)
+    raw = {"model": {"path": str(single)}, "data": {"cache_dir": "c"}, "train": {"steps": 1},
+           "output": {"dir": str(tmp_path / "o")}}
+    with pytest.raises(ConfigError, match="axes_dims_rope"):  # head dim 16: the rotary axes cannot be read
+        Trainer(build_config(raw), progress=False, log=lambda *a: None)
+    folder = tmp_path / "transformer"
+    diffusers_flux(SMALL).save_pretrained(folder)
+    cfg = build_config({**raw, "model": {"path": str(folder)}})
+    assert cfg.model.family == "flux" and cfg.model.config == str(folder)

@@ -49,7 +49,8 @@ SCHEMA = {
                                   "LDM/SGM names); null: random init from model.config", nullable=True),
         "config": Opt("sdxl", "str", "architecture: tiny, sdxl (SDXL), tiny, flux-dev, flux-schnell (Flux.1), or a "
                                      "diffusers UNet / Flux transformer config.json (used for random init and for "
-                                     "single-file checkpoints)"),
+                                     "single-file checkpoints; a Flux checkpoint left at the default brings its "
+                                     "own, from config.json or its tensor shapes)"),
         "family": Opt("auto", "choice", "model family: sdxl (DDPM noise prediction) or flux (rectified flow); auto: "
                                         "from model.path (its model_index.json, config.json or tensor names), else "
                                         "from model.config (tiny is SDXL's unless family is flux)",
@@ -516,6 +517,8 @@ def _family_checks(c, errors):
         return  # reported above
     family = m["family"] if m["family"] != "auto" else families.detect(m["path"], m["config"])
     m["family"] = family
+    if family == "flux" and m["path"] is not None and m["config"] == SCHEMA["model"]["config"].default:
+        m["config"] = m["path"]  # not set for this family: the checkpoint's own (config.json or tensor shapes)
     names = families.FAMILIES[family].config_names
     if m["config"] not in names and not os.path.exists(m["config"]):
         errors.append(f"model.config: a {family} model's config is {', '.join(names)} or a diffusers config.json "

@@ -30,9 +30,11 @@ BLOCKS = ("double", "single", "other")
 
 def flux_config(spec) -> FluxConfig:
     """``"tiny"`` (FluxConfig.tiny()), ``"flux-dev"``, ``"flux-schnell"`` (no guidance input), a
-    ``FluxConfig``, or a diffusers transformer ``config.json`` (or a folder holding one, directly
-    or in ``transformer/``)."""
+    ``FluxConfig``, a diffusers transformer ``config.json`` (or a folder holding one, directly
+    or in ``transformer/``), or a single ``.safetensors`` file (the config its tensor shapes give)."""
     named = {"tiny": FluxConfig.tiny, "flux-dev": FluxConfig, "flux-schnell": lambda: FluxConfig(guidance_embeds=False)}
+    if isinstance(spec, str) and spec.endswith(".safetensors") and os.path.isfile(spec):
+        return FluxTransformer2DModel.pretrained_config(spec)  # a single file's, from its tensor shapes
     return config_from(spec, named, FluxConfig, "transformer", "Flux transformer")
 
 
