@@ -364,6 +364,8 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="print each part's GPU time by kernel (stderr)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one (part, framework) process may take")
+    p.add_argument("--skip", action="append", default=[], metavar="TEXT",
+                   help="leave out the (part, framework) runs whose name contains TEXT, e.g. compile")
     p.add_argument("--run", help=argparse.SUPPRESS)  # internal: "part:index" in a child process
     return p.parse_args(argv)
 
@@ -386,6 +388,8 @@ def main(argv=None) -> int:
         results = {}
         for part in todo:
             for i, (name, _) in enumerate(parts[part]):
+                if any(text in name for text in args.skip):
+                    continue
                 cmd = [sys.executable, __file__, "--run", f"{part}:{i}", "--family", args.family, "--config",
                        args.config, "--size", str(args.size), "--steps", str(args.steps), "--repeat",
                        str(args.repeat), "--vae-sizes", ",".join(map(str, args.vae_sizes))] + \
