@@ -2,7 +2,10 @@
 flame's forward and backward against PyTorch SDPA (cuDNN and flash backends), in one process.
 
 Each variant forces a launch config (``flame.kernels.attention._fwd_config`` / ``_bwd_config``
-replaced for its calls); ``production`` keeps flame's own choice. Every variant is checked
+replaced for its calls, the Hopper route off); ``production`` keeps flame's own choice (on sm_90
+the Gluon kernel where it is routed), ``portable`` flame's own config of the portable kernel.
+``gluon`` variants launch ``flame.kernels.attention_hopper``'s kernel with their options (pipeline
+stages, ping-pong) and check its log-sum-exp too. Every variant is checked
 against a float32 reference (error next to cuDNN's own) before it is timed as CUDA-graph replays
 (median device time). Compiling costs more than timing: ``--jobs N`` compiles the variants in N
 worker processes first (each runs its share once into Triton's on-disk cache), then this process
@@ -20,6 +23,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +35,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flame.kernels.attention as KA
+import flame.kernels.attention_hopper as AH
 from flame.autotune import graph_time_ms
 
 SHAPES = {  # (B, H, Lq, Lk, D)
@@ -51,10 +56,21 @@ def bwd(kv, dq, d=128):
     return tuple(dict(BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (kv, dq))
 
 
-# (name, shape, "fwd" | "bwd", config or None for flame's own choice); a backward variant is also
-# timed without its dQ kernel ("dkdv" rows)
+def gluon(stages=2, pingpong=True):
+    """Options of attention_hopper.attention_fwd."""
+    return dict(stages=stages, pingpong=pingpong)
+
+
+PORTABLE = "portable"  # a forward "config": flame's own choice with the Hopper route off
+
+# (name, shape, "fwd" | "bwd" | "gluon", config or None for flame's own choice); a backward variant
+# is also timed without its dQ kernel ("dkdv" rows)
 VARIANTS = [
     ("production", "flux", "fwd", None),
+    ("portable", "flux", "fwd", PORTABLE),
+    ("gluon s2 pingpong", "flux", "gluon", gluon(2, True)),
+    ("gluon s2", "flux", "gluon", gluon(2, False)),
+    ("gluon s3 pingpong", "flux", "gluon", gluon(3, True)),
     ("64x64 w4 s3", "flux", "fwd", fwd(64, 64, 4, 3)),
     ("128x128 w8 s3", "flux", "fwd", fwd(128, 128, 8, 3)),
     ("128x64 w8 s4", "flux", "fwd", fwd(128, 64, 8, 4)),
@@ -73,12 +89,17 @@ VARIANTS = [
     ("kv32x64w4s3 dq64x32w4s3", "flux", "bwd", bwd((32, 64, 4, 3), (64, 32, 4, 3))),
     ("kv32x64w4s3 dq128x32w8s3", "flux", "bwd", bwd((32, 64, 4, 3), (128, 32, 8, 3))),
     ("production", "sdxl4k", "fwd", None),
+    ("portable", "sdxl4k", "fwd", PORTABLE),
+    ("gluon s2 pingpong", "sdxl4k", "gluon", gluon(2, True)),
+    ("gluon s3", "sdxl4k", "gluon", gluon(3, False)),
     ("128x128 w8 s3", "sdxl4k", "fwd", fwd(128, 128, 8, 3, d=64)),
     ("128x128 w8 s2", "sdxl4k", "fwd", fwd(128, 128, 8, 2, d=64)),
     ("128x64 w8 s4", "sdxl4k", "fwd", fwd(128, 64, 8, 4, d=64)),
     ("64x128 w4 s3", "sdxl4k", "fwd", fwd(64, 128, 4, 3, d=64)),
     ("production", "sdxl4k", "bwd", None),
     ("production", "sdxl1k", "fwd", None),
+    ("portable", "sdxl1k", "fwd", PORTABLE),
+    ("gluon s2 pingpong", "sdxl1k", "gluon", gluon(2, True)),
     ("production", "sdxl1k", "bwd", None),
     ("production", "cross4k", "fwd", None),
     ("production", "cross4k", "bwd", None),
@@ -125,6 +146,27 @@ class Problem:
                          B, H, Lq, Lk, D, self.scale, False)
         return self.o
 
+    def gluon_forward(self, cfg):
+        """attention_hopper's forward with options ``cfg`` into its own O and lse buffers."""
+        B, H, Lq, Lk, D = self.shape
+        q, k, v = self.t
+        if not hasattr(self, "o_gluon"):
+            if not AH.available():
+                raise RuntimeError("the Gluon kernel needs an sm_90 GPU and triton.experimental.gluon")
+            self.o_gluon, self.lse_gluon = torch.empty_like(self.o), torch.empty_like(self.lse)
+        AH.attention_fwd(q, k, v, self.o_gluon, self.lse_gluon, *(self.strides(t) for t in (q, k, v, self.o_gluon)),
+                         B, H, Lq, Lk, D, self.scale * KA.LOG2E, **cfg)
+        return self.o_gluon
+
+    def lse_reference(self):
+        """The base-2 log-sum-exp of the scaled scores in fp32, (B*H, Lq)."""
+        if not hasattr(self, "lse_ref"):
+            q, k, _ = (t.float() for t in self.t)
+            s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+            self.lse_ref = (torch.logsumexp(s, -1) * KA.LOG2E).reshape(self.lse.shape)
+            del s
+        return self.lse_ref
+
     def backward(self):
         B, H, Lq, Lk, D = self.shape
         q, k, v = self.t
@@ -147,40 +189,53 @@ def _err(got, want):
 
 @contextlib.contextmanager
 def _forced(kind, cfg, skip=()):
-    """Within it, flame's attention launches of ``kind`` take ``cfg`` (None: flame's own choice)
-    and the kernels named in ``skip`` are not launched."""
+    """Within it, flame's attention launches of ``kind`` take ``cfg`` (None: flame's own choice;
+    PORTABLE: flame's own choice of the portable kernel), the Hopper route stays off unless cfg is
+    None, and the kernels named in ``skip`` are not launched."""
     name = "_fwd_config" if kind == "fwd" else "_bwd_config"
-    original, launch = getattr(KA, name), KA.launch
-    if cfg is not None:
+    original, launch, route = getattr(KA, name), KA.launch, KA.HOPPER_FWD
+    if cfg is not None and cfg != PORTABLE and kind != "gluon":
         if kind == "fwd":
             setattr(KA, name, lambda Lq, Lk, D, BH, dtype: cfg)
         else:  # every query block in one chunk
             setattr(KA, name, lambda Lq, Lk, D, BH, dtype: (cfg[0], cfg[1], -(-Lq // cfg[0]["BLOCK_M"])))
+    KA.HOPPER_FWD = route and cfg is None
     KA.launch = lambda kernel, *args, **kw: None if kernel.__name__ in skip else launch(kernel, *args, **kw)
     try:
         yield
     finally:
         setattr(KA, name, original)
         KA.launch = launch
+        KA.HOPPER_FWD = route
 
 
 def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
     """One variant's errors against the fp32 reference (and cuDNN's) and its device time; for a
-    backward, also the time without its dQ kernel (``dkdv_ms``)."""
+    backward, also the time without its dQ kernel (``dkdv_ms``); for a Gluon forward, the largest
+    difference of its log-sum-exp from the fp32 one (``lse_err``)."""
     p = _problem(problems, shape, timed)
     row = dict(name=name, shape=shape, kind=kind, config=_jsonable(cfg))
-    fn = p.forward if kind == "fwd" else p.backward
+    if kind == "gluon":
+        fn = lambda: p.gluon_forward(cfg)
+    else:
+        fn = p.forward if kind == "fwd" else p.backward
     try:
         with _forced(kind, cfg):
             if kind == "fwd":
                 p.o.fill_(float("nan"))
+            if kind == "gluon":
+                p.gluon_forward(cfg)
+                p.o_gluon.fill_(float("nan"))
+                p.lse_gluon.fill_(float("nan"))
             got = fn()
             torch.cuda.synchronize()
             if timed:
-                want, cudnn = (p.ref[:1], p.cudnn[:1]) if kind == "fwd" else (p.ref[1:], p.cudnn[1:])
-                got = [got] if kind == "fwd" else got
+                want, cudnn = (p.ref[:1], p.cudnn[:1]) if kind != "bwd" else (p.ref[1:], p.cudnn[1:])
+                got = [got] if kind != "bwd" else got
                 row["err"] = [_err(g, r) for g, r in zip(got, want)]
                 row["cudnn_err"] = [_err(c, r) for c, r in zip(cudnn, want)]
+                if kind == "gluon":
+                    row["lse_err"] = float((p.lse_gluon - p.lse_reference()).abs().max())
                 row["ms"] = graph_time_ms(fn, rep_ms)
         if timed and kind == "bwd":
             with _forced(kind, cfg, skip=("_attn_bwd_dq_kernel",)):
@@ -220,14 +275,14 @@ def baselines(problems, shape, rep_ms):
 
 
 def _jsonable(cfg):
-    if cfg is None:
-        return None
+    if cfg is None or isinstance(cfg, str):
+        return cfg
     return [{k: str(v) for k, v in c.items()} for c in ((cfg,) if isinstance(cfg, dict) else cfg)]
 
 
 def flops(shape, kind):
     B, H, Lq, Lk, D = SHAPES[shape]
-    return 4 * B * H * Lq * Lk * D * (2.5 if kind == "bwd" else 3.5 if kind == "fwd+bwd" else 1)
+    return 4 * B * H * Lq * Lk * D * (2.5 if kind == "bwd" else 3.5 if kind == "fwd+bwd" else 1)  # fwd, gluon: 1
 
 
 def main(argv=None):
@@ -236,10 +291,14 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true", help="with --jobs: compile, then exit (time later)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "i/n": run every n-th variant once
     ap.add_argument("--only", default=None, help="comma-separated shapes")
+    ap.add_argument("--kinds", default=None, help="comma-separated variant kinds (fwd, bwd, gluon)")
+    ap.add_argument("--match", default=None, help="only variants whose name matches this regular expression")
     ap.add_argument("--rep-ms", type=int, default=200)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
-    variants = [v for v in VARIANTS if args.only is None or v[1] in args.only.split(",")]
+    variants = [v for v in VARIANTS if (args.only is None or v[1] in args.only.split(","))
+                and (args.kinds is None or v[2] in args.kinds.split(","))
+                and (args.match is None or re.search(args.match, v[0]))]
     problems = {}
     if args.worker:
         i, n = map(int, args.worker.split("/"))
@@ -248,7 +307,8 @@ def main(argv=None):
         return
     if args.jobs:
         t0 = time.time()
-        cmd = [sys.executable, __file__] + (["--only", args.only] if args.only else [])
+        cmd = [sys.executable, __file__] + [f"--{a}={getattr(args, a)}" for a in ("only", "kinds", "match")
+                                             if getattr(args, a)]
         procs = [subprocess.Popen(cmd + ["--worker", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
         for proc in procs:
             proc.wait()
@@ -269,21 +329,25 @@ def main(argv=None):
                 log.write(json.dumps(row) + "\n")
                 log.flush()
     cudnn = {(r["shape"], r["kind"]): r["ms"] for r in rows if r["name"] == "torch cuDNN" and r.get("ms")}
-    print(f"{'shape':8} {'kind':7} {'variant':34} {'ms':>7} {'TFLOP/s':>7} {'/cuDNN':>6} {'dkdv':>6}  err (cuDNN's)")
+    portable = {r["shape"]: r["ms"] for r in rows if r["name"] == "portable" and r.get("ms")}
+    print(f"{'shape':8} {'kind':7} {'variant':34} {'ms':>7} {'TFLOP/s':>7} {'/cuDNN':>6} {'/port':>6} {'dkdv':>6}  "
+          f"err (cuDNN's) [lse err]")
     for r in rows:
         ms = r.get("ms")
-        base = cudnn.get((r["shape"], r["kind"]))
+        base = cudnn.get((r["shape"], "fwd" if r["kind"] == "gluon" else r["kind"]))
         if r["kind"] == "bwd" and base is None:
             f, fb = cudnn.get((r["shape"], "fwd")), cudnn.get((r["shape"], "fwd+bwd"))
             base = fb - f if f and fb else None
+        port = portable.get(r["shape"]) if r["kind"] in ("fwd", "gluon") else None
         tf = flops(r["shape"], r["kind"]) / ms * 1e-9 if ms else None
         err = " ".join(f"{e:.1e}" for e in r.get("err", [])) + (" (" + " ".join(
             f"{e:.1e}" for e in r.get("cudnn_err", [])) + ")" if r.get("cudnn_err") else "")
+        if "lse_err" in r:
+            err += f" [{r['lse_err']:.1e}]"
         print(f"{r['shape']:8} {r['kind']:7} {r['name'][:34]:34} "
               f"{ms if ms else float('nan'):7.3f} {tf if tf else float('nan'):7.0f} "
-              f"{ms / base if ms and base else float('nan'):6.2f} {r.get('dkdv_ms', float('nan')):6.3f}  {err} "
-              f"{r.get('error', '')}")
-
+              f"{ms / base if ms and base else float('nan'):6.2f} {ms / port if ms and port else float('nan'):6.2f} "
+              f"{r.get('dkdv_ms', float('nan')):6.3f}  {err} {r.get('error', '')}")
 
 if __name__ == "__main__":
     main()

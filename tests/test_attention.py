@@ -12,6 +12,7 @@ import torch
 
 import flame
 import flame.kernels.attention as KA
+import flame.kernels.attention_hopper as AH
 import flame.kernels.elementwise as KE
 import flame.nn.functional as F
 from flame.ops.attention import scaled_dot_product_attention as sdpa
@@ -540,13 +541,16 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 src = open(sys.argv[1]).read()
-src = src.replace("from .. import runtime, tune", "import types\n"
+src = src.replace("from .. import autotune, runtime, tune", "import types\n"
                   "runtime = types.SimpleNamespace(INTERPRETER=False, num_sms=lambda: 132)\n"
-                  "tune = types.SimpleNamespace(config=lambda kernel, key, dtype, default: default, "
-                  "register_cache=lambda clear: clear, memoised=lambda fn: fn)")
+                  "autotune = None\n"
+                  "tune = types.SimpleNamespace(register=lambda spec: spec, memoised=lambda fn: fn, "
+                  "Spec=lambda name, key, fields, default, *a, **k: types.SimpleNamespace("
+                  "config=lambda key, dtype: default(key, dtype)))")
 src = src.replace("from ..autotune import tunable", "tunable = lambda *outputs, **kw: (lambda fn: fn)")
 src = src.replace("from .launch import launch", "launch = None")
 src = src.replace("from .matmul import tma_available", "tma_available = lambda: True")
+src = src.replace("from . import attention_hopper", "attention_hopper = None")
 path = os.path.join(sys.argv[2], "attn_sm90.py")
 open(path, "w").write(src)
 sys.path.insert(0, sys.argv[2])
@@ -593,3 +597,71 @@ def test_kernels_compile_for_sm90(tmp_path):
     res = subprocess.run([sys.executable, str(script), KA.__file__, str(tmp_path)], capture_output=True, text=True,
                          env=env, timeout=1800)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+
+
+# ---- Hopper: the Gluon forward (flame/kernels/attention_hopper.py) --------------------------------
+
+def test_hopper_module_loads_without_gluon(monkeypatch):
+    """A Triton without ``triton.experimental.gluon``: the module still imports and serves no call."""
+    import importlib.util
+
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
+    spec = importlib.util.spec_from_file_location("flame.kernels._attention_hopper_without_gluon", AH.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.gluon is None and not hasattr(mod, "_attn_fwd_hopper_kernel")
+    mod.available.cache_clear()
+    assert not mod.available()
+    q = torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16, device=DEVICE)
+    st = q.stride()[:3]
+    assert not mod.usable(q, q, q, st, st, st, 128, 128, 0.1, False, None)
+
+
+HOPPER_CASES = [((1, 24, 4608, 4608, 128), torch.bfloat16, "blhd"),  # Flux
+                ((2, 3, 1000, 1024, 128), torch.float16, "bhld"),  # ragged query blocks
+                ((1, 4, 777, 512, 64), torch.bfloat16, "blhd"),
+                ((2, 2, 64, 128, 128), torch.bfloat16, "bhld")]  # one key block, half a query block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, layout", HOPPER_CASES)
+def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype, layout):
+    """The Gluon forward on sm_90: O within 2x PyTorch SDPA's error of an fp32 reference, every
+    output row written, and the log-sum-exp the backward reads equal to the portable kernel's."""
+    if not AH.available():
+        pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
+    B, H, Lq, Lk, D = shape
+    tq, tk, tv = _inputs(B, H, Lq, Lk, D, dtype, layout=layout)
+    st = [t.stride()[:3] for t in (tq, tk, tv)]
+    scale = 1 / math.sqrt(D)
+    assert AH.usable(tq, tk, tv, *st, Lk, D, scale, False, None)
+    monkeypatch.setattr(KA, "HOPPER_FWD", False)
+    outs = []
+    for hopper in (True, False):
+        o = torch.full_like(tq, float("nan"))
+        lse = torch.full((B * H, Lq), float("nan"), device=DEVICE)
+        if hopper:
+            AH.attention_fwd(tq, tk, tv, o, lse, *st, o.stride()[:3], B, H, Lq, Lk, D, scale * KA.LOG2E)
+        else:
+            KA.attention_fwd(tq, tk, tv, o, lse, *st, o.stride()[:3], B, H, Lq, Lk, D, scale, False)
+        outs.append((o, lse))
+    (o, lse), (_, lse_portable) = outs
+    assert not o.isnan().any() and not lse.isnan().any()
+    ref = _ref(*(t.float() for t in (tq, tk, tv))).float()
+    assert_within_torch_error(o, torch.nn.functional.scaled_dot_product_attention(tq, tk, tv), ref, 2)
+    torch.testing.assert_close(lse, lse_portable, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_route(monkeypatch):
+    """On sm_90 flame's forward takes the Gluon kernel for the head dims of KA.HOPPER_HEAD_DIMS
+    (no mask, not causal) and the portable one otherwise; gradients flow through its lse."""
+    if not AH.available():
+        pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
+    calls = []
+    real = AH.attention_fwd
+    monkeypatch.setattr(AH, "attention_fwd", lambda *a, **kw: calls.append(a[13]) or real(*a, **kw))
+    for D in (64, 128):
+        _gpu_rule(1, 4, 512, 512, D, torch.bfloat16, layout="blhd")
+        _gpu_rule(1, 4, 512, 512, D, torch.bfloat16, causal=True)
+    assert calls == [D for D in (64, 128) if D in KA.HOPPER_HEAD_DIMS]

@@ -1,0 +1,248 @@
+"""Flash-attention forward for Hopper (sm_90) in Gluon: a warp-specialised kernel with a TMA
+producer warp, two consumer warpgroups and wgmma, FlashAttention-3's structure.
+
+Problem and layout as ``attention.py``'s forward (``O = softmax(Q K^T * scale) V`` per (batch,
+head), operands as base pointer plus (batch, head, row) strides, the head dim contiguous), on the
+subset this kernel serves: bf16/fp16, head dim 64 or 128, no mask, not causal, a positive scale,
+Lk a multiple of BLOCK_N (``usable``). It writes O and the base-2 log-sum-exp the portable backward
+reads (``lse2 = max + log2(sum)`` of the scores scaled by ``scale * log2(e)``).
+
+One program per 2 x BLOCK_M query rows of one (batch, head), in three partitions:
+- the loader (1 warp, 24 registers): builds TMA descriptors for this head's Q, K and V (shape
+  (L, D): rows past L arrive as zeros), loads the two query tiles, then streams K and V blocks
+  into two rings of STAGES shared-memory buffers (``*_ready`` barriers count the bytes, ``*_empty``
+  barriers take one arrival from each consumer);
+- two consumers (4 warps each, the default partition and a worker, 240 registers each): BLOCK_M
+  query rows each, online softmax in base 2. Within a warpgroup the softmax of key block j runs
+  while the wgmma of P_{j-1} V_{j-1} is in flight (S_j = Q K_j^T and P_{j-1} V_{j-1} are issued
+  together, S_j is waited with one group left outstanding); P stays in registers as wgmma's A
+  operand. (ptxas moves the ``wgmma.wait_group 0`` of P V above the exponentials, as the next P
+  is packed into the registers the wgmma in flight reads; a wait made data-dependent on the row
+  sums kept it below them but measured no faster: notes/attention.md.) With PINGPONG the two
+  consumers take turns to issue their wgmmas (``turn`` barriers), so that one warpgroup's softmax
+  overlaps the other's matrix products.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import runtime
+from .launch import launch
+from .matmul import tma_available
+
+try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+except ImportError:  # an older Triton: the portable kernels serve every call
+    gluon = None
+
+BLOCK_M = 64  # query rows per consumer warpgroup (two per program)
+BLOCK_N = 128  # keys per block
+HEAD_DIMS = (64, 128)
+CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _loader(q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                qb, kb, vb, Lq, Lk, sqm, skn, svn, start_m,
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty)
+        layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_ptr.dtype.element_ty)
+        q_desc = tma.make_tensor_descriptor(q_ptr + qb, [Lq, HEAD_DIM], [sqm, 1], [BLOCK_M, HEAD_DIM], layout_q)
+        k_desc = tma.make_tensor_descriptor(k_ptr + kb, [Lk, HEAD_DIM], [skn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
+        v_desc = tma.make_tensor_descriptor(v_ptr + vb, [Lk, HEAD_DIM], [svn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
+        for w in gl.static_range(2):
+            mbarrier.expect(q_bar.index(w), BLOCK_M * HEAD_DIM * q_ptr.dtype.element_ty.primitive_bitwidth // 8)
+            tma.async_copy_global_to_shared(q_desc, [start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
+        nbytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
+        for j in range(Lk // BLOCK_N):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_empty.index(s), phase ^ 1)  # a fresh barrier passes parity 1
+            mbarrier.expect(k_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), phase ^ 1)
+            mbarrier.expect(v_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+    @gluon.jit
+    def _softmax_step(s, m_i, qk_scale):
+        # p = exp2(s * scale - m_new) with m_new the running row max of the scaled scores (scale > 0:
+        # max(s) * scale = max(s * scale), one FMA per probability); alpha rescales the older sums
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        return p, m_new, alpha
+
+    @gluon.jit
+    def _step(j, q, o, p_op, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, my_turn, other_turn,
+              qk_scale, STAGES: gl.constexpr, PINGPONG: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr,
+              o_rows: gl.constexpr):
+        # key block j: S_j = Q K_j^T and O += P_{j-1} V_{j-1} in flight together, the softmax of S_j
+        # under the second; returns P_j as the next A operand
+        sk = j % STAGES
+        sv = (j - 1) % STAGES
+        if PINGPONG:
+            mbarrier.wait(my_turn, j & 1)
+        mbarrier.wait(k_ready.index(sk), (j // STAGES) & 1)
+        BM: gl.constexpr = q.shape[0]
+        BN: gl.constexpr = k_smem.shape[1]
+        s = gl.zeros([BM, BN], gl.float32, s_layout)  # not read (use_acc=False)
+        s = warpgroup_mma(q, k_smem.index(sk).permute((1, 0)), s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(sv), ((j - 1) // STAGES) & 1)
+        o = warpgroup_mma(p_op, v_smem.index(sv), o, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        mbarrier.arrive(k_empty.index(sk))
+        p, m_i, alpha = _softmax_step(s, m_i, qk_scale)
+        # p passes through the wait so that the exponentials are issued before it (ptxas still moves
+        # the wait above them: the next P is packed into the registers the wgmma in flight reads)
+        o, p_op, p = warpgroup_mma_wait(0, deps=(o, p_op, p))
+        mbarrier.arrive(v_empty.index(sv))
+        l_i = l_i * alpha + gl.sum(p, 1)
+        o = o * gl.expand_dims(gl.convert_layout(alpha, o_rows), 1)
+        return o, gl.convert_layout(p.to(p_op.dtype), p_layout), m_i, l_i
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                  turn, ob, lse_off, Lq, Lk, som, qk_scale, start_m,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+        # warpgroup WG (0 or 1): query rows start_m + WG * BLOCK_M + [0, BLOCK_M)
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        s_rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+        dtype: gl.constexpr = o_ptr.dtype.element_ty
+        q = q_smem.index(WG)
+        my_turn = turn.index(WG)
+        other_turn = turn.index(1 - WG)
+        n_blocks = Lk // BLOCK_N
+        if PINGPONG and WG == 1:  # warpgroup 0 issues first
+            mbarrier.arrive(turn.index(0))
+        mbarrier.wait(q_bar.index(WG), 0)
+
+        # step 0: S_0 = Q K_0^T and its probabilities
+        if PINGPONG:
+            mbarrier.wait(my_turn, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+        s = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0))
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, s_rows)
+        p, m_i, _ = _softmax_step(s, m_i, qk_scale)
+        l_i = gl.sum(p, 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        o = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+        # steps 1 .. n-1
+        for j in range(1, n_blocks):
+            o, p_op, m_i, l_i = _step(j, q, o, p_op, m_i, l_i, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty,
+                                      my_turn, other_turn, qk_scale, STAGES, PINGPONG, s_layout, p_layout, o_rows)
+
+        # step n: the last P V
+        sv = (n_blocks - 1) % STAGES
+        if PINGPONG:
+            mbarrier.wait(my_turn, n_blocks & 1)
+        mbarrier.wait(v_ready.index(sv), ((n_blocks - 1) // STAGES) & 1)
+        o = warpgroup_mma(p_op, v_smem.index(sv), o, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(other_turn)
+        o, p_op = warpgroup_mma_wait(0, deps=(o, p_op))
+        mbarrier.arrive(v_empty.index(sv))
+
+        # O / l and lse2 = m + log2(l), rows past Lq not stored
+        l_o = gl.convert_layout(l_i, o_rows)
+        o = o / gl.expand_dims(l_o, 1)
+        rows = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, o_rows)
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, o_layout))
+        rows2 = gl.expand_dims(rows, 1)
+        cols2 = gl.expand_dims(cols, 0)
+        offs = ob + rows2.to(gl.int64) * som + cols2
+        gl.store(o_ptr + offs, o.to(dtype), mask=(rows2 < Lq) & (cols2 < HEAD_DIM))
+        lse_rows = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, s_rows)
+        gl.store(lse_ptr + lse_off + lse_rows, m_i + gl.log2(l_i), mask=lse_rows < Lq)
+
+    # O = softmax(Q K^T * scale) V for 2 x BLOCK_M query rows of one (batch, head); lse2 per row
+    @gluon.jit
+    def _attn_fwd_hopper_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, Lq, Lk, qk_scale,
+                                sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        start_m = gl.program_id(0) * (2 * BLOCK_M)
+        pid_bh = gl.program_id(1)
+        b = (pid_bh // H).to(gl.int64)
+        h = (pid_bh % H).to(gl.int64)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
+        kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_bar.index(w), count=1)
+            mbarrier.init(turn.index(w), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        ob = b * sob + h * soh
+        lse_off = pid_bh.to(gl.int64) * Lq
+        # (the argument tuples are written out in the call: a tuple bound to a name first would turn
+        # the constexprs in it into tensors, Triton 3.6)
+        gl.warp_specialize([
+            (_consumer, (0, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                         ob, lse_off, Lq, Lk, som, qk_scale, start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG)),
+            (_consumer, (1, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
+                         ob, lse_off, Lq, Lk, som, qk_scale, start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG)),
+            (_loader, (q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                       b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh, Lq, Lk, sqm, skn, svn, start_m,
+                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@functools.cache
+def available():
+    """Whether the Gluon kernel can run here: Gluon importable, not the interpreter, an sm_90 GPU
+    (``tma_available`` also installs the scratch allocator its in-kernel TMA descriptors need)."""
+    return (gluon is not None and not runtime.INTERPRETER and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(runtime.device) == (9, 0) and tma_available())
+
+
+def usable(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
+    """Whether this kernel serves the call: ``available``, fp16/bf16, head dim 64 or 128, no mask,
+    not causal, scale > 0, Lk a positive multiple of BLOCK_N, and Q, K, V TMA-readable (16-byte
+    aligned base and batch/head/row strides; O is stored from registers)."""
+    if mask is not None or causal or scale <= 0 or D not in HEAD_DIMS or Lk < BLOCK_N or Lk % BLOCK_N:
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or not available():
+        return False
+    es = q.element_size()
+    return all(t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in s) for t, s in ((q, sq), (k, sk), (v, sv)))
+
+
+def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, stages=2, pingpong=True):
+    """O and lse2 of ``attention.attention_fwd`` (``qk_scale`` = scale * log2(e)) on a call that
+    ``usable`` accepts."""
+    grid = (-(-Lq // (2 * BLOCK_M)), B * H)
+    launch(_attn_fwd_hopper_kernel, grid, q, k, v, o, lse, H, Lq, Lk, float(qk_scale), *sq, *sk, *sv, *so,
+           HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong,
+           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
