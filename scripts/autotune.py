@@ -908,6 +908,9 @@ def parse_args(argv):
     p.add_argument("--budget-minutes", type=_positive_minutes, default=None,
                    help="stop after about this long, keeping every key finished so far")
     p.add_argument("--force", action="store_true", help="re-tune keys that are already in the table")
+    p.add_argument("--problems", type=lambda text: tuple(w.strip() for w in text.split(",") if w.strip()),
+                   default=None, help="tune only the launches whose name ends in one of these words, e.g. fwd,dX "
+                                      "(a frozen model's GEMMs: LoRA training and inference need no dW)")
     p.add_argument("--out", type=Path, default=None,
                    help="table to write (default: configs/autotune/<gpu-slug>.json, or under $FLAME_TUNE_DIR)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and a few candidates (smoke test)")
@@ -951,7 +954,8 @@ def main(argv=None) -> int:
     ctx = Ctx(dtype=DTYPES[args.dtype], quick=args.quick, smem=smem)
     try:
         table = load_table(path, gpu)
-        problems = enumerate_problems(args.family, args.shapes_doc, ctx)
+        problems = [(family, problem) for family, problem in enumerate_problems(args.family, args.shapes_doc, ctx)
+                    if args.problems is None or problem.name.endswith(args.problems)]
         print(f"autotune on {gpu} (triton {triton.__version__}), {args.dtype}, families {', '.join(args.family)}: "
               f"{len(problems)} launches; table {path}")
         if flame.is_interpreter():

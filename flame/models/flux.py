@@ -36,7 +36,9 @@ views that the projections copy.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import pathlib
 from collections import OrderedDict
 
 import numpy as np
@@ -456,8 +458,12 @@ class FluxTransformer2DModel(nn.Module):
     def pretrained_config(path) -> FluxConfig:
         """The config ``from_pretrained(path)`` would build, read without loading any weight: a folder's
         config.json, or a single file's tensor shapes."""
-        cfg_dict, files = resolve_component(path, "transformer", "diffusion_pytorch_model", _WHAT)
-        return FluxConfig.from_diffusers(cfg_dict) if cfg_dict is not None else _inferred_config(files)
+        folder = pathlib.Path(path)
+        for candidate in (folder / "config.json", folder / "transformer" / "config.json"):
+            if folder.is_dir() and candidate.is_file():  # the weights need not be there
+                return FluxConfig.from_diffusers(json.loads(candidate.read_text()))
+        _, files = resolve_component(path, "transformer", "diffusion_pytorch_model", _WHAT)
+        return _inferred_config(files)
 
     # ---- running ---------------------------------------------------------------------------------
     @property
