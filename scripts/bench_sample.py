@@ -22,7 +22,7 @@ Measured, each (part, framework) in its own process so peak memory is its own:
 The models are SDXL base's architectures with random weights (nothing can be downloaded here),
 written once as a diffusers pipeline folder in bf16 (``--model`` reuses one), with a small letter
 tokenizer (token ids, not their meaning, matter for speed). Reported: median of ``--repeat`` timed
-runs after one warm-up run, peak allocated memory, and flame/diffusers ratios.
+runs after two warm-up runs, peak allocated memory, and flame/diffusers ratios.
 
 ``--family flux``: Flux.1-dev's architectures (transformer, T5-XXL, CLIP-L, the 16-channel VAE) with
 random bf16 weights built on the GPU by each process (a 33 GB folder would take longer to write and
@@ -96,20 +96,21 @@ def write_random_pipeline(folder: Path, config: str) -> Path:
 
 
 def _timed(fn, args, sync):
-    """Median seconds of ``args.repeat`` calls after a warm-up call; with ``--profile`` (on a GPU)
-    also the GPU time of one more call by kernel name (top 15)."""
+    """Median seconds of ``args.repeat`` calls after two warm-up calls (``_times``)."""
     return statistics.median(_times(fn, args, sync)[1])
 
 
 def _times(fn, args, sync):
-    """(seconds of the warm-up call, [seconds of each of ``args.repeat`` calls after it]); with
-    ``--profile`` (on a GPU) also the GPU time of one more call by kernel name (top 15)."""
+    """(seconds of the first call, [seconds of each of ``args.repeat`` calls after two warm-up
+    calls]): the first compiles kernels (and torch.compile's graphs), the second captures flame's
+    CUDA graphs (``CapturedStep``: eager, then captured, then replayed). With ``--profile`` (on a
+    GPU) also the GPU time of one more call by kernel name (top 15)."""
     import time
     start = time.perf_counter()
-    fn()  # the warm-up compiles, captures graphs
+    fn()
     sync()
     first = time.perf_counter() - start
-    times = common.wall_times(fn, args.repeat, warmup=0, sync=sync)
+    times = common.wall_times(fn, args.repeat, warmup=1, sync=sync)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
