@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as serialize
@@ -26,6 +27,31 @@ from .tensor import Tensor
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
           "BOOL": torch.bool}
+# float8 tensors (ComfyUI's t5xxl_fp8_e4m3fn, fp8 checkpoints) are read too: decoded to float32 on
+# the host on load (``_float8_values``), then cast like any other tensor
+FLOAT8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _float8_values(exponent_bits: int) -> np.ndarray:
+    """The 256 values of a float8 format (1 sign bit, ``exponent_bits``, the rest mantissa) by bit
+    pattern, float32: E4M3 "fn" (bias 7, no infinity, S.1111.111 NaN) or E5M2 (bias 15, IEEE
+    infinities and NaNs); subnormals where the exponent field is 0."""
+    mantissa_bits = 7 - exponent_bits
+    bias = 2 ** (exponent_bits - 1) - 1
+    code = np.arange(256)
+    sign = np.where(code >> 7, -1.0, 1.0)
+    e = (code >> mantissa_bits) & (2 ** exponent_bits - 1)
+    m = (code & (2 ** mantissa_bits - 1)) / 2 ** mantissa_bits
+    values = sign * np.where(e == 0, m * 2.0 ** (1 - bias), (1 + m) * 2.0 ** (e - bias))
+    top = e == 2 ** exponent_bits - 1
+    if exponent_bits == 4:  # E4M3fn: the top exponent holds numbers, all mantissa bits set is NaN
+        values[top & (m == 1 - 2.0 ** -mantissa_bits)] = np.nan
+    else:
+        values[top] = np.where(m[top] == 0, sign[top] * np.inf, np.nan)
+    return values.astype(np.float32)
+
+
+_FLOAT8_VALUES = {torch.float8_e4m3fn: _float8_values(4), torch.float8_e5m2: _float8_values(5)}
 
 
 def _buffer(value, name):
@@ -102,7 +128,10 @@ def open_safetensors(path, framework: str = "pt"):
 
 def _to_device(host, dtype=None):
     """A host tensor read from a file as a flame Tensor on flame's device; ``dtype``: floating-point
-    tensors cast to it (a copy kernel)."""
+    tensors cast to it (a copy kernel). float8 tensors are decoded to float32 first, on the host
+    (a table lookup of their bytes)."""
+    if host.dtype in _FLOAT8_VALUES:
+        host = torch.from_numpy(_FLOAT8_VALUES[host.dtype][host.view(torch.uint8).numpy()])
     buf = host.to(runtime.device) if runtime.device.type != "cpu" else host  # host transfer
     if dtype is not None and buf.dtype.is_floating_point and buf.dtype != dtype:
         cast = runtime.empty(tuple(buf.shape), dtype)
@@ -114,9 +143,10 @@ def _to_device(host, dtype=None):
 def _spec(f, name, path, op):
     """(shape, torch dtype) of tensor ``name`` of an open file, from its header."""
     part = f.get_slice(name)
-    if part.get_dtype() not in DTYPES:
-        raise TypeError(f"{op}: {path}: {name!r} has unsupported dtype {part.get_dtype()}")
-    return tuple(part.get_shape()), DTYPES[part.get_dtype()]
+    kind = part.get_dtype()
+    if kind not in DTYPES and kind not in FLOAT8:
+        raise TypeError(f"{op}: {path}: {name!r} has unsupported dtype {kind}")
+    return tuple(part.get_shape()), DTYPES.get(kind, FLOAT8.get(kind))
 
 
 def read_metadata(path) -> dict:

@@ -105,6 +105,21 @@ def test_t5_single_file_and_tied_table(tmp_path):
         torch.testing.assert_close(encode(model, ids, mask), want, rtol=RTOL, atol=RTOL)
 
 
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_t5_float8_file_is_upcast_on_load(tmp_path, fp8):
+    cfg = T5Config.tiny(num_layers=1)
+    ref = reference(cfg, seed=3)
+    stored = {k: v.to(fp8) for k, v in ref.state_dict().items() if k != "encoder.embed_tokens.weight"}
+    st.save_file(stored, tmp_path / "t5xxl_fp8.safetensors")
+    model = T5EncoderModel.from_pretrained(tmp_path / "t5xxl_fp8.safetensors", config=cfg, dtype=torch.float32)
+    for name, value in stored.items():  # every float8 value is exact in fp32: the decode must be exact
+        torch.testing.assert_close(model.state_dict()[name].to_torch().cpu(), value.float(), rtol=0, atol=0)
+    with torch.no_grad():  # the upcast weights run as transformers' model does with the same weights
+        ref.load_state_dict({k: v.float() for k, v in stored.items()}, strict=False)
+    ids, mask = ids_and_mask(cfg, length=7, pad_from=5)
+    torch.testing.assert_close(encode(model, ids, mask), expected(ref, ids, mask), rtol=RTOL, atol=RTOL)
+
+
 def test_t5_checkpoint_and_input_errors(tmp_path):
     cfg = T5Config.tiny(num_layers=1)
     ref = reference(cfg)
@@ -114,10 +129,11 @@ def test_t5_checkpoint_and_input_errors(tmp_path):
     st.save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) \(1\): \"encoder.block.0.layer.1.DenseReluDense.wi_1"):
         T5EncoderModel.from_pretrained(tmp_path, dtype=torch.float32)
-    fp8 = {k: v.to(torch.float8_e4m3fn) for k, v in tensors.items()}
-    st.save_file(fp8, tmp_path / "t5xxl_fp8_e4m3fn.safetensors")
-    with pytest.raises(ValueError, match="stores float8 tensors"):
-        T5EncoderModel.from_pretrained(tmp_path / "t5xxl_fp8_e4m3fn.safetensors", config=cfg)
+    scaled = {k: v.to(torch.float8_e4m3fn) for k, v in tensors.items()}
+    scaled["scaled_fp8"] = torch.zeros(2, dtype=torch.float8_e4m3fn)
+    st.save_file(scaled, tmp_path / "t5xxl_fp8_e4m3fn_scaled.safetensors")
+    with pytest.raises(ValueError, match="scaled float8 checkpoint"):
+        T5EncoderModel.from_pretrained(tmp_path / "t5xxl_fp8_e4m3fn_scaled.safetensors", config=cfg)
     config = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ValueError, match="feed_forward_proj='gated-silu'"):
         T5Config.from_transformers({**config, "feed_forward_proj": "gated-silu"})

@@ -282,15 +282,16 @@ def checkpoint_index(files) -> dict:
     return out
 
 
-def _refuse_float8(files, what: str) -> None:
-    """Raise ValueError for a float8 checkpoint (its scaled variants need their own loader), from
-    the headers only."""
+def _refuse_scaled_float8(files, what: str) -> None:
+    """Raise ValueError for a "scaled" float8 checkpoint (ComfyUI's ``t5xxl_fp8_e4m3fn_scaled``: a
+    ``scaled_fp8`` marker and a ``scale_weight`` per tensor, which this loader does not apply), from
+    the headers only. Plain float8 files are upcast on load (``flame.io``)."""
     for f in files:
         with io.open_safetensors(f) as opened:
-            fp8 = [k for k in opened.keys() if opened.get_slice(k).get_dtype().startswith("F8")]  # noqa: SIM118
-        if fp8:
-            raise ValueError(f"{what}: {f} stores float8 tensors (e.g. {fp8[0]!r}), which are not supported: use a "
-                             "bf16/fp16/fp32 T5 checkpoint (e.g. t5xxl_fp16.safetensors)")
+            scaled = [k for k in opened.keys() if k == "scaled_fp8" or k.endswith(".scale_weight")]  # noqa: SIM118
+        if scaled:
+            raise ValueError(f"{what}: {f} is a scaled float8 checkpoint (e.g. {scaled[0]!r}), whose per-tensor "
+                             "scales are not supported: use t5xxl_fp16.safetensors or t5xxl_fp8_e4m3fn.safetensors")
 
 
 # ---- the model ----------------------------------------------------------------------------------------
@@ -344,12 +345,13 @@ class T5EncoderModel(nn.Module):
         the component folder itself (``config.json`` plus ``model[.fp16].safetensors`` or its sharded
         index), or one ``.safetensors`` file with transformers' names (``t5xxl_fp16.safetensors``),
         whose architecture is ``config`` (T5 v1.1 XXL by default). Weights are cast to ``dtype``
-        (flame's default when None). float8 files (``t5xxl_fp8_e4m3fn``) are refused. Missing,
+        (flame's default when None); float8 files (``t5xxl_fp8_e4m3fn``) are upcast (their "scaled" variants
+        are refused). Missing,
         unexpected or misshapen tensors raise one RuntimeError before anything is read."""
         what = f"T5 encoder ({subfolder})"
 
         def index(files, cfg):
-            _refuse_float8(files, what)
+            _refuse_scaled_float8(files, what)
             return checkpoint_index(files)
 
         return load_pretrained(cls, path, dtype, config, subfolder=subfolder, what=what, config_class=T5Config,
