@@ -121,22 +121,37 @@ def test_flame_sample_makes_flux_images_from_a_folder_and_from_single_files(dev,
         np.testing.assert_array_equal(np.asarray(im), folder_image)
 
 
-def test_lora_files_fold_in_at_their_strength(dev, tmp_path, pipe):
+@pytest.mark.parametrize("fmt", ["peft", "kohya"])
+def test_lora_files_fold_in_at_their_strength(dev, tmp_path, pipe, fmt):
     from flame.io import save_lora
     from flame.models import FluxTransformer2DModel
     donor = FluxTransformer2DModel(pipe.transformer.config, dtype=flame.float32)
-    flame.nn.inject_lora(donor, ["double_blocks.0.img_attn.proj"], rank=2, alpha=4)
-    layer = donor.get_submodule("double_blocks.0.img_attn.proj")
-    flame.nn.init.normal_(layer.lora_B, 0.0, 0.1)
+    names = ["double_blocks.0.img_attn.proj", "single_blocks.1.linear1"]  # a plain and a fused layer (4 parts)
+    flame.nn.inject_lora(donor, names, rank=2, alpha=4)
+    for name in names:
+        flame.nn.init.normal_(donor.get_submodule(name).lora_B, 0.0, 0.1)
     path = tmp_path / "style.safetensors"
-    save_lora(donor, path)
+    save_lora(donor, path, format=fmt, prefix="transformer")  # the trainer's Flux files
     fresh = FluxPipeline.from_pretrained(dev, dtype=flame.float32)
-    w0 = fresh.transformer.get_submodule("double_blocks.0.img_attn.proj").weight.to_torch().clone()
+    before = {n: fresh.transformer.get_submodule(n).weight.to_torch().clone() for n in names}
     fresh.load_lora(path, 0.5)
-    delta = 0.5 * 2.0 * layer.lora_B.to_torch() @ layer.lora_A.to_torch()
-    torch.testing.assert_close(fresh.transformer.get_submodule("double_blocks.0.img_attn.proj").weight.to_torch(),
-                               w0 + delta, rtol=RTOL, atol=1e-6 if flame.is_interpreter() else 1e-3)
+    for name in names:  # the folded weight is W + strength * (the adapter's delta), whatever the file's layout
+        delta = _adapter_delta(donor.get_submodule(name))
+        torch.testing.assert_close(fresh.transformer.get_submodule(name).weight.to_torch(), before[name] + 0.5 * delta,
+                                   rtol=RTOL, atol=1e-6 if flame.is_interpreter() else 1e-3)
     assert fresh.loras == [("style.safetensors", 0.5)]
+
+
+def _adapter_delta(layer):
+    """scale * B A of a LoRA layer, its parts' adapters side by side (the block-diagonal up matrix)."""
+    a, b = layer.lora_A.to_torch(), layer.lora_B.to_torch()
+    parts = layer.parts or (b.shape[0],)
+    rank = a.shape[0] // len(parts)
+    rows, out = 0, []
+    for k, size in enumerate(parts):
+        out.append(b[rows:rows + size] @ a[k * rank:(k + 1) * rank])
+        rows += size
+    return layer.scale * torch.cat(out)
 
 
 def test_bad_input_is_a_clear_error(dev, tmp_path, capsys, pipe):

@@ -245,7 +245,7 @@ class FluxPipeline:
     def load_lora(self, path, strength: float = 1.0) -> list:
         """Add a LoRA file (PEFT/diffusers or kohya) into the transformer's weights at ``strength``;
         returns the layers it changed. Files load one after another, each folded in before the next."""
-        names = add_lora(self.transformer, path, strength, "Flux transformer")
+        names = add_lora(self.transformer, path, strength, "Flux transformer", "transformer")
         self.loras.append((pathlib.Path(path).name, float(strength)))
         return names
 

@@ -156,7 +156,7 @@ class SDXLPipeline:
     def load_lora(self, path, strength: float = 1.0) -> list:
         """Add a LoRA file (PEFT or kohya) into the UNet's weights at ``strength``; returns the layers
         it changed. Files load one after another, each folded in before the next."""
-        names = add_lora(self.unet, path, strength, "SDXL UNet")
+        names = add_lora(self.unet, path, strength, "SDXL UNet", "unet")
         self.loras.append((pathlib.Path(path).name, float(strength)))
         return names
 

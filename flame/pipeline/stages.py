@@ -71,12 +71,12 @@ def check_image_size(width, height, factor: int) -> None:
         raise ValueError(f"width and height must be positive multiples of {factor}, got {width}x{height}")
 
 
-def add_lora(model, path, strength: float, what: str) -> list:
-    """Add a LoRA file (PEFT or kohya) into ``model``'s weights at ``strength``; returns the layers it
-    changed. The file is checked whole first: a LoRA for another model raises ValueError naming
-    ``what`` and changes nothing."""
+def add_lora(model, path, strength: float, what: str, prefix: str) -> list:
+    """Add a LoRA file (PEFT/diffusers keys under ``prefix``, e.g. "unet" or "transformer", or kohya)
+    into ``model``'s weights at ``strength``; returns the layers it changed. The file is checked
+    whole first: a LoRA for another model raises ValueError naming ``what`` and changes nothing."""
     try:
-        names = load_lora(model, path, inject=True)
+        names = load_lora(model, path, prefix=prefix, inject=True)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{path}: not a LoRA for this {what}: {e.args[0] if e.args else e}") from None
     fold_lora(model, strength)
