@@ -442,7 +442,6 @@ AGAINST_THE_ORDER = {("flame.amp", "nn"), ("flame.autograd", "ops"), ("flame.aut
 # function-level imports that go down the layers, each to break a cycle or to keep a start fast
 LAZY_IMPORTS = {
     ("flame.autograd", "flame.tensor"): "tensor imports autograd",
-    ("flame.models.sdxl_keys", "flame.models.sdxl_unet"): "sdxl_unet imports sdxl_keys",
     ("flame.train.cli", "flame.data"): "--help and config errors answer before torch and the models load",
     ("flame.train.cli", "flame.train.trainer"): "--help and config errors answer before torch and the models load",
     ("flame.pipeline.cli", "flame.pipeline.images"): "--help answers before the pipeline loads",

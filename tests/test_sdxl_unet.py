@@ -242,9 +242,10 @@ def _saved_bytes(out):
 def test_feed_forward_scope_keeps_the_input_not_the_projection_and_changes_no_gradient():
     """scope feed_forward: each GEGLU (projection + gate) keeps its (B, L, dim) input instead of the
     (B, L, 8 dim) projection and recomputes it; outputs and gradients are the same numbers."""
-    from flame.models.sdxl_unet import FeedForward, _Layers
+    from flame.models.blocks import LeafLayers
+    from flame.models.sdxl_unet import FeedForward
     flame.manual_seed(3)
-    ff = FeedForward(_Layers(flame.float32), 8)
+    ff = FeedForward(LeafLayers(flame.float32), 8)
     x = flame.randn(2, 5, 8, requires_grad=True)
     g = flame.randn(2, 5, 8)
     runs = []
@@ -261,10 +262,11 @@ def test_feed_forward_scope_keeps_the_input_not_the_projection_and_changes_no_gr
 
 
 def test_enable_gradient_checkpointing_switches_one_scope():
-    from flame.models.sdxl_unet import GEGLU, _Checkpointed
+    from flame.models.blocks import Checkpointed
+    from flame.models.sdxl_unet import GEGLU
     model = SDXLUNet.skeleton(TINY)  # the module tree alone, nothing allocated
     flags = lambda: {type(m).__name__: m.gradient_checkpointing for m in model.modules()
-                     if isinstance(m, _Checkpointed)}
+                     if isinstance(m, Checkpointed)}
     assert set(flags().values()) == {False}
     model.enable_gradient_checkpointing(True, scope="feed_forward")
     assert flags() == {"ResnetBlock2D": False, "BasicTransformerBlock": False, "GEGLU": True}

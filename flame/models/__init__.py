@@ -5,9 +5,10 @@ single-file (LDM/SGM) checkpoints through one loader (``flame.models.checkpoints
 BFL names, diffusers or BFL files); Flux's T5 v1.1 text encoder (``T5EncoderModel``)."""
 from .clip_text import CLIPTextConfig, CLIPTextModel, CLIPTextOutput, find_eos, openclip_to_transformers
 from .flux import FluxConfig, FluxTransformer2DModel
+from .sdxl_config import SDXLUNetConfig
 from .sdxl_keys import diffusers_to_ldm, ldm_to_diffusers
 from .sdxl_text import SDXLTextEncoders
-from .sdxl_unet import SDXLUNet, SDXLUNetConfig
+from .sdxl_unet import SDXLUNet
 from .t5 import T5Config, T5EncoderModel
 from .vae import AutoencoderKL, AutoencoderKLConfig, DiagonalGaussian, diffusers_to_ldm_vae, ldm_to_diffusers_vae
 

@@ -53,6 +53,14 @@ from ..ops.elementwise import addcmul, cos, exp, log, sin, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float32, float64
 from . import flux_keys
+from .blocks import (
+    Checkpointed,
+    LeafLayers,
+    ShapeRecord,
+    skeleton_layer_names,
+    skeleton_shapes,
+    switch_checkpointing,
+)
 from .checkpoints import (
     Rows,
     Source,
@@ -62,7 +70,6 @@ from .checkpoints import (
     sort_config,
     stored_tensors,
 )
-from .sdxl_unet import _Checkpointed, _Layers, _Shapes
 
 _EPS = 1e-6  # every LayerNorm and q/k RMSNorm
 _THETA = 10000  # RoPE base
@@ -180,8 +187,8 @@ def _qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads, tail=None
     return F.qk_norm_rope(qkvs, norm_weights, cos_table, sin_table, num_heads, _EPS, tail)
 
 
-class _FluxLayers(_Layers):
-    """``sdxl_unet._Layers`` with Linears marked by their ``parts`` and the q/k-norm scales."""
+class _FluxLayers(LeafLayers):
+    """``blocks.LeafLayers`` with Linears marked by their ``parts`` and the q/k-norm scales."""
 
     def linear(self, fan_in, fan_out, bias=True, parts=None):
         layer = super().linear(fan_in, fan_out, bias)
@@ -190,7 +197,7 @@ class _FluxLayers(_Layers):
 
     def rms_scale(self, dim):
         if self.shapes_only:
-            return _Shapes("RMSNorm", scale=(dim,))
+            return ShapeRecord("RMSNorm", scale=(dim,))
         return _RMSScale(dim, self.dtype)
 
 
@@ -275,7 +282,7 @@ def _mlp(mlp, x):
     return mlp[2](_linear_act(mlp[0], x, "gelu_tanh"))
 
 
-class DoubleStreamBlock(_Checkpointed):
+class DoubleStreamBlock(Checkpointed):
     """Image and text streams, each modulated by silu(vec), meeting in one joint attention."""
 
     def __init__(self, L, cfg):
@@ -305,7 +312,7 @@ class DoubleStreamBlock(_Checkpointed):
         return txt, img
 
 
-class SingleStreamBlock(_Checkpointed):
+class SingleStreamBlock(Checkpointed):
     """Attention and MLP in parallel over the joint tokens: ``linear1`` -> q, k, v, MLP input;
     ``linear2`` over [attention out, GELU(MLP input)]."""
 
@@ -362,7 +369,7 @@ class FluxTransformer2DModel(nn.Module):
     guidance=None)`` -> (B, L_img, output_size), diffusers' inputs and conventions (see ``forward``).
     """
 
-    def __init__(self, config: FluxConfig | None = None, dtype=None, *, _layers: _Layers | None = None):
+    def __init__(self, config: FluxConfig | None = None, dtype=None, *, _layers: LeafLayers | None = None):
         super().__init__()
         cfg = config if config is not None else FluxConfig()
         if not isinstance(cfg, FluxConfig):
@@ -390,13 +397,12 @@ class FluxTransformer2DModel(nn.Module):
     @classmethod
     def parameter_shapes(cls, config: FluxConfig | None = None) -> OrderedDict:
         """{state-dict name: shape} of ``config``'s model in ``state_dict`` order, without allocating."""
-        return OrderedDict((f"{name}.{p}", shape) for name, m in cls.skeleton(config).named_modules()
-                           if isinstance(m, _Shapes) for p, shape in m.shapes.items())
+        return skeleton_shapes(cls.skeleton(config))
 
     @classmethod
     def layer_names(cls, config: FluxConfig | None = None, kind: str = "Linear") -> list:
         """Names of the ``kind`` ("Linear", "RMSNorm") layers, without allocating."""
-        return [n for n, m in cls.skeleton(config).named_modules() if isinstance(m, _Shapes) and m.kind == kind]
+        return skeleton_layer_names(cls.skeleton(config), kind)
 
     def diffusers_names(self, path: str) -> tuple:
         """The diffusers module path of each output part of the module at ``path`` (flame's name), in
@@ -474,11 +480,7 @@ class FluxTransformer2DModel(nn.Module):
         """Recompute each double and single block's activations in the backward
         (``flame.checkpoint.checkpoint``) instead of keeping them; ``scope`` "blocks" is the one
         scope; ``enabled=False`` turns it off."""
-        if scope not in CHECKPOINT_SCOPES:
-            raise ValueError(f"enable_gradient_checkpointing: scope must be one of {', '.join(CHECKPOINT_SCOPES)}, "
-                             f"got {scope!r}")
-        for block in (*self.double_blocks, *self.single_blocks):
-            block.gradient_checkpointing = bool(enabled)
+        switch_checkpointing(self, enabled, scope, CHECKPOINT_SCOPES)
         return self
 
     def _table(self, name, make):
@@ -588,7 +590,7 @@ def _diffusers_layout(config) -> OrderedDict:
     """{flame parameter name: (shape, diffusers pieces)} of ``config``'s model (``flux_keys.diffusers_pieces``)."""
     out = OrderedDict()
     for path, m in FluxTransformer2DModel.skeleton(config).named_modules():
-        if isinstance(m, _Shapes):
+        if isinstance(m, ShapeRecord):
             for attr, shape in m.shapes.items():
                 name = f"{path}.{attr}"
                 out[name] = (shape, flux_keys.diffusers_pieces(name, shape, getattr(m, "parts", None)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 
 from .checkpoints import Source, stored_tensors
+from .sdxl_config import SDXLUNetConfig
 
 LDM_PREFIX = "model.diffusion_model."
 
@@ -40,7 +41,6 @@ _LDM_MID = re.compile(r"middle_block\.(\d+)\.(.+)")
 
 
 def _config(config):
-    from .sdxl_unet import SDXLUNetConfig
     return config if config is not None else SDXLUNetConfig()
 
 

@@ -11,252 +11,40 @@ view, so their outputs stay channels-last too. Fusions: GroupNorm+SiLU in one ke
 the time-embedding GEMM, GEGLU as one map; SiLU of the time embedding is computed once per forward
 for all resnets (diffusers recomputes it in each).
 
-The architecture is described once: every block builds its leaf layers through a ``_Layers``
-factory, which makes flame layers for a model or shape-only records for ``SDXLUNet.parameter_shapes``
-(the full SDXL config listed without allocating its 2.57 B parameters).
+The architecture (``SDXLUNetConfig``) is in ``flame.models.sdxl_config``. It is described once: every
+block builds its leaf layers through ``flame.models.blocks.LeafLayers``, which makes flame layers for
+a model or shape-only records for ``SDXLUNet.parameter_shapes`` (the full SDXL config listed without
+allocating its 2.57 B parameters).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections import OrderedDict
 
 from .. import nn, runtime
-from ..autograd import is_grad_enabled
-from ..checkpoint import checkpoint
 from ..nn import functional as F
 from ..ops.creation import arange, full
 from ..ops.elementwise import cos, exp, sin, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float32
-from .checkpoints import load_pretrained, sort_config
+from .blocks import (
+    Checkpointed,
+    LeafLayers,
+    Upsample2D,
+    nchw,
+    nhwc,
+    norm_silu,
+    skeleton_layer_names,
+    skeleton_shapes,
+    switch_checkpointing,
+)
+from .checkpoints import load_pretrained
+from .sdxl_config import SDXLUNetConfig
 from .sdxl_keys import checkpoint_index, diffusers_to_ldm
 
-_DOWN_TYPES = ("DownBlock2D", "CrossAttnDownBlock2D")
-_UP_TYPES = ("UpBlock2D", "CrossAttnUpBlock2D")
+# ---- blocks ---------------------------------------------------------------------------------------
 
-# diffusers config keys whose value must be what SDXL uses (anything else is another architecture).
-_FIXED = {
-    "act_fn": ("silu",), "addition_embed_type": ("text_time",), "attention_type": ("default",),
-    "center_input_sample": (False,), "class_embed_type": (None,), "class_embeddings_concat": (False,),
-    "conv_in_kernel": (3,), "conv_out_kernel": (3,), "cross_attention_norm": (None,), "downsample_padding": (1,),
-    "dropout": (0.0,), "dual_cross_attention": (False,), "encoder_hid_dim": (None,),
-    "encoder_hid_dim_type": (None,), "mid_block_only_cross_attention": (None, False),
-    "mid_block_type": ("UNetMidBlock2DCrossAttn",), "num_attention_heads": (None,), "num_class_embeds": (None,),
-    "only_cross_attention": (False,), "resnet_skip_time_act": (False,), "resnet_time_scale_shift": ("default",),
-    "reverse_transformer_layers_per_block": (None,), "time_cond_proj_dim": (None,),
-    "time_embedding_act_fn": (None,), "time_embedding_dim": (None,), "time_embedding_type": ("positional",),
-    "timestep_post_act": (None,), "use_linear_projection": (True,),
-}
-# keys that change nothing here: addition_embed_type_num_heads only matters for other embed types, and
-# upcast_attention only for diffusers' non-SDPA attention path (flame's kernels keep softmax in fp32).
-_IGNORED = ("addition_embed_type_num_heads", "upcast_attention")
-
-
-def _per_block(value, n, name):
-    values = tuple(value) if isinstance(value, (tuple, list)) else (value,) * n
-    if len(values) != n:
-        raise ValueError(f"SDXLUNetConfig: {name} has {len(values)} entries, expected one per block ({n})")
-    return values
-
-
-@dataclasses.dataclass(frozen=True)
-class SDXLUNetConfig:
-    """The UNet's architecture, with diffusers' config names; the defaults are stable-diffusion-xl-base-1.0.
-
-    ``attention_head_dim`` keeps diffusers' legacy meaning: the **number of heads** per block (head
-    size = channels / heads, 64 in SDXL). ``projection_class_embeddings_input_dim`` = pooled text
-    embedding width + 6 x ``addition_time_embed_dim`` (the six size/crop ids).
-
-    ``SDXLUNetConfig.tiny()`` is the test/CPU-demo config: the same block structure (DownBlock2D, two
-    CrossAttnDownBlock2D, the cross-attention mid block, two CrossAttnUpBlock2D, UpBlock2D; two resnets
-    per down block, three per up block, so the LDM name map is SDXL's) with small widths:
-
-    - block_out_channels (32, 48, 64): three different widths, so a wrong skip or channel wiring is a
-      shape error rather than a silent bug; up-block resnet inputs 128, 128, 112 / 112, 96, 80 / 80, 64, 64;
-    - norm_num_groups 8 (4 to 16 channels per group, as SDXL's 10 to 80 keeps statistics over
-      several channels; 32 groups would leave one channel per group at width 32);
-    - attention_head_dim (1, 2, 4) heads: head sizes 24 (not a power of two: exercises the attention
-      kernel's masks) and 16; transformer depth 1 everywhere (11 transformer blocks, SDXL 70): the
-      forward is depth-agnostic and SDXL's per-level depths (1, 2, 10) are checked through the
-      full config's names, so the tiny one saves the launches (a CPU test or demo step is bound
-      by the interpreter's per-launch cost);
-    - cross_attention_dim 32, pooled text embedding 16, addition_time_embed_dim 8 (input 16 + 6 x 8 = 64);
-      time embedding 4 x 32 = 128 wide;
-    - sample_size 16 (latent 16x16 -> 8x8 -> 4x4).
-    About 2.1 M parameters (500 tensors). Through Triton's interpreter a forward is about 550 kernel
-    launches and costs 5 to 10 s whatever the latent size (per-launch cost dominates); tests use 8x8
-    latents.
-    """
-
-    sample_size: int = 128
-    in_channels: int = 4
-    out_channels: int = 4
-    down_block_types: tuple = ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D")
-    up_block_types: tuple = ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D")
-    block_out_channels: tuple = (320, 640, 1280)
-    layers_per_block: int = 2
-    transformer_layers_per_block: tuple = (1, 2, 10)
-    attention_head_dim: tuple = (5, 10, 20)
-    cross_attention_dim: int = 2048
-    norm_num_groups: int = 32
-    norm_eps: float = 1e-5
-    addition_time_embed_dim: int = 256
-    projection_class_embeddings_input_dim: int = 2816
-    flip_sin_to_cos: bool = True
-    freq_shift: int = 0
-    mid_block_scale_factor: float = 1.0
-    resnet_out_scale_factor: float = 1.0
-
-    def __post_init__(self):
-        n = len(self.block_out_channels)
-        fix = {"down_block_types": tuple(self.down_block_types), "up_block_types": tuple(self.up_block_types),
-               "block_out_channels": tuple(int(c) for c in self.block_out_channels),
-               "transformer_layers_per_block": _per_block(self.transformer_layers_per_block, n,
-                                                          "transformer_layers_per_block"),
-               "attention_head_dim": _per_block(self.attention_head_dim, n, "attention_head_dim")}
-        for k, v in fix.items():
-            object.__setattr__(self, k, v)
-        if n == 0 or len(self.down_block_types) != n or len(self.up_block_types) != n:
-            raise ValueError(f"SDXLUNetConfig: down_block_types {self.down_block_types}, up_block_types "
-                             f"{self.up_block_types} and block_out_channels {self.block_out_channels} "
-                             "must have the same non-zero length")
-        bad = [t for t in self.down_block_types if t not in _DOWN_TYPES] + \
-              [t for t in self.up_block_types if t not in _UP_TYPES]
-        if bad:
-            raise ValueError(f"SDXLUNetConfig: unsupported block type(s) {bad}; down blocks are one of "
-                             f"{_DOWN_TYPES}, up blocks one of {_UP_TYPES}")
-        if isinstance(self.layers_per_block, (tuple, list)) or self.layers_per_block < 1:
-            raise ValueError(f"SDXLUNetConfig: layers_per_block must be a positive int (the same for every "
-                             f"block), got {self.layers_per_block!r}")
-        g = self.norm_num_groups
-        widths = set(self.block_out_channels)
-        for level, (c, heads) in enumerate(zip(self.block_out_channels, self.attention_head_dim)):
-            if c % heads:
-                raise ValueError(f"SDXLUNetConfig: block {level} has {c} channels, not divisible by "
-                                 f"{heads} attention heads")
-        for cin, _ in self.up_resnet_channels():
-            widths.add(cin)
-        if any(w % g for w in widths):
-            raise ValueError(f"SDXLUNetConfig: norm_num_groups={g} must divide every GroupNorm width, got "
-                             f"{sorted(widths)}")
-        if self.pooled_dim <= 0:
-            raise ValueError(f"SDXLUNetConfig: projection_class_embeddings_input_dim "
-                             f"({self.projection_class_embeddings_input_dim}) must exceed 6 x addition_time_embed_dim "
-                             f"({6 * self.addition_time_embed_dim})")
-
-    @classmethod
-    def tiny(cls) -> SDXLUNetConfig:
-        """The small SDXL-shaped config documented in the class docstring."""
-        return cls(sample_size=16, block_out_channels=(32, 48, 64), transformer_layers_per_block=(1, 1, 1),
-                   attention_head_dim=(1, 2, 4), cross_attention_dim=32, norm_num_groups=8,
-                   addition_time_embed_dim=8, projection_class_embeddings_input_dim=16 + 6 * 8)
-
-    # ---- derived sizes -----------------------------------------------------------------------
-    @property
-    def pooled_dim(self) -> int:
-        """Width of the pooled text embedding (1280 for SDXL's CLIP-G)."""
-        return self.projection_class_embeddings_input_dim - 6 * self.addition_time_embed_dim
-
-    @property
-    def time_embed_dim(self) -> int:
-        return 4 * self.block_out_channels[0]
-
-    def up_resnet_channels(self):
-        """(input, output) channels of every up-block resnet, in module order (skip concat included)."""
-        out = []
-        rev = self.block_out_channels[::-1]
-        prev = rev[0]
-        for i, c in enumerate(rev):
-            skip_last = rev[min(i + 1, len(rev) - 1)]
-            for j in range(self.layers_per_block + 1):
-                cin = (prev if j == 0 else c) + (skip_last if j == self.layers_per_block else c)
-                out.append((cin, c))
-            prev = c
-        return out
-
-    # ---- diffusers interop -------------------------------------------------------------------
-    def to_diffusers(self) -> dict:
-        """kwargs for ``diffusers.UNet2DConditionModel(**...)`` building the same model."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for k in ("down_block_types", "up_block_types", "block_out_channels", "transformer_layers_per_block",
-                  "attention_head_dim"):
-            d[k] = list(d[k])
-        d.update(act_fn="silu", addition_embed_type="text_time", mid_block_type="UNetMidBlock2DCrossAttn",
-                 use_linear_projection=True, downsample_padding=1)
-        return d
-
-    @classmethod
-    def from_diffusers(cls, config: dict) -> SDXLUNetConfig:
-        """From a diffusers ``unet/config.json`` dict; raises ValueError for settings this model
-        does not implement (another addition embedding, conv projections, class embeddings, ...)."""
-        kwargs, problems = sort_config(cls, config, _FIXED, ignored=_IGNORED)
-        for k in ("layers_per_block", "cross_attention_dim"):  # diffusers allows one per block
-            v = kwargs.get(k)
-            if isinstance(v, (tuple, list)):
-                if len(set(v)) != 1:
-                    problems.append(f"{k}={v!r} (must be the same for every block)")
-                else:
-                    kwargs[k] = v[0]
-        if problems:
-            raise ValueError("SDXLUNetConfig.from_diffusers: unsupported UNet config: " + "; ".join(problems))
-        return cls(**kwargs)
-
-
-# ---- leaf layers ----------------------------------------------------------------------------------
-
-class _Shapes(nn.Module):
-    """Stand-in for a leaf layer in a shape-only skeleton: its kind and parameter shapes, no memory."""
-
-    def __init__(self, kind, **shapes):
-        super().__init__()
-        self.kind = kind
-        self.shapes = OrderedDict((k, v) for k, v in shapes.items() if v is not None)
-
-
-class _Layers:
-    """Makes the leaf layers for the blocks: flame layers in ``dtype``, or with ``shapes_only``
-    ``_Shapes`` records of the same parameter names and shapes (nothing allocated)."""
-
-    def __init__(self, dtype=None, shapes_only=False):
-        self.dtype, self.shapes_only = dtype, shapes_only
-
-    def linear(self, fan_in, fan_out, bias=True):
-        if self.shapes_only:
-            return _Shapes("Linear", weight=(fan_out, fan_in), bias=(fan_out,) if bias else None)
-        return nn.Linear(fan_in, fan_out, bias=bias, dtype=self.dtype)
-
-    def conv(self, cin, cout, k, stride=1, padding=0):
-        if self.shapes_only:
-            return _Shapes("Conv2d", weight=(cout, cin, k, k), bias=(cout,))
-        return nn.Conv2d(cin, cout, k, stride=stride, padding=padding, dtype=self.dtype)
-
-    def group_norm(self, groups, c, eps):
-        if self.shapes_only:
-            return _Shapes("GroupNorm", weight=(c,), bias=(c,))
-        return nn.GroupNorm(groups, c, eps=eps, dtype=self.dtype)
-
-    def layer_norm(self, c, eps=1e-5):
-        if self.shapes_only:
-            return _Shapes("LayerNorm", weight=(c,), bias=(c,))
-        return nn.LayerNorm(c, eps=eps, dtype=self.dtype)
-
-
-# ---- channels-last helpers --------------------------------------------------------------------------
-
-def _nhwc(x):
-    """(B, C, H, W) channels-last -> its (B, H, W, C) view (contiguous: no copy). Adds and concats
-    run on these views: elementwise ops write their output in logical order, so computing on the
-    NHWC view and permuting back keeps the result channels-last."""
-    return x.permute(0, 2, 3, 1)
-
-
-def _nchw(x):
-    return x.permute(0, 3, 1, 2)
-
-
-def _norm_silu(norm, x):
-    return F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, activation="silu")
+CHECKPOINT_SCOPES = ("blocks", "feed_forward")
 
 
 def _linear_silu(layer, x):
@@ -265,24 +53,6 @@ def _linear_silu(layer, x):
     if type(layer) is nn.Linear:
         return F.linear(x, layer.weight, layer.bias, activation="silu")
     return F.silu(layer(x))
-
-
-# ---- blocks ---------------------------------------------------------------------------------------
-
-CHECKPOINT_SCOPES = ("blocks", "feed_forward")
-
-
-class _Checkpointed(nn.Module):
-    """A module whose forward can run under activation checkpointing (``flame.checkpoint``);
-    ``scope``: which ``enable_gradient_checkpointing`` scope switches it."""
-
-    gradient_checkpointing = False
-    scope = "blocks"
-
-    def __call__(self, *args):
-        if self.gradient_checkpointing and is_grad_enabled():
-            return checkpoint(self.forward, *args)
-        return self.forward(*args)
 
 
 class TimestepEmbedding(nn.Module):
@@ -295,7 +65,7 @@ class TimestepEmbedding(nn.Module):
         return self.linear_2(_linear_silu(self.linear_1, x))
 
 
-class ResnetBlock2D(_Checkpointed):
+class ResnetBlock2D(Checkpointed):
     """GroupNorm+SiLU -> conv3x3 -> + time embedding -> GroupNorm+SiLU -> conv3x3, plus the (1x1-conv
     when the width changes) shortcut, divided by ``output_scale_factor``."""
 
@@ -311,16 +81,16 @@ class ResnetBlock2D(_Checkpointed):
 
     def forward(self, x, temb_act):
         """``x`` (B, C, H, W) channels-last; ``temb_act`` = silu(time embedding), (B, T)."""
-        h = self.conv1(_norm_silu(self.norm1, x))
+        h = self.conv1(norm_silu(self.norm1, x))
         t = self.time_emb_proj(temb_act)
-        h = _nchw(_nhwc(h) + t.reshape(t.shape[0], 1, 1, t.shape[1]))
-        h = self.conv2(_norm_silu(self.norm2, h))
+        h = nchw(nhwc(h) + t.reshape(t.shape[0], 1, 1, t.shape[1]))
+        h = self.conv2(norm_silu(self.norm2, h))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
-        out = _nhwc(x) + _nhwc(h)
+        out = nhwc(x) + nhwc(h)
         if self.output_scale_factor != 1.0:
             out = out / self.output_scale_factor
-        return _nchw(out)
+        return nchw(out)
 
 
 class Attention(nn.Module):
@@ -347,7 +117,7 @@ class Attention(nn.Module):
         return self.to_out[0](o)
 
 
-class GEGLU(_Checkpointed):
+class GEGLU(Checkpointed):
     """The feed-forward's projection and gate. Checkpointed (scope ``feed_forward``), it keeps its
     (B, L, dim) input instead of the (B, L, 8 dim) projection GEGLU's backward needs, and recomputes
     the projection in the backward: an eighth of the largest activation of the step, for one GEMM."""
@@ -371,7 +141,7 @@ class FeedForward(nn.Module):
         return self.net[2](self.net[0](x))
 
 
-class BasicTransformerBlock(_Checkpointed):
+class BasicTransformerBlock(Checkpointed):
     """Pre-LayerNorm self-attention, cross-attention and GEGLU feed-forward, each residual."""
 
     def __init__(self, L, dim, heads, context_dim):
@@ -405,11 +175,11 @@ class Transformer2DModel(nn.Module):
         B, C, H, W = x.shape
         n = self.norm
         h = F.group_norm(x, n.num_groups, n.weight, n.bias, n.eps)
-        h = self.proj_in(_nhwc(h).reshape(B, H * W, C))
+        h = self.proj_in(nhwc(h).reshape(B, H * W, C))
         for block in self.transformer_blocks:
             h = block(h, context)
         h = self.proj_out(h)
-        return _nchw(h.reshape(B, H, W, C) + _nhwc(x))
+        return nchw(h.reshape(B, H, W, C) + nhwc(x))
 
 
 class Downsample2D(nn.Module):
@@ -419,17 +189,6 @@ class Downsample2D(nn.Module):
 
     def forward(self, x):
         return self.conv(x)
-
-
-class Upsample2D(nn.Module):
-    """Nearest-neighbour x2, then a 3x3 convolution (the UNet's and the VAE decoder's)."""
-
-    def __init__(self, L, c):
-        super().__init__()
-        self.conv = L.conv(c, c, 3, padding=1)
-
-    def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2, mode="nearest"))
 
 
 class _Block(nn.Module):
@@ -491,7 +250,7 @@ class UpBlock(_Block):
 
     def forward(self, h, temb_act, context, skips):
         for i in range(len(self.resnets)):
-            h = _nchw(cat([_nhwc(h), _nhwc(skips.pop())], -1))  # channel concat, channels-last
+            h = nchw(cat([nhwc(h), nhwc(skips.pop())], -1))  # channel concat, channels-last
             h = self._layer(i, h, temb_act, context)
         if self.upsamplers is not None:
             h = self.upsamplers[0](h)
@@ -524,13 +283,13 @@ class SDXLUNet(nn.Module):
     ``model(sample, timestep, encoder_hidden_states, text_embeds, time_ids)`` -> (B, out_channels, h, w).
     """
 
-    def __init__(self, config: SDXLUNetConfig | None = None, dtype=None, *, _layers: _Layers | None = None):
+    def __init__(self, config: SDXLUNetConfig | None = None, dtype=None, *, _layers: LeafLayers | None = None):
         super().__init__()
         cfg = config if config is not None else SDXLUNetConfig()
         if not isinstance(cfg, SDXLUNetConfig):
             raise TypeError(f"SDXLUNet: config must be an SDXLUNetConfig, got {type(cfg).__name__}")
         self.config = cfg
-        L = _layers or _Layers(check_dtype(dtype or runtime.get_default_dtype()))
+        L = _layers or LeafLayers(check_dtype(dtype or runtime.get_default_dtype()))
         c0 = cfg.block_out_channels[0]
         self.conv_in = L.conv(cfg.in_channels, c0, 3, padding=1)
         self.time_embedding = TimestepEmbedding(L, c0, cfg.time_embed_dim)
@@ -554,17 +313,12 @@ class SDXLUNet(nn.Module):
     def skeleton(cls, config: SDXLUNetConfig | None = None) -> SDXLUNet:
         """The module tree of ``config`` with shape records (``kind``, ``shapes``) as leaves:
         same module names as the model, nothing allocated; not runnable."""
-        return cls(config, _layers=_Layers(shapes_only=True))
+        return cls(config, _layers=LeafLayers(shapes_only=True))
 
     @classmethod
     def parameter_shapes(cls, config: SDXLUNetConfig | None = None) -> OrderedDict:
         """{state-dict name: shape} of ``config``'s model in ``state_dict`` order, without allocating."""
-        out = OrderedDict()
-        for name, m in cls.skeleton(config).named_modules():
-            if isinstance(m, _Shapes):
-                for p, shape in m.shapes.items():
-                    out[f"{name}.{p}"] = shape
-        return out
+        return skeleton_shapes(cls.skeleton(config))
 
     def original_name(self, path: str) -> str:
         """The module at ``path`` (a diffusers name) under its name in the original LDM/SGM layout,
@@ -575,7 +329,7 @@ class SDXLUNet(nn.Module):
     @classmethod
     def layer_names(cls, config: SDXLUNetConfig | None = None, kind: str = "Linear") -> list:
         """Names of the ``kind`` ("Linear", "Conv2d", "GroupNorm", "LayerNorm") layers, without allocating."""
-        return [n for n, m in cls.skeleton(config).named_modules() if isinstance(m, _Shapes) and m.kind == kind]
+        return skeleton_layer_names(cls.skeleton(config), kind)
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
@@ -601,12 +355,7 @@ class SDXLUNet(nn.Module):
         saved, a second forward of nearly the whole UNet); ``feed_forward``, each transformer
         block's GEGLU projection only (the largest activation the step keeps, for one more GEMM
         per block). ``enabled=False`` turns both off."""
-        if scope not in CHECKPOINT_SCOPES:
-            raise ValueError(f"enable_gradient_checkpointing: scope must be one of {', '.join(CHECKPOINT_SCOPES)}, "
-                             f"got {scope!r}")
-        for m in self.modules():
-            if isinstance(m, _Checkpointed):
-                m.gradient_checkpointing = bool(enabled) and m.scope == scope
+        switch_checkpointing(self, enabled, scope, CHECKPOINT_SCOPES)
         return self
 
     def _sinusoids(self, t, dim):
@@ -675,4 +424,4 @@ class SDXLUNet(nn.Module):
         h = self.mid_block(h, temb_act, context)
         for block in self.up_blocks:
             h = block(h, temb_act, context, skips)
-        return self.conv_out(_norm_silu(self.conv_norm_out, h))
+        return self.conv_out(norm_silu(self.conv_norm_out, h))

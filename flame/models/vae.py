@@ -22,7 +22,7 @@ Architecture (n = len(block_out_channels) levels; every GroupNorm has eps 1e-6):
   head of size C (512 in SDXL), plus the input.
 
 Layout: activations are (B, C, H, W) with channels-last strides end to end, as in
-``flame.models.sdxl_unet`` (whose leaf-layer factory and layout helpers this module shares):
+``flame.models.sdxl_unet`` (the leaf-layer factory and layout helpers of ``flame.models.blocks``):
 convolutions, GroupNorm(+SiLU, one fused kernel) and upsampling read and write that layout;
 residual adds, padding and tile blending run on the (B, H, W, C) permuted view so their outputs
 stay channels-last; the attention projections use its (B, H*W, C) view without a copy.
@@ -53,8 +53,8 @@ from ..ops.creation import randn_like, tensor
 from ..ops.elementwise import clamp, exp, to
 from ..ops.shape import cat
 from ..tensor import Tensor, check_dtype, float16
+from .blocks import LeafLayers, Upsample2D, nchw, nhwc, norm_silu, skeleton_shapes
 from .checkpoints import Source, load_pretrained, sort_config, stored_tensors
-from .sdxl_unet import Upsample2D, _Layers, _nchw, _nhwc, _norm_silu, _Shapes
 
 _EPS = 1e-6  # every GroupNorm of diffusers' VAE encoder and decoder
 _LOGVAR_RANGE = (-30.0, 20.0)  # diffusers' DiagonalGaussianDistribution clamps the log variance to this
@@ -189,11 +189,11 @@ class ResnetBlock2D(nn.Module):
         self.conv_shortcut = L.conv(cin, cout, 1) if cin != cout else None
 
     def forward(self, x):
-        h = self.conv1(_norm_silu(self.norm1, x))
-        h = self.conv2(_norm_silu(self.norm2, h))
+        h = self.conv1(norm_silu(self.norm1, x))
+        h = self.conv2(norm_silu(self.norm2, h))
         if self.conv_shortcut is not None:
             x = self.conv_shortcut(x)
-        return _nchw(_nhwc(x) + _nhwc(h))
+        return nchw(nhwc(x) + nhwc(h))
 
 
 class Attention(nn.Module):
@@ -212,11 +212,11 @@ class Attention(nn.Module):
         B, C, H, W = x.shape
         n = self.group_norm
         h = F.group_norm(x, n.num_groups, n.weight, n.bias, n.eps)
-        h = _nhwc(h).reshape(B, H * W, C)  # a view of the channels-last output
+        h = nhwc(h).reshape(B, H * W, C)  # a view of the channels-last output
         # one head of size C: (B, 1, H*W, C); scale 1/sqrt(C), as diffusers
         q, k, v = (proj(h).reshape(B, 1, H * W, C) for proj in (self.to_q, self.to_k, self.to_v))
         o = self.to_out[0](F.scaled_dot_product_attention(q, k, v).reshape(B, H * W, C))
-        return _nchw(o.reshape(B, H, W, C) + _nhwc(x))
+        return nchw(o.reshape(B, H, W, C) + nhwc(x))
 
 
 class Downsample2D(nn.Module):
@@ -229,7 +229,7 @@ class Downsample2D(nn.Module):
 
     def forward(self, x):
         # F.pad lists the last dim first: on the (B, H, W, C) view that is C (none), W and H (0 before, 1 after)
-        return self.conv(_nchw(F.pad(_nhwc(x), (0, 0, 0, 1, 0, 1))))
+        return self.conv(nchw(F.pad(nhwc(x), (0, 0, 0, 1, 0, 1))))
 
 
 class _Block(nn.Module):
@@ -282,7 +282,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             h = block(h)
         h = self.mid_block(h)
-        return self.conv_out(_norm_silu(self.conv_norm_out, h))
+        return self.conv_out(norm_silu(self.conv_norm_out, h))
 
 
 class Decoder(nn.Module):
@@ -303,7 +303,7 @@ class Decoder(nn.Module):
         h = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             h = block(h)
-        return self.conv_out(_norm_silu(self.conv_norm_out, h))
+        return self.conv_out(norm_silu(self.conv_norm_out, h))
 
 
 class DiagonalGaussian:
@@ -363,7 +363,7 @@ def _tiled(run, x: Tensor, size: int, stride: int, blend: int, keep: int) -> Ten
     for i in range(0, x.shape[2], stride):
         row, pieces = [], []
         for col, j in enumerate(range(0, x.shape[3], stride)):
-            t = _nhwc(run(x[:, :, i:i + size, j:j + size]))
+            t = nhwc(run(x[:, :, i:i + size, j:j + size]))
             if above is not None:
                 t = _blend(above[col], t, blend, 1)
             if row:
@@ -372,7 +372,7 @@ def _tiled(run, x: Tensor, size: int, stride: int, blend: int, keep: int) -> Ten
             pieces.append(t[:, :keep, :keep])
         rows.append(cat(pieces, 2))
         above = row
-    return _nchw(cat(rows, 1))
+    return nchw(cat(rows, 1))
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -390,7 +390,7 @@ class AutoencoderKL(nn.Module):
     (scaled) ones. Converting images to uint8 (clamping to [-1, 1] first) is the caller's.
     """
 
-    def __init__(self, config: AutoencoderKLConfig | None = None, dtype=None, *, _layers: _Layers | None = None):
+    def __init__(self, config: AutoencoderKLConfig | None = None, dtype=None, *, _layers: LeafLayers | None = None):
         super().__init__()
         cfg = config if config is not None else AutoencoderKLConfig()
         if not isinstance(cfg, AutoencoderKLConfig):
@@ -402,7 +402,7 @@ class AutoencoderKL(nn.Module):
                                  "(SDXL's VAE gives inf/NaN images); use float32 or bfloat16, or a VAE fine-tuned "
                                  "for float16 (force_upcast=False)")
         self.config = cfg
-        L = _layers or _Layers(dtype)
+        L = _layers or LeafLayers(dtype)
         latent2 = 2 * cfg.latent_channels
         self.encoder = Encoder(L, cfg)
         self.decoder = Decoder(L, cfg)
@@ -413,12 +413,7 @@ class AutoencoderKL(nn.Module):
     @classmethod
     def parameter_shapes(cls, config: AutoencoderKLConfig | None = None) -> OrderedDict:
         """{state-dict name: shape} of ``config``'s model in ``state_dict`` order, without allocating."""
-        out = OrderedDict()
-        for name, m in cls(config, _layers=_Layers(shapes_only=True)).named_modules():
-            if isinstance(m, _Shapes):
-                for p, shape in m.shapes.items():
-                    out[f"{name}.{p}"] = shape
-        return out
+        return skeleton_shapes(cls(config, _layers=LeafLayers(shapes_only=True)))
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
