@@ -116,3 +116,83 @@ def test_bad_input_is_a_clear_error(tiny, tmp_path, capsys):
     assert sample_main(["--model", str(tiny), *base, "--width", "18"]) == 2
     assert "multiples of" in capsys.readouterr().err
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+# ---- flame-sample's input errors: one line, exit 2, before any model loads ---------------------------
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the test: flame-sample checks its input before the weights."""
+    from flame.models import AutoencoderKL, FluxTransformer2DModel, SDXLTextEncoders
+    from flame.models.flux_text import FluxTextEncoders
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    for cls in (SDXLUNet, AutoencoderKL, SDXLTextEncoders, FluxTransformer2DModel, FluxTextEncoders):
+        monkeypatch.setattr(cls, "from_pretrained", loaded)
+
+
+def sample_error(capsys, argv) -> str:
+    """The one error line flame-sample gives for ``argv``, which must exit with 2."""
+    code = sample_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("flame-sample: error: "), (code, err)
+    return err[0]
+
+
+def _folder(tmp_path, tiny, name, model_index=None, keep=()):
+    """A folder with ``keep``'s parts of the tiny pipeline and a model_index.json naming ``model_index``."""
+    folder = tmp_path / name
+    folder.mkdir()
+    for part in keep:
+        shutil.copytree(tiny / part, folder / part)
+    if model_index is not None:
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": model_index}))
+    return folder
+
+
+SDXL_INPUT_ERRORS = {  # case: (arguments, what the error line says)
+    "missing prompts file": (["--prompts", "{tmp}/missing.txt"], "--prompts {tmp}/missing.txt: no such file"),
+    "empty prompts file": (["--prompts", "{tmp}/empty.txt"], "--prompts {tmp}/empty.txt: no prompt in it"),
+    "flux sampler": (["--sampler", "flow_euler"], "--sampler flow_euler: SDXL samples with euler, euler_a"),
+    "missing lora": (["--lora", "{tmp}/style.safetensors:0.5"], "--lora {tmp}/style.safetensors: no such file"),
+    "not a lora": (["--lora", "{model}/unet/diffusion_pytorch_model.safetensors"], "not a LoRA state dict"),
+    "damaged lora": (["--lora", "{tmp}/empty.txt"], "--lora {tmp}/empty.txt: damaged or not a safetensors file"),
+    "unet folder": (["--model", "{model}/unet"], "the folder of one component (UNet2DConditionModel)"),
+    "sd15 folder": (["--model", "{tmp}/sd15"], "its model_index.json names StableDiffusionPipeline"),
+    "empty folder": (["--model", "{tmp}/empty"], "no model_index.json or config.json in it"),
+    "not safetensors": (["--model", "{tmp}/empty.txt"], "not a .safetensors file"),
+    "missing base": (["--base", "{tmp}/nowhere"], "--base {tmp}/nowhere: not a folder"),
+    "out is a file": (["--out", "{tmp}/empty.txt"], "--out {tmp}/empty.txt: a file, not a folder"),
+}
+
+
+@pytest.mark.parametrize("case", SDXL_INPUT_ERRORS)
+def test_input_errors_are_one_line_before_any_model_loads(tiny, tmp_path, capsys, no_model_loads, case):
+    (tmp_path / "empty.txt").write_text("# only a comment\n\n")
+    _folder(tmp_path, tiny, "sd15", "StableDiffusionPipeline", keep=("unet", "vae"))
+    _folder(tmp_path, tiny, "empty")
+    args, says = SDXL_INPUT_ERRORS[case]
+    fill = {"tmp": tmp_path, "model": tiny}
+    argv = ["--model", str(tiny), *([] if "--prompts" in args else ["--prompt", "a cat"]), "--steps", "1", "--width",
+            "16", "--height", "16", "--out", str(tmp_path / "o"), "--no-progress", *(a.format(**fill) for a in args)]
+    assert says.format(**fill) in sample_error(capsys, argv)
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_image_size_is_checked_before_loading_with_the_pipelines_own_factor(tiny, pipe, tmp_path, capsys,
+                                                                             no_model_loads):
+    early = sample_error(capsys, ["--model", str(tiny), "--prompt", "a cat", "--width", "30", "--height", "16",
+                                  "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError) as late:
+        pipe("a cat", steps=1, width=30, height=16, cuda_graph=False)
+    assert early.endswith(f"--width/--height: {late.value} (the VAE's 2x downsampling times the UNet's 2x)")
+    assert "multiples of 4" in early  # SDXL base's: 8 x 4 = 32
+
+
+def test_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit) as e:
+        sample_main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "flame-sample --model PATH" in out and "``" not in out

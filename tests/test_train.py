@@ -506,6 +506,13 @@ def test_usage_does_not_list_overrides_as_required(capsys):
         cli.parse_args(["c.yaml", "--bogus"])
 
 
+def test_help_is_plain_text_in_lines_a_terminal_shows(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "flame-train-lora CONFIG" in out and "  train.lr: 0.0001 -- " in out
+    assert "``" not in out and max(len(line) for line in out.split("options (section.key")[1].splitlines()) <= 100
+
 def test_cli_exit_codes(tmp_path, monkeypatch, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"data": {"cache_dir": "c"}, "output": {"dir": str(tmp_path / "o")},

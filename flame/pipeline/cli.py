@@ -11,22 +11,30 @@ freed before the transformer loads, so T5-XXL and the transformer never share GP
 Writes one PNG per image into ``--out`` (named ``NNNNN-SEED.png``, never overwriting), each with its
 prompt and settings in the PNG text metadata, plus ``grid-NNNNN.png`` when a call makes more than
 one image. Exit status: 0 when the images were written; 2 for a usage or input error (a missing
-file, a LoRA for another model, ...); 130 on Ctrl-C (images already written are kept).
+file, a LoRA for another model, ...), with one ``flame-sample: error:`` line; 130 on Ctrl-C (images
+already written are kept). Every input that can be checked without the weights (the prompts, the
+LoRA files' headers, the model folder and family, the family's options, the image size against the
+checkpoint's config.json files) is checked before any model loads.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import re
 import sys
 
 from ..diffusion.samplers import FLOW_SAMPLERS, SAMPLERS, make_sampler
-from ..models.families import checkpoint_family
+from ..io import stored_shapes
+from ..models import AutoencoderKLConfig, SDXLUNetConfig
+from ..models.families import MODEL_CLASSES, PIPELINE_CLASSES, checkpoint_family, class_name
+from ..nn.lora import detect_format
 from ..tensor import bfloat16, float32
 
 PROG = "flame-sample"
 DEFAULTS = {"sdxl": {"steps": 30, "cfg": 5.0, "sampler": "euler"},
             "flux": {"cfg": 1.0, "sampler": "flow_euler"}}  # Flux's steps: 28 for dev, 4 for schnell
+T5_MAX_TOKENS = 512  # FluxTextEncoders' limit of --max-sequence-length
 
 
 def _positive(kind):
@@ -39,7 +47,7 @@ def _positive(kind):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0].replace("``", ""),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", required=True, type=pathlib.Path,
                    help="SDXL or Flux diffusers pipeline folder, or one single-file .safetensors checkpoint")
@@ -73,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, choices=(75, 150, 225), default=75,
                    help="SDXL: caption length in tokens (longer captions are cut, with a warning)")
     p.add_argument("--max-sequence-length", type=int, default=None,
-                   help="Flux: T5 tokens per prompt, at most 512 (default: dev 512, schnell 256)")
+                   help=f"Flux: T5 tokens per prompt, 1 to {T5_MAX_TOKENS} (default: dev 512, schnell 256)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
                    help="model and text encoder precision (default bf16 on a GPU, fp32 on the CPU interpreter)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run each step's model call eagerly")
@@ -87,20 +95,135 @@ def _next_index(out: pathlib.Path) -> int:
     return max(taken, default=-1) + 1
 
 
+def _what_is_there(path: pathlib.Path) -> str:
+    """"no such file", "a folder, not a file" or "" for a file."""
+    return "" if path.is_file() else "a folder, not a file" if path.is_dir() else "no such file"
+
+
+def read_prompts(args) -> list:
+    """The prompts of ``--prompt`` or of the ``--prompts`` file; ValueError naming the option."""
+    if args.prompts is None:
+        return list(args.prompt)
+    from .stages import read_prompt_file
+    path = args.prompts
+    if _what_is_there(path):
+        raise ValueError(f"--prompts {path}: {_what_is_there(path)}")
+    try:
+        return read_prompt_file(path)
+    except UnicodeDecodeError:
+        raise ValueError(f"--prompts {path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ValueError(f"--prompts {path}: cannot be read ({e.strerror})") from None
+    except ValueError:
+        raise ValueError(f"--prompts {path}: no prompt in it (empty lines and lines starting with # are "
+                         "skipped)") from None
+
+
+def read_loras(args) -> list:
+    """(path, strength) of each ``--lora``, each file's header checked to be a LoRA's (its layers
+    are checked against the model once it is loaded)."""
+    from .stages import parse_lora
+    loras = [parse_lora(spec) for spec in args.lora]
+    for path, _ in loras:
+        if _what_is_there(path):
+            raise ValueError(f"--lora {path}: {_what_is_there(path)}")
+        try:
+            keys = stored_shapes(path)
+        except ValueError as e:  # names the file
+            raise ValueError(f"--lora {e}") from None
+        except OSError as e:
+            raise ValueError(f"--lora {path}: cannot be read ({e.strerror})") from None
+        try:
+            detect_format(keys)
+        except ValueError as e:
+            raise ValueError(f"--lora {path}: {e}") from None
+    return loras
+
+
+def model_family(path: pathlib.Path) -> str:
+    """"sdxl" or "flux" for ``--model``; ValueError saying what the path holds instead."""
+    if not path.exists():
+        raise ValueError(f"--model {path}: no such file or folder")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise ValueError(f"--model {path}: not a .safetensors file (other formats are not supported: convert "
+                             "them to safetensors)")
+        try:
+            stored_shapes(path)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--model {e}") from None
+    pipeline = class_name(path / "model_index.json") if path.is_dir() else None
+    family = checkpoint_family(path) if pipeline is None or pipeline in PIPELINE_CLASSES else None
+    if family is not None:
+        return family
+    found = [f"its {name} names {cls}" for name in ("model_index.json", "config.json")
+             if (cls := class_name(path / name)) is not None]
+    raise ValueError(f"--model {path}: neither an SDXL nor a Flux checkpoint: "
+                     + ("; ".join(found) if found else "no model_index.json or config.json in it")
+                     + f" (a pipeline folder's model_index.json names {' or '.join(PIPELINE_CLASSES)})")
+
+
+def _component_folder(path: pathlib.Path):
+    """The model class a component folder's own config.json names (a pipeline's ``unet/`` or
+    ``transformer/``), else None."""
+    name = class_name(path / "config.json") if path.is_dir() else None
+    return name if name in MODEL_CLASSES else None
+
+
+def _component_config(source, subfolder: str, config_class, default):
+    """``config_class`` of a component's config.json, read without its weights: ``source`` is a
+    pipeline folder holding ``subfolder/`` or that folder itself; ``default`` (the family's) for a
+    single file."""
+    p = pathlib.Path(source)
+    for candidate in (p / "config.json", p / subfolder / "config.json"):  # the loaders' order
+        if candidate.is_file():
+            try:
+                return config_class.from_diffusers(json.loads(candidate.read_text()))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{candidate} is not valid JSON ({e})") from None
+    return default
+
+
+def _check_image_size(args, factor: int, why: str) -> None:
+    """``check_image_size`` of ``--width`` and ``--height``, the message saying where ``factor`` comes from."""
+    from .stages import check_image_size
+    try:
+        check_image_size(args.width, args.height, factor)
+    except ValueError as e:
+        raise ValueError(f"--width/--height: {e} ({why})") from None
+
+
 class _Sdxl:
-    """flame-sample's SDXL side: the whole pipeline loaded at once."""
+    """flame-sample's SDXL side: the request checked at once, then the whole pipeline loaded."""
 
     family = "sdxl"
 
-    def __init__(self, args, dtype):
-        from .sdxl import SDXLPipeline
+    def __init__(self, args):
         if args.clip or args.t5 or args.vae:
             raise ValueError("--clip, --t5 and --vae are Flux options; an SDXL checkpoint holds its own")
         if args.max_sequence_length is not None:
             raise ValueError("--max-sequence-length is a Flux option (SDXL: --max-tokens)")
+        if args.sampler not in SAMPLERS:
+            raise ValueError(f"--sampler {args.sampler}: SDXL samples with {', '.join(SAMPLERS)} (the flow_ samplers "
+                             "are Flux's)")
+        if _component_folder(args.model):
+            raise ValueError(f"--model {args.model}: the folder of one component ({_component_folder(args.model)}); "
+                             "give the pipeline folder that holds it (unet/, vae/, text_encoder/, tokenizer/, ...) "
+                             "or a single-file checkpoint")
+        if args.base is not None and not args.base.is_dir():
+            raise ValueError(f"--base {args.base}: not a folder (a pipeline folder with tokenizer/ and tokenizer_2/)")
+        vae = _component_config(args.model, "vae", AutoencoderKLConfig, AutoencoderKLConfig.sdxl())
+        unet = _component_config(args.model, "unet", SDXLUNetConfig, SDXLUNetConfig())
+        levels = 2 ** (len(unet.block_out_channels) - 1)  # the UNet's downsamplings
+        _check_image_size(args, vae.downsample_factor * levels,
+                          f"the VAE's {vae.downsample_factor}x downsampling times the UNet's {levels}x")
         self.args = args
-        self.pipe = SDXLPipeline.from_pretrained(args.model, dtype=dtype, tokenizer_path=args.base)
         self.steps = args.steps or DEFAULTS["sdxl"]["steps"]
+        self.pipe = None
+
+    def load(self, dtype):
+        from .sdxl import SDXLPipeline
+        self.pipe = SDXLPipeline.from_pretrained(self.args.model, dtype=dtype, tokenizer_path=self.args.base)
 
     def encode(self, prompts):
         from .sdxl import encode_prompts
@@ -123,20 +246,33 @@ class _Sdxl:
 
 
 class _Flux:
-    """flame-sample's Flux side: text encoders first (then freed), then the transformer and VAE."""
+    """flame-sample's Flux side: the request checked at once; text encoders first (then freed),
+    then the transformer and VAE."""
 
     family = "flux"
 
-    def __init__(self, args, dtype):
-        from .flux import component_sources, default_dtype
+    def __init__(self, args):
+        from .flux import component_sources
         if args.sampler not in FLOW_SAMPLERS:
             raise ValueError(f"--sampler {args.sampler}: Flux samples with {', '.join(FLOW_SAMPLERS)}")
         if args.max_tokens != 75:
             raise ValueError("--max-tokens is an SDXL option (Flux: --max-sequence-length)")
+        length = args.max_sequence_length
+        if length is not None and not 1 <= length <= T5_MAX_TOKENS:
+            raise ValueError(f"--max-sequence-length must be 1 to {T5_MAX_TOKENS} (T5 tokens per prompt), got {length}")
+        if _component_folder(args.model) and args.base is None:
+            raise ValueError(f"--model {args.model}: the folder of one component ({_component_folder(args.model)}); "
+                             "give the Flux pipeline folder that holds it, or the one for the other parts with --base")
         self.args = args
         self.sources = component_sources(args.model, args.base, args.clip, args.t5, args.vae)
-        self.dtype = default_dtype(dtype)
+        vae = _component_config(self.sources["vae"], "vae", AutoencoderKLConfig, AutoencoderKLConfig.flux())
+        _check_image_size(args, 2 * vae.downsample_factor,
+                          f"the VAE's {vae.downsample_factor}x downsampling times the transformer's 2x2 patches")
         self.pipe = None
+
+    def load(self, dtype):
+        from .flux import default_dtype
+        self.dtype = default_dtype(dtype)
 
     def encode(self, prompts):
         from .flux import MAX_SEQUENCE_LENGTH, encode_prompts, load_text_encoders, transformer_config, variant
@@ -171,29 +307,28 @@ class _Flux:
                 "steps": self.args.steps or DEFAULT_STEPS[self.pipe.variant]}
 
 
+def check_request(args):
+    """Everything about a request that can be checked before a model loads (ValueError or
+    FileNotFoundError naming the option); returns (the family's side, not loaded yet, prompts, LoRAs)."""
+    prompts = read_prompts(args)
+    loras = read_loras(args)
+    family = model_family(args.model)
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out}: a file, not a folder")
+    for key, value in DEFAULTS[family].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return (_Flux if family == "flux" else _Sdxl)(args), prompts, loras
+
+
 def run(args) -> list:
     """Generate the images ``args`` describe; returns the written paths."""
     from tqdm import tqdm
 
     from .images import save_grid, save_png
-    from .stages import parse_lora, read_prompt_file
 
-    prompts = read_prompt_file(args.prompts) if args.prompts else list(args.prompt)
-    loras = [parse_lora(spec) for spec in args.lora]
-    missing = [str(path) for path, _ in loras if not path.is_file()]
-    if missing:
-        raise FileNotFoundError(f"LoRA file(s) not found: {', '.join(missing)}")
-    if not args.model.exists():
-        raise FileNotFoundError(f"--model {args.model} does not exist")
-    family = checkpoint_family(args.model)
-    if family is None:
-        raise ValueError(f"--model {args.model}: neither an SDXL nor a Flux checkpoint (a pipeline folder has a "
-                         "model_index.json naming StableDiffusionXLPipeline or FluxPipeline)")
-    for key, value in DEFAULTS[family].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    dtype = {"bf16": bfloat16, "fp32": float32, None: None}[args.dtype]
-    side = (_Flux if family == "flux" else _Sdxl)(args, dtype)
+    side, prompts, loras = check_request(args)
+    side.load({"bf16": bfloat16, "fp32": float32, None: None}[args.dtype])
     conditioning = side.encode(prompts)
     pipe = side.load_denoiser()
     for path, strength in loras:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import textwrap
 
 from .config import REQUIRED, SCHEMA, ConfigError, load_config, to_dict
 
 PROG = "flame-train-lora"
+HELP_WIDTH = 100  # the options list's lines, wrapped
 
 
 def _error(message, every_rank=False) -> None:
@@ -26,6 +28,11 @@ def _error(message, every_rank=False) -> None:
         print(f"{PROG}: error: {'' if rank == '0' else f'rank {rank}: '}{message}", file=sys.stderr)
 
 
+def _plain(text) -> str:
+    """Docstring text as the terminal shows it: without reStructuredText's double backticks."""
+    return text.replace("``", "")
+
+
 def _options_help():
     lines = ["options (section.key: default -- meaning):"]
     for section, opts in SCHEMA.items():
@@ -33,12 +40,14 @@ def _options_help():
         for key, opt in items:
             name = f"{section}.{key}" if key else section
             default = "required" if opt.default is REQUIRED else repr(opt.default)
-            lines.append(f"  {name}: {default} -- {opt.help}")
+            lines += textwrap.wrap(_plain(f"{name}: {default} -- {opt.help}"), HELP_WIDTH, initial_indent="  ",
+                                   subsequent_indent="      ", break_on_hyphens=False)
     return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0], epilog=_options_help(),
+    p = argparse.ArgumentParser(prog=PROG, description=_plain(__doc__.split("\n\n")[0]),
+                                epilog=_options_help(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage=f"{PROG} [-h] [--resume [CHECKPOINT]] [--print-config] [--no-progress] "
                                       "CONFIG [section.key=value ...]")
