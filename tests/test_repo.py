@@ -1,10 +1,12 @@
 """Repository-level checks: the README's commands, the scripts, and the rule that flame/ calls no
 PyTorch compute (tests/torch_usage.py)."""
 import ast
+import builtins
 import contextlib
 import importlib.util
 import itertools
 import json
+import keyword
 import math
 import os
 import pathlib
@@ -522,3 +524,171 @@ def test_the_layer_check_sees_relative_imports(tmp_path, monkeypatch):
                      "flame/kernels/bad.py:5 imports flame.train.trainer (a higher layer)",
                      "flame/optim.py:1 imports flame.amp (another service, at module level)"]
     assert used == {("flame.io", "nn")}  # documented, lazy: allowed
+
+
+# ---- docs/design.md: every file and name it cites exists ---------------------------------------------
+
+CODE_DIRS = ("flame", "scripts", "tests")
+# names design.md cites from other libraries where flame has a class of the same name
+OTHER_LIBRARIES = {"FluxPipeline.encode_prompt"}  # diffusers'
+# a span that cites code: an optional "@", a dotted name, optionally its call "(...)"
+_CITED_NAME = re.compile(r"@?([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\(.*\))?", re.S)
+_FILE_TYPES = {"json", "jsonl", "md", "py", "safetensors", "yaml"}  # `config.json` is a file's name, not code
+
+
+def _bound(node):
+    """Names ``node`` itself binds: a def, class, parameter, import alias or assignment target (``self.x``: x)."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, ast.arg):
+        return {node.arg}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    targets = {ast.Assign: lambda n: n.targets, ast.AnnAssign: lambda n: [n.target],
+               ast.AugAssign: lambda n: [n.target], ast.For: lambda n: [n.target]}.get(type(node), lambda n: [])
+    return {t.id if isinstance(t, ast.Name) else t.attr for target in targets(node) for t in ast.walk(target)
+            if isinstance(t, (ast.Name, ast.Attribute))}
+
+
+def _bound_in(path):
+    return set().union(*map(_bound, ast.walk(ast.parse(path.read_text()))))
+
+
+class _CodeIndex:
+    """What the code under CODE_DIRS names.
+
+    ``scopes``: {module, package or class name: the names bound in it}; a package holds its ``__init__``'s
+    names and its modules, a class the names bound anywhere in its body (methods, ``self.`` attributes) and
+    its bases'. ``bound``: every name bound anywhere, and Python's own; ``known``: those and every name
+    written as a string literal (route names, cache fields, config keys). ``variables``: names also bound
+    as a parameter or a plain variable (in ``loss.backward``, ``loss`` is a value, not flame/ops/loss.py).
+    ``foreign``: names imported from other libraries."""
+
+    def __init__(self, root):
+        self.scopes, self.variables, bases, imports = {}, set(), {}, []
+        self.bound, strings = set(dir(builtins)) | set(keyword.kwlist), set()
+        for path in sorted(p for d in CODE_DIRS for p in (root / d).rglob("*.py")):
+            names = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                names |= _bound(node)
+                if isinstance(node, ast.arg):
+                    self.variables.add(node.arg)
+                elif isinstance(node, (ast.Assign, ast.For)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    self.variables |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                elif isinstance(node, (ast.Import, ast.ImportFrom)) and not getattr(node, "level", 0):
+                    source = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
+                    imports.append((source.split(".")[0], _bound(node)))
+                elif isinstance(node, ast.ClassDef):
+                    self.scopes.setdefault(node.name, set()).update(*map(_bound, ast.walk(node)))
+                    bases.setdefault(node.name, set()).update(b.id for b in node.bases if isinstance(b, ast.Name))
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                        re.fullmatch(r"[\w.]+", node.value):
+                    strings.update(node.value.split("."))
+            package = path.parent.parent if path.stem == "__init__" else path.parent
+            module = path.parent.name if path.stem == "__init__" else path.stem
+            self.scopes.setdefault(module, set()).update(names)
+            if package != root:
+                self.scopes.setdefault(package.name, set()).add(module)
+            self.bound |= names | {module, package.name}
+        self.known = self.bound | strings
+        self.foreign = set().union(*(bound for source, bound in imports if source not in self.scopes))
+        for cls, parents in bases.items():  # inherited members, through the code's own classes
+            while parents:
+                parent = parents.pop()
+                self.scopes[cls] |= self.scopes.get(parent, set())
+                parents |= bases.get(parent, set()) - {cls}
+
+    def missing(self, dotted, options):
+        """Why the dotted name names nothing in the code, or None. The first part may be any name the code
+        knows; each later part must be bound in the module or class that the part before it names or, when
+        that is also a variable's name or names no module or class, bound anywhere. A name whose first part
+        is another library's is not followed; ``section.option`` may be a trainer option (``options``: the
+        config schema)."""
+        parts = dotted.split(".")
+        if len(parts) == 2 and parts[1] in options.get(parts[0], ()):
+            return None
+        if parts[0] in self.foreign and parts[0] not in self.scopes:
+            return None
+        if parts[0] not in self.known:
+            return f"{parts[0]} is named nowhere"
+        for owner, part in itertools.pairwise(parts):
+            precise = owner in self.scopes and owner not in self.variables
+            if part not in (self.scopes[owner] if precise else self.bound):
+                return f"{part} is not in {owner}" if precise else f"{part} is defined nowhere"
+        return None
+
+
+def _design_citations():
+    """(cited (path, name or None), cited names) of docs/design.md's backticked spans. A span whose first word
+    has a "/" or ends in .py cites a path of the repository when it starts at its top or in flame/ (a
+    ":name" or "::name" after it cites a name in that file); a span that is a dotted name, with an optional
+    "@" before and call arguments after, cites a name. Other spans (options, shell lines, templates with
+    <...> or *, ``.sum`` methods, file names, folders a run writes) are prose."""
+    roots = {p.name for p in (*ROOT.iterdir(), *(ROOT / "flame").iterdir())}
+    paths, names = [], []
+    for span in re.findall(r"`([^`]+)`", (ROOT / "docs" / "design.md").read_text()):
+        word = span.split()[0]
+        if "/" in word or word.endswith(".py"):
+            path, _, name = span.partition(":")
+            if not re.search(r"[<*]", path) and ("/" not in path or path.split("/")[0] in roots):
+                paths.append((path.split()[0], re.match(r":?(\w+)", name).group(1) if name else None))
+        elif (m := _CITED_NAME.fullmatch(span)) and m.group(1).split(".")[-1] not in _FILE_TYPES:
+            names.append(m.group(1))
+    return paths, names
+
+
+def _cited_files(path):
+    """The files or folders ``path`` may mean: under the repository or flame/, or (a bare name) any code file
+    of that name."""
+    if "/" not in path:
+        return sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob(path))
+    return [p for p in (ROOT / path, ROOT / "flame" / path) if p.exists()]
+
+
+def _design_doc_problems(options):
+    """What docs/design.md cites that the code under ROOT does not have (``options``: the config schema)."""
+    code = _CodeIndex(ROOT)
+    paths, names = _design_citations()
+    wrong = []
+    for path, name in paths:
+        files = _cited_files(path)
+        if not files:
+            wrong.append(f"{path}: no such file or folder")
+        elif name and not any(name in _bound_in(f) for f in files if f.suffix == ".py"):
+            wrong.append(f"{path}: binds no {name}")
+    for dotted in names:
+        if dotted not in OTHER_LIBRARIES and (why := code.missing(dotted, options)):
+            wrong.append(f"{dotted}: {why}")
+    return wrong
+
+
+def test_design_doc_cites_only_files_and_names_that_exist():
+    """docs/design.md is true to the code: every file it cites exists, and every code name it cites is
+    bound in the code (in the module or class it is qualified with), written there as a string, a trainer
+    option, or another library's."""
+    from flame.train.config import SCHEMA
+
+    paths, names = _design_citations()
+    assert len(paths) > 100 and len(names) > 300, "docs/design.md's citations were not found"
+    wrong = _design_doc_problems(SCHEMA)
+    assert not wrong, "docs/design.md cites what the code does not have:\n" + "\n".join(wrong)
+
+
+def test_the_design_doc_check_finds_stale_citations(tmp_path, monkeypatch):
+    planted = {
+        "flame/tune.py": "import torch\ndef config(key):\n    return key\nclass Spec:\n    def __init__(self):\n"
+                         "        self.key = None\nclass Tuned(Spec):\n    pass\n",
+        "flame/kernels/__init__.py": "", "flame/kernels/optim.py": "def axpby_(): pass\n",
+        "flame/routes.py": 'ROUTES = ("wgrad_tma",)\n', "scripts/run.py": "", "tests/test_run.py": "",
+        "docs/design.md": "Good: `tune.config(key)`, `@tune.Spec`, `Tuned.key`, `wgrad_tma`, `flame/kernels/optim.py:"
+                          "axpby_`, `kernels/optim.py`, `optim.py`, `torch.anything()`, `lora.dropout`, `config.json`, "
+                          "`flame/<family>.py`, `.sum`, `--help`. Stale: `tune.old`, `Spec.gone`, `_Gone`, "
+                          "`flame/gone.py`, `kernels/optim.py:gone_`."}
+    for name, text in planted.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _design_doc_problems({"lora": {"dropout": None}}) == [
+        "flame/gone.py: no such file or folder", "kernels/optim.py: binds no gone_", "tune.old: old is not in tune",
+        "Spec.gone: gone is not in Spec", "_Gone: _Gone is named nowhere"]
