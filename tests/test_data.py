@@ -17,13 +17,18 @@ from flame.data import (
     CacheError,
     CacheNotFoundError,
     CacheSet,
+    CacheSettings,
     CacheWriter,
+    DatasetError,
     LatentCache,
+    build_or_refresh_cache,
     fit_to_bucket,
     make_buckets,
     nearest_bucket,
+    scan_dataset,
     write_synthetic_cache,
 )
+from flame.data.images import shuffled_captions
 from flame.io import load_safetensors, save_safetensors
 from helpers import TF32_TOL
 
@@ -176,7 +181,6 @@ def test_mirrored_images_are_cached_and_chosen_per_sample_and_epoch(tmp_path, sm
 
 def test_prepare_cache_encodes_mirrored_images_with_their_crop(tmp_path):
     from PIL import Image
-    pc = _prepare_cache_module()
 
     class Encoders:  # a stand-in: latents are the pixels pooled 8x8, captions encode to zeros
         latent_channels, text_len, text_dim, pooled_dim, scaling_factor = 3, 4, 5, 2, 1.0
@@ -191,17 +195,18 @@ def test_prepare_cache_encodes_mirrored_images_with_their_crop(tmp_path):
     folder = tmp_path / "images"
     folder.mkdir()
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 80, 3), dtype=np.uint8)).save(folder / "a.png")
-    out = pc.prepare_images(tmp_path / "c", [(folder / "a.png", "x")], Encoders(), resolution=64, min_side=64,
-                            max_side=64, val_samples=0, flip=True, random_crop=True, seed=3, show_progress=False)
+    out = build_or_refresh_cache(tmp_path / "c", [(folder / "a.png", "x")], Encoders(),
+                                 CacheSettings(resolution=64, min_side=64, max_side=64, flip=True, random_crop=True,
+                                               seed=3), val_samples=0)
     cache = LatentCache(out)
     plain, mirrored = cache.read([0]), cache.read([0], flips=[True])
     np.testing.assert_allclose(mirrored["latents"].numpy()[0], plain["latents"].numpy()[0][..., ::-1], atol=1e-6)
     # the captions: as written, and with their tags shuffled behind the first (keep_tokens=1)
-    out = pc.prepare_images(tmp_path / "v", [(folder / "a.png", "sks, red, blue, green")], Encoders(),
-                            resolution=64, min_side=64, max_side=64, val_samples=0, caption_variants=4,
-                            keep_tokens=1, show_progress=False)
+    out = build_or_refresh_cache(tmp_path / "v", [(folder / "a.png", "sks, red, blue, green")], Encoders(),
+                                 CacheSettings(resolution=64, min_side=64, max_side=64, caption_variants=4,
+                                               keep_tokens=1), val_samples=0)
     assert LatentCache(out).caption_variants == 4
-    variants = pc.shuffled_captions("sks, red, blue, green", 40, 1, np.random.default_rng(0))
+    variants = shuffled_captions("sks, red, blue, green", 40, 1, np.random.default_rng(0))
     assert all(v.startswith("sks, ") and sorted(v.split(", ")[1:]) == ["blue", "green", "red"] for v in variants)
     assert len(set(variants)) > 1
     # 80x64 covers the 64x64 bucket at its size; the crop's left edge of the mirror is 80 - left - 64
@@ -506,14 +511,14 @@ def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
         Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(images / name)
         (images / name).with_suffix(".txt").write_text(f"a {name.split('.')[0]}")
     pc = _prepare_cache_module()
-    items = pc.scan_folder(images)
+    items = scan_dataset(images)[0].items
     assert sorted((p.name, c) for p, c in items)[0] == ("sq2.png", "a sq2")
     caches = {}
     for who, enc in (("flame", pc.FlameEncoders(model, "fp32", latents="mean", text_encoder_dtype="fp32")),
                      ("diffusers", pc.SDXLEncoders(model, device="cpu", latents="mean"))):
         assert (enc.text_dim, enc.pooled_dim, enc.text_len, enc.latent_channels) == (32, 16, 77, 4)
-        out = pc.prepare_images(tmp_path / who, items, enc, resolution=91, min_side=64, max_side=128,
-                                val_samples=1, batch_size=2, text_dtype="fp32", show_progress=False)
+        out = build_or_refresh_cache(tmp_path / who, items, enc, CacheSettings(
+            resolution=91, min_side=64, max_side=128, text_dtype="fp32"), val_samples=1, batch_size=2)
         cache = LatentCache(out)
         assert len(cache) == 4 and len(cache.split("val")) == 1
         by_name = {pathlib.Path(s["source"]).name: i for i, s in enumerate(cache.samples)}
@@ -533,11 +538,11 @@ def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
                                        **(TF32_TOL or dict(rtol=1e-4, atol=1e-5)), err_msg=f"{name} {key}")
     # metadata.jsonl takes precedence over .txt files
     (images / "metadata.jsonl").write_text(json.dumps({"file_name": "wide.png", "text": "from jsonl"}) + "\n")
-    assert [(p.name, c) for p, c in pc.scan_folder(images)] == [("wide.png", "from jsonl")]
+    assert [(p.name, c) for p, c in scan_dataset(images)[0].items] == [("wide.png", "from jsonl")]
     with pytest.raises(SystemExit, match="not an SDXL checkpoint folder"):
         pc.SDXLEncoders(images, device="cpu")
     (images / "metadata.jsonl").unlink()
     (images / "broken.png").write_text("not an image")
-    with pytest.raises(SystemExit, match=r"broken\.png is not an image"):
-        pc.prepare_images(tmp_path / "nothing", pc.scan_folder(images), enc, show_progress=False)
+    with pytest.raises(DatasetError, match=r"1 image\(s\) that Pillow cannot read: broken\.png"):
+        build_or_refresh_cache(tmp_path / "nothing", scan_dataset(images)[0].items, enc)
     assert not (tmp_path / "nothing").exists()

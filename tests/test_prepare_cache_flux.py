@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flame
-from flame.data import LatentCache
+from flame.data import CacheSettings, LatentCache, build_or_refresh_cache, scan_dataset
 from flame.io import save_safetensors
 from flame.pipeline.flux import component_sources
 from flame.train import Trainer, build_config
@@ -64,8 +64,8 @@ def _rows(path):
 
 
 def _encode(encoders, images, out):
-    return _rows(pc.prepare_images(out, pc.scan_folder(images), encoders, val_samples=1, batch_size=2,
-                                   text_dtype="fp32", show_progress=False, **BUCKETS))
+    return _rows(build_or_refresh_cache(out, scan_dataset(images)[0].items, encoders,
+                                        CacheSettings(text_dtype="fp32", **BUCKETS), val_samples=1, batch_size=2))
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,8 @@ def test_bad_input_is_a_clear_error(dev, images, tmp_path, capsys):
     _fails(capsys, [*base, "--model", str(dev), "--max-tokens", "150"], "--max-tokens is an SDXL option")
     _fails(capsys, [*base, "--model", str(dev), "--max-sequence-length", "600"], "must be in [1, 512]")
     _fails(capsys, [*base, "--model", str(dev), "--bucket-step", "24"], "multiple of 16 for flux")
-    _fails(capsys, [*base, "--model", str(dev), "--bucket-step", "48"], "multiples of --bucket-step 48")
+    _fails(capsys, [*base, "--model", str(dev), "--bucket-step", "48", "--min-side", "40"],
+           "multiples of --bucket-step 48")
     _fails(capsys, [*base, "--model", str(single), "--base", str(dev), "--t5", str(dev / "text_encoder_2"),
                     "--encoders", "diffusers"], "single files need --encoders flame")
     _fails(capsys, [*base, "--model", str(sdxl), "--t5", str(dev), "--max-sequence-length", "8"],

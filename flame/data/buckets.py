@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 
+# pixels a bucket side must be a multiple of, per model family: SDXL's latents are 1/8 of the image and
+# its UNet halves them three times (64); Flux's are 1/8 and its transformer takes 2x2 patches (16)
+BUCKET_UNIT = {"sdxl": 64, "flux": 16}
+
 
 def make_buckets(area: int = 1024 * 1024, step: int = 64, min_side: int = 512, max_side: int = 2048) -> list:
     """(width, height) pairs, both multiples of ``step`` within [min_side, max_side]: the square of

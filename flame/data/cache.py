@@ -27,10 +27,18 @@ caption, which caption dropout trains on; ``index.json`` names it under ``"empty
 written before it existed have none and still open).
 
 ``index.json`` lists every sample as ``{"shard", "row", "split", "caption", "source"}``; ``split``
-is "train" or "val" (held out for the validation loss). Shards are checked by the ``safetensors``
-package and read through NumPy memory maps of their tensors, so a batch costs the bytes of its rows
-only (``safe_open``'s slices copy each row: 8x slower on a batch of four SDXL rows). ``CacheWriter``
-groups samples by bucket and writes full shards as they fill; ``LatentCache`` reads them.
+is "train" or "val" (held out for the validation loss). A sample encoded from an image file may also
+carry ``"sha256"``, the hex digest of the file's bytes, and the index's ``meta`` then says how it
+was encoded (``flame.data.images``): a refresh of the cache reuses the rows whose file, caption and
+encoding are unchanged (caches without them still open; a refresh encodes their images anew). Shards
+are checked by the ``safetensors`` package and read through NumPy memory maps of their tensors, so a
+batch costs the bytes of its rows only (``safe_open``'s slices copy each row: 8x slower on a batch
+of four SDXL rows). ``CacheWriter`` groups samples by bucket and writes full shards as they fill;
+``LatentCache`` reads them. A writer made with ``replace=True`` replaces the cache already in its
+folder: its shards get names that the old cache does not use, ``index.json`` is replaced last
+(atomically) and the files only the old index named are deleted after it, so the folder holds the
+old cache or the new one at every moment; ``abort()`` deletes what the writer wrote and leaves the old
+cache as it was.
 
 ``LatentCache`` checks the whole cache when it is opened, before any training starts: the index's
 keys and entries, and every shard's safetensors header (fields, dtypes, shapes; ``safe_open``
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +69,7 @@ TEXT_FIELDS = ("prompt_embeds", "pooled")
 FLIPPED = {"latents": "latents_flipped", "time_ids": "time_ids_flipped"}  # field -> its mirrored image's
 VARIANTS = {"prompt_embeds": "prompt_embeds_variants", "pooled": "pooled_variants"}  # field -> its other captions
 EMPTY_PROMPT = "empty_prompt.safetensors"
+_CACHE_FILE = re.compile(r"^(r\d+-)?(b\d+x\d+-\d+|empty_prompt)\.safetensors$")  # the files a writer makes
 SPLITS = ("train", "val")
 
 # safetensors dtype codes of the cache (both NumPy dtypes, so shards are read through memory maps)
@@ -93,17 +103,28 @@ class CacheWriter:
     the index (the checkpoint, the VAE scaling factor, how the data was made). ``flipped``: every
     sample also brings the latents and time ids of its mirrored image (flip augmentation).
     ``caption_variants``: K, every sample brings the text embeddings of K - 1 more captions.
+    ``replace``: the folder may hold a cache, which ``close()`` replaces (see the module doc);
+    otherwise a folder holding one is refused.
     """
 
     def __init__(self, path, latent_channels: int, text_len: int, text_dim: int, pooled_dim: int,
                  text_dtype="fp16", latent_dtype="fp32", shard_size: int = 256, meta: dict | None = None,
-                 flipped: bool = False, caption_variants: int = 1):
+                 flipped: bool = False, caption_variants: int = 1, replace: bool = False):
         if shard_size < 1:
             raise ValueError(f"shard_size must be positive, got {shard_size}")
         self.path = os.fspath(path)
-        os.makedirs(self.path, exist_ok=True)
-        if os.path.exists(os.path.join(self.path, INDEX)):
+        if os.path.exists(os.path.join(self.path, INDEX)) and not replace:
             raise FileExistsError(f"{self.path} already holds a cache ({INDEX}); remove it or pick another folder")
+        self._made = []  # folders made for the cache, deepest first (abort removes them when empty)
+        folder = os.path.abspath(self.path)
+        while not os.path.exists(folder) and folder != os.path.dirname(folder):
+            self._made.append(folder)
+            folder = os.path.dirname(folder)
+        os.makedirs(self.path, exist_ok=True)
+        taken = {name.split("-", 1)[0] for name in os.listdir(self.path) if _CACHE_FILE.match(name)}
+        # file names of this cache: the plain ones in a new folder, else prefixed by a generation no file has
+        self.prefix = "" if not taken else next(f"r{k}-" for k in range(1, len(taken) + 2) if f"r{k}" not in taken)
+        self._written = []  # files written, for abort()
         self.dims = {"latent_channels": int(latent_channels), "text_len": int(text_len), "text_dim": int(text_dim),
                      "pooled_dim": int(pooled_dim)}
         self.codes = {"latents": _dtype_code(latent_dtype, "latent_dtype"),
@@ -131,10 +152,10 @@ class CacheWriter:
 
     def add(self, latents, prompt_embeds, pooled, time_ids, caption: str = "", source: str = "",
             split: str = "train", latents_flipped=None, time_ids_flipped=None, prompt_embeds_variants=None,
-            pooled_variants=None) -> None:
+            pooled_variants=None, sha256: str | None = None) -> None:
         """Queue one sample (NumPy arrays or anything ``np.asarray`` takes); with ``flipped`` also its
         mirrored image's latents and time ids; with K caption variants the other captions' embeddings,
-        (K - 1, L, D) and (K - 1, P)."""
+        (K - 1, L, D) and (K - 1, P). ``sha256``: the hex digest of the image file's bytes."""
         if split not in SPLITS:
             raise ValueError(f"CacheWriter.add: split must be one of {SPLITS}, got {split!r}")
         d = self.dims
@@ -171,7 +192,10 @@ class CacheWriter:
             self.buckets.append({"latent_size": list(key), "count": 0})
             self._pending[b], self._counts[b] = [], 0
         self.buckets[b]["count"] += 1
-        self._pending[b].append((fields, {"split": split, "caption": str(caption), "source": str(source)}))
+        entry = {"split": split, "caption": str(caption), "source": str(source)}
+        if sha256 is not None:
+            entry["sha256"] = str(sha256)
+        self._pending[b].append((fields, entry))
         if len(self._pending[b]) >= self.shard_size:
             self._flush(b)
 
@@ -190,10 +214,10 @@ class CacheWriter:
         if not rows:
             return
         h, w = self.buckets[b]["latent_size"]
-        name = f"b{h}x{w}-{self._counts[b]:05d}.safetensors"
+        name = f"{self.prefix}b{h}x{w}-{self._counts[b]:05d}.safetensors"
         tensors = {f: torch.from_numpy(np.stack([r[0][f] for r in rows]).astype(_NUMPY[self.codes[f]]))
                    for f in self.codes}
-        save_safetensors(tensors, os.path.join(self.path, name), metadata={"format": FORMAT})
+        self._save(tensors, name)
         shard = len(self.shards)
         self.shards.append({"file": name, "bucket": b, "count": len(rows)})
         for row, (_, entry) in enumerate(rows):
@@ -206,8 +230,13 @@ class CacheWriter:
         for b in list(self._pending):
             self._flush(b)
 
+    def _save(self, tensors, name):
+        self._written.append(os.path.join(self.path, name))
+        save_safetensors(tensors, self._written[-1], metadata={"format": FORMAT})
+
     def close(self) -> str:
-        """Write the remaining shards and ``index.json`` (atomically, last). Returns the folder."""
+        """Write the remaining shards and ``index.json`` (atomically, last); then delete the files of
+        a replaced cache that the new index does not name. Returns the folder."""
         self.flush()
         if not self.samples:
             raise ValueError("CacheWriter.close: no samples were added")
@@ -217,10 +246,28 @@ class CacheWriter:
                "buckets": self.buckets, "shards": self.shards, "samples": self.samples}
         if self._empty is not None:
             tensors = {f: torch.from_numpy(v.astype(_NUMPY[self.codes[f]])) for f, v in self._empty.items()}
-            save_safetensors(tensors, os.path.join(self.path, EMPTY_PROMPT), metadata={"format": FORMAT})
-            doc["empty_prompt"] = EMPTY_PROMPT
+            doc["empty_prompt"] = self.prefix + EMPTY_PROMPT
+            self._save(tensors, doc["empty_prompt"])
         atomic_write(os.path.join(self.path, INDEX), lambda f: f.write(json.dumps(doc, indent=1).encode()))
+        kept = {os.path.basename(p) for p in self._written}
+        for name in os.listdir(self.path):
+            if _CACHE_FILE.match(name) and name not in kept:
+                os.unlink(os.path.join(self.path, name))
+        self._written, self._made = [], []
         return self.path
+
+    def abort(self) -> None:
+        """Delete the files this writer wrote (and the folders it made, when they are empty): a
+        folder it was to replace keeps its old cache."""
+        for path in self._written:
+            if os.path.exists(path):
+                os.unlink(path)
+        for folder in self._made:
+            try:
+                os.rmdir(folder)
+            except OSError:  # not empty: keep it and its parents
+                break
+        self._written, self._made = [], []
 
 
 def _count(value) -> bool:
@@ -410,15 +457,24 @@ class LatentCache:
         """Whether the cache holds the empty caption's embedding (``empty_prompt``)."""
         return bool(self._empty_file)
 
-    def empty_prompt(self) -> tuple:
-        """``(prompt_embeds (1, L, D), pooled (1, P))`` of the empty caption on flame's device, as
-        stored; a ``CacheError`` for a cache written without it."""
+    def host_empty_prompt(self) -> tuple:
+        """``(prompt_embeds (1, L, D), pooled (1, P))`` of the empty caption as stored, NumPy arrays;
+        a ``CacheError`` for a cache written without it."""
         if not self._empty_file:
             raise CacheError(f"{self.path} holds no embedding of the empty caption (caches written before "
                              f"{EMPTY_PROMPT} existed); {_REBUILD} to use caption dropout")
         with open_safetensors(os.path.join(self.path, self._empty_file), framework="numpy") as f:
-            return tuple(Tensor(torch.from_numpy(f.get_tensor(field)).to(runtime.device))  # host transfer
-                         for field in TEXT_FIELDS)
+            return tuple(f.get_tensor(field) for field in TEXT_FIELDS)
+
+    def empty_prompt(self) -> tuple:
+        """``host_empty_prompt()`` on flame's device."""
+        return tuple(Tensor(torch.from_numpy(v).to(runtime.device)) for v in self.host_empty_prompt())  # host transfer
+
+    def stored(self, index: int) -> dict:
+        """{field: NumPy array} of every field stored for sample ``index`` (its mirrored image and
+        caption variants too, when the cache holds them), as ``CacheWriter.add`` takes them."""
+        entry = self.samples[index]
+        return {field: np.array(rows[entry["row"]]) for field, rows in self._map(entry["shard"]).items()}
 
     def _map(self, shard):
         maps = self._maps.get(shard)

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import yaml
 
+from ..data import BUCKET_UNIT, CacheSettings, DatasetError
+from ..data.images import caption_extension
 from ..diffusion import TIMESTEP_DISTRIBUTIONS, WEIGHTING_SCHEMES
 from ..diffusion.losses import HUBER_SCHEDULES, LOSS_TYPES
 from ..diffusion.samplers import FLOW_SAMPLERS, SAMPLERS
@@ -57,12 +59,39 @@ SCHEMA = {
                       choices=("auto", "sdxl", "flux")),
     },
     "data": {
-        "cache_dir": Opt(None, "path", "latent cache folder (scripts/prepare_cache.py); or set data.datasets",
-                         nullable=True),
-        "datasets": Opt(None, "datasets", "several caches in one run: a list of {cache_dir, repeats (1: each image "
-                                          "once per epoch), loss_weight (1.0), is_reg (false: a regularization set, "
-                                          "weighted by data.prior_loss_weight)}; instead of data.cache_dir",
-                        nullable=True),
+        "images": Opt(None, "path", "folder of images (searched recursively) with captions in .txt files (see "
+                                    "data.caption_extension) or metadata.jsonl; kohya's subfolders N_name train N "
+                                    "times per epoch. The run encodes them into a latent cache (data.cache_dir, else "
+                                    "output.dir/cache) with the text encoders and VAE of sample.model or model.path, "
+                                    "and later runs re-encode only new or changed images; or set data.cache_dir or "
+                                    "data.datasets", nullable=True),
+        "cache_dir": Opt(None, "path", "latent cache folder (scripts/prepare_cache.py), or where data.images is "
+                                       "cached; or set data.datasets", nullable=True),
+        "datasets": Opt(None, "datasets", "several datasets in one run: a list of {images (a folder, as data.images) "
+                                          "or cache_dir (a latent cache; with images: where it is cached, else "
+                                          "output.dir/cache/NAME), repeats (null: 1, or kohya's folder counts; a "
+                                          "number replaces them), loss_weight (1.0), is_reg (false: a regularization "
+                                          "set, weighted by data.prior_loss_weight), caption_extension and resolution "
+                                          "(null: data's)}; instead of data.images / data.cache_dir", nullable=True),
+        "resolution": Opt(1024, "int", "data.images: aspect buckets hold about resolution^2 pixels (a multiple of "
+                                       "data.bucket_step)", low=64),
+        "bucket_min_side": Opt(None, "int", "data.images: smallest bucket side in pixels; null: resolution / 2",
+                               low=1, nullable=True),
+        "bucket_max_side": Opt(None, "int", "data.images: largest bucket side in pixels; null: 2 * resolution", low=1,
+                               nullable=True),
+        "bucket_step": Opt(None, "int", "data.images: bucket sides are multiples of this many pixels; null: 64 for "
+                                        "SDXL, 16 for Flux", low=1, nullable=True),
+        "random_crop": Opt(False, "bool", "data.images: crop each image to its bucket at a random offset (drawn once, "
+                                          "when it is cached) instead of the centre"),
+        "caption_extension": Opt(".txt", "str", "data.images: caption files beside the images (cat.png -> cat.txt; "
+                                                "kohya's .caption)"),
+        "require_captions": Opt(False, "bool", "data.images: an image without a caption is an error (otherwise a "
+                                               "warning, and it trains on the empty caption)"),
+        "bad_images": Opt("skip", "choice", "data.images: images that Pillow cannot read are skipped with a warning, "
+                                            "or an error", choices=("skip", "error")),
+        "val_fraction": Opt(0.05, "float", "data.images: share of each image folder held out for the validation loss "
+                                           "when output.validate_every is set (at least one image of two or more)",
+                            low=0.0, high=1.0),
         "prior_loss_weight": Opt(1.0, "float", "loss weight of the regularization datasets (is_reg; kohya's "
                                                "--prior_loss_weight)", low=0.0),
         "batch_size": Opt(1, "int", "samples per micro-batch and process (all from one aspect bucket; under "
@@ -264,11 +293,18 @@ SCHEMA = {
 
 
 DATASET = {  # one entry of data.datasets
-    "cache_dir": Opt(REQUIRED, "path", "latent cache folder"),
-    "repeats": Opt(1, "int", "times each of its images is trained per epoch", low=1),
+    "cache_dir": Opt(None, "path", "latent cache folder; with images: where they are cached", nullable=True),
+    "images": Opt(None, "path", "folder of images (as data.images), cached in cache_dir or output.dir/cache/NAME",
+                  nullable=True),
+    "repeats": Opt(None, "int", "times each of its images is trained per epoch; null: 1, or the N of kohya's N_name "
+                                "folders (a number replaces those)", low=1, nullable=True),
     "loss_weight": Opt(1.0, "float", "factor of its samples' loss", low=0.0),
     "is_reg": Opt(False, "bool", "a regularization (prior) set: its loss also times data.prior_loss_weight"),
+    "caption_extension": Opt(None, "str", "images: caption files; null: data.caption_extension", nullable=True),
+    "resolution": Opt(None, "int", "images: bucket area about resolution^2; null: data.resolution", low=64,
+                      nullable=True),
 }
+_IMAGE_KEYS = ("images", "caption_extension", "resolution")  # the keys an entry of images alone has
 
 # diffusers' and kohya's names for options, pointed to in "unknown option" messages
 ALIASES = {
@@ -292,7 +328,9 @@ ALIASES = {
     "caption_dropout_rate": "data.caption_dropout", "caption_dropout_probability": "data.caption_dropout",
     "conv_dim": "lora.conv_rank", "flip_aug": "data.flip", "optimizer_type": "train.optimizer",
     "use_dora": "lora.dora", "dora_wd": "lora.dora",
-    "zero_terminal_snr": "diffusion.zero_terminal_snr",
+    "zero_terminal_snr": "diffusion.zero_terminal_snr", "train_data_dir": "data.images",
+    "reg_data_dir": "data.datasets", "min_bucket_reso": "data.bucket_min_side",
+    "max_bucket_reso": "data.bucket_max_side", "bucket_reso_steps": "data.bucket_step",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
 }
@@ -397,7 +435,7 @@ def _check_value(name, opt: Opt, value, errors):
 def _check_datasets(name, value, errors):
     """``data.datasets``: a non-empty list of entries of ``DATASET``'s keys, each checked."""
     if not (isinstance(value, (list, tuple)) and value and all(isinstance(e, dict) for e in value)):
-        raise TypeError("expected a list of {cache_dir, repeats, loss_weight, is_reg} entries")
+        raise TypeError("expected a list of {images or cache_dir, repeats, loss_weight, is_reg} entries")
     out = []
     for i, entry in enumerate(value):
         unknown = sorted(set(entry) - set(DATASET))
@@ -452,11 +490,7 @@ def _merge(schema, raw, prefix, errors):
 
 
 def _cross_checks(c, errors):
-    t, d, data = c["train"], c["diffusion"], c["data"]
-    if (data["cache_dir"] is None) == (data["datasets"] is None):
-        errors.append("data.cache_dir / data.datasets: set exactly one of them (the other null)")
-    if data["synthetic_samples"] and data["cache_dir"] is None:
-        errors.append("data.synthetic_samples: writes data.cache_dir, which is not set")
+    t, d = c["train"], c["diffusion"]
     if (t["steps"] is None) == (t["epochs"] is None):
         errors.append("train.steps / train.epochs: set exactly one of them (the other null)")
     if d["timestep_min"] is not None and d["timestep_max"] is not None and d["timestep_min"] >= d["timestep_max"]:
@@ -465,6 +499,7 @@ def _cross_checks(c, errors):
     if c["model"]["path"] is not None and not os.path.exists(c["model"]["path"]):
         errors.append(f"model.path: {c['model']['path']} does not exist")
     _family_checks(c, errors)
+    _data_checks(c, errors)
     if t["compile_ahead"] not in ("auto", "off") and not os.path.isfile(t["compile_ahead"]):
         errors.append(f"train.compile_ahead: expected auto, off or a recorded kernel list, got "
                       f"{t['compile_ahead']!r} (no such file)")
@@ -500,6 +535,81 @@ def _cross_checks(c, errors):
         errors.append("sample.use_ema: no moving average is kept: set ema.decay (e.g. 0.999)")
     if t["lr_scheduler"] == "constant" and t["warmup_steps"]:
         errors.append("train.warmup_steps needs a schedule with warm-up (constant_with_warmup, linear, cosine)")
+
+
+def _inside(path, folder) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _data_checks(c, errors):
+    """Where the data comes from (a cache, image folders, several datasets), the image folders and
+    their buckets (after ``_family_checks``, for the family's bucket unit)."""
+    data, family = c["data"], c["model"]["family"]
+    if data["datasets"] is not None:
+        for other in ("cache_dir", "images"):
+            if data[other] is not None:
+                errors.append(f"data.{other} / data.datasets: set exactly one of them (the other null; an entry of "
+                              "data.datasets takes images or cache_dir)")
+    elif data["cache_dir"] is None and data["images"] is None:
+        errors.append("data.images / data.cache_dir / data.datasets: set one: data.images (a folder of images), "
+                      "data.cache_dir (a latent cache) or data.datasets")
+    if data["synthetic_samples"] and (data["cache_dir"] is None or data["images"] is not None):
+        errors.append("data.synthetic_samples: writes data.cache_dir, which is not set" if data["cache_dir"] is None
+                      else "data.synthetic_samples: a synthetic cache instead of data.images' images: set one of them")
+    folders = []  # (option, folder, resolution, its option)
+    if data["images"] is not None:
+        folders.append(("data.images", data["images"], data["resolution"], "data.resolution"))
+    for i, entry in enumerate(data["datasets"] or []):
+        name = f"data.datasets[{i}]"
+        if entry["images"] is not None:
+            folders.append((f"{name}.images", entry["images"], entry["resolution"] or data["resolution"],
+                            f"{name}.resolution" if entry["resolution"] else "data.resolution"))
+            continue
+        if entry["cache_dir"] is None:
+            errors.append(f"{name}: set images (a folder of images) or cache_dir (a latent cache)")
+        given = [k for k in _IMAGE_KEYS if entry[k] is not None]
+        if given:
+            errors.append(f"{name}: {', '.join(given)} apply to an entry with images")
+        entry["repeats"] = entry["repeats"] or 1
+        for key in _IMAGE_KEYS:  # an entry of a cache keeps the keys it always had
+            del entry[key]
+    try:
+        data["caption_extension"] = caption_extension(data["caption_extension"])
+        for entry in data["datasets"] or []:
+            if entry.get("caption_extension") is not None:
+                entry["caption_extension"] = caption_extension(entry["caption_extension"])
+    except DatasetError as e:
+        errors.append(f"data.caption_extension: {e}")
+    unit = BUCKET_UNIT.get(family)  # None: model.path does not exist (reported), the family is unknown
+    step = data["bucket_step"] or unit
+    if unit and step % unit:
+        errors.append(f"data.bucket_step: {family} bucket sides are multiples of {unit} pixels, got {step}")
+    for option, folder, resolution, res_option in folders:
+        if not os.path.isdir(folder):
+            errors.append(f"{option}: {folder} {'is not a folder' if os.path.exists(folder) else 'does not exist'}")
+            continue
+        for where, path in (("output.dir", c["output"]["dir"]), ("data.cache_dir", data["cache_dir"])):
+            if path is not None and _inside(path, folder):
+                errors.append(f"{where}: {path} is inside {option} {folder}, whose images it would mix with the "
+                              "run's files: put it elsewhere")
+        if unit is None:
+            continue
+        if resolution % step:
+            errors.append(f"{res_option}: must be a multiple of the bucket step, {step} pixels, got {resolution}")
+            continue
+        try:
+            CacheSettings(resolution=resolution, min_side=data["bucket_min_side"], max_side=data["bucket_max_side"],
+                          bucket_step=step).buckets()
+        except DatasetError as e:
+            errors.append(f"data.bucket_min_side / data.bucket_max_side: {e}")
+    if folders:
+        if c["sample"]["model"] is None and c["model"]["path"] is None:
+            errors.append(f"{folders[0][0]}: encoding images needs the text encoders and VAE: set model.path to a "
+                          "pipeline folder (or an SDXL single-file checkpoint), or sample.model")
+        if data["caption_variants"]:
+            errors.append("data.caption_variants: caches of image folders hold one caption per image; build one "
+                          "with scripts/prepare_cache.py --caption-variants K and train on it (data.cache_dir)")
 
 
 _DDPM_ONLY = {"min_snr_gamma": None, "debiased_estimation": False, "zero_terminal_snr": False, "timestep_min": 0,
