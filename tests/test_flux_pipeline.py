@@ -16,6 +16,7 @@ from flame.pipeline.flux import FluxPipeline, decode, denoise, encode_prompts
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("PIL")
+from test_pipeline import no_model_loads, sample_error  # noqa: E402, F401 (a fixture)
 from tiny_flux import write_tiny_flux_pipeline  # noqa: E402
 
 RTOL = 1e-5 if flame.is_interpreter() else 2e-2  # GPU: fp32 GEMMs run as tf32
@@ -164,7 +165,7 @@ def test_bad_input_is_a_clear_error(dev, tmp_path, capsys, pipe):
     assert sample_main([*base, "--max-tokens", "150"]) == 2
     assert "--max-sequence-length" in capsys.readouterr().err
     assert sample_main([*base, "--max-sequence-length", "600"]) == 2
-    assert "max_sequence_length" in capsys.readouterr().err
+    assert "--max-sequence-length must be 1 to 512" in capsys.readouterr().err
     with pytest.raises(ValueError, match="2 prompts"):
         encode_prompts(pipe.text_encoders, ["a", "b"], ["x", "y", "z"], LENGTH)
     with pytest.raises(ValueError, match="flow-matching"):
@@ -173,3 +174,23 @@ def test_bad_input_is_a_clear_error(dev, tmp_path, capsys, pipe):
     with pytest.raises(FileNotFoundError, match="tokenizer_2"):
         FluxTextEncoders.from_pretrained(dev, tokenizer_path=tmp_path)
     assert not (tmp_path / "o").exists() or not any((tmp_path / "o").iterdir())
+
+
+FLUX_INPUT_ERRORS = {  # case: (arguments, what the error line says)
+    "width": (["--width", "18"], "--width/--height: width and height must be positive multiples of 4, got 18x16 (the "
+                                 "VAE's 2x downsampling times the transformer's 2x2 patches)"),
+    "long sequence": (["--max-sequence-length", "600"], "--max-sequence-length must be 1 to 512 (T5 tokens per "
+                                                       "prompt), got 600"),
+    "no sequence": (["--max-sequence-length", "0"], "--max-sequence-length must be 1 to 512"),
+    "transformer folder": (["--model", "{model}/transformer"], "the folder of one component (FluxTransformer2DModel)"),
+}
+
+
+@pytest.mark.usefixtures("no_model_loads")
+@pytest.mark.parametrize("case", FLUX_INPUT_ERRORS)
+def test_input_errors_are_one_line_before_any_model_loads(dev, tmp_path, capsys, case):
+    args, says = FLUX_INPUT_ERRORS[case]
+    argv = ["--model", str(dev), "--prompt", "a cat", "--steps", "1", "--width", "16", "--height", "16", "--out",
+            str(tmp_path / "o"), "--no-progress", *(a.format(model=dev) for a in args)]
+    assert says in sample_error(capsys, argv)
+    assert not (tmp_path / "o").exists()
