@@ -643,6 +643,8 @@ class Trainer:
         self.val_losses[self.step] = value
         self._metrics([{"step": self.step, "val_loss": value}])
         self._say(f"step {self.step}: validation loss {value:.4f}")
+        if self._bar_ is not None:
+            self._bar_.set_postfix(self._fields(), refresh=True)
         return value
 
     # ---- logging -----------------------------------------------------------------------------
@@ -668,8 +670,10 @@ class Trainer:
             self.log(text)
 
     def _smoothed(self, value=None):
-        """The loss shown: the moving average, with ``value`` taken in first (unless it is None or
-        not finite); NaN before any loss."""
+        """The smoothed loss shown beside the step's: the exponential moving average with Adam's bias
+        correction (divided by 1 - SMOOTHING^n after n losses, so that it is the weighted mean of the
+        losses so far, not pulled towards its zero start), with ``value`` taken in first (unless it is
+        None or not finite); NaN before any loss."""
         avg, n = self._ema
         if value is not None and math.isfinite(value):
             avg, n = SMOOTHING * avg + (1 - SMOOTHING) * value, n + 1
@@ -713,15 +717,25 @@ class Trainer:
             self._stop = ("non_finite", bad)
 
     def _show(self, rec, its, mem):
-        fields = {"loss": f"{rec['loss_smooth']:.4f}", "lr": f"{rec['lr']:.3g}", "it/s": f"{its:.2f}"}
-        if self.val_losses:
-            fields["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
+        """The bar's fields (a log line without a bar) of the step flushed last: its loss, the smoothed
+        loss, lr, speed, memory, and the latest validation loss."""
+        self._step_fields = {"loss": f"{rec['loss']:.4f}", "smoothed": f"{rec['loss_smooth']:.4f}",
+                             "lr": f"{rec['lr']:.3g}", "it/s": f"{its:.2f}"}
         if mem is not None:
-            fields["mem"] = f"{mem:.1f}G" if mem >= 1 else f"{mem * 1024:.0f}M"
+            self._step_fields["mem"] = f"{mem:.1f}G" if mem >= 1 else f"{mem * 1024:.0f}M"
+        fields = self._fields()
         if self._bar_ is not None:
             self._bar_.set_postfix(fields, refresh=True)
         else:
             self.log(f"step {rec['step']}/{self.total_steps}  " + "  ".join(f"{k} {v}" for k, v in fields.items()))
+
+    def _fields(self) -> dict:
+        """The fields shown: the last flushed step's and the latest validation loss (a validation
+        runs after its step's flush, so it updates the bar itself)."""
+        fields = dict(self._step_fields)
+        if self.val_losses:
+            fields["val"] = f"{self.val_losses[max(self.val_losses)]:.4f}"
+        return fields
 
     # ---- checkpoints -------------------------------------------------------------------------
     def state(self, opt: dict) -> dict:
@@ -925,6 +939,7 @@ class Trainer:
         handlers = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self._step_fields = {}  # the bar's fields of the step flushed last
         self._bar_ = self._make_bar()
         started = self._clock = time.perf_counter()
         started_at = time.time()
@@ -1020,7 +1035,8 @@ class Trainer:
         rate = f", {steps / seconds:.2f} steps/s" if steps and seconds > 0 else ""
         lines = [f"done: {_count(steps, 'step')} in {_duration(seconds)}{rate}, step {self.step} of {self.total_steps}"]
         if self._ema[1]:
-            lines.append(f"  training loss (smoothed): {self._smoothed():.4f}")
+            lines.append(f"  training loss (smoothed): {self._smoothed():.4f}"
+                         + (f" (step {max(self.losses)}: {self.losses[max(self.losses)]:.4f})" if self.losses else ""))
         if self.val_losses:
             first, last = min(self.val_losses), max(self.val_losses)
             lines.append(f"  validation loss: {self.val_losses[last]:.4f} at step {last}"
