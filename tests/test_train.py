@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -669,6 +670,33 @@ def test_the_console_shows_smoothed_loss_validation_and_a_summary(cache_dir, tmp
             model=StandInUNet(), progress=False, log=lines.append).train()
     assert any(": steps 2-3 of 3 (" in line for line in lines), lines
 
+
+def test_each_steps_loss_is_shown_beside_the_bias_corrected_average(cache_dir, tmp_path):
+    from flame.train.trainer import SMOOTHING
+    lines = []
+    flame.manual_seed(3)
+    Trainer(_config(cache_dir, tmp_path, "train.steps=3", "output.log_every=1"), model=StandInUNet(), progress=False,
+            log=lines.append).train()
+    rows = [r for r in _metrics(tmp_path) if "loss" in r]
+    assert rows[0]["loss_smooth"] == pytest.approx(rows[0]["loss"])  # the first loss itself, not 2% of it
+    average = 0.0
+    for n, row in enumerate(rows, 1):  # Adam's bias correction: the average over n losses divided by 1 - beta^n
+        average = SMOOTHING * average + (1 - SMOOTHING) * row["loss"]
+        assert row["loss_smooth"] == pytest.approx(average / (1 - SMOOTHING ** n))
+        step_line = next(line for line in lines if line.startswith(f"step {n}/3 "))
+        assert f"  loss {row['loss']:.4f}  smoothed {row['loss_smooth']:.4f}  " in step_line, step_line
+    assert f"training loss (smoothed): {rows[-1]['loss_smooth']:.4f} (step 3: {rows[-1]['loss']:.4f})" in lines[-1]
+
+
+def test_the_bar_shows_the_validation_loss_just_computed(cache_dir, tmp_path, capsys):
+    flame.manual_seed(3)
+    cfg = _config(cache_dir, tmp_path, "train.steps=2", "output.validate_every=2", "output.log_every=1")
+    val = Trainer(cfg, model=StandInUNet(), progress=True, log=lambda *a: None).train()["val_losses"]
+    bar = capsys.readouterr().err
+    assert f"{val[0]:.4f}" != f"{val[2]:.4f}"
+    assert re.findall(r"val=([0-9.]+)", bar)[-1] == f"{val[2]:.4f}", bar  # validated after step 2's flush
+    last = _metrics(tmp_path)[-3]  # step 2's loss, then its speed record and its validation loss
+    assert f"loss={last['loss']:.4f}, smoothed={last['loss_smooth']:.4f}" in bar
 
 def test_load_config_file_errors_name_the_option(tmp_path):
     path = tmp_path / "c.yaml"
