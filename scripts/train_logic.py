@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import numpy as np
-from train_digits import OPTIMIZERS, SCHEDULES, load_digits_split, predict, train
+from train_digits import OPTIMIZERS, SCHEDULES, load_digits_split, predict, say_quick_run, train
 
 import flame
 from flame import nn
@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     print(f"logic network on sklearn digits: {xtr.shape[1]} binary features -> {args.depth} x {args.width} gates -> "
           f"GroupSum(10, tau={args.tau}); {len(xtr)} train / {len(xte)} test, {args.epochs} epochs, batch "
           f"{args.batch_size}, {args.optimizer} lr {args.lr}, seed {args.seed}, {flame.device_name()}", flush=True)
+    if args.quick:
+        say_quick_run(">= 90%")
     t0 = time.perf_counter()
     loss = train(model, xtr, ytr, args, "logic")
     soft = float((predict(model, xte).argmax(1) == yte).mean())

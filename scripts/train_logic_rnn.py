@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import numpy as np
 from tqdm import tqdm
+from train_digits import say_quick_run
 
 import flame
 import flame.nn.functional as F
@@ -161,6 +162,8 @@ def main(argv=None) -> int:
     print(f"rule {args.rule} on {args.cells} cells, {args.steps} unrolled steps, logic cell {args.widths}, "
           f"{args.epochs} x {args.updates} updates of {args.accumulate} x {args.batch} rows, checkpoint every "
           f"{args.checkpoint or 'never'}, seed {args.seed}, {flame.device_name()}", flush=True)
+    if args.quick:
+        say_quick_run("100% of held-out rows")
     t0 = time.perf_counter()
     total = args.epochs * args.updates
     with tqdm(total=total, desc="bptt", unit="update", dynamic_ncols=True) as bar:
