@@ -18,12 +18,16 @@ What replay means for ``fn``:
 - Everything ``fn`` does on the host happens only during capture: Python-side counters, host
   syncs (``.item()``, printing values) and host-to-device copies must stay outside ``fn``, and
   scalar kernel arguments (a learning rate, say) are frozen into the graph. Random numbers drawn
-  inside ``fn`` would replay identically every step, so a capture that advances flame's RNG is
-  refused with an error; draw noise outside and pass it in.
+  inside ``fn`` would replay identically every step; draw noise outside and pass it in.
 - Parameters read by ``fn`` are read from their buffers at replay time, so updating them in
   place (as flame's optimizers do) between calls is seen by the next replay.
 
-On the interpreter backend (no GPU) ``CapturedStep`` simply calls ``fn``.
+The graph rules are checked by flame itself (``runtime.graph_rules``): flame's host reads
+(``Tensor.numpy``, ``.tolist``, ``.item`` and what uses it, printing values, ``check_errors``),
+``runtime.synchronize``, ``flame.tensor`` of host data and every draw from flame's generator raise
+``GraphRuleError``, naming the step and the action, inside the capture. On the interpreter backend
+(no GPU) ``CapturedStep`` calls ``fn`` every time, under the same rules from a signature's second
+call on (the calls a GPU would capture and replay), so CPU tests catch what would break on a GPU.
 """
 from __future__ import annotations
 
@@ -34,8 +38,10 @@ import torch
 from . import runtime
 from .autograd import GradientMap
 from .kernels import elementwise as KE
-from .ops.creation import get_rng_state
+from .runtime import GraphRuleError
 from .tensor import Tensor
+
+__all__ = ["CapturedStep", "GraphRuleError"]
 
 _pool = None
 
@@ -45,6 +51,13 @@ def _shared_pool():
     if _pool is None:
         _pool = torch.cuda.graph_pool_handle()
     return _pool
+
+
+def _name(fn) -> str:
+    """``fn``'s name in errors: ``Class.method`` of a bound method, else its qualified name."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    owner = getattr(fn, "__self__", None)
+    return f"{type(owner).__name__}.{name}" if owner is not None else getattr(fn, "__qualname__", name)
 
 
 def _signature(args):
@@ -60,16 +73,27 @@ class _Graph:
 
 class CapturedStep:
     """``fn(*args)`` eagerly on the first call per input signature, captured on the second, replayed
-    after that (see the module docstring). ``enabled=False`` (or no GPU) always calls ``fn``."""
+    after that (see the module docstring). ``enabled=False`` always calls ``fn``; so does the
+    interpreter, under the graph rules from a signature's second call on."""
 
     def __init__(self, fn, enabled: bool = True):
         self.fn = fn
-        self.enabled = bool(enabled) and not runtime.is_interpreter()
+        self.name = _name(fn)
+        self.enabled = enabled
         self._graphs = {}
         self._seen = set()
 
+    @property
+    def enabled(self) -> bool:
+        """Whether calls are captured and replayed: as asked, on a GPU (always False on the interpreter)."""
+        return self._wanted and not runtime.is_interpreter()
+
+    @enabled.setter
+    def enabled(self, value: bool):
+        self._wanted = bool(value)  # on the interpreter too: the calls a GPU would capture are checked
+
     def __call__(self, *args):
-        if not self.enabled:
+        if not self._wanted:
             return self.fn(*args)
         key = _signature(args)
         entry = self._graphs.get(key)
@@ -77,6 +101,9 @@ class CapturedStep:
             if key not in self._seen:  # warm-up: compiles kernels, fills launch caches
                 self._seen.add(key)
                 return self.fn(*args)
+            if runtime.is_interpreter():  # no graph: the call a GPU would capture or replay, under its rules
+                with runtime.graph_rules(self.name):
+                    return self.fn(*args)
             entry = self._graphs[key] = self._capture(args)
         for static, a in zip(entry.inputs, args):
             if static is not None and static._data.data_ptr() != a._data.data_ptr():
@@ -97,7 +124,6 @@ class CapturedStep:
             else:
                 statics.append(None)
         call_args = [s if s is not None else a for s, a in zip(statics, args)]
-        rng_before = get_rng_state()
         runtime.synchronize()
         graph = torch.cuda.CUDAGraph()
         # Garbage from earlier steps (a dropped trainer's graphs, held in reference cycles) must not
@@ -107,23 +133,18 @@ class CapturedStep:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=_shared_pool()):
+            with torch.cuda.graph(graph, pool=_shared_pool()), runtime.graph_rules(self.name):
                 outputs = self.fn(*call_args)
-        except RuntimeError as e:
+        except BaseException as e:  # a broken rule, a failed capture, Ctrl-C: leave no half-made capture behind
             _reset_capture_state()
-            raise RuntimeError(f"CapturedStep: capturing the step failed ({e}). A captured function must not "
-                               "synchronize with the host (.item(), .numpy(), printing values) or copy host "
-                               "data to the device; move that outside the step.") from e
-        except BaseException:  # e.g. Ctrl-C mid-capture: leave no half-made capture behind
-            _reset_capture_state()
+            if isinstance(e, RuntimeError) and not isinstance(e, GraphRuleError):  # the device refused
+                raise RuntimeError(f"CapturedStep({self.name}): capturing the step failed ({e}). A captured "
+                                   "function must not synchronize with the host (.item(), .numpy(), printing "
+                                   "values) or copy host data to the device; move that outside the step.") from e
             raise
         finally:
             if collecting:
                 gc.enable()
-        if get_rng_state() != rng_before:
-            raise RuntimeError("CapturedStep: the captured function draws random numbers from flame's generator; "
-                               "a replay would repeat them every step. Draw them outside and pass them in "
-                               "(or run with enabled=False).")
         _check_outputs(outputs)
         return _Graph(graph, statics, outputs)
 

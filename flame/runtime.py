@@ -24,11 +24,19 @@ public as ``flame.check_errors()``. Until a kernel has been handed a flag it cos
 read, no sync). The buffer is allocated once, on first use, and only ever cleared in place:
 its address is fixed, so a kernel captured in a CUDA graph still reports into it on replay
 (use a flag once before capturing: its first allocation cannot happen during a capture).
+
+CUDA-graph rules. ``with graph_rules(name):`` runs code under the rules of a captured function
+(``flame.graphs.CapturedStep`` does, on the interpreter too): flame's host reads, host-to-device
+copies, random draws and ``synchronize`` each call ``graph_rule(kind, action)``, which raises
+``GraphRuleError`` inside such a region and costs one attribute read outside it. The flag is
+per thread, so a captured function on one thread leaves another thread's work alone.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 
 import numpy as np
 import torch
@@ -166,6 +174,7 @@ def same_dense_layout(a, b) -> bool:
 
 
 def synchronize() -> None:
+    graph_rule("sync", "runtime.synchronize")
     if not INTERPRETER:
         torch.cuda.synchronize()
 
@@ -248,6 +257,7 @@ def error_flag(code: int) -> torch.Tensor:
 def check_errors() -> None:
     """Raise the first error a kernel has reported since the last check, after clearing every flag.
     Reads the flags back (a host sync) once any kernel has been handed one; a no-op before."""
+    graph_rule("host read", "flame.check_errors")
     if _flags is None:
         return
     codes = [i for i, f in enumerate(_flags.tolist()) if f]  # host transfer
@@ -257,3 +267,50 @@ def check_errors() -> None:
     exc, message = _errors[codes[0]]
     also = "".join(f"; also: {_errors[c][1]}" for c in codes[1:])
     raise exc(f"{message} (reported by a kernel, raised at the first host read after its launch){also}")
+
+
+# ---- CUDA-graph rules (module docstring) --------------------------------------------------------
+
+class GraphRuleError(RuntimeError):
+    """A captured function (``flame.graphs.CapturedStep``) did something a CUDA graph cannot replay."""
+
+
+_GRAPH_RULES = {  # kind -> (what happened, why a graph cannot have it and what to do instead)
+    "host read": ("a device-to-host read", "a CUDA graph cannot hand values to the host (the capture fails, and a "
+                  "replay runs no Python); read the outputs after the call"),
+    "sync": ("a host synchronization", "a CUDA graph cannot wait for the device (the capture fails); synchronize "
+             "after the call"),
+    "host copy": ("a host-to-device copy", "a CUDA graph cannot copy host data (the capture fails, and a replay "
+                  "would not see new data); make the tensor before the call and pass it in, or build it once and "
+                  "reuse it"),
+    "random draw": ("a random draw from flame's generator", "its key and offset are frozen into a CUDA graph, so "
+                    "every replay would repeat the same numbers; draw them before the call and pass them in (or "
+                    "run with enabled=False)"),
+}
+
+
+class _GraphRules(threading.local):
+    step = None  # the name of the captured function this thread runs under the graph rules, else None
+
+
+_graph_rules = _GraphRules()
+
+
+@contextlib.contextmanager
+def graph_rules(name: str):
+    """Run the body under the CUDA-graph rules: ``graph_rule`` raises there, naming ``name``."""
+    outer, _graph_rules.step = _graph_rules.step, name
+    try:
+        yield
+    finally:
+        _graph_rules.step = outer
+
+
+def graph_rule(kind: str, action: str) -> None:
+    """Raise ``GraphRuleError`` when this thread runs a captured function (``graph_rules``):
+    ``action`` (e.g. ``Tensor.numpy``) is of ``kind``, a key of ``_GRAPH_RULES``."""
+    step = _graph_rules.step
+    if step is None:
+        return
+    what, why = _GRAPH_RULES[kind]
+    raise GraphRuleError(f"CapturedStep({step}): {what} ({action}) inside a captured function; {why}")

@@ -246,10 +246,11 @@ class Tensor:
         """The underlying torch tensor (zero-copy, shares memory)."""
         return self._data
 
-    # Every host read first raises what a kernel reported since the last check (runtime.check_errors),
-    # except repr: printing never raises, and the flags stay set for the next read.
+    # Every host read is refused inside a captured function (runtime.graph_rule), then raises what a
+    # kernel reported since the last check (runtime.check_errors), except repr: printing never raises
+    # a kernel's error, and the flags stay set for the next read.
     def numpy(self) -> np.ndarray:
-        runtime.check_errors()
+        _reading("Tensor.numpy")
         return self._host()
 
     def _host(self) -> np.ndarray:
@@ -257,12 +258,13 @@ class Tensor:
         return src._data.detach().cpu().numpy().copy()
 
     def tolist(self):
-        return self.numpy().tolist()
+        _reading("Tensor.tolist")
+        return self._host().tolist()
 
     def item(self):
         if self.numel() != 1:
             raise RuntimeError(f"a Tensor with {self.numel()} elements cannot be converted to a scalar")
-        runtime.check_errors()
+        _reading("Tensor.item")
         return self._data.reshape(()).item()
 
     def __float__(self):
@@ -282,6 +284,7 @@ class Tensor:
         return int(self.item())
 
     def __repr__(self):
+        runtime.graph_rule("host read", "Tensor.__repr__, printing values")
         values = np.array2string(self._host(), separator=", ", precision=4, threshold=200, edgeitems=3,
                                  prefix="tensor(")
         extras = []
@@ -297,6 +300,11 @@ class Tensor:
     __hash__ = object.__hash__
 
     # ---- operators (defined in flame.ops; bound below) ---------------------------------
+
+
+def _reading(action):
+    runtime.graph_rule("host read", action)
+    runtime.check_errors()
 
 
 def _bind_methods():

@@ -50,6 +50,7 @@ def draw(n: int, shared: bool = False) -> tuple:
     """``(key, offset)`` for ``n`` numbers of flame's generator, advancing it: element ``i`` of the
     draw is Philox(key, offset + i). ``shared``: the key every process uses (the plain seed), not
     this process's substream."""
+    runtime.graph_rule("random draw", "ops.creation.draw, under rand, randn, dropout, nn.init, ...")
     key = _generator["seed"]
     if _substream and not shared:
         key = (key + _substream * _GOLDEN) & 0x7FFFFFFFFFFFFFFF
@@ -214,6 +215,8 @@ def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
         src = torch.from_numpy(arr.copy())  # C order; keeps 0-d arrays 0-d
     if src.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"tensor: unsupported dtype {src.dtype}")
+    if src.device.type == "cpu" and not isinstance(data, Tensor):  # on the interpreter flame's tensors are too
+        runtime.graph_rule("host copy", "flame.tensor of host data")
     data_dev = src.detach().to(runtime.device, copy=True).contiguous()  # host transfer
     out = Tensor(data_dev)
     if dtype is not None and dtype != out.dtype:
