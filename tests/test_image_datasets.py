@@ -54,7 +54,8 @@ class StandIn:
     def encode_prompts(self, captions):
         self.captions += list(captions)
         lengths = np.array([len(c) for c in captions], dtype=np.float32)
-        return np.broadcast_to(lengths[:, None, None], (len(captions), 4, 5)), np.zeros((len(captions), 2))
+        return (np.broadcast_to(lengths[:, None, None], (len(captions), self.text_len, self.text_dim)),
+                np.zeros((len(captions), self.pooled_dim)))
 
 
 def _never():
@@ -173,6 +174,15 @@ def test_a_refresh_encodes_only_new_and_changed_images_and_drops_removed_ones(tm
                            CacheSettings(model="another", resolution=64, min_side=64, max_side=128))
     assert third.images == 5
     assert sorted(os.listdir(cache)) == ["index.json", "r2-b8x8-00000.safetensors", "r2-empty_prompt.safetensors"]
+
+    class Wider(StandIn):  # another checkpoint at the same path: its rows have other sizes
+        text_dim = 6
+
+    wider = Wider()
+    _png(images / "6.png", seed=6, caption="image 6")
+    build_or_refresh_cache(cache, scan_dataset(images)[0].items, wider,
+                           CacheSettings(model="another", resolution=64, min_side=64, max_side=128))
+    assert wider.images == 6 and LatentCache(cache).text_dim == 6
 
 
 def test_an_error_while_encoding_leaves_the_old_cache_as_it_was(tmp_path):
@@ -318,6 +328,23 @@ def test_prepare_datasets_refuses_before_any_model_loads(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=match):
             train_datasets.prepare_datasets(cfg, "sdxl", log=lambda *a: None)
     assert not (tmp_path / "run" / "cache").exists()
+
+
+def test_the_trainer_loads_the_familys_flame_encoders_from_its_checkpoint(tmp_path):
+    pytest.importorskip("diffusers")
+    from tiny_sdxl import write_tiny_pipeline
+
+    import flame
+    model = write_tiny_pipeline(tmp_path / "sdxl")
+    images = tmp_path / "images"
+    _png(images / "a.png", caption="a")
+    cfg = _cfg(tmp_path, {"images": str(images)}, f"sample.tokenizers={model}", model=model / "unet")
+    assert train_datasets.encoder_source(cfg, "sdxl") == (str(model / "unet"), str(model))
+    cfg = _cfg(tmp_path, {"images": str(images)}, f"sample.model={model}", model=model / "unet")
+    encoders = train_datasets._encoders(cfg, "sdxl", flame.float16)  # fp16 runs encode in fp32
+    assert isinstance(encoders, train_datasets.FlameEncoders) and encoders.source == str(model)
+    assert (encoders.text_len, encoders.text_dim, encoders.pooled_dim, encoders.latent_channels) == (77, 32, 16, 4)
+    assert encoders.vae.dtype == flame.float32 and encoders.text.dtype == flame.float32
 
 
 # ---- scripts/prepare_cache.py -----------------------------------------------------------------------

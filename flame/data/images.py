@@ -443,6 +443,13 @@ def write_cache(plan: CachePlan, encoders=None, batch_size: int = 4, shard_size:
         return plan.path
     if encoders is None and plan.needs_encoders:
         raise ValueError(f"write_cache: {plan.path} has images to encode, and no encoders were given")
+    if encoders is not None and plan.old is not None:
+        dims = (encoders.latent_channels, encoders.text_len, encoders.text_dim, encoders.pooled_dim)
+        held = (plan.old.latent_channels, plan.old.text_len, plan.old.text_dim, plan.old.pooled_dim)
+        if dims != held:  # another checkpoint at the same path
+            log(f"the cache at {plan.path} holds rows of sizes {held}, the encoders make {dims} (latent channels, "
+                "text length and width, pooled width); encoding every image anew")
+            plan = dataclasses.replace(plan, rows=[r._replace(old=None) for r in plan.rows], old=None)
     s, old = plan.settings, plan.old
     if encoders is not None:
         dims = (encoders.latent_channels, encoders.text_len, encoders.text_dim, encoders.pooled_dim)
