@@ -77,6 +77,7 @@ from ..optim.lr_scheduler import get_scheduler
 from . import families
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
+from .datasets import prepare_datasets
 from .outputs import Trackers, lora_metadata
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
@@ -368,7 +369,10 @@ class Trainer:
                                                   seed=self.cfg.train.seed, flipped=c.flip)
 
         self._agreed(write_synthetic)
-        entries = c.datasets or [{"cache_dir": c.cache_dir, "repeats": 1, "loss_weight": 1.0, "is_reg": False}]
+        built = self._agreed(lambda: prepare_datasets(self.cfg, self.family.name, self.dtype, self.log,
+                                                      self.progress))  # data.images: built or refreshed here
+        entries = built or c.datasets or [{"cache_dir": c.cache_dir, "repeats": 1, "loss_weight": 1.0,
+                                           "is_reg": False}]
         caches, self._datasets = [], []  # (folder, repeats, training images, is_reg): for the LoRA's metadata
         want = self.family.cache_dims(mcfg)
         for e in entries:
@@ -390,7 +394,7 @@ class Trainer:
             weight = e["loss_weight"] * (c.prior_loss_weight if e["is_reg"] else 1.0)
             caches.append((cache, e["repeats"], weight))
             self._datasets.append((e["cache_dir"], e["repeats"], len(cache.split("train")), e["is_reg"]))
-        if c.datasets is None:
+        if len(caches) == 1 and caches[0][1:] == (1, 1.0):  # one cache as it is (an image folder may repeat)
             cache = caches[0][0]
         else:
             try:
