@@ -197,19 +197,26 @@ def save_lora(model, path, format: str = "peft", prefix: str = "unet", dtype=Non
     """Save ``model``'s adapters. PEFT files carry rank and alpha in the ``lora_adapter_metadata``
     JSON (diffusers' layout: keys prefixed by ``prefix``, e.g. "unet.r", "unet.lora_alpha", plus
     rank/alpha patterns for layers that differ); kohya files carry a ``.alpha`` tensor per layer.
-    ``dtype``: the weights' dtype in the file (default: as trained, fp32; ``.alpha`` stays fp32);
-    ``metadata``: more {str: str} entries for the file's metadata (e.g. training settings)."""
+    ``model``: a module, or {prefix: module} for one file of several models' adapters, each under
+    its prefix (SDXL's "unet", "text_encoder", "text_encoder_2": what diffusers'
+    ``StableDiffusionXLPipeline.load_lora_weights`` reads; kohya's ``lora_unet_``, ``lora_te1_``,
+    ``lora_te2_``), ``prefix`` then unused. ``dtype``: the weights' dtype in the file (default: as
+    trained, fp32; ``.alpha`` stays fp32); ``metadata``: more {str: str} entries for the file's
+    metadata (e.g. training settings)."""
     from .nn.lora import lora_modules, lora_state_dict, peft_config
-    if not lora_modules(model):
-        raise ValueError("save_lora: the model has no LoRA layers (inject_lora first)")
-    sd = lora_state_dict(model, format=format, prefix=prefix)
+    parts = model if isinstance(model, dict) else {prefix: model}
+    sd, cfg = {}, {}
+    for p, m in parts.items():
+        if not lora_modules(m):
+            raise ValueError("save_lora: the model has no LoRA layers (inject_lora first)" if len(parts) == 1 else
+                             f"save_lora: the model of prefix {p!r} has no LoRA layers (inject_lora first)")
+        sd.update(lora_state_dict(m, format=format, prefix=p))
+        if format == "peft":
+            cfg.update({f"{p}.{k}" if p else k: v for k, v in peft_config(m).items()})
     if dtype is not None:
         sd = {k: v if k.endswith(".alpha") else to(v, dtype) for k, v in sd.items()}
     meta = {**(metadata or {}), "format": "pt"}
     if format == "peft":
-        cfg = peft_config(model)
-        if prefix:
-            cfg = {f"{prefix}.{k}": v for k, v in cfg.items()}
         meta[METADATA_KEY] = json.dumps(cfg, indent=2, sort_keys=True)
     save_safetensors(sd, path, metadata=meta)
 
@@ -229,34 +236,53 @@ def _peft_alpha(meta, prefix, path):
     return cfg["lora_alpha"], dict(cfg.get("alpha_pattern") or {})
 
 
-def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bool = False) -> list:
+def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bool = False):
     """Load a LoRA file in either format (detected from its key names) into ``model``; layers
     without an adapter get one injected (``inject``). All or nothing: the file's header (every
     tensor within the file's size) and every adapter against the model
     (``flame.nn.lora.plan_lora_load``: layers, shapes, dtypes, ranks; with ``strict`` also that
     every adapter the model has gets weights and every key is a LoRA weight) are checked before
     the first weight is written; then the weights are read one tensor at a time into their
-    adapters. Returns the loaded module paths."""
-    from .nn.lora import apply_lora_load, detect_format, plan_lora_load
+    adapters. Keys of a pipeline's other models (``flame.nn.lora.component_keys``: a file of
+    SDXL's UNet and text encoders) are left out. Returns the loaded module paths.
+
+    ``model`` may be {prefix: module} (as ``save_lora`` takes it): each model takes the keys under
+    its prefix, the first also those under none; a model the file holds no keys for is left as it
+    is (with ``strict``, every model gets keys); every model is checked before any is written.
+    Returns {prefix: loaded module paths} then."""
+    from .nn.lora import apply_lora_load, component_keys, detect_format, peft_target_name, plan_lora_load
+    parts = model if isinstance(model, dict) else {prefix: model}
     with open_safetensors(path) as f:
         meta = f.metadata() or {}
-        specs = {name: _spec(f, name, path, "load_lora") for name in f.keys()}  # noqa: SIM118 (not a dict)
+        keys = list(f.keys())
         try:
-            fmt = detect_format(specs)
+            fmt = detect_format(keys)
         except ValueError as e:
             raise ValueError(f"load_lora: {path}: {e}") from None
-        alpha = None
-        found = _peft_alpha(meta, prefix, path) if fmt == "peft" else None
-        if found is not None:  # by the file's module names (without the prefix), as its metadata has them
-            default, pattern = found
-            names = {k[:-len(".lora_A.weight")] for k in specs if k.endswith(".lora_A.weight")}
-            for lead in (f"{prefix}." if prefix else None, "base_model.model."):
-                names = {n[len(lead):] if lead and n.startswith(lead) else n for n in names}
-            alpha = {n: float(pattern.get(n, default)) for n in names}
 
         def read(k):
             return _to_device(f.get_tensor(k))._data
 
-        steps = plan_lora_load(model, specs, lambda k: f.get_tensor(k).item(),  # a host value
-                               alpha=alpha, prefix=prefix, inject=inject, strict=strict, read=read)
-        return apply_lora_load(model, steps, read)
+        plans = []
+        for i, (p, m) in enumerate(parts.items()):
+            mine = component_keys(keys, p, bare=i == 0) if p else keys
+            if not mine:
+                if len(parts) == 1 or strict:
+                    raise ValueError(f"load_lora: {path} holds no adapters for the model of prefix {p!r}, only for "
+                                     f"other models of a pipeline, e.g. {keys[:2]}")
+                continue
+            specs = {name: _spec(f, name, path, "load_lora") for name in mine}
+            alpha = None
+            found = _peft_alpha(meta, p, path) if fmt == "peft" else None
+            if found is not None:  # by the file's module names (without the prefix), as its metadata has them
+                default, pattern = found
+                names = {k[:-len(".lora_A.weight")] for k in specs if k.endswith(".lora_A.weight")}
+                for lead in (f"{p}." if p else None, "base_model.model."):
+                    names = {n[len(lead):] if lead and n.startswith(lead) else n for n in names}
+                alpha = {n: float(pattern.get(n, pattern.get(peft_target_name(n), default))) for n in names}
+            plans.append((p, m, plan_lora_load(m, specs, lambda k: f.get_tensor(k).item(),  # a host value
+                                               alpha=alpha, prefix=p, inject=inject, strict=strict, read=read)))
+        if not plans:
+            raise ValueError(f"load_lora: {path} holds no adapters for {', '.join(map(repr, parts))}, e.g. {keys[:2]}")
+        loaded = {p: apply_lora_load(m, steps, read) for p, m, steps in plans}
+    return loaded if isinstance(model, dict) else loaded[prefix]

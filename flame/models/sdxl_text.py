@@ -193,17 +193,31 @@ class SDXLTextEncoders(nn.Module):
             raise ValueError(f"SDXLTextEncoders.encode_tokens: expected two integer arrays (B, windows 1 to 3, "
                              f"{CONTEXT}) of one shape, got {[a.shape for a in arrays]}")
         B, W, _ = shape
-        states = []
-        for enc, step, a in zip((self.text_encoder, self.text_encoder_2), self._steps, arrays):
-            rows = np.ascontiguousarray(a.reshape(B * W, CONTEXT), dtype=np.int64)
-            if rows.min() < 0 or rows.max() >= enc.config.vocab_size:  # the graph cannot check on the device
+        rows, eos = [], []
+        for enc, a in zip((self.text_encoder, self.text_encoder_2), arrays):
+            r = np.ascontiguousarray(a.reshape(B * W, CONTEXT), dtype=np.int64)
+            if r.min() < 0 or r.max() >= enc.config.vocab_size:  # the graph cannot check on the device
                 raise ValueError(f"SDXLTextEncoders.encode_tokens: token ids must lie in [0, {enc.config.vocab_size}), "
-                                 f"got values in [{rows.min()}, {rows.max()}]")
-            eos = tensor(np.asarray(find_eos(rows, enc.config.eos_token_id), dtype=np.int64))
+                                 f"got values in [{r.min()}, {r.max()}]")
+            rows.append(tensor(r))
+            eos.append(tensor(np.asarray(find_eos(r, enc.config.eos_token_id), dtype=np.int64)))
+        embeds, pooled = self.encode_rows(rows, eos, B)
+        return embeds, pooled.clone()  # the cat in encode_rows copies the states out of the graph, this the pooled
+
+    def encode_rows(self, rows, eos, batch: int) -> tuple:
+        """The device half of ``encode_tokens``: (prompt embeddings, pooled) of ``rows``, each
+        encoder's (batch * W, 77) int64 token ids as ``tokenize`` lays them out (W windows per
+        caption), and ``eos``, each encoder's (batch * W,) int64 pooled positions (``find_eos``), all
+        flame Tensors on the device. No host read or upload: a captured training step can run it,
+        with gradients to the encoders' adapters (their own CUDA graphs only replay without grad).
+        The pooled embedding may be a graph's output buffer, overwritten by the next call."""
+        W = rows[0].shape[0] // batch
+        states = []
+        for enc, step, ids, positions in zip((self.text_encoder, self.text_encoder_2), self._steps, rows, eos):
             step.enabled = self.cuda_graph and not is_grad_enabled() and not runtime.is_interpreter()
-            out = (step if step.enabled else enc)(tensor(rows), eos)
-            states.append(_stitch(out.penultimate, B, W))  # the cat below copies them out of the graph
-        pooled = (out.text_embeds if W == 1 else out.text_embeds.reshape(B, W, -1)[:, 0]).clone()
+            out = (step if step.enabled else enc)(ids, positions)
+            states.append(_stitch(out.penultimate, batch, W))  # the cat below copies them out of the graph
+        pooled = out.text_embeds if W == 1 else out.text_embeds.reshape(batch, W, -1)[:, 0]
         return cat(states, -1), pooled
 
     def encode(self, prompts, max_tokens: int = WINDOW) -> tuple:

@@ -523,14 +523,39 @@ def lora_parameters(model: Module) -> list:
     return out
 
 
-# kohya's sd-scripts name every denoiser's adapters "lora_unet_...", a DiT's too (whose PEFT/diffusers
-# files use the prefix "transformer"): sd-scripts' networks/lora_flux.py, LORA_PREFIX_FLUX
-_KOHYA_PREFIXES = {"transformer": "unet"}
+# The models of a pipeline's LoRA file: PEFT/diffusers prefix -> kohya's. sd-scripts name every denoiser's
+# adapters "lora_unet_...", a DiT's too (whose PEFT/diffusers files use the prefix "transformer": sd-scripts'
+# networks/lora_flux.py, LORA_PREFIX_FLUX), and SDXL's text encoders "lora_te1_..." (CLIP-L, diffusers'
+# "text_encoder") and "lora_te2_..." (OpenCLIP bigG, "text_encoder_2"); "lora_te_" is SD 1.x's one encoder.
+COMPONENT_PREFIXES = {"unet": "unet", "transformer": "unet", "text_encoder": "te1", "text_encoder_2": "te2"}
+_KOHYA_LEADS = ("lora_unet_", "lora_te1_", "lora_te2_", "lora_te_")
 
 
 def _kohya_name(path, prefix):
-    prefix = _KOHYA_PREFIXES.get(prefix, prefix)
+    prefix = COMPONENT_PREFIXES.get(prefix, prefix)
     return f"lora_{prefix}_{path.replace('.', '_')}" if prefix else f"lora_{path.replace('.', '_')}"
+
+
+def component_keys(keys, prefix: str, bare: bool = True) -> list:
+    """The keys of a LoRA file that belong to the model of PEFT ``prefix`` ("unet", "text_encoder",
+    ...): those under ``prefix.`` or its kohya lead (``lora_te1_`` for "text_encoder"), and with
+    ``bare`` those under no model's prefix of ``COMPONENT_PREFIXES`` (a file of one model's module
+    paths). Keys of the pipeline's other models (diffusers' and kohya's SDXL files hold the UNet's
+    and both text encoders' adapters) are left out."""
+    lead = f"lora_{COMPONENT_PREFIXES.get(prefix, prefix)}_"
+    out = []
+    for k in keys:
+        head = k.split(".", 1)[0]
+        kohya = next((p for p in _KOHYA_LEADS if k.startswith(p)), None)
+        if head in COMPONENT_PREFIXES:
+            mine = head == prefix
+        elif kohya is not None:
+            mine = kohya == lead
+        else:
+            mine = bare
+        if mine:
+            out.append(k)
+    return out
 
 
 def _original_name(model, path):
@@ -683,11 +708,24 @@ def lora_state_dict(model: Module, format: str = "peft", prefix: str = "unet") -
     return out
 
 
+# a root module that transformers 5 no longer builds (CLIPTextModel's ``text_model``, which files keep
+# and diffusers strips from a text encoder's keys): PEFT matches target names by suffix, so names
+# without it match either layout
+_DROPPED_ROOTS = ("text_model.",)
+
+
+def peft_target_name(name: str) -> str:
+    """Module ``name`` as PEFT metadata (target_modules, rank/alpha patterns) gives it."""
+    root = next((r for r in _DROPPED_ROOTS if name.startswith(r)), "")
+    return name[len(root):]
+
+
 def peft_config(model: Module) -> dict:
     """The PEFT ``LoraConfig`` fields of ``model``'s adapters under the module names a PEFT/diffusers
     file gives them (diffusers' ``lora_adapter_metadata``): r, lora_alpha, target_modules, the rank
-    and alpha patterns of the modules that differ from the first, use_dora."""
-    adapters = [(fa.name, *_file_rank_alpha(m, fa), m.dora) for path, m in lora_modules(model)
+    and alpha patterns of the modules that differ from the first, use_dora. A CLIP text encoder's
+    names leave out ``text_model.`` (``_DROPPED_ROOTS``)."""
+    adapters = [(peft_target_name(fa.name), *_file_rank_alpha(m, fa), m.dora) for path, m in lora_modules(model)
                 for fa in _file_adapters(model, path, m, "peft")]
     if not adapters:
         raise ValueError("peft_config: the model has no LoRA layers (inject_lora first)")

@@ -154,9 +154,14 @@ class SDXLPipeline:
         return cls(unet, text, vae, scheduler, force_zeros, source=str(p))
 
     def load_lora(self, path, strength: float = 1.0) -> list:
-        """Add a LoRA file (PEFT or kohya) into the UNet's weights at ``strength``; returns the layers
-        it changed. Files load one after another, each folded in before the next."""
-        names = add_lora(self.unet, path, strength, "SDXL UNet", "unet")
+        """Add a LoRA file (PEFT or kohya) into the UNet's and the text encoders' weights at
+        ``strength`` (their adapters under diffusers' ``unet.``, ``text_encoder.``, ``text_encoder_2.``
+        or kohya's ``lora_unet_``, ``lora_te1_``, ``lora_te2_``; the parts the file has); returns the
+        layers it changed (the encoders' prefixed). Files load one after another, each folded in
+        before the next."""
+        parts = {"unet": self.unet, "text_encoder": self.text_encoders.text_encoder,
+                 "text_encoder_2": self.text_encoders.text_encoder_2}
+        names = add_lora(parts, path, strength, "SDXL UNet or its text encoders", "unet")
         self.loras.append((pathlib.Path(path).name, float(strength)))
         return names
 

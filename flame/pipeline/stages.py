@@ -73,14 +73,22 @@ def check_image_size(width, height, factor: int) -> None:
 
 def add_lora(model, path, strength: float, what: str, prefix: str) -> list:
     """Add a LoRA file (PEFT/diffusers keys under ``prefix``, e.g. "unet" or "transformer", or kohya)
-    into ``model``'s weights at ``strength``; returns the layers it changed. The file is checked
-    whole first: a LoRA for another model raises ValueError naming ``what`` and changes nothing."""
+    into ``model``'s weights at ``strength``; returns the layers it changed. ``model`` may be
+    {prefix: model} for a pipeline's models (SDXL's UNet and text encoders): each takes the file's
+    adapters under its prefix (``flame.io.load_lora``), the names returned of models after the first
+    prefixed. The file is checked whole first: a LoRA for another model raises ValueError naming
+    ``what`` and changes nothing."""
     try:
-        names = load_lora(model, path, prefix=prefix, inject=True)
+        loaded = load_lora(model, path, prefix=prefix, inject=True)
     except (KeyError, ValueError) as e:
         raise ValueError(f"{path}: not a LoRA for this {what}: {e.args[0] if e.args else e}") from None
-    fold_lora(model, strength)
-    return names
+    if not isinstance(model, dict):
+        fold_lora(model, strength)
+        return loaded
+    first = next(iter(model))
+    for p in loaded:
+        fold_lora(model[p], strength)
+    return [n if p == first else f"{p}.{n}" for p, names in loaded.items() for n in names]
 
 
 def read_prompt_file(path) -> list:

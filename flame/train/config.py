@@ -137,6 +137,23 @@ SCHEMA = {
         "lr_up": Opt(1.0, "float", "learning-rate multiplier of the adapters in the up blocks", low=0.0),
         "plus_ratio": Opt(1.0, "float", "LoRA+: B's learning rate is this times A's (16 in the LoRA+ paper; 1: "
                                         "plain LoRA)", low=0.0),
+        "text_encoder": Opt(False, "bool", "SDXL: train adapters on both text encoders too (CLIP-L and OpenCLIP "
+                                           "bigG of model.path, a pipeline folder, or a single file with "
+                                           "sample.tokenizers): each step encodes its captions (the cache's) "
+                                           "instead of reading their cached embeddings; the LoRA file holds them "
+                                           "as diffusers' text_encoder. / text_encoder_2. (kohya: lora_te1_ / "
+                                           "lora_te2_)"),
+        "text_encoder_lr": Opt(None, "float", "lora.text_encoder: learning rate of the text encoders' adapters "
+                                              "(kohya's --text_encoder_lr, often below the UNet's); null: train.lr",
+                               low=0.0, nullable=True),
+        "text_encoder_targets": Opt("attn-mlp", "targets", "lora.text_encoder: the encoders' layers: attn-mlp (each "
+                                                           "layer's q/k/v/out projections and fc1/fc2, as kohya), "
+                                                           "attn, or module-name suffixes / regular expressions "
+                                                           "(names look like text_model.encoder.layers.0.mlp.fc1)"),
+        "text_encoder_rank": Opt(None, "int", "lora.text_encoder: rank of the text encoders' adapters; null: "
+                                              "lora.rank", low=1, nullable=True),
+        "text_encoder_alpha": Opt(None, "float", "lora.text_encoder: alpha of the text encoders' adapters; null: "
+                                                 "lora.alpha (null there: the rank)", low=0.0, nullable=True),
     },
     "train": {
         "steps": Opt(None, "int", "optimizer steps (or set train.epochs)", low=1, nullable=True),
@@ -331,6 +348,7 @@ ALIASES = {
     "zero_terminal_snr": "diffusion.zero_terminal_snr", "train_data_dir": "data.images",
     "reg_data_dir": "data.datasets", "min_bucket_reso": "data.bucket_min_side",
     "max_bucket_reso": "data.bucket_max_side", "bucket_reso_steps": "data.bucket_step",
+    "train_text_encoder": "lora.text_encoder", "text_encoder_lr": "lora.text_encoder_lr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
 }
@@ -500,6 +518,7 @@ def _cross_checks(c, errors):
         errors.append(f"model.path: {c['model']['path']} does not exist")
     _family_checks(c, errors)
     _data_checks(c, errors)
+    _text_encoder_checks(c, errors)
     if t["compile_ahead"] not in ("auto", "off") and not os.path.isfile(t["compile_ahead"]):
         errors.append(f"train.compile_ahead: expected auto, off or a recorded kernel list, got "
                       f"{t['compile_ahead']!r} (no such file)")
@@ -610,6 +629,34 @@ def _data_checks(c, errors):
         if data["caption_variants"]:
             errors.append("data.caption_variants: caches of image folders hold one caption per image; build one "
                           "with scripts/prepare_cache.py --caption-variants K and train on it (data.cache_dir)")
+
+
+_TEXT_ENCODER_OPTIONS = ("text_encoder_lr", "text_encoder_targets", "text_encoder_rank", "text_encoder_alpha")
+
+
+def _text_encoder_checks(c, errors):
+    """``lora.text_encoder``: SDXL's, with the text encoders at hand and a caption per sample; its
+    options only with it."""
+    lora, t = c["lora"], c["train"]
+    if not lora["text_encoder"]:
+        given = [f"lora.{k}" for k in _TEXT_ENCODER_OPTIONS if lora[k] != SCHEMA["lora"][k].default]
+        if given:
+            errors.append(f"{', '.join(given)}: set for the text encoders' adapters, which lora.text_encoder=true "
+                          "trains: set it, or remove them")
+        return
+    if c["model"]["family"] == "flux":
+        errors.append("lora.text_encoder: Flux.1 keeps its text encoders (T5-XXL and CLIP-L) frozen; flame trains "
+                      "text-encoder adapters for SDXL only: remove it")
+        return
+    if c["model"]["path"] is None:
+        errors.append("lora.text_encoder: training the text encoders needs them: set model.path to an SDXL pipeline "
+                      "folder (or a single-file checkpoint, with sample.tokenizers)")
+    if c["data"]["caption_variants"]:
+        errors.append("data.caption_variants: the cache keeps the variants' embeddings, not their text, and "
+                      "lora.text_encoder encodes each sample's caption in the step: set data.caption_variants=false")
+    if t["optimizer"] == "prodigy" and lora["text_encoder_lr"] not in (None, 0.0, t["lr"]):
+        errors.append("lora.text_encoder_lr: prodigy estimates one step size for all adapters: leave it null (or 0: "
+                      "frozen)")
 
 
 _DDPM_ONLY = {"min_snr_gamma": None, "debiased_estimation": False, "zero_terminal_snr": False, "timestep_min": 0,

@@ -44,6 +44,8 @@ def lora_metadata(cfg, step: int, num_samples: int, started: float, finished: fl
         "ss_sd_model_name": c.model.path or c.model.config,
         "ss_output_name": c.output.name, "ss_steps": step, "ss_max_train_steps": c.train.steps or "",
         "ss_num_train_images": num_samples, "ss_learning_rate": c.train.lr, "ss_unet_lr": c.train.lr,
+        "ss_text_encoder_lr": (c.train.lr if c.lora.text_encoder_lr is None else c.lora.text_encoder_lr)
+        if c.lora.text_encoder else 0.0,  # 0: frozen, as kohya's --network_train_unet_only records it
         "ss_lr_scheduler": c.train.lr_scheduler, "ss_lr_warmup_steps": c.train.warmup_steps,
         "ss_optimizer": optimizer, "ss_mixed_precision": c.train.precision,
         "ss_seed": c.train.seed, "ss_network_args": json.dumps(network_args) if network_args else "",

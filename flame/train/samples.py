@@ -1,7 +1,8 @@
 """Sample images during training (the config's ``sample:`` section), for SDXL and Flux.
 
 At setup the prompts are encoded once by the family's text encoders, which then leave GPU memory
-(T5-XXL's ~9.5 GB included: they come and go before the model being trained loads); the VAE stays
+(T5-XXL's ~9.5 GB included: they come and go before the model being trained loads; SDXL's text
+encoders trained with ``lora.text_encoder`` stay and encode the prompts at each sampling); the VAE stays
 (about 170 MB in bf16). At a sampling step the model being trained (its adapters live, in eval
 mode, cast to the model's dtype once for all prompts: ``amp.ParameterCasts``) runs the sampler's
 loop for each prompt in turn, eagerly: the training step's CUDA graph is left as it is, and the
@@ -26,12 +27,15 @@ from ..pipeline.stages import read_prompt_file
 class TrainingSamples:
     """A run's encoded sample prompts and VAE, and ``render(model, step, folder)``.
 
-    ``conditioning``: one encoded prompt per prompt; ``make_image(model, vae, cond, width, height)``
+    ``conditioning``: one encoded prompt per prompt, or ``encode(prompt)`` making it at each
+    sampling (from text encoders being trained); ``make_image(model, vae, cond, width, height)``
     -> the (H, W, 3) uint8 image of one; ``settings``: what the PNGs record besides prompt, seed,
     size, model and step."""
 
-    def __init__(self, sample_cfg, prompts, conditioning, vae, make_image, settings: dict, width, height, source):
+    def __init__(self, sample_cfg, prompts, conditioning, vae, make_image, settings: dict, width, height, source,
+                 encode=None):
         self.cfg, self.prompts, self.conditioning, self.vae = sample_cfg, prompts, conditioning, vae
+        self.encode = encode
         self.make_image, self.settings = make_image, settings
         self.width, self.height = width, height
         self.source = pathlib.Path(source).name
@@ -46,7 +50,8 @@ class TrainingSamples:
         paths = []
         try:  # the adapters do not change while sampling: cast once for every model call, not once per call and layer
             with ParameterCasts(lora_parameters(model), model.dtype):
-                for k, (prompt, cond) in enumerate(zip(self.prompts, self.conditioning)):
+                for k, prompt in enumerate(self.prompts):
+                    cond = self.conditioning[k] if self.encode is None else self.encode(prompt)
                     image = self.make_image(model, self.vae, cond, self.width, self.height)
                     settings = {"prompt": prompt, "negative_prompt": s.negative_prompt or "", **self.settings,
                                 "seed": s.seed, "size": f"{self.width}x{self.height}", "model": self.source,
@@ -61,14 +66,22 @@ def _prompts(s) -> list:
     return read_prompt_file(s.prompts) if isinstance(s.prompts, str) else list(s.prompts)
 
 
-def sdxl_samples(sample_cfg, source, dtype, default_size: int) -> TrainingSamples:
-    """SDXL's: both CLIP encoders and the VAE of ``source`` (a pipeline folder or checkpoint file)."""
+def sdxl_samples(sample_cfg, source, dtype, default_size: int, text_encoders=None) -> TrainingSamples:
+    """SDXL's: both CLIP encoders and the VAE of ``source`` (a pipeline folder or checkpoint file);
+    ``text_encoders``: those being trained (``lora.text_encoder``), which encode the prompts at each
+    sampling instead."""
     s = sample_cfg
     prompts = _prompts(s)
     scheduler_config, force_zeros = sdxl.pipeline_settings(source)
-    encoders = SDXLTextEncoders.from_pretrained(source, dtype=dtype, tokenizer_path=s.tokenizers)
-    conditioning = [sdxl.encode_prompts(encoders, [p], s.negative_prompt, force_zeros, s.max_tokens) for p in prompts]
-    del encoders  # the text encoders leave GPU memory here
+
+    def encode(prompt, encoders=text_encoders):
+        return sdxl.encode_prompts(encoders, [prompt], s.negative_prompt, force_zeros, s.max_tokens)
+
+    conditioning = None
+    if text_encoders is None:
+        encoders = SDXLTextEncoders.from_pretrained(source, dtype=dtype, tokenizer_path=s.tokenizers)
+        conditioning = [encode(p, encoders) for p in prompts]
+        del encoders  # the text encoders leave GPU memory here
     vae = AutoencoderKL.from_pretrained(source, dtype=dtype)
     steps, cfg, sampler = s.steps or 25, 5.0 if s.cfg is None else s.cfg, s.sampler or "euler"
 
@@ -77,7 +90,8 @@ def sdxl_samples(sample_cfg, source, dtype, default_size: int) -> TrainingSample
                              seed=s.seed, sampler=sampler, cuda_graph=False)[0]
 
     return TrainingSamples(s, prompts, conditioning, vae, make_image, {"steps": steps, "sampler": sampler, "cfg": cfg},
-                           s.width or default_size, s.height or default_size, source)
+                           s.width or default_size, s.height or default_size, source,
+                           encode=None if text_encoders is None else encode)
 
 
 def flux_samples(sample_cfg, source, dtype, transformer_config) -> TrainingSamples:

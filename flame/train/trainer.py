@@ -63,11 +63,11 @@ from ..autograd import GradientMap, no_grad
 from ..data import BucketBatchLoader, CacheError, CacheSet, LatentCache, part_bounds
 from ..diffusion import sample_noise
 from ..graphs import CapturedStep
-from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors
+from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors, stored_shapes
 from ..kernels import launch, precompile
 from ..nn import inject_lora, lora_parameters
 from ..nn.layers import Conv2d
-from ..nn.lora import adaptable_layers, lora_modules, matching_layers
+from ..nn.lora import adaptable_layers, component_keys, lora_modules, matching_layers
 from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, ge, lt, mul, sub, to, where
@@ -79,10 +79,13 @@ from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, s
 from .config import ConfigError, to_dict
 from .datasets import prepare_datasets
 from .outputs import Trackers, lora_metadata
+from .text_encoders import PREFIXES as TEXT_ENCODERS
+from .text_encoders import TextEncoderLoRA, cache_captions, check_source
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
 RESUME_FIXED = ("model.family", "lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "lora.dora",
+                "lora.text_encoder", "lora.text_encoder_targets", "lora.text_encoder_rank",
                 "data.batch_size", "data.drop_last", "data.datasets", "train.seed", "train.optimizer")
 SMOOTHING = 0.98  # the loss shown: an exponential moving average over ~50 steps, bias-corrected
 
@@ -161,6 +164,7 @@ class Trainer:
     def _setup(self, model):
         c = self.cfg
         self.family = families.get(c.model.family, c)
+        self.text = None  # lora.text_encoder: the text encoders with their adapters (TextEncoderLoRA)
         # ---- checks that need no model weights: a bad setting fails here, in seconds
         mcfg = model.config if model is not None else self._model_config()
         self._check_precision()
@@ -173,6 +177,8 @@ class Trainer:
         self.total_steps = c.train.steps or c.train.epochs * math.ceil(len(self.loader) / c.train.grad_accum)
         self.objective = self.family.objective(c, self.log)
         self._check_targets(model, mcfg)
+        if c.lora.text_encoder:
+            check_source(c)
         self._resume_from = self._agreed(self._find_checkpoint)  # (path, trainer state) or None
         if self._resume_from is None:
             self._agreed(self._check_fresh_start)
@@ -180,8 +186,9 @@ class Trainer:
             self._resume_loader(*self._resume_from)
         # ---- the run
         self._ahead = self._compile_ahead(mcfg)  # kernels compile in other processes while the model loads
-        # before the UNet: the text encoders come and go first (rank 0 alone makes samples)
-        self.samples = self._prepare_samples(mcfg) if self.world.is_main else None
+        # before the UNet: the text encoders come and go first (rank 0 alone makes samples); those being
+        # trained stay, and samples are made with them
+        self.samples = self._prepare_samples(mcfg) if self.world.is_main and not c.lora.text_encoder else None
         manual_seed(c.train.seed)
         if model is None:
             try:
@@ -196,13 +203,15 @@ class Trainer:
         self.lora_layers = inject_lora(model, targets, c.lora.rank, c.lora.alpha, c.lora.init, c.lora.dropout,
                                        conv=c.lora.conv_targets or False, conv_rank=c.lora.conv_rank,
                                        conv_alpha=c.lora.conv_alpha, dora=c.lora.dora)
+        if c.lora.text_encoder:
+            self.text = TextEncoderLoRA.load(c, self.dtype, cache_captions(self.cache), self.cache.text_len)
+            self.lora_layers += self.text.layers
+            if self.world.is_main:
+                self.samples = self._prepare_samples(mcfg)
         if c.lora.init_from is not None:
-            try:  # into the adapters just made: a layer outside the targets or another rank is refused whole
-                load_lora(model, c.lora.init_from, prefix=self.family.lora_prefix, inject=False)
-            except (KeyError, ValueError) as e:
-                raise ConfigError(f"lora.init_from: {c.lora.init_from}: {e.args[0] if e.args else e}") from None
-        model.train()
-        self.params = lora_parameters(model)
+            self._init_from(c.lora.init_from)
+        self._train_mode(True)
+        self.params = lora_parameters(model) + (self.text.parameters() if self.text is not None else [])
         self.adapter_casts = ParameterCasts(self.params, self.dtype)  # one launch casts them for each step
         distributed.broadcast_(self.params)  # every rank starts from rank 0's adapters
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
@@ -216,7 +225,8 @@ class Trainer:
         self.scheduler = get_scheduler(c.train.lr_scheduler, self.optimizer, c.train.warmup_steps, self.total_steps,
                                        num_cycles=c.train.lr_num_cycles, power=c.train.lr_power)
         self.ema = EMA(self.params, c.ema.decay) if c.ema.decay is not None else None
-        self._empty_prompt = self.cache.empty_prompt() if c.data.caption_dropout else None
+        # caption dropout's empty caption: the cache's embedding, or (text encoders trained) its tokens
+        self._empty_prompt = self.cache.empty_prompt() if c.data.caption_dropout and self.text is None else None
         self.scaler = DynamicLossScaler() if self.dtype == torch.float16 else None
         graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
         if c.train.cuda_graph and c.lora.dropout:
@@ -286,20 +296,52 @@ class Trainer:
         return precompile.Background(paths) if paths else None
 
     def _prepare_samples(self, mcfg):
-        """The ``sample`` section's prompts encoded and its VAE loaded (None without prompts)."""
+        """The ``sample`` section's prompts encoded and its VAE loaded (None without prompts); with
+        the text encoders trained, the prompts are encoded by them at each sampling."""
         s = self.cfg.sample
         if s.prompts is None:
             return None
-        return self.family.training_samples(s, s.model or self.cfg.model.path, self.dtype, mcfg)
+        return self.family.training_samples(s, s.model or self.cfg.model.path, self.dtype, mcfg,
+                                            None if self.text is None else self.text.encoders)
+
+    def _lora_models(self) -> dict:
+        """{PEFT prefix: model} of the run's adapters: the LoRA file's parts (the denoiser's, and SDXL's
+        text encoders' when trained)."""
+        return {self.family.lora_prefix: self.model, **(self.text.models if self.text is not None else {})}
+
+    def _init_from(self, path):
+        """``lora.init_from`` into the adapters just made: a layer outside the targets or another
+        rank is refused whole; a part of the run the file has no adapters for starts fresh."""
+        try:
+            loaded = load_lora(self._lora_models(), path, inject=False)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"lora.init_from: {path}: {e.args[0] if e.args else e}") from None
+        fresh = [p for p in self._lora_models() if not loaded.get(p)]
+        if fresh:
+            self.log(f"lora.init_from: {path} holds no adapters for {' and '.join(fresh)}: theirs start fresh")
+        if self.text is None and any(component_keys(stored_shapes(path), p, bare=False) for p in TEXT_ENCODERS):
+            self.log(f"lora.init_from: {path} also holds text-encoder adapters, which this run does not train "
+                     "(lora.text_encoder=false): left out")
+
+    def _train_mode(self, mode: bool):
+        """The model (and the text encoders being trained) in training mode or not (dropout)."""
+        self.model.train(mode)
+        if self.text is not None:
+            self.text.train(mode)
 
     def _sample(self):
         """Images of the sample prompts from the current weights, their paths into metrics.jsonl."""
         folder = os.path.join(self.out_dir, "samples")
         try:
             with self.ema.applied() if self.cfg.sample.use_ema else contextlib.nullcontext():
+                if self.text is not None:
+                    self.text.train(False)
                 paths = self.samples.render(self.model, self.step, folder)
         except OSError as e:
             raise self._write_error(e, "sample images", folder) from e
+        finally:
+            if self.text is not None:
+                self.text.train(True)
         self._metrics([{"step": self.step, "samples": paths}])
         self.trackers.log_images(self.step, paths)
         self._say(f"step {self.step}: {_count(len(paths), 'sample')} in {os.path.dirname(paths[0])}")
@@ -309,8 +351,9 @@ class Trainer:
         """The adapters in one optimizer group per (model part, A or B), in module order: the part's
         learning-rate multiplier (SDXL: ``lora.lr_down`` / ``lr_mid`` / ``lr_up``) times ``train.lr``, and
         for B also ``lora.plus_ratio`` (LoRA+). DoRA's magnitudes go with their layer's A (the
-        part's rate, not LoRA+'s). The groups are the same whatever the multipliers, so a run may
-        resume with other ones."""
+        part's rate, not LoRA+'s). The text encoders' adapters (``lora.text_encoder``) follow, one
+        group per (encoder, side) at ``lora.text_encoder_lr``. The groups are the same whatever the
+        multipliers, so a run may resume with other ones."""
         lc = self.cfg.lora
         scale = self.family.lr_scales(lc)
         groups = {}
@@ -320,8 +363,12 @@ class Trainer:
             groups.setdefault((block, "B"), []).append(layer.lora_B)
             if layer.dora:
                 groups[block, "A"].append(layer.lora_magnitude)
-        return [{"params": params, "lr": self.cfg.train.lr * scale[block] * (lc.plus_ratio if side == "B" else 1.0)}
-                for (block, side), params in groups.items()]
+        out = [{"params": params, "lr": self.cfg.train.lr * scale[block] * (lc.plus_ratio if side == "B" else 1.0)}
+               for (block, side), params in groups.items()]
+        if self.text is not None:
+            out += self.text.param_groups(self.cfg.train.lr if lc.text_encoder_lr is None else lc.text_encoder_lr,
+                                          lc.plus_ratio)
+        return out
 
     def _lr(self) -> float:
         """The scheduled learning rate of ``train.lr`` at this step (before the multipliers)."""
@@ -387,7 +434,7 @@ class Trainer:
                 raise ConfigError(f"data.caption_variants: the cache at {e['cache_dir']} holds one caption per image: "
                                   "rebuild it with scripts/prepare_cache.py --caption-variants K, or set "
                                   "data.caption_variants=false")
-            if c.caption_dropout and not cache.has_empty_prompt:
+            if c.caption_dropout and not cache.has_empty_prompt and not self.cfg.lora.text_encoder:
                 raise ConfigError(f"data.caption_dropout: the cache at {e['cache_dir']} holds no embedding of the "
                                   "empty caption (it was written before prepare_cache.py stored one): rebuild it, or "
                                   "set data.caption_dropout=0")
@@ -517,8 +564,12 @@ class Trainer:
                        *conditioning):
         """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
         The loss is divided by grad_accum (and scaled by the loss scaler) for the backward only.
-        Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it."""
+        Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it. With the text
+        encoders trained, ``prompt_embeds`` and ``pooled`` are the captions' token ids and EOS
+        positions (``TextEncoderLoRA.inputs``), encoded here."""
         with self.adapter_casts:
+            if self.text is not None:
+                prompt_embeds, pooled = self.text.encode(prompt_embeds, pooled)
             loss = self.compute_loss(latents, noise, levels, prompt_embeds, pooled, *conditioning,
                                      input_noise=input_noise, sample_weights=sample_weights)
             scaled = mul(loss, 1.0 / self.cfg.train.grad_accum) if self.cfg.train.grad_accum > 1 else loss
@@ -548,7 +599,7 @@ class Trainer:
             if d.input_perturbation:  # the input sees noise + gamma * randn, the target the noise alone
                 input_noise = add(noise, mul(randn(*shape, rows=rows), d.input_perturbation))
             keep = None
-            if self._empty_prompt is not None:  # caption dropout, decided on the device
+            if self.cfg.data.caption_dropout:  # decided on the device
                 keep = ge(rand(shape[0], rows=rows), self.cfg.data.caption_dropout)
             if start == stop:  # fewer samples than ranks in a bucket's last batch
                 self.bucket.pack(None, None, 0.0, m > 0, self._requested is not None)
@@ -558,15 +609,18 @@ class Trainer:
             variants = self.loader.variants_of(mine, self.cache.caption_variants) if self.cfg.data.caption_variants \
                 else None
             batch = self.cache.batch(mine, flips, variants)
-            embeds, pooled = batch.prompt_embeds, batch.pooled
-            if keep is not None:
-                empty_embeds, empty_pooled = self._empty_prompt
-                embeds = where(keep.reshape(-1, 1, 1), embeds, empty_embeds)
-                pooled = where(keep.reshape(-1, 1), pooled, empty_pooled)
+            if self.text is not None:  # the captions' tokens (the empty caption's where dropped), encoded in the step
+                embeds, pooled = self.text.inputs(batch.indices, keep)
+            else:
+                embeds, pooled = batch.prompt_embeds, batch.pooled
+                if keep is not None:
+                    empty_embeds, empty_pooled = self._empty_prompt
+                    embeds = where(keep.reshape(-1, 1, 1), embeds, empty_embeds)
+                    pooled = where(keep.reshape(-1, 1), pooled, empty_pooled)
             weights = None
             if self._weighted:  # the datasets' loss weights of these rows
                 weights = tensor(np.array([self.cache.weight_of(i) for i in batch.indices], dtype=np.float32))
-            conditioning = self.family.conditioning(batch, shape, embeds.shape[1])
+            conditioning = self.family.conditioning(batch, shape, batch.prompt_embeds.shape[1])
             loss, grads = self.step_fn(batch.latents, noise, levels, embeds, pooled, input_noise, weights,
                                        *conditioning)
             if self.bucket is not None:
@@ -625,7 +679,7 @@ class Trainer:
         set_rng_state({"seed": VAL_SEED, "offset": 0})
         all_levels = self.objective.validation_levels(self.val_loader.num_samples)
         total, seen = zeros((1,)), 0
-        self.model.eval()
+        self._train_mode(False)
         try:
             with no_grad():
                 for ids in self.val_loader.plan(0):  # global batches: each rank takes its rows
@@ -635,12 +689,14 @@ class Trainer:
                         batch = self.cache.batch(ids[start:stop])
                         levels = tensor(all_levels[seen + start:seen + stop])
                         conditioning = self.family.conditioning(batch, shape, batch.prompt_embeds.shape[1])
-                        loss = self.compute_loss(batch.latents, noise, levels, batch.prompt_embeds, batch.pooled,
-                                                 *conditioning)
+                        embeds, pooled = batch.prompt_embeds, batch.pooled
+                        if self.text is not None:
+                            embeds, pooled = self.text.encode(*self.text.inputs(batch.indices))
+                        loss = self.compute_loss(batch.latents, noise, levels, embeds, pooled, *conditioning)
                         total = add(total, mul(loss, float(stop - start)))
                     seen += len(ids)
         finally:
-            self.model.train()
+            self._train_mode(True)
             set_rng_state(saved)
         distributed.all_reduce_(total)
         value = float(total.item()) / seen  # host sync (validation only)
@@ -761,7 +817,7 @@ class Trainer:
         tensors = {f"{i}.{k}": v for i, entry in opt["state"].items() for k, v in entry.items() if k != "step"}
         state = self.state(opt)
         writers = {
-            "lora.safetensors": lambda p: save_lora(self.model, p, format="peft", prefix=self.family.lora_prefix),
+            "lora.safetensors": lambda p: save_lora(self._lora_models(), p, format="peft"),
             "optimizer.safetensors": lambda p: save_safetensors(tensors, p),
             "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
@@ -792,8 +848,7 @@ class Trainer:
         """Restore a checkpoint written by ``save`` (the model must already carry its adapters);
         ``state``: its trainer_state.json, read and checked by ``_find_checkpoint``, which has set
         the loader's position too."""
-        load_lora(self.model, os.path.join(path, "lora.safetensors"), prefix=self.family.lora_prefix, inject=False,
-                  strict=True)
+        load_lora(self._lora_models(), os.path.join(path, "lora.safetensors"), inject=False, strict=True)
         tensors = load_safetensors(os.path.join(path, "optimizer.safetensors"))
         opt = state["optimizer"]
         if len(opt["param_groups"]) != len(self.optimizer.param_groups):
@@ -984,8 +1039,8 @@ class Trainer:
                     continue
                 try:
                     with self.ema.applied() if averaged else contextlib.nullcontext():
-                        save_lora(self.model, path, format=c.lora.format, dtype=PRECISIONS[c.output.save_dtype],
-                                  metadata=meta, prefix=self.family.lora_prefix)
+                        save_lora(self._lora_models(), path, format=c.lora.format,
+                                  dtype=PRECISIONS[c.output.save_dtype], metadata=meta)
                 except OSError as e:
                     raise self._write_error(e, "the LoRA file", path) from e
             self._summary(self.step - first, time.perf_counter() - started, checkpoint)
@@ -1048,6 +1103,10 @@ class Trainer:
         layers = self.lora_layers
         lines += [f"  LoRA file: {self.lora_path()} ({c.lora.format} format, {_count(len(layers), 'layer')}, "
                   f"rank {c.lora.rank}, alpha {c.lora.alpha if c.lora.alpha is not None else c.lora.rank:g})"]
+        if self.text is not None:
+            lines.append(f"    text encoders: {_count(len(self.text.layers), 'layer')} of them, rank {self.text.rank}, "
+                         f"alpha {self.text.alpha:g} (diffusers' text_encoder. / text_encoder_2., kohya's lora_te1_ / "
+                         "lora_te2_)")
         if self.ema is not None:
             lines.append(f"  moving average (decay {c.ema.decay:g}): {self.lora_path(ema=True)}")
         lines += [f"  checkpoint: {checkpoint} (--resume continues from it)", f"  metrics: {self._metrics_path()}"]

@@ -96,10 +96,14 @@ class Family:
         SDXL's, "flux"), or None when none was (``precompile.manifest_name``'s ``model``)."""
         return None
 
-    def training_samples(self, sample_cfg, source, dtype, mcfg):
+    def training_samples(self, sample_cfg, source, dtype, mcfg, text_encoders=None):
         """The ``sample`` section's prompts encoded, ready to render images while training
-        (``make_samples``); a source that cannot be loaded is a ConfigError naming it."""
+        (``make_samples``); a source that cannot be loaded is a ConfigError naming it.
+        ``text_encoders``: the ones being trained (SDXL's ``lora.text_encoder``), which then encode
+        the prompts at each sampling."""
         try:
+            if text_encoders is not None:
+                return self.make_samples(sample_cfg, source, dtype, mcfg, text_encoders=text_encoders)
             return self.make_samples(sample_cfg, source, dtype, mcfg)
         except torch.cuda.OutOfMemoryError:
             raise

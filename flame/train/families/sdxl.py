@@ -93,6 +93,6 @@ class SDXLFamily(Family):
     def predict(self, model, noisy, levels, embeds, pooled, time_ids):
         return model(noisy, levels, embeds, pooled, time_ids)
 
-    def make_samples(self, sample_cfg, source, dtype, mcfg):
+    def make_samples(self, sample_cfg, source, dtype, mcfg, text_encoders=None):
         from ..samples import sdxl_samples
-        return sdxl_samples(sample_cfg, source, dtype, default_size=8 * mcfg.sample_size)
+        return sdxl_samples(sample_cfg, source, dtype, default_size=8 * mcfg.sample_size, text_encoders=text_encoders)
