@@ -406,3 +406,27 @@ def test_prepare_cache_writes_kohya_sets_apart_and_refreshes(tmp_path, capsys, m
     assert len(LatentCache(tmp_path / "out")) == 1 and len(LatentCache(tmp_path / "out" / "5_sks")) == 2
     assert pc.main(argv) == 0 and made == ["sdxl"]  # the second run finds every image cached
     assert "2 image(s), 2 cached already" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_one_command_trains_from_a_kohya_image_folder(tmp_path):
+    """The issue's path: a folder of captioned images and a checkpoint, one trainer run, no cache step."""
+    pytest.importorskip("diffusers")
+    from tiny_sdxl import write_tiny_pipeline
+
+    import flame
+    from flame.train import Trainer
+    model = write_tiny_pipeline(tmp_path / "sdxl")
+    root = tmp_path / "train"
+    _png(root / "3_sks" / "a.png", caption="sks dog")
+    _png(root / "3_sks" / "b.png", seed=1, caption="sks dog, sitting")
+    cfg = build_config({"model": {"path": str(model)}, "data": {"images": str(root), "resolution": 64,
+                                                               "batch_size": 2},
+                        "lora": {"rank": 2, "targets": "attn"}, "train": {"steps": 2, "precision": "fp32"},
+                        "output": {"dir": str(tmp_path / "run"), "save_every": 0}})
+    flame.manual_seed(0)
+    result = Trainer(cfg, progress=False, log=lambda *a: None).train()
+    assert len(result["losses"]) == 2 and np.isfinite(result["losses"]).all()
+    cache = LatentCache(tmp_path / "run" / "cache" / "3_sks")
+    assert len(cache) == 2 and {s["caption"] for s in cache.samples} == {"sks dog", "sks dog, sitting"}
+    assert (tmp_path / "run" / "lora.safetensors").is_file()
