@@ -16,7 +16,7 @@ import pytest
 
 import flame
 from flame.data import write_synthetic_cache
-from flame.io import load_lora, load_safetensors, read_metadata, save_lora
+from flame.io import load_lora, load_safetensors, read_metadata, save_lora, save_safetensors
 from flame.models import SDXLTextEncoders
 from flame.nn.lora import lora_modules
 from flame.train import ConfigError, Trainer, build_config, list_checkpoints
@@ -45,7 +45,7 @@ def cache(tmp_path_factory):
 def _config(pipeline, cache, out, *overrides):
     raw = {"model": {"config": "tiny", "path": str(pipeline)}, "data": {"cache_dir": str(cache), "batch_size": 2},
            "lora": {"rank": 2, "targets": "attn", "text_encoder": True, "text_encoder_lr": 1e-2,
-                    "text_encoder_rank": 3},
+                    "text_encoder_rank": 3, "text_encoder_alpha": 6},
            "train": {"steps": 3, "lr": 3e-3, "precision": "fp32", "seed": 3},
            "output": {"dir": str(out), "save_every": 0, "log_every": 1}}
     return build_config(raw, overrides)
@@ -96,7 +96,7 @@ def test_both_encoders_train_with_the_unet_into_one_file(pipeline, straight):
     assert not any(k.startswith("text_encoder.text_model.encoder.layers.1.") for k in keys)  # CLIP-L's last layer
     meta = read_metadata(result["lora"])
     peft = json.loads(meta["lora_adapter_metadata"])
-    assert (peft["unet.r"], peft["text_encoder.r"], peft["text_encoder_2.lora_alpha"]) == (2, 3, 3)
+    assert (peft["unet.r"], peft["text_encoder.r"], peft["text_encoder_2.lora_alpha"]) == (2, 3, 6)
     assert "encoder.layers.0.self_attn.q_proj" in peft["text_encoder.target_modules"]  # either transformers layout
     assert meta["ss_text_encoder_lr"] == "0.01"
     ckpt = list_checkpoints(pathlib.Path(result["checkpoint"]).parent)[-1][1]
@@ -109,16 +109,23 @@ def test_both_encoders_train_with_the_unet_into_one_file(pipeline, straight):
         assert np.abs(got - base).max() > 1e-4
 
 
-def test_kohya_names_hold_the_same_adapters(pipeline, straight, tmp_path):
-    _, trainer = straight
+def test_kohya_names_and_transformers_5_names_hold_the_same_adapters(pipeline, straight, tmp_path):
+    result, trainer = straight
     path = tmp_path / "kohya.safetensors"
     save_lora(trainer._lora_models(), path, format="kohya")
     keys = load_safetensors(path).keys()
     assert {k.split("_")[1] for k in keys} == {"unet", "te1", "te2"}
     assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in keys
     assert "lora_te2_text_model_encoder_layers_1_mlp_fc2.alpha" in keys
-    for got, want in zip(_embeddings(_encoders(pipeline, path)), _embeddings(trainer.text.encoders)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # diffusers saves a text encoder's adapters without text_model. under transformers 5: those load too
+    flat = tmp_path / "flat.safetensors"
+    tensors = {k.replace(".text_model.", ".", 1): v for k, v in load_safetensors(result["lora"]).items()}
+    meta = read_metadata(result["lora"])
+    save_safetensors(tensors, flat, metadata=meta)
+    assert "text_encoder.encoder.layers.0.mlp.fc1.lora_A.weight" in tensors
+    for file in (path, flat):
+        for got, want in zip(_embeddings(_encoders(pipeline, file)), _embeddings(trainer.text.encoders)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=file.name)
 
 
 def test_resume_continues_exactly(pipeline, cache, straight, tmp_path):
@@ -134,7 +141,7 @@ def test_resume_continues_exactly(pipeline, cache, straight, tmp_path):
             np.testing.assert_array_equal(got, want, err_msg=name)
     with pytest.raises(ConfigError, match=r"lora\.text_encoder True -> False"):
         _trainer(_config(pipeline, cache, tmp_path, "resume=latest", "lora.text_encoder=false",
-                         "lora.text_encoder_lr=null", "lora.text_encoder_rank=null"))
+                         "lora.text_encoder_lr=null", "lora.text_encoder_rank=null", "lora.text_encoder_alpha=null"))
 
 
 @pytest.fixture(scope="module")
@@ -193,17 +200,23 @@ def test_flame_sample_folds_the_encoders_adapters_in(pipeline, real):
     assert not lora_modules(pipe.text_encoders)  # folded
 
 
-def test_init_from_reads_the_encoders_back(pipeline, real, tmp_path):
+def test_init_from_reads_the_encoders_back_and_samples_use_them(pipeline, real, tmp_path, monkeypatch):
     path, trainer = real
     cfg = _config(pipeline, trainer.cfg.data.cache_dir, tmp_path / "a", "model.config=sdxl",
-                  "lora.targets=[attn2.to_k]", f"lora.init_from={path}")
+                  "lora.targets=[attn2.to_k]", f"lora.init_from={path}", "sample.prompts=[a cat]", "sample.steps=1",
+                  "sample.width=16", "sample.height=16")
     again = Trainer(cfg, progress=False, log=lambda *a: None)
     for got, want in zip(_embeddings(again.text.encoders), _embeddings(trainer.text.encoders)):
         np.testing.assert_array_equal(got, want)
+    encoded, encode = [], again.text.encoders.encode  # sample prompts: encoded by the encoders being trained
+    monkeypatch.setattr(again.text.encoders, "encode", lambda *a, **k: encoded.append(a[0]) or encode(*a, **k))
+    assert again.samples.conditioning is None
+    assert [pathlib.Path(p).name for p in again.samples.render(again.model, 0, tmp_path / "s")] == ["00.png"]
+    assert encoded == [["a cat"]]
     lines = []
     unet_only = _config(pipeline, trainer.cfg.data.cache_dir, tmp_path / "b", "model.config=sdxl",
                         "lora.targets=[attn2.to_k]", f"lora.init_from={path}", "lora.text_encoder=false",
-                        "lora.text_encoder_lr=null", "lora.text_encoder_rank=null")
+                        "lora.text_encoder_lr=null", "lora.text_encoder_rank=null", "lora.text_encoder_alpha=null")
     plain = Trainer(unet_only, progress=False, log=lines.append)
     assert plain.text is None and any("also holds text-encoder adapters" in line for line in lines)
     for (name, want), got in zip(_b(trainer.model).items(), _b(plain.model).values()):

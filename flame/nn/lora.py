@@ -780,7 +780,8 @@ class LoadStep:
 def _lookup(model, fmt, prefix):
     """{module path as the file spells it: its ``FileAdapter``} for the layers that can take an
     adapter: PEFT under ``_file_adapters``' names and the flame path (a fused layer's whole adapter),
-    each bare, with ``prefix`` or PEFT's ``base_model.model``; kohya under the original name and the
+    each also without a root transformers 5 dropped (``peft_target_name``), each bare, with
+    ``prefix`` or PEFT's ``base_model.model``; kohya under the original name and the
     flame path, with the (kohya) prefix or without."""
     lookup = {}
     for name, m in model.named_modules():
@@ -789,8 +790,9 @@ def _lookup(model, fmt, prefix):
         whole = ((0, m.weight.shape[0]),)
         if fmt == "peft":
             for fa in [*_file_adapters(model, name, m, "peft"), FileAdapter(name, name, None, whole)]:
-                for spelled in (f"{prefix}.{fa.name}" if prefix else fa.name, fa.name, f"base_model.model.{fa.name}"):
-                    lookup.setdefault(spelled, fa)
+                for n in dict.fromkeys((fa.name, peft_target_name(fa.name))):  # diffusers' text encoders under
+                    for spelled in (f"{prefix}.{n}" if prefix else n, n, f"base_model.model.{n}"):  # transformers 5
+                        lookup.setdefault(spelled, fa)
         else:
             for path in dict.fromkeys((_original_name(model, name), name)):
                 fa = FileAdapter(path, name, None, whole)
@@ -808,7 +810,10 @@ def _file_alpha(e, specs, scalar, alpha, fa, rank):
             raise ValueError(f"load_lora: {e['alpha']} is a {dt} tensor of shape {tuple(shape)}, not one number")
         return float(scalar(e["alpha"]))
     if isinstance(alpha, dict):
-        return float(alpha.get(fa.name, alpha.get(fa.path, rank)))
+        for name in (fa.name, peft_target_name(fa.name), fa.path):
+            if name in alpha:
+                return float(alpha[name])
+        return float(rank)
     return float(rank if alpha is None else alpha)
 
 
