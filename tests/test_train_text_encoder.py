@@ -241,6 +241,11 @@ def test_the_option_is_refused_where_it_cannot_work(pipeline, cache, tmp_path):
     assert "did you mean lora.text_encoder?" in refused({}, "train.train_text_encoder=true")
     with pytest.raises(ConfigError, match=r"text_encoder_targets: \['nothing'\] matches none .* text_model\.encoder"):
         _trainer(_config(pipeline, cache, tmp_path / "a", "lora.text_encoder_targets=[nothing]"))
+    narrow = tmp_path / "narrow"  # a cache (and UNet) of 24 text features: not these encoders' 12 + 20
+    write_synthetic_cache(narrow, 4, 4, 77, 24, 16, latent_sizes=[(4, 4)], val_samples=0, seed=1)
+    with pytest.raises(ConfigError, match=r"give text_dim 32 \(the cache's 24\)"):
+        _trainer(_config(pipeline, narrow, tmp_path / "n"), StandInUNet(SimpleNamespace(**{**vars(DIMS),
+                                                                                         "cross_attention_dim": 24})))
     broken = tmp_path / "no_tokenizer"
     shutil.copytree(pipeline, broken)
     shutil.rmtree(broken / "tokenizer_2")

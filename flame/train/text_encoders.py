@@ -122,16 +122,22 @@ class TextEncoderLoRA:
         self._empty = self._upload(*self._tokens([""])) if dropout else None
 
     @classmethod
-    def load(cls, cfg, dtype, captions: list, text_len: int) -> TextEncoderLoRA:
+    def load(cls, cfg, dtype, cache) -> TextEncoderLoRA:
         """The encoders of ``model.path`` (tokenizers: ``sample.tokenizers`` for a single file) in
-        ``dtype`` with the ``lora`` section's adapters; a source that cannot be loaded is a
-        ConfigError naming it."""
+        ``dtype`` with the ``lora`` section's adapters, for the captions of ``cache`` (a
+        ``LatentCache`` or ``CacheSet``, whose text widths they must give); a source that cannot be
+        loaded is a ConfigError naming it."""
         path = cfg.model.path
         try:
             encoders = SDXLTextEncoders.from_pretrained(path, dtype=dtype, tokenizer_path=cfg.sample.tokenizers)
         except (OSError, ValueError, RuntimeError) as e:
             raise ConfigError(f"lora.text_encoder: cannot load the text encoders of {path}: {e}") from None
-        return cls(encoders, captions, text_len, cfg.lora, bool(cfg.data.caption_dropout))
+        dims = {"text_dim": encoders.text_dim, "pooled_dim": encoders.pooled_dim}
+        bad = [f"{k} {v} (the cache's {getattr(cache, k)})" for k, v in dims.items() if v != getattr(cache, k)]
+        if bad:
+            raise ConfigError(f"lora.text_encoder: the text encoders of {path} give {', '.join(bad)}: they are not "
+                              "the encoders the cache (and the UNet) was made for")
+        return cls(encoders, cache_captions(cache), cache.text_len, cfg.lora, bool(cfg.data.caption_dropout))
 
     @property
     def models(self) -> dict:

@@ -80,7 +80,7 @@ from .config import ConfigError, to_dict
 from .datasets import prepare_datasets
 from .outputs import Trackers, lora_metadata
 from .text_encoders import PREFIXES as TEXT_ENCODERS
-from .text_encoders import TextEncoderLoRA, cache_captions, check_source
+from .text_encoders import TextEncoderLoRA, check_source
 
 # settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
 # the loader's saved position counts in (any other change is allowed, with a warning)
@@ -204,7 +204,7 @@ class Trainer:
                                        conv=c.lora.conv_targets or False, conv_rank=c.lora.conv_rank,
                                        conv_alpha=c.lora.conv_alpha, dora=c.lora.dora)
         if c.lora.text_encoder:
-            self.text = TextEncoderLoRA.load(c, self.dtype, cache_captions(self.cache), self.cache.text_len)
+            self.text = TextEncoderLoRA.load(c, self.dtype, self.cache)
             self.lora_layers += self.text.layers
             if self.world.is_main:
                 self.samples = self._prepare_samples(mcfg)
