@@ -29,6 +29,7 @@ import triton.language as tl
 
 from .. import autotune, runtime, tune
 from ..autotune import tunable
+from . import matmul_hopper
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
 from .launch import TensorDescriptor, descriptor, launch
 from .reduce import SUM, accumulation_dtype, reduce_
@@ -360,6 +361,9 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None, part=Non
                 return _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f)
             return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
         if layout is not None:
+            hopper = matmul_hopper.plan(M, N, K, a, b, f)  # the warp-specialised Gluon kernel, where it is faster
+            if hopper is not None:
+                return matmul_hopper.matmul(out, a, b, M, N, K, f, layout, hopper)
             return _launch_tma(out, a, b, M, N, K, f, layout)
     grid = (B0 * B1 * tiles,)
     counts = out if part is None else _arrival_counts(tiles)

@@ -1,0 +1,341 @@
+"""A persistent, warp-specialised GEMM for Hopper (sm_90) in Gluon: ``matmul.py``'s 2-D TMA problem
+(16-bit operands, fp32 accumulation, the ``Fusion`` epilogue without a low-rank term) with a TMA
+producer warp, two consumer warpgroups issuing wgmma, and TMA stores.
+
+The grid is at most one program per SM; each walks the output tiles pid, pid + programs, ... in
+``matmul._tile_coords``' grouped order, in three partitions:
+- the loader (1 warp, 24 registers): streams (A, B) blocks of BLOCK_K along K into a ring of STAGES
+  shared-memory stages (``ready`` barriers count the bytes, ``empty`` barriers take one arrival per
+  consumer that reads the stage), tile after tile, running ahead of the consumers across tiles;
+- two consumers (4 warps each, the default partition and a worker, CONSUMER_REGS registers): each
+  accumulates a (BLOCK_M, BLOCK_N) fp32 block with wgmma (one in flight: a stage is released once
+  the wgmma after it has been issued and the one reading it waited), then applies the epilogue in
+  registers (``matmul._epilogue``: alpha, bias, activation) and stores through its own shared
+  buffer by TMA (the store left in flight until that buffer is needed again). A residual arrives
+  by TMA into that buffer while the tile's main loop runs.
+Two schedules (``COOP``):
+- cooperative: a program tile is (2 BLOCK_M, BLOCK_N), each consumer takes half of its rows; a
+  stage holds two A blocks and one B block, read by both (128x256 as CUTLASS's cooperative kernels);
+- ping-pong: a program tile is (BLOCK_M, BLOCK_N) and the consumers take alternate tiles of the
+  program's walk. The loader fills the ring in walk order, so a consumer's main loop starts as the
+  other's ends, and each epilogue runs under the other consumer's wgmmas; the finer tile also
+  evens out the last wave (4608 x 3072 is 432 tiles of 128x256, 3.3 waves on 132 SMs, but 864 of
+  128x128 or 64x256, 6.5).
+Operands are described along their contiguous dimension as in ``matmul._launch_tma``: A (M, K) as
+(BLOCK_M, BLOCK_K) blocks when K is contiguous, else (BLOCK_K, BLOCK_M) blocks read transposed by
+wgmma; B (K, N) as (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N) blocks. So the forward (x W^T) and both
+backward products (dY W, dY^T X) run here. Rows and columns past the problem load as zeros and
+are clipped on store. Descriptors are built on the host (``_descriptor``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from .. import autotune, runtime
+from . import matmul as gemm
+from .launch import launch
+
+try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # an older Triton: the other GEMM kernels serve every call
+    gluon = None
+
+# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels
+ROUTE = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_GLUON", "1") != "0"
+BLOCK_K = 64
+CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K,
+                A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
+        num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        nbytes: gl.constexpr = (SUB * BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
+        count = 0
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+            pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * (SUB * BLOCK_M)
+            off_n = pid_n * BLOCK_N
+            for kk in range(k_tiles):
+                s = count % STAGES
+                mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+                mbarrier.expect(ready.index(s), nbytes)
+                off_k = kk * BLOCK_K
+                for w in gl.static_range(SUB):
+                    if A_K:
+                        tma.async_copy_global_to_shared(a_desc, [off_m + w * BLOCK_M, off_k], ready.index(s),
+                                                        a_smem.index(s * SUB + w))
+                    else:
+                        tma.async_copy_global_to_shared(a_desc, [off_k, off_m + w * BLOCK_M], ready.index(s),
+                                                        a_smem.index(s * SUB + w))
+                if B_K:
+                    tma.async_copy_global_to_shared(b_desc, [off_n, off_k], ready.index(s), b_smem.index(s))
+                else:
+                    tma.async_copy_global_to_shared(b_desc, [off_k, off_n], ready.index(s), b_smem.index(s))
+                count += 1
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc,
+                  bias_ptr, M, N, K, s_bias, alpha,
+                  A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
+                  STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
+        # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
+        # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
+        # that waited on its next tile's stages earlier could be STAGES or more loads ahead of the
+        # loader, where a ready barrier's parity reads as a completion from the previous round.
+        # So the consumers' main loops take turns and each epilogue runs under the other's wgmmas.
+        SUB: gl.constexpr = 2 if COOP else 1
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        dtype: gl.constexpr = c_desc.dtype
+        buf = c_smem.index(WG)
+        bar = res_bar.index(WG)
+        num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        programs = gl.num_programs(0)
+        first = gl.program_id(0) + (0 if COOP else WG) * programs
+        step = programs if COOP else 2 * programs
+        res_phase = 0
+        turns = 0
+        if not COOP and WG == 1:  # consumer 0 goes first
+            mbarrier.arrive(turn.index(0))
+        for tile in range(first, num_pid_m * num_pid_n, step):
+            if not COOP:
+                mbarrier.wait(turn.index(WG), turns & 1)
+                turns += 1
+            pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * (SUB * BLOCK_M) + (WG * BLOCK_M if COOP else 0)
+            off_n = pid_n * BLOCK_N
+            if RESIDUAL:  # into the store buffer once its last store has been read
+                tma.store_wait(0)
+                mbarrier.expect(bar, BLOCK_M * BLOCK_N * dtype.primitive_bitwidth // 8)
+                tma.async_copy_global_to_shared(res_desc, [off_m, off_n], bar, buf)
+            count = (tile - gl.program_id(0)) // programs * k_tiles  # ring position: the walk's k blocks so far
+            s = count % STAGES
+            # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
+            # over from the last tile would be live through the epilogue beside its result
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            for kk in range(k_tiles):
+                s = count % STAGES
+                mbarrier.wait(ready.index(s), (count // STAGES) & 1)
+                a = a_smem.index(s * SUB + (WG if COOP else 0))
+                if not A_K:
+                    a = a.permute((1, 0))
+                b = b_smem.index(s)
+                if B_K:
+                    b = b.permute((1, 0))
+                acc = warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
+                acc = warpgroup_mma_wait(1, deps=(acc,))
+                if kk > 0:  # the previous stage's wgmma is done
+                    mbarrier.arrive(empty.index((count - 1) % STAGES))
+                count += 1
+            if not COOP:
+                mbarrier.arrive(turn.index(1 - WG))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index(s))
+
+            offs_n = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+            # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
+            # held at once spill)
+            pre, out = gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0 if STORE_PRE else ACT)
+            if RESIDUAL:
+                mbarrier.wait(bar, res_phase)
+                res_phase ^= 1
+                out += buf.load(acc_layout).to(gl.float32)
+            else:
+                tma.store_wait(0)
+            if STORE_PRE:
+                buf.store(pre.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
+                out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
+                tma.store_wait(0)
+            buf.store(out.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
+        tma.store_wait(0)
+
+    # C = ACT(alpha * A B + bias) (+ R): see the module's docstring. The sizes only count tiles and
+    # blocks (the descriptors carry the shapes), so they are not specialised on: one compiled kernel
+    # per config serves every shape.
+    @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias"])
+    def _gemm_hopper_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, N, K, s_bias, alpha,
+                            A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
+                            STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
+                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        SUB: gl.constexpr = 2 if COOP else 1
+        dtype: gl.constexpr = a_desc.dtype
+        a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
+        b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        c_smem = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        res_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=SUB)  # one arrival per consumer reading the stage
+        for w in gl.static_range(2):
+            mbarrier.init(res_bar.index(w), count=1)
+            mbarrier.init(turn.index(w), count=1)
+        # (the argument tuples are written out in the call: a tuple bound to a name first would turn
+        # the constexprs in it into tensors, Triton 3.6)
+        gl.warp_specialize([
+            (_consumer, (0, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
+                         M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
+                         COOP, STAGES, GROUP_M)),
+            (_consumer, (1, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
+                         M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
+                         COOP, STAGES, GROUP_M)),
+            (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                       COOP, STAGES, GROUP_M)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+@functools.cache
+def available():
+    """Whether the Gluon kernel can run here: Gluon importable, not the interpreter, an sm_90 GPU."""
+    return (gluon is not None and not runtime.INTERPRETER and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(runtime.device) == (9, 0))
+
+
+def usable(a, b, f):
+    """Whether this kernel can serve a 2-D problem that ``matmul._tma_layout`` accepted, with the
+    epilogue ``f`` (a ``Fusion``): ``available``, fp16/bf16 operands of one dtype, no low-rank
+    term, and not both a pre-activation and a residual (one store buffer per consumer;
+    ``linear_`` never asks for both)."""
+    return (a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype and not f.rank
+            and (f.pre_out is None or f.residual is None) and available())
+
+
+_plans: dict = {}  # (M, N, K) -> launch config, or None where matmul.py's TMA kernel serves the problem
+
+
+def plan(M, N, K, a, b, f):
+    """The launch config (``config``) for a 2-D problem that ``matmul._tma_layout`` accepted, or None
+    where this kernel does not serve it (not ``usable``, FLAME_MATMUL_GLUON=0, or measured slower
+    than the TMA kernel: ``_choose``)."""
+    if not ROUTE or not usable(a, b, f):
+        return None
+    key = (M, N, K)
+    if key not in _plans:
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = _choose(M, N, K)
+    return _plans[key]
+
+
+# (COOP, BLOCK_M, BLOCK_N) of the tile shapes _choose picks from, the one of largest program tile first
+TILES = ((True, 64, 256), (False, 128, 128), (False, 64, 256))
+MIN_MACS = 1 << 33  # smaller problems stay on the TMA kernel
+
+
+def _choose(M, N, K):
+    """The tile shape whose last wave leaves the fewest SMs idle (the share of the programs' tile
+    area that is inside the problem, over whole waves of one tile per SM), the first of ``TILES``
+    on a tie; None for problems below MIN_MACS multiply-adds."""
+    if M * N * K < MIN_MACS:
+        return None
+    sms = runtime.num_sms()
+    best, best_eff = None, 0.0
+    for coop, bm, bn in TILES:
+        tm = 2 * bm if coop else bm
+        tiles = gemm.cdiv(M, tm) * gemm.cdiv(N, bn)
+        eff = M * N / (gemm.cdiv(tiles, sms) * sms * tm * bn)
+        if eff > best_eff * 1.01:
+            best, best_eff = (coop, bm, bn), eff
+    coop, bm, bn = best
+    return config(coop=coop, block_m=bm, block_n=bn)
+
+
+def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8):
+    """Launch config (BLOCK_M, BLOCK_N, COOP, STAGES, GROUP_M): BLOCK_M rows and BLOCK_N columns per
+    consumer (cooperative default 64 x 256, ping-pong 128 x 128); STAGES at most ``stages``, as many
+    as the GPU's shared memory holds beside the two store buffers (``stages_that_fit``)."""
+    if block_m is None:
+        block_m = 64 if coop else 128
+    if block_n is None:
+        block_n = 256 if coop else 128
+    fit = stages_that_fit(block_m, block_n, coop, 2)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, COOP=coop, STAGES=fit if stages is None else min(stages, fit),
+                GROUP_M=group_m)
+
+
+def stages_that_fit(block_m, block_n, coop, es, limit=None):
+    """The most ring stages (at most 8) that fit the shared memory (``limit`` bytes, default the
+    GPU's) beside the two (BLOCK_M, BLOCK_N) store buffers and the barriers."""
+    limit = limit or autotune.shared_memory()
+    stage = ((2 if coop else 1) * block_m + block_n) * BLOCK_K * es
+    room = limit - 2 * block_m * block_n * es - 1024
+    return max(1, min(8, room // stage))
+
+
+_descriptor_fields: dict = {}  # (dtype, shape, strides, block shape) -> a checked descriptor's fields but its base
+
+
+def _descriptor(base, shape, strides, block_shape):
+    """A Gluon TMA descriptor of ``base`` with the default swizzled layout for its block. Gluon's
+    checks run for the first of each (dtype, shape, strides, block shape); later ones copy its
+    fields (the base's 16-byte alignment, the one check that depends on it, was made by
+    ``matmul._tma_layout``)."""
+    key = (base.dtype, tuple(shape), tuple(strides), tuple(block_shape))
+    fields = _descriptor_fields.get(key)
+    if fields is None:
+        layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[base.dtype])
+        fields = dict(vars(TensorDescriptor(base, list(shape), list(strides), list(block_shape), layout)))
+        del fields["base"]  # the cache must not keep a buffer alive
+        if len(_descriptor_fields) > 4096:
+            _descriptor_fields.clear()
+        _descriptor_fields[key] = fields
+    made = object.__new__(TensorDescriptor)
+    vars(made).update(fields)
+    made.base = base
+    return made
+
+
+_GL_DTYPES = {} if gluon is None else {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+
+
+def matmul(out, a, b, M, N, K, f, layout, cfg):
+    """``out`` (M, N) = the epilogue ``f`` of A B on a problem that ``usable`` accepts, with
+    ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``)."""
+    a_k, b_k, s_a, s_b, s_c = layout
+    bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
+    a_desc = _descriptor(a, [M, K], [s_a, 1], [bm, BLOCK_K]) if a_k else _descriptor(a, [K, M], [s_a, 1],
+                                                                                      [BLOCK_K, bm])
+    b_desc = _descriptor(b, [N, K], [s_b, 1], [bn, BLOCK_K]) if b_k else _descriptor(b, [K, N], [s_b, 1],
+                                                                                      [BLOCK_K, bn])
+    c_desc = _descriptor(out, [M, N], [s_c, 1], [bm, bn])
+    pre_desc, res_desc = (c_desc if t is None else _descriptor(t, [M, N], [s_c, 1], [bm, bn])
+                          for t in (f.pre_out, f.residual))
+    tiles = gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn)
+    meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+                RESIDUAL=f.residual is not None, BLOCK_K=BLOCK_K, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
+    # the descriptors are not torch tensors: ``sig`` pins down what the compiled kernel depends on
+    # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
+    # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits)
+    sig = (a.dtype, tuple(meta.items()))
+    launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
+           gemm._or(f.bias, out), M, N, K, f.bias_stride, f.scale, sig=sig, **meta)
+    return out

@@ -1,0 +1,176 @@
+"""The warp-specialised Gluon GEMM for Hopper (flame/kernels/matmul_hopper.py): every schedule and
+tile shape against PyTorch (fp32 references, tails in M, N and K), each epilogue, the backward
+products' operand layouts, matmul.py's portable kernel, and the route; on the interpreter, that
+the dispatch never picks it."""
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+import flame
+import flame.kernels.matmul as KM
+import flame.kernels.matmul_hopper as KH
+from flame.kernels.elementwise import GELU_TANH
+from tests.helpers import DEVICE, assert_within_torch_error
+
+# (COOP, BLOCK_M, BLOCK_N) per consumer: the shapes _choose picks from and two more
+SCHEDULES = [(True, 64, 256), (False, 128, 128), (False, 64, 256), (True, 128, 128), (True, 64, 128)]
+# (M, K, N): tails in every dim (row strides stay multiples of 16 bytes, as TMA needs), a problem
+# smaller than one tile, and one with more tiles than SMs
+SHAPES = [(333, 264, 520), (1000, 1000, 1000), (64, 128, 64), (4608, 3072, 3072)]
+
+
+def _needs_hopper():
+    if not KH.available():
+        pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
+
+
+def _gluon(out, a, b, f, schedule):
+    """``out`` = the epilogue ``f`` of a @ b (b (K, N), any strides) by the Gluon kernel with this
+    schedule, its stages as many as fit."""
+    coop, bm, bn = schedule
+    M, K = a.shape
+    N = b.shape[1]
+    layout = KM._tma_layout(out, a, b, f, a.stride(), b.stride(), out.stride())
+    assert layout is not None and KH.usable(a, b, f)
+    return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn))
+
+
+def _inputs(M, K, N, dtype=torch.bfloat16):
+    x = torch.randn(M, K, device=DEVICE).to(dtype)
+    w = (torch.randn(N, K, device=DEVICE) / K ** 0.5).to(dtype)
+    bias = torch.randn(N, device=DEVICE).to(dtype)
+    return x, w, bias
+
+
+def _nan(M, N, dtype=torch.bfloat16):
+    return torch.full((M, N), float("nan"), device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("M,K,N", SHAPES)
+def test_gpu_linear_within_torch_error(schedule, M, K, N):
+    """y = x W^T + b, x (M, K) and W (N, K) row-major (the forward linear): every element written,
+    error against fp32 at most 2x PyTorch's bf16 one."""
+    _needs_hopper()
+    x, w, bias = _inputs(M, K, N)
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(bias), schedule)
+    assert not out.isnan().any()
+    ref = x.float() @ w.float().t() + bias.float()
+    assert_within_torch_error(out, torch.nn.functional.linear(x, w, bias), ref, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES[:3])
+def test_gpu_epilogues(schedule):
+    """Bias + GELU (tanh) with and without the pre-activation stored; alpha with a residual, also
+    accumulated in place (the residual is the output); fp16 operands."""
+    _needs_hopper()
+    M, K, N = 777, 520, 392
+    x, w, bias = _inputs(M, K, N)
+    pre_ref = x.float() @ w.float().t() + bias.float()
+    gelu = torch.nn.functional.gelu
+    want = gelu(pre_ref, approximate="tanh")
+    torch_out = gelu(torch.nn.functional.linear(x, w, bias), approximate="tanh")
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(bias, act=GELU_TANH.value), schedule)
+    assert_within_torch_error(out, torch_out, want, 2)
+    pre = _nan(M, N)
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(bias, act=GELU_TANH.value, pre_out=pre), schedule)
+    assert_within_torch_error(out, torch_out, want, 2)
+    assert_within_torch_error(pre, torch.nn.functional.linear(x, w, bias), pre_ref, 2)
+
+    r = torch.randn(M, N, device=DEVICE).bfloat16()
+    want = 0.5 * (x.float() @ w.float().t()) + r.float()
+    torch_out = 0.5 * (x @ w.t()) + r
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(alpha=0.5, residual=r), schedule)
+    assert_within_torch_error(out, torch_out, want, 2)
+    out = r.clone()
+    _gluon(out, x, w.t(), KM.Fusion(alpha=0.5, residual=out), schedule)
+    assert_within_torch_error(out, torch_out, want, 2)
+
+    x16, w16, bias16 = _inputs(M, K, N, torch.float16)
+    out = _gluon(_nan(M, N, torch.float16), x16, w16.t(), KM.Fusion(bias16), schedule)
+    ref = x16.float() @ w16.float().t() + bias16.float()
+    assert_within_torch_error(out, torch.nn.functional.linear(x16, w16, bias16), ref, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES[:3])
+def test_gpu_backward_layouts(schedule):
+    """The linear's backward products: dX = dY W (B row-major (K, N): N-contiguous blocks) and
+    dW = dY^T X (A = dY^T, M-contiguous: transposed A blocks)."""
+    _needs_hopper()
+    M, K, N = 1000, 264, 520  # the forward's rows, in and out features
+    x, w, _ = _inputs(M, K, N)
+    dy = torch.randn(M, N, device=DEVICE).bfloat16()
+    dx = _gluon(_nan(M, K), dy, w, KM.Fusion(), schedule)
+    assert_within_torch_error(dx, dy @ w, dy.float() @ w.float(), 2)
+    dw = _gluon(_nan(N, K), dy.t(), x, KM.Fusion(), schedule)
+    assert_within_torch_error(dw, dy.t() @ x, dy.float().t() @ x.float(), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES[:3])
+def test_gpu_matches_portable_kernel(monkeypatch, schedule):
+    """The same problem through matmul.py's portable kernel (TMA and Gluon routes off): both
+    accumulate in fp32 and round once, so they differ by at most a bf16 rounding step."""
+    _needs_hopper()
+    M, K, N = 1000, 1000, 1000
+    x, w, bias = _inputs(M, K, N)
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(bias, act=GELU_TANH.value), schedule)
+    monkeypatch.setattr(KM, "TMA", False)
+    portable = KM.linear_(_nan(M, N), x, w, bias, act=GELU_TANH.value)
+    torch.testing.assert_close(out, portable, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_route(monkeypatch):
+    """linear_ takes the Gluon kernel where ``plan`` gives a config (a big Flux GEMM), the TMA
+    kernel where it gives none, and never with FLAME_MATMUL_GLUON=0 (``ROUTE``)."""
+    _needs_hopper()
+    calls = []
+    real = KH.matmul
+    monkeypatch.setattr(KH, "matmul", lambda *a: calls.append(a[3:6]) or real(*a))
+    for M, K, N in ((4608, 3072, 3072), (64, 128, 64)):
+        x, w, bias = _inputs(M, K, N)
+        out = KM.linear_(_nan(M, N), x, w, bias)
+        assert_within_torch_error(out, torch.nn.functional.linear(x, w, bias), x.float() @ w.float().t() + bias, 2)
+    assert calls == [(M, N, K) for M, K, N in ((4608, 3072, 3072), (64, 128, 64))
+                     if KH.plan(M, N, K, x, w, KM.Fusion()) is not None]
+    monkeypatch.setattr(KH, "ROUTE", False)
+    calls.clear()
+    x, w, bias = _inputs(4608, 3072, 3072)
+    KM.linear_(_nan(4608, 3072), x, w, bias)
+    assert calls == []
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's dispatch")
+def test_interpreter_never_routes_to_gluon(monkeypatch, tma_in_interpreter):
+    """On the interpreter (even with the TMA kernel routed there) a 16-bit linear never reaches
+    the Gluon kernel: it is not available and plans nothing."""
+    def forbidden(*args):
+        raise AssertionError("the Gluon GEMM was launched on the interpreter")
+
+    monkeypatch.setattr(KH, "matmul", forbidden)
+    monkeypatch.setattr(KH, "MIN_MACS", 0)
+    assert not KH.available() and not KH.ROUTE
+    x = torch.randn(16, 32, dtype=torch.float16)
+    w = torch.randn(16, 32, dtype=torch.float16)
+    assert KH.plan(16, 16, 32, x, w, KM.Fusion()) is None
+    out = KM.linear_(torch.empty(16, 16, dtype=torch.float16), x, w)
+    torch.testing.assert_close(out, (x.float() @ w.float().t()).half(), rtol=2e-3, atol=2e-3)
+
+
+def test_module_loads_without_gluon(monkeypatch):
+    """A Triton without ``triton.experimental.gluon``: the module still imports and plans nothing."""
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
+    spec = importlib.util.spec_from_file_location("flame.kernels._matmul_hopper_without_gluon", KH.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.gluon is None and not hasattr(mod, "_gemm_hopper_kernel")
+    mod.available.cache_clear()
+    assert not mod.available()
+    x = torch.zeros(256, 256, dtype=torch.bfloat16, device=DEVICE)
+    assert not mod.usable(x, x, KM.Fusion())
