@@ -103,12 +103,19 @@ def norm_silu(norm, x):
 class Checkpointed(nn.Module):
     """A module whose forward can run under activation checkpointing (``flame.checkpoint``);
     ``scope``: which scope of ``switch_checkpointing`` (a model's ``enable_gradient_checkpointing``)
-    switches it."""
+    switches it. A block that ``offload.BlockStreamer`` schedules has its ``streamer`` set, which
+    then runs it (its frozen weights copied to the device first when they are streamed)."""
 
     gradient_checkpointing = False
     scope = "blocks"
+    streamer = None
 
     def __call__(self, *args):
+        if self.streamer is not None:
+            return self.streamer(self, args)
+        return self._run(args)
+
+    def _run(self, args):
         if self.gradient_checkpointing and is_grad_enabled():
             return checkpoint(self.forward, *args)
         return self.forward(*args)
