@@ -49,7 +49,8 @@ SDXL = common.sdxl_rows("linear", [  # the transformers' linears at batch 1 and 
     (4096, 640, 640), (4096, 640, 5120), (4096, 2560, 640), (1024, 1280, 1280), (1024, 1280, 10240),
     (1024, 5120, 1280), (8192, 640, 640), (8192, 640, 5120), (8192, 2560, 640), (2048, 1280, 1280),
     (2048, 1280, 10240), (2048, 5120, 1280)])
-GROUPS = {"flux": FLUX, "sdxl": SDXL}
+SQUARE = [(8192, 8192, 8192)]  # every schedule's main loop, whole waves (97% of the last one busy)
+GROUPS = {"flux": FLUX, "sdxl": SDXL, "square": SQUARE}
 GELU_SHAPES = [(4608, 3072, 12288), (4096, 640, 5120)]  # MLP up-projections
 SMOKE = (2000, 1000, 3000)  # tails in M and N, more tiles than programs in every schedule
 
@@ -61,6 +62,7 @@ VARIANTS = {
     "coop 2x128x128": dict(coop=True, block_m=128, block_n=128),
     "coop 2x64x128": dict(coop=True, block_m=64, block_n=128),
     "pp 128x128 s4": dict(coop=False, block_m=128, block_n=128, stages=4),
+    "pp 64x128": dict(coop=False, block_m=64, block_n=128),
 }
 
 
@@ -106,6 +108,14 @@ class Case:
             return KM.linear_(self.out, self.a, self.w, self.bias, act=self.fusion().act)
         return KM.matmul_(self.out, self.a, self.b)
 
+    def tma(self):
+        """flame's route with the Gluon kernel off: matmul.py's TMA kernel."""
+        KH.ROUTE = False
+        try:
+            return self.flame()
+        finally:
+            KH.ROUTE = True
+
     def gluon(self, variant):
         f = self.fusion()
         layout = KM._tma_layout(self.out, self.a, self.b, f, self.a.stride(), self.b.stride(), self.out.stride())
@@ -118,10 +128,14 @@ def _err(got, want):
     return float((got.float() - want).norm() / want.norm())
 
 
-def run_row(case, name, fn, rep_ms, factor):
-    """Check ``fn`` (NaN-poisoned output first) against the fp32 reference, then (``rep_ms``) time it."""
+def run_row(case, name, fn, rep_ms, factor, time_only=False):
+    """Check ``fn`` (NaN-poisoned output first) against the fp32 reference, then (``rep_ms``) time
+    it; ``time_only``: time it (``rep_ms``) unchecked."""
     row = dict(problem=case.problem, shape=case.shape, name=name)
     try:
+        if time_only:
+            row["ms"] = graph_time_ms(fn, rep_ms)
+            return row
         case.out.fill_(float("nan"))
         got = fn()
         torch.cuda.synchronize()
@@ -184,7 +198,7 @@ def run_smoke(args, pairs, out):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="flux,sdxl", help="comma-separated shape groups (flux, sdxl)")
+    ap.add_argument("--only", default="flux,sdxl,square", help="comma-separated shape groups (flux, sdxl, square)")
     ap.add_argument("--problems", default="fwd,gelu,dx,dw", help="comma-separated problems (fwd, gelu, dx, dw)")
     ap.add_argument("--bwd-only", default="flux", help="shape groups whose dx/dw problems run")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated Gluon variants")
@@ -193,6 +207,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=8)
     ap.add_argument("--smoke-timeout", type=float, default=120.0, help="seconds for all smoke workers")
     ap.add_argument("--rep-ms", type=int, default=25, help="ms of replays per timing (10 timings, median)")
+    ap.add_argument("--passes", type=int, default=2, help="timings of each row (every other pass reversed; min kept)")
     ap.add_argument("--err-factor", type=float, default=2.0)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke-log", default=None, help=argparse.SUPPRESS)
@@ -223,22 +238,28 @@ def main(argv=None):
     with open(out / "gemm.jsonl", "w") as log:
         for group, p, shape in cases:
             case = Case(p, *shape)
-            runs = [("cublas", case.cublas), ("tma", None), ("flame", case.flame)]
+            runs = [("cublas", case.cublas), ("tma", case.tma), ("flame", case.flame)]
             runs += [(f"gluon {v}", functools.partial(case.gluon, v)) for q, v in pairs
                      if q == p and not smoked.get((p, v))]
-            for name, fn in runs:
-                if name == "tma":
-                    KH.ROUTE = False
-                    row = run_row(case, name, case.flame, args.rep_ms, args.err_factor)
-                    KH.ROUTE = True
-                else:
-                    row = run_row(case, name, fn, args.rep_ms, args.err_factor)
-                row["group"] = group
+            by = {}
+            for i in range(args.passes):  # every other pass in reverse order: a drift shows as spread
+                for name, fn in runs if i % 2 == 0 else runs[::-1]:
+                    if "error" in by.get(name, {}):
+                        continue
+                    row = run_row(case, name, fn, args.rep_ms, args.err_factor, time_only=i > 0)
+                    if name not in by:
+                        by[name] = dict(row, group=group, times=[])
+                    if "ms" in row:
+                        by[name]["times"].append(row["ms"])
+            for name, row in by.items():
+                if row["times"]:
+                    row["ms"] = min(row["times"])
+                    row["tflops"] = case.flops / row["ms"] * 1e-9
                 if name == "flame":
                     row["plan"] = KH.plan(case.m, case.n, case.k, case.a, case.b, case.fusion())
                 rows.append(row)
                 log.write(json.dumps(row, default=str) + "\n")
-                log.flush()
+            log.flush()
             del case
             torch.cuda.empty_cache()
     report(rows)
@@ -284,6 +305,10 @@ def report(rows):
                 v = [x for g, x in vals if group is None or g == group]
                 parts.append(f"{group or 'all'} {math.exp(sum(map(math.log, v)) / len(v)):.3f} ({max(v):.2f})")
             print(f"  {n:24} " + "  ".join(parts))
+        spread = sorted(max(r["times"]) / min(r["times"]) for r in sel if len(r.get("times", ())) > 1)
+        if spread:
+            print(f"spread of a row's timings (max / min): median {spread[len(spread) // 2]:.3f}, "
+                  f"90th percentile {spread[int(0.9 * (len(spread) - 1))]:.3f}, max {spread[-1]:.3f}")
 
 
 if __name__ == "__main__":

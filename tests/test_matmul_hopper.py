@@ -154,7 +154,7 @@ def test_interpreter_never_routes_to_gluon(monkeypatch, tma_in_interpreter):
         raise AssertionError("the Gluon GEMM was launched on the interpreter")
 
     monkeypatch.setattr(KH, "matmul", forbidden)
-    monkeypatch.setattr(KH, "MIN_MACS", 0)
+    monkeypatch.setattr(KH, "MIN_TILES_PER_SM", 0)
     assert not KH.available() and not KH.ROUTE
     x = torch.randn(16, 32, dtype=torch.float16)
     w = torch.randn(16, 32, dtype=torch.float16)
