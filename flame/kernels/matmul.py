@@ -32,16 +32,22 @@ from ..autotune import tunable
 from . import matmul_hopper
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
 from .launch import TensorDescriptor, descriptor, launch
+from .quant import DECODE_FACTOR, as_codes, decode_e4m3
 from .reduce import SUM, accumulation_dtype, reduce_
+
+# B_FP8: B holds e4m3fn codes with an fp32 scale per column of B (FP8_COLUMNS) or per row (FP8_ROWS)
+FP8_COLUMNS = tl.constexpr(1)
+FP8_ROWS = tl.constexpr(2)
 
 
 @triton.jit
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v_ptr, part_ptr, count_ptr,
-                   M, N, K, B1, R, sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, sum_, sur, svr, svn,
-                   s_bias, alpha, lr_ratio, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                   BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                   RANK: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, GROUP_M: tl.constexpr):
+                   b_scale_ptr, M, N, K, B1, R, sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, sum_, sur,
+                   svr, svn, s_bias, alpha, lr_ratio, ACC: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr,
+                   RESIDUAL: tl.constexpr, RANK: tl.constexpr, SPLIT_K: tl.constexpr, B_FP8: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+                   GROUP_M: tl.constexpr):
     # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
     # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
     # over two (collapsed) batch dims of size (B0, B1).
@@ -56,6 +62,10 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
     # the tile's last program to arrive sums the slices in slice order (_sum_slices: the same order
     # every run, whichever program is last), applies the epilogue once and sets the count back
     # to zero.
+    # B_FP8 (FP8_COLUMNS, FP8_ROWS; 2-D problems and split-K): B holds e4m3fn codes (a uint8 view)
+    # with an fp32 scale per column (an output channel of a linear's weight: the accumulator's
+    # columns are scaled after the K loop) or per row (the reduction dim: dX = dY W; each B tile's
+    # rows are scaled as it is decoded), decoded in registers to A's dtype (_fp8_b_tile).
     # (A prologue fusing dY * act'(pre) into the backward GEMMs' A loads, with the bias gradient
     # as row sums of those tiles, gave wrong 16-bit results on Triton 3.6 when the loaded tile
     # fed both tl.sum and tl.dot: measured on an H200, 2026-11-26; the backward is unfused until
@@ -80,16 +90,22 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=ACC)
     if RANK:  # loaded first, used after the loop: their latency hides behind it
         u, v = _low_rank_tiles(u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, svr, svn, UPCAST, RANK)
+    if SPLIT_K and B_FP8 == FP8_ROWS:  # this slice's rows of B
+        b_scale_ptr += i1 * K
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if B_FP8:
+            b = _fp8_b_tile(b, b_scale_ptr, k0 + offs_k, mask_k, a.dtype, B_FP8)
         if UPCAST:  # the interpreter's bf16 dot is wrong: multiply in fp32 there
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION, out_dtype=ACC)
         a_ptrs += BLOCK_K * sak
         b_ptrs += BLOCK_K * sbk
+    if B_FP8 == FP8_COLUMNS:
+        acc = _fp8_column_scale(acc, b_scale_ptr, offs_n, mask_n)
     if RANK:
         acc = tl.dot(u, v, acc * lr_ratio, input_precision=PRECISION, out_dtype=ACC)
 
@@ -164,12 +180,12 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 
 @triton.jit
-def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_ptr, v_ptr, M, N, K, R,
-                       sum_, sur, svr, svn, s_bias, alpha, lr_ratio,
+def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_ptr, v_ptr, b_scale_ptr, M, N, K,
+                       R, sum_, sur, svr, svn, s_bias, alpha, lr_ratio,
                        A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                       RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+                       RANK: tl.constexpr, B_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
     # and the kernel is persistent: the grid is at most one program per SM and each program walks
@@ -179,7 +195,8 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_p
     # read as (M, K) tiles when K is contiguous, else as (K, M) tiles transposed in shared memory;
     # likewise B (K, N) as (N, K) or (K, N) tiles. C, the pre-activation and the residual are
     # row-major (M, N). FLATTEN lets the compiler software-pipeline across tile boundaries (the
-    # next tile's loads overlap this tile's epilogue).
+    # next tile's loads overlap this tile's epilogue). B_FP8 as in _matmul_kernel (B's descriptor
+    # then describes the uint8 codes).
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -203,7 +220,12 @@ def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_p
                 b = b_desc.load([off_n, off_k]).T
             else:
                 b = b_desc.load([off_k, off_n])
+            if B_FP8:
+                offs_k = off_k + tl.arange(0, BLOCK_K)
+                b = _fp8_b_tile(b, b_scale_ptr, offs_k, offs_k < K, a.dtype, B_FP8)
             acc = tl.dot(a, b, acc)
+        if B_FP8 == FP8_COLUMNS:
+            acc = _fp8_column_scale(acc, b_scale_ptr, offs_n, offs_n < N)
         if RANK:
             acc = tl.dot(u, v, acc * lr_ratio)
         pre, acc = _epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
@@ -233,6 +255,25 @@ def _low_rank_tiles(u_ptr, v_ptr, offs_m, offs_n, mask_m, mask_n, R, sum_, sur, 
         u = u.to(tl.float32)
         v = v.to(tl.float32)
     return u, v
+
+
+@triton.jit
+def _fp8_b_tile(codes, b_scale_ptr, offs_k, mask_k, dtype, B_FP8: tl.constexpr):
+    """A (BLOCK_K, BLOCK_N) tile of B's e4m3fn codes as ``dtype`` values for tl.dot: exact codes
+    scaled by 1 / DECODE_FACTOR (``decode_e4m3``; FP8_COLUMNS: the scale comes after the K loop,
+    ``_fp8_column_scale``), or (FP8_ROWS) times its row's scale, rounded once to ``dtype``."""
+    b = decode_e4m3(codes)
+    if B_FP8 == FP8_ROWS:
+        scale = tl.load(b_scale_ptr + offs_k, mask=mask_k, other=0.0) * DECODE_FACTOR
+        return (b.to(tl.float32) * scale[:, None]).to(dtype)
+    return b.to(dtype)
+
+
+@triton.jit
+def _fp8_column_scale(acc, b_scale_ptr, offs_n, mask_n):
+    """The accumulator of products with decoded codes (FP8_COLUMNS) times each column's scale."""
+    scale = tl.load(b_scale_ptr + offs_n, mask=mask_n, other=0.0) * DECODE_FACTOR
+    return acc * scale.to(acc.dtype)[None, :]
 
 
 @triton.jit
@@ -368,11 +409,16 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None, part=Non
     grid = (B0 * B1 * tiles,)
     counts = out if part is None else _arrival_counts(tiles)
     block_s = 1 if part is None else _slices_per_load(B1, cfg["BLOCK_M"] * cfg["BLOCK_N"])
-    launch(_matmul_kernel, grid, a, b, out, _or(f.bias, out), _or(f.pre_out, out), _or(f.residual, out),
-           _or(f.u, out), _or(f.v, out), _or(part, out), counts, M, N, K, B1, f.rank, *sa, *sb, *sc, *f.u_strides,
-           *f.v_strides, f.bias_stride, f.scale, f.rank_ratio, BIAS=f.bias is not None, ACT=f.act,
-           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, RANK=f.rank_block,
-           SPLIT_K=part is not None, BLOCK_S=block_s, **cfg)
+    launch(_matmul_kernel, grid, a, _b_operand(b, f), out, _or(f.bias, out), _or(f.pre_out, out),
+           _or(f.residual, out), _or(f.u, out), _or(f.v, out), _or(part, out), counts, _or(f.b_scale, out), M, N, K,
+           B1, f.rank, *sa, *sb, *sc, *f.u_strides, *f.v_strides, f.bias_stride, f.scale, f.rank_ratio,
+           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
+           RANK=f.rank_block, SPLIT_K=part is not None, B_FP8=f.b_fp8, BLOCK_S=block_s, **cfg)
+
+
+def _b_operand(b, f):
+    """B as the kernels read it: its e4m3fn codes as uint8 (``Fusion.b_fp8``), else itself."""
+    return as_codes(b) if f.b_fp8 else b
 
 
 _MAX_FUSED_RANK = 64  # the low-rank term's tl.dot takes U (BLOCK_M, RANK) and V (RANK, BLOCK_N) tiles whole
@@ -385,7 +431,8 @@ def _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f):
     pre-activation, which would need the term inside them. ``s*``: batch-padded strides."""
     if f.act or f.pre_out is not None or any(sa[:2]) or any(sc[:2]):
         raise ValueError("matmul: a low-rank term is added to 2-D GEMMs, without an activation, only")
-    _launch(out, a, b, M, N, K, (), sa[2:], sb[2:], sc[2:], Fusion(f.bias, alpha=f.alpha, residual=f.residual))
+    _launch(out, a, b, M, N, K, (), sa[2:], sb[2:], sc[2:],
+            Fusion(f.bias, alpha=f.alpha, residual=f.residual, b_scale=f.b_scale, b_scale_rows=f.b_scale_rows))
     _launch(out, f.u, f.v, M, N, f.rank, (), f.u_strides, f.v_strides, sc[2:], Fusion(alpha=f.beta, residual=out))
 
 
@@ -424,8 +471,8 @@ def _descriptor_scratch(size, alignment, stream):
 
 def _tma_layout(out, a, b, f, sa, sb, sc):
     """(A K-contiguous, B K-contiguous, A row stride, B row stride, C row stride) when the TMA kernel can read
-    every operand of this 2-D problem (16-bit, 16-byte aligned bases, one unit stride per operand
-    and the other a multiple of 16 bytes, C row-major), else None."""
+    every operand of this 2-D problem (16-bit, B also e4m3fn codes, 16-byte aligned bases, one unit stride per
+    operand and the other a multiple of 16 bytes, C row-major), else None."""
     if not TMA or a.dtype not in (torch.float16, torch.bfloat16) or out.dtype != a.dtype or not tma_available():
         return None
     es = a.element_size()
@@ -436,10 +483,10 @@ def _tma_layout(out, a, b, f, sa, sb, sc):
     if any(p % 16 for p in ptrs) or sc[1] != 1 or (sc[0] * es) % 16:
         return None
     dims = []
-    for rows, cols in ((sa[0], sa[1]), (sb[1], sb[0])):  # (stride along M or N, stride along K)
-        if cols == 1 and (rows * es) % 16 == 0:
+    for rows, cols, size in ((sa[0], sa[1], es), (sb[1], sb[0], b.element_size())):  # (along M or N, along K)
+        if cols == 1 and (rows * size) % 16 == 0:
             dims.append((True, rows))
-        elif rows == 1 and (cols * es) % 16 == 0:
+        elif rows == 1 and (cols * size) % 16 == 0:
             dims.append((False, cols))
         else:
             return None
@@ -504,15 +551,17 @@ def _launch_tma(out, a, b, M, N, K, f, layout):
         _tma_cache[key] = cfg
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_desc = descriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else descriptor(a, [K, M], [s_a, 1], [bk, bm])
+    b = _b_operand(b, f)
     b_desc = descriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else descriptor(b, [K, N], [s_b, 1], [bk, bn])
     c_desc = descriptor(out, [M, N], [s_c, 1], [bm, bn])
     pre_desc, res_desc = (c_desc if t is None else descriptor(t, [M, N], [s_c, 1], [bm, bn])
                           for t in (f.pre_out, f.residual))
     tiles = cdiv(M, bm) * cdiv(N, bn)
     launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
-           _or(f.bias, out), _or(f.u, out), _or(f.v, out), M, N, K, f.rank, *f.u_strides, *f.v_strides,
-           f.bias_stride, f.scale, f.rank_ratio, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k, BIAS=f.bias is not None,
-           ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, RANK=f.rank_block, **cfg)
+           _or(f.bias, out), _or(f.u, out), _or(f.v, out), _or(f.b_scale, out), M, N, K, f.rank, *f.u_strides,
+           *f.v_strides, f.bias_stride, f.scale, f.rank_ratio, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
+           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
+           RANK=f.rank_block, B_FP8=f.b_fp8, **cfg)
 
 
 def _stages_with_room_for_low_rank(cfg, rank_block, es):
@@ -629,12 +678,15 @@ class Fusion:
     elementwise op code, ``residual`` a buffer with C's strides (C itself for an in-place
     accumulation); ``pre_out`` receives the argument of ``act``. ``low_rank = (U, V, beta)``: U
     (M, r) and V (r, N) buffers of A's dtype, any strides (a LoRA up-projection added to the base
-    GEMM, or the adapter's share of the input gradient)."""
+    GEMM, or the adapter's share of the input gradient). ``b_scale`` (2-D problems): B is a
+    float8_e4m3fn buffer of codes with this fp32 scale per column of B (N,), or per row (K,) with
+    ``b_scale_rows``, decoded in the main loop (``B_FP8`` in ``_matmul_kernel``)."""
 
     __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "u", "v", "beta", "rank",
-                 "rank_block", "scale", "rank_ratio", "u_strides", "v_strides")
+                 "rank_block", "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8")
 
-    def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None):
+    def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None, b_scale=None,
+                 b_scale_rows=False):
         self.bias = bias
         self.bias_stride = bias.stride(0) if bias is not None else 0
         self.act = act
@@ -650,13 +702,15 @@ class Fusion:
         # what the kernels multiply the accumulator by, and by what they scale A B before adding U V:
         # alpha * AB + beta * UV = beta * (alpha / beta * AB + UV)
         self.scale, self.rank_ratio = (self.beta, self.alpha / self.beta) if self.rank else (self.alpha, 1.0)
+        self.b_scale, self.b_scale_rows = b_scale, bool(b_scale_rows)
+        self.b_fp8 = 0 if b_scale is None else FP8_ROWS.value if b_scale_rows else FP8_COLUMNS.value
 
 
 _NO_FUSION = Fusion()
 
 
 @tunable("out")
-def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None):
+def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ beta * u @ v) (+ residual)`` over
     torch buffers with any strides.
 
@@ -664,11 +718,14 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None):
     expanded views) and ``a`` and ``b`` the same dtype; ``out`` may be any float dtype.
     ``residual`` (2-D problems only) has ``out``'s strides and may be ``out`` itself.
     ``low_rank = (u, v, beta)`` (2-D problems only): ``u`` (M, r), ``v`` (r, N) of ``a``'s dtype,
-    added in the same launch (``Fusion``). Returns ``out``.
+    added in the same launch (``Fusion``). ``b_scale`` (K,) fp32 (2-D problems only): ``b`` holds
+    float8_e4m3fn codes of ``b_scale[k] * code[k, n]`` (a quantised weight W (N_w, K_w) read as
+    ``b = W``: the input gradient dX = dY W of a linear layer). Returns ``out``.
     """
     shape_a = a.shape
     M, K = shape_a[-2], shape_a[-1]
     N = b.shape[-1]
+    _check_fp8(b, b_scale, K)
     if out.numel() == 0:
         return out
     if K == 0:
@@ -676,12 +733,14 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None):
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
         _check_low_rank(low_rank, M, N, a.dtype)
-        plain = alpha == 1.0 and residual is None and low_rank is None
+        plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
         _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
-                None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank))
+                None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
+                                          b_scale_rows=True))
         return out
-    if alpha != 1.0 or residual is not None or low_rank is not None:
-        raise ValueError(f"matmul_: alpha, residual and low_rank need a 2-D problem, got a of shape {tuple(shape_a)}")
+    if alpha != 1.0 or residual is not None or low_rank is not None or b_scale is not None:
+        raise ValueError(f"matmul_: alpha, residual, low_rank and b_scale need a 2-D problem, got a of shape "
+                         f"{tuple(shape_a)}")
     batch = list(shape_a[:-2])
     # B does not vary over the batch: fold the batch into M (one big GEMM, no batch index)
     if all(s == 0 or d == 1 for s, d in zip(st_b[:-2], batch)):
@@ -705,19 +764,35 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None):
 
 
 @tunable("out", "pre_out")
-def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None):
+def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None):
     """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N])`` in one launch (any
     strides; the weight is read transposed in place). ``pre_out`` (R, N), if given, receives the
-    argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N)."""
+    argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N).
+    ``w_scale`` (N,) fp32: ``w`` holds float8_e4m3fn codes of ``w_scale[n] * code[n, k]`` (a
+    weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop."""
     R, K = x.shape
     N = w.shape[0]
     _check_low_rank(low_rank, R, N, x.dtype)
+    _check_fp8(w, w_scale, N)
     if out.numel() == 0:
         return out
     ws = w.stride()
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
-            Fusion(bias, act, pre_out, low_rank=low_rank))
+            Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale))
     return out
+
+
+def _check_fp8(w, scale, n):
+    """A clear error for a weight the fp8 path cannot take: e4m3fn codes need their fp32 scale,
+    one per output channel (``n``), and a scale needs codes."""
+    if scale is None and w.dtype != torch.float8_e4m3fn:
+        return
+    if w.dtype != torch.float8_e4m3fn or scale is None:
+        raise TypeError(f"matmul: a float8_e4m3fn weight and its scale come together, got a {w.dtype} weight and "
+                        f"{'no scale' if scale is None else 'a scale'}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or scale.stride(0) != 1:
+        raise ValueError(f"matmul: the scale of an fp8 weight must be a contiguous fp32 ({n},) vector, got "
+                         f"{scale.dtype} {tuple(scale.shape)}")
 
 
 def _check_low_rank(low_rank, M, N, dtype):

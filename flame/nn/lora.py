@@ -79,6 +79,7 @@ from ..ops.elementwise import abs as abs_
 from ..ops.elementwise import sub
 from ..ops.elementwise import to as _to
 from ..ops.matmul import linear, lora_linear
+from ..ops.quant import Fp8Weight, dequantize_fp8, requantize_fp8_
 from ..ops.reduce import amax
 from ..ops.shape import block_diagonal, diagonal_blocks
 from ..tensor import Tensor
@@ -123,6 +124,8 @@ class _LoRALayer(Module):
         self.dropout = float(dropout)
         self.merged = False
         self.dora = bool(dora)
+        if self.dora:
+            _refuse_fp8_dora(base, f"{type(self).__name__}(dora=True)")
         self._merged_norm = None  # DoRA: the row norms a merge divided by, which unmerge needs
         f32 = torch.float32
         self.lora_A = Parameter(Tensor(runtime.empty((adapters * rank, *a_shape), f32)))
@@ -240,15 +243,26 @@ class _LoRALayer(Module):
         w = self.weight._data
         return c.view(c.shape[0], *([1] * (w.ndim - 1))).expand(w.shape)
 
+    def _add_to_weight(self, delta, op=KE.ADD):
+        """W = op(W, delta) for an fp32 ``delta`` shaped like W (merge, unmerge, fold): one map
+        kernel; an fp8 base (``Fp8Weight``) is dequantised to fp32, combined and quantised again with
+        fresh scales (so an unmerge restores it to within e4m3's rounding, not exactly)."""
+        w = self.weight
+        if isinstance(w, Fp8Weight):
+            v = dequantize_fp8(w)
+            KE.map_(v._data, [v._data, delta], op.value)
+            requantize_fp8_(w, v)
+        else:
+            KE.map_(w._data, [w._data, delta], op.value)
+
     def merge(self):
         """W += scale * B A (DoRA: W = c * (W + scale * B A), keeping the norm for ``unmerge``)."""
         if self.merged:
             return
-        w = self.weight._data
         if self.dora:
             self._merged_norm = self._dora_into_weight(1.0)
         else:
-            KE.map_(w, [w, self._delta()], KE.ADD.value)
+            self._add_to_weight(self._delta())
         self.merged = True
 
     def unmerge(self):
@@ -265,7 +279,7 @@ class _LoRALayer(Module):
             KE.map_(w, [v, self._delta()], KE.SUB.value)
             self._merged_norm = None
         else:
-            KE.map_(w, [w, self._delta()], KE.SUB.value)
+            self._add_to_weight(self._delta(), KE.SUB)
         self.merged = False
 
     def fold(self, strength: float = 1.0) -> Module:
@@ -278,11 +292,10 @@ class _LoRALayer(Module):
         LyCORIS instead interpolate, W + strength * (W_dora - W))."""
         if self.merged:
             self.unmerge()
-        w = self.weight._data
         if self.dora:
             self._dora_into_weight(strength)
         else:
-            KE.map_(w, [w, self._delta(strength)], KE.ADD.value)
+            self._add_to_weight(self._delta(strength))
         base = self._base_layer
         base.weight = self.weight
         if self.bias is not None:
@@ -414,6 +427,19 @@ class LoRAConv2d(_LoRALayer):
 _WRAPPERS = {Linear: LoRALinear, Conv2d: LoRAConv2d}
 
 
+def fp8_dora_error(where: str, shape) -> ValueError:
+    """The error for DoRA on a layer with an fp8 weight (``Fp8Weight``) of ``shape``: DoRA's row
+    norms of ``W + scale * B A`` would need the dequantised weight, which flame does not implement."""
+    return ValueError(f"{where}: DoRA over an fp8 base weight {tuple(shape)} is not supported (its row norms need "
+                      "the dequantised weight): use plain LoRA there, or leave the layer unquantised "
+                      "(quantize_linears_(..., skip=...))")
+
+
+def _refuse_fp8_dora(layer, where: str) -> None:
+    if isinstance(layer.weight, Fp8Weight):
+        raise fp8_dora_error(where, layer.weight.shape)
+
+
 def _expand_targets(targets):
     if isinstance(targets, (str, re.Pattern)):
         targets = [targets]
@@ -499,6 +525,9 @@ def inject_lora(model: Module, targets, rank: int, alpha: float | None = None, i
             names.append(name)
     if not names:
         raise ValueError(f"inject_lora: no Linear or Conv2d layer matches targets {targets!r} (conv={conv!r})")
+    if dora:
+        for name in names:
+            _refuse_fp8_dora(model.get_submodule(name), f"inject_lora: layer {name!r}")
     for name in names:
         base = model.get_submodule(name)
         if type(base) is Conv2d:
@@ -837,6 +866,8 @@ def _check_target(m, path, key, rank, mag, fmt, inject, strict):
     if type(m) in _WRAPPERS:
         if not inject:
             raise KeyError(f"load_lora: layer {path!r} has no adapter (inject_lora first, or inject=True)")
+        if mag is not None:
+            _refuse_fp8_dora(m, f"load_lora: {key}: layer {path!r}")
     elif m.rank != rank:
         raise ValueError(f"load_lora: {key}: rank {rank} in the file, the model's adapter has rank {m.rank}")
     elif m.merged:

@@ -23,6 +23,7 @@ from . import _autocast
 from . import elementwise as ew
 from ._util import check_tensor
 from .elementwise import cast_params, to
+from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale
 from .shape import contiguous
 
 
@@ -32,6 +33,9 @@ def _check(a, b, op):
     if not (a.dtype.is_floating_point and b.dtype.is_floating_point):
         raise TypeError(f"{op}: expected floating-point tensors, got {a.dtype} (shape {a.shape}) "
                         f"and {b.dtype} (shape {b.shape})")
+    if FP8 in (a.dtype, b.dtype):
+        raise TypeError(f"{op}: float8_e4m3fn operands (fp8 weights) go through linear / lora_linear, which decode "
+                        f"them with their scales; got {a.dtype} and {b.dtype}")
     if a.ndim == 0 or b.ndim == 0:
         raise RuntimeError(f"{op}: both arguments need at least 1 dimension, got shapes {a.shape} and {b.shape}")
 
@@ -203,6 +207,10 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 #   dX = G' W              (R, N) x (N, K)
 #   dW = G'^T X            (N, R) x (R, K), G'^T a transposed view
 #   db = sum_r G'[r, :]    (a column reduction, fp32 accumulation)
+# An fp8 weight (Fp8Weight: W = diag(s) Q, s per output channel) is read as codes in both GEMMs:
+#   Y = (X Q^T) diag(s)    the scale on the accumulator's columns after the K loop
+#   dX = G' diag(s) Q      the scale on Q's rows, the reduction dim: each decoded tile's rows are
+#                          scaled in registers (no pass over G'); and W gets no gradient (frozen).
 def _linear_backward(node, g):
     x2, w, pre = node.saved  # x2 only when the weight needs a gradient
     need_x, need_w, need_b = node.needs_input_grad
@@ -217,7 +225,7 @@ def _linear_backward(node, g):
     dx = None
     if need_x:
         dx = runtime.empty((g2.shape[0], w.shape[1]), x_dtype)
-        KM.matmul_(dx, g2, w._data)
+        KM.matmul_(dx, g2, w._data, b_scale=weight_scale(w))
         dx = Tensor(dx.view(node.attrs["x_shape"]))
     dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
     return dx, dw, db
@@ -245,6 +253,8 @@ def linear(x, weight, bias=None, activation=None):
     activation derivative (dY' = dY * act'(pre), the pre-activation saved by the forward's
     epilogue), then the two gradient GEMMs on dY' and a column sum for the bias gradient. (Fusing
     act' and the bias sum into the gradient GEMMs gave wrong 16-bit weight gradients on Triton 3.6.)
+    ``weight`` may be an ``Fp8Weight`` (``flame.ops.quant``): both GEMMs (forward and input
+    gradient) read its codes, and it gets no gradient.
     """
     check_tensor(x, "input", "linear")
     check_tensor(weight, "weight", "linear")
@@ -253,11 +263,12 @@ def linear(x, weight, bias=None, activation=None):
         raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
     if not x.dtype.is_floating_point or not weight.dtype.is_floating_point:
         raise TypeError(f"linear: expected floating-point input and weight, got {x.dtype} and {weight.dtype}")
+    check_not_raw_fp8(weight, "linear")
     if weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != weight.shape[1]:
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
     n_out = weight.shape[0]
-    weight, bias = cast_params(weight, bias, n_out, x.dtype, "linear")
+    weight, bias = _layer_params(x, weight, bias, n_out, "linear")
     act, grad_op = _ACTIVATIONS[activation]
     x2 = _as_rows(x)
     out_shape = x.shape[:-1] + (n_out,)
@@ -269,13 +280,21 @@ def linear(x, weight, bias=None, activation=None):
         y = Tensor(out.view(out_shape))
         y = y if bias is None else y + bias
         return _apply_activation(y, activation)
-    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre)
+    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre, w_scale=weight_scale(weight))
     y = Tensor(out.view(out_shape))
     if grad:
         # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
         record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
                grad_op=grad_op, x_shape=x.shape, x_dtype=x2.dtype)
     return y
+
+
+def _layer_params(x, weight, bias, n_out, op, error=RuntimeError):
+    """``cast_params``: the layer's weight and bias cast once to ``x``'s dtype; an ``Fp8Weight``
+    stays as it is (its GEMMs decode it; ``x``, already in its own dtype, stands in for it)."""
+    if isinstance(weight, Fp8Weight):
+        return weight, cast_params(x, bias, n_out, x.dtype, op, error)[1]
+    return cast_params(weight, bias, n_out, x.dtype, op, error)
 
 
 def _apply_activation(y, activation):
@@ -294,8 +313,9 @@ def _apply_activation(y, activation):
 # DoRA (a magnitude m): Y = c * Z + b with Z = X W^T + s * H B^T and c = m / n per column, n the row
 # norms of W + s B A (a constant, as in PEFT). The products above take dZ = G * c in place of G
 # (db keeps G), and dm = sum_r (G * Z) / n (kernels.dora.scale_grad_: one pass over G and Z).
+# An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
-    x2, xl2, w, h, a16, b16, z, ratio, norm = node.saved
+    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved
     need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad
     s = node.attrs["scale"]
     g2 = _as_rows(g)
@@ -321,7 +341,7 @@ def _lora_linear_backward(node, g):
         da = Tensor(da)
     if need_x:
         dxb = runtime.empty(x2.shape, x2.dtype)
-        KM.matmul_(dxb, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0))
+        KM.matmul_(dxb, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0), b_scale=w_scale)
         dx = Tensor(dxb.view(node.attrs["x_shape"]))
     if need_xl and xl2 is not None:
         dxlb = runtime.empty(xl2.shape, xl2.dtype)
@@ -352,7 +372,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     ``c = magnitude / ||weight + scale * lora_b @ lora_a||`` (rows; the norm a constant, computed
     from ``weight`` as passed, in fp32, in one launch); the scale and bias are one elementwise pass
     and the backward adds two small launches (``kernels.dora``). Not with ``lora_input``: PEFT's
-    DoRA with dropout also corrects the base output, which ``nn.LoRALinear`` composes."""
+    DoRA with dropout also corrects the base output, which ``nn.LoRALinear`` composes.
+
+    ``weight`` may be an ``Fp8Weight`` (a frozen base in fp8: its codes read by the base GEMM and
+    the input gradient's); not with ``magnitude`` (DoRA's norms would need the dequantised weight)."""
     op = "lora_linear"
     for name, t in (("input", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
         check_tensor(t, name, op)
@@ -367,6 +390,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     if not all(t.dtype.is_floating_point for t in (x, weight, lora_a, lora_b)):
         raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
                         f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
+    check_not_raw_fp8(weight, op)
     n_out, k = weight.shape if weight.ndim == 2 else (None, None)
     if (weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != k or lora_a.ndim != 2 or lora_b.ndim != 2
             or lora_a.shape[1] != k or lora_b.shape != (n_out, lora_a.shape[0])):
@@ -381,11 +405,14 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         if lora_input is not None:
             raise ValueError(f"{op}: DoRA (magnitude) with a separate lora_input (dropout) is not one op; "
                              f"nn.LoRALinear composes it")
+        if isinstance(weight, Fp8Weight):
+            raise ValueError(f"{op}: DoRA (magnitude) over an fp8 weight {weight.shape} is not supported (its row "
+                             "norms need the dequantised weight); keep DoRA layers unquantised")
         wide = torch.float64 in (stored_weight.dtype, lora_a.dtype, lora_b.dtype, magnitude.dtype)
         acc = torch.float64 if wide else torch.float32
         norm, ratio = runtime.empty((n_out,), acc), runtime.empty((n_out,), acc)
         KD.adapted_norms_(norm, stored_weight._data, lora_a._data, lora_b._data, scale, magnitude._data, ratio)
-    weight, bias = cast_params(weight, bias, n_out, x.dtype, op, ValueError)
+    weight, bias = _layer_params(x, weight, bias, n_out, op, ValueError)
     if x.numel() == 0 or k == 0 or lora_a.shape[0] == 0:  # degenerate: the composed ops handle the edge cases
         branch = lora_input if lora_input is not None else x
         z = linear(x, weight, None if ratio is not None else bias) + linear(linear(branch, lora_a), lora_b) * scale
@@ -400,7 +427,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     h = runtime.empty((x2.shape[0], lora_a.shape[0]), x.dtype)
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(h, b16.t(), float(scale)))
+               low_rank=(h, b16.t(), float(scale)), w_scale=weight_scale(weight))
     out = z
     if ratio is not None:
         out = runtime.empty(z.shape, z.dtype)
@@ -411,7 +438,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude):
         keep_z = ratio is not None and magnitude.requires_grad
         record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,
-               saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm), scale=float(scale),
+               saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm, weight_scale(weight)),
+               scale=float(scale),
                x_shape=x.shape, a_shape=tuple(lora_a.shape), a_dtype=lora_a.dtype, b_shape=tuple(lora_b.shape),
                b_dtype=lora_b.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
     return y

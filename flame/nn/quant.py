@@ -1,0 +1,72 @@
+"""fp8 base weights for frozen layers: ``quantize_linears_`` turns a model's frozen ``Linear``
+layers (and the base layers of its ``LoRALinear`` adapters) into fp8-weight layers in place.
+
+Each converted layer's ``weight`` becomes an ``Fp8Parameter``: float8_e4m3fn codes with one fp32
+scale per output channel (``flame.ops.quant``), which ``linear`` and ``lora_linear`` read inside
+their GEMMs, forward and input gradient. Biases, norms, LoRA adapters and optimizer states keep
+their dtypes; the layer classes stay the same (a ``LoRALinear`` over an fp8 base trains as before,
+``inject_lora`` after the conversion wraps fp8 layers, and LoRA files are saved as before).
+Merging or folding a LoRA into an fp8 base dequantises, adds and quantises again (fresh scales);
+DoRA over an fp8 base is refused, naming the layer.
+
+Call it last: ``Module.to``/``load_state_dict`` on a converted model would cast or copy codes
+without their scales.
+"""
+from __future__ import annotations
+
+from ..ops.quant import FORMATS, Fp8Weight, quantize_fp8
+from .layers import Linear
+from .lora import LoRALinear, fp8_dora_error, matching_layers
+from .module import Module, Parameter
+
+
+class Fp8Parameter(Fp8Weight, Parameter):
+    """An ``Fp8Weight`` registered as a module's parameter (always frozen)."""
+
+    __slots__ = ()
+
+
+def quantize_linears_(model: Module, dtype: str = "fp8_e4m3", skip=(), scale: str = "absmax") -> list:
+    """Store the weights of ``model``'s frozen ``Linear`` layers, and of the base layers inside its
+    ``LoRALinear`` wrappers, as fp8 (``dtype``: "fp8_e4m3", e4m3fn codes with a per-output-channel
+    fp32 scale), in place. Returns the converted layers' dotted names (a weight shared by several
+    layers is converted once and stays shared; layers already in fp8 are left as they are).
+
+    ``skip``: layers to leave as they are, named as ``inject_lora``'s targets (dotted suffixes,
+    regular expressions, presets). ``scale``: "absmax" (each channel's largest magnitude / 448) or
+    "one" (the weights are e4m3 numbers already: a model loaded from a ``*_fp8_e4m3fn`` checkpoint,
+    stored exactly). All or nothing: a layer whose weight requires grad, or a DoRA layer, raises
+    (naming it) before anything is converted."""
+    op = "quantize_linears_"
+    if not isinstance(model, Module):
+        raise TypeError(f"{op}: model must be a flame.nn.Module, got {type(model).__name__}")
+    if dtype not in FORMATS:
+        raise ValueError(f"{op}: dtype must be one of {list(FORMATS)}, got {dtype!r}")
+    if scale not in ("absmax", "one"):
+        raise ValueError(f"{op}: scale must be 'absmax' or 'one', got {scale!r}")
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, (Linear, LoRALinear))]
+    skipped = set(matching_layers([name for name, _ in layers], skip)) if skip else set()
+    todo = []
+    for name, m in layers:
+        if name in skipped or isinstance(m.weight, Fp8Weight):
+            continue
+        label = f"{op}: layer {name or type(m).__name__!r}"
+        if isinstance(m, LoRALinear) and m.dora:
+            raise fp8_dora_error(label, m.weight.shape)
+        if m.weight.requires_grad:
+            raise ValueError(f"{label} has a trainable weight (requires_grad): an fp8 weight is frozen; freeze it "
+                             "(model.requires_grad_(False) before inject_lora) or skip the layer")
+        todo.append((name, m))
+    converted, done = [], {}
+    for name, m in todo:
+        w = m.weight
+        new = done.get(w.id)
+        if new is None:
+            q = quantize_fp8(w, scale)
+            new = done[w.id] = Fp8Parameter(q._data, q.scale)
+        m.weight = new
+        if isinstance(m, LoRALinear):
+            m._base_layer.weight = new  # the layer fold_lora puts back
+        converted.append(name)
+    return converted
+

@@ -1,0 +1,140 @@
+"""fp8 base weights (issue 49): flame's linear over an fp8 weight (e4m3fn codes decoded in the GEMM's
+main loop, per-output-channel scales) against flame's bf16 linear, PyTorch's bf16 F.linear (cuBLAS)
+and ``torch._scaled_mm`` (W8A8: activations quantised per row, fp8 x fp8 tensor cores) where
+PyTorch has it, at Flux's linear shapes, on one card, in one process.
+
+Problems: ``fwd`` = y = x W^T (``linear_``), ``dx`` = dY W (``matmul_``; the input gradient of a
+frozen layer under LoRA). Rows: ``flame fp8`` (flame's route: the TMA kernel on Hopper), ``flame
+fp8 portable`` (the pointer kernel, FLAME_MATMUL_TMA=0's route, what Ada/Ampere cards run), ``flame
+bf16``, ``torch bf16``, ``torch _scaled_mm`` (fwd only: the GEMM of already-quantised operands, and
+``+ quant x``: with PyTorch quantising x per row first), ``flame fp8xfp8 core`` (fwd only, an
+experiment: flame's TMA kernel fed e4m3 codes for both operands, no scales applied: what Triton's fp8
+tensor-core path would cost). Each row: median ms of CUDA-graph replays, TFLOP/s, speed over flame
+bf16, and the relative RMS error against an fp32 product on the dequantised weight (the W8A8 rows
+also carry the activations' rounding). Writes ``fp8.jsonl`` under ``--out`` (default $OUT or .).
+
+    PYTHONPATH=. python3 scripts/bench_fp8.py
+    PYTHONPATH=. python3 scripts/bench_fp8.py --shapes 4608x3072x3072 --rep 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: F401  (first: puts the checkout on sys.path and selects the backend)
+import torch
+
+import flame
+import flame.kernels.matmul as KM
+from flame.autotune import graph_time_ms
+from flame.ops.quant import quantize_fp8
+
+E4M3 = torch.float8_e4m3fn
+# (M, K, N) of x (M, K) @ W (N, K)^T: Flux's single-block token count, the attention projections,
+# the MLP up- and down-projections
+SHAPES = [(4608, 3072, 3072), (4608, 3072, 12288), (4608, 12288, 3072)]
+
+
+def _rel_rms(got, want):
+    got, want = got.float(), want.float()
+    return float((got - want).norm() / want.norm())
+
+
+def _rows_fwd(x, q, w16):
+    """(name, fn returning the output) of the forward problem, flame bf16 first (the baseline)."""
+    M, N = x.shape[0], w16.shape[0]
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+    rows = [("flame bf16", lambda: KM.linear_(out, x, w16)),
+            ("flame fp8", lambda: KM.linear_(out, x, q._data, w_scale=q.scale)),
+            ("flame fp8 portable", _portable(lambda: KM.linear_(out, x, q._data, w_scale=q.scale))),
+            ("torch bf16", lambda: torch.nn.functional.linear(x, w16))]
+    if hasattr(torch, "_scaled_mm"):
+        xs = x.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / 448
+        xq = (x.float() / xs).to(E4M3)
+        wq, ws = q._data, q.scale[None, :]
+        rows.append(("torch _scaled_mm", lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                                  out_dtype=torch.bfloat16)))
+
+        def quantised_x():
+            s = x.abs().amax(1, keepdim=True).float().clamp_min(1e-12) / 448
+            return torch._scaled_mm((x.float() / s).to(E4M3), wq.t(), scale_a=s, scale_b=ws,
+                                    out_dtype=torch.bfloat16)
+        rows.append(("torch _scaled_mm + quant x", quantised_x))
+        core = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
+        layout = (True, True, xq.stride(0), wq.stride(0), core.stride(0))
+        rows.append(("flame fp8xfp8 core (no scales)",
+                     lambda: KM._launch_tma(core, xq, wq, M, N, x.shape[1], KM.Fusion(), layout)))
+    return rows
+
+
+def _rows_dx(g, q, w16):
+    M, K = g.shape[0], w16.shape[1]
+    out = torch.empty(M, K, dtype=torch.bfloat16, device=g.device)
+    return [("flame bf16", lambda: KM.matmul_(out, g, w16)),
+            ("flame fp8", lambda: KM.matmul_(out, g, q._data, b_scale=q.scale)),
+            ("flame fp8 portable", _portable(lambda: KM.matmul_(out, g, q._data, b_scale=q.scale))),
+            ("torch bf16", lambda: g @ w16)]
+
+
+def _portable(fn):
+    """``fn`` with the TMA route off (the pointer kernel: what cards before Hopper run)."""
+    def run():
+        was = KM.TMA
+        KM.TMA = False
+        try:
+            return fn()
+        finally:
+            KM.TMA = was
+    return run
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=[f"{m}x{k}x{n}" for m, k, n in SHAPES], help="MxKxN")
+    ap.add_argument("--rep", type=int, default=100, help="ms of graph replays per row")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    if flame.is_interpreter():
+        sys.exit("bench_fp8.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    records = []
+    print(f"{'problem':<28} {'row':<32} {'ms':>8} {'TFLOP/s':>8} {'x bf16':>7} {'rel err':>9}")
+    for spec in args.shapes:
+        M, K, N = (int(v) for v in spec.split("x"))
+        w = torch.randn(N, K, device="cuda") / K ** 0.5
+        q = quantize_fp8(flame.from_torch(w))
+        wd = q._data.float() * q.scale[:, None]
+        w16 = wd.bfloat16()
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        g = torch.randn(M, N, device="cuda").bfloat16()
+        problems = {"fwd": (_rows_fwd(x, q, w16), x.float() @ wd.t()),
+                    "dx": (_rows_dx(g, q, w16), g.float() @ wd)}
+        for problem, (rows, ref) in problems.items():
+            times = {}
+            for name, fn in rows:
+                try:
+                    err = _rel_rms(fn(), ref) if "core" not in name else float("nan")
+                    ms = graph_time_ms(fn, args.rep)
+                except Exception as e:  # an experiment row that does not build: reported, not fatal
+                    print(f"{problem} {spec:<24} {name:<32} failed: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                times[name] = ms
+                base = times.get("flame bf16")
+                tflops = 2 * M * N * K / (ms * 1e-3) / 1e12 if ms else float("nan")
+                ratio = base / ms if base and ms else float("nan")
+                print(f"{problem + ' ' + spec:<28} {name:<32} {ms or float('nan'):>8.3f} {tflops:>8.1f} "
+                      f"{ratio:>7.2f} {err:>9.2e}")
+                records.append(dict(problem=problem, M=M, K=K, N=N, row=name, ms=ms, tflops=tflops, rel_err=err,
+                                    speed_over_flame_bf16=ratio))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    with open(Path(args.out) / "fp8.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
