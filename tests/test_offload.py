@@ -15,6 +15,7 @@ from tiny_sdxl import UNET as TINY_UNET
 
 import flame
 from flame import nn
+from flame.checkpoint import segment
 from flame.graphs import CapturedStep
 from flame.models import FluxConfig, FluxTransformer2DModel, SDXLUNet, offload
 from flame.models import flux as FX
@@ -130,6 +131,33 @@ def flux_reference():
     model, params = _flux()
     inputs = _flux_inputs(model)
     return model, params, inputs, _result(_step_fn(model, params)(*inputs))
+
+
+# ---- the segment a streamed block runs as -------------------------------------------------------------
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_segment_keeps_or_recomputes_and_calls_on_backward_first(recompute):
+    lin = nn.Linear(6, 6)
+    w = flame.randn(6, requires_grad=True)  # a closed-over leaf
+    x = flame.randn(2, 6, requires_grad=True)
+    calls = []
+
+    def fn(h, *, gain):
+        calls.append("fn")
+        return lin(h) * w * gain, h  # the second output is the input itself
+
+    def grads(a, h):
+        g = ((a * a).sum() + (h * 3.0).sum()).backward()
+        return [g[t] for t in (x, w, lin.weight, lin.bias)]
+
+    want = grads(*fn(x, gain=2.0))
+    calls.clear()
+    got = grads(*segment(fn, (x,), {"gain": 2.0}, recompute=recompute, on_backward=lambda: calls.append("backward")))
+    assert calls == (["fn", "backward", "fn"] if recompute else ["fn", "backward"])
+    for g, r in zip(got, want):
+        assert torch.equal(g.to_torch(), r.to_torch())
+    with flame.no_grad():
+        assert not segment(fn, (x,), {"gain": 1.0}, recompute=recompute)[0].requires_grad
 
 
 # ---- equality with the resident run -------------------------------------------------------------------
