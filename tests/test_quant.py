@@ -295,6 +295,45 @@ def test_quantize_linears_refuses_clearly():
         net.requires_grad_(True)
 
 
+# the embedders and the output layer stay unquantised (what fp8 trainers leave in bf16; Flux's dtype is img_in's)
+FLUX_SKIP = [r"re:(img_in|txt_in|time_in|vector_in|guidance_in|final_layer)(\..*)?"]
+
+
+def test_flux_lora_over_fp8_base_matches_dequantised_base():
+    """A tiny Flux transformer (one block of each kind; fused QKV layers with an adapter per part) with
+    its blocks' linears in fp8: output and adapter gradients as with the dequantised weights in fp32."""
+    pytest.importorskip("diffusers")
+    import dataclasses
+
+    from tiny_flux import flux_inputs
+
+    from flame.models import FluxConfig, FluxTransformer2DModel
+    cfg = dataclasses.replace(FluxConfig.tiny(), num_layers=1, num_single_layers=1)
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(cfg)
+    model.requires_grad_(False)
+    nn.inject_lora(model, ["qkv", "proj", "linear1", "linear2", "img_mlp.0"], rank=4)
+    for p in nn.lora_parameters(model):
+        p._data.copy_(torch.randn(p.shape).to(DEVICE) * 0.1)
+    done = nn.quantize_linears_(model, skip=FLUX_SKIP)
+    assert "double_blocks.0.img_attn.qkv" in done and "single_blocks.0.linear2" in done and "img_in" not in done
+    assert model.dtype == torch.float32
+    inp = {k: flame.from_torch(v.to(DEVICE)) for k, v in flux_inputs(cfg, batch=1, n_txt=3, height=4, width=4).items()}
+    adapters = nn.lora_parameters(model)
+    runs = []
+    for _ in range(2):
+        y = model(**inp)
+        grads = (y * y).sum().backward()
+        runs.append([y.to_torch()] + [grads[p].to_torch() for p in adapters])
+        for name, m in model.named_modules():  # the same model over the dequantised weights
+            if name and isinstance(getattr(m, "weight", None), Fp8Weight):
+                m.weight = nn.Parameter(m.weight.dequantize(), requires_grad=False)
+                if isinstance(m, nn.LoRALinear):
+                    m._base_layer.weight = m.weight
+    for got, want in zip(*runs):
+        assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
 def test_fp8_bad_input_errors():
     w = flame.from_torch(weight(4, 6))
     with pytest.raises(ValueError, match=r"quantize_fp8: weight must be 2-D"):
