@@ -101,7 +101,7 @@ def copy_bandwidth(streamer):
     return reps * rec.nbytes / (time.perf_counter() - start)
 
 
-def run_mode(args, model, inputs, fwd_bwd, mode, checkpointing):
+def run_mode(args, model, inputs, fwd_bwd, mode, checkpointing, capture=True):
     import torch
 
     import flame
@@ -114,7 +114,7 @@ def run_mode(args, model, inputs, fwd_bwd, mode, checkpointing):
         n = len(offload.streamable_blocks(model))
         plan = offload.plan_offload(model, count="all" if mode == "all" else n // 2)
         streamer = offload.BlockStreamer(model, plan)
-    step = CapturedStep(fwd_bwd)
+    step = CapturedStep(fwd_bwd, enabled=capture)
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -136,12 +136,14 @@ def run_mode(args, model, inputs, fwd_bwd, mode, checkpointing):
         step(*inputs)
         flame.synchronize()
         times.append(time.perf_counter() - start)
-    result = {"mode": mode, "checkpointing": checkpointing, "step_ms": 1e3 * statistics.median(times),
-              "eager_step_ms": 1e3 * eager_s, "peak_gib": peak / 2**30, "copied_gib_per_step": per_step / 2**30,
+    result = {"mode": mode, "checkpointing": checkpointing, "capture": capture,
+              "step_ms": 1e3 * statistics.median(times), "eager_step_ms": 1e3 * eager_s, "peak_gib": peak / 2**30,
+              "copied_gib_per_step": per_step / 2**30,
               "streamed_blocks": len(streamer.plan.streamed) if streamer else 0,
               "device_weights_gib": (streamer.plan.device_bytes if streamer else
                                      offload.plan_offload(model, count=0).device_bytes) / 2**30}
     if streamer is not None:
+        flame.synchronize()
         bw = copy_bandwidth(streamer)
         result.update(copy_gb_s=bw / 1e9, copies_alone_ms=1e3 * per_step / bw,
                       slot_mib=streamer.plan.slot_bytes / 2**20)
@@ -154,13 +156,22 @@ def run_mode(args, model, inputs, fwd_bwd, mode, checkpointing):
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import flame
+    from flame.models import offload
     model, _, inputs, fwd_bwd = build(args)
     print(json.dumps({"device": flame.device_name(), "double": args.double, "single": args.single,
                       "tokens": args.tokens, "text": args.text, "rank": args.rank}), flush=True)
     results = []
     for checkpointing in args.checkpointing:
         for mode in args.modes:
-            r = run_mode(args, model, inputs, fwd_bwd, mode, checkpointing)
+            try:
+                r = run_mode(args, model, inputs, fwd_bwd, mode, checkpointing)
+            except Exception as e:  # report it, then measure the eager step
+                print(json.dumps({"mode": mode, "checkpointing": checkpointing, "capture_error": repr(e)}), flush=True)
+                for _, b in offload.streamable_blocks(model):
+                    if b.streamer is not None:
+                        b.streamer.streamer.restore()
+                        break
+                r = run_mode(args, model, inputs, fwd_bwd, mode, checkpointing, capture=False)
             results.append(r)
             print(json.dumps(r), flush=True)
     print(f"{'mode':<9} {'ckpt':<5} {'step ms':>9} {'peak GiB':>9} {'weights GiB':>12} {'H2D GiB/step':>13} "

@@ -35,18 +35,20 @@ def _randomize_adapters(model, seed):
     return params
 
 
-def _flux(double=2, single=2, dtype=None, hidden=None, seed=0):
-    """A tiny Flux transformer (LoRA on attention and on the blocks' modulation Linears, whose input,
-    the conditioning vector, needs no gradient), its adapters and inputs (4 image, 3 text tokens)."""
-    cfg = dataclasses.replace(FluxConfig.tiny(), num_layers=double, num_single_layers=single)
-    if hidden is not None:
-        cfg = dataclasses.replace(cfg, num_attention_heads=hidden // 128, attention_head_dim=128,
-                                  axes_dims_rope=(16, 56, 56), joint_attention_dim=hidden, pooled_projection_dim=256)
+_MODULATION_LORA = FX.LORA_PRESETS["attn"] + [r"re:double_blocks\.\d+\.img_mod\.lin",
+                                              r"re:single_blocks\.\d+\.modulation\.lin"]
+
+
+def _flux(double=2, single=2, dtype=None, full_width=False, targets=_MODULATION_LORA, seed=0):
+    """A Flux transformer of ``double`` + ``single`` blocks, tiny or (``full_width``) Flux.1's, frozen, with
+    LoRA adapters on ``targets`` (default: attention and the blocks' modulation Linears, whose input,
+    the conditioning vector, needs no gradient); returns it and its adapters."""
+    cfg = FluxConfig() if full_width else FluxConfig.tiny()
+    cfg = dataclasses.replace(cfg, num_layers=double, num_single_layers=single)
     flame.manual_seed(seed)
     model = FluxTransformer2DModel(cfg, dtype=dtype)
     model.requires_grad_(False)
-    inject_lora(model, FX.LORA_PRESETS["attn"] + [r"re:double_blocks\.\d+\.img_mod\.lin",
-                                                  r"re:single_blocks\.\d+\.modulation\.lin"], rank=2)
+    inject_lora(model, targets, rank=2 if not full_width else 16)
     params = _randomize_adapters(model, seed + 1)
     return model, params
 
@@ -75,12 +77,14 @@ def _result(res):
 
 
 def _assert_same(got, want, exact=True):
+    """Bitwise, or (a GPU) within 1e-3 of each tensor's norm: a block run on other weights is far off."""
     pairs = [(got[0], want[0])] + list(zip(got[1], want[1]))
     for g, w in pairs:
         if exact:
             assert torch.equal(g, w), (g - w).abs().max()
         else:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+            err = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+            assert err < 1e-3, err
     assert any(float(g.abs().max()) > 0 for g in got[1])
 
 
@@ -230,7 +234,9 @@ def test_streamed_sdxl_unet_equals_resident_with_skip_connections():
                           "mid_block.resnets.1"]
     streamer = offload.BlockStreamer(model, offload.plan_offload(model, count=len(names) - 2, slots=3), log=True)
     # the gradients of tensors used three or more times are summed in another order (segments)
-    _assert_same(_result(step(*inputs)), want, exact=False)
+    got = _result(step(*inputs))
+    for g, w in [(got[0], want[0])] + list(zip(got[1], want[1])):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
     _check_slots_hold_the_running_block(streamer.log)
     assert {slot for _, slot in _events(streamer.log, "copy")} == {0, 1, 2}
 
@@ -348,10 +354,15 @@ def test_a_tensor_shared_outside_its_block_is_refused():
 
 # ---- on a GPU ----------------------------------------------------------------------------------------
 
+# Flux.1's width, 4096 image and 512 text tokens, LoRA rank 16 on attention and MLP: the shapes of
+# scripts/bench_offload.py, whose kernels configs/kernels' Flux list compiles ahead.
+_FULL = {"dtype": flame.bfloat16, "full_width": True, "targets": FX.LORA_PRESETS["attn-mlp"]}
+
+
 @pytest.mark.gpu
 def test_gpu_streams_and_captured_graph_equal_the_resident_run():
-    model, params = _flux(double=3, single=3)
-    inputs = _flux_inputs(model, h=8, w=8, n_txt=5)
+    model, params = _flux(2, 2, **_FULL)
+    inputs = _flux_inputs(model, h=128, w=128, n_txt=512)
     eager = _step_fn(model, params)
     want = _result(eager(*inputs))
     streamer = offload.BlockStreamer(model, offload.plan_offload(model, count="all"))
@@ -383,10 +394,10 @@ def _time(fn, *args, repeat=5):
 
 @pytest.mark.gpu
 def test_gpu_copies_overlap_compute():
-    """A 1536-wide model (6 double, 6 single blocks, bf16, 4096 + 256 tokens): the streamed step takes
-    clearly less than the resident step plus its copies alone."""
-    model, params = _flux(double=6, single=6, dtype=flame.bfloat16, hidden=1536)
-    inputs = _flux_inputs(model, h=128, w=128, n_txt=256)
+    """Three double and three single blocks, all streamed: the step takes clearly less than the
+    resident step plus its copies alone."""
+    model, params = _flux(3, 3, **_FULL)
+    inputs = _flux_inputs(model, h=128, w=128, n_txt=512)
     resident = _time(CapturedStep(_step_fn(model, params)), *inputs)
     streamer = offload.BlockStreamer(model, offload.plan_offload(model, count="all"))
     streamed = _time(CapturedStep(_step_fn(model, params)), *inputs)
