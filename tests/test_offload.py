@@ -11,7 +11,6 @@ import time
 
 import pytest
 import torch
-from tiny_sdxl import UNET as TINY_UNET
 
 import flame
 from flame import nn
@@ -218,8 +217,9 @@ def test_checkpointed_and_partly_streamed_flux_equals_resident(flux_reference):
 
 
 def test_streamed_sdxl_unet_equals_resident_with_skip_connections():
+    from tiny_sdxl import UNET  # imports test_clip_text, which needs transformers
     flame.manual_seed(0)
-    model = SDXLUNet(TINY_UNET)
+    model = SDXLUNet(UNET)
     model.requires_grad_(False)
     inject_lora(model, "attn", rank=2)
     params = _randomize_adapters(model, 1)
