@@ -5,20 +5,24 @@ linear shapes, on one card, in one process.
 Problems (``--problems``): ``fwd`` = y = x W^T + b (``linear_``; cuBLAS: F.linear), ``gelu`` = the same
 with GELU (tanh) fused (cuBLAS: F.linear then F.gelu; the target is the plain GEMM's time), ``dx`` =
 dY W and ``dw`` = dY^T X (``matmul_``; cuBLAS: torch.matmul). Rows: ``cublas``; ``tma`` = flame with
-the Gluon route off; ``flame`` = flame's own choice (``matmul_hopper.plan``: the Gluon kernel or the
-TMA one); ``gluon ...`` = the Gluon kernel forced to one schedule (``coop`` 2 consumers x BLOCK_M x
-BLOCK_N per program tile, ``pp`` ping-pong over BLOCK_M x BLOCK_N tiles; ``sN`` N stages, else as
-many as fit).
+the Gluon route off; ``flame`` = flame's own route (``matmul_hopper.plan``: the Gluon kernel or the
+TMA one); ``gluon plan`` = the Gluon kernel launched directly with the plan's config; ``gluon ...``
+= the Gluon kernel forced to one schedule (``coop`` 2 consumers x BLOCK_M x BLOCK_N per program tile,
+``pp`` ping-pong over BLOCK_M x BLOCK_N tiles; ``sN`` N stages, else as many as fit).
 
-Every Gluon variant first runs in worker processes (``--jobs``, default 8) on a small problem with
-tails, checked against PyTorch: that compiles it into Triton's cache, and a variant that fails or
-hangs (each worker has a time limit) is reported and left out of the timing. Then this process
-checks every row of every case against an fp32 reference (error at most ``--err-factor`` x cuBLAS's)
-and times it as CUDA-graph replays (median). Prints a table per problem (TFLOP/s, time over
-cuBLAS's) and the geometric means; writes ``gemm.jsonl`` under ``--out`` (default $OUT or .).
+Every Gluon variant first runs in worker processes (``--jobs``) on a small problem with tails,
+checked against PyTorch: that compiles it into Triton's cache, and a variant that fails or hangs
+(each worker has a time limit) is reported and left out of the timing. Then this process checks
+every row of every case against an fp32 reference (error at most ``--err-factor`` x cuBLAS's) and
+times it: replays of a CUDA graph of as many calls as fill ``--rep-ms`` at cuBLAS's speed, the same
+count for every row of a case (the H200 runs these at its 700 W limit, where clocks follow the
+load), median of 10, in ``--passes`` passes of alternating order (the fastest kept). Prints a table
+per problem (TFLOP/s, time over cuBLAS's) and the geometric means; writes ``gemm.jsonl`` under
+``--out`` (default $OUT or .).
 
     PYTHONPATH=. python3 scripts/bench_gemm.py                       # everything
     PYTHONPATH=. python3 scripts/bench_gemm.py --only flux --problems fwd --variants "coop 2x64x256"
+    PYTHONPATH=. python3 scripts/bench_gemm.py --jobs 0 --variants "" --profile  # flame's route only
 """
 from __future__ import annotations
 
@@ -38,7 +42,6 @@ import torch
 
 import flame.kernels.matmul as KM
 import flame.kernels.matmul_hopper as KH
-from flame.autotune import graph_time_ms
 from flame.kernels.elementwise import GELU_TANH
 
 # (M, K, N) of x (M, K) @ W (N, K)^T
@@ -116,25 +119,61 @@ class Case:
         finally:
             KH.ROUTE = True
 
-    def gluon(self, variant):
+    def gluon(self, cfg):
+        """The Gluon kernel with the launch config ``cfg`` (``matmul_hopper.config``)."""
         f = self.fusion()
         layout = KM._tma_layout(self.out, self.a, self.b, f, self.a.stride(), self.b.stride(), self.out.stride())
         if layout is None or not KH.usable(self.a, self.b, f):
             raise RuntimeError("the Gluon kernel cannot take this problem")
-        return KH.matmul(self.out, self.a, self.b, self.m, self.n, self.k, f, layout, KH.config(**VARIANTS[variant]))
+        return KH.matmul(self.out, self.a, self.b, self.m, self.n, self.k, f, layout, cfg)
 
 
 def _err(got, want):
     return float((got.float() - want).norm() / want.norm())
 
 
-def run_row(case, name, fn, rep_ms, factor, time_only=False):
-    """Check ``fn`` (NaN-poisoned output first) against the fp32 reference, then (``rep_ms``) time
-    it; ``time_only``: time it (``rep_ms``) unchecked."""
+def graph_ms(fn, calls, replays=10):
+    """Median ms per call of ``fn`` over ``replays`` replays of a CUDA graph of ``calls`` calls. Every
+    row of a case is timed with the same ``calls``: replays of one length (the card runs at its
+    700 W limit, where clocks follow the recent load)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        fn()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+        graph.replay()
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def kernels(fn, calls=10):
+    """[(kernel name, device us per call)] of ``calls`` calls of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return [(e.key[:60], round(e.device_time_total / calls, 1)) for e in prof.key_averages() if e.device_time_total > 0]
+
+
+def run_row(case, name, fn, calls, factor, time_only=False):
+    """Check ``fn`` (NaN-poisoned output first) against the fp32 reference, then (``calls``) time
+    it; ``time_only``: time it unchecked."""
     row = dict(problem=case.problem, shape=case.shape, name=name)
     try:
         if time_only:
-            row["ms"] = graph_time_ms(fn, rep_ms)
+            row["ms"] = graph_ms(fn, calls)
             return row
         case.out.fill_(float("nan"))
         got = fn()
@@ -143,8 +182,8 @@ def run_row(case, name, fn, rep_ms, factor, time_only=False):
         if not row["err"] <= factor * max(row["cublas_err"], 2 ** -9):
             row["error"] = f"wrong: error {row['err']:.2e} vs cuBLAS {row['cublas_err']:.2e}"
             return row
-        if rep_ms:
-            row["ms"] = graph_time_ms(fn, rep_ms)
+        if calls:
+            row["ms"] = graph_ms(fn, calls)
             row["tflops"] = case.flops / row["ms"] * 1e-9
     except Exception as e:  # one variant failing must not stop the others
         lines = str(e).strip().splitlines()
@@ -162,7 +201,7 @@ def smoke(worker, jobs, pairs, log):
             out.write(json.dumps(dict(problem=problem, variant=variant, state="start")) + "\n")
             out.flush()
             case = Case(problem, *SMOKE)
-            row = run_row(case, variant, functools.partial(case.gluon, variant), None, 2.0)
+            row = run_row(case, variant, functools.partial(case.gluon, KH.config(**VARIANTS[variant])), None, 2.0)
             out.write(json.dumps(dict(problem=problem, variant=variant, state="done", error=row.get("error"),
                                       err=row.get("err"))) + "\n")
             out.flush()
@@ -209,6 +248,7 @@ def main(argv=None):
     ap.add_argument("--rep-ms", type=int, default=25, help="ms of replays per timing (10 timings, median)")
     ap.add_argument("--passes", type=int, default=2, help="timings of each row (every other pass reversed; min kept)")
     ap.add_argument("--err-factor", type=float, default=2.0)
+    ap.add_argument("--profile", action="store_true", help="list the kernels of the first case's first rows")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--smoke-log", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -239,18 +279,25 @@ def main(argv=None):
         for group, p, shape in cases:
             case = Case(p, *shape)
             runs = [("cublas", case.cublas), ("tma", case.tma), ("flame", case.flame)]
-            runs += [(f"gluon {v}", functools.partial(case.gluon, v)) for q, v in pairs
+            plan = KH.plan(case.m, case.n, case.k, case.a, case.b, case.fusion())
+            if plan is not None:  # the kernel flame's route picks, launched directly
+                runs.append(("gluon plan", functools.partial(case.gluon, plan)))
+            runs += [(f"gluon {v}", functools.partial(case.gluon, KH.config(**VARIANTS[v]))) for q, v in pairs
                      if q == p and not smoked.get((p, v))]
+            calls = max(1, round(args.rep_ms / graph_ms(case.cublas, 1, 5)))
             by = {}
             for i in range(args.passes):  # every other pass in reverse order: a drift shows as spread
                 for name, fn in runs if i % 2 == 0 else runs[::-1]:
                     if "error" in by.get(name, {}):
                         continue
-                    row = run_row(case, name, fn, args.rep_ms, args.err_factor, time_only=i > 0)
+                    row = run_row(case, name, fn, calls, args.err_factor, time_only=i > 0)
                     if name not in by:
                         by[name] = dict(row, group=group, times=[])
                     if "ms" in row:
                         by[name]["times"].append(row["ms"])
+            if args.profile and shape == cases[0][2]:
+                for name, fn in runs[:4]:
+                    print(f"kernels of {name} {shape} {p}: {kernels(fn)}", flush=True)
             for name, row in by.items():
                 if row["times"]:
                     row["ms"] = min(row["times"])

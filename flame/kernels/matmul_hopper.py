@@ -246,28 +246,33 @@ def plan(M, N, K, a, b, f):
     return _plans[key]
 
 
-# (COOP, BLOCK_M, BLOCK_N) of the tile shapes _choose picks from, the one of largest program tile first
-TILES = ((True, 64, 256), (False, 128, 128))
-# Problems of fewer 128x128 tiles than this many per SM stay on the TMA kernel. H200, bf16 (scripts/bench_gemm.py):
-# at 160 tiles (4096x2560->640, 2048x5120->1280) the TMA kernel was 2-14% faster, from 320 on the Gluon one
-MIN_TILES_PER_SM = 2
+# The tile shapes _choose picks from: (COOP, BLOCK_M, BLOCK_N) -> main-loop rate relative to the
+# cooperative 2 x 64x256 one, and the cooperative epilogue's cost in steps of K (it runs after the
+# main loop; ping-pong's runs under the other consumer's). Fitted on an H200, bf16, Triton 3.6
+# (scripts/bench_gemm.py, notes/gemm.md): with them the model picked the fastest of the three on each
+# of the 23 Flux, SDXL and 8192-cube shapes measured.
+TILES = {(True, 64, 256): 1.0, (False, 128, 128): 0.95, (False, 64, 128): 0.83}
+COOP_EPILOGUE_K = 90
+# Problems of fewer 128x128 tiles than SMs stay on the TMA kernel (its small tiles and split-K win there: H200,
+# 1024x1280->1280 and 1024x5120->1280, 80 tiles, TMA 1.27x / 1.26x cuBLAS's time, Gluon 1.38x / 1.34x)
+MIN_TILES_PER_SM = 1
 
 
 def _choose(M, N, K):
-    """The tile shape whose last wave leaves the fewest SMs idle (the share of the programs' tile
-    area that is inside the problem, over whole waves of one tile per SM), the first of ``TILES``
-    on a tie; None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM."""
+    """The tile shape of least predicted time: whole waves of one program tile per SM (the last one
+    partly idle) times a tile's cost (its area over its main-loop rate, times K, plus the
+    cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM."""
     sms = runtime.num_sms()
     if gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms:
         return None
-    best, best_eff = None, 0.0
-    for coop, bm, bn in TILES:
-        tm = 2 * bm if coop else bm
-        tiles = gemm.cdiv(M, tm) * gemm.cdiv(N, bn)
-        eff = M * N / (gemm.cdiv(tiles, sms) * sms * tm * bn)
-        if eff > best_eff * 1.01:
-            best, best_eff = (coop, bm, bn), eff
-    coop, bm, bn = best
+
+    def cost(tile):
+        coop, bm, bn = tile
+        rows = 2 * bm if coop else bm
+        waves = gemm.cdiv(gemm.cdiv(M, rows) * gemm.cdiv(N, bn), sms)
+        return waves * rows * bn * (K + (COOP_EPILOGUE_K if coop else 0)) / TILES[tile]
+
+    coop, bm, bn = min(TILES, key=cost)
     return config(coop=coop, block_m=bm, block_n=bn)
 
 
