@@ -410,23 +410,22 @@ def test_prepare_cache_writes_kohya_sets_apart_and_refreshes(tmp_path, capsys, m
 
 @pytest.mark.slow
 def test_one_command_trains_from_a_kohya_image_folder(tmp_path):
-    """The issue's path: a folder of captioned images and a checkpoint, one trainer run, no cache step."""
+    """The issue's path as the README shows it: scripts/tiny_example.py's pipeline and kohya folder of
+    captioned images, configs/sdxl_lora_tiny_images.yaml, one trainer run, no cache step."""
     pytest.importorskip("diffusers")
-    from tiny_sdxl import write_tiny_pipeline
+    spec = importlib.util.spec_from_file_location("tiny_example", ROOT / "scripts" / "tiny_example.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
 
     import flame
-    from flame.train import Trainer
-    model = write_tiny_pipeline(tmp_path / "sdxl")
-    root = tmp_path / "train"
-    _png(root / "3_sks" / "a.png", caption="sks dog")
-    _png(root / "3_sks" / "b.png", seed=1, caption="sks dog, sitting")
-    cfg = build_config({"model": {"path": str(model)}, "data": {"images": str(root), "resolution": 64,
-                                                               "batch_size": 2},
-                        "lora": {"rank": 2, "targets": "attn"}, "train": {"steps": 2, "precision": "fp32"},
-                        "output": {"dir": str(tmp_path / "run"), "save_every": 0}})
+    from flame.train import Trainer, load_config
+    assert example.main([str(tmp_path / "example")]) == 0
+    cfg = load_config(ROOT / "configs" / "sdxl_lora_tiny_images.yaml",
+                      [f"model.path={tmp_path / 'example' / 'model'}", f"data.images={tmp_path / 'example' / 'images'}",
+                       f"output.dir={tmp_path / 'run'}", "train.steps=2", "output.save_every=0", "lora.targets=attn"])
     flame.manual_seed(0)
     result = Trainer(cfg, progress=False, log=lambda *a: None).train()
     assert len(result["losses"]) == 2 and np.isfinite(result["losses"]).all()
-    cache = LatentCache(tmp_path / "run" / "cache" / "3_sks")
-    assert len(cache) == 2 and {s["caption"] for s in cache.samples} == {"sks dog", "sks dog, sitting"}
+    cache = LatentCache(tmp_path / "run" / "cache" / "2_cat")
+    assert len(cache) == len(example.CAPTIONS) and {s["caption"] for s in cache.samples} == set(example.CAPTIONS)
     assert (tmp_path / "run" / "lora.safetensors").is_file()
