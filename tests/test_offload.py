@@ -373,7 +373,7 @@ def test_gpu_streams_and_captured_graph_equal_the_resident_run():
         if i == 2:
             with flame.no_grad():
                 model(*inputs)
-    assert step.num_graphs == 1
+    assert step.num_graphs == (0 if flame.is_interpreter() else 1)
     model.enable_gradient_checkpointing()
     step = CapturedStep(eager)
     for _ in range(3):
