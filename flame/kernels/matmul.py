@@ -17,7 +17,9 @@ One kernel, ``_matmul_kernel``, computes a (BLOCK_M, BLOCK_N) tile of one batch 
 
 Launch configs come from ``_config(M, N, K, dtype)``: a tuning-table entry (``flame.tune``) or a
 heuristic. 16-bit 2-D problems on Hopper run ``_matmul_tma_kernel`` (TMA loads, persistent); GEMMs
-with few output tiles and a long K split K (``_launch_split_k``).
+with few output tiles and a long K split K (``_launch_split_k``). On an sm_90 GPU with Gluon, the
+2-D problems that ``matmul_hopper.plan`` takes (at least one 128x128 tile per SM, no low-rank term)
+run its warp-specialised kernel instead (FLAME_MATMUL_GLUON=0: never).
 """
 import itertools
 import math

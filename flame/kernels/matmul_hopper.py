@@ -36,7 +36,7 @@ import torch
 
 from .. import autotune, runtime
 from . import matmul as gemm
-from .launch import launch
+from .launch import descriptor, launch
 
 try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
     from triton.experimental import gluon
@@ -249,8 +249,10 @@ def plan(M, N, K, a, b, f):
 # The tile shapes _choose picks from: (COOP, BLOCK_M, BLOCK_N) -> main-loop rate relative to the
 # cooperative 2 x 64x256 one, and the cooperative epilogue's cost in steps of K (it runs after the
 # main loop; ping-pong's runs under the other consumer's). Fitted on an H200, bf16, Triton 3.6
-# (scripts/bench_gemm.py, notes/gemm.md): with them the model picked the fastest of the three on each
-# of the 23 Flux, SDXL and 8192-cube shapes measured.
+# (scripts/bench_gemm.py, notes/gemm.md): the model picked the fastest of the three on each of the 23
+# Flux, SDXL and 8192-cube shapes of that (short-burst) run; timed in 20 ms bursts at the card's
+# power limit, the route beat matmul.py's TMA kernel on 34 of 35 shape x problem rows (3% slower on
+# 4096x3072->3072).
 TILES = {(True, 64, 256): 1.0, (False, 128, 128): 0.95, (False, 64, 128): 0.83}
 COOP_EPILOGUE_K = 90
 # Problems of fewer 128x128 tiles than SMs stay on the TMA kernel (its small tiles and split-K win there: H200,
@@ -298,27 +300,19 @@ def stages_that_fit(block_m, block_n, coop, es, limit=None):
     return max(1, min(8, room // stage))
 
 
-_descriptor_fields: dict = {}  # (dtype, shape, strides, block shape) -> a checked descriptor's fields but its base
-
-
 def _descriptor(base, shape, strides, block_shape):
-    """A Gluon TMA descriptor of ``base`` with the default swizzled layout for its block. Gluon's
-    checks run for the first of each (dtype, shape, strides, block shape); later ones copy its
-    fields (the base's 16-byte alignment, the one check that depends on it, was made by
-    ``matmul._tma_layout``)."""
-    key = (base.dtype, tuple(shape), tuple(strides), tuple(block_shape))
-    fields = _descriptor_fields.get(key)
-    if fields is None:
-        layout = gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[base.dtype])
-        fields = dict(vars(TensorDescriptor(base, list(shape), list(strides), list(block_shape), layout)))
-        del fields["base"]  # the cache must not keep a buffer alive
-        if len(_descriptor_fields) > 4096:
-            _descriptor_fields.clear()
-        _descriptor_fields[key] = fields
+    """A Gluon TMA descriptor of ``base``: ``launch.descriptor``'s (its checks, made once per
+    dtype, shape, strides and block) with the default swizzled shared layout of its block, which
+    Gluon's host descriptors carry."""
     made = object.__new__(TensorDescriptor)
-    vars(made).update(fields)
-    made.base = base
+    vars(made).update(vars(descriptor(base, shape, strides, block_shape)))
+    made.layout = _shared_layout(base.dtype, tuple(block_shape))
     return made
+
+
+@functools.cache
+def _shared_layout(dtype, block_shape):
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[dtype])
 
 
 _GL_DTYPES = {} if gluon is None else {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
