@@ -4,9 +4,10 @@ and ``torch._scaled_mm`` (W8A8: activations quantised per row, fp8 x fp8 tensor 
 PyTorch has it, at Flux's linear shapes, on one card, in one process.
 
 Problems: ``fwd`` = y = x W^T (``linear_``), ``dx`` = dY W (``matmul_``; the input gradient of a
-frozen layer under LoRA). Rows: ``flame fp8`` (flame's route: the TMA kernel on Hopper), ``flame
-fp8 portable`` (the pointer kernel, FLAME_MATMUL_TMA=0's route, what Ada/Ampere cards run), ``flame
-bf16``, ``torch bf16``, ``torch _scaled_mm`` (fwd only: the GEMM of already-quantised operands, and
+frozen layer under LoRA). Rows: ``flame bf16``, ``flame fp8`` (flame's own route, ``_fp8_route``),
+``flame fp8 inline`` (codes decoded in the main loop: the TMA kernel on Hopper), ``... inline
+portable`` (the pointer kernel, what cards before Hopper run), ``flame fp8 dequant`` (a dequantised
+copy, then the bf16 GEMM), ``torch bf16``, ``torch _scaled_mm`` (fwd only: the GEMM of already-quantised operands, and
 ``+ quant x``: with PyTorch quantising x per row first), ``flame fp8xfp8 core`` (fwd only, an
 experiment: flame's TMA kernel fed e4m3 codes for both operands, no scales applied: what Triton's fp8
 tensor-core path would cost). Each row: median ms of CUDA-graph replays, TFLOP/s, speed over flame
@@ -49,10 +50,9 @@ def _rows_fwd(x, q, w16):
     """(name, fn returning the output) of the forward problem, flame bf16 first (the baseline)."""
     M, N = x.shape[0], w16.shape[0]
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
-    rows = [("flame bf16", lambda: KM.linear_(out, x, w16)),
-            ("flame fp8", lambda: KM.linear_(out, x, q._data, w_scale=q.scale)),
-            ("flame fp8 portable", _portable(lambda: KM.linear_(out, x, q._data, w_scale=q.scale))),
-            ("torch bf16", lambda: torch.nn.functional.linear(x, w16))]
+    rows = [("flame bf16", lambda: KM.linear_(out, x, w16))]
+    rows += _fp8_rows(lambda: KM.linear_(out, x, q._data, w_scale=q.scale))
+    rows.append(("torch bf16", lambda: torch.nn.functional.linear(x, w16)))
     if hasattr(torch, "_scaled_mm"):
         xs = x.float().abs().amax(1, keepdim=True).clamp_min(1e-12) / 448
         xq = (x.float() / xs).to(E4M3)
@@ -91,21 +91,29 @@ def _fp8_core(xq, wq, tiles):
 def _rows_dx(g, q, w16):
     M, K = g.shape[0], w16.shape[1]
     out = torch.empty(M, K, dtype=torch.bfloat16, device=g.device)
-    return [("flame bf16", lambda: KM.matmul_(out, g, w16)),
-            ("flame fp8", lambda: KM.matmul_(out, g, q._data, b_scale=q.scale)),
-            ("flame fp8 portable", _portable(lambda: KM.matmul_(out, g, q._data, b_scale=q.scale))),
-            ("torch bf16", lambda: g @ w16)]
+    return ([("flame bf16", lambda: KM.matmul_(out, g, w16))]
+            + _fp8_rows(lambda: KM.matmul_(out, g, q._data, b_scale=q.scale)) + [("torch bf16", lambda: g @ w16)])
 
 
-def _portable(fn):
-    """``fn`` with the TMA route off (the pointer kernel: what cards before Hopper run)."""
+def _fp8_rows(fn):
+    """flame's fp8 GEMM ``fn`` on its own route (``_fp8_route``), forced inline (TMA kernel, and the
+    pointer kernel that cards before Hopper run) and forced through a dequantised copy."""
+    return [("flame fp8", fn), ("flame fp8 inline", _with(fn, FP8_ROUTE="inline")),
+            ("flame fp8 inline portable", _with(fn, FP8_ROUTE="inline", TMA=False)),
+            ("flame fp8 dequant", _with(fn, FP8_ROUTE="dequant"))]
+
+
+def _with(fn, **settings):
+    """``fn`` run with ``flame.kernels.matmul``'s module settings changed for the call."""
     def run():
-        was = KM.TMA
-        KM.TMA = False
+        was = {k: getattr(KM, k) for k in settings}
+        for k, v in settings.items():
+            setattr(KM, k, v)
         try:
             return fn()
         finally:
-            KM.TMA = was
+            for k, v in was.items():
+                setattr(KM, k, v)
     return run
 
 

@@ -23,11 +23,13 @@ from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, assert_within_torch_
 E4M3 = torch.float8_e4m3fn
 
 
-def torch_quantize(w):
-    """The reference: per-row absmax / 448 scales (1 for a zero row) and torch's e4m3fn cast."""
+def torch_quantize(w, scale):
+    """The reference: per-row absmax / 448 scales (1 for a zero row), and torch's e4m3fn cast of w
+    over ``scale`` (flame's: torch on CUDA divides by a number as a multiplication by its reciprocal,
+    a unit in the last place off IEEE division at times)."""
     s = w.float().abs().amax(1) / 448
     s = torch.where(s > 0, s, torch.ones_like(s))
-    return (w.float() / s[:, None]).to(E4M3), s
+    return (w.float() / scale[:, None]).to(E4M3), s
 
 
 def codes(t):
@@ -59,7 +61,7 @@ def rel_tol(dtype):
 def test_quantize_matches_torch_cast(dtype, shape):
     w = weight(*shape, dtype)
     q = quantize_fp8(flame.from_torch(w))
-    want_q, want_s = torch_quantize(w)
+    want_q, want_s = torch_quantize(w, q.scale)
     assert q.dtype == E4M3 and q.shape == shape and q.scale.dtype == torch.float32
     assert torch.equal(q.scale.cpu(), want_s.cpu())
     assert torch.equal(codes(q._data).cpu(), codes(want_q).cpu())
@@ -155,6 +157,15 @@ def test_fp8_gemms_split_k(monkeypatch):
     the slice's own rows."""
     monkeypatch.setattr(KM, "_k_splits", lambda tiles, K, block_k: 3 if K % 3 == 0 else 1)
     _linear_case((6, 48), 30, torch.float32, None)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+def test_fp8_gemms_through_a_dequantised_copy(monkeypatch, dtype):
+    """The route the GPU takes for many rows: the weight dequantised to the activations' dtype, then
+    the plain GEMM (forward and dX; LoRA's fused low-rank term too)."""
+    monkeypatch.setattr(KM, "FP8_ROUTE", "dequant")
+    _linear_case((2, 7, 33), 17, dtype, "gelu")
+    _lora_case(dtype)
 
 
 def test_fp8_linear_low_rank_term_apart():
@@ -372,10 +383,10 @@ def test_fp8_bad_input_errors():
 def test_quantize_bf16_weights_on_gpu_matches_torch():
     w = weight(3072, 3072, torch.bfloat16)
     q = quantize_fp8(flame.from_torch(w))
-    want_q, want_s = torch_quantize(w)
-    assert torch.equal(q.scale, want_s)
+    want_q, want_s = torch_quantize(w, q.scale)
+    assert_close(q.scale, want_s, rtol=2 ** -23, atol=0)
     assert torch.equal(codes(q._data), codes(want_q))
-    assert torch.equal(dequantize_fp8(q, torch.bfloat16).to_torch(), (want_q.float() * want_s[:, None]).bfloat16())
+    assert torch.equal(dequantize_fp8(q, torch.bfloat16).to_torch(), (want_q.float() * q.scale[:, None]).bfloat16())
 
 
 @pytest.mark.gpu
@@ -393,7 +404,7 @@ def test_fp8_linear_bf16_on_gpu(shape, act):
     y = F.linear(x, q, None, activation=act)
     dx = (y * flame.from_torch(g32.bfloat16())).sum().backward()[x]
     for dtype in (torch.float32, torch.bfloat16):
-        xt = x32.to(dtype).requires_grad_(True)
+        xt = x32.clone().to(dtype).requires_grad_(True)
         yt = TORCH_ACT[act](torch.nn.functional.linear(xt, wd.to(dtype)))
         (yt * g32.to(dtype)).sum().backward()
         if dtype == torch.float32:

@@ -34,7 +34,7 @@ from ..autotune import tunable
 from . import matmul_hopper
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
 from .launch import TensorDescriptor, descriptor, launch
-from .quant import DECODE_FACTOR, as_codes, decode_e4m3
+from .quant import DECODE_FACTOR, as_codes, decode_e4m3, dequantize_rows_
 from .reduce import SUM, accumulation_dtype, reduce_
 
 # B_FP8: B holds e4m3fn codes with an fp32 scale per column of B (FP8_COLUMNS) or per row (FP8_ROWS)
@@ -722,7 +722,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     ``low_rank = (u, v, beta)`` (2-D problems only): ``u`` (M, r), ``v`` (r, N) of ``a``'s dtype,
     added in the same launch (``Fusion``). ``b_scale`` (K,) fp32 (2-D problems only): ``b`` holds
     float8_e4m3fn codes of ``b_scale[k] * code[k, n]`` (a quantised weight W (N_w, K_w) read as
-    ``b = W``: the input gradient dX = dY W of a linear layer). Returns ``out``.
+    ``b = W``: the input gradient dX = dY W of a linear layer; ``_fp8_route``). Returns ``out``.
     """
     shape_a = a.shape
     M, K = shape_a[-2], shape_a[-1]
@@ -735,6 +735,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
         _check_low_rank(low_rank, M, N, a.dtype)
+        b, b_scale = _fp8_route(b, b_scale, M, a.dtype)
         plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
         _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
                 None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
@@ -771,17 +772,48 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     strides; the weight is read transposed in place). ``pre_out`` (R, N), if given, receives the
     argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N).
     ``w_scale`` (N,) fp32: ``w`` holds float8_e4m3fn codes of ``w_scale[n] * code[n, k]`` (a
-    weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop."""
+    weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop or
+    dequantised first (``_fp8_route``)."""
     R, K = x.shape
     N = w.shape[0]
     _check_low_rank(low_rank, R, N, x.dtype)
     _check_fp8(w, w_scale, N)
     if out.numel() == 0:
         return out
+    w, w_scale = _fp8_route(w, w_scale, R, x.dtype)
     ws = w.stride()
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
             Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale))
     return out
+
+
+# How the GEMMs take an fp8 weight: "inline" decodes its codes in the main loop (B_FP8); "dequant"
+# first writes it in the activations' dtype (quant.dequantize_rows_, a transient buffer) and runs the
+# plain GEMM; "auto" (FLAME_FP8_GEMM unset) picks by rows (_fp8_route).
+FP8_ROUTE = os.environ.get("FLAME_FP8_GEMM", "auto")
+FP8_INLINE_MAX_ROWS = 256
+
+
+def _fp8_route(w, scale, rows, dtype):
+    """(weight, scale) for the GEMM of an fp8 weight ``w`` (codes, ``scale`` per row) with ``rows``
+    rows of activations of ``dtype``: as they are (decoded inline), or the weight dequantised into a
+    new ``dtype`` buffer and no scale. Measured on an H200 (Triton 3.6, bf16, 4608 rows, 3072 ->
+    3072 and 12288, forward and dX): inline ran at 0.33-0.46x the bf16 GEMM's speed, every row-tile
+    program decoding every B tile again (36 times at 4608 rows). Dequantising first costs about 5
+    bytes of memory traffic per weight element, the inline decode about 1.6 bf16 GEMMs; they break
+    even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650 TFLOP/s, an estimate): on the GPU,
+    problems of more rows than FP8_INLINE_MAX_ROWS dequantise first. The interpreter decodes inline
+    (what its tests check), unless FLAME_FP8_GEMM=dequant."""
+    if scale is None:
+        return w, scale
+    route = FP8_ROUTE
+    if route == "auto":
+        route = "inline" if runtime.INTERPRETER or rows <= FP8_INLINE_MAX_ROWS else "dequant"
+    if route == "inline":
+        return w, scale
+    if route != "dequant":
+        raise ValueError(f"FLAME_FP8_GEMM must be auto, inline or dequant, got {route!r}")
+    return dequantize_rows_(runtime.empty(tuple(w.shape), dtype), w, scale), None
 
 
 def _check_fp8(w, scale, n):
