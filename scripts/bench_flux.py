@@ -4,6 +4,8 @@
     PYTHONPATH=. python3 scripts/bench_flux.py --batch 1 --checkpointing off --framework all
     PYTHONPATH=. python3 scripts/bench_flux.py --batch 1 --resolution 512 --checkpointing both
     python scripts/bench_flux.py --config tiny --resolution 64 --batch 1 --checkpointing off --steps 2 --warmup 1
+    PYTHONPATH=. python3 scripts/bench_flux.py --framework flame --batch 1 --checkpointing on --weight-dtype fp8_e4m3 \
+        --offload 20                                     # the memory settings of a smaller card (flame alone)
 
 Both sides build Flux.1-dev's transformer (19 double and 38 single blocks, hidden 3072; random bf16
 weights: nothing can be downloaded here), frozen, with LoRA rank 16 on the attention and MLP linears
@@ -18,6 +20,7 @@ eager, diffusers-graph, diffusers-compile) and the report are ``bench_sdxl.py``'
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import sys
 import time
@@ -52,6 +55,7 @@ def run_flame(args):
     from flame import amp, nn, optim
     from flame.graphs import CapturedStep
     from flame.models.flux import FluxTransformer2DModel, latent_image_ids, text_ids
+    from flame.models.offload import offload_blocks
     from flame.train.families.flux import FluxFamily
 
     cfg = _config(args.config)
@@ -62,6 +66,11 @@ def run_flame(args):
                    dora=args.dora == "on")
     if args.checkpointing != "off":
         model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
+    if args.weight_dtype:
+        nn.quantize_linears_(model, args.weight_dtype, skip=FluxFamily.full_precision_layers)
+    if args.offload:
+        streamer = offload_blocks(model, count=args.offload if args.offload == "all" else int(args.offload))
+        print(streamer.plan.summary(), file=sys.stderr)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
     (x_shape, t_shape, p_shape, side) = inputs_shape(args, cfg)
@@ -157,7 +166,19 @@ def run_diffusers(args):
 
 
 def parse_args(argv):
-    args = driver.parse_args(argv, configs=("dev", "tiny"), doc=__doc__)
+    memory = argparse.ArgumentParser(add_help=False)
+    memory.add_argument("--weight-dtype", choices=["fp8_e4m3"],
+                        help="flame: the frozen blocks' Linear weights in fp8 (the trainer's model.weight_dtype)")
+    memory.add_argument("--offload", metavar="N|all",
+                        help="flame: stream N (or all) blocks' frozen weights from pinned host memory "
+                             "(the trainer's train.offload: blocks)")
+    mine, rest = memory.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        memory.print_help()
+    args = driver.parse_args(rest, configs=("dev", "tiny"), doc=__doc__)
+    args.weight_dtype, args.offload = mine.weight_dtype, mine.offload
+    args.memory_args = [a for k, v in (("--weight-dtype", mine.weight_dtype), ("--offload", mine.offload)) if v
+                        for a in (k, v)]
     if args.checkpointing == "ff":
         raise SystemExit("--checkpointing ff is SDXL's GEGLU scope; Flux has on (each block) or off")
     return args

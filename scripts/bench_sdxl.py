@@ -393,8 +393,10 @@ def _run_setting(args, setting, no_table, script=__file__):
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
     cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []
     cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
+    memory = getattr(args, "memory_args", []) if fw == "flame" else []  # bench_flux.py's --weight-dtype, --offload
+    cmd += memory
     label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
-            f"{' dora' if dora == 'on' else ''} batch {batch} ckpt {ckpt}"
+            f"{' dora' if dora == 'on' else ''}{''.join(' ' + a.lstrip('-') for a in memory)} batch {batch} ckpt {ckpt}"
     print(f"== {label}", flush=True)
     env = _portable_env(no_table) if path == "portable" else dict(os.environ)
     if args.cold_cache and fw == "flame":

@@ -30,9 +30,14 @@ def _config(out, *overrides, cache=None):
     return build_config(raw, overrides)
 
 
+def _seeded(seed=5):
+    """``SMALL`` initialised from ``seed`` (the configs' train.seed)."""
+    flame.manual_seed(seed)
+    return FluxTransformer2DModel(SMALL)
+
+
 def _trainer(cfg, **kw):
-    flame.manual_seed(cfg.train.seed)
-    return Trainer(cfg, model=FluxTransformer2DModel(SMALL), progress=False, log=lambda *a: None, **kw)
+    return Trainer(cfg, model=_seeded(cfg.train.seed), progress=False, log=lambda *a: None, **kw)
 
 
 # ---- the family ------------------------------------------------------------------------------------
@@ -104,6 +109,42 @@ def test_flux_lora_trains_and_diffusers_reads_the_file_with_the_same_effect(trai
     assert (want - base).norm() > 1e-3 * base.norm()  # the LoRA changes the output
     # fp32 GEMMs: exact products on the interpreter, tf32 on a GPU (flame's fp32 GEMMs run in tf32 there)
     assert (got - want).norm() <= (1e-5 if flame.is_interpreter() else 3e-3) * want.norm()
+
+
+def test_streamed_blocks_train_as_resident_ones_and_fp8_weights_train_close(trained, tmp_path):
+    """train.offload: blocks gives the resident run's losses exactly; model.weight_dtype fp8_e4m3 stores
+    the blocks' Linear weights as fp8 (the embedders and output layer stay) and trains to near losses."""
+    from flame.ops.quant import Fp8Weight
+    lines = []
+    streamed = Trainer(_config(tmp_path / "s", "train.offload=blocks"), model=_seeded(),
+                       progress=False, log=lines.append)
+    assert streamed.train()["losses"] == trained[1]["losses"]
+    assert any("2 of 2 blocks streamed" in line for line in lines), lines
+    lines.clear()
+    fp8 = Trainer(_config(tmp_path / "q", "model.weight_dtype=fp8_e4m3", "train.offload=blocks",
+                          "train.offload_blocks=1"), model=_seeded(), progress=False, log=lines.append)
+    losses = fp8.train()["losses"]
+    assert any("frozen Linear weights stored as fp8_e4m3" in line for line in lines), lines
+    assert isinstance(fp8.model.double_blocks[0].img_attn.qkv.weight, Fp8Weight)
+    assert not isinstance(fp8.model.img_in.weight, Fp8Weight) and not isinstance(fp8.model.txt_in.weight, Fp8Weight)
+    np.testing.assert_allclose(losses, trained[1]["losses"], rtol=0.05)
+
+
+def test_offload_and_fp8_settings_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.offload_blocks: set train\.offload: blocks to stream blocks"):
+        _config(tmp_path, "train.offload_blocks=2")
+    with pytest.raises(ConfigError, match=r"set at most one of them"):
+        _config(tmp_path, "train.offload=blocks", "train.offload_blocks=2", "train.offload_budget_gb=4")
+    with pytest.raises(ConfigError, match=r"model\.weight_dtype fp8_e4m3: DoRA needs"):
+        _config(tmp_path, "model.weight_dtype=fp8_e4m3", "lora.dora=true")
+    with pytest.raises(ConfigError, match=r"fp8_base: unknown option \(did you mean model\.weight_dtype\?\)"):
+        _config(tmp_path, "fp8_base=true")
+    with pytest.raises(ConfigError, match=r"train\.offload: plan_offload: count 3 is more than the 2 blocks"):
+        Trainer(_config(tmp_path / "o", "train.offload=blocks", "train.offload_blocks=3"), model=_seeded(),
+                progress=False, log=lambda *a: None)
+    with pytest.raises(ConfigError, match=r"train\.offload: plan_offload: the weights need at least"):
+        Trainer(_config(tmp_path / "b", "train.offload=blocks", "train.offload_budget_gb=1e-6"), model=_seeded(),
+                progress=False, log=lambda *a: None)
 
 
 def test_flux_resume_continues_exactly(tmp_path, monkeypatch):

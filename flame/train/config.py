@@ -57,6 +57,11 @@ SCHEMA = {
                                         "from model.path (its model_index.json, config.json or tensor names), else "
                                         "from model.config (tiny is SDXL's unless family is flux)",
                       choices=("auto", "sdxl", "flux")),
+        "weight_dtype": Opt(None, "choice", "storage of the frozen model's Linear weights: null (train.precision's "
+                                            "dtype) or fp8_e4m3 (e4m3 codes with one fp32 scale per output channel: "
+                                            "half of bf16's memory, read inside the GEMMs forward and backward; LoRA, "
+                                            "norms, biases and the embedders keep their dtypes)",
+                            choices=("fp8_e4m3",), nullable=True),
     },
     "data": {
         "images": Opt(None, "path", "folder of images (searched recursively) with captions in .txt files (see "
@@ -174,6 +179,17 @@ SCHEMA = {
                                                     "feed_forward (each transformer block's GEGLU projection: the "
                                                     "largest activation, for one GEMM per block)",
                                 choices=CHECKPOINT_SCOPES),
+        "offload": Opt("none", "choice", "blocks: the frozen weights of some transformer blocks (Flux) or resnet "
+                                         "and transformer blocks (SDXL) live in pinned host memory and are copied "
+                                         "to the GPU one block ahead of use, forward and backward (train."
+                                         "offload_blocks or offload_budget_gb say how many); none: all on the GPU",
+                       choices=("none", "blocks")),
+        "offload_blocks": Opt(None, "int", "offload: blocks: how many blocks stream, spread over the model; null: "
+                                           "all, or as many as train.offload_budget_gb needs", low=1, nullable=True),
+        "offload_budget_gb": Opt(None, "float", "offload: blocks: the GiB the frozen weights may take on the GPU "
+                                                "(resident ones and the two copy slots); the fewest blocks that fit "
+                                                "stream. Activations and optimizer state come on top",
+                                 low=0.0, nullable=True),
         "max_grad_norm": Opt(1.0, "float", "clip the LoRA gradients' global norm; 0 or null: no clipping",
                              low=0.0, nullable=True),
         "seed": Opt(0, "int", "seed of model init, LoRA init, noise, timesteps and data order"),
@@ -351,6 +367,7 @@ ALIASES = {
     "train_text_encoder": "lora.text_encoder", "text_encoder_lr": "lora.text_encoder_lr",
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
+    "fp8_base": "model.weight_dtype", "blocks_to_swap": "train.offload_blocks",
 }
 
 
@@ -509,6 +526,14 @@ def _merge(schema, raw, prefix, errors):
 
 def _cross_checks(c, errors):
     t, d = c["train"], c["diffusion"]
+    if t["offload"] == "none":
+        errors.extend(f"train.{k}: set train.offload: blocks to stream blocks, got {t[k]}"
+                      for k in ("offload_blocks", "offload_budget_gb") if t[k] is not None)
+    elif t["offload_blocks"] is not None and t["offload_budget_gb"] is not None:
+        errors.append("train.offload_blocks / train.offload_budget_gb: set at most one of them")
+    if c["model"]["weight_dtype"] is not None and c["lora"]["dora"]:
+        errors.append(f"model.weight_dtype {c['model']['weight_dtype']}: DoRA needs the base weights' norms in full "
+                      "precision; set lora.dora: false or model.weight_dtype: null")
     if (t["steps"] is None) == (t["epochs"] is None):
         errors.append("train.steps / train.epochs: set exactly one of them (the other null)")
     if d["timestep_min"] is not None and d["timestep_max"] is not None and d["timestep_min"] >= d["timestep_max"]:

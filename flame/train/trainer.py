@@ -65,7 +65,8 @@ from ..diffusion import sample_noise
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors, stored_shapes
 from ..kernels import launch, precompile
-from ..nn import inject_lora, lora_parameters
+from ..models.offload import BlockStreamer, plan_offload
+from ..nn import inject_lora, lora_parameters, quantize_linears_
 from ..nn.layers import Conv2d
 from ..nn.lora import adaptable_layers, component_keys, lora_modules, matching_layers
 from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_state, set_rng_substream, tensor, zeros
@@ -218,6 +219,10 @@ class Trainer:
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope)
+        if c.model.weight_dtype is not None:
+            layers = quantize_linears_(model, c.model.weight_dtype, skip=self.family.full_precision_layers)
+            self.log(f"model.weight_dtype: {len(layers)} frozen Linear weights stored as {c.model.weight_dtype}")
+        self.streamer = self._stream_blocks(model)  # last: it moves frozen weights as they are now
         t = c.train
         self.optimizer = make_optimizer(t, self._param_groups())
         if t.optimizer == "prodigy" and t.lr < 0.1:
@@ -248,6 +253,21 @@ class Trainer:
         self._requested, self._signals = None, 0  # several processes: this rank's stop request, signals seen
 
     # ---- setup -------------------------------------------------------------------------------
+    def _stream_blocks(self, model):
+        """``train.offload: blocks``: a ``BlockStreamer`` over the blocks that ``offload_blocks`` or
+        ``offload_budget_gb`` ask for (all by default), or None."""
+        t = self.cfg.train
+        if t.offload == "none":
+            return None
+        budget = None if t.offload_budget_gb is None else int(t.offload_budget_gb * 2**30)
+        count = t.offload_blocks if t.offload_blocks is not None or budget is not None else "all"
+        try:
+            plan = plan_offload(model, count=count if budget is None else None, budget_bytes=budget)
+        except ValueError as e:
+            raise ConfigError(f"train.offload: {e}") from None
+        self.log(plan.summary())
+        return BlockStreamer(model, plan)
+
     def _agreed(self, fn):
         """``fn()`` on rank 0, and its result (or the error it raised) on every rank: decisions that
         read or change files are made once."""

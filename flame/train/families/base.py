@@ -31,7 +31,9 @@ class Family:
     that need none, such as layer names). Class attributes: ``name``, ``config_names`` (what
     ``model.config`` may name), ``lora_prefix`` (the PEFT/diffusers key prefix of its LoRA files),
     ``blocks`` (the parts ``block_of`` returns), kohya's ``base_model_version`` and modelspec's
-    ``architecture``."""
+    ``architecture``, and ``full_precision_layers`` (``inject_lora`` targets whose weights stay in
+    ``train.precision`` when ``model.weight_dtype`` is fp8: the small input embedders and the output
+    layer, where e4m3's 3 mantissa bits would cost the most and save the least)."""
 
     name = ""
     config_names: tuple = ()
@@ -39,6 +41,7 @@ class Family:
     blocks: tuple = ("other",)
     base_model_version = ""
     architecture = ""
+    full_precision_layers: tuple = ()
 
     def __init__(self, cfg=None):
         self.cfg = cfg

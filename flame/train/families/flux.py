@@ -45,6 +45,7 @@ class FluxFamily(Family):
     config_names = CONFIG_NAMES
     lora_prefix = "transformer"
     blocks = BLOCKS
+    full_precision_layers = (r"re:(img_in|txt_in|time_in|vector_in|guidance_in|final_layer)(\..*)?",)
     base_model_version = "flux1"
     architecture = "Flux.1-dev/lora"
 

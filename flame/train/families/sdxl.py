@@ -52,6 +52,7 @@ class SDXLFamily(Family):
     config_names = CONFIG_NAMES
     lora_prefix = "unet"
     blocks = BLOCKS
+    full_precision_layers = (r"re:(time_embedding|add_embedding)\..*",)
     base_model_version = "sdxl_base_v1-0"
     architecture = "stable-diffusion-xl-v1-base/lora"
 
