@@ -3,7 +3,8 @@
 Loading opens the file with ``safe_open`` (which checks the whole header -- dtypes, shapes,
 offsets, and that the data covers them: a truncated file is an error before anything is read),
 then reads one tensor at a time into host memory and moves it to flame's device (never two copies
-of a whole file). Saving serialises the tensors' host copies with ``safetensors.torch.save`` and
+of a whole file), or into host memory given for it (``to_host``: a streamed block's weights, which
+never go to the device whole). Saving serialises the tensors' host copies with ``safetensors.torch.save`` and
 writes the bytes through ``atomic_write``: a temporary file in the target directory, fsynced and
 renamed over the target. Errors name the file.
 """
@@ -126,7 +127,7 @@ def open_safetensors(path, framework: str = "pt"):
         raise ValueError(f"{path}: {what} (safetensors: {e})") from None
 
 
-def _to_device(host, dtype=None):
+def to_device(host, dtype=None):
     """A host tensor read from a file as a flame Tensor on flame's device; ``dtype``: floating-point
     tensors cast to it (a copy kernel). float8 tensors are decoded to float32 first, on the host
     (a table lookup of their bytes)."""
@@ -138,6 +139,45 @@ def _to_device(host, dtype=None):
         KE.copy_(cast, buf)
         buf = cast
     return Tensor(buf)
+
+
+def read_tensor(f, name, path, op):
+    """Tensor ``name`` of the file ``path`` opened as ``f`` (``open_safetensors``), in host memory as
+    stored; a TypeError (naming ``op``) when its dtype is not one flame reads."""
+    _spec(f, name, path, op)
+    return f.get_tensor(name)
+
+
+# integer dtypes by element size: a host tensor's elements as NumPy sees them, bits unchanged
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _host_array(buf) -> np.ndarray:
+    return buf.view(_INTS[buf.element_size()]).numpy()
+
+
+def copy_to_host(dst, src) -> None:
+    """Copy ``src`` into ``dst``, host memory of the same shape and dtype (a streamed block's weights):
+    from the device a host transfer (``src`` laid out as ``dst``); from host memory (a tensor read from
+    a file, any strides) a NumPy copy of the elements' bits (torch's copy between host tensors counts
+    as compute by flame's rule; on the interpreter every buffer is host memory)."""
+    if src.device.type == "cpu":
+        np.copyto(_host_array(dst), _host_array(src))
+    else:
+        dst.copy_(src)  # host transfer
+
+
+def to_host(dst, src) -> None:
+    """``src``, a tensor read from a file (host memory), into ``dst``, host memory of its shape: copied
+    on the host (``copy_to_host``) when the dtypes agree; else cast as ``to_device`` casts (a copy
+    kernel on the device, float8 decoded on the host first) into ``dst``'s layout and copied back:
+    only this tensor passes through the device."""
+    if src.dtype == dst.dtype:
+        copy_to_host(dst, src)
+        return
+    cast = runtime.empty_strided(tuple(dst.shape), dst.stride(), dst.dtype)
+    KE.copy_(cast, to_device(src)._data)
+    copy_to_host(dst, cast)
 
 
 def _spec(f, name, path, op):
@@ -184,7 +224,7 @@ def load_safetensors(path, device=None, dtype=None, keys=None) -> dict:
             raise KeyError(f"load_safetensors: {path} has no tensor(s) {missing[:5]}")
         for name in names:
             _spec(f, name, path, "load_safetensors")
-        return {name: _to_device(f.get_tensor(name), dtype) for name in names}
+        return {name: to_device(f.get_tensor(name), dtype) for name in names}
 
 
 # ---- LoRA files ---------------------------------------------------------------------------------
@@ -261,7 +301,7 @@ def load_lora(model, path, prefix: str = "unet", inject: bool = True, strict: bo
             raise ValueError(f"load_lora: {path}: {e}") from None
 
         def read(k):
-            return _to_device(f.get_tensor(k))._data
+            return to_device(f.get_tensor(k))._data
 
         plans = []
         for i, (p, m) in enumerate(parts.items()):

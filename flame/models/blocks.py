@@ -43,31 +43,32 @@ class ShapeRecord(nn.Module):
 
 
 class LeafLayers:
-    """Makes the leaf layers for the blocks: flame layers in ``dtype``, or with ``shapes_only``
+    """Makes the leaf layers for the blocks: flame layers in ``dtype`` on ``device`` (flame's, or
+    "meta": parameters without storage, ``nn.layers.empty_parameter``), or with ``shapes_only``
     ``ShapeRecord``s of the same parameter names and shapes (nothing allocated)."""
 
-    def __init__(self, dtype=None, shapes_only=False):
-        self.dtype, self.shapes_only = dtype, shapes_only
+    def __init__(self, dtype=None, shapes_only=False, device=None):
+        self.dtype, self.shapes_only, self.device = dtype, shapes_only, device
 
     def linear(self, fan_in, fan_out, bias=True):
         if self.shapes_only:
             return ShapeRecord("Linear", weight=(fan_out, fan_in), bias=(fan_out,) if bias else None)
-        return nn.Linear(fan_in, fan_out, bias=bias, dtype=self.dtype)
+        return nn.Linear(fan_in, fan_out, bias=bias, device=self.device, dtype=self.dtype)
 
     def conv(self, cin, cout, k, stride=1, padding=0):
         if self.shapes_only:
             return ShapeRecord("Conv2d", weight=(cout, cin, k, k), bias=(cout,))
-        return nn.Conv2d(cin, cout, k, stride=stride, padding=padding, dtype=self.dtype)
+        return nn.Conv2d(cin, cout, k, stride=stride, padding=padding, device=self.device, dtype=self.dtype)
 
     def group_norm(self, groups, c, eps):
         if self.shapes_only:
             return ShapeRecord("GroupNorm", weight=(c,), bias=(c,))
-        return nn.GroupNorm(groups, c, eps=eps, dtype=self.dtype)
+        return nn.GroupNorm(groups, c, eps=eps, device=self.device, dtype=self.dtype)
 
     def layer_norm(self, c, eps=1e-5):
         if self.shapes_only:
             return ShapeRecord("LayerNorm", weight=(c,), bias=(c,))
-        return nn.LayerNorm(c, eps=eps, dtype=self.dtype)
+        return nn.LayerNorm(c, eps=eps, device=self.device, dtype=self.dtype)
 
 
 def skeleton_shapes(skeleton: nn.Module) -> OrderedDict:

@@ -14,21 +14,24 @@ Every model (UNet, text encoders, VAE) loads the same way:
    stacks several such blocks into one parameter (separately stored q, k, v into a fused one).
 4. ``check_index(index, expected, what, where)`` raises one error listing every missing, unexpected
    and misshapen tensor before anything is read; ``load_into(model, index, dtype)`` then reads the
-   tensors a chunk at a time, each becoming the new Parameter.
+   tensors one at a time, each becoming the new Parameter (or, for a model placed by
+   ``placement.place``, copied into host memory or quantised into fp8 codes).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 from typing import NamedTuple
 
 from .. import io, runtime
 from ..kernels import elementwise as KE
+from ..kernels import quant as KQ
 from ..nn import Parameter
 from ..nn.init import skip_init
+from ..ops.quant import Fp8Weight
 from ..tensor import Tensor
+from .placement import place
 
 
 class Source(NamedTuple):
@@ -142,9 +145,8 @@ def check_index(index: dict, expected: dict, what: str, where: str) -> None:
         raise RuntimeError(f"Error(s) loading the {what} from {where}:\n\t" + "\n\t".join(errors))
 
 
-def _part(loaded: Tensor, src: Source):
-    """``src``'s part of the stored tensor ``loaded``: a view of its buffer."""
-    buf = loaded._data
+def _part(buf, src: Source):
+    """``src``'s part of the stored tensor ``buf`` (a torch buffer): a view."""
     if src.rows is not None:
         buf = buf[src.rows[0]:src.rows[1]]
     if src.transpose:
@@ -154,8 +156,9 @@ def _part(loaded: Tensor, src: Source):
     return buf
 
 
-def _materialize(loaded: Tensor, src: Source, like) -> Tensor:
-    """``src``'s part of the stored tensor ``loaded``, in the layout of the parameter ``like``."""
+def _materialize(loaded, src: Source, like) -> Tensor:
+    """``src``'s part of the stored tensor ``loaded`` (on the device), in the layout of the parameter
+    buffer ``like``."""
     buf = _part(loaded, src)
     if buf.is_contiguous() and like.is_contiguous():
         return Tensor(buf)
@@ -164,12 +167,35 @@ def _materialize(loaded: Tensor, src: Source, like) -> Tensor:
     return Tensor(out)
 
 
-def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
-    """Give ``model`` (freshly built) the tensors of a checked ``index`` as its parameters, read in
-    ``dtype`` about ``chunk_bytes`` at a time: each loaded tensor becomes the new Parameter (no
-    copy into the initial one, which is released) unless a row range, transpose or layout change
-    makes it a copy. The blocks of a ``Rows`` entry are copied into their rows of the initial
-    Parameter as their tensors arrive (they may lie in different files)."""
+def _quantize_into(weight: Fp8Weight, row, part, on_host: bool) -> None:
+    """Rows ``row`` on (0: all) of the fp8 ``weight`` from ``part`` (those rows' values on the device):
+    codes and per-channel scales of each row, as ``quantize_fp8`` gives them (rows are quantised one
+    by one, so parts stacked later equal the whole quantised at once). Codes ``on_host`` are made on
+    the device and copied there."""
+    if weight._data.is_meta:  # a device weight gets its memory with its first part
+        weight._data = runtime.empty(tuple(weight.shape), weight.dtype)
+        weight.scale = runtime.empty(tuple(weight.scale.shape), weight.scale.dtype)
+    n = part.shape[0]
+    codes, scale = weight._data.narrow(0, row, n), weight.scale.narrow(0, row, n)
+    if on_host:
+        staged = runtime.empty(tuple(codes.shape), codes.dtype)
+        KQ.quantize_rows_(staged, scale, part)
+        io.copy_to_host(codes, staged)
+    else:
+        KQ.quantize_rows_(codes, scale, part)
+
+
+def load_into(model, index: dict, dtype, host=frozenset()) -> None:
+    """Give ``model`` (freshly built) the tensors of a checked ``index`` as its parameters, read one
+    stored tensor at a time in ``dtype``: each loaded tensor becomes the new Parameter (no copy into
+    the initial one, which is released) unless a row range, transpose or layout change makes it a
+    copy. The blocks of a ``Rows`` entry are copied into their rows of the Parameter as their tensors
+    arrive (they may lie in different files).
+
+    A model built without memory and placed (``placement.place``): a Parameter still without memory
+    takes device memory as above; ``host`` names those in host memory, into which each part is copied
+    on the host (cast on the device and copied back when the file's dtype is not ``dtype``,
+    ``io.to_host``); an ``Fp8Weight`` gets each part quantised on the device into its rows."""
     by_file = {}
     for name, src in index.items():
         blocks, at = [(src, None)], 0
@@ -181,25 +207,29 @@ def load_into(model, index: dict, dtype, chunk_bytes: int = 1 << 28) -> None:
         for block, row in blocks:
             by_file.setdefault(block.file, {}).setdefault(block.key, []).append((name, block, row))
     for f, by_key in by_file.items():
-        part, size = [], 0
-        keys = list(by_key)
-        for i, key in enumerate(keys):
-            part.append(key)
-            size += 4 * sum(math.prod(s.shape) for _, s, _ in by_key[key])
-            if size < chunk_bytes and i < len(keys) - 1:
-                continue
-            tensors = io.load_safetensors(f, dtype=dtype, keys=part)
-            for k in part:
-                loaded = tensors.pop(k)
-                for name, src, row in by_key[k]:
+        with io.open_safetensors(f) as opened:
+            for key, targets in by_key.items():
+                stored = io.read_tensor(opened, key, f, "load_into")
+                loaded = None  # on the device, in dtype: once a target needs it
+                for name, src, row in targets:
                     path, _, attr = name.rpartition(".")
                     table = model.get_submodule(path)._parameters
-                    if row is not None:  # one block of a stacked parameter
-                        KE.copy_(table[attr]._data.narrow(0, row, src.shape[0]), _part(loaded, src))
+                    param = table[attr]
+                    if name in host and not isinstance(param, Fp8Weight):
+                        dst = param._data if row is None else param._data.narrow(0, row, src.shape[0])
+                        io.to_host(dst, _part(stored, src))
                         continue
-                    # in place in the module's table: state_dict order stays the architecture's
-                    table[attr] = Parameter(_materialize(loaded, src, table[attr]._data))
-            part, size = [], 0
+                    if loaded is None:
+                        loaded = io.to_device(stored, dtype)._data
+                    if isinstance(param, Fp8Weight):
+                        _quantize_into(param, row or 0, _part(loaded, src), name in host)
+                    elif row is not None:  # one block of a stacked parameter
+                        if param._data.is_meta:
+                            table[attr] = param = Parameter(Tensor(runtime.empty_strided(
+                                tuple(param.shape), param.stride(), param.dtype)))
+                        KE.copy_(param._data.narrow(0, row, src.shape[0]), _part(loaded, src))
+                    else:  # in place in the module's table: state_dict order stays the architecture's
+                        table[attr] = Parameter(_materialize(loaded, src, param._data))
 
 
 def component_config(cfg_dict, config, parse, who, path):
@@ -214,14 +244,21 @@ def component_config(cfg_dict, config, parse, who, path):
 
 
 def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, config_class, index,
-                    stem: str = "diffusion_pytorch_model", parse=None, default=None):
+                    stem: str = "diffusion_pytorch_model", parse=None, default=None, host_blocks=(),
+                    weight_dtype=None, fp8_skip=()):
     """A diffusers or transformers component ``cls`` (``parameter_shapes(config)``, ``cls(config,
     dtype=...)``) from ``path`` (``resolve_component`` of ``subfolder`` and the weights' ``stem``):
     the config from its config.json (``parse``, default ``config_class.from_diffusers``; a ``config``
     given too must equal it) or, for a single file, ``config`` (when None ``default(files)``, else
     ``config_class()``); ``index(files, config)`` maps the file's names to the model's (and may
     check them in the file's own names first). Checked whole before the model is built without an
-    init and loaded."""
+    init and loaded.
+
+    ``host_blocks`` (block names, e.g. an ``offload.OffloadPlan``'s ``streamed``) and ``weight_dtype``
+    ("fp8_e4m3": Linear weights but those matching ``fp8_skip`` stored as fp8, quantised as they load)
+    need a ``cls`` that builds with ``device="meta"``: the model is built without memory and placed
+    (``placement.place``) before loading, so the host blocks' weights never reach the device whole
+    and no bf16 copy of an fp8 weight is ever complete there."""
     cfg_dict, files = resolve_component(path, subfolder, stem, what)
     if cfg_dict is None and config is None and default is not None:
         config = default(files)
@@ -229,7 +266,12 @@ def load_pretrained(cls, path, dtype, config, *, subfolder: str, what: str, conf
     config = config if config is not None else config_class()
     found = index(files, config)
     check_index(found, cls.parameter_shapes(config), what, ", ".join(str(f) for f in files))
-    with skip_init():  # every parameter is loaded next
-        model = cls(config, dtype=dtype)
-    load_into(model, found, model.dtype)
+    if not host_blocks and weight_dtype is None:
+        with skip_init():  # every parameter is loaded next
+            model = cls(config, dtype=dtype)
+        load_into(model, found, model.dtype)
+        return model
+    model = cls(config, dtype=dtype, device="meta")
+    host = place(model, host_blocks, weight_dtype, fp8_skip, f"{cls.__name__}.from_pretrained")
+    load_into(model, found, dtype or runtime.get_default_dtype(), host)
     return model

@@ -45,9 +45,9 @@ import numpy as np
 
 from .. import nn, runtime
 from ..autograd import no_grad
-from ..nn import Parameter
 from ..nn import functional as F
 from ..nn.init import ones_
+from ..nn.layers import empty_parameter
 from ..ops.creation import arange, full, tensor, zeros
 from ..ops.elementwise import addcmul, cos, exp, log, sin, to
 from ..ops.shape import cat
@@ -198,15 +198,15 @@ class _FluxLayers(LeafLayers):
     def rms_scale(self, dim):
         if self.shapes_only:
             return ShapeRecord("RMSNorm", scale=(dim,))
-        return _RMSScale(dim, self.dtype)
+        return _RMSScale(dim, self.dtype, self.device)
 
 
 class _RMSScale(nn.Module):
     """The learned ``scale`` (BFL's name; ones at init) of a q or k RMSNorm over the head dim."""
 
-    def __init__(self, dim, dtype):
+    def __init__(self, dim, dtype, device):
         super().__init__()
-        self.scale = Parameter(ones_(Tensor(runtime.empty((dim,), dtype))))
+        self.scale = ones_(empty_parameter((dim,), dtype, device))
 
 
 def _linear_act(layer, x, activation):
@@ -364,18 +364,19 @@ class FluxTransformer2DModel(nn.Module):
     """The Flux.1 transformer with BFL's parameter names.
 
     ``FluxTransformer2DModel(config=None, dtype=None)``: random init (PyTorch's Linear defaults, norm
-    scales ones) in ``dtype`` (flame's default when None); ``config`` defaults to Flux.1-dev.
+    scales ones) in ``dtype`` (flame's default when None); ``config`` defaults to Flux.1-dev;
+    ``device="meta"``: without storage (``flame.models.placement``).
     ``model(hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
     guidance=None)`` -> (B, L_img, output_size), diffusers' inputs and conventions (see ``forward``).
     """
 
-    def __init__(self, config: FluxConfig | None = None, dtype=None, *, _layers: LeafLayers | None = None):
+    def __init__(self, config: FluxConfig | None = None, dtype=None, *, device=None, _layers: LeafLayers | None = None):
         super().__init__()
         cfg = config if config is not None else FluxConfig()
         if not isinstance(cfg, FluxConfig):
             raise TypeError(f"FluxTransformer2DModel: config must be a FluxConfig, got {type(cfg).__name__}")
         self.config = cfg
-        L = _layers or _FluxLayers(check_dtype(dtype or runtime.get_default_dtype()))
+        L = _layers or _FluxLayers(check_dtype(dtype or runtime.get_default_dtype()), device=device)
         H = cfg.hidden_size
         self.img_in = L.linear(cfg.in_channels, H)
         self.time_in = MLPEmbedder(L, _TIME_CHANNELS, H)
@@ -445,7 +446,8 @@ class FluxTransformer2DModel(nn.Module):
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, dtype=None, config: FluxConfig | None = None) -> FluxTransformer2DModel:
+    def from_pretrained(cls, path, dtype=None, config: FluxConfig | None = None, *, host_blocks=(),
+                        weight_dtype=None, fp8_skip=()) -> FluxTransformer2DModel:
         """Load a diffusers pipeline folder holding ``transformer/``, that folder (config.json plus
         ``diffusion_pytorch_model[.fp16].safetensors`` or its sharded index), or one ``.safetensors``
         file with BFL names (``flux1-dev.safetensors``; ``model.diffusion_model.``-prefixed keys of a
@@ -453,12 +455,20 @@ class FluxTransformer2DModel(nn.Module):
         read from its tensor shapes (``flux_keys.infer_config``). diffusers' separate q, k, v (and a
         single block's MLP input) are stacked into the fused parameters. Weights are cast to ``dtype``
         (flame's default when None). Missing, unexpected or misshapen tensors raise one RuntimeError,
-        in the file's own names, before anything is loaded."""
+        in the file's own names, before anything is loaded.
+
+        ``host_blocks``: names of blocks (``double_blocks.3``, ``single_blocks.10``; an
+        ``offload.OffloadPlan``'s ``streamed``) whose weights are read into pinned host memory, one
+        buffer per block, never the device: ``offload.BlockStreamer`` streams them from there.
+        ``weight_dtype="fp8_e4m3"``: the Linear weights but those matching ``fp8_skip`` stored as fp8
+        (as ``nn.quantize_linears_`` would store them), quantised one tensor at a time as they load
+        (Flux's dtype is ``img_in``'s: skip the embedders and the final layer)."""
         def index(files, cfg):
             return _checkpoint_index(stored_tensors(files), cfg, _WHAT, _where(files))
 
         return load_pretrained(cls, path, dtype, config, subfolder="transformer", what=_WHAT, config_class=FluxConfig,
-                               index=index, default=_inferred_config)
+                               index=index, default=_inferred_config, host_blocks=host_blocks,
+                               weight_dtype=weight_dtype, fp8_skip=fp8_skip)
 
     @staticmethod
     def pretrained_config(path) -> FluxConfig:

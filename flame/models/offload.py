@@ -44,9 +44,21 @@ block it is for; if a prefetched block may not run (a pass stopped early, a bloc
 get no gradient), call ``join()`` at the end of the captured step: a capture with unjoined work
 fails.
 
-**CPU (interpreter).** No streams: host and device are both the CPU; the host buffers are NumPy
-memory and the copies plain ``copy_``s in the same schedule, so CPU tests run the same slot reuse:
-a block run on another block's weights gives wrong numbers.
+**CPU (interpreter).** No streams: host and device are both the CPU; the host buffers (the
+streamer's and the loader's) are NumPy memory and the copies plain ``copy_``s in the same schedule,
+so CPU tests run the same slot reuse: a block run on another block's weights gives wrong numbers.
+
+**Loading straight into host memory.** A model that does not fit the device once is planned before
+its weights exist and loaded with its streamed blocks in host memory: ``plan =
+plan_offload_from_config(config, dtype, budget_bytes=... | count=..., weight_dtype=..., fp8_skip=...)``
+(on the model built without memory, ``device="meta"``); ``from_pretrained(path, dtype,
+host_blocks=plan.streamed, weight_dtype=..., fp8_skip=...)`` (``flame.models.placement``: each
+streamed block's weights read into one pinned host buffer laid out as ``_pack`` lays a block out, the
+rest on the device; fp8 weights quantised one stored tensor at a time as they load, scales on the
+device); then freeze, inject LoRA and ``BlockStreamer(model, plan)``, which takes those buffers as
+its sources as they are. The device holds the resident weights and one stored tensor being read,
+then the slots. Quantise streamed blocks on load: ``nn.quantize_linears_`` afterwards would need
+their weights on the device (it refuses host weights on a GPU) and a second host copy of them.
 
 **Setting up.** Last: after loading, casting, LoRA injection, fp8 conversion and freezing.
 ``Module.to``, ``amp.Policy.apply``, ``load_state_dict``, ``merge_lora``/``fold_lora`` write into or
@@ -60,34 +72,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import numpy as np
 import torch
 
-from .. import nn, runtime
+from .. import io, nn, runtime
 from ..autograd import is_grad_enabled
 from ..checkpoint import segment
 from ..nn.lora import lora_parameters
+from ..ops.quant import Fp8Weight
 from ..tensor import Tensor
 from .blocks import Checkpointed
-from .flux import FluxTransformer2DModel
+from .flux import FluxConfig, FluxTransformer2DModel
+from .placement import bytes_of, host_buffer, layout, nbytes, packed_on_host, place, resolve_blocks
+from .sdxl_config import SDXLUNetConfig
 from .sdxl_unet import SDXLUNet
 
-__all__ = ["BlockStreamer", "OffloadPlan", "offload_blocks", "plan_offload", "streamable_blocks"]
-
-_ALIGN = 256  # bytes: where each packed tensor starts (TMA wants 16)
-
-
-def _nbytes(buf) -> int:
-    return buf.numel() * buf.element_size()
-
-
-def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
-
-
-def _bytes_of(buf):
-    """A dense buffer's memory as a 1-D uint8 view (no copy)."""
-    return buf.as_strided((buf.numel(),), (1,)).view(torch.uint8)
+__all__ = ["BlockStreamer", "OffloadPlan", "offload_blocks", "plan_offload", "plan_offload_from_config",
+           "streamable_blocks"]
 
 
 def _gib(n) -> str:
@@ -154,33 +154,8 @@ def _frozen_tensors(name, block, who):
 
 
 def _layout(tensors) -> tuple:
-    """(offset of each tensor in a packed buffer, the buffer's size): ``_ALIGN``-aligned, in order."""
-    offsets, end = [], 0
-    for _, t in tensors:
-        offsets.append(end)
-        end = _aligned(end + _nbytes(t._data))
-    return offsets, end
-
-
-def _resolve(model, names, who):
-    """The ``Checkpointed`` blocks of ``model`` named ``names`` (distinct, none inside another)."""
-    if len(set(names)) != len(names):
-        raise ValueError(f"{who}: a block is named twice in {list(names)}")
-    blocks = []
-    for name in names:
-        try:
-            m = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(f"{who}: the model has no block {name!r}") from None
-        if not isinstance(m, Checkpointed):
-            raise TypeError(f"{who}: {name!r} is a {type(m).__name__}; only blocks (flame.models.blocks.Checkpointed: "
-                            "Flux double/single blocks, SDXL resnets and transformer blocks) can be streamed")
-        blocks.append(m)
-    for a in names:
-        for b in names:
-            if b.startswith(f"{a}."):
-                raise ValueError(f"{who}: block {b!r} lies inside block {a!r}; give blocks that do not nest")
-    return blocks
+    """``placement.layout`` of the (name, tensor) pairs ``tensors``."""
+    return layout(nbytes(t._data) for _, t in tensors)
 
 
 # ---- the planner ----------------------------------------------------------------------------------
@@ -241,11 +216,12 @@ def _check_count(count, total):
 
 
 def _model_bytes(model) -> int:
+    """The bytes of ``model``'s parameters and buffers, fp8 weights' scales included."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if t.id not in seen:
             seen.add(t.id)
-            total += _nbytes(t._data)
+            total += nbytes(t._data) + (nbytes(t.scale) if isinstance(t, Fp8Weight) else 0)
     return total
 
 
@@ -268,7 +244,7 @@ def plan_offload(model: nn.Module, *, count=None, budget_bytes=None, blocks=None
         raise ValueError("plan_offload: give exactly one of count (blocks to stream) and budget_bytes (device bytes "
                          "for the weights)")
     names = [n for n, _ in streamable_blocks(model)] if blocks is None else list(blocks)
-    modules = _resolve(model, names, "plan_offload")
+    modules = resolve_blocks(model, names, "plan_offload")
     if not names:
         raise ValueError(f"plan_offload: {type(model).__name__} has no blocks that can be streamed")
     total = _model_bytes(model)
@@ -278,7 +254,7 @@ def plan_offload(model: nn.Module, *, count=None, budget_bytes=None, blocks=None
         for i in chosen:
             if i not in layouts:
                 tensors = _frozen_tensors(names[i], modules[i], "plan_offload")
-                layouts[i] = (sum(_nbytes(t._data) for _, t in tensors), _layout(tensors)[1])
+                layouts[i] = (sum(nbytes(t._data) for _, t in tensors), _layout(tensors)[1])
         streamed = sum(layouts[i][0] for i in chosen)
         return OffloadPlan(tuple(names), tuple(names[i] for i in chosen), slots,
                            max((layouts[i][1] for i in chosen), default=0), streamed, total - streamed, total)
@@ -297,6 +273,28 @@ def plan_offload(model: nn.Module, *, count=None, budget_bytes=None, blocks=None
                      f"({_gib(least.resident_bytes)} resident with {len(least.streamed)} of {len(names)} blocks "
                      f"streamed, plus {slots} slots of {_mib(least.slot_bytes)}), more than the budget of "
                      f"{_gib(budget_bytes)}: raise the budget, or make the weights smaller (fp8)")
+
+
+_MODELS = {FluxConfig: FluxTransformer2DModel, SDXLUNetConfig: SDXLUNet}
+
+
+def plan_offload_from_config(config, dtype=None, *, count=None, budget_bytes=None, blocks=None, slots: int = 2,
+                             weight_dtype=None, fp8_skip=()) -> OffloadPlan:
+    """``plan_offload`` of the model ``config`` (a ``FluxConfig`` or ``SDXLUNetConfig``) describes, before
+    any weight exists: the same plan as for that model loaded in ``dtype`` (flame's default when None)
+    and frozen, with ``weight_dtype="fp8_e4m3"`` its Linear weights but those matching ``fp8_skip`` in
+    fp8 (loaded so, or converted by ``nn.quantize_linears_``; their scales counted as resident).
+    LoRA adapters, injected later, are not counted. The model is built without memory
+    (``device="meta"``, ``placement.place``); pass the plan's ``streamed`` to ``from_pretrained``'s
+    ``host_blocks`` and the plan itself to ``BlockStreamer``."""
+    cls = _MODELS.get(type(config))
+    if cls is None:
+        raise TypeError(f"plan_offload_from_config: config must be a FluxConfig or an SDXLUNetConfig, got "
+                        f"{type(config).__name__}")
+    model = cls(config, dtype=dtype, device="meta")
+    place(model, (), weight_dtype, fp8_skip, "plan_offload_from_config")
+    model.requires_grad_(False)
+    return plan_offload(model, count=count, budget_bytes=budget_bytes, blocks=blocks, slots=slots)
 
 
 # ---- the streamer ---------------------------------------------------------------------------------
@@ -325,22 +323,6 @@ class _Entry:
         return self.streamer._run(self, block, args)
 
 
-def _host_buffer(nbytes):
-    """Pinned host memory on a GPU; NumPy memory on the interpreter (there the "device" is the CPU)."""
-    if runtime.is_interpreter():
-        return torch.from_numpy(np.empty(nbytes, np.uint8))
-    return torch.empty((nbytes,), dtype=torch.uint8, pin_memory=True)
-
-
-def _to_host(dst, src):
-    """Bytes of the dense buffer ``src`` into the host bytes ``dst``: a device-to-host copy (a byte copy
-    on the interpreter, whose device memory is host memory)."""
-    if runtime.is_interpreter():
-        np.copyto(dst.numpy(), _bytes_of(src).numpy())
-    else:
-        dst.copy_(_bytes_of(src))
-
-
 def _records(out) -> bool:
     """Whether a block's output needs gradients (its segment recorded a node)."""
     outs = (out,) if isinstance(out, Tensor) else out
@@ -358,7 +340,7 @@ class BlockStreamer:
         who = "BlockStreamer"
         if not isinstance(plan, OffloadPlan):
             raise TypeError(f"{who}: plan must be an OffloadPlan (plan_offload), got {type(plan).__name__}")
-        modules = _resolve(model, plan.blocks, who)
+        modules = resolve_blocks(model, plan.blocks, who)
         unknown = set(plan.streamed) - set(plan.blocks)
         if unknown:
             raise ValueError(f"{who}: streamed blocks {sorted(unknown)} are not among the plan's blocks")
@@ -392,8 +374,10 @@ class BlockStreamer:
             m.streamer = entry
 
     def _pack(self, model, plan, modules):
-        """The streamed blocks' records, their frozen tensors copied into pinned host buffers and their
-        device memory released (``_data`` points into the host copy until the slots exist)."""
+        """The streamed blocks' records and host buffers: a block whose frozen tensors fill one host
+        buffer (loaded with ``host_blocks``: ``placement.packed_on_host``) keeps it as it is; the
+        others' tensors are copied into a new pinned buffer and their memory released (``_data``
+        points into the host copy until the slots exist)."""
         records, owner = [], {}
         for name, m in zip(plan.blocks, modules):
             if name not in plan.streamed:
@@ -407,19 +391,25 @@ class BlockStreamer:
                     raise ValueError(f"BlockStreamer: {name}.{tname} is also {owner[t.id]}: a tensor shared by "
                                      "several blocks cannot be streamed")
                 owner[t.id] = f"{name}.{tname}"
-            offsets, nbytes = _layout(tensors)
-            records.append(_Streamed(name, [(tname, t, off, (tuple(t.shape), t._data.stride(), t.dtype))
-                                            for (tname, t), off in zip(tensors, offsets)],
-                                     nbytes, len(records), len(records) % plan.slots))
+            packed = packed_on_host(tensors)
+            host, offsets = packed if packed is not None else (None, _layout(tensors)[0])
+            rec = _Streamed(name, [(tname, t, off, (tuple(t.shape), t._data.stride(), t.dtype))
+                                   for (tname, t), off in zip(tensors, offsets)],
+                            host.numel() if packed is not None else _layout(tensors)[1], len(records),
+                            len(records) % plan.slots)
+            rec.host = host
+            records.append(rec)
         for full, t in model.named_parameters(remove_duplicate=False):
             if t.id in owner and not any(full.startswith(f"{r.name}.") for r in records):
                 raise ValueError(f"BlockStreamer: {owner[t.id]} is also {full}, outside the streamed blocks: a "
                                  "tensor used outside its block cannot be streamed")
         for rec in records:
-            rec.host = _host_buffer(rec.nbytes)
+            if rec.host is not None:
+                continue
+            rec.host = host_buffer(rec.nbytes)
             for _, t, offset, _ in rec.tensors:
-                n = _nbytes(t._data)
-                _to_host(rec.host[offset:offset + n], t._data)
+                n = nbytes(t._data)
+                io.copy_to_host(rec.host[offset:offset + n], bytes_of(t._data))
                 t._data = rec.host[offset:offset + n].view(t.dtype).as_strided(t.shape, t._data.stride())
         return records
 
@@ -518,7 +508,7 @@ class BlockStreamer:
         for rec in self._streamed:
             for _, t, offset, (shape, stride, dtype) in rec.tensors:
                 buf = runtime.empty_strided(shape, stride, dtype)
-                _bytes_of(buf).copy_(rec.host[offset:offset + _nbytes(buf)])  # host transfer
+                bytes_of(buf).copy_(rec.host[offset:offset + nbytes(buf)])  # host transfer
                 t._data = buf
         for m, _ in self._entries:
             m.streamer = None

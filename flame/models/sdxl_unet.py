@@ -279,17 +279,19 @@ class SDXLUNet(nn.Module):
     """SDXL's denoising UNet with diffusers' parameter names.
 
     ``SDXLUNet(config=None, dtype=None)``: random init (PyTorch/diffusers default initialisers) in
-    ``dtype`` (flame's default dtype when None); ``config`` defaults to SDXL base.
+    ``dtype`` (flame's default dtype when None); ``config`` defaults to SDXL base; ``device="meta"``:
+    without storage (``flame.models.placement``).
     ``model(sample, timestep, encoder_hidden_states, text_embeds, time_ids)`` -> (B, out_channels, h, w).
     """
 
-    def __init__(self, config: SDXLUNetConfig | None = None, dtype=None, *, _layers: LeafLayers | None = None):
+    def __init__(self, config: SDXLUNetConfig | None = None, dtype=None, *, device=None,
+                 _layers: LeafLayers | None = None):
         super().__init__()
         cfg = config if config is not None else SDXLUNetConfig()
         if not isinstance(cfg, SDXLUNetConfig):
             raise TypeError(f"SDXLUNet: config must be an SDXLUNetConfig, got {type(cfg).__name__}")
         self.config = cfg
-        L = _layers or LeafLayers(check_dtype(dtype or runtime.get_default_dtype()))
+        L = _layers or LeafLayers(check_dtype(dtype or runtime.get_default_dtype()), device=device)
         c0 = cfg.block_out_channels[0]
         self.conv_in = L.conv(cfg.in_channels, c0, 3, padding=1)
         self.time_embedding = TimestepEmbedding(L, c0, cfg.time_embed_dim)
@@ -333,16 +335,20 @@ class SDXLUNet(nn.Module):
 
     # ---- loading ---------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path, dtype=None, config: SDXLUNetConfig | None = None) -> SDXLUNet:
+    def from_pretrained(cls, path, dtype=None, config: SDXLUNetConfig | None = None, *, host_blocks=(),
+                        weight_dtype=None, fp8_skip=()) -> SDXLUNet:
         """Load a diffusers ``unet/`` folder (or a pipeline folder holding one): config.json plus
         ``diffusion_pytorch_model[.fp16].safetensors`` or its sharded index; or one ``.safetensors``
         file with diffusers or LDM/SGM names (auto-detected; a full SDXL checkpoint's UNet part is
         taken, the rest ignored), for which ``config`` (default SDXL base) gives the architecture.
         Weights are cast to ``dtype`` (flame's default dtype when None). Missing, unexpected or
-        misshapen tensors raise RuntimeError before anything is loaded."""
+        misshapen tensors raise RuntimeError before anything is loaded. ``host_blocks`` (resnets and
+        transformer blocks, ``offload.streamable_blocks``' names), ``weight_dtype`` and ``fp8_skip``:
+        as ``FluxTransformer2DModel.from_pretrained``'s."""
         return load_pretrained(cls, path, dtype, config,
                                subfolder="unet", what="SDXL UNet", config_class=SDXLUNetConfig,
-                               index=checkpoint_index)
+                               index=checkpoint_index, host_blocks=host_blocks, weight_dtype=weight_dtype,
+                               fp8_skip=fp8_skip)
 
     # ---- running ---------------------------------------------------------------------------------
     @property

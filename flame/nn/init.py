@@ -2,7 +2,8 @@
 
 Random values come from flame's Philox generator (``flame.manual_seed``), so they are
 reproducible under a seed but not bit-equal to PyTorch's. Every function writes through a Triton
-kernel outside the graph and returns its argument.
+kernel outside the graph and returns its argument; a tensor without storage (``device="meta"``) is
+left as it is.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _check(t, fn):
 def _random_into(t, dist, a, b):
     if not t.dtype.is_floating_point:
         raise TypeError(f"random init needs a floating-point tensor, got {t.dtype}")
-    if t.numel() == 0 or _skipping:
+    if t.numel() == 0 or _skipping or t._data.is_meta:
         return t
     buf = t._data
     dst = buf if buf.is_contiguous() else runtime.empty(tuple(buf.shape), buf.dtype)
@@ -58,8 +59,8 @@ def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
 
 
 def constant_(tensor: Tensor, val: float) -> Tensor:
-    if not _skipping:
-        KE.fill_(_check(tensor, "constant_")._data, val)
+    if not _skipping and not _check(tensor, "constant_")._data.is_meta:
+        KE.fill_(tensor._data, val)
     return tensor
 
 

@@ -5,6 +5,8 @@ import math
 import numbers
 from collections import OrderedDict
 
+import torch
+
 from .. import runtime
 from ..ops import norm as N
 from ..ops.conv import conv2d
@@ -16,22 +18,32 @@ from . import init
 from .module import Module, Parameter
 
 
-def _param(shape, dtype, device, channels_last=False):
+def empty_parameter(shape, dtype=None, device=None, channels_last=False) -> Parameter:
     """An uninitialised parameter; ``channels_last`` lays a 4-D (out, in, kh, kw) weight out as
-    (out, kh, kw, in) in memory, the layout the implicit-GEMM convolution reads contiguously."""
-    runtime.resolve_device(device)
+    (out, kh, kw, in) in memory, the layout the implicit-GEMM convolution reads contiguously.
+    ``device="meta"``: a parameter without storage (shape, strides and dtype only), as on PyTorch's
+    meta device: a model built so is planned, or has its memory placed and then loaded
+    (``flame.models.placement``); the initialisers leave it as it is; it cannot run."""
+    meta = device is not None and torch.device(device).type == "meta"
+    if not meta:
+        runtime.resolve_device(device)
     dtype = check_dtype(dtype or runtime.get_default_dtype())
     if not dtype.is_floating_point:
         raise TypeError(f"parameters must be floating point, got {dtype}")
+    shape = tuple(shape)
     if channels_last:
         _, i, kh, kw = shape
-        return Parameter(Tensor(runtime.empty_strided(tuple(shape), (kh * kw * i, 1, kw * i, i), dtype)))
-    return Parameter(Tensor(runtime.empty(tuple(shape), dtype)))
+        strides = (kh * kw * i, 1, kw * i, i)
+    else:
+        strides = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    if meta:
+        return Parameter(Tensor(torch.empty_strided(shape, strides, dtype=dtype, device="meta")))
+    return Parameter(Tensor(runtime.empty_strided(shape, strides, dtype)))
 
 
 def _register_bias(module, bias: bool, n: int, dtype, device):
     if bias:
-        module.bias = _param((n,), dtype, device)
+        module.bias = empty_parameter((n,), dtype, device)
     else:
         module.register_parameter("bias", None)
 
@@ -65,7 +77,7 @@ class Linear(Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None):
         super().__init__()
         self.in_features, self.out_features = int(in_features), int(out_features)
-        self.weight = _param((out_features, in_features), dtype, device)
+        self.weight = empty_parameter((out_features, in_features), dtype, device)
         _register_bias(self, bias, out_features, dtype, device)
         self.reset_parameters()
 
@@ -104,7 +116,7 @@ class Conv2d(Module):
         self.in_channels, self.out_channels, self.groups = int(in_channels), int(out_channels), int(groups)
         self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
         self.padding = padding if isinstance(padding, str) else _pair(padding)
-        self.weight = _param((out_channels, in_channels // groups, *self.kernel_size), dtype, device,
+        self.weight = empty_parameter((out_channels, in_channels // groups, *self.kernel_size), dtype, device,
                              channels_last=True)
         _register_bias(self, bias, out_channels, dtype, device)
         self.reset_parameters()
@@ -128,7 +140,7 @@ class _Norm(Module):
     def _affine(self, shape, weight: bool, bias: bool, dtype, device):
         for name, wanted in (("weight", weight), ("bias", weight and bias)):
             if wanted:
-                setattr(self, name, _param(shape, dtype, device))
+                setattr(self, name, empty_parameter(shape, dtype, device))
             else:
                 self.register_parameter(name, None)
         self.reset_parameters()

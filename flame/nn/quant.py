@@ -14,6 +14,7 @@ without their scales.
 """
 from __future__ import annotations
 
+from .. import runtime
 from ..ops.quant import FORMATS, Fp8Weight, quantize_fp8
 from .layers import Linear
 from .lora import LoRALinear, fp8_dora_error, matching_layers
@@ -24,6 +25,15 @@ class Fp8Parameter(Fp8Weight, Parameter):
     """An ``Fp8Weight`` registered as a module's parameter (always frozen)."""
 
     __slots__ = ()
+
+
+def fp8_layers(model: Module, skip=()) -> list:
+    """(name, layer) of ``model``'s ``Linear`` layers and ``LoRALinear`` wrappers in module order,
+    but those matching ``skip`` (``inject_lora``'s target syntax): the layers ``quantize_linears_``
+    stores in fp8 (and ``flame.models.placement`` when a model is loaded in fp8)."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, (Linear, LoRALinear))]
+    skipped = set(matching_layers([name for name, _ in layers], skip)) if skip else set()
+    return [(name, m) for name, m in layers if name not in skipped]
 
 
 def quantize_linears_(model: Module, dtype: str = "fp8_e4m3", skip=(), scale: str = "absmax") -> list:
@@ -44,11 +54,9 @@ def quantize_linears_(model: Module, dtype: str = "fp8_e4m3", skip=(), scale: st
         raise ValueError(f"{op}: dtype must be one of {list(FORMATS)}, got {dtype!r}")
     if scale not in ("absmax", "one"):
         raise ValueError(f"{op}: scale must be 'absmax' or 'one', got {scale!r}")
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, (Linear, LoRALinear))]
-    skipped = set(matching_layers([name for name, _ in layers], skip)) if skip else set()
     todo = []
-    for name, m in layers:
-        if name in skipped or isinstance(m.weight, Fp8Weight):
+    for name, m in fp8_layers(model, skip):
+        if isinstance(m.weight, Fp8Weight):
             continue
         label = f"{op}: layer {name or type(m).__name__!r}"
         if isinstance(m, LoRALinear) and m.dora:
@@ -56,6 +64,9 @@ def quantize_linears_(model: Module, dtype: str = "fp8_e4m3", skip=(), scale: st
         if m.weight.requires_grad:
             raise ValueError(f"{label} has a trainable weight (requires_grad): an fp8 weight is frozen; freeze it "
                              "(model.requires_grad_(False) before inject_lora) or skip the layer")
+        if m.weight.device.type == "cpu" and not runtime.is_interpreter():
+            raise ValueError(f"{label} has its weight in host memory (a streamed block loaded with host_blocks): "
+                             "quantise it on load instead (from_pretrained(..., weight_dtype='fp8_e4m3'))")
         todo.append((name, m))
     converted, done = [], {}
     for name, m in todo:
