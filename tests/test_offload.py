@@ -6,8 +6,12 @@ under the CUDA-graph rules; the schedule (which block sits in which slot when ea
 the planner's choice and byte counts; bad input. GPU tests: the same on CUDA streams, in a
 captured graph, and the copies overlapping compute."""
 import dataclasses
+import gc
 import itertools
+import json
+import math
 import time
+import types
 
 import pytest
 import torch
@@ -16,11 +20,12 @@ import flame
 from flame import nn
 from flame.checkpoint import segment
 from flame.graphs import CapturedStep
-from flame.models import FluxConfig, FluxTransformer2DModel, SDXLUNet, offload
+from flame.models import FluxConfig, FluxTransformer2DModel, SDXLUNet, offload, placement
 from flame.models import flux as FX
 from flame.models.blocks import Checkpointed
 from flame.nn import functional as F
 from flame.nn.lora import inject_lora, lora_parameters
+from flame.ops.quant import Fp8Weight
 
 # ---- models -----------------------------------------------------------------------------------------
 
@@ -411,3 +416,227 @@ def test_gpu_copies_overlap_compute():
     print(f"resident {resident * 1e3:.1f} ms, streamed {streamed * 1e3:.1f} ms, copies alone {copy * 1e3:.1f} ms")
     assert streamed < resident + copy - 0.3 * min(resident, copy)
     streamer.restore()
+
+
+# ---- loading straight into host memory (flame.models.placement) ------------------------------------------
+
+# the embedders and the final layer stay unquantised (Flux's dtype is img_in's), as in tests/test_quant.py
+_FLUX_FP8_SKIP = [r"re:(img_in|txt_in|time_in|vector_in|guidance_in|final_layer)(\..*)?"]
+
+
+def _write_flux(path, layout, cfg, seed=0, dtype=None):
+    """The weights of ``FluxTransformer2DModel(cfg, dtype)`` made under ``seed`` (those ``_flux`` builds)
+    as a diffusers folder (separate q, k, v: stacked on load) or a BFL single file; returns what to load."""
+    flame.manual_seed(seed)
+    base = FluxTransformer2DModel(cfg, dtype)
+    tensors = dict(base.diffusers_state_dict() if layout == "diffusers" else base.state_dict())
+    if layout == "bfl":
+        flame.io.save_safetensors(tensors, path / "flux1.safetensors")
+        return path / "flux1.safetensors"
+    (path / "transformer").mkdir()
+    flame.io.save_safetensors(tensors, path / "transformer" / "diffusion_pytorch_model.safetensors")
+    (path / "transformer" / "config.json").write_text(json.dumps({"_class_name": "FluxTransformer2DModel",
+                                                                   **cfg.to_diffusers()}))
+    return path
+
+
+def _host_memory(block):
+    """A block's parameters lie in one packed host buffer (pinned on a GPU); the buffer's address."""
+    params = list(block.named_parameters())
+    packed = placement.packed_on_host(params)
+    assert packed is not None and all(p.device.type == "cpu" for _, p in params)
+    if not flame.is_interpreter():
+        assert packed[0].is_pinned()
+    return packed[0].data_ptr()
+
+
+def _adopted(streamer, host_ptrs):
+    """The streamer copies from the loader's buffers: no second host copy."""
+    assert {r.name: r.host.data_ptr() for r in streamer._streamed} == host_ptrs
+
+
+@pytest.mark.parametrize("layout,count", [("diffusers", "all"), ("bfl", 2)])
+def test_flux_loaded_with_host_blocks_equals_the_resident_run(flux_reference, tmp_path, layout, count):
+    _, _, inputs, want = flux_reference
+    cfg = FluxConfig.tiny()
+    path = _write_flux(tmp_path, layout, cfg)
+    plan = offload.plan_offload_from_config(cfg, count=count)
+    model = FluxTransformer2DModel.from_pretrained(path, config=cfg if layout == "bfl" else None,
+                                                   host_blocks=plan.streamed)
+    host = {name: _host_memory(model.get_submodule(name)) for name in plan.streamed}
+    streamed = tuple(f"{name}." for name in plan.streamed)
+    assert all(p.device == flame.device for n, p in model.named_parameters() if not n.startswith(streamed))
+    model.requires_grad_(False)
+    assert offload.plan_offload(model, count=count) == plan  # the plan made before the weights existed
+    inject_lora(model, _MODULATION_LORA, rank=2)
+    params = _randomize_adapters(model, 1)
+    streamer = offload.BlockStreamer(model, plan)
+    _adopted(streamer, host)
+    _assert_same(_result(_step_fn(model, params)(*inputs)), want)
+    streamer.restore()
+
+
+def test_flux_fp8_on_load_streams_like_quantize_linears_after_a_normal_load(tmp_path):
+    """load (host blocks, fp8) -> inject LoRA -> stream equals load -> quantize_linears_ -> inject LoRA,
+    resident: codes and scales bitwise (q, k, v quantised one row block at a time as they arrive)."""
+    cfg = dataclasses.replace(FluxConfig.tiny(), num_layers=1, num_single_layers=1)
+    path = _write_flux(tmp_path, "diffusers", cfg)
+    ref = FluxTransformer2DModel.from_pretrained(path)
+    ref.requires_grad_(False)
+    nn.quantize_linears_(ref, skip=_FLUX_FP8_SKIP)
+    fp8 = {"weight_dtype": "fp8_e4m3", "fp8_skip": _FLUX_FP8_SKIP}
+    plan = offload.plan_offload_from_config(cfg, count=1, **fp8)
+    assert plan == offload.plan_offload(ref, count=1) and plan.streamed == ("single_blocks.0",)
+    model = FluxTransformer2DModel.from_pretrained(path, host_blocks=plan.streamed, **fp8)
+    host = {name: _host_memory(model.get_submodule(name)) for name in plan.streamed}
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        assert type(p) is type(r) and torch.equal(placement.bytes_of(p._data), placement.bytes_of(r._data)), name
+        if isinstance(r, Fp8Weight):
+            assert torch.equal(p.scale, r.scale) and p.scale.device == flame.device, name
+    assert isinstance(model.single_blocks[0].linear1.weight, Fp8Weight)
+    assert not isinstance(model.img_in.weight, Fp8Weight)
+    model.requires_grad_(False)
+    runs = []
+    for m in (ref, model):
+        inject_lora(m, _MODULATION_LORA, rank=2)
+        runs.append(_randomize_adapters(m, 1))
+    streamer = offload.BlockStreamer(model, plan)
+    _adopted(streamer, host)
+    assert streamer.plan.slot_bytes < plan.streamed_bytes + 256 * 20  # codes: a byte per weight
+    inputs = _flux_inputs(ref)
+    want = _result(_step_fn(ref, runs[0])(*inputs))
+    _assert_same(_result(_step_fn(model, runs[1])(*inputs)), want)
+    streamer.restore()
+
+
+def _write_sdxl_unet(path, cfg, dtype):
+    """A diffusers ``unet/`` folder of ``cfg`` with seeded random weights in ``dtype``."""
+    g = torch.Generator().manual_seed(0)
+    (path / "unet").mkdir()
+    flame.io.save_safetensors({k: (0.1 * torch.randn(s, generator=g)).to(dtype)
+                               for k, s in SDXLUNet.parameter_shapes(cfg).items()},
+                              path / "unet" / "diffusion_pytorch_model.safetensors")
+    (path / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel",
+                                                            **cfg.to_diffusers()}))
+    return path
+
+
+def test_sdxl_unet_loaded_with_host_blocks_equals_the_normally_loaded_unet(tmp_path):
+    """fp16 weights loaded in fp32: the host blocks' tensors cast on the device and copied back, the
+    convolutions' channels-last layout kept in host memory; the same weights, and the streamed
+    forward of the LoRA'd UNet (gradients: the Flux tests) equals the resident one bitwise."""
+    from tiny_sdxl import UNET  # imports test_clip_text, which needs transformers
+    path = _write_sdxl_unet(tmp_path, UNET, flame.float16)
+    names = [n for n, _ in offload.streamable_blocks(SDXLUNet.skeleton(UNET))]
+    plan = offload.plan_offload_from_config(UNET, count=len(names) - 2, slots=3)
+    inputs = (flame.randn(1, 4, 4, 4), flame.full((1,), 500.0), flame.randn(1, 3, 32), flame.randn(1, 16),
+              flame.randn(1, 6))
+    models, outputs = [], []
+    for host_blocks in ((), plan.streamed):
+        model = SDXLUNet.from_pretrained(path, host_blocks=host_blocks)
+        models.append({n: placement.bytes_of(p._data).clone() for n, p in model.named_parameters()})
+        host = {name: _host_memory(model.get_submodule(name)) for name in host_blocks}
+        conv = model.get_submodule(plan.streamed[0]).conv1.weight
+        assert conv.stride() == (conv.shape[1] * 9, 1, conv.shape[1] * 3, conv.shape[1])  # channels-last
+        model.requires_grad_(False)
+        inject_lora(model, "attn", rank=2)
+        _randomize_adapters(model, 1)
+        if host_blocks:
+            _adopted(offload.BlockStreamer(model, plan), host)
+        with flame.no_grad():
+            outputs.append(model(*inputs).to_torch())
+    assert models[0].keys() == models[1].keys() and all(torch.equal(v, models[1][k]) for k, v in models[0].items())
+    assert torch.equal(*outputs)
+
+
+@pytest.mark.parametrize("family", ["flux", "sdxl"])
+def test_plan_from_config_equals_the_plan_of_the_built_model(family):
+    if family == "flux":
+        cfg, cls, skip = dataclasses.replace(FluxConfig.tiny(), num_layers=3, num_single_layers=5), \
+            FluxTransformer2DModel, _FLUX_FP8_SKIP
+    else:
+        from tiny_sdxl import UNET
+        cfg, cls, skip = UNET, SDXLUNet, [r"re:.*time_emb_proj"]
+    model = cls(cfg)
+    model.requires_grad_(False)
+    half = offload.plan_offload(model, count=len(offload.streamable_blocks(model)) // 2).device_bytes
+    for fp8 in ({}, {"weight_dtype": "fp8_e4m3", "fp8_skip": skip}):
+        if fp8:
+            nn.quantize_linears_(model, skip=skip)
+        for how in ({"count": 3}, {"count": "all", "slots": 1}, {"budget_bytes": half}):
+            assert offload.plan_offload_from_config(cfg, **how, **fp8) == offload.plan_offload(model, **how), how
+    assert offload.plan_offload_from_config(cfg, flame.float16, count="all").model_bytes * 2 == \
+        offload.plan_offload_from_config(cfg, count="all").model_bytes
+
+
+def test_loading_with_host_blocks_refuses_bad_input(tmp_path):
+    cfg = FluxConfig.tiny()
+    path = _write_flux(tmp_path, "bfl", cfg)
+    who = "FluxTransformer2DModel.from_pretrained"
+    with pytest.raises(ValueError, match=rf"{who}: the model has no block 'double_blocks\.7'"):
+        FluxTransformer2DModel.from_pretrained(path, config=cfg, host_blocks=["double_blocks.7"])
+    with pytest.raises(TypeError, match=r"'img_in' is a Linear; only blocks"):
+        FluxTransformer2DModel.from_pretrained(path, config=cfg, host_blocks=["img_in"])
+    with pytest.raises(ValueError, match=r"weight_dtype must be None \(the model's dtype\) or one of \['fp8_e4m3'\]"):
+        FluxTransformer2DModel.from_pretrained(path, config=cfg, weight_dtype="fp8_e5m2")
+    with pytest.raises(ValueError, match=r"need at least .* with 4 of 4 blocks streamed.* more than the budget"):
+        offload.plan_offload_from_config(cfg, budget_bytes=10_000)
+    with pytest.raises(TypeError, match="config must be a FluxConfig or an SDXLUNetConfig, got dict"):
+        offload.plan_offload_from_config(cfg.to_diffusers(), count=1)
+    with pytest.raises(ValueError, match=r"build the model with device='meta' to place its weights \(img_in.weight"):
+        placement.place(FluxTransformer2DModel(cfg), ["double_blocks.0"])
+    meta = FluxTransformer2DModel(cfg, device="meta")  # planned or placed, not run: no memory, no init
+    assert all(p._data.is_meta for p in meta.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_dtype", [None, "fp8_e4m3"])
+def test_gpu_loading_with_host_blocks_keeps_the_streamed_weights_off_the_device(tmp_path, weight_dtype):
+    """Flux.1's width, 2 double and 4 single blocks in bf16, all streamed: loading holds the resident
+    weights and one stored tensor on the device (a normal load: all the weights), the first step what
+    the normally loaded streamed model holds (resident weights, slots, activations); same results."""
+    cfg = dataclasses.replace(FluxConfig(), num_layers=2, num_single_layers=4)
+    path = _write_flux(tmp_path, "bfl", cfg, dtype=flame.bfloat16)
+    fp8 = {"weight_dtype": weight_dtype, "fp8_skip": _FLUX_FP8_SKIP} if weight_dtype else {}
+    plan = offload.plan_offload_from_config(cfg, flame.bfloat16, count="all", **fp8)
+    # in flight while loading: one stored bf16 tensor on the device (and its fp8 codes, when quantised)
+    in_flight = 3 * max(math.prod(s) for s in FluxTransformer2DModel.parameter_shapes(cfg).values())
+    inputs = _flux_inputs(types.SimpleNamespace(config=cfg, dtype=flame.bfloat16), h=64, w=64, n_txt=128)
+
+    def run(host_blocks):
+        gc.collect()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        model = FluxTransformer2DModel.from_pretrained(path, flame.bfloat16, cfg, host_blocks=host_blocks, **fp8)
+        loading = torch.cuda.max_memory_allocated() - base
+        host = {name: _host_memory(model.get_submodule(name)) for name in host_blocks}
+        model.requires_grad_(False)
+        inject_lora(model, FX.LORA_PRESETS["attn-mlp"], rank=16)
+        params = _randomize_adapters(model, 1)
+        streamer = offload.BlockStreamer(model, plan)
+        if host_blocks:
+            _adopted(streamer, host)
+        torch.cuda.reset_peak_memory_stats()
+        result = _result(_step_fn(model, params)(*inputs))
+        return loading, torch.cuda.max_memory_allocated() - base, result
+
+    host_load, host_step, got = run(plan.streamed)
+    normal_load, normal_step, want = run(())
+    print(f"{plan.summary()}; load peak {host_load / 2**20:.0f} MiB (normal load {normal_load / 2**20:.0f} MiB), "
+          f"step peak {host_step / 2**20:.0f} MiB (normally loaded {normal_step / 2**20:.0f} MiB)")
+    _assert_same(got, want, exact=False)
+    margin = 64 << 20
+    assert host_load <= plan.resident_bytes + in_flight + margin
+    assert normal_load >= plan.model_bytes
+    assert host_step <= normal_step + margin
+
+
+@pytest.mark.gpu
+def test_gpu_quantize_linears_refuses_weights_in_host_memory(tmp_path):
+    cfg = FluxConfig.tiny()
+    path = _write_flux(tmp_path, "bfl", cfg)
+    model = FluxTransformer2DModel.from_pretrained(path, config=cfg, host_blocks=["double_blocks.0"])
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"layer 'double_blocks.0.img_mod.lin' has its weight in host memory"):
+        nn.quantize_linears_(model)
+    assert not any(isinstance(p, Fp8Weight) for p in model.parameters())
