@@ -52,8 +52,11 @@ class Family:
         config.json / a folder holding one). Raises ValueError or OSError."""
         raise NotImplementedError
 
-    def build(self, path, config, dtype):
-        """The model: loaded from ``path`` (a folder or one file) or randomly initialised from ``config``."""
+    def build(self, path, config, dtype, **placement):
+        """The model: loaded from ``path`` (a folder or one file) or randomly initialised from ``config``.
+        ``placement``, for loading: ``from_pretrained``'s ``host_blocks`` (an ``offload.OffloadPlan``'s
+        ``streamed``: their weights read straight into pinned host memory), ``weight_dtype`` and
+        ``fp8_skip`` (fp8 weights quantised as they load)."""
         raise NotImplementedError
 
     def layer_names(self, mcfg, kind: str) -> list:

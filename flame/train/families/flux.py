@@ -57,13 +57,14 @@ class FluxFamily(Family):
     def model_config(self, spec):
         return flux_config(spec)
 
-    def build(self, path, config, dtype):
+    def build(self, path, config, dtype, **placement):
         if path:
             if not os.path.exists(path):
                 raise FileNotFoundError(f"model.path {path!r} does not exist")
             single_file = os.path.isfile(path)
             return FluxTransformer2DModel.from_pretrained(path, dtype=dtype,
-                                                          config=flux_config(config) if single_file else None)
+                                                          config=flux_config(config) if single_file else None,
+                                                          **placement)
         return FluxTransformer2DModel(flux_config(config), dtype=dtype)
 
     def layer_names(self, mcfg, kind: str) -> list:

@@ -34,14 +34,16 @@ def is_sdxl_architecture(config) -> bool:
             and dataclasses.replace(config, sample_size=SDXLUNetConfig.sample_size) == SDXLUNetConfig())
 
 
-def build_unet(path=None, config="sdxl", dtype=None) -> SDXLUNet:
-    """``SDXLUNet.from_pretrained(path)`` when ``path`` is given (a diffusers ``unet/`` or pipeline
-    folder, or one .safetensors file whose architecture is ``config``), else a random init of ``config``."""
+def build_unet(path=None, config="sdxl", dtype=None, **placement) -> SDXLUNet:
+    """``SDXLUNet.from_pretrained(path, **placement)`` when ``path`` is given (a diffusers ``unet/`` or
+    pipeline folder, or one .safetensors file whose architecture is ``config``), else a random init of
+    ``config``."""
     if path:
         if not os.path.exists(path):
             raise FileNotFoundError(f"model.path {path!r} does not exist")
         single_file = os.path.isfile(path)
-        return SDXLUNet.from_pretrained(path, dtype=dtype, config=unet_config(config) if single_file else None)
+        return SDXLUNet.from_pretrained(path, dtype=dtype, config=unet_config(config) if single_file else None,
+                                        **placement)
     return SDXLUNet(unet_config(config), dtype=dtype)
 
 
@@ -59,8 +61,8 @@ class SDXLFamily(Family):
     def model_config(self, spec):
         return unet_config(spec)
 
-    def build(self, path, config, dtype):
-        return build_unet(path, config, dtype)
+    def build(self, path, config, dtype, **placement):
+        return build_unet(path, config, dtype, **placement)
 
     def layer_names(self, mcfg, kind: str) -> list:
         return SDXLUNet.layer_names(mcfg, kind)
