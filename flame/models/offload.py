@@ -228,6 +228,7 @@ def _model_bytes(model) -> int:
 def plan_offload(model: nn.Module, *, count=None, budget_bytes=None, blocks=None, slots: int = 2) -> OffloadPlan:
     """Which of ``model``'s blocks to stream from pinned host memory, and what stays on the device.
 
+    ``model`` may be without memory (``device="meta"``: ``plan_offload_from_config``).
     ``blocks``: the names of the blocks that may be streamed, in the order the forward runs them
     (default: ``streamable_blocks(model)``). Give one of ``count`` (how many: an int or "all") and
     ``budget_bytes`` (how many bytes the model's parameters and buffers may take on the device,

@@ -45,8 +45,9 @@ def quantize_linears_(model: Module, dtype: str = "fp8_e4m3", skip=(), scale: st
     ``skip``: layers to leave as they are, named as ``inject_lora``'s targets (dotted suffixes,
     regular expressions, presets). ``scale``: "absmax" (each channel's largest magnitude / 448) or
     "one" (the weights are e4m3 numbers already: a model loaded from a ``*_fp8_e4m3fn`` checkpoint,
-    stored exactly). All or nothing: a layer whose weight requires grad, or a DoRA layer, raises
-    (naming it) before anything is converted."""
+    stored exactly). All or nothing: a layer whose weight requires grad, a DoRA layer, or (on a GPU) a
+    weight in host memory (a streamed block loaded with ``host_blocks``: load it with
+    ``weight_dtype="fp8_e4m3"`` instead) raises, naming it, before anything is converted."""
     op = "quantize_linears_"
     if not isinstance(model, Module):
         raise TypeError(f"{op}: model must be a flame.nn.Module, got {type(model).__name__}")
