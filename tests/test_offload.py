@@ -632,11 +632,15 @@ def test_gpu_loading_with_host_blocks_keeps_the_streamed_weights_off_the_device(
 
 
 @pytest.mark.gpu
-def test_gpu_quantize_linears_refuses_weights_in_host_memory(tmp_path):
+def test_gpu_weights_in_host_memory_are_streamed_or_refused(tmp_path):
+    """quantize_linears_ and a plan that leaves a host block resident refuse them (kernels cannot read them)."""
     cfg = FluxConfig.tiny()
     path = _write_flux(tmp_path, "bfl", cfg)
-    model = FluxTransformer2DModel.from_pretrained(path, config=cfg, host_blocks=["double_blocks.0"])
+    model = FluxTransformer2DModel.from_pretrained(path, config=cfg, host_blocks=["double_blocks.0", "single_blocks.0"])
     model.requires_grad_(False)
     with pytest.raises(ValueError, match=r"layer 'double_blocks.0.img_mod.lin' has its weight in host memory"):
         nn.quantize_linears_(model)
     assert not any(isinstance(p, Fp8Weight) for p in model.parameters())
+    plan = offload.plan_offload(model, blocks=["double_blocks.0"], count=1)
+    with pytest.raises(ValueError, match=r"single_blocks.0.linear1.weight is in host memory .* plan does not stream"):
+        offload.BlockStreamer(model, plan)

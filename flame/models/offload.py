@@ -348,6 +348,11 @@ class BlockStreamer:
         for name, m in zip(plan.blocks, modules):
             if m.streamer is not None:
                 raise RuntimeError(f"{who}: block {name!r} is scheduled by another streamer; restore() that first")
+        streamed = tuple(f"{name}." for name in plan.streamed)
+        stranded = [n for n, t in model.named_parameters() if t.device != runtime.device and not n.startswith(streamed)]
+        if stranded:
+            raise ValueError(f"{who}: {stranded[0]} is in host memory (loaded with host_blocks), but the plan does not "
+                             "stream its block: stream every block loaded into host memory")
         self.plan, self.model = plan, model
         self.log = [] if log else None
         self.copies = self.copied_bytes = 0
