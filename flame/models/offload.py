@@ -58,7 +58,8 @@ rest on the device; fp8 weights quantised one stored tensor at a time as they lo
 device); then freeze, inject LoRA and ``BlockStreamer(model, plan)``, which takes those buffers as
 its sources as they are. The device holds the resident weights and one stored tensor being read,
 then the slots. Quantise streamed blocks on load: ``nn.quantize_linears_`` afterwards would need
-their weights on the device (it refuses host weights on a GPU) and a second host copy of them.
+their weights on the device (it refuses host weights on a GPU) and a second host copy of them. The
+plan must stream every block loaded into host memory (the streamer refuses one left resident).
 
 **Setting up.** Last: after loading, casting, LoRA injection, fp8 conversion and freezing.
 ``Module.to``, ``amp.Policy.apply``, ``load_state_dict``, ``merge_lora``/``fold_lora`` write into or
