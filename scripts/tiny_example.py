@@ -1,6 +1,6 @@
 """Write a tiny SDXL example to train on without downloading anything: a random tiny SDXL pipeline
 folder in diffusers' layout (the test suite's: 2-level UNet, 2-layer CLIP encoders, letter
-tokenizers, a 2x VAE) and a kohya-style folder of captioned 64x64 images.
+tokenizers, an 8x VAE of 8 channels) and a kohya-style folder of captioned 64x64 images.
 
     python scripts/tiny_example.py out/tiny_example
     python scripts/train_lora.py configs/sdxl_lora_tiny_images.yaml   # reads out/tiny_example
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
         print(f"error: the tiny model is written by diffusers and transformers ({e}); "
               'pip install -e ".[interop]"', file=sys.stderr)
         return 2
-    model = write_tiny_pipeline(args.folder / "model")
+    model = write_tiny_pipeline(args.folder / "model", vae_levels=4)  # SDXL's 8x: 64 px images, 8x8 latents
     images = write_images(args.folder / "images")
     print(f"wrote a tiny random SDXL pipeline to {model} and {len(CAPTIONS)} captioned images to {images}")
     print(f"train: flame-train-lora configs/sdxl_lora_tiny_images.yaml model.path={model} data.images={images}")

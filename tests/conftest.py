@@ -10,6 +10,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (bf16 numerics, SDXL shapes, speed paths)")
     config.addinivalue_line("markers", "slow: a minute or more on the interpreter; collected first, so that parallel "
                                        "workers (pytest -n) start it early instead of ending the run on it")
+    config.addinivalue_line("markers", "extended: a parity or end-to-end run of minutes on the interpreter whose "
+                                           "parts cheaper tests cover; left out of the default run (pyproject's "
+                                           "addopts), run with -m extended (the GPU runs take them too)")
     flame.testing.simulate_shared_memory_limit()  # FLAME_TEST_MAX_SHARED_MEMORY: as a smaller card would run
     # The interpreter evaluates masked-out lanes too (log(0), x/0): NumPy warns about them.
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"triton\..*")

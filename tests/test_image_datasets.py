@@ -422,7 +422,8 @@ def test_one_command_trains_from_a_kohya_image_folder(tmp_path):
     assert example.main([str(tmp_path / "example")]) == 0
     cfg = load_config(ROOT / "configs" / "sdxl_lora_tiny_images.yaml",
                       [f"model.path={tmp_path / 'example' / 'model'}", f"data.images={tmp_path / 'example' / 'images'}",
-                       f"output.dir={tmp_path / 'run'}", "train.steps=2", "output.save_every=0", "lora.targets=attn"])
+                       f"output.dir={tmp_path / 'run'}", "train.steps=2", "data.batch_size=1", "output.save_every=0",
+                       "lora.targets=attn"])
     flame.manual_seed(0)
     result = Trainer(cfg, progress=False, log=lambda *a: None).train()
     assert len(result["losses"]) == 2 and np.isfinite(result["losses"]).all()

@@ -499,7 +499,7 @@ def test_mnist_idx_files_are_parsed(tmp_path):
         digits.read_idx(tmp_path / "short")
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn"])
+@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.extended)])
 def test_train_digits_quick(model):
     lines = _run_script("scripts/train_digits.py", "--quick", "--model", model, "--seed", "1")
     assert re.fullmatch(r"test accuracy: 0\.\d{4}", lines[-1]), lines[-3:]

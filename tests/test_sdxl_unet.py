@@ -94,7 +94,8 @@ def reference(tmp_path_factory):
 # ---- parity with diffusers ------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.extended)],
+                         ids=["plain", "checkpointed"])
 def test_forward_and_gradients_match_diffusers(reference, checkpointing):
     if checkpointing:
         pytest.importorskip("flame.checkpoint")
@@ -148,7 +149,7 @@ def test_sgm_named_file_loads_the_same_weights_and_output(reference):
     assert _rel(out.to_torch(), ref) < RTOL
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # LoRA against peft: tests/test_lora_parts.py per layer, test_lora_interop.py whole
 def test_lora_loss_and_gradients_match_peft(reference):
     peft = pytest.importorskip("peft")
     unet, root = reference

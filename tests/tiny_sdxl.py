@@ -31,14 +31,16 @@ MODEL_INDEX = {  # what diffusers' StableDiffusionXLPipeline.save_pretrained wri
 }
 
 
-def write_tiny_pipeline(path):
-    """Write the tiny pipeline into ``path`` (created); returns ``path``."""
+def write_tiny_pipeline(path, vae_levels=2):
+    """Write the tiny pipeline into ``path`` (created); returns ``path``. ``vae_levels``: the VAE's
+    blocks (2: 2x down-sampling; 4: SDXL's 8x, for training on images of the smallest bucket, 64 px,
+    at the UNet's 8x8 sample size)."""
     import diffusers
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     diffusers.UNet2DConditionModel(**UNET.to_diffusers()).save_pretrained(path / "unet")
-    diffusers.AutoencoderKL(block_out_channels=(8, 8), down_block_types=("DownEncoderBlock2D",) * 2,
-                            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=4,
+    diffusers.AutoencoderKL(block_out_channels=(8,) * vae_levels, down_block_types=("DownEncoderBlock2D",) * vae_levels,
+                            up_block_types=("UpDecoderBlock2D",) * vae_levels, latent_channels=4, norm_num_groups=4,
                             sample_size=32, scaling_factor=0.13025).save_pretrained(path / "vae")
     write_tiny_text_encoders(path)
     diffusers.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
