@@ -256,6 +256,7 @@ def test_two_processes_train_the_lora_of_one_process_at_the_global_batch(two_ran
 
 
 @needs_two
+@pytest.mark.extended
 def test_a_killed_process_is_named_and_the_run_resumes_exactly(two_ranks, tmp_path):
     _, config, ranks = two_ranks
     out = tmp_path / "run"

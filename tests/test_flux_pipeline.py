@@ -90,6 +90,7 @@ def test_schnell_folder_without_guidance_matches_diffusers(tmp_path):
     np.testing.assert_allclose(got.astype(np.float32), np.clip(want, 0, 1) * 255, atol=2.0)
 
 
+@pytest.mark.extended  # the pipeline's parts: the parity tests above; the CLI's errors: test_pipeline.py
 def test_flame_sample_makes_flux_images_from_a_folder_and_from_single_files(dev, tmp_path, capsys):
     out = tmp_path / "out"
     common = ["--prompt", "a cat", "--steps", "1", "--width", "16", "--height", "16", "--seed", "3",

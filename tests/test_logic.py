@@ -361,6 +361,7 @@ def _live_bytes():
                 for o in gc.get_objects() if type(o) is torch.Tensor}.values())
 
 
+@pytest.mark.extended
 @pytest.mark.skipif(not flame.is_interpreter(), reason="counts live host tensors")
 def test_checkpointed_rollout_memory_is_flat_in_T():
     w1, w2, wiring = _cell_params(8, flame.float32)
@@ -505,18 +506,21 @@ def test_train_digits_quick(model):
     assert re.fullmatch(r"test accuracy: 0\.\d{4}", lines[-1]), lines[-3:]
 
 
+@pytest.mark.extended  # an example script's quick mode
 def test_train_logic_quick():
     lines = _run_script("scripts/train_logic.py", "--quick", "--seed", "1")
     assert re.fullmatch(r"test accuracy: 0\.\d{4}", lines[-2]), lines[-3:]
     assert re.fullmatch(r"hard test accuracy: 0\.\d{4}", lines[-1]), lines[-3:]
 
 
+@pytest.mark.extended  # an example script's quick mode
 def test_train_logic_rnn_quick():
     lines = _run_script("scripts/train_logic_rnn.py", "--quick", "--seed", "1")
     assert re.fullmatch(r"test accuracy: [01]\.\d{4}", lines[-2]), lines[-3:]
     assert re.fullmatch(r"hard test accuracy: [01]\.\d{4}", lines[-1]), lines[-3:]
 
 
+@pytest.mark.extended  # an example script's quick mode
 def test_bench_logic_smoke(tmp_path):
     out = tmp_path / "bench.json"
     lines = _run_script("scripts/bench_logic.py", "--quick", "--out", str(out))

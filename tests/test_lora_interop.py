@@ -88,7 +88,9 @@ def _load_weights(unet, path):
 
 
 @pytest.mark.parametrize("fmt, mid_alpha, loaders", [("peft", 1.0, (_load_adapter, _load_weights)),
-                                                     ("kohya", 8.0, (_load_weights,))], ids=["peft", "kohya"])
+                                                     pytest.param("kohya", 8.0, (_load_weights,),
+                                                                  marks=pytest.mark.extended)],  # test_lora.py: kohya
+                         ids=["peft", "kohya"])
 def test_saved_lora_reproduces_flame_output_in_diffusers(unets, tmp_path, fmt, mid_alpha, loaders):
     base, model = unets
     for name, m in lora_modules(model):

@@ -280,7 +280,7 @@ def test_resume_reproduces_the_loss_curve_exactly(cache_dir, tmp_path, straight)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("mixed", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(cache_dir, tmp_path, straight, monkeypatch, mixed):
     over = []
     if mixed:  # fp16 base + loss scaler, accumulation, noise offset, v-prediction, a schedule that decays
