@@ -20,7 +20,6 @@ eager, diffusers-graph, diffusers-compile) and the report are ``bench_sdxl.py``'
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import sys
 import time
@@ -55,7 +54,6 @@ def run_flame(args):
     from flame import amp, nn, optim
     from flame.graphs import CapturedStep
     from flame.models.flux import FluxTransformer2DModel, latent_image_ids, text_ids
-    from flame.models.offload import offload_blocks
     from flame.train.families.flux import FluxFamily
 
     cfg = _config(args.config)
@@ -66,11 +64,7 @@ def run_flame(args):
                    dora=args.dora == "on")
     if args.checkpointing != "off":
         model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
-    if args.weight_dtype:
-        nn.quantize_linears_(model, args.weight_dtype, skip=FluxFamily.full_precision_layers)
-    if args.offload:
-        streamer = offload_blocks(model, count=args.offload if args.offload == "all" else int(args.offload))
-        print(streamer.plan.summary(), file=sys.stderr)
+    driver.memory_settings(model, args, FluxFamily)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
     (x_shape, t_shape, p_shape, side) = inputs_shape(args, cfg)
@@ -166,19 +160,7 @@ def run_diffusers(args):
 
 
 def parse_args(argv):
-    memory = argparse.ArgumentParser(add_help=False)
-    memory.add_argument("--weight-dtype", choices=["fp8_e4m3"],
-                        help="flame: the frozen blocks' Linear weights in fp8 (the trainer's model.weight_dtype)")
-    memory.add_argument("--offload", metavar="N|all",
-                        help="flame: stream N (or all) blocks' frozen weights from pinned host memory "
-                             "(the trainer's train.offload: blocks)")
-    mine, rest = memory.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
-        memory.print_help()
-    args = driver.parse_args(rest, configs=("dev", "tiny"), doc=__doc__)
-    args.weight_dtype, args.offload = mine.weight_dtype, mine.offload
-    args.memory_args = [a for k, v in (("--weight-dtype", mine.weight_dtype), ("--offload", mine.offload)) if v
-                        for a in (k, v)]
+    args = driver.parse_args(argv, configs=("dev", "tiny"), doc=__doc__)
     if args.checkpointing == "ff":
         raise SystemExit("--checkpointing ff is SDXL's GEGLU scope; Flux has on (each block) or off")
     return args

@@ -95,12 +95,25 @@ def _profile(step, args):
             "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:30]]}
 
 
+def memory_settings(model, args, family):
+    """``--weight-dtype`` and ``--offload`` on flame's frozen, LoRA-injected ``model``, as the trainer
+    applies ``model.weight_dtype`` and ``train.offload`` (``family``: its full-precision layers)."""
+    from flame import nn
+    from flame.models.offload import offload_blocks
+    if args.weight_dtype:
+        nn.quantize_linears_(model, args.weight_dtype, skip=family.full_precision_layers)
+    if args.offload:
+        streamer = offload_blocks(model, count=args.offload if args.offload == "all" else int(args.offload))
+        print(streamer.plan.summary(), file=sys.stderr)
+
+
 def run_flame(args):
     import flame
     from flame import amp, nn, optim
     from flame.graphs import CapturedStep
     from flame.kernels import precompile
     from flame.models import SDXLUNet, SDXLUNetConfig
+    from flame.train.families.sdxl import SDXLFamily
     flame.testing.simulate_shared_memory_limit()  # the portable setting's smaller card
     ahead = precompile.compile_ahead(args.precompile, progress=False) if args.precompile else None
 
@@ -111,6 +124,7 @@ def run_flame(args):
     nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
     if args.checkpointing != "off":
         model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
+    memory_settings(model, args, SDXLFamily)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
     shapes = inputs_shape(args, cfg)
@@ -315,9 +329,16 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
     p.add_argument("--precompile", metavar="FILE",
                    help="flame workers first compile the kernel variants FILE records, in parallel processes "
                         "(flame.kernels.precompile; record a FILE with FLAME_RECORD_KERNELS=FILE)")
+    p.add_argument("--weight-dtype", choices=["fp8_e4m3"],
+                   help="flame: the frozen model's Linear weights in fp8 (the trainer's model.weight_dtype)")
+    p.add_argument("--offload", metavar="N|all",
+                   help="flame: stream N (or all) blocks' frozen weights from pinned host memory (the trainer's "
+                        "train.offload: blocks)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.memory_args = [a for k, v in (("--weight-dtype", args.weight_dtype), ("--offload", args.offload)) if v
+                         for a in (k, v)]
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
@@ -393,7 +414,7 @@ def _run_setting(args, setting, no_table, script=__file__):
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
     cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []
     cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
-    memory = getattr(args, "memory_args", []) if fw == "flame" else []  # bench_flux.py's --weight-dtype, --offload
+    memory = args.memory_args if fw == "flame" else []
     cmd += memory
     label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
             f"{' dora' if dora == 'on' else ''}{''.join(' ' + a.lstrip('-') for a in memory)} batch {batch} ckpt {ckpt}"

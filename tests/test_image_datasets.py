@@ -408,7 +408,7 @@ def test_prepare_cache_writes_kohya_sets_apart_and_refreshes(tmp_path, capsys, m
     assert "2 image(s), 2 cached already" in capsys.readouterr().out
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # its parts: prepare_datasets' tests above and the trainer's (test_train.py)
 def test_one_command_trains_from_a_kohya_image_folder(tmp_path):
     """The issue's path as the README shows it: scripts/tiny_example.py's pipeline and kohya folder of
     captioned images, configs/sdxl_lora_tiny_images.yaml, one trainer run, no cache step."""

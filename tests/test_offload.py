@@ -221,6 +221,7 @@ def test_checkpointed_and_partly_streamed_flux_equals_resident(flux_reference):
         model.enable_gradient_checkpointing(False)
 
 
+@pytest.mark.extended  # the schedule: the Flux tests (bitwise); SDXL's block order: the host-load test below
 def test_streamed_sdxl_unet_equals_resident_with_skip_connections():
     from tiny_sdxl import UNET  # imports test_clip_text, which needs transformers
     flame.manual_seed(0)

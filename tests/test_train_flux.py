@@ -130,6 +130,24 @@ def test_streamed_blocks_train_as_resident_ones_and_fp8_weights_train_close(trai
     np.testing.assert_allclose(losses, trained[1]["losses"], rtol=0.05)
 
 
+def test_a_checkpoint_loads_its_streamed_blocks_to_the_host_and_fp8_as_it_loads(tmp_path):
+    """With model.path, train.offload's blocks load straight into host memory and fp8 weights quantise
+    as they load (flame/models/placement.py; its own tests compare it with converting a loaded model):
+    the same run as without streaming."""
+    from tiny_flux import diffusers_flux
+    pytest.importorskip("diffusers")
+    folder = tmp_path / "transformer"
+    diffusers_flux(SMALL).save_pretrained(folder)
+    settings = ("model.weight_dtype=fp8_e4m3", "train.offload=blocks")
+    lines = []
+    loaded = Trainer(_config(tmp_path / "p", f"model.path={folder}", *settings), progress=False, log=lines.append)
+    assert any("2 of 2 blocks streamed" in line for line in lines), lines
+    streamed = loaded.train()["losses"]  # before the next trainer's setup draws from the same generator
+    resident = Trainer(_config(tmp_path / "r", f"model.path={folder}", settings[0]), progress=False,
+                       log=lambda *a: None)
+    assert streamed == resident.train()["losses"]
+
+
 def test_offload_and_fp8_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.offload_blocks: set train\.offload: blocks to stream blocks"):
         _config(tmp_path, "train.offload_blocks=2")
@@ -172,6 +190,7 @@ def test_compile_ahead_list_is_flux_1s_own():
     assert family.kernel_list(FluxConfig.tiny()) is None and family.kernel_list(SMALL) is None
 
 
+@pytest.mark.extended  # the data-parallel step: tests/test_distributed.py; Flux's own parts: one process
 def test_two_processes_train_flux_as_one_process_at_the_global_batch(tmp_path):
     """Data-parallel Flux (2 processes on gloo through the CLI, batch 1 each) is the one-process run at batch 2."""
     import yaml

@@ -65,13 +65,14 @@ from ..diffusion import sample_noise
 from ..graphs import CapturedStep
 from ..io import atomic_write, load_lora, load_safetensors, save_lora, save_safetensors, stored_shapes
 from ..kernels import launch, precompile
-from ..models.offload import BlockStreamer, plan_offload
+from ..models.offload import BlockStreamer, plan_offload, plan_offload_from_config
 from ..nn import inject_lora, lora_parameters, quantize_linears_
 from ..nn.layers import Conv2d
 from ..nn.lora import adaptable_layers, component_keys, lora_modules, matching_layers
 from ..ops.creation import get_rng_state, manual_seed, rand, randn, set_rng_state, set_rng_substream, tensor, zeros
 from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, ge, lt, mul, sub, to, where
+from ..ops.quant import Fp8Weight
 from ..ops.shape import stack
 from ..optim import EMA, Adafactor, AdamW, AdamW8bit, Lion, Prodigy, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
@@ -178,6 +179,12 @@ class Trainer:
         self.total_steps = c.train.steps or c.train.epochs * math.ceil(len(self.loader) / c.train.grad_accum)
         self.objective = self.family.objective(c, self.log)
         self._check_targets(model, mcfg)
+        fp8 = {} if c.model.weight_dtype is None else {"weight_dtype": c.model.weight_dtype,
+                                                         "fp8_skip": self.family.full_precision_layers}
+        # streamed blocks of a checkpoint load straight into pinned host memory, fp8 weights quantise as
+        # they load: the GPU never holds the whole model in bf16
+        plan = self._plan_offload(lambda **kw: plan_offload_from_config(mcfg, self.dtype, **fp8, **kw)) \
+            if model is None and c.model.path else None
         if c.lora.text_encoder:
             check_source(c)
         self._resume_from = self._agreed(self._find_checkpoint)  # (path, trainer state) or None
@@ -193,7 +200,8 @@ class Trainer:
         manual_seed(c.train.seed)
         if model is None:
             try:
-                model = self.family.build(c.model.path, c.model.config, self.dtype)
+                placement = dict(fp8, host_blocks=plan.streamed) if plan is not None else fp8 if c.model.path else {}
+                model = self.family.build(c.model.path, c.model.config, self.dtype, **placement)
             except torch.cuda.OutOfMemoryError:
                 raise
             except (OSError, ValueError, RuntimeError) as e:  # a damaged or mismatched checkpoint
@@ -219,10 +227,14 @@ class Trainer:
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
             model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope)
-        if c.model.weight_dtype is not None:
-            layers = quantize_linears_(model, c.model.weight_dtype, skip=self.family.full_precision_layers)
-            self.log(f"model.weight_dtype: {len(layers)} frozen Linear weights stored as {c.model.weight_dtype}")
-        self.streamer = self._stream_blocks(model)  # last: it moves frozen weights as they are now
+        if fp8:
+            quantize_linears_(model, c.model.weight_dtype, skip=self.family.full_precision_layers)  # if not loaded so
+            stored = sum(isinstance(w, Fp8Weight) for w in model.parameters())
+            self.log(f"model.weight_dtype: {stored} frozen Linear weights stored as {c.model.weight_dtype}")
+        if c.train.offload == "blocks":  # last: the streamer moves the frozen weights as they are now
+            plan = plan or self._plan_offload(lambda **kw: plan_offload(model, **kw))
+            self.log(plan.summary())
+        self.streamer = BlockStreamer(model, plan) if plan is not None else None
         t = c.train
         self.optimizer = make_optimizer(t, self._param_groups())
         if t.optimizer == "prodigy" and t.lr < 0.1:
@@ -253,20 +265,19 @@ class Trainer:
         self._requested, self._signals = None, 0  # several processes: this rank's stop request, signals seen
 
     # ---- setup -------------------------------------------------------------------------------
-    def _stream_blocks(self, model):
-        """``train.offload: blocks``: a ``BlockStreamer`` over the blocks that ``offload_blocks`` or
-        ``offload_budget_gb`` ask for (all by default), or None."""
+    def _plan_offload(self, planner):
+        """``train.offload: blocks``: ``planner(count=..., budget_bytes=...)`` (``plan_offload`` of a
+        model or of its config) for the blocks ``offload_blocks`` or ``offload_budget_gb`` ask for (all
+        by default); None without offload. A plan that cannot be made is a ConfigError."""
         t = self.cfg.train
         if t.offload == "none":
             return None
         budget = None if t.offload_budget_gb is None else int(t.offload_budget_gb * 2**30)
-        count = t.offload_blocks if t.offload_blocks is not None or budget is not None else "all"
+        count = (t.offload_blocks or "all") if budget is None else None
         try:
-            plan = plan_offload(model, count=count if budget is None else None, budget_bytes=budget)
+            return planner(count=count, budget_bytes=budget)
         except ValueError as e:
             raise ConfigError(f"train.offload: {e}") from None
-        self.log(plan.summary())
-        return BlockStreamer(model, plan)
 
     def _agreed(self, fn):
         """``fn()`` on rank 0, and its result (or the error it raised) on every rank: decisions that
