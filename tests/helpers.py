@@ -1,6 +1,8 @@
 """Shared test helpers: paired flame/torch tensors, per-dtype comparisons, and ``check_op``, which
 runs a flame op and its PyTorch reference on the same inputs and compares outputs and gradients."""
 import dataclasses
+import importlib.util
+import sys
 
 import torch
 
@@ -162,3 +164,16 @@ def check_op(f_fn, t_fn, inputs, g=None, *, grad_mask=None, tol=None, grad_tol=N
 def _tol(spec, want):
     """``check_op``'s tolerance for the reference ``want``: a dict, a function of ``want``, or None."""
     return (spec(want) if callable(spec) else spec) or {}
+
+
+def without_gluon(module, monkeypatch):
+    """A fresh copy of the kernel ``module`` imported as a Triton without ``triton.experimental.gluon``
+    would import it (the Hopper kernel files must still load, and then serve no call)."""
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
+    spec = importlib.util.spec_from_file_location(f"{module.__name__}_without_gluon", module.__file__)
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.gluon is None
+    copy.available.cache_clear()
+    assert not copy.available()
+    return copy

@@ -16,7 +16,7 @@ import flame.kernels.attention_hopper as AH
 import flame.kernels.elementwise as KE
 import flame.nn.functional as F
 from flame.ops.attention import scaled_dot_product_attention as sdpa
-from tests.helpers import DEVICE, assert_within_torch_error
+from tests.helpers import DEVICE, assert_within_torch_error, without_gluon
 
 ON_GPU = not flame.is_interpreter()
 
@@ -603,15 +603,8 @@ def test_kernels_compile_for_sm90(tmp_path):
 
 def test_hopper_module_loads_without_gluon(monkeypatch):
     """A Triton without ``triton.experimental.gluon``: the module still imports and serves no call."""
-    import importlib.util
-
-    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
-    spec = importlib.util.spec_from_file_location("flame.kernels._attention_hopper_without_gluon", AH.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.gluon is None and not hasattr(mod, "_attn_fwd_hopper_kernel")
-    mod.available.cache_clear()
-    assert not mod.available()
+    mod = without_gluon(AH, monkeypatch)
+    assert not hasattr(mod, "_attn_fwd_hopper_kernel")
     q = torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16, device=DEVICE)
     st = q.stride()[:3]
     assert not mod.usable(q, q, q, st, st, st, 128, 128, 0.1, False, None)

@@ -2,8 +2,6 @@
 tile shape against PyTorch (fp32 references, tails in M, N and K), each epilogue, the backward
 products' operand layouts, matmul.py's portable kernel, and the route; on the interpreter, that
 the dispatch never picks it."""
-import importlib.util
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ import flame
 import flame.kernels.matmul as KM
 import flame.kernels.matmul_hopper as KH
 from flame.kernels.elementwise import GELU_TANH
-from tests.helpers import DEVICE, assert_within_torch_error
+from tests.helpers import DEVICE, assert_within_torch_error, without_gluon
 
 # (COOP, BLOCK_M, BLOCK_N) per consumer: the shapes _choose picks from (the first three) and two more
 SCHEDULES = [(True, 64, 256), (False, 128, 128), (False, 64, 128), (False, 64, 256), (True, 128, 128)]
@@ -165,12 +163,7 @@ def test_interpreter_never_routes_to_gluon(monkeypatch, tma_in_interpreter):
 
 def test_module_loads_without_gluon(monkeypatch):
     """A Triton without ``triton.experimental.gluon``: the module still imports and plans nothing."""
-    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
-    spec = importlib.util.spec_from_file_location("flame.kernels._matmul_hopper_without_gluon", KH.__file__)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    assert mod.gluon is None and not hasattr(mod, "_gemm_hopper_kernel")
-    mod.available.cache_clear()
-    assert not mod.available()
+    mod = without_gluon(KH, monkeypatch)
+    assert not hasattr(mod, "_gemm_hopper_kernel")
     x = torch.zeros(256, 256, dtype=torch.bfloat16, device=DEVICE)
     assert not mod.usable(x, x, KM.Fusion())
