@@ -255,6 +255,7 @@ def test_wgrad_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monk
     assert "wgrad 3x3 s2 1x8x7x6->8" in text and "candidates rejected (wrong output): 0" in text
     _tune_reads(monkeypatch, tmp_path, doc)
 
+@pytest.mark.extended  # a quick run's table: the attention family's test
 
 def test_norms_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(runtime, "num_sms", lambda: 1)  # the split and program counts below assume one SM

@@ -300,7 +300,9 @@ def test_conv2d_unbatched_and_mixed_precision():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", [dict(stride=2, padding=1), dict(padding="same", dilation=2), dict(stride=(1, 2)),
+@pytest.mark.parametrize("kw", [pytest.param(dict(stride=2, padding=1), marks=pytest.mark.extended),
+                                pytest.param(dict(padding="same", dilation=2), marks=pytest.mark.extended),
+                                pytest.param(dict(stride=(1, 2)), marks=pytest.mark.extended),
                                 dict(padding=1, groups=2), dict(stride=2, dilation=2, padding=1)], ids=str)
 def test_conv2d_gradcheck(kw):
     rng = np.random.default_rng(3)

@@ -475,6 +475,7 @@ def test_synthetic_cache_is_deterministic_and_learnable(tmp_path):
     assert (t == np.array([48, 48, 0, 0, 48, 48], np.float32)).all()
 
 
+@pytest.mark.extended  # synthetic caches: every trainer test writes one
 # ---- scripts/prepare_cache.py -----------------------------------------------------------------------
 
 def test_prepare_cache_synthetic_cli(tmp_path):

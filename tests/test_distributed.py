@@ -277,6 +277,7 @@ def test_a_killed_process_is_named_and_the_run_resumes_exactly(two_ranks, tmp_pa
             np.testing.assert_array_equal(after[key], ranks[0][key])
 
 
+@pytest.mark.extended  # signals: test_train.py; two processes: the tests above
 @needs_two
 def test_ctrl_c_on_one_process_under_torchrun_stops_both_at_one_step_with_one_checkpoint(tiny_cache, tmp_path):
     cache = tmp_path / "cache_tiny"

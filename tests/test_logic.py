@@ -308,6 +308,7 @@ def _sequence(T, batch, seed, dtype=flame.float64):
     h0 = flame.tensor(rng.uniform(0.1, 0.9, (batch, H)), dtype=dtype, requires_grad=True)
     return xs, h0
 
+@pytest.mark.extended  # the gates' gradients: test_gradcheck_inputs_and_logits
 
 def test_bptt_gradients_equal_finite_differences():
     """The directional derivative of L = sum(h_T * v) along a random direction of (logits, h0), against

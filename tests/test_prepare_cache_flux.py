@@ -96,6 +96,7 @@ def test_flame_cache_equals_the_diffusers_encoded_cache(dev, images, flame_cache
     # the VAE's shift and scale are applied: the scaled latents are not the raw ones
     assert abs(float(np.mean(got["sq.png"]["latents"])) - float(np.mean(want["sq.png"]["latents"]))) < 1e-4
 
+@pytest.mark.extended  # the cache itself: the parity test above
 
 def test_command_line_builds_a_cache_the_flux_trainer_trains_on(dev, images, flame_cache, tmp_path):
     out = tmp_path / "cache"

@@ -95,6 +95,7 @@ def test_bench_quick_elementwise_writes_json(tmp_path):
         assert row["flame_gbps"] == pytest.approx(row["bytes"] / row["flame"] / 1e6)
     assert "flame/torch" in r.stdout and "add " in r.stdout  # the table
 
+@pytest.mark.extended  # bench.py's tuning compare: the baseline-table test
 
 def test_bench_tuning_compare_times_the_heuristic_defaults_too(tmp_path):
     out = tmp_path / "bench.json"

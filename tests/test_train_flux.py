@@ -164,6 +164,7 @@ def test_offload_and_fp8_settings_are_checked(tmp_path):
         Trainer(_config(tmp_path / "b", "train.offload=blocks", "train.offload_budget_gb=1e-6"), model=_seeded(),
                 progress=False, log=lambda *a: None)
 
+@pytest.mark.extended  # exact resume: tests/test_train.py; Flux's step state: the runs above
 
 def test_flux_resume_continues_exactly(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
@@ -216,6 +217,7 @@ def test_two_processes_train_flux_as_one_process_at_the_global_batch(tmp_path):
     np.testing.assert_allclose(ranks[0]["losses"], one["losses"], rtol=1e-5)
 
 
+@pytest.mark.extended  # Flux sampling: test_flux_pipeline.py; samples while training: test_train.py
 # ---- sample images while training --------------------------------------------------------------------
 
 def test_flux_run_writes_sample_images_from_its_pipeline_folder(tmp_path):

@@ -127,6 +127,7 @@ def test_kohya_names_and_transformers_5_names_hold_the_same_adapters(pipeline, s
         for got, want in zip(_embeddings(_encoders(pipeline, file)), _embeddings(trainer.text.encoders)):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=file.name)
 
+@pytest.mark.extended  # exact resume: tests/test_train.py (this one passed on the H200)
 
 def test_resume_continues_exactly(pipeline, cache, straight, tmp_path):
     result, trainer = straight
@@ -199,6 +200,7 @@ def test_flame_sample_folds_the_encoders_adapters_in(pipeline, real):
     assert np.abs(pipe.unet.get_submodule(to_k).weight.numpy() - w0).max() > 0
     assert not lora_modules(pipe.text_encoders)  # folded
 
+@pytest.mark.extended  # the file's names: the tests above; init_from: test_train.py
 
 def test_init_from_reads_the_encoders_back_and_samples_use_them(pipeline, real, tmp_path, monkeypatch):
     path, trainer = real

@@ -122,6 +122,7 @@ def test_scaled_latents_match_diffusers(reference):
         assert _rel(got, images) < RTOL
         assert got.to_torch().is_contiguous(memory_format=torch.channels_last)
 
+@pytest.mark.extended  # tiling: tests/test_vae.py
 
 def test_tiled_scaled_latents_match_diffusers_tiling(reference):
     """8-pixel tiles overlapping by a quarter (as in test_vae's tiled test) on the model loaded from
