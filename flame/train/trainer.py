@@ -200,7 +200,7 @@ class Trainer:
         manual_seed(c.train.seed)
         if model is None:
             try:
-                placement = dict(fp8, host_blocks=plan.streamed) if plan is not None else fp8 if c.model.path else {}
+                placement = dict(fp8, host_blocks=plan.streamed) if plan is not None else fp8  # for loading only
                 model = self.family.build(c.model.path, c.model.config, self.dtype, **placement)
             except torch.cuda.OutOfMemoryError:
                 raise
