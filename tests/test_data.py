@@ -497,8 +497,11 @@ def test_prepare_cache_synthetic_cli(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_prepare_cache_from_images_with_a_tiny_sdxl(tmp_path):
-    """flame's encoders (the default) write the cache the diffusers path writes, on a tiny pipeline."""
+    """flame's encoders (the default) write the cache the diffusers path writes, on a tiny pipeline.
+    Extended: its parts, the encoders (test_vae.py, test_clip_text.py) and the image cache
+    (test_image_datasets.py), are checked in the default run."""
     pytest.importorskip("diffusers")
     pytest.importorskip("PIL")
     from PIL import Image
