@@ -72,7 +72,8 @@ class _Layout:
 
     def __init__(self, kernel, args):
         names = kernel.arg_names
-        dns = set(kernel.do_not_specialize or ())
+        dns = set(getattr(kernel, "do_not_specialize", None)  # the interpreter's kernels keep it in kwargs
+                  or getattr(kernel, "kwargs", {}).get("do_not_specialize") or ())
         self.tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self.descriptors = tuple(i for i, a in enumerate(args)
                                  if TensorDescriptor is not None and isinstance(a, TensorDescriptor))
