@@ -4,7 +4,7 @@
     PYTHONPATH=. python3 scripts/autotune.py                                # every family, SDXL shapes, bf16
     PYTHONPATH=. python3 scripts/autotune.py --family matmul --budget-minutes 9   # rerun to continue
     PYTHONPATH=. python3 scripts/autotune.py --family attention --budget-minutes 9
-    PYTHONPATH=. python3 scripts/autotune.py --family group_norm,layer_norm --budget-minutes 9
+    PYTHONPATH=. python3 scripts/autotune.py --family norms --budget-minutes 9       # group_norm, layer_norm
     PYTHONPATH=. python3 scripts/autotune.py --family softmax,cross_entropy --budget-minutes 9
     PYTHONPATH=. python3 scripts/autotune.py --family elementwise,reduce --budget-minutes 9
     python scripts/autotune.py --quick --out /tmp/table.json                # tiny smoke test (CPU too)
@@ -43,10 +43,11 @@ candidates once, side by side, filling Triton's on-disk cache; the timing proces
 them from there and times them one by one while the workers wait.
 
 Adding a kernel to tuning touches three files: its kernel file declares a ``flame.tune.Spec`` (key,
-config fields, heuristic, search space) next to the ``@triton.jit`` and registers it; here, a
-function ``fn(ctx, shape) -> list[Problem]`` for one entry of a section of the shapes file,
-decorated with ``@family(name, section, fields, flags)`` (with a tiny shape in ``QUICK_SHAPES``);
-and that section in the shapes file. ``--kernels`` lists the registered kernels.
+config fields, heuristic, search space) next to the ``@triton.jit`` and registers it; its family's
+module in ``scripts/kernel_families/`` a ``Tuning`` in ``TUNING`` (``fn(ctx, shape) ->
+list[Problem]`` for one entry of a section of the shapes file, that section's fields and flags, a
+tiny ``--quick`` shape), next to the family's benchmark cases; and that section in the shapes file.
+``--kernels`` lists the registered kernels.
 """
 from __future__ import annotations
 
@@ -63,7 +64,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for common (also when imported by path)
@@ -72,18 +72,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/, for common
 import common  # first: puts the checkout on sys.path and imports flame, which selects the backend
 import flame
 from flame import autotune, runtime, tune
-from flame.kernels import attention as KA
-from flame.kernels import conv2d as KC
-from flame.kernels import elementwise as KE
-from flame.kernels import matmul as KM
-from flame.kernels import norms as KN
-from flame.kernels import reduce as KR
-from flame.kernels import softmax as KS
 import torch
 import triton
 import triton.testing
 import yaml
 from tqdm import tqdm
+import kernel_families
+from kernel_families.problems import Bench, Ctx, Fatal, Problem  # noqa: F401  (Problem: for tests' problems)
+from kernel_families.problems import Tuning as Family
 # isort: on
 
 ROOT = common.ROOT
@@ -94,51 +90,17 @@ CHECK_TOL = common.CHECK_TOL
 SCREEN = dict(warmup=2, rep=10)  # ms of timing (time_ms) for the first pass over every candidate
 FINAL = dict(warmup=10, rep=50)  # ... and for the finalists and the default
 DEFAULT_SHAPES = common.SDXL_SHAPES
-QUICK_SHAPES = {"linear": [(24, 16, 40)], "conv": [(1, 8, 6, 5, 12, 3, 1), (1, 8, 7, 6, 8, 3, 2)],
-                "attention": [(1, 2, 24, 136, 16, 0), (1, 2, 24, 9, 16, 1)],  # the interpreter's long, short K/V
-                "group_norm": [(1, 6, 5, 7, 3, 1, 1), (2, 4, 3, 5, 2, 0, 0)],  # channels-last + SiLU, NCHW
-                "layer_norm": [(10, 24, 0), (7, 40, 1)],  # LayerNorm, RMSNorm
-                "softmax": [(10, 40, 0), (7, 100, 1)], "cross_entropy": [(7, 100)],  # softmax, log_softmax
-                "elementwise": [(1, 3, 5, 7)], "reduce": [(1, 40, 24), (6, 100, 1)]}  # column sum, row sum
+# The tunings (scripts/kernel_families: one module per kernel family, its tuning problems next to its
+# benchmark cases), each named for the kernel it tunes: {name: Family}; ``--family`` also takes a
+# family's name where it is not a tuning's (norms: group_norm and layer_norm).
+FAMILIES: dict[str, Family] = kernel_families.tunings()
+GROUPS = kernel_families.tuning_groups()
+QUICK_SHAPES = {f.section: list(f.quick) for f in FAMILIES.values()}  # --quick's tiny shapes per section
 
 # Errors after which the CUDA context is unusable: the run stops rather than skip every later candidate.
 CONTEXT_LOST = ("illegal memory access", "unspecified launch failure", "misaligned address", "illegal instruction")
 
 _clock = time.monotonic
-
-
-@dataclasses.dataclass
-class Ctx(autotune.Space):
-    """The run's search spaces (``flame.autotune.Space``: dtype, --quick, shared memory) and
-    the buffers of its problems."""
-
-    def randn(self, *shape, scale=1.0, channels_last=False):
-        t = (torch.randn(shape, device=runtime.device) * scale).to(self.dtype)
-        return t.contiguous(memory_format=torch.channels_last) if channels_last else t
-
-    def empty(self, *shape, channels_last=False):
-        t = torch.empty(shape, device=runtime.device, dtype=self.dtype)
-        return t.contiguous(memory_format=torch.channels_last) if channels_last else t
-
-
-@dataclasses.dataclass
-class Bench:
-    """One problem's buffers: ``run()`` launches the kernel writing ``out`` (a tensor or a tuple
-    of them); ``want`` is the PyTorch reference (fp32, the same structure); ``slack`` scales the
-    check's tolerance (``CHECK_TOL``) for outputs rounded more than once."""
-
-    run: Callable[[], object]
-    out: torch.Tensor | tuple
-    want: torch.Tensor | tuple
-    slack: float = 1.0
-
-
-@dataclasses.dataclass
-class Problem:
-    """One launch to tune, named for people; ``build()`` allocates its buffers and reference."""
-
-    name: str
-    build: Callable[[], Bench]
 
 
 def search_stages(ctx: Ctx, kernel: str, key: tuple) -> list:
@@ -147,370 +109,6 @@ def search_stages(ctx: Ctx, kernel: str, key: tuple) -> list:
         return autotune.search_stages(ctx, kernel, key)
     except LookupError as e:
         raise Fatal(str(e)) from None
-
-
-@dataclasses.dataclass
-class Family:
-    fn: Callable[[Ctx, tuple], list]
-    section: str
-    fields: tuple
-    description: str
-    flags: tuple = ()  # fields that are 0 or 1 (the others are positive)
-
-
-FAMILIES: dict[str, Family] = {}
-
-
-def family(name: str, section: str, fields: tuple, flags: tuple = ()):
-    """Register ``fn(ctx, shape) -> list[Problem]`` as family ``name``, fed with each entry of the
-    shapes file's ``section`` (a tuple of ints named ``fields``; those named in ``flags`` 0 or 1,
-    the others positive)."""
-
-    def deco(fn):
-        if name in FAMILIES:
-            raise ValueError(f"autotune family {name!r} registered twice")
-        FAMILIES[name] = Family(fn, section, tuple(fields), (fn.__doc__ or "").strip().split("\n")[0], tuple(flags))
-        return fn
-
-    return deco
-
-
-# ---- families ----------------------------------------------------------------------------------
-
-@family("matmul", "linear", ("M", "K", "N"))
-def matmul_family(ctx: Ctx, shape) -> list[Problem]:
-    """a linear layer's GEMMs (kernel matmul or matmul_tma): x @ W^T + b, dX = dY @ W, dW = dY^T @ X"""
-    m, k, n = shape
-
-    # the forward is what F.linear(x, W, b) launches, into a buffer of our own: SDXL's feed-forward, output and
-    # projection layers have a bias, and the bias epilogue moved one H100 entry's ranking by 6% (timed without it, a
-    # config won that the bench, with it, measured slower)
-    def forward():
-        x, w, b, out = ctx.randn(m, k), ctx.randn(n, k, scale=k ** -0.5), ctx.randn(n), ctx.empty(m, n)
-        return Bench(lambda: KM.linear_(out, x, w, b), out, torch.addmm(b.float(), x.float(), w.float().t()))
-
-    def input_grad():  # flame/ops/matmul.py _linear_backward: matmul_(dx, g, w)
-        g, w, out = ctx.randn(m, n), ctx.randn(n, k, scale=n ** -0.5), ctx.empty(m, k)
-        return Bench(lambda: KM.matmul_(out, g, w), out, g.float() @ w.float())
-
-    def weight_grad():  # ... matmul_(dw, g.t(), x)
-        g, x, out = ctx.randn(m, n), ctx.randn(m, k, scale=m ** -0.5), ctx.empty(n, k)
-        return Bench(lambda: KM.matmul_(out, g.t(), x), out, g.float().t() @ x.float())
-
-    name = f"linear {m}x{k}->{n}"
-    return [Problem(f"{name} fwd", forward), Problem(f"{name} dX", input_grad), Problem(f"{name} dW", weight_grad)]
-
-
-CONV_FIELDS = ("N", "Ci", "H", "W", "Co", "k", "stride")
-
-
-def _conv_name(shape, what):
-    nb, ci, h, w, co, k, s = shape
-    return f"{what} {k}x{k}{f' s{s}' if s > 1 else ''} {nb}x{ci}x{h}x{w}->{co}"
-
-
-def _conv_out_size(size, k, s):
-    return (size + 2 * (k // 2) - k) // s + 1
-
-
-@family("conv2d", "conv", CONV_FIELDS)
-def conv2d_family(ctx: Ctx, shape) -> list[Problem]:
-    """conv2d's forward (kernel conv2d, or conv2d_tma, conv2d_fold for few channels, matmul for 1x1), channels-last"""
-    nb, ci, h, w, co, k, s = shape
-    ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
-
-    def build():  # what F.conv2d launches for a channels-last input, into a buffer of our own
-        x = ctx.randn(nb, ci, h, w, channels_last=True)
-        wt = ctx.randn(co, ci, k, k, scale=(ci * k * k) ** -0.5, channels_last=True)
-        out = ctx.empty(nb, co, ho, wo, channels_last=True)
-        want = torch.nn.functional.conv2d(x.float(), wt.float(), stride=s, padding=k // 2)
-        return Bench(lambda: KC.conv2d_forward_(out, x, wt, None, (s, s), (k // 2, k // 2), (1, 1)), out, want)
-
-    return [Problem(_conv_name(shape, "conv"), build)]
-
-
-@family("conv2d_dgrad", "conv", CONV_FIELDS)
-def conv2d_dgrad_family(ctx: Ctx, shape) -> list[Problem]:
-    """conv2d's input gradient (kernel conv2d_dgrad, or conv2d_dgrad_tma, conv2d_fold, matmul for 1x1), channels-last"""
-    nb, ci, h, w, co, k, s = shape
-    ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
-
-    def build():  # flame/ops/conv.py _conv2d_backward for a channels-last input
-        g = ctx.randn(nb, co, ho, wo, channels_last=True)
-        wt = ctx.randn(co, ci, k, k, scale=(co * k * k) ** -0.5, channels_last=True)
-        out = ctx.empty(nb, ci, h, w, channels_last=True)
-        want = torch.nn.grad.conv2d_input((nb, ci, h, w), wt.float(), g.float(), stride=s, padding=k // 2)
-        return Bench(lambda: KC.conv2d_input_grad_(out, g, wt, (s, s), (k // 2, k // 2), (1, 1)), out, want)
-
-    return [Problem(_conv_name(shape, "dgrad"), build)]
-
-
-@family("conv2d_wgrad", "conv", CONV_FIELDS)
-def conv2d_wgrad_family(ctx: Ctx, shape) -> list[Problem]:
-    """conv2d's weight gradient (kernel conv2d_wgrad, or conv2d_wgrad_tma, matmul for 1x1), channels-last"""
-    nb, ci, h, w, co, k, s = shape
-    ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
-
-    def build():  # flame/ops/conv.py _conv2d_backward: dW in the layout of flame's (channels-last) weights
-        g = ctx.randn(nb, co, ho, wo, channels_last=True)
-        x = ctx.randn(nb, ci, h, w, scale=(nb * ho * wo) ** -0.5, channels_last=True)
-        out = ctx.empty(co, ci, k, k, channels_last=True)  # every element written each run (kernel or split-K sum)
-        want = torch.nn.grad.conv2d_weight(x.float(), (co, ci, k, k), g.float(), stride=s, padding=k // 2)
-        return Bench(lambda: KC.conv2d_weight_grad_(out, g, x, (s, s), (k // 2, k // 2), (1, 1)), out, want)
-
-    return [Problem(_conv_name(shape, "wgrad"), build)]
-
-
-# The bf16 attention outputs are rounded twice (P or dS to the dot's input type, then the result):
-# an emulation of the kernels' roundings at SDXL sizes gives max errors of ~0.4% of the reference's
-# largest magnitude, too close to CHECK_TOL for a check that must never reject the heuristic.
-ATTN_SLACK = 2.0
-
-
-@family("attention", "attention", ("B", "H", "Lq", "Lk", "D", "causal"), flags=("causal",))
-def attention_family(ctx: Ctx, shape) -> list[Problem]:
-    """flash attention's forward (kernel attention_fwd) and backward (attention_bwd), (B, L, H, D) inputs"""
-    nb, h, lq, lk, d, causal = shape
-    scale = d ** -0.5
-
-    def heads(length):  # as diffusers makes q/k/v (and flame its outputs): (B, L, H, D) viewed as (B, H, L, D)
-        return ctx.randn(nb, length, h, d).permute(0, 2, 1, 3)
-
-    def fwd_args(q, k, v, o, lse):
-        return q, k, v, o, lse, _bh(q), _bh(k), _bh(v), _bh(o)
-
-    def inputs():
-        q, k, v = heads(lq), heads(lk), heads(lk)
-        o = ctx.empty(nb, lq, h, d).permute(0, 2, 1, 3)
-        lse = torch.empty(nb * h, lq, device=runtime.device, dtype=KA.stats_dtype(ctx.dtype))
-        return q, k, v, o, lse
-
-    def forward():
-        q, k, v, o, lse = inputs()
-        want_o, want_lse = _attention_reference(q, k, v, causal, scale)
-        return Bench(lambda: KA.attention_fwd(*fwd_args(q, k, v, o, lse), nb, h, lq, lk, d, scale, causal),
-                     (o, lse), (want_o, want_lse), ATTN_SLACK)
-
-    def backward():  # from flame's forward (heuristic config): O and the log-sum-exp it saves
-        q, k, v, o, lse = inputs()
-        KA.attention_fwd(*fwd_args(q, k, v, o, lse), nb, h, lq, lk, d, scale, causal)
-        do = heads(lq)
-        grads = tuple(ctx.empty(nb, n, h, d).permute(0, 2, 1, 3) for n in (lq, lk, lk))
-        want = _attention_reference(q, k, v, causal, scale, do)
-
-        def run():
-            KA.attention_bwd(q, k, v, o, do, lse, *grads, _bh(q), _bh(k), _bh(v), _bh(o), _bh(do),
-                             *(_bh(g) for g in grads), nb, h, lq, lk, d, scale, causal)
-
-        return Bench(run, grads, want, ATTN_SLACK)
-
-    name = f"attention B{nb} H{h} Lq{lq} Lk{lk} D{d}{' causal' if causal else ''}"
-    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
-
-
-def _bh(t):
-    """(batch, head, row) strides of a (B, H, L, D) view."""
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _attention_reference(q, k, v, causal, scale, do=None):
-    """fp32 PyTorch attention (top-left causal mask): (O, base-2 log-sum-exp as (B*H, Lq)), or
-    with ``do`` the gradients (dQ, dK, dV)."""
-    q, k, v = (t.float().requires_grad_(do is not None) for t in (q, k, v))
-    with torch.set_grad_enabled(do is not None):
-        s = (q @ k.transpose(-1, -2)) * scale
-        if causal:
-            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(), -math.inf)
-        o = torch.softmax(s, -1) @ v
-        if do is not None:
-            return torch.autograd.grad(o, (q, k, v), do.float())
-    return o, torch.logsumexp(s, -1).flatten(0, 1) / math.log(2)
-
-
-def _reference(fn, inputs, dy=None):
-    """``fn(*inputs)`` in fp32 PyTorch, or with ``dy`` the gradients of ``inputs`` (None ones stay
-    None) from the output gradient ``dy``."""
-    leaves = [None if t is None else t.float().requires_grad_(dy is not None) for t in inputs]
-    with torch.set_grad_enabled(dy is not None):
-        y = fn(*leaves)
-        if dy is None:
-            return y
-        grads = iter(torch.autograd.grad(y, [t for t in leaves if t is not None], dy.float()))
-        return tuple(None if t is None else next(grads) for t in leaves)
-
-
-@family("group_norm", "group_norm", ("N", "C", "H", "W", "G", "channels_last", "silu"), flags=("channels_last", "silu"))
-def group_norm_family(ctx: Ctx, shape) -> list[Problem]:
-    """GroupNorm (+ SiLU) forward (kernel group_norm_fwd) and backward (group_norm_bwd), NCHW or channels-last"""
-    nb, c, h, w, g, cl, silu = shape
-    if c % g:
-        raise Fatal(f"group_norm shape {list(shape)}: C = {c} is not a multiple of G = {g}")
-    eps = 1e-5
-
-    def torch_fn(x, wt, b):
-        y = torch.nn.functional.group_norm(x, g, wt, b, eps)
-        return torch.nn.functional.silu(y) if silu else y
-
-    def inputs():  # as flame/ops/norm.py group_norm passes them: (N, C, S) strides of the map
-        x, out = ctx.randn(nb, c, h, w, channels_last=cl), ctx.empty(nb, c, h, w, channels_last=cl)
-        wt, b = 1 + ctx.randn(c, scale=0.5), ctx.randn(c)
-        return x, wt, b, out
-
-    def forward():
-        x, wt, b, y = inputs()
-        return Bench(lambda: KN.group_norm_fwd(y, x, wt, b, nb, c, h * w, g, eps, bool(silu), _ns(x), _ns(y)),
-                     y, _reference(torch_fn, (x, wt, b)))
-
-    def backward():  # from flame's forward statistics (heuristic config)
-        x, wt, b, dx = inputs()
-        mean, rstd = KN.group_norm_fwd(ctx.empty(nb, c, h, w, channels_last=cl), x, wt, b, nb, c, h * w, g, eps,
-                                       bool(silu), _ns(x), _ns(dx))
-        dy, dw, db = ctx.randn(nb, c, h, w, channels_last=cl), ctx.empty(c), ctx.empty(c)
-
-        def run():
-            KN.group_norm_bwd(dx, dw, db, dy, x, wt, b, mean, rstd, nb, c, h * w, g, bool(silu), _ns(x), _ns(dy),
-                              _ns(dx))
-
-        return Bench(run, (dx, dw, db), _reference(torch_fn, (x, wt, b), dy))
-
-    name = f"group_norm {nb}x{c}x{h}x{w} G{g}{' channels-last' if cl else ''}{' silu' if silu else ''}"
-    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
-
-
-def _ns(t):
-    """(n, c, position) strides of an (N, C, H, W) map, NCHW or channels-last: its (N, C, H*W) view."""
-    return t.stride(0), t.stride(1), t.stride(3)
-
-
-@family("layer_norm", "layer_norm", ("M", "D", "rms"), flags=("rms",))
-def layer_norm_family(ctx: Ctx, shape) -> list[Problem]:
-    """LayerNorm or RMSNorm forward (kernel layer_norm_fwd) and backward (layer_norm_bwd) over M rows of D"""
-    m, d, rms = shape
-    eps = 1e-6 if rms else 1e-5
-
-    def torch_fn(x, wt, b):
-        if rms:
-            return torch.nn.functional.rms_norm(x, (d,), wt, eps)
-        return torch.nn.functional.layer_norm(x, (d,), wt, b, eps)
-
-    def inputs():
-        return ctx.randn(m, d), 1 + ctx.randn(d, scale=0.5), None if rms else ctx.randn(d), ctx.empty(m, d)
-
-    def forward():
-        x, wt, b, y = inputs()
-        return Bench(lambda: KN.layer_norm_fwd(y, x, wt, b, m, d, eps, bool(rms), d, d), y,
-                     _reference(torch_fn, (x, wt, b)))
-
-    def backward():  # from flame's forward statistics (heuristic config); RMSNorm has no bias
-        x, wt, b, dx = inputs()
-        mean, rstd = KN.layer_norm_fwd(ctx.empty(m, d), x, wt, b, m, d, eps, bool(rms), d, d)
-        dy, dw, db = ctx.randn(m, d), ctx.empty(d), None if rms else ctx.empty(d)
-        want = _reference(torch_fn, (x, wt, b), dy)
-        outs = (dx, dw) if rms else (dx, dw, db)
-        return Bench(lambda: KN.layer_norm_bwd(dx, dw, db, dy, x, wt, mean, rstd, m, d, bool(rms), d, d, d),
-                     outs, want[:len(outs)])
-
-    name = f"{'rms_norm' if rms else 'layer_norm'} {m}x{d}"
-    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
-
-
-# The softmax backward's outputs are rounded twice (the saved output y, then dx).
-SOFTMAX_SLACK = 2.0
-
-
-@family("softmax", "softmax", ("ROWS", "R", "log"), flags=("log",))
-def softmax_family(ctx: Ctx, shape) -> list[Problem]:
-    """softmax or log_softmax over the last dim of (ROWS, R), forward (kernel softmax_fwd) and backward (softmax_bwd)"""
-    rows, r, log = shape
-    strides = (r, 1, 1)  # (outer, R, inner) strides of a contiguous (ROWS, R) tensor, as flame/ops/softmax.py
-
-    def torch_fn(x):
-        return torch.log_softmax(x, -1) if log else torch.softmax(x, -1)
-
-    def forward():
-        x, y = ctx.randn(rows, r, scale=2.0), ctx.empty(rows, r)
-        return Bench(lambda: KS.softmax_fwd(y, x, rows, r, 1, strides, strides, bool(log)), y,
-                     _reference(torch_fn, (x,)))
-
-    def backward():  # from flame's forward output (heuristic config), as the op saves it
-        x, g, dx = ctx.randn(rows, r, scale=2.0), ctx.randn(rows, r), ctx.empty(rows, r)
-        y = KS.softmax_fwd(ctx.empty(rows, r), x, rows, r, 1, strides, strides, bool(log))
-        return Bench(lambda: KS.softmax_bwd(dx, y, g, rows, r, 1, strides, strides, strides, bool(log)), dx,
-                     _reference(torch_fn, (x,), g)[0], SOFTMAX_SLACK)
-
-    name = f"{'log_softmax' if log else 'softmax'} {rows}x{r}"
-    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
-
-
-@family("cross_entropy", "cross_entropy", ("ROWS", "C"))
-def cross_entropy_family(ctx: Ctx, shape) -> list[Problem]:
-    """cross-entropy (mean) of (ROWS, C) logits, forward (kernel cross_entropy_fwd) and backward (cross_entropy_bwd)"""
-    rows, c = shape
-    strides = (c, 1, 1)
-
-    def inputs():
-        return ctx.randn(rows, c, scale=2.0), torch.randint(0, c, (rows,), device=runtime.device)
-
-    def forward():  # the launcher allocates its outputs: the run copies them into buffers of our own
-        x, t = inputs()
-        loss = torch.empty((), device=runtime.device, dtype=ctx.dtype)
-        lse = torch.empty(rows, device=runtime.device, dtype=torch.float32)
-
-        def run():
-            got = KS.cross_entropy_fwd(x, t, rows, c, 1, strides, "mean", -100, 0.0, ctx.dtype)
-            loss.copy_(got[0])
-            lse.copy_(got[1])
-
-        want = _reference(lambda x: (torch.nn.functional.cross_entropy(x, t), torch.logsumexp(x, -1)), (x,))
-        return Bench(run, (loss, lse), want)
-
-    def backward():  # from flame's forward (heuristic config): the log-sum-exp and the count it saves
-        x, t = inputs()
-        _, lse, count = KS.cross_entropy_fwd(x, t, rows, c, 1, strides, "mean", -100, 0.0, ctx.dtype)
-        g, dx = ctx.randn(), ctx.empty(rows, c)
-        want = _reference(lambda x: torch.nn.functional.cross_entropy(x, t), (x,), g)[0]
-        return Bench(lambda: KS.cross_entropy_bwd(dx, x, t, lse, g, count, rows, c, 1, strides, strides, "mean",
-                                                  -100, 0.0), dx, want)
-
-    name = f"cross_entropy {rows}x{c}"
-    return [Problem(f"{name} fwd", forward), Problem(f"{name} bwd", backward)]
-
-
-@family("elementwise", "elementwise", ("N", "C", "H", "W"))
-def elementwise_family(ctx: Ctx, shape) -> list[Problem]:
-    """elementwise maps of an (N, C, H, W) activation: a + b and GELU (kernel map_contiguous, one
-    key: tuned once), x * a per-channel scale (map_strided)"""
-    n, c, h, w = shape
-
-    def binary(op, torch_fn, b_shape):  # as flame's ops launch it: b broadcast (expanded) to x's shape
-        def build():
-            x, b, out = ctx.randn(n, c, h, w), ctx.randn(*b_shape), ctx.empty(n, c, h, w)
-            return Bench(lambda: KE.map_(out, [x, b.expand(x.shape)], op), out, _reference(torch_fn, (x, b)))
-        return build
-
-    def gelu():
-        x, out = ctx.randn(n, c, h, w), ctx.empty(n, c, h, w)
-        return Bench(lambda: KE.map_(out, [x], KE.GELU), out, _reference(torch.nn.functional.gelu, (x,)))
-
-    name = f"{n}x{c}x{h}x{w}"
-    return [Problem(f"add {name}", binary(KE.ADD, torch.add, (n, c, h, w))),
-            Problem(f"mul {name} by (1, {c}, 1, 1)", binary(KE.MUL, torch.mul, (1, c, 1, 1))),
-            Problem(f"gelu {name}", gelu)]
-
-
-@family("reduce", "reduce", ("outer", "R", "inner"))
-def reduce_family(ctx: Ctx, shape) -> list[Problem]:
-    """sums over R of an (outer, R, inner) tensor (kernel reduce): column sums (outer 1, a bias
-    gradient), row sums (inner 1)"""
-    outer, r, inner = shape
-
-    def build():
-        x, out = ctx.randn(outer, r, inner), ctx.empty(outer * inner)
-        return Bench(lambda: KR.reduce_(out, x, outer, r, inner, x.stride(), KR.SUM), out,
-                     _reference(lambda x: x.sum(1).flatten(), (x,)))
-
-    what = "column sum" if outer == 1 else "row sum" if inner == 1 else "sum over R of"
-    return [Problem(f"{what} {outer}x{r}x{inner}", build)]
 
 
 # ---- measuring ---------------------------------------------------------------------------------
@@ -753,10 +351,6 @@ class CompileAhead:
 
 # ---- the table -----------------------------------------------------------------------------------
 
-class Fatal(Exception):
-    """A run that cannot start (or go on): the message says why."""
-
-
 def load_table(path: Path, gpu: str) -> dict:
     """{(kernel, dtype name): {key tuple: entry}} of the table at ``path`` (empty if absent), each
     entry naming the Triton version it was tuned with (``triton``): entries of another release are
@@ -895,11 +489,15 @@ def kernel_table() -> str:
     return "\n".join(rows)
 
 
+def _groups_text():
+    return "and " + ", ".join(f"{g} ({', '.join(names)})" for g, names in GROUPS.items())
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="families:\n" + "\n".join(f"  {k:<13} {f.description}"
-                                                                 for k, f in FAMILIES.items()))
+                                                                 for k, f in FAMILIES.items()) + f"\n{_groups_text()}")
     p.add_argument("--family", action="extend", type=lambda text: [n.strip() for n in text.split(",") if n.strip()],
                    default=[], help="family to tune (repeatable or comma-separated; default: all)")
     p.add_argument("--shapes", type=Path, default=None,
@@ -926,10 +524,10 @@ def parse_args(argv):
         args.jobs = 0 if flame.is_interpreter() else min(8, (os.cpu_count() or 2) // 2)
     if args.jobs < 0:
         p.error(f"--jobs must be 0 or more, got {args.jobs}")
-    args.family = list(dict.fromkeys(args.family or FAMILIES))
+    args.family = list(dict.fromkeys(n for name in args.family or FAMILIES for n in GROUPS.get(name, (name,))))
     if any(n not in FAMILIES for n in args.family):
         p.error(f"unknown family {', '.join(n for n in args.family if n not in FAMILIES)}; "
-                f"known: {', '.join(FAMILIES)}")
+                f"known: {', '.join(FAMILIES)}; {_groups_text()}")
     if args.out is None and (args.quick or flame.is_interpreter()):
         p.error("--quick and the interpreter backend (no GPU) need --out: their tables are smoke tests, "
                 "not tunings for configs/autotune")
