@@ -6,6 +6,8 @@
     python scripts/bench_flux.py --config tiny --resolution 64 --batch 1 --checkpointing off --steps 2 --warmup 1
     PYTHONPATH=. python3 scripts/bench_flux.py --framework flame --batch 1 --checkpointing on --weight-dtype fp8_e4m3 \
         --offload 20                                     # the memory settings of a smaller card (flame alone)
+    PYTHONPATH=. python3 scripts/bench_flux.py --framework flame --batch 1 --checkpointing on --weight-dtype fp8_e4m3 \
+        --checkpoint-blocks 30 --memory-cap 24           # a 24 GiB card: 30 of the 57 blocks recomputed
 
 Both sides build Flux.1-dev's transformer (19 double and 38 single blocks, hidden 3072; random bf16
 weights: nothing can be downloaded here), frozen, with LoRA rank 16 on the attention and MLP linears
@@ -62,9 +64,7 @@ def run_flame(args):
     model.requires_grad_(False)
     nn.inject_lora(model, FluxFamily().lora_targets("attn-mlp"), rank=args.rank, alpha=args.rank,
                    dora=args.dora == "on")
-    if args.checkpointing != "off":
-        model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
-    driver.memory_settings(model, args, FluxFamily)
+    driver.memory_settings(model, args, FluxFamily, CHECKPOINT_SCOPES)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
     (x_shape, t_shape, p_shape, side) = inputs_shape(args, cfg)

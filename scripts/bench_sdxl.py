@@ -95,11 +95,21 @@ def _profile(step, args):
             "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:30]]}
 
 
-def memory_settings(model, args, family):
-    """``--weight-dtype`` and ``--offload`` on flame's frozen, LoRA-injected ``model``, as the trainer
-    applies ``model.weight_dtype`` and ``train.offload`` (``family``: its full-precision layers)."""
+def memory_settings(model, args, family, scopes=None):
+    """``--checkpointing``, ``--checkpoint-blocks``, ``--weight-dtype``, ``--offload`` and ``--memory-cap``
+    on flame's frozen, LoRA-injected ``model``, as the trainer applies ``train.gradient_checkpointing``,
+    ``train.checkpoint_blocks``, ``model.weight_dtype`` and ``train.offload`` (``family``: its
+    full-precision layers; ``scopes``: ``--checkpointing``'s values to the model's scopes)."""
     from flame import nn
     from flame.models.offload import offload_blocks
+    if args.memory_cap is not None:
+        import torch
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * 2**30 / total))
+    if args.checkpointing != "off":
+        blocks = None if args.checkpoint_blocks is None else int(args.checkpoint_blocks)
+        model.enable_gradient_checkpointing(True, scope=(scopes or CHECKPOINT_SCOPES)[args.checkpointing],
+                                            blocks=blocks)
     if args.weight_dtype:
         nn.quantize_linears_(model, args.weight_dtype, skip=family.full_precision_layers)
     if args.offload:
@@ -122,8 +132,6 @@ def run_flame(args):
     model = SDXLUNet(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)
     model.requires_grad_(False)
     nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
-    if args.checkpointing != "off":
-        model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
     memory_settings(model, args, SDXLFamily)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
@@ -334,11 +342,18 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
     p.add_argument("--offload", metavar="N|all",
                    help="flame: stream N (or all) blocks' frozen weights from pinned host memory (the trainer's "
                         "train.offload: blocks)")
+    p.add_argument("--checkpoint-blocks", metavar="N",
+                   help="flame, with --checkpointing on: recompute only N blocks, spread over the model (the "
+                        "trainer's train.checkpoint_blocks)")
+    p.add_argument("--memory-cap", metavar="GIB", type=float,
+                   help="flame: the GPU memory the step may use, as a smaller card's (torch's per-process memory "
+                        "fraction; a step that needs more fails with out of memory)")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.memory_args = [a for k, v in (("--weight-dtype", args.weight_dtype), ("--offload", args.offload)) if v
-                         for a in (k, v)]
+    args.memory_args = [a for k, v in (("--weight-dtype", args.weight_dtype), ("--offload", args.offload),
+                                       ("--checkpoint-blocks", args.checkpoint_blocks),
+                                       ("--memory-cap", args.memory_cap)) if v is not None for a in (k, str(v))]
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args

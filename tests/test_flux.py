@@ -12,6 +12,7 @@ from tiny_flux import bfl_state_dict, diffusers_flux, flux_inputs
 import flame
 from flame.models import FluxConfig, FluxTransformer2DModel, flux_keys
 from flame.models import flux as FX
+from flame.models.blocks import Checkpointed
 from flame.nn.lora import _expand_targets, _matches
 from helpers import DEVICE, assert_within_torch_error, rel_err
 
@@ -134,8 +135,8 @@ def test_gradients_match_diffusers_with_and_without_checkpointing(tmp_path):
     want = _reference_grads(ref, inp, weights)
 
     runs = []
-    for checkpointing in (False, True):
-        model.enable_gradient_checkpointing(checkpointing)
+    for checkpointing, blocks in ((False, None), (True, None), (True, 1)):  # off, every block, one of the two
+        model.enable_gradient_checkpointing(checkpointing, blocks=blocks)
         args = _flame_inputs(inp)
         args["hidden_states"].requires_grad_(True)
         grads = (model(**args) * flame.from_torch(weights.to(DEVICE))).sum().backward()
@@ -145,7 +146,8 @@ def test_gradients_match_diffusers_with_and_without_checkpointing(tmp_path):
     for name, g in runs[0].items():
         assert rel_err(g, want[name]) < GRAD_RTOL, name
         # vec's gradient sums the blocks' contributions in another order under checkpointing: rounding only
-        assert rel_err(runs[1][name], g) < 1e-6, f"{name}: checkpointing changed the gradient"
+        for run in runs[1:]:
+            assert rel_err(run[name], g) < 1e-6, f"{name}: checkpointing changed the gradient"
 
 
 # ---- latents, ids and rotary tables -----------------------------------------------------------------
@@ -264,6 +266,18 @@ def test_config_round_trips_and_rejects_bad_values():
         dataclasses.replace(TINY, num_attention_heads=0)
     with pytest.raises(ValueError, match="scope must be one of blocks"):
         FluxTransformer2DModel.skeleton(TINY).enable_gradient_checkpointing(True, scope="feed_forward")
+    with pytest.raises(ValueError, match=r"blocks must be an int from 0 to the \d+ blocks of FluxTransformer2DModel"):
+        FluxTransformer2DModel.skeleton(TINY).enable_gradient_checkpointing(True, blocks=99)
+
+
+def test_some_blocks_checkpointed_are_spread_over_the_model():
+    model = FluxTransformer2DModel.skeleton(dataclasses.replace(TINY, num_layers=2, num_single_layers=4))
+    blocks = [m for m in model.modules() if isinstance(m, Checkpointed)]
+    for count, chosen in ((0, []), (1, [3]), (2, [1, 4]), (3, [1, 3, 5]), (6, [0, 1, 2, 3, 4, 5])):
+        model.enable_gradient_checkpointing(True, blocks=count)
+        assert [i for i, m in enumerate(blocks) if m.gradient_checkpointing] == chosen, count
+    model.enable_gradient_checkpointing(False, blocks=3)
+    assert not any(m.gradient_checkpointing for m in blocks)
 
 
 @pytest.mark.parametrize("layout, drop, message", [

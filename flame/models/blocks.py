@@ -122,15 +122,31 @@ class Checkpointed(nn.Module):
         return self.forward(*args)
 
 
-def switch_checkpointing(model: nn.Module, enabled: bool, scope: str, scopes: tuple) -> None:
+def spread(n: int, total: int) -> list:
+    """``n`` of ``total`` positions, evenly spaced (the centres of ``n`` equal runs): which blocks
+    of a model get a per-block treatment that only some of them need (streamed weights,
+    checkpointed activations)."""
+    return [int((i + 0.5) * total / n) for i in range(n)]
+
+
+def switch_checkpointing(model: nn.Module, enabled: bool, scope: str, scopes: tuple, blocks=None) -> None:
     """Turn checkpointing of ``model``'s ``Checkpointed`` modules of ``scope`` on (``enabled``) or
     off, and of every other scope off; ``scopes`` are the ones the model offers (ValueError for any
-    other)."""
+    other). ``blocks``: how many of the scope's modules to checkpoint, spread evenly over the
+    forward's order (``spread``); None: all of them. Each checkpointed block trades its kept
+    activations for a second forward of it in the backward, so a count between 0 and all buys
+    memory at a proportional cost in time."""
     if scope not in scopes:
         raise ValueError(f"enable_gradient_checkpointing: scope must be one of {', '.join(scopes)}, got {scope!r}")
-    for m in model.modules():
-        if isinstance(m, Checkpointed):
-            m.gradient_checkpointing = bool(enabled) and m.scope == scope
+    members = [m for m in model.modules() if isinstance(m, Checkpointed)]
+    in_scope = [m for m in members if m.scope == scope]
+    if blocks is not None:
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 0 <= blocks <= len(in_scope):
+            raise ValueError(f"enable_gradient_checkpointing: blocks must be an int from 0 to the {len(in_scope)} "
+                             f"{scope} of {type(model).__name__}, got {blocks!r}")
+        chosen = {id(in_scope[i]) for i in spread(blocks, len(in_scope))}
+    for m in members:
+        m.gradient_checkpointing = bool(enabled) and m.scope == scope and (blocks is None or id(m) in chosen)
 
 
 # ---- shared blocks ------------------------------------------------------------------------------------

@@ -486,11 +486,13 @@ class FluxTransformer2DModel(nn.Module):
     def dtype(self):
         return self.img_in.weight.dtype
 
-    def enable_gradient_checkpointing(self, enabled: bool = True, scope: str = "blocks") -> FluxTransformer2DModel:
+    def enable_gradient_checkpointing(self, enabled: bool = True, scope: str = "blocks",
+                                      blocks: int | None = None) -> FluxTransformer2DModel:
         """Recompute each double and single block's activations in the backward
         (``flame.checkpoint.checkpoint``) instead of keeping them; ``scope`` "blocks" is the one
-        scope; ``enabled=False`` turns it off."""
-        switch_checkpointing(self, enabled, scope, CHECKPOINT_SCOPES)
+        scope; ``blocks``: how many of the 57 (19 + 38 at Flux.1's size), spread evenly (None: all);
+        ``enabled=False`` turns it off."""
+        switch_checkpointing(self, enabled, scope, CHECKPOINT_SCOPES, blocks)
         return self
 
     def _table(self, name, make):

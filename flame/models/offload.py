@@ -81,7 +81,7 @@ from ..checkpoint import segment
 from ..nn.lora import lora_parameters
 from ..ops.quant import Fp8Weight
 from ..tensor import Tensor
-from .blocks import Checkpointed
+from .blocks import Checkpointed, spread
 from .flux import FluxConfig, FluxTransformer2DModel
 from .placement import bytes_of, host_buffer, layout, nbytes, packed_on_host, place, resolve_blocks
 from .sdxl_config import SDXLUNetConfig
@@ -189,19 +189,17 @@ class OffloadPlan:
                 f"weights on the device {_gib(self.device_bytes)} of {_gib(self.model_bytes)}")
 
 
-def _spread(n: int, total: int) -> list:
-    """Which ``n`` of ``total`` blocks (positions in execution order) to stream: evenly spaced.
-
-    The bytes a step moves are fixed by how much must leave the device, whichever blocks carry them;
-    what the choice decides is how much compute each copy hides behind. A block's copy can start
-    once its slot's previous block has run and must end before the block runs, so it overlaps the
-    blocks in between, resident ones included. Evenly spaced streamed blocks give every copy the
-    same, largest share of that compute. "Largest first" would bunch them where the large blocks
-    sit (Flux's 19 double blocks in a row, SDXL's 1280-wide transformer blocks around the middle),
-    and "last used" is a contiguous tail where each copy hides behind one block only (it saves the
-    two copies that open the backward, which any choice saves). The slots' cost, twice the largest
-    streamed block, is counted by the planner."""
-    return [int((i + 0.5) * total / n) for i in range(n)]
+# Which blocks stream: ``blocks.spread``, evenly spaced in execution order.
+#
+# The bytes a step moves are fixed by how much must leave the device, whichever blocks carry them;
+# what the choice decides is how much compute each copy hides behind. A block's copy can start
+# once its slot's previous block has run and must end before the block runs, so it overlaps the
+# blocks in between, resident ones included. Evenly spaced streamed blocks give every copy the
+# same, largest share of that compute. "Largest first" would bunch them where the large blocks
+# sit (Flux's 19 double blocks in a row, SDXL's 1280-wide transformer blocks around the middle),
+# and "last used" is a contiguous tail where each copy hides behind one block only (it saves the
+# two copies that open the backward, which any choice saves). The slots' cost, twice the largest
+# streamed block, is counted by the planner.
 
 
 def _check_count(count, total):
@@ -234,8 +232,9 @@ def plan_offload(model: nn.Module, *, count=None, budget_bytes=None, blocks=None
     (default: ``streamable_blocks(model)``). Give one of ``count`` (how many: an int or "all") and
     ``budget_bytes`` (how many bytes the model's parameters and buffers may take on the device,
     slots included; the fewest streamed blocks that fit are chosen). The chosen blocks are spread
-    evenly over the execution order (``_spread`` says why). ``slots``: device buffers, each the size
-    of the largest streamed block (2: a block's copy overlaps the compute before it; 1: no overlap).
+    evenly over the execution order (``blocks.spread``; the comment above says why). ``slots``: device
+    buffers, each the size of the largest streamed block (2: a block's copy overlaps the compute
+    before it; 1: no overlap).
     Raises ValueError when nothing fits the budget (naming the least it can do), when a chosen block
     has trainable base parameters (freeze the model before injecting LoRA) or nothing frozen."""
     if not isinstance(model, nn.Module):
@@ -262,12 +261,12 @@ def plan_offload(model: nn.Module, *, count=None, budget_bytes=None, blocks=None
                            max((layouts[i][1] for i in chosen), default=0), streamed, total - streamed, total)
 
     if count is not None:
-        return plan(_spread(_check_count(count, len(names)), len(names)))
+        return plan(spread(_check_count(count, len(names)), len(names)))
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, (int, float)) or budget_bytes <= 0:
         raise ValueError(f"plan_offload: budget_bytes must be a positive number, got {budget_bytes!r}")
     least = None
     for n in range(len(names) + 1):
-        p = plan(_spread(n, len(names)))
+        p = plan(spread(n, len(names)))
         if p.device_bytes <= budget_bytes:
             return p
         least = p if least is None or p.device_bytes < least.device_bytes else least

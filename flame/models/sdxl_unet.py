@@ -355,13 +355,15 @@ class SDXLUNet(nn.Module):
     def dtype(self):
         return self.conv_in.weight.dtype
 
-    def enable_gradient_checkpointing(self, enabled: bool = True, scope: str = "blocks") -> SDXLUNet:
+    def enable_gradient_checkpointing(self, enabled: bool = True, scope: str = "blocks",
+                                      blocks: int | None = None) -> SDXLUNet:
         """Recompute activations in the backward (``flame.checkpoint.checkpoint``) instead of keeping
         them. ``scope``: ``blocks``, each resnet's and each transformer block's (the most memory
         saved, a second forward of nearly the whole UNet); ``feed_forward``, each transformer
         block's GEGLU projection only (the largest activation the step keeps, for one more GEMM
-        per block). ``enabled=False`` turns both off."""
-        switch_checkpointing(self, enabled, scope, CHECKPOINT_SCOPES)
+        per block). ``blocks``: how many of the scope's modules, spread evenly (None: all).
+        ``enabled=False`` turns both off."""
+        switch_checkpointing(self, enabled, scope, CHECKPOINT_SCOPES, blocks)
         return self
 
     def _sinusoids(self, t, dim):

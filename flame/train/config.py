@@ -179,6 +179,9 @@ SCHEMA = {
                                                     "feed_forward (each transformer block's GEGLU projection: the "
                                                     "largest activation, for one GEMM per block)",
                                 choices=CHECKPOINT_SCOPES),
+        "checkpoint_blocks": Opt(None, "int", "gradient_checkpointing: how many of the scope's blocks recompute, "
+                                              "spread over the model (each saves its activations for a second "
+                                              "forward of it); null: all", low=0, nullable=True),
         "offload": Opt("none", "choice", "blocks: the frozen weights of some transformer blocks (Flux) or resnet "
                                          "and transformer blocks (SDXL) live in pinned host memory and are copied "
                                          "to the GPU one block ahead of use, forward and backward (train."

@@ -226,7 +226,11 @@ class Trainer:
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
         if c.train.gradient_checkpointing:
-            model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope)
+            try:
+                model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope,
+                                                    blocks=c.train.checkpoint_blocks)
+            except ValueError as e:
+                raise ConfigError(f"train.checkpoint_blocks: {e}") from None
         if fp8:
             quantize_linears_(model, c.model.weight_dtype, skip=self.family.full_precision_layers)  # if not loaded so
             stored = sum(isinstance(w, Fp8Weight) for w in model.parameters())
