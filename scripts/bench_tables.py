@@ -11,7 +11,7 @@ the newest run of each (family, dtype) on that card: ``add`` replaces a family's
 is given, so a file may combine runs of different dates; older runs are in git's history. Its format:
 
     {"format": 1, "card": "NVIDIA H200",
-     "runs": [{"family": "linear", "dtype": "bf16", "command": "scripts/bench.py ...", "date": "...",
+     "runs": [{"family": "matmul", "dtype": "bf16", "command": "scripts/bench.py ...", "date": "...",
                "commit": "d1e17d0", "dirty": false, "torch": "...", "triton": "...", "timer": "graph",
                "tuning": "table",
                "cases": [{"case": "fwd 4096x640->640 +bias", "unit": "ms", "timer": "graph",
@@ -46,8 +46,8 @@ from flame.tune import slug  # noqa: E402  (the tuning tables' file names: one s
 FORMAT = 1
 STORE = ROOT / "benchmarks"
 DOC = ROOT / "BENCHMARKS.md"
-# bench.py's families in its order (a family not listed here goes last)
-FAMILIES = ("elementwise", "overhead", "linear", "lora", "norms", "attention", "conv")
+# bench.py's families (scripts/kernel_families) in the stored files' order (a family not listed here goes last)
+FAMILIES = ("elementwise", "overhead", "matmul", "lora", "norms", "softmax", "attention", "conv2d")
 PASSES = {"fwd": "forward", "fwd+bwd": "forward+backward"}
 # Rows a family's table leaves out, to keep BENCHMARKS.md short (every case stays in the JSON): the
 # GroupNorms show NCHW without SiLU and channels-last with it (SDXL's resnets), not the other two.

@@ -26,18 +26,18 @@ def _row(family, case, flame, torch, **extra):
 
 def _run(gpu="NVIDIA H200", date="2026-12-01T10:00:00+00:00", commit="abc1234", scale=1.0, families=None):
     results = [
-        _row("linear", "fwd 64x32->16 +bias", 0.010 * scale, 0.008, tuned_speedup=1.10, flame_defaults=0.011),
-        _row("linear", "fwd+bwd 64x32->16 +bias", 0.030 * scale, 0.032, tuned_same_configs=True),
-        _row("linear", "fwd 8x8->8 +bias", 0.005, 0.004, tuned_speedup=0.90),  # no fwd+bwd twin
-        _row("conv", "fwd 3x3 1x4x8x8->16 vs torch NCHW", 0.020, 0.040),
-        _row("conv", "fwd 3x3 1x4x8x8->16 vs torch CL", 0.020, 0.010),
-        _row("conv", "fwd+bwd 3x3 1x4x8x8->16 vs torch NCHW", 0.060, 0.050),
-        _row("conv", "fwd+bwd 3x3 1x4x8x8->16 vs torch CL", 0.060, 0.030),
-        dict(family="conv", case="fwd 1x1 1x4x8x8->16 vs torch NCHW", note="", error="flame and torch disagree"),
+        _row("matmul", "fwd 64x32->16 +bias", 0.010 * scale, 0.008, tuned_speedup=1.10, flame_defaults=0.011),
+        _row("matmul", "fwd+bwd 64x32->16 +bias", 0.030 * scale, 0.032, tuned_same_configs=True),
+        _row("matmul", "fwd 8x8->8 +bias", 0.005, 0.004, tuned_speedup=0.90),  # no fwd+bwd twin
+        _row("conv2d", "fwd 3x3 1x4x8x8->16 vs torch NCHW", 0.020, 0.040),
+        _row("conv2d", "fwd 3x3 1x4x8x8->16 vs torch CL", 0.020, 0.010),
+        _row("conv2d", "fwd+bwd 3x3 1x4x8x8->16 vs torch NCHW", 0.060, 0.050),
+        _row("conv2d", "fwd+bwd 3x3 1x4x8x8->16 vs torch CL", 0.060, 0.030),
+        dict(family="conv2d", case="fwd 1x1 1x4x8x8->16 vs torch NCHW", note="", error="flame and torch disagree"),
     ]
-    targets = [dict(family="linear", target="forward at most 1.1x", timer=t, stat="max", value=v, bound=1.1,
+    targets = [dict(family="matmul", target="forward at most 1.1x", timer=t, stat="max", value=v, bound=1.1,
                     cases=2, met=v <= 1.1) for t, v in (("eager", 1.5), ("graph", 1.25))]
-    families = families or ["linear", "conv"]
+    families = families or ["matmul", "conv2d"]
     return dict(gpu=gpu, device=gpu, backend="cuda", date=date, torch="2.11.0+cu130", triton="3.6.0", flame="0.1.0",
                 python="3.11", command=f"scripts/bench.py --family {','.join(families)} --tuning compare",
                 commit=commit, dirty=False, dtype="bfloat16", quick=False, tuning="compare", baseline_table=None,
@@ -51,7 +51,7 @@ Prose that stays.
 
 ## Linear
 
-<!-- bench-table linear -->
+<!-- bench-table matmul -->
 stale
 <!-- /bench-table -->
 
@@ -59,7 +59,7 @@ Narrow outputs lose to cuBLAS (prose after the table stays).
 
 ## Conv
 
-<!-- bench-table conv -->
+<!-- bench-table conv2d -->
 <!-- /bench-table -->
 
 ## Attention
@@ -86,7 +86,7 @@ def test_add_stores_the_shown_timer_per_card_and_family(bt, tmp_path):
     assert written == store / "nvidia-h200.json"
     doc = json.loads(written.read_text())
     assert doc["format"] == bt.FORMAT and doc["card"] == "NVIDIA H200"
-    assert [r["family"] for r in doc["runs"]] == ["linear", "conv"]  # bench.py's order
+    assert [r["family"] for r in doc["runs"]] == ["matmul", "conv2d"]  # bench.py's order
     lin = doc["runs"][0]
     assert (lin["dtype"], lin["timer"], lin["commit"]) == ("bf16", "graph", "feed123")
     assert lin["date"] == "2026-12-01T10:00:00+00:00"
@@ -101,11 +101,11 @@ def test_add_stores_the_shown_timer_per_card_and_family(bt, tmp_path):
 def test_add_replaces_a_family_and_keeps_the_others(bt, tmp_path):
     store = tmp_path / "benchmarks"
     bt.add([_write(tmp_path, "a.json", _run())], store)
-    bt.add([_write(tmp_path, "b.json", _run(date="2026-12-02T00:00:00+00:00", scale=2.0, families=["linear"]))],
+    bt.add([_write(tmp_path, "b.json", _run(date="2026-12-02T00:00:00+00:00", scale=2.0, families=["matmul"]))],
            store)
     bt.add([_write(tmp_path, "c.json", _run(gpu="NVIDIA H100 80GB HBM3"))], store)
     h200 = json.loads((store / "nvidia-h200.json").read_text())
-    assert [(r["family"], r["date"][:10]) for r in h200["runs"]] == [("linear", "2026-12-02"), ("conv", "2026-12-01")]
+    assert [(r["family"], r["date"][:10]) for r in h200["runs"]] == [("matmul", "2026-12-02"), ("conv2d", "2026-12-01")]
     assert h200["runs"][0]["cases"][0]["flame"] == pytest.approx(0.020)
     assert sorted(p.name for p in store.iterdir()) == ["nvidia-h100-80gb-hbm3.json", "nvidia-h200.json"]
 
@@ -126,17 +126,17 @@ def test_write_fills_the_blocks_and_keeps_the_prose(bt, tmp_path):
     text = doc.read_text()
     assert bt.main(["check", "--store", str(store), "--doc", str(doc)]) == 0
     assert "Prose that stays." in text and "prose after the table stays" in text and "stale" not in text
-    linear = text.split("<!-- bench-table linear -->\n")[1].split("<!-- /bench-table -->")[0]
+    linear = text.split("<!-- bench-table matmul -->\n")[1].split("<!-- /bench-table -->")[0]
     # a line per run (here both cards' runs, alike but for the card): command, date, commit, versions, then the
     # targets of the shown timer
-    assert "\nNVIDIA H100 80GB HBM3 (abc1234), NVIDIA H200 (abc1234): `scripts/bench.py --family linear,conv " \
+    assert "\nNVIDIA H100 80GB HBM3 (abc1234), NVIDIA H200 (abc1234): `scripts/bench.py --family matmul,conv2d " \
            "--tuning compare`, 2026-12-01, torch 2.11.0+cu130, Triton 3.6.0, bf16, graph replays, tuned tables. " \
            "Targets (graph): forward at most 1.1x: 1.250x max **missed**.\n" in linear
     # fwd / fwd+bwd of one shape side by side, one column group per card (graph replays, µs)
     assert "| case | H100 forward | H100 forward+backward | H200 forward | H200 forward+backward |" in linear
     assert "| 64x32->16 +bias | 10.0 / 8.0 (1.25x) | 30.0 / 32.0 (0.94x) | 10.0 / 8.0 (1.25x) |" in linear
     assert "| 8x8->8 +bias | 5.0 / 4.0 (1.25x) | - | 5.0 / 4.0 (1.25x) | - |" in linear
-    conv = text.split("<!-- bench-table conv -->\n")[1].split("<!-- /bench-table -->")[0]
+    conv = text.split("<!-- bench-table conv2d -->\n")[1].split("<!-- /bench-table -->")[0]
     assert "H200 forward vs NCHW | H200 forward vs CL | H200 forward+backward vs NCHW" in conv
     assert "| 3x3 1x4x8x8->16 | 20.0 / 40.0 (0.50x) | 20.0 / 10.0 (2.00x) |" in conv
     assert "| 1x1 1x4x8x8->16 | check failed | - | - | - | check failed |" in conv
@@ -146,9 +146,9 @@ def test_write_fills_the_blocks_and_keeps_the_prose(bt, tmp_path):
     tuning = text.split("<!-- bench-table tuning -->\n")[1].split("<!-- /bench-table -->")[0]
     # two timed cases (1.10x and 0.90x), one the same either way
     assert "| NVIDIA H200 (2026-12-01) | 2 (1 launch the heuristic's configs either way) | 0.995x | 0.900x " \
-           "(linear: fwd 8x8->8 +bias) | 1 | linear 0.995x (2) |" in tuning
+           "(matmul: fwd 8x8->8 +bias) | 1 | matmul 0.995x (2) |" in tuning
 
 
 def test_the_repository_tables_are_current(bt):
     assert bt.main(["check"]) == 0, "BENCHMARKS.md is stale: run python3 scripts/bench_tables.py write"
-    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) < 370  # two model families: their steps and pipelines
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) < 380  # two model families; softmax's table
