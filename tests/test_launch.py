@@ -181,3 +181,53 @@ def test_descriptors_of_one_layout_share_a_validated_template():
     assert gone() is None
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         L.descriptor(b.view(-1)[1:], [63], [1], [16])
+
+
+class _Compiled:
+    """A compiled kernel as launch.py's direct path uses it: its ``run`` records each launch."""
+
+    function = packed_metadata = "handle"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
+    """On CUDA, a launch whose key (``_key``, or ``sig=`` and its tensors' dtypes and alignment) was
+    compiled before goes straight to the compiled kernel's launcher: grid padded to 3 dims, the
+    current stream, the runtime arguments, then the constexprs in the kernel's order. Any other key
+    goes through Triton first (checked here with a stand-in compiler, on any backend)."""
+    import collections
+    runs, compiles = [], collections.Counter()
+
+    def through_triton(kernel, grid, args, meta):
+        compiles[tuple(meta.items())] += 1
+        return _Compiled(runs)
+
+    monkeypatch.setattr(L, "_through_triton", through_triton)
+    monkeypatch.setattr(L, "_direct", True)
+    monkeypatch.setattr(L, "_stream", lambda: "stream")
+    kernel = _fake_kernel(["x", "y", "n", "seed", "eps", "flag", "BLOCK"], no_spec=["seed"])
+    x, y = torch.zeros(64), torch.zeros(64)
+    before = L.launches
+    L.launch(kernel, (4,), x, y, 64, 7, 1e-5, True, BLOCK=64)
+    assert runs == [] and sum(compiles.values()) == 1
+    L.launch(kernel, (4, 2), x + 1, y, 64, 8, 2e-5, True, BLOCK=64)  # same key: straight to run
+    assert runs == [(4, 2, 1, "stream", "handle", "handle", None, None, None, *(runs[0][9:11]), 64, 8, 2e-5, True,
+                     64)]
+    assert runs[0][9] is not x
+    for other in ((x[1:], y[1:], 63, 7, 1e-5, True), (x.double(), y, 64, 7, 1e-5, True),
+                  (x, y, 64, 7, 1e-5, False)):
+        L.launch(kernel, (4,), *other, BLOCK=64)
+    L.launch(kernel, (4,), x, y, 64, 7, 1e-5, True, BLOCK=128)
+    assert len(runs) == 1 and sum(compiles.values()) == 5
+    sig_kernel = _fake_kernel(["x", "y", "n", "BLOCK"])
+    L.launch(sig_kernel, (1,), x, y, 64, sig="plan 1", BLOCK=64)
+    L.launch(sig_kernel, (1,), y, x, 65, sig="plan 1", BLOCK=64)  # sig= stands for every non-tensor argument
+    L.launch(sig_kernel, (1,), x[1:], y, 63, sig="plan 1", BLOCK=64)  # but not for the tensors' alignment
+    L.launch(sig_kernel, (1,), x, y, 64, sig="plan 2", BLOCK=64)
+    assert len(runs) == 2 and runs[1][9:] == (y, x, 65, 64) and sum(compiles.values()) == 8
+    assert L.launches == before + 10

@@ -24,9 +24,9 @@ the heuristic); a config short of shared memory on this GPU runs with fewer pipe
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import json
-import operator
 import os
 import pkgutil
 import sys
@@ -54,9 +54,9 @@ else:
 _direct = not runtime.INTERPRETER and os.environ.get("FLAME_TRITON_LAUNCH", "") != "1"
 _caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, constexpr values)}
 _layouts: dict = {}  # id(kernel) -> {argument types: _Layout}
-_tensor_args: dict = {}  # id(kernel) -> positions of its tensor arguments (for sig= keys)
+_sig_keys: dict = {}  # id(kernel) -> the key function of its tensor arguments under sig= (_key_function)
 _MAX_KEYS = 4096  # compiled-kernel entries per kernel before its cache starts afresh
-_device = None
+_stream = None  # () -> the current CUDA stream of flame's device (the direct path's)
 launches = 0  # every launch() so far: tests count kernel launches with it
 DEFAULT_STAGES = 3  # Triton's num_stages when a launch names none
 _fitted: dict = {}  # (id(kernel), meta items) -> the meta that fits this GPU's shared memory
@@ -68,7 +68,8 @@ class _Layout:
     tensors by (dtype, 16-byte alignment); host-built TMA descriptors by (dtype, block shape),
     their shape and strides being runtime values; floats by type alone (the types are part of the key);
     ints that Triton specialises, bools and anything else by value (finer than Triton's classes,
-    and as cheap as a tuple); ints marked ``do_not_specialize`` only by whether they fit in 32 bits."""
+    and as cheap as a tuple); ints marked ``do_not_specialize`` only by whether they fit in 32 bits.
+    ``key(args)`` builds that tuple in one generated expression (``_key_function``)."""
 
     def __init__(self, kernel, args):
         names = kernel.arg_names
@@ -82,8 +83,20 @@ class _Layout:
         skip = (set(self.tensors) | set(self.descriptors) | set(self.nospec)
                 | {i for i, a in enumerate(args) if type(a) is float})
         by_value = [i for i in range(len(args)) if i not in skip]
-        self.values = operator.itemgetter(*by_value) if len(by_value) > 1 else (
-            (lambda a, i=by_value[0]: (a[i],)) if by_value else (lambda a: ()))
+        self.key = _key_function([f"a[{i}]" for i in by_value]
+                                 + [f"-2147483648 <= a[{i}] < 2147483648" for i in self.nospec]
+                                 + [f"a[{i}].base.dtype, (*a[{i}].block_shape,)" for i in self.descriptors]
+                                 + [_TENSOR_KEY.format(i) for i in self.tensors])
+
+
+_TENSOR_KEY = "a[{0}].dtype, a[{0}].data_ptr() & 15 == 0"  # a pointer argument: what Triton specialises on
+
+
+def _key_function(parts):
+    """``lambda a: (part, part, ...)``: the key of an argument tuple ``a`` from the Python
+    expressions ``parts``, compiled once per layout so that a launch builds its key in one call
+    instead of a loop over its (up to ~40) arguments."""
+    return eval("lambda a: (" + "".join(p + ", " for p in parts) + ")")  # the parts are built from ints alone
 
 
 def _key(kid, kernel, args, meta):
@@ -96,9 +109,7 @@ def _key(kid, kernel, args, meta):
     lay = layouts.get(types)
     if lay is None:
         lay = layouts[types] = _Layout(kernel, args)
-    return (types, lay.values(args), tuple(-2147483648 <= args[i] < 2147483648 for i in lay.nospec),
-            tuple((args[i].dtype, args[i].data_ptr() & 15 == 0) for i in lay.tensors),
-            tuple((args[i].base.dtype, *args[i].block_shape) for i in lay.descriptors), tuple(meta.items()))
+    return types, lay.key(args), tuple(meta.items())
 
 
 def _through_triton(kernel, grid, args, meta):
@@ -290,7 +301,7 @@ def launch(kernel, grid, *args, sig=None, **meta):
     specialisation of every non-tensor argument and ``meta``; the key then only adds each
     tensor's dtype and alignment, skipping the per-argument inspection.
     """
-    global _direct, _device, launches
+    global _direct, _stream, launches
     launches += 1
     if not _direct:
         _through_triton(kernel, grid, args, meta)
@@ -299,11 +310,9 @@ def launch(kernel, grid, *args, sig=None, **meta):
     cache = _caches.get(kid)
     if cache is None:
         cache = _caches[kid] = {}
-        _tensor_args[kid] = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    if sig is None:
-        key = _key(kid, kernel, args, meta)
-    else:
-        key = (sig, *[(args[i].dtype, args[i].data_ptr() & 15 == 0) for i in _tensor_args[kid]])
+        _sig_keys[kid] = _key_function([_TENSOR_KEY.format(i) for i, a in enumerate(args)
+                                        if isinstance(a, torch.Tensor)])
+    key = _key(kid, kernel, args, meta) if sig is None else (sig, _sig_keys[kid](args))
     entry = cache.get(key)
     if entry is None:
         compiled = _through_triton(kernel, grid, args, meta)
@@ -317,9 +326,8 @@ def launch(kernel, grid, *args, sig=None, **meta):
             _direct = False
         return
     run, function, packed, consts = entry
-    if _device is None:
-        _device = _driver.active.get_current_device()
-    stream = _driver.active.get_current_stream(_device)
+    if _stream is None:
+        _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
     n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function, packed, None, None, None,
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, packed, None, None, None,
         *args, *consts)
