@@ -11,6 +11,44 @@ from tests.helpers import DEVICE, assert_within_torch_error, pair
 ON_GPU = not flame.is_interpreter()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_routes():
+    """Routes are memoised per problem (kernels/matmul.py): each test plans afresh, so one that
+    patches the planner's helpers (split counts, configs, the TMA switches) reaches them."""
+    from flame.kernels.matmul import _route
+    _route.cache_clear()
+    yield
+    _route.cache_clear()
+
+
+def _steps(p, route):
+    """(problem, route) of a route and of the steps of a composite one, in the order they run."""
+    yield p, route
+    for q, r in route.then:
+        yield from _steps(q, r)
+
+
+def _spy_routes(monkeypatch, record):
+    """``record(problem, route)`` for every route a GEMM launch takes from here on (and every step
+    of a composite one)."""
+    import flame.kernels.matmul as KM
+
+    def spy(p, real=KM.plan):
+        route = real(p)
+        for step in _steps(p, route):
+            record(*step)
+        return route
+    monkeypatch.setattr(KM, "plan", spy)
+
+
+@pytest.fixture
+def routes(monkeypatch):
+    """The (problem, route) of every GEMM launched from here on, composite routes' steps too."""
+    taken = []
+    _spy_routes(monkeypatch, lambda p, r: taken.append((p, r)))
+    return taken
+
+
 def _tol(dtype, K):
     """Per-dtype tolerance against a float64 reference rounded to ``dtype``. Outputs are sums of
     K products of N(0, 1) values (typical size sqrt(K)), so the absolute part scales with sqrt(K)."""
@@ -287,15 +325,14 @@ def test_bf16_1024x1280x1280_within_torch_error():
 
 @pytest.fixture
 def split_k_everywhere(monkeypatch):
-    """A 132-SM card with 16x16x16 tiles, so small problems take the split-K path here too."""
+    """A 132-SM card with 16x16x16 tiles, so small problems take the split-K path here too; the
+    split counts of the split-K launches from here on."""
     import flame.kernels.matmul as KM
     monkeypatch.setattr(KM.runtime, "num_sms", lambda: 132)
-    monkeypatch.setattr(KM, "_launch_cache", {})
     monkeypatch.setattr(KM, "_config", lambda M, N, K, dtype, batch=1: dict(
         BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=1))
     calls = []
-    real = KM._launch_split_k
-    monkeypatch.setattr(KM, "_launch_split_k", lambda *a: calls.append(a[6]) or real(*a))
+    _spy_routes(monkeypatch, lambda p, r: r.kernel == "split_k" and calls.append(r.splits))
     return calls
 
 
@@ -397,7 +434,7 @@ def test_split_k_lora_weight_gradients_repeat_exactly(M, K, N):
     last program reads every other program's slice (stored on other SMs just before), so a missing
     release or a stale cached line would show as a result that differs now and then."""
     import flame.kernels.matmul as KM
-    assert KM._k_splits(KM.cdiv(M, 64) * KM.cdiv(N, 64), K, 64) > 1
+    assert KM._k_splits(KM.cdiv(M, 64) * KM.cdiv(N, 64), K, 64, flame.runtime.num_sms()) > 1
     a, ta = pair((K, M), torch.bfloat16)  # read transposed, as dA = dH^T X reads dH
     b, tb = pair((K, N), torch.bfloat16)
     first = (a.t() @ b).to_torch().clone()
@@ -409,10 +446,10 @@ def test_split_k_lora_weight_gradients_repeat_exactly(M, K, N):
 
 def test_split_k_not_taken_for_short_k_or_many_tiles(split_k_everywhere):
     import flame.kernels.matmul as KM
-    assert KM._k_splits(tiles=200, K=4096, block_k=64) == 1   # enough tiles already
-    assert KM._k_splits(tiles=5, K=512, block_k=64) == 1      # K too short to cut
-    assert KM._k_splits(tiles=5, K=4096, block_k=64) == 16    # LoRA dA: 16 slices of 256
-    assert KM._k_splits(tiles=5, K=4097, block_k=64) == 1     # prime-ish K: no equal slices
+    assert KM._k_splits(tiles=200, K=4096, block_k=64, sms=132) == 1   # enough tiles already
+    assert KM._k_splits(tiles=5, K=512, block_k=64, sms=132) == 1      # K too short to cut
+    assert KM._k_splits(tiles=5, K=4096, block_k=64, sms=132) == 16    # LoRA dA: 16 slices of 256
+    assert KM._k_splits(tiles=5, K=4097, block_k=64, sms=132) == 1     # prime-ish K: no equal slices
     a, ta = pair((7, 33))
     b, tb = pair((33, 5))
     _check(a @ b, _ref(ta, tb), 33)
@@ -446,22 +483,19 @@ def test_split_k_sum_blocks_spread_a_thin_result_over_more_programs(monkeypatch)
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
-def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, monkeypatch, tma_in_interpreter):
+def test_few_tiles_take_the_tma_kernel_up_to_a_k_bound(split_k_everywhere, routes, monkeypatch, tma_in_interpreter):
     """A few-tile 16-bit GEMM that split-K would take runs unsplit on the TMA kernel's small tiles
     while K <= _FEW_TILES_TMA_MAX_K (the 77-token text projections), split-K beyond (LoRA's
     rank-16 weight gradients over thousands of tokens)."""
     import flame.kernels.matmul as KM
     monkeypatch.setattr(KM, "_FEW_TILES_TMA_MAX_K", 256)
-    monkeypatch.setattr(KM, "_tma_cache", {})
-    tma = []
-    real = KM._launch_tma
-    monkeypatch.setattr(KM, "_launch_tma", lambda *a: tma.append(a[5]) or real(*a))
     for K, route in ((256, "tma"), (512, "split")):
-        tma.clear()
+        routes.clear()
         split_k_everywhere.clear()
         a, ta = pair((16, K), torch.float16)
         b, tb = pair((K, 40), torch.float16)
         _check(a @ b, _ref(ta, tb).to(torch.float16), K)
+        tma = [p.K for p, r in routes if r.kernel == "tma"]
         assert (tma, bool(split_k_everywhere)) == (([K], False) if route == "tma" else ([], True))
     assert KM._tma_config(16, 40, 256, torch.float16)["BLOCK_K"] == 128  # few tiles: long K blocks
 
@@ -474,8 +508,7 @@ def _check_tma_linear(dtype, M, K, N, act, monkeypatch):
     mostly not multiples of any block."""
     import flame.kernels.matmul as KM
     taken = []
-    real = KM._launch_tma
-    monkeypatch.setattr(KM, "_launch_tma", lambda *a: taken.append(a[7][:2]) or real(*a))
+    _spy_routes(monkeypatch, lambda p, r: r.kernel == "tma" and taken.append(r.layout[:2]))
     # few-tile long-K GEMMs (136x2048->640) would split K and skip TMA; split-K has its own tests
     monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
     x, tx = pair((M, K), dtype, requires_grad=True)
@@ -526,8 +559,7 @@ def test_tma_residual_in_the_interpreter(monkeypatch, tma_in_interpreter):
     import flame.kernels.matmul as KM
     monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
     taken = []
-    real = KM._launch_tma
-    monkeypatch.setattr(KM, "_launch_tma", lambda *a: taken.append(a[7][:2]) or real(*a))
+    _spy_routes(monkeypatch, lambda p, r: r.kernel == "tma" and taken.append(r.layout[:2]))
     a, ta = pair((136, 264), torch.float16)
     c, tc = pair((264, 200), torch.float16)
     r, tr = pair((136, 200), torch.float16)
@@ -564,22 +596,18 @@ def _low_rank_case(M, N, K, r, dtype, act=None, roundings=1):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("r", [3, 16, 17, 64])
-def test_low_rank_term_in_the_pointer_kernel(dtype, r, monkeypatch):
-    import flame.kernels.matmul as KM
-    apart = []
-    monkeypatch.setattr(KM, "_low_rank_apart", lambda *a: apart.append(a))
+def test_low_rank_term_in_the_pointer_kernel(dtype, r, routes):
     for act in (None, "gelu_tanh"):
         _low_rank_case(33, 70, 45, r, dtype, act)  # K < 128: the pointer kernel on every device
-    assert not apart  # fused, rank padded to a power of two >= 16
+    padded = max(16, 1 << (r - 1).bit_length())  # fused, the rank padded to a power of two >= 16
+    assert [(route.kernel, route.config["RANK"]) for _, route in routes] == [("pointer", padded)] * 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_low_rank_term_apart_for_split_k_and_high_ranks(dtype, split_k_everywhere, monkeypatch):
     """Split-K problems and ranks above 64 add the term in a second GEMM (no activation allowed)."""
-    import flame.kernels.matmul as KM
     apart = []
-    real = KM._low_rank_apart
-    monkeypatch.setattr(KM, "_low_rank_apart", lambda *a: apart.append(a[9].rank) or real(*a))
+    _spy_routes(monkeypatch, lambda p, r: r.kernel == "low_rank_apart" and apart.append(p.rank))
     _low_rank_case(20, 9, 515, 16, dtype, roundings=2)  # split-K (out rounded before the term's GEMM)
     assert split_k_everywhere and apart == [16]
     split_k_everywhere.clear()
@@ -599,8 +627,7 @@ def test_low_rank_term_in_the_tma_kernel(monkeypatch, request):
         pytest.skip("no TMA on this GPU / Triton")
     monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
     taken = []
-    real = KM._launch_tma
-    monkeypatch.setattr(KM, "_launch_tma", lambda *a: taken.append(a[6].rank) or real(*a))
+    _spy_routes(monkeypatch, lambda p, r: r.kernel == "tma" and taken.append(p.rank))
     for r in (5, 16):
         for act in (None, "gelu_tanh"):
             _low_rank_case(136, 200, 264, r, torch.float16, act)

@@ -15,15 +15,18 @@ One kernel, ``_matmul_kernel``, computes a (BLOCK_M, BLOCK_N) tile of one batch 
   argument kept for the backward), a residual, and a low-rank product U V (LoRA's up-projection
   inside the base GEMM: one more tl.dot of depth r per tile).
 
-Launch configs come from ``_config(M, N, K, dtype)``: a tuning-table entry (``flame.tune``) or a
-heuristic. 16-bit 2-D problems on Hopper run ``_matmul_tma_kernel`` (TMA loads, persistent); GEMMs
-with few output tiles and a long K split K (``_launch_split_k``). On an sm_90 GPU with Gluon, the
-2-D problems that ``matmul_hopper.plan`` takes (at least one 128x128 tile per SM, no low-rank term)
-run its warp-specialised kernel instead (FLAME_MATMUL_GLUON=0: never).
+Which kernel runs a GEMM is data (see "routes" below): ``plan(GemmProblem) -> Route``, memoised per
+problem. 16-bit 2-D problems on Hopper run ``_matmul_tma_kernel`` (TMA loads, persistent) or, on an
+sm_90 GPU with Gluon, the warp-specialised kernel of ``matmul_hopper`` where it is faster; GEMMs with
+few output tiles and a long K split K. Launch configs come from ``flame.tune``: a tuning-table entry
+or the heuristics below (``_config``, ``_tma_config``).
 """
+import dataclasses
 import itertools
 import math
 import os
+import sys
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,15 +44,30 @@ from .reduce import SUM, accumulation_dtype, reduce_
 FP8_COLUMNS = tl.constexpr(1)
 FP8_ROWS = tl.constexpr(2)
 
+# The kernels' arguments come in groups, one a line: inputs, output, fusion operands, sizes, strides,
+# scalars, then the constexpr switches and tiles. A fusion operand whose switch is off is passed as
+# None (Triton specialises a None argument as a constant: no dummy buffer, no pointer argument).
+# Launches pass the runtime arguments positionally, in signature order, and the constexprs by keyword:
+# ``launch.launch`` keys its cache of compiled kernels on the positional arguments and takes the
+# trailing constexprs from the keywords (a runtime argument passed by keyword would enter that key by
+# identity).
+
 
 @triton.jit
-def _matmul_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, u_ptr, v_ptr, part_ptr, count_ptr,
-                   b_scale_ptr, M, N, K, B1, R, sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn, sum_, sur,
-                   svr, svn, s_bias, alpha, lr_ratio, ACC: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr, BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr,
-                   RESIDUAL: tl.constexpr, RANK: tl.constexpr, SPLIT_K: tl.constexpr, B_FP8: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-                   GROUP_M: tl.constexpr):
+def _matmul_kernel(a_ptr, b_ptr,  # inputs: A (.., M, K), B (.., K, N) (B_FP8: B's e4m3fn codes as uint8)
+                   c_ptr,  # output: C (.., M, N)
+                   bias_ptr, pre_out_ptr, res_ptr, u_ptr, v_ptr, b_scale_ptr,  # fusion operands; None when off
+                   part_ptr, count_ptr,  # SPLIT_K: partial products (splits, M, N), arrivals per tile; else None
+                   M, N, K, B1, R,  # sizes: B1 of the second batch dim (SPLIT_K: the slices), R the rank of U V
+                   sa0, sa1, sam, sak, sb0, sb1, sbk, sbn, sc0, sc1, scm, scn,  # strides: two batch dims, row, col
+                   sum_, sur, svr, svn, s_bias,  # the fusion operands' strides: U (M, R), V (R, N), bias (N,)
+                   alpha, lr_ratio,  # scalars: C = ACT(alpha * (lr_ratio * A B + U V) + bias) + residual
+                   ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,  # arithmetic (_kernel_switches)
+                   BIAS: tl.constexpr, ACT: tl.constexpr,  # epilogue: bias, activation
+                   STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,  # the pre-activation stored, a residual added
+                   RANK: tl.constexpr, B_FP8: tl.constexpr,  # the low-rank term's padded rank, fp8 B (0: off)
+                   SPLIT_K: tl.constexpr, BLOCK_S: tl.constexpr,  # split-K switch, slices per load (_sum_slices)
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):  # tiles
     # One program = one (BLOCK_M, BLOCK_N) tile of one batch entry; the 1-D grid is
     # (batch entries) x (tiles per entry), batch-major. The batch index splits into (i0, i1)
     # over two (collapsed) batch dims of size (B0, B1).
@@ -168,9 +186,15 @@ def _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_of
 # (splits, M, N) holds the fp32 (fp64) products of the K slices; C = ACT(alpha * sum_s part[s] +
 # bias[n]) + R, the slices summed by _sum_slices (the same order every run, no atomics).
 @triton.jit
-def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, splits, scm, scn, s_bias, alpha,
-                        BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+def _split_k_sum_kernel(part_ptr,  # input: the slices' products (splits, M, N), contiguous
+                        c_ptr,  # output: C (M, N)
+                        bias_ptr, pre_out_ptr, res_ptr,  # fusion operands; None when off
+                        M, N, splits,  # sizes
+                        scm, scn, s_bias,  # strides: C's (the pre-activation's and residual's too), bias
+                        alpha,  # C = ACT(alpha * sum + bias) + residual
+                        BIAS: tl.constexpr, ACT: tl.constexpr,  # epilogue: bias, activation
+                        STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,  # the pre-activation stored, a residual added
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):  # tiles
     offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -182,17 +206,23 @@ def _split_k_sum_kernel(part_ptr, c_ptr, bias_ptr, pre_out_ptr, res_ptr, M, N, s
 
 
 @triton.jit
-def _matmul_tma_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, u_ptr, v_ptr, b_scale_ptr, M, N, K,
-                       R, sum_, sur, svr, svn, s_bias, alpha, lr_ratio,
-                       A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,
-                       BIAS: tl.constexpr, ACT: tl.constexpr, STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,
-                       RANK: tl.constexpr, B_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr):
+def _matmul_tma_kernel(a_desc, b_desc,  # inputs: descriptors of A (M, K) and B (K, N) along their unit stride
+                       c_desc,  # output: C (M, N), row-major
+                       pre_desc, res_desc, bias_ptr, u_ptr, v_ptr, b_scale_ptr,  # fusion operands; None when off
+                       M, N, K, R,  # sizes (R: the rank of U V)
+                       sum_, sur, svr, svn, s_bias,  # the fusion operands' strides: U (M, R), V (R, N), bias (N,)
+                       alpha, lr_ratio,  # scalars, as _matmul_kernel's
+                       A_K_CONTIGUOUS: tl.constexpr, B_K_CONTIGUOUS: tl.constexpr,  # the descriptors' orientation
+                       BIAS: tl.constexpr, ACT: tl.constexpr,  # epilogue: bias, activation
+                       STORE_PRE: tl.constexpr, RESIDUAL: tl.constexpr,  # the pre-activation stored, a residual added
+                       RANK: tl.constexpr, B_FP8: tl.constexpr,  # the low-rank term's padded rank, fp8 B (0: off)
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                       FLATTEN: tl.constexpr):  # tiles, pipelining across tile boundaries
     # The same 2-D GEMM and epilogue as _matmul_kernel, for Hopper: operands move by TMA (tensor
     # descriptors; out-of-bounds rows/columns load as zeros and are clipped on store, so no masks)
     # and the kernel is persistent: the grid is at most one program per SM and each program walks
     # the tiles pid, pid + programs, ... in grouped order. The descriptors are built on the host
-    # (_launch_tma; built in the kernel they cost 2-3 us per launch on the H200), each operand
+    # (_run_tma; built in the kernel they cost 2-3 us per launch on the H200), each operand
     # described along its contiguous dimension (a descriptor's last stride must be 1): A (M, K) is
     # read as (M, K) tiles when K is contiguous, else as (K, M) tiles transposed in shared memory;
     # likewise B (K, N) as (N, K) or (K, N) tiles. C, the pre-activation and the residual are
@@ -362,82 +392,6 @@ def _kernel_switches(dtype):
     return acc, precision, upcast
 
 
-# ---- launchers --------------------------------------------------------------------------------
-
-_launch_cache = {}  # (M, N, K, dtype, batch) -> kernel switches and launch config
-tune.register_cache(_launch_cache.clear)
-
-
-def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, epilogue=None, part=None):
-    """One launch. ``a``, ``b``, ``out`` give the base pointers and the dtype; the problem is
-    (at most two) batch dims ``batch_shape`` and per-operand strides ``s* = (batch strides...,
-    row stride, column stride)``, so no torch view needs to be built on the hot path.
-    ``epilogue`` (a ``Fusion``) switches on the kernel's fused prologue/epilogue work. ``part``
-    (splits, M, N): the batch entries are K slices summed into ``out`` (``_launch_split_k``)."""
-    pad = 2 - len(batch_shape)
-    if pad:
-        batch_shape = (1,) * pad + tuple(batch_shape)
-        z = (0,) * pad
-        sa, sb, sc = z + tuple(sa), z + tuple(sb), z + tuple(sc)
-    B0, B1 = batch_shape
-    key = (M, N, K, a.dtype, B0 * B1)
-    cfg = _launch_cache.get(key)
-    if cfg is None:
-        cfg = _config(M, N, K, a.dtype, B0 * B1)
-        acc, precision, upcast = _kernel_switches(a.dtype)
-        cfg = dict(cfg, ACC=acc, PRECISION=precision, UPCAST=upcast)
-        if len(_launch_cache) > 4096:
-            _launch_cache.clear()
-        _launch_cache[key] = cfg
-    tiles = cdiv(M, cfg["BLOCK_M"]) * cdiv(N, cfg["BLOCK_N"])
-    f = epilogue or _NO_FUSION
-    if f.rank and (B0 * B1 > 1 or f.rank > _MAX_FUSED_RANK):
-        return _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f)
-    if B0 * B1 == 1:
-        splits = _k_splits(tiles, K, cfg["BLOCK_K"])
-        # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x); with few
-        # tiles, up to K = _FEW_TILES_TMA_MAX_K the TMA kernel's small tiles beat split-K (see _tma_config)
-        tma_ok = K >= 128 and (splits == 1 or K <= _FEW_TILES_TMA_MAX_K)
-        layout = _tma_layout(out, a, b, f, sa[2:], sb[2:], sc[2:]) if tma_ok else None
-        if splits > 1 and layout is None:
-            if f.rank:
-                return _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f)
-            return _launch_split_k(out, a, b, M, N, K, splits, sa[2:], sb[2:], sc[2:], f)
-        if layout is not None:
-            hopper = matmul_hopper.plan(M, N, K, a, b, f)  # the warp-specialised Gluon kernel, where it is faster
-            if hopper is not None:
-                return matmul_hopper.matmul(out, a, b, M, N, K, f, layout, hopper)
-            return _launch_tma(out, a, b, M, N, K, f, layout)
-    grid = (B0 * B1 * tiles,)
-    counts = out if part is None else _arrival_counts(tiles)
-    block_s = 1 if part is None else _slices_per_load(B1, cfg["BLOCK_M"] * cfg["BLOCK_N"])
-    launch(_matmul_kernel, grid, a, _b_operand(b, f), out, _or(f.bias, out), _or(f.pre_out, out),
-           _or(f.residual, out), _or(f.u, out), _or(f.v, out), _or(part, out), counts, _or(f.b_scale, out), M, N, K,
-           B1, f.rank, *sa, *sb, *sc, *f.u_strides, *f.v_strides, f.bias_stride, f.scale, f.rank_ratio,
-           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
-           RANK=f.rank_block, SPLIT_K=part is not None, B_FP8=f.b_fp8, BLOCK_S=block_s, **cfg)
-
-
-def _b_operand(b, f):
-    """B as the kernels read it: its e4m3fn codes as uint8 (``Fusion.b_fp8``), else itself."""
-    return as_codes(b) if f.b_fp8 else b
-
-
-_MAX_FUSED_RANK = 64  # the low-rank term's tl.dot takes U (BLOCK_M, RANK) and V (RANK, BLOCK_N) tiles whole
-
-
-def _low_rank_apart(out, a, b, M, N, K, sa, sb, sc, f):
-    """A 2-D GEMM whose ``Fusion`` has a low-rank term the kernels don't take (split-K problems,
-    ranks above _MAX_FUSED_RANK), as two launches: ``out = alpha * A B + bias + residual``, then
-    ``out += beta * U V`` (a second GEMM accumulating into ``out``). Not with an activation or a
-    pre-activation, which would need the term inside them. ``s*``: batch-padded strides."""
-    if f.act or f.pre_out is not None or any(sa[:2]) or any(sc[:2]):
-        raise ValueError("matmul: a low-rank term is added to 2-D GEMMs, without an activation, only")
-    _launch(out, a, b, M, N, K, (), sa[2:], sb[2:], sc[2:],
-            Fusion(f.bias, alpha=f.alpha, residual=f.residual, b_scale=f.b_scale, b_scale_rows=f.b_scale_rows))
-    _launch(out, f.u, f.v, M, N, f.rank, (), f.u_strides, f.v_strides, sc[2:], Fusion(alpha=f.beta, residual=out))
-
-
 # ---- the TMA path (Hopper and later, 16-bit, 2-D problems) -----------------------------------
 
 TMA = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_TMA", "1") != "0"
@@ -471,31 +425,6 @@ def _descriptor_scratch(size, alignment, stream):
     return buf
 
 
-def _tma_layout(out, a, b, f, sa, sb, sc):
-    """(A K-contiguous, B K-contiguous, A row stride, B row stride, C row stride) when the TMA kernel can read
-    every operand of this 2-D problem (16-bit, B also e4m3fn codes, 16-byte aligned bases, one unit stride per
-    operand and the other a multiple of 16 bytes, C row-major), else None."""
-    if not TMA or a.dtype not in (torch.float16, torch.bfloat16) or out.dtype != a.dtype or not tma_available():
-        return None
-    es = a.element_size()
-    ptrs = [a.data_ptr(), b.data_ptr(), out.data_ptr()]
-    for extra in (f.pre_out, f.residual):
-        if extra is not None:
-            ptrs.append(extra.data_ptr())
-    if any(p % 16 for p in ptrs) or sc[1] != 1 or (sc[0] * es) % 16:
-        return None
-    dims = []
-    for rows, cols, size in ((sa[0], sa[1], es), (sb[1], sb[0], b.element_size())):  # (along M or N, along K)
-        if cols == 1 and (rows * size) % 16 == 0:
-            dims.append((True, rows))
-        elif rows == 1 and (cols * size) % 16 == 0:
-            dims.append((False, cols))
-        else:
-            return None
-    (a_k, s_a), (b_k, s_b) = dims
-    return a_k, b_k, s_a, s_b, sc[0]
-
-
 def _tma_config(M, N, K, dtype):
     """Launch config of the TMA kernel: a tuning-table entry (kernel "matmul_tma") or the
     heuristic. Measured on an H200 (Triton 3.6, bf16) over the 30 GEMMs of SDXL's linears
@@ -505,14 +434,14 @@ def _tma_config(M, N, K, dtype):
     the SMs (77-token text projections, LoRA's rank-16 products) take 64-row tiles at most 64
     wide with K blocks of 128, 4 warps, 4 stages, unsplit: H200, against pointer split-K (us,
     graph replays), 77x2048->1280 6.6 vs 11.2, 77x1280->2048 5.0 vs 8.1, LoRA dB 1280x1024->16
-    4.2 vs 7.4; past K = 2048 split-K wins (LoRA dA 16x4096->640 8.4 vs 10.0, _launch)."""
+    4.2 vs 7.4; past K = 2048 split-K wins (LoRA dA 16x4096->640 8.4 vs 10.0, _plan)."""
     return MATMUL_TMA.config((M, N, K, 1), dtype)
 
 
 def _tma_heuristic(key, dtype):
     """matmul_tma's default config at key (M, N, K, 1) (see ``_tma_config``)."""
     M, N, K, _ = key
-    if _few_tiles(cdiv(M, 128) * cdiv(N, 128)):
+    if _few_tiles(cdiv(M, 128) * cdiv(N, 128), runtime.num_sms()):
         bm, bn, bk, warps, stages = 64, 64, 128, 4, 4
     elif M >= 4096 and 512 <= N <= 1024:
         bm, bn, bk, warps, stages = 128, 256, 64, 8, 3
@@ -529,41 +458,6 @@ MATMUL_TMA = tune.register(tune.Spec(
 
 
 _FEW_TILES_TMA_MAX_K = 2048
-_tma_cache = {}  # (M, N, K, dtype, has activation) -> launch config
-tune.register_cache(_tma_cache.clear)
-
-
-def _launch_tma(out, a, b, M, N, K, f, layout):
-    a_k, b_k, s_a, s_b, s_c = layout
-    key = (M, N, K, a.dtype, f.act != 0, f.rank_block)
-    cfg = _tma_cache.get(key)
-    if cfg is None:
-        # a low-rank term's U and V loads, issued at each tile's start, would be buffered per
-        # pipeline stage in a flattened loop (sm_90, 128x128x64, 5 stages: +40 KB of shared memory,
-        # past the H200's, and 157 -> 249 registers): its launches walk their tiles unflattened
-        cfg = dict(_tma_config(M, N, K, a.dtype), FLATTEN=FLATTEN and not f.rank_block)
-        if f.act and cfg["num_warps"] == 4:
-            # an activation epilogue on 4 warps costs more than its GEMM saves (H200, gelu_tanh,
-            # 4096x640->5120: +30 us on 4 warps, +14 us on 8); tables are tuned without one
-            cfg["num_warps"] = 8
-        if f.rank_block:
-            cfg["num_stages"] = _stages_with_room_for_low_rank(cfg, f.rank_block, a.element_size())
-        if len(_tma_cache) > 4096:
-            _tma_cache.clear()
-        _tma_cache[key] = cfg
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_desc = descriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else descriptor(a, [K, M], [s_a, 1], [bk, bm])
-    b = _b_operand(b, f)
-    b_desc = descriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else descriptor(b, [K, N], [s_b, 1], [bk, bn])
-    c_desc = descriptor(out, [M, N], [s_c, 1], [bm, bn])
-    pre_desc, res_desc = (c_desc if t is None else descriptor(t, [M, N], [s_c, 1], [bm, bn])
-                          for t in (f.pre_out, f.residual))
-    tiles = cdiv(M, bm) * cdiv(N, bn)
-    launch(_matmul_tma_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
-           _or(f.bias, out), _or(f.u, out), _or(f.v, out), _or(f.b_scale, out), M, N, K, f.rank, *f.u_strides,
-           *f.v_strides, f.bias_stride, f.scale, f.rank_ratio, A_K_CONTIGUOUS=a_k, B_K_CONTIGUOUS=b_k,
-           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
-           RANK=f.rank_block, B_FP8=f.b_fp8, **cfg)
 
 
 def _stages_with_room_for_low_rank(cfg, rank_block, es):
@@ -581,13 +475,14 @@ def _stages_with_room_for_low_rank(cfg, rank_block, es):
     return stages
 
 
-def _k_splits(tiles, K, block_k):
+# ---- split-K -----------------------------------------------------------------------------------
+
+def _k_splits(tiles, K, block_k, sms):
     """How many slices to cut K into for a GEMM with few output tiles (LoRA's rank-16 weight
-    gradients: M or N = 16 with K = 4096 tokens gave 5 programs for 132 SMs): enough for about one
-    program per SM, each slice at least 4 K-blocks long, and K divisible by the count (equal slices
-    are one batched launch). 1 means no split."""
-    sms = runtime.num_sms()
-    if not _few_tiles(tiles) or 16 * block_k > K:
+    gradients: M or N = 16 with K = 4096 tokens gave 5 programs for 132 SMs) on ``sms`` SMs: enough
+    for about one program per SM, each slice at least 4 K-blocks long, and K divisible by the count
+    (equal slices are one batched launch). 1 means no split."""
+    if not _few_tiles(tiles, sms) or 16 * block_k > K:
         return 1
     for splits in range(min(cdiv(sms, tiles), K // (4 * block_k), 64), 1, -1):
         if K % splits == 0:
@@ -595,21 +490,10 @@ def _k_splits(tiles, K, block_k):
     return 1
 
 
-def _few_tiles(tiles):
-    """Whether a GEMM of ``tiles`` output tiles leaves most SMs idle (fewer than half the SMs):
+def _few_tiles(tiles, sms):
+    """Whether a GEMM of ``tiles`` output tiles leaves most of ``sms`` SMs idle (fewer than half):
     split-K's precondition, and the TMA heuristic's cue for small tiles."""
-    return 2 * tiles <= runtime.num_sms()
-
-
-def _launch_split_k(out, a, b, M, N, K, splits, sa, sb, sc, f):
-    """Split-K in one launch: ``splits`` equal K slices as the batch entries of ``_matmul_kernel``,
-    each program storing its slice's product into an fp32 (fp64) scratch (splits, M, N); the last
-    program of each output tile to finish sums the tile's slices (the same order every run) and
-    applies the whole epilogue ``f`` (bias, activation, pre-activation, residual) once, into
-    ``out``."""
-    kc = K // splits
-    part = runtime.empty((splits, M, N), accumulation_dtype(a.dtype))
-    _launch(out, a, b, M, N, kc, (splits,), (kc * sa[1], *sa), (kc * sb[0], *sb), (0, *sc), f, part)
+    return 2 * tiles <= sms
 
 
 _ARRIVAL_SLOTS = 1 << 16
@@ -642,10 +526,15 @@ def split_k_sum_(out, sc, part, f):
     partial products ``part`` (splits, M, N) summed (the same order every run). Returns ``out``."""
     splits, M, N = part.shape
     bs, bm, bn = _sum_blocks(splits, M, N)
-    launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)), part, out, _or(f.bias, out), _or(f.pre_out, out),
-           _or(f.residual, out), M, N, splits, *sc, f.bias_stride, f.alpha, BIAS=f.bias is not None, ACT=f.act,
-           STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs,
-           num_warps=4)
+    launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)),
+           part,  # input
+           out,  # output
+           f.bias, f.pre_out, f.residual,  # fusion operands
+           M, N, splits,  # sizes
+           *sc, f.bias_stride,  # strides
+           f.alpha,  # scalars
+           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
+           BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs, num_warps=4)
     return out
 
 
@@ -673,6 +562,422 @@ def _load_budget():
 def _or(t, default):
     return default if t is None else t
 
+
+# ---- routes: which kernel runs a GEMM ----------------------------------------------------------
+# The entry points (``matmul_``, ``linear_``, ``matmul_sum_batch_``) reduce their buffers to launches
+# over at most two batch dims; ``_launch`` describes each as a ``GemmProblem`` (sizes, strides,
+# dtypes, the fusion switches, which buffers are 16-byte aligned, what the device runs), asks
+# ``plan`` for its route and runs it (``_RUN``). Routes:
+#   "pointer"         ``_matmul_kernel``: any dtype, strides and batch; the whole epilogue fused, a
+#                     low-rank term up to _MAX_FUSED_RANK too; fp8 codes of B decoded in the main loop
+#   "split_k"         ``_matmul_kernel`` over equal K slices as batch entries, the last slice of each
+#                     tile to arrive summing them and applying the epilogue: 2-D problems of few output
+#                     tiles and a long K (``_k_splits``) that the TMA kernel does not take
+#   "tma"             ``_matmul_tma_kernel``: 16-bit 2-D problems with K >= 128 whose operands TMA can
+#                     describe (``_layout``), on Hopper; few-tile ones only up to _FEW_TILES_TMA_MAX_K
+#   "gluon"           ``matmul_hopper``'s warp-specialised kernel: the "tma" problems it takes (no
+#                     low-rank term, at least one 128x128 tile per SM: ``matmul_hopper._choose``)
+#   "low_rank_apart"  a low-rank term the kernels do not fuse (a rank above _MAX_FUSED_RANK, a
+#                     batched or a split-K problem): the GEMM without it, then out += beta U V, two
+#                     routes in ``Route.then``
+#   "fp8_dequant"     fp8 codes of B that the route decodes apart (``_fp8_route``: many rows on a
+#                     GPU): B dequantised to A's dtype first, then the route of that plain GEMM
+#                     (``Route.then``)
+# ``FLAME_DEBUG_ROUTES=1`` prints each distinct problem's route and why, once, to stderr.
+
+ROUTES = ("pointer", "split_k", "tma", "gluon", "low_rank_apart", "fp8_dequant")
+DEBUG_ROUTES = os.environ.get("FLAME_DEBUG_ROUTES", "") == "1"
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_FUSED_RANK = 64  # the low-rank term's tl.dot takes U (BLOCK_M, RANK) and V (RANK, BLOCK_N) tiles whole
+# the buffers a TMA launch reads or writes by descriptor (U and V are loaded by pointer)
+_TMA_BUFFERS = ("a", "b", "c", "pre_out", "residual")
+
+
+class GemmProblem(NamedTuple):
+    """One GEMM launch as routing sees it: ``C[b] = A[b] @ B[b]`` (M, K) x (K, N) over batch entries
+    b of at most two batch dims, with ``Fusion``'s epilogue. A tuple (``_launch`` builds one per call,
+    and the route cache hashes it): sizes; each operand's strides (batch 0, batch 1, row, column),
+    B's as (K, N), C's shared by the pre-activation and residual buffers; A's dtype (B's too, unless
+    ``b_fp8``: B holds e4m3fn codes, FP8_COLUMNS / FP8_ROWS) and C's; the fusion switches; the
+    low-rank term's rank (0: none) and U's and V's strides; FLAME_FP8_GEMM (``fp8_gemm``); which
+    buffers (``"a"``, ``"b"``, ``"c"``, ``"pre_out"``, ``"residual"``, ``"u"``, ``"v"``) do not start
+    16-byte aligned (looked at only where ``tma``); and the device: ``tma``, it runs flame's TMA
+    kernels for this dtype; ``gluon``, matmul_hopper's kernel too (sm_90, FLAME_MATMUL_GLUON not 0);
+    ``gpu``, not the interpreter; ``sms``, its SM count. Launch configs come from this process's
+    tables and heuristics (``flame.tune``)."""
+
+    M: int
+    N: int
+    K: int
+    batch: tuple  # (B0, B1); (1, 1) for a 2-D problem
+    sa: tuple
+    sb: tuple
+    sc: tuple
+    dtype: torch.dtype
+    out_dtype: torch.dtype
+    bias: bool = False
+    act: int = 0
+    pre_out: bool = False
+    residual: bool = False
+    rank: int = 0
+    su: tuple = (0, 0)
+    sv: tuple = (0, 0)
+    b_fp8: int = 0
+    fp8_gemm: str = "auto"
+    misaligned: tuple = ()
+    tma: bool = False
+    gluon: bool = False
+    gpu: bool = False
+    sms: int = 1
+
+    @classmethod
+    def dense(cls, M, N, K, dtype, batch=(), a_transposed=False, b_transposed=False, out_dtype=None, *, tma=False,
+              gluon=False, gpu=None, sms=1, **fusion):
+        """A problem on freshly allocated buffers, from shapes: how tests describe one without allocating
+        it. A (M, K), B (K, N) and C (M, N) contiguous behind up to two ``batch`` dims, A read from a
+        (K, M) buffer (``a_transposed``: dW = dY^T X), B from an (N, K) one (``b_transposed``: a
+        linear's weight); U (M, r) and V (r, N) contiguous; every buffer aligned. ``fusion``: the
+        other fields (``bias``, ``act``, ..., ``b_fp8``, ``fp8_gemm``). ``gpu`` defaults to ``tma``:
+        ``tma=True, gluon=True, sms=132`` describes an H200."""
+        B0, B1 = (1,) * (2 - len(batch)) + tuple(batch)
+
+        def strides(rows, cols, transposed):
+            inner = (1, rows) if transposed else (cols, 1)
+            return (B1 * rows * cols if B0 > 1 else 0, rows * cols if B1 > 1 else 0, *inner)
+
+        rank = fusion.get("rank", 0)
+        low_rank = dict(su=(rank, 1), sv=(N, 1)) if rank else {}
+        return cls(M, N, K, (B0, B1), strides(M, K, a_transposed), strides(K, N, b_transposed),
+                   strides(M, N, False), dtype, out_dtype or dtype, **low_rank, **fusion, tma=tma, gluon=gluon,
+                   gpu=tma if gpu is None else gpu, sms=sms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What ``plan`` chose: the path (``kernel``, one of ROUTES), the launch's constexprs and options
+    (``config``: tuned fields as ``flame.tune`` answered them, with the derived ones; empty for the
+    composite routes), how many slices K runs in (``splits``), and why (``reason``); for the kernel
+    routes the ``grid`` and the kernel's size and stride arguments (``args``, from the problem), for
+    "tma" and "gluon" the operands' ``layout`` (``_layout``); for the composite routes the steps
+    they run, ``then``: (problem, route) pairs."""
+
+    kernel: str
+    config: dict
+    splits: int
+    reason: str
+    grid: tuple = ()
+    args: tuple = ()
+    layout: tuple | None = None
+    then: tuple = ()
+
+
+_reported: set = set()
+
+
+@tune.memoised
+def _route(p: GemmProblem) -> Route:
+    return _plan(p)
+
+
+def plan(p: GemmProblem) -> Route:
+    """The route of GEMM problem ``p`` (see above), memoised per problem (a training loop's shapes
+    repeat): one dictionary lookup on the host after the first call. Raises ValueError for a
+    low-rank term the kernels cannot take, or a bad FLAME_FP8_GEMM."""
+    route = _route(p)
+    if DEBUG_ROUTES and p not in _reported:
+        _reported.add(p)
+        fusion = [name for name in ("bias", "pre_out", "residual") if getattr(p, name)]
+        fusion += [f"act {p.act}"] * bool(p.act) + [f"rank {p.rank}"] * bool(p.rank)
+        fusion += [f"fp8 B {'columns' if p.b_fp8 == FP8_COLUMNS.value else 'rows'}"] * bool(p.b_fp8)
+        print(f"flame gemm route: {p.M}x{p.K} @ {p.K}x{p.N} batch {p.batch} {p.dtype} -> {p.out_dtype} "
+              f"strides {p.sa[2:]} {p.sb[2:]} {p.sc[2:]} {', '.join(fusion) or 'no fusion'}: {route.kernel}, "
+              f"splits {route.splits}, config {route.config}: {route.reason}", file=sys.stderr)
+    return route
+
+
+def _plan(p):
+    if p.b_fp8 and _fp8_route(p) == "dequant":
+        q = _dequantised(p)
+        then = _plan(q)
+        why = (f"fp8 B of {p.M} rows (more than {FP8_INLINE_MAX_ROWS} on a GPU)" if p.fp8_gemm == "auto" else
+               "FLAME_FP8_GEMM=dequant")
+        return Route("fp8_dequant", {}, then.splits, f"{why}: dequantised to {p.dtype} first, then {then.kernel}",
+                     then=((q, then),))
+    batch = p.batch[0] * p.batch[1]
+    cfg = _config(p.M, p.N, p.K, p.dtype, batch)
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    if p.rank and (batch > 1 or p.rank > _MAX_FUSED_RANK):
+        return _apart(p, f"rank {p.rank} above {_MAX_FUSED_RANK}" if batch == 1 else "a batched problem")
+    if batch > 1:
+        return _pointer(p, cfg, tiles, f"{p.batch[0]} x {p.batch[1]} batch entries")
+    splits = _k_splits(tiles, p.K, cfg["BLOCK_K"], p.sms)
+    # below K = 128 the pointer kernel was faster (H200: 640x2048x77 at 0.99x cuBLAS, TMA 1.16x); with few
+    # tiles, up to K = _FEW_TILES_TMA_MAX_K the TMA kernel's small tiles beat split-K (see _tma_config)
+    tma_ok = p.K >= 128 and (splits == 1 or p.K <= _FEW_TILES_TMA_MAX_K)
+    layout = _layout(p) if tma_ok else None
+    few = f"{tiles} output tiles for {p.sms} SMs"
+    if splits > 1 and layout is None:
+        if p.rank:
+            return _apart(p, f"{few}: K splits")
+        return _split_k(p, splits, f"{few}, K = {p.K}" + ("" if p.tma else "; no TMA on this device or dtype"))
+    if layout is None:
+        if not p.tma:
+            why = "no TMA on this device or dtype"
+        elif p.K < 128:
+            why = f"K = {p.K} < 128: the pointer kernel is faster"
+        else:
+            why = "operands TMA cannot describe (dtype, alignment or strides)"
+        return _pointer(p, cfg, tiles, why)
+    hopper = None
+    if p.gluon and not p.b_fp8 and matmul_hopper.serves(p.dtype, p.rank, p.pre_out, p.residual):
+        hopper = matmul_hopper._choose(p.M, p.N, p.K, p.sms)  # the warp-specialised kernel, where it is faster
+    if hopper is not None:
+        return Route("gluon", hopper, 1, f"{'cooperative' if hopper['COOP'] else 'ping-pong'} "
+                                         f"{hopper['BLOCK_M']}x{hopper['BLOCK_N']} tiles per consumer",
+                     layout=layout)
+    why = "16-bit operands TMA can describe, K >= 128"
+    if splits > 1:
+        why += f"; {few}, K = {p.K} <= {_FEW_TILES_TMA_MAX_K}: small tiles, no split"
+    if p.gluon:
+        why += "; the Gluon kernel does not take it"
+    return _tma(p, layout, why)
+
+
+def _fp8_route(p):
+    """How the GEMM takes its fp8 B (codes, a scale per column or row): "inline", decoded in the main
+    loop (B_FP8), or "dequant", written in A's dtype first (``quant.dequantize_rows_``, a transient
+    buffer) and the plain GEMM run on that. Measured on an H200 (Triton 3.6, bf16, 4608 rows, 3072 ->
+    3072 and 12288, forward and dX): inline ran at 0.33-0.46x the bf16 GEMM's speed, every row-tile
+    program decoding every B tile again (36 times at 4608 rows). Dequantising first costs about 5
+    bytes of memory traffic per weight element, the inline decode about 1.6 bf16 GEMMs; they break
+    even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650 TFLOP/s, an estimate): on a GPU,
+    problems of more rows than FP8_INLINE_MAX_ROWS dequantise first. The interpreter decodes inline
+    (what its tests check). FLAME_FP8_GEMM=inline|dequant (``p.fp8_gemm``) forces one."""
+    route = p.fp8_gemm
+    if route == "auto":
+        return "inline" if not p.gpu or p.M <= FP8_INLINE_MAX_ROWS else "dequant"
+    if route not in ("inline", "dequant"):
+        raise ValueError(f"FLAME_FP8_GEMM must be auto, inline or dequant, got {route!r}")
+    return route
+
+
+def _dequantised(p):
+    """The problem of ``p`` with B dequantised into a new contiguous buffer of A's dtype, in the codes'
+    own shape: W (N, K) read as B = W^T for a scale per column of B (a linear's weight), B (K, N)
+    itself for a scale per row (its input gradient, dX = dY W)."""
+    sb = (0, 0, 1, p.K) if p.b_fp8 == FP8_COLUMNS.value else (0, 0, p.N, 1)
+    return p._replace(sb=sb, b_fp8=0, misaligned=tuple(m for m in p.misaligned if m != "b"))
+
+
+def _apart(p, why):
+    """The "low_rank_apart" route: ``out = alpha * A B + bias + residual``, then ``out += beta * U V``
+    (a second GEMM accumulating into ``out``), a 2-D GEMM each. Not with an activation or a
+    pre-activation, which would need the term inside them."""
+    if p.act or p.pre_out or any(p.sa[:2]) or any(p.sc[:2]):
+        raise ValueError("matmul: a low-rank term is added to 2-D GEMMs, without an activation, only")
+    flat = dict(batch=(1, 1), rank=0, su=(0, 0), sv=(0, 0))
+    base = p._replace(sa=(0, 0, *p.sa[2:]), sb=(0, 0, *p.sb[2:]), sc=(0, 0, *p.sc[2:]),
+                      misaligned=tuple(m for m in p.misaligned if m not in ("u", "v")), **flat)
+    term_buffers = {"u": ("a",), "v": ("b",), "c": ("c", "residual")}  # U -> A, V -> B, C -> C and the residual
+    term = p._replace(K=p.rank, sa=(0, 0, *p.su), sb=(0, 0, *p.sv), sc=(0, 0, *p.sc[2:]), bias=False,
+                      residual=True, b_fp8=0,
+                      misaligned=tuple(t for m in p.misaligned for t in term_buffers.get(m, ())), **flat)
+    steps = ((base, _plan(base)), (term, _plan(term)))
+    return Route("low_rank_apart", {}, steps[0][1].splits,
+                 f"{why}: the term apart, {steps[0][1].kernel} then {steps[1][1].kernel}", then=steps)
+
+
+def _pointer(p, cfg, tiles, why):
+    """The "pointer" route: ``_matmul_kernel`` with the config ``cfg`` of ``tiles`` tiles per batch entry."""
+    B0, B1 = p.batch
+    return Route("pointer", _pointer_meta(p, cfg, False, 1), 1, why, grid=(B0 * B1 * tiles,),
+                 args=(p.M, p.N, p.K, B1, p.rank, *p.sa, *p.sb, *p.sc, *p.su, *p.sv))
+
+
+def _split_k(p, splits, why):
+    """The "split_k" route: ``splits`` equal K slices as the batch entries (1, splits) of
+    ``_matmul_kernel``, each program storing its slice's product into an fp32 (fp64) scratch
+    (splits, M, N); the last program of each output tile to finish sums the tile's slices (the same
+    order every run) and applies the whole epilogue (bias, activation, pre-activation, residual)
+    once. Tuned as a batched problem of the slices' K."""
+    kc = p.K // splits
+    cfg = _config(p.M, p.N, kc, p.dtype, splits)
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    (_, _, sam, sak), (_, _, sbk, sbn), (_, _, scm, scn) = p.sa, p.sb, p.sc
+    meta = _pointer_meta(p, cfg, True, _slices_per_load(splits, cfg["BLOCK_M"] * cfg["BLOCK_N"]))
+    return Route("split_k", meta, splits, f"{why}: {splits} slices of {kc}", grid=(splits * tiles,),
+                 args=(p.M, p.N, kc, splits, p.rank, 0, kc * sak, sam, sak, 0, kc * sbk, sbk, sbn, 0, 0, scm, scn,
+                       *p.su, *p.sv))
+
+
+def _pointer_meta(p, cfg, split_k, block_s):
+    """``_matmul_kernel``'s constexprs and launch options for problem ``p`` with the config ``cfg``."""
+    acc, precision, upcast = _kernel_switches(p.dtype)
+    return dict(ACC=acc, PRECISION=precision, UPCAST=upcast, BIAS=p.bias, ACT=p.act, STORE_PRE=p.pre_out,
+                RESIDUAL=p.residual, RANK=_rank_block(p.rank), B_FP8=p.b_fp8, SPLIT_K=split_k, BLOCK_S=block_s, **cfg)
+
+
+def _rank_block(rank):
+    """The low-rank term's RANK constexpr: its rank padded to a power of two, at least 16 (tl.dot's
+    minimum); 0 without a term."""
+    return max(16, _pow2(rank)) if rank else 0
+
+
+def _tma(p, layout, why):
+    """The "tma" route: ``_matmul_tma_kernel`` with the operands' ``layout``."""
+    rank_block = _rank_block(p.rank)
+    # a low-rank term's U and V loads, issued at each tile's start, would be buffered per pipeline
+    # stage in a flattened loop (sm_90, 128x128x64, 5 stages: +40 KB of shared memory, past the
+    # H200's, and 157 -> 249 registers): its launches walk their tiles unflattened
+    cfg = dict(_tma_config(p.M, p.N, p.K, p.dtype), FLATTEN=FLATTEN and not rank_block)
+    if p.act and cfg["num_warps"] == 4:
+        # an activation epilogue on 4 warps costs more than its GEMM saves (H200, gelu_tanh,
+        # 4096x640->5120: +30 us on 4 warps, +14 us on 8); tables are tuned without one
+        cfg["num_warps"] = 8
+    if rank_block:
+        cfg["num_stages"] = _stages_with_room_for_low_rank(cfg, rank_block, p.dtype.itemsize)
+    meta = dict(A_K_CONTIGUOUS=layout[0], B_K_CONTIGUOUS=layout[1], BIAS=p.bias, ACT=p.act, STORE_PRE=p.pre_out,
+                RESIDUAL=p.residual, RANK=rank_block, B_FP8=p.b_fp8, **cfg)
+    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
+    return Route("tma", meta, 1, why, grid=(min(tiles, p.sms),), args=(p.M, p.N, p.K, p.rank, *p.su, *p.sv),
+                 layout=layout)
+
+
+def _layout(p):
+    """(A K-contiguous, B K-contiguous, A row stride, B row stride, C row stride) when the TMA kernels
+    can read every operand of 2-D problem ``p`` (16-bit on a TMA device, C in A's dtype, B also
+    e4m3fn codes, 16-byte aligned bases, one unit stride per operand and the other a multiple of 16
+    bytes, C row-major), else None."""
+    if not p.tma or p.out_dtype != p.dtype or any(m in _TMA_BUFFERS for m in p.misaligned):
+        return None
+    es = p.dtype.itemsize
+    (_, _, sam, sak), (_, _, sbk, sbn), (_, _, scm, scn) = p.sa, p.sb, p.sc
+    if scn != 1 or (scm * es) % 16:
+        return None
+    dims = []
+    for rows, cols, size in ((sam, sak, es), (sbn, sbk, 1 if p.b_fp8 else es)):  # (along M or N, along K)
+        if cols == 1 and (rows * size) % 16 == 0:
+            dims.append((True, rows))
+        elif rows == 1 and (cols * size) % 16 == 0:
+            dims.append((False, cols))
+        else:
+            return None
+    (a_k, s_a), (b_k, s_b) = dims
+    return a_k, b_k, s_a, s_b, scm
+
+
+# ---- running a route ---------------------------------------------------------------------------
+
+_ONE = (1, 1)
+_new_problem = tuple.__new__  # GemmProblem(...) without its Python-level __new__: _problem runs on every launch
+
+
+def _problem(out, a, b, M, N, K, batch, sa, sb, sc, f):
+    """The ``GemmProblem`` of one launch on these buffers (``batch``, ``s*``: two batch dims), with the
+    ``Fusion`` ``f``. Fields in GemmProblem's order."""
+    dtype = a.dtype
+    tma = TMA and dtype in _TMA_DTYPES and tma_available()
+    return _new_problem(GemmProblem, (
+        M, N, K, batch, sa, sb, sc, dtype, out.dtype,
+        f.bias is not None, f.act, f.pre_out is not None, f.residual is not None,
+        f.rank, f.u_strides, f.v_strides, f.b_fp8, FP8_ROUTE,
+        _misaligned(a, b, out, f) if tma else (),
+        tma, tma and matmul_hopper.ROUTE and matmul_hopper.available(), not runtime.INTERPRETER, runtime.num_sms()))
+
+
+def _misaligned(a, b, out, f):
+    """The names of the buffers of a launch that do not start 16-byte aligned (``GemmProblem``)."""
+    u, v = (f.u, f.v) if f.rank else (None, None)
+    bufs = (("a", a), ("b", b), ("c", out), ("pre_out", f.pre_out), ("residual", f.residual), ("u", u), ("v", v))
+    return tuple(name for name, t in bufs if t is not None and t.data_ptr() % 16)
+
+
+def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
+    """One GEMM: ``a``, ``b``, ``out`` give the base pointers and dtypes; the problem is (at most two)
+    batch dims ``batch_shape`` and per-operand strides ``s* = (batch strides..., row stride, column
+    stride)``, so no torch view is built on the hot path; ``f`` (a ``Fusion``) the epilogue. Runs the
+    route ``plan`` names for it."""
+    pad = 2 - len(batch_shape)
+    z = (0,) * pad
+    batch = (1,) * pad + tuple(batch_shape) if pad != 2 else _ONE
+    f = _NO_FUSION if f is None else f
+    p = _problem(out, a, b, M, N, K, batch, z + tuple(sa), z + tuple(sb), z + tuple(sc), f)
+    route = plan(p)
+    _RUN[route.kernel](p, route, out, a, b, f)
+
+
+def _b_operand(b, b_fp8):
+    """B as the kernels read it: its e4m3fn codes as uint8 (``b_fp8``), else itself."""
+    return as_codes(b) if b_fp8 else b
+
+
+def _run_pointer(p, r, out, a, b, f, part=None, counts=None):
+    cfg = r.config
+    rank = cfg["RANK"]
+    launch(_matmul_kernel, r.grid,
+           a, _b_operand(b, cfg["B_FP8"]),  # inputs
+           out,  # output
+           f.bias, f.pre_out, f.residual, f.u if rank else None, f.v if rank else None,  # fusion operands
+           f.b_scale if cfg["B_FP8"] else None,
+           part, counts,  # split-K's scratch
+           *r.args, f.bias_stride,  # sizes and strides
+           f.scale, f.rank_ratio,  # scalars
+           **cfg)
+
+
+def _run_split_k(p, r, out, a, b, f):
+    part = runtime.empty((r.splits, p.M, p.N), accumulation_dtype(p.dtype))
+    _run_pointer(p, r, out, a, b, f, part, _arrival_counts(r.grid[0] // r.splits))
+
+
+def _run_tma(p, r, out, a, b, f):
+    # the descriptors are built on the host (built in the kernel they cost 2-3 us per launch on the H200)
+    cfg = r.config
+    M, N, K = p.M, p.N, p.K
+    a_k, b_k, s_a, s_b, s_c = r.layout
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    b = _b_operand(b, cfg["B_FP8"])
+    rank = cfg["RANK"]
+    launch(_matmul_tma_kernel, r.grid,
+           descriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else descriptor(a, [K, M], [s_a, 1], [bk, bm]),  # inputs
+           descriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else descriptor(b, [K, N], [s_b, 1], [bk, bn]),
+           descriptor(out, [M, N], [s_c, 1], [bm, bn]),  # output
+           descriptor(f.pre_out, [M, N], [s_c, 1], [bm, bn]) if cfg["STORE_PRE"] else None,  # fusion operands
+           descriptor(f.residual, [M, N], [s_c, 1], [bm, bn]) if cfg["RESIDUAL"] else None,
+           f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if cfg["B_FP8"] else None,
+           *r.args, f.bias_stride,  # sizes and strides
+           f.scale, f.rank_ratio,  # scalars
+           **cfg)
+
+
+def _run_gluon(p, r, out, a, b, f):
+    matmul_hopper.matmul(out, a, b, p.M, p.N, p.K, f, r.layout, r.config)
+
+
+def _run_low_rank_apart(p, r, out, a, b, f):
+    (base_p, base), (term_p, term) = r.then
+    without_term = Fusion(f.bias, alpha=f.alpha, residual=f.residual, b_scale=f.b_scale, b_scale_rows=f.b_scale_rows)
+    _RUN[base.kernel](base_p, base, out, a, b, without_term)
+    _RUN[term.kernel](term_p, term, out, f.u, f.v, Fusion(alpha=f.beta, residual=out))
+
+
+def _run_fp8_dequant(p, r, out, a, b, f):
+    ((q, then),) = r.then
+    w = dequantize_rows_(runtime.empty(tuple(b.shape), p.dtype), b, f.b_scale)  # the runners read B_FP8 = 0
+    _RUN[then.kernel](q, then, out, a, w, f)
+
+
+_RUN = {"pointer": _run_pointer, "split_k": _run_split_k, "tma": _run_tma, "gluon": _run_gluon,
+        "low_rank_apart": _run_low_rank_apart, "fp8_dequant": _run_fp8_dequant}
+
+
+def _tma_layout(out, a, b, f, sa, sb, sc):
+    """``_layout`` of a 2-D problem on these buffers (``s*``: row and column strides, B's as (K, N))
+    with the epilogue ``f``: how tests and scripts/bench_gemm.py drive the Gluon kernel directly."""
+    return _layout(_problem(out, a, b, 0, 0, 0, _ONE, (0, 0, *sa), (0, 0, *sb), (0, 0, *sc), f))
+
+
+# ---- entry points ------------------------------------------------------------------------------
 
 class Fusion:
     """Epilogue work fused into one GEMM launch (see ``_matmul_kernel``):
@@ -735,7 +1040,6 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
         _check_low_rank(low_rank, M, N, a.dtype)
-        b, b_scale = _fp8_route(b, b_scale, M, a.dtype)
         plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
         _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
                 None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
@@ -780,40 +1084,17 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     _check_fp8(w, w_scale, N)
     if out.numel() == 0:
         return out
-    w, w_scale = _fp8_route(w, w_scale, R, x.dtype)
     ws = w.stride()
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
             Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale))
     return out
 
 
-# How the GEMMs take an fp8 weight: "inline" decodes its codes in the main loop (B_FP8); "dequant"
-# first writes it in the activations' dtype (quant.dequantize_rows_, a transient buffer) and runs the
-# plain GEMM; "auto" (FLAME_FP8_GEMM unset) picks by rows (_fp8_route).
+# How the GEMMs take an fp8 weight (``_fp8_route``): "inline" decodes its codes in the main loop (B_FP8);
+# "dequant" first writes it in the activations' dtype (quant.dequantize_rows_, a transient buffer) and
+# runs the plain GEMM; "auto" (FLAME_FP8_GEMM unset) picks by rows.
 FP8_ROUTE = os.environ.get("FLAME_FP8_GEMM", "auto")
 FP8_INLINE_MAX_ROWS = 256
-
-
-def _fp8_route(w, scale, rows, dtype):
-    """(weight, scale) for the GEMM of an fp8 weight ``w`` (codes, ``scale`` per row) with ``rows``
-    rows of activations of ``dtype``: as they are (decoded inline), or the weight dequantised into a
-    new ``dtype`` buffer and no scale. Measured on an H200 (Triton 3.6, bf16, 4608 rows, 3072 ->
-    3072 and 12288, forward and dX): inline ran at 0.33-0.46x the bf16 GEMM's speed, every row-tile
-    program decoding every B tile again (36 times at 4608 rows). Dequantising first costs about 5
-    bytes of memory traffic per weight element, the inline decode about 1.6 bf16 GEMMs; they break
-    even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650 TFLOP/s, an estimate): on the GPU,
-    problems of more rows than FP8_INLINE_MAX_ROWS dequantise first. The interpreter decodes inline
-    (what its tests check), unless FLAME_FP8_GEMM=dequant."""
-    if scale is None:
-        return w, scale
-    route = FP8_ROUTE
-    if route == "auto":
-        route = "inline" if runtime.INTERPRETER or rows <= FP8_INLINE_MAX_ROWS else "dequant"
-    if route == "inline":
-        return w, scale
-    if route != "dequant":
-        raise ValueError(f"FLAME_FP8_GEMM must be auto, inline or dequant, got {route!r}")
-    return dequantize_rows_(runtime.empty(tuple(w.shape), dtype), w, scale), None
 
 
 def _check_fp8(w, scale, n):

@@ -21,7 +21,7 @@ Two schedules (``COOP``):
   other's ends, and each epilogue runs under the other consumer's wgmmas; the finer tile also
   evens out the last wave (4608 x 3072 is 432 tiles of 128x256, 3.3 waves on 132 SMs, but 864 of
   128x128 or 64x256, 6.5).
-Operands are described along their contiguous dimension as in ``matmul._launch_tma``: A (M, K) as
+Operands are described along their contiguous dimension as in ``matmul._run_tma``: A (M, K) as
 (BLOCK_M, BLOCK_K) blocks when K is contiguous, else (BLOCK_K, BLOCK_M) blocks read transposed by
 wgmma; B (K, N) as (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N) blocks. So the forward (x W^T) and both
 backward products (dY W, dY^T X) run here. Rows and columns past the problem load as zeros and
@@ -220,30 +220,29 @@ def available():
             and torch.cuda.get_device_capability(runtime.device) == (9, 0))
 
 
+def serves(dtype, rank, pre_out, residual):
+    """Whether this kernel's epilogue and operands fit a 2-D problem that ``matmul._layout`` accepted,
+    from its description (``matmul.GemmProblem``): fp16/bf16 operands of one dtype, no low-rank
+    term, and not both a pre-activation and a residual (one store buffer per consumer; ``linear_``
+    never asks for both)."""
+    return dtype in (torch.float16, torch.bfloat16) and not rank and not (pre_out and residual)
+
+
 def usable(a, b, f):
-    """Whether this kernel can serve a 2-D problem that ``matmul._tma_layout`` accepted, with the
-    epilogue ``f`` (a ``Fusion``): ``available``, fp16/bf16 operands of one dtype, no low-rank
-    term, and not both a pre-activation and a residual (one store buffer per consumer;
-    ``linear_`` never asks for both)."""
-    return (a.dtype in (torch.float16, torch.bfloat16) and b.dtype == a.dtype and not f.rank
-            and (f.pre_out is None or f.residual is None) and available())
-
-
-_plans: dict = {}  # (M, N, K) -> launch config, or None where matmul.py's TMA kernel serves the problem
+    """Whether this kernel can serve a 2-D problem on these buffers with the epilogue ``f`` (a
+    ``Fusion``): ``available`` and ``serves``."""
+    return (b.dtype == a.dtype and serves(a.dtype, f.rank, f.pre_out is not None, f.residual is not None)
+            and available())
 
 
 def plan(M, N, K, a, b, f):
-    """The launch config (``config``) for a 2-D problem that ``matmul._tma_layout`` accepted, or None
-    where this kernel does not serve it (not ``usable``, FLAME_MATMUL_GLUON=0, or measured slower
-    than the TMA kernel: ``_choose``)."""
+    """The launch config (``config``) for a 2-D problem on these buffers that ``matmul._layout``
+    accepted, or None where this kernel does not serve it (not ``usable``, FLAME_MATMUL_GLUON=0, or
+    measured slower than the TMA kernel: ``_choose``). ``matmul.plan`` asks ``serves`` and
+    ``_choose`` itself, from the problem's description, and memoises the answer in its route."""
     if not ROUTE or not usable(a, b, f):
         return None
-    key = (M, N, K)
-    if key not in _plans:
-        if len(_plans) > 4096:
-            _plans.clear()
-        _plans[key] = _choose(M, N, K)
-    return _plans[key]
+    return _choose(M, N, K)
 
 
 # The tile shapes _choose picks from: (COOP, BLOCK_M, BLOCK_N) -> main-loop rate relative to the
@@ -260,11 +259,12 @@ COOP_EPILOGUE_K = 90
 MIN_TILES_PER_SM = 1
 
 
-def _choose(M, N, K):
-    """The tile shape of least predicted time: whole waves of one program tile per SM (the last one
-    partly idle) times a tile's cost (its area over its main-loop rate, times K, plus the
-    cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM."""
-    sms = runtime.num_sms()
+def _choose(M, N, K, sms=None):
+    """The tile shape of least predicted time on ``sms`` SMs (default: this GPU's): whole waves of one
+    program tile per SM (the last one partly idle) times a tile's cost (its area over its main-loop
+    rate, times K, plus the cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM
+    128x128 tiles per SM."""
+    sms = sms or runtime.num_sms()
     if gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms:
         return None
 
