@@ -1,5 +1,6 @@
 """The trainer on Flux.1: the family chosen from the model, rectified-flow training of a small random
 Flux end to end, the LoRA file read by diffusers with the same effect as in flame, exact resume."""
+import dataclasses
 import json
 import os
 import pathlib
@@ -161,6 +162,54 @@ def test_offload_and_fp8_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.offload: plan_offload: the weights need at least"):
         Trainer(_config(tmp_path / "b", "train.offload=blocks", "train.offload_budget_gb=1e-6"), model=_seeded(),
                 progress=False, log=lambda *a: None)
+
+def test_a_memory_budget_picks_fp8_then_checkpointing_then_streaming(tmp_path):
+    """train.memory_budget_gb: the run as configured when it fits, else fp8 weights, then the fewest
+    checkpointed blocks, then streamed ones (flame/train/memory.py), applied to the model (runs with
+    these settings: the tests above); too little is refused naming the least."""
+    from flame.models.blocks import Checkpointed
+    from flame.ops.quant import Fp8Weight
+    from flame.train.families.flux import FluxFamily
+    from flame.train.memory import GIB, plan_memory
+    family = FluxFamily()
+    tokens = 2 * family.tokens((4, 6), 8)  # batch 2 of the config's synthetic 4x6 latents, tiny T5's 8 tokens
+    six = dataclasses.replace(SMALL, num_layers=2, num_single_layers=4)  # streaming saves more than its 2 slots
+
+    def plan(budget):
+        return plan_memory(budget, profile=family.activation_profile, config=six, dtype=flame.float32,
+                           tokens=tokens, targets=family.lora_targets("attn-mlp"), rank=4, weight_dtype=None,
+                           allow_fp8=True, fp8_skip=family.full_precision_layers)
+
+    roomy = plan(2**40)
+    assert (roomy.weight_dtype, roomy.checkpoint_blocks, roomy.offload_blocks) == (None, 0, 0)
+    fp8 = plan(roomy.total - 1)
+    assert (fp8.weight_dtype, fp8.checkpoint_blocks, fp8.offload_blocks) == ("fp8_e4m3", 0, 0)
+    assert fp8.weights < roomy.weights and fp8.activations == roomy.activations
+    one = plan(fp8.total - 1)
+    assert (one.checkpoint_blocks, one.offload_blocks) == (1, 0) and one.activations < fp8.activations
+    every = plan(fp8.total - 1)
+    while every.checkpoint_blocks < 6:
+        every = plan(every.total - 1)
+    streamed = plan(every.total - 1)  # below every block checkpointed
+    assert (streamed.weight_dtype, streamed.checkpoint_blocks, streamed.blocks) == ("fp8_e4m3", 6, 6)
+    assert streamed.offload_blocks >= 1 and streamed.total <= streamed.budget
+    with pytest.raises(ConfigError, match=r"train\.memory_budget_gb: 0\.0 MiB is too little: the least this run can "
+                                          r"take is about \d+\.\d MiB \(weights fp8_e4m3, every block checkpointed "
+                                          r"and streamed"):
+        plan(1000)
+
+    lines = []
+    flame.manual_seed(5)
+    trainer = Trainer(_config(tmp_path / "m", f"train.memory_budget_gb={streamed.budget / GIB!r}"),
+                      model=FluxTransformer2DModel(six), progress=False, log=lines.append)
+    assert streamed.summary() in lines, lines
+    assert sum(m.gradient_checkpointing for m in trainer.model.modules() if isinstance(m, Checkpointed)) == 6
+    assert isinstance(trainer.model.double_blocks[0].img_attn.qkv.weight, Fp8Weight)
+    assert trainer.streamer is not None and len(trainer.streamer.plan.streamed) == streamed.offload_blocks
+    for setting in ("train.offload=blocks", "train.checkpoint_blocks=1", "train.checkpoint_scope=feed_forward"):
+        with pytest.raises(ConfigError, match=r"train\.memory_budget_gb chooses it"):
+            _config(tmp_path, "train.memory_budget_gb=8", setting)
+
 
 @pytest.mark.extended  # exact resume: tests/test_train.py; Flux's step state: the runs above
 

@@ -288,14 +288,21 @@ def plan_offload_from_config(config, dtype=None, *, count=None, budget_bytes=Non
     LoRA adapters, injected later, are not counted. The model is built without memory
     (``device="meta"``, ``placement.place``); pass the plan's ``streamed`` to ``from_pretrained``'s
     ``host_blocks`` and the plan itself to ``BlockStreamer``."""
+    model = model_without_memory(config, dtype, weight_dtype, fp8_skip, "plan_offload_from_config")
+    return plan_offload(model, count=count, budget_bytes=budget_bytes, blocks=blocks, slots=slots)
+
+
+def model_without_memory(config, dtype=None, weight_dtype=None, fp8_skip=(), what="model_without_memory"):
+    """The frozen model ``config`` (a ``FluxConfig`` or ``SDXLUNetConfig``) describes, built on
+    ``device="meta"``: its tensors have shapes and dtypes (fp8 Linear weights as
+    ``plan_offload_from_config`` says) and no memory, for planning before any weight is read."""
     cls = _MODELS.get(type(config))
     if cls is None:
-        raise TypeError(f"plan_offload_from_config: config must be a FluxConfig or an SDXLUNetConfig, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"{what}: config must be a FluxConfig or an SDXLUNetConfig, got {type(config).__name__}")
     model = cls(config, dtype=dtype, device="meta")
-    place(model, (), weight_dtype, fp8_skip, "plan_offload_from_config")
+    place(model, (), weight_dtype, fp8_skip, what)
     model.requires_grad_(False)
-    return plan_offload(model, count=count, budget_bytes=budget_bytes, blocks=blocks, slots=slots)
+    return model
 
 
 # ---- the streamer ---------------------------------------------------------------------------------

@@ -193,6 +193,11 @@ SCHEMA = {
                                                 "(resident ones and the two copy slots); the fewest blocks that fit "
                                                 "stream. Activations and optimizer state come on top",
                                  low=0.0, nullable=True),
+        "memory_budget_gb": Opt(None, "float", "GiB the run may take on the GPU (the card's free memory): the "
+                                               "trainer picks fp8 base weights (unless model.weight_dtype is set), "
+                                               "how many blocks to checkpoint and to stream, in that order, says "
+                                               "what it chose, and refuses when nothing fits; null: as configured",
+                                low=0.0, nullable=True),
         "max_grad_norm": Opt(1.0, "float", "clip the LoRA gradients' global norm; 0 or null: no clipping",
                              low=0.0, nullable=True),
         "seed": Opt(0, "int", "seed of model init, LoRA init, noise, timesteps and data order"),
@@ -534,6 +539,11 @@ def _cross_checks(c, errors):
                       for k in ("offload_blocks", "offload_budget_gb") if t[k] is not None)
     elif t["offload_blocks"] is not None and t["offload_budget_gb"] is not None:
         errors.append("train.offload_blocks / train.offload_budget_gb: set at most one of them")
+    if t["memory_budget_gb"] is not None:
+        chosen = {"offload": "none", "offload_blocks": None, "offload_budget_gb": None, "checkpoint_blocks": None,
+                  "checkpoint_scope": "blocks"}
+        errors.extend(f"train.{k}: train.memory_budget_gb chooses it; leave it at {v if v is not None else 'null'} "
+                      f"(got {t[k]})" for k, v in chosen.items() if t[k] != v)
     if c["model"]["weight_dtype"] is not None and c["lora"]["dora"]:
         errors.append(f"model.weight_dtype {c['model']['weight_dtype']}: DoRA needs the base weights' norms in full "
                       "precision; set lora.dora: false or model.weight_dtype: null")

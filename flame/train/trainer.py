@@ -80,6 +80,7 @@ from . import families
 from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
 from .datasets import prepare_datasets
+from .memory import plan_memory
 from .outputs import Trackers, lora_metadata
 from .text_encoders import PREFIXES as TEXT_ENCODERS
 from .text_encoders import TextEncoderLoRA, check_source
@@ -179,8 +180,10 @@ class Trainer:
         self.total_steps = c.train.steps or c.train.epochs * math.ceil(len(self.loader) / c.train.grad_accum)
         self.objective = self.family.objective(c, self.log)
         self._check_targets(model, mcfg)
-        fp8 = {} if c.model.weight_dtype is None else {"weight_dtype": c.model.weight_dtype,
-                                                         "fp8_skip": self.family.full_precision_layers}
+        self.memory = self._plan_memory(mcfg) if c.train.memory_budget_gb is not None else None
+        weight_dtype = c.model.weight_dtype if self.memory is None else self.memory.weight_dtype
+        fp8 = {} if weight_dtype is None else {"weight_dtype": weight_dtype,
+                                               "fp8_skip": self.family.full_precision_layers}
         # streamed blocks of a checkpoint load straight into pinned host memory, fp8 weights quantise as
         # they load: the GPU never holds the whole model in bf16
         plan = self._plan_offload(lambda **kw: plan_offload_from_config(mcfg, self.dtype, **fp8, **kw)) \
@@ -225,17 +228,18 @@ class Trainer:
         distributed.broadcast_(self.params)  # every rank starts from rank 0's adapters
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
-        if c.train.gradient_checkpointing:
+        checkpointed = c.train.checkpoint_blocks if self.memory is None else self.memory.checkpoint_blocks
+        if c.train.gradient_checkpointing if self.memory is None else checkpointed:
             try:
-                model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope,
-                                                    blocks=c.train.checkpoint_blocks)
+                model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope, blocks=checkpointed)
             except ValueError as e:
                 raise ConfigError(f"train.checkpoint_blocks: {e}") from None
         if fp8:
-            quantize_linears_(model, c.model.weight_dtype, skip=self.family.full_precision_layers)  # if not loaded so
+            quantize_linears_(model, weight_dtype, skip=self.family.full_precision_layers)  # if not loaded so
             stored = sum(isinstance(w, Fp8Weight) for w in model.parameters())
-            self.log(f"model.weight_dtype: {stored} frozen Linear weights stored as {c.model.weight_dtype}")
-        if c.train.offload == "blocks":  # last: the streamer moves the frozen weights as they are now
+            self.log(f"model.weight_dtype: {stored} frozen Linear weights stored as {weight_dtype}")
+        streaming = c.train.offload == "blocks" if self.memory is None else self.memory.offload_blocks > 0
+        if streaming:  # last: the streamer moves the frozen weights as they are now
             plan = plan or self._plan_offload(lambda **kw: plan_offload(model, **kw))
             self.log(plan.summary())
         self.streamer = BlockStreamer(model, plan) if plan is not None else None
@@ -274,14 +278,35 @@ class Trainer:
         model or of its config) for the blocks ``offload_blocks`` or ``offload_budget_gb`` ask for (all
         by default); None without offload. A plan that cannot be made is a ConfigError."""
         t = self.cfg.train
-        if t.offload == "none":
+        if self.memory is not None:
+            if not self.memory.offload_blocks:
+                return None
+            count, budget = self.memory.offload_blocks, None
+        elif t.offload == "none":
             return None
-        budget = None if t.offload_budget_gb is None else int(t.offload_budget_gb * 2**30)
-        count = (t.offload_blocks or "all") if budget is None else None
+        else:
+            budget = None if t.offload_budget_gb is None else int(t.offload_budget_gb * 2**30)
+            count = (t.offload_blocks or "all") if budget is None else None
         try:
             return planner(count=count, budget_bytes=budget)
         except ValueError as e:
             raise ConfigError(f"train.offload: {e}") from None
+
+    def _plan_memory(self, mcfg):
+        """``train.memory_budget_gb``: the weight dtype, checkpointed and streamed blocks that fit
+        (``memory.plan_memory``) for the cache's largest bucket at ``data.batch_size``; logged."""
+        c = self.cfg
+        h, w = max(self.cache.buckets, key=lambda hw: hw[0] * hw[1])
+        try:
+            plan = plan_memory(int(c.train.memory_budget_gb * 2**30), profile=self.family.activation_profile,
+                               config=mcfg, dtype=self.dtype, tokens=c.data.batch_size * self.family.tokens(
+                                   (h, w), self.cache.text_len), targets=self.family.lora_targets(c.lora.targets),
+                               rank=c.lora.rank, weight_dtype=c.model.weight_dtype, allow_fp8=not c.lora.dora,
+                               fp8_skip=self.family.full_precision_layers)
+        except TypeError as e:  # a model the planner does not know
+            raise ConfigError(f"train.memory_budget_gb: {e}") from None
+        self.log(plan.summary())
+        return plan
 
     def _agreed(self, fn):
         """``fn()`` on rank 0, and its result (or the error it raised) on every rank: decisions that

@@ -33,7 +33,9 @@ class Family:
     ``blocks`` (the parts ``block_of`` returns), kohya's ``base_model_version`` and modelspec's
     ``architecture``, and ``full_precision_layers`` (``inject_lora`` targets whose weights stay in
     ``train.precision`` when ``model.weight_dtype`` is fp8: the small input embedders and the output
-    layer, where e4m3's 3 mantissa bits would cost the most and save the least)."""
+    layer, where e4m3's 3 mantissa bits would cost the most and save the least), and
+    ``activation_profile`` (``memory.ActivationProfile``: what ``train.memory_budget_gb`` plans
+    with; its ``tokens`` counted as ``tokens`` counts them)."""
 
     name = ""
     config_names: tuple = ()
@@ -42,6 +44,12 @@ class Family:
     base_model_version = ""
     architecture = ""
     full_precision_layers: tuple = ()
+    activation_profile = None
+
+    def tokens(self, latent_size, text_len: int) -> int:
+        """The tokens one sample of latent ``latent_size`` (h, w) and ``text_len`` text tokens puts
+        through the model, as its activation memory grows: the latent's pixels by default."""
+        return latent_size[0] * latent_size[1]
 
     def __init__(self, cfg=None):
         self.cfg = cfg
