@@ -64,7 +64,11 @@ def run_flame(args):
     model.requires_grad_(False)
     nn.inject_lora(model, FluxFamily().lora_targets("attn-mlp"), rank=args.rank, alpha=args.rank,
                    dora=args.dora == "on")
-    driver.memory_settings(model, args, FluxFamily, CHECKPOINT_SCOPES)
+    family = FluxFamily()
+    side = args.resolution // 8
+    text = inputs_shape(args, cfg)[1][1]
+    memory_plan = driver.memory_settings(model, args, family, family.lora_targets("attn-mlp"),
+                                         args.batch * family.tokens((side, side), text), CHECKPOINT_SCOPES)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
     (x_shape, t_shape, p_shape, side) = inputs_shape(args, cfg)
@@ -97,7 +101,8 @@ def run_flame(args):
     times = _time_steps(step, args, flame.synchronize)
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
             "first_step_s": first_step_s, "peak_bytes": flame.max_memory_allocated(),
-            "lora_params": sum(p.numel() for p in params), "device": flame.device_name(), "graphs": step_fn.num_graphs}
+            "lora_params": sum(p.numel() for p in params), "device": flame.device_name(), "graphs": step_fn.num_graphs,
+            "memory_plan": memory_plan}
 
 
 def diffusers_lora_flux(cfg, rank, checkpointing, dev, dora=False):

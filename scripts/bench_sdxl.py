@@ -95,15 +95,28 @@ def _profile(step, args):
             "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:30]]}
 
 
-def memory_settings(model, args, family, scopes=None):
+def memory_settings(model, args, family, targets, tokens, scopes=None):
     """``--checkpointing``, ``--checkpoint-blocks``, ``--weight-dtype``, ``--offload`` and ``--memory-cap``
     on flame's frozen, LoRA-injected ``model``, as the trainer applies ``train.gradient_checkpointing``,
     ``train.checkpoint_blocks``, ``model.weight_dtype`` and ``train.offload`` (``family``: its
-    full-precision layers; ``scopes``: ``--checkpointing``'s values to the model's scopes)."""
+    full-precision layers; ``scopes``: ``--checkpointing``'s values to the model's scopes); or those
+    the trainer's ``train.memory_budget_gb`` planner picks for ``--memory-budget`` (``targets``: the
+    adapters' LoRA targets, ``tokens``: a batch's), which then is the memory cap too. Returns the
+    planner's summary line, or None."""
     from flame import nn
     from flame.models.offload import offload_blocks
-    if args.memory_cap is not None:
-        import torch
+    summary = None
+    if args.memory_budget is not None:
+        from flame.train.memory import plan_memory
+        plan = plan_memory(int(args.memory_budget * 2**30), profile=family.activation_profile, config=model.config,
+                           dtype=model.dtype, tokens=tokens, targets=targets, rank=args.rank, weight_dtype=None,
+                           allow_fp8=args.dora != "on", fp8_skip=family.full_precision_layers)
+        summary = plan.summary()
+        args.weight_dtype, args.memory_cap = plan.weight_dtype, args.memory_budget
+        args.checkpointing = "on" if plan.checkpoint_blocks else "off"
+        args.checkpoint_blocks, args.offload = plan.checkpoint_blocks, plan.offload_blocks or None
+    import torch
+    if args.memory_cap is not None and torch.cuda.is_available():
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * 2**30 / total))
     if args.checkpointing != "off":
@@ -115,6 +128,7 @@ def memory_settings(model, args, family, scopes=None):
     if args.offload:
         streamer = offload_blocks(model, count=args.offload if args.offload == "all" else int(args.offload))
         print(streamer.plan.summary(), file=sys.stderr)
+    return summary
 
 
 def run_flame(args):
@@ -132,7 +146,8 @@ def run_flame(args):
     model = SDXLUNet(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)
     model.requires_grad_(False)
     nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
-    memory_settings(model, args, SDXLFamily)
+    latent = args.resolution // 8
+    memory_plan = memory_settings(model, args, SDXLFamily(), "attn", args.batch * latent * latent)
     params = nn.lora_parameters(model)
     opt = optim.AdamW(params, lr=1e-4)
     shapes = inputs_shape(args, cfg)
@@ -164,7 +179,8 @@ def run_flame(args):
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
             "first_step_s": first_step_s, "compiled_ahead": ahead,
             "peak_bytes": flame.max_memory_allocated(), "lora_params": sum(p.numel() for p in params),
-            "device": flame.device_name(), "graphs": step_fn.num_graphs}
+            "device": flame.device_name(), "graphs": step_fn.num_graphs,
+            "memory_plan": memory_plan}
 
 
 def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False):
@@ -348,12 +364,17 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
     p.add_argument("--memory-cap", metavar="GIB", type=float,
                    help="flame: the GPU memory the step may use, as a smaller card's (torch's per-process memory "
                         "fraction; a step that needs more fails with out of memory)")
+    p.add_argument("--memory-budget", metavar="GIB", type=float,
+                   help="flame: the settings the trainer's train.memory_budget_gb picks for this budget (fp8 weights, "
+                        "checkpointed and streamed blocks; replaces --checkpointing and the options above), with "
+                        "the budget as --memory-cap")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.memory_args = [a for k, v in (("--weight-dtype", args.weight_dtype), ("--offload", args.offload),
                                        ("--checkpoint-blocks", args.checkpoint_blocks),
-                                       ("--memory-cap", args.memory_cap)) if v is not None for a in (k, str(v))]
+                                       ("--memory-cap", args.memory_cap), ("--memory-budget", args.memory_budget))
+                        if v is not None for a in (k, str(v))]
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
     return args
@@ -453,6 +474,7 @@ def _print_run(result, round_note):
     ahead = result.get("compiled_ahead")
     start += (f" ({ahead['variants']} kernel variants compiled ahead in {ahead['seconds']:.1f} s, "
               f"{ahead['failed']} failed)") if ahead else ""
+    start += f"\n   {result['memory_plan']}" if result.get("memory_plan") else ""
     print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{start}"
           f"{round_note}", flush=True)
     if result.get("profile"):
