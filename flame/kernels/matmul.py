@@ -580,9 +580,9 @@ def _or(t, default):
 #   "low_rank_apart"  a low-rank term the kernels do not fuse (a rank above _MAX_FUSED_RANK, a
 #                     batched or a split-K problem): the GEMM without it, then out += beta U V, two
 #                     routes in ``Route.then``
-#   "fp8_dequant"     fp8 codes of B that the route decodes apart (``_fp8_route``: many rows on a
-#                     GPU): B dequantised to A's dtype first, then the route of that plain GEMM
-#                     (``Route.then``)
+#   "fp8_dequant"     fp8 codes of B for more than FP8_INLINE_MAX_ROWS rows on a GPU (``_fp8_route``;
+#                     fewer rows decode them in the main loop): B dequantised to A's dtype first, then
+#                     the route of that plain GEMM (``Route.then``)
 # ``FLAME_DEBUG_ROUTES=1`` prints each distinct problem's route and why, once, to stderr.
 
 ROUTES = ("pointer", "split_k", "tma", "gluon", "low_rank_apart", "fp8_dequant")
@@ -646,9 +646,9 @@ class GemmProblem(NamedTuple):
             return (B1 * rows * cols if B0 > 1 else 0, rows * cols if B1 > 1 else 0, *inner)
 
         rank = fusion.get("rank", 0)
-        low_rank = dict(su=(rank, 1), sv=(N, 1)) if rank else {}
+        fusion = dict(dict(su=(rank, 1), sv=(N, 1)) if rank else {}, **fusion)
         return cls(M, N, K, (B0, B1), strides(M, K, a_transposed), strides(K, N, b_transposed),
-                   strides(M, N, False), dtype, out_dtype or dtype, **low_rank, **fusion, tma=tma, gluon=gluon,
+                   strides(M, N, False), dtype, out_dtype or dtype, **fusion, tma=tma, gluon=gluon,
                    gpu=tma if gpu is None else gpu, sms=sms)
 
 
@@ -787,10 +787,15 @@ def _apart(p, why):
                  f"{why}: the term apart, {steps[0][1].kernel} then {steps[1][1].kernel}", then=steps)
 
 
+def _inline(p):
+    """What the kernel routes' reasons add for fp8 codes of B."""
+    return "; fp8 B decoded in the main loop" if p.b_fp8 else ""
+
+
 def _pointer(p, cfg, tiles, why):
     """The "pointer" route: ``_matmul_kernel`` with the config ``cfg`` of ``tiles`` tiles per batch entry."""
     B0, B1 = p.batch
-    return Route("pointer", _pointer_meta(p, cfg, False, 1), 1, why, grid=(B0 * B1 * tiles,),
+    return Route("pointer", _pointer_meta(p, cfg, False, 1), 1, why + _inline(p), grid=(B0 * B1 * tiles,),
                  args=(p.M, p.N, p.K, B1, p.rank, *p.sa, *p.sb, *p.sc, *p.su, *p.sv))
 
 
@@ -805,7 +810,7 @@ def _split_k(p, splits, why):
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     (_, _, sam, sak), (_, _, sbk, sbn), (_, _, scm, scn) = p.sa, p.sb, p.sc
     meta = _pointer_meta(p, cfg, True, _slices_per_load(splits, cfg["BLOCK_M"] * cfg["BLOCK_N"]))
-    return Route("split_k", meta, splits, f"{why}: {splits} slices of {kc}", grid=(splits * tiles,),
+    return Route("split_k", meta, splits, f"{why}: {splits} slices of {kc}{_inline(p)}", grid=(splits * tiles,),
                  args=(p.M, p.N, kc, splits, p.rank, 0, kc * sak, sam, sak, 0, kc * sbk, sbk, sbn, 0, 0, scm, scn,
                        *p.su, *p.sv))
 
@@ -839,8 +844,8 @@ def _tma(p, layout, why):
     meta = dict(A_K_CONTIGUOUS=layout[0], B_K_CONTIGUOUS=layout[1], BIAS=p.bias, ACT=p.act, STORE_PRE=p.pre_out,
                 RESIDUAL=p.residual, RANK=rank_block, B_FP8=p.b_fp8, **cfg)
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
-    return Route("tma", meta, 1, why, grid=(min(tiles, p.sms),), args=(p.M, p.N, p.K, p.rank, *p.su, *p.sv),
-                 layout=layout)
+    return Route("tma", meta, 1, why + _inline(p), grid=(min(tiles, p.sms),),
+                 args=(p.M, p.N, p.K, p.rank, *p.su, *p.sv), layout=layout)
 
 
 def _layout(p):
