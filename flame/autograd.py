@@ -18,11 +18,17 @@ import types
 
 from . import runtime
 
-_state = threading.local()
+
+class _State(threading.local):
+    enabled = True  # grad mode of this thread
+    seen = None  # inside track_inputs(): {tensor id: tensor} of what ops would have recorded edges to
+
+
+_state = _State()
 
 
 def is_grad_enabled() -> bool:
-    return getattr(_state, "enabled", True)
+    return _state.enabled
 
 
 def set_grad_enabled(mode: bool) -> None:
@@ -75,9 +81,11 @@ class RemovableHandle:
 
 
 class Node:
-    """One recorded op. ``backward(node, grad_out)`` returns one gradient (or None) per input."""
+    """One recorded op. ``backward(node, grad_out)`` returns one gradient (or None) per input.
+    ``edges``: per input, its producing node, the leaf itself, or None (no gradient wanted);
+    ``input_meta``: per input, its shape and dtype, flat (``shape0, dtype0, shape1, ...``)."""
 
-    __slots__ = ("backward_fn", "edges", "input_meta", "saved", "attrs", "hooks", "name", "released")
+    __slots__ = ("backward_fn", "edges", "input_meta", "saved", "attrs", "hooks", "released")
 
     def __init__(self, backward_fn, edges, input_meta, saved, attrs):
         self.backward_fn = backward_fn
@@ -86,8 +94,11 @@ class Node:
         self.saved = saved
         self.attrs = attrs
         self.hooks = None
-        self.name = backward_fn.__name__
         self.released = False
+
+    @property
+    def name(self) -> str:
+        return self.backward_fn.__name__
 
     @property
     def needs_input_grad(self):
@@ -99,15 +110,15 @@ class Node:
 
 def needs_grad(*tensors) -> bool:
     """True when an op over these inputs must be recorded."""
-    if not is_grad_enabled():
-        seen = getattr(_state, "seen", None)
+    if not _state.enabled:
+        seen = _state.seen
         if seen is not None:  # inside track_inputs(): note what the op would have recorded edges to
             for t in tensors:
-                if t is not None and t.requires_grad:
+                if t is not None and t._requires_grad:
                     seen[t.id] = t
         return False
     for t in tensors:  # noqa: SIM110 - a plain loop: this runs for every op
-        if t is not None and t.requires_grad:
+        if t is not None and t._requires_grad:
             return True
     return False
 
@@ -123,7 +134,7 @@ class track_inputs:
     """
 
     def __enter__(self):
-        self._prev = getattr(_state, "seen", None)
+        self._prev = _state.seen
         self.seen = {}
         _state.seen = self.seen
         return self.seen
@@ -136,18 +147,26 @@ class track_inputs:
 
 
 def record(out, inputs, backward_fn, saved=(), **attrs):
-    """Attach a node to ``out``; ``inputs`` are the op's tensor inputs (None for non-tensors)."""
-    edges = []
-    meta = []
-    for t in inputs:
-        if t is None or not t.requires_grad:
-            edges.append(None)
-            meta.append(None)
+    """Attach a node to ``out``; ``inputs`` are the op's tensor inputs (None for non-tensors).
+
+    The node keeps each input's (shape, dtype) in one flat tuple of plain tuples, dtypes and None,
+    which the garbage collector stops tracking at its first pass: of the objects an op leaves alive
+    until its backward, only the node, its edges and what its rule saved stay tracked (the fewer
+    there are, the rarer Python's full collections over every live object)."""
+    if len(inputs) == 1:  # most ops: one tensor input (views, unary maps, casts)
+        (t,) = inputs
+        if t is None or not t._requires_grad:
+            edges, meta = (None,), (None, None)
         else:
-            edges.append(t._node if t._node is not None else t)
-            meta.append((t.shape, t.dtype))
-    out._node = Node(backward_fn, tuple(edges), tuple(meta), saved, attrs)
-    out.requires_grad = True
+            edges, meta = (t._node or t,), (tuple(t._data.shape), t._data.dtype)
+    else:
+        edges = tuple(None if t is None or not t._requires_grad else t._node or t for t in inputs)
+        meta = tuple(x for t, e in zip(inputs, edges)
+                     for x in ((None, None) if e is None else (tuple(t._data.shape), t._data.dtype)))
+    if not out._data.dtype.is_floating_point:
+        out.requires_grad = True  # raises, naming the dtype
+    out._node = Node(backward_fn, edges, meta, saved, attrs)
+    out._requires_grad = True
     return out
 
 
@@ -275,9 +294,8 @@ def _collect(root_nodes, boundary):
     return node_deps, leaf_deps
 
 
-def _fit(grad, meta):
+def _fit(grad, shape, dtype):
     """Reduce a broadcast gradient to its input's shape and cast it to its input's dtype."""
-    shape, dtype = meta
     if grad.shape != shape:
         from .ops.reduce import sum_to_shape
         grad = sum_to_shape(grad, shape)
@@ -379,16 +397,19 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
             del g
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
-            for edge, meta, ig in zip(node.edges, node.input_meta, in_grads):
+            meta = node.input_meta
+            for edge, shape, dtype, ig in zip(node.edges, meta[::2], meta[1::2], in_grads):
                 if edge is None:
                     continue
-                if ig is not None:
-                    ig = _fit(ig, meta)
+                if ig is not None and (ig._data.shape != shape or ig._data.dtype != dtype):
+                    ig = _fit(ig, shape, dtype)
                 if isinstance(edge, Node):
                     if edge in boundary:
                         _add_pending(captured, edge, ig, add)
                         continue
-                    _add_pending(pending, edge, ig, add)
+                    if ig is not None:  # _add_pending, inline: once per edge of the graph
+                        prev = pending.get(edge)
+                        pending[edge] = ig if prev is None else add(prev, ig)
                     node_deps[edge] -= 1
                     if node_deps[edge] == 0:
                         if edge in pending:

@@ -42,6 +42,8 @@ def _grad_into_zeros(shape, g, region):
 def _infer_shape(shape, numel, op):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
+    if all(type(s) is int and s >= 0 for s in shape) and math.prod(shape) == numel:  # the common case
+        return tuple(shape)
     shape = list(shape)
     unknown = [i for i, s in enumerate(shape) if s == -1]
     if len(unknown) > 1:
@@ -66,12 +68,13 @@ def _reshape_backward(node, g):
 def reshape(x, *shape):
     """A tensor with ``shape`` and the same elements; a view when the strides allow, else a copy."""
     check_tensor(x, "input", "reshape")
-    shape = _infer_shape(shape, x.numel(), "reshape")
+    data = x._data
+    shape = _infer_shape(shape, data.numel(), "reshape")
     try:
-        buf = x._data.view(shape)
+        buf = data.view(shape)
     except RuntimeError:
-        buf = _dense_copy(x._data).view(shape)
-    return _view(x, buf, _reshape_backward, shape=x.shape)
+        buf = _dense_copy(data).view(shape)
+    return _view(x, buf, _reshape_backward, shape=tuple(data.shape))
 
 
 view = reshape
@@ -118,22 +121,25 @@ def permute(x, *dims):
     check_tensor(x, "input", "permute")
     if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
         dims = tuple(dims[0])
-    if len(dims) != x.ndim:
-        raise RuntimeError(f"permute: number of dims {len(dims)} doesn't match the input's {x.ndim} dims")
-    dims = tuple(normalize_dim(d, x.ndim, "permute") for d in dims)
+    ndim = x._data.dim()
+    if len(dims) != ndim:
+        raise RuntimeError(f"permute: number of dims {len(dims)} doesn't match the input's {ndim} dims")
+    if not all(type(d) is int and 0 <= d < ndim for d in dims):  # else already normalised
+        dims = tuple(normalize_dim(d, ndim, "permute") for d in dims)
     if len(set(dims)) != len(dims):
         raise RuntimeError(f"permute: repeated dim in {dims}")
-    return _view(x, x._data.permute(dims), _permute_backward, dims=dims)
+    return _view(x, x._data.permute(dims), _permute_backward, dims=tuple(dims))
 
 
 def transpose(x, dim0, dim1):
     check_tensor(x, "input", "transpose")
-    if x.ndim == 0:
+    ndim = x._data.dim()
+    if ndim == 0:
         return x
-    d0, d1 = normalize_dim(dim0, x.ndim, "transpose"), normalize_dim(dim1, x.ndim, "transpose")
-    dims = list(range(x.ndim))
+    d0, d1 = normalize_dim(dim0, ndim, "transpose"), normalize_dim(dim1, ndim, "transpose")
+    dims = list(range(ndim))
     dims[d0], dims[d1] = dims[d1], dims[d0]
-    return permute(x, dims)
+    return _view(x, x._data.transpose(d0, d1), _permute_backward, dims=tuple(dims))
 
 
 def t(x):
