@@ -115,10 +115,6 @@ def memory_settings(model, args, family, targets, tokens, scopes=None):
         args.weight_dtype, args.memory_cap = plan.weight_dtype, args.memory_budget
         args.checkpointing = "on" if plan.checkpoint_blocks else "off"
         args.checkpoint_blocks, args.offload = plan.checkpoint_blocks, plan.offload_blocks or None
-    import torch
-    if args.memory_cap is not None and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * 2**30 / total))
     if args.checkpointing != "off":
         blocks = None if args.checkpoint_blocks is None else int(args.checkpoint_blocks)
         model.enable_gradient_checkpointing(True, scope=(scopes or CHECKPOINT_SCOPES)[args.checkpointing],
@@ -128,6 +124,11 @@ def memory_settings(model, args, family, targets, tokens, scopes=None):
     if args.offload:
         streamer = offload_blocks(model, count=args.offload if args.offload == "all" else int(args.offload))
         print(streamer.plan.summary(), file=sys.stderr)
+    import torch
+    if args.memory_cap is not None and torch.cuda.is_available():  # from here: the trainer loads fp8 and streamed
+        torch.cuda.empty_cache()  # blocks' weights as they are now, without the bf16 copies made here first
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap * 2**30 / total))
     return summary
 
 

@@ -170,7 +170,7 @@ def test_a_memory_budget_picks_fp8_then_checkpointing_then_streaming(tmp_path):
     from flame.models.blocks import Checkpointed
     from flame.ops.quant import Fp8Weight
     from flame.train.families.flux import FluxFamily
-    from flame.train.memory import GIB, plan_memory
+    from flame.train.memory import GIB, USABLE, plan_memory
     family = FluxFamily()
     tokens = 2 * family.tokens((4, 6), 8)  # batch 2 of the config's synthetic 4x6 latents, tiny T5's 8 tokens
     six = dataclasses.replace(SMALL, num_layers=2, num_single_layers=4)  # streaming saves more than its 2 slots
@@ -180,21 +180,25 @@ def test_a_memory_budget_picks_fp8_then_checkpointing_then_streaming(tmp_path):
                            tokens=tokens, targets=family.lora_targets("attn-mlp"), rank=4, weight_dtype=None,
                            allow_fp8=True, fp8_skip=family.full_precision_layers)
 
+    def below(p):  # the largest budget p does not fit in
+        return int((p.total - 1) / USABLE)
+
     roomy = plan(2**40)
     assert (roomy.weight_dtype, roomy.checkpoint_blocks, roomy.offload_blocks) == (None, 0, 0)
-    fp8 = plan(roomy.total - 1)
+    assert roomy.total <= USABLE * plan(int(roomy.total / USABLE) + 1).budget
+    fp8 = plan(below(roomy))
     assert (fp8.weight_dtype, fp8.checkpoint_blocks, fp8.offload_blocks) == ("fp8_e4m3", 0, 0)
     assert fp8.weights < roomy.weights and fp8.activations == roomy.activations
-    one = plan(fp8.total - 1)
+    one = plan(below(fp8))
     assert (one.checkpoint_blocks, one.offload_blocks) == (1, 0) and one.activations < fp8.activations
-    every = plan(fp8.total - 1)
+    every = one
     while every.checkpoint_blocks < 6:
-        every = plan(every.total - 1)
-    streamed = plan(every.total - 1)  # below every block checkpointed
+        every = plan(below(every))
+    streamed = plan(below(every))  # below every block checkpointed
     assert (streamed.weight_dtype, streamed.checkpoint_blocks, streamed.blocks) == ("fp8_e4m3", 6, 6)
-    assert streamed.offload_blocks >= 1 and streamed.total <= streamed.budget
+    assert streamed.offload_blocks >= 1 and streamed.total <= USABLE * streamed.budget
     with pytest.raises(ConfigError, match=r"train\.memory_budget_gb: 0\.0 MiB is too little: the least this run can "
-                                          r"take is about \d+\.\d MiB \(weights fp8_e4m3, every block checkpointed "
+                                          r"take is about \d+\.\d MiB: weights fp8_e4m3, every block checkpointed "
                                           r"and streamed"):
         plan(1000)
 

@@ -19,7 +19,8 @@ The planner takes the first setting that fits, in the order of what each costs p
    card's PCIe link (a quarter to half of the H200's 55 GB/s) dearer, so it comes last.
 When nothing fits, a ``ConfigError`` names the least memory a run can take.
 
-The estimate leaves out the CUDA context and other processes (a card's free memory after them is
+The estimate fills at most ``USABLE`` of the budget: the caching allocator holds more than the
+live tensors. It leaves out the CUDA context and other processes (a card's free memory after them is
 the budget to give), the text encoders when ``lora.text_encoder`` trains them, and the allocator's
 fragmentation; ``scripts/bench_flux.py``/``bench_sdxl.py --memory-cap`` measure a setting's peak.
 """
@@ -33,6 +34,9 @@ from ..nn.lora import matching_layers
 from .errors import ConfigError
 
 GIB = 2**30
+# the share of the budget the estimate may fill: PyTorch's caching allocator holds more than the live
+# tensors (blocks rounded up, free blocks of other sizes, the CUDA graphs' pools): 0.7 GiB of 8 for SDXL's step
+USABLE = 0.9
 ADAPTER_BYTES_PER_PARAMETER = 18  # fp32 weight, gradient and AdamW's two moments; the bf16 copy a step casts
 
 
@@ -119,11 +123,11 @@ def plan_memory(budget_bytes: int, *, profile: ActivationProfile, config, dtype,
 
         for checkpointed in range(blocks + 1) if wd == chosen else (0,):  # checkpointing with the final dtype
             plan = make(checkpointed, resident)
-            if plan.total <= budget_bytes:
+            if plan.total <= USABLE * budget_bytes:
                 return plan
     least = make(blocks, resident)
     # every block checkpointed: stream the fewest blocks whose weights then fit
-    room = budget_bytes - least.adapters - least.activations
+    room = USABLE * budget_bytes - least.adapters - least.activations
     try:
         streamed = plan_offload(model, budget_bytes=room) if room > 0 else None
     except ValueError:
@@ -132,7 +136,8 @@ def plan_memory(budget_bytes: int, *, profile: ActivationProfile, config, dtype,
         return make(blocks, streamed)
     floor = make(blocks, plan_offload(model, count="all"))
     raise ConfigError(f"train.memory_budget_gb: {_size(budget_bytes)} is too little: the least this run can take "
-                      f"is about {_size(floor.total)} (weights {floor.weight_dtype or 'as train.precision'}, every "
-                      f"block checkpointed and streamed: weights {_size(floor.weights)}, adapters and optimizer "
-                      f"{_size(floor.adapters)}, activations {_size(floor.activations)}); lower data.batch_size or "
-                      f"the resolution, or raise the budget")
+                      f"is about {_size(floor.total / USABLE)}: weights {floor.weight_dtype or 'as train.precision'}, "
+                      f"every block checkpointed and streamed, estimated {_size(floor.total)} (weights "
+                      f"{_size(floor.weights)}, adapters and optimizer {_size(floor.adapters)}, activations "
+                      f"{_size(floor.activations)}) and the allocator's {1 - USABLE:.0%}; lower data.batch_size or the "
+                      f"resolution, or raise the budget")
