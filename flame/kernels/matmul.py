@@ -658,8 +658,9 @@ class Route:
     (``config``: tuned fields as ``flame.tune`` answered them, with the derived ones; empty for the
     composite routes), how many slices K runs in (``splits``), and why (``reason``); for the kernel
     routes the ``grid`` and the kernel's size and stride arguments (``args``, from the problem), for
-    "tma" and "gluon" the operands' ``layout`` (``_layout``); for the composite routes the steps
-    they run, ``then``: (problem, route) pairs."""
+    "tma" and "gluon" the operands' ``layout`` (``_layout``), for "tma" the (shape, strides, block)
+    ``boxes`` of A's, B's and C's descriptors (the pre-activation's and residual's are C's); for the
+    composite routes the steps they run, ``then``: (problem, route) pairs."""
 
     kernel: str
     config: dict
@@ -668,6 +669,7 @@ class Route:
     grid: tuple = ()
     args: tuple = ()
     layout: tuple | None = None
+    boxes: tuple = ()
     then: tuple = ()
 
 
@@ -843,9 +845,15 @@ def _tma(p, layout, why):
         cfg["num_stages"] = _stages_with_room_for_low_rank(cfg, rank_block, p.dtype.itemsize)
     meta = dict(A_K_CONTIGUOUS=layout[0], B_K_CONTIGUOUS=layout[1], BIAS=p.bias, ACT=p.act, STORE_PRE=p.pre_out,
                 RESIDUAL=p.residual, RANK=rank_block, B_FP8=p.b_fp8, **cfg)
-    tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
-    return Route("tma", meta, 1, why + _inline(p), grid=(min(tiles, p.sms),),
-                 args=(p.M, p.N, p.K, p.rank, *p.su, *p.sv), layout=layout)
+    M, N, K = p.M, p.N, p.K
+    a_k, b_k, s_a, s_b, s_c = layout
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # each operand described along its unit stride (a descriptor's last stride must be 1)
+    boxes = (((M, K), (s_a, 1), (bm, bk)) if a_k else ((K, M), (s_a, 1), (bk, bm)),
+             ((N, K), (s_b, 1), (bn, bk)) if b_k else ((K, N), (s_b, 1), (bk, bn)),
+             ((M, N), (s_c, 1), (bm, bn)))
+    return Route("tma", meta, 1, why + _inline(p), grid=(min(cdiv(M, bm) * cdiv(N, bn), p.sms),),
+                 args=(M, N, K, p.rank, *p.su, *p.sv), layout=layout, boxes=boxes)
 
 
 def _layout(p):
@@ -892,7 +900,16 @@ def _problem(out, a, b, M, N, K, batch, sa, sb, sc, f):
 
 def _misaligned(a, b, out, f):
     """The names of the buffers of a launch that do not start 16-byte aligned (``GemmProblem``)."""
+    ptrs = a.data_ptr() | b.data_ptr() | out.data_ptr()
+    if f.pre_out is not None:
+        ptrs |= f.pre_out.data_ptr()
+    if f.residual is not None:
+        ptrs |= f.residual.data_ptr()
     u, v = (f.u, f.v) if f.rank else (None, None)
+    if u is not None:
+        ptrs |= u.data_ptr() | v.data_ptr()
+    if not ptrs % 16:
+        return ()
     bufs = (("a", a), ("b", b), ("c", out), ("pre_out", f.pre_out), ("residual", f.residual), ("u", u), ("v", v))
     return tuple(name for name, t in bufs if t is not None and t.data_ptr() % 16)
 
@@ -917,17 +934,16 @@ def _b_operand(b, b_fp8):
 
 
 def _run_pointer(p, r, out, a, b, f, part=None, counts=None):
-    cfg = r.config
-    rank = cfg["RANK"]
+    b_fp8 = r.config["B_FP8"]
     launch(_matmul_kernel, r.grid,
-           a, _b_operand(b, cfg["B_FP8"]),  # inputs
+           a, _b_operand(b, b_fp8),  # inputs
            out,  # output
-           f.bias, f.pre_out, f.residual, f.u if rank else None, f.v if rank else None,  # fusion operands
-           f.b_scale if cfg["B_FP8"] else None,
+           f.bias, f.pre_out, f.residual, f.u if f.rank else None, f.v if f.rank else None,  # fusion operands
+           f.b_scale if b_fp8 else None,
            part, counts,  # split-K's scratch
            *r.args, f.bias_stride,  # sizes and strides
            f.scale, f.rank_ratio,  # scalars
-           **cfg)
+           **r.config)
 
 
 def _run_split_k(p, r, out, a, b, f):
@@ -937,22 +953,17 @@ def _run_split_k(p, r, out, a, b, f):
 
 def _run_tma(p, r, out, a, b, f):
     # the descriptors are built on the host (built in the kernel they cost 2-3 us per launch on the H200)
-    cfg = r.config
-    M, N, K = p.M, p.N, p.K
-    a_k, b_k, s_a, s_b, s_c = r.layout
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    b = _b_operand(b, cfg["B_FP8"])
-    rank = cfg["RANK"]
+    box_a, box_b, box_c = r.boxes
+    b_fp8 = r.config["B_FP8"]
     launch(_matmul_tma_kernel, r.grid,
-           descriptor(a, [M, K], [s_a, 1], [bm, bk]) if a_k else descriptor(a, [K, M], [s_a, 1], [bk, bm]),  # inputs
-           descriptor(b, [N, K], [s_b, 1], [bn, bk]) if b_k else descriptor(b, [K, N], [s_b, 1], [bk, bn]),
-           descriptor(out, [M, N], [s_c, 1], [bm, bn]),  # output
-           descriptor(f.pre_out, [M, N], [s_c, 1], [bm, bn]) if cfg["STORE_PRE"] else None,  # fusion operands
-           descriptor(f.residual, [M, N], [s_c, 1], [bm, bn]) if cfg["RESIDUAL"] else None,
-           f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if cfg["B_FP8"] else None,
+           descriptor(a, *box_a), descriptor(_b_operand(b, b_fp8), *box_b),  # inputs
+           descriptor(out, *box_c),  # output
+           None if f.pre_out is None else descriptor(f.pre_out, *box_c),  # fusion operands
+           None if f.residual is None else descriptor(f.residual, *box_c),
+           f.bias, f.u if f.rank else None, f.v if f.rank else None, f.b_scale if b_fp8 else None,
            *r.args, f.bias_stride,  # sizes and strides
            f.scale, f.rank_ratio,  # scalars
-           **cfg)
+           **r.config)
 
 
 def _run_gluon(p, r, out, a, b, f):
@@ -995,7 +1006,7 @@ class Fusion:
     ``b_scale_rows``, decoded in the main loop (``B_FP8`` in ``_matmul_kernel``)."""
 
     __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "u", "v", "beta", "rank",
-                 "rank_block", "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8")
+                 "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8")
 
     def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None, b_scale=None,
                  b_scale_rows=False):
@@ -1008,7 +1019,6 @@ class Fusion:
         u, v, beta = low_rank if low_rank is not None else (None, None, 0.0)
         self.u, self.v, self.beta = u, v, float(beta)
         self.rank = 0 if self.u is None or self.beta == 0.0 else self.u.shape[1]
-        self.rank_block = max(16, _pow2(self.rank)) if self.rank else 0
         self.u_strides = self.u.stride() if self.rank else (0, 0)
         self.v_strides = self.v.stride() if self.rank else (0, 0)
         # what the kernels multiply the accumulator by, and by what they scale A B before adding U V:
