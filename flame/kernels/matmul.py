@@ -933,6 +933,10 @@ def _b_operand(b, b_fp8):
     return as_codes(b) if b_fp8 else b
 
 
+# The runners: route ``r`` of problem ``p`` on these buffers with the epilogue ``f``. They take every
+# switch from the route (a composite route's step may run with a Fusion that holds more, such as the
+# scale of codes already dequantised) and pass None for what it leaves out.
+
 def _run_pointer(p, r, out, a, b, f, part=None, counts=None):
     b_fp8 = r.config["B_FP8"]
     launch(_matmul_kernel, r.grid,
@@ -979,7 +983,7 @@ def _run_low_rank_apart(p, r, out, a, b, f):
 
 def _run_fp8_dequant(p, r, out, a, b, f):
     ((q, then),) = r.then
-    w = dequantize_rows_(runtime.empty(tuple(b.shape), p.dtype), b, f.b_scale)  # the runners read B_FP8 = 0
+    w = dequantize_rows_(runtime.empty(tuple(b.shape), p.dtype), b, f.b_scale)  # the step's B_FP8 is 0
     _RUN[then.kernel](q, then, out, a, w, f)
 
 
