@@ -479,7 +479,7 @@ def _finish_leaf(leaf, grad, grads, capture, captured, accumulate):
     if leaf.id in capture:
         captured[leaf.id] = grad
     if accumulate:
-        grads[leaf] = grad
+        grads._grads[leaf.id] = grad  # grads[leaf], the key known to be a Tensor's
         for hook in leaf._post_hooks or ():
             hook(leaf, grad)
 

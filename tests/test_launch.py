@@ -231,3 +231,31 @@ def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
     L.launch(sig_kernel, (1,), x, y, 64, sig="plan 2", BLOCK=64)
     assert len(runs) == 2 and runs[1][9:] == (y, x, 65, 64) and sum(compiles.values()) == 8
     assert L.launches == before + 10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(flame.is_interpreter(), reason="the direct path runs on CUDA only")
+def test_direct_launches_equal_tritons_own(monkeypatch):
+    """On a GPU, launches whose key was compiled before skip Triton's launch path (``_key`` for
+    plain launches, ``sig=`` for plans: a strided map, a bf16 GEMM, layer norm, attention): their
+    results equal those of the same launches through Triton (``FLAME_TRITON_LAUNCH=1``)."""
+    import flame.nn.functional as F
+    through = []
+    real = L._through_triton
+    monkeypatch.setattr(L, "_through_triton", lambda *a: through.append(a[0]) or real(*a))
+    x = flame.randn(300, 40, dtype=flame.bfloat16)
+    w = flame.randn(72, 40, dtype=flame.bfloat16)
+    y = flame.randn(40, dtype=flame.bfloat16)
+    q = flame.randn(2, 3, 77, 64, dtype=flame.bfloat16)
+
+    def step():
+        h = F.layer_norm(x.t().contiguous().t() * y + 1.0, (40,))
+        return [t.to_torch().clone() for t in (h, F.linear(h, w), F.scaled_dot_product_attention(q, q, q))]
+
+    step()  # compiles every key through Triton
+    through.clear()
+    direct = step()
+    assert not through, f"launched through Triton again: {through}"
+    monkeypatch.setattr(L, "_direct", False)
+    for got, want in zip(direct, step()):
+        assert torch.equal(got, want)

@@ -100,8 +100,9 @@ def _key_function(parts):
 
 
 def _key(kid, kernel, args, meta):
-    """The cache key of a launch: its argument types and, per ``_Layout``, what Triton
-    specialises on (a superset: two launches with one key compile to the same kernel)."""
+    """The cache key of a launch: the ``_Layout`` of its argument types (hashed by identity: the
+    types are hashed once, to find it) and what Triton specialises on (a superset: two launches
+    with one key compile to the same kernel)."""
     types = tuple(map(type, args))
     layouts = _layouts.get(kid)
     if layouts is None:
@@ -109,7 +110,7 @@ def _key(kid, kernel, args, meta):
     lay = layouts.get(types)
     if lay is None:
         lay = layouts[types] = _Layout(kernel, args)
-    return types, lay.key(args), tuple(meta.items())
+    return lay, lay.key(args), tuple(meta.items())
 
 
 def _through_triton(kernel, grid, args, meta):
