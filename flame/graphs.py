@@ -137,6 +137,12 @@ class CapturedStep:
                 outputs = self.fn(*call_args)
         except BaseException as e:  # a broken rule, a failed capture, Ctrl-C: leave no half-made capture behind
             _reset_capture_state()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise torch.OutOfMemoryError(
+                    f"CapturedStep({self.name}): out of device memory while capturing the step ({e}). The "
+                    "captured step's buffers come from a pool of their own, besides the memory eager steps "
+                    "left cached; use less memory (a smaller batch, checkpointing, fp8 weights, streamed "
+                    "blocks) or run without the CUDA graph") from e
             if isinstance(e, RuntimeError) and not isinstance(e, GraphRuleError):  # the device refused
                 raise RuntimeError(f"CapturedStep({self.name}): capturing the step failed ({e}). A captured "
                                    "function must not synchronize with the host (.item(), .numpy(), printing "

@@ -101,6 +101,7 @@ def run_flame(args):
     times = _time_steps(step, args, flame.synchronize)
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
             "first_step_s": first_step_s, "peak_bytes": flame.max_memory_allocated(),
+            "reserved_bytes": driver.reserved_bytes(),
             "lora_params": sum(p.numel() for p in params), "device": flame.device_name(), "graphs": step_fn.num_graphs,
             "memory_plan": memory_plan}
 

@@ -95,6 +95,13 @@ def _profile(step, args):
             "top": [{"name": k[:120], "ms": round(ms, 3), "count": c} for k, ms, c in rows[:30]]}
 
 
+def reserved_bytes() -> int:
+    """The most memory PyTorch's caching allocator held since the last peak reset (what a card must
+    have: the live tensors' peak, plus cached free blocks and the CUDA graphs' pools); 0 without a GPU."""
+    import torch
+    return torch.cuda.max_memory_reserved() if torch.cuda.is_available() else 0
+
+
 def memory_settings(model, args, family, targets, tokens, scopes=None):
     """``--checkpointing``, ``--checkpoint-blocks``, ``--weight-dtype``, ``--offload`` and ``--memory-cap``
     on flame's frozen, LoRA-injected ``model``, as the trainer applies ``train.gradient_checkpointing``,
@@ -179,7 +186,8 @@ def run_flame(args):
     times = _time_steps(step, args, flame.synchronize)
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
             "first_step_s": first_step_s, "compiled_ahead": ahead,
-            "peak_bytes": flame.max_memory_allocated(), "lora_params": sum(p.numel() for p in params),
+            "peak_bytes": flame.max_memory_allocated(), "reserved_bytes": reserved_bytes(),
+            "lora_params": sum(p.numel() for p in params),
             "device": flame.device_name(), "graphs": step_fn.num_graphs,
             "memory_plan": memory_plan}
 
@@ -476,7 +484,8 @@ def _print_run(result, round_note):
     start += (f" ({ahead['variants']} kernel variants compiled ahead in {ahead['seconds']:.1f} s, "
               f"{ahead['failed']} failed)") if ahead else ""
     start += f"\n   {result['memory_plan']}" if result.get("memory_plan") else ""
-    print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{start}"
+    held = f" (allocator {result['reserved_bytes'] / 2**30:.2f} GiB)" if result.get("reserved_bytes") else ""
+    print(f"   median {result['median_s'] * 1e3:.1f} ms, peak {result['peak_bytes'] / 2**30:.2f} GiB{held}{start}"
           f"{round_note}", flush=True)
     if result.get("profile"):
         prof = result["profile"]
