@@ -110,7 +110,7 @@ def _key(kid, kernel, args, meta):
     lay = layouts.get(types)
     if lay is None:
         lay = layouts[types] = _Layout(kernel, args)
-    return lay, lay.key(args), tuple(meta.items())
+    return lay, lay.key(args), tuple(meta), tuple(meta.values())  # names and values: two flat tuples
 
 
 def _through_triton(kernel, grid, args, meta):
