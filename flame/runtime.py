@@ -198,6 +198,20 @@ def reset_peak_memory_stats() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
+def use_expandable_segments() -> bool:
+    """Have PyTorch's caching allocator grow and shrink its segments in place (its
+    ``expandable_segments`` setting) unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise: freed blocks
+    are not stranded in half-used segments, which matters most when a CUDA graph's pool and the eager
+    allocations share a small card (Flux.1 on 24 GiB: 21.9 GiB held instead of 27.3 for the same
+    21.6 GiB of tensors). True when it is on. No-op on the interpreter."""
+    if INTERPRETER:
+        return False
+    if "expandable_segments" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        return True
+    return "expandable_segments:true" in os.environ["PYTORCH_CUDA_ALLOC_CONF"].lower().replace(" ", "")
+
+
 _num_sms = None
 
 

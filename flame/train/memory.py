@@ -20,7 +20,9 @@ The planner takes the first setting that fits, in the order of what each costs p
 When nothing fits, a ``ConfigError`` names the least memory a run can take.
 
 The estimate fills at most ``USABLE`` of the budget: the caching allocator holds more than the
-live tensors. It leaves out the CUDA context and other processes (a card's free memory after them is
+live tensors (with its expandable segments on, ``runtime.use_expandable_segments``, which a budget
+turns on; without them, blocks stranded in half-used segments took Flux.1's 21.6 GiB of tensors to
+27.3 GiB held). It leaves out the CUDA context and other processes (a card's free memory after them is
 the budget to give), the text encoders when ``lora.text_encoder`` trains them, and the allocator's
 fragmentation; ``scripts/bench_flux.py``/``bench_sdxl.py --memory-cap`` measure a setting's peak.
 """
@@ -35,7 +37,8 @@ from .errors import ConfigError
 
 GIB = 2**30
 # the share of the budget the estimate may fill: PyTorch's caching allocator holds more than the live
-# tensors (blocks rounded up, free blocks of other sizes, the CUDA graphs' pools): 0.7 GiB of 8 for SDXL's step
+# tensors (blocks rounded up, cached free blocks, the CUDA graphs' pool): 1-4% with its expandable segments,
+# which the trainer turns on (Flux.1 at 24 and 16 GiB, H200), and the estimate errs by up to 0.2 GiB
 USABLE = 0.9
 ADAPTER_BYTES_PER_PARAMETER = 18  # fp32 weight, gradient and AdamW's two moments; the bf16 copy a step casts
 

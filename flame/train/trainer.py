@@ -181,6 +181,9 @@ class Trainer:
         self.objective = self.family.objective(c, self.log)
         self._check_targets(model, mcfg)
         self.memory = self._plan_memory(mcfg) if c.train.memory_budget_gb is not None else None
+        if self.memory is not None and not runtime.use_expandable_segments() and not runtime.is_interpreter():
+            self.log("train.memory_budget_gb: PYTORCH_CUDA_ALLOC_CONF turns the allocator's expandable segments off; "
+                     "the budget's estimate assumes them")
         weight_dtype = c.model.weight_dtype if self.memory is None else self.memory.weight_dtype
         fp8 = {} if weight_dtype is None else {"weight_dtype": weight_dtype,
                                                "fp8_skip": self.family.full_precision_layers}
