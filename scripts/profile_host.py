@@ -7,9 +7,14 @@ with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out
 
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
 and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
-card (TMA paths, split-K). It prints the launches per kernel of one eager step (forward,
-backward, AdamW on rank-16 LoRA on attn, bf16), the median host time of ``--steps`` more and the
-host profile of one: a GPU-free count of what a change adds or removes. Host times are this
+card (TMA paths, split-K). Launches take a GPU's host path (``launch.py``'s direct path: key,
+cache lookup, current stream, the compiled kernel's launcher, here a counter), so the count
+includes what ``launch`` itself costs; Triton's own launcher (C, plus its Python wrapper and TMA
+descriptor encoding) is left out. It prints the launches per kernel of one eager step (forward,
+backward, AdamW on rank-16 LoRA on attn, bf16; the first step also zero-fills the optimizer's
+state and builds the timestep embedding's tables: 2,249 launches that later steps skip), the
+median host time of ``--steps`` more and the host profile of one (``--sort cumulative`` for the
+callers' view): a GPU-free count of what a change adds or removes. Host times are this
 machine's, not a GPU host's.
 """
 import argparse
