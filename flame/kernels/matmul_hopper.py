@@ -335,7 +335,9 @@ def matmul(out, a, b, M, N, K, f, layout, cfg):
                 RESIDUAL=f.residual is not None, BLOCK_K=BLOCK_K, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
     # the descriptors are not torch tensors: ``sig`` pins down what the compiled kernel depends on
     # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
-    # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits)
+    # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits). So the bias
+    # is a tensor even when BIAS is off (C stands in): a ``sig`` launch keys on the tensors at the
+    # positions its first launch had them; C's descriptor stands in for those switched off likewise.
     sig = (a.dtype, tuple(meta.items()))
     launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
            gemm._or(f.bias, out), M, N, K, f.bias_stride, f.scale, sig=sig, **meta)
