@@ -137,8 +137,8 @@ class CapturedStep:
                 outputs = self.fn(*call_args)
         except BaseException as e:  # a broken rule, a failed capture, Ctrl-C: leave no half-made capture behind
             _reset_capture_state()
-            if isinstance(e, torch.OutOfMemoryError):
-                raise torch.OutOfMemoryError(
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise torch.cuda.OutOfMemoryError(
                     f"CapturedStep({self.name}): out of device memory while capturing the step ({e}). The "
                     "captured step's buffers come from a pool of their own, besides the memory eager steps "
                     "left cached; use less memory (a smaller batch, checkpointing, fp8 weights, streamed "
