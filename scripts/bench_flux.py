@@ -58,6 +58,8 @@ def run_flame(args):
     from flame.models.flux import FluxTransformer2DModel, latent_image_ids, text_ids
     from flame.train.families.flux import FluxFamily
 
+    if args.memory_budget is not None:  # as the trainer does for train.memory_budget_gb
+        flame.runtime.use_expandable_segments()
     cfg = _config(args.config)
     flame.manual_seed(0)
     model = FluxTransformer2DModel(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)

@@ -149,6 +149,8 @@ def run_flame(args):
     flame.testing.simulate_shared_memory_limit()  # the portable setting's smaller card
     ahead = precompile.compile_ahead(args.precompile, progress=False) if args.precompile else None
 
+    if args.memory_budget is not None:  # as the trainer does for train.memory_budget_gb
+        flame.runtime.use_expandable_segments()
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     flame.manual_seed(0)
     model = SDXLUNet(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)
