@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
+import warnings
 from typing import NamedTuple
+
+import torch
 
 from .. import io, runtime
 from ..kernels import elementwise as KE
 from ..kernels import quant as KQ
 from ..nn import Parameter
 from ..nn.init import skip_init
-from ..ops.quant import Fp8Weight
+from ..ops.quant import FP8, Fp8Weight
 from ..tensor import Tensor
 from .placement import place
 
@@ -110,15 +114,48 @@ def resolve_component(path, subfolder: str, stem: str, what: str):
                             "(.bin weights are not supported: convert them to safetensors)")
 
 
+SCALE_SUFFIXES = ("scale_weight", "scale_input")  # ComfyUI's fp8_scaled files, next to "<layer>.weight"
+SCALED_FP8_MARK = "scaled_fp8"  # the empty tensor such a file carries to say so
+
+
 def stored_tensors(files) -> dict:
-    """{name: (file, shape)} of every tensor in the safetensors ``files`` (headers only)."""
+    """{name: (file, shape)} of every tensor in the safetensors ``files`` (headers only), but an fp8
+    file's companions of a weight (``fp8_scale_key``; ``<layer>.scale_input``, an activation scale
+    flame does not use; the ``scaled_fp8`` mark), which ``load_into`` reads with the weight. A
+    ``scale_weight`` must be one number or one per row of its weight: any other shape raises a
+    ValueError naming it."""
     stored = {}
     for f in files:
-        for k, shape in io.stored_shapes(f).items():
+        shapes = io.stored_shapes(f)
+        for k, shape in shapes.items():
+            layer, _, suffix = k.rpartition(".")
+            weight = f"{layer}.weight"
+            if k == SCALED_FP8_MARK or (suffix in SCALE_SUFFIXES and weight in shapes):
+                if suffix == "scale_weight":
+                    _check_scale_shape(shape, shapes[weight], k, f)
+                continue
             if k in stored:
                 raise ValueError(f"tensor {k!r} is in both {stored[k][0]} and {f}")
             stored[k] = (pathlib.Path(f), shape)
     return stored
+
+
+def fp8_scale_key(key: str) -> str | None:
+    """The name of the per-tensor (or per-row) scale that ComfyUI's and musubi-tuner's fp8_scaled
+    files store next to the fp8 weight ``key`` (``<layer>.weight`` -> ``<layer>.scale_weight``: the
+    weight is ``codes * scale_weight``); None for a key that is no weight."""
+    layer, _, suffix = key.rpartition(".")
+    return f"{layer}.scale_weight" if suffix == "weight" and layer else None
+
+
+def _check_scale_shape(shape, weight_shape, key, path) -> None:
+    rows = weight_shape[0] if len(weight_shape) >= 2 else None
+    if math.prod(shape) == 1 or (rows is not None and tuple(shape) in ((rows,), (rows, 1))):
+        return
+    per_row = f" or one per output row ({rows},) or ({rows}, 1)" if rows is not None else ""
+    raise ValueError(f"{path}: {key!r} has shape {tuple(shape)}, but the scale of the fp8 weight "
+                     f"{tuple(weight_shape)} must be one number (shape () or (1,)){per_row} (block-wise scales are "
+                     "not supported: dequantise the file first)")
 
 
 def _listing(keys, limit=8):
@@ -167,22 +204,72 @@ def _materialize(loaded, src: Source, like) -> Tensor:
     return Tensor(out)
 
 
+def _fp8_rows(weight: Fp8Weight, row: int, n: int) -> tuple:
+    """(codes, scales) of rows ``row`` to ``row + n`` of the fp8 ``weight``; a device weight gets its
+    memory with its first part."""
+    if weight._data.is_meta:
+        weight._data = runtime.empty(tuple(weight.shape), weight.dtype)
+        weight.scale = runtime.empty(tuple(weight.scale.shape), weight.scale.dtype)
+    return weight._data.narrow(0, row, n), weight.scale.narrow(0, row, n)
+
+
 def _quantize_into(weight: Fp8Weight, row, part, on_host: bool) -> None:
     """Rows ``row`` on (0: all) of the fp8 ``weight`` from ``part`` (those rows' values on the device):
     codes and per-channel scales of each row, as ``quantize_fp8`` gives them (rows are quantised one
     by one, so parts stacked later equal the whole quantised at once). Codes ``on_host`` are made on
     the device and copied there."""
-    if weight._data.is_meta:  # a device weight gets its memory with its first part
-        weight._data = runtime.empty(tuple(weight.shape), weight.dtype)
-        weight.scale = runtime.empty(tuple(weight.scale.shape), weight.scale.dtype)
-    n = part.shape[0]
-    codes, scale = weight._data.narrow(0, row, n), weight.scale.narrow(0, row, n)
+    codes, scale = _fp8_rows(weight, row, part.shape[0])
     if on_host:
         staged = runtime.empty(tuple(codes.shape), codes.dtype)
         KQ.quantize_rows_(staged, scale, part)
         io.copy_to_host(codes, staged)
     else:
         KQ.quantize_rows_(codes, scale, part)
+
+
+def _copy_codes_into(weight: Fp8Weight, row, stored, codes_on_device, scales, src: Source, on_host: bool) -> None:
+    """Rows ``row`` on of the fp8 ``weight`` from ``src``'s part of the float8_e4m3fn tensor ``stored``
+    (host memory, as read; ``codes_on_device``: the same bytes on the device) and the stored tensor's
+    per-row ``scales`` (on the device): the codes as they are, bit for bit, with their scales."""
+    codes, scale = _fp8_rows(weight, row, src.shape[0])
+    if on_host:
+        io.copy_to_host(codes, _part(stored, src))
+    else:
+        KE.copy_(KQ.as_codes(codes), KQ.as_codes(_part(codes_on_device, src)))
+    start = src.rows[0] if src.rows is not None else 0
+    KE.copy_(scale, scales.narrow(0, start, src.shape[0]))
+
+
+class _Fp8Stored:
+    """A float8_e4m3fn tensor read from a file and its scale (``fp8_scale_key``: one number or one per
+    row; 1 without one), moved to the device when first needed: its codes as bytes, its scales one
+    per row (rows: the first dim of a weight of 2 or more dims, else one row), and ``values(dtype)``,
+    the dequantised tensor (codes x scale, ``kernels.quant.dequantize_rows_``)."""
+
+    def __init__(self, stored, scale):
+        self.stored, self.scale_stored = stored, scale
+        self.rows = stored.shape[0] if stored.ndim >= 2 else 1
+        self._codes = self._scales = None
+
+    def codes(self):
+        if self._codes is None:
+            self._codes = io.to_device(KQ.as_codes(self.stored))._data.view(FP8)
+        return self._codes
+
+    def scales(self):
+        if self._scales is None:
+            self._scales = runtime.empty((self.rows,), torch.float32)
+            if self.scale_stored is None:
+                KE.fill_(self._scales, 1.0)
+            else:
+                scale = io.to_device(self.scale_stored.reshape(-1), torch.float32)._data
+                KE.copy_(self._scales, scale.expand(self.rows) if scale.numel() == 1 else scale)
+        return self._scales
+
+    def values(self, dtype):
+        out = runtime.empty(tuple(self.stored.shape), dtype)
+        KQ.dequantize_rows_(out.view(self.rows, -1), self.codes().view(self.rows, -1), self.scales())
+        return out
 
 
 def load_into(model, index: dict, dtype, host=frozenset()) -> None:
@@ -195,7 +282,12 @@ def load_into(model, index: dict, dtype, host=frozenset()) -> None:
     A model built without memory and placed (``placement.place``): a Parameter still without memory
     takes device memory as above; ``host`` names those in host memory, into which each part is copied
     on the host (cast on the device and copied back when the file's dtype is not ``dtype``,
-    ``io.to_host``); an ``Fp8Weight`` gets each part quantised on the device into its rows."""
+    ``io.to_host``); an ``Fp8Weight`` gets each part quantised on the device into its rows.
+
+    A tensor stored as float8_e4m3fn (``flux1-dev-fp8``-style files: scale 1; ComfyUI's fp8_scaled
+    files: times its ``scale_weight``): an ``Fp8Weight`` takes its codes as they are (no second
+    rounding) and the scale for each of its rows; any other parameter gets it dequantised into
+    ``dtype`` (a warning says how many tensors of which file were)."""
     by_file = {}
     for name, src in index.items():
         blocks, at = [(src, None)], 0
@@ -207,22 +299,38 @@ def load_into(model, index: dict, dtype, host=frozenset()) -> None:
         for block, row in blocks:
             by_file.setdefault(block.file, {}).setdefault(block.key, []).append((name, block, row))
     for f, by_key in by_file.items():
+        dequantised = 0
         with io.open_safetensors(f) as opened:
+            keys = set(opened.keys())
             for key, targets in by_key.items():
                 stored = io.read_tensor(opened, key, f, "load_into")
+                scale_key = fp8_scale_key(key)
+                scale = io.read_tensor(opened, scale_key, f, "load_into") if scale_key in keys else None
+                if scale is not None and stored.dtype != FP8:
+                    raise ValueError(f"load_into: {f}: {key!r} is stored as {stored.dtype}, not float8_e4m3fn, but "
+                                     f"has a scale {scale_key!r}: only fp8 weights can be scaled")
+                fp8 = _Fp8Stored(stored, scale) if stored.dtype == FP8 else None
                 loaded = None  # on the device, in dtype: once a target needs it
                 for name, src, row in targets:
                     path, _, attr = name.rpartition(".")
                     table = model.get_submodule(path)._parameters
                     param = table[attr]
-                    if name in host and not isinstance(param, Fp8Weight):
+                    if isinstance(param, Fp8Weight) and fp8 is not None and not src.transpose:
+                        _copy_codes_into(param, row or 0, stored, None if name in host else fp8.codes(),
+                                         fp8.scales(), src, name in host)
+                        continue
+                    if name in host and not isinstance(param, Fp8Weight) and fp8 is None:
                         dst = param._data if row is None else param._data.narrow(0, row, src.shape[0])
                         io.to_host(dst, _part(stored, src))
                         continue
                     if loaded is None:
-                        loaded = io.to_device(stored, dtype)._data
+                        loaded = io.to_device(stored, dtype)._data if fp8 is None else fp8.values(dtype)
+                        dequantised += fp8 is not None
                     if isinstance(param, Fp8Weight):
                         _quantize_into(param, row or 0, _part(loaded, src), name in host)
+                    elif name in host:  # dequantised on the device, copied to its host memory
+                        dst = param._data if row is None else param._data.narrow(0, row, src.shape[0])
+                        io.copy_to_host(dst, _materialize(loaded, src, dst)._data)
                     elif row is not None:  # one block of a stacked parameter
                         if param._data.is_meta:
                             table[attr] = param = Parameter(Tensor(runtime.empty_strided(
@@ -230,6 +338,9 @@ def load_into(model, index: dict, dtype, host=frozenset()) -> None:
                         KE.copy_(param._data.narrow(0, row, src.shape[0]), _part(loaded, src))
                     else:  # in place in the module's table: state_dict order stays the architecture's
                         table[attr] = Parameter(_materialize(loaded, src, param._data))
+        if dequantised:
+            warnings.warn(f"load_into: {dequantised} tensor(s) of {f} are stored as float8_e4m3fn: dequantised (codes "
+                          f"x scale) into {str(dtype).removeprefix('torch.')}", stacklevel=3)
 
 
 def component_config(cfg_dict, config, parse, who, path):
