@@ -102,6 +102,10 @@ def sdxl_setup(args):
             grads = loss.backward()
         opt.step(grads)
 
+    if not args.no_freeze:  # as the trainer: the run's long-lived objects out of the cyclic collector's passes
+        import gc
+        gc.collect()
+        gc.freeze()
     return step, counts
 
 
@@ -139,6 +143,8 @@ def main():
     ap.add_argument("--resolution", type=int, default=1024, help="--sdxl: image side in pixels")
     ap.add_argument("--checkpointing", choices=["off", "on", "ff"], default="off", help="--sdxl: as bench_sdxl.py")
     ap.add_argument("--steps", type=int, default=5, help="--sdxl: unprofiled steps timed after the first")
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="--sdxl: keep the model's objects in the cyclic collector's passes (the trainer freezes them)")
     args = ap.parse_args()
     if args.sdxl:
         return sdxl_step(args)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import json
 import math
 import os
@@ -1065,6 +1066,10 @@ class Trainer:
         self._bar_ = self._make_bar()
         started = self._clock = time.perf_counter()
         started_at = time.time()
+        # the model's, adapters' and optimizer's objects live for the whole run: kept out of the cyclic
+        # collector's passes (gc.freeze), its full collections stop walking them every few eager steps
+        gc.collect()
+        gc.freeze()
         try:
             checkpoint = self._loop()
             distributed.barrier()  # no rank leaves (and torchrun stops none) before rank 0's checkpoint is written
@@ -1074,6 +1079,7 @@ class Trainer:
                                 + (f"the newest complete checkpoint is {kept}" if kept else "no checkpoint was written")
                                 + ": continue with --resume once every process can run") from e
         finally:
+            gc.unfreeze()  # a dropped trainer's objects become collectable again
             if self._bar_ is not None:
                 self._bar_.close()
                 self._bar_ = None
