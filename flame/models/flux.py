@@ -166,7 +166,7 @@ class FluxConfig:
 
 # ---- the fused pieces of a block ---------------------------------------------------------------------
 # LayerNorm + adaLN modulation, the gated residual and the attention prologue (QK RMSNorm, RoPE, the
-# head split of both streams) are one kernel each (ops.norm.layer_norm_modulated, addcmul,
+# head split of both streams) are one kernel each (ops.norms.layer_norm_modulated, addcmul,
 # ops.rope.qk_norm_rope).
 
 def _modulate(x, shift, scale):

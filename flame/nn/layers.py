@@ -8,8 +8,8 @@ from collections import OrderedDict
 import torch
 
 from .. import runtime
-from ..ops import norm as N
-from ..ops.conv import conv2d
+from ..ops import norms as N
+from ..ops.conv2d import conv2d
 from ..ops.dropout import dropout
 from ..ops.elementwise import gelu, silu
 from ..ops.matmul import linear

@@ -73,7 +73,7 @@ from ..autograd import no_grad
 from ..kernels import dora as KD
 from ..kernels import elementwise as KE
 from ..kernels import matmul as KM
-from ..ops.conv import conv2d
+from ..ops.conv2d import conv2d
 from ..ops.dropout import dropout as _dropout
 from ..ops.elementwise import abs as abs_
 from ..ops.elementwise import sub

@@ -1,4 +1,4 @@
-"""Helpers shared by the op modules: argument checks and output allocation."""
+"""Helpers shared by the op modules: argument checks, output allocation and dense copies."""
 from __future__ import annotations
 
 import numbers
@@ -7,7 +7,10 @@ import numpy as np
 import torch
 
 from .. import runtime
+from ..kernels import elementwise as KE
 from ..tensor import Tensor
+
+REDUCTIONS = ("none", "mean", "sum")  # the losses' ``reduction`` values
 
 
 def new(shape, dtype) -> Tensor:
@@ -32,6 +35,26 @@ def argument_error(x, name: str, op: str, expected: str = "a flame Tensor") -> T
     else:
         got = type(x).__name__
     return TypeError(f"{op}: {name} must be {expected}, got {got}")
+
+
+def dense(buf):
+    """A contiguous copy of the buffer ``buf`` (one copy-kernel pass)."""
+    out = runtime.empty(tuple(buf.shape), buf.dtype)
+    KE.copy_(out, buf)
+    return out
+
+
+def check_float_input(x, name: str, op: str) -> Tensor:
+    """``x`` when it is a floating-point flame Tensor, else the TypeError naming ``op`` and ``name``."""
+    check_tensor(x, name, op)
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{op}: expected a floating-point {name}, got dtype {x.dtype}")
+    return x
+
+
+def check_reduction(reduction, op: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
 
 
 def check_float(x: Tensor, op: str) -> Tensor:

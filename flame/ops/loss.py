@@ -1,7 +1,6 @@
-"""Losses with PyTorch's names and argument order: ``cross_entropy`` (fused: no probabilities
-materialised in the forward; the softmax kernels, over ``ops/softmax.py``'s (outer, R, inner)
-views), ``mse_loss``, ``l1_loss``, ``smooth_l1_loss`` and ``huber_loss``; each forward sits beside
-its backward rule.
+"""Regression losses with PyTorch's names and argument order: ``mse_loss``, ``l1_loss``,
+``smooth_l1_loss`` and ``huber_loss`` (``cross_entropy`` is the softmax family's:
+``ops/softmax.py``); each forward sits beside its backward rule.
 
 The regression losses take ``reduction`` ('none' | 'mean' | 'sum'); mse, l1 and huber take an
 optional ``weight`` broadcastable to the input (PyTorch requires the input's shape), with
@@ -14,91 +13,13 @@ from __future__ import annotations
 import math
 import numbers
 
-import torch
-
 from .. import runtime
 from ..autograd import needs_grad, record
 from ..kernels import softmax as K
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import _autocast
-from ._util import check_tensor
+from ._util import check_float_input, check_reduction, dense
 from .reduce import sum_to_shape
-from .softmax import _dense, _dense_ori, _ori
-
-_REDUCTIONS = ("none", "mean", "sum")
-
-
-def _check_float_input(x, name, op):
-    check_tensor(x, name, op)
-    if not x.dtype.is_floating_point:
-        raise TypeError(f"{op}: expected a floating-point {name}, got dtype {x.dtype}")
-
-
-def _check_reduction(reduction, op):
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-
-
-# ---- cross_entropy ------------------------------------------------------------------------------
-
-def _cross_entropy_backward(node, g):
-    xbuf, t, lse, count = node.saved
-    a = node.attrs
-    reduction = a["reduction"]
-    gbuf = g._data
-    if reduction == "none" and not gbuf.is_contiguous():
-        gbuf = _dense(gbuf)
-    dx = Tensor(runtime.empty(a["shape"], a["dtype"]))
-    K.cross_entropy_bwd(dx._data, xbuf, t, lse, gbuf, count, a["outer"], a["C"], a["inner"], a["xs"],
-                        _dense_ori(a["shape"], 1 if len(a["shape"]) > 1 else 0), reduction, a["ignore_index"],
-                        a["smoothing"])
-    return dx, None
-
-
-def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",  # noqa: A002
-                  label_smoothing=0.0):
-    """Cross-entropy between ``input`` logits (C,), (N, C) or (N, C, d1, ...) and integer class
-    ``target`` () / (N,) / (N, d1, ...), with ``ignore_index`` and ``label_smoothing`` as
-    PyTorch. A target outside [0, C) other than ``ignore_index`` raises IndexError, as PyTorch
-    does, but at the next host read (``loss.item()``, ``flame.check_errors()``): the kernel flags it,
-    so no call syncs with the device."""
-    op = "cross_entropy"
-    _check_float_input(input, "input", op)
-    check_tensor(target, "target", op)
-    (input,) = _autocast.fp32(input)  # noqa: A001
-    _check_reduction(reduction, op)
-    if weight is not None:
-        raise NotImplementedError(f"{op}: per-class weight is not supported; use reduction='none' and weight "
-                                  "the per-sample losses")
-    if target.dtype.is_floating_point:
-        raise TypeError(f"{op}: only class-index targets are supported (int64/int32), got dtype {target.dtype}")
-    if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"{op}: target must be int64 or int32 class indices, got dtype {target.dtype}")
-    if input.ndim == 0:
-        raise ValueError(f"{op}: input must have a class dim, got a 0-d tensor")
-    want = () if input.ndim == 1 else (input.shape[0],) + tuple(input.shape[2:])
-    if tuple(target.shape) != want:
-        raise ValueError(f"{op}: expected target of shape {want} for input of shape {input.shape}, "
-                         f"got target of shape {target.shape}")
-    if (not isinstance(label_smoothing, numbers.Real) or isinstance(label_smoothing, bool)
-            or not 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
-    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
-        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
-    cdim = 1 if input.ndim > 1 else 0
-    xbuf, outer, C, inner, xs = _ori(input._data, cdim)
-    if C == 0 and outer * inner:
-        raise ValueError(f"{op}: input of shape {input.shape} has no classes")
-    tbuf = target._data if target._data.is_contiguous() else _dense(target._data)
-    loss, lse, count = K.cross_entropy_fwd(xbuf, tbuf, outer, C, inner, xs, reduction, int(ignore_index),
-                                           float(label_smoothing), input.dtype)
-    out = Tensor(loss.view(tuple(target.shape)) if reduction == "none" else loss)
-    if needs_grad(input):
-        record(out, (input, None), _cross_entropy_backward, saved=(xbuf, tbuf, lse, count), outer=outer, C=C,
-               inner=inner, xs=xs, shape=input.shape, dtype=input.dtype, reduction=reduction,
-               ignore_index=int(ignore_index), smoothing=float(label_smoothing))
-    return out
-
 
 # ---- regression losses --------------------------------------------------------------------------
 
@@ -121,7 +42,7 @@ def _loss_backward(node, g):
     need_x, need_y, need_w = node.needs_input_grad
     gbuf = g._data
     if a["reduction"] == "none" and not gbuf.is_contiguous():
-        gbuf = _dense(gbuf)
+        gbuf = dense(gbuf)
     dx = Tensor(runtime.empty(a["shape"], a["xdtype"])) if need_x else None
     dy = Tensor(runtime.empty(a["shape"], a["ydtype"])) if need_y else None
     dwf = Tensor(runtime.empty(a["shape"], a["wdtype"])) if need_w else None
@@ -134,9 +55,9 @@ def _loss_backward(node, g):
 
 
 def _pointwise_loss(kind, x, y, reduction, beta, weight, op, weight_norm=True):
-    _check_float_input(x, "input", op)
-    _check_float_input(y, "target", op)
-    _check_reduction(reduction, op)
+    check_float_input(x, "input", op)
+    check_float_input(y, "target", op)
+    check_reduction(reduction, op)
     x, y, weight = _autocast.fp32(x, y, weight)
     if x.shape != y.shape:
         raise ValueError(f"{op}: input and target must have the same shape, got {x.shape} and {y.shape}")
@@ -145,7 +66,7 @@ def _pointwise_loss(kind, x, y, reduction, beta, weight, op, weight_norm=True):
     out_dtype = promote_types(x.dtype, y.dtype)
     wbuf, w_div, w_mod = None, 1, 1
     if weight is not None:
-        _check_float_input(weight, "weight", op)
+        check_float_input(weight, "weight", op)
         try:
             shape = broadcast_shapes(weight.shape, x.shape)
         except ValueError:
@@ -155,13 +76,13 @@ def _pointwise_loss(kind, x, y, reduction, beta, weight, op, weight_norm=True):
         out_dtype = promote_types(out_dtype, weight.dtype)
         idx = _weight_index(weight.shape, x.shape)
         if idx is None:
-            wbuf = _dense(weight._data.expand(x.shape))
+            wbuf = dense(weight._data.expand(x.shape))
             w_div, w_mod = 1, max(1, x.numel())
         else:
             w_div, w_mod = idx
-            wbuf = weight._data if weight._data.is_contiguous() else _dense(weight._data)
-    xbuf = x._data if x._data.is_contiguous() else _dense(x._data)
-    ybuf = y._data if y._data.is_contiguous() else _dense(y._data)
+            wbuf = weight._data if weight._data.is_contiguous() else dense(weight._data)
+    xbuf = x._data if x._data.is_contiguous() else dense(x._data)
+    ybuf = y._data if y._data.is_contiguous() else dense(y._data)
     loss, wsum = K.loss_fwd(xbuf, ybuf, wbuf, w_div, w_mod, kind, beta, reduction, out_dtype, weight_norm)
     out = Tensor(loss.view(x.shape) if reduction == "none" else loss)
     if needs_grad(x, y, weight):

@@ -10,7 +10,7 @@ from ..autograd import needs_grad, record
 from ..kernels import pool as KP
 from ..tensor import Tensor, int64
 from ._util import check_tensor
-from .conv import _empty_nhwc, _is_channels_last, _pair
+from .conv2d import _empty_nhwc, _is_channels_last, _pair
 from .shape import expand, permute, reshape, squeeze, unsqueeze
 
 

@@ -1,25 +1,22 @@
-"""``softmax`` and ``log_softmax`` with PyTorch's names and argument order, forward beside backward,
-over any dim of a tensor with any strides (viewed as (outer, R, inner) around the dim); the
-kernels are ``kernels/softmax.py``'s, which also serve ``cross_entropy`` (``ops/loss.py``)."""
+"""``softmax``, ``log_softmax`` and ``cross_entropy`` (fused: no probabilities materialised in the
+forward) with PyTorch's names and argument order, forward beside backward, over any dim of a tensor
+with any strides (viewed as (outer, R, inner) around the dim); the kernels are
+``kernels/softmax.py``'s."""
 from __future__ import annotations
 
 import itertools
 import math
+import numbers
+
+import torch
 
 from .. import runtime
 from ..autograd import needs_grad, record
-from ..kernels import elementwise as KE
 from ..kernels import softmax as K
 from ..tensor import Tensor
 from . import _autocast
-from ._util import check_tensor, normalize_dim
+from ._util import check_float_input, check_reduction, check_tensor, dense, normalize_dim
 from .elementwise import to
-
-
-def _dense(buf):
-    out = runtime.empty(tuple(buf.shape), buf.dtype)
-    KE.copy_(out, buf)
-    return out
 
 
 def _collapse(shape, strides):
@@ -42,7 +39,7 @@ def _ori(buf, dim):
     before = _collapse(shape[:dim], strides[:dim])
     after = _collapse(shape[dim + 1:], strides[dim + 1:])
     if before is None or after is None:
-        buf = _dense(buf)
+        buf = dense(buf)
         return _ori(buf, dim)
     return buf, before[0], shape[dim], after[0], (before[1], strides[dim], after[1])
 
@@ -94,3 +91,64 @@ def softmax(x, dim=None, dtype=None):
 def log_softmax(x, dim=None, dtype=None):
     """x - logsumexp(x) along ``dim``."""
     return _softmax(x, dim, dtype, True, "log_softmax")
+
+
+# ---- cross_entropy ------------------------------------------------------------------------------
+
+def _cross_entropy_backward(node, g):
+    xbuf, t, lse, count = node.saved
+    a = node.attrs
+    reduction = a["reduction"]
+    gbuf = g._data
+    if reduction == "none" and not gbuf.is_contiguous():
+        gbuf = dense(gbuf)
+    dx = Tensor(runtime.empty(a["shape"], a["dtype"]))
+    K.cross_entropy_bwd(dx._data, xbuf, t, lse, gbuf, count, a["outer"], a["C"], a["inner"], a["xs"],
+                        _dense_ori(a["shape"], 1 if len(a["shape"]) > 1 else 0), reduction, a["ignore_index"],
+                        a["smoothing"])
+    return dx, None
+
+
+def cross_entropy(input, target, weight=None, ignore_index=-100, reduction="mean",  # noqa: A002
+                  label_smoothing=0.0):
+    """Cross-entropy between ``input`` logits (C,), (N, C) or (N, C, d1, ...) and integer class
+    ``target`` () / (N,) / (N, d1, ...), with ``ignore_index`` and ``label_smoothing`` as
+    PyTorch. A target outside [0, C) other than ``ignore_index`` raises IndexError, as PyTorch
+    does, but at the next host read (``loss.item()``, ``flame.check_errors()``): the kernel flags it,
+    so no call syncs with the device."""
+    op = "cross_entropy"
+    check_float_input(input, "input", op)
+    check_tensor(target, "target", op)
+    (input,) = _autocast.fp32(input)  # noqa: A001
+    check_reduction(reduction, op)
+    if weight is not None:
+        raise NotImplementedError(f"{op}: per-class weight is not supported; use reduction='none' and weight "
+                                  "the per-sample losses")
+    if target.dtype.is_floating_point:
+        raise TypeError(f"{op}: only class-index targets are supported (int64/int32), got dtype {target.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{op}: target must be int64 or int32 class indices, got dtype {target.dtype}")
+    if input.ndim == 0:
+        raise ValueError(f"{op}: input must have a class dim, got a 0-d tensor")
+    want = () if input.ndim == 1 else (input.shape[0],) + tuple(input.shape[2:])
+    if tuple(target.shape) != want:
+        raise ValueError(f"{op}: expected target of shape {want} for input of shape {input.shape}, "
+                         f"got target of shape {target.shape}")
+    if (not isinstance(label_smoothing, numbers.Real) or isinstance(label_smoothing, bool)
+            or not 0.0 <= label_smoothing <= 1.0):
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise TypeError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    cdim = 1 if input.ndim > 1 else 0
+    xbuf, outer, C, inner, xs = _ori(input._data, cdim)
+    if C == 0 and outer * inner:
+        raise ValueError(f"{op}: input of shape {input.shape} has no classes")
+    tbuf = target._data if target._data.is_contiguous() else dense(target._data)
+    loss, lse, count = K.cross_entropy_fwd(xbuf, tbuf, outer, C, inner, xs, reduction, int(ignore_index),
+                                           float(label_smoothing), input.dtype)
+    out = Tensor(loss.view(tuple(target.shape)) if reduction == "none" else loss)
+    if needs_grad(input):
+        record(out, (input, None), _cross_entropy_backward, saved=(xbuf, tbuf, lse, count), outer=outer, C=C,
+               inner=inner, xs=xs, shape=input.shape, dtype=input.dtype, reduction=reduction,
+               ignore_index=int(ignore_index), smoothing=float(label_smoothing))
+    return out

@@ -1,4 +1,4 @@
-"""conv2d (flame/kernels/conv2d.py, ops/conv.py): convolutions on channels-last maps, benchmarked
+"""conv2d (flame/kernels/conv2d.py, ops/conv2d.py): convolutions on channels-last maps, benchmarked
 against cuDNN on NCHW and channels-last tensors, and their three passes tuned per SDXL shape."""
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def input_grad_problems(ctx: TuneCtx, shape) -> list[Problem]:
     nb, ci, h, w, co, k, s = shape
     ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
 
-    def build():  # flame/ops/conv.py _conv2d_backward for a channels-last input
+    def build():  # flame/ops/conv2d.py _conv2d_backward for a channels-last input
         g = ctx.randn(nb, co, ho, wo, channels_last=True)
         wt = ctx.randn(co, ci, k, k, scale=(co * k * k) ** -0.5, channels_last=True)
         out = ctx.empty(nb, ci, h, w, channels_last=True)
@@ -140,7 +140,7 @@ def weight_grad_problems(ctx: TuneCtx, shape) -> list[Problem]:
     nb, ci, h, w, co, k, s = shape
     ho, wo = _conv_out_size(h, k, s), _conv_out_size(w, k, s)
 
-    def build():  # flame/ops/conv.py _conv2d_backward: dW in the layout of flame's (channels-last) weights
+    def build():  # flame/ops/conv2d.py _conv2d_backward: dW in the layout of flame's (channels-last) weights
         g = ctx.randn(nb, co, ho, wo, channels_last=True)
         x = ctx.randn(nb, ci, h, w, scale=(nb * ho * wo) ** -0.5, channels_last=True)
         out = ctx.empty(co, ci, k, k, channels_last=True)  # every element written each run (kernel or split-K sum)

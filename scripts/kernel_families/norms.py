@@ -1,4 +1,4 @@
-"""norms (flame/kernels/norms.py, ops/norm.py): GroupNorm (+ SiLU), LayerNorm and RMSNorm,
+"""norms (flame/kernels/norms.py, ops/norms.py): GroupNorm (+ SiLU), LayerNorm and RMSNorm,
 benchmarked against PyTorch and tuned per SDXL shape."""
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def group_norm_problems(ctx: TuneCtx, shape) -> list[Problem]:
         y = torch.nn.functional.group_norm(x, g, wt, b, eps)
         return torch.nn.functional.silu(y) if silu else y
 
-    def inputs():  # as flame/ops/norm.py group_norm passes them: (N, C, S) strides of the map
+    def inputs():  # as flame/ops/norms.py group_norm passes them: (N, C, S) strides of the map
         x, out = ctx.randn(nb, c, h, w, channels_last=cl), ctx.empty(nb, c, h, w, channels_last=cl)
         wt, b = 1 + ctx.randn(c, scale=0.5), ctx.randn(c)
         return x, wt, b, out

@@ -1,6 +1,5 @@
-"""softmax (flame/kernels/softmax.py; ops/softmax.py and, for cross-entropy, ops/loss.py): softmax,
-log_softmax and cross-entropy over rows, benchmarked against PyTorch and tuned on vocabulary-sized
-rows."""
+"""softmax (flame/kernels/softmax.py, ops/softmax.py): softmax, log_softmax and cross-entropy over
+rows, benchmarked against PyTorch and tuned on vocabulary-sized rows."""
 from __future__ import annotations
 
 # isort: off
