@@ -463,9 +463,10 @@ def load_shapes(path: Path, families, error) -> dict:
         error(f"--shapes {path}: expected sections {sorted(fields)} of shape lists, got {type(doc).__name__}")
     shapes = {}
     for section, rows in doc.items():
-        if section not in fields:
+        name = common.SECTION_ALIASES.get(section, section)  # errors name the section as the file spells it
+        if name not in fields:
             error(f"--shapes {path}: unknown section {section!r} (known: {', '.join(sorted(fields))})")
-        want, flag = fields[section], flags[section]
+        want, flag = fields[name], flags[name]
         if not isinstance(rows, list):
             error(f"--shapes {path}: section {section!r} must be a list of {list(want)} lists")
         what = f"integers {list(want)} ({', '.join(flag)} 0 or 1, the others positive)" if flag else \
@@ -475,7 +476,7 @@ def load_shapes(path: Path, families, error) -> dict:
                     isinstance(v, int) and not isinstance(v, bool) and (v in (0, 1) if f in flag else v > 0)
                     for f, v in zip(want, row))):
                 error(f"--shapes {path}: {section}[{i}] = {row!r} is not {len(want)} {what}")
-        shapes[section] = [tuple(r) for r in rows]
+        shapes[name] = [tuple(r) for r in rows]
     if not any(FAMILIES[f].section in shapes for f in families):
         error(f"--shapes {path}: no shapes for the families {', '.join(families)} "
               f"(sections {', '.join(sorted({FAMILIES[f].section for f in families}))})")

@@ -48,7 +48,7 @@ from flame.kernels.elementwise import GELU_TANH
 FLUX = [(4608, 3072, 3072), (4608, 3072, 9216), (4608, 3072, 12288), (4608, 3072, 21504), (4608, 12288, 3072),
         (4608, 15360, 3072),  # the issue's set: single blocks' token count for every width
         (4096, 3072, 3072), (4096, 3072, 9216), (4096, 3072, 12288), (4096, 12288, 3072)]  # double blocks' images
-SDXL = common.sdxl_rows("linear", [  # the transformers' linears at batch 1 and 2 (CFG)
+SDXL = common.sdxl_rows("matmul", [  # the transformers' linears at batch 1 and 2 (CFG)
     (4096, 640, 640), (4096, 640, 5120), (4096, 2560, 640), (1024, 1280, 1280), (1024, 1280, 10240),
     (1024, 5120, 1280), (8192, 640, 640), (8192, 640, 5120), (8192, 2560, 640), (2048, 1280, 1280),
     (2048, 1280, 10240), (2048, 5120, 1280)])

@@ -66,6 +66,8 @@ def mismatch(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype | None = 
 # ---- shapes ------------------------------------------------------------------------------------
 
 SDXL_SHAPES = ROOT / "configs" / "autotune" / "shapes" / "sdxl.yaml"
+# Sections renamed after their family (issue 50: one name per family); files with the old names still read.
+SECTION_ALIASES = {"linear": "matmul", "conv": "conv2d"}
 
 
 def load_shapes(path: Path = SDXL_SHAPES) -> dict[str, list[tuple]]:
@@ -73,7 +75,7 @@ def load_shapes(path: Path = SDXL_SHAPES) -> dict[str, list[tuple]]:
     import yaml  # only the scripts that read a shapes file need PyYAML
 
     doc = yaml.safe_load(Path(path).read_text()) or {}
-    return {section: [tuple(row) for row in rows] for section, rows in doc.items()}
+    return {SECTION_ALIASES.get(section, section): [tuple(row) for row in rows] for section, rows in doc.items()}
 
 
 _sdxl: dict[str, list[tuple]] = {}

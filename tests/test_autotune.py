@@ -347,7 +347,7 @@ def test_the_sdxl_shapes_file_has_every_section(autotune):
         raise AssertionError(msg)
 
     shapes = autotune.load_shapes(autotune.DEFAULT_SHAPES, list(autotune.FAMILIES), error)
-    assert set(shapes) == {"linear", "conv", "attention", "group_norm", "layer_norm", "softmax", "cross_entropy",
+    assert set(shapes) == {"matmul", "conv2d", "attention", "group_norm", "layer_norm", "softmax", "cross_entropy",
                            "elementwise", "reduce"}
     # SDXL's activations at batch 1 (320, 640, 1280 channels) and 16M elements; bias-gradient
     # column sums (tokens x channels) and the 8192 x 32000 row sums

@@ -97,4 +97,41 @@ def test_the_scripts_take_their_families_and_old_names_from_the_package(scripts)
                                        "group_norm", "layer_norm", "softmax", "cross_entropy", "elementwise", "reduce"]
     args = autotune.parse_args(["--quick", "--out", "unused.json", "--family", "norms,softmax"])
     assert args.family == ["group_norm", "layer_norm", "softmax"]
-    assert autotune.QUICK_SHAPES["conv"] == list(kernel_families.conv2d.QUICK)
+    assert autotune.QUICK_SHAPES["conv2d"] == list(kernel_families.conv2d.QUICK)
+
+
+def _misnamed(kernel_files, root=ROOT) -> list[str]:
+    """One line per place a family named ``kernel_files`` (flame/kernels/<family>.py stems) lacks: its op
+    file flame/ops/<family>.py, its tests tests/test_<family>.py, its scripts/kernel_families/<family>.py."""
+    places = ("flame/ops/{}.py", "tests/test_{}.py", "scripts/kernel_families/{}.py")
+    return [f"family {family!r} (flame/kernels/{family}.py) has no {place.format(family)}"
+            for family in sorted(kernel_files) for place in places if not (root / place.format(family)).is_file()]
+
+
+def test_a_family_with_a_tunable_kernel_has_one_name_across_kernel_op_test_and_script_files():
+    # Every kernel file that registers a tunable kernel; the Gluon variants (attention_hopper.py,
+    # matmul_hopper.py) register none: they are routes of attention's and matmul's ops, tested in
+    # tests/test_<variant>.py. No family is an exception.
+    kernel_files = {spec.heuristic.__module__.rsplit(".", 1)[-1] for spec in tune.SPECS.values()}
+    assert {"matmul", "conv2d", "attention", "norms", "softmax", "elementwise", "reduce"} <= kernel_files
+    assert _misnamed(kernel_files) == []
+    # a family registered tomorrow under a kernel file with no namesakes is caught
+    assert _misnamed({"softmax", "fused_adam"}) == [
+        f"family 'fused_adam' (flame/kernels/fused_adam.py) has no {place}"
+        for place in ("flame/ops/fused_adam.py", "tests/test_fused_adam.py", "scripts/kernel_families/fused_adam.py")]
+
+
+def test_shapes_sections_are_named_as_their_family_and_the_old_names_still_read(scripts, tmp_path):
+    _, autotune = scripts
+    common = importlib.import_module("common")
+    assert {"matmul", "conv2d"} <= set(common.load_shapes()) and not {"linear", "conv"} & set(common.load_shapes())
+    assert {t.section for t in kernel_families.tunings().values()} >= {"matmul", "conv2d"}
+    old = tmp_path / "old.yaml"
+    old.write_text("linear: [[8, 16, 24]]\nconv: [[1, 4, 8, 8, 16, 3, 1]]\n")
+    want = {"matmul": [(8, 16, 24)], "conv2d": [(1, 4, 8, 8, 16, 3, 1)]}
+    assert common.load_shapes(old) == want
+
+    def error(msg):
+        raise AssertionError(msg)
+
+    assert autotune.load_shapes(old, ["matmul", "conv2d"], error) == want

@@ -31,9 +31,9 @@ def _sdxl_convs(rows):
     section (batch x pixels, Ci, Co: it runs on the GEMM)."""
     for n, ci, h, w, co, k, s, up in rows:
         if k == 1:
-            common.sdxl_rows("linear", [(n * h * w, ci, co)])
+            common.sdxl_rows("matmul", [(n * h * w, ci, co)])
         else:
-            common.sdxl_rows("conv", [(n, ci, 2 * h if up else h, 2 * w if up else w, co, k, s)])
+            common.sdxl_rows("conv2d", [(n, ci, 2 * h if up else h, 2 * w if up else w, co, k, s)])
     return rows
 
 
@@ -151,10 +151,10 @@ def weight_grad_problems(ctx: TuneCtx, shape) -> list[Problem]:
 
 
 TUNING = {
-    "conv2d": Tuning(forward_problems, "conv", CONV_FIELDS, quick=QUICK,
+    "conv2d": Tuning(forward_problems, "conv2d", CONV_FIELDS, quick=QUICK,
                      kernels=("conv2d", "conv2d_tma", "conv2d_fold")),
-    "conv2d_dgrad": Tuning(input_grad_problems, "conv", CONV_FIELDS, quick=QUICK,
+    "conv2d_dgrad": Tuning(input_grad_problems, "conv2d", CONV_FIELDS, quick=QUICK,
                            kernels=("conv2d_dgrad", "conv2d_dgrad_tma", "conv2d_fold")),
-    "conv2d_wgrad": Tuning(weight_grad_problems, "conv", CONV_FIELDS, quick=QUICK,
+    "conv2d_wgrad": Tuning(weight_grad_problems, "conv2d", CONV_FIELDS, quick=QUICK,
                            kernels=("conv2d_wgrad", "conv2d_wgrad_tma")),
 }

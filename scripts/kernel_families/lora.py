@@ -10,7 +10,7 @@ import torch
 
 from .cases import BenchFamily, Case, Ctx, fwd_bwd_cases, randn
 
-LORA_SHAPES = common.sdxl_rows("linear", [(4096, 640, 640), (77, 2048, 640), (1024, 1280, 1280),
+LORA_SHAPES = common.sdxl_rows("matmul", [(4096, 640, 640), (77, 2048, 640), (1024, 1280, 1280),
                                           (77, 2048, 1280)])  # SDXL's attention projections
 
 

@@ -19,7 +19,7 @@ from .problems import Ctx as TuneCtx
 # are rows of the SDXL shapes file that autotune tunes (common.sdxl_rows checks each); the rest
 # are reference sizes outside SDXL. bench keeps its own selection: the file lists every SDXL
 # problem at 3 batch sizes and 2 resolutions, too many for a benchmark run.
-SDXL_LINEAR = common.sdxl_rows("linear", [  # (M, K, N): the transformers' linears and the text projections
+SDXL_LINEAR = common.sdxl_rows("matmul", [  # (M, K, N): the transformers' linears and the text projections
     (4096, 640, 640), (4096, 640, 5120), (4096, 2560, 640), (1024, 1280, 1280), (1024, 1280, 10240),
     (1024, 5120, 1280), (77, 2048, 640), (77, 2048, 1280)])
 LINEAR_SHAPES = [  # (M, K, N, activation)
@@ -92,5 +92,5 @@ def linear_problems(ctx: TuneCtx, shape) -> list[Problem]:
     return [Problem(f"{name} fwd", forward), Problem(f"{name} dX", input_grad), Problem(f"{name} dW", weight_grad)]
 
 
-TUNING = {"matmul": Tuning(linear_problems, "linear", ("M", "K", "N"), quick=((24, 16, 40),),
+TUNING = {"matmul": Tuning(linear_problems, "matmul", ("M", "K", "N"), quick=((24, 16, 40),),
                            kernels=("matmul", "matmul_tma"))}
