@@ -175,3 +175,33 @@ def test_the_trainer_trains_on_an_fp8_file(tmp_path):
     assert isinstance(trainer.model.double_blocks[0].img_attn.qkv.weight, Fp8Weight)
     losses = trainer.train()["losses"]
     assert len(losses) == 1 and math.isfinite(losses[0])
+
+
+def test_sdxl_unet_fp8_files(tmp_path):
+    """The SDXL UNet's loader too: fp8 codes kept, or dequantised into fp16."""
+    pytest.importorskip("transformers")
+    from tiny_sdxl import UNET
+
+    from flame.models import SDXLUNet
+    g = torch.Generator().manual_seed(0)
+    tensors, values = {}, {}
+    for key, shape in SDXLUNet.parameter_shapes(UNET).items():
+        w = 0.1 * torch.randn(shape, generator=g)
+        if len(shape) == 2 and key.endswith(".weight"):
+            scale = w.abs().amax() / 448
+            tensors[key], tensors[key.replace(".weight", ".scale_weight")] = (w / scale).to(FP8), scale
+            values[key] = tensors[key].float() * scale
+        else:
+            tensors[key] = w
+    (tmp_path / "unet").mkdir()
+    save_file(tensors, tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    (tmp_path / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DConditionModel",
+                                                                **UNET.to_diffusers()}))
+    fp8 = SDXLUNet.from_pretrained(tmp_path, weight_dtype="fp8_e4m3")
+    with pytest.warns(UserWarning, match=f"{len(values)} tensor"):
+        half = SDXLUNet.from_pretrained(tmp_path, flame.float16)
+    fp8_params, half_params = dict(fp8.named_parameters()), dict(half.named_parameters())
+    for key, want in values.items():
+        assert isinstance(fp8_params[key], Fp8Weight), key
+        assert torch.equal(_codes(fp8_params[key]._data), _codes(tensors[key])), key
+        assert torch.equal(half_params[key]._data.cpu(), want.half()), key
