@@ -7,7 +7,8 @@ Every model (UNet, text encoders, VAE) loads the same way:
    component folder itself, or one ``.safetensors`` file (config None). In a folder the weights are
    ``{stem}.safetensors``, the ``{stem}.fp16.safetensors`` variant, or either's sharded
    ``.safetensors.index.json``.
-2. ``stored_tensors(files)``: {name in the file: (file, shape)} from the headers only.
+2. ``stored_tensors(files)``: {name in the file: (file, shape)} from the headers only (an fp8 file's
+   ``scale_weight`` keys go with their weights, ``load_into`` reading them).
 3. The model's own name map turns that into an index {parameter name: ``Source`` or ``Rows``}; a
    ``Source`` may take a row range of a stored tensor (a fused q/k/v projection), transpose it, or
    view it in another shape of the same size (a 1x1 conv weight read as a linear one); ``Rows``
