@@ -516,7 +516,7 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
 
         return [autotune.Problem("torch", build)]
 
-    monkeypatch.setitem(autotune.FAMILIES, "fake", autotune.Family(fake, "linear", ("M", "K", "N"), ""))
+    monkeypatch.setitem(autotune.FAMILIES, "fake", autotune.Family(fake, "matmul", ("M", "K", "N"), ""))
     out = tmp_path / "t.json"
     assert autotune.main(["--quick", "--family", "fake", "--out", str(out)]) == 1
     assert "torch: the launch asked flame.tune for no config" in capsys.readouterr().err
@@ -534,8 +534,8 @@ def test_a_launcher_that_ignores_the_override_is_an_error(autotune, tmp_path, mo
     (["--shapes"], "linear: [[4096, 640]]\n", "linear[0] = [4096, 640] is not 3 positive integers ['M', 'K', 'N']"),
     (["--shapes"], "conv: [[1, 4, 8, 8, 16, 3, 0]]\n", "conv[0] = [1, 4, 8, 8, 16, 3, 0]"),
     (["--shapes"], "lienar: [[1, 2, 3]]\n",
-     "unknown section 'lienar' (known: attention, conv, cross_entropy, elementwise, group_norm, layer_norm, "
-     "linear, reduce, softmax)"),
+     "unknown section 'lienar' (known: attention, conv2d, cross_entropy, elementwise, group_norm, layer_norm, "
+     "matmul, reduce, softmax)"),
     (["--shapes"], "reduce: [[1, 0, 24]]\n",
      "reduce[0] = [1, 0, 24] is not 3 positive integers ['outer', 'R', 'inner']"),
     (["--shapes"], "softmax: [[8, 32, 2]]\n",
