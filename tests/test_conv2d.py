@@ -299,11 +299,12 @@ def test_conv2d_unbatched_and_mixed_precision():
     assert_close(grads[w], wt.grad, **_tol(wt.grad, torch.float16))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # extended settings: their gradients are checked against torch's in test_conv2d_matches_torch
 @pytest.mark.parametrize("kw", [pytest.param(dict(stride=2, padding=1), marks=pytest.mark.extended),
                                 pytest.param(dict(padding="same", dilation=2), marks=pytest.mark.extended),
                                 pytest.param(dict(stride=(1, 2)), marks=pytest.mark.extended),
-                                dict(padding=1, groups=2), dict(stride=2, dilation=2, padding=1)], ids=str)
+                                pytest.param(dict(padding=1, groups=2), marks=pytest.mark.extended),
+                                dict(stride=2, dilation=2, padding=1)], ids=str)
 def test_conv2d_gradcheck(kw):
     rng = np.random.default_rng(3)
     g = kw.get("groups", 1)

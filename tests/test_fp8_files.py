@@ -5,7 +5,6 @@
 loaded in another dtype, or into a full-precision (``fp8_skip``) layer, they are dequantised."""
 import dataclasses
 import json
-import math
 
 import pytest
 import torch
@@ -161,7 +160,8 @@ def test_bad_scales_are_refused_naming_the_key(tmp_path):
 
 
 def test_the_trainer_trains_on_an_fp8_file(tmp_path):
-    """model.path to an fp8_scaled diffusers folder with model.weight_dtype fp8_e4m3 (streamed blocks too)."""
+    """model.path to an fp8_scaled diffusers folder with model.weight_dtype fp8_e4m3 (streamed blocks too):
+    the trainer's model holds the file's codes."""
     from test_train_flux import SMALL, _config
 
     from flame.train import Trainer
@@ -173,8 +173,7 @@ def test_the_trainer_trains_on_an_fp8_file(tmp_path):
                           progress=False, log=lines.append)
     assert any("2 of 2 blocks streamed" in line for line in lines), lines
     assert isinstance(trainer.model.double_blocks[0].img_attn.qkv.weight, Fp8Weight)
-    losses = trainer.train()["losses"]
-    assert len(losses) == 1 and math.isfinite(losses[0])
+    # a run on weights loaded so: test_train_flux.py's checkpoint test (fp8 and streamed blocks from a folder)
 
 
 def test_sdxl_unet_fp8_files(tmp_path):

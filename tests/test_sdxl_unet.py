@@ -133,7 +133,8 @@ def test_forward_and_gradients_match_diffusers(reference, checkpointing):
     _assert_grads_close({n: grads[params[n]].to_torch() for n in CHECKED}, ref32, ref64)
 
 
-def test_sgm_named_file_loads_the_same_weights_and_output(reference):
+def test_sgm_named_file_loads_the_same_weights(reference):
+    """Every weight equal to diffusers' (the same weights give the same output: the parity test above)."""
     unet, root = reference
     model = SDXLUNet.from_pretrained(root / "sgm.safetensors", config=TINY)
     ref_sd = unet.state_dict()
@@ -141,12 +142,6 @@ def test_sgm_named_file_loads_the_same_weights_and_output(reference):
     assert set(sd) == set(ref_sd)
     for k, v in sd.items():
         assert torch.equal(v.to_torch().cpu(), ref_sd[k]), k
-    inp = _inputs(batch=1)
-    with torch.no_grad():
-        ref = _run_diffusers(unet, inp)
-    with flame.no_grad():
-        out = _run_flame(model, inp)
-    assert _rel(out.to_torch(), ref) < RTOL
 
 
 @pytest.mark.extended  # LoRA against peft: tests/test_lora_parts.py per layer, test_lora_interop.py whole

@@ -343,7 +343,7 @@ def test_non_finite_loss_stops_with_a_clean_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_sdxl_config_trains_through_the_cli(tmp_path):
-    """configs/sdxl_lora_tiny.yaml end to end through the CLI on a real SDXL UNet (2 steps of batch 1
+    """configs/sdxl_lora_tiny.yaml end to end through the CLI on a real SDXL UNet (1 step of batch 1
     instead of 6 of batch 2, tests/tiny_sdxl.py's 2-level UNet instead of SDXLUNetConfig.tiny(), and no
     validation, to save time; test_loss_goes_down_and_lora_file_loads checks the validation loss):
     synthetic cache, training, a checkpoint, a LoRA file that loads into SDXLUNet."""
@@ -354,16 +354,16 @@ def test_tiny_sdxl_config_trains_through_the_cli(tmp_path):
     config.write_text(json.dumps(UNET.to_diffusers()))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "scripts/train_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
-                        f"output.dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=2",
+                        f"output.dir={tmp_path / 'out'}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=1",
                         "data.batch_size=1", "output.validate_every=0", f"model.config={config}",
                         "data.synthetic_latent_sizes=[[4, 4]]"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "writing a synthetic cache of 20 samples" in r.stdout and "step 2/2" in r.stdout
+    assert "writing a synthetic cache of 20 samples" in r.stdout and "step 1/1" in r.stdout
     rows = _metrics(tmp_path / "out")
-    assert [row["step"] for row in rows if "loss" in row] == [1, 2]
+    assert [row["step"] for row in rows if "loss" in row] == [1]
     assert not any("val_loss" in row for row in rows)
-    assert [s for s, _ in list_checkpoints(tmp_path / "out" / "checkpoints")] == [2]
+    assert [s for s, _ in list_checkpoints(tmp_path / "out" / "checkpoints")] == [1]
     model = SDXLUNet(UNET)
     loaded = load_lora(model, tmp_path / "out" / "lora.safetensors")
     attn_mlp = [n for n in SDXLUNet.layer_names(UNET) if "time_emb_proj" not in n
