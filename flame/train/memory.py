@@ -107,6 +107,13 @@ def adapter_bytes(model, targets, rank: int) -> int:
     return params * ADAPTER_BYTES_PER_PARAMETER
 
 
+def _estimate(budget_bytes, profile, tokens, weight_dtype, adapters, checkpointed, offload) -> MemoryPlan:
+    """The ``MemoryPlan`` of ``checkpointed`` blocks and the ``offload.OffloadPlan`` ``offload``."""
+    blocks = len(offload.blocks)
+    return MemoryPlan(budget_bytes, weight_dtype, checkpointed, len(offload.streamed), blocks, offload.device_bytes,
+                      adapters, profile.bytes(tokens, blocks, checkpointed))
+
+
 def plan_memory(budget_bytes: int, *, profile: ActivationProfile, config, dtype, tokens: int, targets, rank: int,
                 weight_dtype: str | None, allow_fp8: bool, fp8_skip=()) -> MemoryPlan:
     """The cheapest memory settings (module doc) of a LoRA run on the model of ``config`` in
@@ -119,25 +126,19 @@ def plan_memory(budget_bytes: int, *, profile: ActivationProfile, config, dtype,
         adapters = adapter_bytes(model, targets, rank)
         resident = plan_offload(model, count=0)
         blocks = len(resident.blocks)
-
-        def make(checkpointed, plan, wd=wd, adapters=adapters, blocks=blocks):
-            return MemoryPlan(budget_bytes, wd, checkpointed, len(plan.streamed), blocks, plan.device_bytes,
-                              adapters, profile.bytes(tokens, blocks, checkpointed))
-
         for checkpointed in range(blocks + 1) if wd == chosen else (0,):  # checkpointing with the final dtype
-            plan = make(checkpointed, resident)
+            plan = _estimate(budget_bytes, profile, tokens, wd, adapters, checkpointed, resident)
             if plan.total <= USABLE * budget_bytes:
                 return plan
-    least = make(blocks, resident)
-    # every block checkpointed: stream the fewest blocks whose weights then fit
-    room = USABLE * budget_bytes - least.adapters - least.activations
+    # the loop ended on the final dtype with every block checkpointed: stream the fewest blocks that fit
+    room = USABLE * budget_bytes - plan.adapters - plan.activations
     try:
         streamed = plan_offload(model, budget_bytes=room) if room > 0 else None
     except ValueError:
         streamed = None
     if streamed is not None:
-        return make(blocks, streamed)
-    floor = make(blocks, plan_offload(model, count="all"))
+        return _estimate(budget_bytes, profile, tokens, chosen, adapters, blocks, streamed)
+    floor = _estimate(budget_bytes, profile, tokens, chosen, adapters, blocks, plan_offload(model, count="all"))
     raise ConfigError(f"train.memory_budget_gb: {_size(budget_bytes)} is too little: the least this run can take "
                       f"is about {_size(floor.total / USABLE)}: weights {floor.weight_dtype or 'as train.precision'}, "
                       f"every block checkpointed and streamed, estimated {_size(floor.total)} (weights "

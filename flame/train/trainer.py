@@ -185,7 +185,7 @@ class Trainer:
         if self.memory is not None and not runtime.use_expandable_segments() and not runtime.is_interpreter():
             self.log("train.memory_budget_gb: PYTORCH_CUDA_ALLOC_CONF turns the allocator's expandable segments off; "
                      "the budget's estimate assumes them")
-        weight_dtype = c.model.weight_dtype if self.memory is None else self.memory.weight_dtype
+        weight_dtype, checkpointed, streaming = self._memory_settings()
         fp8 = {} if weight_dtype is None else {"weight_dtype": weight_dtype,
                                                "fp8_skip": self.family.full_precision_layers}
         # streamed blocks of a checkpoint load straight into pinned host memory, fp8 weights quantise as
@@ -232,8 +232,7 @@ class Trainer:
         distributed.broadcast_(self.params)  # every rank starts from rank 0's adapters
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
         self.bucket = distributed.GradientBucket(self.params) if self.world.size > 1 else None
-        checkpointed = c.train.checkpoint_blocks if self.memory is None else self.memory.checkpoint_blocks
-        if c.train.gradient_checkpointing if self.memory is None else checkpointed:
+        if checkpointed != 0:
             try:
                 model.enable_gradient_checkpointing(True, scope=c.train.checkpoint_scope, blocks=checkpointed)
             except ValueError as e:
@@ -242,7 +241,6 @@ class Trainer:
             quantize_linears_(model, weight_dtype, skip=self.family.full_precision_layers)  # if not loaded so
             stored = sum(isinstance(w, Fp8Weight) for w in model.parameters())
             self.log(f"model.weight_dtype: {stored} frozen Linear weights stored as {weight_dtype}")
-        streaming = c.train.offload == "blocks" if self.memory is None else self.memory.offload_blocks > 0
         if streaming:  # last: the streamer moves the frozen weights as they are now
             plan = plan or self._plan_offload(lambda **kw: plan_offload(model, **kw))
             self.log(plan.summary())
@@ -295,6 +293,15 @@ class Trainer:
             return planner(count=count, budget_bytes=budget)
         except ValueError as e:
             raise ConfigError(f"train.offload: {e}") from None
+
+    def _memory_settings(self):
+        """(weight dtype, checkpointed blocks: None all, N, 0 none; whether blocks stream) as the
+        memory plan chose them, or as the config sets them."""
+        c, m = self.cfg, self.memory
+        if m is not None:
+            return m.weight_dtype, m.checkpoint_blocks, m.offload_blocks > 0
+        return (c.model.weight_dtype, c.train.checkpoint_blocks if c.train.gradient_checkpointing else 0,
+                c.train.offload == "blocks")
 
     def _plan_memory(self, mcfg):
         """``train.memory_budget_gb``: the weight dtype, checkpointed and streamed blocks that fit
