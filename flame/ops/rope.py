@@ -19,7 +19,7 @@ from ..autograd import needs_grad, record
 from ..kernels import elementwise as KE
 from ..kernels import rope as K
 from ..tensor import Tensor
-from ._util import check_tensor
+from ._util import check_tensor, dense
 
 _OP = "qk_norm_rope"
 
@@ -27,10 +27,7 @@ _OP = "qk_norm_rope"
 def _dense(t):
     """A (D,) weight's buffer with unit stride (a copy when it is a strided view)."""
     buf = t._data
-    if buf.is_contiguous():
-        return buf
-    out = runtime.empty(tuple(buf.shape), buf.dtype)
-    return KE.copy_(out, buf)
+    return buf if buf.is_contiguous() else dense(buf)
 
 
 def _kind(v):

@@ -13,7 +13,7 @@ from ..autograd import needs_grad, record
 from ..kernels import copy as KC
 from ..kernels import elementwise as KE
 from ..tensor import Tensor, result_type
-from ._util import check_tensor, new, normalize_dim
+from ._util import check_tensor, dense, new, normalize_dim
 
 
 def _view(x: Tensor, buf, backward, **attrs) -> Tensor:
@@ -21,12 +21,6 @@ def _view(x: Tensor, buf, backward, **attrs) -> Tensor:
     if needs_grad(x):
         record(out, (x,), backward, **attrs)
     return out
-
-
-def _dense_copy(buf):
-    out = new(buf.shape, buf.dtype)
-    KE.copy_(out._data, buf)
-    return out._data
 
 
 def _grad_into_zeros(shape, g, region):
@@ -73,7 +67,7 @@ def reshape(x, *shape):
     try:
         buf = data.view(shape)
     except RuntimeError:
-        buf = _dense_copy(data).view(shape)
+        buf = dense(data).view(shape)
     return _view(x, buf, _reshape_backward, shape=tuple(data.shape))
 
 
