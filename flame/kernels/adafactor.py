@@ -54,7 +54,7 @@ import triton.language as tl
 
 from .. import runtime
 from .launch import launch
-from .optim import _load_param_grad, _param_grad_rows, _sizes, tl_dtype
+from .optim import _load_param_grad, _param_grad_rows, _sizes, _store_param, rounding_args, tl_dtype
 
 ROW = 24  # int64 entries per tensor row
 ITEM = 4  # int64 entries per work item: tensor row, start (element or line), kind, tile class
@@ -267,14 +267,17 @@ def _clip_kernel(tensors_ptr, part_ptr, scal_ptr, clip, BLOCK: tl.constexpr):
     tl.store(scal_ptr + 2 * tl.load(row + _T) + 1, tl.where(ratio < 1.0, 1.0, ratio))  # NaN stays NaN
 
 
-@triton.jit(do_not_specialize=["beta1", "omb1", "wd"])
-def _apply_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, means_ptr, scal_ptr, beta1, omb1, wd,
+@triton.jit(do_not_specialize=["beta1", "omb1", "wd", "seed"])
+def _apply_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, means_ptr, scal_ptr, beta1, omb1, wd, seed,
                   P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  HAS_M: tl.constexpr, HAS_WD: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_M: tl.constexpr, HAS_WD: tl.constexpr, SR: tl.constexpr, CHUNK: tl.constexpr,
+                  BLOCK: tl.constexpr):
     # u = _unclipped / clip divisor * lr_t;  with beta1: m = beta1 m + (1 - beta1) u, u = m
-    # p = p - wd lr_t p (weight decay);  p = p - u  (stored in the parameter's dtype)
+    # p = p - wd lr_t p (weight decay);  p = p - u  (stored in the parameter's dtype, stochastically
+    # rounded with SR: optim._store_param, t the step counter launch 2 advanced)
     row, start, _, _ = _item(tensors_ptr, work_ptr)
     p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
+    t = tl.load(steps_ptr + tl.load(row + 5))
     ti = tl.load(row + _T)
     rate = tl.load(scal_ptr + 2 * ti)
     div = tl.load(scal_ptr + 2 * ti + 1)
@@ -289,7 +292,7 @@ def _apply_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, means_ptr, scal_p
             tl.store(m_ptr + idx, u, mask=mask)
         if HAS_WD:
             p = p + (-wd * rate) * p
-        tl.store(p_ptr + idx, (p - u).to(P_DTYPE), mask=mask)
+        _store_param(p_ptr, idx, p - u, mask, row, t, seed, SR)
 
 
 # ---- host side ------------------------------------------------------------------------------
@@ -391,9 +394,9 @@ class Tables:
 
 
 def adafactor_step(tables, steps, p_dtype, g_dtype, *, lr, eps, clip_threshold, decay_rate, beta1, weight_decay,
-                   scale_parameter, relative_step, warmup_init, found_inf=None, grad_scale=None):
+                   scale_parameter, relative_step, warmup_init, found_inf=None, grad_scale=None, rounding=None):
     """One Adafactor update of every tensor in ``tables`` (five launches; ``lr`` is unused with
-    ``relative_step``)."""
+    ``relative_step``; ``rounding``: the stochastic-rounding seed of bf16 parameters, or None)."""
     if tables.count == 0:
         return
     found = found_inf if found_inf is not None else steps
@@ -414,6 +417,7 @@ def adafactor_step(tables, steps, p_dtype, g_dtype, *, lr, eps, clip_threshold, 
     launch(_clip_kernel, (tables.count,), tables.tensors, tables.part_u, tables.scalars, float(clip_threshold),
            BLOCK=tables.block, num_warps=4)
     has_m = beta1 is not None
-    launch(_apply_kernel, (len(tables.flat),), tables.tensors, tables.flat, found, scale, tables.means,
+    seed, sr = rounding_args(rounding, p_dtype)
+    launch(_apply_kernel, (len(tables.flat),), tables.tensors, tables.flat, steps, found, scale, tables.means,
            tables.scalars, float(beta1) if has_m else 0.0, 1.0 - float(beta1) if has_m else 0.0,
-           float(weight_decay), HAS_M=has_m, HAS_WD=weight_decay != 0, **dtypes, **sizes)
+           float(weight_decay), seed, HAS_M=has_m, HAS_WD=weight_decay != 0, SR=sr, **dtypes, **sizes)

@@ -19,6 +19,13 @@ multiplier ``grad_scale`` applied to every gradient before use (a fused unscale)
 Scalars that need more than fp32 precision (betas and lr, which enter ``1 - beta ** step``) are
 passed as fp32 (hi, lo) pairs and recombined in fp64 inside the kernel; ``beta ** step`` is computed
 in fp64 by binary exponentiation, so bias corrections match PyTorch's double-precision ones.
+
+Every update kernel stores the new parameter through ``_store_param``: rounded to the nearest value
+of the parameter's dtype, or, with ``SR`` (stochastic rounding, bf16 parameters only), to one of its
+two bf16 neighbours at random with probabilities that make the rounding unbiased (see
+``_round_bf16_stochastic``). The random bits are Philox of (``seed``; element index, update index
+t, step slot): a pure function of the step counters already on the device, so nothing is drawn on
+the host per step (CUDA-graph safe) and a resumed run rounds exactly as an uninterrupted one.
 """
 import numpy as np
 import torch
@@ -83,11 +90,41 @@ def _load_param_grad(p_ptr, g_ptr, scale_ptr, idx, mask, HAS_SCALE: tl.constexpr
     return p, g
 
 
-@triton.jit(do_not_specialize=["lr_hi", "lr_lo", "b1_hi", "b1_lo", "b2_hi", "b2_lo", "eps", "wd", "decay"])
+@triton.jit
+def _round_bf16_stochastic(x, idx, slot, t, seed):
+    # Stochastic rounding of fp32 x to bf16 (a bf16 value is the top half of an fp32 bit pattern):
+    #   B = bits(x) = 2^16 H + L (0 <= L < 2^16),  r uniform in [0, 2^16):
+    #   result = top half of (B + r) = H + [L + r >= 2^16]:  H + 1 with probability L / 2^16, else H.
+    # Bit patterns are sign-magnitude and, within a binade and across its upper edge, evenly spaced in
+    # value, so x = value(H) + (L / 2^16) (value(H + 1) - value(H)) and E[result] = x: unbiased, the
+    # result always one of x's two bf16 neighbours (x itself when L = 0). inf stays inf (L = 0); the
+    # largest finite values go to inf with their probability (inf is the next neighbour); NaN is kept
+    # NaN explicitly (a payload in L alone would truncate to inf).
+    # r: the top 16 bits of Philox(seed; idx lo, idx hi, t, slot), one stream per (parameter, update, element)
+    lo = idx.to(tl.uint32)
+    zero = lo * 0
+    r, _, _, _ = tl.philox(seed, lo, (idx >> 32).to(tl.uint32), zero + t.to(tl.uint32), zero + slot.to(tl.uint32))
+    bits = x.to(tl.uint32, bitcast=True) + (r >> 16)
+    rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x).to(tl.bfloat16)  # exact: the low 16 bits are zero
+
+
+@triton.jit
+def _store_param(p_ptr, idx, p, mask, row, t, seed, SR: tl.constexpr):
+    # the updated fp32 parameter p into the parameter (its row's step slot at row + 5; t: the update's
+    # index, 1 for the first): rounded to nearest, or stochastically to bf16 with SR
+    if SR:
+        tl.store(p_ptr + idx, _round_bf16_stochastic(p, idx, tl.load(row + 5), t, seed), mask=mask)
+    else:
+        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["lr_hi", "lr_lo", "b1_hi", "b1_lo", "b2_hi", "b2_lo", "eps", "wd", "decay", "seed"])
 def _adam_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr,
-                 lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps, wd, decay,
+                 lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, eps, wd, decay, seed,
                  P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, DECOUPLED: tl.constexpr,
-                 HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, SR: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK: tl.constexpr):
     # Adam/AdamW (PyTorch's single-tensor algorithm), t = step + 1:
     #   AdamW: p *= 1 - lr * wd            Adam: g += wd * p
     #   m = m + (1 - b1) (g - m);  v = b2 v + (1 - b2) g^2
@@ -120,13 +157,14 @@ def _adam_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr,
         p = p - step_size * (m / denom)
         tl.store(m_ptr + idx, m, mask=mask)
         tl.store(v_ptr + idx, v, mask=mask)
-        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+        _store_param(p_ptr, idx, p, mask, row, step, seed, SR)
 
 
-@triton.jit(do_not_specialize=["lr", "momentum", "dampening", "wd"])
-def _sgd_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, momentum, dampening, wd,
+@triton.jit(do_not_specialize=["lr", "momentum", "dampening", "wd", "seed"])
+def _sgd_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, momentum, dampening, wd, seed,
                 P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, SR: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK: tl.constexpr):
     # SGD (PyTorch's algorithm): g += wd * p;
     #   with momentum: buf = g at the first step, else buf = momentum buf + (1 - dampening) g;
     #   g = g + momentum buf (nesterov) or g = buf;   p -= lr g
@@ -149,18 +187,19 @@ def _sgd_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, mome
             else:
                 g = buf
         p = p - lr * g
-        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+        _store_param(p_ptr, idx, p, mask, row, prev + 1, seed, SR)
 
 
-@triton.jit(do_not_specialize=["lr", "b1", "b2", "decay"])
-def _lion_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, lr, b1, b2, decay, P_DTYPE: tl.constexpr,
-                 G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["lr", "b1", "b2", "decay", "seed"])
+def _lion_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, lr, b1, b2, decay, seed,
+                 P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 SR: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled decay:
     #   p *= 1 - lr * wd;  p -= lr * sign(b1 m + (1 - b1) g);  m = b2 m + (1 - b2) g
     row, start = _work(tensors_ptr, work_ptr)
     p_ptr, g_ptr, n = _param_grad_rows(row, found_ptr, P_DTYPE, G_DTYPE, HAS_FOUND)
     m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    step = tl.load(steps_ptr + tl.load(row + 5)) + 1
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -170,7 +209,7 @@ def _lion_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, lr, b1, b2, decay,
         direction = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
         p = p * decay - lr * direction
         tl.store(m_ptr + idx, b2 * m + (1.0 - b2) * g, mask=mask)
-        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+        _store_param(p_ptr, idx, p, mask, row, step, seed, SR)
 
 
 @triton.jit
@@ -186,10 +225,10 @@ def _nearest_code(x, qmap_ptr):
     return tl.where(nearer_hi, hi, lo)
 
 
-@triton.jit(do_not_specialize=["lr", "b1", "b2", "eps", "decay"])
-def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qmap_ptr, lr, b1, b2, eps, decay,
+@triton.jit(do_not_specialize=["lr", "b1", "b2", "eps", "decay", "seed"])
+def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qmap_ptr, lr, b1, b2, eps, decay, seed,
                      P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     CHUNK: tl.constexpr, ROWS: tl.constexpr):
+                     SR: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
     # Adam with blockwise 8-bit moments (bitsandbytes' AdamW8bit), t = step + 1, per 256-element block:
     #   m = b1 * smap[cm] * am + (1 - b1) g;   v = b2 * umap[cv] * av + (1 - b2) g^2
     #   p += -lr sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + sqrt(1 - b2^t) eps);   p *= 1 - lr * wd
@@ -234,7 +273,7 @@ def _adam8bit_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, qma
         m = tl.where(keep, m * b1 + (1.0 - b1) * g, 0.0)
         v = tl.where(keep, v * b2 + (1.0 - b2) * (g * g), 0.0)
         new_p = (p + step_size * (m / (tl.sqrt(v) + eps_c))) * decay
-        tl.store(p_ptr + idx, tl.where(finite, new_p, p).to(P_DTYPE), mask=mask)
+        _store_param(p_ptr, idx, tl.where(finite, new_p, p), mask, row, step, seed, SR)
         if quantized:
             am = tl.max(tl.abs(m), axis=1)
             av = tl.max(v, axis=1)
@@ -350,10 +389,10 @@ def _prodigy_estimate_kernel(found_ptr, scalars_ptr, part_ptr, total, lr, b1, b2
     tl.store(scalars_ptr + PRODIGY_SKIP, tl.where(run, 0.0, 1.0))
 
 
-@triton.jit(do_not_specialize=["b1", "wd", "eps"])
-def _prodigy_update_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_ptr, b1, wd, eps,
+@triton.jit(do_not_specialize=["b1", "wd", "eps", "seed"])
+def _prodigy_update_kernel(tensors_ptr, work_ptr, steps_ptr, found_ptr, scale_ptr, scalars_ptr, b1, wd, eps, seed,
                            P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, DECOUPLED: tl.constexpr,
-                           HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr,
+                           HAS_FOUND: tl.constexpr, HAS_SCALE: tl.constexpr, SR: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK: tl.constexpr):
     # Prodigy's second pass, with d the new estimate and dlr the step's (from the old d):
     #   p -= wd dlr p (decoupled);  p -= dlr m / (sqrt(v) + d eps)   (b1 = 0: p -= dlr d g / (...))
@@ -364,6 +403,7 @@ def _prodigy_update_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_
     v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     d = tl.load(scalars_ptr + PRODIGY_D).to(tl.float32)
     dlr = tl.load(scalars_ptr + PRODIGY_DLR).to(tl.float32)
+    step = tl.load(steps_ptr + tl.load(row + 5)) + 1
     for off in range(0, CHUNK, BLOCK):
         idx = start + off + tl.arange(0, BLOCK)
         mask = idx < n
@@ -378,7 +418,7 @@ def _prodigy_update_kernel(tensors_ptr, work_ptr, found_ptr, scale_ptr, scalars_
             if HAS_SCALE:
                 g = g * tl.load(scale_ptr)
             p = p - dlr * d * g / denom
-        tl.store(p_ptr + idx, p.to(P_DTYPE), mask=mask)
+        _store_param(p_ptr, idx, p, mask, row, step, seed, SR)
 
 
 @triton.jit
@@ -515,6 +555,16 @@ def _split(x):
     return hi, float(np.float32(x - hi))
 
 
+def rounding_args(rounding, p_dtype):
+    """(seed, SR) of an update launch: ``rounding``, the stochastic-rounding seed of bf16 parameters,
+    or None to round to nearest."""
+    if rounding is None:
+        return 0, False
+    if p_dtype != torch.bfloat16:
+        raise ValueError(f"stochastic rounding stores bf16 parameters, got {p_dtype} ones")
+    return int(rounding), True
+
+
 class Tables:
     """Device tables for one multi-tensor launch set.
 
@@ -547,46 +597,51 @@ class Tables:
 
 
 def adam_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, eps, weight_decay, decoupled,
-              found_inf=None, grad_scale=None):
-    """One Adam/AdamW update of every tensor in ``tables`` (two launches)."""
+              found_inf=None, grad_scale=None, rounding=None):
+    """One Adam/AdamW update of every tensor in ``tables`` (two launches); ``rounding``: the
+    stochastic-rounding seed (bf16 parameters) or None, in this and the other update launches."""
     if tables.num_work == 0:
         return
     lr_hi, lr_lo = _split(lr)
     b1_hi, b1_lo = _split(beta1)
     b2_hi, b2_lo = _split(beta2)
     decay = 1.0 - lr * weight_decay
+    seed, sr = rounding_args(rounding, p_dtype)
     launch(_adam_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
            found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
-           lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, float(eps), float(weight_decay), float(decay),
+           lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, float(eps), float(weight_decay), float(decay), seed,
            P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), DECOUPLED=bool(decoupled),
-           HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
+           HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None, SR=sr,
            CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
     advance(tables, steps, found_inf)
 
 
 def sgd_step(tables, steps, p_dtype, g_dtype, lr, momentum, dampening, weight_decay, nesterov,
-             found_inf=None, grad_scale=None):
+             found_inf=None, grad_scale=None, rounding=None):
     """One SGD update of every tensor in ``tables`` (two launches)."""
     if tables.num_work == 0:
         return
+    seed, sr = rounding_args(rounding, p_dtype)
     launch(_sgd_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
            found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
-           float(lr), float(momentum), float(dampening), float(weight_decay),
+           float(lr), float(momentum), float(dampening), float(weight_decay), seed,
            P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), MOMENTUM=momentum != 0, NESTEROV=bool(nesterov),
-           HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
+           HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None, SR=sr,
            CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
     advance(tables, steps, found_inf)
 
 
-def lion_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, weight_decay, found_inf=None, grad_scale=None):
+def lion_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, weight_decay, found_inf=None, grad_scale=None,
+              rounding=None):
     """One Lion update of every tensor in ``tables`` (two launches: the update, the step counters)."""
     if tables.num_work == 0:
         return
-    launch(_lion_kernel, (tables.num_work,), tables.tensors, tables.work,
+    seed, sr = rounding_args(rounding, p_dtype)
+    launch(_lion_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
            found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
-           float(lr), float(beta1), float(beta2), 1.0 - float(lr) * float(weight_decay), P_DTYPE=tl_dtype(p_dtype),
-           G_DTYPE=tl_dtype(g_dtype), HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None,
-           CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+           float(lr), float(beta1), float(beta2), 1.0 - float(lr) * float(weight_decay), seed,
+           P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), HAS_FOUND=found_inf is not None,
+           HAS_SCALE=grad_scale is not None, SR=sr, CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
     advance(tables, steps, found_inf)
 
 
@@ -616,25 +671,26 @@ def quantization_maps():
 
 
 def adam8bit_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, eps, weight_decay, found_inf=None,
-                  grad_scale=None):
+                  grad_scale=None, rounding=None):
     """One 8-bit-state AdamW update (bitsandbytes' semantics) of every tensor in ``tables``, whose
     state slots hold (m codes, v codes, m block maxima, v block maxima), or (m, v) in fp32."""
     if tables.num_work == 0:
         return
     rows = tables.chunk // 256 if runtime.INTERPRETER else 4  # the interpreter: one pass per program
+    seed, sr = rounding_args(rounding, p_dtype)
     launch(_adam8bit_kernel, (tables.num_work,), tables.tensors, tables.work, steps,
            found_inf if found_inf is not None else steps, grad_scale if grad_scale is not None else steps,
            quantization_maps(), float(lr), float(beta1), float(beta2), float(eps),
-           1.0 - float(lr) * float(weight_decay),
+           1.0 - float(lr) * float(weight_decay), seed,
            P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), HAS_FOUND=found_inf is not None,
-           HAS_SCALE=grad_scale is not None, CHUNK=tables.chunk, ROWS=rows, num_warps=4)
+           HAS_SCALE=grad_scale is not None, SR=sr, CHUNK=tables.chunk, ROWS=rows, num_warps=4)
     advance(tables, steps, found_inf)
 
 
 def prodigy_step(buckets, steps, scalars, lr, beta1, beta2, beta3, decoupled, d_coef, growth_rate,
                  bias_correction, safeguard_warmup, found_inf=None, grad_scale=None):
     """One Prodigy update of every tensor of ``buckets`` ([(Tables, param dtype, grad dtype, weight
-    decay, eps)]): a
+    decay, eps, stochastic-rounding seed or None)]): a
     statistics launch per bucket, one launch for the new D estimate (``scalars``, fp64 device
     values indexed by ``PRODIGY_*``), an update launch per bucket, the step counters."""
     buckets = [b for b in buckets if b[0].num_work]
@@ -646,7 +702,7 @@ def prodigy_step(buckets, steps, scalars, lr, beta1, beta2, beta3, decoupled, d_
     scale = grad_scale if grad_scale is not None else scalars
     flags = dict(HAS_FOUND=found_inf is not None, HAS_SCALE=grad_scale is not None)
     base = 0
-    for tables, p_dtype, g_dtype, weight_decay, _ in buckets:
+    for tables, p_dtype, g_dtype, weight_decay, _, _ in buckets:
         launch(_prodigy_stats_kernel, (tables.num_work,), tables.tensors, tables.work, found, scale, scalars,
                partial, base, total, float(lr), float(beta1), float(beta2), float(beta3), float(weight_decay),
                P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype), DECOUPLED=bool(decoupled),
@@ -657,10 +713,12 @@ def prodigy_step(buckets, steps, scalars, lr, beta1, beta2, beta3, decoupled, d_
     launch(_prodigy_estimate_kernel, (1,), found, scalars, partial, total, float(lr), float(beta1), float(beta2),
            float(beta3), float(d_coef), float(growth_rate), BIAS_CORRECTION=bool(bias_correction),
            HAS_FOUND=found_inf is not None, BLOCK=block, num_warps=4)
-    for tables, p_dtype, g_dtype, weight_decay, eps in buckets:
-        launch(_prodigy_update_kernel, (tables.num_work,), tables.tensors, tables.work, found, scale, scalars,
-               float(beta1), float(weight_decay), float(eps), P_DTYPE=tl_dtype(p_dtype), G_DTYPE=tl_dtype(g_dtype),
-               DECOUPLED=bool(decoupled), **flags, CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+    for tables, p_dtype, g_dtype, weight_decay, eps, rounding in buckets:
+        seed, sr = rounding_args(rounding, p_dtype)
+        launch(_prodigy_update_kernel, (tables.num_work,), tables.tensors, tables.work, steps, found, scale, scalars,
+               float(beta1), float(weight_decay), float(eps), seed, P_DTYPE=tl_dtype(p_dtype),
+               G_DTYPE=tl_dtype(g_dtype), DECOUPLED=bool(decoupled), **flags, SR=sr, CHUNK=tables.chunk,
+               BLOCK=tables.block, num_warps=4)
         advance(tables, steps, found_inf)
 
 

@@ -8,7 +8,8 @@ factoring over their last two logical dims whatever their memory layout; ``exp_a
 (param group, param dtype, grad dtype) bucket (``flame.kernels.adafactor``); everything stays on
 the device, the step counters (which drive the relative step size and ``beta2t``) included, so a
 ``found_inf`` skip needs no host sync. State is fp32; parameters may be fp32, bf16 or fp16 (fp32
-math, stored back in the parameter's dtype).
+math, stored back in the parameter's dtype; ``stochastic_rounding`` and ``rounding_seed`` as for
+``flame.optim.AdamW``: bf16 parameters rounded stochastically, the group entries saved).
 
 One difference: ``lr=None`` with ``relative_step=False`` raises ValueError here (transformers fails
 later, inside ``step``).
@@ -30,7 +31,8 @@ class Adafactor(Optimizer):
     _state_names = ()  # per parameter: factored or not, with or without exp_avg (see _new_state)
 
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8, beta1=None,
-                 weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False):
+                 weight_decay=0.0, scale_parameter=True, relative_step=True, warmup_init=False,
+                 stochastic_rounding=False, rounding_seed=None):
         if lr is not None and relative_step:
             raise ValueError("Cannot combine manual `lr` and `relative_step=True` options")
         if warmup_init and not relative_step:
@@ -38,7 +40,8 @@ class Adafactor(Optimizer):
         self._group_of = {}  # param id -> its group
         super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold, decay_rate=decay_rate,
                                       beta1=beta1, weight_decay=weight_decay, scale_parameter=scale_parameter,
-                                      relative_step=relative_step, warmup_init=warmup_init))
+                                      relative_step=relative_step, warmup_init=warmup_init),
+                         stochastic_rounding, rounding_seed)
 
     def add_param_group(self, group: dict) -> None:
         super().add_param_group(group)
@@ -96,7 +99,8 @@ class Adafactor(Optimizer):
                           clip_threshold=group["clip_threshold"], decay_rate=group["decay_rate"],
                           beta1=group["beta1"], weight_decay=group["weight_decay"],
                           scale_parameter=group["scale_parameter"], relative_step=group["relative_step"],
-                          warmup_init=group["warmup_init"], found_inf=found, grad_scale=scale)
+                          warmup_init=group["warmup_init"], found_inf=found, grad_scale=scale,
+                          rounding=self._rounding(group, p_dtype))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of this class or of transformers' Adafactor (same names and shapes)."""

@@ -18,10 +18,22 @@ leaf's gradient in the leaf's layout).
 (non-zero: the kernels skip the whole update, step counters included, without a host sync);
 ``grad_scale`` a 1-element fp32 device tensor every gradient is multiplied by before use (fused
 unscale for a loss scaler).
+
+``stochastic_rounding=True`` (every optimizer here and ``Adafactor``; per group as a group entry):
+bf16 parameters are trained directly, without fp32 master weights. The update is computed in fp32
+as always and stored rounded stochastically to one of its two bf16 neighbours, with the
+probabilities that make the rounding unbiased (``flame.kernels.optim._round_bf16_stochastic``), so
+updates far below half a bf16 ulp still move the weights on average where rounding to nearest
+would lose them. fp32 parameters are unaffected (their kernels are today's), fp16 ones are refused.
+The random bits are a pure function of ``rounding_seed`` (a group entry; default: the seed of
+``flame.manual_seed``), the parameter's index in the optimizer, its step counter and the element:
+nothing is drawn on the host per step (CUDA-graph safe), every data-parallel rank rounds alike, and
+``state_dict``/``load_state_dict`` (group entries and step counters) resume bit for bit.
 """
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -30,6 +42,7 @@ from .. import runtime
 from ..autograd import GradientMap
 from ..kernels import elementwise as KE
 from ..kernels import optim as K
+from ..ops.creation import get_rng_state
 from ..tensor import Tensor
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -83,8 +96,10 @@ class Optimizer:
 
     _state_names: tuple = ()
 
-    def __init__(self, params, defaults):
-        self.defaults = dict(defaults)
+    def __init__(self, params, defaults, stochastic_rounding=False, rounding_seed=None):
+        if rounding_seed is None:
+            rounding_seed = get_rng_state()["seed"]  # read, not drawn: the generator does not move
+        self.defaults = dict(defaults, stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
         self.param_groups = []
         self.state = {}  # param id -> {name: torch buffer}
         self._slots = {}  # param id -> index into the device step counters
@@ -131,6 +146,7 @@ class Optimizer:
         for k, v in self.defaults.items():
             group.setdefault(k, v)
         self._validate(group)
+        self._check_rounding(group)
         self.param_groups.append(group)
         old = self._steps
         for p in ps:
@@ -153,6 +169,27 @@ class Optimizer:
         eps = group.get("eps", 0.0)
         if isinstance(eps, (int, float)) and eps < 0:
             raise ValueError(f"Invalid epsilon value: {eps}")
+
+    def _check_rounding(self, group):
+        """The group's stochastic-rounding entries: a bool, a seed in [0, 2^63), no fp16 parameter when on."""
+        name = type(self).__name__
+        on, seed = group["stochastic_rounding"], group["rounding_seed"]
+        if not isinstance(on, bool):
+            raise TypeError(f"{name}: stochastic_rounding must be True or False, got {on!r}")
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2 ** 63:
+            raise ValueError(f"{name}: rounding_seed must be an int in [0, 2**63), got {seed!r}")
+        for p in group["params"] if on else ():
+            self._rounding(group, p.dtype)
+
+    def _rounding(self, group, p_dtype):
+        """The stochastic-rounding seed for the group's ``p_dtype`` parameters: None (round to nearest)
+        when it is off or the parameters are fp32."""
+        if not group["stochastic_rounding"] or p_dtype == torch.float32:
+            return None
+        if p_dtype != torch.bfloat16:
+            raise ValueError(f"{type(self).__name__}: stochastic_rounding rounds fp32 updates to bf16 parameters; "
+                             f"this group has {p_dtype} ones (use bf16 weights, or turn stochastic_rounding off)")
+        return int(group["rounding_seed"])
 
     # ---- state ----------------------------------------------------------------------------
     def _state_for(self, p):
@@ -300,6 +337,7 @@ class Optimizer:
             for k, v in saved.items():
                 if k != "params":
                     mine[k] = tuple(v) if isinstance(v, list) and k == "betas" else v
+            self._check_rounding(mine)
         steps = np.zeros(len(self._slots), dtype=np.int64)  # parameters without saved state start afresh
         self.state = {}
         for idx, entry in state_dict["state"].items():
@@ -338,18 +376,19 @@ class Adam(Optimizer):
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
-                 maximize=False):
+                 maximize=False, stochastic_rounding=False, rounding_seed=None):
         if amsgrad:
             raise NotImplementedError(f"{type(self).__name__}: amsgrad=True is not supported")
         if maximize:
             raise NotImplementedError(f"{type(self).__name__}: maximize=True is not supported")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=False, maximize=False))
+                                      amsgrad=False, maximize=False), stochastic_rounding, rounding_seed)
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         b1, b2 = group["betas"]
         K.adam_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
-                    float(group["eps"]), float(group["weight_decay"]), self._decoupled, found, scale)
+                    float(group["eps"]), float(group["weight_decay"]), self._decoupled, found, scale,
+                    self._rounding(group, p_dtype))
 
 
 class AdamW(Adam):
@@ -358,9 +397,9 @@ class AdamW(Adam):
     _decoupled = True
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                 maximize=False):
+                 maximize=False, stochastic_rounding=False, rounding_seed=None):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize)
+                         maximize=maximize, stochastic_rounding=stochastic_rounding, rounding_seed=rounding_seed)
 
 
 class AdamW8bit(Optimizer):
@@ -376,11 +415,12 @@ class AdamW8bit(Optimizer):
     _state_names = ("state1", "state2", "absmax1", "absmax2")
     BLOCK = 256
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, min_8bit_size=4096,
+                 stochastic_rounding=False, rounding_seed=None):
         if min_8bit_size < 0:
             raise ValueError(f"Invalid min_8bit_size: {min_8bit_size}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      min_8bit_size=int(min_8bit_size)))
+                                      min_8bit_size=int(min_8bit_size)), stochastic_rounding, rounding_seed)
 
     def _new_state(self, p):
         if p.numel() < self.defaults["min_8bit_size"]:
@@ -393,20 +433,20 @@ class AdamW8bit(Optimizer):
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         b1, b2 = group["betas"]
         K.adam8bit_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
-                        float(group["eps"]), float(group["weight_decay"]), found, scale)
+                        float(group["eps"]), float(group["weight_decay"]), found, scale, self._rounding(group, p_dtype))
 
 
 class SGD(Optimizer):
     """SGD with momentum, dampening, Nesterov momentum and L2 weight decay, as ``torch.optim.SGD``."""
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False,
-                 maximize=False):
+                 maximize=False, stochastic_rounding=False, rounding_seed=None):
         if maximize:
             raise NotImplementedError("SGD: maximize=True is not supported")
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=False))
+                                      nesterov=nesterov, maximize=False), stochastic_rounding, rounding_seed)
 
     def _validate(self, group):
         super()._validate(group)
@@ -422,7 +462,8 @@ class SGD(Optimizer):
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         K.sgd_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(group["momentum"]),
-                   float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]), found, scale)
+                   float(group["dampening"]), float(group["weight_decay"]), bool(group["nesterov"]), found, scale,
+                   self._rounding(group, p_dtype))
 
 
 class Lion(Optimizer):
@@ -432,13 +473,15 @@ class Lion(Optimizer):
 
     _state_names = ("exp_avg",)
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay))
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, stochastic_rounding=False,
+                 rounding_seed=None):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay), stochastic_rounding,
+                         rounding_seed)
 
     def _update(self, group, tables, p_dtype, g_dtype, found, scale):
         b1, b2 = group["betas"]
         K.lion_step(tables, self._steps, p_dtype, g_dtype, float(group["lr"]), float(b1), float(b2),
-                    float(group["weight_decay"]), found, scale)
+                    float(group["weight_decay"]), found, scale, self._rounding(group, p_dtype))
 
 
 class Prodigy(Optimizer):
@@ -456,7 +499,8 @@ class Prodigy(Optimizer):
         ("d_hat", K.PRODIGY_D_HAT))}
 
     def __init__(self, params, lr=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, weight_decay=0.0, decouple=True,
-                 use_bias_correction=False, safeguard_warmup=False, d0=1e-6, d_coef=1.0, growth_rate=float("inf")):
+                 use_bias_correction=False, safeguard_warmup=False, d0=1e-6, d_coef=1.0, growth_rate=float("inf"),
+                 stochastic_rounding=False, rounding_seed=None):
         if not d0 > 0:
             raise ValueError(f"Invalid d0 value: {d0}")
         if not lr > 0:
@@ -466,7 +510,7 @@ class Prodigy(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), beta3=beta3, eps=eps, weight_decay=weight_decay,
                                       decouple=decouple, use_bias_correction=use_bias_correction,
                                       safeguard_warmup=safeguard_warmup, d0=d0, d_coef=d_coef,
-                                      growth_rate=growth_rate))
+                                      growth_rate=growth_rate), stochastic_rounding, rounding_seed)
         self._scalars = _device_f64([d0, d0, 0.0, 0.0, 0.0, d0, 0.0, d0])
 
     def _new_state(self, p):
@@ -484,10 +528,10 @@ class Prodigy(Optimizer):
         g0 = self.param_groups[0]
         b1, b2 = g0["betas"]
         b3 = g0["beta3"] if g0["beta3"] is not None else math.sqrt(b2)
-        K.prodigy_step([(t, pd, gd, float(g["weight_decay"]), float(g["eps"])) for g, t, pd, gd in buckets
-                        if g["lr"] != 0], self._steps, self._scalars, lrs.pop(), b1, b2, b3, g0["decouple"],
-                       g0["d_coef"], g0["growth_rate"], g0["use_bias_correction"], g0["safeguard_warmup"],
-                       found, scale)
+        K.prodigy_step([(t, pd, gd, float(g["weight_decay"]), float(g["eps"]), self._rounding(g, pd))
+                        for g, t, pd, gd in buckets if g["lr"] != 0], self._steps, self._scalars, lrs.pop(), b1, b2,
+                       b3, g0["decouple"], g0["d_coef"], g0["growth_rate"], g0["use_bias_correction"],
+                       g0["safeguard_warmup"], found, scale)
 
     def state_dict(self) -> dict:
         """As the base, with the estimate's scalars in every group (as prodigyopt keeps them)."""
