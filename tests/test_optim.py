@@ -8,6 +8,7 @@ import torch
 
 import flame
 from flame import optim
+from flame.graphs import CapturedStep
 from flame.kernels import optim as KO
 from helpers import DEVICE
 
@@ -829,3 +830,226 @@ def test_prodigy_resumes_and_refuses_groups_with_different_lrs():
     split = optim.Prodigy([{"params": [copies[0]]}, {"params": [copies[1]], "lr": 0.5}])
     with pytest.raises(ValueError, match="different learning rates"):
         split.step(_grad_map(copies, grads[0]))
+
+
+# ---- stochastic rounding (bf16 parameters trained without fp32 master weights) --------------------
+
+def _bf16_neighbours(exact):
+    """The bf16 values either side of fp32 ``exact`` (as fp32): towards zero and away from it (both
+    ``exact`` when it is a bf16 value)."""
+    bits = exact.contiguous().view(torch.int32)
+    down = bits & ~0xFFFF
+    up = torch.where(bits == down, down, down + 0x10000)
+    return down.view(torch.float32), up.view(torch.float32)
+
+
+def assert_stochastically_rounded(got, exact):
+    """Every element of bf16 ``got`` is one of the two bf16 neighbours of its fp32 ``exact`` value;
+    elements whose exact value lies strictly between them are rounded without bias: the mean of
+    (got - exact) / ulp is 0 within 6 standard deviations (each term has variance f (1 - f) <= 1/4,
+    f the exact value's fraction of the way). Returns the fraction rounded away from zero."""
+    got, exact = got.float().reshape(-1).cpu(), exact.float().reshape(-1).cpu()
+    down, up = _bf16_neighbours(exact)
+    assert ((got == down) | (got == up)).all()
+    between = up != down
+    ulps = ((got - exact) / (up - down))[between].double()
+    assert ulps.abs().mean() > 0 and ulps.mean().abs() <= 6 * 0.5 / ulps.numel() ** 0.5, ulps.mean()
+    return (got == up)[between].float().mean().item()
+
+
+def _twins(shapes, seed=12345):  # not the tests' torch seed: values independent of gradients
+    """bf16 parameters and fp32 copies of their values (the exact fp32 update's reference)."""
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(s, generator=gen).to(torch.bfloat16).to(DEVICE) for s in shapes]
+    return ([flame.from_torch(v.clone(), requires_grad=True) for v in values],
+            [flame.from_torch(v.float(), requires_grad=True) for v in values])
+
+
+SR_CONFIGS = [
+    ("AdamW", dict(lr=1e-3, weight_decay=0.1)),
+    ("AdamW8bit", dict(lr=1e-3)),  # (4500,): 8-bit moments; the small ones: fp32 moments
+    ("SGD", dict(lr=1e-3, momentum=0.9)),
+    ("Lion", dict(lr=1e-4, weight_decay=0.1)),
+    ("Prodigy", dict(d0=1e-4)),
+]
+SR_SHAPES = [(3, 5), (17,), (4500,)]
+
+
+@pytest.mark.parametrize("name,kw", SR_CONFIGS, ids=[n for n, _ in SR_CONFIGS])
+def test_stochastic_rounding_lands_on_a_neighbour_of_the_fp32_update_without_bias(name, kw):
+    # the same optimizer on fp32 copies of the bf16 values computes the exact update (the kernels'
+    # fp32 math is the same): after a step every bf16 element is one of its two neighbours, without
+    # bias, and some nearer the neighbour towards zero round away from zero and the other way round
+    # (rounding to nearest never would)
+    bf, f32 = _twins(SR_SHAPES)
+    ob = getattr(optim, name)(bf, stochastic_rounding=True, **kw)
+    of = getattr(optim, name)(f32, **kw)
+    gs = [torch.randn(p.shape, device=DEVICE) for p in bf]
+    for _ in range(2):  # the second step from the rounded values: the fp32 twins re-synchronised
+        ob.step(_grad_map(bf, gs))
+        of.step(_grad_map(f32, gs))
+        got = torch.cat([p.to_torch().reshape(-1) for p in bf])
+        exact = torch.cat([p.to_torch().reshape(-1) for p in f32])
+        assert_stochastically_rounded(got, exact)
+        down, up = _bf16_neighbours(exact.cpu())
+        away = (exact.cpu() - down).abs() / (up - down).abs()
+        rounded_away = got.cpu().float() == up
+        assert rounded_away[(away > 0) & (away < 0.5)].any() and not rounded_away[away > 0.5].all()
+        for b, f in zip(bf, f32):
+            f.to_torch().copy_(b.to_torch().float())
+    assert all(p.dtype == torch.bfloat16 for p in bf)
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-3, weight_decay=0.0)), ("SGD", dict(lr=1e-3))])
+def test_stochastic_rounding_moves_weights_that_round_to_nearest_leaves_stuck(name, kw):
+    # p = 1 under a constant update of 1e-3 upwards, below half a bf16 ulp (2^-8 above 1): rounded to
+    # nearest (or towards zero, the interpreter's cast) the weights never move; rounded stochastically
+    # each step is unbiased, so the mean after K steps is 1 + K * 1e-3, within 6 standard deviations
+    # of the mean of N elements (each step adds variance <= ulp^2 / 4 to an element)
+    n, steps, ulp = 4096, 12, 2.0 ** -7
+    runs = {}
+    for sr in (False, True):
+        p = flame.from_torch(torch.ones(n, dtype=torch.bfloat16, device=DEVICE), requires_grad=True)
+        opt = getattr(optim, name)([p], stochastic_rounding=sr, **kw)
+        grads = _grad_map([p], [torch.full((n,), -1.0, device=DEVICE)])
+        for _ in range(steps):
+            opt.step(grads)
+        runs[sr] = p.to_torch().float()
+    assert torch.equal(runs[False], torch.ones(n, device=DEVICE))
+    bound = 6 * ulp * (steps / 4 / n) ** 0.5
+    assert abs(runs[True].mean().item() - (1.0 + steps * 1e-3)) < bound
+    assert set(runs[True].unique().tolist()) <= {1.0 + k * ulp for k in range(steps + 1)}
+
+
+def test_stochastic_rounding_bits_follow_seed_and_step():
+    # SGD's update does not depend on the step counter, and zero-gradient steps leave bf16 values
+    # exactly where they are: the same step from the same values rounds alike for the same seed and
+    # step, differently for another step or seed
+    def one_step(seed, idle_steps):
+        ps, _ = _twins([(300,)], seed=1)
+        opt = optim.SGD(ps, lr=1e-3, stochastic_rounding=True, rounding_seed=seed)
+        for _ in range(idle_steps):
+            opt.step(_grad_map(ps, [torch.zeros(300, device=DEVICE)]))
+        start = ps[0].to_torch().clone()
+        opt.step(_grad_map(ps, [torch.linspace(-3, 3, 300, device=DEVICE)]))
+        return start, ps[0].to_torch()
+
+    start, a = one_step(7, 0)
+    again, b = one_step(7, 0)
+    assert torch.equal(start, again) and torch.equal(a, b)
+    _, later = one_step(7, 3)
+    _, other_seed = one_step(8, 0)
+    assert not torch.equal(a, later) and not torch.equal(a, other_seed)
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-3)), ("AdamW8bit", dict(lr=1e-3))])
+def test_stochastic_rounding_resume_equals_the_uninterrupted_run(name, kw):
+    # the seed is a group entry and the rounding bits a function of the step counters: a fresh
+    # optimizer built under another flame seed continues bit for bit once the state dict is loaded
+    bf, _ = _twins([(4500,), (3, 5)])
+    whole = getattr(optim, name)(bf, stochastic_rounding=True, **kw)
+    grads = [[torch.randn(p.shape, device=DEVICE) for p in bf] for _ in range(4)]
+    for gs in grads[:2]:
+        whole.step(_grad_map(bf, gs))
+    saved = whole.state_dict()
+    assert saved["param_groups"][0]["stochastic_rounding"] is True
+    flame.manual_seed(1234)
+    copies = [flame.from_torch(p.to_torch().clone(), requires_grad=True) for p in bf]
+    resumed = getattr(optim, name)(copies, stochastic_rounding=True, **kw)
+    assert resumed.param_groups[0]["rounding_seed"] != saved["param_groups"][0]["rounding_seed"]
+    resumed.load_state_dict(saved)
+    for gs in grads[2:]:
+        whole.step(_grad_map(bf, gs))
+        resumed.step(_grad_map(copies, gs))
+    assert all(torch.equal(a.to_torch(), b.to_torch()) for a, b in zip(bf, copies))
+
+
+@pytest.mark.parametrize("name,kw", SR_CONFIGS[:4], ids=[n for n, _ in SR_CONFIGS[:4]])
+def test_stochastic_rounding_off_or_on_fp32_params_changes_nothing(name, kw):
+    # fp32 parameters: stochastic_rounding on is bit-identical to off; bf16 parameters with it off:
+    # the fp32 update cast once by flame's own cast (to nearest on a GPU, as every flame cast)
+    bf, f32 = _twins(SR_SHAPES)
+    f32_on = [flame.from_torch(p.to_torch().clone(), requires_grad=True) for p in f32]
+    opts = [getattr(optim, name)(ps, stochastic_rounding=sr, **kw) for ps, sr in ((bf, False), (f32, False),
+                                                                                    (f32_on, True))]
+    gs = [torch.randn(p.shape, device=DEVICE) for p in bf]
+    for ps, opt in zip((bf, f32, f32_on), opts):
+        opt.step(_grad_map(ps, gs))
+    for b, f, on in zip(bf, f32, f32_on):
+        assert torch.equal(on.to_torch(), f.to_torch())
+        assert torch.equal(b.to_torch(), f.to(torch.bfloat16).to_torch())
+
+
+def test_stochastic_rounding_refuses_fp16_and_bad_settings():
+    bf, f32 = _twins([(3, 5)])
+    half = [flame.from_torch(torch.randn(4, device=DEVICE).half(), requires_grad=True)]
+    for name in ("AdamW", "AdamW8bit", "SGD", "Lion", "Prodigy"):
+        with pytest.raises(ValueError, match=r"stochastic_rounding rounds fp32 updates to bf16.*float16"):
+            getattr(optim, name)(half, stochastic_rounding=True)
+    optim.AdamW(half)  # off: fp16 parameters as before
+    opt = optim.AdamW(bf + f32, stochastic_rounding=True)  # fp32 ones in an SR group: rounded as before
+    with pytest.raises(ValueError, match="float16"):
+        opt.add_param_group(dict(params=half))
+    opt.add_param_group(dict(params=half, stochastic_rounding=False))
+    with pytest.raises(TypeError, match="stochastic_rounding must be True or False"):
+        optim.AdamW(bf, stochastic_rounding="yes")
+    for seed in (-1, 2 ** 63, 1.5):
+        with pytest.raises(ValueError, match="rounding_seed"):
+            optim.AdamW(bf, stochastic_rounding=True, rounding_seed=seed)
+    saved = optim.AdamW(half).state_dict()
+    saved["param_groups"][0]["stochastic_rounding"] = True
+    with pytest.raises(ValueError, match="float16"):
+        optim.AdamW(half).load_state_dict(saved)
+
+
+def _captured_steps(opt, params, grads, calls):
+    """``calls`` optimizer steps as a CapturedStep (eager, captured, replayed on a GPU; under the graph
+    rules from the second call on the interpreter), each with the next of ``grads`` (one tensor per
+    step, for ``params[0]``) copied into one gradient buffer as a captured backward leaves it."""
+    buf = torch.zeros_like(grads[0])
+    gm = _grad_map(params, [buf])
+    gm[params[0]] = flame.from_torch(buf)
+    step = CapturedStep(lambda: opt.step(gm))
+    for g in grads[:calls]:
+        buf.copy_(g)
+        step()
+
+
+def test_stochastic_rounding_step_keeps_the_cuda_graph_rules():
+    # a captured step may draw nothing on the host, and the captured updates equal eager ones
+    bf, _ = _twins([(300,)])
+    eager = [flame.from_torch(p.to_torch().clone(), requires_grad=True) for p in bf]
+    grads = [torch.randn(300, device=DEVICE) for _ in range(3)]
+    _captured_steps(optim.AdamW(bf, lr=1e-3, stochastic_rounding=True), bf, grads, 3)
+    eager_opt = optim.AdamW(eager, lr=1e-3, stochastic_rounding=True)
+    for g in grads:
+        eager_opt.step(_grad_map(eager, [g]))
+    assert torch.equal(bf[0].to_torch(), eager[0].to_torch())
+
+
+@pytest.mark.gpu
+def test_stochastic_rounding_on_the_gpu_bf16_sdxl_sized_tensor():
+    # a 2.6M-element bf16 weight (an SDXL attention projection's size x 2): neighbours and no bias
+    # after AdamW steps, constant tiny updates progress while rounding to nearest stalls, and
+    # captured (CUDA-graph) steps equal eager ones bit for bit
+    shape = (1280, 2048)
+    bf, f32 = _twins([shape])
+    ob, of = (optim.AdamW(ps, lr=1e-4, stochastic_rounding=sr) for ps, sr in ((bf, True), (f32, False)))
+    for _ in range(3):
+        gs = [torch.randn(shape, device=DEVICE)]
+        ob.step(_grad_map(bf, gs))
+        of.step(_grad_map(f32, gs))
+        assert_stochastically_rounded(bf[0].to_torch(), f32[0].to_torch())
+        f32[0].to_torch().copy_(bf[0].to_torch().float())
+    ones = [flame.from_torch(torch.ones(shape, dtype=torch.bfloat16, device=DEVICE), requires_grad=True)
+            for _ in range(3)]
+    opts = [optim.AdamW([p], lr=1e-3, weight_decay=0.0, stochastic_rounding=sr)
+            for p, sr in zip(ones, (False, True, True))]
+    g = torch.full(shape, -1.0, device=DEVICE)
+    for _ in range(10):
+        opts[0].step(_grad_map(ones[:1], [g]))
+        opts[1].step(_grad_map(ones[1:2], [g]))
+    _captured_steps(opts[2], ones[2:], [g] * 10, 10)
+    assert torch.equal(ones[0].to_torch(), torch.ones_like(ones[0].to_torch()))
+    assert abs(ones[1].to_torch().float().mean().item() - 1.01) < 1e-4
+    assert torch.equal(ones[1].to_torch(), ones[2].to_torch())
