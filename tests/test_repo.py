@@ -436,7 +436,7 @@ def test_every_bench_target_selects_cases_of_its_family(monkeypatch):
 
 LAYER_OF = {"runtime": 0, "tune": 1, "autotune": 2, "kernels": 3, "autograd": 4, "tensor": 4, "ops": 5,
             "nn": 6, "optim": 6, "amp": 6, "checkpoint": 6, "graphs": 6, "io": 6, "distributed": 6, "testing": 6,
-            "models": 7, "diffusion": 8, "data": 8, "pipeline": 9, "train": 10}
+            "models": 7, "sharding": 7, "diffusion": 8, "data": 8, "pipeline": 9, "train": 10}
 # (importer, imported top-level part) pairs that go up or sideways between services, each inside a function,
 # each with its reason in docs/design.md's table "Imports that go against the order"
 AGAINST_THE_ORDER = {("flame.amp", "nn"), ("flame.autograd", "ops"), ("flame.autotune", "kernels"),

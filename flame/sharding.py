@@ -1,0 +1,814 @@
+"""ZeRO-style sharding of the trained parameters, their gradients and the optimizer state over
+``torch.distributed`` (ZeRO-1/2/3; stages ``optimizer``, ``gradients``, ``parameters``).
+
+Layout. The trained parameters are grouped into *units* (a model block's parameters of one dtype,
+or consecutive parameters up to ``bucket_numel`` elements); a unit is one flat buffer in the
+parameters' dtype holding each parameter in its memory order (channels-last stays channels-last)
+at an offset aligned to ``PARAM_ALIGN`` elements, padded to ``world * chunk`` elements with
+``chunk`` a multiple of ``align``. Rank r owns positions ``[r * chunk, (r + 1) * chunk)`` of every
+unit. Each rank keeps one flat fp32 buffer, the *master*, of its chunks (unit after unit), and the
+optimizer (flame's own class, built by the caller's factory over one leaf per unit chunk) keeps
+state for those chunks only. The model's parameters become views of their unit's buffer.
+
+Stages:
+- ``optimizer`` (ZeRO-1): every rank packs its gradients into one full flat fp32 buffer (one
+  kernel per micro-batch); ``step`` all-reduces it unit by unit and each rank updates its chunks.
+- ``gradients`` (ZeRO-2): ``pack`` reduce-scatters each unit's gradients (a bucket) into this
+  rank's fp32 gradient shard at once, so only the shard and one unit-sized staging buffer live
+  between micro-batches. The buckets are the units, so a later version can launch each one as the
+  backward finishes it.
+- ``parameters`` (ZeRO-3): as ``gradients``, and the units' buffers hold no memory except while
+  gathered: ``gather``/``release`` (or ``gathered``, a context) all-gather a block's units before
+  use and free them after; ``run(block, *args)`` does it around one block's forward and again, as
+  a ``flame.checkpoint.segment``, before its backward (freed when the next block's backward starts,
+  or at ``pack``/``step``). Every rank must gather the same units in the same order.
+
+After the update each rank's chunks are cast to the units' dtype (a flame kernel) and all-gathered
+into the units' buffers, i.e. into the model's parameters (``parameters``: at the next gather).
+
+Collectives: NCCL ``all_gather_into_tensor`` and ``reduce_scatter_tensor``. gloo (the CPU
+interpreter) has both in the PyTorch flame targets; a gloo without ``reduce_scatter`` is met by an
+all-reduce of the bucket of which each rank keeps its chunk (twice the traffic; tests only).
+
+Per step, on every rank::
+
+    shards = ShardedOptimizer(model.named_parameters(), "gradients",
+                              lambda params: AdamW(params, lr=1e-4, weight_decay=1e-2),
+                              units=[block.parameters() for block in blocks])  # units: optional
+    for i, batch in enumerate(micro_batches):
+        y = shards.run(block, x)  # ``parameters`` stage; a plain call otherwise
+        grads = loss(...).backward()
+        shards.pack(grads, weight=1 / (len(micro_batches) * world), accumulate=i > 0)
+    norm = shards.step(lr=lr, max_norm=1.0, found_inf=scaler_flag)
+
+``step(lr=None, max_norm=None, found_inf=None, grad_scale=None)``: ``lr`` sets every group's
+learning rate; ``max_norm`` clips by the global 2-norm over all shards (each rank's local norm,
+one all-reduce of the N norms, then the norm of those) and returns it as a 0-d device tensor
+(``float("inf")``: the norm without clipping); the step is skipped on every rank alike when any
+rank's gradient shard holds inf/NaN or ``found_inf`` (an int32 device flag, e.g. a loss scaler's)
+is set on any rank: the flags are OR-ed with one all-reduce, and the result is written back into
+``found_inf`` so a ``DynamicLossScaler.update()`` agrees everywhere. ``grads`` is this rank's
+gradient shard as a GradientMap (``scaler.unscale_(shards.grads)`` before clipping).
+
+Checkpoints. ``save(folder, writers=None)`` (collective) writes, as ``flame.train.checkpoints``
+does, into a temporary folder beside ``folder``: each rank its shard file
+``shard-RRRRR-of-NNNNN.safetensors`` (master and optimizer state, atomically, fsynced), rank 0
+``shards.json`` (world size, stage, align, optimizer class, groups and step, and per unit its dtype,
+chunk and parameters: name, shape, strides, offset) and ``writers``' files; rank 0 then renames
+it to ``folder`` and writes the ``COMPLETE`` marker last. ``load(folder)`` re-slices from the
+saved shards for this run's world size and units (optimizer state of ``AdamW8bit`` keeps its
+256-element blocks, so it needs the same units). ``export(folder, path)`` writes one
+safetensors file of the fp32 weights (name -> tensor) from the shards, on any one process.
+``state_dict``/``load_state_dict``: this rank's master and optimizer state, in memory, for the
+same layout only.
+
+Supported optimizers: the elementwise ones (AdamW, Adam, AdamW8bit, SGD, Lion). Adafactor factors
+a 2-D parameter's statistics and Prodigy estimates one step size over all parameters: neither is
+defined on a flat slice. Gradients accumulate into the buffers with ``pack``; a rank must produce a
+gradient for every trained parameter.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import distributed, runtime
+from .autograd import GradientMap
+from .checkpoint import segment
+from .io import atomic_write, open_safetensors, save_safetensors, to_device
+from .kernels import amp as KA
+from .kernels import elementwise as KE
+from .kernels import optim as KO
+from .nn.module import Module
+from .optim.optimizers import SGD, Adam, AdamW8bit, Lion
+from .tensor import Tensor
+
+STAGES = ("optimizer", "gradients", "parameters")
+OPTIMIZERS = (Adam, AdamW8bit, SGD, Lion)  # AdamW is an Adam
+PARAM_ALIGN = 64  # each parameter starts on a 64-element boundary of its unit (128 bytes in bf16)
+MARKER = "COMPLETE"  # flame.train.checkpoints.MARKER: a folder without it is never loaded
+INDEX = "shards.json"
+FORMAT = "flame-zero-shards/1"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_NUMPY = {"F32": np.float32, "U8": np.uint8}  # the saved tensors' dtypes (master and optimizer state)
+_native_reduce_scatter = None  # None: not tried yet; False: the backend lacks it (all-reduce instead)
+
+
+def _round_up(n, m):
+    return -(-n // m) * m
+
+
+def _dtype_name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _state_key(unit: int, name: str) -> str:
+    return f"unit.{unit:05d}.{name}"
+
+
+def _spans(chunk, start, stop):
+    """Where unit positions ``[start, stop)`` lie: ``[(rank, position in its chunk, position from
+    start, count)]``, split at the chunk boundaries."""
+    out, x = [], start
+    while x < stop:
+        r = x // chunk
+        end = min(stop, (r + 1) * chunk)
+        out.append((r, x - r * chunk, x - start, end - x))
+        x = end
+    return out
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Unit:
+    """Parameters of one dtype sharded together (see the module doc): ``members`` are
+    ``(name, parameter, offset)``; ``buf`` the unit's flat buffer that the parameters view."""
+
+    def __init__(self, index, dtype, named, world, align):
+        self.index, self.dtype = index, dtype
+        self.members, end = [], 0
+        for name, p in named:
+            self.members.append((name, p, end))
+            end = _round_up(end + p.numel(), PARAM_ALIGN)
+        self.numel = self.members[-1][2] + self.members[-1][1].numel()
+        self.chunk = _round_up(-(-self.numel // world), align)
+        self.padded = world * self.chunk
+        self.buf = None
+
+    def describe(self) -> dict:
+        return {"dtype": _dtype_name(self.dtype), "numel": self.numel, "chunk": self.chunk,
+                "params": [{"name": n, "shape": list(p.shape), "stride": list(p._data.stride()), "offset": off}
+                           for n, p, off in self.members]}
+
+
+class ShardedOptimizer:
+    """ZeRO sharding of ``named_params`` (``(name, Parameter)`` pairs: the trained parameters, e.g.
+    ``model.named_parameters()``) at ``stage``; ``optimizer(params) -> Optimizer`` builds flame's
+    optimizer over the list of fp32 leaves it is given. ``units``: iterables of parameters (or
+    modules) to shard together, e.g. one per block (the ``parameters`` stage gathers whole units);
+    the other parameters go into units of at most ``bucket_numel`` elements, in order. ``align``:
+    elements each rank's chunk of a unit is a multiple of (256 for ``AdamW8bit``'s blocks).
+    Call it alike on every rank (see the module doc)."""
+
+    def __init__(self, named_params, stage: str, optimizer, *, units=None, bucket_numel: int = 1 << 23,
+                 align: int = 256):
+        if stage not in STAGES:
+            raise ValueError(f"ShardedOptimizer: unknown stage {stage!r}; one of {', '.join(STAGES)} (ZeRO-1/2/3; "
+                             "without sharding use the optimizer itself)")
+        if not callable(optimizer):
+            raise TypeError("ShardedOptimizer: optimizer must be a callable that builds flame's optimizer over the "
+                            f"parameters it is given (lambda ps: AdamW(ps, lr=1e-4)), got {type(optimizer).__name__}")
+        if not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"ShardedOptimizer: bucket_numel must be a positive int, got {bucket_numel!r}")
+        if not isinstance(align, int) or align < 1:
+            raise ValueError(f"ShardedOptimizer: align must be a positive int, got {align!r}")
+        world = distributed.world()
+        self.stage, self.rank, self.world, self.align = stage, world.rank, world.size, align
+        named = self._checked(named_params)
+        self.units = self._group(named, units, bucket_numel)
+        self._unit_of = {p.id: u for u in self.units for _, p, _ in u.members}
+        offsets = np.cumsum([0] + [u.chunk for u in self.units]).tolist()
+        self._master = runtime.empty((offsets[-1],), torch.float32)
+        self.masters = []
+        for u, at in zip(self.units, offsets):
+            u.buf = runtime.empty((u.padded,), u.dtype)
+            KE.fill_(u.buf, 0)
+            for _, p, off in u.members:  # the parameters become views of the unit (same layout)
+                view = u.buf.as_strided(p.shape, p._data.stride(), off)
+                KE.copy_(view, p._data)
+                p._data = view
+            master = self._master[at:at + u.chunk]
+            KE.copy_(master, u.buf[self.rank * u.chunk:(self.rank + 1) * u.chunk])
+            self.masters.append(Tensor(master, requires_grad=True))
+        self.optimizer = optimizer(list(self.masters))
+        self._check_optimizer()
+        self._make_gradients(offsets)
+        self._found = runtime.empty((1,), torch.int32)
+        self._norms = runtime.empty((self.world,), torch.float32)
+        self._coef = runtime.empty((1,), torch.float32)
+        self._norm_buckets = [(KO.Tables([((None, self._norms, None, None), self.world, 0)]), torch.float32)]
+        low = [u for u in self.units if u.dtype != torch.float32]
+        self._cast = runtime.empty((max(u.chunk for u in low),), low[0].dtype) if low else None
+        self._held = {}  # unit index -> how many gathers hold it (``parameters`` stage)
+        self._backward_held = []  # units gathered for the backward of the block running it
+        if stage == "parameters":
+            for u in self.units:
+                self._free(u)
+
+    # ---- construction -------------------------------------------------------------------------
+    @staticmethod
+    def _checked(named_params):
+        if isinstance(named_params, dict):
+            named_params = named_params.items()
+        named, seen = [], set()
+        for item in named_params:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"ShardedOptimizer: named_params must yield (name, Parameter) pairs, got {item!r:.80}")
+            name, p = item
+            if not isinstance(p, Tensor) or not p.is_leaf or not p.requires_grad:
+                raise ValueError(f"ShardedOptimizer: {name!r} is not a leaf that requires grad: pass the trained "
+                                 "parameters only")
+            if p.dtype not in _DTYPES.values():
+                raise TypeError(f"ShardedOptimizer: {name!r} is {p.dtype}; trained parameters are fp32, bf16 or fp16")
+            if runtime.dense_order(p._data) is None:
+                raise ValueError(f"ShardedOptimizer: {name!r} is not dense (shape {p.shape}, strides {p.stride()})")
+            if p.id in seen:
+                raise ValueError(f"ShardedOptimizer: {name!r} is given twice")
+            seen.add(p.id)
+            named.append((name, p))
+        if not named:
+            raise ValueError("ShardedOptimizer: no parameters to shard")
+        return named
+
+    def _group(self, named, units, bucket_numel):
+        """Units in the order of their first parameter: each given group split by dtype, the other
+        parameters in runs of one dtype and at most ``bucket_numel`` elements."""
+        group_of = {}
+        for g, members in enumerate(units or ()):
+            params = members.parameters() if isinstance(members, Module) else members
+            for p in params:
+                if not isinstance(p, Tensor):
+                    raise TypeError(f"ShardedOptimizer: units hold parameters or modules, got {type(p).__name__}")
+                if p.id in group_of:
+                    raise ValueError(f"ShardedOptimizer: a parameter of shape {p.shape} is in units {group_of[p.id]} "
+                                     f"and {g}")
+                group_of[p.id] = g
+        known = {p.id for _, p in named}
+        stray = [i for i in group_of if i not in known]
+        if stray:
+            raise ValueError(f"ShardedOptimizer: units name {len(stray)} parameter(s) that named_params does not hold")
+        runs, bucket, done = [], [], set()
+        for name, p in named:
+            g = group_of.get(p.id)
+            if g is None:
+                if bucket and (bucket[-1][1].dtype != p.dtype or
+                               sum(q.numel() for _, q in bucket) + p.numel() > bucket_numel):
+                    runs.append(bucket)
+                    bucket = []
+                bucket.append((name, p))
+            elif g not in done:
+                done.add(g)
+                members = [(n, q) for n, q in named if group_of.get(q.id) == g]
+                for dtype in dict.fromkeys(q.dtype for _, q in members):
+                    runs.append([(n, q) for n, q in members if q.dtype == dtype])
+        runs += [bucket] if bucket else []
+        return [_Unit(i, run[0][1].dtype, run, self.world, self.align) for i, run in enumerate(runs)]
+
+    def _check_optimizer(self):
+        opt = self.optimizer
+        if not isinstance(opt, OPTIMIZERS):
+            raise NotImplementedError(
+                f"ShardedOptimizer: {type(opt).__name__} cannot run on flat slices of parameters: the elementwise "
+                "optimizers can (AdamW, Adam, AdamW8bit, SGD, Lion); Adafactor factors a 2-D parameter's statistics "
+                "and Prodigy estimates one step size over all parameters")
+        if len(opt.param_groups) != 1 or [p.id for p in opt.param_groups[0]["params"]] != \
+                [m.id for m in self.masters]:
+            raise ValueError("ShardedOptimizer: the optimizer factory must build the optimizer over exactly the "
+                             "parameters it is given, in one parameter group")
+        if isinstance(opt, AdamW8bit) and self.align % AdamW8bit.BLOCK:
+            raise ValueError(f"ShardedOptimizer: AdamW8bit quantises blocks of {AdamW8bit.BLOCK} elements: align "
+                             f"must be a multiple of it, got {self.align}")
+
+    def _make_gradients(self, offsets):
+        """The gradient buffers: ZeRO-1 one full flat fp32 buffer (units at ``padded`` strides), the
+        others this rank's fp32 shard (laid out as the master) plus a staging buffer for one unit."""
+        full = self.stage == "optimizer"
+        starts = np.cumsum([0] + [u.padded for u in self.units]).tolist() if full else offsets
+        flat = runtime.empty((starts[-1],), torch.float32)
+        KE.fill_(flat, 0)
+        self._flat_grad = flat
+        self._unit_grad = [flat[s:s + u.padded] for s, u in zip(starts, self.units)] if full else None
+        self._grads = GradientMap()
+        for u, s, master in zip(self.units, starts, self.masters):
+            at = s + self.rank * u.chunk if full else s
+            self._grads[master] = Tensor(flat[at:at + u.chunk])
+        # where pack writes each parameter's gradient directly (ZeRO-1, or a world of one)
+        self._direct = full or self.world == 1
+        self._staging = self._partial = None
+        if not self._direct:
+            self._staging = runtime.empty((max(u.padded for u in self.units),), torch.float32)
+            self._partial = runtime.empty((max(u.chunk for u in self.units),), torch.float32)
+        self._starts = starts
+        self._shard_buckets = [(KO.Tables([((None, g._data, None, None), g.numel(), 0)
+                                           for g in self._grads.values()]), torch.float32)]
+        self._pack_tables = {}  # (unit or None, source pointers) -> [(Tables, source dtype)]
+
+    # ---- gradients ----------------------------------------------------------------------------
+    @property
+    def grads(self) -> GradientMap:
+        """This rank's gradient shard: one fp32 gradient per master leaf (for a loss scaler's
+        ``unscale_``)."""
+        return self._grads
+
+    def _sources(self, grads, members):
+        """Each member's gradient buffer in its parameter's layout."""
+        out = []
+        for name, p, _ in members:
+            g = grads.get(p)
+            if g is None:
+                raise RuntimeError(f"ShardedOptimizer.pack: no gradient for {name!r}: every rank must produce a "
+                                   "gradient for every trained parameter")
+            if not isinstance(g, Tensor) or g.shape != p.shape:
+                raise ValueError(f"ShardedOptimizer.pack: the gradient of {name!r} is "
+                                 f"{getattr(g, 'shape', type(g).__name__)}, the parameter {p.shape}")
+            if g.dtype not in (torch.float32, p.dtype):
+                raise TypeError(f"ShardedOptimizer.pack: the gradient of {name!r} is {g.dtype} for a {p.dtype} "
+                                "parameter")
+            buf = g._data
+            if not runtime.same_dense_layout(buf, p._data):
+                buf = runtime.empty_like(p._data, g.dtype)
+                KE.copy_(buf, g._data)
+            out.append(buf)
+        return out
+
+    def _tables(self, unit, dsts, srcs):
+        """Cached ``[(Tables, source dtype)]`` of (destination, source) rows, one per source dtype."""
+        key = (unit, tuple(s.data_ptr() for s in srcs))
+        hit = self._pack_tables.get(key)
+        if hit is None:
+            by_dtype = {}
+            for d, s in zip(dsts, srcs):
+                by_dtype.setdefault(s.dtype, []).append(((d, s, None, None), s.numel(), 0))
+            hit = [(KO.Tables(rows), dtype) for dtype, rows in by_dtype.items()]
+            if len(self._pack_tables) >= 4 * len(self.units):
+                self._pack_tables.pop(next(iter(self._pack_tables)))
+            self._pack_tables[key] = hit
+        return hit
+
+    def pack(self, grads, weight: float = 1.0, accumulate: bool = False) -> None:
+        """Add ``weight`` times this micro-batch's gradients (the GradientMap of ``backward()``) to
+        the step's (``accumulate=False``: replace them). ZeRO-1 writes the full flat buffer; the
+        other stages reduce-scatter unit by unit into this rank's shard (a collective)."""
+        if not isinstance(grads, GradientMap):
+            raise TypeError(f"ShardedOptimizer.pack expects the GradientMap of backward(), got {type(grads).__name__}")
+        self._drop_backward_gathers()
+        weight = float(weight)
+        if self._direct:
+            members = [m for u in self.units for m in u.members]
+            dsts = [self._flat_grad[s + off:s + off + p.numel()] for u, s in zip(self.units, self._starts)
+                    for _, p, off in u.members]
+            for tables, dtype in self._tables(None, dsts, self._sources(grads, members)):
+                KO.axpby_(tables, dtype, torch.float32, weight, 1.0 if accumulate else 0.0)
+            return
+        for u, shard in zip(self.units, self._grads.values()):
+            staging = self._staging[:u.padded]
+            KE.fill_(staging, 0)  # the gaps: the staging buffer served other units before
+            dsts = [staging[off:off + p.numel()] for _, p, off in u.members]
+            for tables, dtype in self._tables(u.index, dsts, self._sources(grads, u.members)):
+                KO.axpby_(tables, dtype, torch.float32, weight, 0.0)
+            if accumulate:
+                partial = self._partial[:u.chunk]
+                self._reduce_scatter(partial, staging)
+                KE.map_(shard._data, [shard._data, partial], KE.ADD)
+            else:
+                self._reduce_scatter(shard._data, staging)
+
+    def _reduce_scatter(self, out, inp):
+        """out = this rank's chunk of the sum of ``inp`` over the ranks."""
+        global _native_reduce_scatter
+        if _native_reduce_scatter is not False:
+            try:
+                distributed._collective("reduce-scatter", lambda: dist.reduce_scatter_tensor(out, inp))
+                _native_reduce_scatter = True
+                return
+            except distributed.PeerLostError as e:
+                if _native_reduce_scatter or "support" not in str(e.__cause__).lower():
+                    raise
+                _native_reduce_scatter = False  # a backend without it (older gloo): every rank finds the same
+        distributed.all_reduce_(inp)
+        KE.copy_(out, inp[self.rank * out.numel():(self.rank + 1) * out.numel()])
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self, lr: float | None = None, max_norm: float | None = None, found_inf: Tensor | None = None,
+             grad_scale: Tensor | None = None):
+        """Update this rank's chunks from the packed gradients and bring the model's parameters up
+        to date (see the module doc). Returns the global gradient norm (0-d fp32 device tensor) when
+        ``max_norm`` is given, else None."""
+        found = self._flag(found_inf, "found_inf", torch.int32)
+        if self._flag(grad_scale, "grad_scale", torch.float32) is not None and max_norm is not None:
+            raise ValueError("ShardedOptimizer.step: clipping needs unscaled gradients: unscale first "
+                             "(scaler.unscale_(shards.grads)) instead of passing grad_scale")
+        if lr is not None and not float(lr) >= 0:
+            raise ValueError(f"ShardedOptimizer.step: invalid learning rate {lr!r}")
+        self._drop_backward_gathers()
+        if self._held:
+            raise RuntimeError("ShardedOptimizer.step: parameters are still gathered: release them first")
+        if self.stage == "optimizer":
+            for g in self._unit_grad:
+                distributed.all_reduce_(g)
+        if found is None:
+            KE.fill_(self._found, 0)
+        else:
+            KE.copy_(self._found, found)
+        for tables, dtype in self._shard_buckets:
+            KA.check_(tables, dtype, self._found)
+        distributed.all_reduce_(self._found, "max")
+        if found is not None:
+            KE.copy_(found, self._found)
+        norm = None if max_norm is None else self._clip(float(max_norm))
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = float(lr)
+        self.optimizer.step(self._grads, found_inf=Tensor(self._found), grad_scale=grad_scale)
+        if self.stage != "parameters":
+            for u in self.units:
+                self._fill(u)
+        return norm
+
+    @staticmethod
+    def _flag(x, name, dtype):
+        if x is None:
+            return None
+        if not isinstance(x, Tensor) or x.dtype != dtype or x.numel() != 1:
+            raise TypeError(f"ShardedOptimizer.step: {name} must be a 1-element {dtype} flame Tensor or None, got "
+                            f"{getattr(x, 'dtype', type(x).__name__)} of shape {getattr(x, 'shape', None)}")
+        return x._data.reshape(1)
+
+    def _clip(self, max_norm):
+        """The global 2-norm: each rank's norm into its slot, summed over the ranks (the others are
+        0), then the 2-norm of those; the shard's gradients scaled by min(1, max_norm / norm)."""
+        KE.fill_(self._norms, 0)
+        KO.grad_norm_(self._shard_buckets, self._norms[self.rank:self.rank + 1], self._coef, 2.0, max_norm)
+        distributed.all_reduce_(self._norms)
+        norm = runtime.empty((), torch.float32)
+        KO.grad_norm_(self._norm_buckets, norm, self._coef, 2.0, max_norm)
+        KO.scale_(self._shard_buckets, self._coef)
+        return Tensor(norm)
+
+    def _fill(self, u):
+        """Unit ``u``'s buffer (the model's parameters) from the ranks' master chunks: cast to the
+        unit's dtype, then all-gathered."""
+        src = self.masters[u.index]._data
+        if u.dtype != torch.float32:
+            cast = self._cast[:u.chunk]
+            KE.copy_(cast, src)
+            src = cast
+        if self.world == 1:
+            KE.copy_(u.buf, src)
+        else:
+            distributed._collective("all-gather", lambda: dist.all_gather_into_tensor(u.buf, src))
+
+    # ---- gathering (``parameters``) -------------------------------------------------------------
+    def _units_of(self, params, what):
+        params = params.parameters() if isinstance(params, Module) else params
+        out = {}
+        for p in params:
+            u = self._unit_of.get(p.id) if isinstance(p, Tensor) else None
+            if u is None:
+                if isinstance(p, Tensor) and not p.requires_grad:
+                    continue  # a frozen parameter of the block: not sharded
+                raise ValueError(f"ShardedOptimizer.{what}: a {type(p).__name__} of shape {getattr(p, 'shape', '?')} "
+                                 "that this ShardedOptimizer does not shard")
+            out[u.index] = u
+        return list(out.values())
+
+    def _acquire(self, units):
+        for u in units:
+            count = self._held.get(u.index, 0)
+            if count == 0 and self.stage == "parameters":
+                u.buf.untyped_storage().resize_(u.padded * u.buf.element_size())
+                self._fill(u)
+            self._held[u.index] = count + 1
+
+    def _release(self, units):
+        for u in units:
+            count = self._held.get(u.index, 0)
+            if count == 0:
+                raise RuntimeError(f"ShardedOptimizer.release: unit {u.index} is not gathered")
+            if count == 1:
+                del self._held[u.index]
+                if self.stage == "parameters":
+                    self._free(u)
+            else:
+                self._held[u.index] = count - 1
+
+    @staticmethod
+    def _free(u):
+        storage = u.buf.untyped_storage()
+        if storage.resizable():
+            storage.resize_(0)
+        else:  # the interpreter's host memory once a NumPy array viewed it (Tensor.numpy of a parameter)
+            warnings.warn(f"ShardedOptimizer: unit {u.index}'s memory stays allocated: a NumPy array views it (on the "
+                          "CPU, Tensor.numpy() of a gathered parameter pins its storage; read a clone())", stacklevel=3)
+
+    def gather(self, params) -> None:
+        """All-gather the units holding ``params`` (parameters or a module) into the model's
+        parameters, until ``release`` (a collective at the ``parameters`` stage, a no-op otherwise)."""
+        self._acquire(self._units_of(params, "gather"))
+
+    def release(self, params) -> None:
+        """Free the units holding ``params`` once every ``gather`` of them is released."""
+        self._release(self._units_of(params, "release"))
+
+    @contextlib.contextmanager
+    def gathered(self, params):
+        """``gather(params)`` for the block of a ``with``; ``release`` after."""
+        units = self._units_of(params, "gather")
+        self._acquire(units)
+        try:
+            yield
+        finally:
+            self._release(units)
+
+    def run(self, block, *args, **kwargs):
+        """``block(*args, **kwargs)`` (a Module) with its parameters gathered, freed after; while
+        recording, one ``checkpoint.segment`` (its sub-graph kept) whose backward gathers them again
+        first. At the other stages: ``block(*args, **kwargs)``."""
+        if self.stage != "parameters":
+            return block(*args, **kwargs)
+        units = self._units_of(block, "run")
+        with self.gathered(block):
+            return segment(block, args, kwargs, recompute=False, on_backward=lambda: self._backward_gather(units))
+
+    def _backward_gather(self, units):
+        self._acquire(units)  # first: a unit shared with the previous block stays gathered
+        self._drop_backward_gathers()
+        self._backward_held = units
+
+    def _drop_backward_gathers(self):
+        held, self._backward_held = self._backward_held, []
+        self._release(held)
+
+    # ---- memory -------------------------------------------------------------------------------
+    def memory(self) -> dict:
+        """Bytes this rank holds now: ``parameters`` (the units' buffers: the model's trained
+        parameters), ``master``, ``optimizer`` (its state), ``gradients`` (the gradient buffers)."""
+        state = sum(b.numel() * b.element_size() for st in self.optimizer.state.values() for b in st.values()
+                    if b is not None)
+        grads = [b for b in (self._flat_grad, self._staging, self._partial) if b is not None]
+        return {"parameters": sum(u.buf.untyped_storage().nbytes() for u in self.units),
+                "master": self._master.numel() * 4, "optimizer": state,
+                "gradients": sum(b.numel() * 4 for b in grads)}
+
+    # ---- state --------------------------------------------------------------------------------
+    def layout(self) -> dict:
+        """The index of a checkpoint of this run (``shards.json``), without the optimizer's step."""
+        groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {"format": FORMAT, "world_size": self.world, "stage": self.stage, "align": self.align,
+                "optimizer": {"class": type(self.optimizer).__name__, "param_groups": groups},
+                "units": [u.describe() for u in self.units]}
+
+    def _step_count(self) -> int:
+        opt = self.optimizer
+        return int(opt._steps[opt._slots[self.masters[0].id]].item())  # host transfer; every unit steps alike
+
+    def state_dict(self) -> dict:
+        """This rank's part, in memory: ``{"layout", "master" (a copy), "optimizer"}``."""
+        master = runtime.empty(tuple(self._master.shape), torch.float32)
+        KE.copy_(master, self._master)
+        return {"layout": self.layout(), "master": Tensor(master), "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load ``state_dict()`` of a run with this layout (world size, units); ``load`` re-slices."""
+        mine = self.layout()
+        theirs = state.get("layout", {})
+        for key in ("world_size", "units"):
+            if theirs.get(key) != mine[key]:
+                raise ValueError(f"ShardedOptimizer.load_state_dict: saved with another {key.replace('_', ' ')} "
+                                 f"({theirs.get('world_size')} ranks): load(folder) re-slices a checkpoint")
+        master = state["master"]
+        master = master._data if isinstance(master, Tensor) else master
+        if tuple(master.shape) != tuple(self._master.shape):
+            raise ValueError(f"ShardedOptimizer.load_state_dict: master of shape {tuple(master.shape)}, expected "
+                             f"{tuple(self._master.shape)}")
+        KE.copy_(self._master, master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._refresh()
+
+    def _refresh(self):
+        if self.stage != "parameters":
+            for u in self.units:
+                self._fill(u)
+        elif self._held:
+            raise RuntimeError("ShardedOptimizer: load with parameters gathered: release them first")
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save(self, folder, writers: dict | None = None) -> str:
+        """Write this run's shards to ``folder`` (collective; see the module doc). ``writers``: rank
+        0's other files, ``{name: write(path)}`` as ``flame.train.checkpoints.save_checkpoint``
+        takes them. A complete ``folder`` is kept as it is. Returns the folder."""
+        folder = os.path.abspath(os.fspath(folder))
+        if os.path.isfile(os.path.join(folder, MARKER)):
+            return folder
+        index = dict(self.layout(), step=self._step_count(),
+                     files=[shard_file(r, self.world) for r in range(self.world)])
+        tensors = {"master": self._master}
+        for u, master in zip(self.units, self.masters):
+            for name, buf in self.optimizer.state.get(master.id, {}).items():
+                if buf is not None:
+                    tensors[_state_key(u.index, name)] = buf
+        tmp = None
+        if self.rank == 0:
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix=f".tmp-{os.path.basename(folder)}-", dir=os.path.dirname(folder))
+        tmp = distributed.broadcast_object(tmp)
+        with distributed.hold_exit():
+            save_safetensors(tensors, os.path.join(tmp, shard_file(self.rank, self.world)))
+        distributed.barrier()
+        if self.rank == 0:
+            with distributed.hold_exit():
+                for name, write in (writers or {}).items():
+                    write(os.path.join(tmp, name))
+                atomic_write(os.path.join(tmp, INDEX), lambda f: f.write(json.dumps(index, indent=1).encode()))
+                _fsync_dir(tmp)
+                if os.path.exists(folder):  # an incomplete one left by a crash
+                    shutil.rmtree(folder)
+                os.rename(tmp, folder)
+                _fsync_dir(os.path.dirname(folder))
+                atomic_write(os.path.join(folder, MARKER), lambda f: f.write(f"{index['step']}\n".encode()))
+                _fsync_dir(folder)
+        distributed.barrier()
+        return folder
+
+    def load(self, folder) -> None:
+        """Load a complete ``save`` of any world size into this run: master and optimizer state re-sliced
+        for this rank's chunks, the model's parameters updated (collective at the first two stages)."""
+        saved = read_index(folder)
+        where = {p["name"]: (u, p) for u in saved["units"] for p in u["params"]}
+        mine = {name: p for u in self.units for name, p, _ in u.members}
+        for name, p in mine.items():
+            if name not in where:
+                raise ValueError(f"ShardedOptimizer.load: {folder}: no parameter {name!r} in the checkpoint")
+            unit, theirs = where[name]
+            if theirs["shape"] != list(p.shape) or unit["dtype"] != _dtype_name(p.dtype):
+                raise ValueError(f"ShardedOptimizer.load: {folder}: {name!r} is {unit['dtype']} {theirs['shape']} in "
+                                 f"the checkpoint, {_dtype_name(p.dtype)} {list(p.shape)} here")
+        extra = sorted(set(where) - set(mine))
+        if extra:
+            raise ValueError(f"ShardedOptimizer.load: {folder}: the checkpoint trains parameters this run does not: "
+                             f"{extra[:5]}")
+        cls = type(self.optimizer).__name__
+        if saved["optimizer"]["class"] != cls:
+            raise ValueError(f"ShardedOptimizer.load: {folder}: saved with {saved['optimizer']['class']}, this run "
+                             f"uses {cls}")
+        with _Shards(folder, saved) as shards:
+            states = {}
+            for u, master in zip(self.units, self.masters):
+                KE.copy_(master._data, to_device(torch.from_numpy(shards.elements(u, self.rank, None)))._data)
+                if saved["step"]:
+                    states[u.index] = {"step": saved["step"]}
+                    for name in shards.state_names(u):
+                        states[u.index][name] = torch.from_numpy(shards.state(u, self.rank, name))
+        groups = [dict(g, params=list(range(len(self.masters)))) for g in saved["optimizer"]["param_groups"]]
+        try:
+            self.optimizer.load_state_dict({"state": states, "param_groups": groups})
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"ShardedOptimizer.load: {folder}: the optimizer state does not fit this run ({e}); "
+                             "AdamW8bit keeps fp32 moments for chunks below min_8bit_size") from None
+        self._refresh()
+
+
+def read_index(folder) -> dict:
+    """The checked index of a complete sharded checkpoint ``folder``."""
+    folder = os.fspath(folder)
+    if not os.path.isfile(os.path.join(folder, MARKER)):
+        raise FileNotFoundError(f"{folder}: not a complete sharded checkpoint (no {MARKER} marker: a save that did not "
+                                "finish is never loaded)")
+    with open(os.path.join(folder, INDEX)) as f:
+        index = json.load(f)
+    if index.get("format") != FORMAT:
+        raise ValueError(f"{folder}: {INDEX} is not a flame sharded checkpoint index (format {index.get('format')!r})")
+    world = index["world_size"]
+    files = [shard_file(r, world) for r in range(world)]
+    if index.get("files") != files:
+        raise ValueError(f"{folder}: {INDEX} says world size {world} but lists {len(index.get('files', []))} shard "
+                         f"files {index.get('files', [])[:4]}")
+    missing = [f for f in files if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise FileNotFoundError(f"{folder}: shard files missing: {missing[:4]}")
+    for u in index["units"]:
+        if u["dtype"] not in _DTYPES or u["chunk"] * world < u["numel"] or u["chunk"] % index["align"]:
+            raise ValueError(f"{folder}: {INDEX}: unit of {u['numel']} elements in chunks of {u['chunk']} does not fit "
+                             f"world size {world} and align {index['align']}")
+        for p in u["params"]:
+            if p["offset"] + int(np.prod(p["shape"])) > u["numel"]:
+                raise ValueError(f"{folder}: {INDEX}: {p['name']!r} of shape {p['shape']} at {p['offset']} passes its "
+                                 f"unit's {u['numel']} elements")
+    return index
+
+
+class _Shards:
+    """The shard files of a checkpoint, read a slice at a time (into host NumPy arrays)."""
+
+    def __init__(self, folder, index):
+        self.folder, self.index = os.fspath(folder), index
+        self.units = index["units"]
+        self.where = {p["name"]: (i, p["offset"]) for i, u in enumerate(self.units) for p in u["params"]}
+        self.local = np.cumsum([0] + [u["chunk"] for u in self.units]).tolist()  # unit -> start in "master"
+        self._stack = contextlib.ExitStack()
+        self._files = {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _file(self, rank):
+        f = self._files.get(rank)
+        if f is None:
+            path = os.path.join(self.folder, self.index["files"][rank])
+            f = self._files[rank] = self._stack.enter_context(open_safetensors(path))
+        return f
+
+    def read(self, rank, key, start, count):
+        part = self._file(rank).get_slice(key)
+        if start + count > part.get_shape()[0]:
+            raise ValueError(f"{self.folder}: {self.index['files'][rank]}: {key!r} holds {part.get_shape()[0]} "
+                             f"elements, the index needs {start + count}")
+        return part[start:start + count].numpy()
+
+    def _old_unit(self, unit):
+        """The saved unit holding this run's ``unit``'s first parameter."""
+        return self.where[unit.members[0][0]][0]
+
+    def _key(self, old_unit, key):
+        return "master" if key is None else _state_key(old_unit, key)
+
+    def _size_dtype(self, key):
+        part = self._file(0).get_slice(key)
+        return part.get_shape()[0], _NUMPY[part.get_dtype()]
+
+    def state_names(self, unit):
+        """The optimizer state saved for the unit holding ``unit``'s first parameter."""
+        prefix = _state_key(self._old_unit(unit), "")
+        return [k[len(prefix):] for k in self._file(0).keys() if k.startswith(prefix)]  # noqa: SIM118 (not a dict)
+
+    def _param_into(self, out, name, first, count, key, at=0):
+        """Elements ``[first, first + count)`` of parameter ``name`` of the saved tensor ``key`` (None:
+        the master, else an optimizer state's name) into ``out[at:]``."""
+        u, offset = self.where[name]
+        for r, pos, skip, n in _spans(self.units[u]["chunk"], offset + first, offset + first + count):
+            start = self.local[u] + pos if key is None else pos
+            out[at + skip:at + skip + n] = self.read(r, self._key(u, key), start, n)
+
+    def elements(self, unit, rank, key):
+        """This run's chunk ``rank`` of ``unit`` of the elementwise tensor ``key`` (None: the master),
+        parameter by parameter from the saved ranks' chunks (gaps stay 0)."""
+        out = np.zeros(unit.chunk, self._size_dtype(self._key(self._old_unit(unit), key))[1])
+        lo, hi = rank * unit.chunk, (rank + 1) * unit.chunk
+        for name, p, off in unit.members:
+            first, last = max(lo, off), min(hi, off + p.numel())
+            if first < last:
+                self._param_into(out, name, first - off, last - first, key, at=first - lo)
+        return out
+
+    def state(self, unit, rank, key):
+        """This run's chunk ``rank`` of ``unit`` of the optimizer state ``key``: elementwise, or one
+        value per block of 256 elements (AdamW8bit's maxima; only into the same units)."""
+        u = self._old_unit(unit)
+        saved = self.units[u]
+        size, dtype = self._size_dtype(_state_key(u, key))
+        if size == saved["chunk"]:
+            return self.elements(unit, rank, key)
+        block = AdamW8bit.BLOCK
+        same = {k: v for k, v in saved.items() if k != "chunk"} == \
+            {k: v for k, v in unit.describe().items() if k != "chunk"}
+        if size != saved["chunk"] // block or not same:
+            raise ValueError(f"ShardedOptimizer.load: {self.folder}: optimizer state {key!r} is kept per block of "
+                             f"{block} and can only be re-sliced into the same units (parameters, bucket_numel)")
+        blocks = unit.chunk // block
+        out = np.zeros(blocks, dtype)
+        first, stop = rank * blocks, min((rank + 1) * blocks, -(-saved["numel"] // block))
+        for r, pos, skip, n in _spans(size, first, max(first, stop)):
+            out[skip:skip + n] = self.read(r, _state_key(u, key), pos, n)
+        return out
+
+
+def export(folder, path) -> None:
+    """One safetensors file at ``path`` of the full-precision (fp32) weights of the sharded
+    checkpoint ``folder``, ``{name: tensor}`` in the parameters' shapes, from any one process."""
+    index = read_index(folder)
+    tensors = {}
+    with _Shards(folder, index) as shards:
+        for unit in index["units"]:
+            for p in unit["params"]:
+                numel = int(np.prod(p["shape"]))
+                flat = np.zeros(numel, np.float32)
+                shards._param_into(flat, p["name"], 0, numel, None)
+                strides = [s * flat.itemsize for s in p["stride"]]
+                logical = np.lib.stride_tricks.as_strided(flat, p["shape"], strides)
+                tensors[p["name"]] = torch.from_numpy(np.ascontiguousarray(logical))
+    save_safetensors(tensors, path)
+
+
+__all__ = ["MARKER", "OPTIMIZERS", "STAGES", "ShardedOptimizer", "export", "read_index", "shard_file"]
