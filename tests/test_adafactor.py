@@ -1,7 +1,7 @@
 """flame.optim.Adafactor against transformers' Adafactor (the reference semantics)."""
 import pytest
 import torch
-from test_optim import _assert_params, _flag, _grad_map, _torch_step
+from test_optim import _assert_params, _bf16_neighbours, _flag, _grad_map, _torch_step, assert_stochastically_rounded
 from transformers.optimization import Adafactor as Reference
 
 import flame
@@ -171,3 +171,33 @@ def test_launches_per_step_and_several_blocks_per_work_item(monkeypatch):
     assert L.launches - before == 5
     _assert_params(fp, tp)
     _assert_state(fo, fp, to, tp, rtol=1e-5, atol=1e-7)
+
+
+def test_stochastic_rounding_of_bf16_parameters_in_every_layout():
+    """bf16 parameters with stochastic_rounding: after each step every element is one of the two
+    bf16 neighbours of the fp32 update (the same Adafactor on fp32 copies of the values, re-synchronised
+    after each step), without bias, in factored, flat, channels-last and transposed layouts; a
+    found_inf step leaves them and the rounding stream as they were."""
+    specs = SPECS + [((64, 70), None)]
+    fp, _ = _params(specs, torch.bfloat16)
+    f32 = [flame.from_torch(p.to_torch().float(), requires_grad=True) for p in fp]
+    kw = dict(beta1=0.9, weight_decay=0.1)
+    ob, of = optim.Adafactor(fp, stochastic_rounding=True, **kw), optim.Adafactor(f32, **kw)
+    for i in range(3):
+        gs = _grads([p.to_torch() for p in fp])  # fp32, in the parameters' layouts
+        if i == 1:
+            before = [p.to_torch().clone() for p in fp]
+            ob.step(_grad_map(fp, gs), found_inf=_flag(1))
+            assert all(torch.equal(p.to_torch(), b) for p, b in zip(fp, before))
+        ob.step(_grad_map(fp, gs))
+        of.step(_grad_map(f32, gs))
+        for b, f in zip(fp, f32):
+            assert b.dtype == torch.bfloat16 and b.stride() == f.stride()
+        got = torch.cat([p.to_torch().reshape(-1) for p in fp])
+        exact = torch.cat([p.to_torch().reshape(-1) for p in f32])
+        assert 0.2 < assert_stochastically_rounded(got, exact) < 0.8
+        down, up = _bf16_neighbours(exact.cpu())
+        assert not torch.equal(got.cpu().float(), torch.where((exact.cpu() - down).abs() * 2 > (up - down).abs(),
+                                                              up, down))  # not rounded to nearest
+        for b, f in zip(fp, f32):
+            f.to_torch().copy_(b.to_torch())

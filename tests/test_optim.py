@@ -900,7 +900,11 @@ def test_stochastic_rounding_lands_on_a_neighbour_of_the_fp32_update_without_bia
     assert all(p.dtype == torch.bfloat16 for p in bf)
 
 
-@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-3, weight_decay=0.0)), ("SGD", dict(lr=1e-3))])
+ADAFACTOR_CONSTANT_LR = dict(lr=1e-3, relative_step=False, scale_parameter=False)  # constant g: u = lr g / |g|
+
+
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-3, weight_decay=0.0)), ("SGD", dict(lr=1e-3)),
+                                     ("Adafactor", ADAFACTOR_CONSTANT_LR)])
 def test_stochastic_rounding_moves_weights_that_round_to_nearest_leaves_stuck(name, kw):
     # p = 1 under a constant update of 1e-3 upwards, below half a bf16 ulp (2^-8 above 1): rounded to
     # nearest (or towards zero, the interpreter's cast) the weights never move; rounded stochastically
@@ -942,7 +946,8 @@ def test_stochastic_rounding_bits_follow_seed_and_step():
     assert not torch.equal(a, later) and not torch.equal(a, other_seed)
 
 
-@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-3)), ("AdamW8bit", dict(lr=1e-3))])
+@pytest.mark.parametrize("name,kw", [("AdamW", dict(lr=1e-3)), ("AdamW8bit", dict(lr=1e-3)),
+                                     ("Adafactor", dict(beta1=0.9))])
 def test_stochastic_rounding_resume_equals_the_uninterrupted_run(name, kw):
     # the seed is a group entry and the rounding bits a function of the step counters: a fresh
     # optimizer built under another flame seed continues bit for bit once the state dict is loaded
@@ -964,7 +969,10 @@ def test_stochastic_rounding_resume_equals_the_uninterrupted_run(name, kw):
     assert all(torch.equal(a.to_torch(), b.to_torch()) for a, b in zip(bf, copies))
 
 
-@pytest.mark.parametrize("name,kw", SR_CONFIGS[:4], ids=[n for n, _ in SR_CONFIGS[:4]])
+OFF_CONFIGS = SR_CONFIGS[:4] + [("Adafactor", dict(beta1=0.9, weight_decay=0.1))]
+
+
+@pytest.mark.parametrize("name,kw", OFF_CONFIGS, ids=[n for n, _ in OFF_CONFIGS])
 def test_stochastic_rounding_off_or_on_fp32_params_changes_nothing(name, kw):
     # fp32 parameters: stochastic_rounding on is bit-identical to off; bf16 parameters with it off:
     # the fp32 update cast once by flame's own cast (to nearest on a GPU, as every flame cast)
@@ -983,7 +991,7 @@ def test_stochastic_rounding_off_or_on_fp32_params_changes_nothing(name, kw):
 def test_stochastic_rounding_refuses_fp16_and_bad_settings():
     bf, f32 = _twins([(3, 5)])
     half = [flame.from_torch(torch.randn(4, device=DEVICE).half(), requires_grad=True)]
-    for name in ("AdamW", "AdamW8bit", "SGD", "Lion", "Prodigy"):
+    for name in ("AdamW", "AdamW8bit", "SGD", "Lion", "Prodigy", "Adafactor"):
         with pytest.raises(ValueError, match=r"stochastic_rounding rounds fp32 updates to bf16.*float16"):
             getattr(optim, name)(half, stochastic_rounding=True)
     optim.AdamW(half)  # off: fp16 parameters as before
