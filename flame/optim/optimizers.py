@@ -24,7 +24,7 @@ bf16 parameters are trained directly, without fp32 master weights. The update is
 as always and stored rounded stochastically to one of its two bf16 neighbours, with the
 probabilities that make the rounding unbiased (``flame.kernels.optim._round_bf16_stochastic``), so
 updates far below half a bf16 ulp still move the weights on average where rounding to nearest
-would lose them. fp32 parameters are unaffected (their kernels are today's), fp16 ones are refused.
+would lose them. fp32 parameters are unaffected (the same kernels as without it), fp16 ones are refused.
 The random bits are a pure function of ``rounding_seed`` (a group entry; default: the seed of
 ``flame.manual_seed``), the parameter's index in the optimizer, its step counter and the element:
 nothing is drawn on the host per step (CUDA-graph safe), every data-parallel rank rounds alike, and
