@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -61,10 +62,15 @@ def gluon(stages=2, pingpong=True):
     return dict(stages=stages, pingpong=pingpong)
 
 
+def gluon_bwd(kv_stages=2, q_stages=2, q_keys=64):
+    """Options of attention_hopper.attention_bwd."""
+    return dict(kv_stages=kv_stages, q_stages=q_stages, q_keys=q_keys)
+
+
 PORTABLE = "portable"  # a forward "config": flame's own choice with the Hopper route off
 
-# (name, shape, "fwd" | "bwd" | "gluon", config or None for flame's own choice); a backward variant
-# is also timed without its dQ kernel ("dkdv" rows)
+# (name, shape, "fwd" | "bwd" | "gluon" | "gbwd", config or None for flame's own choice; "bwd" with
+# PORTABLE: the portable kernels); a backward variant is also timed without its dQ kernel ("dkdv")
 VARIANTS = [
     ("production", "flux", "fwd", None),
     ("portable", "flux", "fwd", PORTABLE),
@@ -77,6 +83,11 @@ VARIANTS = [
     ("128x64 w8 s5", "flux", "fwd", fwd(128, 64, 8, 5)),
     ("128x128 w8 s3 no TMA", "flux", "fwd", fwd(128, 128, 8, 3, tma=False)),
     ("production", "flux", "bwd", None),
+    ("portable", "flux", "bwd", PORTABLE),
+    ("gluon bwd kv s2 dq s2 n64", "flux", "gbwd", gluon_bwd(2, 2, 64)),
+    ("gluon bwd kv s3 dq s2 n64", "flux", "gbwd", gluon_bwd(3, 2, 64)),
+    ("gluon bwd kv s3 dq s3 n64", "flux", "gbwd", gluon_bwd(3, 3, 64)),
+    ("gluon bwd kv s3 dq s2 n128", "flux", "gbwd", gluon_bwd(3, 2, 128)),
     ("kv32x64w4s4 dq128x64w8s4", "flux", "bwd", bwd((32, 64, 4, 4), (128, 64, 8, 4))),
     ("kv32x64w4s2 dq128x64w8s2", "flux", "bwd", bwd((32, 64, 4, 2), (128, 64, 8, 2))),
     ("kv64x64w4s3 dq128x64w8s3", "flux", "bwd", bwd((64, 64, 4, 3), (128, 64, 8, 3))),
@@ -97,6 +108,9 @@ VARIANTS = [
     ("128x64 w8 s4", "sdxl4k", "fwd", fwd(128, 64, 8, 4, d=64)),
     ("64x128 w4 s3", "sdxl4k", "fwd", fwd(64, 128, 4, 3, d=64)),
     ("production", "sdxl4k", "bwd", None),
+    ("portable", "sdxl4k", "bwd", PORTABLE),
+    ("gluon bwd kv s3 dq s2 n64", "sdxl4k", "gbwd", gluon_bwd(3, 2, 64)),
+    ("gluon bwd kv s2 dq s2 n128", "sdxl4k", "gbwd", gluon_bwd(2, 2, 128)),
     ("production", "sdxl1k", "fwd", None),
     ("portable", "sdxl1k", "fwd", PORTABLE),
     ("gluon s2 pingpong", "sdxl1k", "gluon", gluon(2, True)),
@@ -193,20 +207,26 @@ def _forced(kind, cfg, skip=()):
     PORTABLE: flame's own choice of the portable kernel), the Hopper route stays off unless cfg is
     None, and the kernels named in ``skip`` are not launched."""
     name = "_fwd_config" if kind == "fwd" else "_bwd_config"
-    original, launch, route = getattr(KA, name), KA.launch, KA.HOPPER_FWD
-    if cfg is not None and cfg != PORTABLE and kind != "gluon":
+    original, launch, route, route_bwd = getattr(KA, name), KA.launch, KA.HOPPER_FWD, KA.HOPPER_BWD
+    hopper_bwd, hopper_launch, head_dims = AH.attention_bwd, AH.launch, KA.HOPPER_HEAD_DIMS
+    if kind == "gbwd":  # every head dim the kernels serve (a backward variant runs no forward)
+        AH.attention_bwd = functools.partial(hopper_bwd, **cfg)
+        KA.HOPPER_HEAD_DIMS = AH.HEAD_DIMS
+    elif cfg is not None and cfg != PORTABLE and kind != "gluon":
         if kind == "fwd":
             setattr(KA, name, lambda Lq, Lk, D, BH, dtype: cfg)
         else:  # every query block in one chunk
             setattr(KA, name, lambda Lq, Lk, D, BH, dtype: (cfg[0], cfg[1], -(-Lq // cfg[0]["BLOCK_M"])))
     KA.HOPPER_FWD = route and cfg is None
+    KA.HOPPER_BWD = route_bwd and (cfg is None or kind == "gbwd")
     KA.launch = lambda kernel, *args, **kw: None if kernel.__name__ in skip else launch(kernel, *args, **kw)
+    AH.launch = lambda kernel, *args, **kw: None if kernel.__name__ in skip else hopper_launch(kernel, *args, **kw)
     try:
         yield
     finally:
         setattr(KA, name, original)
-        KA.launch = launch
-        KA.HOPPER_FWD = route
+        KA.launch, AH.launch, AH.attention_bwd = launch, hopper_launch, hopper_bwd
+        KA.HOPPER_FWD, KA.HOPPER_BWD, KA.HOPPER_HEAD_DIMS = route, route_bwd, head_dims
 
 
 def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
@@ -218,7 +238,7 @@ def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
     if kind == "gluon":
         fn = lambda: p.gluon_forward(cfg)
     else:
-        fn = p.forward if kind == "fwd" else p.backward
+        fn = p.forward if kind == "fwd" else p.backward  # bwd, gbwd
     try:
         with _forced(kind, cfg):
             if kind == "fwd":
@@ -230,15 +250,16 @@ def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
             got = fn()
             torch.cuda.synchronize()
             if timed:
-                want, cudnn = (p.ref[:1], p.cudnn[:1]) if kind != "bwd" else (p.ref[1:], p.cudnn[1:])
-                got = [got] if kind != "bwd" else got
+                back = kind in ("bwd", "gbwd")
+                want, cudnn = (p.ref[1:], p.cudnn[1:]) if back else (p.ref[:1], p.cudnn[:1])
+                got = got if back else [got]
                 row["err"] = [_err(g, r) for g, r in zip(got, want)]
                 row["cudnn_err"] = [_err(c, r) for c, r in zip(cudnn, want)]
                 if kind == "gluon":
                     row["lse_err"] = float((p.lse_gluon - p.lse_reference()).abs().max())
                 row["ms"] = graph_time_ms(fn, rep_ms)
-        if timed and kind == "bwd":
-            with _forced(kind, cfg, skip=("_attn_bwd_dq_kernel",)):
+        if timed and kind in ("bwd", "gbwd"):
+            with _forced(kind, cfg, skip=("_attn_bwd_dq_kernel", "_attn_bwd_dq_hopper_kernel")):
                 row["dkdv_ms"] = graph_time_ms(fn, rep_ms)
     except Exception as e:  # a config that does not compile or fit: recorded, the sweep goes on
         lines = str(e).strip().splitlines()
@@ -282,7 +303,7 @@ def _jsonable(cfg):
 
 def flops(shape, kind):
     B, H, Lq, Lk, D = SHAPES[shape]
-    return 4 * B * H * Lq * Lk * D * (2.5 if kind == "bwd" else 3.5 if kind == "fwd+bwd" else 1)  # fwd, gluon: 1
+    return 4 * B * H * Lq * Lk * D * (2.5 if kind in ("bwd", "gbwd") else 3.5 if kind == "fwd+bwd" else 1)
 
 
 def main(argv=None):
@@ -291,7 +312,7 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true", help="with --jobs: compile, then exit (time later)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "i/n": run every n-th variant once
     ap.add_argument("--only", default=None, help="comma-separated shapes")
-    ap.add_argument("--kinds", default=None, help="comma-separated variant kinds (fwd, bwd, gluon)")
+    ap.add_argument("--kinds", default=None, help="comma-separated variant kinds (fwd, bwd, gluon, gbwd)")
     ap.add_argument("--match", default=None, help="only variants whose name matches this regular expression")
     ap.add_argument("--rep-ms", type=int, default=200)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -329,16 +350,17 @@ def main(argv=None):
                 log.write(json.dumps(row) + "\n")
                 log.flush()
     cudnn = {(r["shape"], r["kind"]): r["ms"] for r in rows if r["name"] == "torch cuDNN" and r.get("ms")}
-    portable = {r["shape"]: r["ms"] for r in rows if r["name"] == "portable" and r.get("ms")}
+    portable = {(r["shape"], r["kind"]): r["ms"] for r in rows if r["name"] == "portable" and r.get("ms")}
     print(f"{'shape':8} {'kind':7} {'variant':34} {'ms':>7} {'TFLOP/s':>7} {'/cuDNN':>6} {'/port':>6} {'dkdv':>6}  "
           f"err (cuDNN's) [lse err]")
     for r in rows:
         ms = r.get("ms")
-        base = cudnn.get((r["shape"], "fwd" if r["kind"] == "gluon" else r["kind"]))
-        if r["kind"] == "bwd" and base is None:
+        kind = {"gluon": "fwd", "gbwd": "bwd"}.get(r["kind"], r["kind"])
+        base = cudnn.get((r["shape"], kind))
+        if r["kind"] in ("bwd", "gbwd") and base is None:
             f, fb = cudnn.get((r["shape"], "fwd")), cudnn.get((r["shape"], "fwd+bwd"))
             base = fb - f if f and fb else None
-        port = portable.get(r["shape"]) if r["kind"] in ("fwd", "gluon") else None
+        port = portable.get((r["shape"], kind))
         tf = flops(r["shape"], r["kind"]) / ms * 1e-9 if ms else None
         err = " ".join(f"{e:.1e}" for e in r.get("err", [])) + (" (" + " ".join(
             f"{e:.1e}" for e in r.get("cudnn_err", [])) + ")" if r.get("cudnn_err") else "")

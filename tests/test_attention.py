@@ -646,6 +646,23 @@ def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape, dtype, layout", HOPPER_CASES)
+def test_gpu_hopper_backward_matches_torch(monkeypatch, shape, dtype, layout):
+    """The Gluon dK/dV and dQ kernels on sm_90 (through flame's op, forward on its own route):
+    every gradient within 3x PyTorch SDPA's error of an fp32 reference, the same bound as the
+    portable backward, which serves the same call with the route off; no row left unwritten."""
+    if not AH.available():
+        pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
+    B, H, Lq, Lk, D = shape
+    calls = []
+    real = AH.attention_bwd
+    monkeypatch.setattr(AH, "attention_bwd", lambda *a, **kw: calls.append(D) or real(*a, **kw))
+    monkeypatch.setattr(KA, "HOPPER_HEAD_DIMS", (64, 128))
+    _gpu_rule(B, H, Lq, Lk, D, dtype, layout=layout)
+    assert calls == [D]
+
+
+@pytest.mark.gpu
 def test_gpu_hopper_route(monkeypatch):
     """On sm_90 flame's forward takes the Gluon kernel for the head dims of KA.HOPPER_HEAD_DIMS
     (no mask, not causal) and the portable one otherwise; gradients flow through its lse."""

@@ -27,7 +27,7 @@ def torch_quantize(w, scale):
     """The reference: per-row absmax / 448 scales (1 for a zero row), and torch's e4m3fn cast of w
     over ``scale`` (flame's: torch on CUDA divides by a number as a multiplication by its reciprocal,
     a unit in the last place off IEEE division at times)."""
-    s = w.float().abs().amax(1) / 448
+    s = (w.float().abs().amax(1).double() / 448).float()  # IEEE fp32 division (CUDA's "/ 448" multiplies)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return (w.float() / scale[:, None]).to(E4M3), s
 

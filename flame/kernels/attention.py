@@ -65,7 +65,10 @@ KV_TMA_MIN_KEYS = 2048
 # on an H200 (Triton 3.6, bf16, same process): Flux's 1x24x4608x128 0.453 ms against 0.522 here
 # (cuDNN SDPA 0.448); at head dim 64 the Gluon kernel is slower (SDXL, 4096 tokens: 0.121 against
 # 0.113; 1024 tokens: 0.027 against 0.019), so 64 stays here.
+# The backward of the same calls (dO TMA-readable too) runs attention_hopper.py's dK/dV and dQ
+# kernels (HOPPER_BWD; off with FLAME_ATTN_GLUON=0 or FLAME_ATTN_GLUON_BWD=0).
 HOPPER_FWD = not runtime.INTERPRETER and os.environ.get("FLAME_ATTN_GLUON", "1") != "0"
+HOPPER_BWD = HOPPER_FWD and os.environ.get("FLAME_ATTN_GLUON_BWD", "1") != "0"
 HOPPER_HEAD_DIMS = (128,)
 
 # log2(e) = 1.4426950408889634 (written inline in jit code)
@@ -815,6 +818,12 @@ def _tma_readable(t, strides):
             and (runtime.INTERPRETER or tma_available()))
 
 
+def _hopper_serves(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
+    """Whether attention_hopper.py's kernels take this call (see HOPPER_FWD)."""
+    return (FORCE_BLOCKS is None and D in HOPPER_HEAD_DIMS
+            and attention_hopper.usable(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask))
+
+
 def _mask_args(mask, q):
     if mask is None:
         return q, (0, 0, 0, 0), 0
@@ -826,8 +835,7 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causa
     """O = softmax(Q K^T * scale + mask) V into ``o``; base-2 log-sum-exp into ``lse`` (B*H, Lq)."""
     if B * H == 0 or Lq == 0:
         return
-    if (HOPPER_FWD and FORCE_BLOCKS is None and D in HOPPER_HEAD_DIMS
-            and attention_hopper.usable(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask)):
+    if HOPPER_FWD and _hopper_serves(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
         attention_hopper.attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale * LOG2E)
         return
     mbuf, ms, kind = _mask_args(mask, q)
@@ -853,9 +861,17 @@ def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk
     """dQ, dK, dV of ``attention_fwd`` given dO, O and the saved log-sum-exp."""
     if B * H == 0:
         return
+    sdt = stats_dtype(q.dtype)
+    if (HOPPER_BWD and Lq > 0 and _hopper_serves(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask)
+            and _tma_readable(do, sdo)):
+        delta = runtime.empty((B * H, Lq), sdt)
+        launch(_attn_bwd_preprocess_kernel, (_cdiv(Lq, 64), B * H), o, do, delta, H, Lq, *so, *sdo,
+               HEAD_DIM=D, BLOCK_D=D, BLOCK_M=64, ACC=tl.float32, WIDE=_wide(Lq * so[2], Lq * sdo[2]))
+        attention_hopper.attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk, sdv,
+                                       B, H, Lq, Lk, D, scale * LOG2E, scale)
+        return
     mbuf, ms, kind = _mask_args(mask, q)
     acc, precision, upcast = _switches(q.dtype)
-    sdt = stats_dtype(q.dtype)
     kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H, q.dtype)
     bpc = max(1, bpc)
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],

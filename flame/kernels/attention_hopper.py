@@ -35,7 +35,13 @@ from .matmul import tma_available
 try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
 except ImportError:  # an older Triton: the portable kernels serve every call
     gluon = None
 
@@ -246,3 +252,271 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, st
     launch(_attn_fwd_hopper_kernel, grid, q, k, v, o, lse, H, Lq, Lk, float(qk_scale), *sq, *sk, *sv, *so,
            HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong,
            CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+
+
+# ---- backward ------------------------------------------------------------------------------------
+#
+# Two warp-specialised kernels of the same shape as the forward (a 1-warp TMA loader, two 4-warp
+# consumer warpgroups with 240 registers), deterministic like the portable pair (no atomics):
+# - dK/dV: one program per 2 x BLOCK_N keys of one (batch, head); each consumer owns BLOCK_N keys
+#   (its K and V tiles loaded once) and walks every query block, whose Q and dO tiles stream
+#   through a ring shared by both consumers. Per block it computes S = Q K^T and dP = dO V^T with
+#   the queries as rows, so lse2 and delta are two values per thread, writes P and dS to shared
+#   memory and takes P^T and dS^T from there as the A operands of dV += P^T dO and dK += dS^T Q.
+# - dQ: the forward's structure with dO beside Q: one program per 2 x BLOCK_M queries, K and V
+#   blocks streaming through rings, dS kept in registers as the A operand of dQ += dS K.
+
+BWD_BLOCK = 64  # keys per dK/dV consumer, query rows per step of it, queries per dQ consumer
+BWD_KEYS = 64  # keys per step of the dQ kernel
+
+if gluon is not None:
+    @gluon.jit
+    def _bwd_kv_loader(q_ptr, k_ptr, v_ptr, do_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty,
+                       do_ready, do_empty, qb, kb, vb, dob, Lq, Lk, sqm, skn, svn, sdom, start_n,
+                       HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
+        k_desc = tma.make_tensor_descriptor(k_ptr + kb, [Lk, HEAD_DIM], [skn, 1], [BLOCK, HEAD_DIM], layout)
+        v_desc = tma.make_tensor_descriptor(v_ptr + vb, [Lk, HEAD_DIM], [svn, 1], [BLOCK, HEAD_DIM], layout)
+        q_desc = tma.make_tensor_descriptor(q_ptr + qb, [Lq, HEAD_DIM], [sqm, 1], [BLOCK, HEAD_DIM], layout)
+        do_desc = tma.make_tensor_descriptor(do_ptr + dob, [Lq, HEAD_DIM], [sdom, 1], [BLOCK, HEAD_DIM], layout)
+        nbytes: gl.constexpr = BLOCK * HEAD_DIM * dtype.primitive_bitwidth // 8
+        for w in gl.static_range(2):
+            mbarrier.expect(kv_bar.index(w), 2 * nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start_n + w * BLOCK, 0], kv_bar.index(w), k_smem.index(w))
+            tma.async_copy_global_to_shared(v_desc, [start_n + w * BLOCK, 0], kv_bar.index(w), v_smem.index(w))
+        for j in range(gl.cdiv(Lq, BLOCK)):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(q_empty.index(s), phase ^ 1)
+            mbarrier.expect(q_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(q_desc, [j * BLOCK, 0], q_ready.index(s), q_smem.index(s))
+            mbarrier.wait(do_empty.index(s), phase ^ 1)
+            mbarrier.expect(do_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(do_desc, [j * BLOCK, 0], do_ready.index(s), do_smem.index(s))
+
+    @gluon.jit
+    def _store_rows(ptr, base, row_stride, start, L, value, layout: gl.constexpr):
+        # value (R, D) into rows start .. start + R of a (L, D) matrix at ptr + base, rows past L dropped
+        rows = gl.expand_dims(start + gl.arange(0, value.shape[0], gl.SliceLayout(1, layout)), 1)
+        cols = gl.expand_dims(gl.arange(0, value.shape[1], gl.SliceLayout(0, layout)), 0)
+        gl.store(ptr + base + rows.to(gl.int64) * row_stride + cols, value.to(ptr.dtype.element_ty),
+                 mask=(rows < L) & (cols < value.shape[1]))
+
+    # dV_j = sum_i P_ij^T dO_i,  dK_j = scale * sum_i dS_ij^T Q_i,  P = exp2(S * scale * log2(e) - lse2),
+    # dS = P * (dO V_j^T - delta)  (S = Q K_j^T; the consumer's keys j, every query block i)
+    @gluon.jit
+    def _bwd_kv_consumer(WG: gl.constexpr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem,
+                         p_smem, ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, dkb, dvb, stat_off,
+                         Lq, Lk, sdkn, sdvn, qk_scale, sm_scale, start_n,
+                         HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        k = k_smem.index(WG)
+        v = v_smem.index(WG)
+        p_buf = p_smem.index(WG)
+        ds_buf = ds_smem.index(WG)
+        mbarrier.wait(kv_bar.index(WG), 0)
+        dk = gl.zeros([BLOCK, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([BLOCK, HEAD_DIM], gl.float32, acc_layout)
+        for j in range(gl.cdiv(Lq, BLOCK)):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            offs = j * BLOCK + gl.arange(0, BLOCK, rows)
+            lse = gl.load(lse_ptr + stat_off + offs, mask=offs < Lq, other=float("inf"))
+            delta = gl.load(delta_ptr + stat_off + offs, mask=offs < Lq, other=0.0)
+            zero = gl.zeros([BLOCK, BLOCK], gl.float32, s_layout)  # not read (use_acc=False)
+            mbarrier.wait(q_ready.index(s), phase)
+            st = warpgroup_mma(q_smem.index(s), k.permute((1, 0)), zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(s), phase)
+            dp = warpgroup_mma(do_smem.index(s), v.permute((1, 0)), zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st,))
+            p = gl.exp2(st * qk_scale - gl.expand_dims(lse, 1))
+            p_buf.store(p.to(dtype))
+            fence_async_shared()
+            dv = warpgroup_mma(p_buf.permute((1, 0)), do_smem.index(s), dv, is_async=True)
+            dp = warpgroup_mma_wait(1, deps=(dp,))
+            ds = p * (dp - gl.expand_dims(delta, 1))
+            ds_buf.store(ds.to(dtype))
+            fence_async_shared()
+            dk = warpgroup_mma(ds_buf.permute((1, 0)), q_smem.index(s), dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(s))
+            mbarrier.arrive(do_empty.index(s))
+        start = start_n + WG * BLOCK
+        _store_rows(dk_ptr, dkb, sdkn, start, Lk, dk * sm_scale, acc_layout)
+        _store_rows(dv_ptr, dvb, sdvn, start, Lk, dv, acc_layout)
+
+    @gluon.jit
+    def _attn_bwd_dkdv_hopper_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                                     H, Lq, Lk, qk_scale, sm_scale,
+                                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+                                     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+                                     HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                                     CONSUMER_REGS: gl.constexpr):
+        start_n = gl.program_id(0) * (2 * BLOCK)
+        pid_bh = gl.program_id(1)
+        b = (pid_bh // H).to(gl.int64)
+        h = (pid_bh % H).to(gl.int64)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
+        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
+        v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(kv_bar.index(w), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(do_empty.index(i), count=2)
+        stat_off = pid_bh.to(gl.int64) * Lq
+        gl.warp_specialize([
+            (_bwd_kv_consumer, (0, dk_ptr, dv_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, p_smem,
+                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b * sdkb + h * sdkh,
+                                b * sdvb + h * sdvh, stat_off, Lq, Lk, sdkn, sdvn, qk_scale, sm_scale, start_n,
+                                HEAD_DIM, BLOCK, STAGES)),
+            (_bwd_kv_consumer, (1, dk_ptr, dv_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, p_smem,
+                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b * sdkb + h * sdkh,
+                                b * sdvb + h * sdvh, stat_off, Lq, Lk, sdkn, sdvn, qk_scale, sm_scale, start_n,
+                                HEAD_DIM, BLOCK, STAGES)),
+            (_bwd_kv_loader, (q_ptr, k_ptr, v_ptr, do_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty,
+                              do_ready, do_empty, b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh,
+                              b * sdob + h * sdoh, Lq, Lk, sqm, skn, svn, sdom, start_n, HEAD_DIM, BLOCK, STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+    @gluon.jit
+    def _bwd_q_loader(q_ptr, k_ptr, v_ptr, do_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                      v_ready, v_empty, qb, kb, vb, dob, Lq, Lk, sqm, skn, svn, sdom, start_m,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_desc = tma.make_tensor_descriptor(q_ptr + qb, [Lq, HEAD_DIM], [sqm, 1], [BLOCK_M, HEAD_DIM], layout_q)
+        do_desc = tma.make_tensor_descriptor(do_ptr + dob, [Lq, HEAD_DIM], [sdom, 1], [BLOCK_M, HEAD_DIM], layout_q)
+        k_desc = tma.make_tensor_descriptor(k_ptr + kb, [Lk, HEAD_DIM], [skn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
+        v_desc = tma.make_tensor_descriptor(v_ptr + vb, [Lk, HEAD_DIM], [svn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
+        q_bytes: gl.constexpr = BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8
+        for w in gl.static_range(2):
+            mbarrier.expect(q_bar.index(w), 2 * q_bytes)
+            tma.async_copy_global_to_shared(q_desc, [start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
+            tma.async_copy_global_to_shared(do_desc, [start_m + w * BLOCK_M, 0], q_bar.index(w), do_smem.index(w))
+        nbytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
+        for j in range(Lk // BLOCK_N):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            mbarrier.wait(k_empty.index(s), phase ^ 1)
+            mbarrier.expect(k_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+            mbarrier.wait(v_empty.index(s), phase ^ 1)
+            mbarrier.expect(v_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+    # dQ_i = scale * sum_j dS_ij K_j,  dS_ij = P_ij * (dO_i V_j^T - delta_i)  (the consumer's queries i)
+    @gluon.jit
+    def _bwd_q_consumer(WG: gl.constexpr, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                        k_ready, k_empty, v_ready, v_empty, dqb, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale, start_m,
+                        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM, 16])
+        ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        rows: gl.constexpr = gl.SliceLayout(1, s_layout)
+        dtype: gl.constexpr = q_smem.dtype
+        q = q_smem.index(WG)
+        do = do_smem.index(WG)
+        start = start_m + WG * BLOCK_M
+        offs = start + gl.arange(0, BLOCK_M, rows)
+        lse = gl.expand_dims(gl.load(lse_ptr + stat_off + offs, mask=offs < Lq, other=float("inf")), 1)
+        delta = gl.expand_dims(gl.load(delta_ptr + stat_off + offs, mask=offs < Lq, other=0.0), 1)
+        mbarrier.wait(q_bar.index(WG), 0)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        for j in range(Lk // BLOCK_N):
+            s = j % STAGES
+            phase = (j // STAGES) & 1
+            zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)  # not read (use_acc=False)
+            mbarrier.wait(k_ready.index(s), phase)
+            st = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(s), phase)
+            dp = warpgroup_mma(do, v_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(1, deps=(st,))
+            p = gl.exp2(st * qk_scale - lse)
+            dp = warpgroup_mma_wait(0, deps=(dp,))
+            mbarrier.arrive(v_empty.index(s))
+            ds = gl.convert_layout((p * (dp - delta)).to(dtype), ds_layout)
+            dq = warpgroup_mma(ds, k_smem.index(s), dq, is_async=True)
+            dq, ds = warpgroup_mma_wait(0, deps=(dq, ds))
+            mbarrier.arrive(k_empty.index(s))
+        _store_rows(dq_ptr, dqb, sdqm, start, Lq, dq * sm_scale, acc_layout)
+
+    @gluon.jit
+    def _attn_bwd_dq_hopper_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, H, Lq, Lk,
+                                   qk_scale, sm_scale,
+                                   sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
+                                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+        start_m = gl.program_id(0) * (2 * BLOCK_M)
+        pid_bh = gl.program_id(1)
+        b = (pid_bh // H).to(gl.int64)
+        h = (pid_bh % H).to(gl.int64)
+        dtype: gl.constexpr = q_ptr.dtype.element_ty
+        layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], layout_q)
+        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], layout_q)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout_kv)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout_kv)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(q_bar.index(w), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(v_empty.index(i), count=2)
+        stat_off = pid_bh.to(gl.int64) * Lq
+        gl.warp_specialize([
+            (_bwd_q_consumer, (0, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                               v_ready, v_empty, b * sdqb + h * sdqh, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale,
+                               start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_bwd_q_consumer, (1, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                               v_ready, v_empty, b * sdqb + h * sdqh, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale,
+                               start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
+            (_bwd_q_loader, (q_ptr, k_ptr, v_ptr, do_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                             v_ready, v_empty, b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh,
+                             b * sdob + h * sdoh, Lq, Lk, sqm, skn, svn, sdom, start_m, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             STAGES)),
+        ], [4, 1], [CONSUMER_REGS, 24])
+
+
+def attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk, sdv, B, H, Lq, Lk, D,
+                  qk_scale, sm_scale, kv_stages=3, q_stages=2, q_keys=BWD_KEYS):
+    """dQ, dK, dV of ``attention.attention_bwd`` (``qk_scale`` = scale * log2(e), ``sm_scale`` =
+    scale) on a call that ``usable`` accepts, given lse2 and delta (B*H, Lq) in fp32; Lk a multiple
+    of 2 x BWD_BLOCK (and of ``q_keys``); dO TMA-readable like Q. dQ, dK, dV are stored from
+    registers in their own dtypes."""
+    launch(_attn_bwd_dkdv_hopper_kernel, (Lk // (2 * BWD_BLOCK), B * H), q, k, v, do, lse, delta, dk, dv,
+           H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdk, *sdv,
+           HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=kv_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch(_attn_bwd_dq_hopper_kernel, (-(-Lq // (2 * BWD_BLOCK)), B * H), q, k, v, do, lse, delta, dq,
+           H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdq,
+           HEAD_DIM=D, BLOCK_M=BWD_BLOCK, BLOCK_N=q_keys, STAGES=q_stages, CONSUMER_REGS=CONSUMER_REGS,
+           num_warps=4)
