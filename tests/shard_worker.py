@@ -1,0 +1,144 @@
+"""The ranks of the sharded-training tests (tests/test_sharding.py), on gloo.
+
+    python tests/shard_worker.py OUT_DIR PHASES_JSON
+
+This process imports flame once, runs one step of each kind on its own (the interpreter's kernels
+parsed and cached), then for each phase ``{"world": N, "jobs": [...]}`` forks N ranks with
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): forked ranks
+start at once, where N fresh interpreters would each take seconds to import torch, triton and flame.
+Each rank runs the phase's jobs in order and writes what it ended with to
+OUT_DIR/phase-P/rank-R.npz under each job's name: the weights (``<job>/w/<name>``), the global
+gradient norms (``<job>/norms``) and the memory breakdown (``<job>/memory``: parameters, master,
+optimizer, gradients bytes). A job trains the tiny model below from its seed with
+``flame.sharding.ShardedOptimizer``: ``name``, ``stage``, ``steps`` (first and last, 1-based),
+``units`` ("layers": one unit per layer, else buckets of ``bucket`` elements), ``max_norm``,
+``save`` ({step: folder}), ``resume`` (a folder loaded before the first step), ``emulate``
+(reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN).
+Exits with status 1 when a rank failed (its traceback on stderr).
+"""
+import itertools
+import json
+import multiprocessing
+import os
+import pathlib
+import socket
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import flame  # noqa: E402 - first: it picks the backend
+from flame import distributed, nn, sharding  # noqa: E402
+from flame.ops.loss import mse_loss  # noqa: E402
+from flame.optim import AdamW  # noqa: E402
+
+DIMS = (64, 128, 64)  # two Linear layers: few kernel launches (the interpreter's cost), big enough for the
+# memory bound (each rank's chunks are padded to 256 elements per unit)
+ROWS = 8  # the global batch, split evenly over the ranks (or micro-batches)
+LR = 1e-2
+
+
+def build_model(dims=DIMS):
+    flame.manual_seed(5)
+    return nn.Sequential(*[nn.Linear(a, b) for a, b in itertools.pairwise(dims)])
+
+
+def make_optimizer(params):
+    return AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def forward(model, x, call=None):
+    for layer in model:
+        x = call(layer, x) if call is not None else layer(x)
+    return x
+
+
+def batch(step, part, parts):
+    """Rows ``part`` of ``parts`` of step ``step``'s global batch (inputs, targets)."""
+    rng = np.random.RandomState(step)
+    x, y = rng.randn(ROWS, DIMS[0]).astype(np.float32), rng.randn(ROWS, DIMS[-1]).astype(np.float32)
+    rows = slice(part * ROWS // parts, (part + 1) * ROWS // parts)
+    return flame.tensor(x[rows]), flame.tensor(y[rows])
+
+
+def sharded(model, job):
+    units = list(model) if job.get("units") == "layers" else None
+    return sharding.ShardedOptimizer(model.named_parameters(), job["stage"], make_optimizer, units=units,
+                                     bucket_numel=job.get("bucket", 1 << 23))
+
+
+def weights(model, shards):
+    with shards.gathered(model):
+        return {name: p.clone().numpy() for name, p in model.named_parameters()}
+
+
+def run_job(job, world):
+    sharding._native_reduce_scatter = False if job.get("emulate") else None
+    model = build_model()
+    shards = sharded(model, job)
+    if job.get("resume"):
+        shards.load(job["resume"])
+    first, last = job["steps"]
+    norms, out = [], {}
+    for step in range(first, last + 1):
+        x, y = batch(step, world.rank, world.size)
+        loss = mse_loss(forward(model, x, shards.run), y)
+        if job.get("nan") and world.rank == 1:
+            loss = loss * float("nan")
+        shards.pack(loss.backward(), weight=1.0 / world.size)
+        norm = shards.step(max_norm=job.get("max_norm"))
+        if norm is not None:
+            norms.append(norm.item())
+        if str(step) in job.get("save", {}):
+            shards.save(job["save"][str(step)])
+    out.update({f"w/{k}": v for k, v in weights(model, shards).items()})
+    out["norms"] = np.array(norms, dtype=np.float64)
+    out["memory"] = np.array([shards.memory()[k] for k in ("parameters", "master", "optimizer", "gradients")])
+    return out
+
+
+def rank_main(out_dir, world_size, rank, port, jobs):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    world = distributed.init(timeout=120)
+    results = {}
+    for job in jobs:
+        for key, value in run_job(job, world).items():
+            results[f"{job['name']}/{key}"] = value
+    np.savez(out_dir / f"rank-{rank}.npz", **results)
+    distributed.shutdown()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv):
+    out_dir, phases = pathlib.Path(argv[0]), json.loads(argv[1])
+    torch.set_num_threads(1)  # no intra-op thread pool for the forked ranks to inherit
+    run_job({"name": "warm", "stage": "gradients", "steps": [1, 1], "max_norm": 1.0}, distributed.world())
+    fork = multiprocessing.get_context("fork")
+    for i, phase in enumerate(phases):
+        folder = out_dir / f"phase-{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        port = _free_port()
+        ranks = [fork.Process(target=rank_main, args=(folder, phase["world"], r, port, phase["jobs"]))
+                 for r in range(phase["world"])]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join()
+        failed = [r for r, p in enumerate(ranks) if p.exitcode != 0]
+        if failed:
+            print(f"phase {i} ({phase['world']} ranks): rank(s) {failed} failed", file=sys.stderr)
+            return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

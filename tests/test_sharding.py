@@ -1,0 +1,213 @@
+"""ZeRO sharding (flame.sharding) on gloo: 2 and 4 processes of tests/shard_worker.py train a tiny
+two-layer model at each stage and are compared with the unsharded run of one process.
+
+The reference takes, per step, the ranks' rows of the global batch as micro-batches (one per rank,
+weighted 1/N, in rank order) and runs AdamW on the parameters themselves. Equality:
+- 2 ranks: bit for bit at every stage (each rank's gradient is the micro-batch's, the sum of two
+  is the same in either order, and AdamW is elementwise: a flat slice updates as the tensors do);
+- 4 ranks, and clipping: within fp32 rounding (gloo's sum of four and the global norm's partial
+  sums run in another order than the reference's).
+Resume: a 2-rank checkpoint continues on 4 ranks, a 4-rank one on 1 rank (this process).
+"""
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flame
+from flame import distributed, sharding
+from flame.io import load_safetensors
+from flame.ops.loss import mse_loss
+from flame.optim import Adafactor, clip_grad_norm_
+from tests import shard_worker as W
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MAX_NORM = 0.05  # below the reference's gradient norm at step 3: the clip bites
+CLOSE = {"rtol": 1e-5, "atol": 1e-6}  # fp32 rounding after a few AdamW steps of lr 1e-2
+
+
+def _launch(out, phases, timeout=300):
+    """tests/shard_worker.py's phases ({"world": N, "jobs": [...]}, N forked ranks each); their rank
+    files, by phase and rank."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "shard_worker.py"), str(out), json.dumps(phases)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return [[dict(np.load(out / f"phase-{i}" / f"rank-{r}.npz")) for r in range(phase["world"])]
+            for i, phase in enumerate(phases)]
+
+
+def _weights(rank_file, job):
+    prefix = f"{job}/w/"
+    return {k[len(prefix):]: v for k, v in rank_file.items() if k.startswith(prefix)}
+
+
+def _snapshot(model):
+    return {name: p.numpy() for name, p in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The unsharded run at 2 micro-batches: weights after steps 2 and 3, and step 3 again with
+    clipping at MAX_NORM (weights and the norm), from the same state after step 2."""
+    model = W.build_model()
+    opt = W.make_optimizer(list(model.parameters()))
+    bucket = distributed.GradientBucket(list(model.parameters()))
+
+    def step(n, max_norm=None):
+        for part in range(2):
+            x, y = W.batch(n, part, 2)
+            loss = mse_loss(W.forward(model, x), y)
+            bucket.pack(loss.backward(), loss, 0.5, accumulate=part > 0)
+        norm = clip_grad_norm_(bucket.grads, max_norm).item() if max_norm is not None else None
+        opt.step(bucket.grads)
+        return norm
+
+    out = {}
+    for n in (1, 2):
+        step(n)
+    out[2] = _snapshot(model)
+    saved = opt.state_dict()
+    step(3)
+    out[3] = _snapshot(model)
+    model.load_state_dict({k: flame.tensor(v) for k, v in out[2].items()})
+    opt.load_state_dict(saved)
+    out["norm"] = step(3, MAX_NORM)
+    assert out["norm"] > MAX_NORM  # the clip bites
+    out["clipped"] = _snapshot(model)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 2-rank launch (each stage, steps 1-3, checkpoints after step 2; NaN gradients on rank 1),
+    then one 4-rank launch (the 2-rank checkpoint resumed with other units and clipping; the
+    ``parameters`` stage for 2 steps, its checkpoint and memory)."""
+    root = tmp_path_factory.mktemp("shards")
+    ck = root / "ck"
+    two, four = _launch(root / "ranks", [
+        {"world": 2, "jobs": [
+            {"name": "optimizer", "stage": "optimizer", "steps": [1, 3]},
+            {"name": "gradients", "stage": "gradients", "steps": [1, 3], "save": {"2": str(ck / "g2")}},
+            {"name": "parameters", "stage": "parameters", "steps": [1, 3], "units": "layers", "emulate": True,
+             "save": {"2": str(ck / "p2")}},
+            {"name": "nan", "stage": "gradients", "steps": [1, 1], "nan": True}]},
+        {"world": 4, "jobs": [
+            {"name": "resumed", "stage": "gradients", "steps": [3, 3], "units": "layers", "resume": str(ck / "g2"),
+             "max_norm": MAX_NORM},
+            {"name": "parameters", "stage": "parameters", "steps": [1, 2], "units": "layers",
+             "save": {"2": str(ck / "p4")}}]}])
+    return {"two": two, "four": four, "ck": ck}
+
+
+def test_every_stage_on_two_ranks_gives_the_unsharded_weights_bit_for_bit(runs, reference):
+    for stage in sharding.STAGES:
+        for rank_file in runs["two"]:
+            got = _weights(rank_file, stage)
+            assert got.keys() == reference[3].keys()
+            for name, want in reference[3].items():
+                np.testing.assert_array_equal(got[name], want, err_msg=f"{stage} {name}")
+
+
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(runs):
+    start = _snapshot(W.build_model())
+    for rank_file in runs["two"]:
+        for name, want in start.items():
+            np.testing.assert_array_equal(_weights(rank_file, "nan")[name], want)
+
+
+def test_a_two_rank_checkpoint_continues_on_four_ranks_with_other_units_and_a_global_clip(runs, reference):
+    for rank_file in runs["four"]:
+        np.testing.assert_allclose(rank_file["resumed/norms"], [reference["norm"]], rtol=1e-5)
+        got = _weights(rank_file, "resumed")
+        for name, want in reference["clipped"].items():
+            np.testing.assert_allclose(got[name], want, **CLOSE, err_msg=name)
+    for name, want in reference[2].items():  # 4 ranks from the start, within rounding
+        np.testing.assert_allclose(_weights(runs["four"][0], "parameters")[name], want, **CLOSE)
+
+
+def test_parameters_stage_memory_per_rank_is_within_a_share_and_15_percent(runs, reference):
+    params = sum(v.nbytes for v in reference[2].values())
+    unsharded = 3 * params  # fp32 weights and AdamW's two moments
+    for world, key in ((2, "two"), (4, "four")):
+        for rank_file in runs[key]:
+            held, master, state, _ = rank_file["parameters/memory"]
+            assert held == 0  # released between uses
+            assert state == 2 * master  # state for this rank's chunks only
+            assert held + master + state <= (1 / world + 0.15) * unsharded, (world, master, state, unsharded)
+
+
+def test_a_four_rank_checkpoint_continues_in_one_process_and_exports_the_weights(runs, reference, tmp_path):
+    model = W.build_model()
+    shards = sharding.ShardedOptimizer(model.named_parameters(), "optimizer", W.make_optimizer)
+    shards.load(runs["ck"] / "p4")
+    index = sharding.read_index(runs["ck"] / "p4")
+    assert index["world_size"] == 4 and index["step"] == 2 and len(index["units"]) == 2
+    x, y = W.batch(3, 0, 1)
+    shards.pack(mse_loss(W.forward(model, x), y).backward())
+    shards.step()
+    for name, want in reference[3].items():
+        np.testing.assert_allclose(_snapshot(model)[name], want, **CLOSE, err_msg=name)
+    sharding.export(runs["ck"] / "p2", tmp_path / "model.safetensors")  # the bit-exact 2-rank run, after step 2
+    exported = load_safetensors(tmp_path / "model.safetensors")
+    assert exported.keys() == reference[2].keys()
+    for name, want in reference[2].items():
+        assert exported[name].dtype == flame.float32
+        np.testing.assert_array_equal(exported[name].numpy(), want)
+
+
+def test_bad_input_is_refused_with_a_clear_error(runs, tmp_path):
+    model = W.build_model()
+    with pytest.raises(ValueError, match=r"unknown stage 'zero4'; one of optimizer, gradients, parameters"):
+        sharding.ShardedOptimizer(model.named_parameters(), "zero4", W.make_optimizer)
+    with pytest.raises(NotImplementedError, match="Adafactor cannot run on flat slices"):
+        sharding.ShardedOptimizer(model.named_parameters(), "optimizer",
+                                  lambda ps: Adafactor(ps, lr=1e-3, relative_step=False))
+    folder = tmp_path / "ck"
+    shutil.copytree(runs["ck"] / "p2", folder)
+    index = json.loads((folder / sharding.INDEX).read_text())
+    (folder / sharding.INDEX).write_text(json.dumps(dict(index, world_size=3)))
+    shards = sharding.ShardedOptimizer(model.named_parameters(), "gradients", W.make_optimizer)
+    with pytest.raises(ValueError, match=r"says world size 3 but lists 2 shard files"):
+        shards.load(folder)
+    index["units"][0]["params"][0]["shape"] = [64, 128]
+    (folder / sharding.INDEX).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"'0.weight' is float32 \[64, 128\] in the checkpoint, float32 \[128, 64\] "):
+        shards.load(folder)
+    os.remove(folder / sharding.MARKER)
+    with pytest.raises(FileNotFoundError, match="not a complete sharded checkpoint"):
+        shards.load(folder)
+
+
+def test_one_process_bf16_weights_state_dict_and_a_found_inf_flag():
+    """bf16 parameters follow their fp32 master (cast by a kernel); a set found_inf skips the step
+    and stays set; state_dict/load_state_dict round-trip."""
+    model = W.build_model().to(dtype=flame.bfloat16)
+    shards = sharding.ShardedOptimizer(model.named_parameters(), "gradients", W.make_optimizer)
+    grads = flame.GradientMap()
+    for p in model.parameters():
+        grads[p] = flame.ones(*p.shape)
+    shards.pack(grads)
+    found = flame.tensor(np.array([1], dtype=np.int32))
+    before = _snapshot(model)
+    shards.step(found_inf=found)
+    assert found.numpy().tolist() == [1]
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p.to(flame.float32).numpy(), before[name].astype(np.float32))
+    shards.step()
+    state = shards.state_dict()
+    master = state["master"].numpy()
+    for _, p, off in shards.units[0].members:
+        want = flame.tensor(master[off:off + p.numel()]).to(flame.bfloat16).reshape(*p.shape)
+        np.testing.assert_array_equal(p.to(flame.float32).numpy(), want.to(flame.float32).numpy())
+    shards.step()  # moves on; loading the state goes back
+    shards.load_state_dict(state)
+    np.testing.assert_array_equal(shards.state_dict()["master"].numpy(), master)
