@@ -49,8 +49,9 @@ def weight(n, k, dtype=torch.float32, seed=0):
 
 
 def rel_tol(dtype):
-    """Errors of a K-term sum scale with the output's magnitude, not each element's."""
-    r = 2e-3 if dtype == torch.float16 else 1e-5
+    """Errors of a K-term sum scale with the output's magnitude, not each element's (fp32 products
+    run as tf32 on the GPU: inputs rounded to 10 mantissa bits, exact on the interpreter)."""
+    r = 2e-3 if dtype == torch.float16 or not flame.is_interpreter() else 1e-5
     return lambda want: dict(rtol=r, atol=r * float(want.detach().abs().max()))
 
 

@@ -1,5 +1,6 @@
-"""Flash-attention forward for Hopper (sm_90) in Gluon: a warp-specialised kernel with a TMA
-producer warp, two consumer warpgroups and wgmma, FlashAttention-3's structure.
+"""Flash attention for Hopper (sm_90) in Gluon: warp-specialised forward and backward kernels
+with a TMA producer warp, two consumer warpgroups and wgmma, FlashAttention-3's structure (the
+backward deterministic: dQ by its own kernel, no atomics; see "backward" below).
 
 Problem and layout as ``attention.py``'s forward (``O = softmax(Q K^T * scale) V`` per (batch,
 head), operands as base pointer plus (batch, head, row) strides, the head dim contiguous), on the
