@@ -76,8 +76,8 @@ def main(argv):
     t = ran.get("trainer")
     if t is not None and hasattr(t, "model"):
         weights = {k: v.numpy() for k, v in t.model.state_dict().items() if "lora" in k}
-        losses = np.array([t.losses[s] for s in sorted(t.losses)], dtype=np.float64)
-        np.savez(out / f"rank-{rank}.npz", status=status, losses=losses, steps=np.array(sorted(t.losses)),
+        losses = np.array([t.run.losses[s] for s in sorted(t.run.losses)], dtype=np.float64)
+        np.savez(out / f"rank-{rank}.npz", status=status, losses=losses, steps=np.array(sorted(t.run.losses)),
                  **{f"w/{k}": v for k, v in weights.items()})
     if use_cli:  # torchrun stops every process once one ends with a failure: leave together
         distributed.barrier()

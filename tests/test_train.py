@@ -599,7 +599,7 @@ def test_a_third_signal_during_the_save_quits_without_a_partial_checkpoint(cache
     trainer = _trainer(_config(cache_dir, tmp_path))
     _signal_during(monkeypatch, trainer, "step_fn", lambda: trainer.step == 2, [signal.SIGINT] * 2)
     import flame.train.trainer as T
-    _signal_during(monkeypatch, T, "save_safetensors", lambda: trainer._stop is not None, [signal.SIGINT])
+    _signal_during(monkeypatch, T, "save_safetensors", lambda: trainer.run.stop is not None, [signal.SIGINT])
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
     assert os.listdir(tmp_path / "checkpoints") == []  # the save in flight was removed whole

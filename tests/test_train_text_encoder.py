@@ -112,7 +112,7 @@ def test_both_encoders_train_with_the_unet_into_one_file(pipeline, straight):
 def test_kohya_names_and_transformers_5_names_hold_the_same_adapters(pipeline, straight, tmp_path):
     result, trainer = straight
     path = tmp_path / "kohya.safetensors"
-    save_lora(trainer._lora_models(), path, format="kohya")
+    save_lora(trainer.trained.models, path, format="kohya")
     keys = load_safetensors(path).keys()
     assert {k.split("_")[1] for k in keys} == {"unet", "te1", "te2"}
     assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in keys
@@ -174,7 +174,7 @@ def test_diffusers_loads_the_file_peft_and_kohya(pipeline, real, tmp_path):
     path, trainer = real
     trained = _embeddings(trainer.text.encoders)
     kohya = tmp_path / "kohya.safetensors"
-    save_lora(trainer._lora_models(), kohya, format="kohya")
+    save_lora(trainer.trained.models, kohya, format="kohya")
     for file in (pathlib.Path(path), kohya):
         for got, want in zip(_diffusers_embeddings(pipeline, file), trained):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=file.name)

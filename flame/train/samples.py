@@ -13,6 +13,7 @@ Images go to ``output.dir/samples/step-N/NN.png`` with their settings in the PNG
 """
 from __future__ import annotations
 
+import contextlib
 import pathlib
 
 from ..amp import ParameterCasts
@@ -60,6 +61,19 @@ class TrainingSamples:
         finally:
             model.train(was_training)
         return paths
+
+    def render_in_run(self, model, step: int, folder, averaged=None, text_encoders=None) -> list:
+        """``render`` during a training run: with ``averaged`` (the run's ``optim.EMA``, for
+        ``sample.use_ema``) applied to the weights meanwhile, and ``text_encoders`` (a
+        ``TextEncoderLoRA`` being trained) out of training mode meanwhile."""
+        try:
+            with averaged.applied() if averaged is not None else contextlib.nullcontext():
+                if text_encoders is not None:
+                    text_encoders.train(False)
+                return self.render(model, step, folder)
+        finally:
+            if text_encoders is not None:
+                text_encoders.train(True)
 
 
 def _prompts(s) -> list:
