@@ -26,20 +26,22 @@ Stages:
 After the update each rank's chunks are cast to the units' dtype (a flame kernel) and all-gathered
 into the units' buffers, i.e. into the model's parameters (``parameters``: at the next gather).
 
-Collectives: NCCL ``all_gather_into_tensor`` and ``reduce_scatter_tensor``. gloo (the CPU
-interpreter) has both in the PyTorch flame targets; a gloo without ``reduce_scatter`` is met by an
-all-reduce of the bucket of which each rank keeps its chunk (twice the traffic; tests only).
+Collectives: NCCL's (and gloo's, PyTorch 2.13) ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``; a gloo without ``reduce_scatter`` (older PyTorch) gets an all-reduce of
+each bucket, of which every rank keeps its chunk (twice the traffic; the CPU tests force it once).
+Errors in a collective become ``flame.distributed.PeerLostError`` as in ``flame.distributed``.
 
-Per step, on every rank::
+Per step, on every rank (``model``'s blocks run in order; ``world`` ranks)::
 
-    shards = ShardedOptimizer(model.named_parameters(), "gradients",
+    shards = ShardedOptimizer(model.named_parameters(), "parameters",
                               lambda params: AdamW(params, lr=1e-4, weight_decay=1e-2),
-                              units=[block.parameters() for block in blocks])  # units: optional
-    for i, batch in enumerate(micro_batches):
-        y = shards.run(block, x)  # ``parameters`` stage; a plain call otherwise
-        grads = loss(...).backward()
+                              units=blocks)  # optional: one unit per block (a module or its parameters)
+    for i, (x, target) in enumerate(micro_batches):
+        for block in blocks:
+            x = shards.run(block, x)  # gathered around its forward and its backward; a plain call below ZeRO-3
+        grads = loss_fn(x, target).backward()
         shards.pack(grads, weight=1 / (len(micro_batches) * world), accumulate=i > 0)
-    norm = shards.step(lr=lr, max_norm=1.0, found_inf=scaler_flag)
+    norm = shards.step(lr=lr, max_norm=1.0, found_inf=scaler.found_inf)
 
 ``step(lr=None, max_norm=None, found_inf=None, grad_scale=None)``: ``lr`` sets every group's
 learning rate; ``max_norm`` clips by the global 2-norm over all shards (each rank's local norm,
@@ -55,17 +57,23 @@ does, into a temporary folder beside ``folder``: each rank its shard file
 ``shard-RRRRR-of-NNNNN.safetensors`` (master and optimizer state, atomically, fsynced), rank 0
 ``shards.json`` (world size, stage, align, optimizer class, groups and step, and per unit its dtype,
 chunk and parameters: name, shape, strides, offset) and ``writers``' files; rank 0 then renames
-it to ``folder`` and writes the ``COMPLETE`` marker last. ``load(folder)`` re-slices from the
-saved shards for this run's world size and units (optimizer state of ``AdamW8bit`` keeps its
-256-element blocks, so it needs the same units). ``export(folder, path)`` writes one
-safetensors file of the fp32 weights (name -> tensor) from the shards, on any one process.
-``state_dict``/``load_state_dict``: this rank's master and optimizer state, in memory, for the
-same layout only.
+it to ``folder`` and writes the ``COMPLETE`` marker last (a ``step-NNNNNNNN`` folder under a
+checkpoint root is then one that ``flame.train.checkpoints.list_checkpoints`` lists). ``load(folder)``
+re-slices the saved shards, parameter by parameter, for this run's world size and units (a
+parameter's dtype may differ: the master is fp32 either way; ``AdamW8bit``'s per-block maxima need
+the same units). ``export(folder, path)`` writes one safetensors file of the fp32 weights (name ->
+tensor, in the parameters' shapes) from the shards, on any one process. ``state_dict`` /
+``load_state_dict``: this rank's master and optimizer state, in memory, for the same layout only.
+``memory()``: the bytes this rank holds (parameters, master, optimizer state, gradients).
 
 Supported optimizers: the elementwise ones (AdamW, Adam, AdamW8bit, SGD, Lion). Adafactor factors
 a 2-D parameter's statistics and Prodigy estimates one step size over all parameters: neither is
-defined on a flat slice. Gradients accumulate into the buffers with ``pack``; a rank must produce a
-gradient for every trained parameter.
+defined on a flat slice. One parameter group (the factory's optimizer over the leaves it gets).
+
+Not yet: launching each bucket's reduce-scatter from the backward as its gradients are done, the
+next block's gather ahead of its use (both are per unit already), capture in a CUDA graph (gathers
+resize storage; ``pack`` uploads tables for new gradient buffers), a bf16 master with stochastic
+rounding.
 """
 from __future__ import annotations
 
@@ -409,8 +417,7 @@ class ShardedOptimizer:
         if lr is not None and not float(lr) >= 0:
             raise ValueError(f"ShardedOptimizer.step: invalid learning rate {lr!r}")
         self._drop_backward_gathers()
-        if self._held:
-            raise RuntimeError("ShardedOptimizer.step: parameters are still gathered: release them first")
+        self._check_released("step")
         if self.stage == "optimizer":
             for g in self._unit_grad:
                 distributed.all_reduce_(g)
@@ -579,6 +586,7 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Load ``state_dict()`` of a run with this layout (world size, units); ``load`` re-slices."""
+        self._check_released("load_state_dict")
         mine = self.layout()
         theirs = state.get("layout", {})
         for key in ("world_size", "units"):
@@ -594,12 +602,15 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self._refresh()
 
+    def _check_released(self, what):
+        if self._held or self._backward_held:
+            raise RuntimeError(f"ShardedOptimizer.{what}: parameters are still gathered: release them first")
+
     def _refresh(self):
+        """The model's parameters from the (loaded) master, at the stages that keep them."""
         if self.stage != "parameters":
             for u in self.units:
                 self._fill(u)
-        elif self._held:
-            raise RuntimeError("ShardedOptimizer: load with parameters gathered: release them first")
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, folder, writers: dict | None = None) -> str:
@@ -642,16 +653,16 @@ class ShardedOptimizer:
     def load(self, folder) -> None:
         """Load a complete ``save`` of any world size into this run: master and optimizer state re-sliced
         for this rank's chunks, the model's parameters updated (collective at the first two stages)."""
+        self._check_released("load")
         saved = read_index(folder)
         where = {p["name"]: (u, p) for u in saved["units"] for p in u["params"]}
         mine = {name: p for u in self.units for name, p, _ in u.members}
         for name, p in mine.items():
             if name not in where:
                 raise ValueError(f"ShardedOptimizer.load: {folder}: no parameter {name!r} in the checkpoint")
-            unit, theirs = where[name]
-            if theirs["shape"] != list(p.shape) or unit["dtype"] != _dtype_name(p.dtype):
-                raise ValueError(f"ShardedOptimizer.load: {folder}: {name!r} is {unit['dtype']} {theirs['shape']} in "
-                                 f"the checkpoint, {_dtype_name(p.dtype)} {list(p.shape)} here")
+            if where[name][1]["shape"] != list(p.shape):  # the dtype may differ: the master is fp32 either way
+                raise ValueError(f"ShardedOptimizer.load: {folder}: {name!r} has shape {where[name][1]['shape']} in "
+                                 f"the checkpoint, {list(p.shape)} here")
         extra = sorted(set(where) - set(mine))
         if extra:
             raise ValueError(f"ShardedOptimizer.load: {folder}: the checkpoint trains parameters this run does not: "

@@ -13,7 +13,8 @@ optimizer, gradients bytes). A job trains the tiny model below from its seed wit
 ``flame.sharding.ShardedOptimizer``: ``name``, ``stage``, ``steps`` (first and last, 1-based),
 ``units`` ("layers": one unit per layer, else buckets of ``bucket`` elements), ``max_norm``,
 ``save`` ({step: folder}), ``resume`` (a folder loaded before the first step), ``emulate``
-(reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN).
+(reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN),
+``8bit`` (AdamW8bit instead of AdamW).
 Exits with status 1 when a rank failed (its traceback on stderr).
 """
 import itertools
@@ -33,7 +34,7 @@ import torch  # noqa: E402
 import flame  # noqa: E402 - first: it picks the backend
 from flame import distributed, nn, sharding  # noqa: E402
 from flame.ops.loss import mse_loss  # noqa: E402
-from flame.optim import AdamW  # noqa: E402
+from flame.optim import AdamW, AdamW8bit  # noqa: E402
 
 DIMS = (64, 128, 64)  # two Linear layers: few kernel launches (the interpreter's cost), big enough for the
 # memory bound (each rank's chunks are padded to 256 elements per unit)
@@ -48,6 +49,10 @@ def build_model(dims=DIMS):
 
 def make_optimizer(params):
     return AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def make_optimizer_8bit(params):
+    return AdamW8bit(params, lr=LR, weight_decay=0.1, min_8bit_size=0)  # 8-bit moments at every world size
 
 
 def forward(model, x, call=None):
@@ -66,7 +71,8 @@ def batch(step, part, parts):
 
 def sharded(model, job):
     units = list(model) if job.get("units") == "layers" else None
-    return sharding.ShardedOptimizer(model.named_parameters(), job["stage"], make_optimizer, units=units,
+    factory = make_optimizer_8bit if job.get("8bit") else make_optimizer
+    return sharding.ShardedOptimizer(model.named_parameters(), job["stage"], factory, units=units,
                                      bucket_numel=job.get("bucket", 1 << 23))
 
 
