@@ -15,7 +15,8 @@ optimizer, gradients bytes). A job trains the tiny model below from its seed wit
 ``save`` ({step: folder}), ``resume`` (a folder loaded before the first step), ``emulate``
 (reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN),
 ``8bit`` (AdamW8bit instead of AdamW).
-Exits with status 1 when a rank failed (its traceback on stderr).
+Exits with status 1 when a rank failed (its traceback on stderr). Started by torchrun (GPUs, NCCL),
+each process is one rank of the one phase given.
 """
 import itertools
 import json
@@ -106,16 +107,21 @@ def run_job(job, world):
     return out
 
 
-def rank_main(out_dir, world_size, rank, port, jobs):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def rank_main(out_dir, jobs):
+    """This process as one rank (torchrun's environment): the jobs, then its rank file."""
     world = distributed.init(timeout=120)
     results = {}
     for job in jobs:
         for key, value in run_job(job, world).items():
             results[f"{job['name']}/{key}"] = value
-    np.savez(out_dir / f"rank-{rank}.npz", **results)
+    np.savez(out_dir / f"rank-{world.rank}.npz", **results)
     distributed.shutdown()
+
+
+def forked_rank(out_dir, world_size, rank, port, jobs):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank_main(out_dir, jobs)
 
 
 def _free_port():
@@ -126,6 +132,11 @@ def _free_port():
 
 def main(argv):
     out_dir, phases = pathlib.Path(argv[0]), json.loads(argv[1])
+    if "WORLD_SIZE" in os.environ:  # started by torchrun (GPUs: a CUDA context cannot be forked): one phase
+        (phase,) = phases
+        (out_dir / "phase-0").mkdir(parents=True, exist_ok=True)
+        rank_main(out_dir / "phase-0", phase["jobs"])
+        return 0
     torch.set_num_threads(1)  # no intra-op thread pool for the forked ranks to inherit
     run_job({"name": "warm", "stage": "gradients", "steps": [1, 1], "max_norm": 1.0}, distributed.world())
     fork = multiprocessing.get_context("fork")
@@ -133,7 +144,7 @@ def main(argv):
         folder = out_dir / f"phase-{i}"
         folder.mkdir(parents=True, exist_ok=True)
         port = _free_port()
-        ranks = [fork.Process(target=rank_main, args=(folder, phase["world"], r, port, phase["jobs"]))
+        ranks = [fork.Process(target=forked_rank, args=(folder, phase["world"], r, port, phase["jobs"]))
                  for r in range(phase["world"])]
         for p in ranks:
             p.start()

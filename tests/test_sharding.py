@@ -18,6 +18,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 import torch_usage
 
 import flame
@@ -234,3 +235,22 @@ def test_one_process_bf16_weights_state_dict_and_a_found_inf_flag():
     shards.step()  # moves on; loading the state goes back
     shards.load_state_dict(state)
     np.testing.assert_array_equal(shards.state_dict()["master"].numpy(), master)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flame.is_interpreter() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_every_stage_on_two_gpus_over_nccl_gives_the_unsharded_weights(reference, tmp_path):
+    """The 2-rank runs on NCCL, one process per GPU under torchrun (the CUDA context cannot be forked)."""
+    jobs = [{"name": stage, "stage": stage, "steps": [1, 3], "units": "layers"} for stage in sharding.STAGES]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(ROOT / "tests" / "shard_worker.py"), str(tmp_path), json.dumps([{"world": 2,
+                                                                                                "jobs": jobs}])],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ranks = [dict(np.load(tmp_path / "phase-0" / f"rank-{r}.npz")) for r in range(2)]
+    for stage in sharding.STAGES:
+        for name, want in reference[3].items():
+            np.testing.assert_array_equal(_weights(ranks[1], stage)[name], _weights(ranks[0], stage)[name])
+            np.testing.assert_allclose(_weights(ranks[0], stage)[name], want, **CLOSE, err_msg=f"{stage} {name}")
