@@ -171,6 +171,8 @@ def parse_args(argv):
     args = driver.parse_args(argv, configs=("dev", "tiny"), doc=__doc__)
     if args.checkpointing == "ff":
         raise SystemExit("--checkpointing ff is SDXL's GEGLU scope; Flux has on (each block) or off")
+    if args.mode != "lora":
+        raise SystemExit("--mode full is measured on SDXL (bench_sdxl.py); this bench trains LoRA adapters")
     return args
 
 

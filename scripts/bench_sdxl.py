@@ -7,6 +7,7 @@
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --dora both   # + DoRA on both sides
     PYTHONPATH=. python3 scripts/bench_sdxl.py --framework all --cold-cache   # + PyTorch graphed and compiled
     PYTHONPATH=. python3 scripts/bench_sdxl.py --batch 1 --checkpointing off --capture off --rounds 3  # eager
+    PYTHONPATH=. python3 scripts/bench_sdxl.py --mode full --batch 1 --checkpointing off --framework all  # every weight
     python scripts/bench_sdxl.py --config tiny --resolution 64 --steps 2 --warmup 1   # CPU smoke test
 
 Both sides build the SDXL base UNet with random weights (nothing can be downloaded here), frozen in
@@ -15,6 +16,12 @@ on the LoRA parameters, an MSE loss against a noise target, 77x2048 context and 
 time ids. diffusers runs under ``torch.autocast(bf16)`` with peft's LoRA, as diffusers' training
 scripts run it. flame runs its own step, eagerly and (with ``--capture``, the
 default on a GPU) with the forward+backward replayed from a CUDA graph (``flame.graphs``).
+
+``--mode full`` trains every UNet weight instead (no adapters): diffusers as its full fine-tuning
+script runs it (fp32 weights under ``torch.autocast(bf16)``, AdamW over all of them); flame with bf16
+weights and either fp32 master weights and AdamW state in a one-rank ``flame.sharding.ShardedOptimizer``
+(``--master fp32``, the trainer's ``train.master_weights: fp32``) or AdamW updating the bf16 weights
+with stochastic rounding (``--master bf16_stochastic``).
 
 PyTorch comes in three settings (``--framework``): ``diffusers`` (eager), ``diffusers-graph`` (the
 whole step -- forward, backward, AdamW with ``capturable=True`` -- captured once in a
@@ -41,6 +48,7 @@ without network access, bring them as wheels (Python 3.12):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -141,7 +149,7 @@ def memory_settings(model, args, family, targets, tokens, scopes=None):
 
 def run_flame(args):
     import flame
-    from flame import amp, nn, optim
+    from flame import amp, nn
     from flame.graphs import CapturedStep
     from flame.kernels import precompile
     from flame.models import SDXLUNet, SDXLUNetConfig
@@ -154,20 +162,21 @@ def run_flame(args):
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
     flame.manual_seed(0)
     model = SDXLUNet(cfg, dtype=flame.bfloat16 if not flame.is_interpreter() else flame.float32)
-    model.requires_grad_(False)
-    nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
+    model.requires_grad_(args.mode == "full")
+    if args.mode == "lora":
+        nn.inject_lora(model, "attn", rank=args.rank, alpha=args.rank, dora=args.dora == "on")
     latent = args.resolution // 8
     memory_plan = memory_settings(model, args, SDXLFamily(), "attn", args.batch * latent * latent)
-    params = nn.lora_parameters(model)
-    opt = optim.AdamW(params, lr=1e-4)
+    params, update = trained_parameters(model, args)
     shapes = inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (flame.randn(*s) for s in shapes)
     time_ids = time_ids.abs() * 1024.0
 
-    adapter_casts = amp.ParameterCasts(params, model.dtype)  # as the trainer: one launch casts them
+    # as the trainer: one launch casts the fp32 adapters (full mode: the weights are the model's dtype)
+    casts = amp.ParameterCasts(params, model.dtype) if args.mode == "lora" else contextlib.nullcontext()
 
     def fwd_bwd(noisy, target, timesteps, context, pooled, time_ids):
-        with adapter_casts:
+        with casts:
             pred = model(noisy, timesteps, context, pooled, time_ids)
             loss = flame.nn.functional.mse_loss(pred.to(flame.float32), target)
             return loss, loss.backward()
@@ -178,7 +187,7 @@ def run_flame(args):
         noise = flame.randn(*shapes[0])
         timesteps = (flame.rand(args.batch) * 999.0).to(flame.int64)
         loss, grads = step_fn(sample + noise * 0.5, noise, timesteps, context, pooled, time_ids)
-        opt.step(grads)
+        update(grads)
         return loss
 
     step(0)  # the first step: every kernel compiled (or read from Triton's cache)
@@ -189,14 +198,38 @@ def run_flame(args):
     return {"framework": "flame", "capture": args.capture, "times_s": times, "profile": _profile(step, args),
             "first_step_s": first_step_s, "compiled_ahead": ahead,
             "peak_bytes": flame.max_memory_allocated(), "reserved_bytes": reserved_bytes(),
-            "lora_params": sum(p.numel() for p in params),
+            "trained_params": sum(p.numel() for p in params),
             "device": flame.device_name(), "graphs": step_fn.num_graphs,
             "memory_plan": memory_plan}
 
 
-def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False):
+def trained_parameters(model, args, lr=1e-5):
+    """flame's trained parameters of ``model`` and the update that takes a step's gradients:
+    the LoRA adapters with AdamW (``--mode lora``), or every weight (``--mode full``) with fp32
+    master weights in a one-rank ShardedOptimizer or with AdamW's stochastic rounding (``--master``)."""
+    from flame import nn, optim
+    from flame.sharding import ShardedOptimizer
+    if args.mode == "lora":
+        params = nn.lora_parameters(model)
+        opt = optim.AdamW(params, lr=lr)
+        return params, opt.step
+    params = [p for p in model.parameters() if p.requires_grad]
+    if args.master == "bf16_stochastic":
+        opt = optim.AdamW(params, lr=lr, stochastic_rounding=True)
+        return params, opt.step
+    shards = ShardedOptimizer(model.named_parameters(), "optimizer", lambda leaves: optim.AdamW(leaves, lr=lr))
+
+    def update(grads):
+        shards.pack(grads)
+        shards.step()
+    return params, update
+
+
+def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False, full=False):
     """diffusers' UNet of ``cfg`` (random weights, frozen in bf16) with peft's LoRA of ``rank`` on the
-    attention projections in fp32 (``dora``: peft's DoRA), in training mode: ``(unet, LoRA parameters)``."""
+    attention projections in fp32 (``dora``: peft's DoRA), in training mode: ``(unet, LoRA parameters)``;
+    ``full``: no adapters, every weight trained in fp32 (under autocast), as diffusers' full
+    fine-tuning scripts: ``(unet, its parameters)``."""
     # isort: off
     import torch
     from diffusers import UNet2DConditionModel
@@ -204,7 +237,12 @@ def diffusers_lora_unet(cfg, rank, checkpointing, dev, dora=False):
     torch.manual_seed(0)
     with torch.device(dev):
         unet = UNet2DConditionModel(**cfg.to_diffusers())
-    return with_peft_lora(unet, rank, LORA_TARGETS, checkpointing, dora)
+    if not full:
+        return with_peft_lora(unet, rank, LORA_TARGETS, checkpointing, dora)
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    unet.train()
+    return unet, list(unet.parameters())
 
 
 def with_peft_lora(model, rank, targets, checkpointing, dora=False):
@@ -275,8 +313,9 @@ def run_diffusers(args):
     graph = args.worker != "diffusers"
     if graph and dev != "cuda":
         raise SystemExit(f"{args.worker} needs a CUDA GPU")
-    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev, dora=args.dora == "on")
-    opt = torch.optim.AdamW(params, lr=1e-4, capturable=graph)
+    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev, dora=args.dora == "on",
+                                       full=args.mode == "full")
+    opt = torch.optim.AdamW(params, lr=1e-4 if args.mode == "lora" else 1e-5, capturable=graph)
     shapes = inputs_shape(args, cfg)
     sample, context, pooled, time_ids = (torch.randn(*s, device=dev) for s in shapes)
     time_ids = time_ids.abs() * 1024.0
@@ -288,9 +327,9 @@ def run_diffusers(args):
         return diffusers_train_step(model, opt, (sample, context, pooled, time_ids), noise, timesteps, zero_grad)
 
     timed = time_torch_step(args, body, opt, dev)
-    return {"framework": args.worker.replace("diffusers", "diffusers+peft"), **timed,
-            "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
-            "lora_params": sum(p.numel() for p in params),
+    return {"framework": args.worker.replace("diffusers", "diffusers+peft" if args.mode == "lora" else "diffusers"),
+            **timed, "peak_bytes": torch.cuda.max_memory_allocated() if dev == "cuda" else 0,
+            "trained_params": sum(p.numel() for p in params),
             "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
 
 
@@ -341,6 +380,11 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
                         "projections only (checkpoint_scope feed_forward; flame alone: diffusers has no such scope); "
                         "both: off and on")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--mode", choices=["lora", "full"], default="lora",
+                   help="lora: adapters on the attention projections; full: every weight trains")
+    p.add_argument("--master", choices=["fp32", "bf16_stochastic"], default="fp32",
+                   help="flame, --mode full: fp32 master weights (a one-rank ShardedOptimizer) or bf16 weights "
+                        "updated with stochastic rounding")
     p.add_argument("--dora", choices=["off", "on", "both"], default="off",
                    help="DoRA adapters (flame's lora.dora, peft's use_dora) instead of plain LoRA, or both")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -388,6 +432,8 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
                         if v is not None for a in (k, str(v))]
     if args.rounds < 1:
         p.error(f"--rounds must be at least 1, got {args.rounds}")
+    if args.mode == "full" and (args.dora != "off" or args.memory_args):
+        p.error("--mode full trains every weight: no --dora, fp8 weights, offload or memory budget")
     return args
 
 
@@ -458,12 +504,15 @@ def _run_setting(args, setting, no_table, script=__file__):
     fw, batch, ckpt, cap, path, dora = setting
     cmd = [sys.executable, script, "--worker", fw, "--batch", str(batch), "--checkpointing", ckpt,
            "--config", args.config, "--resolution", str(args.resolution), "--rank", str(args.rank),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--dora", dora, "--mode", args.mode,
+           "--master", args.master]
     cmd += ["--precompile", args.precompile] if args.precompile and fw == "flame" else []
     cmd += (["--profile"] if args.profile else []) + (["--capture", cap] if cap else [])
     memory = args.memory_args if fw == "flame" else []
     cmd += memory
-    label = f"{fw}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
+    full = f" full{' bf16-SR' if args.master == 'bf16_stochastic' and fw == 'flame' else ''}" \
+        if args.mode == "full" else ""
+    label = f"{fw}{full}{' portable' if path == 'portable' else ''}{' graph' if cap == 'on' else ''}" \
             f"{' dora' if dora == 'on' else ''}{''.join(' ' + a.lstrip('-') for a in memory)} batch {batch} ckpt {ckpt}"
     print(f"== {label}", flush=True)
     env = _portable_env(no_table) if path == "portable" else dict(os.environ)
