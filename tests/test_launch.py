@@ -233,6 +233,45 @@ def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
     assert L.launches == before + 10
 
 
+def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
+    """A ``Plan`` passed as ``sig`` pins every other argument: its launches are keyed by their
+    tensors' dtypes and alignment, their descriptors' dtypes and the ints at ``by_value``; each
+    hashable ``sig`` stands for a plan of its own, keyed by the tensors where its first launch had
+    them (another sig may have a tensor where the first had None)."""
+    import collections
+    runs, compiles = [], collections.Counter()
+
+    def through_triton(kernel, grid, args, meta):
+        compiles[kernel.arg_names[0]] += 1
+        return _Compiled(runs)
+
+    monkeypatch.setattr(L, "_through_triton", through_triton)
+    monkeypatch.setattr(L, "_direct", True)
+    monkeypatch.setattr(L, "_stream", lambda: "stream")
+    kernel = _fake_kernel(["d", "bias", "n", "s_bias", "BLOCK"])
+    plan = L.Plan(kernel, {"BLOCK": 64}, by_value=(3,))
+    x, bias = torch.zeros(64, 64), torch.zeros(64)
+
+    def desc(t):
+        return L.descriptor_like(L.descriptor_template(t, (64, 64), (64, 1), (16, 16)), t)
+
+    L.launch(kernel, (1,), desc(x), bias, 64, 1, sig=plan, BLOCK=64)
+    L.launch(kernel, (1,), desc(x + 1), bias + 1, 65, 1, sig=plan, BLOCK=64)  # n is the plan's: not keyed
+    assert len(runs) == 1 and runs[0][11:] == (65, 1, 64) and runs[0][9].base is not x
+    for other in ((desc(x.double()), bias, 64, 1),  # a descriptor's dtype
+                  (desc(x), bias.double(), 64, 1),  # a tensor's dtype
+                  (desc(x), bias[1:], 64, 1),  # a tensor's alignment
+                  (desc(x), bias, 64, 2)):  # an int the plan leaves free
+        L.launch(kernel, (1,), *other, sig=plan, BLOCK=64)
+    assert len(runs) == 1 and compiles["d"] == 5 and len(plan.compiled) == 5
+    sig_kernel = _fake_kernel(["x", "bias", "n", "BLOCK"])
+    L.launch(sig_kernel, (1,), x, None, 64, sig="no bias", BLOCK=64)
+    L.launch(sig_kernel, (1,), x, bias, 64, sig="bias", BLOCK=64)
+    L.launch(sig_kernel, (1,), x, bias[1:], 64, sig="bias", BLOCK=64)  # the bias's alignment counts under its sig
+    L.launch(sig_kernel, (1,), x + 1, None, 64, sig="no bias", BLOCK=64)
+    assert compiles["x"] == 3 and len(runs) == 2 and runs[1][10] is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(flame.is_interpreter(), reason="the direct path runs on CUDA only")
 def test_direct_launches_equal_tritons_own(monkeypatch):

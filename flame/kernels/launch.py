@@ -9,6 +9,8 @@ kernel marks ``do_not_specialize``, whether it fits in 32 bits), the constexprs 
 — built with C-level tuple operations, and later calls go straight to the compiled kernel's
 launcher. Keying integers by value keeps the key cheap; a kernel fed ever-new values (not the
 case in training loops, whose shapes repeat) restarts its cache after ``_MAX_KEYS`` entries.
+A launcher that memoises its launch plans passes ``sig=`` (a ``Plan`` it keeps with each, or a
+hashable standing for one): such a launch is keyed by its tensors' dtypes and alignment alone.
 
 The first call of every key goes through Triton (compiling if needed); if the direct call is not
 available (the interpreter, or a Triton whose CompiledKernel lacks the launcher fields this uses),
@@ -54,7 +56,7 @@ else:
 _direct = not runtime.INTERPRETER and os.environ.get("FLAME_TRITON_LAUNCH", "") != "1"
 _caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, constexpr values)}
 _layouts: dict = {}  # id(kernel) -> {argument types: _Layout}
-_sig_keys: dict = {}  # id(kernel) -> the key function of its tensor arguments under sig= (_key_function)
+_sig_plans: dict = {}  # id(kernel) -> {sig: Plan}: launch(sig=)'s plans
 _MAX_KEYS = 4096  # compiled-kernel entries per kernel before its cache starts afresh
 _stream = None  # () -> the current CUDA stream of flame's device (the direct path's)
 launches = 0  # every launch() so far: tests count kernel launches with it
@@ -193,6 +195,7 @@ def settle_cache_keys(functions=None) -> None:
 # ---- TMA descriptors built on the host ---------------------------------------------------------
 
 _descriptor_fields: dict = {}  # (dtype, shape, strides, block shape) -> a validated descriptor's fields but its base
+_new = object.__new__
 
 
 def descriptor(base, shape, strides, block_shape):
@@ -203,6 +206,14 @@ def descriptor(base, shape, strides, block_shape):
     with their own ``base``, whose 16-byte alignment, the one check that depends on it, is made here."""
     if base.data_ptr() % 16:
         raise ValueError(f"TMA descriptor: the base at {base.data_ptr():#x} is not 16-byte aligned")
+    return descriptor_like(descriptor_template(base, shape, strides, block_shape), base)
+
+
+def descriptor_template(base, shape, strides, block_shape):
+    """The fields but the base of ``descriptor(base, shape, strides, block_shape)``, validated by
+    Triton once per (dtype, shape, strides, block shape): what ``descriptor_like`` makes descriptors
+    of other bases of that dtype from. A launcher that memoises them per plan (matmul's TMA route)
+    builds each descriptor without a lookup."""
     key = (base.dtype, tuple(shape), tuple(strides), tuple(block_shape))
     fields = _descriptor_fields.get(key)
     if fields is None:
@@ -211,8 +222,14 @@ def descriptor(base, shape, strides, block_shape):
         if len(_descriptor_fields) > 4096:
             _descriptor_fields.clear()
         _descriptor_fields[key] = fields
-    made = object.__new__(TensorDescriptor)
-    vars(made).update(fields)
+    return fields
+
+
+def descriptor_like(template, base):
+    """A descriptor of ``base`` with the fields of ``template`` (``descriptor_template`` of a buffer of
+    ``base``'s dtype), unchecked: the caller knows ``base`` starts 16-byte aligned."""
+    made = _new(TensorDescriptor)
+    made.__dict__.update(template)
     made.base = base
     return made
 
@@ -293,16 +310,41 @@ def take_recorded() -> list:
     return lines
 
 
+class Plan:
+    """A launch of ``kernel`` with everything but its tensors pinned down: the trailing constexprs
+    and launch options ``meta``, and what Triton specialises every other argument on (its value,
+    its type, or None), except the ints at the positions ``by_value``, which enter the key by value
+    (an argument the plan leaves free, such as a bias stride). A launcher keeps one per plan it
+    memoises (a GEMM route, a norm's shape) and passes it as ``launch(..., sig=plan, **meta)``;
+    the plan keeps the kernels compiled for it, keyed by its tensors' dtypes and 16-byte alignment,
+    its host-built descriptors' dtypes (their block shapes are the plan's) and the ``by_value``
+    ints, so a repeated launch builds no argument key. The tensors sit where they sat in the plan's
+    first launch (a None there stays None). ``memo`` holds what the launcher keeps with the plan
+    (matmul: its TMA descriptors' templates)."""
+
+    __slots__ = ("kernel", "meta", "by_value", "key", "compiled", "memo")
+
+    def __init__(self, kernel, meta, by_value=()):
+        self.kernel, self.meta, self.by_value = kernel, meta, tuple(by_value)
+        self.key = None  # lambda args: the key of a launch (_key_function), made at the first launch
+        self.compiled = {}  # key -> (run, function, packed metadata, constexpr values)
+        self.memo = None
+
+
 def launch(kernel, grid, *args, sig=None, **meta):
     """Launch ``kernel`` on ``grid`` (a tuple of up to 3 ints): ``kernel[grid](*args, **meta)``.
 
     ``args`` are the kernel's leading runtime arguments in order; ``meta`` holds its trailing
     constexprs and launch options (num_warps, num_stages). A caller that has already pinned down
-    everything except the tensors may pass ``sig``: a hashable that determines the
-    specialisation of every non-tensor argument and ``meta``; the key then only adds each
-    tensor's dtype and alignment, skipping the per-argument inspection.
+    everything except the tensors may pass ``sig``: a ``Plan`` of ``kernel`` and ``meta``, or a
+    hashable that determines the specialisation of every non-tensor argument (None ones included)
+    and ``meta``, which stands for a plan of its own; the launch is then keyed by the plan's
+    tensors' dtypes and alignment (see ``Plan``), without looking at the other arguments.
     """
-    global _direct, _stream, launches
+    global launches
+    if sig is not None:
+        _launch_plan(sig if type(sig) is Plan else _sig_plan(kernel, sig, meta), grid, args)
+        return
     launches += 1
     if not _direct:
         _through_triton(kernel, grid, args, meta)
@@ -311,21 +353,73 @@ def launch(kernel, grid, *args, sig=None, **meta):
     cache = _caches.get(kid)
     if cache is None:
         cache = _caches[kid] = {}
-        _sig_keys[kid] = _key_function([_TENSOR_KEY.format(i) for i, a in enumerate(args)
-                                        if isinstance(a, torch.Tensor)])
-    key = _key(kid, kernel, args, meta) if sig is None else (sig, _sig_keys[kid](args))
+    key = _key(kid, kernel, args, meta)
     entry = cache.get(key)
     if entry is None:
-        compiled = _through_triton(kernel, grid, args, meta)
-        note_variant(kernel, args, _fitted.get((id(kernel), tuple(meta.items())), meta))  # as compiled
-        try:
-            consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
-            if len(cache) >= _MAX_KEYS:
-                cache.clear()
-            cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
-        except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
-            _direct = False
+        _first_launch(kernel, grid, args, meta, cache, key)
         return
+    _run(entry, grid, args)
+
+
+def _sig_plan(kernel, sig, meta):
+    """The ``Plan`` that a hashable ``sig`` of ``kernel`` stands for (made at its first launch)."""
+    plans = _sig_plans.get(id(kernel))
+    if plans is None:
+        plans = _sig_plans[id(kernel)] = {}
+    plan = plans.get(sig)
+    if plan is None:
+        if len(plans) >= _MAX_KEYS:
+            plans.clear()
+        plan = plans[sig] = Plan(kernel, meta)
+    return plan
+
+
+def _launch_plan(plan, grid, args):
+    """A launch of ``plan``: on CUDA a repeated one is its key, one lookup in the plan's own cache
+    and the compiled kernel's launcher."""
+    global launches
+    launches += 1
+    if not _direct:
+        _through_triton(plan.kernel, grid, args, plan.meta)
+        return
+    key_of = plan.key
+    if key_of is None:
+        key_of = plan.key = _plan_key_function(args, plan.by_value)
+    key = key_of(args)
+    entry = plan.compiled.get(key)
+    if entry is None:
+        _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)
+        return
+    _run(entry, grid, args)
+
+
+def _plan_key_function(args, by_value):
+    """A ``Plan``'s key of an argument tuple like ``args``: each tensor's dtype and alignment, each
+    host-built descriptor's dtype (its block shape is the plan's), the ints at ``by_value``."""
+    return _key_function([_TENSOR_KEY.format(i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+                         + [f"a[{i}].base.dtype" for i, a in enumerate(args)
+                            if TensorDescriptor is not None and isinstance(a, TensorDescriptor)]
+                         + [f"a[{i}]" for i in by_value])
+
+
+def _first_launch(kernel, grid, args, meta, cache, key):
+    """A key's first launch: through Triton (compiling if needed), recorded, its compiled kernel
+    kept in ``cache`` for the direct path (which an unexpected Triton turns off)."""
+    global _direct
+    compiled = _through_triton(kernel, grid, args, meta)
+    note_variant(kernel, args, _fitted.get((id(kernel), tuple(meta.items())), meta))  # as compiled
+    try:
+        consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
+        if len(cache) >= _MAX_KEYS:
+            cache.clear()
+        cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+    except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
+        _direct = False
+
+
+def _run(entry, grid, args):
+    """The direct path: the compiled kernel's launcher on the current stream."""
+    global _stream
     run, function, packed, consts = entry
     if _stream is None:
         _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())

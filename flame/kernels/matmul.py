@@ -36,7 +36,7 @@ from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import matmul_hopper
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
-from .launch import TensorDescriptor, descriptor, launch
+from .launch import Plan, TensorDescriptor, descriptor, descriptor_like, descriptor_template, launch
 from .quant import DECODE_FACTOR, as_codes, decode_e4m3, dequantize_rows_
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -660,7 +660,8 @@ class Route:
     routes the ``grid`` and the kernel's size and stride arguments (``args``, from the problem), for
     "tma" and "gluon" the operands' ``layout`` (``_layout``), for "tma" the (shape, strides, block)
     ``boxes`` of A's, B's and C's descriptors (the pre-activation's and residual's are C's); for the
-    composite routes the steps they run, ``then``: (problem, route) pairs."""
+    composite routes the steps they run, ``then``: (problem, route) pairs; for the kernel routes
+    "pointer", "split_k" and "tma" the ``launch.Plan`` they launch with (``launch``, their ``sig``)."""
 
     kernel: str
     config: dict
@@ -671,6 +672,7 @@ class Route:
     layout: tuple | None = None
     boxes: tuple = ()
     then: tuple = ()
+    launch: Plan | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 _reported: set = set()
@@ -797,8 +799,10 @@ def _inline(p):
 def _pointer(p, cfg, tiles, why):
     """The "pointer" route: ``_matmul_kernel`` with the config ``cfg`` of ``tiles`` tiles per batch entry."""
     B0, B1 = p.batch
-    return Route("pointer", _pointer_meta(p, cfg, False, 1), 1, why + _inline(p), grid=(B0 * B1 * tiles,),
-                 args=(p.M, p.N, p.K, B1, p.rank, *p.sa, *p.sb, *p.sc, *p.su, *p.sv))
+    meta = _pointer_meta(p, cfg, False, 1)
+    args = (p.M, p.N, p.K, B1, p.rank, *p.sa, *p.sb, *p.sc, *p.su, *p.sv)
+    return Route("pointer", meta, 1, why + _inline(p), grid=(B0 * B1 * tiles,), args=args,
+                 launch=_plan_of(_matmul_kernel, meta, _POINTER_BUFFERS, args))
 
 
 def _split_k(p, splits, why):
@@ -812,9 +816,21 @@ def _split_k(p, splits, why):
     tiles = cdiv(p.M, cfg["BLOCK_M"]) * cdiv(p.N, cfg["BLOCK_N"])
     (_, _, sam, sak), (_, _, sbk, sbn), (_, _, scm, scn) = p.sa, p.sb, p.sc
     meta = _pointer_meta(p, cfg, True, _slices_per_load(splits, cfg["BLOCK_M"] * cfg["BLOCK_N"]))
+    args = (p.M, p.N, kc, splits, p.rank, 0, kc * sak, sam, sak, 0, kc * sbk, sbk, sbn, 0, 0, scm, scn, *p.su, *p.sv)
     return Route("split_k", meta, splits, f"{why}: {splits} slices of {kc}{_inline(p)}", grid=(splits * tiles,),
-                 args=(p.M, p.N, kc, splits, p.rank, 0, kc * sak, sam, sak, 0, kc * sbk, sbk, sbn, 0, 0, scm, scn,
-                       *p.su, *p.sv))
+                 args=args, launch=_plan_of(_matmul_kernel, meta, _POINTER_BUFFERS, args))
+
+
+# The kernels' leading arguments before the size and stride arguments a route carries (``Route.args``),
+# which the bias stride follows: the one argument its launch plan leaves free (``_plan_of``)
+_POINTER_BUFFERS = 11  # a, b, c, bias, pre_out, residual, u, v, b_scale, part, counts
+_TMA_BUFFERS_ARGS = 9  # descriptors of a, b, c, pre_out, residual; bias, u, v, b_scale
+
+
+def _plan_of(kernel, meta, buffers, args):
+    """The ``launch.Plan`` of a kernel route: the route's problem pins every launch argument but the
+    buffers (which of them are None included) and the bias stride, which enters its key by value."""
+    return Plan(kernel, meta, by_value=(buffers + len(args),))
 
 
 def _pointer_meta(p, cfg, split_k, block_s):
@@ -852,8 +868,9 @@ def _tma(p, layout, why):
     boxes = (((M, K), (s_a, 1), (bm, bk)) if a_k else ((K, M), (s_a, 1), (bk, bm)),
              ((N, K), (s_b, 1), (bn, bk)) if b_k else ((K, N), (s_b, 1), (bk, bn)),
              ((M, N), (s_c, 1), (bm, bn)))
-    return Route("tma", meta, 1, why + _inline(p), grid=(min(cdiv(M, bm) * cdiv(N, bn), p.sms),),
-                 args=(M, N, K, p.rank, *p.su, *p.sv), layout=layout, boxes=boxes)
+    args = (M, N, K, p.rank, *p.su, *p.sv)
+    return Route("tma", meta, 1, why + _inline(p), grid=(min(cdiv(M, bm) * cdiv(N, bn), p.sms),), args=args,
+                 layout=layout, boxes=boxes, launch=_plan_of(_matmul_tma_kernel, meta, _TMA_BUFFERS_ARGS, args))
 
 
 def _layout(p):
@@ -895,7 +912,17 @@ def _problem(out, a, b, M, N, K, batch, sa, sb, sc, f):
         f.bias is not None, f.act, f.pre_out is not None, f.residual is not None,
         f.rank, f.u_strides, f.v_strides, f.b_fp8, FP8_ROUTE,
         _misaligned(a, b, out, f) if tma else (),
-        tma, tma and matmul_hopper.ROUTE and matmul_hopper.available(), not runtime.INTERPRETER, runtime.num_sms()))
+        tma, tma and matmul_hopper.ROUTE and _gluon_available(), not runtime.INTERPRETER, runtime.num_sms()))
+
+
+_gluon_ready = None  # matmul_hopper.available(), asked once (it reads the device's capability)
+
+
+def _gluon_available():
+    global _gluon_ready
+    if _gluon_ready is None:
+        _gluon_ready = matmul_hopper.available()
+    return _gluon_ready
 
 
 def _misaligned(a, b, out, f):
@@ -939,15 +966,16 @@ def _b_operand(b, b_fp8):
 
 def _run_pointer(p, r, out, a, b, f, part=None, counts=None):
     b_fp8 = r.config["B_FP8"]
+    rank = f.rank
     launch(_matmul_kernel, r.grid,
            a, _b_operand(b, b_fp8),  # inputs
            out,  # output
-           f.bias, f.pre_out, f.residual, f.u if f.rank else None, f.v if f.rank else None,  # fusion operands
+           f.bias, f.pre_out, f.residual, f.u if rank else None, f.v if rank else None,  # fusion operands
            f.b_scale if b_fp8 else None,
            part, counts,  # split-K's scratch
            *r.args, f.bias_stride,  # sizes and strides
            f.scale, f.rank_ratio,  # scalars
-           **r.config)
+           sig=r.launch, **r.config)
 
 
 def _run_split_k(p, r, out, a, b, f):
@@ -956,18 +984,33 @@ def _run_split_k(p, r, out, a, b, f):
 
 
 def _run_tma(p, r, out, a, b, f):
-    # the descriptors are built on the host (built in the kernel they cost 2-3 us per launch on the H200)
-    box_a, box_b, box_c = r.boxes
+    # the descriptors are built on the host (built in the kernel they cost 2-3 us per launch on the H200),
+    # each from its template, kept with the route's launch plan (the route's buffers are 16-byte aligned)
+    plan = r.launch
     b_fp8 = r.config["B_FP8"]
+    b = _b_operand(b, b_fp8)
+    templates = plan.memo
+    if templates is None:
+        templates = plan.memo = tuple(descriptor_template(t, *box) for t, box in zip((a, b, out), r.boxes))
+    t_a, t_b, t_c = templates
+    rank = f.rank
     launch(_matmul_tma_kernel, r.grid,
-           descriptor(a, *box_a), descriptor(_b_operand(b, b_fp8), *box_b),  # inputs
-           descriptor(out, *box_c),  # output
-           None if f.pre_out is None else descriptor(f.pre_out, *box_c),  # fusion operands
-           None if f.residual is None else descriptor(f.residual, *box_c),
-           f.bias, f.u if f.rank else None, f.v if f.rank else None, f.b_scale if b_fp8 else None,
+           descriptor_like(t_a, a), descriptor_like(t_b, b),  # inputs
+           descriptor_like(t_c, out),  # output
+           _epilogue_descriptor(f.pre_out, t_c, out, r.boxes[2]),  # fusion operands
+           _epilogue_descriptor(f.residual, t_c, out, r.boxes[2]),
+           f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if b_fp8 else None,
            *r.args, f.bias_stride,  # sizes and strides
            f.scale, f.rank_ratio,  # scalars
-           **r.config)
+           sig=r.launch, **r.config)
+
+
+def _epilogue_descriptor(t, template, out, box):
+    """The descriptor of a pre-activation or residual buffer ``t`` (C's box; None when off): from C's
+    template when it holds C's dtype."""
+    if t is None:
+        return None
+    return descriptor_like(template, t) if t.dtype is out.dtype else descriptor(t, *box)
 
 
 def _run_gluon(p, r, out, a, b, f):
