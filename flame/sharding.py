@@ -62,7 +62,8 @@ checkpoint root is then one that ``flame.train.checkpoints.list_checkpoints`` li
 re-slices the saved shards, parameter by parameter, for this run's world size and units (a
 parameter's dtype may differ: the master is fp32 either way; ``AdamW8bit``'s per-block maxima need
 the same units). ``export(folder, path)`` writes one safetensors file of the fp32 weights (name ->
-tensor, in the parameters' shapes) from the shards, on any one process. ``state_dict`` /
+tensor, in the parameters' shapes) from the shards, on any one process (``weights(folder)`` yields
+them one at a time). ``state_dict`` /
 ``load_state_dict``: this rank's master and optimizer state, in memory, for the same layout only.
 ``memory()``: the bytes this rank holds (parameters, master, optimizer state, gradients).
 
@@ -364,11 +365,15 @@ class ShardedOptimizer:
     def pack(self, grads, weight: float = 1.0, accumulate: bool = False) -> None:
         """Add ``weight`` times this micro-batch's gradients (the GradientMap of ``backward()``) to
         the step's (``accumulate=False``: replace them). ZeRO-1 writes the full flat buffer; the
-        other stages reduce-scatter unit by unit into this rank's shard (a collective)."""
-        if not isinstance(grads, GradientMap):
+        other stages reduce-scatter unit by unit into this rank's shard (a collective). ``grads``
+        None: this rank adds nothing (it had no samples) but takes part in the collectives."""
+        if grads is not None and not isinstance(grads, GradientMap):
             raise TypeError(f"ShardedOptimizer.pack expects the GradientMap of backward(), got {type(grads).__name__}")
         self._drop_backward_gathers()
         weight = float(weight)
+        if grads is None:
+            self._pack_nothing(accumulate)
+            return
         if self._direct:
             members = [m for u in self.units for m in u.members]
             dsts = [self._flat_grad[s + off:s + off + p.numel()] for u, s in zip(self.units, self._starts)
@@ -388,6 +393,19 @@ class ShardedOptimizer:
                 KE.map_(shard._data, [shard._data, partial], KE.ADD)
             else:
                 self._reduce_scatter(shard._data, staging)
+
+    def _pack_nothing(self, accumulate):
+        """``pack`` of a rank without gradients: zeros into the step's gradients and the collectives."""
+        if self._direct:
+            if not accumulate:
+                KE.fill_(self._flat_grad, 0)
+            return
+        for u, shard in zip(self.units, self._grads.values()):
+            staging = self._staging[:u.padded]
+            KE.fill_(staging, 0)
+            self._reduce_scatter(self._partial[:u.chunk] if accumulate else shard._data, staging)
+            if accumulate:
+                KE.map_(shard._data, [shard._data, self._partial[:u.chunk]], KE.ADD)
 
     def _reduce_scatter(self, out, inp):
         """out = this rank's chunk of the sum of ``inp`` over the ranks."""
@@ -805,11 +823,11 @@ class _Shards:
         return out
 
 
-def export(folder, path) -> None:
-    """One safetensors file at ``path`` of the full-precision (fp32) weights of the sharded
-    checkpoint ``folder``, ``{name: tensor}`` in the parameters' shapes, from any one process."""
+def weights(folder):
+    """The full-precision (fp32) weights of the sharded checkpoint ``folder``, one parameter at a
+    time: ``(name, host tensor in the parameter's shape)``, read from the shard files as they go
+    (any one process)."""
     index = read_index(folder)
-    tensors = {}
     with _Shards(folder, index) as shards:
         for unit in index["units"]:
             for p in unit["params"]:
@@ -818,8 +836,13 @@ def export(folder, path) -> None:
                 shards._param_into(flat, p["name"], 0, numel, None)
                 strides = [s * flat.itemsize for s in p["stride"]]
                 logical = np.lib.stride_tricks.as_strided(flat, p["shape"], strides)
-                tensors[p["name"]] = torch.from_numpy(np.ascontiguousarray(logical))
-    save_safetensors(tensors, path)
+                yield p["name"], torch.from_numpy(np.ascontiguousarray(logical))
 
 
-__all__ = ["MARKER", "OPTIMIZERS", "STAGES", "ShardedOptimizer", "export", "read_index", "shard_file"]
+def export(folder, path) -> None:
+    """One safetensors file at ``path`` of the full-precision (fp32) weights of the sharded
+    checkpoint ``folder``, ``{name: tensor}`` in the parameters' shapes, from any one process."""
+    save_safetensors(dict(weights(folder)), path)
+
+
+__all__ = ["MARKER", "OPTIMIZERS", "STAGES", "ShardedOptimizer", "export", "read_index", "shard_file", "weights"]
