@@ -5,10 +5,12 @@ torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
 
 Trains the stand-in UNet (tests/standin.py) with the config, directly or through flame's CLI
 (``--cli``; the CLI's UNet is replaced by the stand-in), and writes what this rank ended with to
-OUT_DIR/rank-R.npz: its LoRA weights, the losses it read and the exit status it returns.
+OUT_DIR/rank-R.npz: its LoRA weights (train.mode full: every weight, gathered at train.shard
+parameters), the losses it read and the exit status it returns.
 ``--kill R:S``: rank R ends itself with SIGKILL right after step S (a lost process);
 ``--interrupt R:S``: rank R sends itself SIGINT after step S (Ctrl-C reaching one process).
 """
+import contextlib
 import os
 import pathlib
 import signal
@@ -75,7 +77,11 @@ def main(argv):
             status = 1
     t = ran.get("trainer")
     if t is not None and hasattr(t, "model"):
-        weights = {k: v.numpy() for k, v in t.model.state_dict().items() if "lora" in k}
+        full = t.cfg.train.mode != "lora"
+        shards = getattr(getattr(t, "trained", None), "shards", None) if t.cfg.train.shard == "parameters" else None
+        with shards.gathered(t.model) if shards is not None else contextlib.nullcontext():
+            weights = {k: v.clone().to(flame.float32).numpy() for k, v in t.model.state_dict().items()
+                       if full or "lora" in k}
         losses = np.array([t.run.losses[s] for s in sorted(t.run.losses)], dtype=np.float64)
         np.savez(out / f"rank-{rank}.npz", status=status, losses=losses, steps=np.array(sorted(t.run.losses)),
                  **{f"w/{k}": v for k, v in weights.items()})

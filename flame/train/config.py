@@ -161,6 +161,24 @@ SCHEMA = {
                                                  "lora.alpha (null there: the rank)", low=0.0, nullable=True),
     },
     "train": {
+        "mode": Opt("lora", "mode", "what trains: lora (adapters on lora.targets, the lora section's settings), "
+                                    "full (every weight of the UNet / transformer: a full fine-tune), or a list of "
+                                    "regular expressions over the model's parameter names: the weights one of them "
+                                    "matches (re.search) train, the rest stay frozen (e.g. [attn1, attn2]; SDXL's "
+                                    "names are diffusers', Flux's BFL's: double_blocks.0.img_attn.qkv.weight)",
+                    choices=("lora", "full")),
+        "shard": Opt("none", "choice", "train.mode full under torchrun, ZeRO-style: optimizer (each of the N "
+                                       "processes keeps 1/N of the fp32 master weights and optimizer state), "
+                                       "gradients (also 1/N of the fp32 gradients, reduce-scattered per block), "
+                                       "parameters (also the weights themselves, gathered block by block for the "
+                                       "forward and again for the backward; 2 or more processes); none: every "
+                                       "process keeps everything",
+                     choices=("none", "optimizer", "gradients", "parameters")),
+        "master_weights": Opt("fp32", "choice", "train.mode full with bf16/fp16 weights: fp32 (an fp32 copy of the "
+                                                "trained weights that the optimizer updates, cast to train.precision "
+                                                "after each step: 4 bytes per weight) or bf16_stochastic (the bf16 "
+                                                "weights updated directly, each update rounded stochastically: no "
+                                                "copy; train.shard none)", choices=("fp32", "bf16_stochastic")),
         "steps": Opt(None, "int", "optimizer steps (or set train.epochs)", low=1, nullable=True),
         "epochs": Opt(None, "int", "passes over the training split (or set train.steps)", low=1, nullable=True),
         "lr": Opt(1e-4, "float", "peak learning rate", low=0.0),
@@ -170,8 +188,9 @@ SCHEMA = {
         "lr_power": Opt(1.0, "float", "polynomial: the decay's power (1: linear to 1e-7)", low=0.0),
         "warmup_steps": Opt(0, "int", "linear warm-up steps", low=0),
         "grad_accum": Opt(1, "int", "micro-batches per optimizer step", low=1),
-        "precision": Opt("bf16", "choice", "compute dtype of the frozen UNet (fp16 adds the dynamic loss scaler; "
-                                           "LoRA weights are always fp32)", choices=("bf16", "fp16", "fp32")),
+        "precision": Opt("bf16", "choice", "compute dtype of the model and the dtype of its weights (fp16 adds the "
+                                           "dynamic loss scaler; LoRA weights are always fp32)",
+                         choices=("bf16", "fp16", "fp32")),
         "gradient_checkpointing": Opt(False, "bool", "recompute activations in the backward instead of keeping them "
                                                      "(train.checkpoint_scope says which)"),
         "checkpoint_scope": Opt("blocks", "choice", "gradient_checkpointing's scope: blocks (each resnet and "
@@ -198,14 +217,15 @@ SCHEMA = {
                                                "how many blocks to checkpoint and to stream, in that order, says "
                                                "what it chose, and refuses when nothing fits; null: as configured",
                                 low=0.0, nullable=True),
-        "max_grad_norm": Opt(1.0, "float", "clip the LoRA gradients' global norm; 0 or null: no clipping",
+        "max_grad_norm": Opt(1.0, "float", "clip the trained gradients' global norm; 0 or null: no clipping",
                              low=0.0, nullable=True),
         "seed": Opt(0, "int", "seed of model init, LoRA init, noise, timesteps and data order"),
         "optimizer": Opt("adamw", "choice", "adamw; adamw8bit (bitsandbytes' 8-bit moments: a quarter of the state "
                                             "memory); lion (Chen et al. 2023: a learning rate 3-10x lower and a weight "
                                             "decay as many times higher); prodigy (estimates its own step size: "
-                                            "train.lr 1.0); adafactor (factored second moments, with train.lr)",
-                         choices=("adamw", "adamw8bit", "lion", "prodigy", "adafactor")),
+                                            "train.lr 1.0); adafactor (factored second moments, with train.lr); "
+                                            "sgd (with train.sgd_momentum)",
+                         choices=("adamw", "adamw8bit", "lion", "prodigy", "adafactor", "sgd")),
         "weight_decay": Opt(1e-2, "float", "decoupled weight decay", low=0.0),
         "adam_beta1": Opt(0.9, "float", "AdamW / AdamW8bit / Prodigy beta1", low=0.0, high=1.0),
         "adam_beta2": Opt(0.999, "float", "AdamW / AdamW8bit / Prodigy beta2", low=0.0, high=1.0),
@@ -220,8 +240,10 @@ SCHEMA = {
                                                        "(steadier with a warm-up)"),
         "lion_beta1": Opt(0.9, "float", "Lion: weight of the momentum in the update's sign", low=0.0, high=1.0),
         "lion_beta2": Opt(0.99, "float", "Lion: decay of the momentum", low=0.0, high=1.0),
+        "sgd_momentum": Opt(0.9, "float", "SGD: momentum (0: plain SGD)", low=0.0, high=1.0),
         "cuda_graph": Opt(True, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only; "
-                                        "off when lora.dropout > 0, whose masks must change every step)"),
+                                        "off when lora.dropout > 0, whose masks must change every step, and with "
+                                        "train.shard parameters)"),
         "compile_ahead": Opt("auto", "str", "compile kernels in parallel processes while the model loads: auto "
                                             "(configs/kernels' list for this GPU and Triton when the model is SDXL's "
                                             "or Flux.1's architecture, plus the kernels earlier runs on this "
@@ -269,8 +291,9 @@ SCHEMA = {
                            low=0.0),
     },
     "output": {
-        "dir": Opt(REQUIRED, "path", "run folder: LoRA file, checkpoints/, metrics.jsonl, config.yaml"),
-        "name": Opt("lora", "filename", "LoRA file name in output.dir (.safetensors is added)"),
+        "dir": Opt(REQUIRED, "path", "run folder: LoRA (or model) file, checkpoints/, metrics.jsonl, config.yaml"),
+        "name": Opt(None, "filename", "name of the run's file in output.dir (.safetensors is added); null: lora, "
+                                      "or model with train.mode full", nullable=True),
         "save_every": Opt(500, "int", "checkpoint every N steps (0: only at the end)", low=0),
         "keep_last": Opt(3, "int", "checkpoints kept (older ones are deleted)", low=1),
         "log_every": Opt(10, "int", "read the loss, update the bar and metrics.jsonl every N steps", low=1),
@@ -279,15 +302,16 @@ SCHEMA = {
         "val_batch_size": Opt(None, "int", "validation batch size (default data.batch_size)", low=1, nullable=True),
         "overwrite": Opt(False, "bool", "a run that does not resume may replace the checkpoints and metrics of an "
                                         "earlier run in output.dir (otherwise that is an error)"),
-        "save_dtype": Opt("fp32", "choice", "dtype of the LoRA weights in the final file (fp16/bf16 halve its size; "
-                                            "checkpoints stay fp32)", choices=("fp32", "fp16", "bf16")),
+        "save_dtype": Opt("fp32", "choice", "dtype of the weights in the final file (fp16/bf16 halve its size; "
+                                            "checkpoints keep the trained weights' own)",
+                          choices=("fp32", "fp16", "bf16")),
         "report_to": Opt(["jsonl"], "names", "trackers: jsonl (output.dir/metrics.jsonl, always written), tensorboard "
                                              "(output.dir/tensorboard/), wandb (WANDB_MODE=offline works without "
                                              "network)", choices=TRACKERS),
     },
     "ema": {
-        "decay": Opt(None, "float", "keep an exponential moving average of the LoRA weights with this decay (0.999 "
-                                    "is usual; diffusers' warm-up min(decay, (1+n)/(10+n))), saved as "
+        "decay": Opt(None, "float", "keep an exponential moving average of the trained weights with this decay "
+                                    "(0.999 is usual; diffusers' warm-up min(decay, (1+n)/(10+n))), saved as "
                                     "NAME_ema.safetensors and in checkpoints; null: off", low=0.0, high=1.0,
                      nullable=True),
         "every": Opt(1, "int", "update the average every N optimizer steps", low=1),
@@ -376,6 +400,7 @@ ALIASES = {
     "timestep_sampling": "diffusion.timestep_sampling", "logit_mean": "diffusion.logit_mean",
     "logit_std": "diffusion.logit_std", "discrete_flow_shift": "diffusion.timestep_shift",
     "fp8_base": "model.weight_dtype", "blocks_to_swap": "train.offload_blocks",
+    "full_bf16": "train.master_weights", "zero_stage": "train.shard", "sharding_strategy": "train.shard",
 }
 
 
@@ -448,6 +473,8 @@ def _check_value(name, opt: Opt, value, errors):
             if bad:
                 raise ValueError("not a valid regular expression: " + ", ".join(bad))
             value = value if isinstance(value, str) else list(value)
+        elif kind == "mode":
+            value = _check_mode(value, opt.choices)
         elif kind == "filename":
             if not isinstance(value, str) or not value.strip():
                 raise TypeError("expected a non-empty string")
@@ -473,6 +500,26 @@ def _check_value(name, opt: Opt, value, errors):
         elif opt.high is not None and value >= opt.high:
             errors.append(f"{name}: must be < {opt.high}, got {value!r}")
     return value
+
+
+def _check_mode(value, choices):
+    """``train.mode``: one of ``choices``, or a non-empty list of regular expressions that compile."""
+    if isinstance(value, str):
+        if value not in choices:
+            raise ValueError(f"expected {', '.join(choices)} or a list of regular expressions over the model's "
+                             "parameter names")
+        return value
+    if not (isinstance(value, (list, tuple)) and value and all(isinstance(v, str) and v for v in value)):
+        raise TypeError(f"expected {', '.join(choices)} or a non-empty list of regular expressions")
+    bad = []
+    for pattern in value:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            bad.append(f"{pattern!r} ({e})")
+    if bad:
+        raise ValueError("not a valid regular expression: " + ", ".join(bad))
+    return list(value)
 
 
 def _check_datasets(name, value, errors):
@@ -557,6 +604,7 @@ def _cross_checks(c, errors):
     _family_checks(c, errors)
     _data_checks(c, errors)
     _text_encoder_checks(c, errors)
+    _trained_checks(c, errors)
     if t["compile_ahead"] not in ("auto", "off") and not os.path.isfile(t["compile_ahead"]):
         errors.append(f"train.compile_ahead: expected auto, off or a recorded kernel list, got "
                       f"{t['compile_ahead']!r} (no such file)")
@@ -695,6 +743,60 @@ def _text_encoder_checks(c, errors):
     if t["optimizer"] == "prodigy" and lora["text_encoder_lr"] not in (None, 0.0, t["lr"]):
         errors.append("lora.text_encoder_lr: prodigy estimates one step size for all adapters: leave it null (or 0: "
                       "frozen)")
+
+
+_FULL_REFUSES = {  # option: (its value when off, why train.mode full cannot have it)
+    ("model", "weight_dtype"): (None, "stores the frozen Linear weights in fp8, and train.mode full trains them"),
+    ("train", "offload"): ("none", "streams frozen weights from host memory, and train.mode full trains them"),
+    ("train", "memory_budget_gb"): (None, "plans a LoRA run's memory (its estimate has no optimizer state for the "
+                                          "model's weights): set the memory options yourself"),
+}
+_NOT_ELEMENTWISE = {"adafactor": "factors each weight's second moments over its rows and columns",
+                    "prodigy": "estimates one step size over all weights"}
+
+
+def _trained_checks(c, errors):
+    """``train.mode`` and the options of what it trains: the lora section with LoRA only, the
+    sharding and master-weight options with a full (or partial) fine-tune only, and the
+    combinations a full fine-tune cannot run."""
+    t, lora = c["train"], c["lora"]
+    full = t["mode"] != "lora"
+    if c["output"]["name"] is None:
+        c["output"]["name"] = "model" if full else "lora"
+    if not full:
+        errors.extend(f"train.{k}: {v} applies to train.mode full (or a list of expressions); LoRA adapters are fp32 "
+                      "and small enough for every process to hold: remove it"
+                      for k, v in (("shard", t["shard"]), ("master_weights", t["master_weights"]))
+                      if v != SCHEMA["train"][k].default)
+        return
+    given = [f"lora.{k}" for k, opt in SCHEMA["lora"].items() if lora[k] != opt.default]
+    if given:
+        errors.append(f"{', '.join(given)}: set for LoRA adapters, which train.mode lora trains; train.mode "
+                      f"{t['mode']} trains the model's weights themselves: remove them")
+    for (section, key), (off, why) in _FULL_REFUSES.items():
+        if c[section][key] != off:
+            errors.append(f"{section}.{key}: {c[section][key]!r} {why}; train.mode {t['mode']} cannot have it")
+    stochastic = t["master_weights"] == "bf16_stochastic"
+    if stochastic and t["precision"] != "bf16":
+        errors.append(f"train.master_weights: bf16_stochastic rounds updates to bf16 weights, and train.precision "
+                      f"is {t['precision']}: set train.precision bf16 (or train.master_weights fp32)")
+    if stochastic and t["shard"] != "none":
+        errors.append(f"train.master_weights: bf16_stochastic updates every process's whole bf16 weights; "
+                      f"train.shard {t['shard']} shards fp32 master weights: set one of them back (fp32 or none)")
+    why = _NOT_ELEMENTWISE.get(t["optimizer"])
+    if why and t["shard"] != "none":
+        errors.append(f"train.optimizer: {t['optimizer']} {why}, so it cannot update a shard of them: with "
+                      f"train.shard {t['shard']} use adamw, adamw8bit, lion or sgd")
+    elif why and not stochastic and t["precision"] != "fp32":
+        errors.append(f"train.optimizer: {t['optimizer']} {why}; fp32 master weights are updated as flat shards, "
+                      "which it cannot do: set train.master_weights bf16_stochastic (it updates the bf16 weights "
+                      "themselves), or use adamw, adamw8bit, lion or sgd")
+    if c["ema"]["decay"] is not None and t["shard"] != "none":
+        errors.append(f"ema.decay: the moving average is an fp32 copy of every trained weight on each process; "
+                      f"train.shard {t['shard']} shares them out: remove it (or set train.shard none)")
+    if c["sample"]["prompts"] is not None and t["shard"] == "parameters":
+        errors.append("sample.prompts: samples are made by one process, and with train.shard parameters no process "
+                      "holds the weights whole: remove them (or shard optimizer or gradients)")
 
 
 _DDPM_ONLY = {"min_snr_gamma": None, "debiased_estimation": False, "zero_terminal_snr": False, "timestep_min": 0,

@@ -9,7 +9,8 @@ the progress bar, the run's long-lived objects kept out of the cyclic collector.
 losses are read back (``flush``); validations (``Trainer.validate``), sample images (``sample``) and
 checkpoints (``Trainer.save``) at their intervals; a stop request ends the run after its step with a
 checkpoint, a second signal abandons the step in flight (the loader and RNG back at its start). After
-them: the LoRA files (also of the moving average) and the summary, or ``TrainingStopped``.
+them: the run's files, its LoRA or model (also of the moving average: ``trained.save``), and the
+summary, or ``TrainingStopped``.
 """
 from __future__ import annotations
 
@@ -28,7 +29,6 @@ from ..ops.creation import get_rng_state, set_rng_state
 from ..ops.shape import stack
 from .config import to_dict
 from .console import count
-from .outputs import lora_metadata
 from .preflight import PRECISIONS
 from .stops import stopped
 
@@ -45,10 +45,10 @@ def run(t) -> dict:
         t.log(str(error))
         raise error
     if t.world.is_main:
-        _save_lora_files(t, started_at)
+        _save_files(t, started_at, checkpoint)
         _summary(t, t.step - first, time.perf_counter() - started, checkpoint)
     return {"step": t.step, "losses": [t.run.losses[s] for s in sorted(t.run.losses)],
-            "val_losses": dict(t.run.val_losses), "lora": t.lora_path(), "checkpoint": checkpoint}
+            "val_losses": dict(t.run.val_losses), t.trained.kind: t.output_path(), "checkpoint": checkpoint}
 
 
 def _wait_for_kernels(t) -> None:
@@ -179,7 +179,7 @@ def flush(t) -> None:
         records.append(rec)
         if bad is None and not math.isfinite(value):
             bad = (step, value)
-    distributed.check_same(t.trained.params, f"LoRA weights at step {pending[-1][0]}")
+    t.trained.check_same(f"at step {pending[-1][0]}")
     speed = {"step": pending[-1][0], "it_s": its}
     if not runtime.is_interpreter():
         speed["max_memory_gb"] = runtime.max_memory_allocated() / 2 ** 30
@@ -208,26 +208,27 @@ def sample(t) -> None:
     t.run.sampled = t.step
 
 
-def _save_lora_files(t, started_at) -> None:
-    """The run's LoRA file and, with ``ema.decay``, that of the moving average (rank 0)."""
+def _save_files(t, started_at, checkpoint) -> None:
+    """The run's file (LoRA or model) and, with ``ema.decay``, that of the moving average (rank 0);
+    ``checkpoint``: the one saved last, which a sharded run's file is made from."""
     c = t.cfg
-    meta = lora_metadata(c, t.step, len(t.loader.cache.split("train")), started_at, time.time(), t.datasets,
-                         type(t.optimizer).__name__, t.family)
-    for path, averaged in ((t.lora_path(), False), (t.lora_path(ema=True), True)):
+    meta = t.trained.metadata(t.step, len(t.loader.cache.split("train")), started_at, time.time(), t.datasets,
+                              type(t.optimizer).__name__)
+    for path, averaged in ((t.output_path(), False), (t.output_path(ema=True), True)):
         if averaged and t.ema is None:
             continue
         try:
             with t.ema.applied() if averaged else contextlib.nullcontext():
-                t.trained.save(path, PRECISIONS[c.output.save_dtype], meta)
+                t.trained.save(path, PRECISIONS[c.output.save_dtype], meta, None if averaged else checkpoint)
         except OSError as e:
-            raise t.checkpoints.write_error(e, "the LoRA file", path) from e
+            raise t.checkpoints.write_error(e, t.trained.what, path) from e
 
 
 def _summary(t, steps, seconds, checkpoint) -> None:
     lines = t.console.results(t.run, steps, seconds)
-    lines += t.trained.summary_lines(t.lora_path())
+    lines += t.trained.summary_lines(t.output_path())
     if t.ema is not None:
-        lines.append(f"  moving average (decay {t.cfg.ema.decay:g}): {t.lora_path(ema=True)}")
+        lines.append(f"  moving average (decay {t.cfg.ema.decay:g}): {t.output_path(ema=True)}")
     lines += [f"  checkpoint: {checkpoint} (--resume continues from it)", f"  metrics: {t.metrics.path}",
-              t.trained.usage_line(t.lora_path())]
+              t.trained.usage_line(t.output_path())]
     t.log("\n".join(lines))

@@ -1,7 +1,8 @@
 """What a run checks and opens before any weight loads, so that a bad setting fails in seconds with a
 ``ConfigError``: the precision against the GPU (``check_precision``), the output folder
 (``OutputDir``), the model config (``model_config``), the latent caches (``open_cache``) and their
-loaders (``make_loader``), the LoRA targets (``check_targets``), the memory settings
+loaders (``make_loader``), what trains (``check_trained``: LoRA targets, or the weights of a full
+fine-tune and its sharding against the number of processes), the memory settings
 (``plan_memory_budget``, ``memory_settings``, ``plan_offload``) and the kernels to compile while the
 model loads (``compile_ahead``). ``agreed`` makes each decision that reads or changes files once, on
 rank 0, and hands every rank its outcome.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -171,6 +173,27 @@ def make_loader(cfg, cache, split, batch_size, shuffle, world) -> BucketBatchLoa
 def total_steps(cfg, loader) -> int:
     """``train.steps``, or the optimizer steps of ``train.epochs`` epochs of ``loader``."""
     return cfg.train.steps or cfg.train.epochs * math.ceil(len(loader) / cfg.train.grad_accum)
+
+
+def check_trained(cfg, family, model, mcfg, world) -> None:
+    """What ``train.mode`` trains selects something, and a full fine-tune's sharding fits the
+    number of processes (``world``)."""
+    t = cfg.train
+    if t.mode == "lora":
+        check_targets(cfg, family, model, mcfg)
+        return
+    names = [n for n, _ in model.named_parameters()] if model is not None else family.parameter_names(mcfg)
+    if t.mode != "full" and not any(re.search(p, n) for p in t.mode for n in names):
+        raise ConfigError(f"train.mode: {t.mode!r} matches none of the model's {len(names):,} parameter names "
+                          f"(they look like {names[len(names) // 2]})")
+    if t.shard == "parameters" and world.size == 1:
+        raise ConfigError("train.shard: parameters frees each block's weights between uses so that every process "
+                          "holds 1/N of them; one process has no others to hold the rest: use train.shard optimizer "
+                          "(or none), or start N processes with torchrun")
+    if t.shard == "none" and world.size > 1 and t.master_weights == "fp32" and t.precision != "fp32":
+        raise ConfigError(f"train.shard: none with {world.size} processes would keep the whole fp32 master weights "
+                          f"and optimizer state on each: set train.shard optimizer (the same step, each process "
+                          f"keeping 1/{world.size} of them), or train.master_weights bf16_stochastic")
 
 
 def check_targets(cfg, family, model, mcfg) -> None:

@@ -19,13 +19,15 @@ import shutil
 
 from .. import distributed
 from ..io import load_safetensors
-from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, save_checkpoint
+from .checkpoints import checkpoint_path, latest_checkpoint, list_checkpoints, prune_checkpoints, save_checkpoint
 from .config import ConfigError, to_dict
 from .stops import TrainingError
 
-# settings a resumed run must share with its checkpoint: the adapters' shapes and the data order
-# the loader's saved position counts in (any other change is allowed, with a warning)
-RESUME_FIXED = ("model.family", "lora.rank", "lora.targets", "lora.conv_targets", "lora.conv_rank", "lora.dora",
+# settings a resumed run must share with its checkpoint: what trains, the adapters' shapes, the master
+# weights and the data order the loader's saved position counts in (any other change is allowed, with a
+# warning; train.shard may change between its stages, a checkpoint's shards being re-sliced)
+RESUME_FIXED = ("model.family", "train.mode", "train.master_weights", "lora.rank", "lora.targets",
+                "lora.conv_targets", "lora.conv_rank", "lora.dora",
                 "lora.text_encoder", "lora.text_encoder_targets", "lora.text_encoder_rank",
                 "data.batch_size", "data.drop_last", "data.datasets", "train.seed", "train.optimizer")
 
@@ -78,12 +80,18 @@ class Checkpoints:
         if os.path.isdir(self.root):
             shutil.rmtree(self.root)
 
-    def write(self, step: int, writers: dict) -> str:
+    def write(self, step: int, writers: dict, shards=None) -> str:
         """The checkpoint of ``step`` (``save_checkpoint``'s ``writers``), whole even when a peer is lost
-        meanwhile; a failed write is a ``TrainingError``."""
+        meanwhile; a failed write is a ``TrainingError``. ``shards``: a ``ShardedOptimizer`` whose
+        ``save`` writes it instead, every rank its shard and rank 0 the ``writers`` (collective)."""
         try:
             with distributed.hold_exit():  # a peer lost meanwhile does not cut this checkpoint short
-                return save_checkpoint(self.root, step, writers, self.keep_last)
+                if shards is None:
+                    return save_checkpoint(self.root, step, writers, self.keep_last)
+                folder = shards.save(self.path(step), writers)
+                if distributed.world().is_main:
+                    prune_checkpoints(self.root, self.keep_last)
+                return folder
         except OSError as e:
             raise self.write_error(e, f"the checkpoint of step {step}", self.root) from e
 

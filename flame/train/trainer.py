@@ -1,10 +1,11 @@
-"""The LoRA trainer (SDXL and Flux.1): cached latents in, a LoRA file out.
+"""The trainer (SDXL and Flux.1): cached latents in, a LoRA file (or a fine-tuned model) out.
 
 What differs between model families (the model, its layer names and LoRA presets, the cache fields,
 the objective: DDPM noise prediction or rectified flow, the conditioning inputs) sits behind
 ``flame.train.families``; ``Trainer`` is the one setup, step, validation and checkpoint for all. Its
 parts live beside it: ``preflight`` (the checks made before any weight loads), ``trained`` (which
-parameters train and how they are saved: LoRA adapters), ``run_state`` (the run's host-side state),
+parameters train and how they are saved: LoRA adapters, or the model's own weights, ZeRO-sharded
+over the processes or not), ``run_state`` (the run's host-side state),
 ``loop`` (when steps, reads of the losses, validations, samples and checkpoints happen), ``resume``
 (checkpoints and resuming), ``console`` (the progress bar, log lines, summary and metrics.jsonl) and
 ``stops`` (stop signals and the errors a run ends with).
@@ -17,15 +18,20 @@ One optimizer step::
     [unscale_ + found-inf check (fp16)] clip_grad_norm_, AdamW step (skipped on the device when
     the loss or the gradient norm is not finite), loss-scaler update, lr-scheduler step
 
+A sharded full fine-tune (``trained.shards``, a ``flame.sharding.ShardedOptimizer``) packs each
+micro-batch's gradients into it instead (reduce-scattered from the ``gradients`` stage on), and its
+``step`` clips by the global norm over the shards and skips the update on every rank alike.
+
 ``loss_and_grads`` is a pure device function of fixed-shape tensors (noising, model forward,
 weighted loss, backward): no host sync and no random numbers inside, so it can be replayed
 from a CUDA graph (``train.cuda_graph``). The host reads losses only every ``output.log_every``
 steps (and before any checkpoint): a non-finite loss then stops the run with a checkpoint whose
 weights never saw that step's update.
 
-Checkpoints (``flame.train.checkpoints``) hold the LoRA weights, the AdamW state, the lr
-scheduler, the loss scaler, flame's RNG state, the data loader's position and the step; resuming
-from one reproduces the losses of an uninterrupted run exactly.
+Checkpoints (``flame.train.checkpoints``) hold the trained weights, the optimizer state (sharded:
+each rank's shard of both, written by every rank), the lr scheduler, the loss scaler, flame's RNG
+state, the data loader's position and the step; resuming from one reproduces the losses of an
+uninterrupted run exactly.
 
 Everything a run needs is checked before the model is loaded (``Trainer.__init__``): the model
 config, the output folder (writable; removed again if the run refuses to start and it was made for
@@ -56,7 +62,7 @@ import numpy as np
 import torch
 
 from .. import distributed
-from ..amp import DynamicLossScaler, ParameterCasts
+from ..amp import DynamicLossScaler
 from ..autograd import GradientMap, no_grad
 from ..data import part_bounds
 from ..diffusion import sample_noise
@@ -69,7 +75,7 @@ from ..ops.elementwise import abs as fabs
 from ..ops.elementwise import add, ge, lt, mul, sub, to, where
 from ..ops.quant import Fp8Weight
 from ..ops.shape import stack
-from ..optim import EMA, Adafactor, AdamW, AdamW8bit, Lion, Prodigy, clip_grad_norm_
+from ..optim import EMA, clip_grad_norm_
 from ..optim.lr_scheduler import get_scheduler
 from . import families, loop, preflight, resume
 from .config import ConfigError, to_dict
@@ -80,25 +86,9 @@ from .resume import RESUME_FIXED, Checkpoints
 from .run_state import SMOOTHING, RunState
 from .stops import StopSignals, TrainingError, TrainingStopped
 from .text_encoders import check_source
-from .trained import trained_parameters
+from .trained import make_optimizer, trained_parameters
 
 VAL_SEED = 0x5EEDBA5E
-
-
-def make_optimizer(t, groups):
-    """``train.optimizer`` over the adapters' parameter ``groups``, with the ``train`` section's settings."""
-    adam = dict(betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
-    if t.optimizer == "adamw8bit":
-        return AdamW8bit(groups, lr=t.lr, **adam)
-    if t.optimizer == "lion":
-        return Lion(groups, lr=t.lr, betas=(t.lion_beta1, t.lion_beta2), weight_decay=t.weight_decay)
-    if t.optimizer == "prodigy":
-        return Prodigy(groups, lr=t.lr, **adam, d0=t.prodigy_d0, d_coef=t.prodigy_d_coef,
-                       growth_rate=t.prodigy_growth_rate or float("inf"), use_bias_correction=t.prodigy_bias_correction,
-                       safeguard_warmup=t.prodigy_safeguard_warmup)
-    if t.optimizer == "adafactor":  # an external lr and schedule, as kohya's SDXL recipes set it
-        return Adafactor(groups, lr=t.lr, weight_decay=t.weight_decay, scale_parameter=False, relative_step=False)
-    return AdamW(groups, lr=t.lr, **adam)
 
 
 class Trainer:
@@ -111,7 +101,7 @@ class Trainer:
     where text lines go.
 
     The run's host-side state is ``run`` (a ``RunState``); what trains is ``trained`` (a
-    ``trained.LoRAAdapters``; ``text``: its text encoders, or None).
+    ``trained.LoRAAdapters`` or ``trained.FullWeights``; ``text``: the adapted text encoders, or None).
     """
 
     def __init__(self, config, model=None, progress=None, log=print):
@@ -171,7 +161,7 @@ class Trainer:
                                                     False, self.world)
         self.total_steps = preflight.total_steps(c, self.loader)
         self.objective = self.family.objective(c, self.log)
-        preflight.check_targets(c, self.family, model, mcfg)
+        preflight.check_trained(c, self.family, model, mcfg, self.world)
         self.memory = None
         if c.train.memory_budget_gb is not None:
             self.memory = preflight.plan_memory_budget(c, self.family, self.cache, mcfg, self.dtype, self.log)
@@ -215,10 +205,12 @@ class Trainer:
             self.trained.init_from(c.lora.init_from, self.log)
         self.trained.train(True)
         params = self.trained.params
-        self.adapter_casts = ParameterCasts(params, self.dtype)  # one launch casts them for each step
-        distributed.broadcast_(params)  # every rank starts from rank 0's adapters
+        distributed.broadcast_(params)  # every rank starts from rank 0's adapters (weights)
         set_rng_substream(self.world.rank)  # from here on each rank draws its own dropout masks
-        self.bucket = distributed.GradientBucket(params) if self.world.size > 1 else None
+        # several processes sum the gradients, the loss and the stop flag in one bucket; sharded, the shards
+        # take the gradients and the bucket the rest
+        self.bucket = distributed.GradientBucket([] if self.trained.sharded else params) \
+            if self.world.size > 1 else None
 
     def _place_weights(self, fp8, plan):
         """The memory settings on the built model: checkpointed blocks, fp8 frozen weights, streamed blocks."""
@@ -241,7 +233,7 @@ class Trainer:
     def _make_update(self):
         """The optimizer, its lr schedule, the moving average and (fp16) the loss scaler."""
         t = self.cfg.train
-        self.optimizer = make_optimizer(t, self.trained.param_groups(t.lr))
+        self.optimizer = self.trained.make_optimizer(t)
         if t.optimizer == "prodigy" and t.lr < 0.1:
             self.log(f"train.lr is {t.lr}: Prodigy's lr multiplies the step size it estimates; 1.0 is usual")
         self.scheduler = get_scheduler(t.lr_scheduler, self.optimizer, t.warmup_steps, self.total_steps,
@@ -255,9 +247,10 @@ class Trainer:
         c = self.cfg
         # caption dropout's empty caption: the cache's embedding, or (text encoders trained) its tokens
         self._empty_prompt = self.cache.empty_prompt() if c.data.caption_dropout and self.text is None else None
-        graph = c.train.cuda_graph and not c.lora.dropout  # a replay would repeat the dropout masks
-        if c.train.cuda_graph and c.lora.dropout:
-            self.log("train.cuda_graph: off because lora.dropout > 0 (a replayed step would reuse its dropout masks)")
+        blocker = self.trained.graph_blocker()
+        graph = c.train.cuda_graph and blocker is None
+        if c.train.cuda_graph and blocker is not None:
+            self.log(f"train.cuda_graph: off because {blocker}")
         self.step_fn = CapturedStep(self.loss_and_grads, enabled=graph)
         trackers = [t for t in c.output.report_to if t != "jsonl"] if self.world.is_main else []
         self.metrics = MetricsFile(os.path.join(self.out_dir, "metrics.jsonl"),
@@ -287,12 +280,12 @@ class Trainer:
 
     def loss_and_grads(self, latents, noise, levels, prompt_embeds, pooled, input_noise=None, sample_weights=None,
                        *conditioning):
-        """Forward and backward of one micro-batch: ``(loss, GradientMap of the LoRA gradients)``.
+        """Forward and backward of one micro-batch: ``(loss, GradientMap of the trained gradients)``.
         The loss is divided by grad_accum (and scaled by the loss scaler) for the backward only.
         Fixed shapes, no host sync, no random numbers: a CUDA graph can replay it. With the text
         encoders trained, ``prompt_embeds`` and ``pooled`` are the captions' token ids and EOS
         positions (``TextEncoderLoRA.inputs``), encoded here."""
-        with self.adapter_casts:
+        with self.trained.computing():
             if self.text is not None:
                 prompt_embeds, pooled = self.text.encode(prompt_embeds, pooled)
             loss = self.compute_loss(latents, noise, levels, prompt_embeds, pooled, *conditioning,
@@ -303,10 +296,15 @@ class Trainer:
             return loss, scaled.backward()
 
     def _part(self, ids):
-        """This rank's rows ``(start, stop)`` of the global batch ``ids`` and their latents' shape."""
+        """This rank's rows ``(start, stop)`` of the global batch ``ids``, their latents' shape and how
+        many of them count. A rank without rows (fewer samples than ranks) whose forward takes part in
+        collectives (``trained.collective_forward``: ZeRO-3's gathers) computes row 0, which counts 0."""
         start, stop = part_bounds(len(ids), self.world.size, self.world.rank)
+        counted = stop - start
+        if start == stop and self.trained.collective_forward:
+            start, stop = 0, 1
         size = self.cache.buckets[self.cache.bucket_of(ids[0])]
-        return start, stop, (stop - start, self.cache.latent_channels, *size)
+        return start, stop, (stop - start, self.cache.latent_channels, *size), counted
 
     def _draws(self, shape, rows):
         """A micro-batch's random draws, ``rows`` of one global draw: noise, noise levels, input
@@ -346,32 +344,43 @@ class Trainer:
     def _micro_batches(self):
         """Forward+backward of grad_accum micro-batches: (mean loss, summed gradients). With several
         processes, each packs its share of every micro-batch (weighted by its rows) into the bucket,
-        and one all-reduce makes the global mean loss and gradients."""
-        accum = self.cfg.train.grad_accum
+        and one all-reduce makes the global mean loss and gradients. Sharded, the gradients go into
+        the shards instead (``pack``: this rank's shard of the weighted sum) and the summed gradients
+        returned are this rank's shard."""
+        accum, shards = self.cfg.train.grad_accum, self.trained.shards
         losses, total = [], None
         for m in range(accum):
             ids = self.loader.next_indices()  # the global micro-batch, the same on every rank
-            start, stop, shape = self._part(ids)
+            start, stop, shape, counted = self._part(ids)
             draws = self._draws(shape, (start, len(ids)))
             if start == stop:  # fewer samples than ranks in a bucket's last batch
+                if shards is not None:
+                    shards.pack(None, accumulate=m > 0)
                 self.bucket.pack(None, None, 0.0, m > 0, self.signals.requested is not None)
                 continue
             loss, grads = self.step_fn(*self._step_inputs(ids[start:stop], shape, *draws))
+            weight = counted / len(ids)
+            if shards is not None:
+                shards.pack(grads, weight=weight, accumulate=m > 0)
+                grads = GradientMap()
             if self.bucket is not None:
-                self.bucket.pack(grads, loss, (stop - start) / len(ids), m > 0, self.signals.requested is not None)
+                self.bucket.pack(grads, loss, weight, m > 0, self.signals.requested is not None)
                 continue
             losses.append(loss if accum == 1 else loss.clone())
-            total = grads if accum == 1 else (total or GradientMap()).accumulate(grads)
+            total = grads if accum == 1 or shards is not None else (total or GradientMap()).accumulate(grads)
         if self.bucket is not None:
             self.bucket.all_reduce()
-            return (self.bucket.loss if accum == 1 else mul(self.bucket.loss, 1.0 / accum)), self.bucket.grads
-        mean = losses[0] if len(losses) == 1 else mul(stack(losses).sum(), 1.0 / len(losses))
-        return mean, total
+            loss, total = self.bucket.loss if accum == 1 else mul(self.bucket.loss, 1.0 / accum), self.bucket.grads
+        else:
+            loss = losses[0] if len(losses) == 1 else mul(stack(losses).sum(), 1.0 / len(losses))
+        return loss, (total if shards is None else shards.grads)
 
     def _update(self, loss, grads):
         """Clip, optimizer step, scaler update. Returns the gradient norm (device) or None."""
         max_norm = self.cfg.train.max_grad_norm
         norm = None
+        if self.trained.shards is not None:
+            return self._sharded_update(loss, max_norm or None)
         with no_grad():
             if self.scaler is not None:
                 if max_norm:
@@ -387,6 +396,20 @@ class Trainer:
             found = sub(1, to(lt(fabs(probe), math.inf), torch.int32))
             self.optimizer.step(grads, found_inf=found)
         return norm
+
+    def _sharded_update(self, loss, max_norm):
+        """``ShardedOptimizer.step``: clipping by the global norm over every rank's shard, the update
+        skipped on every rank when any has inf/NaN gradients, a non-finite loss or (fp16) the scaler's
+        flag. Returns the norm (device) or None."""
+        shards = self.trained.shards
+        with no_grad():
+            if self.scaler is not None:
+                self.scaler.unscale_(shards.grads)
+                norm = shards.step(max_norm=max_norm, found_inf=self.scaler.found_inf)
+                self.scaler.update()
+                return norm
+            found = sub(1, to(lt(fabs(loss), math.inf), torch.int32))
+            return shards.step(max_norm=max_norm, found_inf=found)
 
     def _lr(self) -> float:
         """The scheduled learning rate of ``train.lr`` at this step (before the multipliers)."""
@@ -420,9 +443,9 @@ class Trainer:
         total, seen = zeros((1,)), 0
         self.trained.train(False)
         try:
-            with no_grad():
+            with no_grad(), self.trained.computing():
                 for ids in self.val_loader.plan(0):  # global batches: each rank takes its rows
-                    start, stop, shape = self._part(ids)
+                    start, stop, shape, counted = self._part(ids)
                     noise = sample_noise(shape, d.noise_offset, rows=(start, len(ids)))
                     if stop > start:
                         batch = self.cache.batch(ids[start:stop])
@@ -432,7 +455,7 @@ class Trainer:
                         if self.text is not None:
                             embeds, pooled = self.text.encode(*self.text.inputs(batch.indices))
                         loss = self.compute_loss(batch.latents, noise, levels, embeds, pooled, *conditioning)
-                        total = add(total, mul(loss, float(stop - start)))
+                        total = add(total, mul(loss, float(counted)))
                     seen += len(ids)
         finally:
             self.trained.train(True)
@@ -446,40 +469,45 @@ class Trainer:
         return value
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def state(self, opt: dict) -> dict:
-        """The host-side part of a checkpoint (JSON-able); ``opt``: the optimizer's state dict."""
+    def state(self, opt: dict | None) -> dict:
+        """The host-side part of a checkpoint (JSON-able); ``opt``: the optimizer's state dict (None:
+        sharded, the shards hold it)."""
         return {"step": self.step, "loader": self.loader.state_dict(), "rng": get_rng_state(),
                 "world_size": self.world.size,
                 "scheduler": self.scheduler.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "ema": {"updates": self.ema.updates} if self.ema is not None else None,
-                "optimizer": resume.optimizer_state(opt),
+                "optimizer": resume.optimizer_state(opt) if opt is not None else None,
                 "config": to_dict(self.cfg)}
 
     def save(self) -> str:
-        """Write a checkpoint of the current step (rank 0 alone; the others return its path): the
-        trained weights' files, the optimizer's tensors, ``state`` and the moving average."""
-        if not self.world.is_main:
+        """Write a checkpoint of the current step (rank 0 alone, the others returning its path; sharded,
+        every rank its shard and rank 0 the rest): the trained weights' files, the optimizer's
+        tensors, ``state`` and the moving average."""
+        shards = self.trained.shards
+        if shards is None and not self.world.is_main:
             return self.checkpoints.path(self.step)
-        opt = self.optimizer.state_dict()
-        tensors = resume.optimizer_tensors(opt)
+        opt = self.optimizer.state_dict() if shards is None else None
         state = self.state(opt)
         writers = {
             **self.trained.checkpoint_writers(),
-            "optimizer.safetensors": lambda p: save_safetensors(tensors, p),
             "trainer_state.json": lambda p: atomic_write(p, lambda f: f.write(json.dumps(state, indent=1).encode())),
         }
+        if opt is not None:
+            tensors = resume.optimizer_tensors(opt)
+            writers["optimizer.safetensors"] = lambda p: save_safetensors(tensors, p)
         if self.ema is not None:
             shadow = {str(i): t for i, t in enumerate(self.ema.shadow)}
             writers["ema.safetensors"] = lambda p: save_safetensors(shadow, p)
-        return self.checkpoints.write(self.step, writers)
+        return self.checkpoints.write(self.step, writers, shards)
 
     def load(self, path, state) -> None:
         """Restore a checkpoint written by ``save`` (the trained parameters must already exist);
         ``state``: its trainer_state.json, read and checked by ``Checkpoints.find``, after which
         setup has set the loader's position too. The metric records after its step are dropped."""
-        self.trained.load_checkpoint(path)
-        resume.restore_optimizer(self.optimizer, path, state)
+        self.trained.load_checkpoint(path)  # sharded: the optimizer state too
+        if self.trained.shards is None:
+            resume.restore_optimizer(self.optimizer, path, state)
         resume.restore_schedule(self.scheduler, state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -487,20 +515,22 @@ class Trainer:
             resume.restore_ema(self.ema, path, state, self.log)
         set_rng_state(state["rng"])
         self.run.step = int(state["step"])
-        distributed.check_same(self.trained.params, f"LoRA weights loaded from {path}")
+        self.trained.check_same(f"loaded from {path}")
         if self.world.is_main:
             self.run.restore(self.metrics.trim(self.step, self.log))
 
     # ---- the run -----------------------------------------------------------------------------
-    def lora_path(self, ema: bool = False) -> str:
-        """The LoRA file the run writes (``ema``: the one of the moving average, NAME_ema.safetensors)."""
+    def output_path(self, ema: bool = False) -> str:
+        """The file the run writes, its LoRA or model (``ema``: the one of the moving average,
+        NAME_ema.safetensors)."""
         return os.path.join(self.out_dir, f"{self.cfg.output.name}{'_ema' if ema else ''}.safetensors")
 
     def train(self) -> dict:
-        """Run (or resume) to ``total_steps``; writes the LoRA file. Raises ``TrainingStopped``
-        after saving a checkpoint when interrupted or when a loss is not finite, and
-        ``TrainingError`` when a file cannot be written. Returns the final step, the losses read
-        from this run's steps, the validation losses, the LoRA file and the last checkpoint."""
+        """Run (or resume) to ``total_steps``; writes the LoRA (or model) file. Raises
+        ``TrainingStopped`` after saving a checkpoint when interrupted or when a loss is not finite,
+        and ``TrainingError`` when a file cannot be written. Returns the final step, the losses read
+        from this run's steps, the validation losses, the run's file (under "lora" or "model") and
+        the last checkpoint."""
         return loop.run(self)
 
 

@@ -35,7 +35,9 @@ class Family:
     ``train.precision`` when ``model.weight_dtype`` is fp8: the small input embedders and the output
     layer, where e4m3's 3 mantissa bits would cost the most and save the least), and
     ``activation_profile`` (``memory.ActivationProfile``: what ``train.memory_budget_gb`` plans
-    with; its ``tokens`` counted as ``tokens`` counts them)."""
+    with; its ``tokens`` counted as ``tokens`` counts them), and ``diffusers_class`` /
+    ``diffusers_subfolder``: the diffusers model of its checkpoints and its pipeline folder (a full
+    fine-tune's file holds its state dict)."""
 
     name = ""
     config_names: tuple = ()
@@ -45,6 +47,8 @@ class Family:
     architecture = ""
     full_precision_layers: tuple = ()
     activation_profile = None
+    diffusers_class = ""
+    diffusers_subfolder = ""
 
     def tokens(self, latent_size, text_len: int) -> int:
         """The tokens one sample of latent ``latent_size`` (h, w) and ``text_len`` text tokens puts
@@ -70,6 +74,15 @@ class Family:
     def layer_names(self, mcfg, kind: str) -> list:
         """The dotted names of the ``kind`` ("Linear" or "Conv2d") layers of a model of ``mcfg``."""
         raise NotImplementedError
+
+    def parameter_names(self, mcfg) -> list:
+        """The parameter names of a model of ``mcfg``, in ``state_dict`` order, without allocating."""
+        raise NotImplementedError
+
+    def diffusers_tensors(self, model, name: str, value) -> list:
+        """``[(key, tensor)]``: the model's parameter ``name``, holding ``value`` (its own or another,
+        such as an fp32 master copy), under diffusers' state-dict names: as it is by default."""
+        return [(name, value)]
 
     def lora_targets(self, targets):
         """``lora.targets`` as ``flame.nn.inject_lora`` takes them (a family's own presets expanded)."""

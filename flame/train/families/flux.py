@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from ...data import write_synthetic_cache
+from ...models import flux_keys
 from ...models.flux import (
     LORA_PRESETS,
     FluxConfig,
@@ -21,6 +22,7 @@ from ...models.flux import (
     unpack_latents,
 )
 from ...ops.creation import full
+from ...ops.shape import cat
 from ..memory import ActivationProfile
 from ..objectives import FlowObjective
 from .base import Family, config_from
@@ -49,6 +51,8 @@ class FluxFamily(Family):
     full_precision_layers = (r"re:(img_in|txt_in|time_in|vector_in|guidance_in|final_layer)(\..*)?",)
     base_model_version = "flux1"
     architecture = "Flux.1-dev/lora"
+    diffusers_class = "FluxTransformer2DModel"
+    diffusers_subfolder = "transformer"
     activation_profile = ActivationProfile(
         tokens=4096 + 512, per_block=0.454, rest=2.19,
         measured="H200, scripts/bench_flux.py --batch 1 --resolution 1024 --weight-dtype fp8_e4m3 --checkpointing on "
@@ -74,6 +78,23 @@ class FluxFamily(Family):
 
     def layer_names(self, mcfg, kind: str) -> list:
         return FluxTransformer2DModel.layer_names(mcfg, kind)
+
+    def parameter_names(self, mcfg) -> list:
+        return list(FluxTransformer2DModel.parameter_shapes(mcfg))
+
+    def diffusers_tensors(self, model, name: str, value) -> list:
+        """The rows of BFL parameter ``name`` under diffusers' names (``flux_keys.diffusers_pieces``):
+        a fused q/k/v (and a single block's MLP input) split into its projections, views of
+        ``value``; the final modulation's two halves joined in diffusers' order, a copy."""
+        module = name.rpartition(".")[0]
+        pieces = flux_keys.diffusers_pieces(name, tuple(value.shape), getattr(model.get_submodule(module), "parts",
+                                                                                None))
+        rows, at = {}, 0
+        for key, start, stop in pieces:
+            rows.setdefault(key, []).append((start, value.narrow(0, at, stop - start)))
+            at += stop - start
+        return [(key, blocks[0][1] if len(blocks) == 1 else cat([b for _, b in sorted(blocks, key=lambda s: s[0])]))
+                for key, blocks in rows.items()]
 
     def lora_targets(self, targets):
         """``lora.targets`` with Flux's presets (``attn``, ``attn-mlp``, ``all-linear``) expanded."""

@@ -58,6 +58,8 @@ class SDXLFamily(Family):
     full_precision_layers = (r"re:(time_embedding|add_embedding)\..*",)
     base_model_version = "sdxl_base_v1-0"
     architecture = "stable-diffusion-xl-v1-base/lora"
+    diffusers_class = "UNet2DConditionModel"
+    diffusers_subfolder = "unet"
     activation_profile = ActivationProfile(
         tokens=128 * 128, per_block=0.0413, rest=0.47,
         measured="H200, scripts/bench_sdxl.py --batch 1 --resolution 1024 --checkpointing off|on --checkpoint-blocks "
@@ -71,6 +73,9 @@ class SDXLFamily(Family):
 
     def layer_names(self, mcfg, kind: str) -> list:
         return SDXLUNet.layer_names(mcfg, kind)
+
+    def parameter_names(self, mcfg) -> list:
+        return list(SDXLUNet.parameter_shapes(mcfg))  # diffusers' names: diffusers_tensors keeps them
 
     def lora_targets(self, targets):
         return targets  # flame.nn.lora's presets are SDXL's
