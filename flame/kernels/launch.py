@@ -341,24 +341,33 @@ def launch(kernel, grid, *args, sig=None, **meta):
     and ``meta``, which stands for a plan of its own; the launch is then keyed by the plan's
     tensors' dtypes and alignment (see ``Plan``), without looking at the other arguments.
     """
-    global launches
-    if sig is not None:
-        _launch_plan(sig if type(sig) is Plan else _sig_plan(kernel, sig, meta), grid, args)
-        return
+    global _stream, launches
     launches += 1
     if not _direct:
         _through_triton(kernel, grid, args, meta)
         return
-    kid = id(kernel)
-    cache = _caches.get(kid)
-    if cache is None:
-        cache = _caches[kid] = {}
-    key = _key(kid, kernel, args, meta)
+    if sig is None:
+        kid = id(kernel)
+        cache = _caches.get(kid)
+        if cache is None:
+            cache = _caches[kid] = {}
+        key = _key(kid, kernel, args, meta)
+    else:
+        plan = sig if type(sig) is Plan else _sig_plan(kernel, sig, meta)
+        key_of = plan.key
+        if key_of is None:
+            key_of = plan.key = _plan_key_function(args, plan.by_value)
+        key, cache = key_of(args), plan.compiled
     entry = cache.get(key)
     if entry is None:
         _first_launch(kernel, grid, args, meta, cache, key)
         return
-    _run(entry, grid, args)
+    run, function, packed, consts = entry
+    if _stream is None:
+        _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, packed, None, None, None,
+        *args, *consts)
 
 
 def _sig_plan(kernel, sig, meta):
@@ -372,25 +381,6 @@ def _sig_plan(kernel, sig, meta):
             plans.clear()
         plan = plans[sig] = Plan(kernel, meta)
     return plan
-
-
-def _launch_plan(plan, grid, args):
-    """A launch of ``plan``: on CUDA a repeated one is its key, one lookup in the plan's own cache
-    and the compiled kernel's launcher."""
-    global launches
-    launches += 1
-    if not _direct:
-        _through_triton(plan.kernel, grid, args, plan.meta)
-        return
-    key_of = plan.key
-    if key_of is None:
-        key_of = plan.key = _plan_key_function(args, plan.by_value)
-    key = key_of(args)
-    entry = plan.compiled.get(key)
-    if entry is None:
-        _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)
-        return
-    _run(entry, grid, args)
 
 
 def _plan_key_function(args, by_value):
@@ -415,14 +405,3 @@ def _first_launch(kernel, grid, args, meta, cache, key):
         cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
     except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
         _direct = False
-
-
-def _run(entry, grid, args):
-    """The direct path: the compiled kernel's launcher on the current stream."""
-    global _stream
-    run, function, packed, consts = entry
-    if _stream is None:
-        _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
-    n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, packed, None, None, None,
-        *args, *consts)

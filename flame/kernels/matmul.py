@@ -997,8 +997,8 @@ def _run_tma(p, r, out, a, b, f):
     launch(_matmul_tma_kernel, r.grid,
            descriptor_like(t_a, a), descriptor_like(t_b, b),  # inputs
            descriptor_like(t_c, out),  # output
-           _epilogue_descriptor(f.pre_out, t_c, out, r.boxes[2]),  # fusion operands
-           _epilogue_descriptor(f.residual, t_c, out, r.boxes[2]),
+           None if f.pre_out is None else _epilogue_descriptor(f.pre_out, t_c, out, r.boxes[2]),  # fusion operands
+           None if f.residual is None else _epilogue_descriptor(f.residual, t_c, out, r.boxes[2]),
            f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if b_fp8 else None,
            *r.args, f.bias_stride,  # sizes and strides
            f.scale, f.rank_ratio,  # scalars
@@ -1006,10 +1006,8 @@ def _run_tma(p, r, out, a, b, f):
 
 
 def _epilogue_descriptor(t, template, out, box):
-    """The descriptor of a pre-activation or residual buffer ``t`` (C's box; None when off): from C's
-    template when it holds C's dtype."""
-    if t is None:
-        return None
+    """The descriptor of a pre-activation or residual buffer ``t`` (C's box): from C's template when it
+    holds C's dtype."""
     return descriptor_like(template, t) if t.dtype is out.dtype else descriptor(t, *box)
 
 
@@ -1147,8 +1145,9 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     if out.numel() == 0:
         return out
     ws = w.stride()
+    plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
-            Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale))
+            None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale))
     return out
 
 
