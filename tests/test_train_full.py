@@ -342,3 +342,49 @@ def test_the_tiny_flux_transformer_fine_tunes_every_weight_and_diffusers_loads_t
     got = _diffusers("FluxTransformer2DModel", SMALL_FLUX.to_diffusers(), result["model"])
     for k, v in model.diffusers_state_dict().items():
         np.testing.assert_array_equal(got[k], v.numpy(), err_msg=k)
+
+
+def test_the_full_fine_tune_configs_are_valid():
+    from flame.train import load_config
+    root = pathlib.Path(__file__).resolve().parents[1] / "configs"
+    for name, mode, shard in (("sdxl_full", "full", "gradients"), ("sdxl_full_tiny", "full", "gradients"),
+                              ("flux_full", "full", "parameters")):
+        cfg = load_config(root / f"{name}.yaml")
+        assert (cfg.train.mode, cfg.train.shard, cfg.output.name) == (mode, shard, "model")
+
+
+@pytest.mark.extended  # two steps of the small Flux transformer twice (about 30 s on the interpreter)
+def test_the_parameters_stage_gathers_each_flux_block_around_its_checkpointed_forward_and_backward(tmp_path):
+    """ZeRO-3's block hooks on the real model, with gradient checkpointing inside them, on one rank
+    (the trainer refuses the stage there; ``FullWeights`` takes it): the weights of the gradients
+    stage after two steps, and every block's weights freed between its uses."""
+    from flame.models.flux import latent_image_ids, text_ids
+    from flame.ops.loss import mse_loss
+    gen = np.random.RandomState(0)
+    B, h, w, n_txt = 1, 4, 6, 5
+    inputs = dict(hidden_states=flame.tensor(gen.randn(B, h // 2 * (w // 2), 16).astype(np.float32)),
+                  encoder_hidden_states=flame.tensor(gen.randn(B, n_txt, 32).astype(np.float32)),
+                  pooled_projections=flame.tensor(gen.randn(B, 16).astype(np.float32)),
+                  timestep=flame.tensor(np.array([0.4], np.float32)), img_ids=latent_image_ids(h, w),
+                  txt_ids=text_ids(n_txt), guidance=flame.tensor(np.array([1.0], np.float32)))
+    target = flame.tensor(gen.randn(B, h // 2 * (w // 2), 16).astype(np.float32))
+    out = {}
+    for stage in ("gradients", "parameters"):
+        flame.manual_seed(0)
+        model = FluxTransformer2DModel(SMALL_FLUX).enable_gradient_checkpointing(True)
+        cfg = build_config({"model": {"family": "flux", "config": "tiny"}, "data": {"cache_dir": "c"},
+                            "train": {"mode": "full", "shard": stage, "steps": 1, "precision": "fp32", "lr": 1e-3},
+                            "output": {"dir": str(tmp_path)}})
+        full = FullWeights(cfg, families.get("flux", cfg), model, torch.float32)
+        full.make_optimizer(cfg.train)
+        for _ in range(2):
+            with full.computing():
+                grads = mse_loss(model(**inputs), target).backward()
+            full.shards.pack(grads)
+            full.shards.step(max_norm=1.0)
+        if stage == "parameters":
+            assert all(p._data.untyped_storage().nbytes() == 0 for p in model.double_blocks[0].parameters())
+        with full.shards.gathered(model):
+            out[stage] = _weights(model)
+    for k, v in out["gradients"].items():
+        np.testing.assert_array_equal(out["parameters"][k], v, err_msg=k)
