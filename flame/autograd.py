@@ -146,6 +146,9 @@ class track_inputs:
         return False
 
 
+_NO_META = (None, None)  # the (shape, dtype) of an input without a gradient
+
+
 def record(out, inputs, backward_fn, saved=(), **attrs):
     """Attach a node to ``out``; ``inputs`` are the op's tensor inputs (None for non-tensors).
 
@@ -156,13 +159,20 @@ def record(out, inputs, backward_fn, saved=(), **attrs):
     if len(inputs) == 1:  # most ops: one tensor input (views, unary maps, casts)
         (t,) = inputs
         if t is None or not t._requires_grad:
-            edges, meta = (None,), (None, None)
+            edges, meta = (None,), _NO_META
         else:
             edges, meta = (t._node or t,), (tuple(t._data.shape), t._data.dtype)
-    else:
-        edges = tuple(None if t is None or not t._requires_grad else t._node or t for t in inputs)
-        meta = tuple(x for t, e in zip(inputs, edges)
-                     for x in ((None, None) if e is None else (tuple(t._data.shape), t._data.dtype)))
+    else:  # a plain loop: generator expressions cost a frame per element here
+        edges, meta = [], []
+        for t in inputs:
+            if t is None or not t._requires_grad:
+                edges.append(None)
+                meta += _NO_META
+            else:
+                edges.append(t._node or t)
+                data = t._data
+                meta += (tuple(data.shape), data.dtype)
+        edges, meta = tuple(edges), tuple(meta)
     if not out._data.dtype.is_floating_point:
         out.requires_grad = True  # raises, naming the dtype
     out._node = Node(backward_fn, edges, meta, saved, attrs)

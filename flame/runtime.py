@@ -130,7 +130,12 @@ def to_args(args, dtype=None, device=None):
 
 
 def empty(shape, dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype, device=device)
+    # the shape by keyword: a positional one is first tried as a lone int by torch's argument parser,
+    # which formats (and drops) a TypeError on every call (a quarter of the call's host instructions)
+    try:
+        return torch.empty(size=shape, dtype=dtype, device=device)
+    except TypeError:  # an int
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 def empty_like(buf, dtype) -> torch.Tensor:

@@ -226,7 +226,7 @@ def _linear_backward(node, g):
     if need_x:
         dx = runtime.empty((g2.shape[0], w.shape[1]), x_dtype)
         KM.matmul_(dx, g2, w._data, b_scale=weight_scale(w))
-        dx = Tensor(dx.view(node.attrs["x_shape"]))
+        dx = Tensor(dx.view(*node.attrs["x_shape"]))
     dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
     return dx, dw, db
 
@@ -281,7 +281,7 @@ def linear(x, weight, bias=None, activation=None):
         y = y if bias is None else y + bias
         return _apply_activation(y, activation)
     KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre, w_scale=weight_scale(weight))
-    y = Tensor(out.view(out_shape))
+    y = Tensor(out.view(*out_shape))
     if grad:
         # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
         record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
@@ -342,7 +342,7 @@ def _lora_linear_backward(node, g):
     if need_x:
         dxb = runtime.empty(x2.shape, x2.dtype)
         KM.matmul_(dxb, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0), b_scale=w_scale)
-        dx = Tensor(dxb.view(node.attrs["x_shape"]))
+        dx = Tensor(dxb.view(*node.attrs["x_shape"]))
     if need_xl and xl2 is not None:
         dxlb = runtime.empty(xl2.shape, xl2.dtype)
         KM.matmul_(dxlb, dh, a16)
@@ -434,7 +434,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         per_column = [ratio] + ([] if bias is None else [bias._data])
         op_code = KE.MUL if bias is None else KE.MUL_ADD
         KE.map_(out, [z] + [t[None].expand(z.shape) for t in per_column], op_code.value)
-    y = Tensor(out.view(x.shape[:-1] + (n_out,)))
+    y = Tensor(out.view(*x.shape[:-1], n_out))  # sizes as arguments (see shape.reshape)
     if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude):
         keep_z = ratio is not None and magnitude.requires_grad
         record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,

@@ -65,7 +65,8 @@ def reshape(x, *shape):
     data = x._data
     shape = _infer_shape(shape, data.numel(), "reshape")
     try:
-        buf = data.view(shape)
+        # sizes as arguments: torch's parser tries a lone tuple as an int first, formatting a TypeError it drops
+        buf = data.view(*shape) if shape else data.view(shape)
     except RuntimeError:
         buf = dense(data).view(shape)
     return _view(x, buf, _reshape_backward, shape=tuple(data.shape))
@@ -122,7 +123,8 @@ def permute(x, *dims):
         dims = tuple(normalize_dim(d, ndim, "permute") for d in dims)
     if len(set(dims)) != len(dims):
         raise RuntimeError(f"permute: repeated dim in {dims}")
-    return _view(x, x._data.permute(dims), _permute_backward, dims=tuple(dims))
+    buf = x._data.permute(*dims) if dims else x._data.permute(dims)  # dims as arguments: see reshape
+    return _view(x, buf, _permute_backward, dims=tuple(dims))
 
 
 def transpose(x, dim0, dim1):
