@@ -16,6 +16,8 @@ import functools
 import threading
 import types
 
+import torch
+
 from . import runtime
 
 
@@ -268,7 +270,6 @@ class GradientMap:
 
 def _leaf_grad_dtype(dtype):
     """Gradients of fp16/bf16 leaves are accumulated in fp32."""
-    import torch
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -498,9 +499,9 @@ def _in_leaf_layout(grad, leaf):
     """``grad`` laid out as ``leaf`` is when the leaf is dense (a channels-last conv weight gets a
     channels-last gradient: torch's rule for ``.grad``, and what the optimizers update in place
     with flat kernels), else contiguous; a stride-0 expand from sum's backward becomes dense."""
-    from .ops.shape import copy_as
     if runtime.same_dense_layout(grad._data, leaf._data):
         return grad
+    from .ops.shape import copy_as
     return copy_as(grad, leaf._data)
 
 

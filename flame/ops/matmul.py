@@ -22,7 +22,7 @@ from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import _autocast
 from . import elementwise as ew
 from ._util import check_tensor
-from .elementwise import cast_params, to
+from .elementwise import cast_params, parameter_copy, to
 from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale
 from .shape import contiguous
 
@@ -355,6 +355,11 @@ def _lora_linear_backward(node, g):
 def _cast_once(t, dtype):
     """``t``'s buffer in ``dtype`` (``to``: the copy a ``flame.amp.ParameterCasts`` region made, or
     one cast kernel), not recorded: the caller's backward routes the gradient to ``t`` itself."""
+    if t.dtype == dtype:
+        return t._data
+    made = parameter_copy(t, dtype)  # the region's copy, asked first: no grad-mode switch around it
+    if made is not None:
+        return made
     with no_grad():
         return to(t, dtype)._data
 
