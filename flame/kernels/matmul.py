@@ -43,6 +43,7 @@ from .reduce import SUM, accumulation_dtype, reduce_
 # B_FP8: B holds e4m3fn codes with an fp32 scale per column of B (FP8_COLUMNS) or per row (FP8_ROWS)
 FP8_COLUMNS = tl.constexpr(1)
 FP8_ROWS = tl.constexpr(2)
+FP8_DTYPE = torch.float8_e4m3fn  # the dtype of fp8 weight codes
 
 # The kernels' arguments come in groups, one a line: inputs, output, fusion operands, sizes, strides,
 # scalars, then the constexpr switches and tiles. A fusion operand whose switch is off is passed as
@@ -955,11 +956,6 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
     _RUN[route.kernel](p, route, out, a, b, f)
 
 
-def _b_operand(b, b_fp8):
-    """B as the kernels read it: its e4m3fn codes as uint8 (``b_fp8``), else itself."""
-    return as_codes(b) if b_fp8 else b
-
-
 # The runners: route ``r`` of problem ``p`` on these buffers with the epilogue ``f``. They take every
 # switch from the route (a composite route's step may run with a Fusion that holds more, such as the
 # scale of codes already dequantised) and pass None for what it leaves out.
@@ -968,7 +964,7 @@ def _run_pointer(p, r, out, a, b, f, part=None, counts=None):
     b_fp8 = r.config["B_FP8"]
     rank = f.rank
     launch(_matmul_kernel, r.grid,
-           a, _b_operand(b, b_fp8),  # inputs
+           a, as_codes(b) if b_fp8 else b,  # inputs (B_FP8: B's e4m3fn codes as uint8)
            out,  # output
            f.bias, f.pre_out, f.residual, f.u if rank else None, f.v if rank else None,  # fusion operands
            f.b_scale if b_fp8 else None,
@@ -988,7 +984,7 @@ def _run_tma(p, r, out, a, b, f):
     # each from its template, kept with the route's launch plan (the route's buffers are 16-byte aligned)
     plan = r.launch
     b_fp8 = r.config["B_FP8"]
-    b = _b_operand(b, b_fp8)
+    b = as_codes(b) if b_fp8 else b
     templates = plan.memo
     if templates is None:
         templates = plan.memo = tuple(descriptor_template(t, *box) for t, box in zip((a, b, out), r.boxes))
@@ -1092,14 +1088,16 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     shape_a = a.shape
     M, K = shape_a[-2], shape_a[-1]
     N = b.shape[-1]
-    _check_fp8(b, b_scale, K)
+    if b_scale is not None or b.dtype is FP8_DTYPE:
+        _check_fp8(b, b_scale, K)
     if out.numel() == 0:
         return out
     if K == 0:
         return fill_(out, 0.0)
     st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     if len(shape_a) == 2:
-        _check_low_rank(low_rank, M, N, a.dtype)
+        if low_rank is not None:
+            _check_low_rank(low_rank, M, N, a.dtype)
         plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
         _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
                 None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
@@ -1140,8 +1138,10 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     dequantised first (``_fp8_route``)."""
     R, K = x.shape
     N = w.shape[0]
-    _check_low_rank(low_rank, R, N, x.dtype)
-    _check_fp8(w, w_scale, N)
+    if low_rank is not None:
+        _check_low_rank(low_rank, R, N, x.dtype)
+    if w_scale is not None or w.dtype is FP8_DTYPE:
+        _check_fp8(w, w_scale, N)
     if out.numel() == 0:
         return out
     ws = w.stride()
