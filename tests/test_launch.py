@@ -272,6 +272,21 @@ def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
     assert compiles["x"] == 3 and len(runs) == 2 and runs[1][10] is None
 
 
+def test_gemm_routes_launch_with_plans_that_leave_only_the_bias_stride_free():
+    """matmul's kernel routes carry a ``Plan`` of their kernel and config whose one free argument is
+    the bias stride (``s_bias``): every other launch argument is the route's problem's."""
+    import flame.kernels.matmul as KM
+    dense, bf16 = KM.GemmProblem.dense, torch.bfloat16
+    routes = {r.kernel: r for r in (KM.plan(dense(33, 70, 45, torch.float32)),
+                                    KM.plan(dense(16, 640, 8192, bf16, a_transposed=True, tma=True, sms=132)),
+                                    KM.plan(dense(4096, 640, 640, bf16, tma=True, sms=132, bias=True)))}
+    assert set(routes) == {"pointer", "split_k", "tma"}
+    for route in routes.values():
+        plan = route.launch
+        assert plan.meta is route.config and plan.kernel.arg_names[plan.by_value[0]] == "s_bias", route
+    assert KM.plan(dense(64, 48, 40, torch.float32, rank=70)).launch is None  # a composite route: its steps' plans
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(flame.is_interpreter(), reason="the direct path runs on CUDA only")
 def test_direct_launches_equal_tritons_own(monkeypatch):

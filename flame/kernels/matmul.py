@@ -803,7 +803,7 @@ def _pointer(p, cfg, tiles, why):
     meta = _pointer_meta(p, cfg, False, 1)
     args = (p.M, p.N, p.K, B1, p.rank, *p.sa, *p.sb, *p.sc, *p.su, *p.sv)
     return Route("pointer", meta, 1, why + _inline(p), grid=(B0 * B1 * tiles,), args=args,
-                 launch=_plan_of(_matmul_kernel, meta, _POINTER_BUFFERS, args))
+                 launch=_plan_of(_matmul_kernel, meta, _POINTER_LEAD_ARGS, args))
 
 
 def _split_k(p, splits, why):
@@ -819,13 +819,13 @@ def _split_k(p, splits, why):
     meta = _pointer_meta(p, cfg, True, _slices_per_load(splits, cfg["BLOCK_M"] * cfg["BLOCK_N"]))
     args = (p.M, p.N, kc, splits, p.rank, 0, kc * sak, sam, sak, 0, kc * sbk, sbk, sbn, 0, 0, scm, scn, *p.su, *p.sv)
     return Route("split_k", meta, splits, f"{why}: {splits} slices of {kc}{_inline(p)}", grid=(splits * tiles,),
-                 args=args, launch=_plan_of(_matmul_kernel, meta, _POINTER_BUFFERS, args))
+                 args=args, launch=_plan_of(_matmul_kernel, meta, _POINTER_LEAD_ARGS, args))
 
 
 # The kernels' leading arguments before the size and stride arguments a route carries (``Route.args``),
 # which the bias stride follows: the one argument its launch plan leaves free (``_plan_of``)
-_POINTER_BUFFERS = 11  # a, b, c, bias, pre_out, residual, u, v, b_scale, part, counts
-_TMA_BUFFERS_ARGS = 9  # descriptors of a, b, c, pre_out, residual; bias, u, v, b_scale
+_POINTER_LEAD_ARGS = 11  # a, b, c, bias, pre_out, residual, u, v, b_scale, part, counts
+_TMA_LEAD_ARGS = 9  # descriptors of a, b, c, pre_out, residual; bias, u, v, b_scale
 
 
 def _plan_of(kernel, meta, buffers, args):
@@ -871,7 +871,7 @@ def _tma(p, layout, why):
              ((M, N), (s_c, 1), (bm, bn)))
     args = (M, N, K, p.rank, *p.su, *p.sv)
     return Route("tma", meta, 1, why + _inline(p), grid=(min(cdiv(M, bm) * cdiv(N, bn), p.sms),), args=args,
-                 layout=layout, boxes=boxes, launch=_plan_of(_matmul_tma_kernel, meta, _TMA_BUFFERS_ARGS, args))
+                 layout=layout, boxes=boxes, launch=_plan_of(_matmul_tma_kernel, meta, _TMA_LEAD_ARGS, args))
 
 
 def _layout(p):
