@@ -197,6 +197,7 @@ def test_streamed_flux_equals_resident_two_steps_under_the_graph_rules(flux_refe
     assert all(b.streamer is None for _, b in offload.streamable_blocks(model))
 
 
+@pytest.mark.extended  # each alone: test_streamed_flux_equals_resident_*, test_flux.py's checkpointing parity
 def test_checkpointed_and_partly_streamed_flux_equals_resident(flux_reference):
     model, params, inputs, want = flux_reference
     model.enable_gradient_checkpointing()

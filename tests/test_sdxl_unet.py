@@ -94,8 +94,8 @@ def reference(tmp_path_factory):
 # ---- parity with diffusers ------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpointing", [False, pytest.param(True, marks=pytest.mark.extended)],
-                         ids=["plain", "checkpointed"])
+@pytest.mark.extended  # the forward's parity: test_lora_interop, test_pipeline; gradients: the ops' gradchecks
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_forward_and_gradients_match_diffusers(reference, checkpointing):
     if checkpointing:
         pytest.importorskip("flame.checkpoint")

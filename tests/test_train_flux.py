@@ -121,6 +121,7 @@ def test_streamed_blocks_train_as_resident_ones(trained, tmp_path):
     assert any("1 of 2 blocks streamed" in line for line in lines), lines
 
 
+@pytest.mark.extended  # fp8 files: test_fp8_files.py; streamed loading: test_offload.py
 def test_a_checkpoint_loads_its_streamed_blocks_to_the_host_and_fp8_as_it_loads(tmp_path):
     """With model.path, train.offload's blocks load straight into host memory and fp8 weights quantise
     as they load (flame/models/placement.py; its own tests compare it with converting a loaded model):
