@@ -1,12 +1,14 @@
-"""``flame-train-lora CONFIG [section.key=value ...] [--resume [CHECKPOINT]]``: train an SDXL or Flux.1 LoRA.
+"""``flame-train-lora CONFIG [section.key=value ...] [--resume [CHECKPOINT]]``: train an SDXL or Flux.1 LoRA,
+or fine-tune the model itself (train.mode full).
 
-Exit status: 0 when the LoRA file was written; 1 when a non-finite loss stopped the run, a file
+Exit status: 0 when the LoRA (or model) file was written; 1 when a non-finite loss stopped the run, a file
 could not be written or (several processes) another process was lost; 2 for a config, cache or
 usage error (found before training starts); 128 + the signal number when Ctrl-C (130) or SIGTERM
 (143) stopped the run after saving a checkpoint.
 
 Several GPUs: ``torchrun --nproc-per-node N -m flame.train.cli CONFIG ...`` (or the console script
-under torchrun) trains data-parallel; errors every process meets alike are printed by rank 0 only.
+under torchrun) trains data-parallel (a full fine-tune sharded as ``train.shard`` says); errors every
+process meets alike are printed by rank 0 only.
 """
 from __future__ import annotations
 
