@@ -104,7 +104,7 @@ class Node:
 
     @property
     def needs_input_grad(self):
-        return tuple(e is not None for e in self.edges)
+        return tuple([e is not None for e in self.edges])  # a list first: no generator resumed per edge
 
     def __repr__(self):
         return f"<Node {self.name}>"

@@ -267,3 +267,23 @@ def test_leaf_gradients_keep_a_dense_leafs_layout():
         total += (leaf * 3.0).sum().backward()
         assert total[leaf].stride() == want_stride
         assert_close(total[leaf], torch.full(tuple(leaf.shape), 5.0))
+
+
+def test_a_node_keeps_flat_plain_input_metadata():
+    """``record``: one edge per input (its producing node, the leaf itself, or None without a gradient)
+    and each input's (shape, dtype) in one flat tuple of plain tuples, dtypes and None (the collector
+    stops tracking it); ``needs_input_grad`` follows the edges."""
+    import gc
+
+    import flame.nn.functional as F
+    x = flame.randn(5, 3)
+    w = flame.randn(4, 3, requires_grad=True)
+    h = (x * 2.0).requires_grad_() * 1.0
+    node = F.linear(h, w).grad_fn  # inputs: an interior tensor, a leaf, no bias
+    e0, e1, e2 = node.edges
+    assert e0 is h.grad_fn and e1 is w and e2 is None and node.needs_input_grad == (True, True, False)
+    assert node.input_meta == ((5, 3), torch.float32, (4, 3), torch.float32, None, None)
+    assert all(type(m) is tuple for m in node.input_meta[::2] if m is not None)
+    gc.collect()
+    gc.collect()  # the shapes' tuples are untracked in one pass, the tuple holding them in the next
+    assert not gc.is_tracked(node.input_meta)

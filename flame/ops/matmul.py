@@ -382,8 +382,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     ``weight`` may be an ``Fp8Weight`` (a frozen base in fp8: its codes read by the base GEMM and
     the input gradient's); not with ``magnitude`` (DoRA's norms would need the dequantised weight)."""
     op = "lora_linear"
-    for name, t in (("input", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
-        check_tensor(t, name, op)
+    if not (type(x) is Tensor and isinstance(weight, Tensor) and isinstance(lora_a, Tensor)
+            and isinstance(lora_b, Tensor)):  # one test for the usual call, the named error otherwise
+        for name, t in (("input", x), ("weight", weight), ("lora_a", lora_a), ("lora_b", lora_b)):
+            check_tensor(t, name, op)
     stored_weight = weight
     x, weight, bias = _autocast.lower(x, weight, bias)
     if lora_input is not None:
@@ -392,7 +394,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         if lora_input.shape != x.shape or lora_input.dtype != x.dtype:
             raise ValueError(f"{op}: lora_input {lora_input.shape} {lora_input.dtype} must match input "
                              f"{x.shape} {x.dtype}")
-    if not all(t.dtype.is_floating_point for t in (x, weight, lora_a, lora_b)):
+    if not (x.dtype.is_floating_point and weight.dtype.is_floating_point and lora_a.dtype.is_floating_point
+            and lora_b.dtype.is_floating_point):
         raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
                         f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
     check_not_raw_fp8(weight, op)
