@@ -306,17 +306,36 @@ def test_two_processes_sharding_parameters_train_the_weights_of_one_process(two_
 
 # ---- the tiny SDXL UNet and Flux transformer, end to end ------------------------------------------------
 
-def _fine_tune(model, family, mode, tmp_path, latent_size):
-    """One step of ``model`` at ``train.mode`` ``mode`` on a synthetic cache: (weights before, after,
-    the run's result)."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("master", ["fp32", "bf16_stochastic"])
+def test_a_bf16_sdxl_unet_fine_tunes_in_a_cuda_graph(tmp_path, master):
+    """bf16 weights with fp32 master weights or stochastic rounding, the step replayed from a CUDA graph:
+    every weight moves at lr 1e-4 and diffusers loads the file."""
+    from tests.tiny_sdxl import UNET
+    flame.manual_seed(0)
+    lines = []
+    before, after, result = _fine_tune(SDXLUNet(UNET, dtype=flame.bfloat16), "sdxl", "full", tmp_path, [8, 8],
+                                       log=lines.append, precision="bf16", master_weights=master, lr=1e-4, steps=3,
+                                       cuda_graph=True)
+    assert not any("cuda_graph: off" in str(line) for line in lines)
+    changed = np.mean([np.mean(before[k] != after[k]) for k in before])
+    assert changed > 0.2, changed
+    got = _diffusers("UNet2DConditionModel", UNET.to_diffusers(), result["model"])
+    for k, v in after.items():  # the file holds the fp32 master weights (or the bf16 weights themselves)
+        np.testing.assert_allclose(got[k], v, rtol=2 ** -7, atol=1e-6, err_msg=k)
+
+
+def _fine_tune(model, family, mode, tmp_path, latent_size, log=lambda *a: None, **train):
+    """One step (``train``: other settings) of ``model`` at ``train.mode`` ``mode`` on a synthetic cache:
+    (weights before, after, the run's result)."""
     raw = {"model": {"family": family, "config": "tiny"},
            "data": {"cache_dir": str(tmp_path / "cache"), "batch_size": 2, "synthetic_samples": 2,
                     "synthetic_latent_sizes": [latent_size]},
-           "train": {"mode": mode, "steps": 1, "lr": 1e-3, "precision": "fp32", "seed": 0},
+           "train": {"mode": mode, "steps": 1, "lr": 1e-3, "precision": "fp32", "seed": 0, **train},
            "output": {"dir": str(tmp_path / "run"), "save_every": 0}}
     before = _weights(model)
-    result = Trainer(build_config(raw), model=model, progress=False, log=lambda *a: None).train()
-    assert len(result["losses"]) == 1 and np.isfinite(result["losses"]).all()
+    result = Trainer(build_config(raw), model=model, progress=False, log=log).train()
+    assert len(result["losses"]) == train.get("steps", 1) and np.isfinite(result["losses"]).all()
     return before, _weights(model), result
 
 
