@@ -234,8 +234,9 @@ def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
 
 
 def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
-    """A ``Plan`` passed as ``sig`` pins every other argument: its launches are keyed by their
-    tensors' dtypes and alignment, their descriptors' dtypes and the ints at ``by_value``; each
+    """A ``Plan`` (passed as ``sig``, or to ``launch_plan`` with the arguments as a tuple) pins every
+    other argument: its launches are keyed by their tensors' dtypes and alignment, their
+    descriptors' dtypes and the ints at ``by_value``; each
     hashable ``sig`` stands for a plan of its own, keyed by the tensors where its first launch had
     them (another sig may have a tensor where the first had None)."""
     import collections
@@ -264,12 +265,15 @@ def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
                   (desc(x), bias, 64, 2)):  # an int the plan leaves free
         L.launch(kernel, (1,), *other, sig=plan, BLOCK=64)
     assert len(runs) == 1 and compiles["d"] == 5 and len(plan.compiled) == 5
+    before = L.launches
+    L.launch_plan(plan, (2, 3), (desc(x), bias, 66, 1))  # the same launch as a tuple, without keywords
+    assert L.launches == before + 1 and runs[1][:3] == (2, 3, 1) and runs[1][11:] == (66, 1, 64)
     sig_kernel = _fake_kernel(["x", "bias", "n", "BLOCK"])
     L.launch(sig_kernel, (1,), x, None, 64, sig="no bias", BLOCK=64)
     L.launch(sig_kernel, (1,), x, bias, 64, sig="bias", BLOCK=64)
     L.launch(sig_kernel, (1,), x, bias[1:], 64, sig="bias", BLOCK=64)  # the bias's alignment counts under its sig
     L.launch(sig_kernel, (1,), x + 1, None, 64, sig="no bias", BLOCK=64)
-    assert compiles["x"] == 3 and len(runs) == 2 and runs[1][10] is None
+    assert compiles["x"] == 3 and len(runs) == 3 and runs[2][10] is None
 
 
 def test_gemm_routes_launch_with_plans_that_leave_only_the_bias_stride_free():
@@ -285,6 +289,25 @@ def test_gemm_routes_launch_with_plans_that_leave_only_the_bias_stride_free():
         plan = route.launch
         assert plan.meta is route.config and plan.kernel.arg_names[plan.by_value[0]] == "s_bias", route
     assert KM.plan(dense(64, 48, 40, torch.float32, rank=70)).launch is None  # a composite route: its steps' plans
+
+
+def test_gemm_routes_launch_their_plans_without_keywords_unless_launch_is_watched(monkeypatch):
+    """A GEMM launches its route's plan through ``launch_plan``; with matmul's ``launch`` replaced (a
+    test's or a tool's watcher) it goes through that instead, with the plan as ``sig`` and the config
+    as keywords."""
+    import flame.kernels.matmul as KM
+    plans, watched = [], []
+    monkeypatch.setattr(KM, "launch_plan", lambda plan, grid, args, real=KM.launch_plan:
+                        plans.append(plan) or real(plan, grid, args))
+    a, b = torch.randn(8, 5, device=flame.device), torch.randn(5, 7, device=flame.device)
+    out = torch.empty(8, 7, device=flame.device)
+    KM.matmul_(out, a, b)
+    assert len(plans) == 1 and plans[0].kernel is KM._matmul_kernel
+    monkeypatch.setattr(KM, "launch", lambda kernel, grid, *args, real=KM.launch, **meta:
+                        watched.append(meta) or real(kernel, grid, *args, **meta))
+    KM.matmul_(out, a, b)
+    assert len(plans) == 1 and watched[0]["sig"] is plans[0] and watched[0]["BLOCK_M"] == plans[0].meta["BLOCK_M"]
+    assert torch.allclose(out, a @ b, rtol=2e-2, atol=2e-2)  # tf32 on a GPU
 
 
 @pytest.mark.gpu

@@ -315,7 +315,8 @@ class Plan:
     and launch options ``meta``, and what Triton specialises every other argument on (its value,
     its type, or None), except the ints at the positions ``by_value``, which enter the key by value
     (an argument the plan leaves free, such as a bias stride). A launcher keeps one per plan it
-    memoises (a GEMM route, a norm's shape) and passes it as ``launch(..., sig=plan, **meta)``;
+    memoises (a GEMM route, a norm's shape) and launches it with ``launch_plan(plan, grid, args)``
+    (or ``launch(..., sig=plan, **meta)``);
     the plan keeps the kernels compiled for it, keyed by its tensors' dtypes and 16-byte alignment,
     its host-built descriptors' dtypes (their block shapes are the plan's) and the ``by_value``
     ints, so a repeated launch builds no argument key. The tensors sit where they sat in the plan's
@@ -341,27 +342,50 @@ def launch(kernel, grid, *args, sig=None, **meta):
     and ``meta``, which stands for a plan of its own; the launch is then keyed by the plan's
     tensors' dtypes and alignment (see ``Plan``), without looking at the other arguments.
     """
-    global _stream, launches
+    global launches
+    if sig is not None:
+        launch_plan(sig if type(sig) is Plan else _sig_plan(kernel, sig, meta), grid, args)
+        return
     launches += 1
     if not _direct:
         _through_triton(kernel, grid, args, meta)
         return
-    if sig is None:
-        kid = id(kernel)
-        cache = _caches.get(kid)
-        if cache is None:
-            cache = _caches[kid] = {}
-        key = _key(kid, kernel, args, meta)
-    else:
-        plan = sig if type(sig) is Plan else _sig_plan(kernel, sig, meta)
-        key_of = plan.key
-        if key_of is None:
-            key_of = plan.key = _plan_key_function(args, plan.by_value)
-        key, cache = key_of(args), plan.compiled
+    kid = id(kernel)
+    cache = _caches.get(kid)
+    if cache is None:
+        cache = _caches[kid] = {}
+    key = _key(kid, kernel, args, meta)
     entry = cache.get(key)
     if entry is None:
         _first_launch(kernel, grid, args, meta, cache, key)
         return
+    _run(entry, grid, args)
+
+
+def launch_plan(plan, grid, args):
+    """``launch(plan.kernel, grid, *args, sig=plan, **plan.meta)`` with the runtime arguments as one
+    tuple and no keywords: a keyword call of ~15 constexprs costs about as much host time as the
+    rest of a launch. On CUDA a repeated launch is the plan's key of ``args``, one lookup in its
+    cache and the compiled kernel's launcher."""
+    global launches
+    launches += 1
+    if not _direct:
+        _through_triton(plan.kernel, grid, args, plan.meta)
+        return
+    key_of = plan.key
+    if key_of is None:
+        key_of = plan.key = _plan_key_function(args, plan.by_value)
+    key = key_of(args)
+    entry = plan.compiled.get(key)
+    if entry is None:
+        _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)
+        return
+    _run(entry, grid, args)
+
+
+def _run(entry, grid, args):
+    """The direct path: the compiled kernel's launcher on the current stream."""
+    global _stream
     run, function, packed, consts = entry
     if _stream is None:
         _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
