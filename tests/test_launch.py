@@ -292,12 +292,12 @@ def test_gemm_routes_launch_with_plans_that_leave_only_the_bias_stride_free():
 
 
 def test_gemm_routes_launch_their_plans_without_keywords_unless_launch_is_watched(monkeypatch):
-    """A GEMM launches its route's plan through ``launch_plan``; with matmul's ``launch`` replaced (a
-    test's or a tool's watcher) it goes through that instead, with the plan as ``sig`` and the config
-    as keywords."""
+    """A GEMM launches its route's plan through ``launch_plan`` (``launch_via``); with matmul's ``launch``
+    replaced (a test's or a tool's watcher) it goes through that instead, with the plan as ``sig`` and
+    the config as keywords."""
     import flame.kernels.matmul as KM
     plans, watched = [], []
-    monkeypatch.setattr(KM, "launch_plan", lambda plan, grid, args, real=KM.launch_plan:
+    monkeypatch.setattr(L, "launch_plan", lambda plan, grid, args, real=L.launch_plan:
                         plans.append(plan) or real(plan, grid, args))
     a, b = torch.randn(8, 5, device=flame.device), torch.randn(5, 7, device=flame.device)
     out = torch.empty(8, 7, device=flame.device)
@@ -306,7 +306,8 @@ def test_gemm_routes_launch_their_plans_without_keywords_unless_launch_is_watche
     monkeypatch.setattr(KM, "launch", lambda kernel, grid, *args, real=KM.launch, **meta:
                         watched.append(meta) or real(kernel, grid, *args, **meta))
     KM.matmul_(out, a, b)
-    assert len(plans) == 1 and watched[0]["sig"] is plans[0] and watched[0]["BLOCK_M"] == plans[0].meta["BLOCK_M"]
+    assert plans == [plans[0]] * 2 and watched[0]["sig"] is plans[0]  # the watcher's launch runs the same plan
+    assert watched[0]["BLOCK_M"] == plans[0].meta["BLOCK_M"]
     assert torch.allclose(out, a @ b, rtol=2e-2, atol=2e-2)  # tf32 on a GPU
 
 

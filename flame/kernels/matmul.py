@@ -36,7 +36,7 @@ from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import matmul_hopper
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
-from .launch import Plan, TensorDescriptor, descriptor, descriptor_like, descriptor_template, launch, launch_plan
+from .launch import Plan, TensorDescriptor, descriptor, descriptor_like, descriptor_template, launch, launch_via
 from .quant import DECODE_FACTOR, as_codes, decode_e4m3, dequantize_rows_
 from .reduce import SUM, accumulation_dtype, reduce_
 
@@ -963,13 +963,14 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
 def _run_pointer(p, r, out, a, b, f, part=None, counts=None):
     b_fp8 = r.config["B_FP8"]
     rank = f.rank
-    _launch_route(r, (a, as_codes(b) if b_fp8 else b,  # inputs (B_FP8: B's e4m3fn codes as uint8)
-                      out,  # output
-                      f.bias, f.pre_out, f.residual, f.u if rank else None, f.v if rank else None,  # fusion
-                      f.b_scale if b_fp8 else None,
-                      part, counts,  # split-K's scratch
-                      *r.args, f.bias_stride,  # sizes and strides
-                      f.scale, f.rank_ratio))  # scalars
+    launch_via(launch, r.launch, r.grid,
+               (a, as_codes(b) if b_fp8 else b,  # inputs (B_FP8: B's e4m3fn codes as uint8)
+                out,  # output
+                f.bias, f.pre_out, f.residual, f.u if rank else None, f.v if rank else None,  # fusion operands
+                f.b_scale if b_fp8 else None,
+                part, counts,  # split-K's scratch
+                *r.args, f.bias_stride,  # sizes and strides
+                f.scale, f.rank_ratio))  # scalars
 
 
 def _run_split_k(p, r, out, a, b, f):
@@ -988,26 +989,14 @@ def _run_tma(p, r, out, a, b, f):
         templates = plan.memo = tuple(descriptor_template(t, *box) for t, box in zip((a, b, out), r.boxes))
     t_a, t_b, t_c = templates
     rank = f.rank
-    _launch_route(r, (descriptor_like(t_a, a), descriptor_like(t_b, b),  # inputs
-                      descriptor_like(t_c, out),  # output
-                      None if f.pre_out is None else _epilogue_descriptor(f.pre_out, t_c, out, r.boxes[2]),  # fusion
-                      None if f.residual is None else _epilogue_descriptor(f.residual, t_c, out, r.boxes[2]),
-                      f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if b_fp8 else None,
-                      *r.args, f.bias_stride,  # sizes and strides
-                      f.scale, f.rank_ratio))  # scalars
-
-
-_LAUNCH = launch  # launch.launch: while this module's ``launch`` is it, kernel routes take launch_plan
-
-
-def _launch_route(r, args):
-    """Launch kernel route ``r`` with its runtime arguments ``args``: ``launch_plan`` with the route's
-    plan (no keyword arguments), or, when this module's ``launch`` has been replaced (tests and
-    tools that watch launches), through it with the plan as ``sig`` and the config as keywords."""
-    if launch is _LAUNCH:
-        launch_plan(r.launch, r.grid, args)
-    else:
-        launch(r.launch.kernel, r.grid, *args, sig=r.launch, **r.config)
+    launch_via(launch, r.launch, r.grid,
+               (descriptor_like(t_a, a), descriptor_like(t_b, b),  # inputs
+                descriptor_like(t_c, out),  # output
+                None if f.pre_out is None else _epilogue_descriptor(f.pre_out, t_c, out, r.boxes[2]),  # fusion
+                None if f.residual is None else _epilogue_descriptor(f.residual, t_c, out, r.boxes[2]),
+                f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if b_fp8 else None,
+                *r.args, f.bias_stride,  # sizes and strides
+                f.scale, f.rank_ratio))  # scalars
 
 
 def _epilogue_descriptor(t, template, out, box):
