@@ -2,13 +2,19 @@
 import pytest
 import torch
 from test_optim import _assert_params, _bf16_neighbours, _flag, _grad_map, _torch_step, assert_stochastically_rounded
-from transformers.optimization import Adafactor as Reference
 
 import flame
 from flame import optim
 from flame.kernels import adafactor as KA
 from flame.kernels import launch as L
 from helpers import DEVICE
+
+
+def Reference(params, **kw):
+    """transformers' Adafactor, imported on first use (its module imports transformers' trainer
+    utilities: seconds of every test worker's collection)."""
+    from transformers.optimization import Adafactor
+    return Adafactor(params, **kw)
 
 _CL = torch.channels_last
 # 1-D, 2-D (LoRA's A and B), 3-D, a channels-last conv weight (LoCon's (r, in, kh, kw) A), a

@@ -224,6 +224,7 @@ def _run_with_bad_candidates(autotune, monkeypatch, tmp_path, capsys, shapes, co
     return capsys.readouterr().out, _load(out)
 
 
+@pytest.mark.extended  # the rejection itself: test_a_wrong_candidate_is_rejected_and_never_written
 def test_a_wrong_attention_candidate_is_rejected(autotune, tmp_path, monkeypatch, capsys):
     bad_fwd = dict(BLOCK_M=16, BLOCK_N=16, M_GROUP=1, num_warps=4, num_stages=1)  # --quick candidates
     bad_dq = dict(BLOCK_M_DQ=16, BLOCK_N_DQ=16, num_warps_dq=4, num_stages_dq=1)
@@ -322,6 +323,7 @@ def test_the_kernel_tuned_is_not_a_helper_map_or_reduction():
     assert A.launched_kernel(["map_contiguous"]) == "map_contiguous"
 
 
+@pytest.mark.extended  # as above
 def test_a_wrong_norm_candidate_is_rejected(autotune, tmp_path, monkeypatch, capsys):
     bad_apply = dict(BLOCK_C_APPLY=4, BLOCK_S_APPLY=8)  # a --quick candidate of the apply pass
     bad_rows = dict(BLOCK_M=4)  # ... and of LayerNorm's rows per program

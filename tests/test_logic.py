@@ -501,7 +501,8 @@ def test_mnist_idx_files_are_parsed(tmp_path):
         digits.read_idx(tmp_path / "short")
 
 
-@pytest.mark.parametrize("model", ["mlp", pytest.param("cnn", marks=pytest.mark.extended)])
+@pytest.mark.extended  # the script end to end; its layers and training step: the tests above
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
 def test_train_digits_quick(model):
     lines = _run_script("scripts/train_digits.py", "--quick", "--model", model, "--seed", "1")
     assert re.fullmatch(r"test accuracy: 0\.\d{4}", lines[-1]), lines[-3:]

@@ -523,6 +523,7 @@ def _write_sdxl_unet(path, cfg, dtype):
     return path
 
 
+@pytest.mark.extended  # the same loading path: the Flux host-block tests below and above
 def test_sdxl_unet_loaded_with_host_blocks_equals_the_normally_loaded_unet(tmp_path):
     """fp16 weights loaded in fp32: the host blocks' tensors cast on the device and copied back, the
     convolutions' channels-last layout kept in host memory; the same weights, and the streamed

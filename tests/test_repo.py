@@ -141,6 +141,7 @@ def test_bench_compare_times_both_sides_when_the_table_changes_a_config(monkeypa
         assert calls == [0] * 6 + [1] * 6
 
 
+@pytest.mark.extended  # bench.py's other modes: the tests around it
 def test_bench_compare_against_a_baseline_table(tmp_path, monkeypatch):
     # --baseline-table: the other side runs inside tune.table_from(that file), never the heuristics
     bench = _load_bench(monkeypatch)
