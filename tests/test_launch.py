@@ -311,6 +311,23 @@ def test_gemm_routes_launch_their_plans_without_keywords_unless_launch_is_watche
     assert torch.allclose(out, a @ b, rtol=2e-2, atol=2e-2)  # tf32 on a GPU
 
 
+def test_layer_norm_launches_leave_only_their_row_strides_free():
+    """LayerNorm's forward and backward launch plans (``norms._ln_launches``) leave only the row
+    strides free, and a second call of one shape takes the same plans."""
+    import flame.nn.functional as F
+    from flame.kernels import norms as KN
+    KN._ln_launches.clear()
+    x = flame.randn(6, 40, requires_grad=True)
+    w, b = flame.randn(40, requires_grad=True), flame.randn(40, requires_grad=True)
+    F.layer_norm(x, (40,), w, b).sum().backward()
+    plans = dict(KN._ln_launches)
+    assert {key[0] for key in plans} >= {KN._ln_fwd_kernel, KN._ln_bwd_kernel}
+    for plan in plans.values():
+        assert all(plan.kernel.arg_names[i].endswith("s_m") for i in plan.by_value), plan.kernel
+    F.layer_norm(x, (40,), w, b).sum().backward()
+    assert KN._ln_launches == plans
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(flame.is_interpreter(), reason="the direct path runs on CUDA only")
 def test_direct_launches_equal_tritons_own(monkeypatch):

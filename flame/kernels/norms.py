@@ -37,7 +37,7 @@ import triton.language as tl
 from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _pow2, cdiv, fill_
-from .launch import launch
+from .launch import Plan, launch, launch_via
 from .reduce import SUM, accumulation_dtype, reduce_
 
 
@@ -690,6 +690,20 @@ def _ln_bwd_plan(M, D, dtype):
     return P, n_rblocks, meta, (cdiv(D, cbd), dict(BLOCK_P=bp, BLOCK_D=cbd, num_warps=4))
 
 
+# The launch.Plan of each LayerNorm/RMSNorm launch: (kernel, M, D, dtype, switches) -> Plan, its meta the
+# memoised plan's with the switches; the row strides are left free (``by_value``). Emptied with those plans.
+_ln_launches: dict = {}
+tune.register_cache(_ln_launches.clear)
+
+
+def _ln_launch(key, make_meta, by_value=()):
+    """The Plan of ``key`` (its kernel first), made with the meta ``make_meta()`` at its first launch."""
+    plan = _ln_launches.get(key)
+    if plan is None:
+        plan = _ln_launches[key] = Plan(key[0], make_meta(), by_value)
+    return plan
+
+
 @tunable("y")
 def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
     """Normalise the M rows of D elements of ``x`` (row stride ``xs_m``, unit column stride) into
@@ -700,9 +714,11 @@ def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
     if M == 0:
         return mean, rstd
     programs, meta = _ln_fwd_plan(M, D, x.dtype)
-    launch(_ln_fwd_kernel, (programs,), x, y, w if w is not None else x, b if b is not None else x,
-           mean if mean is not None else rstd, rstd, M, D, xs_m, ys_m, float(eps),
-           RMS=rms, HAS_W=w is not None, HAS_B=b is not None, CD=_cd(x.dtype), **meta)
+    has_w, has_b = w is not None, b is not None
+    plan = _ln_launch((_ln_fwd_kernel, M, D, x.dtype, rms, has_w, has_b),
+                      lambda: dict(RMS=rms, HAS_W=has_w, HAS_B=has_b, CD=_cd(x.dtype), **meta), by_value=(8, 9))
+    launch_via(launch, plan, (programs,), (x, y, w if has_w else x, b if has_b else x, rstd if rms else mean, rstd,
+                                           M, D, xs_m, ys_m, float(eps)))
     return mean, rstd
 
 
@@ -718,11 +734,13 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
     acc = accumulation_dtype(x.dtype)
     pw = runtime.empty((P, D), acc) if dw is not None else None
     pb = runtime.empty((P, D), acc) if db is not None else None
-    launch(_ln_bwd_kernel, (P,), x, dy, w if w is not None else x, mean if mean is not None else rstd, rstd,
-           dx if dx is not None else x, pw if pw is not None else rstd, pb if pb is not None else rstd,
-           M, D, n_rblocks, P, xs_m, gs_m, dxs_m if dx is not None else 0,
-           RMS=rms, HAS_W=w is not None, NEED_X=dx is not None, NEED_W=dw is not None, NEED_B=db is not None,
-           CD=_cd(x.dtype), **meta)
+    has_w, need_x, need_w, need_b = w is not None, dx is not None, dw is not None, db is not None
+    plan = _ln_launch((_ln_bwd_kernel, M, D, x.dtype, rms, has_w, need_x, need_w, need_b),
+                      lambda: dict(RMS=rms, HAS_W=has_w, NEED_X=need_x, NEED_W=need_w, NEED_B=need_b,
+                                   CD=_cd(x.dtype), **meta), by_value=(12, 13, 14))
+    launch_via(launch, plan, (P,), (x, dy, w if has_w else x, rstd if mean is None else mean, rstd,
+                                    dx if need_x else x, pw if need_w else rstd, pb if need_b else rstd,
+                                    M, D, n_rblocks, P, xs_m, gs_m, dxs_m if need_x else 0))
     if pw is None and pb is None:
         return
     if colsum is None:
@@ -731,8 +749,10 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
                 reduce_(out, part, 1, P, D, (P * D, D, 1), SUM)
         return
     part = pw if pw is not None else pb
-    launch(_colsum_kernel, (colsum[0],), part, pb if pb is not None else part, dw if dw is not None else part,
-           db if db is not None else part, P, D, NEED_W=pw is not None, NEED_B=pb is not None, **colsum[1])
+    plan = _ln_launch((_colsum_kernel, M, D, x.dtype, need_w, need_b),
+                      lambda: dict(NEED_W=need_w, NEED_B=need_b, **colsum[1]))
+    launch_via(launch, plan, (colsum[0],), (part, pb if need_b else part, dw if need_w else part,
+                                            db if need_b else part, P, D))
 
 
 # ---- modulated LayerNorm (AdaLayerNormZero's normalisation) -------------------------------------
