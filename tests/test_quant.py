@@ -345,8 +345,9 @@ def test_flux_lora_over_fp8_base_matches_dequantised_base():
                 m.weight = nn.Parameter(m.weight.dequantize(), requires_grad=False)
                 if isinstance(m, nn.LoRALinear):
                     m._base_layer.weight = m.weight
+    r = 1e-4 if flame.is_interpreter() else 2e-3  # tf32 products on the GPU, rounded in another order
     for got, want in zip(*runs):
-        assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+        assert_close(got, want, rtol=r, atol=r * float(want.abs().max()))
 
 
 def test_fp8_bad_input_errors():
