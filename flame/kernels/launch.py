@@ -347,7 +347,10 @@ def launch(kernel, grid, *args, sig=None, **meta):
     """
     global launches
     if sig is not None:
-        launch_plan(sig if type(sig) is Plan else _sig_plan(kernel, sig, meta), grid, args)
+        if type(sig) is not Plan:
+            plans = _sig_plans.get(id(kernel))
+            sig = (plans.get(sig) if plans is not None else None) or _sig_plan(kernel, sig, meta)
+        launch_plan(sig, grid, args)
         return
     launches += 1
     if not _direct:
@@ -370,7 +373,7 @@ def launch_plan(plan, grid, args):
     tuple and no keywords: a keyword call of ~15 constexprs costs about as much host time as the
     rest of a launch. On CUDA a repeated launch is the plan's key of ``args``, one lookup in its
     cache and the compiled kernel's launcher."""
-    global launches
+    global _stream, launches
     launches += 1
     if not _direct:
         _through_triton(plan.kernel, grid, args, plan.meta)
@@ -383,7 +386,12 @@ def launch_plan(plan, grid, args):
     if entry is None:
         _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)
         return
-    _run(entry, grid, args)
+    run, function, packed, consts = entry  # _run, inline: the hot path of every plan's launch
+    if _stream is None:
+        _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
+    n = len(grid)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, packed, None, None, None,
+        *args, *consts)
 
 
 def launch_via(launcher, plan, grid, args):
