@@ -756,11 +756,14 @@ def _fp8_route(p):
     program decoding every B tile again (36 times at 4608 rows). Dequantising first costs about 5
     bytes of memory traffic per weight element, the inline decode about 1.6 bf16 GEMMs; they break
     even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650 TFLOP/s, an estimate): on a GPU,
-    problems of more rows than FP8_INLINE_MAX_ROWS dequantise first. The interpreter decodes inline
-    (what its tests check). FLAME_FP8_GEMM=inline|dequant (``p.fp8_gemm``) forces one."""
+    problems of more rows than FP8_INLINE_MAX_ROWS dequantise first, and so do fp64 ones (Triton 3.6
+    cannot compile an fp64 product of decoded tiles for sm_90: "fp64 don't support largeK MMA"). The
+    interpreter decodes inline (what its tests check). FLAME_FP8_GEMM=inline|dequant (``p.fp8_gemm``)
+    forces one."""
     route = p.fp8_gemm
     if route == "auto":
-        return "inline" if not p.gpu or p.M <= FP8_INLINE_MAX_ROWS else "dequant"
+        inline = not p.gpu or (p.M <= FP8_INLINE_MAX_ROWS and p.dtype != torch.float64)
+        return "inline" if inline else "dequant"
     if route not in ("inline", "dequant"):
         raise ValueError(f"FLAME_FP8_GEMM must be auto, inline or dequant, got {route!r}")
     return route
