@@ -96,6 +96,15 @@ def save_safetensors(tensors: dict, path, metadata: dict | None = None) -> None:
     atomic_write(path, lambda f: f.write(data))
 
 
+def fsync_dir(path) -> None:
+    """Make a folder's entries (files renamed into it) durable: fsync the folder itself."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path, write) -> None:
     """Create or replace ``path`` atomically: ``write(f)`` fills a temporary file (binary) in the
     same folder, which is fsynced and renamed over ``path``; on any error it is removed. The file

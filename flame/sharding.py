@@ -92,7 +92,7 @@ import torch.distributed as dist
 from . import distributed, runtime
 from .autograd import GradientMap
 from .checkpoint import segment
-from .io import atomic_write, open_safetensors, save_safetensors, to_device
+from .io import atomic_write, fsync_dir, open_safetensors, save_safetensors, to_device
 from .kernels import amp as KA
 from .kernels import elementwise as KE
 from .kernels import optim as KO
@@ -137,14 +137,6 @@ def _spans(chunk, start, stop):
         out.append((r, x - r * chunk, x - start, end - x))
         x = end
     return out
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _Unit:
@@ -658,13 +650,13 @@ class ShardedOptimizer:
                 for name, write in (writers or {}).items():
                     write(os.path.join(tmp, name))
                 atomic_write(os.path.join(tmp, INDEX), lambda f: f.write(json.dumps(index, indent=1).encode()))
-                _fsync_dir(tmp)
+                fsync_dir(tmp)
                 if os.path.exists(folder):  # an incomplete one left by a crash
                     shutil.rmtree(folder)
                 os.rename(tmp, folder)
-                _fsync_dir(os.path.dirname(folder))
+                fsync_dir(os.path.dirname(folder))
                 atomic_write(os.path.join(folder, MARKER), lambda f: f.write(f"{index['step']}\n".encode()))
-                _fsync_dir(folder)
+                fsync_dir(folder)
         distributed.barrier()
         return folder
 

@@ -12,18 +12,10 @@ import re
 import shutil
 import tempfile
 
-from ..io import atomic_write
+from ..io import atomic_write, fsync_dir
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^step-(\d{8,})$")
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoint_path(root, step: int) -> str:
@@ -62,16 +54,16 @@ def save_checkpoint(root, step: int, writers: dict, keep_last: int | None = None
     try:
         for name, write in writers.items():
             write(os.path.join(tmp, name))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if os.path.exists(final):  # an incomplete one left by a crash
             shutil.rmtree(final)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
     atomic_write(os.path.join(final, MARKER), lambda f: f.write(f"{int(step)}\n".encode()))
-    _fsync_dir(final)
+    fsync_dir(final)
     if keep_last is not None:
         prune_checkpoints(root, keep_last)
     return final
