@@ -54,6 +54,17 @@ CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 1
 
 if gluon is not None:
     @gluon.jit
+    def _ring(STAGES: gl.constexpr):
+        # a ring of STAGES shared-memory buffers' mbarriers: "ready" takes the loader's one arrival (with
+        # the bytes its TMA copy brings), "empty" one arrival from each of the two consumer warpgroups
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)
+        return ready, empty
+
+    @gluon.jit
     def _loader(q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 qb, kb, vb, Lq, Lk, sqm, skn, svn, start_m,
                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
@@ -199,18 +210,11 @@ if gluon is not None:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready, k_empty = _ring(STAGES)
+        v_ready, v_empty = _ring(STAGES)
         for w in gl.static_range(2):
             mbarrier.init(q_bar.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
         ob = b * sob + h * soh
         lse_off = pid_bh.to(gl.int64) * Lq
         # (the argument tuples are written out in the call: a tuple bound to a name first would turn
@@ -373,17 +377,10 @@ if gluon is not None:
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
         kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready, q_empty = _ring(STAGES)
+        do_ready, do_empty = _ring(STAGES)
         for w in gl.static_range(2):
             mbarrier.init(kv_bar.index(w), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
-            mbarrier.init(do_ready.index(i), count=1)
-            mbarrier.init(do_empty.index(i), count=2)
         stat_off = pid_bh.to(gl.int64) * Lq
         gl.warp_specialize([
             (_bwd_kv_consumer, (0, dk_ptr, dv_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, p_smem,
@@ -482,17 +479,10 @@ if gluon is not None:
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout_kv)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout_kv)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready, k_empty = _ring(STAGES)
+        v_ready, v_empty = _ring(STAGES)
         for w in gl.static_range(2):
             mbarrier.init(q_bar.index(w), count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(k_ready.index(i), count=1)
-            mbarrier.init(k_empty.index(i), count=2)
-            mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(v_empty.index(i), count=2)
         stat_off = pid_bh.to(gl.int64) * Lq
         gl.warp_specialize([
             (_bwd_q_consumer, (0, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
