@@ -189,6 +189,7 @@ def test_the_linear_forward_is_tuned_with_its_bias(autotune, monkeypatch):
         assert launched == [("_matmul_kernel", bias)], (problem.name, launched)
 
 
+@pytest.mark.extended  # the tuning loop and table: the other families' quick runs
 def test_attention_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
     launched = _spy(monkeypatch, KA, lambda name, grid, meta: (name, grid, meta.get("BLOCK_M"), meta.get("BLOCK_N")))
     doc = _quick_table(autotune, tmp_path, ["attention"], {"attention_fwd": ATTN_KEYS, "attention_bwd": ATTN_KEYS})
@@ -617,6 +618,7 @@ def test_entries_of_another_release_are_retuned_when_met_and_kept_with_their_rel
     assert problems == [] and table.exact["matmul", "bfloat16", (999, 999, 999, 1)].triton == "2.1.0"
 
 
+@pytest.mark.extended  # the stage's logic with stub workers: the two tests below
 def test_jobs_compile_candidates_ahead_in_worker_processes(tmp_path):
     """--jobs: worker processes run each stage's candidates once before they are timed; the table
     is the same kind of table as without them."""

@@ -24,6 +24,8 @@ from flame.ops.creation import draw, set_rng_substream
 from flame.train import Trainer, build_config, list_checkpoints
 from tests.standin import DIMS, StandInUNet
 
+pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel workers (conftest)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
 TWO_DEVICES = flame.is_interpreter() or torch.cuda.device_count() >= 2

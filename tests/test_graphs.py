@@ -146,7 +146,8 @@ def _flux_denoise():
     return denoise(transformer, cond, noise, make_sampler("flow_euler", 2, image_seq_len=4), cuda_graph=True)
 
 
-@pytest.mark.parametrize("denoise", [_sdxl_denoise, _flux_denoise], ids=["sdxl", "flux"])
+@pytest.mark.parametrize("denoise", [pytest.param(_sdxl_denoise, marks=pytest.mark.extended), _flux_denoise],
+                         ids=["sdxl", "flux"])  # the same capture rules; SDXL's UNet steps: extended
 def test_the_pipelines_captured_model_calls_keep_the_graph_rules(denoise, monkeypatch):
     """The denoising loops' CapturedStep of the model call runs its second step under the rules (the
     capture on a GPU), and nothing there breaks them."""

@@ -157,20 +157,20 @@ def test_lora_linear_matches_composed_torch(dtype, x_shape, bias, branch, train_
 
 @pytest.mark.slow
 def test_lora_linear_gradcheck_and_bad_shapes():
-    x = flame.randn(5, 6, dtype=flame.float64).requires_grad_()
-    w = flame.randn(4, 6, dtype=flame.float64).requires_grad_()
+    x = flame.randn(3, 5, dtype=flame.float64).requires_grad_()  # few elements: two forwards each
+    w = flame.randn(4, 5, dtype=flame.float64).requires_grad_()
     b = flame.randn(4, dtype=flame.float64).requires_grad_()
-    a = flame.randn(3, 6, dtype=flame.float64).requires_grad_()
-    lb = flame.randn(4, 3, dtype=flame.float64).requires_grad_()
-    xl = flame.randn(5, 6, dtype=flame.float64).requires_grad_()
+    a = flame.randn(2, 5, dtype=flame.float64).requires_grad_()
+    lb = flame.randn(4, 2, dtype=flame.float64).requires_grad_()
+    xl = flame.randn(3, 5, dtype=flame.float64).requires_grad_()
     assert gradcheck(lambda *t: F.lora_linear(*t, 0.5), (x, w, b, a, lb))
     assert gradcheck(lambda x, w, a, lb, xl: F.lora_linear(x, w, None, a, lb, 2.0, lora_input=xl), (x, w, a, lb, xl))
-    with pytest.raises(ValueError, match=r"lora_a \(3, 5\)"):
-        F.lora_linear(x, w, b, flame.randn(3, 5, dtype=flame.float64), lb, 1.0)
-    with pytest.raises(ValueError, match=r"lora_b \(4, 2\)"):
-        F.lora_linear(x, w, b, a, flame.randn(4, 2, dtype=flame.float64), 1.0)
+    with pytest.raises(ValueError, match=r"lora_a \(2, 4\)"):
+        F.lora_linear(x, w, b, flame.randn(2, 4, dtype=flame.float64), lb, 1.0)
+    with pytest.raises(ValueError, match=r"lora_b \(4, 3\)"):
+        F.lora_linear(x, w, b, a, flame.randn(4, 3, dtype=flame.float64), 1.0)
     with pytest.raises(ValueError, match="lora_input"):
-        F.lora_linear(x, w, b, a, lb, 1.0, lora_input=flame.randn(5, 7, dtype=flame.float64))
+        F.lora_linear(x, w, b, a, lb, 1.0, lora_input=flame.randn(3, 7, dtype=flame.float64))
 
 
 def _torch_dora(leaves, g, scale, dtype):

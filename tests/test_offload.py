@@ -27,6 +27,8 @@ from flame.nn import functional as F
 from flame.nn.lora import inject_lora, lora_parameters
 from flame.ops.quant import Fp8Weight
 
+pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel workers (conftest)
+
 # ---- models -----------------------------------------------------------------------------------------
 
 

@@ -28,6 +28,8 @@ from flame.ops.loss import mse_loss
 from flame.optim import Adafactor, clip_grad_norm_
 from tests import shard_worker as W
 
+pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel workers (conftest)
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_NORM = 0.05  # below the reference's gradient norm at step 3: the clip bites
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}  # fp32 rounding after a few AdamW steps of lr 1e-2

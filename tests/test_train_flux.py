@@ -16,6 +16,8 @@ from flame.models.flux import FluxConfig, FluxTransformer2DModel, latent_image_i
 from flame.train import ConfigError, Trainer, build_config
 from flame.train.families import detect
 
+pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel workers (conftest)
+
 SMALL = FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                    joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
 

@@ -27,6 +27,8 @@ from flame.train.trained import FullWeights
 from tests.standin import DIMS, StandInUNet
 from tests.test_distributed import _launch, _rank_file, needs_two
 
+pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel workers (conftest)
+
 SMALL_FLUX = FluxConfig(in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
                         num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
                         axes_dims_rope=(4, 6, 6))

@@ -26,6 +26,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 from tiny_sdxl import write_tiny_pipeline
 
+pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel workers (conftest)
+
 DIMS = SimpleNamespace(in_channels=4, cross_attention_dim=32, pooled_dim=16, sample_size=4)  # the tiny encoders'
 PROMPT = "synthetic c0=+0.50 a cat"
 
