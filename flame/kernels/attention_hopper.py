@@ -276,29 +276,35 @@ BWD_KEYS = 64  # keys per step of the dQ kernel
 
 if gluon is not None:
     @gluon.jit
-    def _bwd_kv_loader(q_ptr, k_ptr, v_ptr, do_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty,
-                       do_ready, do_empty, qb, kb, vb, dob, Lq, Lk, sqm, skn, svn, sdom, start_n,
-                       HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
-        k_desc = tma.make_tensor_descriptor(k_ptr + kb, [Lk, HEAD_DIM], [skn, 1], [BLOCK, HEAD_DIM], layout)
-        v_desc = tma.make_tensor_descriptor(v_ptr + vb, [Lk, HEAD_DIM], [svn, 1], [BLOCK, HEAD_DIM], layout)
-        q_desc = tma.make_tensor_descriptor(q_ptr + qb, [Lq, HEAD_DIM], [sqm, 1], [BLOCK, HEAD_DIM], layout)
-        do_desc = tma.make_tensor_descriptor(do_ptr + dob, [Lq, HEAD_DIM], [sdom, 1], [BLOCK, HEAD_DIM], layout)
-        nbytes: gl.constexpr = BLOCK * HEAD_DIM * dtype.primitive_bitwidth // 8
+    def _bwd_loader(a_ptr, b_ptr, c_ptr, d_ptr, a_smem, b_smem, c_smem, d_smem, ab_bar, c_ready, c_empty, d_ready,
+                    d_empty, ab, bb, cb, db, L_ab, L_cd, sa, sb, sc, sd, start,
+                    HEAD_DIM: gl.constexpr, BLOCK_AB: gl.constexpr, BLOCK_CD: gl.constexpr, STAGES: gl.constexpr):
+        # both backward kernels' TMA loader: A and B (L_ab rows each) as two BLOCK_AB-row tiles, one per
+        # consumer (rows start + w * BLOCK_AB, on ab_bar[w]), loaded once; then C and D (L_cd rows) streamed
+        # in BLOCK_CD-row blocks through rings of STAGES buffers. dK/dV: A, B = K, V and C, D = Q, dO; dQ:
+        # A, B = Q, dO and C, D = K, V. Rows past L arrive as zeros.
+        dtype: gl.constexpr = a_ptr.dtype.element_ty
+        layout_ab: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_AB, HEAD_DIM], dtype)
+        layout_cd: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_CD, HEAD_DIM], dtype)
+        a_desc = tma.make_tensor_descriptor(a_ptr + ab, [L_ab, HEAD_DIM], [sa, 1], [BLOCK_AB, HEAD_DIM], layout_ab)
+        b_desc = tma.make_tensor_descriptor(b_ptr + bb, [L_ab, HEAD_DIM], [sb, 1], [BLOCK_AB, HEAD_DIM], layout_ab)
+        c_desc = tma.make_tensor_descriptor(c_ptr + cb, [L_cd, HEAD_DIM], [sc, 1], [BLOCK_CD, HEAD_DIM], layout_cd)
+        d_desc = tma.make_tensor_descriptor(d_ptr + db, [L_cd, HEAD_DIM], [sd, 1], [BLOCK_CD, HEAD_DIM], layout_cd)
+        ab_bytes: gl.constexpr = BLOCK_AB * HEAD_DIM * dtype.primitive_bitwidth // 8
         for w in gl.static_range(2):
-            mbarrier.expect(kv_bar.index(w), 2 * nbytes)
-            tma.async_copy_global_to_shared(k_desc, [start_n + w * BLOCK, 0], kv_bar.index(w), k_smem.index(w))
-            tma.async_copy_global_to_shared(v_desc, [start_n + w * BLOCK, 0], kv_bar.index(w), v_smem.index(w))
-        for j in range(gl.cdiv(Lq, BLOCK)):
+            mbarrier.expect(ab_bar.index(w), 2 * ab_bytes)
+            tma.async_copy_global_to_shared(a_desc, [start + w * BLOCK_AB, 0], ab_bar.index(w), a_smem.index(w))
+            tma.async_copy_global_to_shared(b_desc, [start + w * BLOCK_AB, 0], ab_bar.index(w), b_smem.index(w))
+        nbytes: gl.constexpr = BLOCK_CD * HEAD_DIM * dtype.primitive_bitwidth // 8
+        for j in range(gl.cdiv(L_cd, BLOCK_CD)):
             s = j % STAGES
             phase = (j // STAGES) & 1
-            mbarrier.wait(q_empty.index(s), phase ^ 1)
-            mbarrier.expect(q_ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(q_desc, [j * BLOCK, 0], q_ready.index(s), q_smem.index(s))
-            mbarrier.wait(do_empty.index(s), phase ^ 1)
-            mbarrier.expect(do_ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(do_desc, [j * BLOCK, 0], do_ready.index(s), do_smem.index(s))
+            mbarrier.wait(c_empty.index(s), phase ^ 1)
+            mbarrier.expect(c_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(c_desc, [j * BLOCK_CD, 0], c_ready.index(s), c_smem.index(s))
+            mbarrier.wait(d_empty.index(s), phase ^ 1)
+            mbarrier.expect(d_ready.index(s), nbytes)
+            tma.async_copy_global_to_shared(d_desc, [j * BLOCK_CD, 0], d_ready.index(s), d_smem.index(s))
 
     @gluon.jit
     def _store_rows(ptr, base, row_stride, start, L, value, layout: gl.constexpr):
@@ -391,37 +397,10 @@ if gluon is not None:
                                 ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b * sdkb + h * sdkh,
                                 b * sdvb + h * sdvh, stat_off, Lq, Lk, sdkn, sdvn, qk_scale, sm_scale, start_n,
                                 HEAD_DIM, BLOCK, STAGES)),
-            (_bwd_kv_loader, (q_ptr, k_ptr, v_ptr, do_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty,
-                              do_ready, do_empty, b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh,
-                              b * sdob + h * sdoh, Lq, Lk, sqm, skn, svn, sdom, start_n, HEAD_DIM, BLOCK, STAGES)),
+            (_bwd_loader, (k_ptr, v_ptr, q_ptr, do_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty,
+                           do_ready, do_empty, b * skb + h * skh, b * svb + h * svh, b * sqb + h * sqh,
+                           b * sdob + h * sdoh, Lk, Lq, skn, svn, sqm, sdom, start_n, HEAD_DIM, BLOCK, BLOCK, STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
-
-    @gluon.jit
-    def _bwd_q_loader(q_ptr, k_ptr, v_ptr, do_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                      v_ready, v_empty, qb, kb, vb, dob, Lq, Lk, sqm, skn, svn, sdom, start_m,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_desc = tma.make_tensor_descriptor(q_ptr + qb, [Lq, HEAD_DIM], [sqm, 1], [BLOCK_M, HEAD_DIM], layout_q)
-        do_desc = tma.make_tensor_descriptor(do_ptr + dob, [Lq, HEAD_DIM], [sdom, 1], [BLOCK_M, HEAD_DIM], layout_q)
-        k_desc = tma.make_tensor_descriptor(k_ptr + kb, [Lk, HEAD_DIM], [skn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
-        v_desc = tma.make_tensor_descriptor(v_ptr + vb, [Lk, HEAD_DIM], [svn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
-        q_bytes: gl.constexpr = BLOCK_M * HEAD_DIM * dtype.primitive_bitwidth // 8
-        for w in gl.static_range(2):
-            mbarrier.expect(q_bar.index(w), 2 * q_bytes)
-            tma.async_copy_global_to_shared(q_desc, [start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
-            tma.async_copy_global_to_shared(do_desc, [start_m + w * BLOCK_M, 0], q_bar.index(w), do_smem.index(w))
-        nbytes: gl.constexpr = BLOCK_N * HEAD_DIM * dtype.primitive_bitwidth // 8
-        for j in range(Lk // BLOCK_N):
-            s = j % STAGES
-            phase = (j // STAGES) & 1
-            mbarrier.wait(k_empty.index(s), phase ^ 1)
-            mbarrier.expect(k_ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
-            mbarrier.wait(v_empty.index(s), phase ^ 1)
-            mbarrier.expect(v_ready.index(s), nbytes)
-            tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
 
     # dQ_i = scale * sum_j dS_ij K_j,  dS_ij = P_ij * (dO_i V_j^T - delta_i)  (the consumer's queries i)
     @gluon.jit
@@ -491,10 +470,10 @@ if gluon is not None:
             (_bwd_q_consumer, (1, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
                                v_ready, v_empty, b * sdqb + h * sdqh, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale,
                                start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_bwd_q_loader, (q_ptr, k_ptr, v_ptr, do_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                             v_ready, v_empty, b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh,
-                             b * sdob + h * sdoh, Lq, Lk, sqm, skn, svn, sdom, start_m, HEAD_DIM, BLOCK_M, BLOCK_N,
-                             STAGES)),
+            (_bwd_loader, (q_ptr, do_ptr, k_ptr, v_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                           v_ready, v_empty, b * sqb + h * sqh, b * sdob + h * sdoh, b * skb + h * skh,
+                           b * svb + h * svh, Lq, Lk, sqm, sdom, skn, svn, start_m, HEAD_DIM, BLOCK_M, BLOCK_N,
+                           STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
