@@ -276,6 +276,37 @@ def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
     assert compiles["x"] == 3 and len(runs) == 3 and runs[2][10] is None
 
 
+def test_plan_ints_by_width_are_keyed_by_their_32_or_64_bits(monkeypatch):
+    """A plan's ``by_width`` ints (do-not-specialise scalars, an integer map's) share a compiled kernel
+    while they fit in 32 bits and get another one past that, as Triton types them."""
+    compiles = []
+    monkeypatch.setattr(L, "_through_triton", lambda kernel, grid, args, meta: compiles.append(args) or _Compiled([]))
+    monkeypatch.setattr(L, "_direct", True)
+    monkeypatch.setattr(L, "_stream", lambda: "stream")
+    plan = L.Plan(_fake_kernel(["x", "s0", "s1", "BLOCK"], no_spec=["s0", "s1"]), {"BLOCK": 64}, by_width=(1, 2))
+    x = torch.zeros(64)
+    for s0, s1 in ((3, 4), (-2 ** 31, 2 ** 31 - 1), (2 ** 31, 4), (3, -2 ** 40), (2 ** 40, 5)):
+        L.launch_plan(plan, (1,), (x, s0, s1))
+    assert [args[1:] for args in compiles] == [(3, 4), (2 ** 31, 4), (3, -2 ** 40)]
+
+
+def test_maps_launch_their_plans_without_keywords_unless_launch_is_watched(monkeypatch):
+    """An elementwise map launches the ``Plan`` its signature memoises through ``launch_plan``; with
+    elementwise's ``launch`` replaced, through that, with the plan as ``sig``."""
+    import flame.kernels.elementwise as KE
+    plans, watched = [], []
+    monkeypatch.setattr(L, "launch_plan", lambda plan, grid, args, real=L.launch_plan:
+                        plans.append(plan) or real(plan, grid, args))
+    a, out = torch.arange(6, device=flame.device), torch.empty(6, dtype=torch.int64, device=flame.device)
+    KE.map_(out, [a], KE.ADD, 2 ** 40)
+    assert len(plans) == 1 and plans[0].kernel is KE._map_contiguous_kernel and plans[0].by_width == (4, 5)
+    monkeypatch.setattr(KE, "launch", lambda kernel, grid, *args, real=KE.launch, **meta:
+                        watched.append(meta) or real(kernel, grid, *args, **meta))
+    KE.map_(out, [a], KE.ADD, 1)
+    assert plans == [plans[0]] * 2 and watched[0]["sig"] is plans[0]
+    assert out.tolist() == [1, 2, 3, 4, 5, 6]
+
+
 def test_gemm_routes_launch_with_plans_that_leave_only_the_bias_stride_free():
     """matmul's kernel routes carry a ``Plan`` of their kernel and config whose one free argument is
     the bias stride (``s_bias``): every other launch argument is the route's problem's."""

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from .. import autotune, runtime, tune
 from ..autotune import tunable
-from .launch import launch
+from .launch import Plan, launch, launch_via
 
 
 def _codes(start, count):
@@ -377,7 +377,6 @@ def _pow2(n):
 
 _plans: dict = {}  # plan signature -> plan; emptied by flame.tune (override, record, reset)
 tune.register_cache(_plans.clear)
-_plan_ids = itertools.count()  # never reused: launch(sig=) keys outlive an emptied _plans
 
 
 def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
@@ -402,13 +401,12 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
         return out
     if plan is _PEEL:
         return _map_peeled(out, inputs, op, s0, s1, cd)
-    kernel, grid, ints, meta, sig = plan
+    _, grid, ints, meta, kept = plan
     if meta["CD"] is tl.int64:
         s0, s1 = int(s0), int(s1)
-        sig = (sig, -2147483648 <= s0 < 2147483648, -2147483648 <= s1 < 2147483648)
     else:
         s0, s1 = float(s0), float(s1)
-    launch(kernel, grid, out, *inputs, *[out] * (3 - len(inputs)), s0, s1, *ints, sig=sig, **meta)
+    launch_via(launch, kept, grid, (out, *inputs, *[out] * (3 - len(inputs)), s0, s1, *ints))
     return out
 
 
@@ -423,9 +421,13 @@ def _map_first_use(out, inputs, op, s0, s1, cd, key):
 
 
 def _new_plan(out, inputs, op, cd):
+    """``_plan_map``'s plan with the ``launch.Plan`` it launches: every launch argument but the tensors
+    and the scalars is the plan's; an integer map's scalars (``s0``, ``s1``: arguments 4 and 5, which
+    the kernels do not specialise) enter its compiled kernels' key by their width."""
     plan = _plan_map(out, inputs, op, cd)
     if isinstance(plan, tuple):
-        plan += (next(_plan_ids),)  # the plan's id pins every non-tensor launch argument: launch(sig=)
+        kernel, _, _, meta = plan
+        plan += (Plan(kernel, meta, by_width=(4, 5) if meta["CD"] is tl.int64 else ()),)
     return plan
 
 

@@ -89,12 +89,13 @@ class _Layout:
                 | {i for i, a in enumerate(args) if type(a) is float})
         by_value = [i for i in range(len(args)) if i not in skip]
         self.key = _key_function([f"a[{i}]" for i in by_value]
-                                 + [f"-2147483648 <= a[{i}] < 2147483648" for i in self.nospec]
+                                 + [_WIDTH_KEY.format(i) for i in self.nospec]
                                  + [f"a[{i}].base.dtype, (*a[{i}].block_shape,)" for i in self.descriptors]
                                  + [_TENSOR_KEY.format(i) for i in self.tensors])
 
 
 _TENSOR_KEY = "a[{0}].dtype, a[{0}].data_ptr() & 15 == 0"  # a pointer argument: what Triton specialises on
+_WIDTH_KEY = "-2147483648 <= a[{0}] < 2147483648"  # a do_not_specialize int: its 32 or 64 bits
 
 
 def _key_function(parts):
@@ -317,19 +318,21 @@ class Plan:
     """A launch of ``kernel`` with everything but its tensors pinned down: the trailing constexprs
     and launch options ``meta``, and what Triton specialises every other argument on (its value,
     its type, or None), except the ints at the positions ``by_value``, which enter the key by value
-    (an argument the plan leaves free, such as a bias stride). A launcher keeps one per plan it
-    memoises (a GEMM route, a norm's shape) and launches it with ``launch_plan(plan, grid, args)``
-    (or ``launch(..., sig=plan, **meta)``);
-    the plan keeps the kernels compiled for it, keyed by its tensors' dtypes and 16-byte alignment,
-    its host-built descriptors' dtypes (their block shapes are the plan's) and the ``by_value``
-    ints, so a repeated launch builds no argument key. The tensors sit where they sat in the plan's
-    first launch (a None there stays None). ``memo`` holds what the launcher keeps with the plan
-    (matmul: its TMA descriptors' templates)."""
+    (an argument the plan leaves free, such as a bias stride), and those at ``by_width``, which enter
+    it by whether they fit in 32 bits (free ints the kernel marks ``do_not_specialize``, such as an
+    integer map's scalars). A launcher keeps one per plan it memoises (a GEMM route, a norm's shape,
+    a map's signature) and launches it with ``launch_plan(plan, grid, args)`` (or ``launch(...,
+    sig=plan, **meta)``); the plan keeps the kernels compiled for it, keyed by its tensors' dtypes
+    and 16-byte alignment, its host-built descriptors' dtypes (their block shapes are the plan's),
+    the ``by_value`` ints and the widths of the ``by_width`` ones, so a repeated launch builds no
+    argument key. The tensors sit where they sat in the plan's first launch (a None there stays
+    None). ``memo`` holds what the launcher keeps with the plan (matmul: its TMA descriptors'
+    templates)."""
 
-    __slots__ = ("kernel", "meta", "by_value", "key", "compiled", "memo")
+    __slots__ = ("kernel", "meta", "by_value", "by_width", "key", "compiled", "memo")
 
-    def __init__(self, kernel, meta, by_value=()):
-        self.kernel, self.meta, self.by_value = kernel, meta, tuple(by_value)
+    def __init__(self, kernel, meta, by_value=(), by_width=()):
+        self.kernel, self.meta, self.by_value, self.by_width = kernel, meta, tuple(by_value), tuple(by_width)
         self.key = None  # lambda args: the key of a launch (_key_function), made at the first launch
         self.compiled = {}  # key -> (run, function, packed metadata, constexpr values)
         self.memo = None
@@ -380,7 +383,7 @@ def launch_plan(plan, grid, args):
         return
     key_of = plan.key
     if key_of is None:
-        key_of = plan.key = _plan_key_function(args, plan.by_value)
+        key_of = plan.key = _plan_key_function(args, plan.by_value, plan.by_width)
     key = key_of(args)
     entry = plan.compiled.get(key)
     if entry is None:
@@ -428,13 +431,15 @@ def _sig_plan(kernel, sig, meta):
     return plan
 
 
-def _plan_key_function(args, by_value):
+def _plan_key_function(args, by_value, by_width):
     """A ``Plan``'s key of an argument tuple like ``args``: each tensor's dtype and alignment, each
-    host-built descriptor's dtype (its block shape is the plan's), the ints at ``by_value``."""
+    host-built descriptor's dtype (its block shape is the plan's), the ints at ``by_value``, whether
+    those at ``by_width`` fit in 32 bits."""
     return _key_function([_TENSOR_KEY.format(i) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
                          + [f"a[{i}].base.dtype" for i, a in enumerate(args)
                             if TensorDescriptor is not None and isinstance(a, TensorDescriptor)]
-                         + [f"a[{i}]" for i in by_value])
+                         + [f"a[{i}]" for i in by_value]
+                         + [_WIDTH_KEY.format(i) for i in by_width])
 
 
 def _first_launch(kernel, grid, args, meta, cache, key):
