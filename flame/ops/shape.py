@@ -36,8 +36,13 @@ def _grad_into_zeros(shape, g, region):
 def _infer_shape(shape, numel, op):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    if all(type(s) is int and s >= 0 for s in shape) and math.prod(shape) == numel:  # the common case
-        return tuple(shape)
+    if all(type(s) is int and s >= -1 for s in shape):  # the common case: plain ints, perhaps one -1
+        size = math.prod(shape)  # with one -1: minus the other dims' product
+        if size < 0:
+            if numel % size == 0 and shape.count(-1) == 1:
+                return tuple(s if s != -1 else numel // -size for s in shape)
+        elif size == numel and -1 not in shape:
+            return tuple(shape)
     shape = list(shape)
     unknown = [i for i, s in enumerate(shape) if s == -1]
     if len(unknown) > 1:
