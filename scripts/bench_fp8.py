@@ -7,12 +7,13 @@ Problems: ``fwd`` = y = x W^T (``linear_``), ``dx`` = dY W (``matmul_``; the inp
 frozen layer under LoRA). Rows: ``flame bf16``, ``flame fp8`` (flame's own route, ``_fp8_route``),
 ``flame fp8 inline`` (codes decoded in the main loop: the TMA kernel on Hopper), ``... inline
 portable`` (the pointer kernel, what cards before Hopper run), ``flame fp8 dequant`` (a dequantised
-copy, then the bf16 GEMM), ``torch bf16``, ``torch _scaled_mm`` (fwd only: the GEMM of already-quantised operands, and
-``+ quant x``: with PyTorch quantising x per row first), ``flame fp8xfp8 core`` (fwd only, an
-experiment: flame's TMA kernel fed e4m3 codes for both operands, no scales applied: what Triton's fp8
-tensor-core path would cost). Each row: median ms of CUDA-graph replays, TFLOP/s, speed over flame
-bf16, and the relative RMS error against an fp32 product on the dequantised weight (the W8A8 rows
-also carry the activations' rounding). Writes ``fp8.jsonl`` under ``--out`` (default $OUT or .).
+copy, then the bf16 GEMM), ``torch bf16``; fwd only: ``torch _scaled_mm`` (the GEMM of
+already-quantised operands) and ``+ quant x`` (PyTorch quantising x per row first), ``flame w8a8``
+(the route under FLAME_FP8_GEMM=w8a8: x quantised per row by flame's kernel, then the fp8 x fp8
+Gluon product) and ``flame w8a8 product`` (that product alone, on codes quantised beforehand). Each
+row: median ms of CUDA-graph replays, TFLOP/s, speed over flame bf16, and the relative RMS error
+against an fp32 product on the dequantised weight (the W8A8 rows also carry the activations'
+rounding). Writes ``fp8.jsonl`` under ``--out`` (default $OUT or .).
 
     PYTHONPATH=. python3 scripts/bench_fp8.py
     PYTHONPATH=. python3 scripts/bench_fp8.py --shapes 4608x3072x3072 --rep 200
@@ -31,8 +32,9 @@ import torch
 
 import flame
 import flame.kernels.matmul as KM
+import flame.kernels.matmul_hopper as KH
 from flame.autotune import graph_time_ms
-from flame.kernels.launch import descriptor, launch
+from flame.kernels.quant import quantize_rows_
 from flame.ops.quant import quantize_fp8
 
 E4M3 = torch.float8_e4m3fn
@@ -65,27 +67,21 @@ def _rows_fwd(x, q, w16):
             return torch._scaled_mm((x.float() / s).to(E4M3), wq.t(), scale_a=s, scale_b=ws,
                                     out_dtype=torch.bfloat16)
         rows.append(("torch _scaled_mm + quant x", quantised_x))
-        for tiles in ((128, 256, 128, 8, 3), (128, 128, 128, 4, 4)):
-            rows.append((f"flame fp8xfp8 core {'x'.join(map(str, tiles[:3]))}", _fp8_core(xq, wq, tiles)))
+    rows.append(("flame w8a8", lambda: KM.linear_(out, x, q._data, w_scale=q.scale, w8a8=True)))
+    rows.append(("flame w8a8 product", _w8a8_product(out, x, q)))
     return rows
 
 
-def _fp8_core(xq, wq, tiles):
-    """An experiment: flame's TMA kernel (``_matmul_tma_kernel``) on e4m3 codes for both operands
-    (Triton's fp8 x fp8 wgmma), no scales applied (the output is not the product's value): the GEMM
-    core a W8A8 path would run. ``tiles``: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages."""
-    M, K = xq.shape
-    N = wq.shape[0]
-    bm, bn, bk, warps, stages = tiles
-    out = torch.empty(M, N, dtype=torch.bfloat16, device=xq.device)
-    a_desc = descriptor(xq, [M, K], [K, 1], [bm, bk])
-    b_desc = descriptor(wq, [N, K], [K, 1], [bn, bk])
-    c_desc = descriptor(out, [M, N], [N, 1], [bm, bn])
-    programs = min(-(-M // bm) * -(-N // bn), flame.runtime.num_sms())
-    return lambda: launch(KM._matmul_tma_kernel, (programs,), a_desc, b_desc, c_desc, c_desc, c_desc, out, out, out,
-                          out, M, N, K, 0, 0, 0, 0, 0, 0, 1.0, 1.0, A_K_CONTIGUOUS=True, B_K_CONTIGUOUS=True,
-                          BIAS=False, ACT=0, STORE_PRE=False, RESIDUAL=False, RANK=0, B_FP8=0, BLOCK_M=bm,
-                          BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, FLATTEN=True, num_warps=warps, num_stages=stages)
+def _w8a8_product(out, x, q):
+    """The fp8 x fp8 product of the W8A8 route alone (``matmul_hopper``, both scales in its
+    epilogue), on x's codes quantised once beforehand: the route's time less its quantisation of x."""
+    M, K = x.shape
+    N = q.shape[0]
+    codes, scales = torch.empty(M, K, dtype=E4M3, device=x.device), torch.empty(M, device=x.device)
+    quantize_rows_(codes, scales, x)
+    f = KM.Fusion(b_scale=q.scale)
+    cfg = KH._choose(M, N, K, speed=2)
+    return lambda: KH.matmul(out, codes, q._data, M, N, K, f, (True, True, K, K, N), cfg, a_scale=scales)
 
 
 def _rows_dx(g, q, w16):
@@ -143,7 +139,7 @@ def main(argv=None):
             for name, fn in rows:
                 try:
                     got = fn()  # compiles outside the graph capture
-                    err = _rel_rms(got, ref) if "core" not in name else float("nan")
+                    err = _rel_rms(got, ref)
                     ms = graph_time_ms(fn, args.rep)
                 except Exception as e:  # an experiment row that does not build: reported, not fatal
                     print(f"{problem} {spec:<24} {name:<32} failed: {type(e).__name__}: {str(e)[:200]}")

@@ -111,9 +111,10 @@ def reserved_bytes() -> int:
 
 
 def memory_settings(model, args, family, targets, tokens, scopes=None):
-    """``--checkpointing``, ``--checkpoint-blocks``, ``--weight-dtype``, ``--offload`` and ``--memory-cap``
-    on flame's frozen, LoRA-injected ``model``, as the trainer applies ``train.gradient_checkpointing``,
-    ``train.checkpoint_blocks``, ``model.weight_dtype`` and ``train.offload`` (``family``: its
+    """``--checkpointing``, ``--checkpoint-blocks``, ``--weight-dtype``, ``--fp8-gemm``, ``--offload`` and
+    ``--memory-cap`` on flame's frozen, LoRA-injected ``model``, as the trainer applies
+    ``train.gradient_checkpointing``, ``train.checkpoint_blocks``, ``model.weight_dtype``,
+    ``model.fp8_gemm`` and ``train.offload`` (``family``: its
     full-precision layers; ``scopes``: ``--checkpointing``'s values to the model's scopes); or those
     the trainer's ``train.memory_budget_gb`` planner picks for ``--memory-budget`` (``targets``: the
     adapters' LoRA targets, ``tokens``: a batch's), which then is the memory cap too. Returns the
@@ -136,6 +137,8 @@ def memory_settings(model, args, family, targets, tokens, scopes=None):
                                             blocks=blocks)
     if args.weight_dtype:
         nn.quantize_linears_(model, args.weight_dtype, skip=family.full_precision_layers)
+        if args.fp8_gemm == "w8a8":
+            nn.use_w8a8_(model)
     if args.offload:
         streamer = offload_blocks(model, count=args.offload if args.offload == "all" else int(args.offload))
         print(streamer.plan.summary(), file=sys.stderr)
@@ -410,6 +413,9 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
                         "(flame.kernels.precompile; record a FILE with FLAME_RECORD_KERNELS=FILE)")
     p.add_argument("--weight-dtype", choices=["fp8_e4m3"],
                    help="flame: the frozen model's Linear weights in fp8 (the trainer's model.weight_dtype)")
+    p.add_argument("--fp8-gemm", choices=["w8a8"],
+                   help="flame, with fp8 weights: their forward products round the inputs to e4m3 (W8A8 on the fp8 "
+                        "tensor cores; the trainer's model.fp8_gemm)")
     p.add_argument("--offload", metavar="N|all",
                    help="flame: stream N (or all) blocks' frozen weights from pinned host memory (the trainer's "
                         "train.offload: blocks)")
@@ -426,7 +432,8 @@ def parse_args(argv, configs=("sdxl", "tiny"), doc=__doc__):
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--worker", choices=FRAMEWORKS, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.memory_args = [a for k, v in (("--weight-dtype", args.weight_dtype), ("--offload", args.offload),
+    args.memory_args = [a for k, v in (("--weight-dtype", args.weight_dtype), ("--fp8-gemm", args.fp8_gemm),
+                                       ("--offload", args.offload),
                                        ("--checkpoint-blocks", args.checkpoint_blocks),
                                        ("--memory-cap", args.memory_cap), ("--memory-budget", args.memory_budget))
                         if v is not None for a in (k, str(v))]

@@ -57,6 +57,11 @@ ROUTE_CASES = [
     ("fp8_dequant", "FLAME_FP8_GEMM=dequant", dense(7, 17, 33, F32, b_fp8=2, fp8_gemm="dequant")),
     ("tma", "fp8 B decoded in the main loop", dense(256, 3072, 1024, BF16, b_fp8=1, **LINEAR, **H200)),
     ("pointer", "fp8 B decoded in the main loop", dense(4608, 17, 33, F32, b_fp8=2)),  # the interpreter: inline
+    ("fp8_w8a8", "fp8 x fp8 wgmma", dense(4608, 3072, 3072, BF16, b_fp8=1, fp8_gemm="w8a8", bias=True, **LINEAR,
+                                          **H200)),
+    ("fp8_w8a8", "without the fp8 kernel here", dense(33, 17, 48, F32, b_fp8=1, fp8_gemm="w8a8", **LINEAR)),
+    ("fp8_w8a8", "without the fp8 kernel here", dense(4608, 3072, 3000, BF16, b_fp8=1, fp8_gemm="w8a8", **LINEAR,
+                                                      **H200)),  # K not a multiple of 16: codes TMA cannot read
 ]
 
 
@@ -65,8 +70,8 @@ def test_plan_names_each_route(route, why, problem):
     got = KM.plan(problem)
     assert got.kernel == route and why in got.reason, got
     assert got.splits > 1 if route == "split_k" else got.splits >= 1, got
-    assert (got.grid == ()) == (route in ("gluon", "low_rank_apart", "fp8_dequant")), got
-    assert (got.layout is not None) == (route in ("tma", "gluon")), got
+    assert (got.grid == ()) == (route in ("gluon", "low_rank_apart", "fp8_dequant", "fp8_w8a8")), got
+    assert (got.layout is not None) == (route in ("tma", "gluon") or (route == "fp8_w8a8" and not got.then)), got
 
 
 def test_composite_routes_name_their_steps():
@@ -84,8 +89,18 @@ def test_composite_routes_name_their_steps():
     assert plain.kernel == "gluon" and plain_p.b_fp8 == 0 and plain_p.sb == (0, 0, 1, 1024)
     rows = KM.plan(dense(4608, 1024, 3072, BF16, b_fp8=2, **H200))  # dX = dY W: B is W itself
     assert rows.kernel == "fp8_dequant" and rows.then[0][0].sb == (0, 0, 1024, 1)
-    with pytest.raises(ValueError, match="FLAME_FP8_GEMM must be auto, inline or dequant"):
+    with pytest.raises(ValueError, match="FLAME_FP8_GEMM must be one of auto, inline, dequant, w8a8"):
         KM.plan(dense(7, 17, 33, F32, b_fp8=2, fp8_gemm="sometimes"))
+    # W8A8: a LoRA term by a second GEMM after the fp8 product; with an activation, the weight-only route;
+    # the input gradient (a scale per row of B) as without W8A8
+    w8a8 = dict(b_fp8=1, fp8_gemm="w8a8", **LINEAR, **H200)
+    lora = KM.plan(dense(4608, 3072, 3072, BF16, rank=16, **w8a8))
+    assert [step.kernel for _, step in lora.then] == ["fp8_w8a8", "pointer"]
+    assert KM.plan(dense(4608, 3072, 3072, BF16, rank=16, act=GELU_TANH.value, **w8a8)).kernel == "fp8_dequant"
+    assert KM.plan(dense(4608, 1024, 3072, BF16, b_fp8=2, fp8_gemm="w8a8", **H200)).kernel == "fp8_dequant"
+    emulated = KM.plan(dense(33, 17, 48, F32, b_fp8=1, fp8_gemm="w8a8", **LINEAR))
+    ((codes_p, then),) = emulated.then
+    assert codes_p.sa == (0, 0, 48, 1) and codes_p.fp8_gemm == "auto" and then.kernel == "pointer"
 
 
 def test_every_route_of_the_comment_block_is_planned():

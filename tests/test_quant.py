@@ -177,6 +177,43 @@ def test_fp8_linear_low_rank_term_apart():
     _lora_case(torch.float32, rank=KM._MAX_FUSED_RANK + 1, dropout=0.0)
 
 
+def _w8a8_reference(x, wd, bias, act):
+    """torch's W8A8 forward in fp32: x's rows rounded to e4m3 with absmax / 448 scales (IEEE
+    division, as flame's kernel), times the dequantised weight."""
+    x = x.float()
+    s = torch_quantize(x, torch.ones(x.shape[0], device=x.device))[1]
+    xq = (x / s[:, None]).to(E4M3).float() * s[:, None]
+    return TORCH_ACT[act](torch.nn.functional.linear(xq, wd, None if bias is None else bias.float()))
+
+
+@pytest.mark.parametrize("act", [None, "gelu_tanh"])
+def test_w8a8_linear_rounds_activations_per_row(act):
+    """W8A8 (``Fp8Weight.w8a8``, ``nn.use_w8a8_``): the forward rounds x to e4m3 per row (here,
+    without the fp8 kernel: the codes decoded again), the input gradient is the weight-only one (x's
+    rounding passed straight through), and the LoRA branch reads x unrounded."""
+    q = quantize_fp8(flame.from_torch(weight(20, 48)))
+    q.w8a8 = True
+    wd = q._data.float() * q.scale[:, None]
+    x32 = torch.randn(9, 48, dtype=torch.float64).float().to(DEVICE)
+    x32[3] = 0  # a zero row: scale 1
+    b32 = torch.randn(20).to(DEVICE)
+    x = flame.from_torch(x32, requires_grad=True)
+    y = F.linear(x, q, flame.from_torch(b32), activation=act)
+    assert_close(y.to_torch(), _w8a8_reference(x32, wd, b32, act), rtol=1e-5, atol=1e-5)
+    g = torch.randn(9, 20).to(DEVICE)
+    dx = (y * flame.from_torch(g)).sum().backward()[x].to_torch()
+    ref_pre = _w8a8_reference(x32, wd, b32, None)
+    yt = TORCH_ACT[act](ref_pre.requires_grad_(True))
+    (yt * g).sum().backward()
+    assert_close(dx, ref_pre.grad @ wd, rtol=1e-5, atol=1e-5)
+    layer, _ = _lora_pair(torch.float32, 4, 0.0, n_in=48, n_out=20, bias=False)
+    assert nn.use_w8a8_(layer) == 1
+    lx = flame.from_torch(x32)
+    wq = layer.weight._data.float() * layer.weight.scale[:, None]
+    lora = (x32 @ layer.lora_A.to_torch().t()) @ layer.lora_B.to_torch().t() * layer.scale
+    assert_close(layer(lx).to_torch(), _w8a8_reference(x32, wq, None, None) + lora, rtol=1e-5, atol=1e-5)
+
+
 # ---- LoRA over an fp8 base -------------------------------------------------------------------------
 
 def _lora_pair(dtype, rank, dropout, n_in=24, n_out=20, bias=True):
@@ -385,8 +422,9 @@ def test_fp8_bad_input_errors():
 # ---- GPU ---------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_quantize_bf16_weights_on_gpu_matches_torch():
-    w = weight(3072, 3072, torch.bfloat16)
+@pytest.mark.parametrize("shape", [(3072, 3072), (5, 20000)], ids=str)  # rows read once; rows in chunks
+def test_quantize_bf16_weights_on_gpu_matches_torch(shape):
+    w = weight(*shape, torch.bfloat16)
     q = quantize_fp8(flame.from_torch(w))
     want_q, want_s = torch_quantize(w, q.scale)
     assert_close(q.scale, want_s, rtol=2 ** -23, atol=0)
@@ -418,6 +456,33 @@ def test_fp8_linear_bf16_on_gpu(shape, act):
             low, low_dx = yt.detach(), xt.grad
     assert_within_torch_error(y.to_torch(), low, ref, 2)
     assert_within_torch_error(dx.to_torch(), low_dx, ref_dx, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,act", [((4608, 3072, 3072), None), ((4096, 3072, 12288), "gelu_tanh"),
+                                       ((1000, 3000, 1024), None), ((77, 768, 3072), None)], ids=str)
+def test_w8a8_linear_on_gpu(shape, act):
+    """The W8A8 forward (the fp8 Gluon product on sm_90; elsewhere, or for K not a multiple of 16 or
+    few rows, A decoded again) against torch's fp32 product of the same rounded operands: within
+    2x the error of torch._scaled_mm (cuBLAS's fp8 GEMM) where PyTorch has it, else 1%."""
+    r, k, n = shape
+    q = quantize_fp8(flame.from_torch(weight(n, k)))
+    q.w8a8 = True
+    wd = q._data.float() * q.scale[:, None]
+    x = torch.randn(r, k, device=DEVICE).bfloat16()
+    b = torch.randn(n, device=DEVICE).bfloat16()
+    y = F.linear(flame.from_torch(x), q, flame.from_torch(b), activation=act).to_torch().float()
+    want = _w8a8_reference(x, wd, b, act)
+    err = float((y - want).norm() / want.norm())
+    bound = 1e-2
+    if hasattr(torch, "_scaled_mm") and k % 16 == 0 and n % 16 == 0:
+        s = torch_quantize(x, torch.ones(r, device=DEVICE))[1]
+        xq = (x.float() / s[:, None]).to(E4M3)
+        cublas = torch._scaled_mm(xq, q._data.t(), scale_a=s[:, None], scale_b=q.scale[None, :],
+                                  bias=b, out_dtype=torch.bfloat16)
+        cublas = TORCH_ACT[act](cublas.float())
+        bound = max(2 * float((cublas - want).norm() / want.norm()), 4e-3)
+    assert err <= bound, (err, bound)
 
 
 @pytest.mark.gpu

@@ -150,6 +150,24 @@ def test_a_checkpoint_loads_its_streamed_blocks_to_the_host_and_fp8_as_it_loads(
     np.testing.assert_allclose(streamed, full.train()["losses"], rtol=0.05)  # fp8 trains close to full precision
 
 
+def test_w8a8_rounds_the_fp8_layers_inputs(tmp_path):
+    """model.fp8_gemm: w8a8 marks every fp8 weight (their forward products round the inputs to e4m3;
+    here emulated: no fp8 tensor cores on the interpreter), says so, and trains close to weight-only
+    fp8; without fp8 weights it is refused."""
+    from flame.ops.quant import Fp8Weight
+    runs, lines = [], []
+    for mode in ("auto", "w8a8"):
+        cfg = _config(tmp_path / mode, "model.weight_dtype=fp8_e4m3", f"model.fp8_gemm={mode}", "train.steps=1")
+        trainer = Trainer(cfg, model=_seeded(), progress=False, log=lines.append)
+        fp8 = [w for w in trainer.model.parameters() if isinstance(w, Fp8Weight)]
+        assert fp8 and all(w.w8a8 == (mode == "w8a8") for w in fp8)
+        runs.append(trainer.train()["losses"])
+    assert any("model.fp8_gemm: w8a8: the inputs of" in line and "emulated" in line for line in lines), lines
+    np.testing.assert_allclose(runs[1], runs[0], rtol=0.05)
+    with pytest.raises(ConfigError, match=r"model\.fp8_gemm w8a8: needs fp8 weights"):
+        _config(tmp_path, "model.fp8_gemm=w8a8")
+
+
 def test_offload_and_fp8_settings_are_checked(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.offload_blocks: set train\.offload: blocks to stream blocks"):
         _config(tmp_path, "train.offload_blocks=2")

@@ -37,7 +37,7 @@ from ..autotune import tunable
 from . import matmul_hopper
 from .elementwise import _apply, _pow2, cdiv, collapse, fill_
 from .launch import Plan, TensorDescriptor, descriptor, descriptor_like, descriptor_template, launch, launch_via
-from .quant import DECODE_FACTOR, as_codes, decode_e4m3, dequantize_rows_
+from .quant import DECODE_FACTOR, as_codes, decode_e4m3, dequantize_rows_, quantize_rows_
 from .reduce import SUM, accumulation_dtype, reduce_
 
 # B_FP8: B holds e4m3fn codes with an fp32 scale per column of B (FP8_COLUMNS) or per row (FP8_ROWS)
@@ -584,9 +584,12 @@ def _or(t, default):
 #   "fp8_dequant"     fp8 codes of B for more than FP8_INLINE_MAX_ROWS rows on a GPU (``_fp8_route``;
 #                     fewer rows decode them in the main loop): B dequantised to A's dtype first, then
 #                     the route of that plain GEMM (``Route.then``)
+#   "fp8_w8a8"        a linear's forward over fp8 codes under FLAME_FP8_GEMM=w8a8 (``_w8a8``): A quantised
+#                     per row, then ``matmul_hopper``'s fp8 product (``config``) or, where that kernel does
+#                     not serve, A decoded again and the weight-only route (``Route.then``)
 # ``FLAME_DEBUG_ROUTES=1`` prints each distinct problem's route and why, once, to stderr.
 
-ROUTES = ("pointer", "split_k", "tma", "gluon", "low_rank_apart", "fp8_dequant")
+ROUTES = ("pointer", "split_k", "tma", "gluon", "low_rank_apart", "fp8_dequant", "fp8_w8a8")
 DEBUG_ROUTES = os.environ.get("FLAME_DEBUG_ROUTES", "") == "1"
 _TMA_DTYPES = (torch.float16, torch.bfloat16)
 _MAX_FUSED_RANK = 64  # the low-rank term's tl.dot takes U (BLOCK_M, RANK) and V (RANK, BLOCK_N) tiles whole
@@ -701,7 +704,10 @@ def plan(p: GemmProblem) -> Route:
 
 
 def _plan(p):
-    if p.b_fp8 and _fp8_route(p) == "dequant":
+    fp8 = _fp8_route(p) if p.b_fp8 else None
+    if fp8 == "w8a8":
+        return _w8a8(p)
+    if fp8 == "dequant":
         q = _dequantised(p)
         then = _plan(q)
         why = (f"fp8 B of {p.M} rows (more than {FP8_INLINE_MAX_ROWS} on a GPU)" if p.fp8_gemm == "auto" else
@@ -750,23 +756,59 @@ def _plan(p):
 
 def _fp8_route(p):
     """How the GEMM takes its fp8 B (codes, a scale per column or row): "inline", decoded in the main
-    loop (B_FP8), or "dequant", written in A's dtype first (``quant.dequantize_rows_``, a transient
-    buffer) and the plain GEMM run on that. Measured on an H200 (Triton 3.6, bf16, 4608 rows, 3072 ->
-    3072 and 12288, forward and dX): inline ran at 0.33-0.46x the bf16 GEMM's speed, every row-tile
-    program decoding every B tile again (36 times at 4608 rows). Dequantising first costs about 5
-    bytes of memory traffic per weight element, the inline decode about 1.6 bf16 GEMMs; they break
-    even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650 TFLOP/s, an estimate): on a GPU,
-    problems of more rows than FP8_INLINE_MAX_ROWS dequantise first, and so do fp64 ones (Triton 3.6
-    cannot compile an fp64 product of decoded tiles for sm_90: "fp64 don't support largeK MMA"). The
-    interpreter decodes inline (what its tests check). FLAME_FP8_GEMM=inline|dequant (``p.fp8_gemm``)
-    forces one."""
+    loop (B_FP8), "dequant", written in A's dtype first (``quant.dequantize_rows_``, a transient
+    buffer) and the plain GEMM run on that, or "w8a8" (a linear's forward, a scale per column of B):
+    A rounded to e4m3 codes with a scale per row too, and the product of codes on the fp8 tensor
+    cores (``_w8a8``; FLAME_FP8_GEMM=w8a8, or a ``Fusion`` with ``w8a8``: ``linear_(...,
+    w8a8=True)``). Measured on an H200
+    (Triton 3.6, bf16, 4608 rows, 3072 -> 3072 and 12288, forward and dX): inline ran at 0.33-0.46x
+    the bf16 GEMM's speed, every row-tile program decoding every B tile again (36 times at 4608
+    rows). Dequantising first costs about 5 bytes of memory traffic per weight element, the inline
+    decode about 1.6 bf16 GEMMs; they break even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650
+    TFLOP/s, an estimate): on a GPU, problems of more rows than FP8_INLINE_MAX_ROWS dequantise first,
+    and so do fp64 ones (Triton 3.6 cannot compile an fp64 product of decoded tiles for sm_90: "fp64
+    don't support largeK MMA"). The interpreter decodes inline (what its tests check). "auto" picks
+    between inline and dequant; the input gradient (a scale per row of B) under "w8a8" too."""
     route = p.fp8_gemm
-    if route == "auto":
+    if route not in FP8_GEMMS:
+        raise ValueError(f"FLAME_FP8_GEMM must be one of {', '.join(FP8_GEMMS)}, got {route!r}")
+    if route == "w8a8" and p.b_fp8 == FP8_COLUMNS.value and p.batch == _ONE:
+        return route
+    if route in ("auto", "w8a8"):
         inline = not p.gpu or (p.M <= FP8_INLINE_MAX_ROWS and p.dtype != torch.float64)
         return "inline" if inline else "dequant"
-    if route not in ("inline", "dequant"):
-        raise ValueError(f"FLAME_FP8_GEMM must be auto, inline or dequant, got {route!r}")
     return route
+
+
+def _w8a8(p):
+    """The "fp8_w8a8" route of a linear's forward over an fp8 weight: A's rows quantised to e4m3
+    codes and fp32 scales (``quant.quantize_rows_``, a transient (M, K) buffer), then
+    ``matmul_hopper``'s fp8 product where it serves the problem (sm_90, B and C readable by TMA, a
+    problem of at least a wave of tiles), with both scales applied to the accumulator; elsewhere
+    (other GPUs, the interpreter) the codes of A are decoded back into A's dtype and the weight-only
+    route runs on them: the same rounding of A, without the fp8 tensor cores' speed. A low-rank term
+    is added by a second GEMM (``_apart``); with an activation as well, the weight-only route runs."""
+    if p.rank:
+        if p.act or p.pre_out:
+            return _plan(p._replace(fp8_gemm="auto"))
+        return _apart(p, "W8A8: the fp8 product takes no low-rank term")
+    quantised = p._replace(sa=(0, 0, p.K, 1), misaligned=tuple(m for m in p.misaligned if m != "a"))
+    (_, _, sbk, sbn), (_, _, scm, scn) = p.sb, p.sc
+    out_es = p.out_dtype.itemsize
+    tma_ready = (p.gluon and p.out_dtype in (torch.float16, torch.bfloat16) and sbk == 1 and sbn % 16 == 0
+                 and p.K % 16 == 0 and scn == 1 and (scm * out_es) % 16 == 0
+                 and not {"b", "c", "pre_out", "residual"} & set(p.misaligned)
+                 and matmul_hopper.serves(FP8_DTYPE, 0, p.pre_out, p.residual))
+    cfg = matmul_hopper._choose(p.M, p.N, p.K, p.sms, speed=2) if tma_ready else None
+    if cfg is not None:
+        return Route("fp8_w8a8", cfg, 1, f"W8A8: A quantised per row, fp8 x fp8 wgmma, "
+                                         f"{'cooperative' if cfg['COOP'] else 'ping-pong'} "
+                                         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles per consumer",
+                     layout=(True, True, p.K, sbn, scm))
+    emulated = quantised._replace(fp8_gemm="auto")
+    then = _plan(emulated)
+    return Route("fp8_w8a8", {}, then.splits, f"W8A8 without the fp8 kernel here: A quantised per row and decoded "
+                                              f"to {p.dtype}, then {then.kernel}", then=((emulated, then),))
 
 
 def _dequantised(p):
@@ -914,7 +956,7 @@ def _problem(out, a, b, M, N, K, batch, sa, sb, sc, f):
     return _new_problem(GemmProblem, (
         M, N, K, batch, sa, sb, sc, dtype, out.dtype,
         f.bias is not None, f.act, f.pre_out is not None, f.residual is not None,
-        f.rank, f.u_strides, f.v_strides, f.b_fp8, FP8_ROUTE,
+        f.rank, f.u_strides, f.v_strides, f.b_fp8, "w8a8" if f.w8a8 else FP8_ROUTE,
         _misaligned(a, b, out, f) if tma else (),
         tma, tma and matmul_hopper.ROUTE and _gluon_available(), not runtime.INTERPRETER, runtime.num_sms()))
 
@@ -1014,7 +1056,8 @@ def _run_gluon(p, r, out, a, b, f):
 
 def _run_low_rank_apart(p, r, out, a, b, f):
     (base_p, base), (term_p, term) = r.then
-    without_term = Fusion(f.bias, alpha=f.alpha, residual=f.residual, b_scale=f.b_scale, b_scale_rows=f.b_scale_rows)
+    without_term = Fusion(f.bias, alpha=f.alpha, residual=f.residual, b_scale=f.b_scale, b_scale_rows=f.b_scale_rows,
+                          w8a8=f.w8a8)
     _RUN[base.kernel](base_p, base, out, a, b, without_term)
     _RUN[term.kernel](term_p, term, out, f.u, f.v, Fusion(alpha=f.beta, residual=out))
 
@@ -1025,8 +1068,19 @@ def _run_fp8_dequant(p, r, out, a, b, f):
     _RUN[then.kernel](q, then, out, a, w, f)
 
 
+def _run_fp8_w8a8(p, r, out, a, b, f):
+    codes = runtime.empty((p.M, p.K), FP8_DTYPE)
+    scales = runtime.empty((p.M,), torch.float32)
+    quantize_rows_(codes, scales, a.as_strided((p.M, p.K), p.sa[2:]))
+    if not r.then:
+        matmul_hopper.matmul(out, codes, b, p.M, p.N, p.K, f, r.layout, r.config, a_scale=scales)
+        return
+    ((q, then),) = r.then
+    _RUN[then.kernel](q, then, out, dequantize_rows_(runtime.empty((p.M, p.K), p.dtype), codes, scales), b, f)
+
+
 _RUN = {"pointer": _run_pointer, "split_k": _run_split_k, "tma": _run_tma, "gluon": _run_gluon,
-        "low_rank_apart": _run_low_rank_apart, "fp8_dequant": _run_fp8_dequant}
+        "low_rank_apart": _run_low_rank_apart, "fp8_dequant": _run_fp8_dequant, "fp8_w8a8": _run_fp8_w8a8}
 
 
 def _tma_layout(out, a, b, f, sa, sb, sc):
@@ -1045,13 +1099,14 @@ class Fusion:
     (M, r) and V (r, N) buffers of A's dtype, any strides (a LoRA up-projection added to the base
     GEMM, or the adapter's share of the input gradient). ``b_scale`` (2-D problems): B is a
     float8_e4m3fn buffer of codes with this fp32 scale per column of B (N,), or per row (K,) with
-    ``b_scale_rows``, decoded in the main loop (``B_FP8`` in ``_matmul_kernel``)."""
+    ``b_scale_rows``, decoded in the main loop (``B_FP8`` in ``_matmul_kernel``); ``w8a8`` (with a
+    scale per column): A is rounded to e4m3 per row for the product (``_w8a8``)."""
 
     __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "u", "v", "beta", "rank",
-                 "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8")
+                 "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8", "w8a8")
 
     def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None, b_scale=None,
-                 b_scale_rows=False):
+                 b_scale_rows=False, w8a8=False):
         self.bias = bias
         self.bias_stride = bias.stride(0) if bias is not None else 0
         self.act = act
@@ -1068,6 +1123,7 @@ class Fusion:
         self.scale, self.rank_ratio = (self.beta, self.alpha / self.beta) if self.rank else (self.alpha, 1.0)
         self.b_scale, self.b_scale_rows = b_scale, bool(b_scale_rows)
         self.b_fp8 = 0 if b_scale is None else FP8_ROWS.value if b_scale_rows else FP8_COLUMNS.value
+        self.w8a8 = bool(w8a8)
 
 
 _NO_FUSION = Fusion()
@@ -1130,13 +1186,14 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
 
 
 @tunable("out", "pre_out")
-def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None):
+def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None, w8a8=False):
     """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N])`` in one launch (any
     strides; the weight is read transposed in place). ``pre_out`` (R, N), if given, receives the
     argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N).
     ``w_scale`` (N,) fp32: ``w`` holds float8_e4m3fn codes of ``w_scale[n] * code[n, k]`` (a
     weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop or
-    dequantised first (``_fp8_route``)."""
+    dequantised first (``_fp8_route``); with ``w8a8``, ``x`` is rounded to e4m3 per row too and the
+    product runs on the fp8 tensor cores where a kernel for them serves (``_w8a8``)."""
     R, K = x.shape
     N = w.shape[0]
     if low_rank is not None:
@@ -1148,15 +1205,19 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     ws = w.stride()
     plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None
     _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
-            None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale))
+            None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale,
+                                      w8a8=w8a8 and w_scale is not None))
     return out
 
 
 # How the GEMMs take an fp8 weight (``_fp8_route``): "inline" decodes its codes in the main loop (B_FP8);
 # "dequant" first writes it in the activations' dtype (quant.dequantize_rows_, a transient buffer) and
-# runs the plain GEMM; "auto" (FLAME_FP8_GEMM unset) picks by rows.
+# runs the plain GEMM; "auto" (FLAME_FP8_GEMM unset) picks by rows; "w8a8" also rounds a linear's
+# input to fp8 for the forward product (``_w8a8``; also asked per call: ``linear_(..., w8a8=True)``).
+FP8_GEMMS = ("auto", "inline", "dequant", "w8a8")
 FP8_ROUTE = os.environ.get("FLAME_FP8_GEMM", "auto")
 FP8_INLINE_MAX_ROWS = 256
+
 
 
 def _check_fp8(w, scale, n):

@@ -1,6 +1,9 @@
 """A persistent, warp-specialised GEMM for Hopper (sm_90) in Gluon: ``matmul.py``'s 2-D TMA problem
 (16-bit operands, fp32 accumulation, the ``Fusion`` epilogue without a low-rank term) with a TMA
-producer warp, two consumer warpgroups issuing wgmma, and TMA stores.
+producer warp, two consumer warpgroups issuing wgmma, and TMA stores. Also the W8A8 product of
+``matmul``'s "fp8_w8a8" route: e4m3 codes for both operands (fp8 tensor cores, twice the 16-bit
+rate), A with an fp32 scale per row and B per column, applied to the accumulator
+(``SCALED``) before the epilogue.
 
 The grid is at most one program per SM; each walks the output tiles pid, pid + programs, ... in
 ``matmul._tile_coords``' grouped order, in three partitions:
@@ -54,7 +57,7 @@ except ImportError:  # an older Triton: the other GEMM kernels serve every call
 
 # FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels
 ROUTE = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_GLUON", "1") != "0"
-BLOCK_K = 64
+K_BYTES = 128  # bytes of K per operand row of a stage: BLOCK_K = 64 16-bit or 128 fp8 elements (128-byte swizzle)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
 
 
@@ -93,10 +96,11 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(WG: gl.constexpr, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc,
-                  bias_ptr, M, N, K, s_bias, alpha,
+                  bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha,
                   A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
-                  STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                  STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
+                  GROUP_M: gl.constexpr):
         # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
         # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
         # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
@@ -104,8 +108,10 @@ if gluon is not None:
         # loader, where a ready barrier's parity reads as a completion from the previous round.
         # So the consumers' main loops take turns and each epilogue runs under the other's wgmmas.
         SUB: gl.constexpr = 2 if COOP else 1
+        # wgmma's k per instruction: 32 bytes of each operand row (16 for 16-bit operands, 32 for fp8)
+        instr_k: gl.constexpr = 256 // a_smem.dtype.primitive_bitwidth
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, 16])
+                                                             instr_shape=[16, BLOCK_N, instr_k])
         dtype: gl.constexpr = c_desc.dtype
         buf = c_smem.index(WG)
         bar = res_bar.index(WG)
@@ -155,6 +161,11 @@ if gluon is not None:
             mbarrier.arrive(empty.index(s))
 
             offs_n = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+            if SCALED:  # W8A8: the products of codes times A's row scale and B's column scale
+                offs_m = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
+                a_scale = gl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+                b_scale = gl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+                acc = acc * a_scale[:, None] * b_scale[None, :]
             # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
             # held at once spill)
             pre, out = gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0 if STORE_PRE else ACT)
@@ -179,16 +190,16 @@ if gluon is not None:
     # blocks (the descriptors carry the shapes), so they are not specialised on: one compiled kernel
     # per config serves every shape.
     @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias"])
-    def _gemm_hopper_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, M, N, K, s_bias, alpha,
-                            A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
-                            STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                            BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
-                            GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    def _gemm_hopper_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
+                            s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr,
+                            ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
         a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
-        c_smem = gl.allocate_shared_memory(dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         res_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -203,11 +214,11 @@ if gluon is not None:
         # the constexprs in it into tensors, Triton 3.6)
         gl.warp_specialize([
             (_consumer, (0, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
-                         M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M)),
+                         a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL,
+                         SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M)),
             (_consumer, (1, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
-                         M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, BLOCK_M, BLOCK_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M)),
+                         a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL,
+                         SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M)),
             (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M, BLOCK_N, BLOCK_K,
                        COOP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -222,10 +233,10 @@ def available():
 
 def serves(dtype, rank, pre_out, residual):
     """Whether this kernel's epilogue and operands fit a 2-D problem that ``matmul._layout`` accepted,
-    from its description (``matmul.GemmProblem``): fp16/bf16 operands of one dtype, no low-rank
-    term, and not both a pre-activation and a residual (one store buffer per consumer; ``linear_``
-    never asks for both)."""
-    return dtype in (torch.float16, torch.bfloat16) and not rank and not (pre_out and residual)
+    from its description (``matmul.GemmProblem``): fp16/bf16 operands of one dtype (or e4m3 codes of
+    both, the W8A8 product: ``matmul(..., a_scale=)``), no low-rank term, and not both a
+    pre-activation and a residual (one store buffer per consumer; ``linear_`` never asks for both)."""
+    return dtype in _GL_DTYPES and not rank and not (pre_out and residual)
 
 
 def usable(a, b, f):
@@ -259,11 +270,11 @@ COOP_EPILOGUE_K = 90
 MIN_TILES_PER_SM = 1
 
 
-def _choose(M, N, K, sms=None):
+def _choose(M, N, K, sms=None, speed=1):
     """The tile shape of least predicted time on ``sms`` SMs (default: this GPU's): whole waves of one
     program tile per SM (the last one partly idle) times a tile's cost (its area over its main-loop
-    rate, times K, plus the cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM
-    128x128 tiles per SM."""
+    rate, times K over the operands' ``speed`` (2 for fp8: twice the 16-bit MMA rate), plus the
+    cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM."""
     sms = sms or runtime.num_sms()
     if gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms:
         return None
@@ -272,7 +283,7 @@ def _choose(M, N, K, sms=None):
         coop, bm, bn = tile
         rows = 2 * bm if coop else bm
         waves = gemm.cdiv(gemm.cdiv(M, rows) * gemm.cdiv(N, bn), sms)
-        return waves * rows * bn * (K + (COOP_EPILOGUE_K if coop else 0)) / TILES[tile]
+        return waves * rows * bn * (K / speed + (COOP_EPILOGUE_K if coop else 0)) / TILES[tile]
 
     coop, bm, bn = min(TILES, key=cost)
     return config(coop=coop, block_m=bm, block_n=bn)
@@ -293,9 +304,10 @@ def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8):
 
 def stages_that_fit(block_m, block_n, coop, es, limit=None):
     """The most ring stages (at most 8) that fit the shared memory (``limit`` bytes, default the
-    GPU's) beside the two (BLOCK_M, BLOCK_N) store buffers and the barriers."""
+    GPU's) beside the two (BLOCK_M, BLOCK_N) store buffers of ``es``-byte outputs and the barriers (a
+    stage holds K_BYTES of K per operand row, whatever the operands' dtype)."""
     limit = limit or autotune.shared_memory()
-    stage = ((2 if coop else 1) * block_m + block_n) * BLOCK_K * es
+    stage = ((2 if coop else 1) * block_m + block_n) * K_BYTES
     room = limit - 2 * block_m * block_n * es - 1024
     return max(1, min(8, room // stage))
 
@@ -315,30 +327,37 @@ def _shared_layout(dtype, block_shape):
     return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[dtype])
 
 
-_GL_DTYPES = {} if gluon is None else {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+_GL_DTYPES = {} if gluon is None else {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+                                       torch.float8_e4m3fn: gl.float8e4nv}
 
 
-def matmul(out, a, b, M, N, K, f, layout, cfg):
+def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     """``out`` (M, N) = the epilogue ``f`` of A B on a problem that ``usable`` accepts, with
-    ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``)."""
+    ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``). W8A8: ``a``
+    and ``b`` hold float8_e4m3fn codes, both read along K, with ``a_scale`` (M,) fp32 per row of A
+    and ``f.b_scale`` (N,) per column of B: ``A B = diag(a_scale) codes_A codes_B diag(b_scale)``."""
     a_k, b_k, s_a, s_b, s_c = layout
     bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
-    a_desc = _descriptor(a, [M, K], [s_a, 1], [bm, BLOCK_K]) if a_k else _descriptor(a, [K, M], [s_a, 1],
-                                                                                      [BLOCK_K, bm])
-    b_desc = _descriptor(b, [N, K], [s_b, 1], [bn, BLOCK_K]) if b_k else _descriptor(b, [K, N], [s_b, 1],
-                                                                                      [BLOCK_K, bn])
+    block_k = K_BYTES // a.element_size()
+    a_desc = _descriptor(a, [M, K], [s_a, 1], [bm, block_k]) if a_k else _descriptor(a, [K, M], [s_a, 1],
+                                                                                      [block_k, bm])
+    b_desc = _descriptor(b, [N, K], [s_b, 1], [bn, block_k]) if b_k else _descriptor(b, [K, N], [s_b, 1],
+                                                                                      [block_k, bn])
     c_desc = _descriptor(out, [M, N], [s_c, 1], [bm, bn])
     pre_desc, res_desc = (c_desc if t is None else _descriptor(t, [M, N], [s_c, 1], [bm, bn])
                           for t in (f.pre_out, f.residual))
     tiles = gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn)
     meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-                RESIDUAL=f.residual is not None, BLOCK_K=BLOCK_K, CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
+                RESIDUAL=f.residual is not None, SCALED=a_scale is not None, BLOCK_K=block_k,
+                CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
     # the descriptors are not torch tensors: ``sig`` pins down what the compiled kernel depends on
     # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
     # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits). So the bias
-    # is a tensor even when BIAS is off (C stands in): a ``sig`` launch keys on the tensors at the
-    # positions its first launch had them; C's descriptor stands in for those switched off likewise.
-    sig = (a.dtype, tuple(meta.items()))
+    # is a tensor even when BIAS is off (C stands in), and so are the scales: a ``sig`` launch keys on
+    # the tensors at the positions its first launch had them; C's descriptor stands in for those
+    # switched off likewise.
+    sig = (a.dtype, out.dtype, tuple(meta.items()))
     launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
-           gemm._or(f.bias, out), M, N, K, f.bias_stride, f.scale, sig=sig, **meta)
+           gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out), M, N, K, f.bias_stride, f.scale,
+           sig=sig, **meta)
     return out

@@ -18,6 +18,8 @@ Both directions are integer and float32 arithmetic on the codes, not Triton's fl
   subnormals), and the GEMMs fold the ``2^8`` (``DECODE_FACTOR``) into the scale they multiply by.
   The fp8 buffers travel to the kernels as uint8 views. A NaN code decodes as +-480.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -57,30 +59,54 @@ def decode_e4m3(code):
 
 
 @triton.jit
-def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, N, K, swn, swk, ABSMAX: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    # One program = BLOCK_N rows of W: (ABSMAX) a pass over K for each row's largest magnitude and
-    # its scale s = absmax / 448 (1 for a zero row), else s = 1; then a pass writing the codes of
-    # W / s (IEEE division, as torch's reference computes it). Q is contiguous (N, K).
+def _codes(w, scale, HW_CAST: tl.constexpr):
+    """The e4m3fn codes (uint8) of ``w / scale`` per row (IEEE division, as torch's reference computes
+    it), rounded by the hardware's conversion (HW_CAST: sm_89 and later; round to nearest even,
+    saturating, as ``encode_e4m3``) or by ``encode_e4m3``."""
+    x = tl.div_rn(w, tl.broadcast_to(scale[:, None], w.shape))
+    if HW_CAST:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return encode_e4m3(x)
+
+
+@triton.jit
+def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, N, K, swn, swk, ABSMAX: tl.constexpr, ONE_PASS: tl.constexpr,
+                          HW_CAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # One program = BLOCK_N rows of W: (ABSMAX) each row's largest magnitude and its scale s = absmax /
+    # 448 (1 for a zero row), else s = 1; then the codes of W / s (``_codes``). ONE_PASS (a row fits
+    # one BLOCK_K): the rows are read once and kept in registers; else a pass over K for the scales
+    # and a second one for the codes. Q is contiguous (N, K).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     cols = tl.arange(0, BLOCK_K).to(tl.int64)
     w_rows = w_ptr + rows[:, None] * swn
-    if ABSMAX:
+    if ONE_PASS:
+        mask = mask_n[:, None] & (cols < K)[None, :]
+        w = tl.load(w_rows + cols[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(w), axis=1), BLOCK_N, ABSMAX)
+        tl.store(scale_ptr + rows, scale, mask=mask_n)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _codes(w, scale, HW_CAST), mask=mask)
+    else:
         amax = tl.zeros((BLOCK_N,), tl.float32)
+        if ABSMAX:
+            for k0 in range(0, K, BLOCK_K):
+                mask = mask_n[:, None] & (cols < K - k0)[None, :]
+                w = tl.load(w_rows + (k0 + cols)[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+        scale = _row_scale(amax, BLOCK_N, ABSMAX)
+        tl.store(scale_ptr + rows, scale, mask=mask_n)
         for k0 in range(0, K, BLOCK_K):
             mask = mask_n[:, None] & (cols < K - k0)[None, :]
             w = tl.load(w_rows + (k0 + cols)[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
-        scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full((BLOCK_N,), E4M3_MAX, tl.float32)), 1.0)
-    else:
-        scale = tl.full((BLOCK_N,), 1.0, tl.float32)
-    tl.store(scale_ptr + rows, scale, mask=mask_n)
-    for k0 in range(0, K, BLOCK_K):
-        mask = mask_n[:, None] & (cols < K - k0)[None, :]
-        w = tl.load(w_rows + (k0 + cols)[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
-        q = encode_e4m3(tl.div_rn(w, tl.broadcast_to(scale[:, None], (BLOCK_N, BLOCK_K))))
-        tl.store(q_ptr + rows[:, None] * K + (k0 + cols)[None, :], q, mask=mask)
+            tl.store(q_ptr + rows[:, None] * K + (k0 + cols)[None, :], _codes(w, scale, HW_CAST), mask=mask)
+
+
+@triton.jit
+def _row_scale(amax, BLOCK_N: tl.constexpr, ABSMAX: tl.constexpr):
+    """absmax / 448 (IEEE division; 1 for a zero row), or 1 without ABSMAX."""
+    if ABSMAX:
+        return tl.where(amax > 0.0, tl.div_rn(amax, tl.full((BLOCK_N,), E4M3_MAX, tl.float32)), 1.0)
+    return tl.full((BLOCK_N,), 1.0, tl.float32)
 
 
 @triton.jit
@@ -98,13 +124,28 @@ def _dequantize_rows_kernel(q_ptr, scale_ptr, out_ptr, N, K, son, sok, BLOCK_N: 
     tl.store(out_ptr + rows[:, None] * son + cols[None, :] * sok, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+ONE_PASS_MAX_K = 16384  # rows up to this long are quantised from registers (read once)
+
+
 def _row_blocks(N, K):
-    """(BLOCK_N, BLOCK_K, num_warps): a few rows by a long K chunk per program on the GPU; on the
-    interpreter (about a millisecond and a half of Python per program) big blocks."""
+    """(BLOCK_N, BLOCK_K, num_warps) of the (de)quantisation kernels: on the GPU, rows up to
+    ONE_PASS_MAX_K whole (a few of them per program when short), longer ones in chunks of 1024; on
+    the interpreter (about a millisecond and a half of Python per program) big blocks."""
     if runtime.INTERPRETER:
         bk = min(_pow2(K), 1024)
         return max(1, min(_pow2(N), 16384 // bk)), bk, 4
-    return 4, min(_pow2(K), 1024), 4
+    bk = _pow2(K)
+    if bk <= ONE_PASS_MAX_K:
+        bn = max(1, min(_pow2(N), 4096 // bk))
+        return bn, bk, 4 if bn * bk <= 4096 else 8
+    return 4, 1024, 4
+
+
+@functools.cache
+def _hardware_e4m3():
+    """Whether the GPU converts fp32 to e4m3 itself (sm_89 and later; not the interpreter)."""
+    capability = runtime.device_capability()
+    return capability is not None and capability >= (8, 9)
 
 
 def as_codes(q):
@@ -123,7 +164,7 @@ def quantize_rows_(q, scale, w, absmax=True):
         return q
     bn, bk, warps = _row_blocks(N, K)
     launch(_quantize_rows_kernel, (cdiv(N, bn),), w, as_codes(q), scale, N, K, *w.stride(), ABSMAX=absmax,
-           BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+           ONE_PASS=bk >= K, HW_CAST=_hardware_e4m3(), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return q
 
 

@@ -14,4 +14,4 @@ from .lora import (
     unmerge_lora,
 )
 from .module import Module, Parameter
-from .quant import Fp8Parameter, quantize_linears_
+from .quant import Fp8Parameter, quantize_linears_, use_w8a8_

@@ -10,7 +10,8 @@ Merging or folding a LoRA into an fp8 base dequantises, adds and quantises again
 DoRA over an fp8 base is refused, naming the layer.
 
 Call it last: ``Module.to``/``load_state_dict`` on a converted model would cast or copy codes
-without their scales.
+without their scales. ``use_w8a8_`` then makes the forward products over the fp8 weights round their
+inputs to e4m3 too (W8A8 on the fp8 tensor cores).
 """
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ def fp8_layers(model: Module, skip=()) -> list:
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, (Linear, LoRALinear))]
     skipped = set(matching_layers([name for name, _ in layers], skip)) if skip else set()
     return [(name, m) for name, m in layers if name not in skipped]
+
+
+def use_w8a8_(model: Module, enabled: bool = True) -> int:
+    """W8A8 for every fp8 weight of ``model`` (``Fp8Weight.w8a8``): the forward products of
+    ``linear``/``lora_linear`` over them round their input to e4m3 per row (per token) and run on the
+    fp8 tensor cores (Hopper; elsewhere emulated, slower); the input gradients stay weight-only.
+    ``enabled=False`` turns it off. Returns how many weights it set."""
+    if not isinstance(model, Module):
+        raise TypeError(f"use_w8a8_: model must be a flame.nn.Module, got {type(model).__name__}")
+    weights = [w for w in model.parameters() if isinstance(w, Fp8Weight)]
+    for w in weights:
+        w.w8a8 = bool(enabled)
+    return len(weights)
 
 
 def quantize_linears_(model: Module, dtype: str = "fp8_e4m3", skip=(), scale: str = "absmax") -> list:

@@ -23,7 +23,7 @@ from . import _autocast
 from . import elementwise as ew
 from ._util import check_tensor
 from .elementwise import cast_params, parameter_copy, to
-from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale
+from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale, weight_w8a8
 from .shape import contiguous
 
 
@@ -280,7 +280,8 @@ def linear(x, weight, bias=None, activation=None):
         y = Tensor(out.view(out_shape))
         y = y if bias is None else y + bias
         return _apply_activation(y, activation)
-    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre, w_scale=weight_scale(weight))
+    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre, w_scale=weight_scale(weight),
+               w8a8=weight_w8a8(weight))
     y = Tensor(out.view(*out_shape))
     if grad:
         # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
@@ -435,7 +436,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     h = runtime.empty((x2.shape[0], lora_a.shape[0]), x.dtype)
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(h, b16.t(), float(scale)), w_scale=weight_scale(weight))
+               low_rank=(h, b16.t(), float(scale)), w_scale=weight_scale(weight), w8a8=weight_w8a8(weight))
     out = z
     if ratio is not None:
         out = runtime.empty(z.shape, z.dtype)

@@ -27,13 +27,17 @@ SCALES = ("absmax", "one")
 class Fp8Weight(Tensor):
     """A frozen weight (out, in) as e4m3fn codes (the tensor's own buffer, dtype float8_e4m3fn) and
     ``scale``, an fp32 (out,) buffer: ``W[n, k] ~ scale[n] * codes[n, k]``. Made by
-    ``quantize_fp8``; ``dequantize()`` gives W back (rounded). ``requires_grad`` is always False."""
+    ``quantize_fp8``; ``dequantize()`` gives W back (rounded). ``requires_grad`` is always False.
+    ``w8a8`` (False by default): ``linear`` and ``lora_linear`` round their input to e4m3 per row for
+    the forward product over this weight (W8A8: the fp8 tensor cores; the input gradient and a LoRA
+    branch still read the unrounded input)."""
 
-    __slots__ = ("scale",)
+    __slots__ = ("scale", "w8a8")
 
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, w8a8: bool = False):
         super().__init__(codes, requires_grad=False)
         self.scale = scale
+        self.w8a8 = w8a8
 
     @property
     def requires_grad(self) -> bool:
@@ -120,6 +124,12 @@ def weight_scale(weight):
     """The per-output-channel scale buffer of an ``Fp8Weight`` (what the GEMMs take with its
     codes), None for any other weight."""
     return weight.scale if isinstance(weight, Fp8Weight) else None
+
+
+def weight_w8a8(weight) -> bool:
+    """Whether the forward product over ``weight`` rounds its input to e4m3 (an ``Fp8Weight`` with
+    ``w8a8`` set)."""
+    return isinstance(weight, Fp8Weight) and weight.w8a8
 
 
 def check_not_raw_fp8(weight, op: str) -> None:

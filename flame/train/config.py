@@ -62,6 +62,12 @@ SCHEMA = {
                                             "half of bf16's memory, read inside the GEMMs forward and backward; LoRA, "
                                             "norms, biases and the embedders keep their dtypes)",
                             choices=("fp8_e4m3",), nullable=True),
+        "fp8_gemm": Opt("auto", "choice", "with fp8 weights: auto (weight-only fp8: the activations stay in "
+                                          "train.precision's dtype) or w8a8 (each fp8 Linear's input is rounded "
+                                          "to e4m3 per token in the forward and the product runs on the fp8 tensor "
+                                          "cores: Hopper GPUs, 1.3-1.6x the bf16 GEMM's speed, about 10x the "
+                                          "output rounding of weight-only fp8; elsewhere emulated, slower; the "
+                                          "backward stays weight-only)", choices=("auto", "w8a8")),
     },
     "data": {
         "images": Opt(None, "path", "folder of images (searched recursively) with captions in .txt files (see "
@@ -591,6 +597,10 @@ def _cross_checks(c, errors):
                   "checkpoint_scope": "blocks"}
         errors.extend(f"train.{k}: train.memory_budget_gb chooses it; leave it at {v if v is not None else 'null'} "
                       f"(got {t[k]})" for k, v in chosen.items() if t[k] != v)
+    m = c["model"]
+    if m["fp8_gemm"] == "w8a8" and m["weight_dtype"] is None and c["train"]["memory_budget_gb"] is None:
+        errors.append("model.fp8_gemm w8a8: needs fp8 weights (model.weight_dtype: fp8_e4m3, or a "
+                      "train.memory_budget_gb that picks them)")
     if c["model"]["weight_dtype"] is not None and c["lora"]["dora"]:
         errors.append(f"model.weight_dtype {c['model']['weight_dtype']}: DoRA needs the base weights' norms in full "
                       "precision; set lora.dora: false or model.weight_dtype: null")

@@ -19,9 +19,10 @@ import torch
 
 from .. import distributed, runtime
 from ..data import BucketBatchLoader, CacheError, CacheSet, LatentCache
-from ..kernels import launch, precompile
+from ..kernels import launch, matmul_hopper, precompile
 from ..nn.layers import Conv2d
 from ..nn.lora import adaptable_layers, matching_layers
+from ..nn.quant import use_w8a8_
 from .config import ConfigError
 from .datasets import prepare_datasets
 from .memory import plan_memory
@@ -242,6 +243,18 @@ def memory_settings(cfg, plan) -> tuple:
         return plan.weight_dtype, plan.checkpoint_blocks, plan.offload_blocks > 0
     return (cfg.model.weight_dtype, cfg.train.checkpoint_blocks if cfg.train.gradient_checkpointing else 0,
             cfg.train.offload == "blocks")
+
+
+def use_w8a8(cfg, model, log):
+    """``model.fp8_gemm: w8a8``: the forward products over the model's fp8 weights round their input
+    to e4m3 (``nn.use_w8a8_``), said in the log with what this GPU makes of it."""
+    if cfg.model.fp8_gemm != "w8a8":
+        return
+    count = use_w8a8_(model)
+    fast = matmul_hopper.available() and matmul_hopper.ROUTE
+    log(f"model.fp8_gemm: w8a8: the inputs of {count} fp8 Linear weights rounded to e4m3 per token in the "
+        "forward, " + ("products on the fp8 tensor cores" if fast else
+                       "emulated on this device (no fp8 tensor-core kernel here: slower than weight-only fp8)"))
 
 
 def plan_offload(cfg, memory, planner):

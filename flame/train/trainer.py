@@ -225,6 +225,7 @@ class Trainer:
             quantize_linears_(model, weight_dtype, skip=self.family.full_precision_layers)  # if not loaded so
             stored = sum(isinstance(w, Fp8Weight) for w in model.parameters())
             self.log(f"model.weight_dtype: {stored} frozen Linear weights stored as {weight_dtype}")
+            preflight.use_w8a8(c, model, self.log)
         if streaming:  # last: the streamer moves the frozen weights as they are now
             plan = plan or preflight.plan_offload(c, self.memory, lambda **kw: plan_offload(model, **kw))
             self.log(plan.summary())
