@@ -58,6 +58,9 @@ def _cast(buf, dtype):
     return out
 
 
+_MISSING = object()  # a name none of a module's stores has (their values may be None)
+
+
 class Module:
     """Base class for flame's layers (PyTorch's ``nn.Module`` semantics, without hooks)."""
 
@@ -102,10 +105,16 @@ class Module:
             d.pop(name, None)
 
     def __getattr__(self, name):
+        # called for every parameter, buffer and child a forward reads (thousands a step): one lookup per store
         d = self.__dict__
-        for store in ("_parameters", "_buffers", "_modules"):
-            if store in d and name in d[store]:
-                return d[store][name]
+        if "_modules" in d:  # Module.__init__ has run
+            value = d["_parameters"].get(name, _MISSING)
+            if value is _MISSING:
+                value = d["_modules"].get(name, _MISSING)
+                if value is _MISSING:
+                    value = d["_buffers"].get(name, _MISSING)
+            if value is not _MISSING:
+                return value
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __delattr__(self, name):
