@@ -135,9 +135,9 @@ def _row_blocks(N, K):
         bk = min(_pow2(K), 1024)
         return max(1, min(_pow2(N), 16384 // bk)), bk, 4
     bk = _pow2(K)
-    if bk <= ONE_PASS_MAX_K:
+    if bk <= ONE_PASS_MAX_K:  # 32 elements a thread: enough loads in flight, registers for 3-4 programs an SM
         bn = max(1, min(_pow2(N), 4096 // bk))
-        return bn, bk, 4 if bn * bk <= 4096 else 8
+        return bn, bk, max(4, bn * bk // 1024)
     return 4, 1024, 4
 
 
