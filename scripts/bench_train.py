@@ -1,32 +1,56 @@
 #!/usr/bin/env python3
-"""The SDXL LoRA trainer's step: on several GPUs, flame's data-parallel trainer against diffusers +
-peft under torch's DistributedDataParallel, both started by torchrun, on the same machine in the
-same run; with the trainer's data, EMA and optimizer features on against the plain step; loading.
+"""The SDXL trainer's step on several GPUs: flame's data-parallel LoRA trainer against diffusers + peft
+under torch's DistributedDataParallel, or (``--mode full``) flame's sharded full fine-tune against
+diffusers under PyTorch's FSDP2, both started by torchrun, on the same machine in the same run; with
+the trainer's data, EMA and optimizer features on against the plain step; loading.
 
     python3 scripts/bench_train.py                   # N = 1, 2, 4 (up to the GPUs there), checkpointing off and on
     python3 scripts/bench_train.py --nproc 1 --nproc 2 --checkpointing off --out out/ddp.json
+    python3 scripts/bench_train.py --mode full --shard gradients,parameters --nproc 1 --nproc 2 --checkpointing off \
+        --steps 5 --blocks 3 --out out/full.json     # every weight trains: flame sharded, diffusers under FSDP2
     python3 scripts/bench_train.py --features --steps 10 --blocks 5 --out out/features.json
     python3 scripts/bench_train.py --load --nproc 1 --nproc 2
     python scripts/bench_train.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1
                                                           # CPU smoke test (gloo, the interpreter)
+    python scripts/bench_train.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1 \
+        --mode full --shard gradients --framework flame   # the same, full fine-tuning
 
-flame: the trainer itself (``flame.train.Trainer``) on a synthetic latent cache; each process trains
-batch 1 of every global batch from a CUDA graph, and one all-reduce per step sums the gradients.
-diffusers + peft: the UNet under DDP (bucketed all-reduces overlapped with the backward),
-``torch.autocast(bf16)``, AdamW, as ``scripts/bench_sdxl.py`` builds it. Both: the SDXL base UNet with
-random weights, LoRA rank 16 on the attention projections, 1024x1024 (128x128 latents), batch 1
-per GPU, bf16.
+LoRA (``--mode lora``, the default). flame: the trainer itself (``flame.train.Trainer``) on a synthetic
+latent cache; each process trains batch 1 of every global batch from a CUDA graph, and one all-reduce
+per step sums the gradients. diffusers + peft: the UNet under DDP (bucketed all-reduces overlapped with
+the backward), ``torch.autocast(bf16)``, AdamW, as ``scripts/bench_sdxl.py`` builds it. Both: the SDXL
+base UNet with random weights, LoRA rank 16 on the attention projections, 1024x1024 (128x128 latents),
+batch 1 per GPU, bf16.
 
-Reported per (checkpointing, framework, N): the step time (median over ``--blocks`` blocks of
+Full fine-tuning (``--mode full``): every weight of the UNet trains, AdamW (lr 1e-5). flame: the
+trainer with ``train.mode: full``, bf16 weights, ``train.shard`` each of ``--shard`` (ZeRO-1/2/3,
+``flame.sharding``; ``parameters`` needs 2 or more processes, so its N = 1 is skipped and its scaling
+taken against ``gradients`` at N = 1, the same one-process step) and ``train.master_weights``
+``--master`` (``bf16_stochastic``: ``--shard none``, whose N > 1 all-reduces the gradients as for
+LoRA). diffusers: the UNet built as ``bench_sdxl.py --mode full`` builds it (fp32 weights, all
+trained), under FSDP2 as accelerate's FSDP plugin runs it: ``fully_shard`` on every down, mid and up
+block and on the root (parameters, gradients and optimizer state sharded, each block gathered for its
+forward and again for its backward), ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+``torch.autocast(bf16)`` around the forward, ``torch.optim.AdamW(fused=True)`` on the fp32 shards;
+one process is a one-rank FSDP2. Gradient checkpointing per ``--checkpointing`` on both sides.
+
+Reported per (checkpointing, framework, shard, N): the step time (median over ``--blocks`` blocks of
 ``--steps`` steps, each timed from a barrier to the end of the slowest rank), images/s, the scaling
-efficiency (images/s with N processes over N times images/s with 1), rank 0's peak memory, and for
-flame the time of the step's all-reduce alone (CUDA events around the bucket's collective) and its
-share of the step. Needs diffusers and peft for the second framework (see ``bench_sdxl.py``).
+efficiency (images/s with N processes over N times images/s with 1, of the same setting), rank 0's
+peak memory, and for flame with N > 1 the time of the step's collectives and their share of the step:
+where one bucket all-reduces the gradients (LoRA; full with ``--shard none``), that all-reduce alone
+(CUDA events around it, 20 times, on a GPU); sharded, every collective of ``--steps`` more steps timed
+where it runs (CUDA events around each call through ``flame.distributed``; the clock on the
+interpreter), the median step's sum and its calls and time by kind (reduce-scatter, all-gather,
+all-reduce), rank 0's view, waits for the other ranks included; with each rank's shard memory
+(``ShardedOptimizer.memory()``) in the JSON. Needs diffusers (and peft for LoRA) for the second
+framework.
 
-``--features``: flame alone, one process, the plain step (one cache, AdamW) against the step with
-two datasets (the second repeated twice at half the loss weight), flip augmentation, caption dropout
-0.1, an EMA of the LoRA weights (decay 0.999) and each ``--optimizer`` (default AdamW8bit), each in fresh
-processes; reported: step time, its ratio to the plain step, peak memory, CUDA graphs captured.
+``--features``: flame alone, one process, LoRA, the plain step (one cache, AdamW) against the step
+with two datasets (the second repeated twice at half the loss weight), flip augmentation, caption
+dropout 0.1, an EMA of the LoRA weights (decay 0.999) and each ``--optimizer`` (default AdamW8bit),
+each in fresh processes; reported: step time, its ratio to the plain step, peak memory, CUDA graphs
+captured.
 
 ``--load``: instead of steps, the time for N processes to hold the frozen UNet (bf16, from a random
 fp16 SDXL file written to ``--weights``' folder first, diffusers names): every rank reading the file
@@ -90,10 +114,14 @@ def run_flame(args):
         "model": {"config": args.config},
         "data": {"cache_dir": os.path.join(args.cache, "plain"), "batch_size": 1, "synthetic_samples": 64,
                  "synthetic_latent_sizes": [[latent, latent]]},
-        "lora": {"rank": args.rank, "alpha": args.rank, "targets": "attn"},
         "train": {"steps": 10 ** 6, "lr": 1e-4, "precision": "fp32" if flame.is_interpreter() else "bf16",
                   "gradient_checkpointing": args.checkpointing == "on"},
         "output": {"dir": tempfile.mkdtemp(prefix="flame-train-"), "save_every": 0, "log_every": 10 ** 6}}
+    if args.mode == "full":  # a full run has no lora section
+        settings["train"].update(mode="full", shard=args.shards[0], master_weights=args.master, lr=1e-5,
+                                 optimizer="adamw")
+    else:
+        settings["lora"] = {"rank": args.rank, "alpha": args.rank, "targets": "attn"}
     if args.with_features:
         for section, values in _feature_settings(args, latent).items():
             settings.setdefault(section, {}).update(values)
@@ -115,7 +143,8 @@ def run_flame(args):
     flame.reset_peak_memory_stats()
     times = _blocks(trainer.train_step, args, sync, slowest)
     allreduce_ms = None
-    if trainer.bucket is not None and not flame.is_interpreter():
+    sharded = trainer.trained.shards
+    if trainer.bucket is not None and sharded is None and not flame.is_interpreter():
         import torch
         samples = []
         for _ in range(20):
@@ -126,10 +155,63 @@ def run_flame(args):
             end.synchronize()
             samples.append(start.elapsed_time(end))
         allreduce_ms = statistics.median(samples)
+    collectives = _timed_collectives(trainer, args.steps) if sharded is not None and world.size > 1 else None
     return {"framework": "flame", "world": world.size, "times_s": times, "peak_bytes": flame.max_memory_allocated(),
             "graphs": trainer.step_fn.num_graphs,
             "allreduce_ms": allreduce_ms, "allreduce_mb": trainer.bucket.nbytes / 2 ** 20 if trainer.bucket else 0,
-            "device": flame.device_name()}
+            "collectives_ms": collectives and collectives.pop("ms"), "collectives": collectives,
+            "shard_bytes": sharded.memory() if sharded is not None else None, "device": flame.device_name()}
+
+
+def _timed_collectives(trainer, steps):
+    """The collectives of ``steps`` more sharded steps, each timed where it runs: every collective of
+    flame goes through ``flame.distributed._collective``, wrapped here for these steps, with CUDA events
+    on the stream around each call (the clock on the interpreter, where gloo's run synchronously).
+    Returns the median step's ``ms`` (their sum), and its ``calls`` and ``ms_by_kind`` (all-gather,
+    reduce-scatter, all-reduce)."""
+    import torch
+
+    import flame
+    from flame import distributed
+    cuda = not flame.is_interpreter()
+
+    def clock():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def elapsed_ms(start, end):
+        return start.elapsed_time(end) if cuda else (end - start) * 1e3
+
+    calls, plain = [], distributed._collective
+
+    def timed(what, fn):
+        start = clock()
+        out = plain(what, fn)
+        calls.append((what, start, clock()))
+        return out
+
+    per_step = []
+    distributed._collective = timed
+    try:
+        for _ in range(steps):
+            calls.clear()
+            trainer.train_step()
+            flame.synchronize()
+            kinds = {}
+            for what, start, end in calls:
+                count, ms = kinds.get(what, (0, 0.0))
+                kinds[what] = (count + 1, ms + elapsed_ms(start, end))
+            per_step.append(kinds)
+    finally:
+        distributed._collective = plain
+    totals = [sum(ms for _, ms in kinds.values()) for kinds in per_step]
+    middle = statistics.median_low(totals)
+    kinds = per_step[totals.index(middle)]
+    return {"ms": middle, "calls": {what: count for what, (count, _) in kinds.items()},
+            "ms_by_kind": {what: ms for what, (_, ms) in kinds.items()}}
 
 
 def write_weights(args):
@@ -191,14 +273,21 @@ def run_diffusers(args):
     local = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if world > 1:
+    full = args.mode == "full"
+    if cuda:
+        torch.cuda.set_device(dev)
+    if world > 1 or full:  # FSDP2 shards over a process group, of one process too
         dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
     cfg = SDXLUNetConfig.tiny() if args.config == "tiny" else SDXLUNetConfig()
-    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev)
+    unet, params = diffusers_lora_unet(cfg, args.rank, args.checkpointing == "on", dev, full=full)
     model = unet
-    if world > 1:  # static_graph: the same parameters take part in every step (and checkpointing works)
-        model = DistributedDataParallel(unet, device_ids=[local] if cuda else None, static_graph=True)
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    if full:
+        model = _fully_sharded(unet)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)  # the fp32 shards (DTensors)
+    else:
+        if world > 1:  # static_graph: the same parameters take part in every step (and checkpointing works)
+            model = DistributedDataParallel(unet, device_ids=[local] if cuda else None, static_graph=True)
+        opt = torch.optim.AdamW(params, lr=1e-4)
     latent = args.resolution // 8
     gen = torch.Generator(dev).manual_seed(int(os.environ.get("RANK", "0")))
     sample = torch.randn(1, cfg.in_channels, latent, latent, device=dev, generator=gen)
@@ -227,12 +316,27 @@ def run_diffusers(args):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = _blocks(step, args, sync, slowest)
-    result = {"framework": "diffusers+peft DDP", "world": world, "times_s": times,
+    result = {"framework": FSDP_SETTING if full else "diffusers+peft DDP", "world": world, "times_s": times,
               "peak_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
               "device": torch.cuda.get_device_name() if cuda else "cpu"}
-    if world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return result
+
+
+FSDP_SETTING = "diffusers FSDP2 full-shard, fp32 params, bf16 compute"
+
+
+def _fully_sharded(unet):
+    """diffusers' ``unet`` (fp32 weights) under FSDP2 as accelerate's FSDP plugin puts it: ``fully_shard``
+    on every down, mid and up block and on the root, bf16 weights gathered for the forward and the
+    backward, gradients reduce-scattered in fp32."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(unet, mp_policy=policy)
 
 
 def parse_args(argv):
@@ -244,6 +348,17 @@ def parse_args(argv):
                                                               "the GPUs there)")
     p.add_argument("--checkpointing", choices=["on", "off", "both"], default="both")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank")
+    p.add_argument("--mode", choices=["lora", "full"], default="lora",
+                   help="lora: the LoRA trainer against diffusers + peft under DDP; full: every UNet weight "
+                        "trains, flame's sharded trainer against diffusers under FSDP2 (full-shard, fp32 weights, "
+                        "bf16 compute)")
+    p.add_argument("--shard", action="append",
+                   help="--mode full, flame: train.shard, each of none, optimizer, gradients, parameters "
+                        "(repeatable or comma-separated; default gradients, or none with --master bf16_stochastic); "
+                        "parameters needs 2+ processes (its N=1 is skipped), none 1 process (or bf16_stochastic)")
+    p.add_argument("--master", "--master-weights", choices=["fp32", "bf16_stochastic"], default="fp32", dest="master",
+                   help="--mode full, flame: train.master_weights: fp32 master weights in the shards, or the bf16 "
+                        "weights updated with stochastic rounding (--shard none only)")
     p.add_argument("--steps", type=int, default=10, help="steps per timed block")
     p.add_argument("--blocks", type=int, default=3, help="timed blocks (the median is reported)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (flame captures on its 2nd)")
@@ -260,7 +375,33 @@ def parse_args(argv):
     p.add_argument("--weights", help="the single-file UNet --load reads (written first; default: a temp folder)")
     p.add_argument("--worker", choices=["flame", "diffusers", "load-every", "load-broadcast", "write-weights"],
                    help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.shards = [s for given in args.shard or [] for s in given.split(",") if s]
+    unknown = [s for s in args.shards if s not in SHARDS]
+    if unknown:
+        p.error(f"--shard: unknown {', '.join(unknown)}; each of {', '.join(SHARDS)}")
+    if args.mode == "lora" and (args.shards or args.master != "fp32"):
+        p.error("--shard and --master apply to --mode full (LoRA adapters are not sharded)")
+    if args.mode == "full" and args.features:
+        p.error("--features measures the LoRA trainer: no --mode full")
+    args.shards = args.shards or ["none" if args.master == "bf16_stochastic" else "gradients"]
+    if args.master == "bf16_stochastic" and args.shards != ["none"]:
+        p.error("--master bf16_stochastic updates every process's whole bf16 weights: --shard none only")
+    return args
+
+
+SHARDS = ("none", "optimizer", "gradients", "parameters")
+
+
+def _skipped(args, fw, shard, n):
+    """Why the trainer refuses a setting of flame's full fine-tune, or None."""
+    if fw != "flame" or args.mode != "full":
+        return None
+    if shard == "parameters" and n == 1:
+        return "train.shard parameters needs 2 or more processes"
+    if shard == "none" and n > 1 and args.master == "fp32":
+        return "train.shard none would keep the whole fp32 master weights on every process; optimizer is that step"
+    return None
 
 
 def _nprocs(args):
@@ -274,8 +415,9 @@ def _nprocs(args):
 def _frameworks(args):
     import importlib.util
     frameworks = ["flame", "diffusers"] if args.framework == "both" else [args.framework]
-    if "diffusers" in frameworks and not (importlib.util.find_spec("diffusers") and importlib.util.find_spec("peft")):
-        print("diffusers/peft not importable: measuring flame only", file=sys.stderr)
+    needs = ["diffusers"] + (["peft"] if args.mode == "lora" else [])
+    if "diffusers" in frameworks and not all(importlib.util.find_spec(name) for name in needs):
+        print(f"{'/'.join(needs)} not importable: measuring flame only", file=sys.stderr)
         frameworks.remove("diffusers")
     return frameworks
 
@@ -297,19 +439,41 @@ def main(argv=None):
     rows = []
     for ckpt in (["off", "on"] if args.checkpointing == "both" else [args.checkpointing]):
         for fw in _frameworks(args):
-            for n in _nprocs(args):
-                result = _launch(args, fw, n, f"{fw} ckpt {ckpt} N={n}",
-                                 ["--checkpointing", ckpt, "--cache", args.cache])
-                rows.append(result)
-                if "error" in result:
-                    continue
-                result.update(checkpointing=ckpt, images_s=n / result["median_s"])
-                ar = f", all-reduce {result['allreduce_ms']:.2f} ms" if result.get("allreduce_ms") else ""
-                print(f"   {result['median_s'] * 1e3:.1f} ms/step, {result['images_s']:.2f} images/s, peak "
-                      f"{result['peak_bytes'] / 2 ** 30:.2f} GiB{ar} ({result['wall_s']:.0f} s)", flush=True)
+            for shard in (args.shards if fw == "flame" and args.mode == "full" else [None]):
+                for n in _nprocs(args):
+                    rows += _measure_step(args, fw, shard, ckpt, n)
             _save(args, rows)
     _report(rows)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _measure_step(args, fw, shard, ckpt, n):
+    """One (framework, shard, checkpointing, N) setting under torchrun: [its row], or [] when skipped."""
+    what = fw
+    if args.mode == "full":
+        what = f"flame full shard {shard}{' bf16-SR' if args.master == 'bf16_stochastic' else ''}" \
+            if fw == "flame" else "diffusers FSDP2 full"
+    label = f"{what} ckpt {ckpt} N={n}"
+    why = _skipped(args, fw, shard, n)
+    if why:
+        print(f"== {label}: skipped ({why})", flush=True)
+        return []
+    extra = ["--checkpointing", ckpt, "--cache", args.cache, "--mode", args.mode]
+    if args.mode == "full":
+        # --master-weights: torchrun would take --master for an abbreviation of its --master-addr / --master-port
+        extra += ["--master-weights", args.master, *(["--shard", shard] if shard else [])]
+    result = _launch(args, fw, n, label, extra)
+    if "error" in result:
+        return [result]
+    result.update(checkpointing=ckpt, mode=args.mode, shard=shard, images_s=n / result["median_s"])
+    comm = f", all-reduce {result['allreduce_ms']:.2f} ms" if result.get("allreduce_ms") else ""
+    if result.get("collectives"):
+        kinds = result["collectives"]
+        comm = f", collectives {result['collectives_ms']:.2f} ms (" + ", ".join(
+            f"{kind} {count}x {kinds['ms_by_kind'][kind]:.2f} ms" for kind, count in kinds["calls"].items()) + ")"
+    print(f"   {result['median_s'] * 1e3:.1f} ms/step, {result['images_s']:.2f} images/s, peak "
+          f"{result['peak_bytes'] / 2 ** 30:.2f} GiB{comm} ({result['wall_s']:.0f} s)", flush=True)
+    return [result]
 
 
 def _launch(args, worker, n, label, extra=(), torchrun=True):
@@ -377,23 +541,35 @@ def _measure_loading(args):
 
 
 def _report(rows):
+    """The table: per setting its step, images/s, scaling against N = 1 of the same framework and shard
+    (flame's shard parameters, which has no N = 1: against shard gradients', marked *), the collectives,
+    rank 0's peak memory and flame's images/s over diffusers' at the same checkpointing and N."""
     ok = [r for r in rows if "error" not in r]
-    one = {(r["framework"], r["checkpointing"]): r for r in ok if r["nproc"] == 1}
+    one = {(r["framework"], r.get("shard"), r["checkpointing"]): r for r in ok if r["nproc"] == 1}
     base = {(r["checkpointing"], r["nproc"]): r for r in ok if r["framework"] != "flame"}
-    print(f"\n{'setting':<36} {'step ms':>8} {'images/s':>9} {'scaling':>8} {'all-reduce':>16} {'peak GiB':>9} "
+    comm = "collectives" if any(r.get("mode") == "full" for r in ok) else "all-reduce"
+    notes = [f"diffusers full: {FSDP_SETTING}"] if any(r["framework"] == FSDP_SETTING for r in ok) else []
+    print(f"\n{'setting':<44} {'step ms':>8} {'images/s':>9} {'scaling':>8} {comm:>16} {'peak GiB':>9} "
           f"{'vs diffusers':>13}")
     for r in rows:
         if "error" in r:
-            print(f"{r['setting']:<36} failed")
+            print(f"{r['setting']:<44} failed")
             continue
-        single = one.get((r["framework"], r["checkpointing"]))
-        scaling = f"{r['images_s'] / (r['nproc'] * single['images_s']):.3f}" if single else ""
-        ar = (f"{r['allreduce_ms']:.2f} ms {r['allreduce_ms'] / (r['median_s'] * 1e3):.1%}"
-              if r.get("allreduce_ms") else "")
+        single = one.get((r["framework"], r.get("shard"), r["checkpointing"]))
+        mark = ""
+        if single is None and r.get("shard") == "parameters":
+            single, mark = one.get((r["framework"], "gradients", r["checkpointing"])), "*"
+            note = "scaling*: shard parameters against shard gradients at N = 1, the same one-process step"
+            notes += [note] if single and note not in notes else []
+        scaling = f"{r['images_s'] / (r['nproc'] * single['images_s']):.3f}{mark}" if single else ""
+        ms = r.get("allreduce_ms") or r.get("collectives_ms")
+        ar = f"{ms:.2f} ms {ms / (r['median_s'] * 1e3):.1%}" if ms else ""
         ref = base.get((r["checkpointing"], r["nproc"]))
         vs = f"{r['images_s'] / ref['images_s']:.2f}x" if ref and r["framework"] == "flame" else ""
-        print(f"{r['setting']:<36} {r['median_s'] * 1e3:8.1f} {r['images_s']:9.2f} {scaling:>8} {ar:>16} "
+        print(f"{r['setting']:<44} {r['median_s'] * 1e3:8.1f} {r['images_s']:9.2f} {scaling:>8} {ar:>16} "
               f"{r['peak_bytes'] / 2 ** 30:9.2f} {vs:>13}")
+    if notes:
+        print(f"({'; '.join(notes)})")
 
 
 if __name__ == "__main__":
