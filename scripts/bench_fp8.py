@@ -10,10 +10,10 @@ portable`` (the pointer kernel, what cards before Hopper run), ``flame fp8 dequa
 copy, then the bf16 GEMM), ``torch bf16``; fwd only: ``torch _scaled_mm`` (the GEMM of
 already-quantised operands) and ``+ quant x`` (PyTorch quantising x per row first), ``flame w8a8``
 (the route under FLAME_FP8_GEMM=w8a8: x quantised per row by flame's kernel, then the fp8 x fp8
-Gluon product) and ``flame w8a8 product`` (that product alone, on codes quantised beforehand). Each
-row: median ms of CUDA-graph replays, TFLOP/s, speed over flame bf16, and the relative RMS error
-against an fp32 product on the dequantised weight (the W8A8 rows also carry the activations'
-rounding). Writes ``fp8.jsonl`` under ``--out`` (default $OUT or .).
+Gluon product) and ``flame w8a8 product`` (that product alone, on codes quantised beforehand); and
+the quantisation of x alone (ms, GB/s). Each row: median ms of CUDA-graph replays, TFLOP/s, speed
+over flame bf16, and the relative RMS error against an fp32 product on the dequantised weight (the
+W8A8 rows also carry the activations' rounding). Writes ``fp8.jsonl`` under ``--out`` (default $OUT or .).
 
     PYTHONPATH=. python3 scripts/bench_fp8.py
     PYTHONPATH=. python3 scripts/bench_fp8.py --shapes 4608x3072x3072 --rep 200
@@ -78,10 +78,21 @@ def _w8a8_product(out, x, q):
     M, K = x.shape
     N = q.shape[0]
     codes, scales = torch.empty(M, K, dtype=E4M3, device=x.device), torch.empty(M, device=x.device)
-    quantize_rows_(codes, scales, x)
+    quantize_rows_(codes, scales, x, exact=False)
     f = KM.Fusion(b_scale=q.scale)
     cfg = KH._choose(M, N, K, speed=2)
     return lambda: KH.matmul(out, codes, q._data, M, N, K, f, (True, True, K, K, N), cfg, a_scale=scales)
+
+
+def _quantise_row(x, spec, rep):
+    """The W8A8 route's first step alone: x's rows quantised to e4m3 codes and scales, its time and
+    memory throughput (x read, codes and scales written)."""
+    M, K = x.shape
+    codes, scales = torch.empty(M, K, dtype=E4M3, device=x.device), torch.empty(M, device=x.device)
+    ms = graph_time_ms(lambda: quantize_rows_(codes, scales, x, exact=False), rep)
+    gbps = (x.numel() * x.element_size() + codes.numel() + 4 * M) / (ms * 1e-3) / 1e9
+    print(f"{'quantise x ' + spec:<28} {'flame quantize_rows_':<32} {ms:>8.3f} {gbps:>8.0f} GB/s")
+    return dict(problem="quantise", M=M, K=K, row="flame quantize_rows_", ms=ms, gbps=gbps)
 
 
 def _rows_dx(g, q, w16):
@@ -152,6 +163,7 @@ def main(argv=None):
                       f"{ratio:>7.2f} {err:>9.2e}")
                 records.append(dict(problem=problem, M=M, K=K, N=N, row=name, ms=ms, tflops=tflops, rel_err=err,
                                     speed_over_flame_bf16=ratio))
+        records.append(_quantise_row(x, spec, args.rep))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "fp8.jsonl", "w") as f:
         for r in records:

@@ -178,11 +178,13 @@ def test_fp8_linear_low_rank_term_apart():
 
 
 def _w8a8_reference(x, wd, bias, act):
-    """torch's W8A8 forward in fp32: x's rows rounded to e4m3 with absmax / 448 scales (IEEE
-    division, as flame's kernel), times the dequantised weight."""
+    """torch's W8A8 forward in fp32: x's rows rounded to e4m3 with absmax / 448 scales, as flame's
+    kernel (x times 448 / absmax, both quotients IEEE: through float64), times the dequantised weight."""
     x = x.float()
-    s = torch_quantize(x, torch.ones(x.shape[0], device=x.device))[1]
-    xq = (x / s[:, None]).to(E4M3).float() * s[:, None]
+    amax = x.abs().amax(1).double()
+    s = torch.where(amax > 0, amax / 448, 1.0).float()
+    inverse = torch.where(amax > 0, 448 / amax, 1.0).float()
+    xq = (x * inverse[:, None]).to(E4M3).float() * s[:, None]
     return TORCH_ACT[act](torch.nn.functional.linear(xq, wd, None if bias is None else bias.float()))
 
 

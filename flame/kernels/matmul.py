@@ -680,11 +680,36 @@ class Route:
 
 
 _reported: set = set()
+_MAX_ROUTES = 4096  # memo entries of either kind before the memo starts afresh
 
 
-@tune.memoised
-def _route(p: GemmProblem) -> Route:
-    return _plan(p)
+class _Routes:
+    """``plan``'s memo: the ``Route`` of each ``GemmProblem`` (``problems``) and, for ``_launch``, the
+    (problem, route, runner) of each call signature (``calls``, see there), emptied together by
+    ``cache_clear``: ``flame.tune``'s overrides, tables and resets (``tune.register_cache``), and tests
+    that patch the planner's helpers (split counts, configs, shared memory)."""
+
+    __slots__ = ("problems", "calls")
+
+    def __init__(self):
+        self.problems, self.calls = {}, {}
+
+    def __call__(self, p):
+        route = self.problems.get(p)
+        if route is None:
+            route = _plan(p)
+            if len(self.problems) >= _MAX_ROUTES:
+                self.problems.clear()
+            self.problems[p] = route
+        return route
+
+    def cache_clear(self):
+        self.problems.clear()
+        self.calls.clear()
+
+
+_route = _Routes()
+tune.register_cache(_route.cache_clear)
 
 
 def plan(p: GemmProblem) -> Route:
@@ -701,6 +726,9 @@ def plan(p: GemmProblem) -> Route:
               f"strides {p.sa[2:]} {p.sb[2:]} {p.sc[2:]} {', '.join(fusion) or 'no fusion'}: {route.kernel}, "
               f"splits {route.splits}, config {route.config}: {route.reason}", file=sys.stderr)
     return route
+
+
+_PLAN = plan  # ``_launch`` asks ``plan`` itself on every launch while this name is replaced (a test's watcher)
 
 
 def _plan(p):
@@ -782,7 +810,8 @@ def _fp8_route(p):
 
 def _w8a8(p):
     """The "fp8_w8a8" route of a linear's forward over an fp8 weight: A's rows quantised to e4m3
-    codes and fp32 scales (``quant.quantize_rows_``, a transient (M, K) buffer), then
+    codes and fp32 scales (``quant.quantize_rows_``, times the scale's reciprocal; a transient (M, K)
+    buffer), then
     ``matmul_hopper``'s fp8 product where it serves the problem (sm_90, B and C readable by TMA, a
     problem of at least a wave of tiles), with both scales applied to the accumulator; elsewhere
     (other GPUs, the interpreter) the codes of A are decoded back into A's dtype and the weight-only
@@ -973,16 +1002,9 @@ def _gluon_available():
 
 def _misaligned(a, b, out, f):
     """The names of the buffers of a launch that do not start 16-byte aligned (``GemmProblem``)."""
-    ptrs = a.data_ptr() | b.data_ptr() | out.data_ptr()
-    if f.pre_out is not None:
-        ptrs |= f.pre_out.data_ptr()
-    if f.residual is not None:
-        ptrs |= f.residual.data_ptr()
-    u, v = (f.u, f.v) if f.rank else (None, None)
-    if u is not None:
-        ptrs |= u.data_ptr() | v.data_ptr()
-    if not ptrs % 16:
+    if not (a.data_ptr() | b.data_ptr() | out.data_ptr() | f.pointers) % 16:
         return ()
+    u, v = (f.u, f.v) if f.rank else (None, None)
     bufs = (("a", a), ("b", b), ("c", out), ("pre_out", f.pre_out), ("residual", f.residual), ("u", u), ("v", v))
     return tuple(name for name, t in bufs if t is not None and t.data_ptr() % 16)
 
@@ -990,15 +1012,35 @@ def _misaligned(a, b, out, f):
 def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
     """One GEMM: ``a``, ``b``, ``out`` give the base pointers and dtypes; the problem is (at most two)
     batch dims ``batch_shape`` and per-operand strides ``s* = (batch strides..., row stride, column
-    stride)``, so no torch view is built on the hot path; ``f`` (a ``Fusion``) the epilogue. Runs the
-    route ``plan`` names for it."""
-    pad = 2 - len(batch_shape)
-    z = (0,) * pad
-    batch = (1,) * pad + tuple(batch_shape) if pad != 2 else _ONE
+    stride)``, all tuples, so no torch view is built on the hot path; ``f`` (a ``Fusion``) the
+    epilogue. Runs the route ``plan`` names for it.
+
+    A launch looks its route and runner up in ``_route.calls`` under its call signature: what its
+    ``GemmProblem`` is made of, as the call has it (sizes, batch shape and strides as given, the
+    dtypes, ``Fusion.key``, the buffers' alignment where the TMA kernels could take the problem,
+    the device's switches and FLAME_FP8_GEMM as read now), so a repeated launch builds one tuple
+    and no problem. A new signature describes its problem (``_problem``) and asks ``plan``, and so
+    does every launch while FLAME_DEBUG_ROUTES is on or ``plan`` is replaced (a watcher sees every
+    launch's problem)."""
     f = _NO_FUSION if f is None else f
-    p = _problem(out, a, b, M, N, K, batch, z + tuple(sa), z + tuple(sb), z + tuple(sc), f)
-    route = plan(p)
-    _RUN[route.kernel](p, route, out, a, b, f)
+    dtype = a.dtype
+    tma = TMA and dtype in _TMA_DTYPES and tma_available()
+    key = (M, N, K, batch_shape, sa, sb, sc, dtype, out.dtype, f.key,
+           tma and (a.data_ptr() | b.data_ptr() | out.data_ptr() | f.pointers) % 16 and _misaligned(a, b, out, f),
+           tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER, runtime.num_sms(), FP8_ROUTE)
+    entry = _route.calls.get(key)
+    if entry is None or DEBUG_ROUTES or plan is not _PLAN:
+        pad = 2 - len(batch_shape)
+        z = (0,) * pad
+        p = _problem(out, a, b, M, N, K, (1,) * pad + batch_shape, z + sa, z + sb, z + sc, f)
+        route = plan(p)
+        entry = (p, route, _RUN[route.kernel])
+        if plan is _PLAN:
+            if len(_route.calls) >= _MAX_ROUTES:
+                _route.calls.clear()
+            _route.calls[key] = entry
+    p, route, run = entry
+    run(p, route, out, a, b, f)
 
 
 # The runners: route ``r`` of problem ``p`` on these buffers with the epilogue ``f``. They take every
@@ -1071,7 +1113,7 @@ def _run_fp8_dequant(p, r, out, a, b, f):
 def _run_fp8_w8a8(p, r, out, a, b, f):
     codes = runtime.empty((p.M, p.K), FP8_DTYPE)
     scales = runtime.empty((p.M,), torch.float32)
-    quantize_rows_(codes, scales, a.as_strided((p.M, p.K), p.sa[2:]))
+    quantize_rows_(codes, scales, a.as_strided((p.M, p.K), p.sa[2:]), exact=False)
     if not r.then:
         matmul_hopper.matmul(out, codes, b, p.M, p.N, p.K, f, r.layout, r.config, a_scale=scales)
         return
@@ -1100,10 +1142,14 @@ class Fusion:
     GEMM, or the adapter's share of the input gradient). ``b_scale`` (2-D problems): B is a
     float8_e4m3fn buffer of codes with this fp32 scale per column of B (N,), or per row (K,) with
     ``b_scale_rows``, decoded in the main loop (``B_FP8`` in ``_matmul_kernel``); ``w8a8`` (with a
-    scale per column): A is rounded to e4m3 per row for the product (``_w8a8``)."""
+    scale per column): A is rounded to e4m3 per row for the product (``_w8a8``).
+
+    ``key``: the switches a ``GemmProblem`` takes from it; ``pointers``: the addresses of the
+    pre-activation, residual, U and V buffers or'ed together (their 16-byte alignment at once)."""
 
     __slots__ = ("bias", "bias_stride", "act", "pre_out", "alpha", "residual", "u", "v", "beta", "rank",
-                 "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8", "w8a8")
+                 "scale", "rank_ratio", "u_strides", "v_strides", "b_scale", "b_scale_rows", "b_fp8", "w8a8",
+                 "key", "pointers")
 
     def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None, b_scale=None,
                  b_scale_rows=False, w8a8=False):
@@ -1124,6 +1170,12 @@ class Fusion:
         self.b_scale, self.b_scale_rows = b_scale, bool(b_scale_rows)
         self.b_fp8 = 0 if b_scale is None else FP8_ROWS.value if b_scale_rows else FP8_COLUMNS.value
         self.w8a8 = bool(w8a8)
+        self.key = (bias is not None, act, pre_out is not None, residual is not None, self.rank, self.u_strides,
+                    self.v_strides, self.b_fp8, self.w8a8)
+        self.pointers = 0
+        for t in (pre_out, residual) + ((u, v) if self.rank else ()):
+            if t is not None:
+                self.pointers |= t.data_ptr()
 
 
 _NO_FUSION = Fusion()
@@ -1172,7 +1224,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
             return out
     shape, (a_bs, b_bs, c_bs) = collapse(batch, [st_a[:-2], st_b[:-2], st_c[:-2]])
     if len(shape) <= 2:
-        _launch(out, a, b, M, N, K, shape, a_bs + list(st_a[-2:]), b_bs + list(st_b[-2:]), c_bs + list(st_c[-2:]))
+        _launch(out, a, b, M, N, K, tuple(shape), (*a_bs, *st_a[-2:]), (*b_bs, *st_b[-2:]), (*c_bs, *st_c[-2:]))
         return out
     # Batch dims that do not collapse: peel the leading ones off in Python.
     lead = len(shape) - 2
@@ -1180,8 +1232,8 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
         views = [t.as_strided(t.shape[-2:], t.stride()[-2:],
                               t.storage_offset() + sum(i * s for i, s in zip(idx, st[:lead])))
                  for t, st in ((a, a_bs), (b, b_bs), (out, c_bs))]
-        _launch(views[2], views[0], views[1], M, N, K, shape[lead:], a_bs[lead:] + list(st_a[-2:]),
-                b_bs[lead:] + list(st_b[-2:]), c_bs[lead:] + list(st_c[-2:]))
+        _launch(views[2], views[0], views[1], M, N, K, tuple(shape[lead:]), (*a_bs[lead:], *st_a[-2:]),
+                (*b_bs[lead:], *st_b[-2:]), (*c_bs[lead:], *st_c[-2:]))
     return out
 
 

@@ -59,11 +59,17 @@ def decode_e4m3(code):
 
 
 @triton.jit
-def _codes(w, scale, HW_CAST: tl.constexpr):
-    """The e4m3fn codes (uint8) of ``w / scale`` per row (IEEE division, as torch's reference computes
-    it), rounded by the hardware's conversion (HW_CAST: sm_89 and later; round to nearest even,
-    saturating, as ``encode_e4m3``) or by ``encode_e4m3``."""
-    x = tl.div_rn(w, tl.broadcast_to(scale[:, None], w.shape))
+def _codes(w, scale, inverse, EXACT: tl.constexpr, HW_CAST: tl.constexpr):
+    """The e4m3fn codes (uint8) of ``w / scale`` per row: EXACT, by IEEE division (as torch's
+    reference computes it), else ``w * inverse`` (the scale's reciprocal: within an ulp of the
+    quotient, so a code differs only where the quotient lies within an ulp of a rounding boundary;
+    2.5x faster on the H200, where the division bounds the kernel); rounded by the hardware's
+    conversion (HW_CAST: sm_89 and later; round to nearest even, saturating, as ``encode_e4m3``) or
+    by ``encode_e4m3``."""
+    if EXACT:
+        x = tl.div_rn(w, tl.broadcast_to(scale[:, None], w.shape))
+    else:
+        x = w * inverse[:, None]
     if HW_CAST:
         return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     return encode_e4m3(x)
@@ -71,9 +77,11 @@ def _codes(w, scale, HW_CAST: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, N, K, swn, swk, ABSMAX: tl.constexpr, ONE_PASS: tl.constexpr,
-                          HW_CAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          EXACT: tl.constexpr, HW_CAST: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
     # One program = BLOCK_N rows of W: (ABSMAX) each row's largest magnitude and its scale s = absmax /
-    # 448 (1 for a zero row), else s = 1; then the codes of W / s (``_codes``). ONE_PASS (a row fits
+    # 448 (1 for a zero row; and 1 / s = 448 / absmax), else s = 1; then the codes of W / s
+    # (``_codes``: EXACT by division, else times 1 / s). ONE_PASS (a row fits
     # one BLOCK_K): the rows are read once and kept in registers; else a pass over K for the scales
     # and a second one for the codes. Q is contiguous (N, K).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,9 +91,9 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, N, K, swn, swk, ABSMAX: tl.co
     if ONE_PASS:
         mask = mask_n[:, None] & (cols < K)[None, :]
         w = tl.load(w_rows + cols[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(w), axis=1), BLOCK_N, ABSMAX)
+        scale, inverse = _row_scale(tl.max(tl.abs(w), axis=1), BLOCK_N, ABSMAX)
         tl.store(scale_ptr + rows, scale, mask=mask_n)
-        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _codes(w, scale, HW_CAST), mask=mask)
+        tl.store(q_ptr + rows[:, None] * K + cols[None, :], _codes(w, scale, inverse, EXACT, HW_CAST), mask=mask)
     else:
         amax = tl.zeros((BLOCK_N,), tl.float32)
         if ABSMAX:
@@ -93,20 +101,24 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, N, K, swn, swk, ABSMAX: tl.co
                 mask = mask_n[:, None] & (cols < K - k0)[None, :]
                 w = tl.load(w_rows + (k0 + cols)[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
-        scale = _row_scale(amax, BLOCK_N, ABSMAX)
+        scale, inverse = _row_scale(amax, BLOCK_N, ABSMAX)
         tl.store(scale_ptr + rows, scale, mask=mask_n)
         for k0 in range(0, K, BLOCK_K):
             mask = mask_n[:, None] & (cols < K - k0)[None, :]
             w = tl.load(w_rows + (k0 + cols)[None, :] * swk, mask=mask, other=0.0).to(tl.float32)
-            tl.store(q_ptr + rows[:, None] * K + (k0 + cols)[None, :], _codes(w, scale, HW_CAST), mask=mask)
+            tl.store(q_ptr + rows[:, None] * K + (k0 + cols)[None, :], _codes(w, scale, inverse, EXACT, HW_CAST),
+                     mask=mask)
 
 
 @triton.jit
 def _row_scale(amax, BLOCK_N: tl.constexpr, ABSMAX: tl.constexpr):
-    """absmax / 448 (IEEE division; 1 for a zero row), or 1 without ABSMAX."""
+    """(scale, its reciprocal) of each row: absmax / 448 and 448 / absmax (IEEE divisions; 1 and 1 for
+    a zero row), or 1 and 1 without ABSMAX."""
+    one = tl.full((BLOCK_N,), 1.0, tl.float32)
     if ABSMAX:
-        return tl.where(amax > 0.0, tl.div_rn(amax, tl.full((BLOCK_N,), E4M3_MAX, tl.float32)), 1.0)
-    return tl.full((BLOCK_N,), 1.0, tl.float32)
+        limit = tl.full((BLOCK_N,), E4M3_MAX, tl.float32)
+        return tl.where(amax > 0.0, tl.div_rn(amax, limit), one), tl.where(amax > 0.0, tl.div_rn(limit, amax), one)
+    return one, one
 
 
 @triton.jit
@@ -154,17 +166,19 @@ def as_codes(q):
     return q.view(torch.uint8)
 
 
-def quantize_rows_(q, scale, w, absmax=True):
+def quantize_rows_(q, scale, w, absmax=True, exact=True):
     """Codes ``q`` (N, K, contiguous float8_e4m3fn) and scales ``scale`` (N,) fp32 of the weight
     ``w`` (N, K, any float dtype, any strides): ``scale = absmax of each row / 448`` (1 for a zero
-    row), or 1 everywhere when not ``absmax``; ``q = e4m3(w / scale)``. Returns ``q``."""
+    row), or 1 everywhere when not ``absmax``; ``q = e4m3(w / scale)``, by IEEE division when
+    ``exact`` (torch's ``(w / scale).to(float8_e4m3fn)`` bit for bit), else as ``w * (448 / absmax)``
+    (activations quantised for W8A8 on every forward: 2.5x faster). Returns ``q``."""
     N, K = w.shape
     if q.numel() == 0:  # no values: scale 1
         fill_(scale, 1.0)
         return q
     bn, bk, warps = _row_blocks(N, K)
     launch(_quantize_rows_kernel, (cdiv(N, bn),), w, as_codes(q), scale, N, K, *w.stride(), ABSMAX=absmax,
-           ONE_PASS=bk >= K, HW_CAST=_hardware_e4m3(), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+           ONE_PASS=bk >= K, EXACT=exact, HW_CAST=_hardware_e4m3(), BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
     return q
 
 
