@@ -22,10 +22,9 @@ Kernels (all programs of one (batch, head) pair index it as ``pid_bh = b * H + h
   ``_safe_softmax`` path). Above head dim 256 the value/output columns may be split over
   programs (grid axis 2, BLOCK_DV columns each; see ``ACC_REGS``): each slice recomputes the
   scores over the whole head dim, and the first one stores lse2.
-  On sm_90 with Gluon, ``attention_fwd`` sends the unmasked, non-causal head-dim-128 calls to
-  the warp-specialised kernel of ``attention_hopper.py`` instead (HOPPER_FWD), which writes the
-  same O and lse2; ``attention_bwd`` sends the same calls to that file's dK/dV and dQ kernels
-  (HOPPER_BWD) after the preprocess kernel below.
+  On sm_90 with Gluon, the unmasked, non-causal head-dim-128 calls run the warp-specialised
+  kernels of ``attention_hopper.py`` instead (route "gluon", forward and backward), which write
+  the same O and lse2. Which kernels run a call is data: see "routes" below (``plan``).
 - ``_attn_bwd_preprocess_kernel``: ``delta_i = sum_d dO[i, d] * O[i, d]``.
 - ``_attn_bwd_dkdv_kernel``: one program per BLOCK_N keys (and per chunk of query blocks),
   looping over query blocks; recomputes P from lse2. With FUSED_DQ (every key in one block)
@@ -41,8 +40,11 @@ blocks pay no ``where``. Loads and stores are masked on both sequence ends and o
 Interpreter notes (as in matmul.py): bf16 dot inputs are upcast (the interpreter's bf16 dot is
 wrong); fp32 dots use ``input_precision="ieee"``; fp64 inputs accumulate in fp64.
 """
+import dataclasses
 import functools
 import os
+import sys
+from typing import NamedTuple
 
 import torch
 import triton
@@ -55,13 +57,15 @@ from .launch import launch
 from .matmul import tma_available
 
 # The forward's K/V loop reads through TMA descriptors where the GPU and the layout allow it
-# (``_tma_readable``) and there are at least KV_TMA_MIN_KEYS keys; FLAME_ATTN_TMA=0 turns that
-# off. Measured on an H200 (Triton 3.6, bf16, the tuned configs): 2-7% faster at 4096 keys (head
-# dims 64 and 128, batch 1 and 4), 5% slower at 1024.
-KV_TMA = not runtime.INTERPRETER and os.environ.get("FLAME_ATTN_TMA", "1") != "0"
+# (route "kv_tma") and there are at least KV_TMA_MIN_KEYS keys; FLAME_ATTN_TMA=0 turns that off
+# (TMA_SWITCH). Measured on an H200 (Triton 3.6, bf16, the tuned configs): 2-7% faster at 4096
+# keys (head dims 64 and 128, batch 1 and 4), 5% slower at 1024.
+TMA_SWITCH = os.environ.get("FLAME_ATTN_TMA", "1") != "0"
+KV_TMA = not runtime.INTERPRETER and TMA_SWITCH
 KV_TMA_MIN_KEYS = 2048
 # On an sm_90 GPU with Gluon, the forward calls that ``attention_hopper.usable`` accepts and whose
-# head dim is in HOPPER_HEAD_DIMS run the warp-specialised Gluon kernel of attention_hopper.py;
+# head dim is in HOPPER_HEAD_DIMS run the warp-specialised Gluon kernel of attention_hopper.py
+# (route "gluon", ``_gluon_refusal``);
 # FLAME_ATTN_GLUON=0 turns that off (the portable kernel below then serves every call). Measured
 # on an H200 (Triton 3.6, bf16, same process): Flux's 1x24x4608x128 0.453 ms against 0.522 here
 # (cuDNN SDPA 0.448); at head dim 64 the Gluon kernel is slower (SDXL, 4096 tokens: 0.121 against
@@ -495,11 +499,12 @@ SHORT_KV_MAX = 128
 FORCE_BLOCKS = None
 
 
-def _switches(dtype):
+def _switches(dtype, gpu):
+    """(ACC, PRECISION, UPCAST) of the portable kernels for ``dtype`` on a GPU (``gpu``) or the interpreter."""
     acc = tl.float64 if dtype == torch.float64 else tl.float32
     # fp32 attention is for tests: exact products (no tf32) everywhere; fp16/bf16 ignore it on the GPU
-    precision = "ieee" if (runtime.INTERPRETER or dtype in (torch.float32, torch.float64)) else "tf32"
-    upcast = runtime.INTERPRETER and dtype == torch.bfloat16
+    precision = "ieee" if (not gpu or dtype in (torch.float32, torch.float64)) else "tf32"
+    upcast = not gpu and dtype == torch.bfloat16
     return acc, precision, upcast
 
 
@@ -799,11 +804,40 @@ def _bwd_fields(kv, dq, chunks):
                 num_warps_dq=dq_warps, num_stages_dq=dq_stages, CHUNKS=chunks)
 
 
-# ---- launchers --------------------------------------------------------------------------------
-# Operands are described by (buffer, (batch stride, head stride, row stride)); the head dim is
-# contiguous. ``mask`` is None or (buffer, (4 strides), kind) with kind 1 = additive, 2 = boolean
-# (a uint8 view).
+# ---- routes: which kernels run an attention call --------------------------------------------------
+# ``attention_fwd`` and ``attention_bwd`` describe each call as an ``AttentionProblem`` (direction,
+# sizes, dtype, the scale's sign, causal, the mask kind, whether offsets need int64, which operands
+# TMA cannot read, and what the device runs), ask ``plan`` for its route and run it (``_RUN``).
+# Forward:
+#   "gluon"     ``attention_hopper``'s warp-specialised kernel (sm_90 with Gluon, HOPPER_FWD): 16-bit,
+#               head dim in HOPPER_HEAD_DIMS, no mask, not causal, scale > 0, Lk a positive multiple
+#               of its 128-key block, Q, K and V readable by TMA (``_gluon_refusal``)
+#   "short_kv"  ``_attn_fwd_kernel`` with every key in one block (``short_kv``, SINGLE_KV): K and V
+#               loaded once per program for M_GROUP query blocks (cross-attention)
+#   "kv_tma"    ``_attn_fwd_kernel``'s key loop with K/V blocks read through TMA descriptors: a GPU
+#               with TMA (FLAME_ATTN_TMA not 0), at least KV_TMA_MIN_KEYS keys, a power-of-two head
+#               dim, 16-bit K and V that TMA can read, 32-bit offsets (``_kv_tma_refusal``)
+#   "pointer"   ``_attn_fwd_kernel``'s key loop with pointer loads: every other call
+#   "none"      no (batch, head) pair or no query: nothing to write
+# Backward:
+#   "gluon"     the delta preprocess, then ``attention_hopper``'s dK/dV and dQ kernels (HOPPER_BWD):
+#               the forward's "gluon" calls with queries and dO readable by TMA too
+#   "fused_dq"  short K/V in one key block: ``_attn_bwd_dkdv_kernel`` computes delta and writes dQ too
+#   "dkdv_dq"   the delta preprocess, ``_attn_bwd_dkdv_kernel``, then ``_attn_bwd_dq_kernel`` (with no
+#               keys, only the dQ program: dQ = 0)
+#   "none"      no (batch, head) pair
+# ``Route.splits``: the forward's value-column slices (BLOCK_DV, head dims above 256: grid axis 2);
+# the portable backward's query chunks (CHUNKS: more than one writes fp32 partial dK/dV that
+# ``_sum_chunks_kernel`` sums in a fixed order). Configs are ``_fwd_config``'s and ``_bwd_config``'s
+# (this process's ``flame.tune`` tables and heuristics). Routes are memoised per problem, except
+# while a test forces blocks (FORCE_BLOCKS). ``FLAME_DEBUG_ROUTES=1`` prints each distinct
+# problem's route and why, once, to stderr.
 
+FORWARD, BACKWARD = "forward", "backward"
+ROUTES = {FORWARD: ("gluon", "short_kv", "kv_tma", "pointer", "none"),
+          BACKWARD: ("gluon", "fused_dq", "dkdv_dq", "none")}
+DEBUG_ROUTES = os.environ.get("FLAME_DEBUG_ROUTES", "") == "1"
+_TMA_DTYPES = (torch.float16, torch.bfloat16)
 _I32 = 2 ** 31 - 1
 
 
@@ -811,102 +845,327 @@ def _wide(*extents):
     return any(e > _I32 for e in extents)
 
 
-def _tma_readable(t, strides):
-    """Whether the K/V loop can read ``t`` (B, H, L, D strides ``strides``) through TMA: 16-bit
-    elements, every head's base and row stride 16-byte aligned, on a GPU that has TMA."""
-    es = t.element_size()
-    return (t.dtype in (torch.float16, torch.bfloat16) and t.data_ptr() % 16 == 0
-            and all((st * es) % 16 == 0 for st in strides[:3])
-            and (runtime.INTERPRETER or tma_available()))
+class AttentionProblem(NamedTuple):
+    """One call of ``attention_fwd`` or ``attention_bwd`` as routing sees it. A tuple (the route memo
+    hashes it): the ``direction`` (FORWARD, BACKWARD); sizes; the operands' dtype; whether the scale
+    is positive (the forward then takes row maxima over the raw scores); causal; the mask kind (0:
+    none, 1: additive, 2: boolean); ``wide``: an operand's extent passes 2^31 elements (int64
+    offsets); ``misaligned``: the operands among "q", "k", "v" and (backward) "do" whose base or
+    batch/head/row stride is not a multiple of 16 bytes (looked at only for 16-bit dtypes where
+    ``tma`` or ``gluon``); and the device: ``tma``, TMA descriptors work here (a GPU that has them,
+    or the interpreter, which emulates them) and FLAME_ATTN_TMA is not 0; ``gluon``, the Gluon
+    kernels of attention_hopper.py run here (sm_90, Gluon) and FLAME_ATTN_GLUON (a backward's:
+    FLAME_ATTN_GLUON_BWD too) is not 0; ``gpu``, not the interpreter. Launch configs come from this
+    process's tables and heuristics (``flame.tune``)."""
+
+    direction: str
+    B: int
+    H: int
+    Lq: int
+    Lk: int
+    D: int
+    dtype: torch.dtype
+    positive_scale: bool = True
+    causal: bool = False
+    mask: int = 0
+    wide: bool = False
+    misaligned: tuple = ()
+    tma: bool = False
+    gluon: bool = False
+    gpu: bool = False
+
+    @classmethod
+    def dense(cls, direction, B, H, Lq, Lk, D, dtype, *, layout="bhld", scale=1.0, causal=False, mask=0, tma=False,
+              gluon=False, gpu=None):
+        """A call on freshly allocated buffers, from shapes: how tests describe one without allocating
+        it. Every operand (B, H, L, D) contiguous (``layout="bhld"``) or a (B, L, H, D) buffer permuted
+        (``"blhd"``: a projection's heads read in place), every base aligned; a mask (``mask`` its
+        kind) contiguous (B, H, Lq, Lk). ``gpu`` defaults to ``tma``: ``tma=True, gluon=True``
+        describes an H200."""
+        def strides(L):
+            return (H * L * D, L * D, D) if layout == "bhld" else (L * H * D, D, H * D)
+
+        named = dict(q=strides(Lq), k=strides(Lk), v=strides(Lk))
+        if direction == BACKWARD:
+            named["do"] = strides(Lq)
+        misaligned = ()
+        if dtype in _TMA_DTYPES and (tma or gluon):
+            misaligned = tuple(name for name, s in named.items() if any(x * dtype.itemsize % 16 for x in s))
+        wide = _wide(Lq * strides(Lq)[2], Lk * strides(Lk)[2], (Lq * Lk + Lk) if mask else 0)
+        return cls(direction, B, H, Lq, Lk, D, dtype, scale > 0, causal, mask, wide, misaligned, tma, gluon,
+                   tma if gpu is None else gpu)
 
 
-def _hopper_serves(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
-    """Whether attention_hopper.py's kernels take this call (see HOPPER_FWD)."""
-    return (FORCE_BLOCKS is None and D in HOPPER_HEAD_DIMS
-            and attention_hopper.usable(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask))
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What ``plan`` chose: the path (``kernel``, one of ROUTES[direction]); ``config``, the main
+    portable kernel's constexprs and launch options (the forward's ``_attn_fwd_kernel``, the
+    backward's dK/dV program: tuned fields as ``flame.tune`` answered them, the derived ones and
+    the switches; empty for "gluon" and "none"); ``splits`` (see above); why (``reason``); the main
+    kernel's ``grid``; for "dkdv_dq" the dQ program's ``dq_config``; for the portable backward
+    ``per_chunk``, the query blocks of one chunk."""
+
+    kernel: str
+    config: dict
+    splits: int
+    reason: str
+    grid: tuple = ()
+    dq_config: dict | None = None
+    per_chunk: int = 0
 
 
-def _mask_args(mask, q):
-    if mask is None:
-        return q, (0, 0, 0, 0), 0
-    return mask
+_reported: set = set()
+
+
+@tune.memoised
+def _route(p: AttentionProblem) -> Route:
+    return _plan(p)
+
+
+def plan(p: AttentionProblem) -> Route:
+    """The route of attention problem ``p`` (see above), memoised per problem (a training loop's
+    shapes repeat): one dictionary lookup on the host after the first call."""
+    route = _route(p) if FORCE_BLOCKS is None else _plan(p)
+    if DEBUG_ROUTES and p not in _reported:
+        _reported.add(p)
+        what = [f"{p.B}x{p.H} heads, {p.Lq} queries x {p.Lk} keys of {p.D}", str(p.dtype)]
+        what += ["causal"] * p.causal + [("", "additive mask", "boolean mask")[p.mask]] * bool(p.mask)
+        what += ["scale <= 0"] * (not p.positive_scale) + ["int64 offsets"] * p.wide
+        what += [f"{', '.join(p.misaligned)} not 16-byte aligned"] * bool(p.misaligned)
+        print(f"flame attention route: {p.direction} {', '.join(what)}: {route.kernel}, splits {route.splits}, "
+              f"config {route.config}: {route.reason}", file=sys.stderr)
+    return route
+
+
+def _plan(p):
+    if p.B * p.H == 0 or (p.direction == FORWARD and p.Lq == 0):
+        return Route("none", {}, 0, "no (batch, head) pair" if p.B * p.H == 0 else "no query")
+    refusal = _gluon_refusal(p)
+    if refusal is None:
+        kernels = "kernel" if p.direction == FORWARD else "dK/dV and dQ kernels"
+        return Route("gluon", {}, 1, f"head dim {p.D}, {p.Lk} keys, no mask, not causal: attention_hopper's "
+                                     f"warp-specialised {kernels}")
+    refusal = f"; not Gluon: {refusal}" if p.gluon else ""
+    return _plan_forward(p, refusal) if p.direction == FORWARD else _plan_backward(p, refusal)
+
+
+def _gluon_refusal(p):
+    """Why attention_hopper.py's kernels do not take problem ``p`` (None: they do): its ``usable``
+    (the device, 16-bit, head dim, no mask, not causal, scale > 0, Lk a positive multiple of its
+    key block, Q, K, V readable by TMA), HOPPER_HEAD_DIMS, and for a backward queries and dO
+    readable by TMA too."""
+    if not p.gluon:
+        return "not an sm_90 GPU with Gluon, or FLAME_ATTN_GLUON(_BWD)=0"
+    if FORCE_BLOCKS is not None:
+        return "blocks forced (FORCE_BLOCKS)"
+    if p.mask or p.causal:
+        return "a mask" if p.mask else "causal"
+    if not p.positive_scale:
+        return "scale <= 0"
+    if p.D not in HOPPER_HEAD_DIMS or p.D not in attention_hopper.HEAD_DIMS:
+        return f"head dim {p.D} (the Gluon kernels take {HOPPER_HEAD_DIMS}: HOPPER_HEAD_DIMS)"
+    if p.dtype not in _TMA_DTYPES:
+        return f"{p.dtype}"
+    if p.Lk < attention_hopper.BLOCK_N or p.Lk % attention_hopper.BLOCK_N:
+        return f"Lk = {p.Lk} not a positive multiple of {attention_hopper.BLOCK_N}"
+    if p.direction == BACKWARD and p.Lq == 0:
+        return "no query"
+    if p.misaligned:
+        return f"{', '.join(p.misaligned)} not 16-byte aligned (TMA)"
+    return None
+
+
+def _plan_forward(p, refusal):
+    cfg = _fwd_config(p.Lq, p.Lk, p.D, p.B * p.H, p.dtype)
+    grid = (_cdiv(_cdiv(p.Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), p.B * p.H)
+    slices = 1
+    if "BLOCK_DV" in cfg:  # value columns split: grid axis 2 walks the slices
+        slices = _cdiv(p.D, cfg["BLOCK_DV"])
+        grid += (slices,)
+        refusal = f"; value columns in {slices} slices of {cfg['BLOCK_DV']}{refusal}"
+    else:
+        cfg = dict(cfg, BLOCK_DV=cfg["BLOCK_D"])
+    if cfg["SINGLE_KV"]:
+        kernel, why = "short_kv", (f"{p.Lk} keys in one block of {cfg['BLOCK_N']}: K/V loaded once per program, "
+                                   f"{cfg['M_GROUP']} query block(s) each")
+    else:
+        tma_refusal = _kv_tma_refusal(p, cfg)
+        kernel = "pointer" if tma_refusal else "kv_tma"
+        why = tma_refusal or (f"{p.Lk} keys, 16-bit K/V TMA can read, a power-of-two head dim: K/V blocks by TMA"
+                              if FORCE_BLOCKS is None else "blocks forced with KV_TMA, K/V TMA can read")
+    acc, precision, upcast = _switches(p.dtype, p.gpu)
+    config = dict(cfg, KV_TMA=kernel == "kv_tma", HEAD_DIM=p.D, CAUSAL=p.causal, MASK_KIND=p.mask, ACC=acc,
+                  PRECISION=precision, UPCAST=upcast, WIDE=p.wide, POS_SCALE=p.positive_scale)
+    return Route(kernel, config, slices, why + refusal, grid)
+
+
+def _kv_tma_refusal(p, cfg):
+    """Why the forward's key loop (config ``cfg``) reads K/V by pointer (None: through TMA). With
+    FORCE_BLOCKS the forced KV_TMA decides instead of the GPU and the key count (tests)."""
+    if FORCE_BLOCKS is not None:
+        if not cfg["KV_TMA"]:
+            return "blocks forced without KV_TMA"
+    elif not p.gpu:
+        return "the interpreter: pointer loads"
+    if not p.tma:
+        return "no TMA here (FLAME_ATTN_TMA=0 or a GPU without it)"
+    if FORCE_BLOCKS is None:
+        if cfg["BLOCK_D"] != p.D:
+            return f"head dim {p.D} not a power of two"
+        if p.Lk < KV_TMA_MIN_KEYS:
+            return f"{p.Lk} keys < KV_TMA_MIN_KEYS = {KV_TMA_MIN_KEYS} (TMA is slower there)"
+    if p.dtype not in _TMA_DTYPES:
+        return f"{p.dtype}: TMA takes 16-bit K/V"
+    if "k" in p.misaligned or "v" in p.misaligned:
+        return "K or V not 16-byte aligned (TMA)"
+    if p.wide:
+        return "int64 offsets"
+    return None
+
+
+def _plan_backward(p, refusal):
+    kv, dq, per_chunk = _bwd_config(p.Lq, p.Lk, p.D, p.B * p.H, p.dtype)
+    per_chunk = max(1, per_chunk)
+    acc, precision, upcast = _switches(p.dtype, p.gpu)
+    common = dict(HEAD_DIM=p.D, CAUSAL=p.causal, MASK_KIND=p.mask, ACC=acc, PRECISION=precision, UPCAST=upcast,
+                  WIDE=p.wide)
+    chunks = max(1, _cdiv(_cdiv(p.Lq, kv["BLOCK_M"]), per_chunk))
+    grid = (_cdiv(p.Lk, kv["BLOCK_N"]), p.B * p.H, chunks)
+    if chunks > 1:
+        refusal = f"; {chunks} query chunks of {per_chunk} blocks, fp32 partial dK/dV summed{refusal}"
+    if dq is None and p.Lk > 0:  # one key block: the dK/dV program computes delta and dQ itself
+        config = dict(common, FUSED_DQ=True, KEY_BOUND=p.Lk % kv["BLOCK_N"] != 0, **kv)
+        why = f"{p.Lk} keys in one block of {kv['BLOCK_N']}: the dK/dV program computes delta and writes dQ"
+        return Route("fused_dq", config, chunks, why + refusal, grid, None, per_chunk)
+    config = dict(common, FUSED_DQ=False, KEY_BOUND=False, **kv)
+    why = (f"{p.Lk} keys in blocks of {kv['BLOCK_N']}: delta, the dK/dV program, then the dQ program" if p.Lk else
+           "no keys: the dQ program writes dQ = 0")
+    return Route("dkdv_dq", config, chunks, why + refusal, grid, dict(common, **(kv if dq is None else dq)), per_chunk)
+
+
+# ---- running a route ------------------------------------------------------------------------------
+# Operands are described by (buffer, (batch stride, head stride, row stride)); the head dim is
+# contiguous. ``mask`` is None or (buffer, (4 strides), kind) with kind 1 = additive, 2 = boolean
+# (a uint8 view).
+
+def _problem(direction, operands, B, H, Lq, Lk, D, scale, causal, mask, wide, gluon):
+    """The ``AttentionProblem`` of a call on these buffers: ``operands``, ((name, buffer, strides), ...),
+    those TMA may read; ``gluon``, this direction's switch (HOPPER_FWD or HOPPER_BWD)."""
+    dtype = operands[0][1].dtype
+    tma = TMA_SWITCH and (runtime.INTERPRETER or tma_available())
+    gluon = gluon and attention_hopper.available()
+    misaligned = ()
+    if dtype in _TMA_DTYPES and (tma or gluon):
+        es = dtype.itemsize
+        misaligned = tuple(name for name, t, s in operands if t.data_ptr() % 16 or any(x * es % 16 for x in s))
+    return AttentionProblem(direction, B, H, Lq, Lk, D, dtype, scale > 0, bool(causal), 0 if mask is None else mask[2],
+                            wide, misaligned, tma, gluon, not runtime.INTERPRETER)
+
+
+def _mask_buffer(mask, q):
+    """(buffer, 4 strides) of the mask (``q`` with zero strides where there is none: never read)."""
+    return (q, (0, 0, 0, 0)) if mask is None else mask[:2]
 
 
 @tunable("o", "lse")
 def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causal, mask=None):
     """O = softmax(Q K^T * scale + mask) V into ``o``; base-2 log-sum-exp into ``lse`` (B*H, Lq)."""
-    if B * H == 0 or Lq == 0:
-        return
-    if HOPPER_FWD and _hopper_serves(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
-        attention_hopper.attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale * LOG2E)
-        return
-    mbuf, ms, kind = _mask_args(mask, q)
-    cfg = _fwd_config(Lq, Lk, D, B * H, q.dtype)
-    acc, precision, upcast = _switches(q.dtype)
+    ms = _mask_buffer(mask, q)[1]
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * ms[2] + Lk * ms[3])
-    if cfg["KV_TMA"] and (wide or not _tma_readable(k, sk) or not _tma_readable(v, sv)):
-        cfg = dict(cfg, KV_TMA=False)
-    grid = (_cdiv(_cdiv(Lq, cfg["BLOCK_M"]), cfg["M_GROUP"]), B * H)
-    if "BLOCK_DV" in cfg:  # value columns split: grid axis 2 walks the slices
-        grid += (_cdiv(D, cfg["BLOCK_DV"]),)
-    else:
-        cfg = dict(cfg, BLOCK_DV=cfg["BLOCK_D"])
-    launch(_attn_fwd_kernel, grid, q, k, v, o, lse, mbuf, H, Lq, Lk, float(scale * LOG2E),
-           *sq, *sk, *sv, *so, *ms,
-           HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast, WIDE=wide,
-           POS_SCALE=scale > 0, **cfg)
+    p = _problem(FORWARD, (("q", q, sq), ("k", k, sk), ("v", v, sv)), B, H, Lq, Lk, D, scale, causal, mask, wide,
+                 HOPPER_FWD)
+    route = plan(p)
+    _RUN[FORWARD][route.kernel](p, route, (q, k, v, o, lse), (sq, sk, sv, so), scale, mask)
 
 
 @tunable("dq", "dk", "dv")
 def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk, sdv,
                   B, H, Lq, Lk, D, scale, causal, mask=None):
     """dQ, dK, dV of ``attention_fwd`` given dO, O and the saved log-sum-exp."""
-    if B * H == 0:
-        return
-    sdt = stats_dtype(q.dtype)
-    if (HOPPER_BWD and Lq > 0 and _hopper_serves(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask)
-            and _tma_readable(do, sdo)):
-        delta = runtime.empty((B * H, Lq), sdt)
-        launch(_attn_bwd_preprocess_kernel, (_cdiv(Lq, 64), B * H), o, do, delta, H, Lq, *so, *sdo,
-               HEAD_DIM=D, BLOCK_D=D, BLOCK_M=64, ACC=tl.float32, WIDE=_wide(Lq * so[2], Lq * sdo[2]))
-        attention_hopper.attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk, sdv,
-                                       B, H, Lq, Lk, D, scale * LOG2E, scale)
-        return
-    mbuf, ms, kind = _mask_args(mask, q)
-    acc, precision, upcast = _switches(q.dtype)
-    kv_cfg, dq_cfg, bpc = _bwd_config(Lq, Lk, D, B * H, q.dtype)
-    bpc = max(1, bpc)
+    ms = _mask_buffer(mask, q)[1]
     wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],
                  Lk * sdv[2], Lq * ms[2] + Lk * ms[3])
-    qk_scale, sm_scale = float(scale * LOG2E), float(scale)
-    fused = dq_cfg is None  # one key block: the dK/dV program computes delta and dQ itself
-    delta = lse
-    if Lq > 0 and (not fused or Lk == 0):
-        delta = runtime.empty((B * H, max(Lq, 1)), sdt)
-        bm = kv_cfg["BLOCK_M"] if runtime.INTERPRETER else 64
-        launch(_attn_bwd_preprocess_kernel, (_cdiv(Lq, bm), B * H), o, do, delta, H, Lq, *so, *sdo,
-               HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_M=bm, ACC=acc, WIDE=wide)
-    common = dict(HEAD_DIM=D, CAUSAL=bool(causal), MASK_KIND=kind, ACC=acc, PRECISION=precision, UPCAST=upcast,
-                  WIDE=wide)
-    if Lk > 0:
-        nm = _cdiv(Lq, kv_cfg["BLOCK_M"])
-        chunks = max(1, _cdiv(nm, bpc))
-        if chunks > 1:  # fp32 partials per query chunk, (2, chunks, B*H, Lk, D) dense, summed below in a fixed order
-            part = runtime.empty((2, chunks, B * H, Lk, D), sdt)
-            tk, tv = part[0], part[1]
-            stk = stv = (B * H * Lk * D, H * Lk * D, Lk * D, D)
-        else:
-            tk, tv, stk, stv = dk, dv, (0,) + tuple(sdk), (0,) + tuple(sdv)
-        grid = (_cdiv(Lk, kv_cfg["BLOCK_N"]), B * H, chunks)
-        key_bound = fused and Lk % kv_cfg["BLOCK_N"] != 0
-        launch(_attn_bwd_dkdv_kernel, grid, q, k, v, do, o, lse, delta, tk, tv, dq, mbuf,
-               H, Lq, Lk, qk_scale, sm_scale, bpc, *sq, *sk, *sv, *sdo, *so, *stk, *stv, *sdq, *ms,
-               FUSED_DQ=fused, KEY_BOUND=key_bound, **common, **kv_cfg)
-        if chunks > 1:
-            bl = 128 if runtime.INTERPRETER else 32
-            launch(_sum_chunks_kernel, (_cdiv(Lk, bl), B * H, 2), part, dk, dv, H, Lk, chunks,
-                   B * H * Lk * D, Lk * D, D, *sdk, *sdv, HEAD_DIM=D, BLOCK_D=kv_cfg["BLOCK_D"], BLOCK_L=bl, ACC=acc)
-    if Lq > 0 and (not fused or Lk == 0):
-        cfg = dq_cfg if dq_cfg is not None else kv_cfg
-        launch(_attn_bwd_dq_kernel, (_cdiv(Lq, cfg["BLOCK_M"]), B * H), q, k, v, do, lse, delta, dq, mbuf,
-               H, Lq, Lk, qk_scale, sm_scale, *sq, *sk, *sv, *sdo, *sdq, *ms, **common, **cfg)
+    p = _problem(BACKWARD, (("q", q, sq), ("k", k, sk), ("v", v, sv), ("do", do, sdo)), B, H, Lq, Lk, D, scale,
+                 causal, mask, wide, HOPPER_BWD)
+    route = plan(p)
+    _RUN[BACKWARD][route.kernel](p, route, (q, k, v, o, do, lse, dq, dk, dv), (sq, sk, sv, so, sdo, sdq, sdk, sdv),
+                                 scale, mask)
+
+
+# The runners: route ``r`` of problem ``p`` on the call's buffers and strides (the forward's q, k, v,
+# o, lse and sq, sk, sv, so; the backward's q, k, v, o, do, lse, dq, dk, dv and sq, sk, sv, so,
+# sdo, sdq, sdk, sdv), its scale and mask.
+
+def _run_none(p, r, bufs, strides, scale, mask):
+    return None
+
+
+def _run_forward_gluon(p, r, bufs, strides, scale, mask):
+    attention_hopper.attention_fwd(*bufs, *strides, p.B, p.H, p.Lq, p.Lk, p.D, scale * LOG2E)
+
+
+def _run_forward(p, r, bufs, strides, scale, mask):
+    q, k, v, o, lse = bufs
+    mbuf, ms = _mask_buffer(mask, q)
+    launch(_attn_fwd_kernel, r.grid, q, k, v, o, lse, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E),
+           *strides[0], *strides[1], *strides[2], *strides[3], *ms, **r.config)
+
+
+def _run_backward_gluon(p, r, bufs, strides, scale, mask):
+    q, k, v, o, do, lse, dq, dk, dv = bufs
+    sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
+    delta = runtime.empty((p.B * p.H, p.Lq), stats_dtype(p.dtype))
+    launch(_attn_bwd_preprocess_kernel, (_cdiv(p.Lq, 64), p.B * p.H), o, do, delta, p.H, p.Lq, *so, *sdo,
+           HEAD_DIM=p.D, BLOCK_D=p.D, BLOCK_M=64, ACC=tl.float32, WIDE=_wide(p.Lq * so[2], p.Lq * sdo[2]))
+    attention_hopper.attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk, sdv,
+                                   p.B, p.H, p.Lq, p.Lk, p.D, scale * LOG2E, scale)
+
+
+def _run_dkdv(p, r, bufs, strides, scale, mask, delta):
+    """The dK/dV program of route ``r`` (with FUSED_DQ it writes dQ too), over ``r.splits`` query
+    chunks: more than one writes fp32 partials, (2, chunks, B*H, Lk, D) dense, summed in a fixed order."""
+    q, k, v, o, do, lse, dq, dk, dv = bufs
+    sq, sk, sv, so, sdo, sdq, sdk, sdv = strides
+    mbuf, ms = _mask_buffer(mask, q)
+    BH, chunks = p.B * p.H, r.splits
+    if chunks > 1:
+        part = runtime.empty((2, chunks, BH, p.Lk, p.D), stats_dtype(p.dtype))
+        tk, tv = part[0], part[1]
+        stk = stv = (BH * p.Lk * p.D, p.H * p.Lk * p.D, p.Lk * p.D, p.D)
+    else:
+        tk, tv, stk, stv = dk, dv, (0,) + tuple(sdk), (0,) + tuple(sdv)
+    launch(_attn_bwd_dkdv_kernel, r.grid, q, k, v, do, o, lse, delta, tk, tv, dq, mbuf,
+           p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), r.per_chunk, *sq, *sk, *sv, *sdo, *so, *stk, *stv, *sdq,
+           *ms, **r.config)
+    if chunks > 1:
+        bl = 32 if p.gpu else 128
+        launch(_sum_chunks_kernel, (_cdiv(p.Lk, bl), BH, 2), part, dk, dv, p.H, p.Lk, chunks,
+               BH * p.Lk * p.D, p.Lk * p.D, p.D, *sdk, *sdv, HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_L=bl,
+               ACC=r.config["ACC"])
+
+
+def _run_fused_dq(p, r, bufs, strides, scale, mask):
+    _run_dkdv(p, r, bufs, strides, scale, mask, bufs[5])  # delta is computed in the kernel; lse stands in
+
+
+def _run_dkdv_dq(p, r, bufs, strides, scale, mask):
+    q, k, v, o, do, lse, dq = bufs[:7]
+    sq, sk, sv, so, sdo, sdq = strides[:6]
+    delta = lse  # never read without queries
+    if p.Lq > 0:
+        delta = runtime.empty((p.B * p.H, p.Lq), stats_dtype(p.dtype))
+        bm = 64 if p.gpu else r.config["BLOCK_M"]
+        launch(_attn_bwd_preprocess_kernel, (_cdiv(p.Lq, bm), p.B * p.H), o, do, delta, p.H, p.Lq, *so, *sdo,
+               HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_M=bm, ACC=r.config["ACC"], WIDE=p.wide)
+    if p.Lk > 0:
+        _run_dkdv(p, r, bufs, strides, scale, mask, delta)
+    if p.Lq > 0:
+        mbuf, ms = _mask_buffer(mask, q)
+        launch(_attn_bwd_dq_kernel, (_cdiv(p.Lq, r.dq_config["BLOCK_M"]), p.B * p.H), q, k, v, do, lse, delta, dq,
+               mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), *sq, *sk, *sv, *sdo, *sdq, *ms,
+               **r.dq_config)
+
+
+_RUN = {FORWARD: dict(gluon=_run_forward_gluon, short_kv=_run_forward, kv_tma=_run_forward, pointer=_run_forward,
+                      none=_run_none),
+        BACKWARD: dict(gluon=_run_backward_gluon, fused_dq=_run_fused_dq, dkdv_dq=_run_dkdv_dq, none=_run_none)}
