@@ -233,3 +233,21 @@ def test_debug_routes_prints_each_problem_once(monkeypatch, capsys):
     assert len(lines) == 2, lines
     assert "forward" in lines[0] and ": gluon," in lines[0] and "warp-specialised" in lines[0], lines
     assert "backward" in lines[1] and "causal" in lines[1] and ": dkdv_dq," in lines[1], lines
+
+
+@pytest.mark.gpu
+def test_gpu_calls_take_the_planned_routes(monkeypatch):
+    """On an H200 (bf16, (B, L, H, D) projections): Flux's attention takes "gluon" both ways where Gluon
+    is present (else "kv_tma" and "dkdv_dq"), SDXL's self-attention "kv_tma" and "dkdv_dq", its
+    cross-attention "short_kv" and "fused_dq"."""
+    if not (KA.TMA_SWITCH and KA.tma_available()):
+        pytest.skip("no TMA on this GPU / Triton, or FLAME_ATTN_TMA=0")
+    taken = []
+    monkeypatch.setattr(KA, "plan", lambda p, real=KA.plan: taken.append(real(p).kernel) or real(p))
+    for B, H, Lq, Lk, D in ((1, 4, 4608, 4608, 128), (1, 10, 4096, 4096, 64), (1, 20, 1024, 77, 64)):
+        q, k, v = (flame.from_torch(torch.randn(B, L, H, D, device=DEVICE).bfloat16().permute(0, 2, 1, 3),
+                                    requires_grad=True) for L in (Lq, Lk, Lk))
+        sdpa(q, k, v).backward(flame.from_torch(torch.randn(B, H, Lq, D, device=DEVICE).bfloat16()))
+    gluon = AH.available() and KA.HOPPER_FWD
+    assert taken == ["gluon" if gluon else "kv_tma", "gluon" if gluon and KA.HOPPER_BWD else "dkdv_dq",
+                     "kv_tma", "dkdv_dq", "short_kv", "fused_dq"], taken
