@@ -15,7 +15,9 @@ Stages:
   kernel per micro-batch); ``step`` all-reduces it unit by unit and each rank updates its chunks.
 - ``gradients`` (ZeRO-2): ``pack`` reduce-scatters each unit's gradients (a bucket) into this
   rank's fp32 gradient shard at once, so only the shard and one unit-sized staging buffer live
-  between micro-batches. The buckets are the units, so a later version can launch each one as the
+  between micro-batches. ``reduce_dtype=torch.bfloat16`` reduce-scatters them in bf16 (half the
+  traffic; each rank's contribution and the sum rounded to bf16, as FSDP's ``reduce_dtype``), then
+  adds them to the fp32 shard. The buckets are the units, so a later version can launch each one as the
   backward finishes it.
 - ``parameters`` (ZeRO-3): as ``gradients``, and the units' buffers hold no memory except while
   gathered: ``gather``/``release`` (or ``gathered``, a context) all-gather a block's units before
@@ -167,10 +169,11 @@ class ShardedOptimizer:
     modules) to shard together, e.g. one per block (the ``parameters`` stage gathers whole units);
     the other parameters go into units of at most ``bucket_numel`` elements, in order. ``align``:
     elements each rank's chunk of a unit is a multiple of (256 for ``AdamW8bit``'s blocks).
-    Call it alike on every rank (see the module doc)."""
+    ``reduce_dtype``: the dtype the ``gradients`` and ``parameters`` stages reduce-scatter in (fp32,
+    or bf16: half the traffic). Call it alike on every rank (see the module doc)."""
 
     def __init__(self, named_params, stage: str, optimizer, *, units=None, bucket_numel: int = 1 << 23,
-                 align: int = 256):
+                 align: int = 256, reduce_dtype=torch.float32):
         if stage not in STAGES:
             raise ValueError(f"ShardedOptimizer: unknown stage {stage!r}; one of {', '.join(STAGES)} (ZeRO-1/2/3; "
                              "without sharding use the optimizer itself)")
@@ -181,6 +184,10 @@ class ShardedOptimizer:
             raise ValueError(f"ShardedOptimizer: bucket_numel must be a positive int, got {bucket_numel!r}")
         if not isinstance(align, int) or align < 1:
             raise ValueError(f"ShardedOptimizer: align must be a positive int, got {align!r}")
+        if reduce_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"ShardedOptimizer: reduce_dtype must be torch.float32 or torch.bfloat16, got "
+                             f"{reduce_dtype!r}")
+        self.reduce_dtype = reduce_dtype
         world = distributed.world()
         self.stage, self.rank, self.world, self.align = stage, world.rank, world.size, align
         named = self._checked(named_params)
@@ -290,7 +297,8 @@ class ShardedOptimizer:
 
     def _make_gradients(self, offsets):
         """The gradient buffers: ZeRO-1 one full flat fp32 buffer (units at ``padded`` strides), the
-        others this rank's fp32 shard (laid out as the master) plus a staging buffer for one unit."""
+        others this rank's fp32 shard (laid out as the master) plus a staging buffer for one unit and
+        a chunk for its reduced part (in ``reduce_dtype``)."""
         full = self.stage == "optimizer"
         starts = np.cumsum([0] + [u.padded for u in self.units]).tolist() if full else offsets
         flat = runtime.empty((starts[-1],), torch.float32)
@@ -305,8 +313,8 @@ class ShardedOptimizer:
         self._direct = full or self.world == 1
         self._staging = self._partial = None
         if not self._direct:
-            self._staging = runtime.empty((max(u.padded for u in self.units),), torch.float32)
-            self._partial = runtime.empty((max(u.chunk for u in self.units),), torch.float32)
+            self._staging = runtime.empty((max(u.padded for u in self.units),), self.reduce_dtype)
+            self._partial = runtime.empty((max(u.chunk for u in self.units),), self.reduce_dtype)
         self._starts = starts
         self._shard_buckets = [(KO.Tables([((None, g._data, None, None), g.numel(), 0)
                                            for g in self._grads.values()]), torch.float32)]
@@ -378,13 +386,8 @@ class ShardedOptimizer:
             KE.fill_(staging, 0)  # the gaps: the staging buffer served other units before
             dsts = [staging[off:off + p.numel()] for _, p, off in u.members]
             for tables, dtype in self._tables(u.index, dsts, self._sources(grads, u.members)):
-                KO.axpby_(tables, dtype, torch.float32, weight, 0.0)
-            if accumulate:
-                partial = self._partial[:u.chunk]
-                self._reduce_scatter(partial, staging)
-                KE.map_(shard._data, [shard._data, partial], KE.ADD)
-            else:
-                self._reduce_scatter(shard._data, staging)
+                KO.axpby_(tables, dtype, self.reduce_dtype, weight, 0.0)
+            self._reduce_into(shard._data, staging, u.chunk, accumulate)
 
     def _pack_nothing(self, accumulate):
         """``pack`` of a rank without gradients: zeros into the step's gradients and the collectives."""
@@ -395,9 +398,20 @@ class ShardedOptimizer:
         for u, shard in zip(self.units, self._grads.values()):
             staging = self._staging[:u.padded]
             KE.fill_(staging, 0)
-            self._reduce_scatter(self._partial[:u.chunk] if accumulate else shard._data, staging)
-            if accumulate:
-                KE.map_(shard._data, [shard._data, self._partial[:u.chunk]], KE.ADD)
+            self._reduce_into(shard._data, staging, u.chunk, accumulate)
+
+    def _reduce_into(self, shard, staging, chunk, accumulate):
+        """This rank's chunk of the ranks' sum of ``staging`` into the fp32 ``shard`` (``accumulate``:
+        added to it), reduced in ``reduce_dtype``."""
+        if not accumulate and self.reduce_dtype == torch.float32:
+            self._reduce_scatter(shard, staging)
+            return
+        partial = self._partial[:chunk]
+        self._reduce_scatter(partial, staging)
+        if accumulate:
+            KE.map_(shard, [shard, partial], KE.ADD)
+        else:
+            KE.copy_(shard, partial)
 
     def _reduce_scatter(self, out, inp):
         """out = this rank's chunk of the sum of ``inp`` over the ranks."""

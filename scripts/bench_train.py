@@ -119,7 +119,7 @@ def run_flame(args):
         "output": {"dir": tempfile.mkdtemp(prefix="flame-train-"), "save_every": 0, "log_every": 10 ** 6}}
     if args.mode == "full":  # a full run has no lora section
         settings["train"].update(mode="full", shard=args.shards[0], master_weights=args.master, lr=1e-5,
-                                 optimizer="adamw")
+                                 optimizer="adamw", shard_reduce_dtype=_reduce_dtype(args, args.shards[0]))
     else:
         settings["lora"] = {"rank": args.rank, "alpha": args.rank, "targets": "attn"}
     if args.with_features:
@@ -356,6 +356,9 @@ def parse_args(argv):
                    help="--mode full, flame: train.shard, each of none, optimizer, gradients, parameters "
                         "(repeatable or comma-separated; default gradients, or none with --master bf16_stochastic); "
                         "parameters needs 2+ processes (its N=1 is skipped), none 1 process (or bf16_stochastic)")
+    p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="--mode full, flame: train.shard_reduce_dtype (the gradients' reduce-scatter in fp32 or bf16) "
+                        "for --shard gradients and parameters")
     p.add_argument("--master", "--master-weights", choices=["fp32", "bf16_stochastic"], default="fp32", dest="master",
                    help="--mode full, flame: train.master_weights: fp32 master weights in the shards, or the bf16 "
                         "weights updated with stochastic rounding (--shard none only)")
@@ -447,11 +450,17 @@ def main(argv=None):
     return 1 if any("error" in r for r in rows) else 0
 
 
+def _reduce_dtype(args, shard):
+    """train.shard_reduce_dtype of a flame full run: --reduce-dtype where the shard reduce-scatters."""
+    return args.reduce_dtype if shard in ("gradients", "parameters") else "fp32"
+
+
 def _measure_step(args, fw, shard, ckpt, n):
     """One (framework, shard, checkpointing, N) setting under torchrun: [its row], or [] when skipped."""
     what = fw
     if args.mode == "full":
-        what = f"flame full shard {shard}{' bf16-SR' if args.master == 'bf16_stochastic' else ''}" \
+        reduce = " bf16-reduce" if _reduce_dtype(args, shard) == "bf16" else ""
+        what = f"flame full shard {shard}{' bf16-SR' if args.master == 'bf16_stochastic' else ''}{reduce}" \
             if fw == "flame" else "diffusers FSDP2 full"
     label = f"{what} ckpt {ckpt} N={n}"
     why = _skipped(args, fw, shard, n)
@@ -461,7 +470,8 @@ def _measure_step(args, fw, shard, ckpt, n):
     extra = ["--checkpointing", ckpt, "--cache", args.cache, "--mode", args.mode]
     if args.mode == "full":
         # --master-weights: torchrun would take --master for an abbreviation of its --master-addr / --master-port
-        extra += ["--master-weights", args.master, *(["--shard", shard] if shard else [])]
+        extra += ["--master-weights", args.master, "--reduce-dtype", args.reduce_dtype,
+                  *(["--shard", shard] if shard else [])]
     result = _launch(args, fw, n, label, extra)
     if "error" in result:
         return [result]

@@ -14,7 +14,7 @@ optimizer, gradients bytes). A job trains the tiny model below from its seed wit
 ``units`` ("layers": one unit per layer, else buckets of ``bucket`` elements), ``max_norm``,
 ``save`` ({step: folder}), ``resume`` (a folder loaded before the first step), ``emulate``
 (reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN),
-``8bit`` (AdamW8bit instead of AdamW).
+``8bit`` (AdamW8bit instead of AdamW), ``bf16_reduce`` (gradients reduce-scattered in bf16).
 Exits with status 1 when a rank failed (its traceback on stderr). Started by torchrun (GPUs, NCCL),
 each process is one rank of the one phase given.
 """
@@ -74,7 +74,8 @@ def sharded(model, job):
     units = list(model) if job.get("units") == "layers" else None
     factory = make_optimizer_8bit if job.get("8bit") else make_optimizer
     return sharding.ShardedOptimizer(model.named_parameters(), job["stage"], factory, units=units,
-                                     bucket_numel=job.get("bucket", 1 << 23))
+                                     bucket_numel=job.get("bucket", 1 << 23),
+                                     reduce_dtype=torch.bfloat16 if job.get("bf16_reduce") else torch.float32)
 
 
 def weights(model, shards):

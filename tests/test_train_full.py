@@ -85,6 +85,8 @@ REFUSED = [  # (overrides, what the one line says)
     (["train.mode=attn"], "train.mode: expected lora, full or a list of regular expressions"),
     (["train.mode=['to_q(']"], "train.mode: not a valid regular expression: 'to_q('"),
     (["train.shard=zero3"], "train.shard: expected one of none, optimizer, gradients, parameters"),
+    (["train.shard=optimizer", "train.shard_reduce_dtype=bf16"], "train.shard_reduce_dtype: bf16 is the dtype"),
+    (["train.mode=lora", "train.shard_reduce_dtype=bf16"], "train.shard_reduce_dtype: bf16 applies to train.mode"),
 ]
 
 

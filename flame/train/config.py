@@ -180,6 +180,11 @@ SCHEMA = {
                                        "forward and again for the backward; 2 or more processes); none: every "
                                        "process keeps everything",
                      choices=("none", "optimizer", "gradients", "parameters")),
+        "shard_reduce_dtype": Opt("fp32", "choice", "train.shard gradients or parameters: the dtype the gradients "
+                                                    "are reduce-scattered in: fp32, or bf16 (half the traffic between "
+                                                    "the GPUs; each process's gradients and their sum rounded to bf16 "
+                                                    "before the fp32 update, as FSDP's reduce_dtype)",
+                                  choices=("fp32", "bf16")),
         "master_weights": Opt("fp32", "choice", "train.mode full with bf16/fp16 weights: fp32 (an fp32 copy of the "
                                                 "trained weights that the optimizer updates, cast to train.precision "
                                                 "after each step: 4 bytes per weight) or bf16_stochastic (the bf16 "
@@ -776,9 +781,13 @@ def _trained_checks(c, errors):
     if not full:
         errors.extend(f"train.{k}: {v} applies to train.mode full (or a list of expressions); LoRA adapters are fp32 "
                       "and small enough for every process to hold: remove it"
-                      for k, v in (("shard", t["shard"]), ("master_weights", t["master_weights"]))
+                      for k, v in (("shard", t["shard"]), ("master_weights", t["master_weights"]),
+                                   ("shard_reduce_dtype", t["shard_reduce_dtype"]))
                       if v != SCHEMA["train"][k].default)
         return
+    if t["shard_reduce_dtype"] != "fp32" and t["shard"] not in ("gradients", "parameters"):
+        errors.append(f"train.shard_reduce_dtype: {t['shard_reduce_dtype']} is the dtype train.shard gradients or "
+                      f"parameters reduce-scatters in; train.shard is {t['shard']}: remove it")
     given = [f"lora.{k}" for k, opt in SCHEMA["lora"].items() if lora[k] != opt.default]
     if given:
         errors.append(f"{', '.join(given)}: set for LoRA adapters, which train.mode lora trains; train.mode "

@@ -40,6 +40,8 @@ from .outputs import lora_metadata
 from .text_encoders import PREFIXES as TEXT_ENCODERS
 from .text_encoders import TextEncoderLoRA
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.shard_reduce_dtype
+
 
 def trained_parameters(cfg, family, model, dtype, cache):
     """What the run of config ``cfg`` trains on ``model`` (its ``family``'s, built in ``dtype``;
@@ -268,7 +270,8 @@ class FullWeights:
         blocks = [(b, [p for p in b.parameters() if p.requires_grad]) for _, b in streamable_blocks(self.model)]
         blocks = [(b, unit) for b, unit in blocks if unit]
         self.shards = sharding.ShardedOptimizer(zip(self.names, self.params), self.stage,
-                                                lambda leaves: make_optimizer(t, leaves), units=[u for _, u in blocks])
+                                                lambda leaves: make_optimizer(t, leaves), units=[u for _, u in blocks],
+                                                reduce_dtype=REDUCE_DTYPES[t.shard_reduce_dtype])
         if self.stage == "parameters":
             in_blocks = {p.id for _, unit in blocks for p in unit}
             self._outside = [p for p in self.params if p.id not in in_blocks]
