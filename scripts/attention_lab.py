@@ -221,12 +221,14 @@ def _forced(kind, cfg, skip=()):
     KA.HOPPER_BWD = route_bwd and (cfg is None or kind == "gbwd")
     KA.launch = lambda kernel, *args, **kw: None if kernel.__name__ in skip else launch(kernel, *args, **kw)
     AH.launch = lambda kernel, *args, **kw: None if kernel.__name__ in skip else hopper_launch(kernel, *args, **kw)
+    KA._route.cache_clear()  # routes are memoised per problem: planned afresh under these settings
     try:
         yield
     finally:
         setattr(KA, name, original)
         KA.launch, AH.launch, AH.attention_bwd = launch, hopper_launch, hopper_bwd
         KA.HOPPER_FWD, KA.HOPPER_BWD, KA.HOPPER_HEAD_DIMS = route, route_bwd, head_dims
+        KA._route.cache_clear()
 
 
 def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
