@@ -153,6 +153,42 @@ def test_launchers_plan_the_problem_of_their_buffers(monkeypatch, tma_in_interpr
     ]
 
 
+def test_launches_plan_each_call_signature_once(monkeypatch, tma_in_interpreter):
+    """``_launch`` describes a call signature once (one ``GemmProblem``) and takes its route from the
+    memo after that; what the problem is made of changes the signature: an operand's alignment, the
+    TMA switch, FLAME_FP8_GEMM read at call time. ``tune``'s resets empty the memo, and while ``plan``
+    is replaced every launch asks it."""
+    monkeypatch.setattr(KM, "launch", lambda kernel, grid, *args, **meta: None)  # routes only: no kernel runs
+    built = []
+    monkeypatch.setattr(KM, "_problem", lambda *args, real=KM._problem: built.append(real(*args)) or built[-1])
+
+    def routes_of(call, times=2):
+        """The kernels of the routes of the problems ``call`` described (``times`` calls of it)."""
+        first = len(built)
+        for _ in range(times):
+            call()
+        return [KM.plan(p).kernel for p in built[first:]]
+
+    x = torch.randn(24 * 160 + 8, device=DEVICE).half()
+    w = torch.randn(144, 160, device=DEVICE).half()
+    codes, scale = w.float().to(torch.float8_e4m3fn), torch.ones(144, device=DEVICE)
+    out = torch.empty(24, 144, dtype=torch.half, device=DEVICE)
+    aligned, misaligned = x[:-8].view(24, 160), x[1:-7].view(24, 160)
+    assert routes_of(lambda: KM.linear_(out, aligned, w), times=3) == ["tma"]
+    assert routes_of(lambda: KM.linear_(out, misaligned, w)) == ["pointer"] and built[-1].misaligned == ("a",)
+    assert routes_of(lambda: KM.linear_(out, aligned, codes, w_scale=scale)) == ["tma"]
+    monkeypatch.setattr(KM, "FP8_ROUTE", "dequant")
+    assert routes_of(lambda: KM.linear_(out, aligned, codes, w_scale=scale)) == ["fp8_dequant"]
+    monkeypatch.setattr(KM, "TMA", False)
+    assert routes_of(lambda: KM.linear_(out, aligned, w)) == ["pointer"]
+    with tune.override("matmul", dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=2, num_stages=1)):
+        assert routes_of(lambda: KM.linear_(out, aligned, w)) == ["pointer"]
+        assert KM.plan(built[-1]).config["BLOCK_M"] == 16
+    assert routes_of(lambda: KM.linear_(out, aligned, w)) == ["pointer"]  # planned again after the override
+    monkeypatch.setattr(KM, "plan", lambda p, real=KM.plan: real(p))
+    assert routes_of(lambda: KM.linear_(out, aligned, w)) == ["pointer", "pointer"]
+
+
 def test_switched_off_operands_are_none(monkeypatch):
     """No dummy pointers: a plain GEMM passes None for every fusion operand and split-K's scratch
     (Triton specialises them away); a bias is passed as itself."""
