@@ -1153,29 +1153,22 @@ class Fusion:
 
     def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None, b_scale=None,
                  b_scale_rows=False, w8a8=False):
-        self.bias = bias
-        self.bias_stride = bias.stride(0) if bias is not None else 0
-        self.act = act
-        self.pre_out = pre_out
-        self.alpha = float(alpha)
-        self.residual = residual
         u, v, beta = low_rank if low_rank is not None else (None, None, 0.0)
-        self.u, self.v, self.beta = u, v, float(beta)
-        self.rank = 0 if self.u is None or self.beta == 0.0 else self.u.shape[1]
-        self.u_strides = self.u.stride() if self.rank else (0, 0)
-        self.v_strides = self.v.stride() if self.rank else (0, 0)
+        alpha, beta = float(alpha), float(beta)
+        rank = 0 if u is None or beta == 0.0 else u.shape[1]
+        su, sv = (u.stride(), v.stride()) if rank else ((0, 0), (0, 0))
+        b_fp8 = 0 if b_scale is None else FP8_ROWS.value if b_scale_rows else FP8_COLUMNS.value
+        w8a8 = bool(w8a8)
+        self.bias, self.bias_stride, self.act = bias, 0 if bias is None else bias.stride(0), act
+        self.pre_out, self.alpha, self.residual = pre_out, alpha, residual
+        self.u, self.v, self.beta, self.rank, self.u_strides, self.v_strides = u, v, beta, rank, su, sv
         # what the kernels multiply the accumulator by, and by what they scale A B before adding U V:
         # alpha * AB + beta * UV = beta * (alpha / beta * AB + UV)
-        self.scale, self.rank_ratio = (self.beta, self.alpha / self.beta) if self.rank else (self.alpha, 1.0)
-        self.b_scale, self.b_scale_rows = b_scale, bool(b_scale_rows)
-        self.b_fp8 = 0 if b_scale is None else FP8_ROWS.value if b_scale_rows else FP8_COLUMNS.value
-        self.w8a8 = bool(w8a8)
-        self.key = (bias is not None, act, pre_out is not None, residual is not None, self.rank, self.u_strides,
-                    self.v_strides, self.b_fp8, self.w8a8)
-        self.pointers = 0
-        for t in (pre_out, residual) + ((u, v) if self.rank else ()):
-            if t is not None:
-                self.pointers |= t.data_ptr()
+        self.scale, self.rank_ratio = (beta, alpha / beta) if rank else (alpha, 1.0)
+        self.b_scale, self.b_scale_rows, self.b_fp8, self.w8a8 = b_scale, bool(b_scale_rows), b_fp8, w8a8
+        self.key = (bias is not None, act, pre_out is not None, residual is not None, rank, su, sv, b_fp8, w8a8)
+        pointers = (0 if pre_out is None else pre_out.data_ptr()) | (0 if residual is None else residual.data_ptr())
+        self.pointers = pointers | (u.data_ptr() | v.data_ptr() if rank else 0)
 
 
 _NO_FUSION = Fusion()
@@ -1291,8 +1284,9 @@ def _check_low_rank(low_rank, M, N, dtype):
     if low_rank is None:
         return
     u, v, _ = low_rank
-    if u.dim() != 2 or v.dim() != 2 or u.shape[0] != M or v.shape[1] != N or u.shape[1] != v.shape[0]:
-        raise ValueError(f"matmul: low_rank u {tuple(u.shape)} and v {tuple(v.shape)} must be ({M}, r) and (r, {N})")
+    su, sv = u.shape, v.shape
+    if len(su) != 2 or len(sv) != 2 or su[0] != M or sv[1] != N or su[1] != sv[0]:
+        raise ValueError(f"matmul: low_rank u {tuple(su)} and v {tuple(sv)} must be ({M}, r) and (r, {N})")
     if u.dtype != dtype or v.dtype != dtype:
         raise TypeError(f"matmul: low_rank u and v must be {dtype} like the operands, got {u.dtype} and {v.dtype}")
 
