@@ -95,7 +95,8 @@ def test_composite_routes_name_their_steps():
     # the input gradient (a scale per row of B) as without W8A8
     w8a8 = dict(b_fp8=1, fp8_gemm="w8a8", **LINEAR, **H200)
     lora = KM.plan(dense(4608, 3072, 3072, BF16, rank=16, **w8a8))
-    assert [step.kernel for _, step in lora.then] == ["fp8_w8a8", "pointer"]
+    assert [step.kernel for _, step in lora.then] == ["pointer", "fp8_w8a8"] and lora.config["term_first"]
+    assert lora.then[1][0].residual and not lora.then[0][0].residual  # the product reads the term back
     assert KM.plan(dense(4608, 3072, 3072, BF16, rank=16, act=GELU_TANH.value, **w8a8)).kernel == "fp8_dequant"
     assert KM.plan(dense(4608, 1024, 3072, BF16, b_fp8=2, fp8_gemm="w8a8", **H200)).kernel == "fp8_dequant"
     emulated = KM.plan(dense(33, 17, 48, F32, b_fp8=1, fp8_gemm="w8a8", **LINEAR))

@@ -659,8 +659,8 @@ class GemmProblem(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Route:
     """What ``plan`` chose: the path (``kernel``, one of ROUTES), the launch's constexprs and options
-    (``config``: tuned fields as ``flame.tune`` answered them, with the derived ones; empty for the
-    composite routes), how many slices K runs in (``splits``), and why (``reason``); for the kernel
+    (``config``: tuned fields as ``flame.tune`` answered them, with the derived ones; for the
+    composite routes empty, or "low_rank_apart"'s order of its steps: ``term_first``), how many slices K runs in (``splits``), and why (``reason``); for the kernel
     routes the ``grid`` and the kernel's size and stride arguments (``args``, from the problem), for
     "tma" and "gluon" the operands' ``layout`` (``_layout``), for "tma" the (shape, strides, block)
     ``boxes`` of A's, B's and C's descriptors (the pre-activation's and residual's are C's); for the
@@ -816,11 +816,13 @@ def _w8a8(p):
     problem of at least a wave of tiles), with both scales applied to the accumulator; elsewhere
     (other GPUs, the interpreter) the codes of A are decoded back into A's dtype and the weight-only
     route runs on them: the same rounding of A, without the fp8 tensor cores' speed. A low-rank term
-    is added by a second GEMM (``_apart``); with an activation as well, the weight-only route runs."""
+    is written first by its own GEMM, then read back by the product as its residual (``_apart``,
+    ``term_first``: the Gluon kernel loads it under its main loop); with an activation, or a residual
+    of its own, the weight-only route runs."""
     if p.rank:
-        if p.act or p.pre_out:
+        if p.act or p.pre_out or p.residual:
             return _plan(p._replace(fp8_gemm="auto"))
-        return _apart(p, "W8A8: the fp8 product takes no low-rank term")
+        return _apart(p, "W8A8: the fp8 product takes no low-rank term", term_first=True)
     quantised = p._replace(sa=(0, 0, p.K, 1), misaligned=tuple(m for m in p.misaligned if m != "a"))
     (_, _, sbk, sbn), (_, _, scm, scn) = p.sb, p.sc
     out_es = p.out_dtype.itemsize
@@ -848,10 +850,11 @@ def _dequantised(p):
     return p._replace(sb=sb, b_fp8=0, misaligned=tuple(m for m in p.misaligned if m != "b"))
 
 
-def _apart(p, why):
+def _apart(p, why, term_first=False):
     """The "low_rank_apart" route: ``out = alpha * A B + bias + residual``, then ``out += beta * U V``
-    (a second GEMM accumulating into ``out``), a 2-D GEMM each. Not with an activation or a
-    pre-activation, which would need the term inside them."""
+    (a second GEMM accumulating into ``out``), a 2-D GEMM each; ``term_first`` (no residual of its
+    own): ``out = beta * U V`` first, then ``out = alpha * A B + bias + out`` (``config``'s
+    "term_first"). Not with an activation or a pre-activation, which would need the term inside them."""
     if p.act or p.pre_out or any(p.sa[:2]) or any(p.sc[:2]):
         raise ValueError("matmul: a low-rank term is added to 2-D GEMMs, without an activation, only")
     flat = dict(batch=(1, 1), rank=0, su=(0, 0), sv=(0, 0))
@@ -859,10 +862,14 @@ def _apart(p, why):
                       misaligned=tuple(m for m in p.misaligned if m not in ("u", "v")), **flat)
     term_buffers = {"u": ("a",), "v": ("b",), "c": ("c", "residual")}  # U -> A, V -> B, C -> C and the residual
     term = p._replace(K=p.rank, sa=(0, 0, *p.su), sb=(0, 0, *p.sv), sc=(0, 0, *p.sc[2:]), bias=False,
-                      residual=True, b_fp8=0,
+                      residual=not term_first, b_fp8=0,
                       misaligned=tuple(t for m in p.misaligned for t in term_buffers.get(m, ())), **flat)
-    steps = ((base, _plan(base)), (term, _plan(term)))
-    return Route("low_rank_apart", {}, steps[0][1].splits,
+    if term_first:
+        base = base._replace(residual=True, misaligned=base.misaligned + (("residual",) if "c" in base.misaligned
+                                                                           else ()))
+    steps = ((term, _plan(term)), (base, _plan(base))) if term_first else ((base, _plan(base)), (term, _plan(term)))
+    base_route = steps[1 if term_first else 0][1]
+    return Route("low_rank_apart", {"term_first": term_first}, base_route.splits,
                  f"{why}: the term apart, {steps[0][1].kernel} then {steps[1][1].kernel}", then=steps)
 
 
@@ -1097,6 +1104,12 @@ def _run_gluon(p, r, out, a, b, f):
 
 
 def _run_low_rank_apart(p, r, out, a, b, f):
+    if r.config["term_first"]:
+        (term_p, term), (base_p, base) = r.then
+        _RUN[term.kernel](term_p, term, out, f.u, f.v, Fusion(alpha=f.beta))
+        _RUN[base.kernel](base_p, base, out, a, b, Fusion(f.bias, alpha=f.alpha, residual=out, b_scale=f.b_scale,
+                                                         w8a8=f.w8a8))
+        return
     (base_p, base), (term_p, term) = r.then
     without_term = Fusion(f.bias, alpha=f.alpha, residual=f.residual, b_scale=f.b_scale, b_scale_rows=f.b_scale_rows,
                           w8a8=f.w8a8)
