@@ -151,4 +151,5 @@ def test_write_fills_the_blocks_and_keeps_the_prose(bt, tmp_path):
 
 def test_the_repository_tables_are_current(bt):
     assert bt.main(["check"]) == 0, "BENCHMARKS.md is stale: run python3 scripts/bench_tables.py write"
-    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) < 395  # two model families; softmax's table; full FT
+    # two model families, softmax's table, full fine-tuning on one and two GPUs: current numbers only
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) < 410
