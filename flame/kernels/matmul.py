@@ -660,12 +660,13 @@ class GemmProblem(NamedTuple):
 class Route:
     """What ``plan`` chose: the path (``kernel``, one of ROUTES), the launch's constexprs and options
     (``config``: tuned fields as ``flame.tune`` answered them, with the derived ones; for the
-    composite routes empty, or "low_rank_apart"'s order of its steps: ``term_first``), how many slices K runs in (``splits``), and why (``reason``); for the kernel
-    routes the ``grid`` and the kernel's size and stride arguments (``args``, from the problem), for
-    "tma" and "gluon" the operands' ``layout`` (``_layout``), for "tma" the (shape, strides, block)
-    ``boxes`` of A's, B's and C's descriptors (the pre-activation's and residual's are C's); for the
-    composite routes the steps they run, ``then``: (problem, route) pairs; for the kernel routes
-    "pointer", "split_k" and "tma" the ``launch.Plan`` they launch with (``launch``, their ``sig``)."""
+    composite routes empty, or "low_rank_apart"'s order of its steps: ``term_first``), how many
+    slices K runs in (``splits``), and why (``reason``); for the kernel routes the ``grid`` and the
+    kernel's size and stride arguments (``args``, from the problem), for "tma" and "gluon" the
+    operands' ``layout`` (``_layout``), for "tma" the (shape, strides, block) ``boxes`` of A's, B's
+    and C's descriptors (the pre-activation's and residual's are C's); for the composite routes the
+    steps they run, ``then``: (problem, route) pairs; for the kernel routes "pointer", "split_k" and
+    "tma" the ``launch.Plan`` they launch with (``launch``, their ``sig``)."""
 
     kernel: str
     config: dict
