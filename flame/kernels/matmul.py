@@ -789,15 +789,15 @@ def _fp8_route(p):
     buffer) and the plain GEMM run on that, or "w8a8" (a linear's forward, a scale per column of B):
     A rounded to e4m3 codes with a scale per row too, and the product of codes on the fp8 tensor
     cores (``_w8a8``; FLAME_FP8_GEMM=w8a8, or a ``Fusion`` with ``w8a8``: ``linear_(...,
-    w8a8=True)``). Measured on an H200
-    (Triton 3.6, bf16, 4608 rows, 3072 -> 3072 and 12288, forward and dX): inline ran at 0.33-0.46x
-    the bf16 GEMM's speed, every row-tile program decoding every B tile again (36 times at 4608
-    rows). Dequantising first costs about 5 bytes of memory traffic per weight element, the inline
-    decode about 1.6 bf16 GEMMs; they break even near 250 rows (5 N K / 4 TB/s = 1.6 * 2 M N K / 650
-    TFLOP/s, an estimate): on a GPU, problems of more rows than FP8_INLINE_MAX_ROWS dequantise first,
-    and so do fp64 ones (Triton 3.6 cannot compile an fp64 product of decoded tiles for sm_90: "fp64
-    don't support largeK MMA"). The interpreter decodes inline (what its tests check). "auto" picks
-    between inline and dequant; the input gradient (a scale per row of B) under "w8a8" too."""
+    w8a8=True)``). Measured on an H200 (Triton 3.6, bf16, 4608 rows, 3072 -> 3072 and 12288, forward
+    and dX): inline ran at 0.33-0.46x the bf16 GEMM's speed, every row-tile program decoding every B
+    tile again (36 times at 4608 rows). Dequantising first costs about 5 bytes of memory traffic per
+    weight element, the inline decode about 1.6 bf16 GEMMs; they break even near 250 rows (5 N K / 4
+    TB/s = 1.6 * 2 M N K / 650 TFLOP/s, an estimate): on a GPU, problems of more rows than
+    FP8_INLINE_MAX_ROWS dequantise first, and so do fp64 ones (Triton 3.6 cannot compile an fp64
+    product of decoded tiles for sm_90: "fp64 don't support largeK MMA"). The interpreter decodes
+    inline (what its tests check). "auto" picks between inline and dequant; the input gradient (a
+    scale per row of B) under "w8a8" too."""
     route = p.fp8_gemm
     if route not in FP8_GEMMS:
         raise ValueError(f"FLAME_FP8_GEMM must be one of {', '.join(FP8_GEMMS)}, got {route!r}")
@@ -812,9 +812,9 @@ def _fp8_route(p):
 def _w8a8(p):
     """The "fp8_w8a8" route of a linear's forward over an fp8 weight: A's rows quantised to e4m3
     codes and fp32 scales (``quant.quantize_rows_``, times the scale's reciprocal; a transient (M, K)
-    buffer), then
-    ``matmul_hopper``'s fp8 product where it serves the problem (sm_90, B and C readable by TMA, a
-    problem of at least a wave of tiles), with both scales applied to the accumulator; elsewhere
+    buffer), then ``matmul_hopper``'s fp8 product where it serves the problem (sm_90, B and C
+    readable by TMA, a problem of at least a wave of tiles), with both scales applied to the
+    accumulator; elsewhere
     (other GPUs, the interpreter) the codes of A are decoded back into A's dtype and the weight-only
     route runs on them: the same rounding of A, without the fp8 tensor cores' speed. A low-rank term
     is written first by its own GEMM, then read back by the product as its residual (``_apart``,
@@ -824,7 +824,6 @@ def _w8a8(p):
         if p.act or p.pre_out or p.residual:
             return _plan(p._replace(fp8_gemm="auto"))
         return _apart(p, "W8A8: the fp8 product takes no low-rank term", term_first=True)
-    quantised = p._replace(sa=(0, 0, p.K, 1), misaligned=tuple(m for m in p.misaligned if m != "a"))
     (_, _, sbk, sbn), (_, _, scm, scn) = p.sb, p.sc
     out_es = p.out_dtype.itemsize
     tma_ready = (p.gluon and p.out_dtype in (torch.float16, torch.bfloat16) and sbk == 1 and sbn % 16 == 0
@@ -837,7 +836,7 @@ def _w8a8(p):
                                          f"{'cooperative' if cfg['COOP'] else 'ping-pong'} "
                                          f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles per consumer",
                      layout=(True, True, p.K, sbn, scm))
-    emulated = quantised._replace(fp8_gemm="auto")
+    emulated = p._replace(sa=(0, 0, p.K, 1), misaligned=tuple(m for m in p.misaligned if m != "a"), fp8_gemm="auto")
     then = _plan(emulated)
     return Route("fp8_w8a8", {}, then.splits, f"W8A8 without the fp8 kernel here: A quantised per row and decoded "
                                               f"to {p.dtype}, then {then.kernel}", then=((emulated, then),))
@@ -1276,7 +1275,6 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
 FP8_GEMMS = ("auto", "inline", "dequant", "w8a8")
 FP8_ROUTE = os.environ.get("FLAME_FP8_GEMM", "auto")
 FP8_INLINE_MAX_ROWS = 256
-
 
 
 def _check_fp8(w, scale, n):

@@ -81,9 +81,9 @@ def _quantize_rows_kernel(w_ptr, q_ptr, scale_ptr, N, K, swn, swk, ABSMAX: tl.co
                           BLOCK_K: tl.constexpr):
     # One program = BLOCK_N rows of W: (ABSMAX) each row's largest magnitude and its scale s = absmax /
     # 448 (1 for a zero row; and 1 / s = 448 / absmax), else s = 1; then the codes of W / s
-    # (``_codes``: EXACT by division, else times 1 / s). ONE_PASS (a row fits
-    # one BLOCK_K): the rows are read once and kept in registers; else a pass over K for the scales
-    # and a second one for the codes. Q is contiguous (N, K).
+    # (``_codes``: EXACT by division, else times 1 / s). ONE_PASS (a row fits one BLOCK_K): the rows
+    # are read once and kept in registers; else a pass over K for the scales and a second one for the
+    # codes. Q is contiguous (N, K).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = rows < N
     cols = tl.arange(0, BLOCK_K).to(tl.int64)
@@ -117,7 +117,8 @@ def _row_scale(amax, BLOCK_N: tl.constexpr, ABSMAX: tl.constexpr):
     one = tl.full((BLOCK_N,), 1.0, tl.float32)
     if ABSMAX:
         limit = tl.full((BLOCK_N,), E4M3_MAX, tl.float32)
-        return tl.where(amax > 0.0, tl.div_rn(amax, limit), one), tl.where(amax > 0.0, tl.div_rn(limit, amax), one)
+        nonzero = amax > 0.0
+        return tl.where(nonzero, tl.div_rn(amax, limit), one), tl.div_rn(limit, tl.where(nonzero, amax, limit))
     return one, one
 
 

@@ -65,7 +65,7 @@ SCHEMA = {
         "fp8_gemm": Opt("auto", "choice", "with fp8 weights: auto (weight-only fp8: the activations stay in "
                                           "train.precision's dtype) or w8a8 (each fp8 Linear's input is rounded "
                                           "to e4m3 per token in the forward and the product runs on the fp8 tensor "
-                                          "cores: Hopper GPUs, 1.3-1.6x the bf16 GEMM's speed, about 10x the "
+                                          "cores: Hopper GPUs, 1.6-1.7x the bf16 GEMM's speed, about 10x the "
                                           "output rounding of weight-only fp8; elsewhere emulated, slower; the "
                                           "backward stays weight-only)", choices=("auto", "w8a8")),
     },
