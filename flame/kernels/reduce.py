@@ -11,6 +11,10 @@ BLOCK_I, num_warps; looked up in the input's dtype), a tuning table's entry on t
 heuristics here, with the blocks cut to R and inner rounded up to powers of two; the R splits
 follow from BLOCK_R. Plans are memoised per shape and dtype (``_plans``, registered with
 ``tune.register_cache``). A split reduction's second pass is a reduction of its own key.
+
+``sum_partials_`` is the second stage of the losses' reductions to a scalar (cross-entropy's and
+the regression losses'): one program sums per-program partials in a fixed order, optionally divided
+by the sum of per-program counts.
 """
 import math
 
@@ -82,6 +86,26 @@ def _reduce_kernel(x_ptr, out_ptr, mean_ptr, R, INNER, r_per_split, splits, scal
     else:
         res = tl.sum(acc, axis=0) * scale
     tl.store(out_ptr + (o * splits + split) * INNER + cols, res.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit(do_not_specialize=["scale"])
+def _partials_kernel(psum_ptr, pcnt_ptr, out_ptr, cnt_out_ptr, P, scale,
+                     HAS_COUNT: tl.constexpr, CD: tl.constexpr, BLOCK: tl.constexpr):
+    # out = scale * sum(psum) [/ sum(pcnt), also stored], summed in a fixed order by one program
+    acc = tl.zeros((BLOCK,), CD)
+    cnt = tl.zeros((BLOCK,), CD)
+    for p0 in range(0, P, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        m = p < P
+        acc += tl.load(psum_ptr + p, mask=m, other=0.0).to(CD)
+        if HAS_COUNT:
+            cnt += tl.load(pcnt_ptr + p, mask=m, other=0.0).to(CD)
+    res = tl.sum(acc, axis=0) * scale
+    if HAS_COUNT:
+        c = tl.sum(cnt, axis=0)
+        res = res / c
+        tl.store(cnt_out_ptr, c)
+    tl.store(out_ptr, res.to(out_ptr.dtype.element_ty))
 
 
 def accumulation_dtype(dtype):
@@ -208,3 +232,12 @@ def column_sum_(out, x):
     reduction kernel directly, without the op layer's planning."""
     R, N = x.shape
     return reduce_(out, x, 1, R, N, (0, x.stride(0), x.stride(1)), SUM)
+
+
+def sum_partials_(out, psum, P, scale=1.0, pcnt=None, count_out=None):
+    """The second stage of a two-stage reduction to a scalar: ``out = scale * sum(psum[:P])``, or
+    with ``pcnt`` ``out = scale * sum(psum[:P]) / sum(pcnt[:P])`` and that count into ``count_out``
+    (a mean over counted elements); one program, a fixed order: bitwise repeatable."""
+    block = _pow2(min(max(P, 1), 1 << 14 if runtime.INTERPRETER else 1024))
+    launch(_partials_kernel, (1,), psum, pcnt, out, count_out, P, float(scale), HAS_COUNT=pcnt is not None,
+           CD=tl.float64 if psum.dtype == torch.float64 else tl.float32, BLOCK=block, num_warps=4)

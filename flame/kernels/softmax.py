@@ -1,4 +1,4 @@
-"""Softmax, log-softmax, cross-entropy and elementwise regression losses.
+"""Softmax, log-softmax and cross-entropy.
 
 Softmax-like kernels view their input as (outer, R, inner) with any strides and reduce over R:
 "row" r of the ROWS = outer * inner rows starts at (r // inner) * s_outer + (r % inner) * s_inner
@@ -20,8 +20,6 @@ memoised per shape and dtype (``tune.memoised``). A block longer than the
 row's length rounded up to a power of two is cut to it; whether a softmax row is read whole
 (SINGLE) follows from its block.
 """
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -30,9 +28,9 @@ from .. import autotune, runtime, tune
 from ..autotune import tunable
 from .elementwise import _pow2, cdiv
 from .launch import launch
+from .reduce import sum_partials_
 
 NONE, MEAN, SUM = (tl.constexpr(i) for i in range(3))
-MSE, L1, SMOOTH_L1, HUBER = (tl.constexpr(i) for i in range(4))
 _BAD_TARGET = runtime.device_error(IndexError, "cross_entropy: a target is outside [0, C) and is not ignore_index "
                                                "(that row's loss is NaN)")  # the forward kernel's error flag
 
@@ -221,128 +219,6 @@ def _ce_bwd_kernel(x_ptr, t_ptr, lse_ptr, g_ptr, cnt_ptr, dx_ptr, ROWS, C, INNER
         tl.store(dx_ptr + dbase[:, None] + (cc * ds_c)[None, :], dx.to(dx_ptr.dtype.element_ty), mask=msk)
 
 
-@triton.jit(do_not_specialize=["scale"])
-def _finalize_kernel(psum_ptr, pcnt_ptr, out_ptr, cnt_out_ptr, P, scale,
-                     HAS_COUNT: tl.constexpr, CD: tl.constexpr, BLOCK: tl.constexpr):
-    # out = scale * sum(psum) [/ sum(pcnt)], summed in a fixed order by one program
-    acc = tl.zeros((BLOCK,), CD)
-    cnt = tl.zeros((BLOCK,), CD)
-    for p0 in range(0, P, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        m = p < P
-        acc += tl.load(psum_ptr + p, mask=m, other=0.0).to(CD)
-        if HAS_COUNT:
-            cnt += tl.load(pcnt_ptr + p, mask=m, other=0.0).to(CD)
-    res = tl.sum(acc, axis=0) * scale
-    if HAS_COUNT:
-        c = tl.sum(cnt, axis=0)
-        res = res / c
-        tl.store(cnt_out_ptr, c)
-    tl.store(out_ptr, res.to(out_ptr.dtype.element_ty))
-
-
-# ---- elementwise regression losses ------------------------------------------------------------
-
-@triton.jit
-def _pointwise_loss(d, beta, KIND: tl.constexpr):
-    # d = x - y.  mse: d^2;  l1: |d|;
-    # smooth_l1(beta): 0.5 d^2 / beta if |d| < beta else |d| - 0.5 beta;
-    # huber(delta = beta): 0.5 d^2 if |d| < delta else delta (|d| - 0.5 delta)
-    ad = tl.abs(d)
-    if KIND == MSE:
-        return d * d
-    elif KIND == L1:
-        return ad
-    elif KIND == SMOOTH_L1:
-        return tl.where(ad < beta, 0.5 * d * d / beta, ad - 0.5 * beta)
-    else:
-        return tl.where(ad < beta, 0.5 * d * d, beta * (ad - 0.5 * beta))
-
-
-@triton.jit
-def _pointwise_grad(d, beta, KIND: tl.constexpr):
-    # d loss / d x:  mse: 2 d;  l1: sign(d);  smooth_l1: d / beta inside, sign(d) outside;
-    # huber: d inside, delta sign(d) outside  (d loss / d y is the negative)
-    sgn = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
-    if KIND == MSE:
-        return 2.0 * d
-    elif KIND == L1:
-        return sgn
-    elif KIND == SMOOTH_L1:
-        return tl.where(tl.abs(d) < beta, d / beta, sgn)
-    else:
-        return tl.where(tl.abs(d) < beta, d, beta * sgn)
-
-
-@triton.jit(do_not_specialize=["beta"])
-def _loss_fwd_kernel(x_ptr, y_ptr, w_ptr, out_ptr, psum_ptr, pcnt_ptr, n, per_prog, w_div, w_mod, beta,
-                     KIND: tl.constexpr, HAS_W: tl.constexpr, WSUM: tl.constexpr, REDUCE: tl.constexpr,
-                     CD: tl.constexpr, BLOCK: tl.constexpr):
-    # l = w * loss(x - y) per element (w broadcast: index (i // w_div) % w_mod); reduction none
-    # stores l, otherwise each program stores the sum of its per_prog elements (and with WSUM the
-    # sum of their weights, for PyTorch's mse/l1 weighted mean = sum(w l) / sum(w)).
-    pid = tl.program_id(0)
-    lo = pid.to(tl.int64) * per_prog
-    hi = tl.minimum(lo + per_prog, n)
-    acc = tl.zeros((BLOCK,), CD)
-    wacc = tl.zeros((BLOCK,), CD)
-    for i0 in range(lo, hi, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        m = i < hi
-        x = tl.load(x_ptr + i, mask=m, other=0.0).to(CD)
-        y = tl.load(y_ptr + i, mask=m, other=0.0).to(CD)
-        l = _pointwise_loss(x - y, beta, KIND)
-        if HAS_W:
-            w = tl.load(w_ptr + (i // w_div) % w_mod, mask=m, other=0.0).to(CD)
-            l = l * w
-            wacc += w
-        if REDUCE == NONE:
-            tl.store(out_ptr + i, l.to(out_ptr.dtype.element_ty), mask=m)
-        else:
-            acc += tl.where(m, l, 0.0)
-    if REDUCE != NONE:
-        tl.store(psum_ptr + pid, tl.sum(acc, axis=0))
-        if WSUM:
-            tl.store(pcnt_ptr + pid, tl.sum(wacc, axis=0))
-
-
-# Backward of L = reduce(w * loss(x - y)) with upstream g: per element for 'none'; for 'sum' g;
-# for 'mean' g / n, or g / sum(w) for a weight-normalised mean (L = sum(w l) / sum(w)):
-#   dx = g w loss'(x - y),  dy = -dx
-#   dw_elem = g loss(x - y)  (none, sum, unweighted mean: g already scaled),
-#   weighted mean: dw_elem = g (loss(x - y) - L) / sum(w)   (summed to w's shape afterwards)
-@triton.jit(do_not_specialize=["beta", "scale"])
-def _loss_bwd_kernel(x_ptr, y_ptr, w_ptr, g_ptr, cnt_ptr, out_ptr, dx_ptr, dy_ptr, dw_ptr, n, w_div, w_mod,
-                     beta, scale,
-                     KIND: tl.constexpr, HAS_W: tl.constexpr, G_FULL: tl.constexpr, W_MEAN: tl.constexpr,
-                     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_W: tl.constexpr, CD: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = i < n
-    x = tl.load(x_ptr + i, mask=m, other=0.0).to(CD)
-    y = tl.load(y_ptr + i, mask=m, other=0.0).to(CD)
-    if G_FULL:
-        g = tl.load(g_ptr + i, mask=m, other=0.0).to(CD)
-    else:
-        g0 = tl.load(g_ptr).to(CD) * scale
-        if W_MEAN:
-            g0 = g0 / tl.load(cnt_ptr).to(CD)
-        g = tl.zeros((BLOCK,), CD) + g0
-    d = x - y
-    if NEED_W:
-        l = _pointwise_loss(d, beta, KIND)
-        if W_MEAN:
-            l = l - tl.load(out_ptr).to(CD)
-        tl.store(dw_ptr + i, (g * l).to(dw_ptr.dtype.element_ty), mask=m)
-    if HAS_W:
-        g = g * tl.load(w_ptr + (i // w_div) % w_mod, mask=m, other=0.0).to(CD)
-    dx = g * _pointwise_grad(d, beta, KIND)
-    if NEED_X:
-        tl.store(dx_ptr + i, dx.to(dx_ptr.dtype.element_ty), mask=m)
-    if NEED_Y:
-        tl.store(dy_ptr + i, (-dx).to(dy_ptr.dtype.element_ty), mask=m)
-
-
 # ---- launchers --------------------------------------------------------------------------------
 
 def _cd(*dtypes):
@@ -488,7 +364,7 @@ def cross_entropy_fwd(x, t, outer, C, inner, xs, reduction, ignore_index, smooth
     count = None
     if red != NONE.value:
         count = runtime.empty((), acc) if red == MEAN.value else None
-        _finalize(psum, pcnt, loss, count, P if rows else 0, 1.0)
+        sum_partials_(loss, psum, P if rows else 0, 1.0, pcnt if count is not None else None, count)
     return loss, lse, count
 
 
@@ -502,75 +378,3 @@ def cross_entropy_bwd(dx, x, t, lse, g, count, outer, C, inner, xs, ds, reductio
     launch(_ce_bwd_kernel, (programs,), x, t, lse, g, count if count is not None else lse, dx,
            rows, C, inner, *xs, *ds, int(ignore_index), float(smoothing), REDUCE=red, CD=_cd(x.dtype), **meta)
     return dx
-
-
-def _finalize(psum, pcnt, out, count_out, P, scale):
-    block = _pow2(min(max(P, 1), 1 << 14 if runtime.INTERPRETER else 1024))
-    launch(_finalize_kernel, (1,), psum, pcnt if pcnt is not None else psum, out,
-           count_out if count_out is not None else psum, P, float(scale),
-           HAS_COUNT=count_out is not None, CD=_cd(psum.dtype), BLOCK=block, num_warps=4)
-
-
-_KINDS = {"mse": MSE, "l1": L1, "smooth_l1": SMOOTH_L1, "huber": HUBER}
-
-
-def loss_fwd(x, y, w, w_div, w_mod, kind, beta, reduction, out_dtype, weight_norm=True):
-    """x, y contiguous with n elements; w (or None) indexed by (i // w_div) % w_mod. Returns
-    (loss, wsum): the per-element loss (reduction 'none', flat) or a 0-d tensor, and for a
-    weighted mean normalised by the weights (``weight_norm``: sum(w l) / sum(w), PyTorch's
-    mse/l1) the 0-d sum of the (broadcast) weights, else None (a weighted mean is then
-    sum(w l) / n, PyTorch's huber)."""
-    n = x.numel()
-    kind = _KINDS[kind].value
-    red = {"none": NONE, "mean": MEAN, "sum": SUM}[reduction].value
-    cd = _cd(x.dtype, y.dtype)
-    acc = torch.float64 if cd == tl.float64 else torch.float32
-    block = _pow2(min(max(n, 1), 1 << 16)) if runtime.INTERPRETER else 2048
-    wp = w if w is not None else x
-    if red == NONE.value:
-        out = runtime.empty((n,), out_dtype)
-        if n:
-            launch(_loss_fwd_kernel, (cdiv(n, block),), x, y, wp, out, out, out, n, block, w_div, w_mod,
-                   float(beta), KIND=kind, HAS_W=w is not None, WSUM=False, REDUCE=red, CD=cd, BLOCK=block,
-                   num_warps=_warps(block))
-        return out, None
-    target = 1 if runtime.INTERPRETER else 8 * runtime.num_sms()
-    per_prog = max(block, cdiv(cdiv(max(n, 1), target), block) * block)
-    P = cdiv(n, per_prog)
-    psum = runtime.empty((max(P, 1),), acc)
-    norm = w is not None and weight_norm and red == MEAN.value
-    pcnt = runtime.empty((max(P, 1),), acc) if norm else psum
-    out = runtime.empty((), out_dtype)
-    if n:
-        launch(_loss_fwd_kernel, (P,), x, y, wp, out, psum, pcnt, n, per_prog, w_div, w_mod,
-               float(beta), KIND=kind, HAS_W=w is not None, WSUM=norm, REDUCE=red, CD=cd, BLOCK=block,
-               num_warps=_warps(block))
-    wsum = None
-    if norm:
-        wsum = runtime.empty((), acc)
-        _finalize(psum, pcnt, out, wsum, P, 1.0)
-    else:
-        scale = 1.0 if red == SUM.value else (1.0 / n if n else math.nan)
-        _finalize(psum, None, out, None, P, scale)
-    return out, wsum
-
-
-def loss_bwd(dx, dy, dw_full, x, y, w, w_div, w_mod, g, wsum, out, kind, beta, reduction):
-    # wsum is not None exactly for a weight-normalised mean (see loss_fwd)
-    """Gradients of loss_fwd: any of dx, dy, dw_full (n elements, before summing to w's shape)
-    may be None."""
-    n = x.numel()
-    if n == 0:
-        return
-    kind = _KINDS[kind].value
-    w_mean = wsum is not None
-    scale = 1.0 / n if reduction == "mean" and not w_mean else 1.0
-    block = _pow2(min(n, 1 << 16)) if runtime.INTERPRETER else 2048
-    dummy = x
-    launch(_loss_bwd_kernel, (cdiv(n, block),), x, y, w if w is not None else dummy, g,
-           wsum if wsum is not None else dummy, out if out is not None else dummy,
-           dx if dx is not None else dummy, dy if dy is not None else dummy,
-           dw_full if dw_full is not None else dummy, n, w_div, w_mod, float(beta), float(scale),
-           KIND=kind, HAS_W=w is not None, G_FULL=reduction == "none", W_MEAN=w_mean, NEED_X=dx is not None,
-           NEED_Y=dy is not None, NEED_W=dw_full is not None, CD=_cd(x.dtype, y.dtype), BLOCK=block,
-           num_warps=_warps(block))

@@ -15,7 +15,7 @@ import numbers
 
 from .. import runtime
 from ..autograd import needs_grad, record
-from ..kernels import softmax as K
+from ..kernels import loss as K
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import _autocast
 from ._util import check_float_input, check_reduction, dense
