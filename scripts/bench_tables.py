@@ -5,6 +5,7 @@ tables from the stored files.
     python3 scripts/bench_tables.py add out/bench.json [--commit SHA]  # into benchmarks/<card>.json, then write
     python3 scripts/bench_tables.py write                              # BENCHMARKS.md's tables from benchmarks/
     python3 scripts/bench_tables.py check                              # exit 1 when BENCHMARKS.md is stale
+    python3 scripts/bench_tables.py compare before.json after.json     # two runs of one card, case by case
 
 ``benchmarks/<card>.json`` (the card's name in file-name form, as the tuning tables are named) holds
 the newest run of each (family, dtype) on that card: ``add`` replaces a family's run with the one it
@@ -42,6 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from flame.tune import slug  # noqa: E402  (the tuning tables' file names: one spelling per card)
+
+OLD_FAMILY_NAMES = {"linear": "matmul", "conv": "conv2d"}  # bench.py's family names before kernel_families
 
 FORMAT = 1
 STORE = ROOT / "benchmarks"
@@ -294,16 +297,60 @@ def render(text: str, cards: list[dict]) -> str:
     return BLOCK.sub(block, text)
 
 
+
+def compare(before: Path, after: Path, out=sys.stdout) -> dict:
+    """Two ``bench.py --out`` runs of one card (before and after a change, ideally in one call),
+    case by case: flame's time after over before, and torch's (the machine's drift between the two
+    runs: torch did not change); per family the geometric mean and the largest change of flame's
+    ratio, and of flame's ratio over torch's. Returns {family: (geo-mean, largest |change|)}."""
+    def cases(path):
+        card, runs = runs_of(json.loads(path.read_text()))
+        return card, {(OLD_FAMILY_NAMES.get(r["family"], r["family"]), c["case"]): c
+                      for r in runs for c in r["cases"] if c.get("flame") and c.get("torch")}
+
+    card_b, b = cases(before)
+    card_a, a = cases(after)
+    if card_a != card_b:
+        raise ValueError(f"runs of different cards: {card_b} and {card_a}")
+    print(f"{card_a}: flame after / before (torch after / before: the drift), {before.name} -> {after.name}", file=out)
+    by_family, summary = {}, {}
+    for key in sorted(set(a) & set(b)):
+        fl, tr = a[key]["flame"] / b[key]["flame"], a[key]["torch"] / b[key]["torch"]
+        by_family.setdefault(key[0], []).append((key[1], fl, tr))
+    for fam, rows in by_family.items():
+        print(f"\n{fam}", file=out)
+        for case, fl, tr in rows:
+            print(f"  {case:<52} {fl:6.3f}  ({tr:.3f})", file=out)
+        geo = math.exp(statistics.fmean(math.log(fl) for _, fl, _ in rows))
+        rel = [fl / tr for _, fl, tr in rows]
+        worst = max(rows, key=lambda r: abs(math.log(r[1])))
+        summary[fam] = (geo, worst[1])
+        rel_geo = math.exp(statistics.fmean(math.log(r) for r in rel))
+        rel_worst = max(rel, key=lambda r: abs(math.log(r)))
+        print(f"  geo-mean {geo:.3f}, largest change {worst[1]:.3f} ({worst[0]}); over torch's drift: geo-mean "
+              f"{rel_geo:.3f}, largest {rel_worst:.3f}", file=out)
+    left = sorted(set(a) ^ set(b))
+    if left:
+        print(f"\nin one run only: {', '.join(f'{f}/{c}' for f, c in left)}", file=out)
+    return summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", nargs="?", choices=("add", "write", "check"), default="write")
-    p.add_argument("runs", nargs="*", type=Path, help="add: bench.py --out files")
+    p.add_argument("action", nargs="?", choices=("add", "write", "check", "compare"),
+                   default="write")
+    p.add_argument("runs", nargs="*", type=Path, help="add: bench.py --out files; compare: before and after")
     p.add_argument("--commit", default=None, help="add: the commit the runs measured, where they lack one")
     p.add_argument("--store", type=Path, default=STORE, help="the per-card files (default: benchmarks/)")
     p.add_argument("--doc", type=Path, default=DOC,
                    help="the document with bench-table blocks (default: BENCHMARKS.md)")
     args = p.parse_args(argv)
+    if args.action == "compare":
+        if len(args.runs) != 2:
+            p.error("compare: name two bench.py --out files, before and after")
+        compare(*args.runs)
+        return 0
     if args.action == "add":
         if not args.runs:
             p.error("add: name the bench.py --out files")

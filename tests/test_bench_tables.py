@@ -1,6 +1,7 @@
 """scripts/bench_tables.py: bench.py runs stored per card, BENCHMARKS.md's tables written from them
 (on a run made up here: no GPU, no kernels)."""
 import importlib.util
+import io
 import json
 from pathlib import Path
 
@@ -153,3 +154,19 @@ def test_the_repository_tables_are_current(bt):
     assert bt.main(["check"]) == 0, "BENCHMARKS.md is stale: run python3 scripts/bench_tables.py write"
     # two model families, softmax's table, full fine-tuning on one and two GPUs: current numbers only
     assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) < 410
+
+
+def test_compare_gives_flames_change_and_torchs_drift_per_family(bt, tmp_path):
+    before = _run(families=["matmul", "conv2d"])
+    before["results"][0]["family"] = "linear"  # bench.py's older family name matches its new one
+    before["families"] = ["linear", "matmul", "conv2d"]
+    after = _run(scale=1.1, families=["matmul", "conv2d"])
+    out = io.StringIO()
+    summary = bt.compare(_write(tmp_path, "b.json", before), _write(tmp_path, "a.json", after), out=out)
+    text = out.getvalue()
+    assert summary["conv2d"] == pytest.approx((1.0, 1.0))
+    geo, worst = summary["matmul"]  # two of three cases 1.1x slower
+    assert worst == pytest.approx(1.1) and geo == pytest.approx(1.1 ** (2 / 3))
+    assert "fwd 64x32->16 +bias" in text and "1.100" in text and "(1.000)" in text
+    with pytest.raises(ValueError, match="different cards"):
+        bt.compare(_write(tmp_path, "b.json", before), _write(tmp_path, "h.json", _run(gpu="NVIDIA H100")))
