@@ -506,13 +506,16 @@ def _scale_kernel(tensors_ptr, work_ptr, coef_ptr, G_DTYPE: tl.constexpr, CHUNK:
 
 
 @triton.jit(do_not_specialize=["a", "b", "flag"])
-def _axpby_kernel(tensors_ptr, work_ptr, a, b, flag_ptr, flag, dst_base, S_DTYPE: tl.constexpr,
+def _axpby_kernel(tensors_ptr, work_ptr, a, b, flag_ptr, flag, dst_base, scale_ptr, S_DTYPE: tl.constexpr,
                   D_DTYPE: tl.constexpr, READ_DST: tl.constexpr, HAS_FLAG: tl.constexpr, DST_OFFSET: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                  HAS_SCALE: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # dst = a * src + b * dst (dst: slot 0, src: slot 1; dst is not read when b == 0, READ_DST off:
     # it may hold anything); program 0 also stores the host's ``flag`` into its fp32 slot. With
-    # DST_OFFSET slot 0 holds dst's element offset from ``dst_base`` (one buffer per call, fixed tables)
+    # DST_OFFSET slot 0 holds dst's element offset from ``dst_base`` (one buffer per call, fixed tables);
+    # with HAS_SCALE a is multiplied by the device scalar at ``scale_ptr`` (fp32) first
     row, start = _work(tensors_ptr, work_ptr)
+    if HAS_SCALE:
+        a = a * tl.load(scale_ptr)
     if DST_OFFSET:
         d_ptr = dst_base + tl.load(row)
     else:
@@ -528,6 +531,30 @@ def _axpby_kernel(tensors_ptr, work_ptr, a, b, flag_ptr, flag, dst_base, S_DTYPE
         tl.store(d_ptr + idx, x.to(D_DTYPE), mask=mask)
     if HAS_FLAG:
         tl.store(flag_ptr, flag, mask=tl.program_id(0) == 0)
+
+
+@triton.jit(do_not_specialize=["first", "count", "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9", "p10",
+                                "p11", "p12", "p13", "p14", "p15"])
+def _set_sources_kernel(tensors_ptr, first, count, p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14,
+                        p15):
+    # slot 1 (the source pointer) of rows first .. first + count - 1 = p0 .. p(count - 1)
+    row = tensors_ptr + first.to(tl.int64) * _ROW + 1
+    tl.store(row, p0, mask=count > 0)
+    tl.store(row + _ROW, p1, mask=count > 1)
+    tl.store(row + 2 * _ROW, p2, mask=count > 2)
+    tl.store(row + 3 * _ROW, p3, mask=count > 3)
+    tl.store(row + 4 * _ROW, p4, mask=count > 4)
+    tl.store(row + 5 * _ROW, p5, mask=count > 5)
+    tl.store(row + 6 * _ROW, p6, mask=count > 6)
+    tl.store(row + 7 * _ROW, p7, mask=count > 7)
+    tl.store(row + 8 * _ROW, p8, mask=count > 8)
+    tl.store(row + 9 * _ROW, p9, mask=count > 9)
+    tl.store(row + 10 * _ROW, p10, mask=count > 10)
+    tl.store(row + 11 * _ROW, p11, mask=count > 11)
+    tl.store(row + 12 * _ROW, p12, mask=count > 12)
+    tl.store(row + 13 * _ROW, p13, mask=count > 13)
+    tl.store(row + 14 * _ROW, p14, mask=count > 14)
+    tl.store(row + 15 * _ROW, p15, mask=count > 15)
 
 
 # ---- host side ------------------------------------------------------------------------------
@@ -773,15 +800,32 @@ def scale_(buckets, coef):
                CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
 
 
-def axpby_(tables, src_dtype, dst_dtype, a, b, flag_out=None, flag=0.0, dst_base=None):
+def axpby_(tables, src_dtype, dst_dtype, a, b, flag_out=None, flag=0.0, dst_base=None, scale=None):
     """dst = a * src + b * dst for every (dst, src) row of ``tables``, in one launch (``b == 0``: dst
     is only written); ``flag_out`` (an fp32 element), when given, is set to ``flag``. ``dst_base``
-    (a buffer of ``dst_dtype``): the rows' dst entries are element offsets into it. Packs gradients
+    (a buffer of ``dst_dtype``): the rows' dst entries are element offsets into it. ``scale`` (an
+    fp32 element): ``a`` times its value at run time (read by a CUDA graph's replay). Packs gradients
     for the data-parallel all-reduce, keeps exponential moving averages, copies and casts weights."""
     if tables.num_work == 0:
         return
     launch(_axpby_kernel, (tables.num_work,), tables.tensors, tables.work, float(a), float(b),
            flag_out if flag_out is not None else tables.tensors, float(flag),
-           dst_base if dst_base is not None else tables.tensors,
+           dst_base if dst_base is not None else tables.tensors, scale if scale is not None else tables.tensors,
            S_DTYPE=tl_dtype(src_dtype), D_DTYPE=tl_dtype(dst_dtype), READ_DST=b != 0, HAS_FLAG=flag_out is not None,
-           DST_OFFSET=dst_base is not None, CHUNK=tables.chunk, BLOCK=tables.block, num_warps=4)
+           DST_OFFSET=dst_base is not None, HAS_SCALE=scale is not None, CHUNK=tables.chunk, BLOCK=tables.block,
+           num_warps=4)
+
+
+SOURCES_PER_LAUNCH = 16
+
+
+def set_sources_(tables, sources, first=0):
+    """The source entries (slot 1) of rows ``first, first + 1, ...`` of ``tables`` = ``sources``'
+    buffers, written by kernels that take the pointers as arguments: no host-to-device copy, so a
+    CUDA graph captures it and its replays write the pointers of the capture (fixed tables whose
+    sources are buffers made anew by each call, e.g. a backward's gradients)."""
+    for at in range(0, len(sources), SOURCES_PER_LAUNCH):
+        ptrs = [s.data_ptr() for s in sources[at:at + SOURCES_PER_LAUNCH]]
+        count = len(ptrs)
+        ptrs += [ptrs[0]] * (SOURCES_PER_LAUNCH - count)  # unused: one launch variant (every pointer an int64)
+        launch(_set_sources_kernel, (1,), tables.tensors, first + at, count, *ptrs, num_warps=1)
