@@ -13,12 +13,12 @@ state for those chunks only. The model's parameters become views of their unit's
 Stages:
 - ``optimizer`` (ZeRO-1): every rank packs its gradients into one full flat fp32 buffer (one
   kernel per micro-batch); ``step`` all-reduces it unit by unit and each rank updates its chunks.
-- ``gradients`` (ZeRO-2): ``pack`` reduce-scatters each unit's gradients (a bucket) into this
-  rank's fp32 gradient shard at once, so only the shard and one unit-sized staging buffer live
-  between micro-batches. ``reduce_dtype=torch.bfloat16`` reduce-scatters them in bf16 (half the
-  traffic; each rank's contribution and the sum rounded to bf16, as FSDP's ``reduce_dtype``), then
-  adds them to the fp32 shard. The buckets are the units, so a later version can launch each one as the
-  backward finishes it.
+- ``gradients`` (ZeRO-2): each unit's gradients (a bucket) are reduce-scattered into this rank's
+  fp32 gradient shard, so only the shard and unit-sized staging buffers live between micro-batches;
+  with ``overlap`` (the default) from the backward, as each unit's gradients are complete (below),
+  else all of them in ``pack``. ``reduce_dtype=torch.bfloat16`` reduce-scatters them in bf16 (half
+  the traffic; each rank's contribution and the sum rounded to bf16, as FSDP's ``reduce_dtype``),
+  then adds them to the fp32 shard.
 - ``parameters`` (ZeRO-3): as ``gradients``, and the units' buffers hold no memory except while
   gathered: ``gather``/``release`` (or ``gathered``, a context) all-gather a block's units before
   use and free them after; ``run(block, *args)`` does it around one block's forward and again, as
@@ -27,6 +27,31 @@ Stages:
 
 After the update each rank's chunks are cast to the units' dtype (a flame kernel) and all-gathered
 into the units' buffers, i.e. into the model's parameters (``parameters``: at the next gather).
+
+Overlap (``gradients`` and ``parameters`` on several ranks; ``overlap=False`` or setting
+``shards.overlap = False`` between steps turns it off). A post-accumulate hook on every trained
+parameter notes its gradient; when a unit's are all there, the unit is packed, times this rank's
+weight (``weigh(w)``, given before the backward: a device scalar, so a graph's replay reads the
+current one; ranks may weigh differently, e.g. by their rows of an uneven batch), in one multi-tensor
+launch into the next of two unit-sized staging slots, and reduce-scattered from there into the
+unit's *partial* chunk (all units' partials, in ``reduce_dtype``, are as large as the shard) on a
+communication stream that waits for the pack, while the backward goes on; a slot's next pack waits
+for the reduce-scatter that read it, and after the last unit the compute stream waits for the
+communication stream. ``pack`` then only adds: shard = (``accumulate``: shard +) partials, one
+kernel (the numbers of the path without overlap, bit for bit).
+Order: NCCL needs every rank to issue its collectives in one order, and the order in which units
+complete is the same on every rank only for the same graph, so units launch in one agreed order: a
+complete unit waits until every unit before it has launched. The order is the one in which the
+units completed in the first backward (the backward's own, for the most overlap), agreed at the
+first ``pack`` (an all-gather of each rank's order; the lowest rank that ran a backward wins), whose
+units are all launched there. A rank without samples (``pack(None)``, no backward) launches every
+unit with zeros in that order; a unit whose gradients never all arrive is reported by ``pack``, as
+without overlap. CUDA graphs (``flame.graphs.CapturedStep``): the hooks launch only kernels (the
+gradients' pointers go into fixed launch tables through kernel arguments, ``KO.set_sources_``),
+stream waits on events recorded in the same capture and the collectives, into buffers made at
+construction, so the backward captures with its reduce-scatters; a replay runs no hook, and ``pack``
+of the GradientMap a capture returned knows its units were launched. The first backward must run
+eagerly (CapturedStep's warm-up call does).
 
 Collectives: NCCL's (and gloo's, PyTorch 2.13) ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``; a gloo without ``reduce_scatter`` (older PyTorch) gets an all-reduce of
@@ -39,10 +64,11 @@ Per step, on every rank (``model``'s blocks run in order; ``world`` ranks)::
                               lambda params: AdamW(params, lr=1e-4, weight_decay=1e-2),
                               units=blocks)  # optional: one unit per block (a module or its parameters)
     for i, (x, target) in enumerate(micro_batches):
+        shards.weigh(1 / (len(micro_batches) * world))  # this rank's share, before the backward (overlap)
         for block in blocks:
             x = shards.run(block, x)  # gathered around its forward and its backward; a plain call below ZeRO-3
-        grads = loss_fn(x, target).backward()
-        shards.pack(grads, weight=1 / (len(micro_batches) * world), accumulate=i > 0)
+        grads = loss_fn(x, target).backward()  # reduce-scatters each unit as its gradients are complete
+        shards.pack(grads, accumulate=i > 0)
     norm = shards.step(lr=lr, max_norm=1.0, found_inf=scaler.found_inf)
 
 ``step(lr=None, max_norm=None, found_inf=None, grad_scale=None)``: ``lr`` sets every group's
@@ -73,10 +99,9 @@ Supported optimizers: the elementwise ones (AdamW, Adam, AdamW8bit, SGD, Lion). 
 a 2-D parameter's statistics and Prodigy estimates one step size over all parameters: neither is
 defined on a flat slice. One parameter group (the factory's optimizer over the leaves it gets).
 
-Not yet: launching each bucket's reduce-scatter from the backward as its gradients are done, the
-next block's gather ahead of its use (both are per unit already), capture in a CUDA graph (gathers
-resize storage; ``pack`` uploads tables for new gradient buffers), a bf16 master with stochastic
-rounding.
+Not yet: the next block's gather ahead of its use (per unit already), the ``parameters`` stage in
+a CUDA graph (gathers resize storage), ZeRO-1's all-reduce from the backward, a bf16 master with
+stochastic rounding.
 """
 from __future__ import annotations
 
@@ -86,6 +111,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -170,10 +196,12 @@ class ShardedOptimizer:
     the other parameters go into units of at most ``bucket_numel`` elements, in order. ``align``:
     elements each rank's chunk of a unit is a multiple of (256 for ``AdamW8bit``'s blocks).
     ``reduce_dtype``: the dtype the ``gradients`` and ``parameters`` stages reduce-scatter in (fp32,
-    or bf16: half the traffic). Call it alike on every rank (see the module doc)."""
+    or bf16: half the traffic). ``overlap``: those stages reduce-scatter each unit from the backward
+    as its gradients are complete (``overlap``, settable between steps; see the module doc). Call it
+    alike on every rank (see the module doc)."""
 
     def __init__(self, named_params, stage: str, optimizer, *, units=None, bucket_numel: int = 1 << 23,
-                 align: int = 256, reduce_dtype=torch.float32):
+                 align: int = 256, reduce_dtype=torch.float32, overlap: bool = True):
         if stage not in STAGES:
             raise ValueError(f"ShardedOptimizer: unknown stage {stage!r}; one of {', '.join(STAGES)} (ZeRO-1/2/3; "
                              "without sharding use the optimizer itself)")
@@ -217,6 +245,11 @@ class ShardedOptimizer:
         self._cast = runtime.empty((max(u.chunk for u in low),), low[0].dtype) if low else None
         self._held = {}  # unit index -> how many gathers hold it (``parameters`` stage)
         self._backward_held = []  # units gathered for the backward of the block running it
+        self._weight = runtime.empty((1,), torch.float32)  # this rank's weight of the next backward (``weigh``)
+        KE.fill_(self._weight, 1.0)
+        self._weighed = 1.0
+        self._hooks, self._overlap, self._fired, self._staging = [], False, False, None
+        self.overlap = overlap
         if stage == "parameters":
             for u in self.units:
                 self._free(u)
@@ -297,8 +330,8 @@ class ShardedOptimizer:
 
     def _make_gradients(self, offsets):
         """The gradient buffers: ZeRO-1 one full flat fp32 buffer (units at ``padded`` strides), the
-        others this rank's fp32 shard (laid out as the master) plus a staging buffer for one unit and
-        a chunk for its reduced part (in ``reduce_dtype``)."""
+        others this rank's fp32 shard (laid out as the master); the staging buffers come with
+        ``overlap``."""
         full = self.stage == "optimizer"
         starts = np.cumsum([0] + [u.padded for u in self.units]).tolist() if full else offsets
         flat = runtime.empty((starts[-1],), torch.float32)
@@ -311,10 +344,6 @@ class ShardedOptimizer:
             self._grads[master] = Tensor(flat[at:at + u.chunk])
         # where pack writes each parameter's gradient directly (ZeRO-1, or a world of one)
         self._direct = full or self.world == 1
-        self._staging = self._partial = None
-        if not self._direct:
-            self._staging = runtime.empty((max(u.padded for u in self.units),), self.reduce_dtype)
-            self._partial = runtime.empty((max(u.chunk for u in self.units),), self.reduce_dtype)
         self._starts = starts
         self._shard_buckets = [(KO.Tables([((None, g._data, None, None), g.numel(), 0)
                                            for g in self._grads.values()]), torch.float32)]
@@ -327,26 +356,27 @@ class ShardedOptimizer:
         ``unscale_``)."""
         return self._grads
 
-    def _sources(self, grads, members):
-        """Each member's gradient buffer in its parameter's layout."""
-        out = []
-        for name, p, _ in members:
-            g = grads.get(p)
-            if g is None:
-                raise RuntimeError(f"ShardedOptimizer.pack: no gradient for {name!r}: every rank must produce a "
-                                   "gradient for every trained parameter")
-            if not isinstance(g, Tensor) or g.shape != p.shape:
-                raise ValueError(f"ShardedOptimizer.pack: the gradient of {name!r} is "
-                                 f"{getattr(g, 'shape', type(g).__name__)}, the parameter {p.shape}")
-            if g.dtype not in (torch.float32, p.dtype):
-                raise TypeError(f"ShardedOptimizer.pack: the gradient of {name!r} is {g.dtype} for a {p.dtype} "
-                                "parameter")
-            buf = g._data
-            if not runtime.same_dense_layout(buf, p._data):
-                buf = runtime.empty_like(p._data, g.dtype)
-                KE.copy_(buf, g._data)
-            out.append(buf)
-        return out
+    def _sources(self, grads, members, dtype=None):
+        """Each member's gradient buffer in its parameter's layout (``dtype``: in that dtype)."""
+        return [self._source(name, p, grads.get(p), dtype) for name, p, _ in members]
+
+    @staticmethod
+    def _source(name, p, g, dtype=None):
+        """Parameter ``name``'s gradient ``g`` checked, as a buffer in ``p``'s layout (and ``dtype``)."""
+        if g is None:
+            raise RuntimeError(f"ShardedOptimizer.pack: no gradient for {name!r}: every rank must produce a "
+                               "gradient for every trained parameter")
+        if not isinstance(g, Tensor) or g.shape != p.shape:
+            raise ValueError(f"ShardedOptimizer.pack: the gradient of {name!r} is "
+                             f"{getattr(g, 'shape', type(g).__name__)}, the parameter {p.shape}")
+        if g.dtype not in (torch.float32, p.dtype):
+            raise TypeError(f"ShardedOptimizer.pack: the gradient of {name!r} is {g.dtype} for a {p.dtype} "
+                            "parameter")
+        buf = g._data
+        if not runtime.same_dense_layout(buf, p._data) or buf.dtype != (dtype or buf.dtype):
+            buf = runtime.empty_like(p._data, dtype or g.dtype)
+            KE.copy_(buf, g._data)
+        return buf
 
     def _tables(self, unit, dsts, srcs):
         """Cached ``[(Tables, source dtype)]`` of (destination, source) rows, one per source dtype."""
@@ -362,15 +392,32 @@ class ShardedOptimizer:
             self._pack_tables[key] = hit
         return hit
 
-    def pack(self, grads, weight: float = 1.0, accumulate: bool = False) -> None:
-        """Add ``weight`` times this micro-batch's gradients (the GradientMap of ``backward()``) to
-        the step's (``accumulate=False``: replace them). ZeRO-1 writes the full flat buffer; the
-        other stages reduce-scatter unit by unit into this rank's shard (a collective). ``grads``
-        None: this rank adds nothing (it had no samples) but takes part in the collectives."""
+    def weigh(self, weight: float) -> None:
+        """This rank's weight of the next backward's gradients (its share of the micro-batch, e.g.
+        ``rows / (global rows * micro-batches)``), given before that backward: with ``overlap`` the
+        backward reduce-scatters them already weighted (the weight is read from the device, so a
+        CUDA graph's replay uses the latest). ``pack``'s weight is this one unless given."""
+        if self._fired:
+            raise RuntimeError("ShardedOptimizer.weigh: gradients of a backward await pack: weigh before the backward")
+        weight = float(weight)
+        if weight != self._weighed:
+            KE.fill_(self._weight, weight)
+            self._weighed = weight
+
+    def pack(self, grads, weight: float | None = None, accumulate: bool = False) -> None:
+        """Add ``weight`` (None: ``weigh``'s, 1 by default) times this micro-batch's gradients (the
+        GradientMap of ``backward()``) to the step's (``accumulate=False``: replace them). ZeRO-1
+        writes the full flat buffer; the other stages reduce-scatter unit by unit into this rank's
+        shard (a collective; with ``overlap`` the backward did, and ``weight`` must be ``weigh``'s).
+        ``grads`` None: this rank adds nothing (it had no samples, and ran no backward) but takes
+        part in the collectives."""
         if grads is not None and not isinstance(grads, GradientMap):
             raise TypeError(f"ShardedOptimizer.pack expects the GradientMap of backward(), got {type(grads).__name__}")
         self._drop_backward_gathers()
-        weight = float(weight)
+        weight = self._weighed if weight is None else float(weight)
+        if self._overlap:
+            self._pack_overlapped(grads, weight, accumulate)
+            return
         if grads is None:
             self._pack_nothing(accumulate)
             return
@@ -428,6 +475,186 @@ class ShardedOptimizer:
         distributed.all_reduce_(inp)
         KE.copy_(out, inp[self.rank * out.numel():(self.rank + 1) * out.numel()])
 
+    # ---- reduce-scatters from the backward (``overlap``) ---------------------------------------
+    @property
+    def overlap(self) -> bool:
+        """Whether each unit's gradients are reduce-scattered from the backward, as soon as they are
+        complete (see the module doc): the ``gradients`` and ``parameters`` stages on several ranks,
+        unless set False; elsewhere there is nothing to reduce-scatter and it is False. Set it
+        between steps."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        if self._fired:
+            raise RuntimeError("ShardedOptimizer.overlap: gradients of a backward await pack: set it between steps")
+        on = bool(on) and not self._direct
+        if on == self._overlap and self._staging is not None:
+            return
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks, self._overlap, self._staging, self._partial = [], on, None, None  # the old buffers go first
+        if self._direct:
+            return
+        padded = max(u.padded for u in self.units)
+        if not on:  # one unit staged and reduced at a time, in pack
+            self._staging = runtime.empty((padded,), self.reduce_dtype)
+            self._partial = runtime.empty((max(u.chunk for u in self.units),), self.reduce_dtype)
+            return
+        slot = _round_up(padded, PARAM_ALIGN)
+        self._staging = runtime.empty((2 * slot,), self.reduce_dtype)  # a ring of two unit-sized slots
+        self._slots = [self._staging[:slot], self._staging[slot:]]
+        self._partial = runtime.empty((self._starts[-1],), self.reduce_dtype)  # every unit's reduced chunk
+        self._partials = [self._partial[s:s + u.chunk] for u, s in zip(self.units, self._starts)]
+        gaps = [self._gaps(u) for u in self.units]
+        self._zeros = runtime.empty((max([n for g in gaps for _, n in g] + [1]),), torch.float32)
+        KE.fill_(self._zeros, 0)
+        # per unit: its members' gradients (sources set per call) and zeros into its gaps, at offsets of a slot
+        self._unit_tables = [KO.Tables([((off, None), p.numel(), 0) for _, p, off in u.members] +
+                                       [((at, self._zeros), n, 0) for at, n in g]) for u, g in zip(self.units, gaps)]
+        self._finish_tables = KO.Tables([((self._flat_grad, self._partial, None, None), self._partial.numel(), 0)])
+        self._comm = None
+        if not runtime.is_interpreter():
+            self._comm = torch.cuda.Stream(device=runtime.device)
+            self._packed = torch.cuda.Event()  # compute stream: a slot is packed
+            self._freed = [torch.cuda.Event(), torch.cuda.Event()]  # comm stream: slot i's reduce-scatter is done
+            self._reduced = torch.cuda.Event()  # comm stream: the last unit's reduce-scatter is done
+        self._member_of = {p.id: (u.index, i) for u in self.units for i, (_, p, _) in enumerate(u.members)}
+        self._order = None  # the units' launch order, agreed at the first pack (see the module doc)
+        self._graphed = weakref.WeakSet()  # GradientMaps of captured backwards (a replay launched their units)
+        self._new_round()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._arrived) for u in self.units for _, p, _ in u.members]
+
+    @staticmethod
+    def _gaps(u):
+        """``[(offset, count)]`` of unit ``u``'s positions that no member covers (alignment and padding)."""
+        out, end = [], 0
+        for _, p, off in u.members:
+            if off > end:
+                out.append((end, off - end))
+            end = off + p.numel()
+        return out + ([(end, u.padded - end)] if u.padded > end else [])
+
+    def _new_round(self):
+        """No gradients arrived and no unit launched (after ``pack``)."""
+        self._got = [None] * len(self.units)  # per unit: its members' gradient buffers as they arrive
+        self._missing = [len(u.members) for u in self.units]
+        self._completed = []  # units in the order their gradients completed
+        self._next = 0  # position in the order of the next unit to launch
+        self._launches, self._busy = 0, [False, False]  # ring slots: read by a reduce-scatter of this round
+        self._fired = self._capturing = False
+
+    def _arrived(self, leaf, grad):
+        """Post-accumulate hook of each member: its gradient is complete; a complete unit launches
+        when every unit before it in the order has."""
+        ui, mi = self._member_of[leaf.id]
+        u = self.units[ui]
+        name, p, _ = u.members[mi]
+        got = self._got[ui]
+        if got is None:
+            got = self._got[ui] = [None] * len(u.members)
+        if got[mi] is not None:
+            raise RuntimeError(f"ShardedOptimizer: a second gradient for {name!r} before pack: with overlap each "
+                               "backward's gradients are reduce-scattered as they come; pack them after each backward")
+        got[mi] = self._source(name, p, grad, torch.float32)
+        self._fired = True
+        if runtime.is_capturing():
+            if self._order is None:
+                raise RuntimeError("ShardedOptimizer: the first backward ran inside a CUDA-graph capture; it must run "
+                                   "eagerly (flame.graphs.CapturedStep's first call does): it decides the order in "
+                                   "which every rank reduce-scatters the units")
+            self._capturing = True
+        self._missing[ui] -= 1
+        if self._missing[ui] == 0:
+            self._completed.append(ui)
+            if self._order is not None:
+                self._launch_ready(zeros=False)
+
+    def _launch_ready(self, zeros):
+        """Launch, in the agreed order, the units whose gradients are all here (``zeros``: every unit
+        left, as zeros); once the last has launched the compute stream waits for the reduce-scatters."""
+        order = self._order
+        while self._next < len(order):
+            ui = order[self._next]
+            if self._missing[ui] and not zeros:
+                return
+            self._launch(self.units[ui], None if self._missing[ui] else self._got[ui])
+            self._next += 1
+        if self._comm is not None:
+            self._reduced.record(self._comm)
+            torch.cuda.current_stream().wait_event(self._reduced)
+
+    def _launch(self, u, sources):
+        """Unit ``u``'s gradients ``sources`` (None: zeros) times the weight into the next ring slot
+        (on the compute stream), then reduce-scattered from there into its partial chunk (on the
+        communication stream, after the slot is packed; the slot's next use waits for it)."""
+        i = self._launches % 2
+        self._launches += 1
+        slot = self._slots[i][:u.padded]
+        if self._busy[i]:
+            torch.cuda.current_stream().wait_event(self._freed[i])
+        if sources is None:
+            KE.fill_(slot, 0)
+        else:
+            tables = self._unit_tables[u.index]
+            KO.set_sources_(tables, sources)
+            KO.axpby_(tables, torch.float32, self.reduce_dtype, 1.0, 0.0, dst_base=self._slots[i], scale=self._weight)
+        partial = self._partials[u.index]
+        if self._comm is None:  # the interpreter: gloo's collectives run synchronously
+            self._reduce_scatter(partial, slot)
+            return
+        self._packed.record()
+        self._comm.wait_event(self._packed)
+        with torch.cuda.stream(self._comm):
+            self._reduce_scatter(partial, slot)
+        self._freed[i].record(self._comm)
+        self._busy[i] = True
+
+    def _pack_overlapped(self, grads, weight, accumulate):
+        """``pack`` with ``overlap``: launch what the backward did not (all of it for a rank without
+        samples, at the first pack, or for gradients that came another way), then shard =
+        (``accumulate``: shard +) partials, one kernel."""
+        if grads is None:
+            if self._fired:
+                raise RuntimeError("ShardedOptimizer.pack(None): this rank's backward has reduce-scattered its "
+                                   "gradients already (overlap); pack them, weighed 0 (weigh(0) before the backward)")
+        elif weight != self._weighed:
+            raise ValueError(f"ShardedOptimizer.pack: weight {weight!r}, but with overlap the backward reduces the "
+                             f"gradients with weigh()'s weight, {self._weighed!r}: call weigh({weight!r}) before the "
+                             "backward")
+        elif self._fired:
+            for u in self.units:
+                if self._missing[u.index]:  # a parameter without a gradient: its unit never launched
+                    got = self._got[u.index] or [None] * len(u.members)
+                    name, p, _ = next(m for m, g in zip(u.members, got) if g is None)
+                    self._source(name, p, None)  # raises, naming it
+            if self._capturing:
+                self._graphed.add(grads)
+        elif grads in self._graphed:  # a CUDA graph's replay of a captured backward launched every unit
+            self._finish(accumulate)
+            return
+        else:  # gradients that did not come through the hooks (a GradientMap made otherwise)
+            for u in self.units:
+                self._got[u.index] = self._sources(grads, u.members, torch.float32)
+                self._missing[u.index] = 0
+        if self._order is None:
+            self._agree_order()
+        self._launch_ready(zeros=grads is None)
+        self._finish(accumulate)
+
+    def _agree_order(self):
+        """The units' launch order, the same on every rank (collectives must be issued in one order):
+        the order their gradients completed in the first backward of the lowest rank that ran one
+        (each rank's graph is the same), else the reverse of the units' (the backward's direction)."""
+        mine = self._completed if self._fired else None
+        orders = [None] * self.world
+        distributed._collective("all-gather", lambda: dist.all_gather_object(orders, mine))
+        self._order = next((o for o in orders if o is not None), list(range(len(self.units)))[::-1])
+
+    def _finish(self, accumulate):
+        KO.axpby_(self._finish_tables, self.reduce_dtype, torch.float32, 1.0, 1.0 if accumulate else 0.0)
+        self._new_round()
+
     # ---- the step -----------------------------------------------------------------------------
     def step(self, lr: float | None = None, max_norm: float | None = None, found_inf: Tensor | None = None,
              grad_scale: Tensor | None = None):
@@ -442,6 +669,8 @@ class ShardedOptimizer:
             raise ValueError(f"ShardedOptimizer.step: invalid learning rate {lr!r}")
         self._drop_backward_gathers()
         self._check_released("step")
+        if self._fired:
+            raise RuntimeError("ShardedOptimizer.step: the gradients of a backward await pack")
         if self.stage == "optimizer":
             for g in self._unit_grad:
                 distributed.all_reduce_(g)
@@ -587,7 +816,7 @@ class ShardedOptimizer:
         grads = [b for b in (self._flat_grad, self._staging, self._partial) if b is not None]
         return {"parameters": sum(u.buf.untyped_storage().nbytes() for u in self.units),
                 "master": self._master.numel() * 4, "optimizer": state,
-                "gradients": sum(b.numel() * 4 for b in grads)}
+                "gradients": sum(b.numel() * b.element_size() for b in grads)}
 
     # ---- state --------------------------------------------------------------------------------
     def layout(self) -> dict:

@@ -14,9 +14,14 @@ optimizer, gradients bytes). A job trains the tiny model below from its seed wit
 ``units`` ("layers": one unit per layer, else buckets of ``bucket`` elements), ``max_norm``,
 ``save`` ({step: folder}), ``resume`` (a folder loaded before the first step), ``emulate``
 (reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN),
-``8bit`` (AdamW8bit instead of AdamW), ``bf16_reduce`` (gradients reduce-scattered in bf16).
-Exits with status 1 when a rank failed (its traceback on stderr). Started by torchrun (GPUs, NCCL),
-each process is one rank of the one phase given.
+``8bit`` (AdamW8bit instead of AdamW), ``bf16_reduce`` (gradients reduce-scattered in bf16),
+``overlap`` (default true: the reduce-scatters launched from the backward), ``sizes`` (each step's
+micro-batches: their global row counts, split over the ranks as the trainer splits them, each rank
+weighing its share; a rank without rows packs None, or at the ``parameters`` stage runs row 0 weighed
+0), ``graph`` (forward and backward through ``flame.graphs.CapturedStep``), ``missing`` (the last
+step leaves the last layer's bias out of the loss: the job ends at the error ``pack`` raises, saved
+as ``<job>/error``). Exits with status 1 when a rank failed (its traceback on stderr). Started by
+torchrun (GPUs, NCCL), each process is one rank of the one phase given.
 """
 import itertools
 import json
@@ -34,6 +39,9 @@ import torch  # noqa: E402
 
 import flame  # noqa: E402 - first: it picks the backend
 from flame import distributed, nn, sharding  # noqa: E402
+from flame.data import part_bounds  # noqa: E402
+from flame.graphs import CapturedStep  # noqa: E402
+from flame.nn.functional import linear  # noqa: E402
 from flame.ops.loss import mse_loss  # noqa: E402
 from flame.optim import AdamW, AdamW8bit  # noqa: E402
 
@@ -62,12 +70,25 @@ def forward(model, x, call=None):
     return x
 
 
-def batch(step, part, parts):
-    """Rows ``part`` of ``parts`` of step ``step``'s global batch (inputs, targets)."""
-    rng = np.random.RandomState(step)
-    x, y = rng.randn(ROWS, DIMS[0]).astype(np.float32), rng.randn(ROWS, DIMS[-1]).astype(np.float32)
-    rows = slice(part * ROWS // parts, (part + 1) * ROWS // parts)
-    return flame.tensor(x[rows]), flame.tensor(y[rows])
+def batch(step, part, parts, rows=ROWS, micro=0):
+    """Rows ``part`` of ``parts`` of micro-batch ``micro`` of step ``step``'s global batch of ``rows``
+    rows (inputs, targets)."""
+    rng = np.random.RandomState(step + 1000 * micro)
+    x, y = rng.randn(rows, DIMS[0]).astype(np.float32), rng.randn(rows, DIMS[-1]).astype(np.float32)
+    start, stop = part_bounds(rows, parts, part)
+    return flame.tensor(x[start:stop]), flame.tensor(y[start:stop])
+
+
+def micro_batches(step, sizes, rank, world, stage):
+    """This rank's ``(inputs, targets, weight)`` of each micro-batch of step ``step`` (global row
+    counts ``sizes``), as the trainer splits them; ``(None, None, 0)`` for a rank without rows (at the
+    ``parameters`` stage, whose forward gathers with the other ranks, row 0 weighed 0)."""
+    for micro, rows in enumerate(sizes):
+        x, y = batch(step, rank, world, rows, micro)
+        count = x.shape[0]
+        if count == 0 and stage == "parameters":
+            x, y = batch(step, 0, rows, rows, micro)
+        yield (x, y, count / (rows * len(sizes))) if x.shape[0] else (None, None, 0.0)
 
 
 def sharded(model, job):
@@ -75,7 +96,8 @@ def sharded(model, job):
     factory = make_optimizer_8bit if job.get("8bit") else make_optimizer
     return sharding.ShardedOptimizer(model.named_parameters(), job["stage"], factory, units=units,
                                      bucket_numel=job.get("bucket", 1 << 23),
-                                     reduce_dtype=torch.bfloat16 if job.get("bf16_reduce") else torch.float32)
+                                     reduce_dtype=torch.bfloat16 if job.get("bf16_reduce") else torch.float32,
+                                     overlap=job.get("overlap", True))
 
 
 def weights(model, shards):
@@ -91,12 +113,32 @@ def run_job(job, world):
         shards.load(job["resume"])
     first, last = job["steps"]
     norms, out = [], {}
-    for step in range(first, last + 1):
-        x, y = batch(step, world.rank, world.size)
-        loss = mse_loss(forward(model, x, shards.run), y)
+
+    def loss_and_grads(x, y, leave_out_bias=False):
+        if leave_out_bias:  # the last layer without its bias: that parameter gets no gradient
+            loss = mse_loss(linear(forward(model[:-1], x, shards.run), model[-1].weight), y)
+        else:
+            loss = mse_loss(forward(model, x, shards.run), y)
         if job.get("nan") and world.rank == 1:
             loss = loss * float("nan")
-        shards.pack(loss.backward(), weight=1.0 / world.size)
+        return loss.backward()
+
+    step_fn = CapturedStep(loss_and_grads) if job.get("graph") else loss_and_grads
+    for step in range(first, last + 1):
+        for micro, (x, y, weight) in enumerate(micro_batches(step, job.get("sizes", [ROWS]), world.rank, world.size,
+                                                             job["stage"])):
+            if x is None:
+                shards.pack(None, accumulate=micro > 0)
+                continue
+            shards.weigh(weight)
+            try:
+                shards.pack(step_fn(x, y, job.get("missing", False) and step == last), weight=weight,
+                            accumulate=micro > 0)
+            except RuntimeError as e:
+                if not job.get("missing"):
+                    raise
+                out["error"] = np.array(str(e))
+                return out
         norm = shards.step(max_norm=job.get("max_norm"))
         if norm is not None:
             norms.append(norm.item())

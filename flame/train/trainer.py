@@ -359,8 +359,10 @@ class Trainer:
                     shards.pack(None, accumulate=m > 0)
                 self.bucket.pack(None, None, 0.0, m > 0, self.signals.requested is not None)
                 continue
-            loss, grads = self.step_fn(*self._step_inputs(ids[start:stop], shape, *draws))
             weight = counted / len(ids)
+            if shards is not None:  # before the backward, which may reduce-scatter the gradients (overlap)
+                shards.weigh(weight)
+            loss, grads = self.step_fn(*self._step_inputs(ids[start:stop], shape, *draws))
             if shards is not None:
                 shards.pack(grads, weight=weight, accumulate=m > 0)
                 grads = GradientMap()
