@@ -20,9 +20,11 @@ micro-batches: their global row counts, split over the ranks as the trainer spli
 weighing its share; a rank without rows packs None, or at the ``parameters`` stage runs row 0 weighed
 0), ``graph`` (forward and backward through ``flame.graphs.CapturedStep``), ``missing`` (the last
 step leaves the last layer's bias out of the loss: the job ends at the error ``pack`` raises, saved
-as ``<job>/error``). Exits with status 1 when a rank failed (its traceback on stderr). Started by
+as ``<job>/error``); ``<job>/launched`` counts, per backward, the reduce-scatters (or their
+all-reduce stand-ins) issued inside it. Exits with status 1 when a rank failed (its traceback on stderr). Started by
 torchrun (GPUs, NCCL), each process is one rank of the one phase given.
 """
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -105,6 +107,23 @@ def weights(model, shards):
         return {name: p.clone().numpy() for name, p in model.named_parameters()}
 
 
+@contextlib.contextmanager
+def counting_reductions():
+    """The reduce-scatters (and all-reduces) flame issues inside the block, counted into the list it yields."""
+    calls, plain = [], distributed._collective
+
+    def counted(what, fn):
+        if what in ("reduce-scatter", "all-reduce"):
+            calls.append(what)
+        return plain(what, fn)
+
+    distributed._collective = counted
+    try:
+        yield calls
+    finally:
+        distributed._collective = plain
+
+
 def run_job(job, world):
     sharding._native_reduce_scatter = False if job.get("emulate") else None
     model = build_model()
@@ -112,7 +131,7 @@ def run_job(job, world):
     if job.get("resume"):
         shards.load(job["resume"])
     first, last = job["steps"]
-    norms, out = [], {}
+    norms, launched, out = [], [], {}
 
     def loss_and_grads(x, y, leave_out_bias=False):
         if leave_out_bias:  # the last layer without its bias: that parameter gets no gradient
@@ -121,7 +140,10 @@ def run_job(job, world):
             loss = mse_loss(forward(model, x, shards.run), y)
         if job.get("nan") and world.rank == 1:
             loss = loss * float("nan")
-        return loss.backward()
+        with counting_reductions() as calls:
+            grads = loss.backward()
+        launched.append(len(calls))
+        return grads
 
     step_fn = CapturedStep(loss_and_grads) if job.get("graph") else loss_and_grads
     for step in range(first, last + 1):
@@ -146,6 +168,7 @@ def run_job(job, world):
             shards.save(job["save"][str(step)])
     out.update({f"w/{k}": v for k, v in weights(model, shards).items()})
     out["norms"] = np.array(norms, dtype=np.float64)
+    out["launched"] = np.array(launched)
     out["memory"] = np.array([shards.memory()[k] for k in ("parameters", "master", "optimizer", "gradients")])
     return out
 

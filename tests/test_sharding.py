@@ -7,6 +7,10 @@ weighted 1/N, in rank order) and runs AdamW on the parameters themselves. Equali
   is the same in either order, and AdamW is elementwise: a flat slice updates as the tensors do);
 - 4 ranks, and clipping: within fp32 rounding (gloo's sum of four and the global norm's partial
   sums run in another order than the reference's).
+The ``gradients`` and ``parameters`` stages reduce-scatter from the backward (``overlap``, the
+default) in these runs, and once without it; the backward's reduce-scatters are counted. Uneven
+micro-batches (ranks weighed by their rows, one rank without rows) with accumulation, through
+``CapturedStep``, and a parameter without a gradient are 2-rank jobs of the same run.
 Resume: a 2-rank checkpoint continues on 4 ranks, a 4-rank one on 1 rank (this process).
 """
 import json
@@ -33,6 +37,7 @@ pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel w
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAX_NORM = 0.05  # below the reference's gradient norm at step 3: the clip bites
 CLOSE = {"rtol": 1e-5, "atol": 1e-6}  # fp32 rounding after a few AdamW steps of lr 1e-2
+UNEVEN = [3, 1]  # the global rows of each step's micro-batches: on 2 ranks 1 + 2, then none + 1
 
 
 def _launch(out, phases, timeout=300):
@@ -91,6 +96,21 @@ def reference():
 
 
 @pytest.fixture(scope="module")
+def uneven_reference():
+    """The unsharded run of 3 steps of ``UNEVEN`` micro-batches (each weighed 1/2)."""
+    model = W.build_model()
+    opt = W.make_optimizer(list(model.parameters()))
+    bucket = distributed.GradientBucket(list(model.parameters()))
+    for n in (1, 2, 3):
+        for micro, rows in enumerate(UNEVEN):
+            x, y = W.batch(n, 0, 1, rows, micro)
+            loss = mse_loss(W.forward(model, x), y)
+            bucket.pack(loss.backward(), loss, 1 / len(UNEVEN), accumulate=micro > 0)
+        opt.step(bucket.grads)
+    return _snapshot(model)
+
+
+@pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Each stage for steps 1-3 on 2 ranks (checkpoints after step 2; the reduce-scatter emulated at
     the ``parameters`` stage; a step with NaN gradients on rank 1), then on 4 ranks (a checkpoint
@@ -105,6 +125,10 @@ def runs(tmp_path_factory):
     two, four = _launch(root / "ranks", [
         {"world": 2, "jobs": [dict(job, save=saves.get(job["name"], {}), emulate=job["stage"] == "parameters")
                               for job in jobs] + [
+            {"name": "gradients_plain", "stage": "gradients", "steps": [1, 3], "bucket": 8192, "overlap": False},
+            {"name": "uneven", "stage": "gradients", "steps": [1, 3], "units": "layers", "sizes": UNEVEN,
+             "graph": True},
+            {"name": "missing", "stage": "gradients", "steps": [1, 2], "units": "layers", "missing": True},
             {"name": "nan", "stage": "gradients", "steps": [1, 1], "nan": True},
             {"name": "bf16_reduce", "stage": "gradients", "steps": [1, 3], "units": "layers", "bf16_reduce": True},
             {"name": "8bit", "stage": "gradients", "steps": [1, 2], "units": "layers", "8bit": True,
@@ -112,7 +136,7 @@ def runs(tmp_path_factory):
         {"world": 4, "jobs": [dict(job, save={"2": str(ck / "p4")} if job["stage"] == "parameters" else {})
                               for job in jobs] + [
             {"name": "resumed", "stage": "gradients", "steps": [3, 3], "units": "layers", "resume": str(ck / "g2"),
-             "max_norm": MAX_NORM},
+             "max_norm": MAX_NORM, "overlap": False},
             {"name": "8bit", "stage": "gradients", "steps": [2, 2], "units": "layers", "8bit": True,
              "resume": str(ck / "a2")}]}])
     return {"two": two, "four": four, "ck": ck}
@@ -121,15 +145,46 @@ def runs(tmp_path_factory):
 def test_every_stage_gives_the_unsharded_weights_on_two_ranks_bit_for_bit_and_on_four_within_rounding(runs,
                                                                                                      reference):
     for world, key in ((2, "two"), (4, "four")):
-        for stage in sharding.STAGES:
+        for job in sharding.STAGES + (("gradients_plain",) if world == 2 else ()):
             for rank_file in runs[key]:
-                got = _weights(rank_file, stage)
+                got = _weights(rank_file, job)
                 assert got.keys() == reference[3].keys()
                 for name, want in reference[3].items():
                     if world == 2:
-                        np.testing.assert_array_equal(got[name], want, err_msg=f"{stage} {name}")
+                        np.testing.assert_array_equal(got[name], want, err_msg=f"{job} {name}")
                     else:
-                        np.testing.assert_allclose(got[name], want, **CLOSE, err_msg=f"{stage} {name}")
+                        np.testing.assert_allclose(got[name], want, **CLOSE, err_msg=f"{job} {name}")
+
+
+def test_the_backward_launches_every_units_reduce_scatter_from_the_second_step_on(runs):
+    """The first backward decides the order (its units are launched by pack); from then on each
+    backward issues every unit's reduce-scatter itself (4 units of one tensor, 2 of one layer);
+    without overlap none."""
+    for key in ("two", "four"):
+        for rank_file in runs[key]:
+            np.testing.assert_array_equal(rank_file["gradients/launched"], [0, 4, 4])
+            np.testing.assert_array_equal(rank_file["parameters/launched"], [0, 2, 2])
+    for rank_file in runs["two"]:
+        np.testing.assert_array_equal(rank_file["gradients_plain/launched"], [0, 0, 0])
+
+
+def test_uneven_micro_batches_and_a_rank_without_rows_accumulate_the_unsharded_gradients(runs, uneven_reference):
+    """Per step, 3 rows over 2 ranks (1 and 2: the ranks weigh their gradients 1/6 and 2/6 before
+    the reduction), then 1 row (rank 0 packs None and launches zeros while rank 1's backward
+    launches its units), accumulated; the step through CapturedStep (its rules from the 2nd call)."""
+    for r, rank_file in enumerate(runs["two"]):
+        np.testing.assert_array_equal(rank_file["uneven/launched"], [0, 2, 2] if r == 0 else [0, 2, 2, 2, 2, 2])
+        got = _weights(rank_file, "uneven")
+        for name, want in uneven_reference.items():
+            np.testing.assert_allclose(got[name], want, **CLOSE, err_msg=name)
+
+
+def test_a_parameter_without_a_gradient_is_named_by_pack_with_overlap(runs):
+    """The second step leaves '1.bias' out of the loss: its unit never launches, nor do the units
+    after it in the order, and pack names it on every rank."""
+    for rank_file in runs["two"]:
+        assert str(rank_file["missing/error"]) == ("ShardedOptimizer.pack: no gradient for '1.bias': every rank must "
+                                                   "produce a gradient for every trained parameter")
 
 
 def test_gradients_reduced_in_bf16_train_close_to_fp32(runs, reference):
@@ -231,6 +286,7 @@ def test_one_process_bf16_weights_state_dict_and_a_found_inf_flag():
     and stays set; state_dict/load_state_dict round-trip."""
     model = W.build_model().to(dtype=flame.bfloat16)
     shards = sharding.ShardedOptimizer(model.named_parameters(), "gradients", W.make_optimizer)
+    assert not shards.overlap  # one rank: nothing to reduce-scatter
     grads = flame.GradientMap()
     for p in model.parameters():
         grads[p] = flame.ones(*p.shape)
@@ -255,8 +311,12 @@ def test_one_process_bf16_weights_state_dict_and_a_found_inf_flag():
 @pytest.mark.gpu
 @pytest.mark.skipif(not flame.is_interpreter() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_every_stage_on_two_gpus_over_nccl_gives_the_unsharded_weights(reference, tmp_path):
-    """The 2-rank runs on NCCL, one process per GPU under torchrun (the CUDA context cannot be forked)."""
-    jobs = [{"name": stage, "stage": stage, "steps": [1, 3], "units": "layers"} for stage in sharding.STAGES]
+    """The 2-rank runs on NCCL, one process per GPU under torchrun (the CUDA context cannot be forked):
+    each stage (with overlap: the reduce-scatters on a communication stream), ``gradients`` without
+    overlap and with the forward and backward in a CUDA graph (captured at step 2, replayed at 3)."""
+    jobs = [{"name": stage, "stage": stage, "steps": [1, 3], "units": "layers"} for stage in sharding.STAGES] + [
+        {"name": "plain", "stage": "gradients", "steps": [1, 3], "units": "layers", "overlap": False},
+        {"name": "graph", "stage": "gradients", "steps": [1, 3], "units": "layers", "graph": True}]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -265,7 +325,7 @@ def test_every_stage_on_two_gpus_over_nccl_gives_the_unsharded_weights(reference
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     ranks = [dict(np.load(tmp_path / "phase-0" / f"rank-{r}.npz")) for r in range(2)]
-    for stage in sharding.STAGES:
+    for job in [j["name"] for j in jobs]:
         for name, want in reference[3].items():
-            np.testing.assert_array_equal(_weights(ranks[1], stage)[name], _weights(ranks[0], stage)[name])
-            np.testing.assert_allclose(_weights(ranks[0], stage)[name], want, **CLOSE, err_msg=f"{stage} {name}")
+            np.testing.assert_array_equal(_weights(ranks[1], job)[name], _weights(ranks[0], job)[name])
+            np.testing.assert_allclose(_weights(ranks[0], job)[name], want, **CLOSE, err_msg=f"{job} {name}")
