@@ -67,8 +67,9 @@ try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
 except ImportError:  # an older Triton: the other GEMM kernels serve every call
     gluon = None
 
-# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels
+# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels; FLAME_MATMUL_SPLIT=0 walks every tile whole
 ROUTE = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_GLUON", "1") != "0"
+SPLIT_ROUTE = os.environ.get("FLAME_MATMUL_SPLIT", "1") != "0"
 K_BYTES = 128  # bytes of K per operand row of a stage: BLOCK_K = 64 16-bit or 128 fp8 elements (128-byte swizzle)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
 
@@ -405,7 +406,7 @@ def _choose(M, N, K, sms=None, speed=1):
         area = rows * bn / TILES[tile]
         if whole:
             yield area * (rounds * K / speed + epilogues), tile, False
-        if tiles % sms <= SPLIT_MAX_FILL * sms and split_tiles(tiles, k_tiles, sms):
+        if SPLIT_ROUTE and tiles % sms <= SPLIT_MAX_FILL * sms and split_tiles(tiles, k_tiles, sms):
             yield area * (tiles / sms * K / speed + SPLIT_FIXUP_K + epilogues), tile, True
 
     best = min((option for tile in TILES for option in options(tile)), key=lambda option: option[0], default=None)
