@@ -8,6 +8,8 @@ the trainer's data, EMA and optimizer features on against the plain step; loadin
     python3 scripts/bench_train.py --nproc 1 --nproc 2 --checkpointing off --out out/ddp.json
     python3 scripts/bench_train.py --mode full --shard gradients,parameters --nproc 1 --nproc 2 --checkpointing off \
         --steps 5 --blocks 3 --out out/full.json     # every weight trains: flame sharded, diffusers under FSDP2
+    python3 scripts/bench_train.py --mode full --shard gradients --nproc 1 --nproc 2 --checkpointing off \
+        --overlap both --framework flame --out out/overlap.json   # reduce-scatters from the backward or after it
     python3 scripts/bench_train.py --features --steps 10 --blocks 5 --out out/features.json
     python3 scripts/bench_train.py --load --nproc 1 --nproc 2
     python scripts/bench_train.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1
@@ -27,7 +29,10 @@ trainer with ``train.mode: full``, bf16 weights, ``train.shard`` each of ``--sha
 ``flame.sharding``; ``parameters`` needs 2 or more processes, so its N = 1 is skipped and its scaling
 taken against ``gradients`` at N = 1, the same one-process step) and ``train.master_weights``
 ``--master`` (``bf16_stochastic``: ``--shard none``, whose N > 1 all-reduces the gradients as for
-LoRA). diffusers: the UNet built as ``bench_sdxl.py --mode full`` builds it (fp32 weights, all
+LoRA) and ``--overlap``: the ``gradients`` and ``parameters`` stages on 2+ processes reduce-scatter
+each unit's gradients from the backward as they are complete (``on``, the library's default), in
+``pack`` after it (``off``, ``ShardedOptimizer.overlap`` set False), or ``both`` (a row each, one
+N = 1 row). diffusers: the UNet built as ``bench_sdxl.py --mode full`` builds it (fp32 weights, all
 trained), under FSDP2 as accelerate's FSDP plugin runs it: ``fully_shard`` on every down, mid and up
 block and on the root (parameters, gradients and optimizer state sharded, each block gathered for its
 forward and again for its backward), ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
@@ -43,8 +48,10 @@ where one bucket all-reduces the gradients (LoRA; full with ``--shard none``), t
 where it runs (CUDA events around each call through ``flame.distributed``; the clock on the
 interpreter), the median step's sum and its calls and time by kind (reduce-scatter, all-gather,
 all-reduce), rank 0's view, waits for the other ranks included; with each rank's shard memory
-(``ShardedOptimizer.memory()``) in the JSON. Needs diffusers (and peft for LoRA) for the second
-framework.
+(``ShardedOptimizer.memory()``) in the JSON. With overlap in a CUDA graph (``gradients``) the
+reduce-scatters are replayed with the backward, where no Python runs: the collectives counted are
+then those outside it (the step's all-reduces and all-gathers). Needs diffusers (and peft for LoRA)
+for the second framework.
 
 ``--features``: flame alone, one process, LoRA, the plain step (one cache, AdamW) against the step
 with two datasets (the second repeated twice at half the loss weight), flip augmentation, caption
@@ -130,6 +137,8 @@ def run_flame(args):
     cfg = build_config(settings)
     trainer = Trainer(cfg, progress=False, log=lambda *a: None)
     world = trainer.world
+    if trainer.trained.shards is not None:  # before the first step (off where there is nothing to overlap)
+        trainer.trained.shards.overlap = args.overlap == "on"
 
     def sync():
         flame.synchronize()
@@ -157,6 +166,7 @@ def run_flame(args):
         allreduce_ms = statistics.median(samples)
     collectives = _timed_collectives(trainer, args.steps) if sharded is not None and world.size > 1 else None
     return {"framework": "flame", "world": world.size, "times_s": times, "peak_bytes": flame.max_memory_allocated(),
+            "overlap": sharded.overlap if sharded is not None else None,
             "graphs": trainer.step_fn.num_graphs,
             "allreduce_ms": allreduce_ms, "allreduce_mb": trainer.bucket.nbytes / 2 ** 20 if trainer.bucket else 0,
             "collectives_ms": collectives and collectives.pop("ms"), "collectives": collectives,
@@ -359,6 +369,10 @@ def parse_args(argv):
     p.add_argument("--reduce-dtype", choices=["fp32", "bf16"], default="fp32",
                    help="--mode full, flame: train.shard_reduce_dtype (the gradients' reduce-scatter in fp32 or bf16) "
                         "for --shard gradients and parameters")
+    p.add_argument("--overlap", choices=["on", "off", "both"], default="on",
+                   help="--mode full, flame, --shard gradients or parameters on 2+ processes: reduce-scatter each "
+                        "unit's gradients from the backward as they are complete (on), after it (off), or both (a row "
+                        "each)")
     p.add_argument("--master", "--master-weights", choices=["fp32", "bf16_stochastic"], default="fp32", dest="master",
                    help="--mode full, flame: train.master_weights: fp32 master weights in the shards, or the bf16 "
                         "weights updated with stochastic rounding (--shard none only)")
@@ -444,7 +458,8 @@ def main(argv=None):
         for fw in _frameworks(args):
             for shard in (args.shards if fw == "flame" and args.mode == "full" else [None]):
                 for n in _nprocs(args):
-                    rows += _measure_step(args, fw, shard, ckpt, n)
+                    for overlap in _overlaps(args, fw, shard, n):
+                        rows += _measure_step(args, fw, shard, ckpt, n, overlap)
             _save(args, rows)
     _report(rows)
     return 1 if any("error" in r for r in rows) else 0
@@ -455,13 +470,20 @@ def _reduce_dtype(args, shard):
     return args.reduce_dtype if shard in ("gradients", "parameters") else "fp32"
 
 
-def _measure_step(args, fw, shard, ckpt, n):
-    """One (framework, shard, checkpointing, N) setting under torchrun: [its row], or [] when skipped."""
+def _overlaps(args, fw, shard, n):
+    """The --overlap settings of a flame full run (None where nothing is reduce-scattered)."""
+    if fw != "flame" or args.mode != "full" or shard not in ("gradients", "parameters") or n == 1:
+        return [None]
+    return ["on", "off"] if args.overlap == "both" else [args.overlap]
+
+
+def _measure_step(args, fw, shard, ckpt, n, overlap=None):
+    """One (framework, shard, checkpointing, N, overlap) setting under torchrun: [its row], or [] when skipped."""
     what = fw
     if args.mode == "full":
         reduce = " bf16-reduce" if _reduce_dtype(args, shard) == "bf16" else ""
         what = f"flame full shard {shard}{' bf16-SR' if args.master == 'bf16_stochastic' else ''}{reduce}" \
-            if fw == "flame" else "diffusers FSDP2 full"
+            f"{'' if overlap is None else ' overlap ' + overlap}" if fw == "flame" else "diffusers FSDP2 full"
     label = f"{what} ckpt {ckpt} N={n}"
     why = _skipped(args, fw, shard, n)
     if why:
@@ -471,7 +493,7 @@ def _measure_step(args, fw, shard, ckpt, n):
     if args.mode == "full":
         # --master-weights: torchrun would take --master for an abbreviation of its --master-addr / --master-port
         extra += ["--master-weights", args.master, "--reduce-dtype", args.reduce_dtype,
-                  *(["--shard", shard] if shard else [])]
+                  "--overlap", overlap or "on", *(["--shard", shard] if shard else [])]
     result = _launch(args, fw, n, label, extra)
     if "error" in result:
         return [result]
@@ -559,11 +581,11 @@ def _report(rows):
     base = {(r["checkpointing"], r["nproc"]): r for r in ok if r["framework"] != "flame"}
     comm = "collectives" if any(r.get("mode") == "full" for r in ok) else "all-reduce"
     notes = [f"diffusers full: {FSDP_SETTING}"] if any(r["framework"] == FSDP_SETTING for r in ok) else []
-    print(f"\n{'setting':<44} {'step ms':>8} {'images/s':>9} {'scaling':>8} {comm:>16} {'peak GiB':>9} "
+    print(f"\n{'setting':<54} {'step ms':>8} {'images/s':>9} {'scaling':>8} {comm:>16} {'peak GiB':>9} "
           f"{'vs diffusers':>13}")
     for r in rows:
         if "error" in r:
-            print(f"{r['setting']:<44} failed")
+            print(f"{r['setting']:<54} failed")
             continue
         single = one.get((r["framework"], r.get("shard"), r["checkpointing"]))
         mark = ""
@@ -576,7 +598,7 @@ def _report(rows):
         ar = f"{ms:.2f} ms {ms / (r['median_s'] * 1e3):.1%}" if ms else ""
         ref = base.get((r["checkpointing"], r["nproc"]))
         vs = f"{r['images_s'] / ref['images_s']:.2f}x" if ref and r["framework"] == "flame" else ""
-        print(f"{r['setting']:<44} {r['median_s'] * 1e3:8.1f} {r['images_s']:9.2f} {scaling:>8} {ar:>16} "
+        print(f"{r['setting']:<54} {r['median_s'] * 1e3:8.1f} {r['images_s']:9.2f} {scaling:>8} {ar:>16} "
               f"{r['peak_bytes'] / 2 ** 30:9.2f} {vs:>13}")
     if notes:
         print(f"({'; '.join(notes)})")
