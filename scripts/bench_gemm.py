@@ -6,11 +6,9 @@ Problems (``--problems``): ``fwd`` = y = x W^T + b (``linear_``; cuBLAS: F.linea
 with GELU (tanh) fused (cuBLAS: F.linear then F.gelu; the target is the plain GEMM's time), ``dx`` =
 dY W and ``dw`` = dY^T X (``matmul_``; cuBLAS: torch.matmul). Rows: ``cublas``; ``tma`` = flame with
 the Gluon route off; ``flame`` = flame's own route (``matmul_hopper.plan``: the Gluon kernel or the
-TMA one); ``gluon plan`` = the Gluon kernel launched directly with the plan's config, and where the
-plan splits the last rounds along K, ``gluon plan unsplit`` = the same config whole-tile; ``gluon ...``
+TMA one); ``gluon plan`` = the Gluon kernel launched directly with the plan's config; ``gluon ...``
 = the Gluon kernel forced to one schedule (``coop`` 2 consumers x BLOCK_M x BLOCK_N per program tile,
-``pp`` ping-pong over BLOCK_M x BLOCK_N tiles; ``sN`` N stages, else as many as fit; ``split``: the
-last rounds split along K (stream-K, ``matmul_hopper.split_tiles``) where the shape allows).
+``pp`` ping-pong over BLOCK_M x BLOCK_N tiles; ``sN`` N stages, else as many as fit).
 
 Every Gluon variant first runs in worker processes (``--jobs``) on a small problem with tails,
 checked against PyTorch: that compiles it into Triton's cache, and a variant that fails or hangs
@@ -25,7 +23,6 @@ per problem (TFLOP/s, time over cuBLAS's) and the geometric means; writes ``gemm
     PYTHONPATH=. python3 scripts/bench_gemm.py                       # everything
     PYTHONPATH=. python3 scripts/bench_gemm.py --only flux --problems fwd --variants "coop 2x64x256"
     PYTHONPATH=. python3 scripts/bench_gemm.py --jobs 0 --variants "" --profile  # flame's route only
-    PYTHONPATH=. python3 scripts/bench_gemm.py --problems fwd --variants "pp 128x128,pp 128x128 split"  # split on/off
 """
 from __future__ import annotations
 
@@ -69,9 +66,6 @@ VARIANTS = {
     "coop 2x64x128": dict(coop=True, block_m=64, block_n=128),
     "pp 128x128 s4": dict(coop=False, block_m=128, block_n=128, stages=4),
     "pp 64x128": dict(coop=False, block_m=64, block_n=128),
-    "coop 2x64x256 split": dict(coop=True, block_m=64, block_n=256, split=True),
-    "pp 128x128 split": dict(coop=False, block_m=128, block_n=128, split=True),
-    "pp 64x128 split": dict(coop=False, block_m=64, block_n=128, split=True),
 }
 
 
@@ -286,10 +280,8 @@ def main(argv=None):
             case = Case(p, *shape)
             runs = [("cublas", case.cublas), ("tma", case.tma), ("flame", case.flame)]
             plan = KH.plan(case.m, case.n, case.k, case.a, case.b, case.fusion())
-            if plan is not None:  # the kernel flame's route picks, launched directly (and unsplit)
+            if plan is not None:  # the kernel flame's route picks, launched directly
                 runs.append(("gluon plan", functools.partial(case.gluon, plan)))
-                if plan["SPLIT"]:
-                    runs.append(("gluon plan unsplit", functools.partial(case.gluon, dict(plan, SPLIT=False))))
             runs += [(f"gluon {v}", functools.partial(case.gluon, KH.config(**VARIANTS[v]))) for q, v in pairs
                      if q == p and not smoked.get((p, v))]
             calls = max(1, round(args.rep_ms / graph_ms(case.cublas, 1, 5)))
@@ -348,8 +340,7 @@ def report(rows):
                     ratios.setdefault("best of tma, gluon", []).append((by["cublas"]["group"],
                                                                         min(gl + [by["tma"]["ms"]]) / base))
             plan = by.get("flame", {}).get("plan")
-            plan = "tma" if plan is None else (f"{'coop' if plan['COOP'] else 'pp'} {plan['BLOCK_M']}x{plan['BLOCK_N']}"
-                                               + " split" * plan["SPLIT"])
+            plan = "tma" if plan is None else f"{'coop' if plan['COOP'] else 'pp'} {plan['BLOCK_M']}x{plan['BLOCK_N']}"
             print(f"{'{} x {} -> {}'.format(*shape):22}" + "".join(cells) + f"  [{plan}]")
         for r in sel:
             if "error" in r:

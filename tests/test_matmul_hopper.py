@@ -1,7 +1,7 @@
 """The warp-specialised Gluon GEMM for Hopper (flame/kernels/matmul_hopper.py): every schedule and
 tile shape against PyTorch (fp32 references, tails in M, N and K), each epilogue, the backward
-products' operand layouts, matmul.py's portable kernel, the last rounds split along K (bf16 and
-fp8, bit-repeatable), and the route; on the interpreter, that the dispatch never picks it."""
+products' operand layouts, matmul.py's portable kernel, and the route; on the interpreter, that
+the dispatch never picks it."""
 
 import pytest
 import torch
@@ -24,15 +24,15 @@ def _needs_hopper():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
 
 
-def _gluon(out, a, b, f, schedule, split=False):
+def _gluon(out, a, b, f, schedule):
     """``out`` = the epilogue ``f`` of a @ b (b (K, N), any strides) by the Gluon kernel with this
-    schedule, its stages as many as fit (``split``: the last rounds split along K)."""
+    schedule, its stages as many as fit."""
     coop, bm, bn = schedule
     M, K = a.shape
     N = b.shape[1]
     layout = KM._tma_layout(out, a, b, f, a.stride(), b.stride(), out.stride())
     assert layout is not None and KH.usable(a, b, f)
-    return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn, split=split))
+    return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn))
 
 
 def _inputs(M, K, N, dtype=torch.bfloat16):
@@ -121,100 +121,6 @@ def test_gpu_matches_portable_kernel(monkeypatch, schedule):
     monkeypatch.setattr(KM, "TMA", False)
     portable = KM.linear_(_nan(M, N), x, w, bias, act=GELU_TANH.value)
     torch.testing.assert_close(out, portable, rtol=1.6e-2, atol=1e-2)
-
-
-# (M, K, N) split along K on 132 SMs by every schedule: the Flux GEMMs of a part-empty last round (6.5
-# rounds of 128x128 tiles: whole rounds, then shares of 1.1-1.5 tiles), a problem of fewer tiles than SMs
-# (shares under a tile: up to 9 per tile) and one with tails in M, N and K (K 1008 and 4112: fp8 rows
-# of 16-byte multiples)
-SPLIT_SHAPES = [(4608, 12288, 3072), (4608, 15360, 3072), (1000, 4112, 1000), (3000, 1008, 5000)]
-
-
-def _assert_splits(M, K, N, schedule, block_k=64):
-    """That the split launch of this problem and schedule does split (``split_tiles``)."""
-    coop, bm, bn = schedule
-    tiles = KM.cdiv(M, 2 * bm if coop else bm) * KM.cdiv(N, bn)
-    assert KH.split_tiles(tiles, KM.cdiv(K, block_k), flame.runtime.num_sms()), (M, K, N, schedule)
-
-
-def _assert_flags_clear():
-    """Every split flag a launch raised was cleared by the tile's owner (the next launch's flags are 0)."""
-    torch.cuda.synchronize()
-    assert KM._arrivals is not None and int(KM._arrivals.count_nonzero()) == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:3])
-@pytest.mark.parametrize("M,K,N", SPLIT_SHAPES)
-def test_gpu_split_within_torch_error_and_repeatable(schedule, M, K, N):
-    """The last rounds split along K: bias + GELU with the pre-activation stored, and alpha with a
-    residual, each against fp32 within 2x PyTorch's bf16 error, every element written; the same
-    bits on a second run (the partials summed in a fixed order), and every flag cleared."""
-    _needs_hopper()
-    _assert_splits(M, K, N, schedule)
-    x, w, bias = _inputs(M, K, N)
-    pre_ref = x.float() @ w.float().t() + bias.float()
-    gelu = torch.nn.functional.gelu
-    f = KM.Fusion(bias, act=GELU_TANH.value, pre_out=_nan(M, N))
-    out = _gluon(_nan(M, N), x, w.t(), f, schedule, split=True)
-    assert not out.isnan().any() and not f.pre_out.isnan().any()
-    torch_pre = torch.nn.functional.linear(x, w, bias)
-    assert_within_torch_error(out, gelu(torch_pre, approximate="tanh"), gelu(pre_ref, approximate="tanh"), 2)
-    assert_within_torch_error(f.pre_out, torch_pre, pre_ref, 2)
-    again = _gluon(_nan(M, N), x, w.t(), KM.Fusion(bias, act=GELU_TANH.value, pre_out=_nan(M, N)), schedule,
-                   split=True)
-    assert torch.equal(out, again)
-
-    r = torch.randn(M, N, device=DEVICE).bfloat16()
-    want = 0.5 * (x.float() @ w.float().t()) + r.float()
-    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(alpha=0.5, residual=r), schedule, split=True)
-    assert_within_torch_error(out, 0.5 * (x @ w.t()) + r, want, 2)
-    assert torch.equal(out, _gluon(_nan(M, N), x, w.t(), KM.Fusion(alpha=0.5, residual=r), schedule, split=True))
-    _assert_flags_clear()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:3])
-@pytest.mark.parametrize("M,K,N", [SPLIT_SHAPES[0], SPLIT_SHAPES[2], SPLIT_SHAPES[3]])
-def test_gpu_split_fp8_scaled(schedule, M, K, N):
-    """W8A8's product (e4m3 codes, A's scale per row and B's per column: ``SCALED``) split along K,
-    with bias + GELU: the scales applied once, after the partials' sum, so within 2x the whole-tile
-    launch's error against the fp32 product of the decoded codes; the same bits on a second run."""
-    _needs_hopper()
-    _assert_splits(M, K, N, schedule, block_k=128)
-    x, w, bias = _inputs(M, K, N)
-    x_scale = x.float().abs().amax(1) / 448
-    w_scale = w.float().abs().amax(1) / 448
-    x8 = (x.float() / x_scale[:, None]).to(torch.float8_e4m3fn)
-    w8 = (w.float() / w_scale[:, None]).to(torch.float8_e4m3fn)
-    ref = (x8.float() * x_scale[:, None]) @ (w8.float() * w_scale[:, None]).t() + bias.float()
-    ref = torch.nn.functional.gelu(ref, approximate="tanh")
-    coop, bm, bn = schedule
-
-    def run(split):
-        out, f = _nan(M, N), KM.Fusion(bias, act=GELU_TANH.value, b_scale=w_scale)
-        cfg = KH.config(coop=coop, block_m=bm, block_n=bn, split=split)
-        return KH.matmul(out, x8, w8, M, N, K, f, (True, True, K, K, N), cfg, a_scale=x_scale)
-
-    whole, split = run(False), run(True)
-    assert not split.isnan().any()
-    assert_within_torch_error(split, whole, ref, 2)
-    assert torch.equal(split, run(True))
-    _assert_flags_clear()
-
-
-@pytest.mark.gpu
-def test_gpu_split_route():
-    """linear_ on a Flux GEMM of a part-empty last round takes the Gluon kernel with the split (the
-    plan's config) on an H200."""
-    _needs_hopper()
-    if flame.runtime.num_sms() != 132:
-        pytest.skip("the plan's split is fitted to the H200's 132 SMs")
-    M, K, N = SPLIT_SHAPES[0]
-    x, w, bias = _inputs(M, K, N)
-    assert KH.plan(M, N, K, x, w.t(), KM.Fusion(bias))["SPLIT"]
-    out = KM.linear_(_nan(M, N), x, w, bias)
-    assert_within_torch_error(out, torch.nn.functional.linear(x, w, bias), x.float() @ w.float().t() + bias, 2)
 
 
 @pytest.mark.gpu

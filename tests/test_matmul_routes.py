@@ -47,12 +47,10 @@ ROUTE_CASES = [
     ("split_k", "K = 8192", dense(16, 640, 8192, BF16, a_transposed=True, **H200)),  # past _FEW_TILES_TMA_MAX_K
     ("tma", "16-bit operands TMA can describe", dense(4096, 640, 640, BF16, bias=True, **LINEAR, tma=True, sms=132)),
     ("tma", "Gluon kernel does not take it", dense(4608, 3072, 3072, BF16, rank=16, **LINEAR, **H200)),
-    # fewer tiles than SMs and a K too short to split (4 k blocks per tile)
-    ("tma", "Gluon kernel does not take it", dense(4096, 320, 256, BF16, **LINEAR, **H200)),
+    ("tma", "Gluon kernel does not take it", dense(4096, 320, 640, BF16, **LINEAR, **H200)),  # fewer tiles than SMs
     ("gluon", "tiles per consumer", dense(4608, 3072, 3072, BF16, **LINEAR, **H200)),
     ("gluon", "tiles per consumer", dense(4608, 3072, 3072, BF16, act=GELU_TANH.value, pre_out=True, bias=True,
                                           **LINEAR, **H200)),
-    ("gluon", "split along K", dense(4608, 3072, 12288, BF16, bias=True, **LINEAR, **H200)),
     ("low_rank_apart", "rank 70 above 64", dense(64, 48, 40, F32, rank=70)),
     ("low_rank_apart", "K splits", dense(16, 16, 8192, F32, a_transposed=True, rank=16, sms=132)),
     ("fp8_dequant", "4608 rows", dense(4608, 3072, 3072, BF16, b_fp8=1, bias=True, **LINEAR, **H200)),
@@ -74,51 +72,6 @@ def test_plan_names_each_route(route, why, problem):
     assert got.splits > 1 if route == "split_k" else got.splits >= 1, got
     assert (got.grid == ()) == (route in ("gluon", "low_rank_apart", "fp8_dequant", "fp8_w8a8")), got
     assert (got.layout is not None) == (route in ("tma", "gluon") or (route == "fp8_w8a8" and not got.then)), got
-
-
-# (M, K, N) of a linear on an H200 (132 SMs) -> whether the Gluon plan splits its last rounds along K, in
-# bf16 and in W8A8's fp8 product (k blocks of 128)
-SPLITS = [
-    ((4608, 12288, 3072), True, True),  # Flux: 864 128x128 tiles, 6.5 rounds (the last 55% full)
-    ((4608, 15360, 3072), True, True),
-    ((4096, 640, 640), True, False),  # SDXL: 160 tiles, 1.2 rounds (fp8: 5 k blocks per tile, too few)
-    ((1024, 5120, 1280), True, True),  # fewer 128x128 tiles than SMs: split, not the TMA kernel
-    ((4608, 3072, 9216), False, False),  # the last round 64% full (128x128 tiles) or more
-    ((4608, 3072, 21504), False, False),
-    ((4096, 3072, 3072), False, False),
-    ((4096, 640, 5120), False, False),
-]
-
-
-@pytest.mark.parametrize("shape,split,split_fp8", SPLITS,
-                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else None)
-def test_gluon_plan_splits_the_last_rounds_where_they_are_part_empty(shape, split, split_fp8):
-    """The split goes where the last round of whole tiles would leave SMs idle and K is long
-    enough (``matmul_hopper._choose``), in the bf16 GEMM and W8A8's fp8 product."""
-    M, K, N = shape
-    route = KM.plan(dense(M, N, K, BF16, bias=True, **LINEAR, **H200))
-    assert route.kernel == "gluon" and route.config["SPLIT"] == split, route
-    assert ("split along K" in route.reason) == split, route
-    fp8 = KM.plan(dense(M, N, K, BF16, b_fp8=1, fp8_gemm="w8a8", bias=True, **LINEAR, **H200))
-    assert fp8.kernel == "fp8_w8a8" and fp8.config["SPLIT"] == split_fp8, fp8
-
-
-def test_split_tiles(monkeypatch):
-    """How many of the last tiles a split launch shares out (132 SMs): the partial last round and one
-    whole round before it, every tile below a round, none for whole rounds or shares under
-    MIN_SPLIT_STEPS k blocks; ``_choose`` splits no last round fuller than SPLIT_MAX_FILL."""
-    KH = KM.matmul_hopper
-    assert KH.split_tiles(864, 192, 132) == 72 + 132
-    assert KH.split_tiles(160, 10, 132) == 160 and KH.split_tiles(80, 20, 132) == 80
-    assert KH.split_tiles(792, 192, 132) == 0  # 6 whole rounds
-    assert KH.split_tiles(160, 6, 132) == 0  # 7.3 k blocks per program
-    assert KH.split_tiles(300, 1 << 20, 132) == 0  # k block indices past int32
-    assert KH._choose(4608, 3072, 12288, 132)["SPLIT"]
-    monkeypatch.setattr(KH, "SPLIT_MAX_FILL", 0.3)  # last rounds: 128x256 tiles 36 / 132, 128x128 72 / 132
-    assert KH._choose(4608, 3072, 12288, 132) == KH.config(coop=True, split=True)
-    monkeypatch.setattr(KH, "SPLIT_MAX_FILL", 0.0)
-    assert not KH._choose(4608, 3072, 12288, 132)["SPLIT"]
-    assert KH.config(split=True)["SPLIT"] and not KH.config()["SPLIT"]
 
 
 def test_composite_routes_name_their_steps():
@@ -286,6 +239,6 @@ def test_gpu_launches_take_the_planned_routes(monkeypatch):
     KM.matmul_(da, h.t(), dz)  # LoRA's dA over 4096 tokens
     assert_within_torch_error(da, h.t() @ dz, h.float().t() @ dz.float(), 2)
     y = torch.empty(4096, 320, dtype=BF16, device=DEVICE)
-    KM.linear_(y, dz[:, :256], w[:320, :256])  # fewer 128x128 tiles than SMs, K too short to split: not Gluon
+    KM.linear_(y, dz, w[:320, :640])  # fewer 128x128 tiles than SMs: not the Gluon kernel
     gluon = KM.matmul_hopper.available() and KM.matmul_hopper.ROUTE
     assert taken == ["gluon" if gluon else "tma", "fp8_dequant", "split_k", "tma"], taken

@@ -577,8 +577,7 @@ def _or(t, default):
 #   "tma"             ``_matmul_tma_kernel``: 16-bit 2-D problems with K >= 128 whose operands TMA can
 #                     describe (``_layout``), on Hopper; few-tile ones only up to _FEW_TILES_TMA_MAX_K
 #   "gluon"           ``matmul_hopper``'s warp-specialised kernel: the "tma" problems it takes (no
-#                     low-rank term, at least one 128x128 tile per SM or the last rounds split along K:
-#                     ``matmul_hopper._choose``)
+#                     low-rank term, at least one 128x128 tile per SM: ``matmul_hopper._choose``)
 #   "low_rank_apart"  a low-rank term the kernels do not fuse (a rank above _MAX_FUSED_RANK, a
 #                     batched or a split-K problem): the GEMM without it, then out += beta U V, two
 #                     routes in ``Route.then``
@@ -773,7 +772,9 @@ def _plan(p):
     if p.gluon and not p.b_fp8 and matmul_hopper.serves(p.dtype, p.rank, p.pre_out, p.residual):
         hopper = matmul_hopper._choose(p.M, p.N, p.K, p.sms)  # the warp-specialised kernel, where it is faster
     if hopper is not None:
-        return Route("gluon", hopper, 1, matmul_hopper.describe(hopper), layout=layout)
+        return Route("gluon", hopper, 1, f"{'cooperative' if hopper['COOP'] else 'ping-pong'} "
+                                         f"{hopper['BLOCK_M']}x{hopper['BLOCK_N']} tiles per consumer",
+                     layout=layout)
     why = "16-bit operands TMA can describe, K >= 128"
     if splits > 1:
         why += f"; {few}, K = {p.K} <= {_FEW_TILES_TMA_MAX_K}: small tiles, no split"
@@ -831,7 +832,9 @@ def _w8a8(p):
                  and matmul_hopper.serves(FP8_DTYPE, 0, p.pre_out, p.residual))
     cfg = matmul_hopper._choose(p.M, p.N, p.K, p.sms, speed=2) if tma_ready else None
     if cfg is not None:
-        return Route("fp8_w8a8", cfg, 1, f"W8A8: A quantised per row, fp8 x fp8 wgmma, {matmul_hopper.describe(cfg)}",
+        return Route("fp8_w8a8", cfg, 1, f"W8A8: A quantised per row, fp8 x fp8 wgmma, "
+                                         f"{'cooperative' if cfg['COOP'] else 'ping-pong'} "
+                                         f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles per consumer",
                      layout=(True, True, p.K, sbn, scm))
     emulated = p._replace(sa=(0, 0, p.K, 1), misaligned=tuple(m for m in p.misaligned if m != "a"), fp8_gemm="auto")
     then = _plan(emulated)

@@ -24,18 +24,6 @@ Two schedules (``COOP``):
   other's ends, and each epilogue runs under the other consumer's wgmmas; the finer tile also
   evens out the last wave (4608 x 3072 is 432 tiles of 128x256, 3.3 waves on 132 SMs, but 864 of
   128x128 or 64x256, 6.5).
-The split (``SPLIT``, stream-K for the last rounds; ``split_tiles`` says how many tiles): the walk
-above covers all but the last ``sk_tiles`` tiles, and those tiles' k blocks, as one run in walk
-order, are shared out evenly: program p takes blocks [p S / P, (p + 1) S / P) of the run's S, as
-units of one tile each (a tile's share). A unit that starts inside its tile (a program's first)
-stores its fp32 partial accumulator to the program's workspace slot and raises the slot's flag
-(release, after a barrier of the consumer's warps); the unit holding a tile's first k blocks (a
-program's last, ending the program's walk, when the tile goes on past it) waits for the flags of
-the programs after it whose shares lie in the tile (acquire), adds their partials in program order
-(the same sum every run; no atomics on the values), clears the flags and applies the epilogue once
-(scales, alpha, bias, activation, pre-activation, residual). Waits only go to later programs, whose
-first units wait for nothing: with one program per SM they always finish. The split leaves the main
-loop as it is; the loader walks the same units.
 Operands are described along their contiguous dimension as in ``matmul._run_tma``: A (M, K) as
 (BLOCK_M, BLOCK_K) blocks when K is contiguous, else (BLOCK_K, BLOCK_M) blocks read transposed by
 wgmma; B (K, N) as (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N) blocks. So the forward (x W^T) and both
@@ -67,75 +55,28 @@ try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
 except ImportError:  # an older Triton: the other GEMM kernels serve every call
     gluon = None
 
-# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels; FLAME_MATMUL_SPLIT=0 walks every tile whole
+# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels
 ROUTE = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_GLUON", "1") != "0"
-SPLIT_ROUTE = os.environ.get("FLAME_MATMUL_SPLIT", "1") != "0"
 K_BYTES = 128  # bytes of K per operand row of a stage: BLOCK_K = 64 16-bit or 128 fp8 elements (128-byte swizzle)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
 
 
 if gluon is not None:
     @gluon.jit
-    def _walk(M, N, K, sk_tiles, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-              SPLIT: gl.constexpr):
-        """This program's walk (see the module's docstring): (num_pid_m, num_pid_n, k_tiles, dp_tiles,
-        dp_units, units, lo, hi): the tiles before ``dp_tiles`` are whole units, this program's tiles
-        pid, pid + programs, ... among them (``dp_units``); with SPLIT the last ``sk_tiles`` tiles are
-        one run of k blocks shared out evenly: this program's are [lo, hi) of it, ``units - dp_units``
-        units (one per tile it touches)."""
-        num_pid_m = gl.cdiv(M, ROWS)
+    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K,
+                A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+        SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
+        num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        pid = gl.program_id(0)
-        programs = gl.num_programs(0)
-        if SPLIT:
-            dp_tiles = num_pid_m * num_pid_n - sk_tiles
-            total = sk_tiles * k_tiles
-            lo = pid * total // programs
-            hi = (pid + 1) * total // programs
-            dp_units = gl.cdiv(dp_tiles - pid, programs)  # 0 past the whole tiles (pid < programs)
-            units = dp_units + ((hi + k_tiles - 1) // k_tiles - lo // k_tiles) * (hi > lo).to(gl.int32)
-        else:
-            dp_tiles = num_pid_m * num_pid_n
-            lo = 0
-            hi = 0
-            dp_units = gl.cdiv(dp_tiles - pid, programs)
-            units = dp_units
-        return num_pid_m, num_pid_n, k_tiles, dp_tiles, dp_units, units, lo, hi
-
-    @gluon.jit
-    def _unit(u, k_tiles, dp_tiles, dp_units, lo, hi, SPLIT: gl.constexpr):
-        """The ``u``-th unit of this program's walk: (tile, k0, k1, ring position of its first k
-        block): k blocks [k0, k1) of the tile; the ring position counts the walk's k blocks before it."""
-        tile = gl.program_id(0) + u * gl.num_programs(0)
-        k0 = 0 * u
-        k1 = k_tiles + 0 * u
-        count = u * k_tiles
-        if SPLIT and u >= dp_units:  # one tile's share of [lo, hi) of the split k blocks
-            rel = lo // k_tiles + (u - dp_units)
-            start = gl.maximum(lo, rel * k_tiles)
-            tile = dp_tiles + rel
-            k0 = start - rel * k_tiles
-            k1 = gl.minimum(hi, (rel + 1) * k_tiles) - rel * k_tiles
-            count = dp_units * k_tiles + start - lo
-        return tile, k0, k1, count
-
-    @gluon.jit
-    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, sk_tiles,
-                A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                SPLIT: gl.constexpr):
-        SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
-        num_pid_m, num_pid_n, k_tiles, dp_tiles, dp_units, units, lo, hi = _walk(M, N, K, sk_tiles, SUB * BLOCK_M,
-                                                                                 BLOCK_N, BLOCK_K, SPLIT)
         nbytes: gl.constexpr = (SUB * BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
         count = 0
-        for u in range(units):
-            tile, k0, k1, _ = _unit(u, k_tiles, dp_tiles, dp_units, lo, hi, SPLIT)
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M)
             off_n = pid_n * BLOCK_N
-            for kk in range(k0, k1):
+            for kk in range(k_tiles):
                 s = count % STAGES
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
                 mbarrier.expect(ready.index(s), nbytes)
@@ -154,58 +95,18 @@ if gluon is not None:
                 count += 1
 
     @gluon.jit
-    def _partial_offsets(BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr):
-        """Where a split unit's (BLOCK_M, BLOCK_N) partial accumulator goes in its workspace slot: a
-        bijection onto [0, BLOCK_M BLOCK_N) (each index bit from one row or column bit) that, in
-        wgmma's accumulator layout (warp w rows 16 w + [0, 16), a thread 2 adjacent columns of every
-        8 in rows l / 4 and l / 4 + 8), puts the 128 threads' k-th register pairs side by side: a
-        warp's 8-byte accesses cover 256 contiguous bytes. The rows pass through an opaque zero, so
-        the addresses are computed where they are used: hoisted out of the main loop and held across
-        it, they spilled (the cooperative tile, row-major or not)."""
-        zero = gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        r = gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout)) + zero
-        c = gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
-        rows = (r // 16 % 4) * 64 + r % 8 * 8 + (r // 8 % 2) * 256 + r // 64 * (BLOCK_N * 64)
-        return rows[:, None] + (c % 8 + c // 8 * 512)[None, :]
-
-    @gluon.jit
-    def _acquire(ptr):
-        """The int32 at ``ptr``, loaded with acquire semantics at GPU scope (by every thread)."""
-        return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=gl.int32,
-                                         is_pure=False, pack=1)
-
-    @gluon.jit
-    def _add_partials(acc, ws_ptr, flags_ptr, tile_end, total, SLOT: gl.constexpr, SUB: gl.constexpr,
-                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-        """acc plus the partial accumulators of the programs after this one whose shares start inside
-        this tile (their k blocks up to ``tile_end`` of the split run), in program order (the same sum
-        every run): each waited for on its flag, which is then cleared for the next launch."""
-        programs = gl.num_programs(0)
-        j = gl.program_id(0) + 1
-        while j * total // programs < tile_end:
-            slot = j * SUB + SLOT
-            while _acquire(flags_ptr + slot) == 0:
-                pass
-            gl.thread_barrier()  # every thread of this consumer past the wait before the flag clears
-            gl.store(flags_ptr + slot, 0)
-            acc += gl.load(ws_ptr + slot * (BLOCK_M * BLOCK_N) + _partial_offsets(BLOCK_M, BLOCK_N, LAYOUT),
-                           cache_modifier=".cg")
-            j += 1
-        return acc
-
-    @gluon.jit
     def _consumer(WG: gl.constexpr, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc,
-                  bias_ptr, a_scale_ptr, b_scale_ptr, ws_ptr, flags_ptr, M, N, K, sk_tiles, s_bias, alpha,
+                  bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha,
                   A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
                   STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr, SPLIT: gl.constexpr):
-        # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every unit's tile;
-        # ping-pong, every other unit of the walk, starting with unit WG. Ping-pong hands the main
-        # loop over (``turn``) once every block of the consumer's unit has landed: a consumer that
-        # waited on its next unit's stages earlier could be STAGES or more loads ahead of the loader,
-        # where a ready barrier's parity reads as a completion from the previous round. So the
-        # consumers' main loops take turns and each epilogue runs under the other's wgmmas.
+                  GROUP_M: gl.constexpr):
+        # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
+        # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
+        # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
+        # that waited on its next tile's stages earlier could be STAGES or more loads ahead of the
+        # loader, where a ready barrier's parity reads as a completion from the previous round.
+        # So the consumers' main loops take turns and each epilogue runs under the other's wgmmas.
         SUB: gl.constexpr = 2 if COOP else 1
         # wgmma's k per instruction: 32 bytes of each operand row (16 for 16-bit operands, 32 for fp8)
         instr_k: gl.constexpr = 256 // a_smem.dtype.primitive_bitwidth
@@ -214,32 +115,33 @@ if gluon is not None:
         dtype: gl.constexpr = c_desc.dtype
         buf = c_smem.index(WG)
         bar = res_bar.index(WG)
-        num_pid_m, num_pid_n, k_tiles, dp_tiles, dp_units, units, lo, hi = _walk(M, N, K, sk_tiles, SUB * BLOCK_M,
-                                                                                 BLOCK_N, BLOCK_K, SPLIT)
-        slot = gl.program_id(0) * SUB + (WG if COOP else 0)
+        num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
+        num_pid_n = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        programs = gl.num_programs(0)
+        first = gl.program_id(0) + (0 if COOP else WG) * programs
+        step = programs if COOP else 2 * programs
         res_phase = 0
         turns = 0
         if not COOP and WG == 1:  # consumer 0 goes first
             mbarrier.arrive(turn.index(0))
-        for u in range(0 if COOP else WG, units, 1 if COOP else 2):
+        for tile in range(first, num_pid_m * num_pid_n, step):
             if not COOP:
                 mbarrier.wait(turn.index(WG), turns & 1)
                 turns += 1
-            tile, k0, k1, count = _unit(u, k_tiles, dp_tiles, dp_units, lo, hi, SPLIT)
             pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M) + (WG * BLOCK_M if COOP else 0)
             off_n = pid_n * BLOCK_N
-            # k0 == 0: the unit applies the epilogue (a whole tile, or a split tile's first share); a
-            # residual goes into the store buffer once its last store has been read
-            if RESIDUAL and k0 == 0:
+            if RESIDUAL:  # into the store buffer once its last store has been read
                 tma.store_wait(0)
                 mbarrier.expect(bar, BLOCK_M * BLOCK_N * dtype.primitive_bitwidth // 8)
                 tma.async_copy_global_to_shared(res_desc, [off_m, off_n], bar, buf)
+            count = (tile - gl.program_id(0)) // programs * k_tiles  # ring position: the walk's k blocks so far
             s = count % STAGES
-            # a fresh accumulator per unit (not read: use_acc is off for the first k block); one carried
-            # over from the last unit would be live through the epilogue beside its result
+            # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
+            # over from the last tile would be live through the epilogue beside its result
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
-            for kk in range(k0, k1):
+            for kk in range(k_tiles):
                 s = count % STAGES
                 mbarrier.wait(ready.index(s), (count // STAGES) & 1)
                 a = a_smem.index(s * SUB + (WG if COOP else 0))
@@ -248,9 +150,9 @@ if gluon is not None:
                 b = b_smem.index(s)
                 if B_K:
                     b = b.permute((1, 0))
-                acc = warpgroup_mma(a, b, acc, use_acc=kk > k0, is_async=True)
+                acc = warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
                 acc = warpgroup_mma_wait(1, deps=(acc,))
-                if kk > k0:  # the previous stage's wgmma is done
+                if kk > 0:  # the previous stage's wgmma is done
                     mbarrier.arrive(empty.index((count - 1) % STAGES))
                 count += 1
             if not COOP:
@@ -258,51 +160,41 @@ if gluon is not None:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
 
-            if SPLIT and k0 > 0:  # a later share of a split tile: its partial sum to this program's slot
-                gl.store(ws_ptr + slot * (BLOCK_M * BLOCK_N) + _partial_offsets(BLOCK_M, BLOCK_N, acc_layout), acc)
-                gl.thread_barrier()  # every thread's stores issued before the flag is raised
-                gl.atomic_xchg(flags_ptr + slot, 1, sem="release", scope="gpu")
+            offs_n = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
+            if SCALED:  # W8A8: the products of codes times A's row scale and B's column scale
+                offs_m = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
+                a_scale = gl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+                b_scale = gl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+                acc = acc * a_scale[:, None] * b_scale[None, :]
+            # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
+            # held at once spill)
+            pre, out = gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0 if STORE_PRE else ACT)
+            if RESIDUAL:
+                mbarrier.wait(bar, res_phase)
+                res_phase ^= 1
+                out += buf.load(acc_layout).to(gl.float32)
             else:
-                if SPLIT and k1 < k_tiles:  # the tile's other shares: the programs after this one
-                    acc = _add_partials(acc, ws_ptr, flags_ptr, (tile - dp_tiles + 1) * k_tiles, sk_tiles * k_tiles,
-                                        WG if COOP else 0, SUB, BLOCK_M, BLOCK_N, acc_layout)
-                offs_n = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
-                if SCALED:  # W8A8: the products of codes times A's row scale and B's column scale
-                    offs_m = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
-                    a_scale = gl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
-                    b_scale = gl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-                    acc = acc * a_scale[:, None] * b_scale[None, :]
-                # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
-                # held at once spill)
-                pre, out = gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS,
-                                          0 if STORE_PRE else ACT)
-                if RESIDUAL:
-                    mbarrier.wait(bar, res_phase)
-                    res_phase ^= 1
-                    out += buf.load(acc_layout).to(gl.float32)
-                else:
-                    tma.store_wait(0)
-                if STORE_PRE:
-                    buf.store(pre.to(dtype))
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
-                    out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
-                    tma.store_wait(0)
-                buf.store(out.to(dtype))
+                tma.store_wait(0)
+            if STORE_PRE:
+                buf.store(pre.to(dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
+                tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
+                out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
+                tma.store_wait(0)
+            buf.store(out.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
         tma.store_wait(0)
 
     # C = ACT(alpha * A B + bias) (+ R): see the module's docstring. The sizes only count tiles and
     # blocks (the descriptors carry the shapes), so they are not specialised on: one compiled kernel
     # per config serves every shape.
-    @gluon.jit(do_not_specialize=["M", "N", "K", "sk_tiles", "s_bias"])
-    def _gemm_hopper_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, a_scale_ptr, b_scale_ptr, ws_ptr,
-                            flags_ptr, M, N, K, sk_tiles, s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr,
-                            BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr,
-                            SCALED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                            COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, SPLIT: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr):
+    @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias"])
+    def _gemm_hopper_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
+                            s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr,
+                            ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
         a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
@@ -322,13 +214,13 @@ if gluon is not None:
         # the constexprs in it into tensors, Triton 3.6)
         gl.warp_specialize([
             (_consumer, (0, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
-                         a_scale_ptr, b_scale_ptr, ws_ptr, flags_ptr, M, N, K, sk_tiles, s_bias, alpha, A_K, B_K, BIAS,
-                         ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M, SPLIT)),
+                         a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL,
+                         SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M)),
             (_consumer, (1, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
-                         a_scale_ptr, b_scale_ptr, ws_ptr, flags_ptr, M, N, K, sk_tiles, s_bias, alpha, A_K, B_K, BIAS,
-                         ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M, SPLIT)),
-            (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, sk_tiles, A_K, B_K, BLOCK_M, BLOCK_N,
-                       BLOCK_K, COOP, STAGES, GROUP_M, SPLIT)),
+                         a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL,
+                         SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M)),
+            (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M, BLOCK_N, BLOCK_K,
+                       COOP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -373,80 +265,41 @@ def plan(M, N, K, a, b, f):
 # 4096x3072->3072).
 TILES = {(True, 64, 256): 1.0, (False, 128, 128): 0.95, (False, 64, 128): 0.83}
 COOP_EPILOGUE_K = 90
-# Problems of fewer 128x128 tiles than SMs stay off the whole-tile walk (the TMA kernel's small tiles and
-# split-K beat it there: H200, 1024x1280->1280 and 1024x5120->1280, 80 tiles, TMA 1.27x / 1.26x cuBLAS's
-# time, Gluon 1.38x / 1.34x); a split launch may take them
+# Problems of fewer 128x128 tiles than SMs stay on the TMA kernel (its small tiles and split-K win there: H200,
+# 1024x1280->1280 and 1024x5120->1280, 80 tiles, TMA 1.27x / 1.26x cuBLAS's time, Gluon 1.38x / 1.34x)
 MIN_TILES_PER_SM = 1
-# The split (SPLIT, ``split_tiles``): considered where the last round of tiles leaves more than 1 - SPLIT_MAX_FILL
-# of the SMs idle, with shares of at least MIN_SPLIT_STEPS k blocks per program; its cost is the work spread evenly
-# plus SPLIT_FIXUP_K steps of K (a partial accumulator written, waited for and read back: an estimate, not fitted)
-SPLIT_MAX_FILL = 0.6
-SPLIT_FIXUP_K = 256
-MIN_SPLIT_STEPS = 8
 
 
 def _choose(M, N, K, sms=None, speed=1):
-    """The launch config of least predicted time on ``sms`` SMs (default: this GPU's), over the tile
-    shapes of TILES, each walked whole or split (``SPLIT``). Whole: waves of one program tile per SM
-    (the last one partly idle) times a tile's cost (its area over its main-loop rate, times K over
-    the operands' ``speed`` (2 for fp8: twice the 16-bit MMA rate), plus the cooperative epilogue);
-    only for problems of at least MIN_TILES_PER_SM 128x128 tiles per SM. Split: the same work spread
-    evenly over the SMs plus SPLIT_FIXUP_K, where ``split_tiles`` splits and the last round is at most
-    SPLIT_MAX_FILL full. None where neither applies."""
+    """The tile shape of least predicted time on ``sms`` SMs (default: this GPU's): whole waves of one
+    program tile per SM (the last one partly idle) times a tile's cost (its area over its main-loop
+    rate, times K over the operands' ``speed`` (2 for fp8: twice the 16-bit MMA rate), plus the
+    cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM."""
     sms = sms or runtime.num_sms()
-    k_tiles = gemm.cdiv(K, K_BYTES // 2 * speed)  # BLOCK_K: 64 16-bit or (speed 2) 128 fp8 elements
-    whole = gemm.cdiv(M, 128) * gemm.cdiv(N, 128) >= MIN_TILES_PER_SM * sms
+    if gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms:
+        return None
 
-    def options(tile):
+    def cost(tile):
         coop, bm, bn = tile
         rows = 2 * bm if coop else bm
-        tiles = gemm.cdiv(M, rows) * gemm.cdiv(N, bn)
-        rounds = gemm.cdiv(tiles, sms)
-        epilogues = rounds * (COOP_EPILOGUE_K if coop else 0)
-        area = rows * bn / TILES[tile]
-        if whole:
-            yield area * (rounds * K / speed + epilogues), tile, False
-        if SPLIT_ROUTE and tiles % sms <= SPLIT_MAX_FILL * sms and split_tiles(tiles, k_tiles, sms):
-            yield area * (tiles / sms * K / speed + SPLIT_FIXUP_K + epilogues), tile, True
+        waves = gemm.cdiv(gemm.cdiv(M, rows) * gemm.cdiv(N, bn), sms)
+        return waves * rows * bn * (K / speed + (COOP_EPILOGUE_K if coop else 0)) / TILES[tile]
 
-    best = min((option for tile in TILES for option in options(tile)), key=lambda option: option[0], default=None)
-    if best is None:
-        return None
-    _, (coop, bm, bn), split = best
-    return config(coop=coop, block_m=bm, block_n=bn, split=split)
+    coop, bm, bn = min(TILES, key=cost)
+    return config(coop=coop, block_m=bm, block_n=bn)
 
 
-def describe(cfg):
-    """A route's reason for this kernel with the launch config ``cfg``."""
-    return (f"{'cooperative' if cfg['COOP'] else 'ping-pong'} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} tiles per consumer"
-            + ("; the last rounds split along K (stream-K)" if cfg["SPLIT"] else ""))
-
-
-def split_tiles(tiles, k_tiles, sms):
-    """How many of the walk's last tiles a split launch shares out along K over ``sms`` programs: the
-    last partial round plus one whole round (each program's share is then at least a tile's k
-    blocks, so a tile has at most two shares), or every tile where there are fewer than ``sms``; 0
-    (every tile whole) where the rounds are whole, a share would be below MIN_SPLIT_STEPS of the
-    ``k_tiles`` k blocks per tile, or the run's block indices times ``sms`` pass int32."""
-    rem = tiles % sms
-    sk = min(tiles, rem + sms)
-    if rem == 0 or sk * k_tiles < MIN_SPLIT_STEPS * sms or sk * k_tiles * sms >= 2 ** 31:
-        return 0
-    return sk
-
-
-def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8, split=False):
-    """Launch config (BLOCK_M, BLOCK_N, COOP, STAGES, GROUP_M, SPLIT): BLOCK_M rows and BLOCK_N columns per
+def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8):
+    """Launch config (BLOCK_M, BLOCK_N, COOP, STAGES, GROUP_M): BLOCK_M rows and BLOCK_N columns per
     consumer (cooperative default 64 x 256, ping-pong 128 x 128); STAGES at most ``stages``, as many
-    as the GPU's shared memory holds beside the two store buffers (``stages_that_fit``); SPLIT, the
-    last round's tiles split along K where ``split_tiles`` splits the problem."""
+    as the GPU's shared memory holds beside the two store buffers (``stages_that_fit``)."""
     if block_m is None:
         block_m = 64 if coop else 128
     if block_n is None:
         block_n = 256 if coop else 128
     fit = stages_that_fit(block_m, block_n, coop, 2)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, COOP=coop, STAGES=fit if stages is None else min(stages, fit),
-                GROUP_M=group_m, SPLIT=split)
+                GROUP_M=group_m)
 
 
 def stages_that_fit(block_m, block_n, coop, es, limit=None):
@@ -493,27 +346,18 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     c_desc = _descriptor(out, [M, N], [s_c, 1], [bm, bn])
     pre_desc, res_desc = (c_desc if t is None else _descriptor(t, [M, N], [s_c, 1], [bm, bn])
                           for t in (f.pre_out, f.residual))
-    sub = 2 if coop else 1
-    tiles = gemm.cdiv(M, sub * bm) * gemm.cdiv(N, bn)
-    sms = runtime.num_sms()
-    sk_tiles = split_tiles(tiles, gemm.cdiv(K, block_k), sms) if cfg["SPLIT"] else 0
+    tiles = gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn)
     meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                 RESIDUAL=f.residual is not None, SCALED=a_scale is not None, BLOCK_K=block_k,
-                CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **dict(cfg, SPLIT=sk_tiles > 0))
-    # a split launch: one program per SM, each with a workspace slot per consumer for the partial
-    # accumulator of its first share and a flag raised when it is there (zero between launches)
-    ws, flags = out, out
-    if sk_tiles:
-        ws = runtime.empty((sms * sub * bm * bn,), torch.float32)
-        flags = gemm._arrival_counts(sms * sub)
+                CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
     # the descriptors are not torch tensors: ``sig`` pins down what the compiled kernel depends on
     # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
     # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits). So the bias
-    # is a tensor even when BIAS is off (C stands in), and so are the scales and the split's buffers:
-    # a ``sig`` launch keys on the tensors at the positions its first launch had them; C's descriptor
-    # stands in for those switched off likewise.
+    # is a tensor even when BIAS is off (C stands in), and so are the scales: a ``sig`` launch keys on
+    # the tensors at the positions its first launch had them; C's descriptor stands in for those
+    # switched off likewise.
     sig = (a.dtype, out.dtype, tuple(meta.items()))
-    launch(_gemm_hopper_kernel, (sms if sk_tiles else min(tiles, sms),), a_desc, b_desc, c_desc, pre_desc, res_desc,
-           gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out), ws, flags, M, N, K, sk_tiles,
-           f.bias_stride, f.scale, sig=sig, **meta)
+    launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
+           gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out), M, N, K, f.bias_stride, f.scale,
+           sig=sig, **meta)
     return out
