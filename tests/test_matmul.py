@@ -656,3 +656,38 @@ def test_low_rank_term_of_the_wrong_shape_or_dtype_raises():
         KM.matmul_(out, a, b, low_rank=(torch.randn(8, 4), torch.randn(3, 10), 1.0))
     with pytest.raises(TypeError, match=r"low_rank u and v must be torch\.float32"):
         KM.linear_(out, a, b.t(), low_rank=(torch.randn(8, 4, dtype=torch.float64), torch.randn(4, 10), 1.0))
+
+
+def test_matrix_operands_are_read_in_place():
+    """The GEMM entry points take matrices without torch views (kernels/matmul.py ``matrix``): a
+    buffer whose leading dims merge into rows, a transposed matrix tuple, a transposed low-rank V;
+    the same launch (one route memo entry) as the 2-D views they stand for."""
+    import flame.kernels.matmul as KM
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)  # an activation (B, L, C)
+    w = torch.randn(10, 12, generator=g, dtype=torch.float64)
+    u, v = torch.randn(10, 3, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64)
+    assert KM.matrix(x)[0] is x and KM.matrix(x)[1:] == (10, 12, 12, 1)
+    assert KM.transposed(x)[0] is x and KM.transposed(x)[1:] == (12, 10, 1, 12)
+    ref = x.reshape(10, 12) @ w.t()
+    out = torch.empty(2, 5, 10, dtype=torch.float64)
+    KM.linear_(out, x, w)
+    torch.testing.assert_close(out.reshape(10, 10), ref)
+    calls = len(KM._route.calls)
+    out2 = torch.empty(10, 10, dtype=torch.float64)
+    KM.linear_(out2, x.view(10, 12), w)  # the 2-D view: the same signature
+    assert len(KM._route.calls) == calls
+    torch.testing.assert_close(out2, ref)
+    # dW = G^T X from the activations as they are; a low-rank V given as U's transpose
+    dw = torch.empty(10, 12, dtype=torch.float64)
+    KM.matmul_(dw, KM.transposed(out), KM.matrix(x), low_rank=(u, KM.transposed(v), 0.5))
+    torch.testing.assert_close(dw, out.reshape(10, 10).t() @ x.reshape(10, 12) + 0.5 * u @ v.t())
+    # a size-1 dim with any stride merges, as in a view; dims that do not merge are refused
+    one = torch.randn(5, 12, dtype=torch.float64).as_strided((1, 5, 12), (7, 12, 1))
+    assert KM.matrix(one)[1:] == (5, 12, 12, 1)
+    crossed = x.transpose(0, 1)  # (5, 2, 12): rows that no stride walks
+    assert KM.matrix(crossed) is None
+    with pytest.raises(ValueError, match=r"x of shape \(5, 2, 12\) .* is not a matrix"):
+        KM.linear_(torch.empty(5, 2, 10, dtype=torch.float64), crossed, w)
+    with pytest.raises(ValueError, match="matrix tuples need a 2-D problem"):
+        KM.matmul_(torch.empty(2, 5, 10, dtype=torch.float64), KM.matrix(x), torch.randn(2, 12, 10))

@@ -1151,8 +1151,8 @@ class Fusion:
     ``C = act(alpha * A @ B + beta * U @ V + bias) + residual`` with ``bias`` (N,), ``act`` an
     elementwise op code, ``residual`` a buffer with C's strides (C itself for an in-place
     accumulation); ``pre_out`` receives the argument of ``act``. ``low_rank = (U, V, beta)``: U
-    (M, r) and V (r, N) buffers of A's dtype, any strides (a LoRA up-projection added to the base
-    GEMM, or the adapter's share of the input gradient). ``b_scale`` (2-D problems): B is a
+    (M, r) and V (r, N) matrices (``matrix``) of A's dtype, any strides (a LoRA up-projection added to
+    the base GEMM, or the adapter's share of the input gradient). ``b_scale`` (2-D problems): B is a
     float8_e4m3fn buffer of codes with this fp32 scale per column of B (N,), or per row (K,) with
     ``b_scale_rows``, decoded in the main loop (``B_FP8`` in ``_matmul_kernel``); ``w8a8`` (with a
     scale per column): A is rounded to e4m3 per row for the product (``_w8a8``).
@@ -1166,13 +1166,19 @@ class Fusion:
 
     def __init__(self, bias=None, act=0, pre_out=None, alpha=1.0, residual=None, low_rank=None, b_scale=None,
                  b_scale_rows=False, w8a8=False):
-        u, v, beta = low_rank if low_rank is not None else (None, None, 0.0)
-        alpha, beta = float(alpha), float(beta)
-        rank = 0 if u is None or beta == 0.0 else u.shape[1]
-        su, sv = (u.stride(), v.stride()) if rank else ((0, 0), (0, 0))
+        u = v = None
+        beta, rank, su, sv = 0.0, 0, (0, 0), (0, 0)
+        if low_rank is not None:
+            u, v, beta = low_rank
+            beta = float(beta)
+            if beta != 0.0:
+                um = u if type(u) is tuple else matrix(u)
+                vm = v if type(v) is tuple else matrix(v)
+                u, v, rank, su, sv = um[0], vm[0], um[2], um[3:], vm[3:]
+        alpha = float(alpha)
         b_fp8 = 0 if b_scale is None else FP8_ROWS.value if b_scale_rows else FP8_COLUMNS.value
         w8a8 = bool(w8a8)
-        self.bias, self.bias_stride, self.act = bias, 0 if bias is None else bias.stride(0), act
+        self.bias, self.bias_stride, self.act = bias, 0 if bias is None else bias.stride()[0], act
         self.pre_out, self.alpha, self.residual = pre_out, alpha, residual
         self.u, self.v, self.beta, self.rank, self.u_strides, self.v_strides = u, v, beta, rank, su, sv
         # what the kernels multiply the accumulator by, and by what they scale A B before adding U V:
@@ -1187,19 +1193,99 @@ class Fusion:
 _NO_FUSION = Fusion()
 
 
+# ---- matrix operands ----------------------------------------------------------------------------
+# A 2-D problem's operands are matrices: a torch buffer of two dims, one of more dims whose leading dims
+# merge into the rows (a contiguous activation (B, L, C) read as (B * L, C)), or a matrix tuple
+# ``(buffer, rows, columns, row stride, column stride)``: the matrix of those elements from the buffer's
+# first one (a transposed operand: ``transposed``). The entry points read them in place, so an op builds
+# no (rows, n) or transposed torch view for a GEMM (a view costs about as much host time as a launch).
+
+def matrix(t):
+    """``t`` as a matrix tuple ``(buffer, rows, columns, row stride, column stride)``: a tuple as it
+    is; a torch buffer of two dims; one of more whose leading dims merge into rows, with the strides a
+    ``view(-1, n)`` of it has (a size-1 dim is left out); None for one whose leading dims do not merge."""
+    if type(t) is tuple:
+        return t
+    shape, strides = t.shape, t.stride()
+    n = len(shape)
+    if n == 2:
+        return t, shape[0], shape[1], strides[0], strides[1]
+    if n < 2:
+        return None
+    rows = shape[-2]
+    outer = strides[-2] * rows  # the stride of a dim that merges with the rows so far
+    for i in range(n - 3, -1, -1):
+        if shape[i] != 1:
+            if strides[i] != outer:
+                return None
+            rows *= shape[i]
+            outer *= shape[i]
+    return t, rows, shape[-1], strides[-2], strides[-1]
+
+
+def transposed(t):
+    """The matrix tuple of the transpose of matrix ``t`` (``matrix``)."""
+    buf, rows, cols, rs, cs = matrix(t)
+    return buf, cols, rows, cs, rs
+
+
+def _dims(t):
+    """The shape of a buffer or the (rows, columns) of a matrix tuple, for messages."""
+    return t[1:3] if type(t) is tuple else tuple(t.shape)
+
+
+def _operand(t, name):
+    """``matrix(t)``, or the ValueError of an entry point's operand that is not a matrix."""
+    m = matrix(t)
+    if m is None:
+        raise ValueError(f"matmul: {name} of shape {tuple(t.shape)} and strides {t.stride()} is not a matrix (its "
+                         "leading dims do not merge into rows)")
+    return m
+
+
 @tunable("out")
 def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ beta * u @ v) (+ residual)`` over
     torch buffers with any strides.
 
     ``a``, ``b`` and ``out`` have the same batch shape (broadcast batch dims are stride-0
-    expanded views) and ``a`` and ``b`` the same dtype; ``out`` may be any float dtype.
-    ``residual`` (2-D problems only) has ``out``'s strides and may be ``out`` itself.
-    ``low_rank = (u, v, beta)`` (2-D problems only): ``u`` (M, r), ``v`` (r, N) of ``a``'s dtype,
-    added in the same launch (``Fusion``). ``b_scale`` (K,) fp32 (2-D problems only): ``b`` holds
-    float8_e4m3fn codes of ``b_scale[k] * code[k, n]`` (a quantised weight W (N_w, K_w) read as
-    ``b = W``: the input gradient dX = dY W of a linear layer; ``_fp8_route``). Returns ``out``.
+    expanded views) and ``a`` and ``b`` the same dtype; ``out`` may be any float dtype. A 2-D
+    problem (``b`` a matrix: two dims, or a matrix tuple) takes matrices (``matrix``): ``a`` a
+    buffer of more dims whose leading dims merge into M rows, or a tuple, and ``out`` laid out as a
+    (M, N) matrix likewise. ``residual`` (2-D problems only) has ``out``'s strides and may be
+    ``out`` itself. ``low_rank = (u, v, beta)`` (2-D problems only): matrices ``u`` (M, r), ``v``
+    (r, N) of ``a``'s dtype, added in the same launch (``Fusion``). ``b_scale`` (K,) fp32 (2-D
+    problems only): ``b`` holds float8_e4m3fn codes of ``b_scale[k] * code[k, n]`` (a quantised
+    weight W (N_w, K_w) read as ``b = W``: the input gradient dX = dY W of a linear layer;
+    ``_fp8_route``). Returns ``out``.
     """
+    bm = b if type(b) is tuple else matrix(b) if len(b.shape) == 2 else None
+    am = sc = None
+    if bm is not None:
+        am = a if type(a) is tuple else matrix(a)
+        sc = out.stride()
+        if len(sc) != 2:
+            om = matrix(out)
+            sc = None if om is None else om[3:]
+    if sc is not None and am is not None:
+        a, M, K, sam, sak = am
+        b, _, N, sbk, sbn = bm
+        if b_scale is not None or b.dtype is FP8_DTYPE:
+            _check_fp8(b, b_scale, K)
+        if M == 0 or N == 0:
+            return out
+        if K == 0:
+            return fill_(out, 0.0)
+        if low_rank is not None:
+            low_rank = _low_rank(low_rank, M, N, a.dtype)
+        plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
+        _launch(out, a, b, M, N, K, (), (sam, sak), (sbk, sbn), sc,
+                None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
+                                          b_scale_rows=True))
+        return out
+    if type(a) is tuple or type(b) is tuple:
+        raise ValueError(f"matmul_: matrix tuples need a 2-D problem (b a matrix, a and out matrices of its rows), "
+                         f"got a {_dims(a)}, b {_dims(b)} and out {_dims(out)}")
     shape_a = a.shape
     M, K = shape_a[-2], shape_a[-1]
     N = b.shape[-1]
@@ -1209,18 +1295,10 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
         return out
     if K == 0:
         return fill_(out, 0.0)
-    st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
-    if len(shape_a) == 2:
-        if low_rank is not None:
-            _check_low_rank(low_rank, M, N, a.dtype)
-        plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
-        _launch(out, a, b, M, N, K, (), st_a, st_b, st_c,
-                None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
-                                          b_scale_rows=True))
-        return out
     if alpha != 1.0 or residual is not None or low_rank is not None or b_scale is not None:
         raise ValueError(f"matmul_: alpha, residual, low_rank and b_scale need a 2-D problem, got a of shape "
                          f"{tuple(shape_a)}")
+    st_a, st_b, st_c = a.stride(), b.stride(), out.stride()
     batch = list(shape_a[:-2])
     # B does not vary over the batch: fold the batch into M (one big GEMM, no batch index)
     if all(s == 0 or d == 1 for s, d in zip(st_b[:-2], batch)):
@@ -1246,23 +1324,28 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
 @tunable("out", "pre_out")
 def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None, w8a8=False):
     """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N])`` in one launch (any
-    strides; the weight is read transposed in place). ``pre_out`` (R, N), if given, receives the
-    argument of ``act``; ``low_rank = (u, v, beta)``, if given, ``u`` (R, r) and ``v`` (r, N).
+    strides; the weight is read transposed in place). ``x`` is a matrix (``matrix``: a buffer whose
+    leading dims merge into the R rows, or a matrix tuple), ``out`` a buffer laid out as an (R, N)
+    matrix; ``pre_out``, if given, laid out as ``out``, receives the argument of ``act``;
+    ``low_rank = (u, v, beta)``, if given, matrices ``u`` (R, r) and ``v`` (r, N).
     ``w_scale`` (N,) fp32: ``w`` holds float8_e4m3fn codes of ``w_scale[n] * code[n, k]`` (a
     weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop or
     dequantised first (``_fp8_route``); with ``w8a8``, ``x`` is rounded to e4m3 per row too and the
     product runs on the fp8 tensor cores where a kernel for them serves (``_w8a8``)."""
-    R, K = x.shape
+    x, R, K, sxr, sxk = x if type(x) is tuple else _operand(x, "x")
+    sc = out.stride()
+    if len(sc) != 2:
+        sc = _operand(out, "out")[3:]
     N = w.shape[0]
     if low_rank is not None:
-        _check_low_rank(low_rank, R, N, x.dtype)
+        low_rank = _low_rank(low_rank, R, N, x.dtype)
     if w_scale is not None or w.dtype is FP8_DTYPE:
         _check_fp8(w, w_scale, N)
-    if out.numel() == 0:
+    if R == 0 or N == 0:
         return out
     ws = w.stride()
     plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None
-    _launch(out, x, w, R, N, K, (), x.stride(), (ws[1], ws[0]), out.stride(),
+    _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc,
             None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale,
                                       w8a8=w8a8 and w_scale is not None))
     return out
@@ -1290,17 +1373,20 @@ def _check_fp8(w, scale, n):
                          f"{scale.dtype} {tuple(scale.shape)}")
 
 
-def _check_low_rank(low_rank, M, N, dtype):
-    """A clear error for a low-rank term the kernels cannot take: ``(u (M, r), v (r, N), beta)``, u
-    and v in the GEMM's operand dtype (their tl.dot runs with the main product's precision)."""
-    if low_rank is None:
-        return
-    u, v, _ = low_rank
-    su, sv = u.shape, v.shape
-    if len(su) != 2 or len(sv) != 2 or su[0] != M or sv[1] != N or su[1] != sv[0]:
-        raise ValueError(f"matmul: low_rank u {tuple(su)} and v {tuple(sv)} must be ({M}, r) and (r, {N})")
-    if u.dtype != dtype or v.dtype != dtype:
-        raise TypeError(f"matmul: low_rank u and v must be {dtype} like the operands, got {u.dtype} and {v.dtype}")
+def _low_rank(low_rank, M, N, dtype):
+    """``low_rank`` with its u and v as matrix tuples (``matrix``), or a clear error for a low-rank
+    term the kernels cannot take: ``(u (M, r), v (r, N), beta)``, u and v matrices in the GEMM's
+    operand dtype (their tl.dot runs with the main product's precision)."""
+    u, v, beta = low_rank
+    um = u if type(u) is tuple else matrix(u)
+    vm = v if type(v) is tuple else matrix(v)
+    if um is None or vm is None or um[1] != M or vm[2] != N or um[2] != vm[1]:
+        su, sv = (tuple(t.shape) if m is None else m[1:3] for t, m in ((u, um), (v, vm)))
+        raise ValueError(f"matmul: low_rank u {su} and v {sv} must be ({M}, r) and (r, {N}) matrices")
+    if um[0].dtype != dtype or vm[0].dtype != dtype:
+        raise TypeError(f"matmul: low_rank u and v must be {dtype} like the operands, got {um[0].dtype} and "
+                        f"{vm[0].dtype}")
+    return um, vm, beta
 
 
 def matmul_sum_batch_(out, a, b):

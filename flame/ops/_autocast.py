@@ -23,13 +23,19 @@ from ..autograd import is_grad_enabled
 from ..tensor import Tensor
 from .elementwise import to
 
-_state = threading.local()
+
+class _State(threading.local):
+    dtype = None  # this thread's compute dtype, None outside autocast (a class default: no AttributeError per read)
+    cache = None  # the region's weight casts
+
+
+_state = _State()
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def get_autocast():
     """The compute dtype of the current autocast region, or None."""
-    return getattr(_state, "dtype", None)
+    return _state.dtype
 
 
 class autocast_state:
@@ -43,7 +49,7 @@ class autocast_state:
         self.cache = cache
 
     def __enter__(self):
-        self._prev = (get_autocast(), getattr(_state, "cache", None))
+        self._prev = (get_autocast(), _state.cache)
         _state.dtype = self.dtype
         _state.cache = {} if self.cache else None
         return self
@@ -66,7 +72,7 @@ def _cast(t, dtype):
 
 def lower(*tensors):
     """Cast floating inputs (not fp64) to the autocast dtype; a no-op when autocast is off."""
-    dtype = getattr(_state, "dtype", None)
+    dtype = _state.dtype
     if dtype is None:
         return tensors
     return tuple(_cast(t, dtype) if isinstance(t, Tensor) and t.dtype in _DTYPES and t.dtype != dtype else t
@@ -75,6 +81,6 @@ def lower(*tensors):
 
 def fp32(*tensors):
     """Cast fp16/bf16 inputs to fp32 inside an autocast region; a no-op when autocast is off."""
-    if getattr(_state, "dtype", None) is None:
+    if _state.dtype is None:
         return tensors
     return tuple(to(t, torch.float32) if isinstance(t, Tensor) and t.dtype in _DTYPES[:2] else t for t in tensors)

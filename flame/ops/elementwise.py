@@ -385,13 +385,17 @@ def _to_backward(node, g):
     return g  # the engine casts the gradient back to the input's dtype
 
 
-_copies = threading.local()  # the parameter copies of this thread's ParameterCasts region
+class _Copies(threading.local):
+    current = None  # a class default: no AttributeError per read in a thread that never entered a region
+
+
+_copies = _Copies()  # the parameter copies of this thread's ParameterCasts region
 
 
 def parameter_copies(copies):
     """Make ``copies`` (``(buffer, {(tensor id, dtype): (element offset, shape, strides)})``, or
     None) this thread's parameter copies (``flame.amp.ParameterCasts``); returns the previous ones."""
-    prev = getattr(_copies, "current", None)
+    prev = _copies.current
     _copies.current = copies
     return prev
 
@@ -399,7 +403,7 @@ def parameter_copies(copies):
 def parameter_copy(t, dtype):
     """The copy of ``t`` in ``dtype`` that the current ``ParameterCasts`` region made (a view of
     its buffer with ``t``'s shape and strides), or None."""
-    copies = getattr(_copies, "current", None)
+    copies = _copies.current
     hit = copies[1].get((t.id, dtype)) if copies is not None else None
     if hit is None:
         return None

@@ -21,10 +21,9 @@ from ..kernels import reduce as KR
 from ..tensor import Tensor, broadcast_shapes, promote_types
 from . import _autocast
 from . import elementwise as ew
-from ._util import check_tensor
+from ._util import check_tensor, dense
 from .elementwise import cast_params, parameter_copy, to
 from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale, weight_w8a8
-from .shape import contiguous
 
 
 def _check(a, b, op):
@@ -84,16 +83,16 @@ def _matmul_backward(node, g):
         g = to(g, da.dtype)
     if db.dim() == 2 and da.dim() >= 2:
         # (..., M, K) @ (K, N) with the leading dims of A and G folding into rows: two 2-D GEMMs
-        a2, g2 = _rows(da), _rows(g._data)
+        a2, g2 = KM.matrix(da), KM.matrix(g._data)
         if a2 is not None and g2 is not None:
             ga = gbw = None
             if need_a:
-                ga = runtime.empty(a2.shape, da.dtype)
-                KM.matmul_(ga, g2, db.t())
-                ga = Tensor(ga.view(da.shape))
+                ga = runtime.empty(da.shape, da.dtype)
+                KM.matmul_(ga, g2, KM.transposed(db))
+                ga = Tensor(ga)
             if need_b:
                 gbw = runtime.empty(db.shape, da.dtype)
-                KM.matmul_(gbw, a2.t(), g2)
+                KM.matmul_(gbw, KM.transposed(a2), g2)
                 gbw = Tensor(gbw)
             return ga, gbw
     ab, bb, batch, M, K, N, _ = _problem(a, b, "matmul")
@@ -106,24 +105,25 @@ def _matmul_backward(node, g):
     return ga, gbw
 
 
-def _rows(buf):
-    """``buf`` (..., n) as a (rows, n) view when its strides allow one, else None."""
-    if buf.dim() == 2:
-        return buf
+def _as_rows(buf):
+    """Buffer ``buf`` (..., n) as the matrix of its rows the GEMM entry points read (``KM.matrix``):
+    in place when its strides allow (a (rows, n) view's), else a dense copy's."""
+    m = KM.matrix(buf)
+    if m is not None:
+        return m
     try:
-        return buf.view(-1, buf.shape[-1])
-    except RuntimeError:  # leading dims that do not merge (or an empty tensor)
-        return None
+        return KM.matrix(buf.view(-1, buf.shape[-1]))  # size-1 dims with strides KM.matrix does not merge
+    except RuntimeError:  # leading dims that do not merge (or an empty buffer)
+        pass
+    if buf.numel() == 0:  # nothing to copy (and view(-1, n) cannot infer the rows of an empty buffer)
+        return KM.matrix(runtime.empty((math.prod(buf.shape[:-1]), buf.shape[-1]), buf.dtype))
+    return KM.matrix(dense(buf))
 
 
-def _as_rows(x):
-    """Tensor ``x`` (..., n) as a (rows, n) buffer: a view when the strides allow, else a copy."""
-    x2 = _rows(x._data)
-    if x2 is not None:
-        return x2
-    if x.numel() == 0:  # nothing to copy (and view(-1, n) cannot infer the rows of an empty buffer)
-        return runtime.empty((math.prod(x.shape[:-1]), x.shape[-1]), x.dtype)
-    return contiguous(x)._data.view(-1, x.shape[-1])
+def _torch_matrix(m):
+    """A (rows, columns) torch view of matrix ``m`` (``KM.matrix``), for kernels that take 2-D buffers."""
+    buf, rows, cols, row_stride, col_stride = m
+    return buf.as_strided((rows, cols), (row_stride, col_stride))
 
 
 def _grad_operand(x, y, operand, batch, mat_shape):
@@ -151,11 +151,11 @@ def _matmul(a, b, op):
         if K != K2:
             raise RuntimeError(f"{op}: shapes {a.shape} and {b.shape} cannot be multiplied "
                                f"({da.shape[-2]}x{K} and {K2}x{N}: inner dimensions {K} != {K2})")
-        a2 = _rows(da)
+        a2 = KM.matrix(da)
         if a2 is not None:
-            out = runtime.empty((a2.shape[0], N), da.dtype)
+            out = runtime.empty((*da.shape[:-1], N), da.dtype)
             KM.matmul_(out, a2, db)
-            y = Tensor(out if da.dim() == 2 else out.view(da.shape[:-1] + (N,)))
+            y = Tensor(out)
     if y is None:
         if da.dim() == 0 or db.dim() == 0:
             _check(a, b, op)
@@ -212,34 +212,37 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 #   dX = G' diag(s) Q      the scale on Q's rows, the reduction dim: each decoded tile's rows are
 #                          scaled in registers (no pass over G'); and W gets no gradient (frozen).
 def _linear_backward(node, g):
-    x2, w, pre = node.saved  # x2 only when the weight needs a gradient
+    x2, w, pre = node.saved  # x2 (a matrix) only when the weight needs a gradient
     need_x, need_w, need_b = node.needs_input_grad
-    x_dtype = node.attrs["x_dtype"]
-    g2 = _as_rows(g)
-    if g2.dtype != x_dtype:
-        g2 = to(Tensor(g2), x_dtype)._data
-    if pre is not None:
-        gp = runtime.empty(g2.shape, g2.dtype)
-        KE.map_(gp, [g2, pre], node.attrs["grad_op"])
-        g2 = gp
+    a = node.attrs
+    x_dtype = a["x_dtype"]
+    gd = g._data
+    if gd.dtype != x_dtype:
+        gd = to(g, x_dtype)._data
+    if pre is not None:  # the output's shape, as g
+        gp = runtime.empty(pre.shape, x_dtype)
+        KE.map_(gp, [gd, pre], a["grad_op"])
+        gd = gp
+    g2 = _as_rows(gd)
     dx = None
     if need_x:
-        dx = runtime.empty((g2.shape[0], w.shape[1]), x_dtype)
+        dx = runtime.empty(a["x_shape"], x_dtype)
         KM.matmul_(dx, g2, w._data, b_scale=weight_scale(w))
-        dx = Tensor(dx.view(*node.attrs["x_shape"]))
+        dx = Tensor(dx)
     dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
     return dx, dw, db
 
 
 def _weight_and_bias_grads(g2, x2, w, need_w, need_b):
-    """(dW = G^T X, db = sum_r G) of a linear layer, each None when not needed."""
+    """(dW = G^T X, db = sum_r G) of a linear layer from the matrices ``g2`` and ``x2``, each None when
+    not needed."""
     dw = db = None
     if need_w:
         dw = runtime.empty(w.shape, w.dtype)
-        KM.matmul_(dw, g2.t(), x2)
+        KM.matmul_(dw, KM.transposed(g2), x2)
         dw = Tensor(dw)
     if need_b:
-        db = Tensor(KR.column_sum_(runtime.empty((g2.shape[1],), g2.dtype), g2))
+        db = Tensor(KR.column_sum_(runtime.empty((g2[2],), g2[0].dtype), _torch_matrix(g2)))
     return dw, db
 
 
@@ -261,32 +264,35 @@ def linear(x, weight, bias=None, activation=None):
     x, weight, bias = _autocast.lower(x, weight, bias)
     if activation not in _ACTIVATIONS:
         raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
-    if not x.dtype.is_floating_point or not weight.dtype.is_floating_point:
+    xd, wd = x._data, weight._data
+    dtype = xd.dtype
+    if not dtype.is_floating_point or not wd.dtype.is_floating_point:
         raise TypeError(f"linear: expected floating-point input and weight, got {x.dtype} and {weight.dtype}")
     check_not_raw_fp8(weight, "linear")
-    if weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != weight.shape[1]:
+    xs, ws = xd.shape, wd.shape
+    if len(ws) != 2 or not xs or xs[-1] != ws[1]:
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
-    n_out = weight.shape[0]
+    n_out = ws[0]
     weight, bias = _layer_params(x, weight, bias, n_out, "linear")
     act, grad_op = _ACTIVATIONS[activation]
-    x2 = _as_rows(x)
-    out_shape = x.shape[:-1] + (n_out,)
-    out = runtime.empty((x2.shape[0], n_out), x.dtype)
+    out_shape = (*xs[:-1], n_out)
+    out = runtime.empty(out_shape, dtype)
     grad = needs_grad(x, weight, bias)
-    pre = runtime.empty(out.shape, x.dtype) if grad and grad_op else None
-    if x.shape[-1] == 0:  # empty reduction: act(bias) or act(0)
+    pre = runtime.empty(out_shape, dtype) if grad and grad_op else None
+    if xs[-1] == 0:  # empty reduction: act(bias) or act(0)
         KE.fill_(out, 0.0)
-        y = Tensor(out.view(out_shape))
+        y = Tensor(out)
         y = y if bias is None else y + bias
         return _apply_activation(y, activation)
+    x2 = _as_rows(xd)
     KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre, w_scale=weight_scale(weight),
                w8a8=weight_w8a8(weight))
-    y = Tensor(out.view(*out_shape))
+    y = Tensor(out)
     if grad:
         # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
         record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
-               grad_op=grad_op, x_shape=x.shape, x_dtype=x2.dtype)
+               grad_op=grad_op, x_shape=xs, x_dtype=dtype)
     return y
 
 
@@ -316,38 +322,41 @@ def _apply_activation(y, activation):
 # (db keeps G), and dm = sum_r (G * Z) / n (kernels.dora.scale_grad_: one pass over G and Z).
 # An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
-    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved
+    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2: matrices (KM.matrix)
     need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad
-    s = node.attrs["scale"]
-    g2 = _as_rows(g)
-    if g2.dtype != x2.dtype:
-        g2 = to(Tensor(g2), x2.dtype)._data
+    a = node.attrs
+    s = a["scale"]
+    dtype = h.dtype
+    gd = g._data
+    if gd.dtype != dtype:
+        gd = to(g, dtype)._data
+    g2 = _as_rows(gd)
     gz, dm = g2, None
     if ratio is not None:
-        gz = runtime.empty(g2.shape, g2.dtype)
+        gzb = runtime.empty(g2[1:3], dtype)
         if need_m:
-            dm = runtime.empty(ratio.shape, node.attrs["m_dtype"])
-        KD.scale_grad_(gz, dm, g2, z, ratio, norm)
-        dm = None if dm is None else Tensor(dm)
+            dm = runtime.empty(ratio.shape, a["m_dtype"])
+        KD.scale_grad_(gzb, dm, _torch_matrix(g2), None if z is None else z.view(gzb.shape), ratio, norm)
+        gz, dm = KM.matrix(gzb), None if dm is None else Tensor(dm)
     dx = da = dlb = dxl = None
-    dh = runtime.empty(h.shape, h.dtype)
+    dh = runtime.empty(h.shape, dtype)
     KM.matmul_(dh, gz, b16, alpha=s)
     if need_lb:
-        dlb = runtime.empty(node.attrs["b_shape"], node.attrs["b_dtype"])
-        KM.matmul_(dlb, gz.t(), h, alpha=s)
+        dlb = runtime.empty(a["b_shape"], a["b_dtype"])
+        KM.matmul_(dlb, KM.transposed(gz), h, alpha=s)
         dlb = Tensor(dlb)
     if need_a:
-        da = runtime.empty(node.attrs["a_shape"], node.attrs["a_dtype"])
-        KM.matmul_(da, dh.t(), x2 if xl2 is None else xl2)
+        da = runtime.empty(a["a_shape"], a["a_dtype"])
+        KM.matmul_(da, KM.transposed(dh), x2 if xl2 is None else xl2)
         da = Tensor(da)
     if need_x:
-        dxb = runtime.empty(x2.shape, x2.dtype)
-        KM.matmul_(dxb, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0), b_scale=w_scale)
-        dx = Tensor(dxb.view(*node.attrs["x_shape"]))
+        dx = runtime.empty(a["x_shape"], dtype)
+        KM.matmul_(dx, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0), b_scale=w_scale)
+        dx = Tensor(dx)
     if need_xl and xl2 is not None:
-        dxlb = runtime.empty(xl2.shape, xl2.dtype)
-        KM.matmul_(dxlb, dh, a16)
-        dxl = Tensor(dxlb.view(node.attrs["x_shape"]))
+        dxl = runtime.empty(a["x_shape"], dtype)
+        KM.matmul_(dxl, dh, a16)
+        dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
     db = _weight_and_bias_grads(g2, x2, w, False, need_b)[1]
     return dx, dw, db, da, dlb, dxl, dm
@@ -400,9 +409,11 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
                         f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
     check_not_raw_fp8(weight, op)
-    n_out, k = weight.shape if weight.ndim == 2 else (None, None)
-    if (weight.ndim != 2 or x.ndim == 0 or x.shape[-1] != k or lora_a.ndim != 2 or lora_b.ndim != 2
-            or lora_a.shape[1] != k or lora_b.shape != (n_out, lora_a.shape[0])):
+    xd = x._data
+    xs, ws, a_shape, b_shape = xd.shape, weight._data.shape, lora_a._data.shape, lora_b._data.shape
+    n_out, k = ws if len(ws) == 2 else (None, None)
+    if (len(ws) != 2 or not xs or xs[-1] != k or len(a_shape) != 2 or len(b_shape) != 2
+            or a_shape[1] != k or b_shape != (n_out, a_shape[0])):
         raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
                          f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
     ratio = norm = None
@@ -422,33 +433,35 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         norm, ratio = runtime.empty((n_out,), acc), runtime.empty((n_out,), acc)
         KD.adapted_norms_(norm, stored_weight._data, lora_a._data, lora_b._data, scale, magnitude._data, ratio)
     weight, bias = _layer_params(x, weight, bias, n_out, op, ValueError)
-    if x.numel() == 0 or k == 0 or lora_a.shape[0] == 0:  # degenerate: the composed ops handle the edge cases
+    rank, dtype = a_shape[0], xd.dtype
+    if xd.numel() == 0 or k == 0 or rank == 0:  # degenerate: the composed ops handle the edge cases
         branch = lora_input if lora_input is not None else x
         z = linear(x, weight, None if ratio is not None else bias) + linear(linear(branch, lora_a), lora_b) * scale
         if ratio is None:
             return z
         y = z * to(magnitude / Tensor(norm), z.dtype)
         return y if bias is None else y + bias
-    x2 = _as_rows(x)
-    xl2 = None if lora_input is None else _as_rows(lora_input)
-    a16, b16 = _cast_once(lora_a, x.dtype), _cast_once(lora_b, x.dtype)
-    z = runtime.empty((x2.shape[0], n_out), x.dtype)
-    h = runtime.empty((x2.shape[0], lora_a.shape[0]), x.dtype)
+    x2 = _as_rows(xd)  # matrices of rows (KM.matrix): the GEMMs read them in place
+    xl2 = None if lora_input is None else _as_rows(lora_input._data)
+    a16, b16 = _cast_once(lora_a, dtype), _cast_once(lora_b, dtype)
+    out_shape = (*xs[:-1], n_out)
+    z = runtime.empty(out_shape, dtype)
+    h = runtime.empty((x2[1], rank), dtype)
+    w_scale = weight_scale(weight)
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(h, b16.t(), float(scale)), w_scale=weight_scale(weight), w8a8=weight_w8a8(weight))
+               low_rank=(h, KM.transposed(b16), float(scale)), w_scale=w_scale, w8a8=weight_w8a8(weight))
     out = z
     if ratio is not None:
-        out = runtime.empty(z.shape, z.dtype)
+        out = runtime.empty(out_shape, dtype)
         per_column = [ratio] + ([] if bias is None else [bias._data])
         op_code = KE.MUL if bias is None else KE.MUL_ADD
-        KE.map_(out, [z] + [t[None].expand(z.shape) for t in per_column], op_code.value)
-    y = Tensor(out.view(*x.shape[:-1], n_out))  # sizes as arguments (see shape.reshape)
+        KE.map_(out, [z] + [t.expand(out_shape) for t in per_column], op_code.value)
+    y = Tensor(out)
     if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude):
         keep_z = ratio is not None and magnitude.requires_grad
         record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,
-               saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm, weight_scale(weight)),
-               scale=float(scale),
-               x_shape=x.shape, a_shape=tuple(lora_a.shape), a_dtype=lora_a.dtype, b_shape=tuple(lora_b.shape),
+               saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm, w_scale),
+               scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=lora_a.dtype, b_shape=b_shape,
                b_dtype=lora_b.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
     return y
