@@ -364,3 +364,39 @@ def test_elementwise_output_keeps_channels_last_and_runs_contiguous(monkeypatch)
     xg = flame.from_torch(x.to_torch().clone(), requires_grad=True)
     grads = (xg * y).sum().backward()
     assert_close(grads[xg], y.to_torch())
+
+
+def test_map_op_memoises_each_signature(monkeypatch):
+    """map_op keeps one recipe per (op, output dtype, operands' dtypes, shapes and strides): a repeated
+    map reuses it (its output laid out as before, no new kernel plan asked); a changed stride, dtype
+    or shape is a new signature; tune.override empties the recipes with the kernels' plans."""
+    from flame import tune
+    from flame.kernels import elementwise as KE
+    from flame.ops import elementwise as E
+    E._recipes.clear()
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    x, y = flame.from_torch(a), flame.from_torch(b)
+    assert_close(x + y, a + b)
+    assert len(E._recipes) == 1
+    monkeypatch.setattr(KE, "map_plan", lambda *args: pytest.fail("a repeated signature asked for a plan"))
+    for _ in range(2):
+        assert_close(x + y, a + b)
+    monkeypatch.undo()
+    cl = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    xc = flame.from_torch(cl)
+    for _ in range(2):  # the output keeps the channels-last layout on a hit too
+        out = xc * 2.0
+        assert out.stride() == cl.stride()
+        assert_close(out, cl * 2.0)
+    cases = [(x.t(), y.t(), a.t() + b.t()),  # strides
+             (x.to(flame.float64), y.to(flame.float64), a.double() + b.double()),  # dtype (and two casts)
+             (x, flame.from_torch(b[0]), a + b[0])]  # shape: a broadcast operand
+    for p, q, ref in cases:
+        before = len(E._recipes)
+        assert_close(p + q, ref)
+        assert_close(p + q, ref)
+        assert len(E._recipes) > before
+    with tune.override("map_contiguous", dict(BLOCK_SIZE=64, num_warps=1)) as o:
+        assert not E._recipes  # emptied with the kernels' plans
+        assert_close(x + y, a + b)
+        assert o.served == 1

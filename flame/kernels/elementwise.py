@@ -397,6 +397,26 @@ def map_(out, inputs, op, s0=0.0, s1=0.0, cd=None):
         if tune.autotuning():
             return _map_first_use(out, inputs, op, s0, s1, cd, key)
         plan = _plans[key] = _new_plan(out, inputs, op, cd)
+    return run_map(plan, out, inputs, op, s0, s1, cd)
+
+
+def map_plan(out, inputs, op, cd=None):
+    """The plan ``map_`` launches for buffers of this signature (op, compute dtype, ``out``'s and
+    the inputs' dtypes, shapes and strides), made and kept as ``map_`` keeps it (``flame.tune``
+    empties them): a caller that memoises its own signatures keeps it and launches later calls with
+    ``run_map``, without ``map_``'s key. None when tuning on first use would make it (``map_`` then)."""
+    if not isinstance(op, int):
+        op = op.value
+    key = (op, cd, out.dtype, out.shape, out.stride(), *[(t.dtype, t.stride()) for t in inputs])
+    plan = _plans.get(key)
+    if plan is None and not tune.autotuning():
+        plan = _plans[key] = _new_plan(out, inputs, op, cd)
+    return plan
+
+
+def run_map(plan, out, inputs, op, s0=0.0, s1=0.0, cd=None):
+    """``map_(out, inputs, op, s0, s1, cd)`` with ``plan``, the plan of buffers of this signature
+    (``map_plan``). Returns ``out``."""
     if plan is _EMPTY:
         return out
     if plan is _PEEL:

@@ -8,7 +8,7 @@ import threading
 
 import torch
 
-from .. import runtime
+from .. import runtime, tune
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as K
 from ..tensor import Tensor, broadcast_shapes, check_dtype, result_type
@@ -19,22 +19,55 @@ def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
     """Run elementwise ``op`` over broadcast tensor ``operands``; returns a new tensor laid out as
     the first operand that has the full shape (PyTorch's rule for elementwise outputs): the same
     strides when that operand is dense (a channels-last activation stays channels-last, so the map
-    runs as one contiguous pass and the next conv needs no layout copy), else contiguous."""
-    bufs = [t._data for t in operands]
+    runs as one contiguous pass and the next conv needs no layout copy), else contiguous.
+
+    A map of one or two operands is memoised per signature (op, output dtype, each operand's dtype,
+    shape and strides, ``_recipes``): a repeated one allocates its output as the first did and
+    launches the kernel plan kept with it, without broadcasting shapes or keying the plan again."""
+    if not isinstance(op, int):
+        op = op.value
+    n = len(operands)
+    if n == 1:
+        b0 = operands[0]._data
+        bufs = (b0,)
+        key = (op, out_dtype, b0.dtype, b0.shape, b0.stride())
+    elif n == 2:
+        b0, b1 = operands[0]._data, operands[1]._data
+        bufs = (b0, b1)
+        key = (op, out_dtype, b0.dtype, b0.shape, b0.stride(), b1.dtype, b1.shape, b1.stride())
+    else:
+        bufs, key = [t._data for t in operands], None
+    recipe = _recipes.get(key) if key is not None else None
+    if recipe is not None:
+        like, shape, expanded, plan = recipe
+        out = runtime.empty(shape, out_dtype) if like is None else runtime.empty_like(bufs[like], out_dtype)
+        K.run_map(plan, out, [b.expand(shape) if e else b for b, e in zip(bufs, expanded)] if expanded else bufs, op,
+                  s0, s1)
+        return Tensor(out)
     shape = bufs[0].shape
     if any(b.shape != shape for b in bufs):
         shape = broadcast_shapes(*(b.shape for b in bufs))
-    out = Tensor(_like_first_full(bufs, shape, out_dtype))
-    K.map_(out._data, [b if b.shape == shape else b.expand(shape) for b in bufs], op, s0, s1)
-    return out
+    like = next((i for i, b in enumerate(bufs) if b.shape == shape), None)  # the first operand of the full shape
+    out = runtime.empty(tuple(shape), out_dtype) if like is None else runtime.empty_like(bufs[like], out_dtype)
+    expanded = tuple(b.shape != shape for b in bufs)
+    inputs = [b.expand(shape) if e else b for b, e in zip(bufs, expanded)]
+    if key is None:
+        K.map_(out, inputs, op, s0, s1)
+        return Tensor(out)
+    plan = K.map_plan(out, inputs, op)
+    if plan is None:  # tuning on first use: map_'s entry point
+        K.map_(out, inputs, op, s0, s1)
+        return Tensor(out)
+    if len(_recipes) >= _MAX_RECIPES:
+        _recipes.clear()
+    _recipes[key] = (like, tuple(shape), expanded if any(expanded) else (), plan)
+    K.run_map(plan, out, inputs, op, s0, s1)
+    return Tensor(out)
 
 
-def _like_first_full(bufs, shape, dtype):
-    """An output buffer laid out as the first of ``bufs`` (not yet broadcast) of the full shape."""
-    for b in bufs:
-        if b.shape == shape:
-            return runtime.empty_like(b, dtype)
-    return runtime.empty(tuple(shape), dtype)
+_recipes: dict = {}  # map_op signature -> (operand laid out like, output shape, which operands expand, kernel plan)
+_MAX_RECIPES = 4096  # signatures before the memo starts afresh
+tune.register_cache(_recipes.clear)  # the kernel plans follow tune's overrides and resets
 
 
 # ---- unary ------------------------------------------------------------------------------------
@@ -49,7 +82,9 @@ def _unary(name, op, grad_op, save_output, keeps_int=False):
 
     def fn(x):
         check_tensor(x, "input", name)
-        dtype = x.dtype if (keeps_int or x.dtype.is_floating_point) else result_type(x, 1.0)
+        dtype = x._data.dtype
+        if not (keeps_int or dtype.is_floating_point):
+            dtype = result_type(x, 1.0)
         y = map_op(op, (x,), dtype)
         if needs_grad(x):
             record(y, (x,), backward, saved=(y if save_output else x,))
@@ -143,6 +178,14 @@ def _scalar_for(value, dtype):
 
 def _binary(name, op, rop, a, b, dtype=None):
     """Forward of a binary op: returns (out, ta, tb)."""
+    if type(a) is Tensor:  # the usual calls first: result_type's rule without its general walk
+        da = a._data
+        if type(b) is Tensor:
+            db = b._data
+            if da.dtype == db.dtype and da.dim() and db.dim():  # two dimensioned tensors of one dtype
+                return map_op(op, (a, b), dtype or da.dtype), True, True
+        elif type(b) in (int, float) and da.dtype.is_floating_point:  # a float tensor and a number
+            return map_op(op, (a,), dtype or da.dtype, float(b)), True, False
     ta, tb = _operands(a, b, name)
     cdtype = result_type(a, b)
     out_dtype = dtype or cdtype
