@@ -54,6 +54,7 @@ from .tensor import Tensor
 
 HEARTBEAT_S = 1.0  # how often each rank beats
 SILENT_LOST_S = 60.0  # a rank on another host whose heartbeat stopped this long is lost
+LEAVE_TIMEOUT_S = 10.0  # the most an exiting rank waits to leave the process group
 _ALIGN = 4  # each gradient's segment starts on a 16-byte boundary
 
 
@@ -112,10 +113,26 @@ def shutdown() -> None:
         _watch.finish()
         _watch = None
     if dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        from .graphs import release_all  # a service beside this one (docs/design.md: imports against the order)
+        release_all()  # first: NCCL work captured in a live graph makes leaving the group hang
+        _leave_group()
     _world = World()
     set_rng_substream(0)
+
+
+def _leave_group(timeout: float = LEAVE_TIMEOUT_S) -> None:
+    """``destroy_process_group`` without hanging the exit: NCCL collectives captured in a CUDA graph
+    can make it wait forever (pytorch/pytorch#115388; seen with ZeRO-2's reduce-scatters captured in
+    the step), so it runs on a daemon thread and the process moves on after ``timeout`` seconds."""
+    done = threading.Event()
+
+    def leave():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=leave, name="flame-leave-group", daemon=True).start()
+    done.wait(timeout)
 
 
 def hold_exit():

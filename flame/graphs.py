@@ -32,6 +32,7 @@ call on (the calls a GPU would capture and replay), so CPU tests catch what woul
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 
@@ -44,6 +45,7 @@ from .tensor import Tensor
 __all__ = ["CapturedStep", "GraphRuleError"]
 
 _pool = None
+_steps = weakref.WeakSet()  # every CapturedStep alive, for release_all
 
 
 def _shared_pool():
@@ -82,6 +84,7 @@ class CapturedStep:
         self.enabled = enabled
         self._graphs = {}
         self._seen = set()
+        _steps.add(self)
 
     @property
     def enabled(self) -> bool:
@@ -114,6 +117,12 @@ class CapturedStep:
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    def release(self) -> None:
+        """Free this step's CUDA graphs; a later call captures anew."""
+        for entry in self._graphs.values():
+            entry.graph.reset()
+        self._graphs.clear()
 
     def _capture(self, args):
         statics = []
@@ -153,6 +162,17 @@ class CapturedStep:
                 gc.enable()
         _check_outputs(outputs)
         return _Graph(graph, statics, outputs)
+
+
+def release_all() -> None:
+    """Free every CapturedStep's CUDA graphs (after the device finishes its work). Leaving a NCCL
+    process group waits forever while graphs that captured its collectives live
+    (pytorch/pytorch#115388): ``flame.distributed.shutdown`` calls this first."""
+    if runtime.is_interpreter():
+        return
+    runtime.synchronize()
+    for step in list(_steps):
+        step.release()
 
 
 def _reset_capture_state():

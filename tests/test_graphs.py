@@ -46,6 +46,21 @@ def test_captured_step_matches_eager_across_calls_and_shapes():
     assert captured.num_graphs == (0 if flame.is_interpreter() else 2)
 
 
+def test_released_graphs_are_captured_anew():
+    # flame.distributed.shutdown frees every step's graphs before leaving a NCCL group (graphs.release_all)
+    model = _model()
+    eager, captured = _step_fn(model), CapturedStep(_step_fn(model))
+    x, t = _inputs(1)
+    for _ in range(3):
+        captured(x, t)
+    flame.graphs.release_all()
+    assert captured.num_graphs == 0
+    for _ in range(3):
+        loss = captured(x, t)[0]
+    assert_close(loss, eager(x, t)[0].to_torch(), rtol=1e-5, atol=1e-6)
+    assert captured.num_graphs == (0 if flame.is_interpreter() else 1)
+
+
 def test_captured_step_sees_in_place_parameter_updates():
     model = _model()
     captured = CapturedStep(_step_fn(model))

@@ -87,6 +87,7 @@ REFUSED = [  # (overrides, what the one line says)
     (["train.shard=zero3"], "train.shard: expected one of none, optimizer, gradients, parameters"),
     (["train.shard=optimizer", "train.shard_reduce_dtype=bf16"], "train.shard_reduce_dtype: bf16 is the dtype"),
     (["train.mode=lora", "train.shard_reduce_dtype=bf16"], "train.shard_reduce_dtype: bf16 applies to train.mode"),
+    (["train.mode=lora", "train.shard_overlap=false"], "train.shard_overlap: False applies to train.mode"),
 ]
 
 

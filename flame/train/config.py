@@ -185,6 +185,9 @@ SCHEMA = {
                                                     "the GPUs; each process's gradients and their sum rounded to bf16 "
                                                     "before the fp32 update, as FSDP's reduce_dtype)",
                                   choices=("fp32", "bf16")),
+        "shard_overlap": Opt(True, "bool", "train.shard gradients or parameters: reduce-scatter each block's "
+                                           "gradients from inside the backward as soon as they are complete "
+                                           "(overlapping the rest of it), or all after the backward (false)"),
         "master_weights": Opt("fp32", "choice", "train.mode full with bf16/fp16 weights: fp32 (an fp32 copy of the "
                                                 "trained weights that the optimizer updates, cast to train.precision "
                                                 "after each step: 4 bytes per weight) or bf16_stochastic (the bf16 "
@@ -781,9 +784,8 @@ def _trained_checks(c, errors):
     if not full:
         errors.extend(f"train.{k}: {v} applies to train.mode full (or a list of expressions); LoRA adapters are fp32 "
                       "and small enough for every process to hold: remove it"
-                      for k, v in (("shard", t["shard"]), ("master_weights", t["master_weights"]),
-                                   ("shard_reduce_dtype", t["shard_reduce_dtype"]))
-                      if v != SCHEMA["train"][k].default)
+                      for k in ("shard", "master_weights", "shard_reduce_dtype", "shard_overlap")
+                      if (v := t[k]) != SCHEMA["train"][k].default)
         return
     if t["shard_reduce_dtype"] != "fp32" and t["shard"] not in ("gradients", "parameters"):
         errors.append(f"train.shard_reduce_dtype: {t['shard_reduce_dtype']} is the dtype train.shard gradients or "

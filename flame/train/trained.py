@@ -271,7 +271,8 @@ class FullWeights:
         blocks = [(b, unit) for b, unit in blocks if unit]
         self.shards = sharding.ShardedOptimizer(zip(self.names, self.params), self.stage,
                                                 lambda leaves: make_optimizer(t, leaves), units=[u for _, u in blocks],
-                                                reduce_dtype=REDUCE_DTYPES[t.shard_reduce_dtype])
+                                                reduce_dtype=REDUCE_DTYPES[t.shard_reduce_dtype],
+                                                overlap=t.shard_overlap)
         if self.stage == "parameters":
             in_blocks = {p.id for _, unit in blocks for p in unit}
             self._outside = [p for p in self.params if p.id not in in_blocks]
