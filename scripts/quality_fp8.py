@@ -53,9 +53,11 @@ def prediction(config, overrides, out, weight_dtype, fp8_gemm="auto"):
     """The untrained model's prediction (fp32 numpy) for the first validation batch of ``config``,
     its latents noised with a fixed seed at the objective's validation levels, with the frozen
     weights in ``weight_dtype`` (None: ``train.precision``) and ``model.fp8_gemm``."""
-    settings = [*overrides, f"output.dir={out}", "output.overwrite=true",
+    settings = [*overrides, f"output.dir={out}", "output.overwrite=true", "output.validate_every=1",
                 f"model.weight_dtype={weight_dtype or 'null'}", f"model.fp8_gemm={fp8_gemm}"]
     t = Trainer(load_config(config, settings), progress=False, log=lambda *a: None)
+    if t.val_loader is None:
+        raise SystemExit(f"{config}: the cache has no validation split (data.val_samples, or a synthetic cache)")
     ids = next(iter(t.val_loader.plan(0)))
     batch = t.cache.batch(ids)
     flame.manual_seed(0)
