@@ -115,7 +115,7 @@ def test_config_defaults_overrides_and_errors(tmp_path):
         build_config({"data": {"cache_dir": "c"}, "train": {"steps": 1}})
 
 
-def test_cli_reports_config_errors_and_prints_config(tmp_path):
+def test_cli_reports_config_errors_and_prints_config(tmp_path, capsys):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump({"data": {"cache_dir": "cache"}, "output": {"dir": "out"}, "train": {"steps": 2}}))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -123,10 +123,8 @@ def test_cli_reports_config_errors_and_prints_config(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert "train.lr: expected a number" in r.stderr and "lora.nope: unknown option" in r.stderr
-    r = subprocess.run([sys.executable, "scripts/train_lora.py", str(path), "lora.rank=8", "--print-config"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert yaml.safe_load(r.stdout)["lora"]["rank"] == 8
+    assert cli.main([str(path), "lora.rank=8", "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["lora"]["rank"] == 8
 
 
 def test_trainer_rejects_a_cache_that_does_not_fit(cache_dir, tmp_path):
@@ -418,7 +416,7 @@ CLI_ERRORS = {  # name: (overrides, setup(cache, out) -> cache to use, words the
 
 
 @pytest.mark.parametrize("case", sorted(CLI_ERRORS))
-def test_cli_refuses_bad_settings_before_any_work(tiny_cache, tmp_path, case):
+def test_cli_refuses_bad_settings_before_any_work(tiny_cache, tmp_path, capsys, case):
     overrides, setup, words = CLI_ERRORS[case]
     cache, out = tiny_cache, tmp_path / "run" / "out"
     if setup == "file_parent":
@@ -431,17 +429,17 @@ def test_cli_refuses_bad_settings_before_any_work(tiny_cache, tmp_path, case):
         _damage_index(cache)
     elif setup == "checkpoint_rank_8":
         _fake_checkpoint(out, **{"lora.rank": 8})
-    args = [sys.executable, "scripts/train_lora.py", "configs/sdxl_lora_tiny.yaml", "--no-progress",
-            f"output.dir={out}", f"data.cache_dir={cache}", "data.batch_size=4", "lora.targets=attn", *overrides]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "Traceback" not in r.stderr, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert lines[0].startswith("flame-train-lora: error:"), r.stderr
-    assert len(lines) <= 2, r.stderr  # the error line (an "invalid config:" header and its one item)
+    # in this process (test_cli_reports_config_errors_and_prints_config runs the script in its own)
+    code = cli.main([str(ROOT / "configs" / "sdxl_lora_tiny.yaml"), "--no-progress", f"output.dir={out}",
+                     f"data.cache_dir={cache}", "data.batch_size=4", "lora.targets=attn", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[0].startswith("flame-train-lora: error:"), err
+    assert len(lines) <= 2, err  # the error line (an "invalid config:" header and its one item)
     for word in words:
-        assert word in r.stderr, r.stderr
+        assert word in err, err
     if setup != "checkpoint_rank_8":
         assert not (tmp_path / "run" / "out").exists(), "an output folder was left behind by a run that did not start"
 
