@@ -149,3 +149,34 @@ def test_block_diagonal_and_diagonal_blocks():
         block_diagonal(flame.zeros(8, 2, dtype=flame.int64), sizes)
     with pytest.raises(TypeError, match="block_diagonal: input must be a flame Tensor"):
         block_diagonal(xt, sizes)
+
+
+def test_view_arguments_are_memoised_and_checked():
+    """reshape and permute resolve their arguments once per (arguments, size or rank): a repeat
+    takes the memo, a bad call raises every time, an unhashable argument still works; a view's
+    backward is the inverse view, or a copy when the gradient's strides allow no view."""
+    from flame.ops import shape as S
+    S._shapes.clear()
+    S._permutations.clear()
+    a = torch.randn(2, 3, 4)
+    x = flame.from_torch(a)
+    for _ in range(2):
+        assert_close(x.reshape(4, -1), a.reshape(4, -1))
+        assert_close(x.permute(2, -3, 1), a.permute(2, 0, 1))
+    assert len(S._shapes) == 1 and len(S._permutations) == 1
+    b = torch.randn(4, 5)
+    assert_close(flame.from_torch(b).reshape(4, -1), b)  # the same arguments over another size: a second entry
+    assert len(S._shapes) == 2
+    assert_close(x.reshape([6, 4]), a.reshape(6, 4))  # a list argument: resolved, not kept
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="invalid for input of size 24"):
+            x.reshape(5, -1)
+        with pytest.raises(RuntimeError, match="repeated dim"):
+            x.permute(0, 0, 1)
+        with pytest.raises(IndexError, match="out of range"):
+            x.transpose(0, 3)
+    # the backward of reshape when the incoming gradient is transposed: no view, a copy
+    w = flame.from_torch(torch.randn(2, 3), requires_grad=True)
+    g = torch.randn(2, 3)
+    gw = flame.grad(w.reshape(3, 2), w, grad_outputs=flame.from_torch(g.t()))
+    assert_close(gw, g.t().reshape(2, 3))

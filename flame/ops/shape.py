@@ -60,21 +60,48 @@ def _infer_shape(shape, numel, op):
     return tuple(int(s) for s in shape)
 
 
+# The view ops run for every attention head split and layout change of a model, forward and backward:
+# their argument checks are memoised per (arguments, input size or rank), and a view's backward is
+# the inverse view of the gradient's buffer (backward rules run without recording).
+
+_shapes: dict = {}  # (reshape's shape arguments, numel) -> the shape they resolve to
+_permutations: dict = {}  # (permute's dims, ndim) -> (the dims, normalised; their inverse)
+_MAX_MEMO = 4096  # entries of either memo before it starts afresh
+
+
+def _memo(memo, key, make, *args):
+    """``memo[key]``, ``make(*args)`` on a miss (and not kept when ``key`` is unhashable)."""
+    try:
+        hit = memo.get(key)
+    except TypeError:  # an unhashable argument (a list inside): resolved each time
+        return make(*args)
+    if hit is None:
+        if len(memo) >= _MAX_MEMO:
+            memo.clear()
+        hit = memo[key] = make(*args)
+    return hit
+
+
 def _reshape_backward(node, g):
-    return reshape(g, node.attrs["shape"])
+    shape = node.attrs["shape"]
+    try:  # sizes as arguments: torch's parser tries a lone tuple as an int first, formatting a TypeError it drops
+        return Tensor(g._data.view(*shape) if shape else g._data.view(shape))
+    except RuntimeError:  # a gradient whose strides allow no view: a copy
+        return reshape(g, shape)
 
 
 def reshape(x, *shape):
     """A tensor with ``shape`` and the same elements; a view when the strides allow, else a copy."""
-    check_tensor(x, "input", "reshape")
+    if type(x) is not Tensor:
+        check_tensor(x, "input", "reshape")
     data = x._data
-    shape = _infer_shape(shape, data.numel(), "reshape")
+    numel = data.numel()
+    shape = _memo(_shapes, (shape, numel), _infer_shape, shape, numel, "reshape")
     try:
-        # sizes as arguments: torch's parser tries a lone tuple as an int first, formatting a TypeError it drops
-        buf = data.view(*shape) if shape else data.view(shape)
+        buf = data.view(*shape) if shape else data.view(shape)  # sizes as arguments (see _reshape_backward)
     except RuntimeError:
         buf = dense(data).view(shape)
-    return _view(x, buf, _reshape_backward, shape=tuple(data.shape))
+    return _view(x, buf, _reshape_backward, shape=data.shape)
 
 
 view = reshape
@@ -111,36 +138,50 @@ def squeeze(x, dim=None):
 # ---- permutations -----------------------------------------------------------------------------
 
 def _permute_backward(node, g):
-    inverse = [0] * len(node.attrs["dims"])
-    for i, d in enumerate(node.attrs["dims"]):
-        inverse[d] = i
-    return permute(g, inverse)
+    inverse = node.attrs["inverse"]
+    return Tensor(g._data.permute(*inverse) if inverse else g._data.permute(inverse))  # dims as arguments
 
 
-def permute(x, *dims):
-    check_tensor(x, "input", "permute")
-    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
-        dims = tuple(dims[0])
-    ndim = x._data.dim()
+def _permutation(dims, ndim):
+    """``(dims, inverse)``: permute's ``dims`` checked against ``ndim`` and normalised, and the
+    permutation that undoes them."""
     if len(dims) != ndim:
         raise RuntimeError(f"permute: number of dims {len(dims)} doesn't match the input's {ndim} dims")
     if not all(type(d) is int and 0 <= d < ndim for d in dims):  # else already normalised
         dims = tuple(normalize_dim(d, ndim, "permute") for d in dims)
     if len(set(dims)) != len(dims):
         raise RuntimeError(f"permute: repeated dim in {dims}")
-    buf = x._data.permute(*dims) if dims else x._data.permute(dims)  # dims as arguments: see reshape
-    return _view(x, buf, _permute_backward, dims=tuple(dims))
+    inverse = [0] * ndim
+    for i, d in enumerate(dims):
+        inverse[d] = i
+    return tuple(dims), tuple(inverse)
+
+
+def permute(x, *dims):
+    if type(x) is not Tensor:
+        check_tensor(x, "input", "permute")
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    data = x._data
+    ndim = data.dim()
+    dims, inverse = _memo(_permutations, (dims, ndim), _permutation, dims, ndim)
+    buf = data.permute(*dims) if dims else data.permute(dims)  # dims as arguments: see reshape
+    return _view(x, buf, _permute_backward, inverse=inverse)
 
 
 def transpose(x, dim0, dim1):
-    check_tensor(x, "input", "transpose")
-    ndim = x._data.dim()
+    if type(x) is not Tensor:
+        check_tensor(x, "input", "transpose")
+    data = x._data
+    ndim = data.dim()
     if ndim == 0:
         return x
-    d0, d1 = normalize_dim(dim0, ndim, "transpose"), normalize_dim(dim1, ndim, "transpose")
+    if not (type(dim0) is int and type(dim1) is int and -ndim <= dim0 < ndim and -ndim <= dim1 < ndim):
+        dim0, dim1 = normalize_dim(dim0, ndim, "transpose"), normalize_dim(dim1, ndim, "transpose")
+    d0, d1 = dim0 % ndim, dim1 % ndim
     dims = list(range(ndim))
-    dims[d0], dims[d1] = dims[d1], dims[d0]
-    return _view(x, x._data.transpose(d0, d1), _permute_backward, dims=tuple(dims))
+    dims[d0], dims[d1] = d1, d0
+    return _view(x, data.transpose(d0, d1), _permute_backward, inverse=tuple(dims))  # a swap undoes itself
 
 
 def t(x):
