@@ -691,3 +691,28 @@ def test_matrix_operands_are_read_in_place():
         KM.linear_(torch.empty(5, 2, 10, dtype=torch.float64), crossed, w)
     with pytest.raises(ValueError, match="matrix tuples need a 2-D problem"):
         KM.matmul_(torch.empty(2, 5, 10, dtype=torch.float64), KM.matrix(x), torch.randn(2, 12, 10))
+
+
+@pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
+def test_tma_route_fills_its_kept_descriptors_per_launch(monkeypatch, tma_in_interpreter):
+    """A "tma" route's launch plan keeps one descriptor object each for A, B and C: a launch sees
+    its own buffers in them (values right for two calls on different buffers), and between launches
+    they hold none (no activation kept alive by the plan)."""
+    import flame.kernels.matmul as KM
+    monkeypatch.setattr(KM, "_k_splits", lambda *a: 1)
+    seen, real = [], KM.launch
+
+    def watch(kernel, grid, *args, **meta):
+        seen.append(tuple(d.base.data_ptr() for d in args[:3]))
+        return real(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(KM, "launch", watch)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x, w = torch.randn(136, 264, generator=g).half(), torch.randn(200, 264, generator=g).half()
+        out = torch.empty(136, 200, dtype=torch.float16)
+        KM.linear_(out, x, w)
+        _check(flame.from_torch(out), _ref(x, w.t()).half(), 264)
+        assert seen[-1] == (x.data_ptr(), w.data_ptr(), out.data_ptr())
+    (_, route, _), = KM._route.calls.values()
+    assert route.kernel == "tma" and all(d.base is None for d in route.launch.memo[1])

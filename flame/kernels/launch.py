@@ -328,7 +328,7 @@ class Plan:
     the ``by_value`` ints and the widths of the ``by_width`` ones, so a repeated launch builds no
     argument key. The tensors sit where they sat in the plan's first launch (a None there stays
     None). ``memo`` holds what the launcher keeps with the plan (matmul: its TMA descriptors'
-    templates)."""
+    templates and the descriptor objects its launches fill)."""
 
     __slots__ = ("kernel", "meta", "by_value", "by_width", "key", "compiled", "memo")
 
