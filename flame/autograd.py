@@ -412,17 +412,20 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
             for edge, shape, dtype, ig in zip(node.edges, meta[::2], meta[1::2], in_grads):
                 if edge is None:
                     continue
-                if ig is not None and (ig._data.shape != shape or ig._data.dtype != dtype):
-                    ig = _fit(ig, shape, dtype)
-                if isinstance(edge, Node):
+                if ig is not None:
+                    data = ig._data
+                    if data.shape != shape or data.dtype != dtype:
+                        ig = _fit(ig, shape, dtype)
+                if type(edge) is Node:
                     if edge in boundary:
                         _add_pending(captured, edge, ig, add)
                         continue
                     if ig is not None:  # _add_pending, inline: once per edge of the graph
                         prev = pending.get(edge)
                         pending[edge] = ig if prev is None else add(prev, ig)
-                    node_deps[edge] -= 1
-                    if node_deps[edge] == 0:
+                    left = node_deps[edge] - 1
+                    node_deps[edge] = left
+                    if left == 0:
                         if edge in pending:
                             ready.append(edge)
                         else:  # no gradient flowed into this branch: nothing to propagate
@@ -483,8 +486,8 @@ def _finish_leaf(leaf, grad, grads, capture, captured, accumulate):
         new = hook(grad)
         if new is not None:
             grad = new
-    want = _leaf_grad_dtype(leaf.dtype)
-    if grad.dtype != want:
+    want = _leaf_grad_dtype(leaf._data.dtype)
+    if grad._data.dtype != want:
         grad = grad.to(want)
     grad = _in_leaf_layout(grad, leaf)
     if leaf.id in capture:
@@ -499,7 +502,10 @@ def _in_leaf_layout(grad, leaf):
     """``grad`` laid out as ``leaf`` is when the leaf is dense (a channels-last conv weight gets a
     channels-last gradient: torch's rule for ``.grad``, and what the optimizers update in place
     with flat kernels), else contiguous; a stride-0 expand from sum's backward becomes dense."""
-    if runtime.same_dense_layout(grad._data, leaf._data):
+    gd, ld = grad._data, leaf._data
+    if gd.stride() == ld.stride() and gd.shape == ld.shape and gd.is_contiguous():  # the usual case, at once
+        return grad
+    if runtime.same_dense_layout(gd, ld):
         return grad
     from .ops.shape import copy_as
     return copy_as(grad, leaf._data)

@@ -404,13 +404,14 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         if lora_input.shape != x.shape or lora_input.dtype != x.dtype:
             raise ValueError(f"{op}: lora_input {lora_input.shape} {lora_input.dtype} must match input "
                              f"{x.shape} {x.dtype}")
-    if not (x.dtype.is_floating_point and weight.dtype.is_floating_point and lora_a.dtype.is_floating_point
-            and lora_b.dtype.is_floating_point):
+    xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
+    dtype = xd.dtype
+    if not (dtype.is_floating_point and wd.dtype.is_floating_point and ad.dtype.is_floating_point
+            and bd.dtype.is_floating_point):
         raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
                         f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
     check_not_raw_fp8(weight, op)
-    xd = x._data
-    xs, ws, a_shape, b_shape = xd.shape, weight._data.shape, lora_a._data.shape, lora_b._data.shape
+    xs, ws, a_shape, b_shape = xd.shape, wd.shape, ad.shape, bd.shape
     n_out, k = ws if len(ws) == 2 else (None, None)
     if (len(ws) != 2 or not xs or xs[-1] != k or len(a_shape) != 2 or len(b_shape) != 2
             or a_shape[1] != k or b_shape != (n_out, a_shape[0])):
@@ -432,8 +433,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         acc = torch.float64 if wide else torch.float32
         norm, ratio = runtime.empty((n_out,), acc), runtime.empty((n_out,), acc)
         KD.adapted_norms_(norm, stored_weight._data, lora_a._data, lora_b._data, scale, magnitude._data, ratio)
-    weight, bias = _layer_params(x, weight, bias, n_out, op, ValueError)
-    rank, dtype = a_shape[0], xd.dtype
+    fp8 = isinstance(weight, Fp8Weight)
+    if bias is not None or wd.dtype != dtype or fp8:  # else nothing to check or cast
+        weight, bias = _layer_params(x, weight, bias, n_out, op, ValueError)
+    rank = a_shape[0]
     if xd.numel() == 0 or k == 0 or rank == 0:  # degenerate: the composed ops handle the edge cases
         branch = lora_input if lora_input is not None else x
         z = linear(x, weight, None if ratio is not None else bias) + linear(linear(branch, lora_a), lora_b) * scale
@@ -447,10 +450,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     out_shape = (*xs[:-1], n_out)
     z = runtime.empty(out_shape, dtype)
     h = runtime.empty((x2[1], rank), dtype)
-    w_scale = weight_scale(weight)
+    w_scale = weight.scale if fp8 else None
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(h, KM.transposed(b16), float(scale)), w_scale=w_scale, w8a8=weight_w8a8(weight))
+               low_rank=(h, KM.transposed(b16), float(scale)), w_scale=w_scale, w8a8=fp8 and weight.w8a8)
     out = z
     if ratio is not None:
         out = runtime.empty(out_shape, dtype)
@@ -462,6 +465,6 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         keep_z = ratio is not None and magnitude.requires_grad
         record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,
                saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm, w_scale),
-               scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=lora_a.dtype, b_shape=b_shape,
-               b_dtype=lora_b.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
+               scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
+               b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
     return y
