@@ -26,8 +26,9 @@ shape key, dtype) neither the GPU's table nor the user's cache table holds exact
 
 Nothing is tuned during CUDA-graph capture (the launch keeps the heuristic and the key stays
 unknown until an eager call meets it) or inside another tunable call's tuning. Without
-``FLAME_AUTOTUNE=1`` a decorated entry point costs one flag test and ``flame.tune.call_entry``'s
-bookkeeping (a counter) per call, and the cache table is not read. Tuning on first use costs
+``FLAME_AUTOTUNE=1`` a decorated entry point costs two flag tests per call, and ``flame.tune.call_entry``'s
+bookkeeping (a counter) while entries of another Triton release may be served (``tune.direct_entries``),
+and the cache table is not read. Tuning on first use costs
 seconds per key (compiling the candidates): warm up a job's shapes once, then the cache serves
 every later run.
 """
@@ -78,6 +79,8 @@ def tunable(*outputs: str, helper: bool = False):
         @functools.wraps(fn)
         def entry(*args, **kwargs):
             if not tune._autotune or _busy or (helper and _inside):  # one test when FLAME_AUTOTUNE is off
+                if tune.direct_entries:  # no tuning-table entry to prove or drop (flame.tune): the call itself
+                    return fn(*args, **kwargs)
                 return tune.call_entry(fn, args, kwargs)
             return _run_and_tune(fn, places, args, kwargs)
 

@@ -205,7 +205,10 @@ class _Table:
     def add(self, kernel, dtype, key, cfg, gain, triton_version):
         """``cfg`` for ``key``, tuned with Triton ``triton_version``; ``gain`` (heuristic time /
         tuned time) below MIN_GAIN stores "heuristic" instead."""
+        global direct_entries, _foreign_seen
         e = _Entry(kernel, dtype, key, cfg if gain >= MIN_GAIN else _HEURISTIC, triton_version, self.path)
+        if not e.current:  # its first launch proves it: entry points keep call_entry's bookkeeping for good
+            direct_entries, _foreign_seen = False, True
         self.buckets.setdefault((kernel, dtype), {}).setdefault(bucket(key), []).append(e)
         self.exact[kernel, dtype, key] = e
 
@@ -328,6 +331,12 @@ _cache_tables: dict = {}  # device name -> _Table of the user's cache (tuning on
 _asked_sinks: list = []  # the lists of the active asked_configs() blocks
 _OWN = object()
 _standin = _OWN  # inside heuristics_only() (None) or table_from() (a _Table): the only table asked; no cache
+# Whether no table entry from another Triton release can be answered: this process's GPU table is loaded
+# (the interpreter reads none), no table of this process has held such an entry (_foreign_seen) and no
+# heuristics_only()/table_from() block is open. Kernel entry points then call their function directly
+# (flame.autotune.tunable): nothing can be pending, so call_entry has nothing to prove or drop.
+direct_entries = runtime.INTERPRETER
+_foreign_seen = False
 # table, no first-use tuning
 
 
@@ -365,6 +374,7 @@ def _first_use_lookup(kernel, key, dtype, default, name):
 
 
 def _lookup(kernel, shape_key, dtype, default, device_name):
+    global direct_entries
     if kernel not in KERNELS:
         raise ValueError(f"tune.config: unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
     key_names, fields = KERNELS[kernel]
@@ -383,6 +393,8 @@ def _lookup(kernel, shape_key, dtype, default, device_name):
     name = device_name or runtime.device_name()
     if name not in _tables:
         _tables[name] = _load(name) if not runtime.INTERPRETER or device_name else None
+        if name == runtime.device_name():
+            direct_entries = not _foreign_seen
     if first_use:
         return _first_use_lookup(kernel, tuple(shape_key), dtype, default, name)
     table = _tables[name]
@@ -577,9 +589,10 @@ def reset() -> None:
     """Forget loaded tables (and the entries dropped from them) and cached answers, the registered
     launcher caches' included (after changing ``FLAME_TUNE_DIR``, ``FLAME_AUTOTUNE``,
     ``FLAME_CACHE_DIR`` or a table). Active overrides stay."""
-    global _autotune
+    global _autotune, direct_entries
     _tables.clear()
     _cache_tables.clear()
+    direct_entries = runtime.INTERPRETER and not _foreign_seen and _standin is _OWN  # a GPU's: once reloaded
     for e in _pending:  # a table_from() table's stay in use
         e.pending = False
     _pending.clear()
@@ -610,14 +623,15 @@ def table_from(path, device_name: str | None = None):
 
 @contextlib.contextmanager
 def _stand_in(table):
-    global _standin
-    outer = _standin
-    _standin = table
+    global _standin, direct_entries
+    outer, direct = _standin, direct_entries
+    _standin, direct_entries = table, False
     _forget_answers()
     try:
         yield
     finally:
         _standin = outer
+        direct_entries = direct and not _foreign_seen and (runtime.INTERPRETER or runtime.device_name() in _tables)
         _forget_answers()
 
 

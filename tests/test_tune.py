@@ -1033,3 +1033,37 @@ def test_every_spec_gives_configs_of_its_fields(name):
         assert all(set(c) == set(spec.fields) for c in configs), (name, configs[:3])
         assert spec.keep is None or all(spec.keep(c, key) for c in configs)
         best = configs[0] if configs else best
+
+
+def test_entry_points_skip_call_entry_while_no_entry_of_another_release_can_be_served(tables, monkeypatch):
+    """tune.direct_entries: kernel entry points call their function directly (no call_entry) while no
+    table entry tuned with another Triton release can be answered; heuristics_only()/table_from()
+    blocks and any such entry loaded turn that off (for good once an entry was loaded), so a failing
+    entry's launch is still run again with the heuristic (the tests above)."""
+    monkeypatch.setattr(tune, "_foreign_seen", False)
+    monkeypatch.setattr(tune, "direct_entries", False)
+    calls = []
+    real = tune.call_entry
+    monkeypatch.setattr(tune, "call_entry", lambda *a: calls.append(a[0].__name__) or real(*a))
+    a, b = torch.randn(8, 8, device=runtime.device), torch.randn(8, 8, device=runtime.device)
+    out = runtime.empty((8, 8), torch.float32)
+    tune.reset()
+    if runtime.INTERPRETER:  # no table to read: direct from the start
+        assert tune.direct_entries
+    else:  # a GPU: once its own table is loaded
+        matmul.matmul_(out, a, b)
+        assert tune.direct_entries
+    calls.clear()
+    matmul.matmul_(out, a, b)
+    assert calls == []
+    with tune.heuristics_only():
+        assert not tune.direct_entries
+        matmul.matmul_(out, a, b)
+    assert tune.direct_entries and calls == ["matmul_"]
+    path = tables({"matmul": {"float32": [entry((8, 8, 8, 1), MM)]}}, triton="2.1.0")
+    with tune.table_from(path, device_name=GPU):
+        matmul.matmul_(out, a, b)
+    assert not tune.direct_entries and tune._foreign_seen
+    tune.reset()
+    matmul.matmul_(out, a, b)
+    assert not tune.direct_entries and calls == ["matmul_"] * 3
