@@ -685,6 +685,11 @@ def test_matrix_operands_are_read_in_place():
     # a size-1 dim with any stride merges, as in a view; dims that do not merge are refused
     one = torch.randn(5, 12, dtype=torch.float64).as_strided((1, 5, 12), (7, 12, 1))
     assert KM.matrix(one)[1:] == (5, 12, 12, 1)
+    row = torch.randn(12, dtype=torch.float64)  # a vector: one row
+    assert KM.matrix(row)[1:] == (1, 12, 12, 1)
+    out1 = torch.empty(10, dtype=torch.float64)
+    KM.linear_(out1, row, w)
+    torch.testing.assert_close(out1, w @ row)
     crossed = x.transpose(0, 1)  # (5, 2, 12): rows that no stride walks
     assert KM.matrix(crossed) is None
     with pytest.raises(ValueError, match=r"x of shape \(5, 2, 12\) .* is not a matrix"):

@@ -1209,15 +1209,16 @@ _NO_FUSION = Fusion()
 def matrix(t):
     """``t`` as a matrix tuple ``(buffer, rows, columns, row stride, column stride)``: a tuple as it
     is; a torch buffer of two dims; one of more whose leading dims merge into rows, with the strides a
-    ``view(-1, n)`` of it has (a size-1 dim is left out); None for one whose leading dims do not merge."""
+    ``view(-1, n)`` of it has (a size-1 dim is left out), or of one dim (a row); None for one whose
+    leading dims do not merge (or a scalar)."""
     if type(t) is tuple:
         return t
     shape, strides = t.shape, t.stride()
     n = len(shape)
     if n == 2:
         return t, shape[0], shape[1], strides[0], strides[1]
-    if n < 2:
-        return None
+    if n < 2:  # a vector: one row (as a view (1, n) of it)
+        return (t, 1, shape[0], shape[0] * strides[0], strides[0]) if n else None
     rows = shape[-2]
     outer = strides[-2] * rows  # the stride of a dim that merges with the rows so far
     for i in range(n - 3, -1, -1):

@@ -483,10 +483,11 @@ def cast_params(weight, bias, n_out, dtype, op, error=RuntimeError):
     activations' ``dtype``; the casts are recorded, so fp32 master parameters get fp32 gradients."""
     if bias is not None:
         check_tensor(bias, "bias", op)
-        if bias.shape != (n_out,):
+        bd = bias._data
+        if bd.shape != (n_out,):
             raise error(f"{op}: bias must have shape ({n_out},), got {bias.shape}")
-        if bias.dtype != dtype:
+        if bd.dtype != dtype:
             bias = to(bias, dtype)
-    if weight.dtype != dtype:
+    if weight._data.dtype != dtype:
         weight = to(weight, dtype)
     return weight, bias

@@ -23,7 +23,7 @@ from . import _autocast
 from . import elementwise as ew
 from ._util import check_tensor, dense
 from .elementwise import cast_params, parameter_copy, to
-from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale, weight_w8a8
+from .quant import FP8, Fp8Weight, check_not_raw_fp8, weight_scale
 
 
 def _check(a, b, op):
@@ -274,6 +274,7 @@ def linear(x, weight, bias=None, activation=None):
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
     n_out = ws[0]
+    fp8 = isinstance(weight, Fp8Weight)
     weight, bias = _layer_params(x, weight, bias, n_out, "linear")
     act, grad_op = _ACTIVATIONS[activation]
     out_shape = (*xs[:-1], n_out)
@@ -286,8 +287,8 @@ def linear(x, weight, bias=None, activation=None):
         y = y if bias is None else y + bias
         return _apply_activation(y, activation)
     x2 = _as_rows(xd)
-    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre, w_scale=weight_scale(weight),
-               w8a8=weight_w8a8(weight))
+    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre,
+               w_scale=weight.scale if fp8 else None, w8a8=fp8 and weight.w8a8)
     y = Tensor(out)
     if grad:
         # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none

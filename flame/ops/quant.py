@@ -126,12 +126,6 @@ def weight_scale(weight):
     return weight.scale if isinstance(weight, Fp8Weight) else None
 
 
-def weight_w8a8(weight) -> bool:
-    """Whether the forward product over ``weight`` rounds its input to e4m3 (an ``Fp8Weight`` with
-    ``w8a8`` set)."""
-    return isinstance(weight, Fp8Weight) and weight.w8a8
-
-
 def check_not_raw_fp8(weight, op: str) -> None:
     """A clear error for float8 codes passed as a weight without their scale."""
     if weight.dtype == FP8 and not isinstance(weight, Fp8Weight):
