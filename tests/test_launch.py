@@ -385,3 +385,26 @@ def test_direct_launches_equal_tritons_own(monkeypatch):
     monkeypatch.setattr(L, "_direct", False)
     for got, want in zip(direct, step()):
         assert torch.equal(got, want)
+
+
+def test_a_pinned_plan_launches_its_first_compiled_kernel_without_a_key(monkeypatch):
+    """A ``pinned`` plan (its launcher guarantees one key for all its launches: a GEMM route on a TMA
+    device) compiles once and builds no argument key; an unpinned one keys each launch."""
+    import collections
+    runs, compiles = [], collections.Counter()
+
+    def through_triton(kernel, grid, args, meta):
+        compiles[kernel.arg_names[0]] += 1
+        return _Compiled(runs)
+
+    monkeypatch.setattr(L, "_through_triton", through_triton)
+    monkeypatch.setattr(L, "_direct", True)
+    monkeypatch.setattr(L, "_stream", lambda: "stream")
+    kernel = _fake_kernel(["x", "n", "BLOCK"])
+    pinned, keyed = L.Plan(kernel, {"BLOCK": 64}, pinned=True), L.Plan(kernel, {"BLOCK": 64})
+    x = torch.zeros(64)
+    for plan in (pinned, keyed):
+        L.launch_plan(plan, (1,), (x, 64))
+        L.launch_plan(plan, (1,), (x.double(), 64))  # another key: the pinned plan's caller rules it out
+    assert pinned.key is None and list(pinned.compiled) == [None] and len(keyed.compiled) == 2
+    assert compiles["x"] == 3 and len(runs) == 1

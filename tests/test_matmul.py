@@ -721,3 +721,18 @@ def test_tma_route_fills_its_kept_descriptors_per_launch(monkeypatch, tma_in_int
         assert seen[-1] == (x.data_ptr(), w.data_ptr(), out.data_ptr())
     (_, route, _), = KM._route.calls.values()
     assert route.kernel == "tma" and all(d.base is None for d in route.launch.memo[1])
+
+
+def test_gemm_plans_are_pinned_where_the_call_signature_holds_every_key(tma_in_interpreter):
+    """On a TMA device a route's launch plan is pinned (launch.Plan: no key per launch) when the call
+    signature holds every operand's dtype and alignment: not with a bias (nor codes of B, a
+    pre-activation or a residual); operands of two dtypes are refused."""
+    import flame.kernels.matmul as KM
+    x, w = torch.randn(16, 32, dtype=torch.float16), torch.randn(24, 32, dtype=torch.float16)
+    out = torch.empty(16, 24, dtype=torch.float16)
+    KM.linear_(out, x, w)
+    KM.linear_(out, x, w, torch.randn(24, dtype=torch.float16))
+    pinned = [entry[1].launch.pinned for entry in KM._route.calls.values()]
+    assert pinned == [True, False]
+    with pytest.raises(TypeError, match="a and b must have one dtype"):
+        KM.matmul_(out, x, w.t().float())

@@ -328,14 +328,18 @@ class Plan:
     the ``by_value`` ints and the widths of the ``by_width`` ones, so a repeated launch builds no
     argument key. The tensors sit where they sat in the plan's first launch (a None there stays
     None). ``memo`` holds what the launcher keeps with the plan (matmul: its TMA descriptors'
-    templates and the descriptor objects its launches fill)."""
+    templates and the descriptor objects its launches fill). A ``pinned`` plan's launcher guarantees
+    that all its launches have one key (it looked at those dtypes and alignments itself, as a GEMM
+    route's call signature does): the compiled kernel of its first launch serves the others, no key
+    built."""
 
-    __slots__ = ("kernel", "meta", "by_value", "by_width", "key", "compiled", "memo")
+    __slots__ = ("kernel", "meta", "by_value", "by_width", "pinned", "key", "compiled", "memo")
 
-    def __init__(self, kernel, meta, by_value=(), by_width=()):
+    def __init__(self, kernel, meta, by_value=(), by_width=(), pinned=False):
         self.kernel, self.meta, self.by_value, self.by_width = kernel, meta, tuple(by_value), tuple(by_width)
+        self.pinned = pinned
         self.key = None  # lambda args: the key of a launch (_key_function), made at the first launch
-        self.compiled = {}  # key -> (run, function, packed metadata, constexpr values)
+        self.compiled = {}  # key -> (run, function, packed metadata, constexpr values); a pinned plan's: None ->
         self.memo = None
 
 
@@ -382,10 +386,13 @@ def launch_plan(plan, grid, args):
     if not _direct:
         _through_triton(plan.kernel, grid, args, plan.meta)
         return
-    key_of = plan.key
-    if key_of is None:
-        key_of = plan.key = _plan_key_function(args, plan.by_value, plan.by_width)
-    key = key_of(args)
+    if plan.pinned:
+        key = None
+    else:
+        key_of = plan.key
+        if key_of is None:
+            key_of = plan.key = _plan_key_function(args, plan.by_value, plan.by_width)
+        key = key_of(args)
     entry = plan.compiled.get(key)
     if entry is None:
         _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)

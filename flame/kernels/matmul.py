@@ -884,7 +884,7 @@ def _pointer(p, cfg, tiles, why):
     meta = _pointer_meta(p, cfg, False, 1)
     args = (p.M, p.N, p.K, B1, p.rank, *p.sa, *p.sb, *p.sc, *p.su, *p.sv)
     return Route("pointer", meta, 1, why + _inline(p), grid=(B0 * B1 * tiles,), args=args,
-                 launch=_plan_of(_matmul_kernel, meta, _POINTER_LEAD_ARGS, args))
+                 launch=_plan_of(_matmul_kernel, meta, _POINTER_LEAD_ARGS, args, p))
 
 
 def _split_k(p, splits, why):
@@ -900,7 +900,7 @@ def _split_k(p, splits, why):
     meta = _pointer_meta(p, cfg, True, _slices_per_load(splits, cfg["BLOCK_M"] * cfg["BLOCK_N"]))
     args = (p.M, p.N, kc, splits, p.rank, 0, kc * sak, sam, sak, 0, kc * sbk, sbk, sbn, 0, 0, scm, scn, *p.su, *p.sv)
     return Route("split_k", meta, splits, f"{why}: {splits} slices of {kc}{_inline(p)}", grid=(splits * tiles,),
-                 args=args, launch=_plan_of(_matmul_kernel, meta, _POINTER_LEAD_ARGS, args))
+                 args=args, launch=Plan(_matmul_kernel, meta, by_value=(_POINTER_LEAD_ARGS + len(args),)))
 
 
 # The kernels' leading arguments before the size and stride arguments a route carries (``Route.args``),
@@ -909,10 +909,13 @@ _POINTER_LEAD_ARGS = 11  # a, b, c, bias, pre_out, residual, u, v, b_scale, part
 _TMA_LEAD_ARGS = 9  # descriptors of a, b, c, pre_out, residual; bias, u, v, b_scale
 
 
-def _plan_of(kernel, meta, buffers, args):
+def _plan_of(kernel, meta, buffers, args, p):
     """The ``launch.Plan`` of a kernel route: the route's problem pins every launch argument but the
-    buffers (which of them are None included) and the bias stride, which enters its key by value."""
-    return Plan(kernel, meta, by_value=(buffers + len(args),))
+    buffers (which of them are None included) and the bias stride, which enters its key by value. On a
+    TMA device the call signature (``_launch``) holds the dtypes and alignment of A, B, C, U and V, so
+    without a bias, codes of B, a pre-activation or a residual buffer every launch has one key: pinned."""
+    pinned = p.tma and not (p.bias or p.b_fp8 or p.pre_out or p.residual)
+    return Plan(kernel, meta, by_value=(buffers + len(args),), pinned=pinned)
 
 
 def _pointer_meta(p, cfg, split_k, block_s):
@@ -952,7 +955,7 @@ def _tma(p, layout, why):
              ((M, N), (s_c, 1), (bm, bn)))
     args = (M, N, K, p.rank, *p.su, *p.sv)
     return Route("tma", meta, 1, why + _inline(p), grid=(min(cdiv(M, bm) * cdiv(N, bn), p.sms),), args=args,
-                 layout=layout, boxes=boxes, launch=_plan_of(_matmul_tma_kernel, meta, _TMA_LEAD_ARGS, args))
+                 layout=layout, boxes=boxes, launch=_plan_of(_matmul_tma_kernel, meta, _TMA_LEAD_ARGS, args, p))
 
 
 def _layout(p):
@@ -1026,17 +1029,20 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
     ``GemmProblem`` is made of, as the call has it (sizes, batch shape and strides as given, the
     dtypes, ``Fusion.key``, the buffers' alignment where the TMA kernels could take the problem,
     the device's switches and FLAME_FP8_GEMM as read now), so a repeated launch builds one tuple
-    and no problem. A new signature describes its problem (``_problem``) and asks ``plan``, and so
-    does every launch while FLAME_DEBUG_ROUTES is on or ``plan`` is replaced (a watcher sees every
-    launch's problem)."""
+    and no problem (and, on a TMA device, launches a pinned plan: ``_plan_of``). A new signature
+    describes its problem (``_problem``) and asks ``plan``, and so does every launch while
+    FLAME_DEBUG_ROUTES is on or ``plan`` is replaced (a watcher sees every launch's problem)."""
     f = _NO_FUSION if f is None else f
-    dtype = a.dtype
+    dtype, b_dtype = a.dtype, b.dtype
     tma = TMA and dtype in _TMA_DTYPES and tma_available()
-    key = (M, N, K, batch_shape, sa, sb, sc, dtype, out.dtype, f.key,
+    key = (M, N, K, batch_shape, sa, sb, sc, dtype, b_dtype, out.dtype, f.key,
            tma and (a.data_ptr() | b.data_ptr() | out.data_ptr() | f.pointers) % 16 and _misaligned(a, b, out, f),
            tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER, runtime.num_sms(), FP8_ROUTE)
     entry = _route.calls.get(key)
     if entry is None or DEBUG_ROUTES or plan is not _PLAN:
+        if b_dtype is not dtype and not f.b_fp8:  # a GemmProblem has one operand dtype (or codes of B)
+            raise TypeError(f"matmul: a and b must have one dtype (b may be fp8 codes with their scale), got {dtype} "
+                            f"and {b_dtype}")
         pad = 2 - len(batch_shape)
         z = (0,) * pad
         p = _problem(out, a, b, M, N, K, (1,) * pad + batch_shape, z + sa, z + sb, z + sc, f)
