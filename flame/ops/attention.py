@@ -49,24 +49,27 @@ MAX_GRAD_HEAD_DIM = 256  # the backward's: above it the forward alone (inference
 
 def _empty_like_order(buf, dtype=None):
     """An uninitialised dense buffer shaped like ``buf`` whose leading dims are laid out in
-    ``buf``'s stride order (outermost = largest stride) and whose last (head) dim is innermost,
-    as a permuted view of a contiguous allocation."""
-    base_shape, inv = _layout(tuple(buf.shape), buf.stride())
-    base = runtime.empty(base_shape, dtype or buf.dtype)
-    return base if inv is None else base.permute(*inv)
+    ``buf``'s stride order (outermost = largest stride) and whose last (head) dim is innermost
+    (allocated with those strides: no permuted view of a contiguous allocation to build)."""
+    shape = tuple(buf.shape)
+    strides = _layout(shape, buf.stride())
+    dtype = dtype or buf.dtype
+    return runtime.empty(shape, dtype) if strides is None else runtime.empty_strided(shape, strides, dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _layout(shape, stride):
-    """(allocation shape, permutation back to ``shape`` or None) for ``_empty_like_order``."""
+    """The strides of ``_empty_like_order``'s buffer for a buffer of ``shape`` and ``stride``, None
+    when contiguous."""
     n = len(shape)
     order = sorted(range(n - 1), key=lambda i: (-stride[i], i)) + [n - 1]
     if order == list(range(n)):
-        return shape, None
-    inv = [0] * n
-    for pos, i in enumerate(order):
-        inv[i] = pos
-    return tuple(shape[i] for i in order), tuple(inv)
+        return None
+    strides, step = [0] * n, 1
+    for i in reversed(order):  # innermost first: each dim's stride is the product of the sizes inside it
+        strides[i] = step
+        step *= max(shape[i], 1)
+    return tuple(strides)
 
 
 def _bh_strides(buf):
