@@ -1238,7 +1238,7 @@ def matrix(t):
 
 def transposed(t):
     """The matrix tuple of the transpose of matrix ``t`` (``matrix``)."""
-    buf, rows, cols, rs, cs = matrix(t)
+    buf, rows, cols, rs, cs = t if type(t) is tuple else matrix(t)
     return buf, cols, rows, cs, rs
 
 
