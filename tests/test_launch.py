@@ -195,21 +195,29 @@ class _Compiled:
         self.runs.append(args)
 
 
-def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
-    """On CUDA, a launch whose key (``_key``, or ``sig=`` and its tensors' dtypes and alignment) was
-    compiled before goes straight to the compiled kernel's launcher: grid padded to 3 dims, the
-    current stream, the runtime arguments, then the constexprs in the kernel's order. Any other key
-    goes through Triton first (checked here with a stand-in compiler, on any backend)."""
+def _stub_triton(monkeypatch, counted_by):
+    """launch.py's direct path with a stand-in for Triton: ``(runs, compiles)``, the arguments of each
+    launch that reaches a compiled kernel's launcher, and each compile counted under
+    ``counted_by(kernel, meta)``."""
     import collections
     runs, compiles = [], collections.Counter()
 
     def through_triton(kernel, grid, args, meta):
-        compiles[tuple(meta.items())] += 1
+        compiles[counted_by(kernel, meta)] += 1
         return _Compiled(runs)
 
     monkeypatch.setattr(L, "_through_triton", through_triton)
     monkeypatch.setattr(L, "_direct", True)
     monkeypatch.setattr(L, "_stream", lambda: "stream")
+    return runs, compiles
+
+
+def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
+    """On CUDA, a launch whose key (``_key``, or ``sig=`` and its tensors' dtypes and alignment) was
+    compiled before goes straight to the compiled kernel's launcher: grid padded to 3 dims, the
+    current stream, the runtime arguments, then the constexprs in the kernel's order. Any other key
+    goes through Triton first (checked here with a stand-in compiler, on any backend)."""
+    runs, compiles = _stub_triton(monkeypatch, lambda kernel, meta: tuple(meta.items()))
     kernel = _fake_kernel(["x", "y", "n", "seed", "eps", "flag", "BLOCK"], no_spec=["seed"])
     x, y = torch.zeros(64), torch.zeros(64)
     before = L.launches
@@ -239,16 +247,7 @@ def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
     descriptors' dtypes and the ints at ``by_value``; each
     hashable ``sig`` stands for a plan of its own, keyed by the tensors where its first launch had
     them (another sig may have a tensor where the first had None)."""
-    import collections
-    runs, compiles = [], collections.Counter()
-
-    def through_triton(kernel, grid, args, meta):
-        compiles[kernel.arg_names[0]] += 1
-        return _Compiled(runs)
-
-    monkeypatch.setattr(L, "_through_triton", through_triton)
-    monkeypatch.setattr(L, "_direct", True)
-    monkeypatch.setattr(L, "_stream", lambda: "stream")
+    runs, compiles = _stub_triton(monkeypatch, lambda kernel, meta: kernel.arg_names[0])
     kernel = _fake_kernel(["d", "bias", "n", "s_bias", "BLOCK"])
     plan = L.Plan(kernel, {"BLOCK": 64}, by_value=(3,))
     x, bias = torch.zeros(64, 64), torch.zeros(64)
@@ -390,16 +389,7 @@ def test_direct_launches_equal_tritons_own(monkeypatch):
 def test_a_pinned_plan_launches_its_first_compiled_kernel_without_a_key(monkeypatch):
     """A ``pinned`` plan (its launcher guarantees one key for all its launches: a GEMM route on a TMA
     device) compiles once and builds no argument key; an unpinned one keys each launch."""
-    import collections
-    runs, compiles = [], collections.Counter()
-
-    def through_triton(kernel, grid, args, meta):
-        compiles[kernel.arg_names[0]] += 1
-        return _Compiled(runs)
-
-    monkeypatch.setattr(L, "_through_triton", through_triton)
-    monkeypatch.setattr(L, "_direct", True)
-    monkeypatch.setattr(L, "_stream", lambda: "stream")
+    runs, compiles = _stub_triton(monkeypatch, lambda kernel, meta: kernel.arg_names[0])
     kernel = _fake_kernel(["x", "n", "BLOCK"])
     pinned, keyed = L.Plan(kernel, {"BLOCK": 64}, pinned=True), L.Plan(kernel, {"BLOCK": 64})
     x = torch.zeros(64)
