@@ -226,8 +226,12 @@ def _saved_bytes(out):
             continue
         nodes.add(id(node))
         saved = node.saved
-        items = saved.args if hasattr(saved, "args") else saved if isinstance(saved, (tuple, list)) else (saved,)
-        for t in items:
+        items = list(saved.args if hasattr(saved, "args") else saved if isinstance(saved, (tuple, list)) else (saved,))
+        while items:
+            t = items.pop()
+            if isinstance(t, (tuple, list)):  # a GEMM operand kept as a matrix: (buffer, rows, columns, strides)
+                items.extend(t)
+                continue
             data = t if isinstance(t, torch.Tensor) else getattr(t, "_data", None)  # ops keep either
             if isinstance(data, torch.Tensor):  # a view of the same bytes counts once
                 seen[data.data_ptr()] = max(seen.get(data.data_ptr(), 0), data.numel() * data.element_size())
