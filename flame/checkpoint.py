@@ -33,7 +33,7 @@ from .ops._autocast import autocast_state, get_autocast
 from .ops.creation import get_rng_state, set_rng_state
 from .tensor import Tensor, float32
 
-__all__ = ["checkpoint", "checkpoint_sequential", "segment"]
+__all__ = ["checkpoint", "checkpoint_sequential", "fill_ahead", "segment"]
 
 
 def _empty_grad():
@@ -209,3 +209,18 @@ def checkpoint_sequential(functions, segments: int, x):
     for start in range(0, plain_from, size):
         x = checkpoint(run(start, start + size), x)
     return run(plain_from, len(fns))(x)
+
+
+def fill_ahead(upcoming, busy, holds, fill):
+    """The rule by which blocks run as segments on weights kept in a ring of slots are filled ahead of
+    their use (``flame.models.offload``'s streamed blocks, ``flame.sharding``'s gathered ones):
+    ``fill(rec)`` each of ``upcoming`` (records with a ``slot``, in the order they will run) whose slot
+    does not hold it (``holds(rec)``), up to the first whose slot is ``busy`` (the running block's) or
+    taken by an earlier one of them."""
+    taken = {busy}
+    for rec in upcoming:
+        if rec.slot in taken:
+            return
+        taken.add(rec.slot)
+        if not holds(rec):
+            fill(rec)

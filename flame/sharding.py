@@ -19,14 +19,42 @@ Stages:
   else all of them in ``pack``. ``reduce_dtype=torch.bfloat16`` reduce-scatters them in bf16 (half
   the traffic; each rank's contribution and the sum rounded to bf16, as FSDP's ``reduce_dtype``),
   then adds them to the fp32 shard.
-- ``parameters`` (ZeRO-3): as ``gradients``, and the units' buffers hold no memory except while
-  gathered: ``gather``/``release`` (or ``gathered``, a context) all-gather a block's units before
-  use and free them after; ``run(block, *args)`` does it around one block's forward and again, as
-  a ``flame.checkpoint.segment``, before its backward (freed when the next block's backward starts,
-  or at ``pack``/``step``). Every rank must gather the same units in the same order.
+- ``parameters`` (ZeRO-3): as ``gradients``, and the weights of each entry of ``units`` (a block)
+  are whole on a rank only while its block runs: ``run(block, *args)`` all-gathers them into a
+  ring of a few device buffers for its forward, the next block's gather issued as it starts, and
+  again for its backward (below). The units outside ``units`` (buckets: the weights between the
+  blocks) stay whole, as at the ``gradients`` stage. Every rank must run the same blocks in the
+  same order. ``gather``/``release`` (or ``gathered``, a context) hold any units whole in memory of
+  their own until released, e.g. to read the weights between steps.
 
 After the update each rank's chunks are cast to the units' dtype (a flame kernel) and all-gathered
-into the units' buffers, i.e. into the model's parameters (``parameters``: at the next gather).
+into the units' buffers, i.e. into the model's parameters (``parameters``: the entries of ``units``
+at their next gather).
+
+Gathered weights (``parameters``). The entries of ``units``, in the order given (the order the
+forward runs the blocks; entries without trained parameters left out), live in ``slots`` device
+buffers (2 by default), each the size of the largest entry's units, allocated at construction:
+entry k in slot k mod slots for good, its units' buffers, and so its parameters, views there (256
+bytes aligned), as ``flame.models.offload.BlockStreamer`` keeps frozen streamed weights. A gather
+casts each unit's master chunk to its dtype and all-gathers it into the slot; nothing is allocated.
+``run`` of entry k's block: entry 0 starts a *pass*, which forgets what the slots hold (after a
+step they hold old weights, and a CUDA graph must gather what it reads itself); entry k is gathered
+unless its slot holds it, the compute stream waits for its gather, and the next entries whose slots
+are free (the next one, with 2 slots) are gathered ahead, each after every kernel issued so far
+(the slot's previous readers) on the communication stream, while the block runs. While recording,
+the block runs as one ``flame.checkpoint.segment`` keeping its sub-graph, whose backward starts by
+gathering entry k again if its slot holds another (graph nodes hold views of the slot: the backward
+needs the forward's slot) and the entries whose backward comes next (the pass's recorded blocks in
+reverse) ahead. The last entries of the forward are still in their slots when the backward starts:
+with 2 slots a pass of n entries gathers n of them forward and n - 2 backward. CUDA graphs: the
+gathers are collectives on the communication stream joined by events recorded in the same capture,
+into buffers made at construction, so the forward and backward capture with them; ``join()`` makes
+the compute stream wait for a gather no block waited for (an entry gathered ahead whose block did not
+run), which a capture must not leave behind (the trainer calls it at the end of its step). On the
+interpreter gloo's gathers run synchronously in the same schedule, so CPU tests catch a block run on
+another's weights. Between its uses an entry's parameters read whatever their slot holds: read them
+in ``gathered``. ``log=True`` keeps the schedule in ``log`` (``(event, entry, slot, the entry each
+slot holds)``; "gather", "forward", "backward").
 
 Overlap (``gradients`` and ``parameters`` on several ranks; ``overlap=False`` or setting
 ``shards.overlap = False`` between steps turns it off). A post-accumulate hook on every trained
@@ -62,11 +90,11 @@ Per step, on every rank (``model``'s blocks run in order; ``world`` ranks)::
 
     shards = ShardedOptimizer(model.named_parameters(), "parameters",
                               lambda params: AdamW(params, lr=1e-4, weight_decay=1e-2),
-                              units=blocks)  # optional: one unit per block (a module or its parameters)
+                              units=blocks)  # one entry per block (a module or its parameters), in run order
     for i, (x, target) in enumerate(micro_batches):
         shards.weigh(1 / (len(micro_batches) * world))  # this rank's share, before the backward (overlap)
         for block in blocks:
-            x = shards.run(block, x)  # gathered around its forward and its backward; a plain call below ZeRO-3
+            x = shards.run(block, x)  # gathered for its forward and its backward; a plain call below ZeRO-3
         grads = loss_fn(x, target).backward()  # reduce-scatters each unit as its gradients are complete
         shards.pack(grads, accumulate=i > 0)
     norm = shards.step(lr=lr, max_norm=1.0, found_inf=scaler.found_inf)
@@ -93,24 +121,23 @@ the same units). ``export(folder, path)`` writes one safetensors file of the fp3
 tensor, in the parameters' shapes) from the shards, on any one process (``weights(folder)`` yields
 them one at a time). ``state_dict`` /
 ``load_state_dict``: this rank's master and optimizer state, in memory, for the same layout only.
-``memory()``: the bytes this rank holds (parameters, master, optimizer state, gradients).
+``memory()``: the bytes this rank holds (parameters, master, optimizer state, gradients); at the
+``parameters`` stage its parameters are the ring's slots and the units kept whole.
 
 Supported optimizers: the elementwise ones (AdamW, Adam, AdamW8bit, SGD, Lion). Adafactor factors
 a 2-D parameter's statistics and Prodigy estimates one step size over all parameters: neither is
 defined on a flat slice. One parameter group (the factory's optimizer over the leaves it gets).
 
-Not yet: the next block's gather ahead of its use (per unit already), the ``parameters`` stage in
-a CUDA graph (gathers resize storage), ZeRO-1's all-reduce from the backward, a bf16 master with
-stochastic rounding.
+Not yet: ZeRO-1's all-reduce from the backward, a bf16 master with stochastic rounding.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import tempfile
-import warnings
 import weakref
 
 import numpy as np
@@ -118,8 +145,8 @@ import torch
 import torch.distributed as dist
 
 from . import distributed, runtime
-from .autograd import GradientMap
-from .checkpoint import segment
+from .autograd import GradientMap, is_grad_enabled
+from .checkpoint import fill_ahead, segment
 from .io import atomic_write, fsync_dir, open_safetensors, save_safetensors, to_device
 from .kernels import amp as KA
 from .kernels import elementwise as KE
@@ -169,10 +196,12 @@ def _spans(chunk, start, stop):
 
 class _Unit:
     """Parameters of one dtype sharded together (see the module doc): ``members`` are
-    ``(name, parameter, offset)``; ``buf`` the unit's flat buffer that the parameters view."""
+    ``(name, parameter, offset)``; ``buf`` the unit's flat buffer that the parameters view; ``group``
+    the entry of ``units`` it comes from (None: a bucket); ``home`` (a group's unit at the
+    ``parameters`` stage) its place in its ring slot, which ``buf`` is but while ``gather`` holds it."""
 
-    def __init__(self, index, dtype, named, world, align):
-        self.index, self.dtype = index, dtype
+    def __init__(self, index, dtype, named, world, align, group=None):
+        self.index, self.dtype, self.group, self.home = index, dtype, group, None
         self.members, end = [], 0
         for name, p in named:
             self.members.append((name, p, end))
@@ -182,10 +211,147 @@ class _Unit:
         self.padded = world * self.chunk
         self.buf = None
 
+    def point(self, buf):
+        """The unit's buffer, and its parameters' memory, become ``buf`` (same layout)."""
+        self.buf = buf
+        for _, p, off in self.members:
+            p._data = buf.as_strided(p.shape, p._data.stride(), off)
+
     def describe(self) -> dict:
         return {"dtype": _dtype_name(self.dtype), "numel": self.numel, "chunk": self.chunk,
                 "params": [{"name": n, "shape": list(p.shape), "stride": list(p._data.stride()), "offset": off}
                            for n, p, off in self.members]}
+
+
+class _Group:
+    """An entry of ``units`` at the ``parameters`` stage: its units (one per dtype), its position in
+    the forward's order (``units``' order, empty entries left out) and its ring slot."""
+
+    __slots__ = ("position", "units", "slot")
+
+    def __init__(self, position, units, slot):
+        self.position, self.units, self.slot = position, units, slot
+
+
+def _needs_grad(out) -> bool:
+    """Whether a block's output needs gradients (its segment recorded a node)."""
+    return any(isinstance(o, Tensor) and o.requires_grad for o in ((out,) if isinstance(out, Tensor) else out))
+
+
+class _Ring:
+    """The ``parameters`` stage's ring of slots (see the module doc): ``slots`` device buffers of
+    ``slot_bytes``, group k in slot k mod slots for good, each unit's ``home`` its place there (256
+    bytes aligned). ``gather(group)`` fills a group's units from the shards (on ``stream``, the
+    communication stream, where given, else synchronously). The schedule: ``owner`` (the group each
+    slot holds in this pass), ``ready`` (its gather's event, GPU), ``pending`` (slots whose gather
+    no block waited for yet), ``recorded`` (the pass's groups whose block recorded a segment, in
+    forward order); ``log`` (``log=True``) keeps ``(event, position, slot, the position each slot
+    holds after it)``, event "gather", "forward" or "backward"."""
+
+    def __init__(self, units, slots, gather, stream, log):
+        entries = {}
+        for u in units:
+            if u.group is not None:
+                entries.setdefault(u.group, []).append(u)
+        count = min(slots, len(entries))
+        self.groups, layouts = [], []
+        for k, (_, members) in enumerate(sorted(entries.items())):
+            self.groups.append(_Group(k, members, k % count))
+            at = [0]
+            for u in members:
+                at.append(_round_up(at[-1] + u.padded * u.dtype.itemsize, 256))
+            layouts.append(at)
+        self.slot_bytes = max(at[-1] for at in layouts)
+        self.buffers = [runtime.empty((self.slot_bytes,), torch.uint8) for _ in range(count)]
+        for g, at in zip(self.groups, layouts):
+            for u, start in zip(g.units, at):
+                u.home = self.buffers[g.slot][start:start + u.padded * u.dtype.itemsize].view(u.dtype)
+        self.of_unit = {u.index: g for g in self.groups for u in g.units}
+        self.gather, self.stream = gather, stream
+        self.log = [] if log else None
+        self.pending = set()
+        self.begin()
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buffers) * self.slot_bytes
+
+    def begin(self):
+        """A new pass: the slots hold nothing (their contents are stale after a step, and a CUDA graph
+        must gather what it reads itself). Gathers no block waited for are joined first; inside a
+        capture they were issued before it, and CapturedStep synchronizes before capturing."""
+        if not runtime.is_capturing():
+            self.join()
+        self.pending.clear()
+        self.owner = [None] * len(self.buffers)
+        self.ready = [None] * len(self.buffers)
+        self.recorded = []
+
+    def _note(self, event, g):
+        if self.log is not None:
+            self.log.append((event, g.position, g.slot, tuple(o and o.position for o in self.owner)))
+
+    def _fill(self, g):
+        """Gather ``g`` into its slot; on the communication stream after every kernel issued so far
+        (the slot's previous readers), its event recorded there."""
+        if self.stream is None:
+            self.gather(g)
+        else:
+            issued = torch.cuda.Event()
+            issued.record()
+            self.stream.wait_event(issued)
+            with torch.cuda.stream(self.stream):
+                self.gather(g)
+            self.ready[g.slot] = torch.cuda.Event()
+            self.ready[g.slot].record(self.stream)
+            self.pending.add(g.slot)
+        self.owner[g.slot] = g
+        self._note("gather", g)
+
+    def _use(self, g):
+        """``g`` in its slot before the kernels issued next."""
+        if self.owner[g.slot] is not g:
+            self._fill(g)
+        if g.slot in self.pending:
+            torch.cuda.current_stream().wait_event(self.ready[g.slot])
+            self.pending.discard(g.slot)
+
+    def _ahead(self, upcoming, busy):
+        """Gather the first of ``upcoming`` (groups in the order they will run), up to the first whose
+        slot is ``busy`` (the running group's) or taken by an earlier one of them."""
+        fill_ahead(upcoming, busy, lambda g: self.owner[g.slot] is g, self._fill)
+
+    def run(self, g, fn, args, kwargs):
+        """``fn(*args, **kwargs)``, the block of group ``g``: its forward on the gathered weights, the
+        next groups gathered ahead, and while recording one kept segment whose backward gathers them
+        again first."""
+        if g.position == 0:
+            self.begin()
+        self._use(g)
+        self._note("forward", g)
+        self._ahead(self.groups[g.position + 1:], g.slot)
+        if not is_grad_enabled():
+            return fn(*args, **kwargs)
+        recorded = self.recorded
+        out = segment(fn, args, kwargs, recompute=False,
+                      on_backward=functools.partial(self._backward, recorded, len(recorded)))
+        if _needs_grad(out):
+            recorded.append(g)
+        return out
+
+    def _backward(self, recorded, k):
+        """The backward of the pass's k-th recorded group starts: it, then the groups whose backward
+        comes next (in reverse forward order) gathered ahead."""
+        g = recorded[k]
+        self._use(g)
+        self._note("backward", g)
+        self._ahead(reversed(recorded[:k]), g.slot)
+
+    def join(self):
+        """The current stream waits for every gather no block waited for."""
+        for slot in self.pending:
+            torch.cuda.current_stream().wait_event(self.ready[slot])
+        self.pending.clear()
 
 
 class ShardedOptimizer:
@@ -197,11 +363,14 @@ class ShardedOptimizer:
     elements each rank's chunk of a unit is a multiple of (256 for ``AdamW8bit``'s blocks).
     ``reduce_dtype``: the dtype the ``gradients`` and ``parameters`` stages reduce-scatter in (fp32,
     or bf16: half the traffic). ``overlap``: those stages reduce-scatter each unit from the backward
-    as its gradients are complete (``overlap``, settable between steps; see the module doc). Call it
-    alike on every rank (see the module doc)."""
+    as its gradients are complete (``overlap``, settable between steps; see the module doc). ``slots``:
+    the ``parameters`` stage's ring of device buffers that the entries of ``units`` are gathered into,
+    each the size of the largest entry (2: one block gathered ahead; see the module doc); ``log=True``
+    keeps its schedule in ``log``. Call it alike on every rank (see the module doc)."""
 
     def __init__(self, named_params, stage: str, optimizer, *, units=None, bucket_numel: int = 1 << 23,
-                 align: int = 256, reduce_dtype=torch.float32, overlap: bool = True):
+                 align: int = 256, reduce_dtype=torch.float32, overlap: bool = True, slots: int = 2,
+                 log: bool = False):
         if stage not in STAGES:
             raise ValueError(f"ShardedOptimizer: unknown stage {stage!r}; one of {', '.join(STAGES)} (ZeRO-1/2/3; "
                              "without sharding use the optimizer itself)")
@@ -212,6 +381,8 @@ class ShardedOptimizer:
             raise ValueError(f"ShardedOptimizer: bucket_numel must be a positive int, got {bucket_numel!r}")
         if not isinstance(align, int) or align < 1:
             raise ValueError(f"ShardedOptimizer: align must be a positive int, got {align!r}")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"ShardedOptimizer: slots must be an int >= 1, got {slots!r}")
         if reduce_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"ShardedOptimizer: reduce_dtype must be torch.float32 or torch.bfloat16, got "
                              f"{reduce_dtype!r}")
@@ -221,16 +392,21 @@ class ShardedOptimizer:
         named = self._checked(named_params)
         self.units = self._group(named, units, bucket_numel)
         self._unit_of = {p.id: u for u in self.units for _, p, _ in u.members}
+        # the communication stream (GPU, several ranks): reduce-scatters from the backward, gathers ahead
+        self._comm = None if self.world == 1 or runtime.is_interpreter() else torch.cuda.Stream(device=runtime.device)
+        self._ring = None
+        if stage == "parameters" and any(u.group is not None for u in self.units):
+            self._ring = _Ring(self.units, slots, self._gather_group, self._comm, log)
+        self.log = self._ring.log if self._ring is not None else None
         offsets = np.cumsum([0] + [u.chunk for u in self.units]).tolist()
         self._master = runtime.empty((offsets[-1],), torch.float32)
         self.masters = []
-        for u, at in zip(self.units, offsets):
-            u.buf = runtime.empty((u.padded,), u.dtype)
-            KE.fill_(u.buf, 0)
-            for _, p, off in u.members:  # the parameters become views of the unit (same layout)
-                view = u.buf.as_strided(p.shape, p._data.stride(), off)
-                KE.copy_(view, p._data)
-                p._data = view
+        for u, at in zip(self.units, offsets):  # one at a time: a ring slot holds one group's units
+            buf = u.home if u.home is not None else runtime.empty((u.padded,), u.dtype)
+            KE.fill_(buf, 0)
+            for _, p, off in u.members:
+                KE.copy_(buf.as_strided(p.shape, p._data.stride(), off), p._data)
+            u.point(buf)  # the parameters become views of the unit (same layout)
             master = self._master[at:at + u.chunk]
             KE.copy_(master, u.buf[self.rank * u.chunk:(self.rank + 1) * u.chunk])
             self.masters.append(Tensor(master, requires_grad=True))
@@ -243,16 +419,12 @@ class ShardedOptimizer:
         self._norm_buckets = [(KO.Tables([((None, self._norms, None, None), self.world, 0)]), torch.float32)]
         low = [u for u in self.units if u.dtype != torch.float32]
         self._cast = runtime.empty((max(u.chunk for u in low),), low[0].dtype) if low else None
-        self._held = {}  # unit index -> how many gathers hold it (``parameters`` stage)
-        self._backward_held = []  # units gathered for the backward of the block running it
+        self._held = {}  # unit index -> how many gathers hold it (a group's unit: in memory of its own)
         self._weight = runtime.empty((1,), torch.float32)  # this rank's weight of the next backward (``weigh``)
         KE.fill_(self._weight, 1.0)
         self._weighed = 1.0
         self._hooks, self._overlap, self._fired, self._staging = [], False, False, None
         self.overlap = overlap
-        if stage == "parameters":
-            for u in self.units:
-                self._free(u)
 
     # ---- construction -------------------------------------------------------------------------
     @staticmethod
@@ -296,22 +468,22 @@ class ShardedOptimizer:
         stray = [i for i in group_of if i not in known]
         if stray:
             raise ValueError(f"ShardedOptimizer: units name {len(stray)} parameter(s) that named_params does not hold")
-        runs, bucket, done = [], [], set()
+        runs, bucket, done = [], [], set()  # (group or None, members)
         for name, p in named:
             g = group_of.get(p.id)
             if g is None:
                 if bucket and (bucket[-1][1].dtype != p.dtype or
                                sum(q.numel() for _, q in bucket) + p.numel() > bucket_numel):
-                    runs.append(bucket)
+                    runs.append((None, bucket))
                     bucket = []
                 bucket.append((name, p))
             elif g not in done:
                 done.add(g)
                 members = [(n, q) for n, q in named if group_of.get(q.id) == g]
                 for dtype in dict.fromkeys(q.dtype for _, q in members):
-                    runs.append([(n, q) for n, q in members if q.dtype == dtype])
-        runs += [bucket] if bucket else []
-        return [_Unit(i, run[0][1].dtype, run, self.world, self.align) for i, run in enumerate(runs)]
+                    runs.append((g, [(n, q) for n, q in members if q.dtype == dtype]))
+        runs += [(None, bucket)] if bucket else []
+        return [_Unit(i, run[0][1].dtype, run, self.world, self.align, g) for i, (g, run) in enumerate(runs)]
 
     def _check_optimizer(self):
         opt = self.optimizer
@@ -413,7 +585,6 @@ class ShardedOptimizer:
         part in the collectives."""
         if grads is not None and not isinstance(grads, GradientMap):
             raise TypeError(f"ShardedOptimizer.pack expects the GradientMap of backward(), got {type(grads).__name__}")
-        self._drop_backward_gathers()
         weight = self._weighed if weight is None else float(weight)
         if self._overlap:
             self._pack_overlapped(grads, weight, accumulate)
@@ -513,9 +684,7 @@ class ShardedOptimizer:
         self._unit_tables = [KO.Tables([((off, None), p.numel(), 0) for _, p, off in u.members] +
                                        [((at, self._zeros), n, 0) for at, n in g]) for u, g in zip(self.units, gaps)]
         self._finish_tables = KO.Tables([((self._flat_grad, self._partial, None, None), self._partial.numel(), 0)])
-        self._comm = None
-        if not runtime.is_interpreter():
-            self._comm = torch.cuda.Stream(device=runtime.device)
+        if self._comm is not None:
             self._packed = torch.cuda.Event()  # compute stream: a slot is packed
             self._freed = [torch.cuda.Event(), torch.cuda.Event()]  # comm stream: slot i's reduce-scatter is done
             self._reduced = torch.cuda.Event()  # comm stream: the last unit's reduce-scatter is done
@@ -667,8 +836,7 @@ class ShardedOptimizer:
                              "(scaler.unscale_(shards.grads)) instead of passing grad_scale")
         if lr is not None and not float(lr) >= 0:
             raise ValueError(f"ShardedOptimizer.step: invalid learning rate {lr!r}")
-        self._drop_backward_gathers()
-        self._check_released("step")
+        self._idle("step")
         if self._fired:
             raise RuntimeError("ShardedOptimizer.step: the gradients of a backward await pack")
         if self.stage == "optimizer":
@@ -688,9 +856,7 @@ class ShardedOptimizer:
             for group in self.optimizer.param_groups:
                 group["lr"] = float(lr)
         self.optimizer.step(self._grads, found_inf=Tensor(self._found), grad_scale=grad_scale)
-        if self.stage != "parameters":
-            for u in self.units:
-                self._fill(u)
+        self._refresh()
         return norm
 
     @staticmethod
@@ -713,18 +879,24 @@ class ShardedOptimizer:
         KO.scale_(self._shard_buckets, self._coef)
         return Tensor(norm)
 
-    def _fill(self, u):
-        """Unit ``u``'s buffer (the model's parameters) from the ranks' master chunks: cast to the
-        unit's dtype, then all-gathered."""
+    def _fill(self, u, out=None):
+        """Unit ``u``'s buffer (the model's parameters; or ``out``) from the ranks' master chunks: cast
+        to the unit's dtype, then all-gathered."""
+        out = u.buf if out is None else out
         src = self.masters[u.index]._data
         if u.dtype != torch.float32:
             cast = self._cast[:u.chunk]
             KE.copy_(cast, src)
             src = cast
         if self.world == 1:
-            KE.copy_(u.buf, src)
+            KE.copy_(out, src)
         else:
-            distributed._collective("all-gather", lambda: dist.all_gather_into_tensor(u.buf, src))
+            distributed._collective("all-gather", lambda: dist.all_gather_into_tensor(out, src))
+
+    def _gather_group(self, group):
+        """The ring's gather: each unit of ``group`` into its place in the group's slot."""
+        for u in group.units:
+            self._fill(u, u.home)
 
     # ---- gathering (``parameters``) -------------------------------------------------------------
     def _units_of(self, params, what):
@@ -741,10 +913,12 @@ class ShardedOptimizer:
         return list(out.values())
 
     def _acquire(self, units):
+        if self._ring is not None:
+            self._ring.join()  # the ring's gathers in flight share the cast buffer
         for u in units:
             count = self._held.get(u.index, 0)
-            if count == 0 and self.stage == "parameters":
-                u.buf.untyped_storage().resize_(u.padded * u.buf.element_size())
+            if count == 0 and u.home is not None:  # a group's unit: memory of its own while held
+                u.point(runtime.empty((u.padded,), u.dtype))
                 self._fill(u)
             self._held[u.index] = count + 1
 
@@ -755,27 +929,20 @@ class ShardedOptimizer:
                 raise RuntimeError(f"ShardedOptimizer.release: unit {u.index} is not gathered")
             if count == 1:
                 del self._held[u.index]
-                if self.stage == "parameters":
-                    self._free(u)
+                if u.home is not None:
+                    u.point(u.home)  # back into its ring slot; the memory of its own goes
             else:
                 self._held[u.index] = count - 1
 
-    @staticmethod
-    def _free(u):
-        storage = u.buf.untyped_storage()
-        if storage.resizable():
-            storage.resize_(0)
-        else:  # the interpreter's host memory once a NumPy array viewed it (Tensor.numpy of a parameter)
-            warnings.warn(f"ShardedOptimizer: unit {u.index}'s memory stays allocated: a NumPy array views it (on the "
-                          "CPU, Tensor.numpy() of a gathered parameter pins its storage; read a clone())", stacklevel=3)
-
     def gather(self, params) -> None:
-        """All-gather the units holding ``params`` (parameters or a module) into the model's
-        parameters, until ``release`` (a collective at the ``parameters`` stage, a no-op otherwise)."""
+        """Hold the units of ``params`` (parameters or a module) whole in the model's parameters until
+        ``release``: at the ``parameters`` stage an entry of ``units`` is all-gathered into memory of
+        its own (a collective; the other units are always whole), e.g. to read the weights between
+        steps; a no-op at the other stages."""
         self._acquire(self._units_of(params, "gather"))
 
     def release(self, params) -> None:
-        """Free the units holding ``params`` once every ``gather`` of them is released."""
+        """Let go of the units holding ``params`` once every ``gather`` of them is released."""
         self._release(self._units_of(params, "release"))
 
     @contextlib.contextmanager
@@ -789,32 +956,41 @@ class ShardedOptimizer:
             self._release(units)
 
     def run(self, block, *args, **kwargs):
-        """``block(*args, **kwargs)`` (a Module) with its parameters gathered, freed after; while
-        recording, one ``checkpoint.segment`` (its sub-graph kept) whose backward gathers them again
-        first. At the other stages: ``block(*args, **kwargs)``."""
-        if self.stage != "parameters":
+        """``block(*args, **kwargs)`` (a Module) with its parameters gathered: at the ``parameters``
+        stage, in its entry of ``units``' ring slot, gathered ahead while the block before it runs
+        and again before its backward (one ``checkpoint.segment`` keeping its sub-graph; see the
+        module doc). A block without such an entry, one held by ``gather``, and every block at the
+        other stages: ``block(*args, **kwargs)``."""
+        if self._ring is None:
             return block(*args, **kwargs)
         units = self._units_of(block, "run")
-        with self.gathered(block):
-            return segment(block, args, kwargs, recompute=False, on_backward=lambda: self._backward_gather(units))
+        groups = {self._ring.of_unit[u.index] for u in units if u.home is not None}
+        if not groups or any(u.index in self._held for u in units):
+            return block(*args, **kwargs)
+        if len(groups) > 1:
+            raise ValueError(f"ShardedOptimizer.run: {type(block).__name__}'s parameters lie in {len(groups)} entries "
+                             "of units; a block is gathered as one entry: give it (or each of its parts, run one by "
+                             "one) as an entry of units")
+        (group,) = groups
+        return self._ring.run(group, block, args, kwargs)
 
-    def _backward_gather(self, units):
-        self._acquire(units)  # first: a unit shared with the previous block stays gathered
-        self._drop_backward_gathers()
-        self._backward_held = units
-
-    def _drop_backward_gathers(self):
-        held, self._backward_held = self._backward_held, []
-        self._release(held)
+    def join(self) -> None:
+        """Make the current stream wait for the ``parameters`` stage's gathers that no block waited
+        for (a block gathered ahead that did not run): at the end of a step captured into a CUDA graph,
+        whose capture fails with work left on another stream (see the module doc)."""
+        if self._ring is not None:
+            self._ring.join()
 
     # ---- memory -------------------------------------------------------------------------------
     def memory(self) -> dict:
-        """Bytes this rank holds now: ``parameters`` (the units' buffers: the model's trained
-        parameters), ``master``, ``optimizer`` (its state), ``gradients`` (the gradient buffers)."""
+        """Bytes this rank holds now: ``parameters`` (the model's trained parameters: the units' buffers
+        kept whole or held by ``gather``, and at the ``parameters`` stage the ring's slots), ``master``,
+        ``optimizer`` (its state), ``gradients`` (the gradient buffers)."""
         state = sum(b.numel() * b.element_size() for st in self.optimizer.state.values() for b in st.values()
                     if b is not None)
         grads = [b for b in (self._flat_grad, self._staging, self._partial) if b is not None]
-        return {"parameters": sum(u.buf.untyped_storage().nbytes() for u in self.units),
+        whole = sum(u.padded * u.dtype.itemsize for u in self.units if u.home is None or u.index in self._held)
+        return {"parameters": whole + (self._ring.nbytes if self._ring is not None else 0),
                 "master": self._master.numel() * 4, "optimizer": state,
                 "gradients": sum(b.numel() * b.element_size() for b in grads)}
 
@@ -839,7 +1015,7 @@ class ShardedOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         """Load ``state_dict()`` of a run with this layout (world size, units); ``load`` re-slices."""
-        self._check_released("load_state_dict")
+        self._idle("load_state_dict")
         mine = self.layout()
         theirs = state.get("layout", {})
         for key in ("world_size", "units"):
@@ -855,15 +1031,21 @@ class ShardedOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self._refresh()
 
-    def _check_released(self, what):
-        if self._held or self._backward_held:
+    def _idle(self, what):
+        """Before the master changes: no ``gather`` holds a unit, and the ring's gathers that read the
+        master are waited for."""
+        if self._held:
             raise RuntimeError(f"ShardedOptimizer.{what}: parameters are still gathered: release them first")
+        self.join()
 
     def _refresh(self):
-        """The model's parameters from the (loaded) master, at the stages that keep them."""
-        if self.stage != "parameters":
-            for u in self.units:
+        """The model's parameters from the (updated or loaded) master: the units kept whole gathered
+        again, the ring's slots forgotten (the next pass gathers every group anew)."""
+        for u in self.units:
+            if u.home is None:
                 self._fill(u)
+        if self._ring is not None:
+            self._ring.begin()
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, folder, writers: dict | None = None) -> str:
@@ -905,8 +1087,9 @@ class ShardedOptimizer:
 
     def load(self, folder) -> None:
         """Load a complete ``save`` of any world size into this run: master and optimizer state re-sliced
-        for this rank's chunks, the model's parameters updated (collective at the first two stages)."""
-        self._check_released("load")
+        for this rank's chunks, the model's parameters updated (a collective where units are kept whole:
+        every unit at the first two stages, those outside ``units`` at the ``parameters`` stage)."""
+        self._idle("load")
         saved = read_index(folder)
         where = {p["name"]: (u, p) for u in saved["units"] for p in u["params"]}
         mine = {name: p for u in self.units for name, p, _ in u.members}

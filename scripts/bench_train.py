@@ -10,6 +10,8 @@ the trainer's data, EMA and optimizer features on against the plain step; loadin
         --steps 5 --blocks 3 --out out/full.json     # every weight trains: flame sharded, diffusers under FSDP2
     python3 scripts/bench_train.py --mode full --shard gradients --nproc 1 --nproc 2 --checkpointing off \
         --overlap both --framework flame --out out/overlap.json   # reduce-scatters from the backward or after it
+    python3 scripts/bench_train.py --mode full --shard gradients,parameters --nproc 2 --checkpointing off \
+        --cuda-graph both --framework flame --out out/zero3.json  # ZeRO-2 and ZeRO-3, in a CUDA graph and eagerly
     python3 scripts/bench_train.py --features --steps 10 --blocks 5 --out out/features.json
     python3 scripts/bench_train.py --load --nproc 1 --nproc 2
     python scripts/bench_train.py --config tiny --resolution 64 --nproc 1 --nproc 2 --steps 2 --warmup 1 --blocks 1
@@ -26,16 +28,19 @@ batch 1 per GPU, bf16.
 
 Full fine-tuning (``--mode full``): every weight of the UNet trains, AdamW (lr 1e-5). flame: the
 trainer with ``train.mode: full``, bf16 weights, ``train.shard`` each of ``--shard`` (ZeRO-1/2/3,
-``flame.sharding``; ``parameters`` needs 2 or more processes, so its N = 1 is skipped and its scaling
-taken against ``gradients`` at N = 1, the same one-process step) and ``train.master_weights``
-``--master`` (``bf16_stochastic``: ``--shard none``, whose N > 1 all-reduces the gradients as for
-LoRA) and ``--overlap``: the ``gradients`` and ``parameters`` stages on 2+ processes reduce-scatter
-each unit's gradients from the backward as they are complete (``on``, the library's default), in
-``pack`` after it (``off``, ``ShardedOptimizer.overlap`` set False), or ``both`` (a row each, one
-N = 1 row). diffusers: the UNet built as ``bench_sdxl.py --mode full`` builds it (fp32 weights, all
-trained), under FSDP2 as accelerate's FSDP plugin runs it: ``fully_shard`` on every down, mid and up
-block and on the root (parameters, gradients and optimizer state sharded, each block gathered for its
-forward and again for its backward), ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
+``flame.sharding``; ``parameters`` needs 2 or more processes, so its N = 1 is skipped and its
+scaling taken against ``gradients`` at N = 1, the same one-process step) and
+``train.master_weights`` ``--master`` (``bf16_stochastic``: ``--shard none``, whose N > 1
+all-reduces the gradients as for LoRA) and ``--overlap``: the ``gradients`` and ``parameters``
+stages on 2+ processes reduce-scatter each unit's gradients from the backward as they are complete
+(``on``, the library's default), in ``pack`` after it (``off``, ``ShardedOptimizer.overlap`` set
+False), or ``both`` (a row each, one N = 1 row). ``--cuda-graph``: flame's step replayed from a CUDA
+graph (``on``, ``train.cuda_graph``'s default; ``parameters`` too, its blocks' gathers into the ring
+of slots captured with the step), run eagerly (``off``), or ``both`` (a row each). diffusers: the
+UNet built as ``bench_sdxl.py --mode full`` builds it (fp32 weights, all trained), under FSDP2 as
+accelerate's FSDP plugin runs it: ``fully_shard`` on every down, mid and up block and on the root
+(parameters, gradients and optimizer state sharded, each block gathered for its forward and again
+for its backward), ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``,
 ``torch.autocast(bf16)`` around the forward, ``torch.optim.AdamW(fused=True)`` on the fp32 shards;
 one process is a one-rank FSDP2. Gradient checkpointing per ``--checkpointing`` on both sides.
 
@@ -48,10 +53,11 @@ where one bucket all-reduces the gradients (LoRA; full with ``--shard none``), t
 where it runs (CUDA events around each call through ``flame.distributed``; the clock on the
 interpreter), the median step's sum and its calls and time by kind (reduce-scatter, all-gather,
 all-reduce), rank 0's view, waits for the other ranks included; with each rank's shard memory
-(``ShardedOptimizer.memory()``) in the JSON. With overlap in a CUDA graph (``gradients``) the
-reduce-scatters are replayed with the backward, where no Python runs: the collectives counted are
-then those outside it (the step's all-reduces and all-gathers). Needs diffusers (and peft for LoRA)
-for the second framework.
+(``ShardedOptimizer.memory()``; printed: rank 0's parameters and total) in the JSON. In a CUDA graph
+the backward's reduce-scatters (overlap) and the ``parameters`` stage's gathers of the blocks are
+replayed with the step, where no Python runs: the collectives counted are then those outside it (the
+step's all-reduces, and the all-gathers of the weights kept whole). Needs diffusers (and peft for
+LoRA) for the second framework.
 
 ``--features``: flame alone, one process, LoRA, the plain step (one cache, AdamW) against the step
 with two datasets (the second repeated twice at half the loss weight), flip augmentation, caption
@@ -122,7 +128,7 @@ def run_flame(args):
         "data": {"cache_dir": os.path.join(args.cache, "plain"), "batch_size": 1, "synthetic_samples": 64,
                  "synthetic_latent_sizes": [[latent, latent]]},
         "train": {"steps": 10 ** 6, "lr": 1e-4, "precision": "fp32" if flame.is_interpreter() else "bf16",
-                  "gradient_checkpointing": args.checkpointing == "on"},
+                  "gradient_checkpointing": args.checkpointing == "on", "cuda_graph": args.cuda_graph == "on"},
         "output": {"dir": tempfile.mkdtemp(prefix="flame-train-"), "save_every": 0, "log_every": 10 ** 6}}
     if args.mode == "full":  # a full run has no lora section
         settings["train"].update(mode="full", shard=args.shards[0], master_weights=args.master, lr=1e-5,
@@ -167,7 +173,7 @@ def run_flame(args):
     collectives = _timed_collectives(trainer, args.steps) if sharded is not None and world.size > 1 else None
     return {"framework": "flame", "world": world.size, "times_s": times, "peak_bytes": flame.max_memory_allocated(),
             "overlap": sharded.overlap if sharded is not None else None,
-            "graphs": trainer.step_fn.num_graphs,
+            "cuda_graph": args.cuda_graph, "graphs": trainer.step_fn.num_graphs,
             "allreduce_ms": allreduce_ms, "allreduce_mb": trainer.bucket.nbytes / 2 ** 20 if trainer.bucket else 0,
             "collectives_ms": collectives and collectives.pop("ms"), "collectives": collectives,
             "shard_bytes": sharded.memory() if sharded is not None else None, "device": flame.device_name()}
@@ -373,6 +379,9 @@ def parse_args(argv):
                    help="--mode full, flame, --shard gradients or parameters on 2+ processes: reduce-scatter each "
                         "unit's gradients from the backward as they are complete (on), after it (off), or both (a row "
                         "each)")
+    p.add_argument("--cuda-graph", choices=["on", "off", "both"], default="on",
+                   help="flame: the step replayed from a CUDA graph (on: train.cuda_graph's default), run eagerly "
+                        "(off), or both (a row each)")
     p.add_argument("--master", "--master-weights", choices=["fp32", "bf16_stochastic"], default="fp32", dest="master",
                    help="--mode full, flame: train.master_weights: fp32 master weights in the shards, or the bf16 "
                         "weights updated with stochastic rounding (--shard none only)")
@@ -459,7 +468,9 @@ def main(argv=None):
             for shard in (args.shards if fw == "flame" and args.mode == "full" else [None]):
                 for n in _nprocs(args):
                     for overlap in _overlaps(args, fw, shard, n):
-                        rows += _measure_step(args, fw, shard, ckpt, n, overlap)
+                        for graph in (([args.cuda_graph] if args.cuda_graph != "both" else ["on", "off"])
+                                      if fw == "flame" else [None]):
+                            rows += _measure_step(args, fw, shard, ckpt, n, overlap, graph)
             _save(args, rows)
     _report(rows)
     return 1 if any("error" in r for r in rows) else 0
@@ -477,19 +488,20 @@ def _overlaps(args, fw, shard, n):
     return ["on", "off"] if args.overlap == "both" else [args.overlap]
 
 
-def _measure_step(args, fw, shard, ckpt, n, overlap=None):
-    """One (framework, shard, checkpointing, N, overlap) setting under torchrun: [its row], or [] when skipped."""
+def _measure_step(args, fw, shard, ckpt, n, overlap=None, graph=None):
+    """One (framework, shard, checkpointing, N, overlap, CUDA graph) setting under torchrun: [its row], or []
+    when skipped."""
     what = fw
     if args.mode == "full":
         reduce = " bf16-reduce" if _reduce_dtype(args, shard) == "bf16" else ""
         what = f"flame full shard {shard}{' bf16-SR' if args.master == 'bf16_stochastic' else ''}{reduce}" \
             f"{'' if overlap is None else ' overlap ' + overlap}" if fw == "flame" else "diffusers FSDP2 full"
-    label = f"{what} ckpt {ckpt} N={n}"
+    label = f"{what}{' eager' if graph == 'off' else ''} ckpt {ckpt} N={n}"
     why = _skipped(args, fw, shard, n)
     if why:
         print(f"== {label}: skipped ({why})", flush=True)
         return []
-    extra = ["--checkpointing", ckpt, "--cache", args.cache, "--mode", args.mode]
+    extra = ["--checkpointing", ckpt, "--cache", args.cache, "--mode", args.mode, "--cuda-graph", graph or "on"]
     if args.mode == "full":
         # --master-weights: torchrun would take --master for an abbreviation of its --master-addr / --master-port
         extra += ["--master-weights", args.master, "--reduce-dtype", args.reduce_dtype,
@@ -503,6 +515,11 @@ def _measure_step(args, fw, shard, ckpt, n, overlap=None):
         kinds = result["collectives"]
         comm = f", collectives {result['collectives_ms']:.2f} ms (" + ", ".join(
             f"{kind} {count}x {kinds['ms_by_kind'][kind]:.2f} ms" for kind, count in kinds["calls"].items()) + ")"
+    held = result.get("shard_bytes")
+    if held:
+        comm += f", shard {sum(held.values()) / 2 ** 30:.2f} GiB (parameters {held['parameters'] / 2 ** 30:.2f})"
+    if "graphs" in result:
+        comm += f", {result['graphs']} CUDA graph{'s' if result['graphs'] != 1 else ''}"
     print(f"   {result['median_s'] * 1e3:.1f} ms/step, {result['images_s']:.2f} images/s, peak "
           f"{result['peak_bytes'] / 2 ** 30:.2f} GiB{comm} ({result['wall_s']:.0f} s)", flush=True)
     return [result]
@@ -577,7 +594,7 @@ def _report(rows):
     (flame's shard parameters, which has no N = 1: against shard gradients', marked *), the collectives,
     rank 0's peak memory and flame's images/s over diffusers' at the same checkpointing and N."""
     ok = [r for r in rows if "error" not in r]
-    one = {(r["framework"], r.get("shard"), r["checkpointing"]): r for r in ok if r["nproc"] == 1}
+    one = {(r["framework"], r.get("shard"), r["checkpointing"], r.get("cuda_graph")): r for r in ok if r["nproc"] == 1}
     base = {(r["checkpointing"], r["nproc"]): r for r in ok if r["framework"] != "flame"}
     comm = "collectives" if any(r.get("mode") == "full" for r in ok) else "all-reduce"
     notes = [f"diffusers full: {FSDP_SETTING}"] if any(r["framework"] == FSDP_SETTING for r in ok) else []
@@ -587,10 +604,10 @@ def _report(rows):
         if "error" in r:
             print(f"{r['setting']:<54} failed")
             continue
-        single = one.get((r["framework"], r.get("shard"), r["checkpointing"]))
+        single = one.get((r["framework"], r.get("shard"), r["checkpointing"], r.get("cuda_graph")))
         mark = ""
         if single is None and r.get("shard") == "parameters":
-            single, mark = one.get((r["framework"], "gradients", r["checkpointing"])), "*"
+            single, mark = one.get((r["framework"], "gradients", r["checkpointing"], r.get("cuda_graph"))), "*"
             note = "scaling*: shard parameters against shard gradients at N = 1, the same one-process step"
             notes += [note] if single and note not in notes else []
         scaling = f"{r['images_s'] / (r['nproc'] * single['images_s']):.3f}{mark}" if single else ""

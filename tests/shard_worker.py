@@ -14,15 +14,18 @@ optimizer, gradients bytes). A job trains the tiny model below from its seed wit
 ``units`` ("layers": one unit per layer, else buckets of ``bucket`` elements), ``max_norm``,
 ``save`` ({step: folder}), ``resume`` (a folder loaded before the first step), ``emulate``
 (reduce-scatter through an all-reduce, as on a gloo without it), ``nan`` (rank 1's loss is NaN),
-``8bit`` (AdamW8bit instead of AdamW), ``bf16_reduce`` (gradients reduce-scattered in bf16),
+``8bit`` (AdamW8bit instead of AdamW), ``bf16_reduce`` (gradients reduce-scattered in bf16), ``bf16``
+(the model's weights in bf16, cast from the fp32 master),
 ``overlap`` (default true: the reduce-scatters launched from the backward), ``sizes`` (each step's
 micro-batches: their global row counts, split over the ranks as the trainer splits them, each rank
 weighing its share; a rank without rows packs None, or at the ``parameters`` stage runs row 0 weighed
-0), ``graph`` (forward and backward through ``flame.graphs.CapturedStep``), ``missing`` (the last
-step leaves the last layer's bias out of the loss: the job ends at the error ``pack`` raises, saved
-as ``<job>/error``); ``<job>/launched`` counts, per backward, the reduce-scatters (or their
-all-reduce stand-ins) issued inside it. Exits with status 1 when a rank failed (its traceback on stderr). Started by
-torchrun (GPUs, NCCL), each process is one rank of the one phase given.
+0), ``graph`` (forward and backward through ``flame.graphs.CapturedStep``, ending with
+``ShardedOptimizer.join`` as the trainer's step does: at the ``parameters`` stage the blocks' gathers
+into the ring of slots run inside it), ``missing`` (the last step leaves the last layer's bias out
+of the loss: the job ends at the error ``pack`` raises, saved as ``<job>/error``);
+``<job>/launched`` counts, per backward, the reduce-scatters (or their all-reduce stand-ins) issued
+inside it. Exits with status 1 when a rank failed (its traceback on stderr). Started by torchrun
+(GPUs, NCCL), each process is one rank of the one phase given.
 """
 import contextlib
 import itertools
@@ -104,7 +107,7 @@ def sharded(model, job):
 
 def weights(model, shards):
     with shards.gathered(model):
-        return {name: p.clone().numpy() for name, p in model.named_parameters()}
+        return {name: p.to(flame.float32).clone().numpy() for name, p in model.named_parameters()}
 
 
 @contextlib.contextmanager
@@ -127,6 +130,8 @@ def counting_reductions():
 def run_job(job, world):
     sharding._native_reduce_scatter = False if job.get("emulate") else None
     model = build_model()
+    if job.get("bf16"):
+        model = model.to(dtype=flame.bfloat16)
     shards = sharded(model, job)
     if job.get("resume"):
         shards.load(job["resume"])
@@ -142,6 +147,7 @@ def run_job(job, world):
             loss = loss * float("nan")
         with counting_reductions() as calls:
             grads = loss.backward()
+        shards.join()
         launched.append(len(calls))
         return grads
 

@@ -77,7 +77,7 @@ import torch
 
 from .. import io, nn, runtime
 from ..autograd import is_grad_enabled
-from ..checkpoint import segment
+from ..checkpoint import fill_ahead, segment
 from ..nn.lora import lora_parameters
 from ..ops.quant import Fp8Weight
 from ..tensor import Tensor
@@ -464,13 +464,7 @@ class BlockStreamer:
     def _prefetch(self, upcoming, busy):
         """Copy in the first of ``upcoming`` (streamed blocks in the order they will run), up to the
         first whose slot is ``busy`` (the running block's) or taken by an earlier one of them."""
-        taken = {busy}
-        for rec in upcoming:
-            if rec.slot in taken:
-                return
-            taken.add(rec.slot)
-            if self._owner[rec.slot] is not rec:
-                self._fill(rec)
+        fill_ahead(upcoming, busy, lambda rec: self._owner[rec.slot] is rec, self._fill)
 
     def _check(self, rec):
         for name, t, ptr in self._checks[rec.name]:

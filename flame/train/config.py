@@ -256,8 +256,7 @@ SCHEMA = {
         "lion_beta2": Opt(0.99, "float", "Lion: decay of the momentum", low=0.0, high=1.0),
         "sgd_momentum": Opt(0.9, "float", "SGD: momentum (0: plain SGD)", low=0.0, high=1.0),
         "cuda_graph": Opt(True, "bool", "replay each bucket's forward+backward from a CUDA graph (GPU only; "
-                                        "off when lora.dropout > 0, whose masks must change every step, and with "
-                                        "train.shard parameters)"),
+                                        "off when lora.dropout > 0, whose masks must change every step)"),
         "compile_ahead": Opt("auto", "str", "compile kernels in parallel processes while the model loads: auto "
                                             "(configs/kernels' list for this GPU and Triton when the model is SDXL's "
                                             "or Flux.1's architecture, plus the kernels earlier runs on this "

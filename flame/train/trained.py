@@ -202,8 +202,8 @@ class LoRAAdapters:
 
 class _Gathered:
     """The ``Checkpointed.streamer`` of a block at the ``parameters`` stage: calling the block runs it
-    through ``ShardedOptimizer.run`` (its weights gathered around its forward and again before its
-    backward, freed after each)."""
+    through ``ShardedOptimizer.run`` (its weights gathered into their ring slot for its forward, while
+    the block before it runs, and again for its backward)."""
 
     def __init__(self, shards):
         self.shards = shards
@@ -214,6 +214,15 @@ class _Gathered:
             return self.shards.run(block, *args)
         finally:
             block.streamer = self
+
+
+@contextlib.contextmanager
+def _joined(shards):
+    """The body, then ``shards.join()``."""
+    try:
+        yield
+    finally:
+        shards.join()
 
 
 class FullWeights:
@@ -228,9 +237,11 @@ class FullWeights:
     keeps fp32 master weights and the optimizer state, split over the processes at ``train.shard``'s
     stage (``optimizer`` with ``train.shard: none``, which one process runs unsplit), with one unit
     per block of the model (``offload.streamable_blocks``: SDXL's resnets and transformer blocks,
-    Flux's double and single blocks) and the other weights in buckets. At the ``parameters`` stage
-    each block gathers its weights as it runs (``_Gathered``), and the weights outside the blocks are
-    gathered for the whole forward and backward (``computing``).
+    Flux's double and single blocks, in the order the forward runs them) and the other weights in
+    buckets. At the ``parameters`` stage each block gathers its weights into the ring of slots as it
+    runs, the next block's gather issued as it starts (``_Gathered``), and the weights outside the
+    blocks stay whole; the step is captured into a CUDA graph with its gathers, ending by joining
+    any gather no block waited for (``computing``).
 
     Checkpoints: sharded, each process writes its shard of the master weights and optimizer state
     (``ShardedOptimizer.save``, through ``Checkpoints.write``; another number of processes re-slices
@@ -255,7 +266,6 @@ class FullWeights:
         self.stage = t.shard if t.shard != "none" else "optimizer"
         self.collective_forward = t.shard == "parameters"  # every rank gathers each block with the others
         self.shards = None
-        self._outside = []  # the parameters stage: trained weights outside the blocks, gathered for each step
 
     def param_groups(self, lr: float) -> list:
         """One group of every trained weight at ``lr``."""
@@ -274,22 +284,19 @@ class FullWeights:
                                                 reduce_dtype=REDUCE_DTYPES[t.shard_reduce_dtype],
                                                 overlap=t.shard_overlap)
         if self.stage == "parameters":
-            in_blocks = {p.id for _, unit in blocks for p in unit}
-            self._outside = [p for p in self.params if p.id not in in_blocks]
             for b, _ in blocks:
                 b.streamer = _Gathered(self.shards)
         return self.shards.optimizer
 
     def computing(self):
-        """The parameters stage: the trained weights outside the blocks gathered (the blocks gather
-        their own); otherwise nothing to do (the weights are in the model's dtype)."""
-        if self._outside:
-            return self.shards.gathered(self._outside)
+        """The parameters stage: at the end, the current stream waits for any gather no block waited for
+        (``ShardedOptimizer.join``: a CUDA graph's capture must not leave work on the communication
+        stream); otherwise nothing to do (the weights are in the model's dtype)."""
+        if self.shards is not None and self.stage == "parameters":
+            return _joined(self.shards)
         return contextlib.nullcontext()
 
     def graph_blocker(self) -> str | None:
-        if self.shards is not None and self.stage == "parameters":
-            return "train.shard parameters (the gathered weights' memory is allocated and freed in the step)"
         return None
 
     def check_same(self, when: str) -> None:
