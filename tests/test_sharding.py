@@ -403,18 +403,22 @@ def test_every_stage_on_two_gpus_over_nccl_gives_the_unsharded_weights(reference
     """The 2-rank runs on NCCL, one process per GPU under torchrun (the CUDA context cannot be forked):
     each stage (with overlap: the reduce-scatters on a communication stream; ``parameters``: the
     blocks' gathers into the ring there too), ``gradients`` without overlap, ``gradients`` and
-    ``parameters`` with the forward and backward in a CUDA graph (captured at step 2, replayed at 3),
+    ``parameters`` with the forward and backward in a CUDA graph (captured at step 2, replayed at 3; bit
+    for bit the eager runs),
     ``parameters`` in a CUDA graph with accumulation over uneven micro-batches, and bf16 weights at the
-    ``parameters`` stage in a CUDA graph (cast from the master on the communication stream) against
-    the ``gradients`` stage's, bit for bit."""
+    ``parameters`` stage in a CUDA graph (cast from the master on the communication stream), each
+    against the ``gradients`` stage's eager run of the same batches, bit for bit. The uneven runs
+    against the unsharded one within TF32 rounding: fp32 GEMMs run in TF32 on the GPU, and the weight
+    gradient sums 3 rows in one product there against 1 + 2 on the ranks (AdamW amplifies the ~1e-3
+    relative difference where a gradient is near zero: at most ~1% of one lr 1e-2 step measured)."""
     layers = {"steps": [1, 3], "units": "layers"}
     jobs = [{"name": stage, "stage": stage, **layers} for stage in sharding.STAGES] + [
         {"name": "plain", "stage": "gradients", **layers, "overlap": False},
         {"name": "graph", "stage": "gradients", **layers, "graph": True},
         {"name": "parameters_graph", "stage": "parameters", **layers, "graph": True}]
-    others = [{"name": "uneven", "stage": "parameters", **layers, "sizes": UNEVEN, "graph": True},
-              {"name": "bf16_gradients", "stage": "gradients", **layers, "bf16": True},
-              {"name": "bf16_parameters", "stage": "parameters", **layers, "bf16": True, "graph": True}]
+    pairs = [("uneven", {"sizes": UNEVEN}), ("bf16", {"bf16": True})]
+    others = [dict(name=f"{pair}_{stage}", stage=stage, **layers, **extra, graph=stage == "parameters")
+              for pair, extra in pairs for stage in ("gradients", "parameters")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -429,6 +433,11 @@ def test_every_stage_on_two_gpus_over_nccl_gives_the_unsharded_weights(reference
     for name, want in reference[3].items():
         for job in [j["name"] for j in jobs]:
             np.testing.assert_allclose(_weights(ranks[0], job)[name], want, **CLOSE, err_msg=f"{job} {name}")
-        np.testing.assert_allclose(_weights(ranks[0], "uneven")[name], uneven_reference[name], **CLOSE, err_msg=name)
-        np.testing.assert_array_equal(_weights(ranks[0], "bf16_parameters")[name],
-                                      _weights(ranks[0], "bf16_gradients")[name], err_msg=name)
+        np.testing.assert_allclose(_weights(ranks[0], "uneven_gradients")[name], uneven_reference[name],
+                                   rtol=1e-3, atol=5e-4, err_msg=name)
+        for pair, _ in pairs:
+            np.testing.assert_array_equal(_weights(ranks[0], f"{pair}_parameters")[name],
+                                          _weights(ranks[0], f"{pair}_gradients")[name], err_msg=f"{pair} {name}")
+        for captured, eager in [("graph", "gradients"), ("parameters_graph", "parameters")]:
+            np.testing.assert_array_equal(_weights(ranks[0], captured)[name], _weights(ranks[0], eager)[name],
+                                          err_msg=f"{captured} {name}")
