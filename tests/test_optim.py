@@ -536,7 +536,7 @@ def test_scheduler_drives_the_optimizer_lr():
     _assert_params(fp, tp)
 
 
-def test_tables_are_reused_and_follow_swapped_buffers(monkeypatch):
+def test_tables_are_reused_over_new_gradients_and_follow_swapped_buffers(monkeypatch):
     from flame import nn
     model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     opt = optim.SGD(model.parameters(), lr=0.5)
@@ -553,6 +553,12 @@ def test_tables_are_reused_and_follow_swapped_buffers(monkeypatch):
     opt.step(gm)
     opt.step(gm)  # same gradient buffers: the tables are reused
     assert builds[0] == 1
+    before = [p.to_torch().clone() for p in ps]
+    new = _grad_map(ps, _grads(ps))
+    opt.step(new)  # a new backward's buffers: their pointers rewritten in the tables, no rebuild
+    assert builds[0] == 1
+    for p, b, (_, g) in zip(ps, before, sorted(new.items())):
+        torch.testing.assert_close(p.to_torch(), b - 0.5 * g.to_torch())
     # Module.to swaps every parameter's buffer (same Parameter objects): the optimizer follows
     model.to(flame.float16)
     before = [p.to_torch().float().clone() for p in ps]

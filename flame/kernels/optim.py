@@ -619,8 +619,16 @@ class Tables:
         first = np.repeat(np.cumsum(chunks) - chunks, chunks)
         work_arr = np.stack([tensor_of, (np.arange(tensor_of.size, dtype=np.int64) - first) * chunk], axis=1)
         self.num_work = int(tensor_of.size)
+        self._table = table
         self.tensors = torch.from_numpy(table).to(runtime.device)  # host transfer
         self.work = torch.from_numpy(work_arr).to(runtime.device)
+
+    def set_grads(self, ptrs):
+        """Point the rows' gradients (slot 1) at the addresses ``ptrs``, one per row in row order, the
+        rest as built: one host transfer of the rewritten table and no rebuild, for an optimizer whose
+        gradients are new buffers each step (a CUDA graph's replays keep their captured buffers)."""
+        self._table[:, 1] = ptrs
+        self.tensors = torch.from_numpy(self._table).to(runtime.device)  # host transfer
 
 
 def adam_step(tables, steps, p_dtype, g_dtype, lr, beta1, beta2, eps, weight_decay, decoupled,

@@ -76,7 +76,7 @@ class Adafactor(Optimizer):
         version, entries = self._plan(gi)
         beta1 = self.param_groups[gi]["beta1"]
         rows = {}
-        for p, pdata, pid, slot, _, _ in entries:
+        for p, pdata, _, _, _, pid, slot, _, _ in entries:
             g = lookup(pid)
             if g is None:
                 continue

@@ -5,7 +5,8 @@ attribute to zero); parameters without a gradient in the map are skipped, their 
 included. Each step is two kernel launches per (param group, param dtype, grad dtype) bucket: the
 update of every tensor of the bucket, then the advance of their step counters (see
 ``flame.kernels.optim``). The device tables that describe a bucket are built once and rebuilt only
-when its set of (param, grad, state) buffers changes.
+when its set of (param, state) buffers changes; a step whose gradients are new buffers rewrites
+their pointers in the tables.
 
 State is fp32 (moments, momentum buffers) plus an int64 step counter per parameter on the device;
 parameters may be fp32, bf16 or fp16 (fp32 math, stored back in the parameter's dtype), in any
@@ -104,7 +105,7 @@ class Optimizer:
         self.state = {}  # param id -> {name: torch buffer}
         self._slots = {}  # param id -> index into the device step counters
         self._steps = None  # int64 device tensor, one counter per parameter
-        self._tables = {}  # (group, dtypes) -> (pointer key, Tables)
+        self._tables = {}  # (group, dtypes) -> [(plan version, step slots), gradient pointers, Tables]
         self._plans = {}  # group index -> (version, entries); see _plan
         self._version = 0
         if isinstance(params, Tensor):
@@ -204,8 +205,9 @@ class Optimizer:
         return {name: _zeros_like(p._data, torch.float32) for name in self._state_names}
 
     def _plan(self, gi):
-        """Per-group list of (param, its buffer, id, step slot, state buffers, numel), built once
-        (and again when a parameter's buffer was swapped, e.g. by ``Module.to``)."""
+        """Per-group list of (param, its buffer, the buffer's dtype, shape and strides, id, step slot,
+        state buffers, numel), built once (and again when a parameter's buffer was swapped, e.g. by
+        ``Module.to``)."""
         plan = self._plans.get(gi)
         if plan is not None and all(e[0]._data is e[1] for e in plan[1]):
             return plan
@@ -213,7 +215,9 @@ class Optimizer:
         for p in self.param_groups[gi]["params"]:
             st = self._state_for(p)
             bufs = tuple(st[n] for n in self._state_names)
-            entries.append((p, p._data, p.id, self._slots[p.id], bufs, p.numel()))
+            pdata = p._data
+            entries.append((p, pdata, pdata.dtype, pdata.shape, pdata.stride(), p.id, self._slots[p.id], bufs,
+                            p.numel()))
         self._version += 1
         plan = self._plans[gi] = (self._version, entries)
         return plan
@@ -236,33 +240,40 @@ class Optimizer:
 
     def _buckets(self, gi, lookup, held):
         """{(param dtype, grad dtype): Tables} for group ``gi``'s parameters that have a gradient.
-        The tables are rebuilt only when the set of (parameter, gradient buffer) pairs changes.
-        Gradients copied into their parameter's layout go to ``held``, which the caller keeps
-        until the update kernels are launched."""
+        The tables are rebuilt only when the set of parameters with a gradient changes; when only
+        the gradients' buffers did (a new backward's), their pointers are rewritten in place
+        (``Tables.set_grads``). Gradients copied into their parameter's layout go to ``held``, which
+        the caller keeps until the update kernels are launched."""
         version, entries = self._plan(gi)
         rows = {}
         f32 = torch.float32
-        for p, pdata, pid, slot, sbufs, numel in entries:
+        for p, pdata, pdtype, pshape, pstride, pid, slot, sbufs, numel in entries:
             g = lookup(pid)
             if g is None:
                 continue
             gd = g._data if isinstance(g, Tensor) else None
-            if gd is None or (gd.dtype is not f32 and gd.dtype != pdata.dtype) \
-                    or not runtime.same_dense_layout(gd, pdata):
+            # the parameter's shape and strides: dense in its layout, as the parameter is (add_param_group)
+            if gd is None or (gd.dtype is not f32 and gd.dtype != pdtype) or gd.stride() != pstride \
+                    or gd.shape != pshape:
                 gd = self._checked_grad(p, g, held)
-            key = (pdata.dtype, gd.dtype)
-            lst = rows.get(key)
-            if lst is None:
-                lst = rows[key] = []
-            lst.append((pdata, gd, sbufs, numel, slot))
+            key = (pdtype, gd.dtype)
+            bucket = rows.get(key)
+            if bucket is None:
+                bucket = rows[key] = ([], [], [])
+            bucket[0].append((pdata, gd, sbufs, numel, slot))
+            bucket[1].append(slot)
+            bucket[2].append(gd.data_ptr())
         out = {}
-        for key, lst in rows.items():
-            ptrs = (version, tuple((slot, gd.data_ptr()) for _, gd, _, _, slot in lst))
+        for key, (lst, slots, ptrs) in rows.items():
+            sig = (version, slots)
             hit = self._tables.get((gi, key))
-            if hit is None or hit[0] != ptrs:
+            if hit is None or hit[0] != sig:
                 tables = K.Tables([((pdata, gd, *sbufs), numel, slot) for pdata, gd, sbufs, numel, slot in lst])
-                hit = self._tables[(gi, key)] = (ptrs, tables)
-            out[key] = hit[1]
+                hit = self._tables[(gi, key)] = [sig, ptrs, tables]
+            elif hit[1] != ptrs:
+                hit[2].set_grads(ptrs)
+                hit[1] = ptrs
+            out[key] = hit[2]
         return out
 
     def step(self, grads, found_inf: Tensor | None = None, grad_scale: Tensor | None = None):
