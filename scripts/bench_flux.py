@@ -57,6 +57,7 @@ def run_flame(args):
     from flame.graphs import CapturedStep
     from flame.models.flux import FluxTransformer2DModel, latent_image_ids, text_ids
     from flame.train.families.flux import FluxFamily
+    flame.testing.simulate_shared_memory_limit()  # the portable setting's smaller card
 
     if args.memory_budget is not None:  # as the trainer does for train.memory_budget_gb
         flame.runtime.use_expandable_segments()

@@ -472,10 +472,10 @@ ADA_SHARED_MEMORY = 101376  # bytes per block on Ampere consumer and Ada cards (
 
 
 def _portable_env(tmp):
-    """The environment of a flame worker that runs as on a card without Hopper's paths, with the
-    shared memory of an Ada card."""
-    return dict(os.environ, FLAME_MATMUL_TMA="0", FLAME_ATTN_TMA="0", FLAME_TUNE_DIR=tmp,
-                FLAME_TEST_MAX_SHARED_MEMORY=str(ADA_SHARED_MEMORY))
+    """The environment of a flame worker that runs as on a card without Hopper's paths (TMA, the
+    Gluon GEMM and attention kernels), with the shared memory of an Ada card."""
+    return dict(os.environ, FLAME_MATMUL_TMA="0", FLAME_ATTN_TMA="0", FLAME_MATMUL_GLUON="0", FLAME_ATTN_GLUON="0",
+                FLAME_TUNE_DIR=tmp, FLAME_TEST_MAX_SHARED_MEMORY=str(ADA_SHARED_MEMORY))
 
 
 def main(argv=None, workers=None, script=__file__, parse=parse_args):
