@@ -548,7 +548,7 @@ src = src.replace("from .. import autotune, runtime, tune", "import types\n"
                   "Spec=lambda name, key, fields, default, *a, **k: types.SimpleNamespace("
                   "config=lambda key, dtype: default(key, dtype)))")
 src = src.replace("from ..autotune import tunable", "tunable = lambda *outputs, **kw: (lambda fn: fn)")
-src = src.replace("from .launch import launch", "launch = None")
+src = src.replace("from .launch import Plan, launch, launch_via", "Plan = launch = launch_via = None")
 src = src.replace("from .matmul import tma_available", "tma_available = lambda: True")
 src = src.replace("from . import attention_hopper", "attention_hopper = None")
 path = os.path.join(sys.argv[2], "attn_sm90.py")

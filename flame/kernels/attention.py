@@ -53,7 +53,7 @@ import triton.language as tl
 from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import attention_hopper
-from .launch import launch
+from .launch import Plan, launch, launch_via
 from .matmul import tma_available
 
 # The forward's K/V loop reads through TMA descriptors where the GPU and the layout allow it
@@ -903,7 +903,8 @@ class Route:
     backward's dK/dV program: tuned fields as ``flame.tune`` answered them, the derived ones and
     the switches; empty for "gluon" and "none"); ``splits`` (see above); why (``reason``); the main
     kernel's ``grid``; for "dkdv_dq" the dQ program's ``dq_config``; for the portable backward
-    ``per_chunk``, the query blocks of one chunk."""
+    ``per_chunk``, the query blocks of one chunk; ``plans``, the launch plans of its kernels
+    (``_launch``), made at their first launch."""
 
     kernel: str
     config: dict
@@ -912,6 +913,7 @@ class Route:
     grid: tuple = ()
     dq_config: dict | None = None
     per_chunk: int = 0
+    plans: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 _reported: set = set()
@@ -1096,6 +1098,19 @@ def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk
 # o, lse and sq, sk, sv, so; the backward's q, k, v, o, do, lse, dq, dk, dv and sq, sk, sv, so,
 # sdo, sdq, sdk, sdv), its scale and mask.
 
+def _launch(r, kernel, grid, args, meta):
+    """``launch(kernel, grid, *args, **meta)`` through the ``Plan`` that route ``r`` keeps for
+    ``kernel`` (a route is one problem's: its kernels' ``meta`` never changes): no keywords (~15
+    constexprs as keywords cost about as much host time as the rest of a launch) and no argument
+    types looked at. Each argument that is not a tensor or a float enters the key by value, as
+    ``launch`` keys it."""
+    plan = r.plans.get(kernel)
+    if plan is None:
+        by_value = [i for i, a in enumerate(args) if not isinstance(a, (torch.Tensor, float))]
+        plan = r.plans[kernel] = Plan(kernel, meta, by_value)
+    launch_via(launch, plan, grid, args)
+
+
 def _run_none(p, r, bufs, strides, scale, mask):
     return None
 
@@ -1107,8 +1122,8 @@ def _run_forward_gluon(p, r, bufs, strides, scale, mask):
 def _run_forward(p, r, bufs, strides, scale, mask):
     q, k, v, o, lse = bufs
     mbuf, ms = _mask_buffer(mask, q)
-    launch(_attn_fwd_kernel, r.grid, q, k, v, o, lse, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E),
-           *strides[0], *strides[1], *strides[2], *strides[3], *ms, **r.config)
+    _launch(r, _attn_fwd_kernel, r.grid, (q, k, v, o, lse, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E),
+                                          *strides[0], *strides[1], *strides[2], *strides[3], *ms), r.config)
 
 
 def _run_backward_gluon(p, r, bufs, strides, scale, mask):
@@ -1134,14 +1149,14 @@ def _run_dkdv(p, r, bufs, strides, scale, mask, delta):
         stk = stv = (BH * p.Lk * p.D, p.H * p.Lk * p.D, p.Lk * p.D, p.D)
     else:
         tk, tv, stk, stv = dk, dv, (0,) + tuple(sdk), (0,) + tuple(sdv)
-    launch(_attn_bwd_dkdv_kernel, r.grid, q, k, v, do, o, lse, delta, tk, tv, dq, mbuf,
-           p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), r.per_chunk, *sq, *sk, *sv, *sdo, *so, *stk, *stv, *sdq,
-           *ms, **r.config)
+    _launch(r, _attn_bwd_dkdv_kernel, r.grid,
+            (q, k, v, do, o, lse, delta, tk, tv, dq, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale),
+             r.per_chunk, *sq, *sk, *sv, *sdo, *so, *stk, *stv, *sdq, *ms), r.config)
     if chunks > 1:
         bl = 32 if p.gpu else 128
-        launch(_sum_chunks_kernel, (_cdiv(p.Lk, bl), BH, 2), part, dk, dv, p.H, p.Lk, chunks,
-               BH * p.Lk * p.D, p.Lk * p.D, p.D, *sdk, *sdv, HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_L=bl,
-               ACC=r.config["ACC"])
+        _launch(r, _sum_chunks_kernel, (_cdiv(p.Lk, bl), BH, 2),
+                (part, dk, dv, p.H, p.Lk, chunks, BH * p.Lk * p.D, p.Lk * p.D, p.D, *sdk, *sdv),
+                dict(HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_L=bl, ACC=r.config["ACC"]))
 
 
 def _run_fused_dq(p, r, bufs, strides, scale, mask):
@@ -1155,15 +1170,15 @@ def _run_dkdv_dq(p, r, bufs, strides, scale, mask):
     if p.Lq > 0:
         delta = runtime.empty((p.B * p.H, p.Lq), stats_dtype(p.dtype))
         bm = 64 if p.gpu else r.config["BLOCK_M"]
-        launch(_attn_bwd_preprocess_kernel, (_cdiv(p.Lq, bm), p.B * p.H), o, do, delta, p.H, p.Lq, *so, *sdo,
-               HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_M=bm, ACC=r.config["ACC"], WIDE=p.wide)
+        _launch(r, _attn_bwd_preprocess_kernel, (_cdiv(p.Lq, bm), p.B * p.H), (o, do, delta, p.H, p.Lq, *so, *sdo),
+                dict(HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_M=bm, ACC=r.config["ACC"], WIDE=p.wide))
     if p.Lk > 0:
         _run_dkdv(p, r, bufs, strides, scale, mask, delta)
     if p.Lq > 0:
         mbuf, ms = _mask_buffer(mask, q)
-        launch(_attn_bwd_dq_kernel, (_cdiv(p.Lq, r.dq_config["BLOCK_M"]), p.B * p.H), q, k, v, do, lse, delta, dq,
-               mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), *sq, *sk, *sv, *sdo, *sdq, *ms,
-               **r.dq_config)
+        _launch(r, _attn_bwd_dq_kernel, (_cdiv(p.Lq, r.dq_config["BLOCK_M"]), p.B * p.H),
+                (q, k, v, do, lse, delta, dq, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), *sq, *sk, *sv,
+                 *sdo, *sdq, *ms), r.dq_config)
 
 
 _RUN = {FORWARD: dict(gluon=_run_forward_gluon, short_kv=_run_forward, kv_tma=_run_forward, pointer=_run_forward,
