@@ -323,11 +323,12 @@ def _apply_activation(y, activation):
 # (db keeps G), and dm = sum_r (G * Z) / n (kernels.dora.scale_grad_: one pass over G and Z).
 # An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
-    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2: matrices (KM.matrix)
+    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2, h, b16: matrices (KM.matrix)
     need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad
     a = node.attrs
     s = a["scale"]
-    dtype = h.dtype
+    rows, rank = h[1], h[2]
+    dtype = h[0].dtype
     gd = g._data
     if gd.dtype != dtype:
         gd = to(g, dtype)._data
@@ -340,7 +341,8 @@ def _lora_linear_backward(node, g):
         KD.scale_grad_(gzb, dm, _torch_matrix(g2), None if z is None else z.view(gzb.shape), ratio, norm)
         gz, dm = KM.matrix(gzb), None if dm is None else Tensor(dm)
     dx = da = dlb = dxl = None
-    dh = runtime.empty(h.shape, dtype)
+    dh = runtime.empty((rows, rank), dtype)
+    dhm = (dh, rows, rank, rank, 1)  # its matrix (KM.matrix), known from the allocation: no torch call
     KM.matmul_(dh, gz, b16, alpha=s)
     if need_lb:
         dlb = runtime.empty(a["b_shape"], a["b_dtype"])
@@ -348,15 +350,15 @@ def _lora_linear_backward(node, g):
         dlb = Tensor(dlb)
     if need_a:
         da = runtime.empty(a["a_shape"], a["a_dtype"])
-        KM.matmul_(da, KM.transposed(dh), x2 if xl2 is None else xl2)
+        KM.matmul_(da, KM.transposed(dhm), x2 if xl2 is None else xl2)
         da = Tensor(da)
     if need_x:
         dx = runtime.empty(a["x_shape"], dtype)
-        KM.matmul_(dx, gz, w, low_rank=None if xl2 is not None else (dh, a16, 1.0), b_scale=w_scale)
+        KM.matmul_(dx, gz, w, low_rank=None if xl2 is not None else (dhm, a16, 1.0), b_scale=w_scale)
         dx = Tensor(dx)
     if need_xl and xl2 is not None:
         dxl = runtime.empty(a["x_shape"], dtype)
-        KM.matmul_(dxl, dh, a16)
+        KM.matmul_(dxl, dhm, a16)
         dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
     db = _weight_and_bias_grads(g2, x2, w, False, need_b)[1]
@@ -451,10 +453,11 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     out_shape = (*xs[:-1], n_out)
     z = runtime.empty(out_shape, dtype)
     h = runtime.empty((x2[1], rank), dtype)
+    hm, b16m = (h, x2[1], rank, rank, 1), KM.matrix(b16)  # h's matrix known from its allocation
     w_scale = weight.scale if fp8 else None
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(h, KM.transposed(b16), float(scale)), w_scale=w_scale, w8a8=fp8 and weight.w8a8)
+               low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale, w8a8=fp8 and weight.w8a8)
     out = z
     if ratio is not None:
         out = runtime.empty(out_shape, dtype)
@@ -465,7 +468,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude):
         keep_z = ratio is not None and magnitude.requires_grad
         record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,
-               saved=(x2, xl2, weight._data, h, a16, b16, z if keep_z else None, ratio, norm, w_scale),
+               saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale),
                scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
                b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
     return y
