@@ -284,6 +284,7 @@ def test_norms_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monk
     _tune_reads(monkeypatch, tmp_path, doc)
 
 
+@pytest.mark.extended  # the quick run's table written and loaded: test_quick_run_writes_a_table_that_tune_loads
 def test_softmax_quick_run_writes_a_table_that_tune_loads(autotune, tmp_path, monkeypatch, capsys):
     launched = _spy(monkeypatch, KS, lambda name, grid, meta: (name, meta.get("SINGLE"), meta.get("BLOCK_ROWS"),
                                                                meta.get("BLOCK_R", meta.get("BLOCK_C"))))

@@ -296,6 +296,8 @@ def test_bad_magnitudes_are_refused_and_change_nothing():
         torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.extended  # CI: the file's round trip (test_files_round_trip_through_flames_loader), DoRA against peft
+# (test_forward_and_gradients_match_peft) and LoRA files in diffusers (test_lora_interop.py)
 def test_peft_file_reproduces_flames_dora_output_in_diffusers(tmp_path):
     """A tiny SDXL UNet with DoRA adapters (alpha != rank) on three of the mid block's attention
     projections (Linear, with and without bias, self- and cross-attention) and a resnet convolution

@@ -74,6 +74,7 @@ def test_images_equal_diffusers_for_the_same_initial_latents(dev, pipe, true_cfg
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # CI: the dev pipeline against diffusers (above), the schnell transformer (test_flux.py)
 def test_schnell_folder_without_guidance_matches_diffusers(tmp_path):
     folder = write_tiny_flux_pipeline(tmp_path / "schnell", guidance=False)
     ref = reference(folder)

@@ -250,7 +250,7 @@ def test_streamed_sdxl_unet_equals_resident_with_skip_connections():
     assert {slot for _, slot in _events(streamer.log, "copy")} == {0, 1, 2}
 
 
-@pytest.mark.parametrize("slots", [1, 2, 3])
+@pytest.mark.parametrize("slots", [1, 2, pytest.param(3, marks=pytest.mark.extended)])  # 3 slots: test_sharding's ring
 def test_stack_schedule_with_one_two_three_slots(slots):
     model, params, inputs = _stack(n=4)
     step = _step_fn(model, params)

@@ -45,7 +45,7 @@ def test_reductions_bf16(op):
 
 @pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "var"])
 def test_gradcheck(op):
-    x = flame.tensor(np.random.default_rng(5).standard_normal((3, 4)), requires_grad=True)
+    x = flame.tensor(np.random.default_rng(5).standard_normal((2, 3)), requires_grad=True)
     assert gradcheck(lambda x: getattr(flame, op)(x, dim=1), [x])
     assert gradcheck(lambda x: getattr(flame, op)(x, dim=0, keepdim=True), [x])
     assert gradcheck(lambda x: getattr(flame, op)(x), [x])

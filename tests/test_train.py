@@ -194,7 +194,9 @@ def test_lora_file_in_bf16_with_training_metadata_and_tensorboard_scalars(cache_
     assert events.Scalars("val_loss")[-1].value == pytest.approx(result["val_losses"][4], rel=1e-6)
 
 
-@pytest.mark.parametrize("loss", ["huber-snr", "smooth_l1-exponential", "l1-constant", "l2-debiased"])
+@pytest.mark.parametrize("loss", ["huber-snr", pytest.param("smooth_l1-exponential", marks=pytest.mark.extended),
+                                  pytest.param("l1-constant", marks=pytest.mark.extended), "l2-debiased"])
+# every loss type and huber schedule against kohya's formulas: test_diffusion_losses.py
 def test_loss_types_train_and_validate_with_kohyas_formulas(cache_dir, tmp_path, loss):
     from flame.diffusion import diffusion_loss, huber_c_per_timestep
     loss_type, schedule = loss.split("-")
@@ -950,7 +952,7 @@ OPTIMIZERS = {  # train.optimizer: (its class, settings, the state it checkpoint
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n in ("lion", "adamw8bit") else n
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.extended) if n != "adafactor" else n
                                   for n in OPTIMIZERS])  # their state round trips: test_optim.py
 def test_each_optimizer_trains_checkpoints_its_state_and_resumes_exactly(cache_dir, tmp_path, monkeypatch, name):
     import flame.train.trained as trainer_module  # make_optimizer lives with what trains

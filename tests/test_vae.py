@@ -117,6 +117,7 @@ def test_encode_decode_and_scaled_helpers_match_diffusers(reference):
             model.config = TINY
 
 
+@pytest.mark.extended  # CI: the untiled paths against diffusers and when the helpers tile (the tests around this one)
 def test_tiled_paths_match_diffusers_tiled_paths(reference):
     """8-pixel tiles (4 latent pixels) overlapping by a quarter: a 12x6 image is encoded as 2x1
     tiles (the second 6 pixels high), 6x6 latents decoded as 2x2 tiles (the last row and column 3
