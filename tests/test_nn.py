@@ -273,6 +273,38 @@ def test_parameter_and_registration_rules():
     assert len(list(tied.parameters())) == 2  # shared parameters are listed once
 
 
+def test_members_are_instance_attributes_however_the_stores_are_written():
+    """A module's stores keep their entries in its instance dict (attribute reads without
+    Module.__getattr__): direct store writes, deletes, pops and clears show at once, a deep copy's
+    stores mirror into the copy, and a shallow copy shares the original's stores as torch's does."""
+    import copy
+    m = nn.Sequential(nn.Linear(3, 2), nn.LayerNorm(2))
+    lin = m[0]
+    assert "weight" in vars(lin) and lin.weight is lin._parameters["weight"]
+    new = nn.Linear(3, 4)
+    m._modules["0"] = new  # as inject_lora swaps a layer
+    assert getattr(m, "0") is new and m[0] is new
+    w = nn.Parameter(flame.zeros(4, 3))
+    new._parameters["weight"] = w
+    assert new.weight is w
+    del m._modules["1"]
+    assert not hasattr(m, "1") and len(m) == 1
+    assert new._parameters.pop("bias") is not None and not hasattr(new, "bias")
+    new._buffers.update(running=flame.ones(2), count=flame.zeros(1))
+    assert new._buffers.popitem()[0] == "count" and not hasattr(new, "count") and new.running.shape == (2,)
+    new._buffers.clear()
+    assert not hasattr(new, "running")
+    new.plain = 1
+    assert new._modules.pop("plain", None) is None and new.plain == 1  # a plain attribute is no member
+    twin = copy.deepcopy(m)
+    twin._modules["0"] = nn.Identity()
+    assert isinstance(twin[0], nn.Identity) and isinstance(getattr(twin, "0"), nn.Identity)
+    assert getattr(m, "0") is new  # the original's stores and attributes untouched
+    shallow = copy.copy(new)
+    shallow.weight = nn.Parameter(flame.ones(4, 3))
+    assert shallow.weight is new.weight is new._parameters["weight"]  # one store, as torch's copy
+
+
 def test_containers_and_repr():
     seq = nn.Sequential(nn.Linear(2, 3), nn.SiLU())
     seq.append(nn.Linear(3, 1))

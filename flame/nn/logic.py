@@ -17,8 +17,6 @@ steps in ``flame.checkpoint.checkpoint`` to keep memory flat in T (``scripts/tra
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import numpy as np
 import torch
 
@@ -28,7 +26,7 @@ from ..ops import logic as L
 from ..ops.creation import tensor as _to_device
 from ..tensor import Tensor, check_dtype
 from . import init
-from .module import Module, Parameter
+from .module import Members, Module, Parameter
 
 __all__ = ["Bits", "GroupSum", "LogicLayer", "random_wiring", "set_hard"]
 
@@ -95,14 +93,14 @@ class Bits:
         return f"Bits(batch={self.batch}, features={self.data.shape[0]})"
 
 
-class _WiringBuffers(OrderedDict):
+class _WiringBuffers(Members):
     """A LogicLayer's buffer table. ``Module.state_dict`` reads it through ``items()`` and
     ``load_state_dict`` then writes the wiring in place, which no one tells the layer: any such walk,
     or a buffer assignment, marks the layer's input-gradient plan stale, so the next forward that
     needs it rebuilds it from the buffers (one host read). Lookups by name (``layer.a_index``) do not."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, mirror=None):
+        super().__init__(mirror)
         self.stale = True
 
     def items(self):
@@ -128,7 +126,7 @@ class LogicLayer(Module):
                  b_index=None, init: str = "gaussian", residual_logit: float = 5.0, strict: bool = False,
                  hard: bool = False, device=None, dtype=None):
         super().__init__()
-        object.__setattr__(self, "_buffers", _WiringBuffers())
+        object.__setattr__(self, "_buffers", _WiringBuffers(self.__dict__))
         for name, v in (("in_dim", in_dim), ("out_dim", out_dim)):
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"LogicLayer: {name} must be a positive int, got {v!r}")

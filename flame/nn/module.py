@@ -61,15 +61,76 @@ def _cast(buf, dtype):
 _MISSING = object()  # a name none of a module's stores has (their values may be None)
 
 
+class Members(OrderedDict):
+    """A module's store of parameters, buffers or children that keeps each entry in the module's
+    instance dict too (``mirror``), however it is written (``Module`` assignment, ``register_*``,
+    ``store[name] = value``, ``del``, ``pop``, ``clear``): an attribute read of a member is then
+    a plain instance-dict hit, not a failed lookup, an AttributeError formatted and dropped and a
+    ``Module.__getattr__`` call (~6K instructions; the forward of a model reads thousands a step).
+    A copy (``.copy()``, ``dict(...)``) mirrors nothing, and neither does a pickled or deep-copied
+    store until its module's ``__setstate__`` binds it."""
+
+    _mirror = None  # the module's __dict__, or None (the class's)
+
+    def __init__(self, mirror=None):
+        super().__init__()
+        self._mirror = mirror
+
+    def __setitem__(self, name, value):
+        super().__setitem__(name, value)
+        if self._mirror is not None:
+            self._mirror[name] = value
+
+    def __delitem__(self, name):
+        super().__delitem__(name)
+        if self._mirror is not None:
+            self._mirror.pop(name, None)
+
+    def pop(self, name, *default):  # OrderedDict's pop and popitem do not call __delitem__
+        if name not in self:
+            return super().pop(name, *default)
+        value = super().pop(name)
+        if self._mirror is not None:
+            self._mirror.pop(name, None)
+        return value
+
+    def popitem(self, last=True):
+        name, value = super().popitem(last)
+        if self._mirror is not None:
+            self._mirror.pop(name, None)
+        return name, value
+
+    def clear(self):
+        if self._mirror is not None:
+            for name in self:
+                self._mirror.pop(name, None)
+        super().clear()
+
+    def __reduce__(self):  # the entries, not the mirror: a deep copy's store must not fill the original's dict
+        return type(self), (), None, None, iter(super().items())
+
+
 class Module:
-    """Base class for flame's layers (PyTorch's ``nn.Module`` semantics, without hooks)."""
+    """Base class for flame's layers (PyTorch's ``nn.Module`` semantics, without hooks). Its
+    parameters, buffers and children live in ``_parameters``, ``_buffers`` and ``_modules``
+    (``Members``, which keep them in the instance dict as well, for fast attribute reads)."""
 
     def __init__(self):
-        object.__setattr__(self, "_parameters", OrderedDict())
-        object.__setattr__(self, "_buffers", OrderedDict())
+        d = self.__dict__
+        object.__setattr__(self, "_parameters", Members(d))
+        object.__setattr__(self, "_buffers", Members(d))
         object.__setattr__(self, "_non_persistent", set())
-        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_modules", Members(d))
         object.__setattr__(self, "training", True)
+
+    def __setstate__(self, state):
+        """Unpickling or ``copy.deepcopy``: the module's new stores mirror into its instance dict (a
+        shallow ``copy.copy`` shares the original's stores, which keep mirroring into the original)."""
+        self.__dict__.update(state)
+        for name in ("_parameters", "_buffers", "_modules"):
+            store = self.__dict__.get(name)
+            if isinstance(store, Members) and store._mirror is None:
+                store._mirror = self.__dict__
 
     # ---- attribute registration ---------------------------------------------------------------
     def __setattr__(self, name, value):
@@ -105,7 +166,7 @@ class Module:
             d.pop(name, None)
 
     def __getattr__(self, name):
-        # called for every parameter, buffer and child a forward reads (thousands a step): one lookup per store
+        # a member the instance dict lacks: in a store that is not a module's Members (or not mirrored)
         d = self.__dict__
         if "_modules" in d:  # Module.__init__ has run
             value = d["_parameters"].get(name, _MISSING)
