@@ -89,8 +89,7 @@ class Linear(Module):
         if x.ndim == 0 or x.shape[-1] != self.in_features:
             raise RuntimeError(f"Linear: input of shape {x.shape} does not end in in_features={self.in_features} "
                                f"(weight shape {self.weight.shape})")
-        p = self._parameters  # read from the store (no Module.__getattr__ call): a forward's hot path
-        return linear(x, p["weight"], p["bias"])  # one GEMM with the bias in its epilogue
+        return linear(x, self.weight, self.bias)  # one GEMM with the bias in its epilogue
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -127,8 +126,7 @@ class Conv2d(Module):
 
     def forward(self, x):
         _check_input(x, "Conv2d")
-        p = self._parameters
-        return conv2d(x, p["weight"], p["bias"], self.stride, self.padding, self.dilation, self.groups)
+        return conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
     def extra_repr(self):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
@@ -167,8 +165,7 @@ class GroupNorm(_Norm):
 
     def forward(self, x):
         _check_input(x, "GroupNorm")
-        p = self._parameters
-        return N.group_norm(x, self.num_groups, p["weight"], p["bias"], self.eps)
+        return N.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
@@ -192,8 +189,7 @@ class LayerNorm(_Norm):
 
     def forward(self, x):
         _check_input(x, "LayerNorm")
-        p = self._parameters
-        return N.layer_norm(x, self.normalized_shape, p["weight"], p["bias"], self.eps)
+        return N.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -212,7 +208,7 @@ class RMSNorm(_Norm):
 
     def forward(self, x):
         _check_input(x, "RMSNorm")
-        return N.rms_norm(x, self.normalized_shape, self._parameters["weight"], self.eps)
+        return N.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
     def extra_repr(self):
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
