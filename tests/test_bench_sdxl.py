@@ -62,3 +62,17 @@ def test_a_failed_round_fails_its_setting(bench, monkeypatch, tmp_path):
 def test_rounds_must_be_positive(bench):
     with pytest.raises(SystemExit):
         bench.parse_args(["--rounds", "0"])
+
+
+def test_the_portable_setting_turns_off_every_hopper_path_flame_reads(bench):
+    """Every environment switch of a TMA or Gluon path that flame reads is off in the portable
+    setting's environment (a switch added later and missed here would let Hopper's kernels run in
+    a row that stands for an Ampere or Ada card), and the shared memory is an Ada card's."""
+    import re
+    switches = {m for path in (ROOT / "flame").rglob("*.py")
+                for m in re.findall(r'os\.environ\.get\("(FLAME_\w*(?:TMA|GLUON)\w*)"', path.read_text())}
+    assert {"FLAME_MATMUL_TMA", "FLAME_MATMUL_GLUON", "FLAME_ATTN_TMA", "FLAME_ATTN_GLUON"} <= switches
+    env = bench._portable_env("/tmp/none")
+    implied = {"FLAME_ATTN_GLUON_BWD"}  # attention's Gluon backward runs only where its forward does
+    assert all(env.get(s) == "0" for s in switches - implied), {s: env.get(s) for s in switches}
+    assert env["FLAME_TEST_MAX_SHARED_MEMORY"] == "101376" and env["FLAME_TUNE_DIR"] == "/tmp/none"
