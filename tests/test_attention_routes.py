@@ -195,8 +195,8 @@ def test_entry_points_plan_their_buffers_and_launch_the_route(monkeypatch, shape
     planned, launched = [], []
     real_plan, real_launch = KA.plan, KA.launch
     monkeypatch.setattr(KA, "plan", lambda p: planned.append((p, real_plan(p))) or planned[-1][1])
-    monkeypatch.setattr(KA, "launch", lambda kernel, grid, *args, **meta: launched.append(
-        (kernel.fn.__name__, grid, meta)) or real_launch(kernel, grid, *args, **meta))
+    monkeypatch.setattr(KA, "launch", lambda kernel, grid, *args, sig=None, **meta: launched.append(
+        (kernel.fn.__name__, grid, meta)) or real_launch(kernel, grid, *args, sig=sig, **meta))
     B, H, Lq, Lk, D = shape
     tq, tk, tv = (_buffers(B, H, L, D, F16).copy_(torch.randn(B, H, L, D)) for L in (Lq, Lk, Lk))
     if layout == "bhld":
