@@ -1236,6 +1236,12 @@ def matrix(t):
     return t, rows, shape[-1], strides[-2], strides[-1]
 
 
+def dense_matrix(buf, rows, columns):
+    """The matrix tuple of a row-major (rows, columns) buffer the caller just allocated: what
+    ``matrix`` would read from it, without reading its shape and strides."""
+    return buf, rows, columns, columns, 1
+
+
 def transposed(t):
     """The matrix tuple of the transpose of matrix ``t`` (``matrix``)."""
     buf, rows, cols, rs, cs = t if type(t) is tuple else matrix(t)

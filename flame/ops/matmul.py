@@ -342,7 +342,7 @@ def _lora_linear_backward(node, g):
         gz, dm = KM.matrix(gzb), None if dm is None else Tensor(dm)
     dx = da = dlb = dxl = None
     dh = runtime.empty((rows, rank), dtype)
-    dhm = (dh, rows, rank, rank, 1)  # its matrix (KM.matrix), known from the allocation: no torch call
+    dhm = KM.dense_matrix(dh, rows, rank)
     KM.matmul_(dh, gz, b16, alpha=s)
     if need_lb:
         dlb = runtime.empty(a["b_shape"], a["b_dtype"])
@@ -453,7 +453,7 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     out_shape = (*xs[:-1], n_out)
     z = runtime.empty(out_shape, dtype)
     h = runtime.empty((x2[1], rank), dtype)
-    hm, b16m = (h, x2[1], rank, rank, 1), KM.matrix(b16)  # h's matrix known from its allocation
+    hm, b16m = KM.dense_matrix(h, x2[1], rank), KM.matrix(b16)
     w_scale = weight.scale if fp8 else None
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
