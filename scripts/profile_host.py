@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Where flame's host time goes: cProfile of a chain of small ops (forward and backward), or
-with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out.
+with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out (with
+``--inference``: one no-grad UNet forward at batch 2, a guided text-to-image step's, instead).
 
     PYTHONPATH=. python3 scripts/profile_host.py [--iters 200] [--top 25]
-    PYTHONPATH=. python3 scripts/profile_host.py --sdxl [--resolution 1024] [--top 25]
+    PYTHONPATH=. python3 scripts/profile_host.py --sdxl [--inference] [--resolution 1024] [--top 25]
 
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
 and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
@@ -15,7 +16,9 @@ backward, AdamW on rank-16 LoRA on attn, bf16; the first step also zero-fills th
 state and builds the timestep embedding's tables: 2,249 launches that later steps skip), the
 median host time of ``--steps`` more and the host profile of one (``--sort cumulative`` for the
 callers' view): a GPU-free count of what a change adds or removes. Host times are this
-machine's, not a GPU host's.
+machine's, not a GPU host's. ``--inference`` does the same for what each of the text-to-image
+pipeline's steps runs (``pipeline.sdxl.denoise`` with guidance: the UNet without LoRA over the
+unconditional and conditional rows, under ``no_grad``).
 """
 import argparse
 import cProfile
@@ -67,8 +70,9 @@ def stub_launches(counts):
 
 
 def sdxl_setup(args):
-    """The stubbed SDXL LoRA step (see ``sdxl_step``): ``(step, counts)``, ``counts`` the launches
-    per kernel name so far."""
+    """The stubbed SDXL step (see ``sdxl_step``): ``(step, counts)``, ``counts`` the launches per
+    kernel name so far. ``args.inference``: the pipeline's guided no-grad UNet forward instead of
+    the LoRA training step."""
     import collections
 
     from bench_sdxl import CHECKPOINT_SCOPES, inputs_shape
@@ -84,23 +88,29 @@ def sdxl_setup(args):
     KM.TMA, KM.tma_available = True, lambda: True
     model = SDXLUNet(dtype=flame.bfloat16)
     model.requires_grad_(False)
-    nn.inject_lora(model, "attn", rank=16, alpha=16)
-    if args.checkpointing != "off":
-        model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
-    params = nn.lora_parameters(model)
-    opt = optim.AdamW(params, lr=1e-4)
-    args.batch = 1
+    args.batch = 2 if args.inference else 1  # guidance: the unconditional and conditional rows in one batch
     shapes = inputs_shape(args, model.config)
     sample, context, pooled, time_ids = (flame.randn(*s, dtype=flame.bfloat16) for s in shapes)
+    if args.inference:
+        timesteps = flame.full((args.batch,), 500.0, dtype=flame.float32)  # as pipeline.stages.sampler_loop
 
-    adapter_casts = amp.ParameterCasts(params, flame.bfloat16)  # as the trainer
+        def step():
+            with flame.no_grad():
+                model(sample, timesteps, context, pooled, time_ids)
+    else:
+        nn.inject_lora(model, "attn", rank=16, alpha=16)
+        if args.checkpointing != "off":
+            model.enable_gradient_checkpointing(True, scope=CHECKPOINT_SCOPES[args.checkpointing])
+        params = nn.lora_parameters(model)
+        opt = optim.AdamW(params, lr=1e-4)
+        adapter_casts = amp.ParameterCasts(params, flame.bfloat16)  # as the trainer
 
-    def step():
-        with adapter_casts:
-            pred = model(sample, flame.full((1,), 500, dtype=flame.int64), context, pooled, time_ids)
-            loss = flame.nn.functional.mse_loss(pred.to(flame.float32), sample.to(flame.float32))
-            grads = loss.backward()
-        opt.step(grads)
+        def step():
+            with adapter_casts:
+                pred = model(sample, flame.full((1,), 500, dtype=flame.int64), context, pooled, time_ids)
+                loss = flame.nn.functional.mse_loss(pred.to(flame.float32), sample.to(flame.float32))
+                grads = loss.backward()
+            opt.step(grads)
 
     if not args.no_freeze:  # as the trainer: the run's long-lived objects out of the cyclic collector's passes
         import gc
@@ -110,12 +120,17 @@ def sdxl_setup(args):
 
 
 def sdxl_step(args):
-    """One SDXL LoRA step on stubbed launches: launches per kernel, then a profiled later step."""
+    """One stubbed SDXL step (training, or with ``--inference`` the pipeline's UNet forward):
+    launches per kernel, then a profiled later step."""
     step, counts = sdxl_setup(args)
     counts.clear()
     step()
     total = sum(counts.values())
-    print(f"one eager SDXL LoRA step, {args.resolution}x{args.resolution}, checkpointing {args.checkpointing}: "
+    if args.inference:
+        what, setting = "UNet forward (no grad, batch 2)", ""
+    else:
+        what, setting = "step", f", checkpointing {args.checkpointing}"
+    print(f"one eager SDXL {'LoRA step' if what == 'step' else what}, {args.resolution}x{args.resolution}{setting}: "
           f"{total} launches")
     for name, n in counts.most_common(args.top):
         print(f"  {n:6d}  {name}")
@@ -125,7 +140,7 @@ def sdxl_step(args):
         step()
         times.append(time.perf_counter() - t0)
     if times:
-        print(f"host time of an eager step (no kernel runs), median of {len(times)}: "
+        print(f"host time of an eager {what} (no kernel runs), median of {len(times)}: "
               f"{1e3 * statistics.median(times):.0f} ms")
     prof = cProfile.Profile()
     prof.enable()
@@ -140,6 +155,8 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--sort", default="tottime", help="the profile's order (pstats: tottime, cumulative, ncalls)")
     ap.add_argument("--sdxl", action="store_true", help="one SDXL LoRA step on stubbed launches (see above)")
+    ap.add_argument("--inference", action="store_true",
+                    help="--sdxl: the text-to-image pipeline's guided UNet forward (no grad, batch 2) instead")
     ap.add_argument("--resolution", type=int, default=1024, help="--sdxl: image side in pixels")
     ap.add_argument("--checkpointing", choices=["off", "on", "ff"], default="off", help="--sdxl: as bench_sdxl.py")
     ap.add_argument("--steps", type=int, default=5, help="--sdxl: unprofiled steps timed after the first")
