@@ -66,6 +66,9 @@ VARIANTS = {
     "coop 2x64x128": dict(coop=True, block_m=64, block_n=128),
     "pp 128x128 s4": dict(coop=False, block_m=128, block_n=128, stages=4),
     "pp 64x128": dict(coop=False, block_m=64, block_n=128),
+    "coop 2x64x160": dict(coop=True, block_m=64, block_n=160),  # 160 = a 128- and a 32-wide block
+    "pp 128x160": dict(coop=False, block_m=128, block_n=160),
+    "coop 2x64x192": dict(coop=True, block_m=64, block_n=192),
 }
 
 

@@ -12,8 +12,10 @@ import flame.kernels.matmul_hopper as KH
 from flame.kernels.elementwise import GELU_TANH
 from tests.helpers import DEVICE, assert_within_torch_error, without_gluon
 
-# (COOP, BLOCK_M, BLOCK_N) per consumer: the shapes _choose picks from (the first three) and two more
-SCHEDULES = [(True, 64, 256), (False, 128, 128), (False, 64, 128), (False, 64, 256), (True, 128, 128)]
+# (COOP, BLOCK_M, BLOCK_N) per consumer: the shapes _choose picks from (the first four; 160 columns are
+# a 128-wide and a 32-wide block) and three more (192 = 128 + 64)
+SCHEDULES = [(True, 64, 256), (False, 128, 128), (False, 64, 128), (True, 64, 160), (False, 64, 256),
+             (True, 128, 128), (False, 128, 160), (True, 64, 192)]
 # (M, K, N): tails in every dim (row strides stay multiples of 16 bytes, as TMA needs), a problem
 # smaller than one tile, and one with more tiles than SMs
 SHAPES = [(333, 264, 520), (1000, 1000, 1000), (64, 128, 64), (4608, 3072, 3072)]
@@ -61,7 +63,7 @@ def test_gpu_linear_within_torch_error(schedule, M, K, N):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:3])
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_epilogues(schedule):
     """Bias + GELU (tanh) with and without the pre-activation stored; alpha with a residual, also
     accumulated in place (the residual is the output); fp16 operands."""
@@ -95,7 +97,7 @@ def test_gpu_epilogues(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:3])
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_backward_layouts(schedule):
     """The linear's backward products: dX = dY W (B row-major (K, N): N-contiguous blocks) and
     dW = dY^T X (A = dY^T, M-contiguous: transposed A blocks)."""
@@ -110,7 +112,7 @@ def test_gpu_backward_layouts(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:3])
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_matches_portable_kernel(monkeypatch, schedule):
     """The same problem through matmul.py's portable kernel (TMA and Gluon routes off): both
     accumulate in fp32 and round once, so they differ by at most a bf16 rounding step."""
@@ -167,3 +169,13 @@ def test_module_loads_without_gluon(monkeypatch):
     assert not hasattr(mod, "_gemm_hopper_kernel")
     x = torch.zeros(256, 256, dtype=torch.bfloat16, device=DEVICE)
     assert not mod.usable(x, x, KM.Fusion())
+
+
+def test_split_width():
+    """A tile's columns as a power-of-two block and a smaller power-of-two tail (Gluon's blocks are
+    powers of two); widths that do not split so are refused by name."""
+    assert [KH.split_width(n) for n in (128, 160, 192, 256, 80)] == [(128, 0), (128, 32), (128, 64), (256, 0),
+                                                                      (64, 16)]
+    for n in (136, 224, 72):
+        with pytest.raises(ValueError, match=f"BLOCK_N={n}"):
+            KH.split_width(n)

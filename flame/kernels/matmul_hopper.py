@@ -63,10 +63,12 @@ CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 1
 
 if gluon is not None:
     @gluon.jit
-    def _loader(a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K,
+    def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K,
                 A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
+                GROUP_M: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
+        MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
         num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
@@ -90,30 +92,57 @@ if gluon is not None:
                                                         a_smem.index(s * SUB + w))
                 if B_K:
                     tma.async_copy_global_to_shared(b_desc, [off_n, off_k], ready.index(s), b_smem.index(s))
+                    if TAIL_N > 0:
+                        tma.async_copy_global_to_shared(bt_desc, [off_n + MAIN_N, off_k], ready.index(s),
+                                                        bt_smem.index(s))
                 else:
                     tma.async_copy_global_to_shared(b_desc, [off_k, off_n], ready.index(s), b_smem.index(s))
+                    if TAIL_N > 0:
+                        tma.async_copy_global_to_shared(bt_desc, [off_k, off_n + MAIN_N], ready.index(s),
+                                                        bt_smem.index(s))
                 count += 1
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc,
-                  bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha,
-                  A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
+    def _part_epilogue(acc, layout: gl.constexpr, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
+                       alpha, BIAS: gl.constexpr, ACT: gl.constexpr, SCALED: gl.constexpr, ROWS: gl.constexpr,
+                       WIDTH: gl.constexpr):
+        # (pre-activation, output) of the (ROWS, WIDTH) accumulator block at (off_m, off_n)
+        offs_n = off_n + gl.arange(0, WIDTH, gl.SliceLayout(0, layout))
+        if SCALED:  # W8A8: the products of codes times A's row scale and B's column scale
+            offs_m = off_m + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
+            a_scale = gl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+            b_scale = gl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+            acc = acc * a_scale[:, None] * b_scale[None, :]
+        return gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
+
+    @gluon.jit
+    def _consumer(WG: gl.constexpr, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc,
+                  ct_desc, pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
+                  s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
                   STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
-                  GROUP_M: gl.constexpr):
+                  BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                  STAGES: gl.constexpr, GROUP_M: gl.constexpr):
         # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
         # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
         # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
         # that waited on its next tile's stages earlier could be STAGES or more loads ahead of the
         # loader, where a ready barrier's parity reads as a completion from the previous round.
         # So the consumers' main loops take turns and each epilogue runs under the other's wgmmas.
+        # A tile of BLOCK_N = MAIN_N + TAIL_N columns (a power of two and, for widths such as 160, a
+        # smaller one: Gluon's blocks are powers of two) is two accumulators, each with its own B
+        # blocks, wgmma and store buffer; TAIL_N = 0 leaves the second out.
         SUB: gl.constexpr = 2 if COOP else 1
+        MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
+        PARTS: gl.constexpr = 2 if TAIL_N > 0 else 1  # wgmma groups a k block issues
         # wgmma's k per instruction: 32 bytes of each operand row (16 for 16-bit operands, 32 for fp8)
         instr_k: gl.constexpr = 256 // a_smem.dtype.primitive_bitwidth
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, BLOCK_N, instr_k])
+                                                             instr_shape=[16, MAIN_N, instr_k])
+        tail_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                              instr_shape=[16, TAIL_N if TAIL_N > 0 else 8, instr_k])
         dtype: gl.constexpr = c_desc.dtype
         buf = c_smem.index(WG)
+        buf_t = ct_smem.index(WG)
         bar = res_bar.index(WG)
         num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
         num_pid_n = gl.cdiv(N, BLOCK_N)
@@ -132,15 +161,19 @@ if gluon is not None:
             pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M) + (WG * BLOCK_M if COOP else 0)
             off_n = pid_n * BLOCK_N
-            if RESIDUAL:  # into the store buffer once its last store has been read
+            if RESIDUAL:  # into the store buffers once their last stores have been read
                 tma.store_wait(0)
                 mbarrier.expect(bar, BLOCK_M * BLOCK_N * dtype.primitive_bitwidth // 8)
                 tma.async_copy_global_to_shared(res_desc, [off_m, off_n], bar, buf)
+                if TAIL_N > 0:
+                    tma.async_copy_global_to_shared(rest_desc, [off_m, off_n + MAIN_N], bar, buf_t)
             count = (tile - gl.program_id(0)) // programs * k_tiles  # ring position: the walk's k blocks so far
             s = count % STAGES
             # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
             # over from the last tile would be live through the epilogue beside its result
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+            acc = gl.zeros([BLOCK_M, MAIN_N], gl.float32, acc_layout)
+            if TAIL_N > 0:
+                acc_t = gl.zeros([BLOCK_M, TAIL_N], gl.float32, tail_layout)
             for kk in range(k_tiles):
                 s = count % STAGES
                 mbarrier.wait(ready.index(s), (count // STAGES) & 1)
@@ -151,55 +184,82 @@ if gluon is not None:
                 if B_K:
                     b = b.permute((1, 0))
                 acc = warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=(acc,))
-                if kk > 0:  # the previous stage's wgmma is done
+                if TAIL_N > 0:
+                    b_t = bt_smem.index(s)
+                    if B_K:
+                        b_t = b_t.permute((1, 0))
+                    acc_t = warpgroup_mma(a, b_t, acc_t, use_acc=kk > 0, is_async=True)
+                    acc, acc_t = warpgroup_mma_wait(PARTS, deps=(acc, acc_t))
+                else:
+                    acc = warpgroup_mma_wait(PARTS, deps=(acc,))
+                if kk > 0:  # the previous stage's wgmmas are done
                     mbarrier.arrive(empty.index((count - 1) % STAGES))
                 count += 1
             if not COOP:
                 mbarrier.arrive(turn.index(1 - WG))
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            if TAIL_N > 0:
+                acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
 
-            offs_n = off_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, acc_layout))
-            if SCALED:  # W8A8: the products of codes times A's row scale and B's column scale
-                offs_m = off_m + gl.arange(0, BLOCK_M, gl.SliceLayout(1, acc_layout))
-                a_scale = gl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
-                b_scale = gl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-                acc = acc * a_scale[:, None] * b_scale[None, :]
             # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
             # held at once spill)
-            pre, out = gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, 0 if STORE_PRE else ACT)
+            pre, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
+                                      alpha, BIAS, 0 if STORE_PRE else ACT, SCALED, BLOCK_M, MAIN_N)
+            if TAIL_N > 0:
+                pre_t, out_t = _part_epilogue(acc_t, tail_layout, off_m, off_n + MAIN_N, M, N, bias_ptr, a_scale_ptr,
+                                              b_scale_ptr, s_bias, alpha, BIAS, 0 if STORE_PRE else ACT, SCALED,
+                                              BLOCK_M, TAIL_N)
             if RESIDUAL:
                 mbarrier.wait(bar, res_phase)
                 res_phase ^= 1
                 out += buf.load(acc_layout).to(gl.float32)
+                if TAIL_N > 0:
+                    out_t += buf_t.load(tail_layout).to(gl.float32)
             else:
                 tma.store_wait(0)
             if STORE_PRE:
                 buf.store(pre.to(dtype))
+                if TAIL_N > 0:
+                    buf_t.store(pre_t.to(dtype))
                 fence_async_shared()
                 tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
                 out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
+                if TAIL_N > 0:
+                    tma.async_copy_shared_to_global(pret_desc, [off_m, off_n + MAIN_N], buf_t)
+                    out_t = gemm._apply(pre_t, pre_t, pre_t, 0.0, 0.0, ACT)
                 tma.store_wait(0)
             buf.store(out.to(dtype))
+            if TAIL_N > 0:
+                buf_t.store(out_t.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
+            if TAIL_N > 0:
+                tma.async_copy_shared_to_global(ct_desc, [off_m, off_n + MAIN_N], buf_t)
         tma.store_wait(0)
 
     # C = ACT(alpha * A B + bias) (+ R): see the module's docstring. The sizes only count tiles and
     # blocks (the descriptors carry the shapes), so they are not specialised on: one compiled kernel
     # per config serves every shape.
     @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias"])
-    def _gemm_hopper_kernel(a_desc, b_desc, c_desc, pre_desc, res_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
-                            s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr,
-                            ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+    def _gemm_hopper_kernel(a_desc, b_desc, bt_desc, c_desc, ct_desc, pre_desc, pret_desc, res_desc, rest_desc,
+                            bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K: gl.constexpr,
+                            B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr,
+                            RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
         a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
+        if TAIL_N > 0:  # the tile's last TAIL_N columns (the host's tail descriptors)
+            bt_smem = gl.allocate_shared_memory(dtype, [STAGES] + bt_desc.block_type.shape, bt_desc.layout)
+            ct_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + ct_desc.block_type.shape, ct_desc.layout)
+        else:  # stand-ins, never read
+            bt_smem = b_smem
+            ct_smem = c_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         res_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -213,14 +273,16 @@ if gluon is not None:
         # (the argument tuples are written out in the call: a tuple bound to a name first would turn
         # the constexprs in it into tensors, Triton 3.6)
         gl.warp_specialize([
-            (_consumer, (0, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
-                         a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL,
-                         SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M)),
-            (_consumer, (1, a_smem, b_smem, c_smem, ready, empty, res_bar, turn, c_desc, pre_desc, res_desc, bias_ptr,
-                         a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL,
-                         SCALED, BLOCK_M, BLOCK_N, BLOCK_K, COOP, STAGES, GROUP_M)),
-            (_loader, (a_desc, b_desc, a_smem, b_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M, BLOCK_N, BLOCK_K,
-                       COOP, STAGES, GROUP_M)),
+            (_consumer, (0, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
+                         pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
+                         alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
+                         COOP, STAGES, GROUP_M)),
+            (_consumer, (1, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
+                         pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
+                         alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
+                         COOP, STAGES, GROUP_M)),
+            (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M,
+                       BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -263,7 +325,7 @@ def plan(M, N, K, a, b, f):
 # Flux, SDXL and 8192-cube shapes of that (short-burst) run; timed in 20 ms bursts at the card's
 # power limit, the route beat matmul.py's TMA kernel on 34 of 35 shape x problem rows (3% slower on
 # 4096x3072->3072).
-TILES = {(True, 64, 256): 1.0, (False, 128, 128): 0.95, (False, 64, 128): 0.83}
+TILES = {(True, 64, 256): 1.0, (False, 128, 128): 0.95, (False, 64, 128): 0.83, (True, 64, 160): 0.93}
 COOP_EPILOGUE_K = 90
 # Problems of fewer 128x128 tiles than SMs stay on the TMA kernel (its small tiles and split-K win there: H200,
 # 1024x1280->1280 and 1024x5120->1280, 80 tiles, TMA 1.27x / 1.26x cuBLAS's time, Gluon 1.38x / 1.34x)
@@ -312,6 +374,16 @@ def stages_that_fit(block_m, block_n, coop, es, limit=None):
     return max(1, min(8, room // stage))
 
 
+def split_width(block_n):
+    """(main, tail): a tile's BLOCK_N columns as a power of two and the rest, itself a power of two
+    of at least 16 or 0 (160 = 128 + 32, 192 = 128 + 64, 128 = 128 + 0)."""
+    main = 1 << (block_n.bit_length() - 1)
+    tail = block_n - main
+    if tail and (tail < 16 or tail & (tail - 1)):
+        raise ValueError(f"matmul_hopper: BLOCK_N={block_n} is not a power of two plus a smaller one of at least 16")
+    return main, tail
+
+
 def _descriptor(base, shape, strides, block_shape):
     """A Gluon TMA descriptor of ``base``: ``launch.descriptor``'s (its checks, made once per
     dtype, shape, strides and block) with the default swizzled shared layout of its block, which
@@ -338,17 +410,32 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     and ``f.b_scale`` (N,) per column of B: ``A B = diag(a_scale) codes_A codes_B diag(b_scale)``."""
     a_k, b_k, s_a, s_b, s_c = layout
     bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
+    main, tail = split_width(bn)
     block_k = K_BYTES // a.element_size()
     a_desc = _descriptor(a, [M, K], [s_a, 1], [bm, block_k]) if a_k else _descriptor(a, [K, M], [s_a, 1],
                                                                                       [block_k, bm])
-    b_desc = _descriptor(b, [N, K], [s_b, 1], [bn, block_k]) if b_k else _descriptor(b, [K, N], [s_b, 1],
-                                                                                      [block_k, bn])
-    c_desc = _descriptor(out, [M, N], [s_c, 1], [bm, bn])
-    pre_desc, res_desc = (c_desc if t is None else _descriptor(t, [M, N], [s_c, 1], [bm, bn])
-                          for t in (f.pre_out, f.residual))
+
+    def b_blocks(width):  # B's descriptor for blocks of ``width`` columns of the tile
+        return (_descriptor(b, [N, K], [s_b, 1], [width, block_k]) if b_k else
+                _descriptor(b, [K, N], [s_b, 1], [block_k, width]))
+
+    def c_blocks(t, width):  # C's (or a pre-activation's or residual's) for blocks of ``width`` columns
+        return _descriptor(t, [M, N], [s_c, 1], [bm, width])
+
+    # the main blocks' descriptors, then the tail's (the main ones stand in without a tail), C's
+    # standing in for a pre-activation or residual switched off
+    b_desc = b_blocks(main)
+    c_desc = c_blocks(out, main)
+    bt_desc, ct_desc = (b_blocks(tail), c_blocks(out, tail)) if tail else (b_desc, c_desc)
+
+    def epilogue_blocks(t):  # a pre-activation's or residual's pair
+        return (c_desc, ct_desc) if t is None else (c_blocks(t, main), c_blocks(t, tail) if tail else c_desc)
+
+    pre_desc, pret_desc = epilogue_blocks(f.pre_out)
+    res_desc, rest_desc = epilogue_blocks(f.residual)
     tiles = gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn)
     meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-                RESIDUAL=f.residual is not None, SCALED=a_scale is not None, BLOCK_K=block_k,
+                RESIDUAL=f.residual is not None, SCALED=a_scale is not None, BLOCK_K=block_k, TAIL_N=tail,
                 CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
     # the descriptors are not torch tensors: ``sig`` pins down what the compiled kernel depends on
     # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
@@ -357,7 +444,7 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     # the tensors at the positions its first launch had them; C's descriptor stands in for those
     # switched off likewise.
     sig = (a.dtype, out.dtype, tuple(meta.items()))
-    launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, c_desc, pre_desc, res_desc,
-           gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out), M, N, K, f.bias_stride, f.scale,
-           sig=sig, **meta)
+    launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, bt_desc, c_desc, ct_desc, pre_desc,
+           pret_desc, res_desc, rest_desc, gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out),
+           M, N, K, f.bias_stride, f.scale, sig=sig, **meta)
     return out
