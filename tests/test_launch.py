@@ -342,20 +342,52 @@ def test_gemm_routes_launch_their_plans_without_keywords_unless_launch_is_watche
 
 
 def test_layer_norm_launches_leave_only_their_row_strides_free():
-    """LayerNorm's forward and backward launch plans (``norms._ln_launches``) leave only the row
+    """LayerNorm's forward and backward launch plans (``norms._launches``) leave only the row
     strides free, and a second call of one shape takes the same plans."""
     import flame.nn.functional as F
     from flame.kernels import norms as KN
-    KN._ln_launches.clear()
+    KN._launches.clear()
     x = flame.randn(6, 40, requires_grad=True)
     w, b = flame.randn(40, requires_grad=True), flame.randn(40, requires_grad=True)
     F.layer_norm(x, (40,), w, b).sum().backward()
-    plans = dict(KN._ln_launches)
+    plans = dict(KN._launches)
     assert {key[0] for key in plans} >= {KN._ln_fwd_kernel, KN._ln_bwd_kernel}
     for plan in plans.values():
         assert all(plan.kernel.arg_names[i].endswith("s_m") for i in plan.by_value), plan.kernel
     F.layer_norm(x, (40,), w, b).sum().backward()
-    assert KN._ln_launches == plans
+    assert KN._launches == plans
+
+
+def test_group_norm_and_conv_launch_through_kept_plans(monkeypatch):
+    """GroupNorm's passes (forward and backward), the TMA convolution and its split-K sum launch kept
+    plans, not keyword launches: a watcher of ``launch`` sees each with its plan as ``sig``, and a
+    second call of one shape takes the same plans."""
+    import flame.nn.functional as F
+    from flame.kernels import conv2d as KC
+    from flame.kernels import matmul as KM
+    from flame.kernels import norms as KN
+    monkeypatch.setattr(KM, "TMA", True)  # the interpreter emulates tensor descriptors
+    monkeypatch.setattr(KM, "tma_available", lambda: True)
+    monkeypatch.setattr(KC, "_wave_splits", lambda programs, steps, sms: 2)
+    KC._route.cache_clear()
+    seen = []
+    for mod in (KN, KC, KM):
+        monkeypatch.setattr(mod, "launch", lambda kernel, grid, *a, real=mod.launch, **meta:
+                            seen.append((kernel.fn.__name__, meta.get("sig"))) or real(kernel, grid, *a, **meta))
+    x = flame.randn(2, 16, 6, 6, dtype=flame.float16, requires_grad=True)
+    w, b = flame.randn(16, dtype=flame.float16, requires_grad=True), flame.randn(16, dtype=flame.float16)
+    cw = flame.from_torch(torch.randn(16, 16, 3, 3, dtype=torch.float16).contiguous(memory_format=torch.channels_last))
+
+    def run():
+        seen.clear()
+        F.group_norm(F.conv2d(x, cw, b, padding=1), 4, w, b).sum().backward()
+        return [(name, sig) for name, sig in seen if name.startswith(("_gn", "_conv_tma", "_split_k"))]
+
+    first = run()
+    assert {name for name, _ in first} >= {"_gn_partial_kernel", "_gn_combine_kernel", "_gn_apply_kernel",
+                                           "_gn_bwd_combine_kernel", "_conv_tma_kernel", "_split_k_sum_kernel"}
+    assert all(sig is not None for _, sig in first), first
+    assert run() == first
 
 
 @pytest.mark.gpu

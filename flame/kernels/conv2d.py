@@ -59,7 +59,7 @@ from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import matmul as KM
 from .elementwise import _pow2, cdiv, collapse, copy_, fill_
-from .launch import descriptor, launch
+from .launch import Plan, descriptor, descriptor_like, descriptor_template, launch, launch_via
 from .matmul import GEMM_FIELDS, _epilogue, _kernel_switches, _tile_coords, linear_, matmul_
 from .reduce import SUM, reduce_
 
@@ -296,13 +296,13 @@ def _phase_split(off, S, LIFT):
     return lifted // S - LIFT, lifted % S
 
 
-def _pixel_descriptor(buf, NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_C, phased):
-    """The (n, h, w, c) buffer ``buf`` as a host-built TMA descriptor of TH x TW pixel x BLOCK_C
-    channel boxes: 4-D, or the 5-D phase view above (``phased``)."""
+def _pixel_box(NB, XH, XW, C, s_n, s_h, s_w, S_h, S_w, TH, TW, BLOCK_C, phased):
+    """(shape, strides, block shape) of an (n, h, w, c) buffer's host-built TMA descriptor of TH x TW
+    pixel x BLOCK_C channel boxes: 4-D, or the 5-D phase view above (``phased``)."""
     if phased:
-        return descriptor(buf, [NB, XH // S_h, S_h, XW // S_w, S_w * C], [s_n, S_h * s_h, s_h, S_w * s_w, 1],
-                                [1, TH, 1, TW, BLOCK_C])
-    return descriptor(buf, [NB, XH, XW, C], [s_n, s_h, s_w, 1], [1, TH, TW, BLOCK_C])
+        return ([NB, XH // S_h, S_h, XW // S_w, S_w * C], [s_n, S_h * s_h, s_h, S_w * s_w, 1],
+                [1, TH, 1, TW, BLOCK_C])
+    return [NB, XH, XW, C], [s_n, s_h, s_w, 1], [1, TH, TW, BLOCK_C]
 
 
 @triton.jit
@@ -661,20 +661,21 @@ class ConvProblem:
 class Route:
     """What ``plan`` chose: the path (``kernel``, one of the names above), its launch config (the
     kernel's constexprs: tuned fields as ``flame.tune`` answered them, with the derived ones; empty
-    for "gemm", "none", "zero_fill"), how many splits its reduction runs in, and why."""
+    for "gemm", "none", "zero_fill"), how many splits its reduction runs in, and why. ``kept``: what
+    the route's runner keeps from its first launch (the "tma" route: ``_TmaLaunch``)."""
 
     kernel: str
     config: dict
     splits: int
     reason: str
+    kept: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 _reported: set = set()
 
 
-@tune.memoised
-def _route(p: ConvProblem) -> Route:
-    return _plan_wgrad(p) if p.direction == WEIGHT_GRAD else _plan_conv(p)
+_route = KM.RouteMemo(lambda p: _plan_wgrad(p) if p.direction == WEIGHT_GRAD else _plan_conv(p))
+tune.register_cache(_route.cache_clear)
 
 
 def plan(p: ConvProblem) -> Route:
@@ -687,6 +688,28 @@ def plan(p: ConvProblem) -> Route:
               f"{p.x.dtype} stride {p.stride} padding {p.padding} dilation {p.dilation} groups {p.groups}: "
               f"{route.kernel}, splits {route.splits}, config {route.config}: {route.reason}", file=sys.stderr)
     return route
+
+
+_PLAN = plan  # the entry points plan every call while this name is replaced (a test's watcher)
+
+
+def _planned(direction, x, w, y, stride, padding, dilation, groups, bias=None):
+    """``(p, plan(p))`` for ``p = ConvProblem.of(...)`` of an entry point's buffers, memoised per call
+    signature (what the problem is made of, as the call has it: shapes, strides and dtypes, the
+    geometry's tuples, the bias dtype, the alignment of the buffers TMA reads and the TMA switch as
+    read now), so a repeated convolution builds no problem; every call plans while
+    FLAME_DEBUG_ROUTES is on or ``plan`` is replaced."""
+    pointers = y.data_ptr() | x.data_ptr() | (0 if direction == WEIGHT_GRAD else w.data_ptr())
+    tma = KM.TMA and (x if direction == INPUT_GRAD else y).dtype in _TMA_DTYPES and KM.tma_available()
+    key = (direction, x.shape, x.stride(), x.dtype, w.shape, w.stride(), w.dtype, y.shape, y.stride(), y.dtype,
+           stride, padding, dilation, groups, None if bias is None else bias.dtype, pointers % 16 == 0, tma)
+    entry = _route.calls.get(key)
+    if entry is None or DEBUG_ROUTES or plan is not _PLAN:
+        p = ConvProblem.of(direction, x, w, y, stride, padding, dilation, groups, bias)
+        entry = p, plan(p)
+        if plan is _PLAN:
+            _route.keep_call(key, entry)
+    return entry
 
 
 def _gemm_route(p, *acts):
@@ -1041,7 +1064,40 @@ def _run_conv(route, p, out, src, w, bias):
     return out
 
 
+class _TmaLaunch(NamedTuple):
+    """What a "tma" route keeps from its first launch (all of it fixed by its problem): the kernel's
+    ``launch.Plan`` (the bias stride free), grid, the size arguments before the bias stride and the
+    reduction steps per split after it, the descriptor templates of the source, weight and target
+    (``launch.descriptor_template``), and with split-K the fp32 target's shape and the output's
+    (rows, channels) strides that the sum pass writes."""
+
+    plan: Plan
+    grid: tuple
+    args: tuple
+    steps: int
+    templates: tuple
+    target_shape: tuple
+    rows_strides: tuple
+
+
 def _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route):
+    kept = route.kept.get("tma")
+    if kept is None:
+        kept = route.kept["tma"] = _tma_launch(out, src, w, bias, geom_h, geom_w, transposed, route)
+    t_src, t_w, t_target = kept.templates
+    split = route.splits > 1
+    target = runtime.empty(kept.target_shape, torch.float32) if split else out
+    # the problem's buffers are 16-byte aligned (the route's condition) and the scratch is fresh: no check
+    launch_via(launch, kept.plan, kept.grid,
+               (descriptor_like(t_src, src), descriptor_like(t_w, w), descriptor_like(t_target, target),
+                out if bias is None else bias, *kept.args, 0 if bias is None else bias.stride(0), kept.steps))
+    if split:
+        KM.split_k_sum_(out, kept.rows_strides, target, KM.Fusion(bias))
+    return out
+
+
+def _tma_launch(out, src, w, bias, geom_h, geom_w, transposed, route):
+    """The ``_TmaLaunch`` of a "tma" route, from its first launch's buffers."""
     NB, N, OH, OW = out.shape
     C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
     KH, KW = w.shape[2], w.shape[3]
@@ -1050,25 +1106,26 @@ def _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route):
     cfg, splits = route.config, route.splits
     th, tw, bn, bk = cfg["TH"], cfg["TW"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles, steps = _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg)
-    rows = as_rows(out) if splits > 1 else None  # the sum pass writes ``out`` as (NB*OH*OW, N) rows
     if splits > 1:  # fp32 partial sums of out's pixels, channels last, split-major
-        target, target_s = runtime.empty((splits, NB * OH * OW, N), torch.float32), (OH * OW * N, OW * N, N)
+        target_shape, target_s = (splits, NB * OH * OW, N), (OH * OW * N, OW * N, N)
+        target = runtime.empty((0,), torch.float32)  # the dtype the target's template is made for
+        rows_strides = (_row_stride(out), out.stride(1))  # the sum pass writes ``out`` as (NB*OH*OW, N) rows
     else:
-        target, target_s = out, _nhwc(out)[:3]
-    src_desc = _pixel_descriptor(src, NB, XH, XW, C, *_nhwc(src)[:3], geom_h[0], geom_w[0], th, tw, bk, phased)
-    target_desc = _pixel_descriptor(target, splits * NB, OH, OW, N, *target_s, D_h, D_w, th, tw, bn, divided)
+        target_shape, target_s, target, rows_strides = (), _nhwc(out)[:3], out, ()
+    src_box = _pixel_box(NB, XH, XW, C, *_nhwc(src)[:3], geom_h[0], geom_w[0], th, tw, bk, phased)
+    target_box = _pixel_box(splits * NB, OH, OW, N, *target_s, D_h, D_w, th, tw, bn, divided)
     # the weight (channels-last, taps and channels dense) as a (Co, taps * Ci) matrix: (k=co, n=ci) tiles for
     # the input gradient, (n=co, k=ci) tiles for the forward
-    w_desc = (descriptor(w, [C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
-              else descriptor(w, [N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
-    launch(_conv_tma_kernel, (tiles, D_h * D_w, splits), src_desc, w_desc, target_desc, out if bias is None else bias,
-           NB, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2],
-           *_phase_args(geom_h, geom_w, KH, KW), D_h, D_w, 0 if bias is None else bias.stride(0),
-           cdiv(steps, splits), TRANSPOSED=transposed,
-           BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided, GROUP_M=8, **cfg)
-    if splits > 1:
-        KM.split_k_sum_(rows, rows.stride(), target, KM.Fusion(bias))
-    return out
+    w_box = (([C, KH * KW * N], [w.stride(0), 1], [bk, bn]) if transposed
+             else ([N, KH * KW * C], [w.stride(0), 1], [bn, bk]))
+    templates = tuple(descriptor_template(t, *box) for t, box in ((src, src_box), (w, w_box), (target, target_box)))
+    args = (NB, C, OH, OW, N, KH, KW, geom_h[1], geom_h[2], geom_w[1], geom_w[2], *_phase_args(geom_h, geom_w, KH, KW),
+            D_h, D_w)
+    meta = dict(TRANSPOSED=transposed, BIAS=bias is not None and splits == 1, PHASED=phased, DIVIDED=divided,
+                GROUP_M=8, **cfg)
+    plan = Plan(_conv_tma_kernel, meta, by_value=(4 + len(args),))  # 4 buffers, the sizes, then the bias stride
+    return _TmaLaunch(plan, (tiles, D_h * D_w, splits), args, cdiv(steps, splits), templates, target_shape,
+                      rows_strides)
 
 
 def _run_wgrad(route, p, dw_out, dy, x):
@@ -1110,7 +1167,7 @@ def _run_wgrad(route, p, dw_out, dy, x):
         phased = (sh, sw) != (1, 1)
         dy_desc = (descriptor(dy, [NB * OH * OW, CO], [_row_stride(dy), 1], [th * tw, bm]) if cfg["FLAT_DY"]
                    else descriptor(dy, [NB, OH, OW, CO], [*_nhwc(dy)[:3], 1], [1, th, tw, bm]))
-        x_desc = _pixel_descriptor(x, NB, H, W, CI, *_nhwc(x)[:3], sh, sw, th, tw, bn, phased)
+        x_desc = descriptor(x, *_pixel_box(NB, H, W, CI, *_nhwc(x)[:3], sh, sw, th, tw, bn, phased))
         launch(_conv_wgrad_tma_kernel, grid, dy_desc, x_desc, target_buf, NB, OH, OW, CO, CI, KW, -ph, dh, -pw, dwl,
                *_phase_args((sh, -ph, dh), (sw, -pw, dwl), KH, KW), per_split, *so, PHASED=phased, **cfg)
     else:
@@ -1132,8 +1189,7 @@ def _run_wgrad(route, p, dw_out, dy, x):
 @tunable("out")
 def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
     """``out`` (NB, Co, Ho, Wo) = conv2d(x, w, bias); ``padding`` is the (top, left) padding."""
-    p = ConvProblem.of(FORWARD, x, w, out, stride, padding, dilation, groups, bias)
-    route = plan(p)
+    p, route = _planned(FORWARD, x, w, out, stride, padding, dilation, groups, bias)
     if route.kernel == "gemm":  # out (NHW, Co) = x (NHW, Ci) @ w (Co, Ci)^T + bias
         w2, out2, x2 = _gemm_views(w, out, x)
         linear_(out2, x2, w2, bias)
@@ -1144,8 +1200,7 @@ def conv2d_forward_(out, x, w, bias, stride, padding, dilation, groups=1):
 @tunable("dx")
 def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
     """``dx`` (NB, Ci, H, W) = the gradient of conv2d's input from ``dy`` (NB, Co, Ho, Wo)."""
-    p = ConvProblem.of(INPUT_GRAD, dx, w, dy, stride, padding, dilation, groups)
-    route = plan(p)
+    p, route = _planned(INPUT_GRAD, dx, w, dy, stride, padding, dilation, groups)
     if route.kernel == "gemm":  # dx (NHW, Ci) = dy (NHW, Co) @ w (Co, Ci)
         w2, dx2, dy2 = _gemm_views(w, dx, dy)
         matmul_(dx2, dy2, w2)
@@ -1157,8 +1212,7 @@ def conv2d_input_grad_(dx, dy, w, stride, padding, dilation, groups=1):
 def conv2d_weight_grad_(dw_out, dy, x, stride, padding, dilation, groups=1):
     """``dw_out`` (Co, Ci/groups, KH, KW) = the gradient of conv2d's weight (any strides, any
     float dtype)."""
-    p = ConvProblem.of(WEIGHT_GRAD, x, dw_out, dy, stride, padding, dilation, groups)
-    route = plan(p)
+    p, route = _planned(WEIGHT_GRAD, x, dw_out, dy, stride, padding, dilation, groups)
     if route.kernel == "gemm":  # dw (Co, Ci) = dy (NHW, Co)^T @ x (NHW, Ci)
         dw2, dy2, x2 = _gemm_views(dw_out, dy, x)
         matmul_(dw2, dy2.t(), x2)

@@ -524,19 +524,30 @@ def _arrival_counts(tiles):
 def split_k_sum_(out, sc, part, f):
     """Split-K's second pass (``_split_k_sum_kernel``): ``out`` (M, N), with row and column strides
     ``sc``, = the epilogue ``f`` (a ``Fusion``) of ``sum_s part[s]``, the contiguous fp32 (fp64)
-    partial products ``part`` (splits, M, N) summed (the same order every run). Returns ``out``."""
+    partial products ``part`` (splits, M, N) summed (the same order every run). Launched through a
+    ``launch.Plan`` kept per (sizes, strides, fusion switches), the bias stride free. Returns ``out``."""
     splits, M, N = part.shape
-    bs, bm, bn = _sum_blocks(splits, M, N)
-    launch(_split_k_sum_kernel, (cdiv(M, bm), cdiv(N, bn)),
-           part,  # input
-           out,  # output
-           f.bias, f.pre_out, f.residual,  # fusion operands
-           M, N, splits,  # sizes
-           *sc, f.bias_stride,  # strides
-           f.alpha,  # scalars
-           BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None, RESIDUAL=f.residual is not None,
-           BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs, num_warps=4)
+    key = (M, N, splits, *sc, f.key)
+    kept = _sum_launches.get(key)
+    if kept is None:
+        bs, bm, bn = _sum_blocks(splits, M, N)
+        meta = dict(BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+                    RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs, num_warps=4)
+        if len(_sum_launches) >= _MAX_ROUTES:
+            _sum_launches.clear()
+        kept = _sum_launches[key] = Plan(_split_k_sum_kernel, meta, by_value=(10,)), (cdiv(M, bm), cdiv(N, bn))
+    plan, grid = kept
+    launch_via(launch, plan, grid, (part,  # input
+                                    out,  # output
+                                    f.bias, f.pre_out, f.residual,  # fusion operands
+                                    M, N, splits,  # sizes
+                                    *sc, f.bias_stride,  # strides (the bias stride, argument 10, free)
+                                    f.alpha))  # scalars
     return out
+
+
+_sum_launches: dict = {}  # split_k_sum_'s (Plan, grid) per (M, N, splits, C's strides, Fusion.key)
+tune.register_cache(_sum_launches.clear)
 
 
 def _sum_blocks(splits, M, N):
@@ -684,32 +695,39 @@ _reported: set = set()
 _MAX_ROUTES = 4096  # memo entries of either kind before the memo starts afresh
 
 
-class _Routes:
-    """``plan``'s memo: the ``Route`` of each ``GemmProblem`` (``problems``) and, for ``_launch``, the
-    (problem, route, runner) of each call signature (``calls``, see there), emptied together by
-    ``cache_clear``: ``flame.tune``'s overrides, tables and resets (``tune.register_cache``), and tests
-    that patch the planner's helpers (split counts, configs, shared memory)."""
+class RouteMemo:
+    """A planner's memo: the route of each problem (``problems``, planned by ``planner(p)``) and, for the
+    entry points, what each call signature resolved to (``calls``: the GEMM's (problem, route, runner)
+    in ``_launch``, a convolution's (problem, route)), emptied together by ``cache_clear``:
+    ``flame.tune``'s overrides, tables and resets (``tune.register_cache``), and tests that patch the
+    planner's helpers (split counts, configs, shared memory)."""
 
-    __slots__ = ("problems", "calls")
+    __slots__ = ("planner", "problems", "calls")
 
-    def __init__(self):
-        self.problems, self.calls = {}, {}
+    def __init__(self, planner):
+        self.planner, self.problems, self.calls = planner, {}, {}
 
     def __call__(self, p):
         route = self.problems.get(p)
         if route is None:
-            route = _plan(p)
+            route = self.planner(p)
             if len(self.problems) >= _MAX_ROUTES:
                 self.problems.clear()
             self.problems[p] = route
         return route
+
+    def keep_call(self, key, entry):
+        """Keep what the call signature ``key`` resolved to (``calls`` starts afresh past its bound)."""
+        if len(self.calls) >= _MAX_ROUTES:
+            self.calls.clear()
+        self.calls[key] = entry
 
     def cache_clear(self):
         self.problems.clear()
         self.calls.clear()
 
 
-_route = _Routes()
+_route = RouteMemo(lambda p: _plan(p))  # looked up per call: a test may replace _plan's helpers
 tune.register_cache(_route.cache_clear)
 
 
@@ -1049,9 +1067,7 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
         route = plan(p)
         entry = (p, route, _RUN[route.kernel])
         if plan is _PLAN:
-            if len(_route.calls) >= _MAX_ROUTES:
-                _route.calls.clear()
-            _route.calls[key] = entry
+            _route.keep_call(key, entry)
     p, route, run = entry
     run(p, route, out, a, b, f)
 

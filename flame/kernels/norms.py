@@ -343,6 +343,21 @@ def _gn_plan(N, C, S, G, cl, dtype, bwd):
     return CG, splits, s_per_split, part, comb_block, (block_cg, block_sp), apply
 
 
+# The launch.Plan of each norm launch: (kernel, sizes, strides, dtype, switches) -> Plan, its meta the memoised
+# launch geometry's with the switches; LayerNorm's row strides are left free (``by_value``). Emptied with
+# those geometries (tune.register_cache).
+_launches: dict = {}
+tune.register_cache(_launches.clear)
+
+
+def _kept_launch(key, make_meta, by_value=()):
+    """The Plan of ``key`` (its kernel first), made with the meta ``make_meta()`` at its first launch."""
+    plan = _launches.get(key)
+    if plan is None:
+        plan = _launches[key] = Plan(key[0], make_meta(), by_value)
+    return plan
+
+
 @tunable("y")
 def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
     """y = act(GroupNorm(x)) for x, y viewed as (N, C, S) with strides ``xs``, ``ys``.
@@ -357,14 +372,17 @@ def group_norm_fwd(y, x, w, b, N, C, S, G, eps, act, xs, ys):
         N, C, S, G, xs[1] == 1 and C > 1, x.dtype, False)
     p1 = runtime.empty((N, C, splits), stat_dtype)
     p2 = runtime.empty((N, C, splits), stat_dtype)
-    launch(_gn_partial_kernel, pgrid, x, x, x, x, x, x, p1, p2,
-           C, S, CG, G, pncb, s_per_split, splits, *xs, 0, 0, 0,
-           BWD=False, HAS_W=False, HAS_B=False, ACT=False, CD=cd, **pmeta)
-    launch(_gn_combine_kernel, (N * G,), p1, p2, mean, rstd, CG, S, s_per_split, splits, float(eps),
-           CD=cd, BLOCK=comb_block, num_warps=4)
-    launch(_gn_apply_kernel, agrid, x, x, y, w if w is not None else x, b if b is not None else x, mean, rstd,
-           mean, mean, C, S, CG, G, ancb, *xs, 0, 0, 0, *ys,
-           BWD=False, HAS_W=w is not None, HAS_B=b is not None, ACT=act, CD=cd, **ameta)
+    has_w, has_b = w is not None, b is not None
+    shape = (N, C, S, G, x.dtype, xs)  # with the kernel and switches: what the launches' ints and meta follow from
+    plan = _kept_launch((_gn_partial_kernel, False, *shape),
+                        lambda: dict(BWD=False, HAS_W=False, HAS_B=False, ACT=False, CD=cd, **pmeta))
+    launch_via(launch, plan, pgrid, (x, x, x, x, x, x, p1, p2, C, S, CG, G, pncb, s_per_split, splits, *xs, 0, 0, 0))
+    plan = _kept_launch((_gn_combine_kernel, *shape), lambda: dict(CD=cd, BLOCK=comb_block, num_warps=4))
+    launch_via(launch, plan, (N * G,), (p1, p2, mean, rstd, CG, S, s_per_split, splits, float(eps)))
+    plan = _kept_launch((_gn_apply_kernel, False, has_w, has_b, act, *shape, ys),
+                        lambda: dict(BWD=False, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **ameta))
+    launch_via(launch, plan, agrid, (x, x, y, w if has_w else x, b if has_b else x, mean, rstd, mean, mean,
+                                     C, S, CG, G, ancb, *xs, 0, 0, 0, *ys))
     return mean, rstd
 
 
@@ -383,20 +401,24 @@ def group_norm_bwd(dx, dw, db, dy, x, w, b, mean, rstd, N, C, S, G, act, xs, gs,
     wp = w if w is not None else x
     bp = b if b is not None else x
     has_w, has_b = w is not None, b is not None
-    launch(_gn_partial_kernel, pgrid, x, dy, wp, bp, mean, rstd, p1, p2,
-           C, S, CG, G, pncb, s_per_split, splits, *xs, *gs,
-           BWD=True, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **pmeta)
+    shape = (N, C, S, G, x.dtype, xs, gs)  # with the kernel and switches: what the launches' ints and meta follow from
+    plan = _kept_launch((_gn_partial_kernel, True, has_w, has_b, act, *shape),
+                        lambda: dict(BWD=True, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **pmeta))
+    launch_via(launch, plan, pgrid, (x, dy, wp, bp, mean, rstd, p1, p2, C, S, CG, G, pncb, s_per_split, splits,
+                                     *xs, *gs))
     k1 = runtime.empty((N, G), stat_dtype)
     k2 = runtime.empty((N, G), stat_dtype)
     need_wb = dw is not None
-    launch(_gn_bwd_combine_kernel, (G,), p1, p2, wp, dw if need_wb else p1, db if need_wb else p1, k1, k2,
-           N, C, CG, G, S, splits, HAS_W=has_w, NEED_WB=need_wb, CD=cd,
-           BLOCK_CG=block_cg, BLOCK_SP=block_sp, num_warps=4)
+    plan = _kept_launch((_gn_bwd_combine_kernel, has_w, need_wb, *shape),
+                        lambda: dict(HAS_W=has_w, NEED_WB=need_wb, CD=cd, BLOCK_CG=block_cg, BLOCK_SP=block_sp,
+                                     num_warps=4))
+    launch_via(launch, plan, (G,), (p1, p2, wp, dw if need_wb else p1, db if need_wb else p1, k1, k2,
+                                    N, C, CG, G, S, splits))
     if dx is None:
         return
-    launch(_gn_apply_kernel, agrid, x, dy, dx, wp, bp, mean, rstd, k1, k2,
-           C, S, CG, G, ancb, *xs, *gs, *dxs,
-           BWD=True, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **ameta)
+    plan = _kept_launch((_gn_apply_kernel, True, has_w, has_b, act, *shape, dxs),
+                        lambda: dict(BWD=True, HAS_W=has_w, HAS_B=has_b, ACT=act, CD=cd, **ameta))
+    launch_via(launch, plan, agrid, (x, dy, dx, wp, bp, mean, rstd, k1, k2, C, S, CG, G, ancb, *xs, *gs, *dxs))
 
 
 # ---- LayerNorm / RMSNorm ----------------------------------------------------------------------
@@ -690,20 +712,6 @@ def _ln_bwd_plan(M, D, dtype):
     return P, n_rblocks, meta, (cdiv(D, cbd), dict(BLOCK_P=bp, BLOCK_D=cbd, num_warps=4))
 
 
-# The launch.Plan of each LayerNorm/RMSNorm launch: (kernel, M, D, dtype, switches) -> Plan, its meta the
-# memoised plan's with the switches; the row strides are left free (``by_value``). Emptied with those plans.
-_ln_launches: dict = {}
-tune.register_cache(_ln_launches.clear)
-
-
-def _ln_launch(key, make_meta, by_value=()):
-    """The Plan of ``key`` (its kernel first), made with the meta ``make_meta()`` at its first launch."""
-    plan = _ln_launches.get(key)
-    if plan is None:
-        plan = _ln_launches[key] = Plan(key[0], make_meta(), by_value)
-    return plan
-
-
 @tunable("y")
 def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
     """Normalise the M rows of D elements of ``x`` (row stride ``xs_m``, unit column stride) into
@@ -715,8 +723,8 @@ def layer_norm_fwd(y, x, w, b, M, D, eps, rms, xs_m, ys_m):
         return mean, rstd
     programs, meta = _ln_fwd_plan(M, D, x.dtype)
     has_w, has_b = w is not None, b is not None
-    plan = _ln_launch((_ln_fwd_kernel, M, D, x.dtype, rms, has_w, has_b),
-                      lambda: dict(RMS=rms, HAS_W=has_w, HAS_B=has_b, CD=_cd(x.dtype), **meta), by_value=(8, 9))
+    plan = _kept_launch((_ln_fwd_kernel, M, D, x.dtype, rms, has_w, has_b),
+                        lambda: dict(RMS=rms, HAS_W=has_w, HAS_B=has_b, CD=_cd(x.dtype), **meta), by_value=(8, 9))
     launch_via(launch, plan, (programs,), (x, y, w if has_w else x, b if has_b else x, rstd if rms else mean, rstd,
                                            M, D, xs_m, ys_m, float(eps)))
     return mean, rstd
@@ -735,9 +743,9 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
     pw = runtime.empty((P, D), acc) if dw is not None else None
     pb = runtime.empty((P, D), acc) if db is not None else None
     has_w, need_x, need_w, need_b = w is not None, dx is not None, dw is not None, db is not None
-    plan = _ln_launch((_ln_bwd_kernel, M, D, x.dtype, rms, has_w, need_x, need_w, need_b),
-                      lambda: dict(RMS=rms, HAS_W=has_w, NEED_X=need_x, NEED_W=need_w, NEED_B=need_b,
-                                   CD=_cd(x.dtype), **meta), by_value=(12, 13, 14))
+    plan = _kept_launch((_ln_bwd_kernel, M, D, x.dtype, rms, has_w, need_x, need_w, need_b),
+                        lambda: dict(RMS=rms, HAS_W=has_w, NEED_X=need_x, NEED_W=need_w, NEED_B=need_b,
+                                     CD=_cd(x.dtype), **meta), by_value=(12, 13, 14))
     launch_via(launch, plan, (P,), (x, dy, w if has_w else x, rstd if mean is None else mean, rstd,
                                     dx if need_x else x, pw if need_w else rstd, pb if need_b else rstd,
                                     M, D, n_rblocks, P, xs_m, gs_m, dxs_m if need_x else 0))
@@ -749,8 +757,8 @@ def layer_norm_bwd(dx, dw, db, dy, x, w, mean, rstd, M, D, rms, xs_m, gs_m, dxs_
                 reduce_(out, part, 1, P, D, (P * D, D, 1), SUM)
         return
     part = pw if pw is not None else pb
-    plan = _ln_launch((_colsum_kernel, M, D, x.dtype, need_w, need_b),
-                      lambda: dict(NEED_W=need_w, NEED_B=need_b, **colsum[1]))
+    plan = _kept_launch((_colsum_kernel, M, D, x.dtype, need_w, need_b),
+                        lambda: dict(NEED_W=need_w, NEED_B=need_b, **colsum[1]))
     launch_via(launch, plan, (colsum[0],), (part, pb if need_b else part, dw if need_w else part,
                                             db if need_b else part, P, D))
 
