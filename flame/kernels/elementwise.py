@@ -586,22 +586,40 @@ def geglu_backward_(grad, g, inp):
     for ``y = h * gelu(x)``, ``(h, x)`` the halves of ``inp``'s last dim (2H) and ``g`` (..., H)
     the output's gradient. One launch when every operand's leading dims merge into rows and its
     last dim is unit-stride (the usual case: contiguous activations), else two maps."""
-    H = g.shape[-1]
     if g.numel() == 0:
         return grad
-    shape, strides = collapse(g.shape[:-1], [t.stride()[:-1] for t in (grad, g, inp)])
-    if len(shape) > 1 or any(t.stride(-1) != 1 for t in (grad, g, inp)):
+    key = (_geglu_backward_kernel, g.shape, grad.stride(), g.stride(), inp.stride(), g.dtype, inp.dtype)
+    kept = _plans.get(key, _UNPLANNED)  # (Plan, grid, size and stride arguments), or None: two maps
+    if kept is _UNPLANNED:
+        kept = _plans[key] = _geglu_backward_launch(g.shape, key[2:5], g.dtype, inp.dtype)
+    if kept is None:
         (hidden, gate), (grad_hidden, grad_gate) = geglu_halves(inp), geglu_halves(grad)
         map_(grad_hidden, [g, gate], GEGLU)
         return map_(grad_gate, [g, gate, hidden], GEGLU_GATE_BWD)
-    rows = shape[0]
-    cfg = _strided_default(rows, H, False, _tile(g.dtype))
+    plan, grid, args = kept
+    launch_via(launch, plan, grid, (grad, g, inp, *args))
+    return grad
+
+
+_UNPLANNED = object()
+
+
+def _geglu_backward_launch(g_shape, strides, g_dtype, inp_dtype):
+    """The kept launch of ``geglu_backward_`` for the gradient's shape ``g_shape``, the (grad, g, inp)
+    ``strides`` and the dtypes, or None when an operand's leading dims do not merge into rows or its
+    last dim is not unit-stride."""
+    if any(st[-1] != 1 for st in strides):
+        return None
+    shape, strides = collapse(g_shape[:-1], [st[:-1] for st in strides])
+    if len(shape) > 1:
+        return None
+    rows, H = shape[0], g_shape[-1]
+    cfg = _strided_default(rows, H, False, _tile(g_dtype))
     block_r, block_c = cfg["BLOCK_R"], cfg["BLOCK_C"]
     wide = needs_int64((rows, 2 * H), [(st[0], 1) for st in strides], block_r, block_c)
-    launch(_geglu_backward_kernel, (cdiv(rows, block_r), cdiv(H, block_c)), grad, g, inp, rows, H,
-           *(st[0] for st in strides), CD=compute_dtype(g.dtype, inp.dtype), WIDE=wide, BLOCK_R=block_r,
-           BLOCK_C=block_c, num_warps=cfg["num_warps"])
-    return grad
+    plan = Plan(_geglu_backward_kernel, dict(CD=compute_dtype(g_dtype, inp_dtype), WIDE=wide, BLOCK_R=block_r,
+                                             BLOCK_C=block_c, num_warps=cfg["num_warps"]))
+    return plan, (cdiv(rows, block_r), cdiv(H, block_c)), (rows, H, *(st[0] for st in strides))
 
 
 def fill_(out, value):

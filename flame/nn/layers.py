@@ -86,7 +86,8 @@ class Linear(Module):
 
     def forward(self, x):
         _check_input(x, "Linear")
-        if x.ndim == 0 or x.shape[-1] != self.in_features:
+        xs = x._data.shape
+        if not xs or xs[-1] != self.in_features:
             raise RuntimeError(f"Linear: input of shape {x.shape} does not end in in_features={self.in_features} "
                                f"(weight shape {self.weight.shape})")
         return linear(x, self.weight, self.bias)  # one GEMM with the bias in its epilogue

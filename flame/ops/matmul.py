@@ -262,21 +262,24 @@ def linear(x, weight, bias=None, activation=None):
     check_tensor(x, "input", "linear")
     check_tensor(weight, "weight", "linear")
     x, weight, bias = _autocast.lower(x, weight, bias)
-    if activation not in _ACTIVATIONS:
+    acts = _ACTIVATIONS.get(activation)
+    if acts is None:
         raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
     xd, wd = x._data, weight._data
-    dtype = xd.dtype
-    if not dtype.is_floating_point or not wd.dtype.is_floating_point:
+    dtype, w_dtype = xd.dtype, wd.dtype
+    if not dtype.is_floating_point or not w_dtype.is_floating_point:
         raise TypeError(f"linear: expected floating-point input and weight, got {x.dtype} and {weight.dtype}")
-    check_not_raw_fp8(weight, "linear")
+    fp8 = isinstance(weight, Fp8Weight)
+    if w_dtype is FP8 and not fp8:
+        check_not_raw_fp8(weight, "linear")
     xs, ws = xd.shape, wd.shape
     if len(ws) != 2 or not xs or xs[-1] != ws[1]:
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
     n_out = ws[0]
-    fp8 = isinstance(weight, Fp8Weight)
-    weight, bias = _layer_params(x, weight, bias, n_out, "linear")
-    act, grad_op = _ACTIVATIONS[activation]
+    if bias is not None or w_dtype is not dtype:  # else the parameters are taken as they are
+        weight, bias = _layer_params(x, weight, bias, n_out, "linear")
+    act, grad_op = acts
     out_shape = (*xs[:-1], n_out)
     out = runtime.empty(out_shape, dtype)
     grad = needs_grad(x, weight, bias)
