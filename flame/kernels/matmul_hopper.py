@@ -422,14 +422,14 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     def c_blocks(t, width):  # C's (or a pre-activation's or residual's) for blocks of ``width`` columns
         return _descriptor(t, [M, N], [s_c, 1], [bm, width])
 
-    # the main blocks' descriptors, then the tail's (the main ones stand in without a tail), C's
-    # standing in for a pre-activation or residual switched off
+    # the main blocks' descriptors and the tail's; None for those the kernel does not read (a
+    # constexpr: Triton's launcher encodes every descriptor passed, ~1 us of host time each)
     b_desc = b_blocks(main)
     c_desc = c_blocks(out, main)
-    bt_desc, ct_desc = (b_blocks(tail), c_blocks(out, tail)) if tail else (b_desc, c_desc)
+    bt_desc, ct_desc = (b_blocks(tail), c_blocks(out, tail)) if tail else (None, None)
 
     def epilogue_blocks(t):  # a pre-activation's or residual's pair
-        return (c_desc, ct_desc) if t is None else (c_blocks(t, main), c_blocks(t, tail) if tail else c_desc)
+        return (None, None) if t is None else (c_blocks(t, main), c_blocks(t, tail) if tail else None)
 
     pre_desc, pret_desc = epilogue_blocks(f.pre_out)
     res_desc, rest_desc = epilogue_blocks(f.residual)
@@ -441,8 +441,8 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
     # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits). So the bias
     # is a tensor even when BIAS is off (C stands in), and so are the scales: a ``sig`` launch keys on
-    # the tensors at the positions its first launch had them; C's descriptor stands in for those
-    # switched off likewise.
+    # the tensors at the positions its first launch had them; the descriptors switched off are None
+    # at positions the constexprs fix.
     sig = (a.dtype, out.dtype, tuple(meta.items()))
     launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, bt_desc, c_desc, ct_desc, pre_desc,
            pret_desc, res_desc, rest_desc, gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out),
