@@ -39,7 +39,7 @@ import torch
 
 from .. import autotune, runtime
 from . import matmul as gemm
-from .launch import descriptor, launch
+from .launch import Plan, descriptor_template, launch, launch_via
 
 try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
     from triton.experimental import gluon
@@ -384,14 +384,13 @@ def split_width(block_n):
     return main, tail
 
 
-def _descriptor(base, shape, strides, block_shape):
-    """A Gluon TMA descriptor of ``base``: ``launch.descriptor``'s (its checks, made once per
-    dtype, shape, strides and block) with the default swizzled shared layout of its block, which
-    Gluon's host descriptors carry."""
-    made = object.__new__(TensorDescriptor)
-    vars(made).update(vars(descriptor(base, shape, strides, block_shape)))
-    made.layout = _shared_layout(base.dtype, tuple(block_shape))
-    return made
+def _template(base, shape, strides, block_shape):
+    """The fields of a Gluon TMA descriptor of buffers like ``base`` (``launch.descriptor_template``:
+    Triton's checks, made once per dtype, shape, strides and block) with the default swizzled
+    shared layout of its block, which Gluon's host descriptors carry."""
+    fields = dict(descriptor_template(base, shape, strides, block_shape))  # its base None
+    fields["layout"] = _shared_layout(base.dtype, tuple(block_shape))
+    return fields
 
 
 @functools.cache
@@ -403,48 +402,78 @@ _GL_DTYPES = {} if gluon is None else {torch.float16: gl.float16, torch.bfloat16
                                        torch.float8_e4m3fn: gl.float8e4nv}
 
 
+class _Launch:
+    """What ``matmul`` keeps per (problem, config, dtypes, epilogue switches): the kernel's launch
+    ``plan`` and ``grid``, its leading descriptor arguments (A, B, B's tail, C, C's tail, the
+    pre-activation's pair, the residual's pair; None for those the kernel does not read: Triton's
+    launcher encodes every descriptor passed, ~1 us of host time each), made once from their
+    templates, and ``fills``: (descriptor, source) pairs, the source an index into (A, B, C,
+    pre-activation, residual), whose bases each launch sets for the call (a new descriptor per
+    launch cost as much host time as the rest of the launch)."""
+
+    __slots__ = ("plan", "grid", "descriptors", "fills")
+
+    def __init__(self, out, a, b, M, N, K, f, layout, cfg, scaled):
+        a_k, b_k, s_a, s_b, s_c = layout
+        bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
+        main, tail = split_width(bn)
+        block_k = K_BYTES // a.element_size()
+        widths = (main, tail)  # a tile's two blocks of columns (the tail's 0 without one)
+        specs = [(0, (a, [M, K], [s_a, 1], [bm, block_k]) if a_k else (a, [K, M], [s_a, 1], [block_k, bm]))]
+        for w in widths:
+            specs.append((1, None if not w else (b, [N, K], [s_b, 1], [w, block_k]) if b_k else
+                          (b, [K, N], [s_b, 1], [block_k, w])))
+        for source, t in ((2, out), (3, f.pre_out), (4, f.residual)):  # each buffer the tile writes
+            specs += [(source, None if t is None or not w else (t, [M, N], [s_c, 1], [bm, w])) for w in widths]
+        self.descriptors, self.fills = [], []
+        for source, spec in specs:
+            made = None
+            if spec is not None:
+                made = object.__new__(TensorDescriptor)  # Gluon's class: Triton specialises on it and its layout
+                made.__dict__ = _template(*spec)
+                self.fills.append((made, source))
+            self.descriptors.append(made)
+        self.descriptors = tuple(self.descriptors)
+        self.fills = tuple(self.fills)
+        meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
+                    RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
+                    CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
+        # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
+        # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
+        # follow from the constexprs); the sizes are not specialised on
+        self.plan = Plan(_gemm_hopper_kernel, meta)
+        self.grid = (min(gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn), runtime.num_sms()),)
+
+
+_launches: dict = {}  # (sizes, layout, dtypes, epilogue switches, config) -> _Launch
+_MAX_LAUNCHES = 4096
+
+
 def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
     """``out`` (M, N) = the epilogue ``f`` of A B on a problem that ``usable`` accepts, with
     ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``). W8A8: ``a``
     and ``b`` hold float8_e4m3fn codes, both read along K, with ``a_scale`` (M,) fp32 per row of A
     and ``f.b_scale`` (N,) per column of B: ``A B = diag(a_scale) codes_A codes_B diag(b_scale)``."""
-    a_k, b_k, s_a, s_b, s_c = layout
-    bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
-    main, tail = split_width(bn)
-    block_k = K_BYTES // a.element_size()
-    a_desc = _descriptor(a, [M, K], [s_a, 1], [bm, block_k]) if a_k else _descriptor(a, [K, M], [s_a, 1],
-                                                                                      [block_k, bm])
-
-    def b_blocks(width):  # B's descriptor for blocks of ``width`` columns of the tile
-        return (_descriptor(b, [N, K], [s_b, 1], [width, block_k]) if b_k else
-                _descriptor(b, [K, N], [s_b, 1], [block_k, width]))
-
-    def c_blocks(t, width):  # C's (or a pre-activation's or residual's) for blocks of ``width`` columns
-        return _descriptor(t, [M, N], [s_c, 1], [bm, width])
-
-    # the main blocks' descriptors and the tail's; None for those the kernel does not read (a
-    # constexpr: Triton's launcher encodes every descriptor passed, ~1 us of host time each)
-    b_desc = b_blocks(main)
-    c_desc = c_blocks(out, main)
-    bt_desc, ct_desc = (b_blocks(tail), c_blocks(out, tail)) if tail else (None, None)
-
-    def epilogue_blocks(t):  # a pre-activation's or residual's pair
-        return (None, None) if t is None else (c_blocks(t, main), c_blocks(t, tail) if tail else None)
-
-    pre_desc, pret_desc = epilogue_blocks(f.pre_out)
-    res_desc, rest_desc = epilogue_blocks(f.residual)
-    tiles = gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn)
-    meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
-                RESIDUAL=f.residual is not None, SCALED=a_scale is not None, BLOCK_K=block_k, TAIL_N=tail,
-                CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
-    # the descriptors are not torch tensors: ``sig`` pins down what the compiled kernel depends on
-    # besides the tensor arguments (the bias): the operand dtype and the constexprs, which fix every
-    # descriptor's block and layout (the sizes are not specialised on, and fit 32 bits). So the bias
-    # is a tensor even when BIAS is off (C stands in), and so are the scales: a ``sig`` launch keys on
-    # the tensors at the positions its first launch had them; the descriptors switched off are None
-    # at positions the constexprs fix.
-    sig = (a.dtype, out.dtype, tuple(meta.items()))
-    launch(_gemm_hopper_kernel, (min(tiles, runtime.num_sms()),), a_desc, b_desc, bt_desc, c_desc, ct_desc, pre_desc,
-           pret_desc, res_desc, rest_desc, gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out),
-           M, N, K, f.bias_stride, f.scale, sig=sig, **meta)
+    pre, res = f.pre_out, f.residual
+    key = (M, N, K, layout, a.dtype, out.dtype, f.bias is not None, f.act, None if pre is None else pre.dtype,
+           None if res is None else res.dtype, a_scale is not None, *cfg.values())
+    kept = _launches.get(key)
+    if kept is None:
+        if len(_launches) >= _MAX_LAUNCHES:
+            _launches.clear()
+        kept = _launches[key] = _Launch(out, a, b, M, N, K, f, layout, cfg, a_scale is not None)
+    sources = (a, b, out, pre, res)
+    aligned = 0
+    for made, source in kept.fills:
+        made.base = sources[source]
+        aligned |= made.base.data_ptr()
+    try:
+        if aligned % 16:
+            raise ValueError("matmul_hopper: a TMA operand's base is not 16-byte aligned")
+        launch_via(launch, kept.plan, kept.grid,
+                   (*kept.descriptors, gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out),
+                    M, N, K, f.bias_stride, f.scale))
+    finally:  # the kept descriptors hold no buffer between launches
+        for made, _ in kept.fills:
+            made.base = None
     return out
