@@ -673,10 +673,10 @@ def test_matrix_operands_are_read_in_place():
     out = torch.empty(2, 5, 10, dtype=torch.float64)
     KM.linear_(out, x, w)
     torch.testing.assert_close(out.reshape(10, 10), ref)
-    calls = len(KM._route.calls)
+    problems = len(KM._route.problems)
     out2 = torch.empty(10, 10, dtype=torch.float64)
-    KM.linear_(out2, x.view(10, 12), w)  # the 2-D view: the same signature
-    assert len(KM._route.calls) == calls
+    KM.linear_(out2, x.view(10, 12), w)  # the 2-D view: the same problem
+    assert len(KM._route.problems) == problems
     torch.testing.assert_close(out2, ref)
     # dW = G^T X from the activations as they are; a low-rank V given as U's transpose
     dw = torch.empty(10, 12, dtype=torch.float64)
@@ -719,7 +719,7 @@ def test_tma_route_fills_its_kept_descriptors_per_launch(monkeypatch, tma_in_int
         KM.linear_(out, x, w)
         _check(flame.from_torch(out), _ref(x, w.t()).half(), 264)
         assert seen[-1] == (x.data_ptr(), w.data_ptr(), out.data_ptr())
-    (_, route, _), = KM._route.calls.values()
+    (route,) = KM._route.problems.values()
     assert route.kernel == "tma" and all(d.base is None for d in route.launch.memo[1])
 
 
@@ -732,7 +732,36 @@ def test_gemm_plans_are_pinned_where_the_call_signature_holds_every_key(tma_in_i
     out = torch.empty(16, 24, dtype=torch.float16)
     KM.linear_(out, x, w)
     KM.linear_(out, x, w, torch.randn(24, dtype=torch.float16))
-    pinned = [entry[1].launch.pinned for entry in KM._route.calls.values()]
+    pinned = [route.launch.pinned for route in KM._route.problems.values()]
     assert pinned == [True, False]
     with pytest.raises(TypeError, match="a and b must have one dtype"):
         KM.matmul_(out, x, w.t().float())
+
+
+def test_a_kept_call_signature_runs_on_each_call_s_own_buffers(monkeypatch, tma_in_interpreter):
+    """An entry point's repeated call signature runs its kept route (no ``_launch``) with that call's
+    buffers (bias, pre-activation, low-rank term, residual); a buffer off 16-byte alignment on a TMA
+    device goes through ``_launch`` each call."""
+    import flame.kernels.matmul as KM
+    launched, real = [], KM._launch
+    monkeypatch.setattr(KM, "_launch", lambda *a: launched.append(a[3:6]) or real(*a))
+    g = torch.Generator().manual_seed(2)
+    relu = KE.RELU.value
+    for _ in range(2):
+        x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 8), (5, 8), (5,)))
+        u, v = torch.randn(6, 2, generator=g, dtype=torch.float64), torch.randn(2, 5, generator=g, dtype=torch.float64)
+        out, pre = torch.empty(2, 3, 5, dtype=torch.float64), torch.empty(2, 3, 5, dtype=torch.float64)
+        KM.linear_(out, x, w, b, relu, pre, low_rank=(u, v, 0.5))
+        want = x.reshape(6, 8) @ w.t() + 0.5 * u @ v + b
+        torch.testing.assert_close(pre.reshape(6, 5), want)
+        torch.testing.assert_close(out.reshape(6, 5), want.clamp_min(0))
+        res = torch.randn(5, 8, generator=g, dtype=torch.float64)
+        dw = res.clone()
+        KM.matmul_(dw, KM.transposed(out), KM.matrix(x), alpha=2.0, residual=dw)
+        torch.testing.assert_close(dw, 2.0 * out.reshape(6, 5).t() @ x.reshape(6, 8) + res)
+    assert len(launched) == 2  # the first call of each signature
+    h = torch.randn(2, 65, generator=g).half()
+    for _ in range(2):  # a view one element in: misaligned, described each call
+        out = torch.empty(2, 16, dtype=torch.float16)
+        KM.linear_(out, h[:, 1:], torch.randn(16, 64, generator=g).half())
+    assert len(launched) == 4

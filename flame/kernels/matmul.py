@@ -1070,6 +1070,42 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
             _route.keep_call(key, entry)
     p, route, run = entry
     run(p, route, out, a, b, f)
+    return entry
+
+
+# An entry point keeps what each of its call signatures resolved to, (problem, route, runner, the epilogue
+# with no buffers), in ``_route.calls`` too, under a key made of its arguments as it has them and the
+# device's switches as read now (``_launch``'s), so a repeated call reads its arguments' layouts once,
+# builds no ``Fusion`` and no ``_launch`` key and runs the kept route over its buffers (``_run_kept``). A
+# call with a buffer a TMA kernel would read off 16-byte alignment (rare: a view at an odd offset) goes
+# through ``_launch`` every time, as do all calls while FLAME_DEBUG_ROUTES is on or ``plan`` is replaced.
+
+def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale):
+    """Run the route kept for an entry point's call (its ``signature``: the sizes, strides, dtypes and
+    epilogue switches of its arguments) over these buffers and return True; for a call not kept, return
+    the key to keep its launch under (``_keep``), None for one with a misaligned buffer on a TMA device."""
+    tma = TMA and a.dtype in _TMA_DTYPES and tma_available()
+    if tma:
+        pointers = a.data_ptr() | b.data_ptr() | out.data_ptr()
+        for t in (pre_out, residual, u, v):
+            if t is not None:
+                pointers |= t.data_ptr()
+        if pointers % 16:
+            return None
+    key = (signature, tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER,
+           runtime.num_sms(), FP8_ROUTE)
+    kept = _route.calls.get(key)
+    if kept is None or DEBUG_ROUTES or plan is not _PLAN:
+        return key
+    p, route, run, template = kept
+    run(p, route, out, a, b, _NO_FUSION if template is None else template.bound(bias, pre_out, residual, u, v, b_scale))
+    return True
+
+
+def _keep(key, entry, f):
+    """Keep ``_launch``'s ``entry`` (with epilogue ``f``, or None) for call key ``key`` (see ``_run_kept``)."""
+    if key is not None and plan is _PLAN and not DEBUG_ROUTES:
+        _route.keep_call(key, (*entry, None if f is None else f.bound(None, None, None, None, None, None)))
 
 
 # The runners: route ``r`` of problem ``p`` on these buffers with the epilogue ``f``. They take every
@@ -1217,6 +1253,21 @@ class Fusion:
         pointers = (0 if pre_out is None else pre_out.data_ptr()) | (0 if residual is None else residual.data_ptr())
         self.pointers = pointers | (u.data_ptr() | v.data_ptr() if rank else 0)
 
+    def bound(self, bias, pre_out, residual, u, v, b_scale):
+        """This epilogue over other buffers of the same layouts: what a kept call signature runs with
+        (``_run_kept``; with every buffer None, the template it keeps), without ``__init__``'s work.
+        ``pointers`` is left 0: a bound epilogue runs a route already planned."""
+        f = _new_fusion(Fusion)
+        f.bias, f.pre_out, f.residual, f.b_scale = bias, pre_out, residual, b_scale
+        f.u, f.v = (u, v) if self.rank else (None, None)
+        f.bias_stride, f.act, f.alpha, f.beta, f.rank = self.bias_stride, self.act, self.alpha, self.beta, self.rank
+        f.scale, f.rank_ratio, f.u_strides, f.v_strides = self.scale, self.rank_ratio, self.u_strides, self.v_strides
+        f.b_scale_rows, f.b_fp8, f.w8a8, f.key, f.pointers = self.b_scale_rows, self.b_fp8, self.w8a8, self.key, 0
+        return f
+
+
+_new_fusion = object.__new__
+
 
 _NO_FUSION = Fusion()
 
@@ -1298,25 +1349,35 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     am = sc = None
     if bm is not None:
         am = a if type(a) is tuple else matrix(a)
+    if am is not None:  # a 2-D problem, unless out is no matrix of its rows
+        ab, M, K, sam, sak = am
+        bb, _, N, sbk, sbn = bm
+        u = v = term = key = None
+        if low_rank is not None:
+            low_rank = _low_rank(low_rank, M, N, ab.dtype)
+            um, vm, beta = low_rank
+            u, v, term = um[0], vm[0], (um[1:], vm[1:], beta)
+        if b_scale is not None or bb.dtype is FP8_DTYPE:
+            _check_fp8(bb, b_scale, K)
+        plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
         sc = out.stride()
-        if len(sc) != 2:
-            om = matrix(out)
-            sc = None if om is None else om[3:]
-    if sc is not None and am is not None:
-        a, M, K, sam, sak = am
-        b, _, N, sbk, sbn = bm
-        if b_scale is not None or b.dtype is FP8_DTYPE:
-            _check_fp8(b, b_scale, K)
+        if len(sc) != 2 or not plain:  # out's matrix or a Fusion to skip: kept per call signature (else _launch's)
+            key = _run_kept(("matmul", am[1:], ab.dtype, bm[1:], bb.dtype, out.shape, sc, out.dtype, alpha,
+                             residual is not None, term, b_scale is not None), out, ab, bb, None, None, residual, u, v,
+                            b_scale)
+            if key is True:
+                return out
+            if len(sc) != 2:
+                om = matrix(out)
+                sc = None if om is None else om[3:]
+    if sc is not None:
         if M == 0 or N == 0:
             return out
         if K == 0:
             return fill_(out, 0.0)
-        if low_rank is not None:
-            low_rank = _low_rank(low_rank, M, N, a.dtype)
-        plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
-        _launch(out, a, b, M, N, K, (), (sam, sak), (sbk, sbn), sc,
-                None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
-                                          b_scale_rows=True))
+        f = None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
+                                      b_scale_rows=True)
+        _keep(key, _launch(out, ab, bb, M, N, K, (), (sam, sak), (sbk, sbn), sc, f), f)
         return out
     if type(a) is tuple or type(b) is tuple:
         raise ValueError(f"matmul_: matrix tuples need a 2-D problem (b a matrix, a and out matrices of its rows), "
@@ -1367,22 +1428,32 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop or
     dequantised first (``_fp8_route``); with ``w8a8``, ``x`` is rounded to e4m3 per row too and the
     product runs on the fp8 tensor cores where a kernel for them serves (``_w8a8``)."""
-    x, R, K, sxr, sxk = x if type(x) is tuple else _operand(x, "x")
+    xm = x if type(x) is tuple else _operand(x, "x")
+    x, R, K, sxr, sxk = xm
+    w_shape = w.shape
+    N = w_shape[0]
+    u = v = term = None
+    if low_rank is not None:
+        low_rank = _low_rank(low_rank, R, N, x.dtype)
+        um, vm, beta = low_rank
+        u, v, term = um[0], vm[0], (um[1:], vm[1:], beta)
+    if w_scale is not None or w.dtype is FP8_DTYPE:
+        _check_fp8(w, w_scale, N)
+    ws = w.stride()
+    key = _run_kept(("linear", xm[1:], x.dtype, out.shape, out.stride(), out.dtype, w_shape, ws, w.dtype,
+                     None if bias is None else bias.stride(), act, pre_out is not None, term, w_scale is not None,
+                     w8a8), out, x, w, bias, pre_out, None, u, v, w_scale)
+    if key is True:
+        return out
     sc = out.stride()
     if len(sc) != 2:
         sc = _operand(out, "out")[3:]
-    N = w.shape[0]
-    if low_rank is not None:
-        low_rank = _low_rank(low_rank, R, N, x.dtype)
-    if w_scale is not None or w.dtype is FP8_DTYPE:
-        _check_fp8(w, w_scale, N)
     if R == 0 or N == 0:
         return out
-    ws = w.stride()
     plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None
-    _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc,
-            None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale,
-                                      w8a8=w8a8 and w_scale is not None))
+    f = None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale,
+                                  w8a8=w8a8 and w_scale is not None)
+    _keep(key, _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc, f), f)
     return out
 
 
