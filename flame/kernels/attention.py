@@ -54,7 +54,7 @@ from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import attention_hopper
 from .launch import Plan, launch, launch_via
-from .matmul import tma_available
+from .matmul import RouteMemo, tma_available
 
 # The forward's K/V loop reads through TMA descriptors where the GPU and the layout allow it
 # (route "kv_tma") and there are at least KV_TMA_MIN_KEYS keys; FLAME_ATTN_TMA=0 turns that off
@@ -917,11 +917,10 @@ class Route:
 
 
 _reported: set = set()
-
-
-@tune.memoised
-def _route(p: AttentionProblem) -> Route:
-    return _plan(p)
+# The route of each problem, and what each maskless call signature of the entry points resolved to
+# (``_planned``: its problem and route), emptied together by ``flame.tune``'s overrides and resets
+_route = RouteMemo(lambda p: _plan(p))  # looked up per call: a test may replace _plan's helpers
+tune.register_cache(_route.cache_clear)
 
 
 def plan(p: AttentionProblem) -> Route:
@@ -937,6 +936,9 @@ def plan(p: AttentionProblem) -> Route:
         print(f"flame attention route: {p.direction} {', '.join(what)}: {route.kernel}, splits {route.splits}, "
               f"config {route.config}: {route.reason}", file=sys.stderr)
     return route
+
+
+_PLAN = plan  # the entry points plan every call while this name is replaced (a test's watcher)
 
 
 def _plan(p):
@@ -1069,29 +1071,48 @@ def _mask_buffer(mask, q):
     return (q, (0, 0, 0, 0)) if mask is None else mask[:2]
 
 
+def _planned(key, direction, operands, B, H, Lq, Lk, D, scale, causal, mask, strides, gluon):
+    """``(p, plan(p))`` of an entry point's call, its problem ``p`` from ``_problem`` (``strides``, every
+    operand's (batch, head, row) strides, for ``wide``), memoised per call signature ``key`` (None: not
+    memoised): a repeated call builds no problem. Every call plans while blocks are forced,
+    FLAME_DEBUG_ROUTES is on or ``plan`` is replaced."""
+    entry = None if key is None else _route.calls.get(key)
+    if entry is None or DEBUG_ROUTES or FORCE_BLOCKS is not None or plan is not _PLAN:
+        ms = _mask_buffer(mask, operands[0][1])[1]
+        Ls = (Lq, Lk, Lk, Lq) + (Lq, Lq, Lk, Lk)[:len(strides) - 4]  # q, k, v, o (do, dq, dk, dv)
+        wide = _wide(Lq * ms[2] + Lk * ms[3], *[L * s[2] for L, s in zip(Ls, strides)])
+        p = _problem(direction, operands, B, H, Lq, Lk, D, scale, causal, mask, wide, gluon)
+        entry = p, plan(p)
+        if key is not None and FORCE_BLOCKS is None and plan is _PLAN:
+            _route.keep_call(key, entry)
+    return entry
+
+
 @tunable("o", "lse")
 def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, causal, mask=None):
-    """O = softmax(Q K^T * scale + mask) V into ``o``; base-2 log-sum-exp into ``lse`` (B*H, Lq)."""
-    ms = _mask_buffer(mask, q)[1]
-    wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * ms[2] + Lk * ms[3])
-    p = _problem(FORWARD, (("q", q, sq), ("k", k, sk), ("v", v, sv)), B, H, Lq, Lk, D, scale, causal, mask, wide,
-                 HOPPER_FWD)
-    route = plan(p)
+    """O = softmax(Q K^T * scale + mask) V into ``o``; base-2 log-sum-exp into ``lse`` (B*H, Lq).
+    A maskless call whose q, k and v are 16-byte aligned has a call signature (strides, sizes, dtype,
+    the scale's sign, causal, the switches TMA_SWITCH and HOPPER_FWD as read now): see ``_planned``."""
+    key = None
+    if mask is None and (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0:
+        key = (sq, sk, sv, so, B, H, Lq, Lk, D, q.dtype, scale > 0, causal, TMA_SWITCH, HOPPER_FWD)
+    p, route = _planned(key, FORWARD, (("q", q, sq), ("k", k, sk), ("v", v, sv)), B, H, Lq, Lk, D, scale, causal,
+                        mask, (sq, sk, sv, so), HOPPER_FWD)
     _RUN[FORWARD][route.kernel](p, route, (q, k, v, o, lse), (sq, sk, sv, so), scale, mask)
 
 
 @tunable("dq", "dk", "dv")
 def attention_bwd(q, k, v, o, do, lse, dq, dk, dv, sq, sk, sv, so, sdo, sdq, sdk, sdv,
                   B, H, Lq, Lk, D, scale, causal, mask=None):
-    """dQ, dK, dV of ``attention_fwd`` given dO, O and the saved log-sum-exp."""
-    ms = _mask_buffer(mask, q)[1]
-    wide = _wide(Lq * sq[2], Lk * sk[2], Lk * sv[2], Lq * so[2], Lq * sdo[2], Lq * sdq[2], Lk * sdk[2],
-                 Lk * sdv[2], Lq * ms[2] + Lk * ms[3])
-    p = _problem(BACKWARD, (("q", q, sq), ("k", k, sk), ("v", v, sv), ("do", do, sdo)), B, H, Lq, Lk, D, scale,
-                 causal, mask, wide, HOPPER_BWD)
-    route = plan(p)
-    _RUN[BACKWARD][route.kernel](p, route, (q, k, v, o, do, lse, dq, dk, dv), (sq, sk, sv, so, sdo, sdq, sdk, sdv),
-                                 scale, mask)
+    """dQ, dK, dV of ``attention_fwd`` given dO, O and the saved log-sum-exp (call signatures as the
+    forward's, with dO aligned too and HOPPER_BWD)."""
+    strides = (sq, sk, sv, so, sdo, sdq, sdk, sdv)
+    key = None
+    if mask is None and (q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16 == 0:
+        key = (strides, B, H, Lq, Lk, D, q.dtype, scale > 0, causal, TMA_SWITCH, HOPPER_BWD)
+    p, route = _planned(key, BACKWARD, (("q", q, sq), ("k", k, sk), ("v", v, sv), ("do", do, sdo)), B, H, Lq, Lk,
+                        D, scale, causal, mask, strides, HOPPER_BWD)
+    _RUN[BACKWARD][route.kernel](p, route, (q, k, v, o, do, lse, dq, dk, dv), strides, scale, mask)
 
 
 # The runners: route ``r`` of problem ``p`` on the call's buffers and strides (the forward's q, k, v,

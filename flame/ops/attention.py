@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from typing import NamedTuple
 
 import torch
 
@@ -47,20 +48,16 @@ MAX_HEAD_DIM = 512  # the forward's limit
 MAX_GRAD_HEAD_DIM = 256  # the backward's: above it the forward alone (inference)
 
 
-def _empty_like_order(buf, dtype=None):
-    """An uninitialised dense buffer shaped like ``buf`` whose leading dims are laid out in
-    ``buf``'s stride order (outermost = largest stride) and whose last (head) dim is innermost
-    (allocated with those strides: no permuted view of a contiguous allocation to build)."""
-    shape = tuple(buf.shape)
-    strides = _layout(shape, buf.stride())
-    dtype = dtype or buf.dtype
+def _empty(shape, strides, dtype):
+    """An uninitialised buffer of ``shape`` with ``strides`` (``_layout``'s: None when contiguous)."""
     return runtime.empty(shape, dtype) if strides is None else runtime.empty_strided(shape, strides, dtype)
 
 
 @functools.lru_cache(maxsize=256)
 def _layout(shape, stride):
-    """The strides of ``_empty_like_order``'s buffer for a buffer of ``shape`` and ``stride``, None
-    when contiguous."""
+    """The strides of a dense buffer laid out like one of ``shape`` and ``stride``, None when contiguous:
+    its leading dims in that buffer's stride order (outermost = largest stride), its last (head) dim
+    innermost. Outputs and gradients are allocated with them, not as permuted views."""
     n = len(shape)
     order = sorted(range(n - 1), key=lambda i: (-stride[i], i)) + [n - 1]
     if order == list(range(n)):
@@ -72,10 +69,39 @@ def _layout(shape, stride):
     return tuple(strides)
 
 
-def _bh_strides(buf):
-    """(batch, head, row) strides of a (B, H, L, D) or (N, L, D) buffer (N = heads of batch 1)."""
-    s = buf.stride()
-    return (s[0], s[1], s[2]) if buf.dim() == 4 else (0, s[0], s[1])
+def _bh_strides(strides):
+    """(batch, head, row) strides of a (B, H, L, D) or (N, L, D) buffer (N = heads of batch 1) with these strides."""
+    return (strides[0], strides[1], strides[2]) if len(strides) == 4 else (0, strides[0], strides[1])
+
+
+class _Operands(NamedTuple):
+    """What the shapes and strides of a call's query, key and value fix: ``dims`` (B, H, Lq, Lk, D);
+    ``shapes`` of q, k, v; ``layouts``, the allocation strides (None: contiguous) of buffers laid out
+    like each (``_layout``: the output and dQ like q, dK like k, dV like v); ``bh``, the
+    (batch, head, row) strides of q, k, v and of those buffers (the output's serve dQ)."""
+
+    dims: tuple
+    shapes: tuple
+    layouts: tuple
+    bh: tuple
+
+    @classmethod
+    def of(cls, qb, kb, vb):
+        shapes = tuple(tuple(b.shape) for b in (qb, kb, vb))
+        layouts = tuple(_layout(shape, b.stride()) for shape, b in zip(shapes, (qb, kb, vb)))
+        allocated = tuple(_bh_strides(_dense(shape) if lay is None else lay) for shape, lay in zip(shapes, layouts))
+        shape = shapes[0]
+        dims = ((shape[0], shape[1]) if len(shape) == 4 else (1, shape[0])) + (shape[-2], shapes[1][-2], shape[-1])
+        return cls(dims, shapes, layouts, tuple(_bh_strides(b.stride()) for b in (qb, kb, vb)) + allocated)
+
+
+def _dense(shape):
+    """The contiguous strides of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
@@ -118,31 +144,30 @@ def _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
                             f"got {attn_mask.dtype}")
 
 
-_checked: dict = {}  # q/k/v shapes, strides and dtypes that passed _check -> (B, H, Lq, Lk, D)
+_checked: dict = {}  # q/k/v shapes, strides and dtypes that passed _check -> their _Operands
 
 
-def _dims(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
-    """(B, H, Lq, Lk, D) of a valid call, else the error ``_check`` raises. The checks that
-    depend on the tensors are memoised on their shapes, strides and dtypes (masked calls and
-    subclasses are checked every time): the host path of a repeated attention stays thin."""
+def _operands(query, key, value, attn_mask, dropout_p, scale, enable_gqa):
+    """The ``_Operands`` of a valid call, else the error ``_check`` raises. The checks that depend on
+    the tensors, and what their shapes and strides fix, are memoised on their shapes, strides and
+    dtypes (masked calls and subclasses are checked every time): the host path of a repeated
+    attention stays thin."""
     sig = None
     if (attn_mask is None and type(query) is Tensor and type(key) is Tensor and type(value) is Tensor
             and type(dropout_p) in (float, int) and dropout_p == 0 and not enable_gqa
             and (scale is None or type(scale) in (float, int))):
         qb, kb, vb = query._data, key._data, value._data
         sig = (qb.shape, qb.stride(), qb.dtype, kb.shape, kb.stride(), kb.dtype, vb.shape, vb.stride(), vb.dtype)
-        dims = _checked.get(sig)
-        if dims is not None:
-            return dims
+        ops = _checked.get(sig)
+        if ops is not None:
+            return ops
     _check(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
-    shape = query.shape
-    dims = (shape[0], shape[1]) if len(shape) == 4 else (1, shape[0])
-    dims += (shape[-2], key.shape[-2], shape[-1])
+    ops = _Operands.of(query._data, key._data, value._data)
     if sig is not None:
         if len(_checked) > 1024:
             _checked.clear()
-        _checked[sig] = dims
-    return dims
+        _checked[sig] = ops
+    return ops
 
 
 def _mask_arg(attn_mask, query, B, H, Lq, Lk):
@@ -166,19 +191,23 @@ def _mask_arg(attn_mask, query, B, H, Lq, Lk):
     return buf, tuple(buf.stride()), kind
 
 
+# dS = P * (dO V^T - delta) with delta_i = sum_d dO_id O_id (= rowsum(P * dP)); dQ = scale dS K,
+# dK = scale dS^T Q, dV = P^T dO, P recomputed blockwise from the saved log-sum-exp
 def _sdpa_backward(node, g):
     qb, kb, vb, ob, lse, mask = node.saved
     a = node.attrs
-    B, H, Lq, Lk, D = a["B"], a["H"], a["Lq"], a["Lk"], a["D"]
+    ops = a["operands"]
+    B, H, Lq, Lk, D = ops.dims
     if g.dtype != qb.dtype:
         g = to(g, qb.dtype)
     gb = g._data
     if D > 1 and gb.stride(-1) != 1:
         gb = contiguous(g)._data
-    dq, dk, dv = _empty_like_order(qb), _empty_like_order(kb), _empty_like_order(vb)
+    (sq_shape, sk_shape, sv_shape), (lq, lk, lv), dtype = ops.shapes, ops.layouts, qb.dtype
+    dq, dk, dv = _empty(sq_shape, lq, dtype), _empty(sk_shape, lk, dtype), _empty(sv_shape, lv, dtype)
     if D > 0 and B * H > 0 and (Lq > 0 or Lk > 0):
-        KA.attention_bwd(qb, kb, vb, ob, gb, lse, dq, dk, dv, _bh_strides(qb), _bh_strides(kb), _bh_strides(vb),
-                         _bh_strides(ob), _bh_strides(gb), _bh_strides(dq), _bh_strides(dk), _bh_strides(dv),
+        sq, sk, sv, so, sdk, sdv = ops.bh
+        KA.attention_bwd(qb, kb, vb, ob, gb, lse, dq, dk, dv, sq, sk, sv, so, _bh_strides(gb.stride()), so, sdk, sdv,
                          B, H, Lq, Lk, D, a["scale"], a["causal"], mask)
     return Tensor(dq), Tensor(dk), Tensor(dv)
 
@@ -188,7 +217,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """``softmax(query @ key^T * scale + attn_mask) @ value`` with ``torch.nn.functional``'s
     signature and semantics (see the module docstring for what is and is not supported)."""
     query, key, value, attn_mask = _autocast.lower(query, key, value, attn_mask)
-    B, H, Lq, Lk, D = _dims(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    ops = _operands(query, key, value, attn_mask, dropout_p, scale, enable_gqa)
+    B, H, Lq, Lk, D = ops.dims
     qb, kb, vb = query._data, key._data, value._data
     scale = (1.0 / math.sqrt(D) if D > 0 else 1.0) if scale is None else float(scale)
     grad = needs_grad(query, key, value)
@@ -196,14 +226,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(f"{_OP}: head dims above {MAX_GRAD_HEAD_DIM} have a forward only (no backward), got "
                          f"head dim {D} with inputs that require grad; run it under flame.no_grad() or detach "
                          f"query, key and value")
-    mask = _mask_arg(attn_mask, query, B, H, Lq, Lk)
-    out = _empty_like_order(qb)
-    lse = runtime.empty((B * H, max(Lq, 1)), KA.stats_dtype(qb.dtype))
-    if out.numel() > 0:
-        KA.attention_fwd(qb, kb, vb, out, lse, _bh_strides(qb), _bh_strides(kb), _bh_strides(vb), _bh_strides(out),
-                         B, H, Lq, Lk, D, scale, is_causal, mask)
+    mask = None if attn_mask is None else _mask_arg(attn_mask, query, B, H, Lq, Lk)
+    dtype = qb.dtype
+    out = _empty(ops.shapes[0], ops.layouts[0], dtype)
+    lse = runtime.empty((B * H, max(Lq, 1)), KA.stats_dtype(dtype))
+    if B * H * Lq * D > 0:
+        sq, sk, sv, so = ops.bh[:4]
+        KA.attention_fwd(qb, kb, vb, out, lse, sq, sk, sv, so, B, H, Lq, Lk, D, scale, is_causal, mask)
     y = Tensor(out)
     if grad:
-        record(y, (query, key, value), _sdpa_backward, saved=(qb, kb, vb, out, lse, mask),
-               B=B, H=H, Lq=Lq, Lk=Lk, D=D, scale=scale, causal=bool(is_causal))
+        record(y, (query, key, value), _sdpa_backward, saved=(qb, kb, vb, out, lse, mask), operands=ops, scale=scale,
+               causal=bool(is_causal))
     return y
