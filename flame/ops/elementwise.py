@@ -11,6 +11,7 @@ import torch
 from .. import runtime, tune
 from ..autograd import needs_grad, record
 from ..kernels import elementwise as K
+from ..kernels.launch import Plan
 from ..tensor import Tensor, broadcast_shapes, check_dtype, result_type
 from ._util import argument_error, check_tensor, is_scalar, new
 
@@ -39,8 +40,10 @@ def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
         bufs, key = [t._data for t in operands], None
     recipe = _recipes.get(key) if key is not None else None
     if recipe is not None:
-        like, shape, expanded, plan = recipe
+        like, shape, expanded, plan, pinned = recipe
         out = runtime.empty(shape, out_dtype) if like is None else runtime.empty_like(bufs[like], out_dtype)
+        if pinned is not None and (out.data_ptr() | b0.data_ptr() | (b1.data_ptr() if n == 2 else 0)) & 15 == 0:
+            plan = pinned
         K.run_map(plan, out, [b.expand(shape) if e else b for b, e in zip(bufs, expanded)] if expanded else bufs, op,
                   s0, s1)
         return Tensor(out)
@@ -60,12 +63,24 @@ def map_op(op, operands, out_dtype, s0=0.0, s1=0.0) -> Tensor:
         return Tensor(out)
     if len(_recipes) >= _MAX_RECIPES:
         _recipes.clear()
-    _recipes[key] = (like, tuple(shape), expanded if any(expanded) else (), plan)
+    _recipes[key] = (like, tuple(shape), expanded if any(expanded) else (), plan, _pinned(plan))
     K.run_map(plan, out, inputs, op, s0, s1)
     return Tensor(out)
 
 
-_recipes: dict = {}  # map_op signature -> (operand laid out like, output shape, which operands expand, kernel plan)
+def _pinned(plan):
+    """Kernel plan ``plan`` launching through a pinned ``launch.Plan``: one compiled kernel and no key
+    of its arguments per launch, for the calls of a signature whose buffers are all 16-byte aligned
+    (the signature fixes their dtypes). None for a plan without a launch and for an integer map (its
+    scalars' widths key its launches)."""
+    if not isinstance(plan, tuple) or plan[4].by_width:
+        return None
+    kernel, grid, ints, meta, _ = plan
+    return kernel, grid, ints, meta, Plan(kernel, meta, pinned=True)
+
+
+# map_op signature -> (operand laid out like, output shape, which operands expand, kernel plan, its pinned twin)
+_recipes: dict = {}
 _MAX_RECIPES = 4096  # signatures before the memo starts afresh
 tune.register_cache(_recipes.clear)  # the kernel plans follow tune's overrides and resets
 
