@@ -645,9 +645,19 @@ def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype
     torch.testing.assert_close(lse, lse_portable, rtol=1e-4, atol=1e-3)
 
 
+@pytest.fixture
+def fresh_routes():
+    """Attention's routes planned anew in the test and after it: a test that patches what the planner
+    reads beyond the call signature (HOPPER_HEAD_DIMS) must neither find nor leave routes of another
+    setting in the memo."""
+    KA._route.cache_clear()
+    yield
+    KA._route.cache_clear()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, dtype, layout", HOPPER_CASES)
-def test_gpu_hopper_backward_matches_torch(monkeypatch, shape, dtype, layout):
+def test_gpu_hopper_backward_matches_torch(monkeypatch, fresh_routes, shape, dtype, layout):
     """The Gluon dK/dV and dQ kernels on sm_90 (through flame's op, forward on its own route):
     every gradient within 3x PyTorch SDPA's error of an fp32 reference, the same bound as the
     portable backward, which serves the same call with the route off; no row left unwritten."""
