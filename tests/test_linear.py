@@ -100,6 +100,25 @@ def test_linear_bad_inputs():
         F.linear(flame.ones(2, 4, dtype=flame.int64), flame.ones(3, 4))
 
 
+def test_linear_checks_each_new_call_signature_and_reads_each_call_s_layout():
+    """linear keeps what a call signature resolved to (shapes, strides, dtypes, activation): a kept
+    signature's call is right on new buffers, and a bias of another shape or dtype, or an input of
+    other strides, is a new signature (checked, cast, read as its own matrix)."""
+    g = torch.Generator().manual_seed(3)
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 4), (5, 4), (5,)))
+    want = torch.nn.functional.linear(x, w, b).relu()
+    for _ in range(2):
+        assert_close(F.linear(flame.from_torch(x), flame.from_torch(w), flame.from_torch(b), "relu"), want)
+    with pytest.raises(RuntimeError, match="bias"):
+        F.linear(flame.from_torch(x), flame.from_torch(w), flame.ones(4, dtype=flame.float64), "relu")
+    y = F.linear(flame.from_torch(x), flame.from_torch(w), flame.from_torch(b.float()), "relu")  # the bias cast
+    assert y.dtype == torch.float64
+    assert_close(y, want)
+    crossed = x.transpose(0, 1)  # rows no stride walks: a dense copy's
+    assert_close(F.linear(flame.from_torch(crossed), flame.from_torch(w), flame.from_torch(b), "relu"),
+                 torch.nn.functional.linear(crossed, w, b).relu())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", [None, "gelu_tanh"])
 def test_linear_bf16_sdxl_shape_error_budget(act):

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .. import runtime
+from .. import runtime, tune
 from ..autograd import needs_grad, no_grad, record
 from ..kernels import dora as KD
 from ..kernels import elementwise as KE
@@ -262,6 +262,47 @@ def linear(x, weight, bias=None, activation=None):
     check_tensor(x, "input", "linear")
     check_tensor(weight, "weight", "linear")
     x, weight, bias = _autocast.lower(x, weight, bias)
+    xd, wd = x._data, weight._data
+    bd = None if bias is None else check_tensor(bias, "bias", "linear")._data
+    key = ("linear", type(weight), xd.shape, xd.stride(), xd.dtype, wd.shape, wd.dtype,
+           None if bd is None else (bd.shape, bd.dtype), activation)
+    kept = _signatures.calls.get(key)
+    if kept is None:
+        kept = _linear_signature(key, x, weight, bias, activation)
+    out_shape, rows, act, grad_op, cast = kept
+    dtype = xd.dtype
+    if cast:
+        weight, bias = _layer_params(x, weight, bias, out_shape[-1], "linear")
+    out = runtime.empty(out_shape, dtype)
+    grad = needs_grad(x, weight, bias)
+    pre = runtime.empty(out_shape, dtype) if grad and grad_op else None
+    if rows is not None:
+        x2 = (xd, *rows)
+    elif xd.shape[-1] == 0:  # empty reduction: act(bias) or act(0)
+        KE.fill_(out, 0.0)
+        y = Tensor(out)
+        y = y if bias is None else y + bias
+        return _apply_activation(y, activation)
+    else:
+        x2 = _as_rows(xd)
+    fp8 = isinstance(weight, Fp8Weight)
+    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre,
+               w_scale=weight.scale if fp8 else None, w8a8=fp8 and weight.w8a8)
+    y = Tensor(out)
+    if grad:
+        # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
+        record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
+               grad_op=grad_op, x_shape=key[2], x_dtype=dtype)
+    return y
+
+
+def _linear_signature(key, x, weight, bias, activation):
+    """What ``linear`` takes from its call signature ``key`` (the types, shapes, strides and dtypes
+    of its arguments, the activation), after checking them: ``(out_shape, rows, act, grad_op, cast)``,
+    ``rows`` the (rows, in, row stride, column stride) of ``x``'s matrix (``KM.matrix``; None when
+    its leading dims do not merge or ``in`` is 0), ``act`` and ``grad_op`` the activation's op codes,
+    ``cast`` whether the parameters need ``_layer_params`` (a dtype other than ``x``'s). Kept with
+    ``_signatures`` under ``key``, so a repeated call checks nothing again."""
     acts = _ACTIVATIONS.get(activation)
     if acts is None:
         raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
@@ -277,27 +318,17 @@ def linear(x, weight, bias=None, activation=None):
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
     n_out = ws[0]
-    if bias is not None or w_dtype is not dtype:  # else the parameters are taken as they are
-        weight, bias = _layer_params(x, weight, bias, n_out, "linear")
-    act, grad_op = acts
-    out_shape = (*xs[:-1], n_out)
-    out = runtime.empty(out_shape, dtype)
-    grad = needs_grad(x, weight, bias)
-    pre = runtime.empty(out_shape, dtype) if grad and grad_op else None
-    if xs[-1] == 0:  # empty reduction: act(bias) or act(0)
-        KE.fill_(out, 0.0)
-        y = Tensor(out)
-        y = y if bias is None else y + bias
-        return _apply_activation(y, activation)
-    x2 = _as_rows(xd)
-    KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre,
-               w_scale=weight.scale if fp8 else None, w8a8=fp8 and weight.w8a8)
-    y = Tensor(out)
-    if grad:
-        # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
-        record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
-               grad_op=grad_op, x_shape=xs, x_dtype=dtype)
-    return y
+    cast = (w_dtype is not dtype and not fp8) or (bias is not None and bias.dtype is not dtype)
+    if bias is not None and not cast:  # _layer_params' checks of the bias (nothing to cast; a cast checks each call)
+        _layer_params(x, weight, bias, n_out, "linear")
+    m = KM.matrix(xd) if xs[-1] else None
+    kept = ((*xs[:-1], n_out), None if m is None else m[1:], *acts, cast)
+    _signatures.keep_call(key, kept)
+    return kept
+
+
+_signatures = KM.RouteMemo(None)  # linear's call signatures (``_linear_signature``), emptied with the GEMM routes'
+tune.register_cache(_signatures.cache_clear)
 
 
 def _layer_params(x, weight, bias, n_out, op, error=RuntimeError):
