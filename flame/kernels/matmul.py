@@ -1354,9 +1354,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
         bb, _, N, sbk, sbn = bm
         u = v = term = key = None
         if low_rank is not None:
-            low_rank = _low_rank(low_rank, M, N, ab.dtype)
-            um, vm, beta = low_rank
-            u, v, term = um[0], vm[0], (um[1:], vm[1:], beta)
+            low_rank, u, v, term = _low_rank_term(low_rank, M, N, ab.dtype)
         if b_scale is not None or bb.dtype is FP8_DTYPE:
             _check_fp8(bb, b_scale, K)
         plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
@@ -1434,9 +1432,7 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     N = w_shape[0]
     u = v = term = None
     if low_rank is not None:
-        low_rank = _low_rank(low_rank, R, N, x.dtype)
-        um, vm, beta = low_rank
-        u, v, term = um[0], vm[0], (um[1:], vm[1:], beta)
+        low_rank, u, v, term = _low_rank_term(low_rank, R, N, x.dtype)
     if w_scale is not None or w.dtype is FP8_DTYPE:
         _check_fp8(w, w_scale, N)
     ws = w.stride()
@@ -1493,6 +1489,14 @@ def _low_rank(low_rank, M, N, dtype):
         raise TypeError(f"matmul: low_rank u and v must be {dtype} like the operands, got {um[0].dtype} and "
                         f"{vm[0].dtype}")
     return um, vm, beta
+
+
+def _low_rank_term(low_rank, M, N, dtype):
+    """``_low_rank``'s term, its U and V buffers and its part of a call signature (``_run_kept``): the
+    layouts of U and V and beta."""
+    low_rank = _low_rank(low_rank, M, N, dtype)
+    um, vm, beta = low_rank
+    return low_rank, um[0], vm[0], (um[1:], vm[1:], beta)
 
 
 def matmul_sum_batch_(out, a, b):
