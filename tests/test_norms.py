@@ -287,6 +287,22 @@ def test_layer_norm_bad_inputs():
         F.layer_norm(x, 6, eps=float("nan"))
 
 
+def test_layer_norm_keeps_each_call_signature_and_reads_each_call_s_buffers():
+    """layer_norm keeps what a call signature resolved to (shapes, strides, dtypes, normalized_shape,
+    eps): a kept signature is right on new buffers; a strided input or weight (dense copies), a list
+    normalized_shape and a weight of another shape are signatures of their own."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 5, 6), (6,), (6,)))
+        assert_close(F.layer_norm(_f(x), 6, _f(w), _f(b), 1e-3), TF.layer_norm(x, (6,), w, b, 1e-3))
+        assert_close(F.rms_norm(_f(x), (6,), _f(w)), TF.rms_norm(x, (6,), w))
+    xt, wt = x.transpose(0, 1), torch.randn(12, generator=g, dtype=torch.float64)[::2]
+    for _ in range(2):
+        assert_close(F.layer_norm(_f(xt), [6], flame.from_torch(wt), _f(b)), TF.layer_norm(xt, (6,), wt, b))
+    with pytest.raises(ValueError, match="weight"):
+        F.layer_norm(_f(x), 6, _f(torch.randn(5, dtype=torch.float64)), _f(b), 1e-3)
+
+
 # ---- GPU: bf16 and SDXL shapes ------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -247,28 +247,73 @@ def _norm_common(x, normalized_shape, weight, bias, eps, rms, op):
     _check_input(x, op)
     if not rms:  # PyTorch's CUDA autocast runs layer_norm in fp32 but keeps rms_norm in the input dtype
         x, weight, bias = _autocast.fp32(x, weight, bias)
+    xd = x._data
+    key = None
+    if type(normalized_shape) in (int, tuple):  # hashable (a list: a call not kept)
+        key = (rms, xd.shape, xd.stride(), xd.dtype, normalized_shape, eps, _layout(weight), _layout(bias))
+    kept = _norm_signatures.get(key)
+    if kept is None:
+        kept = _norm_signature(key, x, normalized_shape, weight, bias, eps, rms, op)
+    ns, M, D, xs, eps, dense_params = kept
+    if xs is None:  # rows that need a copy
+        x2, xs = _rows(xd, D)
+    else:
+        x2 = xd
+    dtype = xd.dtype
+    y = runtime.empty(xd.shape, dtype)
+    if dense_params:
+        wbuf = None if weight is None else weight._data
+        bbuf = None if bias is None else bias._data
+    else:
+        wbuf, bbuf = _flat(weight), _flat(bias)
+    if D == 0:
+        mean, rstd = None, runtime.empty((M,), torch.float32)
+    else:
+        mean, rstd = K.layer_norm_fwd(y, x2, wbuf, bbuf, M, D, eps, rms, xs, D)
+    y = Tensor(y)
+    inputs = (x, weight) if rms else (x, weight, bias)
+    if needs_grad(*inputs):
+        record(y, inputs, _layer_norm_backward, saved=(x2, wbuf, mean, rstd),
+               M=M, D=D, rms=rms, xs=xs, shape=xd.shape, dtype=dtype, wshape=ns,
+               bdtype=bias.dtype if bias is not None else dtype)
+    return y
+
+
+def _layout(p):
+    """A parameter's part of a norm's call signature: None, its buffer's shape, strides, dtype and device,
+    or False for what is no Tensor (never kept: its check raises)."""
+    if p is None:
+        return None
+    if not isinstance(p, Tensor):
+        return False
+    buf = p._data
+    return buf.shape, buf.stride(), buf.dtype, buf.device
+
+
+def _norm_signature(key, x, normalized_shape, weight, bias, eps, rms, op):
+    """What ``_norm_common`` takes from its call signature ``key`` (None: one not kept), after checking
+    it: ``(normalized shape, M rows, D elements a row, row stride or None where the rows need a copy,
+    eps as a float, whether the parameters are dense)``, kept in ``_norm_signatures``."""
     ns = _normalized_shape(normalized_shape, x, op)
-    weight = _check_param(weight, "weight", ns, x, op)
-    bias = _check_param(bias, "bias", ns, x, op)
+    _check_param(weight, "weight", ns, x, op)
+    _check_param(bias, "bias", ns, x, op)
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     eps = _check_eps(eps, op)
     D = math.prod(ns)
-    M = x.numel() // D if D else 0
-    x2, xs = _rows(x._data, D)
-    y = Tensor(runtime.empty(x.shape, x.dtype))
-    wbuf = _flat(weight)
-    bbuf = _flat(bias)
-    if D == 0:
-        mean, rstd = None, runtime.empty((M,), torch.float32)
-    else:
-        mean, rstd = K.layer_norm_fwd(y._data, x2, wbuf, bbuf, M, D, eps, rms, xs, D)
-    inputs = (x, weight) if rms else (x, weight, bias)
-    if needs_grad(*inputs):
-        record(y, inputs, _layer_norm_backward, saved=(x2, wbuf, mean, rstd),
-               M=M, D=D, rms=rms, xs=xs, shape=x.shape, dtype=x.dtype, wshape=ns,
-               bdtype=bias.dtype if bias is not None else x.dtype)
-    return y
+    xd = x._data
+    M = xd.numel() // D if D else 0
+    xs = D if xd.is_contiguous() else None
+    kept = ns, M, D, xs, eps, all(p is None or p._data.is_contiguous() for p in (weight, bias))
+    if key is not None:
+        if len(_norm_signatures) >= _MAX_SIGNATURES:
+            _norm_signatures.clear()
+        _norm_signatures[key] = kept
+    return kept
+
+
+_norm_signatures: dict = {}  # _norm_common's call signatures -> _norm_signature's answer
+_MAX_SIGNATURES = 4096
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
