@@ -191,30 +191,6 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-_side = None  # the device's second stream (side_by_side)
-
-
-def side_by_side(first, second) -> None:
-    """``first()`` on the current stream and ``second()`` on a second stream of the device, at once:
-    two independent launch sequences whose programs can share the SMs (the second's fill those that
-    the first's last wave leaves idle). Both start after the work queued before; the current stream
-    then waits for both (in a CUDA graph: two branches that join). One after the other on the
-    interpreter. Buffers either side uses must be allocated before: the join orders their release."""
-    global _side
-    if INTERPRETER:
-        first()
-        second()
-        return
-    if _side is None:
-        _side = torch.cuda.Stream(device=device)
-    main = torch.cuda.current_stream(device)
-    _side.wait_stream(main)
-    first()
-    with torch.cuda.stream(_side):
-        second()
-    main.wait_stream(_side)
-
-
 def memory_allocated() -> int:
     """Bytes currently held by tensors (CUDA only; 0 on the interpreter backend)."""
     return torch.cuda.memory_allocated() if not INTERPRETER else 0

@@ -1193,21 +1193,13 @@ def _run_dkdv_dq(p, r, bufs, strides, scale, mask):
         bm = 64 if p.gpu else r.config["BLOCK_M"]
         _launch(r, _attn_bwd_preprocess_kernel, (_cdiv(p.Lq, bm), p.B * p.H), (o, do, delta, p.H, p.Lq, *so, *sdo),
                 dict(HEAD_DIM=p.D, BLOCK_D=r.config["BLOCK_D"], BLOCK_M=bm, ACC=r.config["ACC"], WIDE=p.wide))
-
-    def dkdv():
-        if p.Lk > 0:
-            _run_dkdv(p, r, bufs, strides, scale, mask, delta)
-
-    def dq_program():
-        if p.Lq > 0:
-            mbuf, ms = _mask_buffer(mask, q)
-            _launch(r, _attn_bwd_dq_kernel, (_cdiv(p.Lq, r.dq_config["BLOCK_M"]), p.B * p.H),
-                    (q, k, v, do, lse, delta, dq, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), *sq, *sk,
-                     *sv, *sdo, *sdq, *ms), r.dq_config)
-
-    # the two programs are independent (both read delta): dQ's run beside dK/dV's, on a second stream,
-    # filling the SMs that dK/dV's last wave leaves idle (dQ and delta allocated before the fork)
-    runtime.side_by_side(dkdv, dq_program)
+    if p.Lk > 0:
+        _run_dkdv(p, r, bufs, strides, scale, mask, delta)
+    if p.Lq > 0:
+        mbuf, ms = _mask_buffer(mask, q)
+        _launch(r, _attn_bwd_dq_kernel, (_cdiv(p.Lq, r.dq_config["BLOCK_M"]), p.B * p.H),
+                (q, k, v, do, lse, delta, dq, mbuf, p.H, p.Lq, p.Lk, float(scale * LOG2E), float(scale), *sq, *sk, *sv,
+                 *sdo, *sdq, *ms), r.dq_config)
 
 
 _RUN = {FORWARD: dict(gluon=_run_forward_gluon, short_kv=_run_forward, kv_tma=_run_forward, pointer=_run_forward,

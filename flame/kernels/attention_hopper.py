@@ -482,14 +482,11 @@ def attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk
     """dQ, dK, dV of ``attention.attention_bwd`` (``qk_scale`` = scale * log2(e), ``sm_scale`` =
     scale) on a call that ``usable`` accepts, given lse2 and delta (B*H, Lq) in fp32; Lk a multiple
     of 2 x BWD_BLOCK (and of ``q_keys``); dO TMA-readable like Q. dQ, dK, dV are stored from
-    registers in their own dtypes. The two kernels are independent: dQ runs on a second stream beside
-    dK/dV (``runtime.side_by_side``), its programs filling the SMs that dK/dV's last wave leaves idle
-    (Flux: 864 programs of each, 6.5 waves on 132 SMs)."""
-    runtime.side_by_side(
-        lambda: launch(_attn_bwd_dkdv_hopper_kernel, (Lk // (2 * BWD_BLOCK), B * H), q, k, v, do, lse, delta, dk, dv,
-                       H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdk, *sdv,
-                       HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=kv_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4),
-        lambda: launch(_attn_bwd_dq_hopper_kernel, (-(-Lq // (2 * BWD_BLOCK)), B * H), q, k, v, do, lse, delta, dq,
-                       H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdq,
-                       HEAD_DIM=D, BLOCK_M=BWD_BLOCK, BLOCK_N=q_keys, STAGES=q_stages,
-                       CONSUMER_REGS=CONSUMER_REGS, num_warps=4))
+    registers in their own dtypes."""
+    launch(_attn_bwd_dkdv_hopper_kernel, (Lk // (2 * BWD_BLOCK), B * H), q, k, v, do, lse, delta, dk, dv,
+           H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdk, *sdv,
+           HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=kv_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+    launch(_attn_bwd_dq_hopper_kernel, (-(-Lq // (2 * BWD_BLOCK)), B * H), q, k, v, do, lse, delta, dq,
+           H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdq,
+           HEAD_DIM=D, BLOCK_M=BWD_BLOCK, BLOCK_N=q_keys, STAGES=q_stages, CONSUMER_REGS=CONSUMER_REGS,
+           num_warps=4)
