@@ -69,8 +69,6 @@ VARIANTS = {
     "coop 2x64x160": dict(coop=True, block_m=64, block_n=160),  # 160 = a 128- and a 32-wide block
     "pp 128x160": dict(coop=False, block_m=128, block_n=160),
     "coop 2x64x192": dict(coop=True, block_m=64, block_n=192),
-    "ksplit 64x160": dict(coop=False, block_m=64, block_n=160, ksplit=True),  # both consumers on a tile's k blocks
-    "ksplit 64x128": dict(coop=False, block_m=64, block_n=128, ksplit=True),
 }
 
 

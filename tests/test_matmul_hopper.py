@@ -12,11 +12,10 @@ import flame.kernels.matmul_hopper as KH
 from flame.kernels.elementwise import GELU_TANH
 from tests.helpers import DEVICE, assert_within_torch_error, without_gluon
 
-# (COOP, BLOCK_M, BLOCK_N[, KSPLIT]) per consumer: the shapes _choose picks from (the first four; 160
-# columns are a 128-wide and a 32-wide block), the k split over both consumers, and three more
-# (192 = 128 + 64)
-SCHEDULES = [(True, 64, 256), (False, 128, 128), (False, 64, 128), (True, 64, 160), (False, 64, 160, True),
-             (False, 64, 256), (True, 128, 128), (False, 128, 160), (True, 64, 192)]
+# (COOP, BLOCK_M, BLOCK_N) per consumer: the shapes _choose picks from (the first four; 160 columns are
+# a 128-wide and a 32-wide block) and three more (192 = 128 + 64)
+SCHEDULES = [(True, 64, 256), (False, 128, 128), (False, 64, 128), (True, 64, 160), (False, 64, 256),
+             (True, 128, 128), (False, 128, 160), (True, 64, 192)]
 # (M, K, N): tails in every dim (row strides stay multiples of 16 bytes, as TMA needs), a problem
 # smaller than one tile, and one with more tiles than SMs
 SHAPES = [(333, 264, 520), (1000, 1000, 1000), (64, 128, 64), (4608, 3072, 3072)]
@@ -30,12 +29,12 @@ def _needs_hopper():
 def _gluon(out, a, b, f, schedule):
     """``out`` = the epilogue ``f`` of a @ b (b (K, N), any strides) by the Gluon kernel with this
     schedule, its stages as many as fit."""
+    coop, bm, bn = schedule
     M, K = a.shape
     N = b.shape[1]
     layout = KM._tma_layout(out, a, b, f, a.stride(), b.stride(), out.stride())
     assert layout is not None and KH.usable(a, b, f)
-    cfg = KH.config(**dict(zip(("coop", "block_m", "block_n", "ksplit"), schedule)))
-    return KH.matmul(out, a, b, M, N, K, f, layout, cfg)
+    return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn))
 
 
 def _inputs(M, K, N, dtype=torch.bfloat16):
@@ -64,7 +63,7 @@ def test_gpu_linear_within_torch_error(schedule, M, K, N):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:5])
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_epilogues(schedule):
     """Bias + GELU (tanh) with and without the pre-activation stored; alpha with a residual, also
     accumulated in place (the residual is the output); fp16 operands."""
@@ -98,7 +97,7 @@ def test_gpu_epilogues(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:5])
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_backward_layouts(schedule):
     """The linear's backward products: dX = dY W (B row-major (K, N): N-contiguous blocks) and
     dW = dY^T X (A = dY^T, M-contiguous: transposed A blocks)."""
@@ -113,7 +112,7 @@ def test_gpu_backward_layouts(schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", SCHEDULES[:5])
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_matches_portable_kernel(monkeypatch, schedule):
     """The same problem through matmul.py's portable kernel (TMA and Gluon routes off): both
     accumulate in fp32 and round once, so they differ by at most a bf16 rounding step."""
@@ -180,9 +179,3 @@ def test_split_width():
     for n in (136, 224, 72):
         with pytest.raises(ValueError, match=f"BLOCK_N={n}"):
             KH.split_width(n)
-
-
-def test_config_refuses_a_cooperative_k_split():
-    """The k split gives both consumers one tile: it is not a cooperative schedule, and says so."""
-    with pytest.raises(ValueError, match="ksplit"):
-        KH.config(coop=True, ksplit=True)

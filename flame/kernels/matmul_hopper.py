@@ -16,22 +16,19 @@ The grid is at most one program per SM; each walks the output tiles pid, pid + p
   registers (``matmul._epilogue``: alpha, bias, activation) and stores through its own shared
   buffer by TMA (the store left in flight until that buffer is needed again). A residual arrives
   by TMA into that buffer while the tile's main loop runs.
-Three schedules (``COOP``, ``KSPLIT``):
+Two schedules (``COOP``):
 - cooperative: a program tile is (2 BLOCK_M, BLOCK_N), each consumer takes half of its rows; a
   stage holds two A blocks and one B block, read by both (128x256 as CUTLASS's cooperative kernels);
 - ping-pong: a program tile is (BLOCK_M, BLOCK_N) and the consumers take alternate tiles of the
   program's walk. The loader fills the ring in walk order, so a consumer's main loop starts as the
   other's ends, and each epilogue runs under the other consumer's wgmmas; the finer tile also
   evens out the last wave (4608 x 3072 is 432 tiles of 128x256, 3.3 waves on 132 SMs, but 864 of
-  128x128 or 64x256, 6.5);
-- k split: a program tile is (BLOCK_M, BLOCK_N), consumer w takes its k blocks w, w + 2, ..., and
-  consumer 1's partial sums reach consumer 0 through shared memory for the epilogue: both consumers
-  busy on problems of fewer tiles than two per SM (1024 x 5120 -> 1280 is 128 tiles of 64x160).
+  128x128 or 64x256, 6.5).
 Operands are described along their contiguous dimension as in ``matmul._run_tma``: A (M, K) as
 (BLOCK_M, BLOCK_K) blocks when K is contiguous, else (BLOCK_K, BLOCK_M) blocks read transposed by
 wgmma; B (K, N) as (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N) blocks. So the forward (x W^T) and both
 backward products (dY W, dY^T X) run here. Rows and columns past the problem load as zeros and
-are clipped on store. Descriptors are built on the host, kept per problem (``_Launch``).
+are clipped on store. Descriptors are built on the host (``_descriptor``).
 """
 from __future__ import annotations
 
@@ -119,58 +116,12 @@ if gluon is not None:
         return gemm._epilogue(acc, alpha, bias_ptr, offs_n, offs_n < N, s_bias, BIAS, ACT)
 
     @gluon.jit
-    def _store_tile(acc, acc_t, acc_layout: gl.constexpr, tail_layout: gl.constexpr, off_m, off_n, M, N, buf, buf_t,
-                    bar, res_phase, c_desc, ct_desc, pre_desc, pret_desc, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
-                    alpha, BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr,
-                    SCALED: gl.constexpr, BLOCK_M: gl.constexpr, MAIN_N: gl.constexpr, TAIL_N: gl.constexpr):
-        # a consumer's epilogue of the tile at (off_m, off_n): its accumulators (``acc_t``: the last
-        # TAIL_N columns) through ``_part_epilogue``, the residual added from the store buffers, the
-        # pre-activation and the output stored by TMA from them; returns the residual barrier's next
-        # phase
-        dtype: gl.constexpr = c_desc.dtype
-        # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
-        # held at once spill)
-        pre, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
-                                  alpha, BIAS, 0 if STORE_PRE else ACT, SCALED, BLOCK_M, MAIN_N)
-        if TAIL_N > 0:
-            pre_t, out_t = _part_epilogue(acc_t, tail_layout, off_m, off_n + MAIN_N, M, N, bias_ptr, a_scale_ptr,
-                                          b_scale_ptr, s_bias, alpha, BIAS, 0 if STORE_PRE else ACT, SCALED,
-                                          BLOCK_M, TAIL_N)
-        if RESIDUAL:
-            mbarrier.wait(bar, res_phase)
-            res_phase ^= 1
-            out += buf.load(acc_layout).to(gl.float32)
-            if TAIL_N > 0:
-                out_t += buf_t.load(tail_layout).to(gl.float32)
-        else:
-            tma.store_wait(0)
-        if STORE_PRE:
-            buf.store(pre.to(dtype))
-            if TAIL_N > 0:
-                buf_t.store(pre_t.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
-            out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
-            if TAIL_N > 0:
-                tma.async_copy_shared_to_global(pret_desc, [off_m, off_n + MAIN_N], buf_t)
-                out_t = gemm._apply(pre_t, pre_t, pre_t, 0.0, 0.0, ACT)
-            tma.store_wait(0)
-        buf.store(out.to(dtype))
-        if TAIL_N > 0:
-            buf_t.store(out_t.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
-        if TAIL_N > 0:
-            tma.async_copy_shared_to_global(ct_desc, [off_m, off_n + MAIN_N], buf_t)
-        return res_phase
-
-    @gluon.jit
-    def _consumer(WG: gl.constexpr, a_smem, b_smem, bt_smem, c_smem, ct_smem, part, part_t, ready, empty, res_bar,
-                  turn, handoff, c_desc, ct_desc, pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr,
-                  b_scale_ptr, M, N, K, s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr,
-                  ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                  COOP: gl.constexpr, KSPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+    def _consumer(WG: gl.constexpr, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc,
+                  ct_desc, pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
+                  s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
+                  STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                  STAGES: gl.constexpr, GROUP_M: gl.constexpr):
         # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
         # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
         # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
@@ -180,14 +131,7 @@ if gluon is not None:
         # A tile of BLOCK_N = MAIN_N + TAIL_N columns (a power of two and, for widths such as 160, a
         # smaller one: Gluon's blocks are powers of two) is two accumulators, each with its own B
         # blocks, wgmma and store buffer; TAIL_N = 0 leaves the second out.
-        # KSPLIT: both consumers on every program tile, consumer WG on its k blocks WG, WG + 2, ...;
-        # consumer 1 hands its partial sums to consumer 0 through shared memory (``part``, ``part_t``;
-        # ``handoff``: stored, then read) and goes on to the next tile while consumer 0 adds them and
-        # runs the epilogue.
         SUB: gl.constexpr = 2 if COOP else 1
-        STEP: gl.constexpr = 2 if KSPLIT else 1  # k blocks between two of this consumer's
-        FIRST_K: gl.constexpr = WG if KSPLIT else 0  # this consumer's first k block of a tile
-        WHOLE: gl.constexpr = 1 if COOP or KSPLIT else 2  # program tiles between two of this consumer's
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
         PARTS: gl.constexpr = 2 if TAIL_N > 0 else 1  # wgmma groups a k block issues
         # wgmma's k per instruction: 32 bytes of each operand row (16 for 16-bit operands, 32 for fp8)
@@ -204,80 +148,95 @@ if gluon is not None:
         num_pid_n = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
         programs = gl.num_programs(0)
-        first = gl.program_id(0) + (WG if WHOLE == 2 else 0) * programs
+        first = gl.program_id(0) + (0 if COOP else WG) * programs
+        step = programs if COOP else 2 * programs
         res_phase = 0
-        if WHOLE == 2 and WG == 1:  # ping-pong: consumer 0 goes first
+        turns = 0
+        if not COOP and WG == 1:  # consumer 0 goes first
             mbarrier.arrive(turn.index(0))
-        for tile in range(first, num_pid_m * num_pid_n, WHOLE * programs):
-            mine = (tile - first) // (WHOLE * programs)  # this consumer's tiles before this one
-            if WHOLE == 2:
-                mbarrier.wait(turn.index(WG), mine & 1)
+        for tile in range(first, num_pid_m * num_pid_n, step):
+            if not COOP:
+                mbarrier.wait(turn.index(WG), turns & 1)
+                turns += 1
             pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M) + (WG * BLOCK_M if COOP else 0)
             off_n = pid_n * BLOCK_N
-            if RESIDUAL and FIRST_K == 0:  # into the store buffers once their last stores have been read
+            if RESIDUAL:  # into the store buffers once their last stores have been read
                 tma.store_wait(0)
                 mbarrier.expect(bar, BLOCK_M * BLOCK_N * dtype.primitive_bitwidth // 8)
                 tma.async_copy_global_to_shared(res_desc, [off_m, off_n], bar, buf)
                 if TAIL_N > 0:
                     tma.async_copy_global_to_shared(rest_desc, [off_m, off_n + MAIN_N], bar, buf_t)
             count = (tile - gl.program_id(0)) // programs * k_tiles  # ring position: the walk's k blocks so far
-            s = (count + FIRST_K) % STAGES
+            s = count % STAGES
             # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
             # over from the last tile would be live through the epilogue beside its result
             acc = gl.zeros([BLOCK_M, MAIN_N], gl.float32, acc_layout)
             if TAIL_N > 0:
                 acc_t = gl.zeros([BLOCK_M, TAIL_N], gl.float32, tail_layout)
-            for kk in range(FIRST_K, k_tiles, STEP):
-                s = (count + kk) % STAGES
-                mbarrier.wait(ready.index(s), ((count + kk) // STAGES) & 1)
+            for kk in range(k_tiles):
+                s = count % STAGES
+                mbarrier.wait(ready.index(s), (count // STAGES) & 1)
                 a = a_smem.index(s * SUB + (WG if COOP else 0))
                 if not A_K:
                     a = a.permute((1, 0))
                 b = b_smem.index(s)
                 if B_K:
                     b = b.permute((1, 0))
-                acc = warpgroup_mma(a, b, acc, use_acc=kk >= STEP, is_async=True)
+                acc = warpgroup_mma(a, b, acc, use_acc=kk > 0, is_async=True)
                 if TAIL_N > 0:
                     b_t = bt_smem.index(s)
                     if B_K:
                         b_t = b_t.permute((1, 0))
-                    acc_t = warpgroup_mma(a, b_t, acc_t, use_acc=kk >= STEP, is_async=True)
+                    acc_t = warpgroup_mma(a, b_t, acc_t, use_acc=kk > 0, is_async=True)
                     acc, acc_t = warpgroup_mma_wait(PARTS, deps=(acc, acc_t))
                 else:
                     acc = warpgroup_mma_wait(PARTS, deps=(acc,))
-                if kk >= STEP:  # this consumer's previous stage: its wgmmas are done
-                    mbarrier.arrive(empty.index((count + kk - STEP) % STAGES))
-            if WHOLE == 2:
+                if kk > 0:  # the previous stage's wgmmas are done
+                    mbarrier.arrive(empty.index((count - 1) % STAGES))
+                count += 1
+            if not COOP:
                 mbarrier.arrive(turn.index(1 - WG))
             if TAIL_N > 0:
                 acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-            if k_tiles > FIRST_K:
-                mbarrier.arrive(empty.index(s))
-            if KSPLIT:  # the two partial sums meet in consumer 0
-                if WG == 1:
-                    # consumer 0 has read the last ones (a fresh barrier passes parity 1)
-                    mbarrier.wait(handoff.index(1), (mine & 1) ^ 1)
-                    part.store(acc)
-                    if TAIL_N > 0:
-                        part_t.store(acc_t)
-                    mbarrier.arrive(handoff.index(0))
-                else:
-                    mbarrier.wait(handoff.index(0), mine & 1)
-                    acc += part.load(acc_layout)
-                    if TAIL_N > 0:
-                        acc_t += part_t.load(tail_layout)
-                    mbarrier.arrive(handoff.index(1))
+            mbarrier.arrive(empty.index(s))
 
-            if FIRST_K == 0:  # the epilogue (KSPLIT's consumer 1 has none)
-                if TAIL_N == 0:
-                    acc_t = acc  # a stand-in, never read
-                res_phase = _store_tile(acc, acc_t, acc_layout, tail_layout, off_m, off_n, M, N, buf, buf_t, bar,
-                                        res_phase, c_desc, ct_desc, pre_desc, pret_desc, bias_ptr, a_scale_ptr,
-                                        b_scale_ptr, s_bias, alpha, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M,
-                                        MAIN_N, TAIL_N)
+            # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
+            # held at once spill)
+            pre, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
+                                      alpha, BIAS, 0 if STORE_PRE else ACT, SCALED, BLOCK_M, MAIN_N)
+            if TAIL_N > 0:
+                pre_t, out_t = _part_epilogue(acc_t, tail_layout, off_m, off_n + MAIN_N, M, N, bias_ptr, a_scale_ptr,
+                                              b_scale_ptr, s_bias, alpha, BIAS, 0 if STORE_PRE else ACT, SCALED,
+                                              BLOCK_M, TAIL_N)
+            if RESIDUAL:
+                mbarrier.wait(bar, res_phase)
+                res_phase ^= 1
+                out += buf.load(acc_layout).to(gl.float32)
+                if TAIL_N > 0:
+                    out_t += buf_t.load(tail_layout).to(gl.float32)
+            else:
+                tma.store_wait(0)
+            if STORE_PRE:
+                buf.store(pre.to(dtype))
+                if TAIL_N > 0:
+                    buf_t.store(pre_t.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
+                out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
+                if TAIL_N > 0:
+                    tma.async_copy_shared_to_global(pret_desc, [off_m, off_n + MAIN_N], buf_t)
+                    out_t = gemm._apply(pre_t, pre_t, pre_t, 0.0, 0.0, ACT)
+                tma.store_wait(0)
+            buf.store(out.to(dtype))
+            if TAIL_N > 0:
+                buf_t.store(out_t.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
+            if TAIL_N > 0:
+                tma.async_copy_shared_to_global(ct_desc, [off_m, off_n + MAIN_N], buf_t)
         tma.store_wait(0)
 
     # C = ACT(alpha * A B + bias) (+ R): see the module's docstring. The sizes only count tiles and
@@ -289,8 +248,7 @@ if gluon is not None:
                             B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr,
                             RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                            KSPLIT: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr,
-                            CONSUMER_REGS: gl.constexpr):
+                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
         a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
@@ -302,38 +260,27 @@ if gluon is not None:
         else:  # stand-ins, never read
             bt_smem = b_smem
             ct_smem = c_smem
-        if KSPLIT:  # consumer 1's partial sums, for consumer 0
-            partial_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-            part = gl.allocate_shared_memory(gl.float32, [BLOCK_M, BLOCK_N - TAIL_N], partial_layout)
-            part_t = part
-            if TAIL_N > 0:
-                part_t = gl.allocate_shared_memory(gl.float32, [BLOCK_M, TAIL_N], partial_layout)
-        else:  # stand-ins, never read
-            part = c_smem
-            part_t = c_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         res_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        handoff = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=SUB)  # one arrival per consumer reading the stage
         for w in gl.static_range(2):
             mbarrier.init(res_bar.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
-            mbarrier.init(handoff.index(w), count=1)
         # (the argument tuples are written out in the call: a tuple bound to a name first would turn
         # the constexprs in it into tensors, Triton 3.6)
         gl.warp_specialize([
-            (_consumer, (0, a_smem, b_smem, bt_smem, c_smem, ct_smem, part, part_t, ready, empty, res_bar, turn,
-                         handoff, c_desc, ct_desc, pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr,
-                         b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED,
-                         BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K, COOP, KSPLIT, STAGES, GROUP_M)),
-            (_consumer, (1, a_smem, b_smem, bt_smem, c_smem, ct_smem, part, part_t, ready, empty, res_bar, turn,
-                         handoff, c_desc, ct_desc, pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr,
-                         b_scale_ptr, M, N, K, s_bias, alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED,
-                         BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K, COOP, KSPLIT, STAGES, GROUP_M)),
+            (_consumer, (0, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
+                         pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
+                         alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
+                         COOP, STAGES, GROUP_M)),
+            (_consumer, (1, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
+                         pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
+                         alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
+                         COOP, STAGES, GROUP_M)),
             (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M,
                        BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M)),
         ], [4, 1], [CONSUMER_REGS, 24])
@@ -404,30 +351,26 @@ def _choose(M, N, K, sms=None, speed=1):
     return config(coop=coop, block_m=bm, block_n=bn)
 
 
-def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8, ksplit=False):
-    """Launch config (BLOCK_M, BLOCK_N, COOP, KSPLIT, STAGES, GROUP_M): BLOCK_M rows and BLOCK_N
-    columns per consumer (cooperative default 64 x 256, ping-pong 128 x 128; ``ksplit``: both
-    consumers on one BLOCK_M x BLOCK_N tile, each on half of its k blocks, not cooperative); STAGES
-    at most ``stages``, as many as the GPU's shared memory holds (``stages_that_fit``)."""
-    if ksplit and coop:
-        raise ValueError("matmul_hopper.config: ksplit shares a tile's k blocks between the consumers; coop=False")
+def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8):
+    """Launch config (BLOCK_M, BLOCK_N, COOP, STAGES, GROUP_M): BLOCK_M rows and BLOCK_N columns per
+    consumer (cooperative default 64 x 256, ping-pong 128 x 128); STAGES at most ``stages``, as many
+    as the GPU's shared memory holds beside the two store buffers (``stages_that_fit``)."""
     if block_m is None:
         block_m = 64 if coop else 128
     if block_n is None:
         block_n = 256 if coop else 128
-    fit = stages_that_fit(block_m, block_n, coop, 2, ksplit=ksplit)
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, COOP=coop, KSPLIT=ksplit,
-                STAGES=fit if stages is None else min(stages, fit), GROUP_M=group_m)
+    fit = stages_that_fit(block_m, block_n, coop, 2)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, COOP=coop, STAGES=fit if stages is None else min(stages, fit),
+                GROUP_M=group_m)
 
 
-def stages_that_fit(block_m, block_n, coop, es, limit=None, ksplit=False):
+def stages_that_fit(block_m, block_n, coop, es, limit=None):
     """The most ring stages (at most 8) that fit the shared memory (``limit`` bytes, default the
-    GPU's) beside the two (BLOCK_M, BLOCK_N) store buffers of ``es``-byte outputs, with ``ksplit``
-    an fp32 block of partial sums, and the barriers (a stage holds K_BYTES of K per operand row,
-    whatever the operands' dtype)."""
+    GPU's) beside the two (BLOCK_M, BLOCK_N) store buffers of ``es``-byte outputs and the barriers (a
+    stage holds K_BYTES of K per operand row, whatever the operands' dtype)."""
     limit = limit or autotune.shared_memory()
     stage = ((2 if coop else 1) * block_m + block_n) * K_BYTES
-    room = limit - 2 * block_m * block_n * es - (4 * block_m * block_n if ksplit else 0) - 1024
+    room = limit - 2 * block_m * block_n * es - 1024
     return max(1, min(8, room // stage))
 
 
