@@ -162,13 +162,17 @@ def captured(fn):
 
 # ---- the run -----------------------------------------------------------------------------------
 
-def git_commit() -> tuple[str | None, bool]:
-    """(short commit of the checkout, whether tracked files differ from it); (None, False) outside
-    a git checkout (a copied tree on a GPU machine: ``bench_tables.py add --commit`` fills it)."""
+def git_commit(root=ROOT) -> tuple[str | None, bool]:
+    """(short commit of the checkout at ``root``, whether tracked files differ from it); (None, False)
+    where ``root`` is not a checkout's top level: a copied tree on a GPU machine, or an exported
+    snapshot inside another checkout, whose commit would be the outer one's (``bench_tables.py add
+    --commit`` fills it)."""
     try:
         def git(*args):
-            return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30,
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
                                   check=True).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(root).resolve():
+            return None, False
         return git("rev-parse", "--short=12", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         return None, False

@@ -170,3 +170,28 @@ def test_compare_gives_flames_change_and_torchs_drift_per_family(bt, tmp_path):
     assert "fwd 64x32->16 +bias" in text and "1.100" in text and "(1.000)" in text
     with pytest.raises(ValueError, match="different cards"):
         bt.compare(_write(tmp_path, "b.json", before), _write(tmp_path, "h.json", _run(gpu="NVIDIA H100")))
+
+
+def test_a_tree_exported_inside_a_checkout_names_no_commit(tmp_path):
+    """A run records the commit of the tree it runs from (common.git_commit): a checkout names its own;
+    a tree exported inside another checkout (a snapshot sent to a GPU machine) names none, where git
+    would have answered with the outer checkout's commit; ``bench_tables.py add --commit`` supplies it."""
+    import shutil
+    import subprocess
+    import sys
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    sys.path.insert(0, str(ROOT / "scripts"))
+    common = importlib.import_module("common")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("a\n")
+    subprocess.run([*git, "add", "a.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short=12", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    assert common.git_commit(tmp_path) == (head, False)
+    (tmp_path / "a.txt").write_text("b\n")
+    assert common.git_commit(tmp_path) == (head, True)
+    (tmp_path / ".snap").mkdir()
+    assert common.git_commit(tmp_path / ".snap") == (None, False)
