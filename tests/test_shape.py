@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import flame
+from flame.ops.shape import merge_heads, split_heads
 from flame.testing import gradcheck
 from helpers import DEVICE, FLOAT_DTYPES_CPU, assert_close, check_op, pair
 
@@ -42,6 +43,11 @@ VIEWS = {
     "pad": (lambda x: flame.pad(x, (1, 2, 0, 3), value=0.5),
             lambda x: torch.nn.functional.pad(x, (1, 2, 0, 3), value=0.5), [(3, 4)]),
     "pad_crop": (lambda x: flame.pad(x, (-1, 2)), lambda x: torch.nn.functional.pad(x, (-1, 2)), [(3, 4)]),
+    "split_heads": (lambda x: split_heads(x, 3), lambda x: x.reshape(2, 5, 3, 2).transpose(1, 2), [(2, 5, 6)]),
+    "merge_heads": (lambda x: merge_heads(split_heads(x * 1.0, 2)),
+                    lambda x: (x * 1.0).reshape(2, 5, 2, 3).transpose(1, 2).transpose(1, 2).reshape(2, 5, 6),
+                    [(2, 5, 6)]),
+    "merge_heads_copy": (lambda x: merge_heads(x), lambda x: x.transpose(1, 2).reshape(2, 5, 12), [(2, 3, 5, 4)]),
 }
 
 
@@ -180,3 +186,30 @@ def test_view_arguments_are_memoised_and_checked():
     g = torch.randn(2, 3)
     gw = flame.grad(w.reshape(3, 2), w, grad_outputs=flame.from_torch(g.t()))
     assert_close(gw, g.t().reshape(2, 3))
+
+
+def test_split_and_merge_heads_are_one_view_each():
+    """split_heads is reshape + transpose in one view of the same memory (a strided input, at a
+    storage offset, too); merge_heads gives a view for heads side by side (an attention output laid
+    out like its query), a copy otherwise; each records one node; bad input raises."""
+    base = torch.randn(3, 2, 7, 12)
+    a = base[1].transpose(0, 1)  # (7, 2, 12) at an offset, strided: split as (B=7, L=2, 4 heads of 3)
+    x = flame.from_torch(a.to(DEVICE))
+    q = split_heads(x, 4)
+    want = a.reshape(7, 2, 4, 3).transpose(1, 2)
+    assert q.shape == tuple(want.shape) and q.stride() == want.stride() and q.data_ptr() == want.data_ptr()
+    o = merge_heads(q)
+    assert o.stride() == a.stride() and o.data_ptr() == a.data_ptr()
+    dense_heads = flame.randn(2, 3, 5, 4)  # (B, H, L, D) contiguous: the heads are not side by side
+    assert_close(merge_heads(dense_heads), dense_heads.to_torch().transpose(1, 2).reshape(2, 5, 12), rtol=0, atol=0)
+    w = flame.randn(2, 5, 6, requires_grad=True)
+    assert split_heads(w, 3).grad_fn.name == "_split_heads_backward"
+    assert merge_heads(split_heads(w, 3)).grad_fn.name == "_merge_heads_backward"
+    with pytest.raises(ValueError, match="split_heads: heads must be a positive int dividing the input's 6"):
+        split_heads(w, 4)
+    with pytest.raises(ValueError, match=r"split_heads: input must be \(B, L, heads \* head size\)"):
+        split_heads(flame.ones(2, 6), 2)
+    with pytest.raises(ValueError, match="merge_heads: input must be"):
+        merge_heads(w)
+    with pytest.raises(TypeError, match="split_heads: input must be a flame Tensor"):
+        split_heads(torch.ones(2, 5, 6), 3)

@@ -25,7 +25,7 @@ from .. import nn, runtime
 from ..nn import functional as F
 from ..ops.creation import arange, full
 from ..ops.elementwise import cos, exp, sin, to
-from ..ops.shape import cat
+from ..ops.shape import cat, merge_heads, split_heads
 from ..tensor import Tensor, check_dtype, float32
 from .blocks import (
     Checkpointed,
@@ -105,16 +105,13 @@ class Attention(nn.Module):
         self.to_v = L.linear(context_dim or dim, dim, bias=False)
         self.to_out = nn.ModuleList([L.linear(dim, dim), nn.Dropout(0.0)])
 
-    def _split(self, x):
-        """(B, L, H*D) -> (B, H, L, D) view (the attention kernels take any B/H/L strides)."""
-        return x.reshape(x.shape[0], x.shape[1], self.heads, x.shape[2] // self.heads).transpose(1, 2)
-
     def forward(self, x, context=None):
-        src = x if context is None else context
-        q, k, v = self._split(self.to_q(x)), self._split(self.to_k(src)), self._split(self.to_v(src))
+        # (B, L, H*D) -> (B, H, L, D) views (the attention kernels take any B/H/L strides)
+        src, heads = (x if context is None else context), self.heads
+        q, k, v = (split_heads(self.to_q(x), heads), split_heads(self.to_k(src), heads),
+                   split_heads(self.to_v(src), heads))
         o = F.scaled_dot_product_attention(q, k, v)  # scale 1/sqrt(head size), as diffusers
-        o = o.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)  # output laid out like q: a view
-        return self.to_out[0](o)
+        return self.to_out[0](merge_heads(o))  # output laid out like q: a view
 
 
 class GEGLU(Checkpointed):

@@ -192,6 +192,57 @@ def t(x):
     return transpose(x, 0, 1) if x.ndim == 2 else x
 
 
+# ---- attention heads --------------------------------------------------------------------------
+# An attention layer splits each (B, L, H*D) projection into heads and merges its (B, H, L, D) output
+# back, per layer and step: each is one strided view (one torch view, one tensor, one node) instead of
+# a reshape and a transpose, and each one's backward is the other.
+
+def _split_heads_backward(node, g):
+    return merge_heads(g)
+
+
+def split_heads(x, heads):
+    """The (B, H, L, D) view of a (B, L, H*D) tensor with ``heads`` heads: as
+    ``x.reshape(B, L, H, D).transpose(1, 2)``, in one view."""
+    if type(x) is not Tensor:
+        check_tensor(x, "input", "split_heads")
+    data = x._data
+    if data.dim() != 3:
+        raise ValueError(f"split_heads: input must be (B, L, heads * head size), got shape {tuple(data.shape)}")
+    B, L, C = data.shape
+    if type(heads) is not int or heads <= 0 or C % heads:
+        raise ValueError(f"split_heads: heads must be a positive int dividing the input's {C} channels, got {heads!r}")
+    sb, sl, sc = data.stride()
+    size = C // heads
+    out = Tensor(data.as_strided((B, heads, L, size), (sb, size * sc, sl, sc)))  # keeps the storage offset
+    if x._requires_grad and needs_grad(x):
+        record(out, (x,), _split_heads_backward)
+    return out
+
+
+def _merge_heads_backward(node, g):
+    return split_heads(g, node.attrs["heads"])
+
+
+def merge_heads(x):
+    """The (B, L, H*D) tensor of a (B, H, L, D) one: as ``x.transpose(1, 2).reshape(B, L, H * D)``, a
+    view when each row's heads lie side by side (an attention output laid out like its query), else a
+    copy."""
+    if type(x) is not Tensor:
+        check_tensor(x, "input", "merge_heads")
+    data = x._data
+    if data.dim() != 4:
+        raise ValueError(f"merge_heads: input must be (B, heads, L, head size), got shape {tuple(data.shape)}")
+    B, H, L, D = data.shape
+    sb, sh, sl, sd = data.stride()
+    if sh != D * sd:
+        return reshape(transpose(x, 1, 2), B, L, H * D)
+    out = Tensor(data.as_strided((B, L, H * D), (sb, sl, sd)))
+    if x._requires_grad and needs_grad(x):
+        record(out, (x,), _merge_heads_backward, heads=H)
+    return out
+
+
 # ---- expand -----------------------------------------------------------------------------------
 
 def _expand_backward(node, g):
