@@ -158,12 +158,13 @@ def test_block_diagonal_and_diagonal_blocks():
 
 
 def test_view_arguments_are_memoised_and_checked():
-    """reshape and permute resolve their arguments once per (arguments, size or rank): a repeat
+    """reshape, permute and transpose resolve their arguments once per (arguments, size or rank): a repeat
     takes the memo, a bad call raises every time, an unhashable argument still works; a view's
     backward is the inverse view, or a copy when the gradient's strides allow no view."""
     from flame.ops import shape as S
     S._shapes.clear()
     S._permutations.clear()
+    S._transpositions.clear()
     a = torch.randn(2, 3, 4)
     x = flame.from_torch(a)
     for _ in range(2):
@@ -181,6 +182,10 @@ def test_view_arguments_are_memoised_and_checked():
             x.permute(0, 0, 1)
         with pytest.raises(IndexError, match="out of range"):
             x.transpose(0, 3)
+        assert_close(x.transpose(-1, 0), a.transpose(2, 0))
+        with pytest.raises(TypeError, match="transpose: dim must be an int"):
+            x.transpose(True, 0)  # hashes as 1, yet is checked, not taken from the memo
+    assert len(S._transpositions) == 1
     # the backward of reshape when the incoming gradient is transposed: no view, a copy
     w = flame.from_torch(torch.randn(2, 3), requires_grad=True)
     g = torch.randn(2, 3)

@@ -18,7 +18,7 @@ from ._util import check_tensor, dense, new, normalize_dim
 
 def _view(x: Tensor, buf, backward, **attrs) -> Tensor:
     out = Tensor(buf)
-    if needs_grad(x):
+    if x._requires_grad and needs_grad(x):  # needs_grad only for an input that may be recorded
         record(out, (x,), backward, **attrs)
     return out
 
@@ -33,7 +33,7 @@ def _grad_into_zeros(shape, g, region):
 
 # ---- reshape family ---------------------------------------------------------------------------
 
-def _infer_shape(shape, numel, op):
+def _infer_shape(shape, numel, op="reshape"):
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
     if all(type(s) is int and s >= -1 for s in shape):  # the common case: plain ints, perhaps one -1
@@ -64,26 +64,30 @@ def _infer_shape(shape, numel, op):
 # their argument checks are memoised per (arguments, input size or rank), and a view's backward is
 # the inverse view of the gradient's buffer (backward rules run without recording).
 
-_shapes: dict = {}  # (reshape's shape arguments, numel) -> the shape they resolve to
-_permutations: dict = {}  # (permute's dims, ndim) -> (the dims, normalised; their inverse)
-_MAX_MEMO = 4096  # entries of either memo before it starts afresh
+_MAX_MEMO = 4096  # entries of a memo before it starts afresh
 
 
-def _memo(memo, key, make, *args):
-    """``memo[key]``, ``make(*args)`` on a miss (and not kept when ``key`` is unhashable)."""
-    try:
-        hit = memo.get(key)
-    except TypeError:  # an unhashable argument (a list inside): resolved each time
-        return make(*args)
-    if hit is None:
-        if len(memo) >= _MAX_MEMO:
-            memo.clear()
-        hit = memo[key] = make(*args)
-    return hit
+class _Memo(dict):
+    """``memo[args]`` is ``resolve(*args)``, kept from the first call: a repeat is a dict lookup and
+    no Python call. A resolve that raises keeps nothing (a bad call raises every time); an
+    unhashable argument (a list inside) raises TypeError, and the caller then resolves it each time."""
+
+    def __init__(self, resolve):
+        super().__init__()
+        self.resolve = resolve
+
+    def __missing__(self, args):
+        if len(self) >= _MAX_MEMO:
+            self.clear()
+        value = self[args] = self.resolve(*args)
+        return value
+
+
+_shapes = _Memo(_infer_shape)  # (reshape's shape arguments, numel) -> the shape they resolve to
 
 
 def _reshape_backward(node, g):
-    shape = node.attrs["shape"]
+    shape = node.input_meta[0]  # the input's shape (a recorded view's one input requires grad)
     try:  # sizes as arguments: torch's parser tries a lone tuple as an int first, formatting a TypeError it drops
         return Tensor(g._data.view(*shape) if shape else g._data.view(shape))
     except RuntimeError:  # a gradient whose strides allow no view: a copy
@@ -96,12 +100,15 @@ def reshape(x, *shape):
         check_tensor(x, "input", "reshape")
     data = x._data
     numel = data.numel()
-    shape = _memo(_shapes, (shape, numel), _infer_shape, shape, numel, "reshape")
+    try:
+        shape = _shapes[shape, numel]
+    except TypeError:  # an unhashable argument
+        shape = _infer_shape(shape, numel)
     try:
         buf = data.view(*shape) if shape else data.view(shape)  # sizes as arguments (see _reshape_backward)
     except RuntimeError:
         buf = dense(data).view(shape)
-    return _view(x, buf, _reshape_backward, shape=data.shape)
+    return _view(x, buf, _reshape_backward)
 
 
 view = reshape
@@ -157,6 +164,9 @@ def _permutation(dims, ndim):
     return tuple(dims), tuple(inverse)
 
 
+_permutations = _Memo(_permutation)  # (permute's dims, ndim) -> (the dims, normalised; their inverse)
+
+
 def permute(x, *dims):
     if type(x) is not Tensor:
         check_tensor(x, "input", "permute")
@@ -164,9 +174,24 @@ def permute(x, *dims):
         dims = tuple(dims[0])
     data = x._data
     ndim = data.dim()
-    dims, inverse = _memo(_permutations, (dims, ndim), _permutation, dims, ndim)
+    try:
+        dims, inverse = _permutations[dims, ndim]
+    except TypeError:  # an unhashable argument
+        dims, inverse = _permutation(dims, ndim)
     buf = data.permute(*dims) if dims else data.permute(dims)  # dims as arguments: see reshape
     return _view(x, buf, _permute_backward, inverse=inverse)
+
+
+def _transposition(dim0, dim1, ndim):
+    """``(d0, d1, inverse)``: transpose's dims checked against ``ndim`` and normalised, and the
+    permutation that undoes the swap (the swap itself)."""
+    d0, d1 = normalize_dim(dim0, ndim, "transpose"), normalize_dim(dim1, ndim, "transpose")
+    dims = list(range(ndim))
+    dims[d0], dims[d1] = d1, d0
+    return d0, d1, tuple(dims)
+
+
+_transpositions = _Memo(_transposition)  # (transpose's two int dims, ndim) -> (the dims, normalised; the inverse)
 
 
 def transpose(x, dim0, dim1):
@@ -176,12 +201,11 @@ def transpose(x, dim0, dim1):
     ndim = data.dim()
     if ndim == 0:
         return x
-    if not (type(dim0) is int and type(dim1) is int and -ndim <= dim0 < ndim and -ndim <= dim1 < ndim):
-        dim0, dim1 = normalize_dim(dim0, ndim, "transpose"), normalize_dim(dim1, ndim, "transpose")
-    d0, d1 = dim0 % ndim, dim1 % ndim
-    dims = list(range(ndim))
-    dims[d0], dims[d1] = d1, d0
-    return _view(x, data.transpose(d0, d1), _permute_backward, inverse=tuple(dims))  # a swap undoes itself
+    if type(dim0) is int and type(dim1) is int:  # keyed by plain ints only: 1.0 and True hash as 1
+        d0, d1, inverse = _transpositions[dim0, dim1, ndim]
+    else:
+        d0, d1, inverse = _transposition(dim0, dim1, ndim)
+    return _view(x, data.transpose(d0, d1), _permute_backward, inverse=inverse)
 
 
 def t(x):
