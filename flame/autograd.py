@@ -112,16 +112,18 @@ class Node:
 
 def needs_grad(*tensors) -> bool:
     """True when an op over these inputs must be recorded."""
-    if not _state.enabled:
-        seen = _state.seen
-        if seen is not None:  # inside track_inputs(): note what the op would have recorded edges to
-            for t in tensors:
-                if t is not None and t._requires_grad:
-                    seen[t.id] = t
-        return False
-    for t in tensors:  # noqa: SIM110 - a plain loop: this runs for every op
+    for t in tensors:  # a plain loop: this runs for every op
         if t is not None and t._requires_grad:
-            return True
+            break
+    else:  # no input requires grad: nothing to record in any grad mode, and nothing for track_inputs
+        return False
+    if _state.enabled:  # a thread-local read, only for an input that requires grad
+        return True
+    seen = _state.seen
+    if seen is not None:  # inside track_inputs(): note what the op would have recorded edges to
+        for t in tensors:
+            if t is not None and t._requires_grad:
+                seen[t.id] = t
     return False
 
 
@@ -163,7 +165,8 @@ def record(out, inputs, backward_fn, saved=(), **attrs):
         if t is None or not t._requires_grad:
             edges, meta = (None,), _NO_META
         else:
-            edges, meta = (t._node or t,), (tuple(t._data.shape), t._data.dtype)
+            data = t._data
+            edges, meta = (t._node or t,), (tuple(data.shape), data.dtype)
     else:  # a plain loop: generator expressions cost a frame per element here
         edges, meta = [], []
         for t in inputs:
@@ -268,9 +271,8 @@ class GradientMap:
         return f"GradientMap({len(self)} tensors)"
 
 
-def _leaf_grad_dtype(dtype):
-    """Gradients of fp16/bf16 leaves are accumulated in fp32."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+# Gradients of fp16/bf16 leaves are accumulated in fp32; of any other dtype, in the leaf's own.
+_LEAF_GRAD_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 def _collect(root_nodes, boundary):
@@ -486,7 +488,8 @@ def _finish_leaf(leaf, grad, grads, capture, captured, accumulate):
         new = hook(grad)
         if new is not None:
             grad = new
-    want = _leaf_grad_dtype(leaf._data.dtype)
+    dtype = leaf._data.dtype
+    want = _LEAF_GRAD_DTYPES.get(dtype, dtype)
     if grad._data.dtype != want:
         grad = grad.to(want)
     grad = _in_leaf_layout(grad, leaf)
@@ -503,7 +506,8 @@ def _in_leaf_layout(grad, leaf):
     channels-last gradient: torch's rule for ``.grad``, and what the optimizers update in place
     with flat kernels), else contiguous; a stride-0 expand from sum's backward becomes dense."""
     gd, ld = grad._data, leaf._data
-    if gd.stride() == ld.stride() and gd.shape == ld.shape and gd.is_contiguous():  # the usual case, at once
+    # the usual case, at once: both contiguous (then their strides differ at most where a dim has size 1)
+    if gd.is_contiguous() and ld.is_contiguous() and gd.shape == ld.shape:
         return grad
     if runtime.same_dense_layout(gd, ld):
         return grad

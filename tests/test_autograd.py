@@ -256,9 +256,11 @@ def test_leaf_gradients_keep_a_dense_leafs_layout():
                           requires_grad=True)
     tr = flame.from_torch(torch.randn(5, 3, device=DEVICE).t(), requires_grad=True)
     gappy = flame.from_torch(torch.randn(3, 10, device=DEVICE)[:, ::2], requires_grad=True)
-    for leaf in (cl, tr, gappy):
-        want_stride = leaf.to_torch().clone(memory_format=torch.preserve_format).stride() if leaf is not gappy \
-            else (5, 1)
+    # contiguous, with a stride of its own on its size-1 dim: its gradient is the usual contiguous one
+    odd = flame.from_torch(torch.randn(3, device=DEVICE).as_strided((1, 3), (9, 1)), requires_grad=True)
+    contiguous = {id(gappy): (5, 1), id(odd): (3, 1)}
+    for leaf in (cl, tr, gappy, odd):
+        want_stride = contiguous.get(id(leaf)) or leaf.to_torch().clone(memory_format=torch.preserve_format).stride()
         grads = (leaf * 2.0).sum().backward()
         assert grads[leaf].stride() == want_stride
         assert_close(grads[leaf], torch.full(tuple(leaf.shape), 2.0))
