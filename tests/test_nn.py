@@ -320,6 +320,23 @@ def test_containers_and_repr():
         nn.Module()(1)
 
 
+def test_calling_a_module_runs_the_forward_it_has_at_the_call():
+    """module(...) is module.forward(...), looked up at each call: positional and keyword arguments
+    pass through, and a forward set later on the instance or on the class is the one that runs."""
+    class Affine(nn.Module):
+        def forward(self, x, scale=1.0, *, shift=0.0):
+            return x * scale + shift
+
+    m, other = Affine(), Affine()
+    assert m(2.0) == 2.0 and m(2.0, 3.0, shift=1.0) == 7.0 and m.__call__(2.0, scale=2.0) == 4.0
+    m.forward = lambda x: -x  # on the instance: this module only
+    assert m(2.0) == -2.0 and other(2.0) == 2.0
+    Affine.forward = lambda self, x: x + 10.0  # on the class: every instance without its own
+    assert other(2.0) == 12.0 and m(2.0) == -2.0
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        other(1.0, bad=1)
+
+
 # ---- dropout ------------------------------------------------------------------------------------
 
 def test_dropout_mask_scale_and_gradient():
