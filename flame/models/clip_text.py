@@ -37,7 +37,7 @@ from ..nn import init
 from ..ops.creation import arange, empty, tensor
 from ..ops.elementwise import add
 from ..ops.index import index_select
-from ..ops.shape import narrow
+from ..ops.shape import merge_heads, narrow, split_heads
 from ..tensor import Tensor, check_dtype
 from .checkpoints import (
     Source,
@@ -275,15 +275,10 @@ class CLIPAttention(nn.Module):
         self.q_proj = nn.Linear(d, d, dtype=dtype)
         self.out_proj = nn.Linear(d, d, dtype=dtype)
 
-    def _split(self, x):
-        """(B, L, H*D) -> (B, H, L, D) view."""
-        B, L, C = x.shape
-        return x.reshape(B, L, self.heads, C // self.heads).transpose(1, 2)
-
     def forward(self, x):
-        q, k, v = self._split(self.q_proj(x)), self._split(self.k_proj(x)), self._split(self.v_proj(x))
+        q, k, v = (split_heads(proj(x), self.heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # token i sees tokens j <= i
-        return self.out_proj(o.transpose(1, 2).reshape(x.shape))  # laid out like q: a view
+        return self.out_proj(merge_heads(o))  # laid out like q: a view
 
 
 class CLIPMLP(nn.Module):

@@ -50,7 +50,7 @@ from ..nn.init import ones_
 from ..nn.layers import empty_parameter
 from ..ops.creation import arange, full, tensor, zeros
 from ..ops.elementwise import addcmul, cos, exp, log, sin, to
-from ..ops.shape import cat
+from ..ops.shape import cat, merge_heads
 from ..tensor import Tensor, check_dtype, float32, float64
 from . import flux_keys
 from .blocks import (
@@ -226,9 +226,7 @@ def _heads(x, heads):
 def _attention(q, k, v):
     """Attention over (B, heads, L, D) q, k, v laid out (B, L, heads, D): (B, L, heads * D), a view
     of the output (laid out like q)."""
-    o = F.scaled_dot_product_attention(q, k, v)
-    B, H, L, D = o.shape
-    return o.transpose(1, 2).reshape(B, L, H * D)
+    return merge_heads(F.scaled_dot_product_attention(q, k, v))
 
 
 class MLPEmbedder(nn.Module):

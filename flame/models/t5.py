@@ -38,6 +38,7 @@ from .. import io, nn, runtime
 from ..nn import functional as F
 from ..ops.creation import tensor
 from ..ops.elementwise import to
+from ..ops.shape import merge_heads, split_heads
 from ..tensor import Tensor, check_dtype, float32
 from .checkpoints import (
     Source,
@@ -189,16 +190,10 @@ class T5Attention(nn.Module):
         if relative_bias:
             self.relative_attention_bias = Embedding(cfg.relative_attention_num_buckets, cfg.num_heads, dtype)
 
-    def _split(self, x):
-        """(B, L, H*D) -> (B, H, L, D) view."""
-        B, L, _ = x.shape
-        return x.reshape(B, L, self.heads, self.d_kv).transpose(1, 2)
-
     def forward(self, x, bias):
-        q, k, v = self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x))
+        q, k, v = (split_heads(proj(x), self.heads) for proj in (self.q, self.k, self.v))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-        B, L, _ = x.shape
-        return self.o(o.transpose(1, 2).reshape(B, L, self.heads * self.d_kv))
+        return self.o(merge_heads(o))
 
 
 class T5LayerSelfAttention(nn.Module):
