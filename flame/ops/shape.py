@@ -238,10 +238,8 @@ def split_heads(x, heads):
         raise ValueError(f"split_heads: heads must be a positive int dividing the input's {C} channels, got {heads!r}")
     sb, sl, sc = data.stride()
     size = C // heads
-    out = Tensor(data.as_strided((B, heads, L, size), (sb, size * sc, sl, sc)))  # keeps the storage offset
-    if x._requires_grad and needs_grad(x):
-        record(out, (x,), _split_heads_backward)
-    return out
+    # as_strided keeps the storage offset
+    return _view(x, data.as_strided((B, heads, L, size), (sb, size * sc, sl, sc)), _split_heads_backward)
 
 
 def _merge_heads_backward(node, g):
@@ -261,10 +259,7 @@ def merge_heads(x):
     sb, sh, sl, sd = data.stride()
     if sh != D * sd:
         return reshape(transpose(x, 1, 2), B, L, H * D)
-    out = Tensor(data.as_strided((B, L, H * D), (sb, sl, sd)))
-    if x._requires_grad and needs_grad(x):
-        record(out, (x,), _merge_heads_backward, heads=H)
-    return out
+    return _view(x, data.as_strided((B, L, H * D), (sb, sl, sd)), _merge_heads_backward, heads=H)
 
 
 # ---- expand -----------------------------------------------------------------------------------
