@@ -394,25 +394,36 @@ def test_group_norm_and_conv_launch_through_kept_plans(monkeypatch):
 @pytest.mark.skipif(flame.is_interpreter(), reason="the direct path runs on CUDA only")
 def test_direct_launches_equal_tritons_own(monkeypatch):
     """On a GPU, launches whose key was compiled before skip Triton's launch path (``_key`` for
-    plain launches, ``sig=`` for plans: a strided map, a bf16 GEMM, layer norm, attention): their
-    results equal those of the same launches through Triton (``FLAME_TRITON_LAUNCH=1``)."""
+    plain launches, ``sig=`` for plans: a strided map, a bf16 GEMM, layer norm, attention, a TMA GEMM
+    whose descriptors the direct path encodes itself): their results equal those of the same
+    launches through Triton (``FLAME_TRITON_LAUNCH=1``)."""
+    import sys
+
+    import flame.kernels.matmul
     import flame.nn.functional as F
-    through = []
-    real = L._through_triton
+    through, expanders = [], []
+    real, real_expander = L._through_triton, L._descriptor_expander
     monkeypatch.setattr(L, "_through_triton", lambda *a: through.append(a[0]) or real(*a))
+    monkeypatch.setattr(L, "_descriptor_expander", lambda *a: expanders.append(a) or real_expander(*a))
     x = flame.randn(300, 40, dtype=flame.bfloat16)
     w = flame.randn(72, 40, dtype=flame.bfloat16)
     y = flame.randn(40, dtype=flame.bfloat16)
     q = flame.randn(2, 3, 77, 64, dtype=flame.bfloat16)
+    a, b = flame.randn(520, 256, dtype=flame.bfloat16), flame.randn(384, 256, dtype=flame.bfloat16)  # a TMA GEMM
+    c = flame.randn(384, dtype=flame.bfloat16)
 
     def step():
         h = F.layer_norm(x.t().contiguous().t() * y + 1.0, (40,))
-        return [t.to_torch().clone() for t in (h, F.linear(h, w), F.scaled_dot_product_attention(q, q, q))]
+        return [t.to_torch().clone() for t in (h, F.linear(h, w), F.scaled_dot_product_attention(q, q, q),
+                                                F.linear(a, b, c))]
 
     step()  # compiles every key through Triton
     through.clear()
     direct = step()
     assert not through, f"launched through Triton again: {through}"
+    driver = sys.modules.get("triton.backends.nvidia.driver")
+    if flame.kernels.matmul.tma_available() and getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":
+        assert expanders, "a kernel with host-built descriptors kept Triton's launcher"
     monkeypatch.setattr(L, "_direct", False)
     for got, want in zip(direct, step()):
         assert torch.equal(got, want)

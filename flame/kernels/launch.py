@@ -57,7 +57,7 @@ else:
     interpreter.install()  # helper calls skip re-patching the language (a quarter of the CPU time)
 
 _direct = not runtime.INTERPRETER and os.environ.get("FLAME_TRITON_LAUNCH", "") != "1"
-_caches: dict = {}  # id(kernel) -> {key: (run, function, packed metadata, constexpr values)}
+_caches: dict = {}  # id(kernel) -> {key: _entry(): (run, function, lead, constexpr values, expand)}
 _layouts: dict = {}  # id(kernel) -> {argument types: _Layout}
 _sig_plans: dict = {}  # id(kernel) -> {sig: Plan}: launch(sig=)'s plans
 _MAX_KEYS = 4096  # compiled-kernel entries per kernel before its cache starts afresh
@@ -339,7 +339,7 @@ class Plan:
         self.kernel, self.meta, self.by_value, self.by_width = kernel, meta, tuple(by_value), tuple(by_width)
         self.pinned = pinned
         self.key = None  # lambda args: the key of a launch (_key_function), made at the first launch
-        self.compiled = {}  # key -> (run, function, packed metadata, constexpr values); a pinned plan's: None ->
+        self.compiled = {}  # key -> _entry(): (run, function, lead, constexpr values, expand); a pinned plan's: None ->
         self.memo = None
 
 
@@ -397,12 +397,13 @@ def launch_plan(plan, grid, args):
     if entry is None:
         _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)
         return
-    run, function, packed, consts = entry  # _run, inline: the hot path of every plan's launch
+    run, function, lead, consts, expand = entry  # _run, inline: the hot path of every plan's launch
     if _stream is None:
         _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
+    if expand is not None:
+        args = expand(args)
     n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, packed, None, None, None,
-        *args, *consts)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, *lead, *args, *consts)
 
 
 def launch_via(launcher, plan, grid, args):
@@ -418,12 +419,13 @@ def launch_via(launcher, plan, grid, args):
 def _run(entry, grid, args):
     """The direct path: the compiled kernel's launcher on the current stream."""
     global _stream
-    run, function, packed, consts = entry
+    run, function, lead, consts, expand = entry
     if _stream is None:
         _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
+    if expand is not None:
+        args = expand(args)
     n = len(grid)
-    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, packed, None, None, None,
-        *args, *consts)
+    run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, *lead, *args, *consts)
 
 
 def _sig_plan(kernel, sig, meta):
@@ -460,6 +462,77 @@ def _first_launch(kernel, grid, args, meta, cache, key):
         consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
         if len(cache) >= _MAX_KEYS:
             cache.clear()
-        cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, consts)
+        cache[key] = _entry(compiled, consts)
     except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
         _direct = False
+
+
+def _entry(compiled, consts):
+    """What the direct path keeps of a compiled kernel: ``(run, function, lead, consts, expand)``,
+    a launch being ``run(gx, gy, gz, stream, function, *lead, *expand(args), *consts)``.
+
+    Triton's launcher object (``compiled.run``) allocates no scratch for flame's kernels but asks
+    twice per call, and for a kernel with host-built TMA descriptors wraps its C launch function in
+    a Python loop over every argument that encodes each descriptor (``wrap_handle_tensordesc``):
+    ~40% of an eager SDXL UNet forward's host time on an H200 host went to that launcher (cProfile,
+    ``profile_host.py --sdxl --inference``). Where the launcher is the one this was written against
+    (Triton 3.4-3.6's CUDA launcher: ``_BASE_ARGS_FORMAT``, no scratch), the entry calls its C
+    function directly, its leading arguments fixed in ``lead``, and ``expand`` (None without
+    descriptors) encodes the descriptors in one generated expression (``_descriptor_expander``);
+    anything else keeps Triton's launcher."""
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    kept = run, function, (packed, None, None, None), consts, None
+    raw = getattr(run, "launch", None)
+    if (raw is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or getattr(sys.modules.get("triton.backends.nvidia.driver"), "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"):
+        return kept
+    expand = None
+    code = getattr(raw, "__code__", None)
+    if code is not None:  # wrap_handle_tensordesc's closure around the C function
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in raw.__closure__ or ())))
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+            return kept
+        indices = sorted(cells["tensordesc_indices"])
+        expand = _descriptor_expander(indices, cells["tensordesc_meta"] or [None] * len(indices))
+        if expand is None:
+            return kept
+        raw = cells["launcher"]
+    return raw, function, (run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None, None), \
+        consts, expand
+
+
+def _descriptor_expander(indices, metas):
+    """``lambda a: ...``: the argument tuple ``a`` with the host-built TMA descriptor at each of
+    ``indices`` replaced by what Triton's C launcher takes for it (``make_tensordesc_arg``): an
+    encoded ``CUtensorMap`` (``metas``: the compiled kernel's ``tensordesc_meta``), its shape and
+    strides; or, for a descriptor the compiler lowered to a pointer (meta None), the base, shape,
+    strides, padding flag, shape and strides. None where a meta is of a kind this does not know."""
+    from triton.backends.nvidia import driver as nvidia
+    fill = _driver.active.utils.fill_tma_descriptor
+    env, parts, start = {"_pointer": _pointer_descriptor}, [], 0
+    for j, (i, meta) in enumerate(zip(indices, metas)):
+        parts.append(f"*a[{start}:{i}]")
+        if meta is None:
+            parts.append(f"*_pointer(a[{i}])")
+        else:
+            if meta.get("fp4_padded"):
+                return None
+            env[f"_d{j}"] = functools.partial(_encoded_descriptor, fill, meta["swizzle"], meta["elem_size"],
+                                              nvidia.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"])
+            parts.append(f"*_d{j}(a[{i}])")
+        start = i + 1
+    parts.append(f"*a[{start}:]")
+    return eval("lambda a: (" + ", ".join(parts) + ",)", env)  # the parts are built from ints alone
+
+
+def _encoded_descriptor(fill, swizzle, elem_size, elem_type, block_size, d):
+    shape, strides = d.shape, d.strides
+    if strides[-1] != 1:
+        raise ValueError(f"TMA descriptor: the last stride must be 1, got strides {list(strides)}")
+    return (fill(d.base.data_ptr(), swizzle, elem_size, elem_type, block_size, shape, strides, d.padding == "nan"),
+            *shape, *strides)
+
+
+def _pointer_descriptor(d):
+    shape, strides = d.shape, d.strides
+    return (d.base, *shape, *strides, d.padding == "nan", *shape, *strides)
