@@ -119,6 +119,57 @@ def test_linear_checks_each_new_call_signature_and_reads_each_call_s_layout():
                  torch.nn.functional.linear(crossed, w, b).relu())
 
 
+@pytest.mark.parametrize("act", [None, "gelu"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES_CPU)
+@pytest.mark.parametrize("layout", ["fused", "strided", "broadcast"])
+def test_linear_residual_matches_torch(act, dtype, layout):
+    """``linear(..., residual=h)`` is ``act(x W^T + b) + h``: read by the GEMM's epilogue when ``h`` is
+    laid out as the output (one launch), added by a separate op otherwise; ``h``'s gradient is the
+    output's either way."""
+    x = pair((2, 5, 16), dtype, requires_grad=True)
+    w = pair((8, 16), dtype, requires_grad=True)
+    b = pair((8,), dtype, requires_grad=True)
+    shape = {"fused": (2, 5, 8), "strided": (2, 8, 5), "broadcast": (8,)}[layout]
+    h = pair(shape, dtype, requires_grad=True)
+    view = (lambda t: t.transpose(1, 2)) if layout == "strided" else (lambda t: t)
+    check_op(lambda x, w, b, h: F.linear(x, w, b, activation=act, residual=view(h)),
+             lambda x, w, b, h: TORCH_ACT[act](torch.nn.functional.linear(x, w, b)) + view(h), [x, w, b, h],
+             tol=dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else _tf32_tol)
+    import flame.kernels.launch as L
+    with flame.no_grad():
+        L.launches = 0
+        F.linear(x[0], w[0], b[0], activation=act, residual=view(h[0]))
+        assert L.launches == (1 if layout == "fused" else 2)
+
+
+def test_linear_residual_gradcheck():
+    rng = np.random.default_rng(5)
+    shapes = ((2, 3, 4), (5, 4), (5,), (2, 3, 5))
+    x, w, b, h = (flame.tensor(rng.standard_normal(s), requires_grad=True) for s in shapes)
+    assert gradcheck(lambda x, w, b, h: F.linear(x, w, b, activation="silu", residual=h), [x, w, b, h])
+    with pytest.raises(TypeError, match="residual must be a flame Tensor"):
+        F.linear(x, w, b, residual=np.zeros((2, 3, 5)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("act,grad", [(None, False), (None, True), ("gelu", True)])
+def test_linear_bf16_residual_on_the_gpu_routes(act, grad):
+    """bf16 at an SDXL transformer shape: the residual read by the Hopper routes' epilogues (Gluon
+    without a pre-activation store, the TMA kernel with one), within bf16 rounding of torch's."""
+    x = flame.randn(2, 1024, 1280, dtype=flame.bfloat16, requires_grad=grad)
+    w = flame.randn(1280, 1280, dtype=flame.bfloat16) * (1280 ** -0.5)
+    b, h = flame.randn(1280, dtype=flame.bfloat16), flame.randn(2, 1024, 1280, dtype=flame.bfloat16)
+    h.requires_grad_(grad)
+    y = F.linear(x, w, b, activation=act, residual=h)
+    tx, tw, tb, th = (t.to_torch().float() for t in (x, w, b, h))
+    want = TORCH_ACT[act](torch.nn.functional.linear(tx, tw, tb)) + th
+    assert_close(y, want.bfloat16(), rtol=2e-2, atol=4e-2)
+    if grad:
+        g = flame.randn(2, 1024, 1280, dtype=flame.bfloat16)
+        grads = y.backward(g)
+        assert torch.equal(grads[h].to_torch(), g.to_torch())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act", [None, "gelu_tanh"])
 def test_linear_bf16_sdxl_shape_error_budget(act):

@@ -1416,11 +1416,12 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
 
 
 @tunable("out", "pre_out")
-def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None, w8a8=False):
-    """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N])`` in one launch (any
+def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None, w8a8=False, residual=None):
+    """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N]) + residual`` in one launch (any
     strides; the weight is read transposed in place). ``x`` is a matrix (``matrix``: a buffer whose
     leading dims merge into the R rows, or a matrix tuple), ``out`` a buffer laid out as an (R, N)
     matrix; ``pre_out``, if given, laid out as ``out``, receives the argument of ``act``;
+    ``residual``, if given, is laid out as ``out`` too;
     ``low_rank = (u, v, beta)``, if given, matrices ``u`` (R, r) and ``v`` (r, N).
     ``w_scale`` (N,) fp32: ``w`` holds float8_e4m3fn codes of ``w_scale[n] * code[n, k]`` (a
     weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop or
@@ -1438,7 +1439,7 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     ws = w.stride()
     key = _run_kept(("linear", xm[1:], x.dtype, out.shape, out.stride(), out.dtype, w_shape, ws, w.dtype,
                      None if bias is None else bias.stride(), act, pre_out is not None, term, w_scale is not None,
-                     w8a8), out, x, w, bias, pre_out, None, u, v, w_scale)
+                     w8a8, residual is not None), out, x, w, bias, pre_out, residual, u, v, w_scale)
     if key is True:
         return out
     sc = out.stride()
@@ -1446,8 +1447,8 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
         sc = _operand(out, "out")[3:]
     if R == 0 or N == 0:
         return out
-    plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None
-    f = None if plain else Fusion(bias, act, pre_out, low_rank=low_rank, b_scale=w_scale,
+    plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None and residual is None
+    f = None if plain else Fusion(bias, act, pre_out, residual=residual, low_rank=low_rank, b_scale=w_scale,
                                   w8a8=w8a8 and w_scale is not None)
     _keep(key, _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc, f), f)
     return out

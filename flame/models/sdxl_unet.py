@@ -105,13 +105,15 @@ class Attention(nn.Module):
         self.to_v = L.linear(context_dim or dim, dim, bias=False)
         self.to_out = nn.ModuleList([L.linear(dim, dim), nn.Dropout(0.0)])
 
-    def forward(self, x, context=None):
+    def forward(self, x, context=None, residual=None):
+        """Attention over ``x`` (keys and values from ``context`` if given), plus ``residual`` if given
+        (added by the output projection's epilogue)."""
         # (B, L, H*D) -> (B, H, L, D) views (the attention kernels take any B/H/L strides)
         src, heads = (x if context is None else context), self.heads
         q, k, v = (split_heads(self.to_q(x), heads), split_heads(self.to_k(src), heads),
                    split_heads(self.to_v(src), heads))
         o = F.scaled_dot_product_attention(q, k, v)  # scale 1/sqrt(head size), as diffusers
-        return self.to_out[0](merge_heads(o))  # output laid out like q: a view
+        return self.to_out[0](merge_heads(o), residual=residual)  # output laid out like q: a view
 
 
 class GEGLU(Checkpointed):
@@ -134,8 +136,8 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = nn.ModuleList([GEGLU(L, dim, mult * dim), nn.Dropout(0.0), L.linear(mult * dim, dim)])
 
-    def forward(self, x):
-        return self.net[2](self.net[0](x))
+    def forward(self, x, residual=None):
+        return self.net[2](self.net[0](x), residual=residual)
 
 
 class BasicTransformerBlock(Checkpointed):
@@ -150,10 +152,10 @@ class BasicTransformerBlock(Checkpointed):
         self.norm3 = L.layer_norm(dim)
         self.ff = FeedForward(L, dim)
 
-    def forward(self, h, context):
-        h = self.attn1(self.norm1(h)) + h
-        h = self.attn2(self.norm2(h), context) + h
-        return self.ff(self.norm3(h)) + h
+    def forward(self, h, context):  # each residual add in the epilogue of the sublayer's last GEMM
+        h = self.attn1(self.norm1(h), residual=h)
+        h = self.attn2(self.norm2(h), context, residual=h)
+        return self.ff(self.norm3(h), residual=h)
 
 
 class Transformer2DModel(nn.Module):
@@ -175,8 +177,8 @@ class Transformer2DModel(nn.Module):
         h = self.proj_in(nhwc(h).reshape(B, H * W, C))
         for block in self.transformer_blocks:
             h = block(h, context)
-        h = self.proj_out(h)
-        return nchw(h.reshape(B, H, W, C) + nhwc(x))
+        h = self.proj_out(h, residual=nhwc(x).reshape(B, H * W, C))
+        return nchw(h.reshape(B, H, W, C))
 
 
 class Downsample2D(nn.Module):

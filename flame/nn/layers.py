@@ -84,13 +84,14 @@ class Linear(Module):
     def reset_parameters(self):
         _default_init(self.weight, self.bias, self.in_features)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """``x W^T + b``, plus ``residual`` if given (a residual connection, added by the GEMM's epilogue)."""
         _check_input(x, "Linear")
         xs = x._data.shape
         if not xs or xs[-1] != self.in_features:
             raise RuntimeError(f"Linear: input of shape {x.shape} does not end in in_features={self.in_features} "
                                f"(weight shape {self.weight.shape})")
-        return linear(x, self.weight, self.bias)  # one GEMM with the bias in its epilogue
+        return linear(x, self.weight, self.bias, residual=residual)  # one GEMM, bias and residual in its epilogue
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -350,14 +350,17 @@ class LoRALinear(_LoRALayer):
         self._check(h)
         return lora_linear(h, self.weight, None, self.lora_A, self._up_weight(), self.scale)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
+        """The adapted layer's output, plus ``residual`` if given (as ``Linear.forward``; a separate add here)."""
         drop = self.dropout > 0 and self.training
         if self.merged or (self.dora and drop) or not isinstance(x, Tensor):
-            return super().forward(x)  # DoRA with dropout: composed, as PEFT (see _dora_forward)
-        self._check(x)
-        h = _dropout(x, self.dropout, True) if drop else None
-        return lora_linear(x, self.weight, self.bias, self.lora_A, self._up_weight(), self.scale, lora_input=h,
-                           magnitude=self.lora_magnitude)
+            y = super().forward(x)  # DoRA with dropout: composed, as PEFT (see _dora_forward)
+        else:
+            self._check(x)
+            h = _dropout(x, self.dropout, True) if drop else None
+            y = lora_linear(x, self.weight, self.bias, self.lora_A, self._up_weight(), self.scale, lora_input=h,
+                            magnitude=self.lora_magnitude)
+        return y if residual is None else y + residual
 
     def _down(self, h):
         return linear(h, self.lora_A)

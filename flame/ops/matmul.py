@@ -213,7 +213,7 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 #                          scaled in registers (no pass over G'); and W gets no gradient (frozen).
 def _linear_backward(node, g):
     x2, w, pre = node.saved  # x2 (a matrix) only when the weight needs a gradient
-    need_x, need_w, need_b = node.needs_input_grad
+    need_x, need_w, need_b = node.needs_input_grad[:3]
     a = node.attrs
     x_dtype = a["x_dtype"]
     gd = g._data
@@ -230,7 +230,9 @@ def _linear_backward(node, g):
         KM.matmul_(dx, g2, w._data, b_scale=weight_scale(w))
         dx = Tensor(dx)
     dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
-    return dx, dw, db
+    if len(node.needs_input_grad) == 3:
+        return dx, dw, db
+    return dx, dw, db, g if node.needs_input_grad[3] else None  # a residual's: the output's gradient
 
 
 def _weight_and_bias_grads(g2, x2, w, need_w, need_b):
@@ -246,11 +248,14 @@ def _weight_and_bias_grads(g2, x2, w, need_w, need_b):
     return dw, db
 
 
-def linear(x, weight, bias=None, activation=None):
-    """``activation(x @ weight^T + bias)`` as one GEMM launch with a fused epilogue.
+def linear(x, weight, bias=None, activation=None, residual=None):
+    """``activation(x @ weight^T + bias) + residual`` as one GEMM launch with a fused epilogue.
 
     ``x`` is (..., in), ``weight`` (out, in) as in PyTorch, ``bias`` (out,) or None;
-    ``activation`` is None, "relu", "silu", "gelu" (exact) or "gelu_tanh". Weight and bias are
+    ``activation`` is None, "relu", "silu", "gelu" (exact) or "gelu_tanh"; ``residual`` None or a
+    tensor added to the result (a residual connection: ``block(x) + h``), read by the epilogue when
+    it has the output's shape and dtype and is contiguous, else added by a separate op (its
+    gradient is the output's either way). Weight and bias are
     cast once to ``x``'s dtype (so an fp32 master weight trains under bf16 activations, its
     gradient flowing back through the cast). The backward runs one elementwise pass for the
     activation derivative (dY' = dY * act'(pre), the pre-activation saved by the forward's
@@ -264,17 +269,21 @@ def linear(x, weight, bias=None, activation=None):
     x, weight, bias = _autocast.lower(x, weight, bias)
     xd, wd = x._data, weight._data
     bd = None if bias is None else check_tensor(bias, "bias", "linear")._data
+    rd = None if residual is None else check_tensor(residual, "residual", "linear")._data
     key = ("linear", type(weight), xd.shape, xd.stride(), xd.dtype, wd.shape, wd.dtype,
-           None if bd is None else (bd.shape, bd.dtype), activation)
+           None if bd is None else (bd.shape, bd.dtype), activation,
+           None if rd is None else (rd.shape, rd.stride(), rd.dtype))
     kept = _signatures.calls.get(key)
     if kept is None:
-        kept = _linear_signature(key, x, weight, bias, activation)
-    out_shape, rows, act, grad_op, cast = kept
+        kept = _linear_signature(key, x, weight, bias, activation, rd)
+    out_shape, rows, act, grad_op, cast, fused_residual = kept
+    if rd is not None and not fused_residual:
+        return linear(x, weight, bias, activation) + residual
     dtype = xd.dtype
     if cast:
         weight, bias = _layer_params(x, weight, bias, out_shape[-1], "linear")
     out = runtime.empty(out_shape, dtype)
-    grad = needs_grad(x, weight, bias)
+    grad = needs_grad(x, weight, bias) or (rd is not None and residual._requires_grad)
     pre = runtime.empty(out_shape, dtype) if grad and grad_op else None
     if rows is not None:
         x2 = (xd, *rows)
@@ -282,27 +291,31 @@ def linear(x, weight, bias=None, activation=None):
         KE.fill_(out, 0.0)
         y = Tensor(out)
         y = y if bias is None else y + bias
-        return _apply_activation(y, activation)
+        y = _apply_activation(y, activation)
+        return y if residual is None else y + residual
     else:
         x2 = _as_rows(xd)
     fp8 = isinstance(weight, Fp8Weight)
     KM.linear_(out, x2, weight._data, None if bias is None else bias._data, act, pre,
-               w_scale=weight.scale if fp8 else None, w8a8=fp8 and weight.w8a8)
+               w_scale=weight.scale if fp8 else None, w8a8=fp8 and weight.w8a8, residual=rd)
     y = Tensor(out)
     if grad:
         # x is kept for the weight's gradient only: a frozen layer (LoRA training) saves none
-        record(y, (x, weight, bias), _linear_backward, saved=(x2 if weight.requires_grad else None, weight, pre),
-               grad_op=grad_op, x_shape=key[2], x_dtype=dtype)
+        record(y, (x, weight, bias) if rd is None else (x, weight, bias, residual), _linear_backward,
+               saved=(x2 if weight.requires_grad else None, weight, pre), grad_op=grad_op, x_shape=key[2],
+               x_dtype=dtype)
     return y
 
 
-def _linear_signature(key, x, weight, bias, activation):
+def _linear_signature(key, x, weight, bias, activation, residual):
     """What ``linear`` takes from its call signature ``key`` (the types, shapes, strides and dtypes
-    of its arguments, the activation), after checking them: ``(out_shape, rows, act, grad_op, cast)``,
-    ``rows`` the (rows, in, row stride, column stride) of ``x``'s matrix (``KM.matrix``; None when
-    its leading dims do not merge or ``in`` is 0), ``act`` and ``grad_op`` the activation's op codes,
-    ``cast`` whether the parameters need ``_layer_params`` (a dtype other than ``x``'s). Kept with
-    ``_signatures`` under ``key``, so a repeated call checks nothing again."""
+    of its arguments, the activation), after checking them: ``(out_shape, rows, act, grad_op, cast,
+    fused_residual)``, ``rows`` the (rows, in, row stride, column stride) of ``x``'s matrix
+    (``KM.matrix``; None when its leading dims do not merge or ``in`` is 0), ``act`` and ``grad_op``
+    the activation's op codes, ``cast`` whether the parameters need ``_layer_params`` (a dtype other
+    than ``x``'s), ``fused_residual`` whether the ``residual`` buffer (or None) is laid out as the
+    output, for the epilogue to read. Kept with ``_signatures`` under ``key``, so a repeated call
+    checks nothing again."""
     acts = _ACTIVATIONS.get(activation)
     if acts is None:
         raise ValueError(f"linear: activation must be one of {list(_ACTIVATIONS)}, got {activation!r}")
@@ -322,7 +335,10 @@ def _linear_signature(key, x, weight, bias, activation):
     if bias is not None and not cast:  # _layer_params' checks of the bias (nothing to cast; a cast checks each call)
         _layer_params(x, weight, bias, n_out, "linear")
     m = KM.matrix(xd) if xs[-1] else None
-    kept = ((*xs[:-1], n_out), None if m is None else m[1:], *acts, cast)
+    out_shape = (*xs[:-1], n_out)
+    fused_residual = (residual is not None and tuple(residual.shape) == out_shape and residual.dtype == dtype
+                      and residual.is_contiguous())
+    kept = (out_shape, None if m is None else m[1:], *acts, cast, fused_residual)
     _signatures.keep_call(key, kept)
     return kept
 
