@@ -44,6 +44,38 @@ def test_linear_matches_torch(bias):
     _check_module(fm, tm, (13,))
 
 
+def test_packed_linears_run_as_one_gemm_at_inference():
+    """``pack_linears`` puts the layers' weights (and biases) in one buffer, values and state dict
+    unchanged; ``linears`` then runs them as one GEMM under no_grad (each output a view of its
+    columns), and each layer's own forward where a gradient is needed or the packing is gone."""
+    import flame.kernels.launch as L
+    layers = [nn.Linear(16, n) for n in (8, 8, 4)]
+    x = flame.randn(3, 5, 16)
+    with flame.no_grad():
+        want = [m(x).to_torch().clone() for m in layers]
+    before = [{k: v.to_torch().clone() for k, v in m.state_dict().items()} for m in layers]
+    assert nn.pack_linears(layers)
+    assert all(torch.equal(b[k], v.to_torch()) for m, b in zip(layers, before) for k, v in m.state_dict().items())
+    with flame.no_grad():
+        L.launches = 0
+        got = nn.linears(x, layers)
+        assert L.launches == 1
+    for g, w in zip(got, want):
+        assert_close(g, w, **TF32_TOL)
+    xg = x.detach().requires_grad_()
+    outs = nn.linears(xg, layers)  # training: each layer's own GEMM, gradients to each parameter
+    grads = sum(o.sum() for o in outs).backward()
+    assert all(m.weight in grads and m.bias in grads for m in layers)
+    layers[1].weight = nn.Parameter(flame.zeros(8, 16))  # replaced: no longer one buffer
+    with flame.no_grad():
+        L.launches = 0
+        got = nn.linears(x, layers)
+        assert L.launches == 3
+    assert_close(got[1], layers[1].bias.to_torch().expand(3, 5, 8), **TF32_TOL)
+    assert not nn.pack_linears([nn.Linear(16, 4), nn.Linear(8, 4)])  # input widths differ
+    assert not nn.pack_linears([nn.Linear(16, 4), nn.LoRALinear(nn.Linear(16, 4), rank=2)])
+
+
 @pytest.mark.parametrize("kw", [dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, padding=1, bias=False),
                                 dict(kernel_size=1), dict(kernel_size=(3, 1), padding="same", groups=2)])
 def test_conv2d_matches_torch(kw):

@@ -1,6 +1,20 @@
 """Neural-network building blocks; ``flame.nn.functional`` holds the functional ops."""
 from . import functional, init
-from .layers import GELU, Conv2d, Dropout, GroupNorm, Identity, LayerNorm, Linear, ModuleList, RMSNorm, Sequential, SiLU
+from .layers import (
+    GELU,
+    Conv2d,
+    Dropout,
+    GroupNorm,
+    Identity,
+    LayerNorm,
+    Linear,
+    ModuleList,
+    RMSNorm,
+    Sequential,
+    SiLU,
+    linears,
+    pack_linears,
+)
 from .logic import Bits, GroupSum, LogicLayer, set_hard
 from .lora import (
     LoRAConv2d,

@@ -8,11 +8,14 @@ from collections import OrderedDict
 import torch
 
 from .. import runtime
+from ..autograd import needs_grad
+from ..kernels import elementwise as KE
 from ..ops import norms as N
 from ..ops.conv2d import conv2d
 from ..ops.dropout import dropout
 from ..ops.elementwise import gelu, silu
 from ..ops.matmul import linear
+from ..ops.shape import narrow
 from ..tensor import Tensor, check_dtype
 from . import init
 from .module import Module, Parameter
@@ -86,15 +89,97 @@ class Linear(Module):
 
     def forward(self, x, residual=None):
         """``x W^T + b``, plus ``residual`` if given (a residual connection, added by the GEMM's epilogue)."""
+        return self.forward_with(x, self.weight, self.bias, residual)
+
+    def forward_with(self, x, weight, bias, residual=None):
+        """``forward`` with another weight and bias of this layer's input width (``linears``: a packed group's)."""
         _check_input(x, "Linear")
         xs = x._data.shape
         if not xs or xs[-1] != self.in_features:
             raise RuntimeError(f"Linear: input of shape {x.shape} does not end in in_features={self.in_features} "
                                f"(weight shape {self.weight.shape})")
-        return linear(x, self.weight, self.bias, residual=residual)  # one GEMM, bias and residual in its epilogue
+        return linear(x, weight, bias, residual=residual)  # one GEMM, bias and residual in its epilogue
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pack_linears(layers) -> bool:
+    """Give ``Linear`` layers of one input width one buffer: their weights become consecutive row
+    blocks of one (sum of out_features, in_features) buffer (their biases, all or none, of one
+    vector), values, names, ``requires_grad`` and modules unchanged, so that ``linears`` runs them
+    as one GEMM (the q, k and v projections of one input: one launch instead of three, and a wider
+    GEMM). Layers that are not all plain ``Linear``s of one dtype and input width on flame's device
+    (an fp8 weight, a LoRA wrapper) are left as they are. Returns whether it packed them."""
+    layers = list(layers)
+    if len(layers) < 2 or not all(type(m) is Linear and type(m.weight) is Parameter for m in layers):
+        return False
+    w0 = layers[0].weight._data
+    has_bias = layers[0].bias is not None
+    if not (w0.device == runtime.device and all(
+            m.weight._data.dtype == w0.dtype and m.in_features == layers[0].in_features
+            and m.weight._data.device == w0.device and (m.bias is not None) == has_bias for m in layers)):
+        return False
+    rows = sum(m.out_features for m in layers)
+    weights = runtime.empty((rows, layers[0].in_features), w0.dtype)
+    biases = runtime.empty((rows,), layers[0].bias.dtype) if has_bias else None
+    start = 0
+    for m in layers:
+        end = start + m.out_features
+        for name, buf in (("weight", weights), ("bias", biases)):
+            old = getattr(m, name)
+            if buf is not None:
+                part = buf[start:end]
+                KE.copy_(part, old._data)
+                setattr(m, name, Parameter(Tensor(part), requires_grad=old.requires_grad))
+        start = end
+    return True
+
+
+def _packing(layers):
+    """``(weight, bias, sizes)``: the buffer that ``pack_linears`` gave ``layers`` as one (rows, in)
+    weight (and bias) Tensor and each layer's out_features, or None when their weights are not
+    consecutive row blocks of one buffer (never packed, or a weight replaced since)."""
+    w = [m.weight._data for m in layers]
+    b = [None if m.bias is None else m.bias._data for m in layers]
+    first, k = w[0], w[0].shape[1] if w[0].dim() == 2 else None
+    step, size = first.stride(), first.element_size()
+    sizes = tuple(t.shape[0] for t in w)
+    offset = 0
+    for t, bt in zip(w, b):
+        if (t.dtype != first.dtype or t.stride() != step or step != (k, 1) or t.shape[1] != k
+                or t.data_ptr() != first.data_ptr() + offset * k * size
+                or (bt is None) != (b[0] is None)
+                or (bt is not None and (bt.dtype != b[0].dtype or bt.stride() != (1,)
+                                        or bt.data_ptr() != b[0].data_ptr() + offset * bt.element_size()))):
+            return None
+        offset += t.shape[0]
+    weight = Tensor(first.as_strided((offset, k), (k, 1)))
+    bias = None if b[0] is None else Tensor(b[0].as_strided((offset,), (1,)))
+    return weight, bias, sizes
+
+
+def linears(x, layers) -> list:
+    """``[layer(x) for layer in layers]``: one GEMM over the packed weight of layers that
+    ``pack_linears`` packed (each output a view of its columns) when nothing needs a gradient
+    (inference; training runs each layer, as its gradients need), else each layer's own forward."""
+    layers = tuple(layers)
+    if not all(type(m) is Linear for m in layers) or needs_grad(x, *(t for m in layers for t in (m.weight, m.bias))):
+        return [m(x) for m in layers]
+    key = tuple(id(m.weight) for m in layers) + tuple(id(m.bias) for m in layers)
+    kept = layers[0].__dict__.get("_packed")
+    if kept is None or kept[0] != key:
+        kept = (key, _packing(layers))
+        object.__setattr__(layers[0], "_packed", kept)
+    if kept[1] is None:
+        return [m(x) for m in layers]
+    weight, bias, sizes = kept[1]
+    y = layers[0].forward_with(x, weight, bias)
+    outs, start = [], 0
+    for n in sizes:
+        outs.append(narrow(y, -1, start, n))
+        start += n
+    return outs
 
 
 def _pair(v):
