@@ -152,17 +152,25 @@ def test_linear_residual_gradcheck():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act,grad", [(None, False), (None, True), ("gelu", True)])
-def test_linear_bf16_residual_on_the_gpu_routes(act, grad):
+@pytest.mark.parametrize("act,grad,lora", [(None, False, False), (None, True, False), ("gelu", True, False),
+                                           (None, True, True)])
+def test_linear_bf16_residual_on_the_gpu_routes(act, grad, lora):
     """bf16 at an SDXL transformer shape: the residual read by the Hopper routes' epilogues (Gluon
-    without a pre-activation store, the TMA kernel with one), within bf16 rounding of torch's."""
+    without a pre-activation store, the TMA kernel with one or with a LoRA term), within bf16
+    rounding of torch's."""
     x = flame.randn(2, 1024, 1280, dtype=flame.bfloat16, requires_grad=grad)
     w = flame.randn(1280, 1280, dtype=flame.bfloat16) * (1280 ** -0.5)
     b, h = flame.randn(1280, dtype=flame.bfloat16), flame.randn(2, 1024, 1280, dtype=flame.bfloat16)
     h.requires_grad_(grad)
-    y = F.linear(x, w, b, activation=act, residual=h)
+    a, lb = flame.randn(16, 1280) * (1280 ** -0.5), flame.randn(1280, 16) * 0.25
+    if lora:
+        y = F.lora_linear(x, w, b, a, lb, 0.5, residual=h)
+    else:
+        y = F.linear(x, w, b, activation=act, residual=h)
     tx, tw, tb, th = (t.to_torch().float() for t in (x, w, b, h))
     want = TORCH_ACT[act](torch.nn.functional.linear(tx, tw, tb)) + th
+    if lora:
+        want = want + 0.5 * (tx @ a.to_torch().T) @ lb.to_torch().T
     assert_close(y, want.bfloat16(), rtol=2e-2, atol=4e-2)
     if grad:
         g = flame.randn(2, 1024, 1280, dtype=flame.bfloat16)
@@ -226,6 +234,30 @@ def test_lora_linear_matches_composed_torch(dtype, x_shape, bias, branch, train_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fused", "strided"])
+def test_lora_linear_residual(layout):
+    """``lora_linear(..., residual=h)`` adds ``h`` in the base GEMM's epilogue when it is laid out as
+    the output (no launch more than without it), by a separate op otherwise; ``h`` gets the output's
+    gradient. DoRA composes it."""
+    import flame.kernels.launch as L
+    inputs = [pair((2, 7, 40), requires_grad=True), pair((24, 40)), pair((24,)),
+              pair((4, 40), requires_grad=True), pair((24, 4), requires_grad=True),
+              pair((2, 24, 7) if layout == "strided" else (2, 7, 24), requires_grad=True)]
+    view = (lambda t: t.transpose(1, 2)) if layout == "strided" else (lambda t: t)
+    check_op(lambda x, w, b, a, lb, h: F.lora_linear(x, w, b, a, lb, 0.75, residual=view(h)),
+             lambda x, w, b, a, lb, h: _torch_lora(x, w, b, a, lb, 0.75) + view(h), inputs, tol=_tf32_tol)
+    x, w, b, a, lb, h = (t[0] for t in inputs)
+    with flame.no_grad():
+        L.launches = 0
+        F.lora_linear(x, w, b, a, lb, 0.75)
+        plain, L.launches = L.launches, 0
+        F.lora_linear(x, w, b, a, lb, 0.75, residual=view(h))
+        assert L.launches == plain + (layout == "strided")
+    m = flame.ones(24).requires_grad_()
+    want = F.lora_linear(x, w, b, a, lb, 0.75, magnitude=m) + view(h)
+    assert_close(F.lora_linear(x, w, b, a, lb, 0.75, magnitude=m, residual=view(h)), want.to_torch())
+
+
 def test_lora_linear_gradcheck_and_bad_shapes():
     x = flame.randn(3, 5, dtype=flame.float64).requires_grad_()  # few elements: two forwards each
     w = flame.randn(4, 5, dtype=flame.float64).requires_grad_()

@@ -351,16 +351,16 @@ class LoRALinear(_LoRALayer):
         return lora_linear(h, self.weight, None, self.lora_A, self._up_weight(), self.scale)
 
     def forward(self, x, residual=None):
-        """The adapted layer's output, plus ``residual`` if given (as ``Linear.forward``; a separate add here)."""
+        """The adapted layer's output, plus ``residual`` if given (as ``Linear.forward``: in the base GEMM's
+        epilogue where ``lora_linear`` can)."""
         drop = self.dropout > 0 and self.training
         if self.merged or (self.dora and drop) or not isinstance(x, Tensor):
             y = super().forward(x)  # DoRA with dropout: composed, as PEFT (see _dora_forward)
-        else:
-            self._check(x)
-            h = _dropout(x, self.dropout, True) if drop else None
-            y = lora_linear(x, self.weight, self.bias, self.lora_A, self._up_weight(), self.scale, lora_input=h,
-                            magnitude=self.lora_magnitude)
-        return y if residual is None else y + residual
+            return y if residual is None else y + residual
+        self._check(x)
+        h = _dropout(x, self.dropout, True) if drop else None
+        return lora_linear(x, self.weight, self.bias, self.lora_A, self._up_weight(), self.scale, lora_input=h,
+                           magnitude=self.lora_magnitude, residual=residual)
 
     def _down(self, h):
         return linear(h, self.lora_A)

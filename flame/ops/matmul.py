@@ -374,7 +374,7 @@ def _apply_activation(y, activation):
 # An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
     x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2, h, b16: matrices (KM.matrix)
-    need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad
+    need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad[:7]
     a = node.attrs
     s = a["scale"]
     rows, rank = h[1], h[2]
@@ -412,7 +412,9 @@ def _lora_linear_backward(node, g):
         dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
     db = _weight_and_bias_grads(g2, x2, w, False, need_b)[1]
-    return dx, dw, db, da, dlb, dxl, dm
+    if len(node.needs_input_grad) == 7:
+        return dx, dw, db, da, dlb, dxl, dm
+    return dx, dw, db, da, dlb, dxl, dm, g if node.needs_input_grad[7] else None  # a residual's: the output's
 
 
 def _cast_once(t, dtype):
@@ -427,7 +429,7 @@ def _cast_once(t, dtype):
         return to(t, dtype)._data
 
 
-def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitude=None):
+def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitude=None, residual=None):
     """``x @ weight^T + bias + scale * (lora_input @ lora_a^T) @ lora_b^T`` as one op: a LoRA
     adapter on a Linear layer, ``lora_input`` defaulting to ``x`` (pass the dropped-out ``x`` for
     LoRA dropout). ``weight`` (N, K), ``bias`` (N,) or None, ``lora_a`` (r, K), ``lora_b`` (N, r);
@@ -443,7 +445,9 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     DoRA with dropout also corrects the base output, which ``nn.LoRALinear`` composes.
 
     ``weight`` may be an ``Fp8Weight`` (a frozen base in fp8: its codes read by the base GEMM and
-    the input gradient's); not with ``magnitude`` (DoRA's norms would need the dequantised weight)."""
+    the input gradient's); not with ``magnitude`` (DoRA's norms would need the dequantised weight).
+    ``residual``: added to the result, by the base GEMM's epilogue where ``linear`` would (laid out
+    as the output; not with ``magnitude``), else by a separate op."""
     op = "lora_linear"
     if not (type(x) is Tensor and isinstance(weight, Tensor) and isinstance(lora_a, Tensor)
             and isinstance(lora_b, Tensor)):  # one test for the usual call, the named error otherwise
@@ -470,6 +474,12 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
             or a_shape[1] != k or b_shape != (n_out, a_shape[0])):
         raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
                          f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
+    rd = None
+    if residual is not None:
+        rd = check_tensor(residual, "residual", op)._data
+        if (magnitude is not None or not xd.numel() or not k or not a_shape[0] or rd.shape != (*xs[:-1], n_out)
+                or rd.dtype != dtype or not rd.is_contiguous()):
+            return lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input, magnitude) + residual
     ratio = norm = None
     if magnitude is not None:
         check_tensor(magnitude, "magnitude", op)
@@ -507,7 +517,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     w_scale = weight.scale if fp8 else None
     KM.linear_(h, x2 if xl2 is None else xl2, a16)
     KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale, w8a8=fp8 and weight.w8a8)
+               low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale, w8a8=fp8 and weight.w8a8,
+               residual=rd)
     out = z
     if ratio is not None:
         out = runtime.empty(out_shape, dtype)
@@ -515,9 +526,10 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         op_code = KE.MUL if bias is None else KE.MUL_ADD
         KE.map_(out, [z] + [t.expand(out_shape) for t in per_column], op_code.value)
     y = Tensor(out)
-    if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude):
+    if needs_grad(x, weight, bias, lora_a, lora_b, lora_input, magnitude, residual):
         keep_z = ratio is not None and magnitude.requires_grad
-        record(y, (x, weight, bias, lora_a, lora_b, lora_input, magnitude), _lora_linear_backward,
+        inputs = (x, weight, bias, lora_a, lora_b, lora_input, magnitude)
+        record(y, inputs if rd is None else (*inputs, residual), _lora_linear_backward,
                saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale),
                scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
                b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
