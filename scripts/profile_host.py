@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""Where flame's host time goes: cProfile of a chain of small ops (forward and backward), or
+"""Where flame's host time goes: cProfile of a chain of small ops (forward and backward; with
+``--stub`` its launches left out, so that flame's own path and torch's allocations are timed
+alone on a GPU host too), or
 with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out (with
 ``--inference``: one no-grad UNet forward at batch 2, a guided text-to-image step's, instead).
 
-    PYTHONPATH=. python3 scripts/profile_host.py [--iters 200] [--top 25]
+    PYTHONPATH=. python3 scripts/profile_host.py [--iters 200] [--top 25] [--stub]
     PYTHONPATH=. python3 scripts/profile_host.py --sdxl [--inference] [--resolution 1024] [--top 25]
 
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
@@ -166,9 +168,15 @@ def main():
     ap.add_argument("--steps", type=int, default=5, help="--sdxl: unprofiled steps timed after the first")
     ap.add_argument("--no-freeze", action="store_true",
                     help="--sdxl: keep the model's objects in the cyclic collector's passes (the trainer freezes them)")
+    ap.add_argument("--stub", action="store_true",
+                    help="the chain with every kernel launch left out (as --sdxl does): flame's own host path and "
+                         "torch's allocations alone, on the GPU host too")
     args = ap.parse_args()
     if args.sdxl:
         return sdxl_step(args)
+    if args.stub:
+        import collections
+        stub_launches(collections.Counter())
     x = flame.randn(64, 64)
     w = flame.randn(64, 64, requires_grad=True)
     b = flame.randn(64, requires_grad=True)
@@ -179,11 +187,19 @@ def main():
             y = flame.exp(flame.tanh(y * w + b)) * 0.3
         return y.sum()
 
+    def forward():
+        with flame.no_grad():
+            chain()
+
     def step():
         chain().backward()
 
-    per_op = common.host_us_per_op(step, 20, args.iters, ops=51)
-    print(f"fwd+bwd: {per_op:.1f} us per forward op (51 ops per chain) on {flame.device_name()}")
+    launches = "launches left out" if args.stub else "launches"
+    for what, fn in (("fwd no_grad", forward), ("fwd+bwd", step)):
+        per_op = common.host_us_per_op(fn, 20, args.iters, ops=51)
+        print(f"{what}: {per_op:.2f} us per forward op (51 ops per chain, {launches}) on {flame.device_name()}")
+    per_alloc = common.host_us_per_op(lambda: flame.runtime.empty((64, 64), flame.float32), 200, 20 * args.iters)
+    print(f"of which an op's output allocation (runtime.empty, 64x64 fp32): {per_alloc:.2f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.iters):
