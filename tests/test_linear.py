@@ -151,6 +151,51 @@ def test_linear_residual_gradcheck():
         F.linear(x, w, b, residual=np.zeros((2, 3, 5)))
 
 
+def _torch_geglu(x, w, b):
+    h, gate = torch.nn.functional.linear(x, w, b).chunk(2, dim=-1)
+    return h * torch.nn.functional.gelu(gate)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_geglu_is_geglu_of_the_projection(bias):
+    """``linear(..., activation="geglu")`` = ``hidden * gelu(gate)`` over the projection's halves, with
+    the gradients of the composed ops; a residual adds to it; an odd width is refused."""
+    inputs = [pair((2, 5, 16), requires_grad=True), pair((12, 16), requires_grad=True),
+              pair((12,), requires_grad=True) if bias else None]
+    check_op(lambda x, w, b: F.linear(x, w, b, activation="geglu"), _torch_geglu, inputs, tol=_tf32_tol)
+    x, w = inputs[0][0], inputs[1][0]
+    h = flame.randn(2, 5, 6)
+    with flame.no_grad():
+        assert_close(F.linear(x, w, activation="geglu", residual=h),
+                     _torch_geglu(x.to_torch(), w.to_torch(), None) + h.to_torch(), **_tf32_tol(h.to_torch()))
+    with pytest.raises(ValueError, match="even"):
+        F.linear(x, flame.randn(7, 16), activation="geglu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2, 1024, 1280, 5120), (8192, 640, 2560), (3000, 256, 1000)], ids=str)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_geglu_in_the_hopper_epilogue(shape, bias):
+    """bf16 at inference on Hopper: one launch (GEGLU in the Gluon GEMM's epilogue: hidden and gate
+    blocks side by side in a tile, tails in rows and columns), within bf16 rounding of an fp32
+    reference; elsewhere, or with a gradient to record, the composed ops."""
+    import flame.kernels.launch as L
+    import flame.kernels.matmul_hopper as KH
+    *rows, k, n = shape
+    x = flame.randn(*rows, k, dtype=flame.bfloat16)
+    w = flame.randn(2 * n, k, dtype=flame.bfloat16) * (k ** -0.5)
+    b = flame.randn(2 * n, dtype=flame.bfloat16) if bias else None
+    with flame.no_grad():
+        L.launches = 0
+        y = F.linear(x, w, b, activation="geglu")
+        fused = L.launches == 1
+    want = _torch_geglu(x.to_torch().float(), w.to_torch().float(), None if b is None else b.to_torch().float())
+    assert_within_torch_error(y, _torch_geglu(x.to_torch(), w.to_torch(), None if b is None else b.to_torch()),
+                              want, 2)
+    if KH.available():
+        assert fused, "the Hopper kernel did not take a GEGLU projection"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,grad,lora", [(None, False, False), (None, True, False), ("gelu", True, False),
                                            (None, True, True)])

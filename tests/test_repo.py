@@ -425,7 +425,8 @@ def test_every_bench_target_selects_cases_of_its_family(monkeypatch):
                  "group_norm 1x320x128x128", "group_norm 1x640x64x64 CL +silu", "layer_norm 4096x640",
                  "rms_norm 4096x640")],
              "softmax": [f"{k} {op} 8192x32000" for k in ("fwd", "fwd+bwd") for op in ("softmax", "cross_entropy")],
-             "matmul": [f"{k} 4096x640->640 +bias{a}" for k in ("fwd", "fwd+bwd") for a in ("", "+gelu_tanh")],
+             "matmul": [f"{k} 4096x640->640 +bias{a}" for k in ("fwd", "fwd+bwd") for a in ("", "+gelu_tanh")]
+             + ["fwd 8192x640->5120 +bias+geglu vs plain"],
              "conv2d": [f"{k} 3x3 1x320x128x128->320 vs torch {f}" for k in ("fwd", "fwd+bwd") for f in ("NCHW", "CL")],
              "attention": [f"{k} B1 H10 Lq4096 Lk4096 D64{v}" for k in ("fwd", "fwd+bwd") for v in ("", " vs cuDNN")]}
     for fam, targets in bench.TARGETS.items():

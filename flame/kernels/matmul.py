@@ -35,7 +35,7 @@ import triton.language as tl
 from .. import autotune, runtime, tune
 from ..autotune import tunable
 from . import matmul_hopper
-from .elementwise import _apply, _pow2, cdiv, collapse, fill_
+from .elementwise import GELU, _apply, _pow2, cdiv, collapse, fill_
 from .launch import Plan, TensorDescriptor, descriptor, descriptor_like, descriptor_template, launch, launch_via
 from .quant import DECODE_FACTOR, as_codes, decode_e4m3, dequantize_rows_, quantize_rows_
 from .reduce import SUM, accumulation_dtype, reduce_
@@ -1452,6 +1452,29 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
                                   w8a8=w8a8 and w_scale is not None)
     _keep(key, _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc, f), f)
     return out
+
+
+def linear_geglu_(out, x, w, bias=None):
+    """``out[R, N] = (x @ w[:N]^T + bias[:N]) * gelu(x @ w[N:]^T + bias[N:])`` (exact GELU) in one
+    launch of the Gluon kernel's gated mode (``matmul_hopper.matmul(..., gated=True)``: GEGLU in the
+    epilogue of the projection, whose (R, 2N) output is never written) and True; False, nothing
+    written, where that kernel does not serve the call (not Hopper, another dtype, a layout TMA cannot
+    read, fewer tiles than SMs): the caller composes ``linear_`` and the GEGLU map. ``x`` a matrix
+    (``matrix``) read along K, ``w`` (2N, K) contiguous, ``out`` a contiguous (R, N) buffer, ``bias``
+    (2N,) or None."""
+    xb, R, K, sxr, sxk = x if type(x) is tuple else _operand(x, "x")
+    N = w.shape[0] // 2
+    es = xb.element_size()
+    if not (TMA and matmul_hopper.ROUTE and xb.dtype in _TMA_DTYPES and w.dtype is xb.dtype
+            and out.dtype is xb.dtype and (bias is None or bias.dtype is xb.dtype) and _gluon_available()
+            and tma_available() and sxk == 1 and w.stride() == (K, 1) and w.shape[0] == 2 * N
+            and out.stride() == (N, 1) and (sxr * es) % 16 == 0 and (K * es) % 16 == 0 and (N * es) % 16 == 0
+            and (xb.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0
+            and cdiv(R, 128) * cdiv(N, 128) >= runtime.num_sms()):
+        return False
+    matmul_hopper.matmul(out, xb, w, R, N, K, Fusion(bias, GELU.value), (True, True, sxr, K, N),
+                         matmul_hopper.config(coop=True, block_m=64, block_n=256), gated=True)
+    return True
 
 
 # How the GEMMs take an fp8 weight (``_fp8_route``): "inline" decodes its codes in the main loop (B_FP8);

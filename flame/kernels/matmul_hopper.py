@@ -66,18 +66,20 @@ if gluon is not None:
     def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K,
                 A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
-                GROUP_M: gl.constexpr):
+                GROUP_M: gl.constexpr, GATED: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
+        STEP_N: gl.constexpr = MAIN_N if GATED else BLOCK_N  # output columns per tile
+        TAIL_OFF = N if GATED else MAIN_N  # B's rows (columns) of the tail block past the main one's
         num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
+        num_pid_n = gl.cdiv(N, STEP_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
         nbytes: gl.constexpr = (SUB * BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
         count = 0
         for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
             pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M)
-            off_n = pid_n * BLOCK_N
+            off_n = pid_n * STEP_N
             for kk in range(k_tiles):
                 s = count % STAGES
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -93,12 +95,12 @@ if gluon is not None:
                 if B_K:
                     tma.async_copy_global_to_shared(b_desc, [off_n, off_k], ready.index(s), b_smem.index(s))
                     if TAIL_N > 0:
-                        tma.async_copy_global_to_shared(bt_desc, [off_n + MAIN_N, off_k], ready.index(s),
+                        tma.async_copy_global_to_shared(bt_desc, [off_n + TAIL_OFF, off_k], ready.index(s),
                                                         bt_smem.index(s))
                 else:
                     tma.async_copy_global_to_shared(b_desc, [off_k, off_n], ready.index(s), b_smem.index(s))
                     if TAIL_N > 0:
-                        tma.async_copy_global_to_shared(bt_desc, [off_k, off_n + MAIN_N], ready.index(s),
+                        tma.async_copy_global_to_shared(bt_desc, [off_k, off_n + TAIL_OFF], ready.index(s),
                                                         bt_smem.index(s))
                 count += 1
 
@@ -121,7 +123,7 @@ if gluon is not None:
                   s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
                   STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  STAGES: gl.constexpr, GROUP_M: gl.constexpr):
+                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr):
         # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
         # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
         # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
@@ -130,9 +132,12 @@ if gluon is not None:
         # So the consumers' main loops take turns and each epilogue runs under the other's wgmmas.
         # A tile of BLOCK_N = MAIN_N + TAIL_N columns (a power of two and, for widths such as 160, a
         # smaller one: Gluon's blocks are powers of two) is two accumulators, each with its own B
-        # blocks, wgmma and store buffer; TAIL_N = 0 leaves the second out.
+        # blocks, wgmma and store buffer; TAIL_N = 0 leaves the second out. GATED (GEGLU): the tail
+        # accumulates the gate columns N + [off_n, off_n + MAIN_N) of B beside the main block's
+        # hidden ones, and the tile stores hidden * ACT(gate), MAIN_N output columns.
         SUB: gl.constexpr = 2 if COOP else 1
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
+        STEP_N: gl.constexpr = MAIN_N if GATED else BLOCK_N
         PARTS: gl.constexpr = 2 if TAIL_N > 0 else 1  # wgmma groups a k block issues
         # wgmma's k per instruction: 32 bytes of each operand row (16 for 16-bit operands, 32 for fp8)
         instr_k: gl.constexpr = 256 // a_smem.dtype.primitive_bitwidth
@@ -145,7 +150,7 @@ if gluon is not None:
         buf_t = ct_smem.index(WG)
         bar = res_bar.index(WG)
         num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
-        num_pid_n = gl.cdiv(N, BLOCK_N)
+        num_pid_n = gl.cdiv(N, STEP_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
         programs = gl.num_programs(0)
         first = gl.program_id(0) + (0 if COOP else WG) * programs
@@ -160,7 +165,7 @@ if gluon is not None:
                 turns += 1
             pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M) + (WG * BLOCK_M if COOP else 0)
-            off_n = pid_n * BLOCK_N
+            off_n = pid_n * STEP_N
             if RESIDUAL:  # into the store buffers once their last stores have been read
                 tma.store_wait(0)
                 mbarrier.expect(bar, BLOCK_M * BLOCK_N * dtype.primitive_bitwidth // 8)
@@ -203,40 +208,50 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
 
-            # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
-            # held at once spill)
-            pre, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
-                                      alpha, BIAS, 0 if STORE_PRE else ACT, SCALED, BLOCK_M, MAIN_N)
-            if TAIL_N > 0:
-                pre_t, out_t = _part_epilogue(acc_t, tail_layout, off_m, off_n + MAIN_N, M, N, bias_ptr, a_scale_ptr,
-                                              b_scale_ptr, s_bias, alpha, BIAS, 0 if STORE_PRE else ACT, SCALED,
-                                              BLOCK_M, TAIL_N)
-            if RESIDUAL:
-                mbarrier.wait(bar, res_phase)
-                res_phase ^= 1
-                out += buf.load(acc_layout).to(gl.float32)
-                if TAIL_N > 0:
-                    out_t += buf_t.load(tail_layout).to(gl.float32)
-            else:
+            if GATED:  # hidden * ACT(gate), each with its bias (the gate's N columns further on)
+                _, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr,
+                                        s_bias, alpha, BIAS, 0, SCALED, BLOCK_M, MAIN_N)
+                _, gate = _part_epilogue(acc_t, tail_layout, off_m, off_n, M, N, bias_ptr + N * s_bias, a_scale_ptr,
+                                         b_scale_ptr, s_bias, alpha, BIAS, ACT, SCALED, BLOCK_M, TAIL_N)
                 tma.store_wait(0)
-            if STORE_PRE:
-                buf.store(pre.to(dtype))
-                if TAIL_N > 0:
-                    buf_t.store(pre_t.to(dtype))
+                buf.store((out * gate).to(dtype))
                 fence_async_shared()
-                tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
-                out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
+                tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
+            else:
+                # with STORE_PRE the activation is applied after the pre-activation is stored (both tiles
+                # held at once spill)
+                pre, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr,
+                                          s_bias, alpha, BIAS, 0 if STORE_PRE else ACT, SCALED, BLOCK_M, MAIN_N)
                 if TAIL_N > 0:
-                    tma.async_copy_shared_to_global(pret_desc, [off_m, off_n + MAIN_N], buf_t)
-                    out_t = gemm._apply(pre_t, pre_t, pre_t, 0.0, 0.0, ACT)
-                tma.store_wait(0)
-            buf.store(out.to(dtype))
-            if TAIL_N > 0:
-                buf_t.store(out_t.to(dtype))
-            fence_async_shared()
-            tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
-            if TAIL_N > 0:
-                tma.async_copy_shared_to_global(ct_desc, [off_m, off_n + MAIN_N], buf_t)
+                    pre_t, out_t = _part_epilogue(acc_t, tail_layout, off_m, off_n + MAIN_N, M, N, bias_ptr,
+                                                  a_scale_ptr, b_scale_ptr, s_bias, alpha, BIAS,
+                                                  0 if STORE_PRE else ACT, SCALED, BLOCK_M, TAIL_N)
+                if RESIDUAL:
+                    mbarrier.wait(bar, res_phase)
+                    res_phase ^= 1
+                    out += buf.load(acc_layout).to(gl.float32)
+                    if TAIL_N > 0:
+                        out_t += buf_t.load(tail_layout).to(gl.float32)
+                else:
+                    tma.store_wait(0)
+                if STORE_PRE:
+                    buf.store(pre.to(dtype))
+                    if TAIL_N > 0:
+                        buf_t.store(pre_t.to(dtype))
+                    fence_async_shared()
+                    tma.async_copy_shared_to_global(pre_desc, [off_m, off_n], buf)
+                    out = gemm._apply(pre, pre, pre, 0.0, 0.0, ACT)
+                    if TAIL_N > 0:
+                        tma.async_copy_shared_to_global(pret_desc, [off_m, off_n + MAIN_N], buf_t)
+                        out_t = gemm._apply(pre_t, pre_t, pre_t, 0.0, 0.0, ACT)
+                    tma.store_wait(0)
+                buf.store(out.to(dtype))
+                if TAIL_N > 0:
+                    buf_t.store(out_t.to(dtype))
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [off_m, off_n], buf)
+                if TAIL_N > 0:
+                    tma.async_copy_shared_to_global(ct_desc, [off_m, off_n + MAIN_N], buf_t)
         tma.store_wait(0)
 
     # C = ACT(alpha * A B + bias) (+ R): see the module's docstring. The sizes only count tiles and
@@ -248,7 +263,8 @@ if gluon is not None:
                             B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr,
                             RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                            STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                            GATED: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
         a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
@@ -256,9 +272,11 @@ if gluon is not None:
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
         if TAIL_N > 0:  # the tile's last TAIL_N columns (the host's tail descriptors)
             bt_smem = gl.allocate_shared_memory(dtype, [STAGES] + bt_desc.block_type.shape, bt_desc.layout)
-            ct_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + ct_desc.block_type.shape, ct_desc.layout)
-        else:  # stand-ins, never read
+        else:  # a stand-in, never read
             bt_smem = b_smem
+        if TAIL_N > 0 and not GATED:  # a gated tile stores its main block only
+            ct_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + ct_desc.block_type.shape, ct_desc.layout)
+        else:
             ct_smem = c_smem
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -276,13 +294,13 @@ if gluon is not None:
             (_consumer, (0, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
                          alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M)),
+                         COOP, STAGES, GROUP_M, GATED)),
             (_consumer, (1, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
                          alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M)),
+                         COOP, STAGES, GROUP_M, GATED)),
             (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M,
-                       BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M)),
+                       BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M, GATED)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -413,18 +431,23 @@ class _Launch:
 
     __slots__ = ("plan", "grid", "descriptors", "fills")
 
-    def __init__(self, out, a, b, M, N, K, f, layout, cfg, scaled):
+    def __init__(self, out, a, b, M, N, K, f, layout, cfg, scaled, gated):
         a_k, b_k, s_a, s_b, s_c = layout
         bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
-        main, tail = split_width(bn)
+        main, tail = (bn // 2, bn // 2) if gated else split_width(bn)
         block_k = K_BYTES // a.element_size()
         widths = (main, tail)  # a tile's two blocks of columns (the tail's 0 without one)
         specs = [(0, (a, [M, K], [s_a, 1], [bm, block_k]) if a_k else (a, [K, M], [s_a, 1], [block_k, bm]))]
-        for w in widths:
-            specs.append((1, None if not w else (b, [N, K], [s_b, 1], [w, block_k]) if b_k else
-                          (b, [K, N], [s_b, 1], [block_k, w])))
+        if gated:  # B's hidden and gate halves: one (2N, K) descriptor, its block read at two rows
+            specs.append((1, (b, [2 * N, K], [s_b, 1], [main, block_k])))
+            specs.append((None, None))
+        else:
+            for w in widths:
+                specs.append((1, None if not w else (b, [N, K], [s_b, 1], [w, block_k]) if b_k else
+                              (b, [K, N], [s_b, 1], [block_k, w])))
         for source, t in ((2, out), (3, f.pre_out), (4, f.residual)):  # each buffer the tile writes
-            specs += [(source, None if t is None or not w else (t, [M, N], [s_c, 1], [bm, w])) for w in widths]
+            specs += [(source, None if t is None or not w or (gated and part) else (t, [M, N], [s_c, 1], [bm, w]))
+                      for part, w in enumerate(widths)]  # a gated tile writes its first part only
         self.descriptors, self.fills = [], []
         for source, spec in specs:
             made = None
@@ -432,36 +455,43 @@ class _Launch:
                 made = object.__new__(TensorDescriptor)  # Gluon's class: Triton specialises on it and its layout
                 made.__dict__ = _template(*spec)
                 self.fills.append((made, source))
+            elif gated and source is None:  # the gate's blocks: B's descriptor again
+                made = self.descriptors[-1]
             self.descriptors.append(made)
         self.descriptors = tuple(self.descriptors)
         self.fills = tuple(self.fills)
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                     RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
-                    CONSUMER_REGS=CONSUMER_REGS, num_warps=4, **cfg)
+                    CONSUMER_REGS=CONSUMER_REGS, GATED=gated, num_warps=4, **cfg)
         # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
         self.plan = Plan(_gemm_hopper_kernel, meta)
-        self.grid = (min(gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, bn), runtime.num_sms()),)
+        self.grid = (min(gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, main if gated else bn),
+                         runtime.num_sms()),)
 
 
 _launches: dict = {}  # (sizes, layout, dtypes, epilogue switches, config) -> _Launch
 _MAX_LAUNCHES = 4096
 
 
-def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None):
+def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False):
     """``out`` (M, N) = the epilogue ``f`` of A B on a problem that ``usable`` accepts, with
     ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``). W8A8: ``a``
     and ``b`` hold float8_e4m3fn codes, both read along K, with ``a_scale`` (M,) fp32 per row of A
-    and ``f.b_scale`` (N,) per column of B: ``A B = diag(a_scale) codes_A codes_B diag(b_scale)``."""
+    and ``f.b_scale`` (N,) per column of B: ``A B = diag(a_scale) codes_A codes_B diag(b_scale)``.
+    ``gated`` (GEGLU, ``matmul.linear_geglu_``): B (2N, K) read along K, ``out = (A B_h^T + bias_h)
+    * act(A B_g^T + bias_g)`` over its hidden rows [0, N) and gate rows [N, 2N) (the bias (2N,)
+    likewise, ``f.act`` the gate's activation), each tile's hidden and gate blocks side by side
+    (``cfg``'s BLOCK_N split in halves); no pre-activation, residual or scales."""
     pre, res = f.pre_out, f.residual
     key = (M, N, K, layout, a.dtype, out.dtype, f.bias is not None, f.act, None if pre is None else pre.dtype,
-           None if res is None else res.dtype, a_scale is not None, *cfg.values())
+           None if res is None else res.dtype, a_scale is not None, gated, *cfg.values())
     kept = _launches.get(key)
     if kept is None:
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
-        kept = _launches[key] = _Launch(out, a, b, M, N, K, f, layout, cfg, a_scale is not None)
+        kept = _launches[key] = _Launch(out, a, b, M, N, K, f, layout, cfg, a_scale is not None, gated)
     sources = (a, b, out, pre, res)
     aligned = 0
     for made, source in kept.fills:

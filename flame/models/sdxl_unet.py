@@ -136,8 +136,11 @@ class GEGLU(Checkpointed):
         super().__init__()
         self.proj = L.linear(dim, 2 * inner)
 
-    def forward(self, x):
-        return F.geglu(self.proj(x))  # hidden * gelu(gate), exact GELU
+    def forward(self, x):  # hidden * gelu(gate), exact GELU: in the projection's epilogue where it can
+        proj = self.proj
+        if type(proj) is nn.Linear:
+            return F.linear(x, proj.weight, proj.bias, activation="geglu")
+        return F.geglu(proj(x))
 
 
 class FeedForward(nn.Module):

@@ -252,7 +252,8 @@ def linear(x, weight, bias=None, activation=None, residual=None):
     """``activation(x @ weight^T + bias) + residual`` as one GEMM launch with a fused epilogue.
 
     ``x`` is (..., in), ``weight`` (out, in) as in PyTorch, ``bias`` (out,) or None;
-    ``activation`` is None, "relu", "silu", "gelu" (exact) or "gelu_tanh"; ``residual`` None or a
+    ``activation`` is None, "relu", "silu", "gelu" (exact) or "gelu_tanh", or "geglu": GEGLU over
+    the output's halves, ``hidden * gelu(gate)`` of width out / 2 (``_linear_geglu``); ``residual`` None or a
     tensor added to the result (a residual connection: ``block(x) + h``), read by the epilogue when
     it has the output's shape and dtype and is contiguous, else added by a separate op (its
     gradient is the output's either way). Weight and bias are
@@ -267,6 +268,9 @@ def linear(x, weight, bias=None, activation=None, residual=None):
     check_tensor(x, "input", "linear")
     check_tensor(weight, "weight", "linear")
     x, weight, bias = _autocast.lower(x, weight, bias)
+    if activation == "geglu":
+        y = _linear_geglu(x, weight, bias)
+        return y if residual is None else y + residual
     xd, wd = x._data, weight._data
     bd = None if bias is None else check_tensor(bias, "bias", "linear")._data
     rd = None if residual is None else check_tensor(residual, "residual", "linear")._data
@@ -305,6 +309,22 @@ def linear(x, weight, bias=None, activation=None, residual=None):
                saved=(x2 if weight.requires_grad else None, weight, pre), grad_op=grad_op, x_shape=key[2],
                x_dtype=dtype)
     return y
+
+
+def _linear_geglu(x, weight, bias):
+    """``geglu(linear(x, weight, bias))``: without a gradient to record, one launch where the Hopper
+    kernel serves it (``KM.linear_geglu_``: the (..., out) projection is never written), else the
+    two ops (their backward keeps the projection)."""
+    xd, wd = x._data, weight._data
+    if (type(weight) is not Fp8Weight and not needs_grad(x, weight, bias) and len(wd.shape) == 2
+            and xd.shape and xd.shape[-1] == wd.shape[1] and wd.shape[0] % 2 == 0
+            and (bias is None or tuple(check_tensor(bias, "bias", "linear").shape) == (wd.shape[0],))):
+        m = KM.matrix(xd)
+        if m is not None:
+            out = runtime.empty((*xd.shape[:-1], wd.shape[0] // 2), xd.dtype)
+            if KM.linear_geglu_(out, m, wd, None if bias is None else bias._data):
+                return Tensor(out)
+    return ew.geglu(linear(x, weight, bias))
 
 
 def _linear_signature(key, x, weight, bias, activation, residual):

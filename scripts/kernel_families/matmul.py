@@ -2,6 +2,8 @@
 PyTorch and tuned per SDXL shape."""
 from __future__ import annotations
 
+import functools
+
 # isort: off
 import common  # first: puts the checkout on sys.path and imports flame, which selects the backend
 import flame
@@ -30,14 +32,18 @@ LINEAR_SHAPES = [  # (M, K, N, activation)
 ]
 _TORCH_ACT = {None: lambda t: t, "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh")}
 
-_SDXL_LINEAR = dict(without=("8192x8192", "gelu"))
+GEGLU_SHAPES = common.sdxl_rows("matmul", [(8192, 640, 5120), (2048, 1280, 10240)])  # (M, K, 2N): guided batch 2
+
+_SDXL_LINEAR = dict(without=("8192x8192", "gelu", "geglu"))
 TARGETS = (
     Target("forward at most 1.1x on every SDXL shape (issue 3)", starts("fwd ", **_SDXL_LINEAR), "max", 1.1),
     Target("forward at most 1.0x on the geometric mean (issue 3)", starts("fwd ", **_SDXL_LINEAR), "geo", 1.0),
     Target("forward+backward at most 1.0x on every SDXL shape (issue 3)", starts("fwd+bwd", **_SDXL_LINEAR),
            "max", 1.0),
     Target("bias+GELU forward+backward at least 1.2x faster, geometric mean (issue 3)",
-           starts("fwd+bwd", "gelu"), "geo", 1 / 1.2),
+           starts("fwd+bwd", "gelu", without=("geglu",)), "geo", 1 / 1.2),
+    Target("GEGLU projection forward at no cost over cuBLAS's plain projection (issue 46)",
+           starts("fwd ", "geglu", "vs plain"), "max", 1.0),
 )
 
 
@@ -60,6 +66,37 @@ def linear_cases(ctx: Ctx) -> list[Case]:
         cases += fwd_bwd_cases(name, lambda x, w, b, act=act: F.linear(x, w, b, activation=act),
                                lambda x, w, b, tact=_TORCH_ACT[act]: tact(torch.nn.functional.linear(x, w, b)),
                                (x, w, b), (tx, tw, tb), g, g.to_torch(), flops=2 * m * k * n)
+    return cases + ([] if ctx.quick or ctx.interpreter else geglu_cases(ctx))
+
+
+def geglu_cases(ctx: Ctx) -> list[Case]:
+    """SDXL's feed-forward projection with GEGLU at inference, ``linear(..., activation="geglu")``
+    (on Hopper one launch, GEGLU in the GEMM's epilogue), against PyTorch's projection, chunk and
+    ``h * gelu(g)``, and against the plain projection alone (cuBLAS: what the fusion should cost)."""
+    import flame.nn.functional as F
+
+    cases = []
+    for m, k, n2 in GEGLU_SHAPES:
+        x, tx = randn(m, k, dtype=ctx.dtype)
+        w, tw = randn(n2, k, dtype=ctx.dtype)
+        b, tb = randn(n2, dtype=ctx.dtype)
+        with flame.no_grad():
+            w = w * (1.0 / k ** 0.5)
+        tw = w.to_torch()
+
+        def flame_fn(x=x, w=w, b=b):
+            with flame.no_grad():
+                return F.linear(x, w, b, activation="geglu")
+
+        def torch_geglu(tx=tx, tw=tw, tb=tb):
+            h, gate = torch.nn.functional.linear(tx, tw, tb).chunk(2, dim=-1)
+            return h * torch.nn.functional.gelu(gate)
+
+        name = f"fwd {m}x{k}->{n2} +bias+geglu"
+        cases.append(Case(name, flame_fn, torch_geglu, flops=2 * m * k * n2))
+        plain = functools.partial(torch.nn.functional.linear, tx, tw, tb)
+        cases.append(Case(name + " vs plain", flame_fn, plain, flops=2 * m * k * n2, check=False,
+                          note="PyTorch side: the projection alone"))
     return cases
 
 
