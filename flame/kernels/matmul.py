@@ -1454,27 +1454,29 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     return out
 
 
-def linear_geglu_(out, x, w, bias=None):
-    """``out[R, N] = (x @ w[:N]^T + bias[:N]) * gelu(x @ w[N:]^T + bias[N:])`` (exact GELU) in one
-    launch of the Gluon kernel's gated mode (``matmul_hopper.matmul(..., gated=True)``: GEGLU in the
-    epilogue of the projection, whose (R, 2N) output is never written) and True; False, nothing
-    written, where that kernel does not serve the call (not Hopper, another dtype, a layout TMA cannot
-    read, fewer tiles than SMs): the caller composes ``linear_`` and the GEGLU map. ``x`` a matrix
-    (``matrix``) read along K, ``w`` (2N, K) contiguous, ``out`` a contiguous (R, N) buffer, ``bias``
-    (2N,) or None."""
+def linear_geglu(x, w, bias, out_shape):
+    """A new contiguous ``out_shape`` buffer (its last dim N, its leading dims x's rows) holding
+    ``(x @ w[:N]^T + bias[:N]) * gelu(x @ w[N:]^T + bias[N:])`` (exact GELU), written by one launch
+    of the Gluon kernel's gated mode (``matmul_hopper.matmul(..., gated=True)``: GEGLU in the
+    projection's epilogue, its (R, 2N) output never written); None, nothing allocated, where that
+    kernel does not serve the call (not Hopper, another dtype, a layout TMA cannot read, fewer
+    tiles than SMs): the caller composes ``linear_`` and the GEGLU map. ``x`` a matrix (``matrix``)
+    read along K, ``w`` (2N, K) contiguous, ``bias`` (2N,) or None. Ping-pong 64 x (128 + 128)
+    tiles: each consumer's epilogue (two bias loads, GELU, the product) runs under the other's
+    main loop."""
     xb, R, K, sxr, sxk = x if type(x) is tuple else _operand(x, "x")
     N = w.shape[0] // 2
     es = xb.element_size()
     if not (TMA and matmul_hopper.ROUTE and xb.dtype in _TMA_DTYPES and w.dtype is xb.dtype
-            and out.dtype is xb.dtype and (bias is None or bias.dtype is xb.dtype) and _gluon_available()
-            and tma_available() and sxk == 1 and w.stride() == (K, 1) and w.shape[0] == 2 * N
-            and out.stride() == (N, 1) and (sxr * es) % 16 == 0 and (K * es) % 16 == 0 and (N * es) % 16 == 0
-            and (xb.data_ptr() | w.data_ptr() | out.data_ptr()) % 16 == 0
-            and cdiv(R, 128) * cdiv(N, 128) >= runtime.num_sms()):
-        return False
+            and (bias is None or bias.dtype is xb.dtype) and _gluon_available() and tma_available()
+            and sxk == 1 and w.stride() == (K, 1) and w.shape[0] == 2 * N and out_shape[-1] == N
+            and (sxr * es) % 16 == 0 and (K * es) % 16 == 0 and (N * es) % 16 == 0
+            and (xb.data_ptr() | w.data_ptr()) % 16 == 0 and cdiv(R, 128) * cdiv(N, 128) >= runtime.num_sms()):
+        return None
+    out = runtime.empty(out_shape, xb.dtype)
     matmul_hopper.matmul(out, xb, w, R, N, K, Fusion(bias, GELU.value), (True, True, sxr, K, N),
-                         matmul_hopper.config(coop=True, block_m=64, block_n=256), gated=True)
-    return True
+                         matmul_hopper.config(coop=False, block_m=64, block_n=256), gated=True)
+    return out
 
 
 # How the GEMMs take an fp8 weight (``_fp8_route``): "inline" decodes its codes in the main loop (B_FP8);

@@ -480,7 +480,7 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False):
     ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``). W8A8: ``a``
     and ``b`` hold float8_e4m3fn codes, both read along K, with ``a_scale`` (M,) fp32 per row of A
     and ``f.b_scale`` (N,) per column of B: ``A B = diag(a_scale) codes_A codes_B diag(b_scale)``.
-    ``gated`` (GEGLU, ``matmul.linear_geglu_``): B (2N, K) read along K, ``out = (A B_h^T + bias_h)
+    ``gated`` (GEGLU, ``matmul.linear_geglu``): B (2N, K) read along K, ``out = (A B_h^T + bias_h)
     * act(A B_g^T + bias_g)`` over its hidden rows [0, N) and gate rows [N, 2N) (the bias (2N,)
     likewise, ``f.act`` the gate's activation), each tile's hidden and gate blocks side by side
     (``cfg``'s BLOCK_N split in halves); no pre-activation, residual or scales."""

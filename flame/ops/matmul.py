@@ -313,17 +313,17 @@ def linear(x, weight, bias=None, activation=None, residual=None):
 
 def _linear_geglu(x, weight, bias):
     """``geglu(linear(x, weight, bias))``: without a gradient to record, one launch where the Hopper
-    kernel serves it (``KM.linear_geglu_``: the (..., out) projection is never written), else the
+    kernel serves it (``KM.linear_geglu``: the (..., out) projection is never written), else the
     two ops (their backward keeps the projection)."""
     xd, wd = x._data, weight._data
     if (type(weight) is not Fp8Weight and not needs_grad(x, weight, bias) and len(wd.shape) == 2
             and xd.shape and xd.shape[-1] == wd.shape[1] and wd.shape[0] % 2 == 0
             and (bias is None or tuple(check_tensor(bias, "bias", "linear").shape) == (wd.shape[0],))):
         m = KM.matrix(xd)
-        if m is not None:
-            out = runtime.empty((*xd.shape[:-1], wd.shape[0] // 2), xd.dtype)
-            if KM.linear_geglu_(out, m, wd, None if bias is None else bias._data):
-                return Tensor(out)
+        out = None if m is None else KM.linear_geglu(m, wd, None if bias is None else bias._data,
+                                                     (*xd.shape[:-1], wd.shape[0] // 2))
+        if out is not None:
+            return Tensor(out)
     return ew.geglu(linear(x, weight, bias))
 
 
