@@ -608,6 +608,14 @@ class AtenRecorder:
     def record(self, func, args, out, frame):
         import torch
 
+        # Track host memory first: from_numpy's storages; an address any other op returns afresh (not
+        # a view, not written in place) has been reused by torch's allocator, so this op's own output
+        # (a copy's destination) is no host memory of from_numpy's when the op is classified.
+        name = func.overloadpacket.__name__
+        if name not in ATEN_OPS["views/metadata"] and name != "copy_":
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    (self._host.add if name == "lift_fresh" else self._host.discard)(_storage(t))
         frame, path = self.caller(frame)
         root = next((r for r in self.roots if path is not None and path.startswith(r)), None)
         if root is not None:
@@ -619,13 +627,6 @@ class AtenRecorder:
             if owner is None:
                 owner = self._owners[path] = "?" if path is None else _owner(path)
             self.others[owner] = self.others.get(owner, 0) + 1
-        # Track host memory: from_numpy's storages; an address any other op returns afresh (not a
-        # view, not written in place) has been reused by torch's allocator.
-        name = func.overloadpacket.__name__
-        if name not in ATEN_OPS["views/metadata"] and name != "copy_":
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
-                    (self._host.add if name == "lift_fresh" else self._host.discard)(_storage(t))
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
