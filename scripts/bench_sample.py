@@ -22,7 +22,9 @@ Measured, each (part, framework) in its own process so peak memory is its own:
 The models are SDXL base's architectures with random weights (nothing can be downloaded here),
 written once as a diffusers pipeline folder in bf16 (``--model`` reuses one), with a small letter
 tokenizer (token ids, not their meaning, matter for speed). Reported: median of ``--repeat`` timed
-runs after two warm-up runs, peak allocated memory, and flame/diffusers ratios.
+runs after two warm-up runs, peak allocated memory, and flame/diffusers ratios. ``--rounds R`` runs
+each part's processes R times, every other round in reverse order, and reports each round's ratios
+and the medians (the host-bound eager sides move with the host's load between processes).
 
 ``--family flux``: Flux.1-dev's architectures (transformer, T5-XXL, CLIP-L, the 16-channel VAE) with
 random bf16 weights built on the GPU by each process (a 33 GB folder would take longer to write and
@@ -362,6 +364,8 @@ def parse_args(argv=None):
                    help="the two image sides of the vae part")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run each part's sides this many times, alternating their order; report the medians")
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--profile", action="store_true", help="print each part's GPU time by kernel (stderr)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one (part, framework) process may take")
@@ -386,35 +390,60 @@ def main(argv=None) -> int:
         if args.model is None and (args.family == "sdxl" or "cache" in todo):
             write = write_random_pipeline if args.family == "sdxl" else write_random_flux_encoders
             args.model = str(write(Path(tmp) / args.family, args.config))
-        results = {}
+        rounds = [{} for _ in range(args.rounds)]
         for part in todo:
-            for i, (name, _) in enumerate(parts[part]):
-                if any(text in name for text in args.skip):
-                    continue
-                cmd = [sys.executable, __file__, "--run", f"{part}:{i}", "--family", args.family, "--config",
-                       args.config, "--size", str(args.size), "--steps", str(args.steps), "--repeat",
-                       str(args.repeat), "--vae-sizes", ",".join(map(str, args.vae_sizes))] + \
-                    (["--model", args.model] if args.model else []) + (["--profile"] if args.profile else [])
-                try:
-                    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                except subprocess.TimeoutExpired:
-                    results[f"{part}/{name}"] = {"error": f"did not finish in {args.timeout:g} s"}
-                    print(f"{part}/{name}: {results[f'{part}/{name}']}", flush=True)
-                    continue
-                if args.profile:
-                    print("\n".join(line for line in r.stderr.splitlines() if line.startswith('{"gpu_ms"')))
-                if r.returncode:
-                    results[f"{part}/{name}"] = {"error": r.stderr.strip().splitlines()[-1:]}
-                    print(r.stderr[-3000:], file=sys.stderr)
-                else:
-                    results[f"{part}/{name}"] = json.loads(r.stdout.strip().splitlines()[-1])
-                print(f"{part}/{name}: {results[f'{part}/{name}']}", flush=True)
+            sides = [(i, name) for i, (name, _) in enumerate(parts[part]) if not any(t in name for t in args.skip)]
+            for r, got in enumerate(rounds):  # every other round in reverse order: drift of the host hits both sides
+                for i, name in sides if r % 2 == 0 else sides[::-1]:
+                    got[f"{part}/{name}"] = _run_side(args, part, i)
+                    print(f"{part}/{name}{f' (round {r + 1})' if args.rounds > 1 else ''}: {got[f'{part}/{name}']}",
+                          flush=True)
+    results = _median_rounds(rounds)
     results["vae sizes"] = args.vae_sizes
+    for r, got in enumerate(rounds if args.rounds > 1 else ()):
+        print(f"round {r + 1}:")
+        _ratios(got)
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds:")
     _ratios(results)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
+
+
+def _run_side(args, part, index):
+    """One (part, side) in a process of its own: its result dict, or {"error": ...}."""
+    cmd = [sys.executable, __file__, "--run", f"{part}:{index}", "--family", args.family, "--config",
+           args.config, "--size", str(args.size), "--steps", str(args.steps), "--repeat",
+           str(args.repeat), "--vae-sizes", ",".join(map(str, args.vae_sizes))] + \
+        (["--model", args.model] if args.model else []) + (["--profile"] if args.profile else [])
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {args.timeout:g} s"}
+    if args.profile:
+        print("\n".join(line for line in r.stderr.splitlines() if line.startswith('{"gpu_ms"')))
+    if r.returncode:
+        print(r.stderr[-3000:], file=sys.stderr)
+        return {"error": r.stderr.strip().splitlines()[-1:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _median_rounds(rounds):
+    """One result per side from its rounds: each number the median over the rounds that gave one
+    (their values under ``rounds``), an error where every round failed."""
+    merged = {}
+    for key in rounds[0]:
+        ok = [got[key] for got in rounds if "error" not in got[key]]
+        if not ok:
+            merged[key] = rounds[0][key]
+            continue
+        merged[key] = {k: statistics.median(r[k] for r in ok) if isinstance(v, (int, float)) else v
+                       for k, v in ok[0].items()}
+        if len(rounds) > 1:
+            merged[key]["rounds"] = [r.get("s", r.get("images_per_s")) for r in ok]
+    return merged
 
 
 def _ratios(results):
