@@ -72,6 +72,15 @@ def test_packed_linears_run_as_one_gemm_at_inference():
         got = nn.linears(x, layers)
         assert L.launches == 3
     assert_close(got[1], layers[1].bias.to_torch().expand(3, 5, 8), **TF32_TOL)
+    packed = [nn.Linear(16, 8), nn.Linear(16, 8)]
+    assert nn.pack_linears(packed)
+    with flame.no_grad():
+        nn.linears(x, packed)
+        for m in packed:
+            m.to(flame.float64)  # the Parameter objects stay; their buffers are new, no longer one
+        got = nn.linears(x.to(flame.float64), packed)
+    assert got[0].dtype == torch.float64 and "_packed" in vars(packed[0])
+    assert_close(got[1], packed[1](x.to(flame.float64)), **TF32_TOL)
     assert not nn.pack_linears([nn.Linear(16, 4), nn.Linear(8, 4)])  # input widths differ
     assert not nn.pack_linears([nn.Linear(16, 4), nn.LoRALinear(nn.Linear(16, 4), rank=2)])
 

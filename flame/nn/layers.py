@@ -136,44 +136,47 @@ def pack_linears(layers) -> bool:
     return True
 
 
-def _packing(layers):
-    """``(weight, bias, sizes)``: the buffer that ``pack_linears`` gave ``layers`` as one (rows, in)
-    weight (and bias) Tensor and each layer's out_features, or None when their weights are not
-    consecutive row blocks of one buffer (never packed, or a weight replaced since)."""
-    w = [m.weight._data for m in layers]
-    b = [None if m.bias is None else m.bias._data for m in layers]
-    first, k = w[0], w[0].shape[1] if w[0].dim() == 2 else None
-    step, size = first.stride(), first.element_size()
-    sizes = tuple(t.shape[0] for t in w)
+def _packing(layers, weights, biases):
+    """``(rows, sizes)``: the (rows, in) buffer that ``pack_linears`` gave ``layers`` (their weight
+    buffers ``weights``, bias buffers ``biases``) and each layer's out_features, or None when their
+    weights (and biases) are not consecutive row blocks of one buffer (never packed, or replaced)."""
+    first, b0 = weights[0], biases[0]
+    if first.dim() != 2:
+        return None
+    k, size = first.shape[1], first.element_size()
     offset = 0
-    for t, bt in zip(w, b):
-        if (t.dtype != first.dtype or t.stride() != step or step != (k, 1) or t.shape[1] != k
-                or t.data_ptr() != first.data_ptr() + offset * k * size
-                or (bt is None) != (b[0] is None)
-                or (bt is not None and (bt.dtype != b[0].dtype or bt.stride() != (1,)
-                                        or bt.data_ptr() != b[0].data_ptr() + offset * bt.element_size()))):
+    for t, bt in zip(weights, biases):
+        if (t.dtype != first.dtype or t.dim() != 2 or t.stride() != (k, 1) or t.shape[1] != k
+                or t.data_ptr() != first.data_ptr() + offset * k * size or (bt is None) != (b0 is None)
+                or (bt is not None and (bt.dtype != b0.dtype or bt.stride() != (1,)
+                                        or bt.data_ptr() != b0.data_ptr() + offset * bt.element_size()))):
             return None
         offset += t.shape[0]
-    weight = Tensor(first.as_strided((offset, k), (k, 1)))
-    bias = None if b[0] is None else Tensor(b[0].as_strided((offset,), (1,)))
-    return weight, bias, sizes
+    return offset, tuple(t.shape[0] for t in weights)
 
 
 def linears(x, layers) -> list:
     """``[layer(x) for layer in layers]``: one GEMM over the packed weight of layers that
     ``pack_linears`` packed (each output a view of its columns) when nothing needs a gradient
-    (inference; training runs each layer, as its gradients need), else each layer's own forward."""
+    (inference; training runs each layer, as its gradients need), else each layer's own forward.
+    Whether they are packed is kept per their buffers' addresses (a cast or a replaced weight is
+    looked at again); nothing of theirs is held between calls."""
     layers = tuple(layers)
     if not all(type(m) is Linear for m in layers) or needs_grad(x, *(t for m in layers for t in (m.weight, m.bias))):
         return [m(x) for m in layers]
-    key = tuple(id(m.weight) for m in layers) + tuple(id(m.bias) for m in layers)
+    weights = [m.weight._data for m in layers]
+    biases = [None if m.bias is None else m.bias._data for m in layers]
+    key = (weights[0].dtype, *(t.data_ptr() for t in weights), *(0 if t is None else t.data_ptr() for t in biases))
     kept = layers[0].__dict__.get("_packed")
     if kept is None or kept[0] != key:
-        kept = (key, _packing(layers))
+        kept = (key, _packing(layers, weights, biases))
         object.__setattr__(layers[0], "_packed", kept)
     if kept[1] is None:
         return [m(x) for m in layers]
-    weight, bias, sizes = kept[1]
+    rows, sizes = kept[1]
+    k = weights[0].shape[1]
+    weight = Tensor(weights[0].as_strided((rows, k), (k, 1)))
+    bias = None if biases[0] is None else Tensor(biases[0].as_strided((rows,), (1,)))
     y = layers[0].forward_with(x, weight, bias)
     outs, start = [], 0
     for n in sizes:
