@@ -316,7 +316,7 @@ def _linear_geglu(x, weight, bias):
     kernel serves it (``KM.linear_geglu``: the (..., out) projection is never written), else the
     two ops (their backward keeps the projection)."""
     xd, wd = x._data, weight._data
-    if (type(weight) is not Fp8Weight and not needs_grad(x, weight, bias) and len(wd.shape) == 2
+    if (not isinstance(weight, Fp8Weight) and not needs_grad(x, weight, bias) and len(wd.shape) == 2
             and xd.shape and xd.shape[-1] == wd.shape[1] and wd.shape[0] % 2 == 0
             and (bias is None or tuple(check_tensor(bias, "bias", "linear").shape) == (wd.shape[0],))):
         m = KM.matrix(xd)
