@@ -1461,9 +1461,8 @@ def linear_geglu(x, w, bias, out_shape):
     projection's epilogue, its (R, 2N) output never written); None, nothing allocated, where that
     kernel does not serve the call (not Hopper, another dtype, a layout TMA cannot read, fewer
     tiles than SMs): the caller composes ``linear_`` and the GEGLU map. ``x`` a matrix (``matrix``)
-    read along K, ``w`` (2N, K) contiguous, ``bias`` (2N,) or None. Ping-pong 64 x (128 + 128)
-    tiles: each consumer's epilogue (two bias loads, GELU, the product) runs under the other's
-    main loop."""
+    read along K, ``w`` (2N, K) contiguous, ``bias`` (2N,) or None; ``matmul_hopper.gated_config``'s
+    tiles."""
     xb, R, K, sxr, sxk = x if type(x) is tuple else _operand(x, "x")
     N = w.shape[0] // 2
     es = xb.element_size()
@@ -1475,7 +1474,7 @@ def linear_geglu(x, w, bias, out_shape):
         return None
     out = runtime.empty(out_shape, xb.dtype)
     matmul_hopper.matmul(out, xb, w, R, N, K, Fusion(bias, GELU.value), (True, True, sxr, K, N),
-                         matmul_hopper.config(coop=False, block_m=64, block_n=256), gated=True)
+                         matmul_hopper.gated_config(), gated=True)
     return out
 
 

@@ -382,6 +382,14 @@ def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8):
                 GROUP_M=group_m)
 
 
+@functools.cache
+def gated_config():
+    """The launch config of the gated (GEGLU) mode, ``matmul(..., gated=True)``: ping-pong
+    64 x (128 + 128) tiles, each consumer's epilogue under the other's main loop (made once: the
+    stage count asks the GPU's shared memory)."""
+    return config(coop=False, block_m=64, block_n=256)
+
+
 def stages_that_fit(block_m, block_n, coop, es, limit=None):
     """The most ring stages (at most 8) that fit the shared memory (``limit`` bytes, default the
     GPU's) beside the two (BLOCK_M, BLOCK_N) store buffers of ``es``-byte outputs and the barriers (a
