@@ -275,10 +275,15 @@ class CLIPAttention(nn.Module):
         self.q_proj = nn.Linear(d, d, dtype=dtype)
         self.out_proj = nn.Linear(d, d, dtype=dtype)
 
-    def forward(self, x):
-        q, k, v = (split_heads(proj(x), self.heads) for proj in (self.q_proj, self.k_proj, self.v_proj))
+    def pack(self):
+        """q, k and v in one buffer (``nn.pack_linears``): one GEMM at inference."""
+        nn.pack_linears((self.q_proj, self.k_proj, self.v_proj))
+
+    def forward(self, x, residual=None):
+        """Causal self-attention over ``x``, plus ``residual`` if given (in the output projection's epilogue)."""
+        q, k, v = (split_heads(t, self.heads) for t in nn.linears(x, (self.q_proj, self.k_proj, self.v_proj)))
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # token i sees tokens j <= i
-        return self.out_proj(merge_heads(o))  # laid out like q: a view
+        return self.out_proj(merge_heads(o), residual=residual)  # laid out like q: a view
 
 
 class CLIPMLP(nn.Module):
@@ -292,14 +297,14 @@ class CLIPMLP(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
 
-    def forward(self, x):
+    def forward(self, x, residual=None):
         if self.act == "gelu":
             fc1 = self.fc1
             h = F.linear(x, fc1.weight, fc1.bias, activation="gelu") if type(fc1) is nn.Linear else F.gelu(fc1(x))
         else:
             h = self.fc1(x)
             h = h * F.sigmoid(h * 1.702)
-        return self.fc2(h)
+        return self.fc2(h, residual=residual)
 
 
 class CLIPEncoderLayer(nn.Module):
@@ -312,9 +317,9 @@ class CLIPEncoderLayer(nn.Module):
         self.mlp = CLIPMLP(cfg, dtype)
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
 
-    def forward(self, h):
-        h = h + self.self_attn(self.layer_norm1(h))
-        return h + self.mlp(self.layer_norm2(h))
+    def forward(self, h):  # each residual add in the epilogue of the sublayer's last GEMM
+        h = self.self_attn(self.layer_norm1(h), residual=h)
+        return self.mlp(self.layer_norm2(h), residual=h)
 
 
 class CLIPTextEmbeddings(nn.Module):
@@ -386,6 +391,15 @@ class CLIPTextModel(nn.Module):
         self.text_model = CLIPTextTransformer(cfg, dtype)
         if self.with_projection:
             self.text_projection = nn.Linear(cfg.hidden_size, cfg.projection_dim, bias=False, dtype=dtype)
+        self.pack_projections()
+
+    def pack_projections(self) -> CLIPTextModel:
+        """Each layer's q, k and v in one buffer (``CLIPAttention.pack``): one GEMM at inference. Done
+        when the model is built or loaded; call it again after replacing weights."""
+        for m in self.modules():
+            if isinstance(m, CLIPAttention):
+                m.pack()
+        return self
 
     @staticmethod
     def parameter_shapes(config: CLIPTextConfig, with_projection: bool = False) -> OrderedDict:
@@ -441,7 +455,7 @@ class CLIPTextModel(nn.Module):
         with nn.init.skip_init():  # every parameter is loaded next
             model = cls(config, dtype=dtype, with_projection=with_projection)
         load_into(model, index, model.dtype)
-        return model
+        return model.pack_projections()
 
     @property
     def dtype(self):
