@@ -1,0 +1,38 @@
+"""scripts/bench_sample.py's driver: with ``--rounds`` each part's sides run in alternating order and
+each number is the median of its rounds (the side processes are stubbed: no model is built)."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))  # its shared helpers (common), as when run as a script
+    spec = importlib.util.spec_from_file_location("bench_sample", ROOT / "scripts" / "bench_sample.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rounds_alternate_the_sides_and_report_medians(monkeypatch, tmp_path, capsys):
+    bench = _load(monkeypatch)
+    calls, times = [], {0: [3.0, 1.0, 2.0], 2: [2.0, 2.0, 5.0]}  # side index -> its rounds' seconds
+
+    def run_side(args, part, index):
+        calls.append(index)
+        if index == 1:
+            return {"error": "no GPU"}
+        return {"s": times[index][calls.count(index) - 1], "peak_gib": 1.0}
+
+    monkeypatch.setattr(bench, "_run_side", run_side)
+    out = tmp_path / "r.json"
+    assert bench.main(["--only", "pipeline", "--rounds", "3", "--model", str(tmp_path), "--out", str(out)]) == 0
+    assert calls == [0, 1, 2, 2, 1, 0, 0, 1, 2]  # every other round reversed
+    results = json.loads(out.read_text())
+    assert results["pipeline/flame (CUDA graph)"] == {"s": 2.0, "peak_gib": 1.0, "rounds": [3.0, 1.0, 2.0]}
+    assert results["pipeline/diffusers"]["s"] == 2.0
+    assert results["pipeline/flame (eager)"] == {"error": "no GPU"}
+    printed = capsys.readouterr().out
+    assert "round 3:" in printed and "medians of 3 rounds:" in printed
+    assert "pipeline/flame (CUDA graph) / pipeline/diffusers (s): 1.000" in printed
