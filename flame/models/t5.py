@@ -190,10 +190,15 @@ class T5Attention(nn.Module):
         if relative_bias:
             self.relative_attention_bias = Embedding(cfg.relative_attention_num_buckets, cfg.num_heads, dtype)
 
-    def forward(self, x, bias):
-        q, k, v = (split_heads(proj(x), self.heads) for proj in (self.q, self.k, self.v))
+    def pack(self):
+        """q, k and v in one buffer (``nn.pack_linears``): one GEMM at inference."""
+        nn.pack_linears((self.q, self.k, self.v))
+
+    def forward(self, x, bias, residual=None):
+        """Self-attention over ``x``, plus ``residual`` if given (in the output projection's epilogue)."""
+        q, k, v = (split_heads(t, self.heads) for t in nn.linears(x, (self.q, self.k, self.v)))
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-        return self.o(merge_heads(o))
+        return self.o(merge_heads(o), residual=residual)
 
 
 class T5LayerSelfAttention(nn.Module):
@@ -202,8 +207,8 @@ class T5LayerSelfAttention(nn.Module):
         self.SelfAttention = T5Attention(cfg, dtype, relative_bias)
         self.layer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_epsilon, dtype=dtype)
 
-    def forward(self, h, bias):
-        return h + self.SelfAttention(self.layer_norm(h), bias)
+    def forward(self, h, bias):  # the residual add in the output projection's epilogue
+        return self.SelfAttention(self.layer_norm(h), bias, residual=h)
 
 
 class T5DenseGatedGelu(nn.Module):
@@ -215,8 +220,8 @@ class T5DenseGatedGelu(nn.Module):
         self.wi_1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False, dtype=dtype)
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False, dtype=dtype)
 
-    def forward(self, x):
-        return self.wo(F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x))
+    def forward(self, x, residual=None):
+        return self.wo(F.gelu(self.wi_0(x), approximate="tanh") * self.wi_1(x), residual=residual)
 
 
 class T5DenseRelu(nn.Module):
@@ -227,8 +232,8 @@ class T5DenseRelu(nn.Module):
         self.wi = nn.Linear(cfg.d_model, cfg.d_ff, bias=False, dtype=dtype)
         self.wo = nn.Linear(cfg.d_ff, cfg.d_model, bias=False, dtype=dtype)
 
-    def forward(self, x):
-        return self.wo(F.relu(self.wi(x)))
+    def forward(self, x, residual=None):
+        return self.wo(F.relu(self.wi(x)), residual=residual)
 
 
 class T5LayerFF(nn.Module):
@@ -238,8 +243,8 @@ class T5LayerFF(nn.Module):
         self.DenseReluDense = dense(cfg, dtype)
         self.layer_norm = nn.RMSNorm(cfg.d_model, eps=cfg.layer_norm_epsilon, dtype=dtype)
 
-    def forward(self, h):
-        return h + self.DenseReluDense(self.layer_norm(h))
+    def forward(self, h):  # the residual add in the output projection's epilogue
+        return self.DenseReluDense(self.layer_norm(h), residual=h)
 
 
 class T5Block(nn.Module):
@@ -309,6 +314,15 @@ class T5EncoderModel(nn.Module):
         self.shared = Embedding(cfg.vocab_size, cfg.d_model, dtype)
         self.encoder = T5Stack(cfg, dtype, self.shared)  # encoder.embed_tokens is shared: one table
         self._buckets = {}  # sequence length -> its (L, L) bucket indices on the device, copied once
+        self.pack_projections()
+
+    def pack_projections(self) -> T5EncoderModel:
+        """Each block's q, k and v in one buffer (``T5Attention.pack``): one GEMM at inference. Done
+        when the model is built or loaded; call it again after replacing weights."""
+        for m in self.modules():
+            if isinstance(m, T5Attention):
+                m.pack()
+        return self
 
     @staticmethod
     def parameter_shapes(config: T5Config) -> OrderedDict:
@@ -350,7 +364,7 @@ class T5EncoderModel(nn.Module):
             return checkpoint_index(files)
 
         return load_pretrained(cls, path, dtype, config, subfolder=subfolder, what=what, config_class=T5Config,
-                               index=index, stem="model", parse=T5Config.from_transformers)
+                               index=index, stem="model", parse=T5Config.from_transformers).pack_projections()
 
     @property
     def dtype(self):
