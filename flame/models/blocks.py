@@ -71,6 +71,16 @@ class LeafLayers:
         return nn.LayerNorm(c, eps=eps, device=self.device, dtype=self.dtype)
 
 
+def pack_projections(model: nn.Module, attention: type) -> nn.Module:
+    """``pack()`` of every ``attention`` module of ``model`` (each puts its projections of one input
+    in one buffer, ``nn.pack_linears``: one GEMM at inference); returns ``model``. What a model does
+    when it is built or loaded on the device, and again after its weights are replaced."""
+    for m in model.modules():
+        if isinstance(m, attention):
+            m.pack()
+    return model
+
+
 def skeleton_shapes(skeleton: nn.Module) -> OrderedDict:
     """{state-dict name: shape} of the records in ``skeleton``, in ``state_dict`` order."""
     return OrderedDict((f"{name}.{p}", shape) for name, m in skeleton.named_modules()

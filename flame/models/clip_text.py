@@ -39,6 +39,7 @@ from ..ops.elementwise import add
 from ..ops.index import index_select
 from ..ops.shape import merge_heads, narrow, split_heads
 from ..tensor import Tensor, check_dtype
+from .blocks import pack_projections
 from .checkpoints import (
     Source,
     check_index,
@@ -394,12 +395,8 @@ class CLIPTextModel(nn.Module):
         self.pack_projections()
 
     def pack_projections(self) -> CLIPTextModel:
-        """Each layer's q, k and v in one buffer (``CLIPAttention.pack``): one GEMM at inference. Done
-        when the model is built or loaded; call it again after replacing weights."""
-        for m in self.modules():
-            if isinstance(m, CLIPAttention):
-                m.pack()
-        return self
+        """Each layer's q, k and v in one buffer (``blocks.pack_projections``)."""
+        return pack_projections(self, CLIPAttention)
 
     @staticmethod
     def parameter_shapes(config: CLIPTextConfig, with_projection: bool = False) -> OrderedDict:

@@ -34,6 +34,7 @@ from .blocks import (
     nchw,
     nhwc,
     norm_silu,
+    pack_projections,
     skeleton_layer_names,
     skeleton_shapes,
     switch_checkpointing,
@@ -327,12 +328,9 @@ class SDXLUNet(nn.Module):
         """Give each attention's projections of one input one buffer (``Attention.pack``): at
         inference q, k and v of a self-attention run as one GEMM, k and v of a cross-attention as
         another (210 launches fewer per SDXL forward). Names, values and state dict stay as they
-        are; layers with fp8 weights, LoRA wrappers or weights on the host are left unpacked. Done
-        when the model is built or loaded on flame's device; call it again after replacing weights."""
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.pack()
-        return self
+        are; layers with fp8 weights, LoRA wrappers or weights on the host are left unpacked
+        (``blocks.pack_projections``)."""
+        return pack_projections(self, Attention)
 
     # ---- structure without memory ----------------------------------------------------------------
     @classmethod

@@ -40,6 +40,7 @@ from ..ops.creation import tensor
 from ..ops.elementwise import to
 from ..ops.shape import merge_heads, split_heads
 from ..tensor import Tensor, check_dtype, float32
+from .blocks import pack_projections
 from .checkpoints import (
     Source,
     load_pretrained,
@@ -317,12 +318,8 @@ class T5EncoderModel(nn.Module):
         self.pack_projections()
 
     def pack_projections(self) -> T5EncoderModel:
-        """Each block's q, k and v in one buffer (``T5Attention.pack``): one GEMM at inference. Done
-        when the model is built or loaded; call it again after replacing weights."""
-        for m in self.modules():
-            if isinstance(m, T5Attention):
-                m.pack()
-        return self
+        """Each block's q, k and v in one buffer (``blocks.pack_projections``)."""
+        return pack_projections(self, T5Attention)
 
     @staticmethod
     def parameter_shapes(config: T5Config) -> OrderedDict:
