@@ -10,8 +10,9 @@ Measured, each (part, framework) in its own process so peak memory is its own:
 
 - ``pipeline``: text to image, ``--size`` square, ``--steps`` Euler steps, CFG 5, batch 1: flame's
   ``SDXLPipeline`` with and without its per-step CUDA graph, against diffusers'
-  ``StableDiffusionXLPipeline`` (SDPA attention, bf16). Both run the whole call: prompt encoding,
-  the denoising loop, the VAE decode.
+  ``StableDiffusionXLPipeline`` (SDPA attention, bf16), eager and with ``torch.compile(unet)``
+  (``--skip torch.compile`` leaves that one out: it compiles for minutes). All run the whole call:
+  prompt encoding, the denoising loop, the VAE decode.
 - ``vae``: decoding 1024x1024 and 2048x2048 latents: flame's VAE and diffusers' AutoencoderKL, both
   tiling what exceeds the VAE's 1024-pixel sample size (``tile=True``, ``enable_tiling()``): time
   and peak memory.
@@ -136,20 +137,26 @@ def flame_pipeline(args, cuda_graph):
     return {"s": _timed(run, args, flame.synchronize), "peak_gib": flame.max_memory_allocated() / 2**30}
 
 
-def diffusers_pipeline(args):
+def diffusers_pipeline(args, compiled=False):
+    """diffusers' SDXL pipeline, eager or with ``torch.compile(pipe.unet)`` (inductor's default mode;
+    ``first_s``: the first call, compilation included)."""
     import torch
     from diffusers import StableDiffusionXLPipeline
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     pipe = StableDiffusionXLPipeline.from_pretrained(args.model, torch_dtype=dtype).to(dev)
     pipe.set_progress_bar_config(disable=True)
+    if compiled:
+        pipe.unet = torch.compile(pipe.unet)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
     run = lambda: pipe(PROMPT, num_inference_steps=args.steps, guidance_scale=5.0, width=args.size,
                        height=args.size, generator=torch.Generator(dev).manual_seed(0), output_type="np")
-    s = _timed(run, args, sync)
-    return {"s": s, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+    with torch.no_grad():
+        first, times = _times(run, args, sync)
+    return {"s": statistics.median(times), "first_s": first,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
 
 
 def flame_vae(args, which):
@@ -344,7 +351,8 @@ FLUX_PARTS = {
 PARTS = {
     "pipeline": [("flame (CUDA graph)", lambda a: flame_pipeline(a, True)),
                  ("flame (eager)", lambda a: flame_pipeline(a, False)),
-                 ("diffusers", diffusers_pipeline)],
+                 ("diffusers", diffusers_pipeline),
+                 ("diffusers (torch.compile)", lambda a: diffusers_pipeline(a, True))],
     "vae": [(f"{fw} {k}", functools.partial(fn, which=k))
             for k in (0, 1) for fw, fn in (("flame", flame_vae), ("diffusers", diffusers_vae))],
     "cache": [("flame", lambda a: cache_encoders(a, "flame")), ("diffusers", lambda a: cache_encoders(a, "diffusers"))],
