@@ -446,9 +446,8 @@ class _Launch:
         block_k = K_BYTES // a.element_size()
         widths = (main, tail)  # a tile's two blocks of columns (the tail's 0 without one)
         specs = [(0, (a, [M, K], [s_a, 1], [bm, block_k]) if a_k else (a, [K, M], [s_a, 1], [block_k, bm]))]
-        if gated:  # B's hidden and gate halves: one (2N, K) descriptor, its block read at two rows
+        if gated:  # B's hidden and gate halves: one (2N, K) descriptor (passed for B's tail too), read at two rows
             specs.append((1, (b, [2 * N, K], [s_b, 1], [main, block_k])))
-            specs.append((None, None))
         else:
             for w in widths:
                 specs.append((1, None if not w else (b, [N, K], [s_b, 1], [w, block_k]) if b_k else
@@ -463,9 +462,9 @@ class _Launch:
                 made = object.__new__(TensorDescriptor)  # Gluon's class: Triton specialises on it and its layout
                 made.__dict__ = _template(*spec)
                 self.fills.append((made, source))
-            elif gated and source is None:  # the gate's blocks: B's descriptor again
-                made = self.descriptors[-1]
             self.descriptors.append(made)
+        if gated:
+            self.descriptors.insert(2, self.descriptors[1])
         self.descriptors = tuple(self.descriptors)
         self.fills = tuple(self.fills)
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,

@@ -114,15 +114,15 @@ def pack_linears(layers) -> bool:
     layers = list(layers)
     if len(layers) < 2 or not all(type(m) is Linear and type(m.weight) is Parameter for m in layers):
         return False
-    w0 = layers[0].weight._data
-    has_bias = layers[0].bias is not None
+    w0, b0 = layers[0].weight._data, layers[0].bias
     if not (w0.device == runtime.device and all(
             m.weight._data.dtype == w0.dtype and m.in_features == layers[0].in_features
-            and m.weight._data.device == w0.device and (m.bias is not None) == has_bias for m in layers)):
+            and m.weight._data.device == w0.device and (m.bias is None) == (b0 is None)
+            and (b0 is None or m.bias.dtype == b0.dtype) for m in layers)):
         return False
     rows = sum(m.out_features for m in layers)
     weights = runtime.empty((rows, layers[0].in_features), w0.dtype)
-    biases = runtime.empty((rows,), layers[0].bias.dtype) if has_bias else None
+    biases = None if b0 is None else runtime.empty((rows,), b0.dtype)
     start = 0
     for m in layers:
         end = start + m.out_features
