@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python3 scripts/bench_sample.py --out out/sample.json          # everything below, full SDXL
     PYTHONPATH=. python3 scripts/bench_sample.py --only pipeline --steps 30
+    PYTHONPATH=. python3 scripts/bench_sample.py --only step --rounds 3                # one UNet step (issue 46)
     PYTHONPATH=. python3 scripts/bench_sample.py --family flux --steps 28 --out out/flux_sample.json
     python scripts/bench_sample.py --config tiny --size 64 --steps 2 --repeat 1   # CPU smoke test
 
@@ -13,6 +14,14 @@ Measured, each (part, framework) in its own process so peak memory is its own:
   ``StableDiffusionXLPipeline`` (SDPA attention, bf16), eager and with ``torch.compile(unet)``
   (``--skip torch.compile`` leaves that one out: it compiles for minutes). All run the whole call:
   prompt encoding, the denoising loop, the VAE decode.
+- ``step``: one denoising step of the UNet alone, as CFG runs it: batch 2, latents ``--size``/8
+  square, 77 tokens of text context, the pooled text and time ids, bf16. flame's ``SDXLUNet``
+  replayed as the ``CapturedStep`` the pipeline uses and eagerly, against diffusers'
+  ``UNet2DConditionModel`` (SDPA, ``torch.no_grad``) captured in one ``torch.cuda.CUDAGraph`` (warmed
+  up on a side stream, static inputs), the same with ``torch.compile(unet)`` (inductor's default
+  mode) inside the graph (``first_s``: the warm-up calls that compile, the capture and the first
+  timed calls), and eagerly. Reported in ms per step: each timing is ``--step-calls`` calls
+  synchronized once. On the CPU the CUDA-graph sides run eagerly (their result says so in ``note``).
 - ``vae``: decoding 1024x1024 and 2048x2048 latents: flame's VAE and diffusers' AutoencoderKL, both
   tiling what exceeds the VAE's 1024-pixel sample size (``tile=True``, ``enable_tiling()``): time
   and peak memory.
@@ -48,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +118,6 @@ def _times(fn, args, sync):
     calls]): the first compiles kernels (and torch.compile's graphs), the second captures flame's
     CUDA graphs (``CapturedStep``: eager, then captured, then replayed). With ``--profile`` (on a
     GPU) also the GPU time of one more call by kernel name (top 15)."""
-    import time
     start = time.perf_counter()
     fn()
     sync()
@@ -157,6 +166,83 @@ def diffusers_pipeline(args, compiled=False):
         first, times = _times(run, args, sync)
     return {"s": statistics.median(times), "first_s": first,
             "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None}
+
+
+def _step_inputs(args):
+    """One CFG step's UNet inputs, (sample, timestep, text context, pooled text, time ids), as
+    (float32 NumPy array, whether the model's dtype is wanted) pairs: batch 2 (unconditional and
+    conditional rows), latents ``--size``/8 square, 77 tokens; widths from the folder's unet/config.json."""
+    import numpy as np
+    cfg = json.loads((Path(args.model) / "unet" / "config.json").read_text())
+    pooled = cfg["projection_class_embeddings_input_dim"] - 6 * cfg["addition_time_embed_dim"]
+    rng, side = np.random.default_rng(0), args.size // 8
+    normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+    return [(normal(2, cfg["in_channels"], side, side), True), (np.full(2, 500.0, np.float32), False),
+            (normal(2, 77, cfg["cross_attention_dim"]), True), (normal(2, pooled), True),
+            (np.array([[args.size, args.size, 0, 0, args.size, args.size]] * 2, np.float32), False)]
+
+
+def _step_times(step, args, sync, setup_s=0.0):
+    """ms per call of ``step`` (median of ``--repeat`` timings of ``--step-calls`` calls each) and
+    ``first_s``: ``setup_s`` (warm-up and capture) plus the first timing's calls."""
+    first, times = _times(lambda: [step() for _ in range(args.step_calls)], args, sync)
+    return {"ms": 1e3 * statistics.median(times) / args.step_calls, "first_s": setup_s + first}
+
+
+def flame_step(args, cuda_graph):
+    from flame.graphs import CapturedStep
+    from flame.models import SDXLUNet
+    dtype = flame.float32 if flame.is_interpreter() else flame.bfloat16
+    unet = SDXLUNet.from_pretrained(args.model, dtype=dtype)
+    inputs = [flame.tensor(a, dtype=dtype if cast else None) for a, cast in _step_inputs(args)]
+    predict = CapturedStep(unet.__call__, enabled=cuda_graph)  # as SDXLPipeline.predict
+    flame.reset_peak_memory_stats()
+    with flame.no_grad():
+        got = _step_times(lambda: predict(*inputs), args, flame.synchronize)
+    note = {"note": "interpreter: no CUDA graph, the step runs eagerly"} if cuda_graph and not predict.enabled else {}
+    return {**got, "peak_gib": flame.max_memory_allocated() / 2**30, **note}
+
+
+def _cuda_graphed(fn, warmup=3):
+    """``fn`` captured in one ``torch.cuda.CUDAGraph`` after ``warmup`` calls on a side stream
+    (PyTorch's recipe); returns the graph's replay (``fn``'s inputs and outputs are its static buffers)."""
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def diffusers_step(args, cuda_graph, compiled=False):
+    """diffusers' UNet2DConditionModel (SDPA), eager or captured in one CUDA graph, optionally
+    ``torch.compile``d (inductor's default mode) inside it; on the CPU always eager."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    unet = UNet2DConditionModel.from_pretrained(Path(args.model) / "unet", torch_dtype=dtype).to(dev).eval()
+    model = torch.compile(unet) if compiled else unet
+    x, t, context, pooled, ids = (torch.from_numpy(a).to(dev, dtype if cast else torch.float32)
+                                  for a, cast in _step_inputs(args))
+    step = lambda: model(x, t, encoder_hidden_states=context,
+                         added_cond_kwargs={"text_embeds": pooled, "time_ids": ids}).sample
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    graphed = cuda_graph and dev == "cuda"
+    with torch.no_grad():
+        start = time.perf_counter()
+        run = _cuda_graphed(step) if graphed else step
+        sync()
+        got = _step_times(run, args, sync, time.perf_counter() - start)
+    note = {"note": "no CUDA: no CUDA graph, the step runs eagerly"} if cuda_graph and not graphed else {}
+    return {**got, "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None, **note}
 
 
 def flame_vae(args, which):
@@ -353,6 +439,11 @@ PARTS = {
                  ("flame (eager)", lambda a: flame_pipeline(a, False)),
                  ("diffusers", diffusers_pipeline),
                  ("diffusers (torch.compile)", lambda a: diffusers_pipeline(a, True))],
+    "step": [("flame (CUDA graph)", lambda a: flame_step(a, True)),
+             ("flame (eager)", lambda a: flame_step(a, False)),
+             ("diffusers (CUDA graph)", lambda a: diffusers_step(a, True)),
+             ("diffusers (torch.compile + CUDA graph)", lambda a: diffusers_step(a, True, compiled=True)),
+             ("diffusers (eager)", lambda a: diffusers_step(a, False))],
     "vae": [(f"{fw} {k}", functools.partial(fn, which=k))
             for k in (0, 1) for fw, fn in (("flame", flame_vae), ("diffusers", diffusers_vae))],
     "cache": [("flame", lambda a: cache_encoders(a, "flame")), ("diffusers", lambda a: cache_encoders(a, "diffusers"))],
@@ -372,6 +463,8 @@ def parse_args(argv=None):
                    help="the two image sides of the vae part")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--step-calls", type=int, default=20,
+                   help="UNet calls per timing of the step part (synchronized once, after the last)")
     p.add_argument("--rounds", type=int, default=1,
                    help="run each part's sides this many times, alternating their order; report the medians")
     p.add_argument("--out", help="write the results as JSON here")
@@ -423,8 +516,8 @@ def main(argv=None) -> int:
 def _run_side(args, part, index):
     """One (part, side) in a process of its own: its result dict, or {"error": ...}."""
     cmd = [sys.executable, __file__, "--run", f"{part}:{index}", "--family", args.family, "--config",
-           args.config, "--size", str(args.size), "--steps", str(args.steps), "--repeat",
-           str(args.repeat), "--vae-sizes", ",".join(map(str, args.vae_sizes))] + \
+           args.config, "--size", str(args.size), "--steps", str(args.steps), "--repeat", str(args.repeat),
+           "--step-calls", str(args.step_calls), "--vae-sizes", ",".join(map(str, args.vae_sizes))] + \
         (["--model", args.model] if args.model else []) + (["--profile"] if args.profile else [])
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -450,7 +543,7 @@ def _median_rounds(rounds):
         merged[key] = {k: statistics.median(r[k] for r in ok) if isinstance(v, (int, float)) else v
                        for k, v in ok[0].items()}
         if len(rounds) > 1:
-            merged[key]["rounds"] = [r.get("s", r.get("images_per_s")) for r in ok]
+            merged[key]["rounds"] = [r.get("s", r.get("ms", r.get("images_per_s"))) for r in ok]
     return merged
 
 
@@ -459,10 +552,12 @@ def _ratios(results):
         ra, rb = results.get(a, {}), results.get(b, {})
         if ra.get(key) and rb.get(key):
             print(f"{a} / {b} ({key}): {ra[key] / rb[key]:.3f}")
-    for name in ("flame (CUDA graph)", "flame (eager)"):
-        for baseline in ("diffusers", "diffusers (torch.compile)"):
-            ratio(f"pipeline/{name}", f"pipeline/{baseline}", "s")
-            ratio(f"pipeline/{name}", f"pipeline/{baseline}", "peak_gib")
+    for part, time_key in (("pipeline", "s"), ("step", "ms")):
+        names = [name for name, _ in PARTS[part]]
+        for name in (n for n in names if n.startswith("flame")):
+            for baseline in (n for n in names if n.startswith("diffusers")):
+                ratio(f"{part}/{name}", f"{part}/{baseline}", time_key)
+                ratio(f"{part}/{name}", f"{part}/{baseline}", "peak_gib")
     for k in (0, 1):
         ratio(f"vae/flame {k}", f"vae/diffusers {k}", "s")
         ratio(f"vae/flame {k}", f"vae/diffusers {k}", "peak_gib")

@@ -1,8 +1,11 @@
 """scripts/bench_sample.py's driver: with ``--rounds`` each part's sides run in alternating order and
-each number is the median of its rounds (the side processes are stubbed: no model is built)."""
+each number is the median of its rounds (the side processes are stubbed: no model is built); the step
+part run for real on the tiny pipeline."""
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,3 +41,21 @@ def test_rounds_alternate_the_sides_and_report_medians(monkeypatch, tmp_path, ca
     printed = capsys.readouterr().out
     assert "round 3:" in printed and "medians of 3 rounds:" in printed
     assert "pipeline/flame (CUDA graph) / pipeline/diffusers (s): 1.000" in printed
+
+
+@pytest.mark.slow
+def test_step_part_runs_the_tiny_unet_on_the_cpu(monkeypatch, tmp_path, capsys):
+    """``--only step`` end to end on the tests' tiny pipeline: every side but the compiled one
+    (``--skip``; it compiles for a while), in ms per step, the CUDA-graph sides eager on the CPU."""
+    bench = _load(monkeypatch)
+    out = tmp_path / "step.json"
+    assert bench.main(["--only", "step", "--config", "tiny", "--size", "64", "--repeat", "1", "--step-calls", "1",
+                       "--skip", "torch.compile", "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    sides = ["flame (CUDA graph)", "flame (eager)", "diffusers (CUDA graph)", "diffusers (eager)"]
+    assert sorted(results) == sorted([f"step/{s}" for s in sides] + ["vae sizes"])
+    for side in sides:
+        got = results[f"step/{side}"]
+        assert {"ms", "first_s", "peak_gib"} <= set(got) and got["ms"] > 0, (side, got)
+        assert ("note" in got) == ("CUDA graph" in side)  # no CUDA graph on the CPU: said, and run eagerly
+    assert "step/flame (CUDA graph) / step/diffusers (eager) (ms):" in capsys.readouterr().out
