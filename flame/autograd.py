@@ -410,8 +410,8 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
             del g
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
-            meta = node.input_meta
-            for edge, shape, dtype, ig in zip(node.edges, meta[::2], meta[1::2], in_grads):
+            meta = iter(node.input_meta)  # (shape, dtype) of each input, flat: zip takes two from it per edge
+            for edge, shape, dtype, ig in zip(node.edges, meta, meta, in_grads):
                 if edge is None:
                     continue
                 if ig is not None:

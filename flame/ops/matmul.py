@@ -482,24 +482,18 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
             raise ValueError(f"{op}: lora_input {lora_input.shape} {lora_input.dtype} must match input "
                              f"{x.shape} {x.dtype}")
     xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
-    dtype = xd.dtype
-    if not (dtype.is_floating_point and wd.dtype.is_floating_point and ad.dtype.is_floating_point
-            and bd.dtype.is_floating_point):
-        raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
-                        f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
-    check_not_raw_fp8(weight, op)
-    xs, ws, a_shape, b_shape = xd.shape, wd.shape, ad.shape, bd.shape
-    n_out, k = ws if len(ws) == 2 else (None, None)
-    if (len(ws) != 2 or not xs or xs[-1] != k or len(a_shape) != 2 or len(b_shape) != 2
-            or a_shape[1] != k or b_shape != (n_out, a_shape[0])):
-        raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
-                         f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
-    rd = None
-    if residual is not None:
-        rd = check_tensor(residual, "residual", op)._data
-        if (magnitude is not None or not xd.numel() or not k or not a_shape[0] or rd.shape != (*xs[:-1], n_out)
-                or rd.dtype != dtype or not rd.is_contiguous()):
-            return lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input, magnitude) + residual
+    bias_d = None if bias is None else check_tensor(bias, "bias", op)._data
+    rd = None if residual is None else check_tensor(residual, "residual", op)._data
+    key = (op, type(weight), xd.shape, xd.stride(), xd.dtype, wd.shape, wd.dtype, ad.shape, ad.dtype, bd.shape,
+           bd.dtype, None if bias_d is None else (bias_d.shape, bias_d.dtype), magnitude is None,
+           None if rd is None else (rd.shape, rd.stride(), rd.dtype))
+    kept = _signatures.calls.get(key)
+    if kept is None:
+        kept = _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, rd)
+    out_shape, rows, degenerate, cast, fused_residual = kept
+    if rd is not None and not fused_residual:
+        return lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input, magnitude) + residual
+    dtype, n_out, a_shape, b_shape = xd.dtype, out_shape[-1], ad.shape, bd.shape
     ratio = norm = None
     if magnitude is not None:
         check_tensor(magnitude, "magnitude", op)
@@ -517,20 +511,20 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         norm, ratio = runtime.empty((n_out,), acc), runtime.empty((n_out,), acc)
         KD.adapted_norms_(norm, stored_weight._data, lora_a._data, lora_b._data, scale, magnitude._data, ratio)
     fp8 = isinstance(weight, Fp8Weight)
-    if bias is not None or wd.dtype != dtype or fp8:  # else nothing to check or cast
+    if cast:
         weight, bias = _layer_params(x, weight, bias, n_out, op, ValueError)
-    rank = a_shape[0]
-    if xd.numel() == 0 or k == 0 or rank == 0:  # degenerate: the composed ops handle the edge cases
+    if degenerate:  # no input, no reduction or rank 0: the composed ops handle the edge cases
         branch = lora_input if lora_input is not None else x
         z = linear(x, weight, None if ratio is not None else bias) + linear(linear(branch, lora_a), lora_b) * scale
         if ratio is None:
             return z
         y = z * to(magnitude / Tensor(norm), z.dtype)
         return y if bias is None else y + bias
-    x2 = _as_rows(xd)  # matrices of rows (KM.matrix): the GEMMs read them in place
+    rank = a_shape[0]
+    xs = xd.shape
+    x2 = (xd, *rows) if rows is not None else _as_rows(xd)  # matrices of rows (KM.matrix): the GEMMs read them in place
     xl2 = None if lora_input is None else _as_rows(lora_input._data)
     a16, b16 = _cast_once(lora_a, dtype), _cast_once(lora_b, dtype)
-    out_shape = (*xs[:-1], n_out)
     z = runtime.empty(out_shape, dtype)
     h = runtime.empty((x2[1], rank), dtype)
     hm, b16m = KM.dense_matrix(h, x2[1], rank), KM.matrix(b16)
@@ -554,3 +548,40 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
                scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
                b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
     return y
+
+
+def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, residual):
+    """What ``lora_linear`` takes from its call signature ``key`` (the types, shapes, strides and dtypes
+    of input, weight, bias, adapter and residual, whether there is a magnitude), after checking them:
+    ``(out_shape, rows, degenerate, cast, fused_residual)``: ``rows`` the (rows, in, row stride, column
+    stride) of the input's matrix (``KM.matrix``; None when its leading dims do not merge), ``degenerate``
+    an empty input, reduction or rank (the composed ops serve it), ``cast`` whether the weight and bias
+    need ``_layer_params`` (a dtype other than the input's), ``fused_residual`` whether the ``residual``
+    buffer (or None) is laid out as the output, for the base GEMM's epilogue. Kept with ``_signatures``
+    under ``key``, so a repeated call checks nothing again (as ``_linear_signature``)."""
+    op = "lora_linear"
+    xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
+    dtype = xd.dtype
+    if not (dtype.is_floating_point and wd.dtype.is_floating_point and ad.dtype.is_floating_point
+            and bd.dtype.is_floating_point):
+        raise TypeError(f"{op}: expected floating-point tensors, got input {x.dtype}, weight {weight.dtype}, "
+                        f"lora_a {lora_a.dtype}, lora_b {lora_b.dtype}")
+    check_not_raw_fp8(weight, op)
+    xs, ws, a_shape, b_shape = xd.shape, wd.shape, ad.shape, bd.shape
+    n_out, k = ws if len(ws) == 2 else (None, None)
+    if (len(ws) != 2 or not xs or xs[-1] != k or len(a_shape) != 2 or len(b_shape) != 2
+            or a_shape[1] != k or b_shape != (n_out, a_shape[0])):
+        raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
+                         f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
+    fp8 = isinstance(weight, Fp8Weight)
+    cast = (wd.dtype is not dtype and not fp8) or (bias is not None and bias.dtype is not dtype)
+    if bias is not None and not cast:  # _layer_params' checks of the bias (nothing to cast; a cast checks each call)
+        _layer_params(x, weight, bias, n_out, op, ValueError)
+    degenerate = xd.numel() == 0 or k == 0 or a_shape[0] == 0
+    out_shape = (*xs[:-1], n_out)
+    fused_residual = (residual is not None and magnitude is None and not degenerate
+                      and tuple(residual.shape) == out_shape and residual.dtype == dtype and residual.is_contiguous())
+    m = None if degenerate else KM.matrix(xd)
+    kept = (out_shape, None if m is None else m[1:], degenerate, cast, fused_residual)
+    _signatures.keep_call(key, kept)
+    return kept
