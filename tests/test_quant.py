@@ -388,7 +388,10 @@ def test_flux_lora_over_fp8_base_matches_dequantised_base():
                 m.weight = nn.Parameter(m.weight.dequantize(), requires_grad=False)
                 if isinstance(m, nn.LoRALinear):
                     m._base_layer.weight = m.weight
-    r = 1e-4 if flame.is_interpreter() else 2e-3  # tf32 products on the GPU, rounded in another order
+    # tf32 products on the GPU (10-bit mantissas): fp8 codes decoded in the GEMMs against the dequantised fp32
+    # weights rounded inside them, through the forward and backward GEMMs of two blocks (0.3% of the largest
+    # adapter gradient apart on an H200)
+    r = 1e-4 if flame.is_interpreter() else 5e-3
     for got, want in zip(*runs):
         assert_close(got, want, rtol=r, atol=r * float(want.abs().max()))
 
