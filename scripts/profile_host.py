@@ -8,6 +8,8 @@ with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out
     PYTHONPATH=. python3 scripts/profile_host.py [--iters 200] [--top 25] [--stub]
     PYTHONPATH=. python3 scripts/profile_host.py --sdxl [--inference] [--resolution 1024] [--top 25]
 
+    PYTHONPATH=. python3 scripts/profile_host.py --sdxl --against ../other-checkout [--rounds 6]
+
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
 and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
 card (TMA paths, split-K). Launches take a GPU's host path (``launch.py``'s direct path: key,
@@ -23,6 +25,12 @@ pipeline's steps runs (``pipeline.sdxl.denoise`` with guidance: the UNet without
 unconditional and conditional rows, under ``no_grad``). On a GPU (``FLAME_DEVICE=cuda``) ``--sdxl``
 runs the same step with its kernels (random weights): the median wall time of a synchronised step
 and the host profile of one, where the eager step's host time goes on that machine.
+
+``--sdxl --against DIR`` compares this checkout's step with another checkout's (DIR: a worktree or
+``git archive`` of another commit): ``--rounds`` rounds, each running both checkouts' own
+``profile_host.py --sdxl`` in turn (every other round in reverse order), then each round's ratio of
+their host times and the medians. A CI-class machine's speed drifts by 10-15% within an hour, more
+than most host-path changes move the step: compare two trees so, in one run, not across runs.
 """
 import argparse
 import cProfile
@@ -141,7 +149,7 @@ def sdxl_step(args):
     if times:
         ran = "no kernel runs" if stubbed else f"kernels run on {flame.device_name()}, synchronised"
         print(f"host time of an eager {what} ({ran}), median of {len(times)}: "
-              f"{1e3 * statistics.median(times):.0f} ms")
+              f"{1e3 * statistics.median(times):.1f} ms")
     if not stubbed and times:  # how much of that the host alone takes: until step() returns, unsynchronised
         issued = common.wall_times(step, args.steps, sync=lambda: None)
         flame.synchronize()
@@ -153,6 +161,34 @@ def sdxl_step(args):
     flame.synchronize()
     prof.disable()
     pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
+
+
+def against(args):
+    """``--against DIR``: this checkout's and DIR's stubbed step, alternately (see the docstring)."""
+    import re
+    import subprocess
+
+    options = ["--sdxl", "--top", "0", "--steps", str(args.steps), "--resolution", str(args.resolution),
+               "--checkpointing", args.checkpointing] + (["--inference"] if args.inference else [])
+    sides = {"this": Path(__file__).resolve().parents[1], "other": Path(args.against).resolve()}
+    if not (sides["other"] / "scripts" / "profile_host.py").is_file():
+        raise SystemExit(f"--against {args.against}: no scripts/profile_host.py there (a checkout of flame?)")
+    times = {name: [] for name in sides}
+    for r in range(args.rounds):
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            root = sides[name]
+            done = subprocess.run([sys.executable, str(root / "scripts" / "profile_host.py"), *options], cwd=root,
+                                  capture_output=True, text=True)
+            found = re.search(r"host time of an eager .*: ([0-9.]+) ms", done.stdout)
+            if done.returncode or found is None:
+                raise SystemExit(f"{root}: profile_host.py failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
+            times[name].append(float(found.group(1)))
+        print(f"round {r + 1}: this {times['this'][-1]:.1f} ms, other {times['other'][-1]:.1f} ms, "
+              f"this / other {times['this'][-1] / times['other'][-1]:.3f}", flush=True)
+    ratios = [a / b for a, b in zip(times["this"], times["other"])]
+    this, other = statistics.median(times["this"]), statistics.median(times["other"])
+    print(f"medians of {args.rounds} rounds: this {this:.1f} ms ({sides['this']}), other {other:.1f} ms "
+          f"({sides['other']}), this / other {statistics.median(ratios):.3f}")
 
 
 def main():
@@ -171,7 +207,14 @@ def main():
     ap.add_argument("--stub", action="store_true",
                     help="the chain with every kernel launch left out (as --sdxl does): flame's own host path and "
                          "torch's allocations alone, on the GPU host too")
+    ap.add_argument("--against", metavar="DIR",
+                    help="--sdxl: compare with the checkout in DIR, alternately in one run (see above)")
+    ap.add_argument("--rounds", type=int, default=4, help="--against: rounds of the two checkouts")
     args = ap.parse_args()
+    if args.against:
+        if not args.sdxl:
+            ap.error("--against needs --sdxl")
+        return against(args)
     if args.sdxl:
         return sdxl_step(args)
     if args.stub:
