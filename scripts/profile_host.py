@@ -19,7 +19,8 @@ descriptor encoding) is left out. It prints the launches per kernel of one eager
 backward, AdamW on rank-16 LoRA on attn, bf16; the first step also zero-fills the optimizer's
 state and builds the timestep embedding's tables: 2,249 launches that later steps skip), the
 median host time of ``--steps`` more and the host profile of one (``--sort cumulative`` for the
-callers' view): a GPU-free count of what a change adds or removes. Host times are this
+callers' view), headed by the count of Python and builtin calls in that step per launch: a GPU-free
+count of what a change adds or removes, exact where the times drift with the machine. Host times are this
 machine's, not a GPU host's. ``--inference`` does the same for what each of the text-to-image
 pipeline's steps runs (``pipeline.sdxl.denoise`` with guidance: the UNet without LoRA over the
 unconditional and conditional rows, under ``no_grad``). On a GPU (``FLAME_DEVICE=cuda``) ``--sdxl``
@@ -155,12 +156,19 @@ def sdxl_step(args):
         flame.synchronize()
         print(f"  of which the host issuing the step's launches: {1e3 * statistics.median(issued):.0f} ms "
               f"(median of {len(issued)}; the rest waits for the kernels)")
+    from flame.kernels import launch as L
+    before = L.launches
     prof = cProfile.Profile()
     prof.enable()
     step()
     flame.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats(args.sort).print_stats(args.top)
+    stats = pstats.Stats(prof)
+    launched = L.launches - before
+    # a count, so free of the machine's speed: what a host-path change removes shows here exactly
+    print(f"Python and builtin calls in the profiled {what}: {stats.total_calls} for its {launched} launches "
+          f"({stats.total_calls / max(launched, 1):.1f} a launch)")
+    stats.sort_stats(args.sort).print_stats(args.top)
 
 
 def against(args):

@@ -20,6 +20,8 @@ def test_sdxl_step_prints_its_launches_and_host_time():
     launches = re.search(r"one eager SDXL LoRA step, 256x256, checkpointing off: (\d+) launches", done.stdout)
     assert launches and int(launches.group(1)) > 1000
     assert re.search(r"host time of an eager step \(no kernel runs\), median of 1: [0-9.]+ ms", done.stdout)
+    calls = re.search(r"Python and builtin calls in the profiled step: (\d+) for its (\d+) launches", done.stdout)
+    assert calls and int(calls.group(1)) > 10 * int(calls.group(2)) > 0
 
 
 def test_against_alternates_two_checkouts_and_reports_their_ratio(tmp_path):
