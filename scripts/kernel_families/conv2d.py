@@ -45,6 +45,9 @@ CONV_SHAPES = _sdxl_convs([  # (N, Ci, H, W, Co, kernel, stride, nearest-2x upsa
     (1, 4, 128, 128, 320, 3, 1, False), (1, 320, 128, 128, 4, 3, 1, False),  # conv_in, conv_out
     (1, 2560, 32, 32, 1280, 1, 1, False), (1, 960, 128, 128, 320, 1, 1, False),  # 1x1 shortcuts
     (1, 1280, 32, 32, 1280, 3, 1, True), (1, 640, 64, 64, 640, 3, 1, True),  # up-samplers
+    # batch 2: a guided text-to-image step's (the unconditional and conditional rows), forward-heavy ones
+    (2, 320, 128, 128, 320, 3, 1, False), (2, 640, 64, 64, 640, 3, 1, False), (2, 1280, 32, 32, 1280, 3, 1, False),
+    (2, 2560, 32, 32, 1280, 3, 1, False), (2, 1920, 64, 64, 640, 3, 1, False), (2, 960, 128, 128, 320, 3, 1, False),
 ])
 
 
