@@ -184,6 +184,14 @@ def test_casts(src, dst):
     assert_close(x.to(dst), xt.to(dst))
 
 
+def test_float64_to_bfloat16_goes_through_float32():
+    """fp64 to bf16 as torch converts it (through fp32): the Triton interpreter's own direct conversion
+    returned garbage (1.5 -> 9.2e-41); its fp32 -> bf16 step truncates, so one bf16 step apart there."""
+    x, xt = pair((5, 3), torch.float64, noncontig=True)
+    x, xt = x * 300, xt * 300
+    assert_close(x.to(flame.bfloat16), xt.to(torch.bfloat16), rtol=2 ** -7, atol=0)
+
+
 def test_cast_backward_returns_input_dtype():
     x, _xt = pair((4,), torch.float16, requires_grad=True)
     y = x.to(flame.float32) * 2

@@ -245,7 +245,10 @@ def _store(out_ptr, off, value, mask, OUT_BOOL: tl.constexpr):
     if OUT_BOOL:
         tl.store(out_ptr + off, value != 0, mask=mask)
     else:
-        tl.store(out_ptr + off, value.to(out_ptr.dtype.element_ty), mask=mask)
+        dst: tl.constexpr = out_ptr.dtype.element_ty
+        if value.dtype == tl.float64 and dst == tl.bfloat16:  # through fp32: the interpreter's direct cast is garbage
+            value = value.to(tl.float32)
+        tl.store(out_ptr + off, value.to(dst), mask=mask)
 
 
 @triton.jit
