@@ -97,6 +97,8 @@ def variant(name, gated=False):
         raise ValueError(f"variant {name!r}: expected 'coop 2xMxN' or 'pp MxN', then ' sS' or nothing")
     kind, bm, bn, stages = m.groups()
     bn = int(bn)
+    if not int(bm) or not bn or stages == "0":
+        raise ValueError(f"variant {name!r}: tile sizes and stages must be positive")
     if gated and (bn % 2 or bn // 2 & (bn // 2 - 1)):
         raise ValueError(f"variant {name!r}: a gated tile's width must be two equal powers of two")
     KH.split_width(bn)

@@ -113,11 +113,12 @@ def _timed(fn, args, sync):
     return statistics.median(_times(fn, args, sync)[1])
 
 
-def _times(fn, args, sync):
+def _times(fn, args, sync, per=1):
     """(seconds of the first call, [seconds of each of ``args.repeat`` calls after two warm-up
     calls]): the first compiles kernels (and torch.compile's graphs), the second captures flame's
     CUDA graphs (``CapturedStep``: eager, then captured, then replayed). With ``--profile`` (on a
-    GPU) also the GPU time of one more call by kernel name (top 15)."""
+    GPU) also the GPU time of one more call by kernel name (top 15), divided by ``per`` (a call of
+    ``per`` steps: ms and launches a step)."""
     start = time.perf_counter()
     fn()
     sync()
@@ -128,10 +129,10 @@ def _times(fn, args, sync):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             fn()
             sync()
-        rows = sorted(((e.key, e.device_time_total / 1e3, e.count) for e in prof.key_averages()
+        rows = sorted(((e.key, e.device_time_total / 1e3 / per, e.count / per) for e in prof.key_averages()
                        if e.device_time_total > 0), key=lambda r: -r[1])
-        print(json.dumps({"gpu_ms": round(sum(r[1] for r in rows), 2),
-                          "top": [(k[:90], round(ms, 2), c) for k, ms, c in rows[:15]]}), file=sys.stderr)
+        print(json.dumps({"gpu_ms": round(sum(r[1] for r in rows), 3),
+                          "top": [(k[:90], round(ms, 3), round(c, 1)) for k, ms, c in rows[:15]]}), file=sys.stderr)
     return first, times
 
 
@@ -185,7 +186,7 @@ def _step_inputs(args):
 def _step_times(step, args, sync, setup_s=0.0):
     """ms per call of ``step`` (median of ``--repeat`` timings of ``--step-calls`` calls each) and
     ``first_s``: ``setup_s`` (warm-up and capture) plus the first timing's calls."""
-    first, times = _times(lambda: [step() for _ in range(args.step_calls)], args, sync)
+    first, times = _times(lambda: [step() for _ in range(args.step_calls)], args, sync, per=args.step_calls)
     return {"ms": 1e3 * statistics.median(times) / args.step_calls, "first_s": setup_s + first}
 
 

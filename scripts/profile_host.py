@@ -177,7 +177,8 @@ def against(args):
     import subprocess
 
     options = ["--sdxl", "--top", "0", "--steps", str(args.steps), "--resolution", str(args.resolution),
-               "--checkpointing", args.checkpointing] + (["--inference"] if args.inference else [])
+               "--checkpointing", args.checkpointing] + (["--inference"] if args.inference else []) + \
+        (["--no-freeze"] if args.no_freeze else [])
     sides = {"this": Path(__file__).resolve().parents[1], "other": Path(args.against).resolve()}
     if not (sides["other"] / "scripts" / "profile_host.py").is_file():
         raise SystemExit(f"--against {args.against}: no scripts/profile_host.py there (a checkout of flame?)")
@@ -222,6 +223,8 @@ def main():
     if args.against:
         if not args.sdxl:
             ap.error("--against needs --sdxl")
+        if args.steps < 1 or args.rounds < 1:
+            ap.error("--against needs --steps and --rounds of at least 1")
         return against(args)
     if args.sdxl:
         return sdxl_step(args)

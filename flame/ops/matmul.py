@@ -350,20 +350,33 @@ def _linear_signature(key, x, weight, bias, activation, residual):
     if len(ws) != 2 or not xs or xs[-1] != ws[1]:
         raise RuntimeError(f"linear: input {x.shape} and weight {weight.shape} don't match "
                            "(expected x (..., in) and weight (out, in))")
-    n_out = ws[0]
-    cast = (w_dtype is not dtype and not fp8) or (bias is not None and bias.dtype is not dtype)
-    if bias is not None and not cast:  # _layer_params' checks of the bias (nothing to cast; a cast checks each call)
-        _layer_params(x, weight, bias, n_out, "linear")
+    cast, out_shape, fused_residual = _layer_signature(x, weight, bias, residual, ws[0], "linear")
     m = KM.matrix(xd) if xs[-1] else None
-    out_shape = (*xs[:-1], n_out)
-    fused_residual = (residual is not None and tuple(residual.shape) == out_shape and residual.dtype == dtype
-                      and residual.is_contiguous())
     kept = (out_shape, None if m is None else m[1:], *acts, cast, fused_residual)
     _signatures.keep_call(key, kept)
     return kept
 
 
-_signatures = KM.RouteMemo(None)  # linear's call signatures (``_linear_signature``), emptied with the GEMM routes'
+def _layer_signature(x, weight, bias, residual, n_out, op, error=RuntimeError):
+    """What a layer op's call signature fixes of its parameters and residual, the bias checked once:
+    ``(cast, out_shape, fused_residual)``, ``cast`` whether ``_layer_params`` casts the weight or bias to
+    ``x``'s dtype on each call (which checks the bias too), ``fused_residual`` whether the ``residual``
+    buffer (or None) is laid out as the output, for the GEMM's epilogue to read."""
+    xd = x._data
+    dtype = xd.dtype
+    cast = ((weight._data.dtype is not dtype and not isinstance(weight, Fp8Weight))
+            or (bias is not None and bias.dtype is not dtype))
+    if bias is not None and not cast:  # _layer_params' checks of the bias (nothing to cast; a cast checks each call)
+        _layer_params(x, weight, bias, n_out, op, error)
+    out_shape = (*xd.shape[:-1], n_out)
+    fused_residual = (residual is not None and tuple(residual.shape) == out_shape and residual.dtype == dtype
+                      and residual.is_contiguous())
+    return cast, out_shape, fused_residual
+
+
+# linear's and lora_linear's call signatures (``_linear_signature``, ``_lora_linear_signature``), emptied with the
+# GEMM routes'
+_signatures = KM.RouteMemo(None)
 tune.register_cache(_signatures.cache_clear)
 
 
@@ -554,11 +567,11 @@ def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, resi
     """What ``lora_linear`` takes from its call signature ``key`` (the types, shapes, strides and dtypes
     of input, weight, bias, adapter and residual, whether there is a magnitude), after checking them:
     ``(out_shape, rows, degenerate, cast, fused_residual)``: ``rows`` the (rows, in, row stride, column
-    stride) of the input's matrix (``KM.matrix``; None when its leading dims do not merge), ``degenerate``
-    an empty input, reduction or rank (the composed ops serve it), ``cast`` whether the weight and bias
-    need ``_layer_params`` (a dtype other than the input's), ``fused_residual`` whether the ``residual``
-    buffer (or None) is laid out as the output, for the base GEMM's epilogue. Kept with ``_signatures``
-    under ``key``, so a repeated call checks nothing again (as ``_linear_signature``)."""
+    stride) of the input's matrix (``KM.matrix``; None when its leading dims do not merge or the call is
+    degenerate), ``degenerate`` an empty input, reduction or rank (the composed ops serve it), ``cast``
+    and ``fused_residual`` as ``_layer_signature`` says (no fused residual with a magnitude or a
+    degenerate call). Kept with ``_signatures`` under ``key``, so a repeated call checks nothing again
+    (as ``_linear_signature``)."""
     op = "lora_linear"
     xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
     dtype = xd.dtype
@@ -573,15 +586,10 @@ def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, resi
             or a_shape[1] != k or b_shape != (n_out, a_shape[0])):
         raise ValueError(f"{op}: shapes don't match: input {x.shape}, weight {weight.shape} (out, in), "
                          f"lora_a {lora_a.shape} (rank, in), lora_b {lora_b.shape} (out, rank)")
-    fp8 = isinstance(weight, Fp8Weight)
-    cast = (wd.dtype is not dtype and not fp8) or (bias is not None and bias.dtype is not dtype)
-    if bias is not None and not cast:  # _layer_params' checks of the bias (nothing to cast; a cast checks each call)
-        _layer_params(x, weight, bias, n_out, op, ValueError)
+    cast, out_shape, fused_residual = _layer_signature(x, weight, bias, residual, n_out, op, ValueError)
     degenerate = xd.numel() == 0 or k == 0 or a_shape[0] == 0
-    out_shape = (*xs[:-1], n_out)
-    fused_residual = (residual is not None and magnitude is None and not degenerate
-                      and tuple(residual.shape) == out_shape and residual.dtype == dtype and residual.is_contiguous())
     m = None if degenerate else KM.matrix(xd)
-    kept = (out_shape, None if m is None else m[1:], degenerate, cast, fused_residual)
+    kept = (out_shape, None if m is None else m[1:], degenerate, cast,
+            fused_residual and magnitude is None and not degenerate)
     _signatures.keep_call(key, kept)
     return kept
