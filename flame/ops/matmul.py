@@ -213,7 +213,8 @@ _ACTIVATIONS = {  # name -> (forward op, backward op) of flame.kernels.elementwi
 #                          scaled in registers (no pass over G'); and W gets no gradient (frozen).
 def _linear_backward(node, g):
     x2, w, pre = node.saved  # x2 (a matrix) only when the weight needs a gradient
-    need_x, need_w, need_b = node.needs_input_grad[:3]
+    need = node.needs_input_grad
+    need_x, need_w, need_b = need[:3]
     a = node.attrs
     x_dtype = a["x_dtype"]
     gd = g._data
@@ -229,10 +230,15 @@ def _linear_backward(node, g):
         dx = runtime.empty(a["x_shape"], x_dtype)
         KM.matmul_(dx, g2, w._data, b_scale=weight_scale(w))
         dx = Tensor(dx)
-    dw, db = _weight_and_bias_grads(g2, x2, w, need_w, need_b)
-    if len(node.needs_input_grad) == 3:
-        return dx, dw, db
-    return dx, dw, db, g if node.needs_input_grad[3] else None  # a residual's: the output's gradient
+    return _with_residual(need, g, (dx, *_weight_and_bias_grads(g2, x2, w, need_w, need_b)))
+
+
+def _with_residual(need, g, grads):
+    """A layer op's input gradients ``grads``, then its residual's, the output's gradient ``g`` itself,
+    when the op took a residual (``need``: the node's ``needs_input_grad``, one flag more)."""
+    if len(need) == len(grads):
+        return grads
+    return (*grads, g if need[-1] else None)
 
 
 def _weight_and_bias_grads(g2, x2, w, need_w, need_b):
@@ -407,7 +413,8 @@ def _apply_activation(y, activation):
 # An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
     x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2, h, b16: matrices (KM.matrix)
-    need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = node.needs_input_grad[:7]
+    need = node.needs_input_grad
+    need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = need[:7]
     a = node.attrs
     s = a["scale"]
     rows, rank = h[1], h[2]
@@ -445,9 +452,7 @@ def _lora_linear_backward(node, g):
         dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
     db = _weight_and_bias_grads(g2, x2, w, False, need_b)[1]
-    if len(node.needs_input_grad) == 7:
-        return dx, dw, db, da, dlb, dxl, dm
-    return dx, dw, db, da, dlb, dxl, dm, g if node.needs_input_grad[7] else None  # a residual's: the output's
+    return _with_residual(need, g, (dx, dw, db, da, dlb, dxl, dm))
 
 
 def _cast_once(t, dtype):
