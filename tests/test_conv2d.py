@@ -532,7 +532,7 @@ ALL_TMA = ["_conv_tma_kernel", "_conv_tma_kernel", "_conv_wgrad_tma_kernel"]
 def _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch, tma_kernels=ALL_TMA):
     """A convolution with channels-last activations and weights (as flame's model keeps them) and
     channels a multiple of 8 takes the TMA kernels ``tma_kernels`` (sorted; by default for its
-    forward, input and weight gradient), and all three match PyTorch."""
+    forward, input and weight gradient; None: not checked), and all three match PyTorch."""
     import flame.kernels.conv2d as KC
     taken = []
     real = KC.launch
@@ -555,7 +555,7 @@ def _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch, tma_kernels=ALL
     for f, lo, r in ((fx, low[0], ref[0]), (fw, low[1], ref[1]), (fb, low[2], ref[2])):
         assert_within_torch_error(grads[f], lo.grad, r.grad, 3)
     tma = [name for name in taken if "tma" in name]
-    assert sorted(tma) == tma_kernels, taken
+    assert tma_kernels is None or sorted(tma) == tma_kernels, taken
 
 
 # Stride 2 reads (forward, weight gradient) and writes (input gradient) through the phase views;
@@ -587,6 +587,35 @@ def test_conv2d_tma_forward_and_both_gradients(dtype, shape, co, k, kw, monkeypa
     if not KM.TMA or not KM.tma_available():
         pytest.skip("no TMA on this GPU / Triton")
     _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch)
+
+
+# (shape, co, k, kwargs, input gradient on the Gluon kernel too): blocks of one row segment (OW 256),
+# one row (OW 64 at 64 rows per consumer block, or two at 128), four rows (OW 32); 200 input
+# channels (a tap's last channel block runs into the next tap's weights against zero-filled source
+# channels; the input gradient's last column tile past its 200 outputs); 328 output channels; a
+# 5x5 kernel with dilation 2.
+GLUON_SHAPES = [
+    ((2, 320, 64, 64), 320, 3, dict(padding=1), True),
+    ((4, 640, 32, 32), 640, 3, dict(padding=1), True),
+    ((1, 64, 64, 256), 512, 3, dict(padding=1), False),
+    ((4, 200, 64, 64), 328, 3, dict(padding=1), True),
+    ((4, 128, 64, 64), 256, 5, dict(padding=4, dilation=2), False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape,co,k,kw,dgrad", GLUON_SHAPES, ids=str)
+def test_conv2d_on_the_warp_specialised_gemm(dtype, shape, co, k, kw, dgrad, monkeypatch):
+    """Stride-1 convolutions of a wave of tiles or more run on matmul_hopper's kernel (forward, and
+    the input gradient where it has the tiles), and match PyTorch within its own error."""
+    import flame.kernels.conv2d as KC
+    if not KC._gluon_on():
+        pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
+    taken = []
+    monkeypatch.setattr(KC, "plan", lambda p, real=KC.plan: taken.append((p.direction, real(p).kernel)) or real(p))
+    _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch, None)
+    assert ("forward", "gluon") in taken and (("input_grad", "gluon") in taken) == dgrad, taken
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
@@ -814,6 +843,38 @@ def test_each_route_runs_and_matches_torch(route, direction, x_shape, w_shape, d
         KC.conv2d_weight_grad_(got, low[2], low[0], *args)
     assert [r.kernel for r in taken] == [route], taken
     assert_close(got.double(), want, dtype, **_tol(want, dtype))
+
+
+@pytest.mark.parametrize("direction,x_shape,w_shape,kw,route,box_h", [
+    ("forward", (2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1)), "gluon", 1),
+    ("input_grad", (2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1)), "gluon", 1),
+    ("forward", (4, 640, 32, 32), (640, 640, 3, 3), dict(padding=(1, 1)), "gluon", 2),  # 64 pixels: 2 rows
+    ("forward", (2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1), stride=(2, 2)), "tma", None),  # stride 2
+    ("input_grad", (2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1), stride=(2, 2)), "tma", None),
+    ("forward", (2, 320, 64, 64), (320, 320, 3, 3), dict(), "tma", None),  # 62 x 62 outputs: no pixel boxes
+    ("forward", (1, 320, 32, 32), (320, 320, 3, 3), dict(padding=(1, 1)), "tma", None),  # under a wave of tiles
+], ids=str)
+def test_plan_takes_the_warp_specialised_gemm_on_hopper(direction, x_shape, w_shape, kw, route, box_h, monkeypatch):
+    """On an H200 with Gluon (132 SMs, 227 KiB of shared memory), stride-1 convolutions of a wave of
+    tiles or more whose tiles of output pixels are TMA boxes take matmul_hopper's kernel; the rest
+    stay on the TMA kernel."""
+    import flame.kernels.conv2d as KC
+    monkeypatch.setattr(KC.KM.autotune, "shared_memory", lambda: 232_448)
+    monkeypatch.setattr(KC.runtime, "num_sms", lambda: 132)
+    got = KC.plan(KC.ConvProblem.dense(direction, x_shape, w_shape, torch.bfloat16, tma=True, gluon=True, **kw))
+    assert got.kernel == route and got.config.get("BOX_H") == box_h, got
+    assert KC.plan(KC.ConvProblem.dense(direction, x_shape, w_shape, torch.bfloat16, tma=True, **kw)).kernel == "tma"
+
+
+def test_box_rows():
+    """A block of output pixels is one TMA box when it is a segment of a row that tiles the row, or
+    whole rows that tile the image; never when it would straddle rows or images."""
+    from flame.kernels.matmul_hopper import box_rows
+    assert box_rows(128, 128, 128) == 1 and box_rows(64, 64, 256) == 1
+    assert box_rows(128, 64, 64) == 2 and box_rows(64, 32, 32) == 2 and box_rows(128, 32, 32) == 4
+    assert box_rows(128, 62, 62) is None  # straddles rows
+    assert box_rows(128, 8, 8) is None  # 2 images
+    assert box_rows(128, 5, 32) is None  # 4 rows do not tile 5
 
 
 def test_debug_routes_prints_each_problem_once(monkeypatch, capsys):

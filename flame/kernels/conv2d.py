@@ -33,7 +33,9 @@ Three kernels:
 All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
 (and any other strided view) work alike; channels-last is the fast layout.
 
-On Hopper, 16-bit channels-last problems take TMA versions of the first and last (``_conv_tma_kernel``,
+On Hopper, stride-1 forwards and input gradients of a wave of tiles or more run on the warp-specialised
+GEMM of ``matmul_hopper`` (its loader reads each tap's box of source pixels by TMA: ``matmul_hopper.Conv``).
+Other 16-bit channels-last problems take TMA versions of the first and last (``_conv_tma_kernel``,
 ``_conv_wgrad_tma_kernel``): operands move as descriptor boxes, padding is TMA's zero fill, and a
 stride of 2 reads (forward, weight gradient) or writes (input gradient) through a "phase view"
 that makes every other pixel one box (see ``_phase_split``). A forward or input-gradient grid under
@@ -570,6 +572,8 @@ def _nhwc(t):
 # from their buffers, ask ``plan`` and run the route it names. Forward and input gradient:
 #   "gemm"           1x1, stride 1, no padding, one group, activations viewable as (N*H*W, C)
 #                    matrices: the GEMM launcher (``linear_``/``matmul_``), which picks its own config
+#   "gluon"          ``matmul_hopper``'s warp-specialised GEMM reading the implicit GEMM's pixel boxes
+#                    (``_plan_gluon``): what "tma" takes at stride 1, a wave of tiles or more, on sm_90
 #   "tma"            ``_conv_tma_kernel``: 16-bit channels-last buffers TMA can describe, stride 1 or
 #                    phase views; split-K below one wave of SMs (``_wave_splits``)
 #   "fold"           ``_conv_fold_kernel``: few reduction channels, every tap x channel in one K block
@@ -614,7 +618,8 @@ class ConvProblem:
     weight gradient's output dW), the output ``y`` (N, Co, OH, OW) (the gradients' dY); stride,
     (top, left) padding, dilation, groups; the forward's bias dtype (None: no bias); ``aligned``:
     the buffers a TMA kernel would read have 16-byte aligned bases; ``tma``: the device runs
-    flame's TMA kernels for this dtype."""
+    flame's TMA kernels for this dtype; ``gluon``: and the warp-specialised GEMM of
+    ``matmul_hopper`` (sm_90, its route on)."""
 
     direction: str
     x: Operand
@@ -627,20 +632,21 @@ class ConvProblem:
     bias: torch.dtype | None = None
     aligned: bool = True
     tma: bool = False
+    gluon: bool = False
 
     @classmethod
     def of(cls, direction, x, w, y, stride, padding, dilation, groups=1, bias=None):
         """The problem of a launch on these torch buffers."""
         bufs = (y, x) if direction == WEIGHT_GRAD else (y, x, w)
         dtype = (x if direction == INPUT_GRAD else y).dtype  # the first operand the TMA checks take
+        tma = bool(KM.TMA and dtype in _TMA_DTYPES and KM.tma_available())
         return cls(direction, Operand.of(x), Operand.of(w), Operand.of(y), tuple(stride), tuple(padding),
                    tuple(dilation), groups, None if bias is None else bias.dtype,
-                   all(t.data_ptr() % 16 == 0 for t in bufs),
-                   bool(KM.TMA and dtype in _TMA_DTYPES and KM.tma_available()))
+                   all(t.data_ptr() % 16 == 0 for t in bufs), tma, tma and _gluon_on())
 
     @classmethod
     def dense(cls, direction, x_shape, w_shape, dtype, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1,
-              channels_last=True, bias=False, tma=False):
+              channels_last=True, bias=False, tma=False, gluon=False):
         """A problem on freshly allocated buffers (channels-last activations and weight, or
         contiguous NCHW ones): how tests describe one without allocating it."""
         (nb, _, h, wd), (co, _, kh, kw) = x_shape, w_shape
@@ -654,7 +660,7 @@ class ConvProblem:
 
         return cls(direction, operand(x_shape), operand(w_shape), operand((nb, co, oh, ow)), tuple(stride),
                    tuple(padding), tuple(dilation), groups, dtype if bias else None, True,
-                   tma and dtype in _TMA_DTYPES)
+                   tma and dtype in _TMA_DTYPES, gluon and tma and dtype in _TMA_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -662,7 +668,8 @@ class Route:
     """What ``plan`` chose: the path (``kernel``, one of the names above), its launch config (the
     kernel's constexprs: tuned fields as ``flame.tune`` answered them, with the derived ones; empty
     for "gemm", "none", "zero_fill"), how many splits its reduction runs in, and why. ``kept``: what
-    the route's runner keeps from its first launch (the "tma" route: ``_TmaLaunch``)."""
+    the route's runner keeps from its first launch (the "tma" route: ``_TmaLaunch``; "gluon": its
+    ``matmul_hopper.Conv``, sizes, layout and launch config)."""
 
     kernel: str
     config: dict
@@ -702,7 +709,8 @@ def _planned(direction, x, w, y, stride, padding, dilation, groups, bias=None):
     pointers = y.data_ptr() | x.data_ptr() | (0 if direction == WEIGHT_GRAD else w.data_ptr())
     tma = KM.TMA and (x if direction == INPUT_GRAD else y).dtype in _TMA_DTYPES and KM.tma_available()
     key = (direction, x.shape, x.stride(), x.dtype, w.shape, w.stride(), w.dtype, y.shape, y.stride(), y.dtype,
-           stride, padding, dilation, groups, None if bias is None else bias.dtype, pointers % 16 == 0, tma)
+           stride, padding, dilation, groups, None if bias is None else bias.dtype, pointers % 16 == 0, tma,
+           tma and _gluon_on())
     entry = _route.calls.get(key)
     if entry is None or DEBUG_ROUTES or plan is not _PLAN:
         p = ConvProblem.of(direction, x, w, y, stride, padding, dilation, groups, bias)
@@ -749,7 +757,7 @@ def _plan_conv(p):
     P_h, P_w = geom_h[3], geom_w[3]
     M = NB * cdiv(OH, P_h) * cdiv(OW, P_w)
     if groups == 1 and _tma_ok(p, out, src, geom_h, geom_w):
-        return _plan_tma(p, out, src, geom_h, geom_w, transposed)
+        return _plan_gluon(p, out, src, geom_h, geom_w) or _plan_tma(p, out, src, geom_h, geom_w, transposed)
     fold = folds(C, KH * KW) if groups == 1 and P_h * P_w == 1 else None
     if fold:
         cfg = _fold_config(M, N, C, KH * KW, src.dtype)
@@ -762,6 +770,29 @@ def _plan_conv(p):
         why = (f"{P_h * P_w} output phases" if P_h * P_w > 1 else f"{C} channels x {KH * KW} taps: too wide to fold")
         why += "; no TMA: " + ("layout or sizes TMA cannot take" if p.tma else "not on this device or dtype")
     return Route("implicit_gemm", dict(cfg), 1, why)
+
+
+def _gluon_on():
+    """Whether convolutions may take ``matmul_hopper``'s kernel: its route on and an sm_90 GPU."""
+    return KM.matmul_hopper.ROUTE and KM._gluon_available()
+
+
+def _plan_gluon(p, out, src, geom_h, geom_w):
+    """The "gluon" route, or None: ``matmul_hopper``'s warp-specialised GEMM over the implicit GEMM
+    (``matmul_hopper.Conv``) of a problem the TMA kernel could run (``_tma_ok``) at stride 1 with no
+    divisor and ``out`` viewable as (pixels, channels) rows, in the tile shape that kernel picks for
+    its (M, N, K) (``matmul_hopper._choose``: a wave of tiles or more) when a block of that many
+    output pixels is a TMA box (``matmul_hopper.box_rows``). Its config carries that box's rows."""
+    if not p.gluon or (geom_h[0], geom_w[0], geom_h[3], geom_w[3]) != (1, 1, 1, 1) or _row_stride(out) is None:
+        return None
+    NB, N, OH, OW = out.shape
+    KH, KW = p.w.shape[2], p.w.shape[3]
+    cfg = KM.matmul_hopper._choose(NB * OH * OW, N, KH * KW * src.shape[1])
+    box_h = None if cfg is None else KM.matmul_hopper.box_rows(cfg["BLOCK_M"], OH, OW)
+    if box_h is None:
+        return None
+    return Route("gluon", dict(cfg, BOX_H=box_h), 1, "stride 1, 16-bit channels-last buffers TMA can describe, a "
+                                                      "wave of tiles or more: the warp-specialised GEMM")
 
 
 def _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg):
@@ -1036,6 +1067,8 @@ def _run_conv(route, p, out, src, w, bias):
     transposed = p.direction == INPUT_GRAD
     if route.kernel == "tma":
         return _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route)
+    if route.kernel == "gluon":
+        return _conv_gluon_(out, src, w, bias, geom_h, geom_w, transposed, route)
     groups = p.groups
     NB, N, OH, OW = out.shape[0], out.shape[1] // groups, out.shape[2], out.shape[3]
     C, XH, XW = src.shape[1] // groups, src.shape[2], src.shape[3]
@@ -1094,6 +1127,23 @@ def _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route):
     if split:
         KM.split_k_sum_(out, kept.rows_strides, target, KM.Fusion(bias))
     return out
+
+
+def _conv_gluon_(out, src, w, bias, geom_h, geom_w, transposed, route):
+    kept = route.kept.get("gluon")
+    if kept is None:  # (Conv, (M, N, K), layout, launch config) of the route's problem
+        NB, N, OH, OW = out.shape
+        C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
+        KH, KW = w.shape[2], w.shape[3]
+        cfg = dict(route.config)
+        conv = KM.matmul_hopper.Conv(NB, XH, XW, C, _nhwc(src)[:3], OH, OW, KH, KW, geom_h[1], geom_h[2], geom_w[1],
+                                     geom_w[2], cfg.pop("BOX_H"))
+        # A read along K (its pixel boxes), the weight as a (Co, taps * Ci) matrix: (n=co, k=ci) blocks
+        # read along K for the forward, (k=co, n=ci) blocks for the input gradient
+        layout = (True, not transposed, 0, w.stride(0), _row_stride(out))
+        kept = route.kept["gluon"] = (conv, (NB * OH * OW, N, KH * KW * C), layout, cfg)
+    conv, (M, N, K), layout, cfg = kept
+    return KM.matmul_hopper.matmul(out, src, w, M, N, K, KM.Fusion(bias), layout, cfg, conv=conv)
 
 
 def _tma_launch(out, src, w, bias, geom_h, geom_w, transposed, route):

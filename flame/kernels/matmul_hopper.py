@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -63,11 +64,20 @@ CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 1
 
 if gluon is not None:
     @gluon.jit
-    def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K,
-                A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h, C_h,
+                B_w, C_w, TAP_STRIDE, A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
-                GROUP_M: gl.constexpr, GATED: gl.constexpr):
+                GROUP_M: gl.constexpr, GATED: gl.constexpr, BOX_H: gl.constexpr):
+        # BOX_H > 0: A is a convolution's source read as an implicit GEMM (``conv``), OH .. TAP_STRIDE
+        # its geometry; k block kk is channels (kk % c_blocks) * BLOCK_K.. of tap kk // c_blocks. A
+        # tile's BLOCK_M rows are the output pixels (n, h .. h + BOX_H - 1, w .. w + BLOCK_M / BOX_H - 1)
+        # of one image; for tap (kh, kw) its A block is the box of source pixels (h + B_h + kh * C_h,
+        # w + B_w + kw * C_w): one 4-D TMA load, zero-filled outside the image (the padding) and past
+        # C, into the stage's 2-D (BLOCK_M, BLOCK_K) block (the same bytes: the box's rows in order,
+        # 128-byte swizzled). B is the weight as a (Co, taps * Ci) matrix: tap t's block starts
+        # t * TAP_STRIDE further along its columns (the K offset when B_K, else the N offset).
         SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
+        c_blocks = gl.cdiv(C, BLOCK_K)
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
         STEP_N: gl.constexpr = MAIN_N if GATED else BLOCK_N  # output columns per tile
         TAIL_OFF = N if GATED else MAIN_N  # B's rows (columns) of the tail block past the main one's
@@ -84,23 +94,40 @@ if gluon is not None:
                 s = count % STAGES
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
                 mbarrier.expect(ready.index(s), nbytes)
-                off_k = kk * BLOCK_K
+                if BOX_H > 0:
+                    tap = kk // c_blocks
+                    off_k = (kk - tap * c_blocks) * BLOCK_K
+                    off_tap = tap * TAP_STRIDE
+                    kh = tap // KW
+                    shift_h = B_h + kh * C_h
+                    shift_w = B_w + (tap - kh * KW) * C_w
+                else:
+                    off_k = kk * BLOCK_K
+                    off_tap = 0
                 for w in gl.static_range(SUB):
-                    if A_K:
+                    if BOX_H > 0:
+                        row = off_m + w * BLOCK_M
+                        image = row // (OH * OW)
+                        pixel = row - image * (OH * OW)
+                        box = a_smem.index(s * SUB + w)._reinterpret(
+                            a_desc.dtype, [1, BOX_H, BLOCK_M // BOX_H, BLOCK_K], a_desc.layout)
+                        tma.async_copy_global_to_shared(
+                            a_desc, [image, pixel // OW + shift_h, pixel % OW + shift_w, off_k], ready.index(s), box)
+                    elif A_K:
                         tma.async_copy_global_to_shared(a_desc, [off_m + w * BLOCK_M, off_k], ready.index(s),
                                                         a_smem.index(s * SUB + w))
                     else:
                         tma.async_copy_global_to_shared(a_desc, [off_k, off_m + w * BLOCK_M], ready.index(s),
                                                         a_smem.index(s * SUB + w))
                 if B_K:
-                    tma.async_copy_global_to_shared(b_desc, [off_n, off_k], ready.index(s), b_smem.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [off_n, off_tap + off_k], ready.index(s), b_smem.index(s))
                     if TAIL_N > 0:
-                        tma.async_copy_global_to_shared(bt_desc, [off_n + TAIL_OFF, off_k], ready.index(s),
+                        tma.async_copy_global_to_shared(bt_desc, [off_n + TAIL_OFF, off_tap + off_k], ready.index(s),
                                                         bt_smem.index(s))
                 else:
-                    tma.async_copy_global_to_shared(b_desc, [off_k, off_n], ready.index(s), b_smem.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [off_k, off_tap + off_n], ready.index(s), b_smem.index(s))
                     if TAIL_N > 0:
-                        tma.async_copy_global_to_shared(bt_desc, [off_k, off_n + TAIL_OFF], ready.index(s),
+                        tma.async_copy_global_to_shared(bt_desc, [off_k, off_tap + off_n + TAIL_OFF], ready.index(s),
                                                         bt_smem.index(s))
                 count += 1
 
@@ -257,17 +284,23 @@ if gluon is not None:
     # C = ACT(alpha * A B + bias) (+ R): see the module's docstring. The sizes only count tiles and
     # blocks (the descriptors carry the shapes), so they are not specialised on: one compiled kernel
     # per config serves every shape.
-    @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias"])
+    @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias", "OH", "OW", "C", "KW", "B_h", "C_h", "B_w", "C_w",
+                                  "TAP_STRIDE"])
     def _gemm_hopper_kernel(a_desc, b_desc, bt_desc, c_desc, ct_desc, pre_desc, pret_desc, res_desc, rest_desc,
-                            bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, A_K: gl.constexpr,
+                            bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, OH, OW, C, KW, B_h, C_h, B_w,
+                            C_w, TAP_STRIDE, A_K: gl.constexpr,
                             B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr,
                             RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            GATED: gl.constexpr):
+                            GATED: gl.constexpr, BOX_H: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
-        a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
+        if BOX_H > 0:  # a convolution's pixel boxes, read by wgmma as (BLOCK_M, BLOCK_K) blocks
+            a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_M, BLOCK_K],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+        else:
+            a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
         b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
         if TAIL_N > 0:  # the tile's last TAIL_N columns (the host's tail descriptors)
@@ -299,8 +332,9 @@ if gluon is not None:
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
                          alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
                          COOP, STAGES, GROUP_M, GATED)),
-            (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, A_K, B_K, BLOCK_M,
-                       BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M, GATED)),
+            (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h,
+                       C_h, B_w, C_w, TAP_STRIDE, A_K, B_K, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M,
+                       GATED, BOX_H)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -437,21 +471,32 @@ class _Launch:
     pre-activation, residual), whose bases each launch sets for the call (a new descriptor per
     launch cost as much host time as the rest of the launch)."""
 
-    __slots__ = ("plan", "grid", "descriptors", "fills")
+    __slots__ = ("plan", "grid", "descriptors", "fills", "k", "geometry")
 
-    def __init__(self, out, a, b, M, N, K, f, layout, cfg, scaled, gated):
+    def __init__(self, out, a, b, M, N, K, f, layout, cfg, scaled, gated, conv):
         a_k, b_k, s_a, s_b, s_c = layout
         bm, bn, coop = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["COOP"]
         main, tail = (bn // 2, bn // 2) if gated else split_width(bn)
         block_k = K_BYTES // a.element_size()
         widths = (main, tail)  # a tile's two blocks of columns (the tail's 0 without one)
-        specs = [(0, (a, [M, K], [s_a, 1], [bm, block_k]) if a_k else (a, [K, M], [s_a, 1], [block_k, bm]))]
+        self.k, self.geometry, b_k_size, b_n_size = K, (0,) * 9, K, N  # the kernel's K and conv geometry; B's extents
+        if conv is not None:  # A's pixel boxes; B's taps side by side along K (forward) or N (input gradient)
+            taps = conv.KH * conv.KW
+            specs = [(0, (a, [conv.NB, conv.XH, conv.XW, conv.C], [*conv.strides, 1],
+                          [1, conv.box_h, bm // conv.box_h, block_k]))]
+            self.k = taps * gemm.cdiv(conv.C, block_k) * block_k  # every tap's channel blocks
+            self.geometry = (conv.OH, conv.OW, conv.C, conv.KW, conv.B_h, conv.C_h, conv.B_w, conv.C_w,
+                             conv.C if b_k else N)
+            if not b_k:  # (k=co, n=ci) blocks: K is the Co channels
+                b_k_size, b_n_size = conv.C, taps * N
+        else:
+            specs = [(0, (a, [M, K], [s_a, 1], [bm, block_k]) if a_k else (a, [K, M], [s_a, 1], [block_k, bm]))]
         if gated:  # B's hidden and gate halves: one (2N, K) descriptor (passed for B's tail too), read at two rows
             specs.append((1, (b, [2 * N, K], [s_b, 1], [main, block_k])))
         else:
             for w in widths:
-                specs.append((1, None if not w else (b, [N, K], [s_b, 1], [w, block_k]) if b_k else
-                              (b, [K, N], [s_b, 1], [block_k, w])))
+                specs.append((1, None if not w else (b, [b_n_size, b_k_size], [s_b, 1], [w, block_k]) if b_k else
+                              (b, [b_k_size, b_n_size], [s_b, 1], [block_k, w])))
         for source, t in ((2, out), (3, f.pre_out), (4, f.residual)):  # each buffer the tile writes
             specs += [(source, None if t is None or not w or (gated and part) else (t, [M, N], [s_c, 1], [bm, w]))
                       for part, w in enumerate(widths)]  # a gated tile writes its first part only
@@ -469,7 +514,8 @@ class _Launch:
         self.fills = tuple(self.fills)
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                     RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
-                    CONSUMER_REGS=CONSUMER_REGS, GATED=gated, num_warps=4, **cfg)
+                    CONSUMER_REGS=CONSUMER_REGS, GATED=gated, BOX_H=0 if conv is None else conv.box_h, num_warps=4,
+                    **cfg)
         # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
@@ -482,7 +528,7 @@ _launches: dict = {}  # (sizes, layout, dtypes, epilogue switches, config) -> _L
 _MAX_LAUNCHES = 4096
 
 
-def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False):
+def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=None):
     """``out`` (M, N) = the epilogue ``f`` of A B on a problem that ``usable`` accepts, with
     ``layout`` from ``matmul._tma_layout`` and the launch config ``cfg`` (``config``). W8A8: ``a``
     and ``b`` hold float8_e4m3fn codes, both read along K, with ``a_scale`` (M,) fp32 per row of A
@@ -490,15 +536,17 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False):
     ``gated`` (GEGLU, ``matmul.linear_geglu``): B (2N, K) read along K, ``out = (A B_h^T + bias_h)
     * act(A B_g^T + bias_g)`` over its hidden rows [0, N) and gate rows [N, 2N) (the bias (2N,)
     likewise, ``f.act`` the gate's activation), each tile's hidden and gate blocks side by side
-    (``cfg``'s BLOCK_N split in halves); no pre-activation, residual or scales."""
+    (``cfg``'s BLOCK_N split in halves); no pre-activation, residual or scales. ``conv`` (a
+    ``Conv``): A is that convolution's channels-last source ``a``, read as its implicit GEMM (M
+    output pixels, K = taps x C), and ``b`` its weight as a (Co, taps * Ci) matrix (see ``conv``)."""
     pre, res = f.pre_out, f.residual
     key = (M, N, K, layout, a.dtype, out.dtype, f.bias is not None, f.act, None if pre is None else pre.dtype,
-           None if res is None else res.dtype, a_scale is not None, gated, *cfg.values())
+           None if res is None else res.dtype, a_scale is not None, gated, conv, *cfg.values())
     kept = _launches.get(key)
     if kept is None:
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
-        kept = _launches[key] = _Launch(out, a, b, M, N, K, f, layout, cfg, a_scale is not None, gated)
+        kept = _launches[key] = _Launch(out, a, b, M, N, K, f, layout, cfg, a_scale is not None, gated, conv)
     sources = (a, b, out, pre, res)
     aligned = 0
     for made, source in kept.fills:
@@ -509,8 +557,42 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False):
             raise ValueError("matmul_hopper: a TMA operand's base is not 16-byte aligned")
         launch_via(launch, kept.plan, kept.grid,
                    (*kept.descriptors, gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out),
-                    M, N, K, f.bias_stride, f.scale))
+                    M, N, kept.k, f.bias_stride, f.scale, *kept.geometry))
     finally:  # the kept descriptors hold no buffer between launches
         for made, _ in kept.fills:
             made.base = None
     return out
+
+
+class Conv(NamedTuple):
+    """A stride-1 convolution as this kernel's implicit GEMM (``matmul(..., conv=)``, one group): the
+    source's NB x XH x XW pixels of C channels (contiguous) at pixel ``strides`` (n, h, w); output
+    pixel (h, w) of OH x OW reads tap (kh, kw) (of KH x KW) at source pixel (h + B_h + kh * C_h, w +
+    B_w + kw * C_w) (forward: B = -padding, C = dilation; input gradient: B = padding, C =
+    -dilation); ``box_h`` rows of pixels per A block (``box_rows``)."""
+
+    NB: int
+    XH: int
+    XW: int
+    C: int
+    strides: tuple
+    OH: int
+    OW: int
+    KH: int
+    KW: int
+    B_h: int
+    C_h: int
+    B_w: int
+    C_w: int
+    box_h: int
+
+
+def box_rows(block_m, OH, OW):
+    """The rows of pixels of an A block of ``block_m`` output pixels (``Conv.box_h``): 1 when the
+    blocks tile each image row (OW a multiple of ``block_m``), ``block_m / OW`` when they are whole
+    rows that tile each image; None otherwise (a block would straddle rows or images: no TMA box)."""
+    if OW % block_m == 0:
+        return 1
+    if block_m % OW == 0 and (OH * OW) % block_m == 0:
+        return block_m // OW
+    return None
