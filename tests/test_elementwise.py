@@ -382,7 +382,7 @@ def test_map_op_memoises_each_signature(monkeypatch):
     from flame.kernels import elementwise as KE
     from flame.ops import elementwise as E
     E._recipes.clear()
-    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    a, b = torch.randn(4, 6, device=flame.device), torch.randn(4, 6, device=flame.device)
     x, y = flame.from_torch(a), flame.from_torch(b)
     assert_close(x + y, a + b)
     assert len(E._recipes) == 1
@@ -390,7 +390,7 @@ def test_map_op_memoises_each_signature(monkeypatch):
     for _ in range(2):
         assert_close(x + y, a + b)
     monkeypatch.undo()
-    cl = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    cl = torch.randn(2, 3, 4, 5, device=flame.device).to(memory_format=torch.channels_last)
     xc = flame.from_torch(cl)
     for _ in range(2):  # the output keeps the channels-last layout on a hit too
         out = xc * 2.0

@@ -105,7 +105,7 @@ def test_linear_checks_each_new_call_signature_and_reads_each_call_s_layout():
     signature's call is right on new buffers, and a bias of another shape or dtype, or an input of
     other strides, is a new signature (checked, cast, read as its own matrix)."""
     g = torch.Generator().manual_seed(3)
-    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 4), (5, 4), (5,)))
+    x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).to(flame.device) for s in ((2, 3, 4), (5, 4), (5,)))
     want = torch.nn.functional.linear(x, w, b).relu()
     for _ in range(2):
         assert_close(F.linear(flame.from_torch(x), flame.from_torch(w), flame.from_torch(b), "relu"), want)
