@@ -589,33 +589,36 @@ def test_conv2d_tma_forward_and_both_gradients(dtype, shape, co, k, kw, monkeypa
     _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch)
 
 
-# (shape, co, k, kwargs, input gradient on the Gluon kernel too): blocks of one row segment (OW 256),
-# one row (OW 64 at 64 rows per consumer block, or two at 128), four rows (OW 32); 200 input
+# (shape, co, k, kwargs, the directions on the Gluon kernel): blocks of one row segment (OW 256),
+# one row (OW 64 at 64 rows per consumer block, or two at 128), two or four rows (OW 32); 200 input
 # channels (a tap's last channel block runs into the next tap's weights against zero-filled source
 # channels; the input gradient's last column tile past its 200 outputs); 328 output channels; a
-# 5x5 kernel with dilation 2.
+# 5x5 kernel with dilation 2; K split in 2 (cooperative tiles; ping-pong for the input gradient
+# of 256 channels, whose forward has too few tiles and K to split).
 GLUON_SHAPES = [
-    ((2, 320, 64, 64), 320, 3, dict(padding=1), True),
-    ((4, 640, 32, 32), 640, 3, dict(padding=1), True),
-    ((1, 64, 64, 256), 512, 3, dict(padding=1), False),
-    ((4, 200, 64, 64), 328, 3, dict(padding=1), True),
-    ((4, 128, 64, 64), 256, 5, dict(padding=4, dilation=2), False),
+    ((2, 320, 64, 64), 320, 3, dict(padding=1), ("forward", "input_grad")),
+    ((4, 640, 32, 32), 640, 3, dict(padding=1), ("forward", "input_grad")),
+    ((1, 64, 64, 256), 512, 3, dict(padding=1), ("forward",)),
+    ((4, 200, 64, 64), 328, 3, dict(padding=1), ("forward", "input_grad")),
+    ((4, 128, 64, 64), 256, 5, dict(padding=4, dilation=2), ("forward",)),
+    ((1, 1280, 32, 32), 1280, 3, dict(padding=1), ("forward", "input_grad")),
+    ((2, 256, 32, 32), 512, 3, dict(padding=1), ("input_grad",)),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape,co,k,kw,dgrad", GLUON_SHAPES, ids=str)
-def test_conv2d_on_the_warp_specialised_gemm(dtype, shape, co, k, kw, dgrad, monkeypatch):
-    """Stride-1 convolutions of a wave of tiles or more run on matmul_hopper's kernel (forward, and
-    the input gradient where it has the tiles), and match PyTorch within its own error."""
+@pytest.mark.parametrize("shape,co,k,kw,directions", GLUON_SHAPES, ids=str)
+def test_conv2d_on_the_warp_specialised_gemm(dtype, shape, co, k, kw, directions, monkeypatch):
+    """Stride-1 convolutions run on matmul_hopper's kernel where it has the tiles (K split where
+    they fill less than a wave), and match PyTorch within its own error."""
     import flame.kernels.conv2d as KC
     if not KC._gluon_on():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
     taken = []
     monkeypatch.setattr(KC, "plan", lambda p, real=KC.plan: taken.append((p.direction, real(p).kernel)) or real(p))
     _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch, None)
-    assert ("forward", "gluon") in taken and (("input_grad", "gluon") in taken) == dgrad, taken
+    assert sorted(d for d, kernel in taken if kernel == "gluon") == sorted(directions), taken
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
@@ -853,16 +856,18 @@ def test_each_route_runs_and_matches_torch(route, direction, x_shape, w_shape, d
     ("input_grad", (2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1), stride=(2, 2)), "tma", None),
     ("forward", (2, 320, 64, 64), (320, 320, 3, 3), dict(), "tma", None),  # 62 x 62 outputs: no pixel boxes
     ("forward", (1, 320, 32, 32), (320, 320, 3, 3), dict(padding=(1, 1)), "tma", None),  # under a wave of tiles
+    ("forward", (1, 1280, 32, 32), (1280, 1280, 3, 3), dict(padding=(1, 1)), "gluon", 2),  # K split in 2
 ], ids=str)
 def test_plan_takes_the_warp_specialised_gemm_on_hopper(direction, x_shape, w_shape, kw, route, box_h, monkeypatch):
-    """On an H200 with Gluon (132 SMs, 227 KiB of shared memory), stride-1 convolutions of a wave of
-    tiles or more whose tiles of output pixels are TMA boxes take matmul_hopper's kernel; the rest
-    stay on the TMA kernel."""
+    """On an H200 with Gluon (132 SMs, 227 KiB of shared memory), stride-1 convolutions whose tiles of
+    output pixels are TMA boxes take matmul_hopper's kernel where they make a wave of tiles, or of
+    tiles times splits of a long K; the rest stay on the TMA kernel."""
     import flame.kernels.conv2d as KC
     monkeypatch.setattr(KC.KM.autotune, "shared_memory", lambda: 232_448)
     monkeypatch.setattr(KC.runtime, "num_sms", lambda: 132)
     got = KC.plan(KC.ConvProblem.dense(direction, x_shape, w_shape, torch.bfloat16, tma=True, gluon=True, **kw))
     assert got.kernel == route and got.config.get("BOX_H") == box_h, got
+    assert route != "gluon" or got.splits == got.config["SPLIT_K"] == (2 if x_shape[1] == 1280 else 1), got
     assert KC.plan(KC.ConvProblem.dense(direction, x_shape, w_shape, torch.bfloat16, tma=True, **kw)).kernel == "tma"
 
 

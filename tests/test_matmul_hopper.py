@@ -26,15 +26,15 @@ def _needs_hopper():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
 
 
-def _gluon(out, a, b, f, schedule):
+def _gluon(out, a, b, f, schedule, split_k=1):
     """``out`` = the epilogue ``f`` of a @ b (b (K, N), any strides) by the Gluon kernel with this
-    schedule, its stages as many as fit."""
+    schedule and ``split_k`` splits of K, its stages as many as fit."""
     coop, bm, bn = schedule
     M, K = a.shape
     N = b.shape[1]
     layout = KM._tma_layout(out, a, b, f, a.stride(), b.stride(), out.stride())
     assert layout is not None and KH.usable(a, b, f)
-    return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn))
+    return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn, split_k=split_k))
 
 
 def _inputs(M, K, N, dtype=torch.bfloat16):
@@ -94,6 +94,40 @@ def test_gpu_epilogues(schedule):
     out = _gluon(_nan(M, N, torch.float16), x16, w16.t(), KM.Fusion(bias16), schedule)
     ref = x16.float() @ w16.float().t() + bias16.float()
     assert_within_torch_error(out, torch.nn.functional.linear(x16, w16, bias16), ref, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES[:4])
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_gpu_split_k(schedule, split_k):
+    """K in 2 or 3 splits (16 k blocks: the last split of 3 runs 2 blocks past K, zero-filled),
+    each split's fp32 product summed with the whole epilogue (bias, GELU, pre-activation, alpha and
+    a residual) by the split-K sum; rows a multiple of every program tile's."""
+    _needs_hopper()
+    M, K, N = 1024, 1000, 392
+    x, w, bias = _inputs(M, K, N)
+    pre_ref = x.float() @ w.float().t() + bias.float()
+    gelu = torch.nn.functional.gelu
+    pre = _nan(M, N)
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(bias, act=GELU_TANH.value, pre_out=pre), schedule, split_k)
+    assert_within_torch_error(out, gelu(torch.nn.functional.linear(x, w, bias), approximate="tanh"),
+                              gelu(pre_ref, approximate="tanh"), 2)
+    assert_within_torch_error(pre, torch.nn.functional.linear(x, w, bias), pre_ref, 2)
+    r = torch.randn(M, N, device=DEVICE).bfloat16()
+    out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(alpha=0.5, residual=r), schedule, split_k)
+    assert_within_torch_error(out, 0.5 * (x @ w.t()) + r, 0.5 * (x.float() @ w.float().t()) + r.float(), 2)
+
+
+def test_choose_splits_long_k_below_a_wave(monkeypatch):
+    """``_choose(split=True)`` (convolutions) splits the long K of a problem under a wave of tiles where
+    that is predicted faster; plain GEMMs under a wave, short K, and rows that are no multiple of
+    the program tile's stay unsplit (None: the TMA kernel)."""
+    monkeypatch.setattr(KH.autotune, "shared_memory", lambda: 232_448)
+    assert KH._choose(1024, 1280, 11520, sms=132, split=True)["SPLIT_K"] == 2  # SDXL's 32x32 convolution
+    assert KH._choose(1024, 1280, 11520, sms=132) is None
+    assert KH._choose(1024, 1280, 1280, sms=132, split=True) is None
+    assert KH._choose(1000, 1280, 11520, sms=132, split=True) is None
+    assert KH._choose(32768, 320, 2880, sms=132, split=True)["SPLIT_K"] == 1
 
 
 @pytest.mark.gpu

@@ -33,11 +33,11 @@ Three kernels:
 All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
 (and any other strided view) work alike; channels-last is the fast layout.
 
-On Hopper, stride-1 forwards and input gradients of a wave of tiles or more run on the warp-specialised
-GEMM of ``matmul_hopper`` (its loader reads each tap's box of source pixels by TMA: ``matmul_hopper.Conv``).
-Other 16-bit channels-last problems take TMA versions of the first and last (``_conv_tma_kernel``,
-``_conv_wgrad_tma_kernel``): operands move as descriptor boxes, padding is TMA's zero fill, and a
-stride of 2 reads (forward, weight gradient) or writes (input gradient) through a "phase view"
+On Hopper, stride-1 forwards and input gradients run on the warp-specialised GEMM of
+``matmul_hopper`` (its loader reads each tap's box of source pixels by TMA: ``matmul_hopper.Conv``),
+K split where the tiles fill less than a wave. Other 16-bit channels-last problems take TMA
+versions of the first and last (``_conv_tma_kernel``, ``_conv_wgrad_tma_kernel``): operands move
+as descriptor boxes, padding is TMA's zero fill, and a stride of 2 reads (forward, weight gradient) or writes (input gradient) through a "phase view"
 that makes every other pixel one box (see ``_phase_split``). A forward or input-gradient grid under
 one wave of the GPU's SMs splits its reduction (split-K, ``_wave_splits``): fp32 partial sums to a
 scratch, summed with the bias by the GEMM's split-K pass (``matmul.split_k_sum_``). The pointer
@@ -573,7 +573,7 @@ def _nhwc(t):
 #   "gemm"           1x1, stride 1, no padding, one group, activations viewable as (N*H*W, C)
 #                    matrices: the GEMM launcher (``linear_``/``matmul_``), which picks its own config
 #   "gluon"          ``matmul_hopper``'s warp-specialised GEMM reading the implicit GEMM's pixel boxes
-#                    (``_plan_gluon``): what "tma" takes at stride 1, a wave of tiles or more, on sm_90
+#                    (``_plan_gluon``): what "tma" takes at stride 1 on sm_90, K split below a wave
 #   "tma"            ``_conv_tma_kernel``: 16-bit channels-last buffers TMA can describe, stride 1 or
 #                    phase views; split-K below one wave of SMs (``_wave_splits``)
 #   "fold"           ``_conv_fold_kernel``: few reduction channels, every tap x channel in one K block
@@ -781,18 +781,20 @@ def _plan_gluon(p, out, src, geom_h, geom_w):
     """The "gluon" route, or None: ``matmul_hopper``'s warp-specialised GEMM over the implicit GEMM
     (``matmul_hopper.Conv``) of a problem the TMA kernel could run (``_tma_ok``) at stride 1 with no
     divisor and ``out`` viewable as (pixels, channels) rows, in the tile shape that kernel picks for
-    its (M, N, K) (``matmul_hopper._choose``: a wave of tiles or more) when a block of that many
-    output pixels is a TMA box (``matmul_hopper.box_rows``). Its config carries that box's rows."""
+    its (M, N, K) (``matmul_hopper._choose``: a wave of tiles or more, or K split to make one) when a
+    block of that many output pixels is a TMA box (``matmul_hopper.box_rows``). Its config carries
+    that box's rows."""
     if not p.gluon or (geom_h[0], geom_w[0], geom_h[3], geom_w[3]) != (1, 1, 1, 1) or _row_stride(out) is None:
         return None
     NB, N, OH, OW = out.shape
     KH, KW = p.w.shape[2], p.w.shape[3]
-    cfg = KM.matmul_hopper._choose(NB * OH * OW, N, KH * KW * src.shape[1])
+    cfg = KM.matmul_hopper._choose(NB * OH * OW, N, KH * KW * src.shape[1], split=True)
     box_h = None if cfg is None else KM.matmul_hopper.box_rows(cfg["BLOCK_M"], OH, OW)
     if box_h is None:
         return None
-    return Route("gluon", dict(cfg, BOX_H=box_h), 1, "stride 1, 16-bit channels-last buffers TMA can describe, a "
-                                                      "wave of tiles or more: the warp-specialised GEMM")
+    splits = cfg["SPLIT_K"]
+    why = "stride 1, 16-bit channels-last buffers TMA can describe: the warp-specialised GEMM"
+    return Route("gluon", dict(cfg, BOX_H=box_h), splits, why + (f", K in {splits} splits" if splits > 1 else ""))
 
 
 def _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg):

@@ -24,6 +24,9 @@ Two schedules (``COOP``):
   other's ends, and each epilogue runs under the other consumer's wgmmas; the finer tile also
   evens out the last wave (4608 x 3072 is 432 tiles of 128x256, 3.3 waves on 132 SMs, but 864 of
   128x128 or 64x256, 6.5).
+With SPLIT_K > 1 the walk covers each tile once per split of K, and a tile stores its split's fp32
+product, rows split * M.. of a scratch (the epilogue is the split-K sum's, ``matmul``). With BOX_H > 0
+A is a convolution's source read as its implicit GEMM (``Conv``, ``_loader``).
 Operands are described along their contiguous dimension as in ``matmul._run_tma``: A (M, K) as
 (BLOCK_M, BLOCK_K) blocks when K is contiguous, else (BLOCK_K, BLOCK_M) blocks read transposed by
 wgmma; B (K, N) as (BLOCK_N, BLOCK_K) or (BLOCK_K, BLOCK_N) blocks. So the forward (x W^T) and both
@@ -65,9 +68,10 @@ CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 1
 if gluon is not None:
     @gluon.jit
     def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h, C_h,
-                B_w, C_w, TAP_STRIDE, A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr, STAGES: gl.constexpr,
-                GROUP_M: gl.constexpr, GATED: gl.constexpr, BOX_H: gl.constexpr):
+                B_w, C_w, TAP_STRIDE, A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
+                STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, BOX_H: gl.constexpr,
+                SPLIT_K: gl.constexpr):
         # BOX_H > 0: A is a convolution's source read as an implicit GEMM (``conv``), OH .. TAP_STRIDE
         # its geometry; k block kk is channels (kk % c_blocks) * BLOCK_K.. of tap kk // c_blocks. A
         # tile's BLOCK_M rows are the output pixels (n, h .. h + BOX_H - 1, w .. w + BLOCK_M / BOX_H - 1)
@@ -83,14 +87,15 @@ if gluon is not None:
         TAIL_OFF = N if GATED else MAIN_N  # B's rows (columns) of the tail block past the main one's
         num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
         num_pid_n = gl.cdiv(N, STEP_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
+        k_steps = gl.cdiv(gl.cdiv(K, BLOCK_K), SPLIT_K)  # k blocks per split of K
         nbytes: gl.constexpr = (SUB * BLOCK_M + BLOCK_N) * BLOCK_K * a_desc.dtype.primitive_bitwidth // 8
         count = 0
-        for tile in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
-            pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        for tile in range(gl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, gl.num_programs(0)):
+            split = tile // (num_pid_m * num_pid_n)
+            pid_m, pid_n = gemm._tile_coords(tile - split * num_pid_m * num_pid_n, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M)
             off_n = pid_n * STEP_N
-            for kk in range(k_tiles):
+            for kk in range(split * k_steps, (split + 1) * k_steps):
                 s = count % STAGES
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
                 mbarrier.expect(ready.index(s), nbytes)
@@ -150,7 +155,7 @@ if gluon is not None:
                   s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
                   STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr):
+                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, SPLIT_K: gl.constexpr):
         # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
         # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
         # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
@@ -178,7 +183,7 @@ if gluon is not None:
         bar = res_bar.index(WG)
         num_pid_m = gl.cdiv(M, SUB * BLOCK_M)
         num_pid_n = gl.cdiv(N, STEP_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
+        k_steps = gl.cdiv(gl.cdiv(K, BLOCK_K), SPLIT_K)  # k blocks per split of K
         programs = gl.num_programs(0)
         first = gl.program_id(0) + (0 if COOP else WG) * programs
         step = programs if COOP else 2 * programs
@@ -186,11 +191,12 @@ if gluon is not None:
         turns = 0
         if not COOP and WG == 1:  # consumer 0 goes first
             mbarrier.arrive(turn.index(0))
-        for tile in range(first, num_pid_m * num_pid_n, step):
+        for tile in range(first, num_pid_m * num_pid_n * SPLIT_K, step):
             if not COOP:
                 mbarrier.wait(turn.index(WG), turns & 1)
                 turns += 1
-            pid_m, pid_n = gemm._tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+            split = tile // (num_pid_m * num_pid_n)
+            pid_m, pid_n = gemm._tile_coords(tile - split * num_pid_m * num_pid_n, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M) + (WG * BLOCK_M if COOP else 0)
             off_n = pid_n * STEP_N
             if RESIDUAL:  # into the store buffers once their last stores have been read
@@ -199,14 +205,14 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(res_desc, [off_m, off_n], bar, buf)
                 if TAIL_N > 0:
                     tma.async_copy_global_to_shared(rest_desc, [off_m, off_n + MAIN_N], bar, buf_t)
-            count = (tile - gl.program_id(0)) // programs * k_tiles  # ring position: the walk's k blocks so far
+            count = (tile - gl.program_id(0)) // programs * k_steps  # ring position: the walk's k blocks so far
             s = count % STAGES
             # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
             # over from the last tile would be live through the epilogue beside its result
             acc = gl.zeros([BLOCK_M, MAIN_N], gl.float32, acc_layout)
             if TAIL_N > 0:
                 acc_t = gl.zeros([BLOCK_M, TAIL_N], gl.float32, tail_layout)
-            for kk in range(k_tiles):
+            for kk in range(k_steps):
                 s = count % STAGES
                 mbarrier.wait(ready.index(s), (count // STAGES) & 1)
                 a = a_smem.index(s * SUB + (WG if COOP else 0))
@@ -235,7 +241,16 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
 
-            if GATED:  # hidden * ACT(gate), each with its bias (the gate's N columns further on)
+            if SPLIT_K > 1:  # the fp32 product of this split's K blocks, rows split * M.. of C (the sum's input)
+                tma.store_wait(0)
+                buf.store(acc)
+                if TAIL_N > 0:
+                    buf_t.store(acc_t)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(c_desc, [split * M + off_m, off_n], buf)
+                if TAIL_N > 0:
+                    tma.async_copy_shared_to_global(ct_desc, [split * M + off_m, off_n + MAIN_N], buf_t)
+            elif GATED:  # hidden * ACT(gate), each with its bias (the gate's N columns further on)
                 _, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr,
                                         s_bias, alpha, BIAS, 0, SCALED, BLOCK_M, MAIN_N)
                 _, gate = _part_epilogue(acc_t, tail_layout, off_m, off_n, M, N, bias_ptr + N * s_bias, a_scale_ptr,
@@ -293,7 +308,7 @@ if gluon is not None:
                             RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            GATED: gl.constexpr, BOX_H: gl.constexpr):
+                            GATED: gl.constexpr, BOX_H: gl.constexpr, SPLIT_K: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         dtype: gl.constexpr = a_desc.dtype
         if BOX_H > 0:  # a convolution's pixel boxes, read by wgmma as (BLOCK_M, BLOCK_K) blocks
@@ -327,14 +342,14 @@ if gluon is not None:
             (_consumer, (0, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
                          alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M, GATED)),
+                         COOP, STAGES, GROUP_M, GATED, SPLIT_K)),
             (_consumer, (1, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
                          alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M, GATED)),
+                         COOP, STAGES, GROUP_M, GATED, SPLIT_K)),
             (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h,
                        C_h, B_w, C_w, TAP_STRIDE, A_K, B_K, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M,
-                       GATED, BOX_H)),
+                       GATED, BOX_H, SPLIT_K)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -384,36 +399,62 @@ COOP_EPILOGUE_K = 90
 MIN_TILES_PER_SM = 1
 
 
-def _choose(M, N, K, sms=None, speed=1):
+def _choose(M, N, K, sms=None, speed=1, split=False):
     """The tile shape of least predicted time on ``sms`` SMs (default: this GPU's): whole waves of one
     program tile per SM (the last one partly idle) times a tile's cost (its area over its main-loop
     rate, times K over the operands' ``speed`` (2 for fp8: twice the 16-bit MMA rate), plus the
-    cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM."""
+    cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM.
+    ``split`` (a convolution's long K): such a problem may instead split K in 2-4 (``SPLIT_K``; rows a
+    multiple of the program tile's, at least 4 k blocks a split) where that, with the split-K sum's
+    cost (``_split_sum_cost``), is predicted faster; unsplit, it stays None."""
     sms = sms or runtime.num_sms()
-    if gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms:
+    small = gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms
+    if small and not split:
         return None
+    k_blocks = gemm.cdiv(K, K_BYTES // 2 * speed)
 
-    def cost(tile):
-        coop, bm, bn = tile
-        rows = 2 * bm if coop else bm
-        waves = gemm.cdiv(gemm.cdiv(M, rows) * gemm.cdiv(N, bn), sms)
-        return waves * rows * bn * (K / speed + (COOP_EPILOGUE_K if coop else 0)) / TILES[tile]
+    def rows(tile):
+        return 2 * tile[1] if tile[0] else tile[1]
 
-    coop, bm, bn = min(TILES, key=cost)
-    return config(coop=coop, block_m=bm, block_n=bn)
+    def cost(option):
+        tile, splits = option
+        waves = gemm.cdiv(gemm.cdiv(M, rows(tile)) * gemm.cdiv(N, tile[2]) * splits, sms)
+        k = gemm.cdiv(k_blocks, splits) * K_BYTES // 2
+        main = waves * rows(tile) * tile[2] * (k + (COOP_EPILOGUE_K if tile[0] else 0)) / TILES[tile]
+        return main + (_split_sum_cost(M, N, splits) if splits > 1 else 0)
+
+    options = [(tile, 1) for tile in TILES]
+    if split and speed == 1:
+        options += [(tile, s) for tile in TILES for s in (2, 3, 4) if M % rows(tile) == 0 and k_blocks >= 4 * s]
+    (coop, bm, bn), splits = min(options, key=cost)
+    if small and splits == 1:
+        return None
+    return config(coop=coop, block_m=bm, block_n=bn, split_k=splits)
 
 
-def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8):
-    """Launch config (BLOCK_M, BLOCK_N, COOP, STAGES, GROUP_M): BLOCK_M rows and BLOCK_N columns per
-    consumer (cooperative default 64 x 256, ping-pong 128 x 128); STAGES at most ``stages``, as many
-    as the GPU's shared memory holds beside the two store buffers (``stages_that_fit``)."""
+# The split-K sum in _choose's units (a program tile's rows x columns x K): the fp32 partial products
+# written and read back and the output written, about 0.9 units a byte (H200: ~3 TB/s against the
+# kernel's ~700 TFLOP/s over 132 SMs), and ~4 us for its launch and tail
+SPLIT_SUM_BYTE = 0.9
+SPLIT_SUM_LAUNCH = 1e7
+
+
+def _split_sum_cost(M, N, splits):
+    return SPLIT_SUM_BYTE * (8 * splits + 2) * M * N + SPLIT_SUM_LAUNCH
+
+
+def config(coop=True, block_m=None, block_n=None, stages=None, group_m=8, split_k=1):
+    """Launch config (BLOCK_M, BLOCK_N, COOP, STAGES, GROUP_M, SPLIT_K): BLOCK_M rows and BLOCK_N columns
+    per consumer (cooperative default 64 x 256, ping-pong 128 x 128); STAGES at most ``stages``, as
+    many as the GPU's shared memory holds beside the two store buffers (``stages_that_fit``: fp32
+    ones for SPLIT_K > 1, the splits of K whose products ``matmul`` sums)."""
     if block_m is None:
         block_m = 64 if coop else 128
     if block_n is None:
         block_n = 256 if coop else 128
-    fit = stages_that_fit(block_m, block_n, coop, 2)
+    fit = stages_that_fit(block_m, block_n, coop, 4 if split_k > 1 else 2)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, COOP=coop, STAGES=fit if stages is None else min(stages, fit),
-                GROUP_M=group_m)
+                GROUP_M=group_m, SPLIT_K=split_k)
 
 
 @functools.cache
@@ -497,8 +538,11 @@ class _Launch:
             for w in widths:
                 specs.append((1, None if not w else (b, [b_n_size, b_k_size], [s_b, 1], [w, block_k]) if b_k else
                               (b, [b_k_size, b_n_size], [s_b, 1], [block_k, w])))
+        splits = cfg["SPLIT_K"]  # split K: C is the (splits * M, N) fp32 scratch of the products
         for source, t in ((2, out), (3, f.pre_out), (4, f.residual)):  # each buffer the tile writes
-            specs += [(source, None if t is None or not w or (gated and part) else (t, [M, N], [s_c, 1], [bm, w]))
+            specs += [(source, None if t is None or not w or (gated and part) else
+                       (t, [splits * M, N], [N, 1], [bm, w]) if splits > 1 and source == 2 else
+                       (t, [M, N], [s_c, 1], [bm, w]))
                       for part, w in enumerate(widths)]  # a gated tile writes its first part only
         self.descriptors, self.fills = [], []
         for source, spec in specs:
@@ -520,7 +564,7 @@ class _Launch:
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
         self.plan = Plan(_gemm_hopper_kernel, meta)
-        self.grid = (min(gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, main if gated else bn),
+        self.grid = (min(gemm.cdiv(M, 2 * bm if coop else bm) * gemm.cdiv(N, main if gated else bn) * splits,
                          runtime.num_sms()),)
 
 
@@ -538,7 +582,14 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
     likewise, ``f.act`` the gate's activation), each tile's hidden and gate blocks side by side
     (``cfg``'s BLOCK_N split in halves); no pre-activation, residual or scales. ``conv`` (a
     ``Conv``): A is that convolution's channels-last source ``a``, read as its implicit GEMM (M
-    output pixels, K = taps x C), and ``b`` its weight as a (Co, taps * Ci) matrix (see ``conv``)."""
+    output pixels, K = taps x C), and ``b`` its weight as a (Co, taps * Ci) matrix (see ``Conv``).
+    ``cfg``'s SPLIT_K > 1 (``_choose(split=True)``; M a multiple of the program tile's rows): each
+    split of K writes its fp32 product to a scratch, which ``matmul.split_k_sum_`` sums into ``out``
+    with the epilogue ``f``."""
+    splits = cfg["SPLIT_K"]
+    if splits > 1:  # the kernel writes each split's fp32 product, the sum applies the epilogue
+        result, fusion, out = out, f, runtime.empty((splits * M, N), torch.float32)
+        f = gemm.Fusion()
     pre, res = f.pre_out, f.residual
     key = (M, N, K, layout, a.dtype, out.dtype, f.bias is not None, f.act, None if pre is None else pre.dtype,
            None if res is None else res.dtype, a_scale is not None, gated, conv, *cfg.values())
@@ -561,6 +612,8 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
     finally:  # the kept descriptors hold no buffer between launches
         for made, _ in kept.fills:
             made.base = None
+    if splits > 1:
+        return gemm.split_k_sum_(result, (layout[4], 1), out.view(splits, M, N), fusion)
     return out
 
 
