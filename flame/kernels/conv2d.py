@@ -35,13 +35,14 @@ All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channe
 
 On Hopper, stride-1 forwards and input gradients run on the warp-specialised GEMM of
 ``matmul_hopper`` (its loader reads each tap's box of source pixels by TMA: ``matmul_hopper.Conv``),
-K split where the tiles fill less than a wave. Other 16-bit channels-last problems take TMA
-versions of the first and last (``_conv_tma_kernel``, ``_conv_wgrad_tma_kernel``): operands move
-as descriptor boxes, padding is TMA's zero fill, and a stride of 2 reads (forward, weight gradient) or writes (input gradient) through a "phase view"
-that makes every other pixel one box (see ``_phase_split``). A forward or input-gradient grid under
-one wave of the GPU's SMs splits its reduction (split-K, ``_wave_splits``): fp32 partial sums to a
-scratch, summed with the bias by the GEMM's split-K pass (``matmul.split_k_sum_``). The pointer
-kernels take the rest: groups, odd sizes under a stride, fp32/fp64, other layouts.
+K split where the tiles fill less than a wave. Other 16-bit channels-last problems take TMA versions
+of the first and last (``_conv_tma_kernel``, ``_conv_wgrad_tma_kernel``): operands move as
+descriptor boxes, padding is TMA's zero fill, and a stride of 2 reads (forward, weight gradient) or
+writes (input gradient) through a "phase view" that makes every other pixel one box (see
+``_phase_split``). A forward or input-gradient grid under one wave of the GPU's SMs splits its
+reduction (split-K, ``_wave_splits``): fp32 partial sums to a scratch, summed with the bias by the
+GEMM's split-K pass (``matmul.split_k_sum_``). The pointer kernels take the rest: groups, odd sizes
+under a stride, fp32/fp64, other layouts.
 
 A 1x1 convolution with stride 1, no padding and one group is a plain GEMM over the (N*H*W, C)
 matrices of its activations: when those are strided views of the buffers (``_gemm_views``), all
