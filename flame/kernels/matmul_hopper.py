@@ -496,11 +496,13 @@ def _template(base, shape, strides, block_shape):
 
 @functools.cache
 def _shared_layout(dtype, block_shape):
-    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), _GL_BUFFER_DTYPES[dtype])
 
 
+# the operands' dtypes; the buffers' add split-K's fp32 scratch
 _GL_DTYPES = {} if gluon is None else {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
                                        torch.float8_e4m3fn: gl.float8e4nv}
+_GL_BUFFER_DTYPES = {} if gluon is None else {**_GL_DTYPES, torch.float32: gl.float32}
 
 
 class _Launch:
