@@ -586,6 +586,7 @@ def test_conv2d_tma_forward_and_both_gradients(dtype, shape, co, k, kw, monkeypa
     import flame.kernels.matmul as KM
     if not KM.TMA or not KM.tma_available():
         pytest.skip("no TMA on this GPU / Triton")
+    monkeypatch.setattr(KM.matmul_hopper, "ROUTE", False)  # the TMA kernels (Gluon's: the next test)
     _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch)
 
 
