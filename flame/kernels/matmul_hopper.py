@@ -59,7 +59,7 @@ try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
 except ImportError:  # an older Triton: the other GEMM kernels serve every call
     gluon = None
 
-# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels
+# FLAME_MATMUL_GLUON=0 keeps every GEMM on matmul.py's kernels and every convolution on conv2d.py's
 ROUTE = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_GLUON", "1") != "0"
 K_BYTES = 128  # bytes of K per operand row of a stage: BLOCK_K = 64 16-bit or 128 fp8 elements (128-byte swizzle)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
