@@ -72,7 +72,7 @@ if gluon is not None:
                 BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, BOX_H: gl.constexpr,
                 SPLIT_K: gl.constexpr):
-        # BOX_H > 0: A is a convolution's source read as an implicit GEMM (``conv``), OH .. TAP_STRIDE
+        # BOX_H > 0: A is a convolution's source read as an implicit GEMM (``Conv``), OH .. TAP_STRIDE
         # its geometry; k block kk is channels (kk % c_blocks) * BLOCK_K.. of tap kk // c_blocks. A
         # tile's BLOCK_M rows are the output pixels (n, h .. h + BOX_H - 1, w .. w + BLOCK_M / BOX_H - 1)
         # of one image; for tap (kh, kw) its A block is the box of source pixels (h + B_h + kh * C_h,
