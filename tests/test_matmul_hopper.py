@@ -130,6 +130,37 @@ def test_choose_splits_long_k_below_a_wave(monkeypatch):
     assert KH._choose(32768, 320, 2880, sms=132, split=True)["SPLIT_K"] == 1
 
 
+@pytest.mark.skipif(KH.gluon is None, reason="needs triton.experimental.gluon (its host descriptors)")
+@pytest.mark.parametrize("transposed", [False, True], ids=["forward", "input_grad"])
+def test_conv_launch_describes_pixel_boxes(transposed, monkeypatch):
+    """What a convolution's launch hands the kernel (host side, no GPU): the source as a 4-D
+    descriptor of boxes of BLOCK_M output pixels' rows x 64 channels, the weight as a (Co, taps * Ci)
+    matrix read along K (forward) or N (input gradient), C as the (pixels, channels) rows, every tap's
+    channel blocks as K, the geometry with the taps' stride along B; with K split, C is the fp32
+    scratch of the splits' products."""
+    monkeypatch.setattr(KH.autotune, "shared_memory", lambda: 232_448)
+    nb, hw, c, n = 2, 32, 200, 320  # 200 channels: 4 blocks of 64 a tap, the last past C
+    src = torch.empty(nb, c, hw, hw, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    w = torch.empty(c, n, 3, 3, dtype=torch.bfloat16) if transposed else torch.empty(n, c, 3, 3, dtype=torch.bfloat16)
+    w = w.contiguous(memory_format=torch.channels_last)
+    out = torch.empty(nb, n, hw, hw, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    M = nb * hw * hw
+    strides = (src.stride(0), src.stride(2), src.stride(3))
+    conv = KH.Conv(nb, hw, hw, c, strides, hw, hw, 3, 3, 1 if transposed else -1, -1 if transposed else 1,
+                   1 if transposed else -1, -1 if transposed else 1, KH.box_rows(64, hw, hw))
+    layout = (True, not transposed, 0, w.stride(0), n)
+    for splits in (1, 2):
+        cfg = KH.config(coop=True, block_m=64, block_n=160, split_k=splits)
+        kept = KH._Launch(out, src, w, M, n, 9 * c, KM.Fusion(), layout, cfg, False, False, conv)
+        a, b, bt, c_desc, ct = kept.descriptors[:5]
+        assert (a.shape, a.strides, a.block_shape) == ([nb, hw, hw, c], [*strides, 1], [1, 2, 32, 64])
+        want_b = ([c, 9 * n], [64, 128], [64, 32]) if transposed else ([n, 9 * c], [128, 64], [32, 64])
+        assert (b.shape, b.block_shape, bt.block_shape) == want_b
+        assert c_desc.shape == [splits * M, n] and (c_desc.block_shape, ct.block_shape) == ([64, 128], [64, 32])
+        assert kept.k == 9 * 4 * 64 and kept.geometry == (hw, hw, c, 3, *conv[9:13], n if transposed else c)
+        assert kept.plan.meta["BOX_H"] == 2 and kept.plan.meta["SPLIT_K"] == splits
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_backward_layouts(schedule):
