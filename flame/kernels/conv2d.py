@@ -758,7 +758,7 @@ def _plan_conv(p):
     P_h, P_w = geom_h[3], geom_w[3]
     M = NB * cdiv(OH, P_h) * cdiv(OW, P_w)
     if groups == 1 and _tma_ok(p, out, src, geom_h, geom_w):
-        return _plan_gluon(p, out, src, geom_h, geom_w) or _plan_tma(p, out, src, geom_h, geom_w, transposed)
+        return _plan_gluon(p, out, src) or _plan_tma(p, out, src, geom_h, geom_w, transposed)
     fold = folds(C, KH * KW) if groups == 1 and P_h * P_w == 1 else None
     if fold:
         cfg = _fold_config(M, N, C, KH * KW, src.dtype)
@@ -778,14 +778,14 @@ def _gluon_on():
     return KM.matmul_hopper.ROUTE and KM._gluon_available()
 
 
-def _plan_gluon(p, out, src, geom_h, geom_w):
+def _plan_gluon(p, out, src):
     """The "gluon" route, or None: ``matmul_hopper``'s warp-specialised GEMM over the implicit GEMM
-    (``matmul_hopper.Conv``) of a problem the TMA kernel could run (``_tma_ok``) at stride 1 with no
-    divisor and ``out`` viewable as (pixels, channels) rows, in the tile shape that kernel picks for
-    its (M, N, K) (``matmul_hopper._choose``: a wave of tiles or more, or K split to make one) when a
-    block of that many output pixels is a TMA box (``matmul_hopper.box_rows``). Its config carries
-    that box's rows."""
-    if not p.gluon or (geom_h[0], geom_w[0], geom_h[3], geom_w[3]) != (1, 1, 1, 1) or _row_stride(out) is None:
+    (``matmul_hopper.Conv``) of a problem the TMA kernel could run (``_tma_ok``) at stride 1 with
+    ``out`` viewable as (pixels, channels) rows, in the tile shape that kernel picks for its (M, N,
+    K) (``matmul_hopper._choose``: a wave of tiles or more, or K split to make one) when a block of
+    that many output pixels is a TMA box (``matmul_hopper.box_rows``). Its config carries that box's
+    rows."""
+    if not p.gluon or p.stride != (1, 1) or _row_stride(out) is None:
         return None
     NB, N, OH, OW = out.shape
     KH, KW = p.w.shape[2], p.w.shape[3]
