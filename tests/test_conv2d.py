@@ -596,13 +596,17 @@ def test_conv2d_tma_forward_and_both_gradients(dtype, shape, co, k, kw, monkeypa
 # channels; the input gradient's last column tile past its 200 outputs); 328 output channels; a
 # 5x5 kernel with dilation 2; K split in 2 (cooperative tiles; ping-pong for the input gradient
 # of 256 channels, whose forward has too few tiles and K to split).
+# The weight gradient (on the Gluon kernel where a tile's columns divide Ci): cooperative 2 x 64 x
+# (128 + 32) tiles with K in 2 splits, ping-pong 128 x 128 over blocks of two pixel rows, and K in 5
+# splits under the 5x5 dilated kernel; 64 and 200 input channels (no tile divides them) stay on the
+# TMA kernel.
 GLUON_SHAPES = [
-    ((2, 320, 64, 64), 320, 3, dict(padding=1), ("forward", "input_grad")),
-    ((4, 640, 32, 32), 640, 3, dict(padding=1), ("forward", "input_grad")),
+    ((2, 320, 64, 64), 320, 3, dict(padding=1), ("forward", "input_grad", "weight_grad")),
+    ((4, 640, 32, 32), 640, 3, dict(padding=1), ("forward", "input_grad", "weight_grad")),
     ((1, 64, 64, 256), 512, 3, dict(padding=1), ("forward",)),
     ((4, 200, 64, 64), 328, 3, dict(padding=1), ("forward", "input_grad")),
-    ((4, 128, 64, 64), 256, 5, dict(padding=4, dilation=2), ("forward",)),
-    ((1, 1280, 32, 32), 1280, 3, dict(padding=1), ("forward", "input_grad")),
+    ((4, 128, 64, 64), 256, 5, dict(padding=4, dilation=2), ("forward", "weight_grad")),
+    ((1, 1280, 32, 32), 1280, 3, dict(padding=1), ("forward", "input_grad", "weight_grad")),
     ((2, 256, 32, 32), 512, 3, dict(padding=1), ("input_grad",)),
 ]
 
@@ -612,14 +616,14 @@ GLUON_SHAPES = [
 @pytest.mark.parametrize("shape,co,k,kw,directions", GLUON_SHAPES, ids=str)
 def test_conv2d_on_the_warp_specialised_gemm(dtype, shape, co, k, kw, directions, monkeypatch):
     """Stride-1 convolutions run on matmul_hopper's kernel where it has the tiles (K split where
-    they fill less than a wave), and match PyTorch within its own error."""
+    they fill less than a wave), forward and both gradients, and match PyTorch within its own error."""
     import flame.kernels.conv2d as KC
     if not KC._gluon_on():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
     taken = []
     monkeypatch.setattr(KC, "plan", lambda p, real=KC.plan: taken.append((p.direction, real(p).kernel)) or real(p))
     _check_tma_convolution(dtype, shape, co, k, kw, monkeypatch, None)
-    assert sorted(d for d, kernel in taken if kernel == "gluon") == sorted(directions), taken
+    assert sorted(d for d, kernel in taken if kernel.startswith("gluon")) == sorted(directions), taken
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernels")
@@ -870,6 +874,28 @@ def test_plan_takes_the_warp_specialised_gemm_on_hopper(direction, x_shape, w_sh
     assert got.kernel == route and got.config.get("BOX_H") == box_h, got
     assert route != "gluon" or got.splits == got.config["SPLIT_K"] == (2 if x_shape[1] == 1280 else 1), got
     assert KC.plan(KC.ConvProblem.dense(direction, x_shape, w_shape, torch.bfloat16, tma=True, **kw)).kernel == "tma"
+
+
+@pytest.mark.parametrize("x_shape,w_shape,kw,route,splits", [
+    ((2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1)), "gluon_wgrad", 2),
+    ((1, 1280, 32, 32), (1280, 1280, 3, 3), dict(padding=(1, 1)), "gluon_wgrad", 1),
+    ((2, 200, 64, 64), (320, 200, 3, 3), dict(padding=(1, 1)), "wgrad_tma", 1),  # no tile's columns divide 200
+    ((2, 320, 64, 64), (64, 320, 3, 3), dict(padding=(1, 1)), "wgrad_tma", None),  # under a tile's 128 rows
+    ((2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1), stride=(2, 2)), "wgrad_tma", None),
+    ((2, 320, 62, 62), (320, 320, 3, 3), dict(padding=(1, 1)), "wgrad_tma", None),  # no pixel boxes
+], ids=str)
+def test_plan_takes_the_warp_specialised_gemm_for_weight_gradients(x_shape, w_shape, kw, route, splits,
+                                                                    monkeypatch):
+    """On an H200 with Gluon, stride-1 weight gradients of at least 128 output channels whose blocks
+    of 64 output pixels are TMA boxes and whose Ci a tile's columns divide take matmul_hopper's
+    kernel, K (the pixels) split where the tiles fill less than a wave."""
+    import flame.kernels.conv2d as KC
+    monkeypatch.setattr(KC.KM.autotune, "shared_memory", lambda: 232_448)
+    monkeypatch.setattr(KC.runtime, "num_sms", lambda: 132)
+    got = KC.plan(KC.ConvProblem.dense("weight_grad", x_shape, w_shape, torch.bfloat16, tma=True, gluon=True, **kw))
+    assert got.kernel == route and (splits is None or got.splits == splits), got
+    if route == "gluon_wgrad":
+        assert x_shape[1] % got.config["BLOCK_N"] == 0 and got.splits == got.config["SPLIT_K"], got
 
 
 def test_box_rows():

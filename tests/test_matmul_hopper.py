@@ -102,9 +102,10 @@ def test_gpu_epilogues(schedule):
 def test_gpu_split_k(schedule, split_k):
     """K in 2 or 3 splits (16 k blocks: the last split of 3 runs 2 blocks past K, zero-filled),
     each split's fp32 product summed with the whole epilogue (bias, GELU, pre-activation, alpha and
-    a residual) by the split-K sum; rows a multiple of every program tile's."""
+    a residual) by the split-K sum; 1000 rows: the last program tile's rows past M stay in its split's
+    slice of the scratch (slices rounded up to tiles)."""
     _needs_hopper()
-    M, K, N = 1024, 1000, 392
+    M, K, N = 1000, 1000, 392
     x, w, bias = _inputs(M, K, N)
     pre_ref = x.float() @ w.float().t() + bias.float()
     gelu = torch.nn.functional.gelu
@@ -120,13 +121,14 @@ def test_gpu_split_k(schedule, split_k):
 
 def test_choose_splits_long_k_below_a_wave(monkeypatch):
     """``_choose(split=True)`` (convolutions) splits the long K of a problem under a wave of tiles where
-    that is predicted faster; plain GEMMs under a wave, short K, and rows that are no multiple of
-    the program tile's stay unsplit (None: the TMA kernel)."""
+    that is predicted faster; plain GEMMs under a wave and short K stay unsplit (None: the TMA
+    kernel)."""
     monkeypatch.setattr(KH.autotune, "shared_memory", lambda: 232_448)
     assert KH._choose(1024, 1280, 11520, sms=132, split=True)["SPLIT_K"] == 2  # SDXL's 32x32 convolution
     assert KH._choose(1024, 1280, 11520, sms=132) is None
     assert KH._choose(1024, 1280, 1280, sms=132, split=True) is None
-    assert KH._choose(1000, 1280, 11520, sms=132, split=True) is None
+    assert KH._choose(1000, 1280, 11520, sms=132, split=True)["SPLIT_K"] == 2
+    assert KH.split_rows(1000, KH.config(coop=True, block_m=64)) == 1024
     assert KH._choose(32768, 320, 2880, sms=132, split=True)["SPLIT_K"] == 1
 
 

@@ -33,7 +33,7 @@ Three kernels:
 All tensors are read through (n, h, w, c) strides, so NCHW-contiguous and channels-last inputs
 (and any other strided view) work alike; channels-last is the fast layout.
 
-On Hopper, stride-1 forwards and input gradients run on the warp-specialised GEMM of
+On Hopper, stride-1 forwards, input and weight gradients run on the warp-specialised GEMM of
 ``matmul_hopper`` (its loader reads each tap's box of source pixels by TMA: ``matmul_hopper.Conv``),
 K split where the tiles fill less than a wave. Other 16-bit channels-last problems take TMA versions
 of the first and last (``_conv_tma_kernel``, ``_conv_wgrad_tma_kernel``): operands move as
@@ -582,6 +582,8 @@ def _nhwc(t):
 #                    layout); an input gradient under a stride runs its output phases on grid axis 2
 # Weight gradient:
 #   "gemm"           as above (dW = dY^T X)
+#   "gluon_wgrad"    ``matmul_hopper``'s warp-specialised GEMM, B the source's pixel boxes per tap
+#                    (``_plan_gluon_wgrad``): stride 1 on sm_90, K (the pixels) split below a wave
 #   "wgrad_tma"      ``_conv_wgrad_tma_kernel`` over spatial tiles
 #   "wgrad_swap"     few output channels at stride 1: the pointer kernel with the operands swapped
 #                    (then its few "input" channels fold with the taps)
@@ -798,6 +800,30 @@ def _plan_gluon(p, out, src):
     return Route("gluon", dict(cfg, BOX_H=box_h), splits, why + (f", K in {splits} splits" if splits > 1 else ""))
 
 
+def _plan_gluon_wgrad(p):
+    """The "gluon_wgrad" route, or None: ``matmul_hopper``'s kernel on dW (Co, taps * Ci) = dY^T X_tap
+    (``matmul_hopper.Conv.weight_grad``) for what the TMA weight gradient takes at stride 1, dY
+    viewable as (pixels, Co) rows, dW channels-last with its taps and channels dense, at least 128
+    output channels (a tile's rows), blocks of 64 output pixels that are TMA boxes, and a tile shape
+    whose columns divide Ci (a block of them within one tap), K split up to 8 ways. (B's boxes are
+    wider than the 128-byte swizzle: the compiler loads them in 64-channel column blocks, each the
+    whole box of pixels, as it loads a 2-D block of that width: Triton 3.6's PTX for sm_90.)"""
+    if not (p.gluon and p.stride == (1, 1) and _wgrad_tma(p) and _row_stride(p.y) is not None):
+        return None
+    (CO, CI, KH, KW), (NB, _, OH, OW) = p.w.shape, p.y.shape
+    if CO < 128 or p.w.strides != (KH * KW * CI, 1, KW * CI, CI):
+        return None
+    box_h = KM.matmul_hopper.box_rows(KM.matmul_hopper.K_BYTES // 2, OH, OW)
+    cfg = None if box_h is None else KM.matmul_hopper._choose(CO, KH * KW * CI, NB * OH * OW, split=True,
+                                                               max_split=8, n_divides=CI)
+    if cfg is None:
+        return None
+    splits = cfg["SPLIT_K"]
+    why = "stride 1, 16-bit channels-last buffers TMA can describe: the warp-specialised GEMM"
+    return Route("gluon_wgrad", dict(cfg, BOX_H=box_h), splits,
+                 why + (f", K (the pixels) in {splits} splits" if splits > 1 else ""))
+
+
 def _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg):
     """(output tiles of one phase, reduction steps of the longest phase) of ``_conv_tma_kernel``."""
     tiles = NB * cdiv(OH // D_h, cfg["TH"]) * cdiv(OW // D_w, cfg["TW"]) * cdiv(N, cfg["BLOCK_N"])
@@ -862,6 +888,9 @@ def _plan_wgrad(p):
         return Route("none", {}, 0, "empty weight")
     if NB * p.y.shape[2] * p.y.shape[3] == 0:
         return Route("zero_fill", {}, 0, "no output pixels: dW = 0")
+    gluon = _plan_gluon_wgrad(p)
+    if gluon is not None:
+        return gluon
     tma = _wgrad_tma(p)
     dy, x, CO, CI, OH, OW, _, _, _, _, swap = _wgrad_geometry(p)
     taps = KH * KW
@@ -1149,6 +1178,21 @@ def _conv_gluon_(out, src, w, bias, geom_h, geom_w, transposed, route):
     return KM.matmul_hopper.matmul(out, src, w, M, N, K, KM.Fusion(bias), layout, cfg, conv=conv)
 
 
+def _wgrad_gluon_(route, p, dw_out, dy, x):
+    kept = route.kept.get("gluon")
+    if kept is None:  # (Conv, (M, N, K), layout, launch config) of the route's problem
+        (NB, CO, OH, OW), (CI, XH, XW), (KH, KW) = dy.shape, x.shape[1:], dw_out.shape[2:]
+        (ph, pw), (dh, dwl) = p.padding, p.dilation
+        cfg = dict(route.config)
+        conv = KM.matmul_hopper.Conv(NB, XH, XW, CI, _nhwc(x)[:3], OH, OW, KH, KW, -ph, dh, -pw, dwl,
+                                     cfg.pop("BOX_H"), weight_grad=True)
+        # A: dY as (pixels, Co) blocks, read transposed; B: x's pixel boxes; C: dW as a (Co, taps * Ci) matrix
+        layout = (False, False, _row_stride(dy), 0, dw_out.stride(0))
+        kept = route.kept["gluon"] = (conv, (CO, KH * KW * CI, NB * OH * OW), layout, cfg)
+    conv, (M, N, K), layout, cfg = kept
+    return KM.matmul_hopper.matmul(dw_out, dy, x, M, N, K, KM.Fusion(), layout, cfg, conv=conv)
+
+
 def _tma_launch(out, src, w, bias, geom_h, geom_w, transposed, route):
     """The ``_TmaLaunch`` of a "tma" route, from its first launch's buffers."""
     NB, N, OH, OW = out.shape
@@ -1191,6 +1235,8 @@ def _run_wgrad(route, p, dw_out, dy, x):
         return dw_out
     if route.kernel == "zero_fill":
         return fill_(dw_out, 0.0)
+    if route.kernel == "gluon_wgrad":
+        return _wgrad_gluon_(route, p, dw_out, dy, x)
     KH, KW = dw_out.shape[2], dw_out.shape[3]
     NB, groups, taps = dy.shape[0], p.groups, KH * KW
     (sh, sw), (dh, dwl) = p.stride, p.dilation

@@ -183,14 +183,15 @@ def _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr, c_of
     tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
-# Split-K's second pass, for a split computed elsewhere (conv2d's TMA forward and input gradient): part
-# (splits, M, N) holds the fp32 (fp64) products of the K slices; C = ACT(alpha * sum_s part[s] +
-# bias[n]) + R, the slices summed by _sum_slices (the same order every run, no atomics).
+# Split-K's second pass, for a split computed elsewhere (conv2d's TMA forward and input gradient, the
+# Gluon GEMM): part (splits, M, N) holds the fp32 (fp64) products of the K slices, rows dense, slices
+# s_part elements apart; C = ACT(alpha * sum_s part[s] + bias[n]) + R, the slices summed by
+# _sum_slices (the same order every run, no atomics).
 @triton.jit
-def _split_k_sum_kernel(part_ptr,  # input: the slices' products (splits, M, N), contiguous
+def _split_k_sum_kernel(part_ptr,  # input: the slices' products (splits, M, N)
                         c_ptr,  # output: C (M, N)
                         bias_ptr, pre_out_ptr, res_ptr,  # fusion operands; None when off
-                        M, N, splits,  # sizes
+                        M, N, splits, s_part,  # sizes, the slice stride
                         scm, scn, s_bias,  # strides: C's (the pre-activation's and residual's too), bias
                         alpha,  # C = ACT(alpha * sum + bias) + residual
                         BIAS: tl.constexpr, ACT: tl.constexpr,  # epilogue: bias, activation
@@ -201,7 +202,7 @@ def _split_k_sum_kernel(part_ptr,  # input: the slices' products (splits, M, N),
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = _sum_slices(part_ptr, offs_m[:, None] * N + offs_n[None, :], mask_m[:, None] & mask_n[None, :], splits,
-                      M * N, BLOCK_M, BLOCK_N, BLOCK_S)
+                      s_part, BLOCK_M, BLOCK_N, BLOCK_S)
     _finish_tile(acc, alpha, bias_ptr, s_bias, c_ptr, pre_out_ptr, res_ptr,
                  offs_m[:, None] * scm + offs_n[None, :] * scn, offs_n, mask_m, mask_n, BIAS, ACT, STORE_PRE, RESIDUAL)
 
@@ -523,11 +524,13 @@ def _arrival_counts(tiles):
 
 def split_k_sum_(out, sc, part, f):
     """Split-K's second pass (``_split_k_sum_kernel``): ``out`` (M, N), with row and column strides
-    ``sc``, = the epilogue ``f`` (a ``Fusion``) of ``sum_s part[s]``, the contiguous fp32 (fp64)
-    partial products ``part`` (splits, M, N) summed (the same order every run). Launched through a
-    ``launch.Plan`` kept per (sizes, strides, fusion switches), the bias stride free. Returns ``out``."""
+    ``sc``, = the epilogue ``f`` (a ``Fusion``) of ``sum_s part[s]``, the fp32 (fp64) partial
+    products ``part`` (splits, M, N) (each slice's rows dense, the slices any stride apart) summed
+    (the same order every run). Launched through a ``launch.Plan`` kept per (sizes, strides, fusion
+    switches), the bias stride free. Returns ``out``."""
     splits, M, N = part.shape
-    key = (M, N, splits, *sc, f.key)
+    s_part = part.stride(0)
+    key = (M, N, splits, s_part, *sc, f.key)
     kept = _sum_launches.get(key)
     if kept is None:
         bs, bm, bn = _sum_blocks(splits, M, N)
@@ -535,13 +538,13 @@ def split_k_sum_(out, sc, part, f):
                     RESIDUAL=f.residual is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_S=bs, num_warps=4)
         if len(_sum_launches) >= _MAX_ROUTES:
             _sum_launches.clear()
-        kept = _sum_launches[key] = Plan(_split_k_sum_kernel, meta, by_value=(10,)), (cdiv(M, bm), cdiv(N, bn))
+        kept = _sum_launches[key] = Plan(_split_k_sum_kernel, meta, by_value=(11,)), (cdiv(M, bm), cdiv(N, bn))
     plan, grid = kept
     launch_via(launch, plan, grid, (part,  # input
                                     out,  # output
                                     f.bias, f.pre_out, f.residual,  # fusion operands
-                                    M, N, splits,  # sizes
-                                    *sc, f.bias_stride,  # strides (the bias stride, argument 10, free)
+                                    M, N, splits, s_part,  # sizes, the slice stride
+                                    *sc, f.bias_stride,  # strides (the bias stride, argument 11, free)
                                     f.alpha))  # scalars
     return out
 

@@ -25,7 +25,7 @@ Two schedules (``COOP``):
   evens out the last wave (4608 x 3072 is 432 tiles of 128x256, 3.3 waves on 132 SMs, but 864 of
   128x128 or 64x256, 6.5).
 With SPLIT_K > 1 the walk covers each tile once per split of K, and a tile stores its split's fp32
-product, rows split * M.. of a scratch (the epilogue is the split-K sum's, ``matmul``). With BOX_H > 0
+product into that split's slice of a scratch (the epilogue is the split-K sum's, ``matmul``). With BOX_H > 0
 A is a convolution's source read as its implicit GEMM (``Conv``, ``_loader``).
 Operands are described along their contiguous dimension as in ``matmul._run_tma``: A (M, K) as
 (BLOCK_M, BLOCK_K) blocks when K is contiguous, else (BLOCK_K, BLOCK_M) blocks read transposed by
@@ -67,19 +67,38 @@ CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 1
 
 if gluon is not None:
     @gluon.jit
+    def _tap_shift(tap, KW, B_h, C_h, B_w, C_w):
+        """(rows, columns) from an output pixel to its source pixel at ``tap`` (``Conv``)."""
+        kh = tap // KW
+        return B_h + kh * C_h, B_w + (tap - kh * KW) * C_w
+
+    @gluon.jit
+    def _load_pixels(desc, smem, bar, first, shift_h, shift_w, c0, OH, OW, BOX_H: gl.constexpr, ROWS: gl.constexpr,
+                     WIDTH: gl.constexpr):
+        # output pixels first .. first + ROWS - 1 (flat (n, h, w) order: BOX_H rows of one image): the box
+        # of their source pixels (h + shift_h, w + shift_w), channels c0.., by one 4-D TMA load (zero-filled
+        # outside the image and past the channels) into the 2-D (ROWS, WIDTH) block ``smem`` (the same
+        # bytes: the box's rows in order, swizzled alike)
+        image = first // (OH * OW)
+        pixel = first - image * (OH * OW)
+        box = smem._reinterpret(desc.dtype, [1, BOX_H, ROWS // BOX_H, WIDTH], desc.layout)
+        tma.async_copy_global_to_shared(desc, [image, pixel // OW + shift_h, pixel % OW + shift_w, c0], bar, box)
+
+    @gluon.jit
     def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h, C_h,
                 B_w, C_w, TAP_STRIDE, A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr,
                 BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                 STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, BOX_H: gl.constexpr,
-                SPLIT_K: gl.constexpr):
-        # BOX_H > 0: A is a convolution's source read as an implicit GEMM (``Conv``), OH .. TAP_STRIDE
-        # its geometry; k block kk is channels (kk % c_blocks) * BLOCK_K.. of tap kk // c_blocks. A
-        # tile's BLOCK_M rows are the output pixels (n, h .. h + BOX_H - 1, w .. w + BLOCK_M / BOX_H - 1)
-        # of one image; for tap (kh, kw) its A block is the box of source pixels (h + B_h + kh * C_h,
-        # w + B_w + kw * C_w): one 4-D TMA load, zero-filled outside the image (the padding) and past
-        # C, into the stage's 2-D (BLOCK_M, BLOCK_K) block (the same bytes: the box's rows in order,
-        # 128-byte swizzled). B is the weight as a (Co, taps * Ci) matrix: tap t's block starts
-        # t * TAP_STRIDE further along its columns (the K offset when B_K, else the N offset).
+                WGRAD: gl.constexpr, SPLIT_K: gl.constexpr):
+        # BOX_H > 0: a convolution's implicit GEMM (``Conv``), OH .. TAP_STRIDE its geometry, its
+        # source's pixels read by ``_load_pixels``. Forward and input gradient: A is the source; k block
+        # kk is channels (kk % c_blocks) * BLOCK_K.. of tap kk // c_blocks, and a tile's BLOCK_M rows are
+        # output pixels whose A block is the box of their source pixels at that tap. B is the weight as
+        # a (Co, taps * Ci) matrix: tap t's block starts t * TAP_STRIDE further along its columns (the
+        # K offset when B_K, else the N offset). WGRAD (the weight gradient, dW (Co, taps * Ci) = dY^T
+        # X_tap): A is dY^T (read as (pixels, Co) blocks), k block kk is output pixels kk * BLOCK_K..,
+        # and B's block of columns (tap, channel c) (within one tap: C a multiple of the tile's) is
+        # the box of their source pixels at that tap.
         SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
         c_blocks = gl.cdiv(C, BLOCK_K)
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
@@ -95,36 +114,40 @@ if gluon is not None:
             pid_m, pid_n = gemm._tile_coords(tile - split * num_pid_m * num_pid_n, num_pid_m, num_pid_n, GROUP_M)
             off_m = pid_m * (SUB * BLOCK_M)
             off_n = pid_n * STEP_N
+            if WGRAD:  # the tap and first channel of the tile's two blocks of columns
+                tap_n = off_n // C
+                n_h, n_w = _tap_shift(tap_n, KW, B_h, C_h, B_w, C_w)
+                tap_t = (off_n + MAIN_N) // C
+                t_h, t_w = _tap_shift(tap_t, KW, B_h, C_h, B_w, C_w)
             for kk in range(split * k_steps, (split + 1) * k_steps):
                 s = count % STAGES
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
                 mbarrier.expect(ready.index(s), nbytes)
-                if BOX_H > 0:
+                if BOX_H > 0 and not WGRAD:
                     tap = kk // c_blocks
                     off_k = (kk - tap * c_blocks) * BLOCK_K
                     off_tap = tap * TAP_STRIDE
-                    kh = tap // KW
-                    shift_h = B_h + kh * C_h
-                    shift_w = B_w + (tap - kh * KW) * C_w
+                    shift_h, shift_w = _tap_shift(tap, KW, B_h, C_h, B_w, C_w)
                 else:
                     off_k = kk * BLOCK_K
                     off_tap = 0
                 for w in gl.static_range(SUB):
-                    if BOX_H > 0:
-                        row = off_m + w * BLOCK_M
-                        image = row // (OH * OW)
-                        pixel = row - image * (OH * OW)
-                        box = a_smem.index(s * SUB + w)._reinterpret(
-                            a_desc.dtype, [1, BOX_H, BLOCK_M // BOX_H, BLOCK_K], a_desc.layout)
-                        tma.async_copy_global_to_shared(
-                            a_desc, [image, pixel // OW + shift_h, pixel % OW + shift_w, off_k], ready.index(s), box)
+                    if BOX_H > 0 and not WGRAD:
+                        _load_pixels(a_desc, a_smem.index(s * SUB + w), ready.index(s), off_m + w * BLOCK_M,
+                                     shift_h, shift_w, off_k, OH, OW, BOX_H, BLOCK_M, BLOCK_K)
                     elif A_K:
                         tma.async_copy_global_to_shared(a_desc, [off_m + w * BLOCK_M, off_k], ready.index(s),
                                                         a_smem.index(s * SUB + w))
                     else:
                         tma.async_copy_global_to_shared(a_desc, [off_k, off_m + w * BLOCK_M], ready.index(s),
                                                         a_smem.index(s * SUB + w))
-                if B_K:
+                if WGRAD:
+                    _load_pixels(b_desc, b_smem.index(s), ready.index(s), off_k, n_h, n_w, off_n - tap_n * C, OH, OW,
+                                 BOX_H, BLOCK_K, MAIN_N)
+                    if TAIL_N > 0:
+                        _load_pixels(bt_desc, bt_smem.index(s), ready.index(s), off_k, t_h, t_w,
+                                     off_n + MAIN_N - tap_t * C, OH, OW, BOX_H, BLOCK_K, TAIL_N)
+                elif B_K:
                     tma.async_copy_global_to_shared(b_desc, [off_n, off_tap + off_k], ready.index(s), b_smem.index(s))
                     if TAIL_N > 0:
                         tma.async_copy_global_to_shared(bt_desc, [off_n + TAIL_OFF, off_tap + off_k], ready.index(s),
@@ -241,15 +264,16 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index(s))
 
-            if SPLIT_K > 1:  # the fp32 product of this split's K blocks, rows split * M.. of C (the sum's input)
+            if SPLIT_K > 1:  # this split's fp32 product into its slice of the scratch C, M rounded up to tiles
+                slice_row = split * (num_pid_m * SUB * BLOCK_M) + off_m
                 tma.store_wait(0)
                 buf.store(acc)
                 if TAIL_N > 0:
                     buf_t.store(acc_t)
                 fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [split * M + off_m, off_n], buf)
+                tma.async_copy_shared_to_global(c_desc, [slice_row, off_n], buf)
                 if TAIL_N > 0:
-                    tma.async_copy_shared_to_global(ct_desc, [split * M + off_m, off_n + MAIN_N], buf_t)
+                    tma.async_copy_shared_to_global(ct_desc, [slice_row, off_n + MAIN_N], buf_t)
             elif GATED:  # hidden * ACT(gate), each with its bias (the gate's N columns further on)
                 _, out = _part_epilogue(acc, acc_layout, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr,
                                         s_bias, alpha, BIAS, 0, SCALED, BLOCK_M, MAIN_N)
@@ -308,17 +332,27 @@ if gluon is not None:
                             RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                            GATED: gl.constexpr, BOX_H: gl.constexpr, SPLIT_K: gl.constexpr):
+                            GATED: gl.constexpr, BOX_H: gl.constexpr, WGRAD: gl.constexpr,
+                            SPLIT_K: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
+        MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
         dtype: gl.constexpr = a_desc.dtype
-        if BOX_H > 0:  # a convolution's pixel boxes, read by wgmma as (BLOCK_M, BLOCK_K) blocks
+        # a convolution's pixel boxes (4-D descriptors) land in 2-D blocks, as wgmma reads them
+        if BOX_H > 0 and not WGRAD:
             a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB, BLOCK_M, BLOCK_K],
                                                gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
         else:
             a_smem = gl.allocate_shared_memory(dtype, [STAGES * SUB] + a_desc.block_type.shape, a_desc.layout)
-        b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+        if WGRAD:
+            b_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, MAIN_N],
+                                               gl.NVMMASharedLayout.get_default_for([BLOCK_K, MAIN_N], dtype))
+        else:
+            b_smem = gl.allocate_shared_memory(dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
         c_smem = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape, c_desc.layout)
-        if TAIL_N > 0:  # the tile's last TAIL_N columns (the host's tail descriptors)
+        if TAIL_N > 0 and WGRAD:
+            bt_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, TAIL_N],
+                                                gl.NVMMASharedLayout.get_default_for([BLOCK_K, TAIL_N], dtype))
+        elif TAIL_N > 0:  # the tile's last TAIL_N columns (the host's tail descriptors)
             bt_smem = gl.allocate_shared_memory(dtype, [STAGES] + bt_desc.block_type.shape, bt_desc.layout)
         else:  # a stand-in, never read
             bt_smem = b_smem
@@ -349,7 +383,7 @@ if gluon is not None:
                          COOP, STAGES, GROUP_M, GATED, SPLIT_K)),
             (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h,
                        C_h, B_w, C_w, TAP_STRIDE, A_K, B_K, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M,
-                       GATED, BOX_H, SPLIT_K)),
+                       GATED, BOX_H, WGRAD, SPLIT_K)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -399,14 +433,15 @@ COOP_EPILOGUE_K = 90
 MIN_TILES_PER_SM = 1
 
 
-def _choose(M, N, K, sms=None, speed=1, split=False):
+def _choose(M, N, K, sms=None, speed=1, split=False, max_split=4, n_divides=None):
     """The tile shape of least predicted time on ``sms`` SMs (default: this GPU's): whole waves of one
     program tile per SM (the last one partly idle) times a tile's cost (its area over its main-loop
     rate, times K over the operands' ``speed`` (2 for fp8: twice the 16-bit MMA rate), plus the
     cooperative epilogue); None for problems of fewer than MIN_TILES_PER_SM 128x128 tiles per SM.
-    ``split`` (a convolution's long K): such a problem may instead split K in 2-4 (``SPLIT_K``; rows a
-    multiple of the program tile's, at least 4 k blocks a split) where that, with the split-K sum's
-    cost (``_split_sum_cost``), is predicted faster; unsplit, it stays None."""
+    ``split`` (a convolution's long K): such a problem may instead split K in 2 to ``max_split``
+    (``SPLIT_K``; at least 4 k blocks a split) where that, with the split-K sum's cost
+    (``_split_sum_cost``), is predicted faster; unsplit, it stays None. ``n_divides``: only tiles
+    whose columns divide it (None when none does)."""
     sms = sms or runtime.num_sms()
     small = gemm.cdiv(M, 128) * gemm.cdiv(N, 128) < MIN_TILES_PER_SM * sms
     if small and not split:
@@ -423,9 +458,12 @@ def _choose(M, N, K, sms=None, speed=1, split=False):
         main = waves * rows(tile) * tile[2] * (k + (COOP_EPILOGUE_K if tile[0] else 0)) / TILES[tile]
         return main + (_split_sum_cost(M, N, splits) if splits > 1 else 0)
 
-    options = [(tile, 1) for tile in TILES]
+    tiles = [tile for tile in TILES if n_divides is None or n_divides % tile[2] == 0]
+    options = [(tile, 1) for tile in tiles]
     if split and speed == 1:
-        options += [(tile, s) for tile in TILES for s in (2, 3, 4) if M % rows(tile) == 0 and k_blocks >= 4 * s]
+        options += [(tile, s) for tile in tiles for s in range(2, max_split + 1) if k_blocks >= 4 * s]
+    if not options:
+        return None
     (coop, bm, bn), splits = min(options, key=cost)
     if small and splits == 1:
         return None
@@ -523,27 +561,30 @@ class _Launch:
         block_k = K_BYTES // a.element_size()
         widths = (main, tail)  # a tile's two blocks of columns (the tail's 0 without one)
         self.k, self.geometry, b_k_size, b_n_size = K, (0,) * 9, K, N  # the kernel's K and conv geometry; B's extents
-        if conv is not None:  # A's pixel boxes; B's taps side by side along K (forward) or N (input gradient)
-            taps = conv.KH * conv.KW
-            specs = [(0, (a, [conv.NB, conv.XH, conv.XW, conv.C], [*conv.strides, 1],
-                          [1, conv.box_h, bm // conv.box_h, block_k]))]
-            self.k = taps * gemm.cdiv(conv.C, block_k) * block_k  # every tap's channel blocks
+        if conv is not None:
             self.geometry = (conv.OH, conv.OW, conv.C, conv.KW, conv.B_h, conv.C_h, conv.B_w, conv.C_w,
                              conv.C if b_k else N)
+        if conv is not None and not conv.weight_grad:  # A's pixel boxes; B's taps along K (forward) or N (dX)
+            taps = conv.KH * conv.KW
+            specs = [(0, conv.boxes(a, bm, block_k))]
+            self.k = taps * gemm.cdiv(conv.C, block_k) * block_k  # every tap's channel blocks
             if not b_k:  # (k=co, n=ci) blocks: K is the Co channels
                 b_k_size, b_n_size = conv.C, taps * N
         else:
             specs = [(0, (a, [M, K], [s_a, 1], [bm, block_k]) if a_k else (a, [K, M], [s_a, 1], [block_k, bm]))]
         if gated:  # B's hidden and gate halves: one (2N, K) descriptor (passed for B's tail too), read at two rows
             specs.append((1, (b, [2 * N, K], [s_b, 1], [main, block_k])))
+        elif conv is not None and conv.weight_grad:  # B's pixel boxes: block_k pixels x a block of columns
+            for w in widths:
+                specs.append((1, None if not w else conv.boxes(b, block_k, w)))
         else:
             for w in widths:
                 specs.append((1, None if not w else (b, [b_n_size, b_k_size], [s_b, 1], [w, block_k]) if b_k else
                               (b, [b_k_size, b_n_size], [s_b, 1], [block_k, w])))
-        splits = cfg["SPLIT_K"]  # split K: C is the (splits * M, N) fp32 scratch of the products
+        splits = cfg["SPLIT_K"]  # split K: C is the fp32 scratch of the products, a slice of split_rows a split
         for source, t in ((2, out), (3, f.pre_out), (4, f.residual)):  # each buffer the tile writes
             specs += [(source, None if t is None or not w or (gated and part) else
-                       (t, [splits * M, N], [N, 1], [bm, w]) if splits > 1 and source == 2 else
+                       (t, [splits * split_rows(M, cfg), N], [N, 1], [bm, w]) if splits > 1 and source == 2 else
                        (t, [M, N], [s_c, 1], [bm, w]))
                       for part, w in enumerate(widths)]  # a gated tile writes its first part only
         self.descriptors, self.fills = [], []
@@ -560,8 +601,8 @@ class _Launch:
         self.fills = tuple(self.fills)
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                     RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
-                    CONSUMER_REGS=CONSUMER_REGS, GATED=gated, BOX_H=0 if conv is None else conv.box_h, num_warps=4,
-                    **cfg)
+                    CONSUMER_REGS=CONSUMER_REGS, GATED=gated, BOX_H=0 if conv is None else conv.box_h,
+                    WGRAD=conv is not None and conv.weight_grad, num_warps=4, **cfg)
         # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
@@ -585,12 +626,13 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
     (``cfg``'s BLOCK_N split in halves); no pre-activation, residual or scales. ``conv`` (a
     ``Conv``): A is that convolution's channels-last source ``a``, read as its implicit GEMM (M
     output pixels, K = taps x C), and ``b`` its weight as a (Co, taps * Ci) matrix (see ``Conv``).
-    ``cfg``'s SPLIT_K > 1 (``_choose(split=True)``; M a multiple of the program tile's rows): each
-    split of K writes its fp32 product to a scratch, which ``matmul.split_k_sum_`` sums into ``out``
-    with the epilogue ``f``."""
+    ``cfg``'s SPLIT_K > 1 (``_choose(split=True)``): each split of K writes its fp32 product to its
+    slice of a scratch (``split_rows`` rows), which ``matmul.split_k_sum_`` sums into ``out`` with
+    the epilogue ``f``."""
     splits = cfg["SPLIT_K"]
     if splits > 1:  # the kernel writes each split's fp32 product, the sum applies the epilogue
-        result, fusion, out = out, f, runtime.empty((splits * M, N), torch.float32)
+        rows = split_rows(M, cfg)
+        result, fusion, out = out, f, runtime.empty((splits * rows, N), torch.float32)
         f = gemm.Fusion()
     pre, res = f.pre_out, f.residual
     key = (M, N, K, layout, a.dtype, out.dtype, f.bias is not None, f.act, None if pre is None else pre.dtype,
@@ -615,16 +657,26 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
         for made, _ in kept.fills:
             made.base = None
     if splits > 1:
-        return gemm.split_k_sum_(result, (layout[4], 1), out.view(splits, M, N), fusion)
+        return gemm.split_k_sum_(result, (layout[4], 1), out.view(splits, rows, N)[:, :M], fusion)
     return out
+
+
+def split_rows(M, cfg):
+    """The rows of one split's slice of the split-K scratch: M rounded up to the program tile's rows
+    (a tile's TMA store into its slice never reaches the next one)."""
+    tile = 2 * cfg["BLOCK_M"] if cfg["COOP"] else cfg["BLOCK_M"]
+    return gemm.cdiv(M, tile) * tile
 
 
 class Conv(NamedTuple):
     """A stride-1 convolution as this kernel's implicit GEMM (``matmul(..., conv=)``, one group): the
     source's NB x XH x XW pixels of C channels (contiguous) at pixel ``strides`` (n, h, w); output
     pixel (h, w) of OH x OW reads tap (kh, kw) (of KH x KW) at source pixel (h + B_h + kh * C_h, w +
-    B_w + kw * C_w) (forward: B = -padding, C = dilation; input gradient: B = padding, C =
-    -dilation); ``box_h`` rows of pixels per A block (``box_rows``)."""
+    B_w + kw * C_w) (forward and weight gradient: B = -padding, C = dilation; input gradient: B =
+    padding, C = -dilation); ``box_h`` rows of pixels per block of pixels (``box_rows``: BLOCK_M
+    output pixels of A, or with ``weight_grad`` BLOCK_K of B). ``weight_grad``: the product is dW
+    (Co, taps * C) = dY^T X_tap, A dY as an (output pixels, Co) matrix read transposed, B the source
+    (C a multiple of the tile's columns, so that a block of them is one tap's)."""
 
     NB: int
     XH: int
@@ -640,6 +692,13 @@ class Conv(NamedTuple):
     B_w: int
     C_w: int
     box_h: int
+    weight_grad: bool = False
+
+    def boxes(self, source, rows, width):
+        """(buffer, shape, strides, block shape) of the source's descriptor in blocks of ``rows`` pixels
+        (``box_h`` rows of them) x ``width`` channels."""
+        return (source, [self.NB, self.XH, self.XW, self.C], [*self.strides, 1],
+                [1, self.box_h, rows // self.box_h, width])
 
 
 def box_rows(block_m, OH, OW):
