@@ -801,18 +801,19 @@ def _plan_gluon(p, out, src):
 
 
 def _plan_gluon_wgrad(p):
-    """The "gluon_wgrad" route, or None: ``matmul_hopper``'s kernel on dW (Co, taps * Ci) = dY^T X_tap
-    (``matmul_hopper.Conv.weight_grad``) for what the TMA weight gradient takes at stride 1, dY
-    viewable as (pixels, Co) rows, dW channels-last with its taps and channels dense, at least 128
-    output channels (a tile's rows), blocks of 64 output pixels that are TMA boxes, and a tile shape
-    whose columns divide Ci (a block of them within one tap), K split up to 8 ways. (B's boxes are
-    wider than the 128-byte swizzle: the compiler loads them in 64-channel column blocks, each the
-    whole box of pixels, as it loads a 2-D block of that width: Triton 3.6's PTX for sm_90.)"""
+    """The "gluon_wgrad" route, or None: ``matmul_hopper``'s kernel on dW (Co, taps * Ci) = dY^T
+    X_tap (``matmul_hopper.Conv.weight_grad``) for what the TMA weight gradient takes at stride 1,
+    dY viewable as (pixels, Co) rows, dW channels-last with its taps and channels dense in the
+    operands' dtype, at least 128 output channels (a tile's rows), blocks of 64 output pixels that
+    are TMA boxes, and a tile shape whose columns divide Ci (a block of them within one tap), K
+    split up to 8 ways. (B's boxes are wider than the 128-byte swizzle: the compiler loads them in
+    64-channel column blocks, each the whole box of pixels, as it loads a 2-D block of that width:
+    Triton 3.6's PTX for sm_90.)"""
     if not (p.gluon and p.stride == (1, 1) and _wgrad_tma(p) and _row_stride(p.y) is not None):
         return None
     (CO, CI, KH, KW), (NB, _, OH, OW) = p.w.shape, p.y.shape
-    if CO < 128 or p.w.strides != (KH * KW * CI, 1, KW * CI, CI):
-        return None
+    if CO < 128 or p.w.strides != (KH * KW * CI, 1, KW * CI, CI) or p.w.dtype != p.x.dtype:
+        return None  # (a dW of another dtype: the kernel's store buffers are sized for 16-bit outputs)
     box_h = KM.matmul_hopper.box_rows(KM.matmul_hopper.K_BYTES // 2, OH, OW)
     cfg = None if box_h is None else KM.matmul_hopper._choose(CO, KH * KW * CI, NB * OH * OW, split=True,
                                                                max_split=8, n_divides=CI)
