@@ -879,7 +879,7 @@ def test_plan_takes_the_warp_specialised_gemm_on_hopper(direction, x_shape, w_sh
 @pytest.mark.parametrize("x_shape,w_shape,kw,route,splits", [
     ((2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1)), "gluon_wgrad", 2),
     ((1, 1280, 32, 32), (1280, 1280, 3, 3), dict(padding=(1, 1)), "gluon_wgrad", 1),
-    ((2, 200, 64, 64), (320, 200, 3, 3), dict(padding=(1, 1)), "wgrad_tma", 1),  # no tile's columns divide 200
+    ((2, 200, 64, 64), (320, 200, 3, 3), dict(padding=(1, 1)), "wgrad_tma", None),  # no tile's columns divide 200
     ((2, 320, 64, 64), (64, 320, 3, 3), dict(padding=(1, 1)), "wgrad_tma", None),  # under a tile's 128 rows
     ((2, 320, 64, 64), (320, 320, 3, 3), dict(padding=(1, 1), stride=(2, 2)), "wgrad_tma", None),
     ((2, 320, 62, 62), (320, 320, 3, 3), dict(padding=(1, 1)), "wgrad_tma", None),  # no pixel boxes
