@@ -193,49 +193,6 @@ def test_gpu_matches_portable_kernel(monkeypatch, schedule):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule,split_k", [(SCHEDULES[0], 1), (SCHEDULES[1], 1), (SCHEDULES[2], 2)])
-@pytest.mark.parametrize("captured", [False, True], ids=["eager", "graph"])
-def test_gpu_dependent_launches_wait_for_the_previous_kernel(schedule, split_k, captured):
-    """Launched as programmatic dependents (``PDL``), the kernel's programs may start while the
-    previous kernel runs: each GEMM of a chain over two buffers reads what the one before wrote and
-    overwrites what it read, some behind a portable kernel (a map), eagerly and in a CUDA graph; the
-    result is bitwise the chain's run one launch at a time with the stream drained in between."""
-    _needs_hopper()
-    assert KH.PDL
-    import flame.kernels.elementwise as KE
-    M = K = 1024
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    weights = [torch.linalg.qr(torch.randn(K, K, device=DEVICE, generator=g))[0].bfloat16() for _ in range(6)]
-    start = torch.randn(M, K, device=DEVICE, generator=g).bfloat16()
-
-    def chain(bufs, drain):
-        bufs[0].copy_(start)
-        for i, w in enumerate(weights):
-            src, dst = bufs[i % 2], bufs[(i + 1) % 2]
-            _gluon(dst, src, w, KM.Fusion(), schedule, split_k)
-            if i % 3 == 2:  # a portable kernel between two GEMMs: the next one follows a non-dependent launch
-                KE.map_(dst, [dst], KE.MUL, 0.5)
-            if drain:
-                torch.cuda.synchronize()
-        return bufs[len(weights) % 2]
-
-    want = chain([torch.empty(M, K, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)], True).clone()
-    bufs = [torch.empty(M, K, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
-    if captured:
-        chain(bufs, False)  # compiled before the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = chain(bufs, False)
-        for _ in range(3):
-            bufs[1].fill_(float("nan"))
-            graph.replay()
-    else:
-        got = chain(bufs, False)
-    torch.cuda.synchronize()
-    assert torch.equal(got, want)
-
-
-@pytest.mark.gpu
 def test_gpu_route(monkeypatch):
     """linear_ takes the Gluon kernel where ``plan`` gives a config (a big Flux GEMM), the TMA
     kernel where it gives none, and never with FLAME_MATMUL_GLUON=0 (``ROUTE``)."""

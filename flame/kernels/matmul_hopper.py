@@ -63,21 +63,9 @@ except ImportError:  # an older Triton: the other GEMM kernels serve every call
 ROUTE = not runtime.INTERPRETER and os.environ.get("FLAME_MATMUL_GLUON", "1") != "0"
 K_BYTES = 128  # bytes of K per operand row of a stage: BLOCK_K = 64 16-bit or 128 fp8 elements (128-byte swizzle)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
-# programmatic dependent launch (FLAME_MATMUL_PDL=0 turns it off): the kernel is launched so that its programs may
-# be placed while the stream's previous kernel ends, and waits for that kernel's writes before touching memory
-PDL = os.environ.get("FLAME_MATMUL_PDL", "1") != "0"
 
 
 if gluon is not None:
-    @gluon.jit
-    def _after_prior_kernels():
-        """Wait until the stream's previous kernel has finished and its writes are visible (a no-op
-        unless this launch is a programmatic dependent one), then let the next kernel's programs be
-        placed: each waits the same way, so they take SMs only as this kernel's programs end."""
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-
     @gluon.jit
     def _tap_shift(tap, KW, B_h, C_h, B_w, C_w):
         """(rows, columns) from an output pixel to its source pixel at ``tap`` (``Conv``)."""
@@ -382,7 +370,6 @@ if gluon is not None:
         for w in gl.static_range(2):
             mbarrier.init(res_bar.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
-        _after_prior_kernels()
         # (the argument tuples are written out in the call: a tuple bound to a name first would turn
         # the constexprs in it into tensors, Triton 3.6)
         gl.warp_specialize([
@@ -615,7 +602,7 @@ class _Launch:
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                     RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
                     CONSUMER_REGS=CONSUMER_REGS, GATED=gated, BOX_H=0 if conv is None else conv.box_h,
-                    WGRAD=conv is not None and conv.weight_grad, num_warps=4, launch_pdl=PDL, **cfg)
+                    WGRAD=conv is not None and conv.weight_grad, num_warps=4, **cfg)
         # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
