@@ -1089,13 +1089,10 @@ def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale):
     epilogue switches of its arguments) over these buffers and return True; for a call not kept, return
     the key to keep its launch under (``_keep``), None for one with a misaligned buffer on a TMA device."""
     tma = TMA and a.dtype in _TMA_DTYPES and tma_available()
-    if tma:
-        pointers = a.data_ptr() | b.data_ptr() | out.data_ptr()
-        for t in (pre_out, residual, u, v):
-            if t is not None:
-                pointers |= t.data_ptr()
-        if pointers % 16:
-            return None
+    if tma and (a.data_ptr() | b.data_ptr() | out.data_ptr() | (0 if pre_out is None else pre_out.data_ptr())
+                | (0 if residual is None else residual.data_ptr()) | (0 if u is None else u.data_ptr())
+                | (0 if v is None else v.data_ptr())) % 16:
+        return None
     key = (signature, tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER,
            runtime.num_sms(), FP8_ROUTE)
     kept = _route.calls.get(key)
