@@ -437,12 +437,18 @@ def run_backward(root, grad=None, retain_graph=False, capture=(), accumulate_lea
                                                  accumulate_leaves)
                 elif edge.id in boundary:
                     _add_pending(captured, edge.id, ig, add)
-                else:
-                    _add_pending(leaf_pending, edge.id, ig, add)
-                    leaf_deps[edge.id] -= 1
-                    if leaf_deps[edge.id] == 0 and edge.id in leaf_pending:
-                        lg = leaf_pending.pop(edge.id)
-                        _finish_leaf(edge, lg, grads, capture, captured, accumulate_leaves)
+                else:  # a leaf: its gradient summed over its uses, finished at the last
+                    leaf_id = edge.id
+                    left = leaf_deps[leaf_id] - 1
+                    leaf_deps[leaf_id] = left
+                    if left:
+                        _add_pending(leaf_pending, leaf_id, ig, add)
+                        continue
+                    prev = leaf_pending.pop(leaf_id, None)
+                    if prev is not None:
+                        ig = prev if ig is None else add(prev, ig)
+                    if ig is not None:
+                        _finish_leaf(edge, ig, grads, capture, captured, accumulate_leaves)
             if not retain_graph:
                 node.saved = None
                 node.released = True

@@ -129,20 +129,26 @@ def to_args(args, dtype=None, device=None):
     return dtype
 
 
-_prototypes: dict = {}  # dtype -> an empty buffer of that dtype on flame's device (``empty`` allocates like it)
+class _Prototypes(dict):
+    """dtype -> an empty buffer of that dtype on flame's device (``empty`` allocates like it), made on
+    first use: ``_prototypes[dtype]`` is one subscript, no call."""
+
+    def __missing__(self, dtype):
+        proto = self[dtype] = torch.empty((0,), dtype=dtype, device=device)
+        return proto
+
+
+_prototypes = _Prototypes()
 
 
 def empty(shape, dtype) -> torch.Tensor:
-    """Uninitialised, contiguous, of ``shape`` (a tuple of sizes, or an int) and ``dtype``: a
+    """Uninitialised, contiguous, of ``shape`` (a tuple or list of sizes, or an int) and ``dtype``: a
     ``new_empty`` of a buffer of that dtype, the sizes as arguments, which torch parses faster than
     ``torch.empty``'s keywords (a lone tuple would first be tried as an int: a TypeError formatted and
     dropped per call)."""
-    proto = _prototypes.get(dtype)
-    if proto is None:
-        proto = _prototypes[dtype] = torch.empty((0,), dtype=dtype, device=device)
-    if isinstance(shape, (tuple, list)):  # torch.Size too
-        return proto.new_empty(*shape) if shape else proto.new_empty(())
-    return proto.new_empty(shape)  # an int
+    if type(shape) is int:
+        return _prototypes[dtype].new_empty(shape)
+    return _prototypes[dtype].new_empty(*shape) if shape else _prototypes[dtype].new_empty(())
 
 
 def empty_like(buf, dtype) -> torch.Tensor:

@@ -290,12 +290,12 @@ def test_plan_ints_by_width_are_keyed_by_their_32_or_64_bits(monkeypatch):
 
 
 def test_maps_launch_their_plans_without_keywords_unless_launch_is_watched(monkeypatch):
-    """An elementwise map launches the ``Plan`` its signature memoises through ``launch_plan``; with
+    """An elementwise map launches the ``Plan`` its signature memoises through ``launch_via``; with
     elementwise's ``launch`` replaced, through that, with the plan as ``sig``."""
     import flame.kernels.elementwise as KE
     plans, watched = [], []
-    monkeypatch.setattr(L, "launch_plan", lambda plan, grid, args, real=L.launch_plan:
-                        plans.append(plan) or real(plan, grid, args))
+    monkeypatch.setattr(KE, "launch_via", lambda launcher, plan, grid, args, real=L.launch_via:
+                        plans.append(plan) or real(launcher, plan, grid, args))
     a, out = torch.arange(6, device=flame.device), torch.empty(6, dtype=torch.int64, device=flame.device)
     KE.map_(out, [a], KE.ADD, 2 ** 40)
     assert len(plans) == 1 and plans[0].kernel is KE._map_contiguous_kernel and plans[0].by_width == (4, 5)
@@ -322,13 +322,13 @@ def test_gemm_routes_launch_with_plans_that_leave_only_the_bias_stride_free():
 
 
 def test_gemm_routes_launch_their_plans_without_keywords_unless_launch_is_watched(monkeypatch):
-    """A GEMM launches its route's plan through ``launch_plan`` (``launch_via``); with matmul's ``launch``
-    replaced (a test's or a tool's watcher) it goes through that instead, with the plan as ``sig`` and
-    the config as keywords."""
+    """A GEMM launches its route's plan through ``launch_via``; with matmul's ``launch`` replaced (a
+    test's or a tool's watcher) it goes through that instead, with the plan as ``sig`` and the config
+    as keywords."""
     import flame.kernels.matmul as KM
     plans, watched = [], []
-    monkeypatch.setattr(L, "launch_plan", lambda plan, grid, args, real=L.launch_plan:
-                        plans.append(plan) or real(plan, grid, args))
+    monkeypatch.setattr(KM, "launch_via", lambda launcher, plan, grid, args, real=L.launch_via:
+                        plans.append(plan) or real(launcher, plan, grid, args))
     a, b = torch.randn(8, 5, device=flame.device), torch.randn(5, 7, device=flame.device)
     out = torch.empty(8, 7, device=flame.device)
     KM.matmul_(out, a, b)

@@ -358,7 +358,7 @@ def launch(kernel, grid, *args, sig=None, **meta):
         if type(sig) is not Plan:
             plans = _sig_plans.get(id(kernel))
             sig = (plans.get(sig) if plans is not None else None) or _sig_plan(kernel, sig, meta)
-        launch_plan(sig, grid, args)
+        launch_via(launch, sig, grid, args)
         return
     launches += 1
     if not _direct:
@@ -378,10 +378,21 @@ def launch(kernel, grid, *args, sig=None, **meta):
 
 def launch_plan(plan, grid, args):
     """``launch(plan.kernel, grid, *args, sig=plan, **plan.meta)`` with the runtime arguments as one
-    tuple and no keywords: a keyword call of ~15 constexprs costs about as much host time as the
-    rest of a launch. On CUDA a repeated launch is the plan's key of ``args``, one lookup in its
-    cache and the compiled kernel's launcher."""
+    tuple and no keywords (``launch_via`` from this module)."""
+    launch_via(launch, plan, grid, args)
+
+
+def launch_via(launcher, plan, grid, args):
+    """``launch_plan(plan, grid, args)`` from a launcher module whose name ``launch`` is ``launcher``;
+    when that name has been replaced (a test's or a tool's watcher), through it instead, with the
+    plan as ``sig`` and its meta as keywords, so that the watcher sees every launch as it was made.
+    No keyword call: one of ~15 constexprs costs about as much host time as the rest of a launch.
+    On CUDA a repeated launch is the plan's key of ``args``, one lookup in its cache and the
+    compiled kernel's launcher, in this one frame (the hot path of every plan's launch)."""
     global _stream, launches
+    if launcher is not launch:
+        launcher(plan.kernel, grid, *args, sig=plan, **plan.meta)
+        return
     launches += 1
     if not _direct:
         _through_triton(plan.kernel, grid, args, plan.meta)
@@ -397,23 +408,13 @@ def launch_plan(plan, grid, args):
     if entry is None:
         _first_launch(plan.kernel, grid, args, plan.meta, plan.compiled, key)
         return
-    run, function, lead, consts, expand = entry  # _run, inline: the hot path of every plan's launch
+    run, function, lead, consts, expand = entry  # _run, inline
     if _stream is None:
         _stream = functools.partial(_driver.active.get_current_stream, _driver.active.get_current_device())
     if expand is not None:
         args = expand(args)
     n = len(grid)
     run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(), function, *lead, *args, *consts)
-
-
-def launch_via(launcher, plan, grid, args):
-    """``launch_plan(plan, grid, args)`` from a launcher module whose name ``launch`` is ``launcher``;
-    when that name has been replaced (a test's or a tool's watcher), through it instead, with the
-    plan as ``sig`` and its meta as keywords, so that the watcher sees every launch as it was made."""
-    if launcher is launch:
-        launch_plan(plan, grid, args)
-    else:
-        launcher(plan.kernel, grid, *args, sig=plan, **plan.meta)
 
 
 def _run(entry, grid, args):

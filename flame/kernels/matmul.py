@@ -1076,10 +1076,11 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
     return entry
 
 
-# An entry point keeps what each of its call signatures resolved to, (problem, route, runner, the epilogue
-# with no buffers), in ``_route.calls`` too, under a key made of its arguments as it has them and the
-# device's switches as read now (``_launch``'s), so a repeated call reads its arguments' layouts once,
-# builds no ``Fusion`` and no ``_launch`` key and runs the kept route over its buffers (``_run_kept``). A
+# An entry point keeps what each of its call signatures resolved to, (problem, route, runner, an epilogue
+# of its layouts whose buffers each call fills and empties again), in ``_route.calls`` too, under a key
+# made of its arguments as it has them and the device's switches as read now (``_launch``'s), so a
+# repeated call reads its arguments' layouts once, builds no ``Fusion`` and no ``_launch`` key and runs
+# the kept route over its buffers (``_run_kept``). A
 # call with a buffer a TMA kernel would read off 16-byte alignment (rare: a view at an odd offset) goes
 # through ``_launch`` every time, as do all calls while FLAME_DEBUG_ROUTES is on or ``plan`` is replaced.
 
@@ -1088,27 +1089,33 @@ def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale):
     epilogue switches of its arguments) over these buffers and return True; for a call not kept, return
     the key to keep its launch under (``_keep``), None for one with a misaligned buffer on a TMA device."""
     tma = TMA and a.dtype in _TMA_DTYPES and tma_available()
-    if tma:
-        pointers = a.data_ptr() | b.data_ptr() | out.data_ptr()
-        for t in (pre_out, residual, u, v):
-            if t is not None:
-                pointers |= t.data_ptr()
-        if pointers % 16:
-            return None
+    if tma and (a.data_ptr() | b.data_ptr() | out.data_ptr() | (0 if pre_out is None else pre_out.data_ptr())
+                | (0 if residual is None else residual.data_ptr()) | (0 if u is None else u.data_ptr())
+                | (0 if v is None else v.data_ptr())) % 16:
+        return None
     key = (signature, tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER,
            runtime.num_sms(), FP8_ROUTE)
     kept = _route.calls.get(key)
     if kept is None or DEBUG_ROUTES or plan is not _PLAN:
         return key
-    p, route, run, template = kept
-    run(p, route, out, a, b, _NO_FUSION if template is None else template.bound(bias, pre_out, residual, u, v, b_scale))
+    p, route, run, f = kept
+    if f is None:
+        run(p, route, out, a, b, _NO_FUSION)
+        return True
+    f.bias, f.pre_out, f.residual, f.b_scale = bias, pre_out, residual, b_scale  # the kept epilogue, filled
+    if f.rank:
+        f.u, f.v = u, v
+    try:
+        run(p, route, out, a, b, f)
+    finally:  # it holds no buffer between calls
+        f.bias = f.pre_out = f.residual = f.b_scale = f.u = f.v = None
     return True
 
 
 def _keep(key, entry, f):
     """Keep ``_launch``'s ``entry`` (with epilogue ``f``, or None) for call key ``key`` (see ``_run_kept``)."""
     if key is not None and plan is _PLAN and not DEBUG_ROUTES:
-        _route.keep_call(key, (*entry, None if f is None else f.bound(None, None, None, None, None, None)))
+        _route.keep_call(key, (*entry, None if f is None else f.unbound()))
 
 
 # The runners: route ``r`` of problem ``p`` on these buffers with the epilogue ``f``. They take every
@@ -1256,13 +1263,11 @@ class Fusion:
         pointers = (0 if pre_out is None else pre_out.data_ptr()) | (0 if residual is None else residual.data_ptr())
         self.pointers = pointers | (u.data_ptr() | v.data_ptr() if rank else 0)
 
-    def bound(self, bias, pre_out, residual, u, v, b_scale):
-        """This epilogue over other buffers of the same layouts: what a kept call signature runs with
-        (``_run_kept``; with every buffer None, the template it keeps), without ``__init__``'s work.
-        ``pointers`` is left 0: a bound epilogue runs a route already planned."""
+    def unbound(self):
+        """This epilogue without its buffers: what a kept call signature fills with each call's own
+        (``_run_kept``). ``pointers`` is left 0: the kept epilogue runs a route already planned."""
         f = _new_fusion(Fusion)
-        f.bias, f.pre_out, f.residual, f.b_scale = bias, pre_out, residual, b_scale
-        f.u, f.v = (u, v) if self.rank else (None, None)
+        f.bias = f.pre_out = f.residual = f.b_scale = f.u = f.v = None
         f.bias_stride, f.act, f.alpha, f.beta, f.rank = self.bias_stride, self.act, self.alpha, self.beta, self.rank
         f.scale, f.rank_ratio, f.u_strides, f.v_strides = self.scale, self.rank_ratio, self.u_strides, self.v_strides
         f.b_scale_rows, f.b_fp8, f.w8a8, f.key, f.pointers = self.b_scale_rows, self.b_fp8, self.w8a8, self.key, 0

@@ -458,7 +458,7 @@ def _lora_linear_backward(node, g):
 def _cast_once(t, dtype):
     """``t``'s buffer in ``dtype`` (``to``: the copy a ``flame.amp.ParameterCasts`` region made, or
     one cast kernel), not recorded: the caller's backward routes the gradient to ``t`` itself."""
-    if t.dtype == dtype:
+    if t._data.dtype is dtype:
         return t._data
     made = parameter_copy(t, dtype)  # the region's copy, asked first: no grad-mode switch around it
     if made is not None:
