@@ -201,8 +201,8 @@ def test_linear_geglu_in_the_hopper_epilogue(shape, bias):
                                            (None, True, True)])
 def test_linear_bf16_residual_on_the_gpu_routes(act, grad, lora):
     """bf16 at an SDXL transformer shape: the residual read by the Hopper routes' epilogues (Gluon
-    without a pre-activation store, the TMA kernel with one or with a LoRA term), within bf16
-    rounding of torch's."""
+    without a pre-activation store or with a LoRA term, the TMA kernel with a pre-activation store),
+    within bf16 rounding of torch's; with LoRA the input gradient too."""
     x = flame.randn(2, 1024, 1280, dtype=flame.bfloat16, requires_grad=grad)
     w = flame.randn(1280, 1280, dtype=flame.bfloat16) * (1280 ** -0.5)
     b, h = flame.randn(1280, dtype=flame.bfloat16), flame.randn(2, 1024, 1280, dtype=flame.bfloat16)
@@ -221,6 +221,11 @@ def test_linear_bf16_residual_on_the_gpu_routes(act, grad, lora):
         g = flame.randn(2, 1024, 1280, dtype=flame.bfloat16)
         grads = y.backward(g)
         assert torch.equal(grads[h].to_torch(), g.to_torch())
+        if lora:  # dX = dY W + dH A: the low-rank term in the input gradient's GEMM too
+            tx.requires_grad_()
+            (torch.nn.functional.linear(tx, tw) + 0.5 * (tx @ a.to_torch().T) @ lb.to_torch().T).backward(
+                g.to_torch().float())
+            assert_close(grads[x], tx.grad.bfloat16(), rtol=2e-2, atol=4e-2)
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ def _gluon(out, a, b, f, schedule, split_k=1):
     M, K = a.shape
     N = b.shape[1]
     layout = KM._tma_layout(out, a, b, f, a.stride(), b.stride(), out.stride())
-    assert layout is not None and KH.usable(a, b, f)
+    assert layout is not None and KH.usable(a, b, f, layout[1])
     return KH.matmul(out, a, b, M, N, K, f, layout, KH.config(coop=coop, block_m=bm, block_n=bn, split_k=split_k))
 
 
@@ -117,6 +117,37 @@ def test_gpu_split_k(schedule, split_k):
     r = torch.randn(M, N, device=DEVICE).bfloat16()
     out = _gluon(_nan(M, N), x, w.t(), KM.Fusion(alpha=0.5, residual=r), schedule, split_k)
     assert_within_torch_error(out, 0.5 * (x @ w.t()) + r, 0.5 * (x.float() @ w.float().t()) + r.float(), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", SCHEDULES[:4] + SCHEDULES[6:7])
+@pytest.mark.parametrize("rank", [16, 40])
+def test_gpu_low_rank_term(schedule, rank):
+    """LoRA's low-rank term U V as each tile's last k block (the rank zero-filled up to BLOCK_K):
+    the forward's layout (B = W^T and V = B_lora^T read along K, beta != alpha, a bias and a residual)
+    and the input gradient's (B = W and V = A_lora read along N, with a pre-activation kept)."""
+    _needs_hopper()
+    M, K, N = 1000, 264, 520
+    x, w, bias = _inputs(M, K, N)
+    u = torch.randn(M, rank, device=DEVICE).bfloat16()
+    lora_b = (torch.randn(N, rank, device=DEVICE) * rank ** -0.5).bfloat16()
+    r = torch.randn(M, N, device=DEVICE).bfloat16()
+    f = KM.Fusion(bias, alpha=0.75, residual=r, low_rank=(u, lora_b.t(), 0.5))
+    assert KH.usable(x, w.t(), f)
+    out = _gluon(_nan(M, N), x, w.t(), f, schedule)
+    ref = 0.75 * (x.float() @ w.float().t()) + 0.5 * (u.float() @ lora_b.float().t()) + bias.float() + r.float()
+    composed = 0.75 * (x @ w.t()) + 0.5 * (u @ lora_b.t()) + bias + r
+    assert_within_torch_error(out, composed, ref, 2)
+    dy = torch.randn(M, N, device=DEVICE).bfloat16()
+    lora_a = (torch.randn(rank, K, device=DEVICE) * rank ** -0.5).bfloat16()
+    pre = _nan(M, K)
+    f = KM.Fusion(act=GELU_TANH.value, pre_out=pre, low_rank=(u, lora_a, 1.0))
+    assert KH.usable(dy, w, f, b_k=False)
+    out = _gluon(_nan(M, K), dy, w, f, schedule)
+    ref = dy.float() @ w.float() + u.float() @ lora_a.float()
+    gelu = torch.nn.functional.gelu
+    assert_within_torch_error(pre, dy @ w + u @ lora_a, ref, 2)
+    assert_within_torch_error(out, gelu(dy @ w + u @ lora_a, approximate="tanh"), gelu(ref, approximate="tanh"), 2)
 
 
 def test_choose_splits_long_k_below_a_wave(monkeypatch):

@@ -46,7 +46,12 @@ ROUTE_CASES = [
     ("split_k", "slices of", dense(16, 16, 8192, F32, a_transposed=True, sms=132)),  # LoRA dA, fp32
     ("split_k", "K = 8192", dense(16, 640, 8192, BF16, a_transposed=True, **H200)),  # past _FEW_TILES_TMA_MAX_K
     ("tma", "16-bit operands TMA can describe", dense(4096, 640, 640, BF16, bias=True, **LINEAR, tma=True, sms=132)),
-    ("tma", "Gluon kernel does not take it", dense(4608, 3072, 3072, BF16, rank=16, **LINEAR, **H200)),
+    # LoRA's low-rank term: the Gluon kernel's last k block where U's rows and V's (in B's layout) are TMA rows
+    ("gluon", "tiles per consumer", dense(4608, 3072, 3072, BF16, rank=16, sv=(1, 16), **LINEAR, **H200)),  # Y
+    ("gluon", "tiles per consumer", dense(4608, 3072, 3072, BF16, rank=16, **H200)),  # dX = dY W + dH A
+    ("tma", "Gluon kernel does not take it", dense(4608, 3072, 3072, BF16, rank=16, **LINEAR, **H200)),  # V along N
+    ("tma", "Gluon kernel does not take it", dense(4608, 3072, 3072, BF16, rank=12, **H200)),  # 24-byte rows of U
+    ("tma", "Gluon kernel does not take it", dense(4608, 3072, 3072, BF16, rank=16, misaligned=("u",), **H200)),
     ("tma", "Gluon kernel does not take it", dense(4096, 320, 640, BF16, **LINEAR, **H200)),  # fewer tiles than SMs
     ("gluon", "tiles per consumer", dense(4608, 3072, 3072, BF16, **LINEAR, **H200)),
     ("gluon", "tiles per consumer", dense(4608, 3072, 3072, BF16, act=GELU_TANH.value, pre_out=True, bias=True,

@@ -590,8 +590,9 @@ def _or(t, default):
 #                     tiles and a long K (``_k_splits``) that the TMA kernel does not take
 #   "tma"             ``_matmul_tma_kernel``: 16-bit 2-D problems with K >= 128 whose operands TMA can
 #                     describe (``_layout``), on Hopper; few-tile ones only up to _FEW_TILES_TMA_MAX_K
-#   "gluon"           ``matmul_hopper``'s warp-specialised kernel: the "tma" problems it takes (no
-#                     low-rank term, at least one 128x128 tile per SM: ``matmul_hopper._choose``)
+#   "gluon"           ``matmul_hopper``'s warp-specialised kernel: the "tma" problems it takes (a low-rank
+#                     term of rank <= 64 as the tiles' last k block, at least one 128x128 tile per SM:
+#                     ``matmul_hopper._choose``)
 #   "low_rank_apart"  a low-rank term the kernels do not fuse (a rank above _MAX_FUSED_RANK, a
 #                     batched or a split-K problem): the GEMM without it, then out += beta U V, two
 #                     routes in ``Route.then``
@@ -790,7 +791,8 @@ def _plan(p):
             why = "operands TMA cannot describe (dtype, alignment or strides)"
         return _pointer(p, cfg, tiles, why)
     hopper = None
-    if p.gluon and not p.b_fp8 and matmul_hopper.serves(p.dtype, p.rank, p.pre_out, p.residual):
+    if (p.gluon and not p.b_fp8 and not (p.rank and {"u", "v"} & set(p.misaligned))
+            and matmul_hopper.serves(p.dtype, p.rank, p.pre_out, p.residual, p.su, p.sv, layout[1])):
         hopper = matmul_hopper._choose(p.M, p.N, p.K, p.sms)  # the warp-specialised kernel, where it is faster
     if hopper is not None:
         return Route("gluon", hopper, 1, f"{'cooperative' if hopper['COOP'] else 'ping-pong'} "

@@ -1,5 +1,6 @@
 """A persistent, warp-specialised GEMM for Hopper (sm_90) in Gluon: ``matmul.py``'s 2-D TMA problem
-(16-bit operands, fp32 accumulation, the ``Fusion`` epilogue without a low-rank term) with a TMA
+(16-bit operands, fp32 accumulation, the ``Fusion`` epilogue; a low-rank term U V as each tile's last k
+block) with a TMA
 producer warp, two consumer warpgroups issuing wgmma, and TMA stores. Also the W8A8 product of
 ``matmul``'s "fp8_w8a8" route: e4m3 codes for both operands (fp8 tensor cores, twice the 16-bit
 rate), A with an fp32 scale per row and B per column, applied to the accumulator
@@ -85,11 +86,11 @@ if gluon is not None:
         tma.async_copy_global_to_shared(desc, [image, pixel // OW + shift_h, pixel % OW + shift_w, c0], bar, box)
 
     @gluon.jit
-    def _loader(a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h, C_h,
-                B_w, C_w, TAP_STRIDE, A_K: gl.constexpr, B_K: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, BOX_H: gl.constexpr,
-                WGRAD: gl.constexpr, SPLIT_K: gl.constexpr):
+    def _loader(a_desc, b_desc, bt_desc, u_desc, v_desc, vt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH,
+                OW, C, KW, B_h, C_h, B_w, C_w, TAP_STRIDE, A_K: gl.constexpr, B_K: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr,
+                BOX_H: gl.constexpr, WGRAD: gl.constexpr, SPLIT_K: gl.constexpr, LOW_RANK: gl.constexpr):
         # BOX_H > 0: a convolution's implicit GEMM (``Conv``), OH .. TAP_STRIDE its geometry, its
         # source's pixels read by ``_load_pixels``. Forward and input gradient: A is the source; k block
         # kk is channels (kk % c_blocks) * BLOCK_K.. of tap kk // c_blocks, and a tile's BLOCK_M rows are
@@ -98,7 +99,8 @@ if gluon is not None:
         # K offset when B_K, else the N offset). WGRAD (the weight gradient, dW (Co, taps * Ci) = dY^T
         # X_tap): A is dY^T (read as (pixels, Co) blocks), k block kk is output pixels kk * BLOCK_K..,
         # and B's block of columns (tap, channel c) (within one tap: C a multiple of the tile's) is
-        # the box of their source pixels at that tap.
+        # the box of their source pixels at that tap. LOW_RANK: after a tile's k blocks, one more of U's
+        # rows and V's columns in B's layout (the rank padded to BLOCK_K with zeros by TMA).
         SUB: gl.constexpr = 2 if COOP else 1  # A blocks per stage
         c_blocks = gl.cdiv(C, BLOCK_K)
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
@@ -158,6 +160,22 @@ if gluon is not None:
                         tma.async_copy_global_to_shared(bt_desc, [off_k, off_tap + off_n + TAIL_OFF], ready.index(s),
                                                         bt_smem.index(s))
                 count += 1
+            if LOW_RANK:
+                s = count % STAGES
+                mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+                mbarrier.expect(ready.index(s), nbytes)
+                for w in gl.static_range(SUB):
+                    tma.async_copy_global_to_shared(u_desc, [off_m + w * BLOCK_M, 0], ready.index(s),
+                                                    a_smem.index(s * SUB + w))
+                if B_K:
+                    tma.async_copy_global_to_shared(v_desc, [off_n, 0], ready.index(s), b_smem.index(s))
+                    if TAIL_N > 0:
+                        tma.async_copy_global_to_shared(vt_desc, [off_n + MAIN_N, 0], ready.index(s), bt_smem.index(s))
+                else:
+                    tma.async_copy_global_to_shared(v_desc, [0, off_n], ready.index(s), b_smem.index(s))
+                    if TAIL_N > 0:
+                        tma.async_copy_global_to_shared(vt_desc, [0, off_n + MAIN_N], ready.index(s), bt_smem.index(s))
+                count += 1
 
     @gluon.jit
     def _part_epilogue(acc, layout: gl.constexpr, off_m, off_n, M, N, bias_ptr, a_scale_ptr, b_scale_ptr, s_bias,
@@ -175,10 +193,11 @@ if gluon is not None:
     @gluon.jit
     def _consumer(WG: gl.constexpr, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc,
                   ct_desc, pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
-                  s_bias, alpha, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
-                  STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
-                  STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr, SPLIT_K: gl.constexpr):
+                  s_bias, alpha, rank_ratio, A_K: gl.constexpr, B_K: gl.constexpr, BIAS: gl.constexpr,
+                  ACT: gl.constexpr, STORE_PRE: gl.constexpr, RESIDUAL: gl.constexpr, SCALED: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  COOP: gl.constexpr, STAGES: gl.constexpr, GROUP_M: gl.constexpr, GATED: gl.constexpr,
+                  SPLIT_K: gl.constexpr, LOW_RANK: gl.constexpr):
         # consumer WG (0 or 1): cooperative, rows WG * BLOCK_M + [0, BLOCK_M) of every program tile;
         # ping-pong, every other program tile, starting with tile WG of the walk. Ping-pong hands the
         # main loop over (``turn``) once every block of the consumer's tile has landed: a consumer
@@ -189,7 +208,9 @@ if gluon is not None:
         # smaller one: Gluon's blocks are powers of two) is two accumulators, each with its own B
         # blocks, wgmma and store buffer; TAIL_N = 0 leaves the second out. GATED (GEGLU): the tail
         # accumulates the gate columns N + [off_n, off_n + MAIN_N) of B beside the main block's
-        # hidden ones, and the tile stores hidden * ACT(gate), MAIN_N output columns.
+        # hidden ones, and the tile stores hidden * ACT(gate), MAIN_N output columns. LOW_RANK: once
+        # A B is accumulated, the accumulator is scaled by rank_ratio and the tile's last k block adds
+        # U V, so that the epilogue's alpha (the Fusion's scale) makes it alpha A B + beta U V.
         SUB: gl.constexpr = 2 if COOP else 1
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
         STEP_N: gl.constexpr = MAIN_N if GATED else BLOCK_N
@@ -228,7 +249,8 @@ if gluon is not None:
                 tma.async_copy_global_to_shared(res_desc, [off_m, off_n], bar, buf)
                 if TAIL_N > 0:
                     tma.async_copy_global_to_shared(rest_desc, [off_m, off_n + MAIN_N], bar, buf_t)
-            count = (tile - gl.program_id(0)) // programs * k_steps  # ring position: the walk's k blocks so far
+            # ring position: the walk's k blocks so far
+            count = (tile - gl.program_id(0)) // programs * (k_steps + LOW_RANK)
             s = count % STAGES
             # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
             # over from the last tile would be live through the epilogue beside its result
@@ -255,6 +277,27 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(PARTS, deps=(acc,))
                 if kk > 0:  # the previous stage's wgmmas are done
                     mbarrier.arrive(empty.index((count - 1) % STAGES))
+                count += 1
+            if LOW_RANK:
+                s = count % STAGES
+                mbarrier.wait(ready.index(s), (count // STAGES) & 1)
+                if TAIL_N > 0:
+                    acc, acc_t = warpgroup_mma_wait(0, deps=(acc, acc_t))
+                    acc_t = acc_t * rank_ratio
+                else:
+                    acc = warpgroup_mma_wait(0, deps=(acc,))
+                acc = acc * rank_ratio
+                mbarrier.arrive(empty.index((count - 1) % STAGES))
+                u = a_smem.index(s * SUB + (WG if COOP else 0))
+                v = b_smem.index(s)
+                if B_K:
+                    v = v.permute((1, 0))
+                acc = warpgroup_mma(u, v, acc, is_async=True)
+                if TAIL_N > 0:
+                    v_t = bt_smem.index(s)
+                    if B_K:
+                        v_t = v_t.permute((1, 0))
+                    acc_t = warpgroup_mma(u, v_t, acc_t, is_async=True)
                 count += 1
             if not COOP:
                 mbarrier.arrive(turn.index(1 - WG))
@@ -326,14 +369,14 @@ if gluon is not None:
     @gluon.jit(do_not_specialize=["M", "N", "K", "s_bias", "OH", "OW", "C", "KW", "B_h", "C_h", "B_w", "C_w",
                                   "TAP_STRIDE"])
     def _gemm_hopper_kernel(a_desc, b_desc, bt_desc, c_desc, ct_desc, pre_desc, pret_desc, res_desc, rest_desc,
-                            bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha, OH, OW, C, KW, B_h, C_h, B_w,
-                            C_w, TAP_STRIDE, A_K: gl.constexpr,
+                            u_desc, v_desc, vt_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias, alpha,
+                            rank_ratio, OH, OW, C, KW, B_h, C_h, B_w, C_w, TAP_STRIDE, A_K: gl.constexpr,
                             B_K: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr, STORE_PRE: gl.constexpr,
                             RESIDUAL: gl.constexpr, SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, TAIL_N: gl.constexpr, BLOCK_K: gl.constexpr, COOP: gl.constexpr,
                             STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                             GATED: gl.constexpr, BOX_H: gl.constexpr, WGRAD: gl.constexpr,
-                            SPLIT_K: gl.constexpr):
+                            SPLIT_K: gl.constexpr, LOW_RANK: gl.constexpr):
         SUB: gl.constexpr = 2 if COOP else 1
         MAIN_N: gl.constexpr = BLOCK_N - TAIL_N
         dtype: gl.constexpr = a_desc.dtype
@@ -375,15 +418,15 @@ if gluon is not None:
         gl.warp_specialize([
             (_consumer, (0, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
-                         alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M, GATED, SPLIT_K)),
+                         alpha, rank_ratio, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N,
+                         BLOCK_K, COOP, STAGES, GROUP_M, GATED, SPLIT_K, LOW_RANK)),
             (_consumer, (1, a_smem, b_smem, bt_smem, c_smem, ct_smem, ready, empty, res_bar, turn, c_desc, ct_desc,
                          pre_desc, pret_desc, res_desc, rest_desc, bias_ptr, a_scale_ptr, b_scale_ptr, M, N, K, s_bias,
-                         alpha, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
-                         COOP, STAGES, GROUP_M, GATED, SPLIT_K)),
-            (_loader, (a_desc, b_desc, bt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N, K, OH, OW, C, KW, B_h,
-                       C_h, B_w, C_w, TAP_STRIDE, A_K, B_K, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K, COOP, STAGES, GROUP_M,
-                       GATED, BOX_H, WGRAD, SPLIT_K)),
+                         alpha, rank_ratio, A_K, B_K, BIAS, ACT, STORE_PRE, RESIDUAL, SCALED, BLOCK_M, BLOCK_N, TAIL_N,
+                         BLOCK_K, COOP, STAGES, GROUP_M, GATED, SPLIT_K, LOW_RANK)),
+            (_loader, (a_desc, b_desc, bt_desc, u_desc, v_desc, vt_desc, a_smem, b_smem, bt_smem, ready, empty, M, N,
+                       K, OH, OW, C, KW, B_h, C_h, B_w, C_w, TAP_STRIDE, A_K, B_K, BLOCK_M, BLOCK_N, TAIL_N, BLOCK_K,
+                       COOP, STAGES, GROUP_M, GATED, BOX_H, WGRAD, SPLIT_K, LOW_RANK)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -394,18 +437,31 @@ def available():
             and torch.cuda.get_device_capability(runtime.device) == (9, 0))
 
 
-def serves(dtype, rank, pre_out, residual):
+def serves(dtype, rank, pre_out, residual, su=(0, 0), sv=(0, 0), b_k=True):
     """Whether this kernel's epilogue and operands fit a 2-D problem that ``matmul._layout`` accepted,
     from its description (``matmul.GemmProblem``): fp16/bf16 operands of one dtype (or e4m3 codes of
-    both, the W8A8 product: ``matmul(..., a_scale=)``), no low-rank term, and not both a
-    pre-activation and a residual (one store buffer per consumer; ``linear_`` never asks for both)."""
-    return dtype in _GL_DTYPES and not rank and not (pre_out and residual)
+    both, the W8A8 product: ``matmul(..., a_scale=)``), not both a pre-activation and a residual (one
+    store buffer per consumer; ``linear_`` never asks for both), and a low-rank term U V (strides
+    ``su``, ``sv``) only of 16-bit operands and a rank of at most a k block, U's rows and V's in B's
+    layout (``b_k``: along K) contiguous and 16-byte aligned (``takes_low_rank``)."""
+    return (dtype in _GL_DTYPES and not (pre_out and residual)
+            and (not rank or (dtype.itemsize == 2 and takes_low_rank(rank, su, sv, b_k, dtype.itemsize))))
 
 
-def usable(a, b, f):
+def takes_low_rank(rank, su, sv, b_k, itemsize):
+    """Whether U (M, rank) and V (rank, N) of these strides can be the tile's last k block: U read
+    as A is (rows along K), V as B is (``b_k``: contiguous along the rank, else along N), both
+    TMA-describable, the rank at most BLOCK_K."""
+    v_rows, v_step = (sv[1], sv[0]) if b_k else (sv[0], sv[1])
+    return (rank <= K_BYTES // itemsize and su[1] == 1 and v_step == 1
+            and (su[0] * itemsize) % 16 == 0 and (v_rows * itemsize) % 16 == 0)
+
+
+def usable(a, b, f, b_k=True):
     """Whether this kernel can serve a 2-D problem on these buffers with the epilogue ``f`` (a
-    ``Fusion``): ``available`` and ``serves``."""
-    return (b.dtype == a.dtype and serves(a.dtype, f.rank, f.pre_out is not None, f.residual is not None)
+    ``Fusion``; B read along K when ``b_k``): ``available`` and ``serves``."""
+    return (b.dtype == a.dtype and serves(a.dtype, f.rank, f.pre_out is not None, f.residual is not None,
+                                          f.u_strides, f.v_strides, b_k)
             and available())
 
 
@@ -587,6 +643,14 @@ class _Launch:
                        (t, [splits * split_rows(M, cfg), N], [N, 1], [bm, w]) if splits > 1 and source == 2 else
                        (t, [M, N], [s_c, 1], [bm, w]))
                       for part, w in enumerate(widths)]  # a gated tile writes its first part only
+        if f.rank:  # U as A's blocks of the tile's last k block, V as B's (the rank zero-filled up to BLOCK_K)
+            (su, _), (sv0, sv1) = f.u_strides, f.v_strides
+            specs.append((5, (f.u, [M, f.rank], [su, 1], [bm, block_k])))
+            for w in widths:
+                specs.append((6, None if not w else (f.v, [N, f.rank], [sv1, 1], [w, block_k]) if b_k else
+                              (f.v, [f.rank, N], [sv0, 1], [block_k, w])))
+        else:
+            specs += [(5, None), (6, None), (6, None)]
         self.descriptors, self.fills = [], []
         for source, spec in specs:
             made = None
@@ -602,7 +666,7 @@ class _Launch:
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                     RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
                     CONSUMER_REGS=CONSUMER_REGS, GATED=gated, BOX_H=0 if conv is None else conv.box_h,
-                    WGRAD=conv is not None and conv.weight_grad, num_warps=4, **cfg)
+                    WGRAD=conv is not None and conv.weight_grad, LOW_RANK=f.rank > 0, num_warps=4, **cfg)
         # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
@@ -628,7 +692,7 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
     output pixels, K = taps x C), and ``b`` its weight as a (Co, taps * Ci) matrix (see ``Conv``).
     ``cfg``'s SPLIT_K > 1 (``_choose(split=True)``): each split of K writes its fp32 product to its
     slice of a scratch (``split_rows`` rows), which ``matmul.split_k_sum_`` sums into ``out`` with
-    the epilogue ``f``."""
+    the epilogue ``f`` (not with a low-rank term: ``f``'s U V is each tile's last k block)."""
     splits = cfg["SPLIT_K"]
     if splits > 1:  # the kernel writes each split's fp32 product, the sum applies the epilogue
         rows = split_rows(M, cfg)
@@ -636,13 +700,14 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
         f = gemm.Fusion()
     pre, res = f.pre_out, f.residual
     key = (M, N, K, layout, a.dtype, out.dtype, f.bias is not None, f.act, None if pre is None else pre.dtype,
-           None if res is None else res.dtype, a_scale is not None, gated, conv, *cfg.values())
+           None if res is None else res.dtype, a_scale is not None, gated, conv, f.rank, f.u_strides, f.v_strides,
+           *cfg.values())
     kept = _launches.get(key)
     if kept is None:
         if len(_launches) >= _MAX_LAUNCHES:
             _launches.clear()
         kept = _launches[key] = _Launch(out, a, b, M, N, K, f, layout, cfg, a_scale is not None, gated, conv)
-    sources = (a, b, out, pre, res)
+    sources = (a, b, out, pre, res, f.u, f.v)
     aligned = 0
     for made, source in kept.fills:
         made.base = sources[source]
@@ -652,7 +717,7 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
             raise ValueError("matmul_hopper: a TMA operand's base is not 16-byte aligned")
         launch_via(launch, kept.plan, kept.grid,
                    (*kept.descriptors, gemm._or(f.bias, out), gemm._or(a_scale, out), gemm._or(f.b_scale, out),
-                    M, N, kept.k, f.bias_stride, f.scale, *kept.geometry))
+                    M, N, kept.k, f.bias_stride, f.scale, f.rank_ratio, *kept.geometry))
     finally:  # the kept descriptors hold no buffer between launches
         for made, _ in kept.fills:
             made.base = None
