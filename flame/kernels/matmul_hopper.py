@@ -160,7 +160,7 @@ if gluon is not None:
                         tma.async_copy_global_to_shared(bt_desc, [off_k, off_tap + off_n + TAIL_OFF], ready.index(s),
                                                         bt_smem.index(s))
                 count += 1
-            if LOW_RANK > 0:
+            if LOW_RANK:
                 s = count % STAGES
                 mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
                 mbarrier.expect(ready.index(s), nbytes)
@@ -250,7 +250,7 @@ if gluon is not None:
                 if TAIL_N > 0:
                     tma.async_copy_global_to_shared(rest_desc, [off_m, off_n + MAIN_N], bar, buf_t)
             # ring position: the walk's k blocks so far
-            count = (tile - gl.program_id(0)) // programs * (k_steps + (1 if LOW_RANK > 0 else 0))
+            count = (tile - gl.program_id(0)) // programs * (k_steps + LOW_RANK)
             s = count % STAGES
             # a fresh accumulator per tile (not read: use_acc is off for the first k block); one carried
             # over from the last tile would be live through the epilogue beside its result
@@ -278,7 +278,7 @@ if gluon is not None:
                 if kk > 0:  # the previous stage's wgmmas are done
                     mbarrier.arrive(empty.index((count - 1) % STAGES))
                 count += 1
-            if LOW_RANK > 0:
+            if LOW_RANK:
                 s = count % STAGES
                 mbarrier.wait(ready.index(s), (count // STAGES) & 1)
                 if TAIL_N > 0:
@@ -288,18 +288,15 @@ if gluon is not None:
                     acc = warpgroup_mma_wait(0, deps=(acc,))
                 acc = acc * rank_ratio
                 mbarrier.arrive(empty.index((count - 1) % STAGES))
-                # the first LOW_RANK columns of U's block and rows of V's: the rank, padded to a power of two
-                u = a_smem.index(s * SUB + (WG if COOP else 0)).slice(0, LOW_RANK, dim=1)
+                u = a_smem.index(s * SUB + (WG if COOP else 0))
+                v = b_smem.index(s)
                 if B_K:
-                    v = b_smem.index(s).slice(0, LOW_RANK, dim=1).permute((1, 0))
-                else:
-                    v = b_smem.index(s).slice(0, LOW_RANK, dim=0)
+                    v = v.permute((1, 0))
                 acc = warpgroup_mma(u, v, acc, is_async=True)
                 if TAIL_N > 0:
+                    v_t = bt_smem.index(s)
                     if B_K:
-                        v_t = bt_smem.index(s).slice(0, LOW_RANK, dim=1).permute((1, 0))
-                    else:
-                        v_t = bt_smem.index(s).slice(0, LOW_RANK, dim=0)
+                        v_t = v_t.permute((1, 0))
                     acc_t = warpgroup_mma(u, v_t, acc_t, is_async=True)
                 count += 1
             if not COOP:
@@ -449,12 +446,6 @@ def serves(dtype, rank, pre_out, residual, su=(0, 0), sv=(0, 0), b_k=True):
     layout (``b_k``: along K) contiguous and 16-byte aligned (``takes_low_rank``)."""
     return (dtype in _GL_DTYPES and not (pre_out and residual)
             and (not rank or (dtype.itemsize == 2 and takes_low_rank(rank, su, sv, b_k, dtype.itemsize))))
-
-
-def _rank_width(rank):
-    """The columns of the low-rank k block its wgmma reads (LOW_RANK): the rank padded to a power of
-    two of at least 16 (wgmma's k and Gluon's shapes); 0 without a term."""
-    return 0 if not rank else max(16, 1 << (rank - 1).bit_length())
 
 
 def takes_low_rank(rank, su, sv, b_k, itemsize):
@@ -675,8 +666,7 @@ class _Launch:
         meta = dict(A_K=a_k, B_K=b_k, BIAS=f.bias is not None, ACT=f.act, STORE_PRE=f.pre_out is not None,
                     RESIDUAL=f.residual is not None, SCALED=scaled, BLOCK_K=block_k, TAIL_N=tail,
                     CONSUMER_REGS=CONSUMER_REGS, GATED=gated, BOX_H=0 if conv is None else conv.box_h,
-                    WGRAD=conv is not None and conv.weight_grad, LOW_RANK=_rank_width(f.rank),
-                    num_warps=4, **cfg)
+                    WGRAD=conv is not None and conv.weight_grad, LOW_RANK=f.rank > 0, num_warps=4, **cfg)
         # the plan keys its compiled kernels on its tensor arguments' dtypes (the bias and the
         # scales, C standing in for those switched off) and its descriptors' (blocks and layouts
         # follow from the constexprs); the sizes are not specialised on
