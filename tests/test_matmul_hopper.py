@@ -194,6 +194,44 @@ def test_conv_launch_describes_pixel_boxes(transposed, monkeypatch):
         assert kept.plan.meta["BOX_H"] == 2 and kept.plan.meta["SPLIT_K"] == splits
 
 
+@pytest.mark.skipif(KH.gluon is None, reason="needs triton.experimental.gluon (its host descriptors)")
+@pytest.mark.parametrize("layout", ["forward", "input_grad"])
+def test_low_rank_launch_describes_u_and_v(layout, monkeypatch):
+    """What a launch with LoRA's low-rank term hands the kernel (host side, no GPU): U (M, r) as A's
+    blocks of BLOCK_M rows x a 64-deep k block and V as B's, in B's layout (forward: V^T = B_lora (N, r)
+    read along the rank; input gradient: A_lora (r, N) read along N), a block per part of the tile's
+    columns (160 = 128 + 32); the accumulator's ratio alpha / beta; none of the three without a term."""
+    monkeypatch.setattr(KH.autotune, "shared_memory", lambda: 232_448)
+    M, K, N, r = 1000, 264, 520, 16
+    a = torch.empty(M, K, dtype=torch.bfloat16)
+    u = torch.empty(M, r, dtype=torch.bfloat16)
+    if layout == "forward":  # B = W^T, W (N, K); V = B_lora^T, B_lora (N, r)
+        b, v = torch.empty(N, K, dtype=torch.bfloat16).t(), torch.empty(N, r, dtype=torch.bfloat16).t()
+        want_v = ([N, r], [128, 64], [32, 64])
+    else:  # B = W (K, N) row-major; V = A_lora (r, N)
+        b, v = torch.empty(K, N, dtype=torch.bfloat16), torch.empty(r, N, dtype=torch.bfloat16)
+        want_v = ([r, N], [64, 128], [64, 32])
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    f = KM.Fusion(alpha=0.75, low_rank=(u, v, 0.5))
+    b_k = layout == "forward"
+    lay = (True, b_k, K, K if b_k else N, N)  # matmul._tma_layout's, which needs a TMA device
+
+    def serves(f):
+        return KH.serves(torch.bfloat16, f.rank, False, False, f.u_strides, f.v_strides, b_k)
+
+    assert serves(f)
+    cfg = KH.config(coop=True, block_m=64, block_n=160)
+    kept = KH._Launch(out, a, b, M, N, K, f, lay, cfg, False, False, None)
+    u_desc, v_desc, vt_desc = kept.descriptors[9:12]
+    assert (u_desc.shape, u_desc.block_shape) == ([M, r], [64, 64])
+    assert (v_desc.shape, v_desc.block_shape, vt_desc.block_shape) == want_v
+    assert kept.plan.meta["LOW_RANK"] and f.rank_ratio == 1.5 and f.scale == 0.5
+    plain = KH._Launch(out, a, b, M, N, K, KM.Fusion(), lay, cfg, False, False, None)
+    assert plain.descriptors[9:12] == (None, None, None) and not plain.plan.meta["LOW_RANK"]
+    across = v.contiguous() if layout == "forward" else v.t().contiguous().t()  # V not in B's layout
+    assert not serves(KM.Fusion(low_rank=(u, across, 0.5)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", SCHEDULES[:4])
 def test_gpu_backward_layouts(schedule):
