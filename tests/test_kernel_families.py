@@ -135,3 +135,15 @@ def test_shapes_sections_are_named_as_their_family_and_the_old_names_still_read(
         raise AssertionError(msg)
 
     assert autotune.load_shapes(old, ["matmul", "conv2d"], error) == want
+
+
+def test_the_rope_family_checks_the_op_against_diffusers_steps(scripts):
+    """``bench.py --family rope``'s quick cases (Flux's double and single block prologues, forward and
+    forward + backward) agree with PyTorch's composed steps before anything is timed."""
+    import torch
+
+    bench, _ = scripts
+    ctx = kernel_families.cases.Ctx(dtype=torch.float32, quick=True, warmup=1, rep=1)
+    cases = kernel_families.rope.BENCH.cases(ctx)
+    assert [c.name.split(" ", 1)[0] for c in cases] == ["fwd", "fwd+bwd"] * 2
+    assert [bench.check_case(c) for c in cases] == [None] * 4

@@ -27,11 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, for common (also when a test imports us)
 
 # isort: off
-from . import matmul, lora, conv2d, attention, norms, softmax, elementwise, reduce, overhead
+from . import matmul, lora, conv2d, attention, norms, rope, softmax, elementwise, reduce, overhead
 # isort: on
 
 # The scripts' order: autotune's tunings and bench's families run in it (GEMMs first).
-MODULES = (matmul, lora, conv2d, attention, norms, softmax, elementwise, reduce, overhead)
+MODULES = (matmul, lora, conv2d, attention, norms, rope, softmax, elementwise, reduce, overhead)
 
 
 def family_name(module) -> str:
