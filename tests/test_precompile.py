@@ -229,3 +229,36 @@ def test_one_compile_ahead_pool_at_a_time_per_cache_folder(tmp_path, monkeypatch
         precompile._mark_done(done, [precompile._digest('{"a": 1}')])  # the other pool finishes
     waiter.join(10)
     assert result == {"variants": 0, "failed": 0, "seconds": 0.0}
+
+
+def _runtime_and_constexpr_names(kernel):
+    """(the names of ``kernel``'s runtime arguments in order, those of its constexprs)."""
+    import inspect
+
+    params = inspect.signature(kernel.fn).parameters.values()
+    constexpr = {p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")}
+    return [p.name for p in params if p.name not in constexpr], constexpr
+
+
+@pytest.mark.parametrize("path", sorted((precompile.Path(__file__).parents[1] / "configs" / "kernels").glob("*.jsonl")),
+                         ids=lambda p: p.name)
+def test_every_shipped_line_matches_its_kernel(path):
+    """A shipped list's line names a flame kernel that exists, with one recorded argument per runtime
+    argument and constexprs it has: a kernel whose arguments changed since the list was recorded makes
+    its lines fail to compile (time spent, nothing cached). Re-record the list on that GPU
+    (``FLAME_RECORD_KERNELS``), or drop the kernel's lines until then."""
+    import importlib
+
+    options = {"num_warps", "num_stages", "num_ctas", "maxnreg"}
+    stale = []
+    for line in precompile.read_lines(path):
+        spec = json.loads(line)
+        module, name = spec["kernel"].split(":")
+        kernel = getattr(importlib.import_module(module), name, None)
+        if kernel is None:
+            stale.append(f"{name}: no such kernel")
+            continue
+        runtime_args, constexprs = _runtime_and_constexpr_names(kernel)
+        if len(spec["args"]) != len(runtime_args) or not set(spec["meta"]) - options <= constexprs:
+            stale.append(f"{name}: {len(spec['args'])} arguments for {len(runtime_args)}")
+    assert stale == []
