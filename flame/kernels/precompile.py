@@ -59,20 +59,26 @@ def _stand_in(a):
     return 1.5 if kind == "float" else a[1]
 
 
+def compile_variant(spec):
+    """Compile one recorded variant (a parsed line) into Triton's cache and return the compiled
+    kernel, its host launcher built."""
+    module, name = spec["kernel"].split(":")
+    if not module.startswith("flame.kernels."):  # a recorded file names flame's kernels, nothing else
+        raise ValueError(f"{module} is not a flame kernel module")
+    kernel = getattr(importlib.import_module(module), name)
+    meta = {k: tl.dtype(v["tl"]) if isinstance(v, dict) else v for k, v in spec["meta"].items()}
+    compiled = kernel.warmup(*[_stand_in(a) for a in spec["args"]], grid=(1,), **meta)
+    load = getattr(compiled, "_init_handles", None)
+    if load is not None:  # loading builds the host launcher too (C, compiled and cached by Triton < 3.7)
+        load()
+    return compiled
+
+
 def _compile_line(line):
     """Compile one recorded variant into Triton's cache: (the line, seconds, error or None)."""
-    spec = json.loads(line)
     t0 = time.perf_counter()
     try:
-        module, name = spec["kernel"].split(":")
-        if not module.startswith("flame.kernels."):  # a recorded file names flame's kernels, nothing else
-            raise ValueError(f"{module} is not a flame kernel module")
-        kernel = getattr(importlib.import_module(module), name)
-        meta = {k: tl.dtype(v["tl"]) if isinstance(v, dict) else v for k, v in spec["meta"].items()}
-        compiled = kernel.warmup(*[_stand_in(a) for a in spec["args"]], grid=(1,), **meta)
-        load = getattr(compiled, "_init_handles", None)
-        if load is not None:  # loading builds the host launcher too (C, compiled and cached by Triton < 3.7)
-            load()
+        compile_variant(json.loads(line))
         error = None
     except Exception as e:  # a stale line costs its compile, nothing else
         error = f"{type(e).__name__}: {str(e)[:200]}"
