@@ -226,6 +226,8 @@ def test_low_rank_launch_describes_u_and_v(layout, monkeypatch):
     assert (u_desc.shape, u_desc.block_shape) == ([M, r], [64, 64])
     assert (v_desc.shape, v_desc.block_shape, vt_desc.block_shape) == want_v
     assert kept.plan.meta["LOW_RANK"] and f.rank_ratio == 1.5 and f.scale == 0.5
+    with pytest.raises(ValueError, match="low-rank term"):
+        KH.matmul(out, a, b, M, N, K, f, lay, KH.config(coop=True, block_m=64, block_n=160, split_k=2))
     plain = KH._Launch(out, a, b, M, N, K, KM.Fusion(), lay, cfg, False, False, None)
     assert plain.descriptors[9:12] == (None, None, None) and not plain.plan.meta["LOW_RANK"]
     across = v.contiguous() if layout == "forward" else v.t().contiguous().t()  # V not in B's layout

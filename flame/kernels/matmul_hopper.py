@@ -695,6 +695,8 @@ def matmul(out, a, b, M, N, K, f, layout, cfg, a_scale=None, gated=False, conv=N
     the epilogue ``f`` (not with a low-rank term: ``f``'s U V is each tile's last k block)."""
     splits = cfg["SPLIT_K"]
     if splits > 1:  # the kernel writes each split's fp32 product, the sum applies the epilogue
+        if f.rank:
+            raise ValueError("matmul_hopper: a low-rank term is each tile's last k block, not a split-K sum's term")
         rows = split_rows(M, cfg)
         result, fusion, out = out, f, runtime.empty((splits * rows, N), torch.float32)
         f = gemm.Fusion()
