@@ -793,11 +793,7 @@ def _plan_gluon(p, out, src):
     KH, KW = p.w.shape[2], p.w.shape[3]
     cfg = KM.matmul_hopper._choose(NB * OH * OW, N, KH * KW * src.shape[1], split=True)
     box_h = None if cfg is None else KM.matmul_hopper.box_rows(cfg["BLOCK_M"], OH, OW)
-    if box_h is None:
-        return None
-    splits = cfg["SPLIT_K"]
-    why = "stride 1, 16-bit channels-last buffers TMA can describe: the warp-specialised GEMM"
-    return Route("gluon", dict(cfg, BOX_H=box_h), splits, why + (f", K in {splits} splits" if splits > 1 else ""))
+    return None if box_h is None else _gluon_route("gluon", cfg, box_h, "K")
 
 
 def _plan_gluon_wgrad(p):
@@ -817,12 +813,14 @@ def _plan_gluon_wgrad(p):
     box_h = KM.matmul_hopper.box_rows(KM.matmul_hopper.K_BYTES // 2, OH, OW)
     cfg = None if box_h is None else KM.matmul_hopper._choose(CO, KH * KW * CI, NB * OH * OW, split=True,
                                                                max_split=8, n_divides=CI)
-    if cfg is None:
-        return None
+    return None if cfg is None else _gluon_route("gluon_wgrad", cfg, box_h, "K (the pixels)")
+
+
+def _gluon_route(kernel, cfg, box_h, k):
+    """A route on ``matmul_hopper``'s kernel: its launch config ``cfg`` with the pixel boxes' rows."""
     splits = cfg["SPLIT_K"]
     why = "stride 1, 16-bit channels-last buffers TMA can describe: the warp-specialised GEMM"
-    return Route("gluon_wgrad", dict(cfg, BOX_H=box_h), splits,
-                 why + (f", K (the pixels) in {splits} splits" if splits > 1 else ""))
+    return Route(kernel, dict(cfg, BOX_H=box_h), splits, why + (f", {k} in {splits} splits" if splits > 1 else ""))
 
 
 def _tma_work(NB, OH, OW, N, C, KH, KW, D_h, D_w, cfg):
@@ -1163,35 +1161,40 @@ def _conv_tma_(out, src, w, bias, geom_h, geom_w, transposed, route):
 
 
 def _conv_gluon_(out, src, w, bias, geom_h, geom_w, transposed, route):
-    kept = route.kept.get("gluon")
-    if kept is None:  # (Conv, (M, N, K), layout, launch config) of the route's problem
+    def describe(box_h):
         NB, N, OH, OW = out.shape
         C, XH, XW = src.shape[1], src.shape[2], src.shape[3]
         KH, KW = w.shape[2], w.shape[3]
-        cfg = dict(route.config)
         conv = KM.matmul_hopper.Conv(NB, XH, XW, C, _nhwc(src)[:3], OH, OW, KH, KW, geom_h[1], geom_h[2], geom_w[1],
-                                     geom_w[2], cfg.pop("BOX_H"))
+                                     geom_w[2], box_h)
         # A read along K (its pixel boxes), the weight as a (Co, taps * Ci) matrix: (n=co, k=ci) blocks
         # read along K for the forward, (k=co, n=ci) blocks for the input gradient
-        layout = (True, not transposed, 0, w.stride(0), _row_stride(out))
-        kept = route.kept["gluon"] = (conv, (NB * OH * OW, N, KH * KW * C), layout, cfg)
-    conv, (M, N, K), layout, cfg = kept
-    return KM.matmul_hopper.matmul(out, src, w, M, N, K, KM.Fusion(bias), layout, cfg, conv=conv)
+        return conv, (NB * OH * OW, N, KH * KW * C), (True, not transposed, 0, w.stride(0), _row_stride(out))
+
+    return _run_gluon(route, describe, out, src, w, KM.Fusion(bias))
 
 
 def _wgrad_gluon_(route, p, dw_out, dy, x):
-    kept = route.kept.get("gluon")
-    if kept is None:  # (Conv, (M, N, K), layout, launch config) of the route's problem
+    def describe(box_h):
         (NB, CO, OH, OW), (CI, XH, XW), (KH, KW) = dy.shape, x.shape[1:], dw_out.shape[2:]
         (ph, pw), (dh, dwl) = p.padding, p.dilation
-        cfg = dict(route.config)
-        conv = KM.matmul_hopper.Conv(NB, XH, XW, CI, _nhwc(x)[:3], OH, OW, KH, KW, -ph, dh, -pw, dwl,
-                                     cfg.pop("BOX_H"), weight_grad=True)
+        conv = KM.matmul_hopper.Conv(NB, XH, XW, CI, _nhwc(x)[:3], OH, OW, KH, KW, -ph, dh, -pw, dwl, box_h,
+                                     weight_grad=True)
         # A: dY as (pixels, Co) blocks, read transposed; B: x's pixel boxes; C: dW as a (Co, taps * Ci) matrix
-        layout = (False, False, _row_stride(dy), 0, dw_out.stride(0))
-        kept = route.kept["gluon"] = (conv, (CO, KH * KW * CI, NB * OH * OW), layout, cfg)
+        return conv, (CO, KH * KW * CI, NB * OH * OW), (False, False, _row_stride(dy), 0, dw_out.stride(0))
+
+    return _run_gluon(route, describe, dw_out, dy, x, KM.Fusion())
+
+
+def _run_gluon(route, describe, out, a, b, fusion):
+    """``matmul_hopper.matmul`` over a Gluon route's implicit GEMM: ``describe(box_h)`` gives its
+    (``Conv``, (M, N, K), layout) at the route's first launch, kept with the route and the launch config."""
+    kept = route.kept.get("gluon")
+    if kept is None:
+        cfg = dict(route.config)
+        kept = route.kept["gluon"] = (*describe(cfg.pop("BOX_H")), cfg)
     conv, (M, N, K), layout, cfg = kept
-    return KM.matmul_hopper.matmul(dw_out, dy, x, M, N, K, KM.Fusion(), layout, cfg, conv=conv)
+    return KM.matmul_hopper.matmul(out, a, b, M, N, K, fusion, layout, cfg, conv=conv)
 
 
 def _tma_launch(out, src, w, bias, geom_h, geom_w, transposed, route):
