@@ -8,9 +8,9 @@ h D + d); the columns past 3 H D are never read. The streams are concatenated al
 token l of stream 1 is token L_0 + l of the outputs and of the cos/sin tables (L_total, D/2).
 
 A program owns BLOCK_L tokens of one stream and one batch, and one head, and does q, k and v.
-Its tiles are (BLOCK_L, HB, 2): the rotary pairs (x[2i], x[2i+1]) lie on the last axis, so a row
-is read as one unit-stride run and split into its even and odd halves in registers (HB: D/2
-rounded up to a power of two). The first B * nb_0 programs of grid axis 0 take stream 0 (nb_s:
+Its tiles are (BLOCK_L, 2 HB) rows of the head's D columns (HB: D/2 rounded up to a power of two),
+read and written as unit-stride runs (vector accesses), and viewed as (BLOCK_L, HB, 2) where the
+rotary pairs (x[2i], x[2i+1]) are split into their even and odd halves in registers. The first B * nb_0 programs of grid axis 0 take stream 0 (nb_s:
 token blocks of stream s, batch-major), the rest stream 1; each program selects its stream's
 pointers and strides. Grid axis 1 is the head.
 
@@ -35,18 +35,21 @@ from .reduce import SUM, accumulation_dtype, reduce_
 
 
 @triton.jit
-def _pairs(D, HB: tl.constexpr):
-    """Column offsets 2 i + j of a head's (HB, 2) pair tile, and their mask."""
-    i = tl.arange(0, HB)[:, None]
-    j = tl.arange(0, 2)[None, :]
-    return 2 * i + j, (i < D // 2) & (j < 2)
+def _rotate(x, c, s, sign):
+    """The (BLOCK_L, 2 HB) rows ``x`` with each pair (x[2i], x[2i+1]) rotated by the angle whose
+    cosine and sine are c[:, i], s[:, i] (``sign`` -1: by its inverse)."""
+    BLOCK_L: tl.constexpr = x.shape[0]
+    HB: tl.constexpr = x.shape[1] // 2
+    xe, xo = tl.split(tl.reshape(x, (BLOCK_L, HB, 2)))
+    s = s * sign
+    return tl.reshape(tl.join(xe * c - xo * s, xo * c + xe * s), (BLOCK_L, 2 * HB))
 
 
 @triton.jit
 def _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l, xs1_b, xs1_l,
              BLOCK_L: tl.constexpr, HB: tl.constexpr):
     """This program's stream (``first``: stream 0), batch, rows (tokens of its stream) and their
-    mask, the rows' tokens in the concatenated sequence, its head, the pair tile's columns and
+    mask, the rows' tokens in the concatenated sequence, its head, the tile's columns and their
     mask, the tile's mask and the pointers of its head's q columns in the input."""
     pid = tl.program_id(0)
     first = pid < B * nb0
@@ -57,10 +60,11 @@ def _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l, xs1_b, xs1_l,
     rmask = rows < tl.where(first, L0, L1)
     tokens = rows + tl.where(first, 0, L0)
     h = tl.program_id(1)
-    col, cmask = _pairs(D, HB)
-    m = rmask[:, None, None] & cmask[None, :, :]
+    col = tl.arange(0, 2 * HB)
+    cmask = col < D
+    m = rmask[:, None] & cmask[None, :]
     x_row = tl.where(first, x0_ptr, x1_ptr) + b * tl.where(first, xs0_b, xs1_b) + rows * tl.where(first, xs0_l, xs1_l)
-    return first, b, rows, rmask, tokens, h, col, cmask, m, x_row[:, None, None] + h * D + col[None, :, :]
+    return first, b, rows, rmask, tokens, h, col, cmask, m, x_row[:, None] + h * D + col[None, :]
 
 
 @triton.jit
@@ -75,8 +79,8 @@ def _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB: tl.c
 
 @triton.jit
 def _rstd(x, D, eps):
-    """1 / sqrt(mean(x^2) + eps) of each row of a (BLOCK_L, HB, 2) tile (masked entries are 0)."""
-    return 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, axis=2), axis=1) / D + eps)
+    """1 / sqrt(mean(x^2) + eps) of each row of a (BLOCK_L, 2 HB) tile (masked entries are 0)."""
+    return 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
 
 
 @triton.jit
@@ -84,17 +88,16 @@ def _norm_rope(x, w_ptr, col, cmask, c, s, D, eps, CD: tl.constexpr):
     # y = x * rstd * w (RMSNorm over the head's D), then the rotation of each pair by the token's angle:
     #   out[2i] = y[2i] cos_i - y[2i+1] sin_i,  out[2i+1] = y[2i+1] cos_i + y[2i] sin_i
     w = tl.load(w_ptr + col, mask=cmask, other=0.0).to(CD)
-    y = x * _rstd(x, D, eps)[:, None, None] * w[None, :, :]
-    ye, yo = tl.split(y)
-    return tl.join(ye * c - yo * s, yo * c + ye * s)
+    return _rotate(x * _rstd(x, D, eps)[:, None] * w[None, :], c, s, 1.0)
 
 
 @triton.jit
 def _tail_share(h, H, D, W):
-    """The columns [lo, hi) past 3 H D of a row that head ``h``'s program handles."""
+    """The columns [lo, hi) past 3 H D of a row that head ``h``'s program handles: shares of a
+    multiple of 8 columns, so that each starts 16-byte aligned where the row does (vector accesses)."""
     extra = W - 3 * H * D
-    share = (extra + H - 1) // H
-    return 3 * H * D + h * share, 3 * H * D + tl.minimum((h + 1) * share, extra)
+    share = ((extra + H - 1) // H + 7) // 8 * 8
+    return 3 * H * D + tl.minimum(h * share, extra), 3 * H * D + tl.minimum((h + 1) * share, extra)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -106,7 +109,7 @@ def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
     first, b, rows, rmask, tokens, h, col, cmask, m, x = _program(x0_ptr, x1_ptr, B, L0, L1, D, nb0, nb1, xs0_b, xs0_l,
                                                                xs1_b, xs1_l, BLOCK_L, HB)
     out = ((b * (L0 + L1) + tokens) * H + h) * D
-    o = out[:, None, None] + col[None, :, :]
+    o = out[:, None] + col[None, :]
     c, s = _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB)
     q = _norm_rope(tl.load(x, mask=m, other=0.0).to(CD), tl.where(first, wq0_ptr, wq1_ptr), col, cmask, c, s,
                    D, eps, CD)
@@ -130,12 +133,12 @@ def _qk_norm_rope_fwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
 @triton.jit
 def _grad_tile(g_ptr, b, h, tokens, sb, sh, sl, col, m, HAS: tl.constexpr, CD: tl.constexpr,
                BLOCK_L: tl.constexpr, HB: tl.constexpr):
-    """A (BLOCK_L, HB, 2) tile of one output's gradient (B, H, L, D), zeros when it has none."""
+    """A (BLOCK_L, 2 HB) tile of one output's gradient (B, H, L, D), zeros when it has none."""
     if HAS:
         row = b * sb + h * sh + tokens * sl
-        return tl.load(g_ptr + row[:, None, None] + col[None, :, :], mask=m, other=0.0).to(CD)
+        return tl.load(g_ptr + row[:, None] + col[None, :], mask=m, other=0.0).to(CD)
     else:
-        return tl.zeros((BLOCK_L, HB, 2), CD)
+        return tl.zeros((BLOCK_L, 2 * HB), CD)
 
 
 # Backward of one of q and k. out = R y with y = xhat * w, xhat = x * rstd, and R the rotation of
@@ -146,13 +149,12 @@ def _grad_tile(g_ptr, b, h, tokens, sb, sh, sl, col, m, HAS: tl.constexpr, CD: t
 #   dw = sum over tokens, batches and heads of dy * xhat: this tile's sum over its tokens here.
 @triton.jit
 def _norm_rope_bwd(g, x, w_ptr, col, cmask, c, s, D, eps, CD: tl.constexpr):
-    ge, go = tl.split(g)
-    dy = tl.join(ge * c + go * s, go * c - ge * s)
-    rstd = _rstd(x, D, eps)[:, None, None]
+    dy = _rotate(g, c, s, -1.0)
+    rstd = _rstd(x, D, eps)[:, None]
     xhat = x * rstd
-    dxhat = dy * tl.load(w_ptr + col, mask=cmask, other=0.0).to(CD)[None, :, :]
-    k2 = tl.sum(tl.sum(dxhat * xhat, axis=2), axis=1) / D
-    return rstd * (dxhat - xhat * k2[:, None, None]), tl.sum(dy * xhat, axis=0)
+    dxhat = dy * tl.load(w_ptr + col, mask=cmask, other=0.0).to(CD)[None, :]
+    k2 = tl.sum(dxhat * xhat, axis=1) / D
+    return rstd * (dxhat - xhat * k2[:, None]), tl.sum(dy * xhat, axis=0)
 
 
 @triton.jit(do_not_specialize=["eps"])
@@ -170,7 +172,7 @@ def _qk_norm_rope_bwd_kernel(x0_ptr, x1_ptr, wq0_ptr, wk0_ptr, wq1_ptr, wk1_ptr,
                                                                   xs0_l, xs1_b, xs1_l, BLOCK_L, HB)
     W = tl.where(first, W0, W1)
     dx_row = tl.where(first, dx0_ptr, dx1_ptr) + (b * tl.where(first, L0, L1) + rows) * W
-    dx = dx_row[:, None, None] + h * D + col[None, :, :]
+    dx = dx_row[:, None] + h * D + col[None, :]
     c, s = _angles(cos_ptr, sin_ptr, tokens, rmask, D, cs_l, cs_i, ss_l, ss_i, HB)
     g = _grad_tile(dq_ptr, b, h, tokens, dqs_b, dqs_h, dqs_l, col, m, HAS_DQ, CD, BLOCK_L, HB)
     dxq, dwq = _norm_rope_bwd(g, tl.load(x, mask=m, other=0.0).to(CD), tl.where(first, wq0_ptr, wq1_ptr), col,
