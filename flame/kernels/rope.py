@@ -10,9 +10,9 @@ token l of stream 1 is token L_0 + l of the outputs and of the cos/sin tables (L
 A program owns BLOCK_L tokens of one stream and one batch, and one head, and does q, k and v.
 Its tiles are (BLOCK_L, 2 HB) rows of the head's D columns (HB: D/2 rounded up to a power of two),
 read and written as unit-stride runs (vector accesses), and viewed as (BLOCK_L, HB, 2) where the
-rotary pairs (x[2i], x[2i+1]) are split into their even and odd halves in registers. The first B * nb_0 programs of grid axis 0 take stream 0 (nb_s:
-token blocks of stream s, batch-major), the rest stream 1; each program selects its stream's
-pointers and strides. Grid axis 1 is the head.
+rotary pairs (x[2i], x[2i+1]) are split into their even and odd halves in registers. The first
+B * nb_0 programs of grid axis 0 take stream 0 (nb_s: token blocks of stream s, batch-major), the
+rest stream 1; each program selects its stream's pointers and strides. Grid axis 1 is the head.
 
 With TAIL (one stream: the single block's linear1 output, whose columns past 3 H D are the MLP
 input) the forward also writes ``tail = gelu_tanh(x[:, :, 3HD:])`` (dense (B, L, W - 3 H D)), each
