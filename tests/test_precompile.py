@@ -236,7 +236,8 @@ def _runtime_and_constexpr_names(kernel):
     import inspect
 
     params = inspect.signature(kernel.fn).parameters.values()
-    constexpr = {p.name for p in params if p.annotation in (tl.constexpr, "tl.constexpr")}
+    constexpr = {p.name for p in params  # tl.constexpr, or Gluon's gl.constexpr (a class of its own)
+                 if str(getattr(p.annotation, "__name__", p.annotation)).rpartition(".")[2] == "constexpr"}
     return [p.name for p in params if p.name not in constexpr], constexpr
 
 
