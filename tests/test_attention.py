@@ -613,7 +613,8 @@ def test_hopper_module_loads_without_gluon(monkeypatch):
 HOPPER_CASES = [((1, 24, 4608, 4608, 128), torch.bfloat16, "blhd"),  # Flux
                 ((2, 3, 1000, 1024, 128), torch.float16, "bhld"),  # ragged query blocks
                 ((1, 4, 777, 512, 64), torch.bfloat16, "blhd"),
-                ((2, 2, 64, 128, 128), torch.bfloat16, "bhld")]  # one key block, half a query block
+                ((2, 2, 64, 128, 128), torch.bfloat16, "bhld"),  # one key block, half a query block
+                ((1, 3, 1500, 256, 128), torch.bfloat16, "bhld")]  # more dQ programs than dK/dV ones
 
 
 @pytest.mark.gpu
@@ -658,7 +659,7 @@ def fresh_routes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, dtype, layout", HOPPER_CASES)
 def test_gpu_hopper_backward_matches_torch(monkeypatch, fresh_routes, shape, dtype, layout):
-    """The Gluon dK/dV and dQ kernels on sm_90 (through flame's op, forward on its own route):
+    """The Gluon backward's dK/dV and dQ programs on sm_90 (through flame's op, forward on its own route):
     every gradient within 3x PyTorch SDPA's error of an fp32 reference, the same bound as the
     portable backward, which serves the same call with the route off; no row left unwritten."""
     if not AH.available():

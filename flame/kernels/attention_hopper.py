@@ -261,18 +261,18 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, st
 
 # ---- backward ------------------------------------------------------------------------------------
 #
-# Two warp-specialised kernels of the same shape as the forward (a 1-warp TMA loader, two 4-warp
-# consumer warpgroups with 240 registers), deterministic like the portable pair (no atomics):
-# - dK/dV: one program per 2 x BLOCK_N keys of one (batch, head); each consumer owns BLOCK_N keys
-#   (its K and V tiles loaded once) and walks every query block, whose Q and dO tiles stream
+# One warp-specialised kernel of the forward's shape (a 1-warp TMA loader, two 4-warp consumer
+# warpgroups with 240 registers) with two kinds of programs, deterministic like the portable pair
+# (no atomics), launched together (``_attn_bwd_hopper_kernel``):
+# - dK/dV: one program per 2 x BWD_BLOCK keys of one (batch, head); each consumer owns BWD_BLOCK
+#   keys (its K and V tiles loaded once) and walks every query block, whose Q and dO tiles stream
 #   through a ring shared by both consumers. Per block it computes S = Q K^T and dP = dO V^T with
 #   the queries as rows, so lse2 and delta are two values per thread, writes P and dS to shared
 #   memory and takes P^T and dS^T from there as the A operands of dV += P^T dO and dK += dS^T Q.
-# - dQ: the forward's structure with dO beside Q: one program per 2 x BLOCK_M queries, K and V
+# - dQ: the forward's structure with dO beside Q: one program per 2 x BWD_BLOCK queries, K and V
 #   blocks streaming through rings, dS kept in registers as the A operand of dQ += dS K.
 
-BWD_BLOCK = 64  # keys per dK/dV consumer, query rows per step of it, queries per dQ consumer
-BWD_KEYS = 64  # keys per step of the dQ kernel
+BWD_BLOCK = 64  # keys per dK/dV consumer, query rows per step of either kind, queries per dQ consumer, keys per dQ step
 
 if gluon is not None:
     @gluon.jit
@@ -362,46 +362,6 @@ if gluon is not None:
         _store_rows(dk_ptr, dkb, sdkn, start, Lk, dk * sm_scale, acc_layout)
         _store_rows(dv_ptr, dvb, sdvn, start, Lk, dv, acc_layout)
 
-    @gluon.jit
-    def _attn_bwd_dkdv_hopper_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                                     H, Lq, Lk, qk_scale, sm_scale,
-                                     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
-                                     sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
-                                     HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-                                     CONSUMER_REGS: gl.constexpr):
-        start_n = gl.program_id(0) * (2 * BLOCK)
-        pid_bh = gl.program_id(1)
-        b = (pid_bh // H).to(gl.int64)
-        h = (pid_bh % H).to(gl.int64)
-        dtype: gl.constexpr = q_ptr.dtype.element_ty
-        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
-        k_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
-        v_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], dtype)
-        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_ready, q_empty = _ring(STAGES)
-        do_ready, do_empty = _ring(STAGES)
-        for w in gl.static_range(2):
-            mbarrier.init(kv_bar.index(w), count=1)
-        stat_off = pid_bh.to(gl.int64) * Lq
-        gl.warp_specialize([
-            (_bwd_kv_consumer, (0, dk_ptr, dv_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, p_smem,
-                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b * sdkb + h * sdkh,
-                                b * sdvb + h * sdvh, stat_off, Lq, Lk, sdkn, sdvn, qk_scale, sm_scale, start_n,
-                                HEAD_DIM, BLOCK, STAGES)),
-            (_bwd_kv_consumer, (1, dk_ptr, dv_ptr, lse_ptr, delta_ptr, k_smem, v_smem, q_smem, do_smem, p_smem,
-                                ds_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b * sdkb + h * sdkh,
-                                b * sdvb + h * sdvh, stat_off, Lq, Lk, sdkn, sdvn, qk_scale, sm_scale, start_n,
-                                HEAD_DIM, BLOCK, STAGES)),
-            (_bwd_loader, (k_ptr, v_ptr, q_ptr, do_ptr, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, q_empty,
-                           do_ready, do_empty, b * skb + h * skh, b * svb + h * svh, b * sqb + h * sqh,
-                           b * sdob + h * sdoh, Lk, Lq, skn, svn, sqm, sdom, start_n, HEAD_DIM, BLOCK, BLOCK, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
-
     # dQ_i = scale * sum_j dS_ij K_j,  dS_ij = P_ij * (dO_i V_j^T - delta_i)  (the consumer's queries i)
     @gluon.jit
     def _bwd_q_consumer(WG: gl.constexpr, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
@@ -441,52 +401,93 @@ if gluon is not None:
         _store_rows(dq_ptr, dqb, sdqm, start, Lq, dq * sm_scale, acc_layout)
 
     @gluon.jit
-    def _attn_bwd_dq_hopper_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, H, Lq, Lk,
-                                   qk_scale, sm_scale,
-                                   sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom, sdqb, sdqh, sdqm,
-                                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                   STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        start_m = gl.program_id(0) * (2 * BLOCK_M)
-        pid_bh = gl.program_id(1)
+    def _bwd_consumer(WG: gl.constexpr, KV, dq_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, a_smem, b_smem, c_smem, d_smem,
+                      p_smem, ds_smem, ab_bar, c_ready, c_empty, d_ready, d_empty, dqb, dkb, dvb, stat_off, Lq, Lk,
+                      sdqm, sdkn, sdvn, qk_scale, sm_scale, start, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
+                      STAGES: gl.constexpr):
+        # a dK/dV program's consumer (A, B = K, V; C, D = Q, dO) or a dQ program's (A, B = Q, dO; C, D = K, V)
+        if KV:
+            _bwd_kv_consumer(WG, dk_ptr, dv_ptr, lse_ptr, delta_ptr, a_smem, b_smem, c_smem, d_smem, p_smem, ds_smem,
+                             ab_bar, c_ready, c_empty, d_ready, d_empty, dkb, dvb, stat_off, Lq, Lk, sdkn, sdvn,
+                             qk_scale, sm_scale, start, HEAD_DIM, BLOCK, STAGES)
+        else:
+            _bwd_q_consumer(WG, dq_ptr, lse_ptr, delta_ptr, a_smem, b_smem, c_smem, d_smem, ab_bar, c_ready, c_empty,
+                            d_ready, d_empty, dqb, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale, start, HEAD_DIM, BLOCK,
+                            BLOCK, STAGES)
+
+    @gluon.jit
+    def _attn_bwd_hopper_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                                BH, H, Lq, Lk, qk_scale, sm_scale,
+                                sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+                                sdqb, sdqh, sdqm, sdkb, sdkh, sdkn, sdvb, sdvh, sdvn,
+                                HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+                                CONSUMER_REGS: gl.constexpr):
+        # Programs [0, BH * kv_blocks) are dK/dV programs (2 BLOCK keys of one (batch, head) each), the
+        # rest dQ programs (2 BLOCK queries each): one launch, the longer dK/dV programs first, so the
+        # dQ programs fill the SMs that dK/dV's last wave leaves idle (two launches each end on a
+        # partial wave). Both kinds load two tiles once (A, B), stream two more (C, D) through rings
+        # and share one shared-memory plan (P and dS buffers: dK/dV only).
+        kv_blocks = Lk // (2 * BLOCK)
+        pid = gl.program_id(0)
+        KV = pid < BH * kv_blocks
+        if KV:
+            pid_bh = pid // kv_blocks
+            start = (pid - pid_bh * kv_blocks) * (2 * BLOCK)
+        else:
+            q_blocks = gl.cdiv(Lq, 2 * BLOCK)
+            pid_bh = (pid - BH * kv_blocks) // q_blocks
+            start = (pid - BH * kv_blocks - pid_bh * q_blocks) * (2 * BLOCK)
         b = (pid_bh // H).to(gl.int64)
         h = (pid_bh % H).to(gl.int64)
+        qb = b * sqb + h * sqh
+        kb = b * skb + h * skh
+        vb = b * svb + h * svh
+        dob = b * sdob + h * sdoh
+        if KV:
+            a_ptr, b_ptr, c_ptr, d_ptr = k_ptr, v_ptr, q_ptr, do_ptr
+            ab, bb, cb, db = kb, vb, qb, dob
+            L_ab, L_cd, sa, sb, sc, sd = Lk, Lq, skn, svn, sqm, sdom
+        else:
+            a_ptr, b_ptr, c_ptr, d_ptr = q_ptr, do_ptr, k_ptr, v_ptr
+            ab, bb, cb, db = qb, dob, kb, vb
+            L_ab, L_cd, sa, sb, sc, sd = Lq, Lk, sqm, sdom, skn, svn
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-        layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], layout_q)
-        do_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM], layout_q)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout_kv)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], layout_kv)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready, k_empty = _ring(STAGES)
-        v_ready, v_empty = _ring(STAGES)
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, HEAD_DIM], dtype)
+        a_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
+        b_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, HEAD_DIM], layout)
+        c_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
+        d_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], layout)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK, BLOCK], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
+        ab_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        c_ready, c_empty = _ring(STAGES)
+        d_ready, d_empty = _ring(STAGES)
         for w in gl.static_range(2):
-            mbarrier.init(q_bar.index(w), count=1)
+            mbarrier.init(ab_bar.index(w), count=1)
         stat_off = pid_bh.to(gl.int64) * Lq
         gl.warp_specialize([
-            (_bwd_q_consumer, (0, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                               v_ready, v_empty, b * sdqb + h * sdqh, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale,
-                               start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_bwd_q_consumer, (1, dq_ptr, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                               v_ready, v_empty, b * sdqb + h * sdqh, stat_off, Lq, Lk, sdqm, qk_scale, sm_scale,
-                               start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-            (_bwd_loader, (q_ptr, do_ptr, k_ptr, v_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                           v_ready, v_empty, b * sqb + h * sqh, b * sdob + h * sdoh, b * skb + h * skh,
-                           b * svb + h * svh, Lq, Lk, sqm, sdom, skn, svn, start_m, HEAD_DIM, BLOCK_M, BLOCK_N,
+            (_bwd_consumer, (0, KV, dq_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, a_smem, b_smem, c_smem, d_smem, p_smem,
+                             ds_smem, ab_bar, c_ready, c_empty, d_ready, d_empty, b * sdqb + h * sdqh,
+                             b * sdkb + h * sdkh, b * sdvb + h * sdvh, stat_off, Lq, Lk, sdqm, sdkn, sdvn, qk_scale,
+                             sm_scale, start, HEAD_DIM, BLOCK, STAGES)),
+            (_bwd_consumer, (1, KV, dq_ptr, dk_ptr, dv_ptr, lse_ptr, delta_ptr, a_smem, b_smem, c_smem, d_smem, p_smem,
+                             ds_smem, ab_bar, c_ready, c_empty, d_ready, d_empty, b * sdqb + h * sdqh,
+                             b * sdkb + h * sdkh, b * sdvb + h * sdvh, stat_off, Lq, Lk, sdqm, sdkn, sdvn, qk_scale,
+                             sm_scale, start, HEAD_DIM, BLOCK, STAGES)),
+            (_bwd_loader, (a_ptr, b_ptr, c_ptr, d_ptr, a_smem, b_smem, c_smem, d_smem, ab_bar, c_ready, c_empty,
+                           d_ready, d_empty, ab, bb, cb, db, L_ab, L_cd, sa, sb, sc, sd, start, HEAD_DIM, BLOCK, BLOCK,
                            STAGES)),
         ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk, sdv, B, H, Lq, Lk, D,
-                  qk_scale, sm_scale, kv_stages=3, q_stages=2, q_keys=BWD_KEYS):
+                  qk_scale, sm_scale, stages=3):
     """dQ, dK, dV of ``attention.attention_bwd`` (``qk_scale`` = scale * log2(e), ``sm_scale`` =
     scale) on a call that ``usable`` accepts, given lse2 and delta (B*H, Lq) in fp32; Lk a multiple
-    of 2 x BWD_BLOCK (and of ``q_keys``); dO TMA-readable like Q. dQ, dK, dV are stored from
-    registers in their own dtypes."""
-    launch(_attn_bwd_dkdv_hopper_kernel, (Lk // (2 * BWD_BLOCK), B * H), q, k, v, do, lse, delta, dk, dv,
-           H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdk, *sdv,
-           HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=kv_stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
-    launch(_attn_bwd_dq_hopper_kernel, (-(-Lq // (2 * BWD_BLOCK)), B * H), q, k, v, do, lse, delta, dq,
-           H, Lq, Lk, float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdq,
-           HEAD_DIM=D, BLOCK_M=BWD_BLOCK, BLOCK_N=q_keys, STAGES=q_stages, CONSUMER_REGS=CONSUMER_REGS,
-           num_warps=4)
+    of 2 x BWD_BLOCK; dO TMA-readable like Q. dQ, dK, dV are stored from registers in their own
+    dtypes."""
+    programs = (Lk // (2 * BWD_BLOCK) + -(-Lq // (2 * BWD_BLOCK))) * B * H
+    launch(_attn_bwd_hopper_kernel, (programs,), q, k, v, do, lse, delta, dq, dk, dv, B * H, H, Lq, Lk,
+           float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdq, *sdk, *sdv,
+           HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
