@@ -325,6 +325,34 @@ def test_lora_linear_gradcheck_and_bad_shapes():
         F.lora_linear(x, w, b, a, lb, 1.0, lora_input=flame.randn(3, 7, dtype=flame.float64))
 
 
+
+def test_lora_linear_repeats_its_gemms_through_kept_routes(monkeypatch):
+    """A repeated call signature runs lora_linear's GEMMs by the handles on their kept routes (no entry-point
+    call), with each call's own buffers and scale; emptied routes, or another scale, go through the entry
+    points again."""
+    from flame.kernels import matmul as KM
+    entered = []
+
+    def counted(entry_point):
+        return lambda *args, **kwargs: entered.append(1) or entry_point(*args, **kwargs)
+
+    for name in ("linear_", "matmul_"):
+        monkeypatch.setattr(KM, name, counted(getattr(KM, name)))
+
+    def step(scale):
+        inputs = [pair((2, 7, 40), requires_grad=True), pair((24, 40)), pair((24,)),
+                  pair((4, 40), torch.float32, requires_grad=True), pair((24, 4), torch.float32, requires_grad=True)]
+        entered.clear()
+        check_op(lambda x, w, b, a, lb: F.lora_linear(x, w, b, a, lb, scale),
+                 lambda x, w, b, a, lb: _torch_lora(x, w, b, a, lb, scale), inputs, tol=_tf32_tol)
+        return len(entered)
+
+    assert step(0.75) == 6  # down and up forward; dH, dB, dA and dX backward
+    assert step(0.75) == 0
+    KM._route.cache_clear()
+    assert step(0.75) == 6
+    assert step(0.5) == 6
+
 def _torch_dora(leaves, g, scale, dtype):
     """PEFT's DoRA (no dropout) in torch at ``dtype`` (the adapters' products in x's dtype, c rounded
     to it): c * (x W^T + s x A^T B^T) + b, c = m / ||W + s B A|| (detached). ``leaves`` (x, w, b, a, lb,

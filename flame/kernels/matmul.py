@@ -706,10 +706,11 @@ class RouteMemo:
     ``flame.tune``'s overrides, tables and resets (``tune.register_cache``), and tests that patch the
     planner's helpers (split counts, configs, shared memory)."""
 
-    __slots__ = ("planner", "problems", "calls")
+    __slots__ = ("planner", "problems", "calls", "generation")
 
     def __init__(self, planner):
         self.planner, self.problems, self.calls = planner, {}, {}
+        self.generation = 0  # cache_clear's count: what a KeptCall's stamp (call_stamp) holds of this memo
 
     def __call__(self, p):
         route = self.problems.get(p)
@@ -729,6 +730,7 @@ class RouteMemo:
     def cache_clear(self):
         self.problems.clear()
         self.calls.clear()
+        self.generation += 1
 
 
 _route = RouteMemo(lambda p: _plan(p))  # looked up per call: a test may replace _plan's helpers
@@ -1086,24 +1088,38 @@ def _launch(out, a, b, M, N, K, batch_shape, sa, sb, sc, f=None):
 # call with a buffer a TMA kernel would read off 16-byte alignment (rare: a view at an odd offset) goes
 # through ``_launch`` every time, as do all calls while FLAME_DEBUG_ROUTES is on or ``plan`` is replaced.
 
-def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale):
+def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale, handle=None):
     """Run the route kept for an entry point's call (its ``signature``: the sizes, strides, dtypes and
     epilogue switches of its arguments) over these buffers and return True; for a call not kept, return
-    the key to keep its launch under (``_keep``), None for one with a misaligned buffer on a TMA device."""
+    the key to keep its launch under (``_keep``), None for one with a misaligned buffer on a TMA device.
+    A ``KeptCall`` ``handle`` is given the kept route."""
     tma = TMA and a.dtype in _TMA_DTYPES and tma_available()
-    if tma and (a.data_ptr() | b.data_ptr() | out.data_ptr() | (0 if pre_out is None else pre_out.data_ptr())
-                | (0 if residual is None else residual.data_ptr()) | (0 if u is None else u.data_ptr())
-                | (0 if v is None else v.data_ptr())) % 16:
+    if tma and _off_alignment(out, a, b, pre_out, residual, u, v):
         return None
     key = (signature, tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER,
            runtime.num_sms(), FP8_ROUTE)
     kept = _route.calls.get(key)
     if kept is None or DEBUG_ROUTES or plan is not _PLAN:
         return key
+    _run_entry(kept, out, a, b, bias, pre_out, residual, u, v, b_scale)
+    if handle is not None:
+        handle.keep(kept)
+    return True
+
+
+def _off_alignment(out, a, b, pre_out, residual, u, v):
+    """Whether a buffer of a GEMM call starts off 16-byte alignment (the TMA kernels' buffers, and U and V)."""
+    return (a.data_ptr() | b.data_ptr() | out.data_ptr() | (0 if pre_out is None else pre_out.data_ptr())
+            | (0 if residual is None else residual.data_ptr()) | (0 if u is None else u.data_ptr())
+            | (0 if v is None else v.data_ptr())) % 16
+
+
+def _run_entry(kept, out, a, b, bias, pre_out, residual, u, v, b_scale):
+    """Run a kept call's route over these buffers, its kept epilogue filled with them for the call."""
     p, route, run, f = kept
     if f is None:
         run(p, route, out, a, b, _NO_FUSION)
-        return True
+        return
     f.bias, f.pre_out, f.residual, f.b_scale = bias, pre_out, residual, b_scale  # the kept epilogue, filled
     if f.rank:
         f.u, f.v = u, v
@@ -1111,13 +1127,54 @@ def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale):
         run(p, route, out, a, b, f)
     finally:  # it holds no buffer between calls
         f.bias = f.pre_out = f.residual = f.b_scale = f.u = f.v = None
-    return True
 
 
-def _keep(key, entry, f):
-    """Keep ``_launch``'s ``entry`` (with epilogue ``f``, or None) for call key ``key`` (see ``_run_kept``)."""
+def _keep(key, entry, f, handle=None):
+    """Keep ``_launch``'s ``entry`` (with epilogue ``f``, or None) for call key ``key`` (see ``_run_kept``),
+    and give it to the ``KeptCall`` ``handle``."""
     if key is not None and plan is _PLAN and not DEBUG_ROUTES:
-        _route.keep_call(key, (*entry, None if f is None else f.unbound()))
+        kept = (*entry, None if f is None else f.unbound())
+        _route.keep_call(key, kept)
+        if handle is not None:
+            handle.keep(kept)
+
+
+def call_stamp():
+    """What a kept call's route depends on besides its call signature, as read now: the route memo's
+    generation and the device's switches (``_run_kept``'s key); None while every call must go through its
+    entry point (tuning on first use, tuning-table entries still to prove, FLAME_DEBUG_ROUTES, a replaced
+    ``plan``). Read once per op by a caller of ``KeptCall.run``."""
+    if tune._autotune or not tune.direct_entries or DEBUG_ROUTES or plan is not _PLAN:
+        return None
+    return (_route.generation, TMA and tma_available(), matmul_hopper.ROUTE and _gluon_available(),
+            runtime.INTERPRETER, runtime.num_sms(), FP8_ROUTE)
+
+
+class KeptCall:
+    """A caller's handle on the route that one of its GEMM entry-point calls resolved to, for a caller
+    whose own kept call signature fixes that call's signature (every argument's sizes, strides and dtypes
+    and every scalar: ``ops.matmul.lora_linear``'s GEMMs). ``run`` runs the route over a call's buffers
+    without the entry point's wrapper, signature and lookup (about a third of a kept call's host time);
+    where it returns False (nothing run: the handle is empty, was filled under another ``call_stamp``, or a
+    buffer starts off 16-byte alignment where a TMA kernel reads) the caller calls the entry point with
+    ``handle=`` this, which runs the call and fills the handle."""
+
+    __slots__ = ("entry", "stamp")
+
+    def __init__(self):
+        self.entry = self.stamp = None
+
+    def keep(self, entry):
+        self.entry, self.stamp = entry, call_stamp()
+
+    def run(self, stamp, out, a, b, bias=None, pre_out=None, residual=None, u=None, v=None, b_scale=None):
+        """The kept route over buffers ``out``, ``a``, ``b`` (the entry point's operands' buffers, not
+        matrix tuples) and the epilogue's, ``stamp`` being ``call_stamp()``: True when it ran."""
+        if stamp is None or stamp != self.stamp or (self.entry[0].tma
+                                                   and _off_alignment(out, a, b, pre_out, residual, u, v)):
+            return False
+        _run_entry(self.entry, out, a, b, bias, pre_out, residual, u, v, b_scale)
+        return True
 
 
 # The runners: route ``r`` of problem ``p`` on these buffers with the epilogue ``f``. They take every
@@ -1340,7 +1397,7 @@ def _operand(t, name):
 
 
 @tunable("out")
-def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
+def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None, handle=None):
     """``out[..., M, N] = alpha * a[..., M, K] @ b[..., K, N] (+ beta * u @ v) (+ residual)`` over
     torch buffers with any strides.
 
@@ -1353,7 +1410,8 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
     (r, N) of ``a``'s dtype, added in the same launch (``Fusion``). ``b_scale`` (K,) fp32 (2-D
     problems only): ``b`` holds float8_e4m3fn codes of ``b_scale[k] * code[k, n]`` (a quantised
     weight W (N_w, K_w) read as ``b = W``: the input gradient dX = dY W of a linear layer;
-    ``_fp8_route``). Returns ``out``.
+    ``_fp8_route``). ``handle``: a ``KeptCall`` this call's kept route is given to (2-D problems).
+    Returns ``out``.
     """
     bm = b if type(b) is tuple else matrix(b) if len(b.shape) == 2 else None
     am = sc = None
@@ -1369,10 +1427,10 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
             _check_fp8(bb, b_scale, K)
         plain = alpha == 1.0 and residual is None and low_rank is None and b_scale is None
         sc = out.stride()
-        if len(sc) != 2 or not plain:  # out's matrix or a Fusion to skip: kept per call signature (else _launch's)
+        if len(sc) != 2 or not plain or handle is not None:  # kept per call signature (else _launch's key)
             key = _run_kept(("matmul", am[1:], ab.dtype, bm[1:], bb.dtype, out.shape, sc, out.dtype, alpha,
                              residual is not None, term, b_scale is not None), out, ab, bb, None, None, residual, u, v,
-                            b_scale)
+                            b_scale, handle)
             if key is True:
                 return out
             if len(sc) != 2:
@@ -1385,7 +1443,7 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
             return fill_(out, 0.0)
         f = None if plain else Fusion(alpha=alpha, residual=residual, low_rank=low_rank, b_scale=b_scale,
                                       b_scale_rows=True)
-        _keep(key, _launch(out, ab, bb, M, N, K, (), (sam, sak), (sbk, sbn), sc, f), f)
+        _keep(key, _launch(out, ab, bb, M, N, K, (), (sam, sak), (sbk, sbn), sc, f), f, handle)
         return out
     if type(a) is tuple or type(b) is tuple:
         raise ValueError(f"matmul_: matrix tuples need a 2-D problem (b a matrix, a and out matrices of its rows), "
@@ -1426,7 +1484,8 @@ def matmul_(out, a, b, alpha=1.0, residual=None, low_rank=None, b_scale=None):
 
 
 @tunable("out", "pre_out")
-def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None, w8a8=False, residual=None):
+def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=None, w8a8=False, residual=None,
+            handle=None):
     """``out[R, N] = act(x[R, K] @ w[N, K]^T + beta * u @ v + bias[N]) + residual`` in one launch (any
     strides; the weight is read transposed in place). ``x`` is a matrix (``matrix``: a buffer whose
     leading dims merge into the R rows, or a matrix tuple), ``out`` a buffer laid out as an (R, N)
@@ -1436,7 +1495,8 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     ``w_scale`` (N,) fp32: ``w`` holds float8_e4m3fn codes of ``w_scale[n] * code[n, k]`` (a
     weight quantised per output channel, ``quant.quantize_rows_``), decoded in the main loop or
     dequantised first (``_fp8_route``); with ``w8a8``, ``x`` is rounded to e4m3 per row too and the
-    product runs on the fp8 tensor cores where a kernel for them serves (``_w8a8``)."""
+    product runs on the fp8 tensor cores where a kernel for them serves (``_w8a8``). ``handle``: a
+    ``KeptCall`` this call's kept route is given to."""
     xm = x if type(x) is tuple else _operand(x, "x")
     x, R, K, sxr, sxk = xm
     w_shape = w.shape
@@ -1449,7 +1509,7 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     ws = w.stride()
     key = _run_kept(("linear", xm[1:], x.dtype, out.shape, out.stride(), out.dtype, w_shape, ws, w.dtype,
                      None if bias is None else bias.stride(), act, pre_out is not None, term, w_scale is not None,
-                     w8a8, residual is not None), out, x, w, bias, pre_out, residual, u, v, w_scale)
+                     w8a8, residual is not None), out, x, w, bias, pre_out, residual, u, v, w_scale, handle)
     if key is True:
         return out
     sc = out.stride()
@@ -1460,7 +1520,7 @@ def linear_(out, x, w, bias=None, act=0, pre_out=None, low_rank=None, w_scale=No
     plain = bias is None and not act and pre_out is None and low_rank is None and w_scale is None and residual is None
     f = None if plain else Fusion(bias, act, pre_out, residual=residual, low_rank=low_rank, b_scale=w_scale,
                                   w8a8=w8a8 and w_scale is not None)
-    _keep(key, _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc, f), f)
+    _keep(key, _launch(out, x, w, R, N, K, (), (sxr, sxk), (ws[1], ws[0]), sc, f), f, handle)
     return out
 
 

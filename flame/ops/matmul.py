@@ -386,6 +386,38 @@ _signatures = KM.RouteMemo(None)
 tune.register_cache(_signatures.cache_clear)
 
 
+class _LoRAGemms:
+    """The handles on the kept routes of one ``lora_linear`` call signature's GEMMs (``KM.KeptCall``): its
+    signature fixes the forward's two calls (``down``: H = X_l A16^T; ``up``: the base GEMM with H B16^T),
+    and with the layout of the output gradient's matrix and the inputs that want gradients the backward's
+    (``_LoRABackwardCalls``, kept per such pair in ``backward``)."""
+
+    __slots__ = ("down", "up", "backward")
+
+    def __init__(self):
+        self.down, self.up, self.backward = KM.KeptCall(), KM.KeptCall(), {}
+
+    def backward_calls(self, g_layout, need):
+        """The backward's handles for a gradient matrix of layout ``g_layout`` (rows, columns, strides) and
+        the node's ``needs_input_grad`` ``need``."""
+        key = (g_layout, need)
+        calls = self.backward.get(key)
+        if calls is None:
+            if len(self.backward) >= 16:  # ever-new gradient layouts: start afresh
+                self.backward.clear()
+            calls = self.backward[key] = _LoRABackwardCalls()
+        return calls
+
+
+class _LoRABackwardCalls:
+    """The handles on ``_lora_linear_backward``'s GEMMs for one gradient layout: dH, dB, dA, dX, dX_l."""
+
+    __slots__ = ("dh", "db", "da", "dx", "dxl")
+
+    def __init__(self):
+        self.dh, self.db, self.da, self.dx, self.dxl = (KM.KeptCall() for _ in range(5))
+
+
 def _layer_params(x, weight, bias, n_out, op, error=RuntimeError):
     """``cast_params``: the layer's weight and bias cast once to ``x``'s dtype; an ``Fp8Weight``
     stays as it is (its GEMMs decode it; ``x``, already in its own dtype, stands in for it)."""
@@ -431,24 +463,33 @@ def _lora_linear_backward(node, g):
         KD.scale_grad_(gzb, dm, _torch_matrix(g2), None if z is None else z.view(gzb.shape), ratio, norm)
         gz, dm = KM.matrix(gzb), None if dm is None else Tensor(dm)
     dx = da = dlb = dxl = None
+    calls = a["gemms"].backward_calls(gz[1:], need)
+    stamp = KM.call_stamp()
+    g_buf, xl = gz[0], x2 if xl2 is None else xl2
     dh = runtime.empty((rows, rank), dtype)
     dhm = KM.dense_matrix(dh, rows, rank)
-    KM.matmul_(dh, gz, b16, alpha=s)
+    if not calls.dh.run(stamp, dh, g_buf, b16[0]):
+        KM.matmul_(dh, gz, b16, alpha=s, handle=calls.dh)
     if need_lb:
         dlb = runtime.empty(a["b_shape"], a["b_dtype"])
-        KM.matmul_(dlb, KM.transposed(gz), h, alpha=s)
+        if not calls.db.run(stamp, dlb, g_buf, h[0]):
+            KM.matmul_(dlb, KM.transposed(gz), h, alpha=s, handle=calls.db)
         dlb = Tensor(dlb)
     if need_a:
         da = runtime.empty(a["a_shape"], a["a_dtype"])
-        KM.matmul_(da, KM.transposed(dhm), x2 if xl2 is None else xl2)
+        if not calls.da.run(stamp, da, dh, xl[0]):
+            KM.matmul_(da, KM.transposed(dhm), xl, handle=calls.da)
         da = Tensor(da)
     if need_x:
         dx = runtime.empty(a["x_shape"], dtype)
-        KM.matmul_(dx, gz, w, low_rank=None if xl2 is not None else (dhm, a16, 1.0), b_scale=w_scale)
+        fused = xl2 is None  # dH A16 added to dX by the same GEMM
+        if not calls.dx.run(stamp, dx, g_buf, w, u=dh if fused else None, v=a16 if fused else None, b_scale=w_scale):
+            KM.matmul_(dx, gz, w, low_rank=(dhm, a16, 1.0) if fused else None, b_scale=w_scale, handle=calls.dx)
         dx = Tensor(dx)
     if need_xl and xl2 is not None:
         dxl = runtime.empty(a["x_shape"], dtype)
-        KM.matmul_(dxl, dhm, a16)
+        if not calls.dxl.run(stamp, dxl, dh, a16):
+            KM.matmul_(dxl, dhm, a16, handle=calls.dxl)
         dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
     db = _weight_and_bias_grads(g2, x2, w, False, need_b)[1]
@@ -502,13 +543,15 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
     bias_d = None if bias is None else check_tensor(bias, "bias", op)._data
     rd = None if residual is None else check_tensor(residual, "residual", op)._data
-    key = (op, type(weight), xd.shape, xd.stride(), xd.dtype, wd.shape, wd.dtype, ad.shape, ad.dtype, bd.shape,
-           bd.dtype, None if bias_d is None else (bias_d.shape, bias_d.dtype), magnitude is None,
-           None if rd is None else (rd.shape, rd.stride(), rd.dtype))
+    key = (op, type(weight), xd.shape, xd.stride(), xd.dtype, wd.shape, wd.stride(), wd.dtype, ad.shape, ad.stride(),
+           ad.dtype, bd.shape, bd.stride(), bd.dtype, None if bias_d is None else (bias_d.shape, bias_d.stride(),
+                                                                                  bias_d.dtype),
+           magnitude is None, None if rd is None else (rd.shape, rd.stride(), rd.dtype),
+           None if lora_input is None else lora_input._data.stride(), float(scale))
     kept = _signatures.calls.get(key)
     if kept is None:
         kept = _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, rd)
-    out_shape, rows, degenerate, cast, fused_residual = kept
+    out_shape, rows, degenerate, cast, fused_residual, gemms = kept
     if rd is not None and not fused_residual:
         return lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input, magnitude) + residual
     dtype, n_out, a_shape, b_shape = xd.dtype, out_shape[-1], ad.shape, bd.shape
@@ -547,10 +590,14 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     h = runtime.empty((x2[1], rank), dtype)
     hm, b16m = KM.dense_matrix(h, x2[1], rank), KM.matrix(b16)
     w_scale = weight.scale if fp8 else None
-    KM.linear_(h, x2 if xl2 is None else xl2, a16)
-    KM.linear_(z, x2, weight._data, None if bias is None or ratio is not None else bias._data,
-               low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale, w8a8=fp8 and weight.w8a8,
-               residual=rd)
+    xl = x2 if xl2 is None else xl2
+    wd, bias_d = weight._data, None if bias is None or ratio is not None else bias._data
+    stamp = KM.call_stamp()
+    if not gemms.down.run(stamp, h, xl[0], a16):
+        KM.linear_(h, xl, a16, handle=gemms.down)
+    if not gemms.up.run(stamp, z, x2[0], wd, bias_d, residual=rd, u=h, v=b16, b_scale=w_scale):
+        KM.linear_(z, x2, wd, bias_d, low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale,
+                   w8a8=fp8 and weight.w8a8, residual=rd, handle=gemms.up)
     out = z
     if ratio is not None:
         out = runtime.empty(out_shape, dtype)
@@ -564,19 +611,20 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         record(y, inputs if rd is None else (*inputs, residual), _lora_linear_backward,
                saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale),
                scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
-               b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype)
+               b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype, gemms=gemms)
     return y
 
 
 def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, residual):
     """What ``lora_linear`` takes from its call signature ``key`` (the types, shapes, strides and dtypes
-    of input, weight, bias, adapter and residual, whether there is a magnitude), after checking them:
-    ``(out_shape, rows, degenerate, cast, fused_residual)``: ``rows`` the (rows, in, row stride, column
-    stride) of the input's matrix (``KM.matrix``; None when its leading dims do not merge or the call is
-    degenerate), ``degenerate`` an empty input, reduction or rank (the composed ops serve it), ``cast``
-    and ``fused_residual`` as ``_layer_signature`` says (no fused residual with a magnitude or a
-    degenerate call). Kept with ``_signatures`` under ``key``, so a repeated call checks nothing again
-    (as ``_linear_signature``)."""
+    of input, weight, bias, adapters, residual and lora_input, whether there is a magnitude, the scale),
+    after checking them: ``(out_shape, rows, degenerate, cast, fused_residual, gemms)``: ``rows`` the
+    (rows, in, row stride, column stride) of the input's matrix (``KM.matrix``; None when its leading dims
+    do not merge or the call is degenerate), ``degenerate`` an empty input, reduction or rank (the
+    composed ops serve it), ``cast`` and ``fused_residual`` as ``_layer_signature`` says (no fused
+    residual with a magnitude or a degenerate call), ``gemms`` the handles on its GEMMs' kept routes
+    (``_LoRAGemms``: the key fixes their call signatures). Kept with ``_signatures`` under ``key``, so a
+    repeated call checks nothing again (as ``_linear_signature``)."""
     op = "lora_linear"
     xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
     dtype = xd.dtype
@@ -595,6 +643,6 @@ def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, resi
     degenerate = xd.numel() == 0 or k == 0 or a_shape[0] == 0
     m = None if degenerate else KM.matrix(xd)
     kept = (out_shape, None if m is None else m[1:], degenerate, cast,
-            fused_residual and magnitude is None and not degenerate)
+            fused_residual and magnitude is None and not degenerate, _LoRAGemms())
     _signatures.keep_call(key, kept)
     return kept
