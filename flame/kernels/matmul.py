@@ -1201,35 +1201,39 @@ def _run_split_k(p, r, out, a, b, f):
 
 def _run_tma(p, r, out, a, b, f):
     # the descriptors are built on the host (built in the kernel they cost 2-3 us per launch on the H200):
-    # A's, B's and C's are objects kept with the route's launch plan, made once from their templates, that
-    # hold this launch's buffers for the call (the launcher reads them as it launches); a new descriptor
-    # per launch cost as much host time as the rest of the route
+    # A's, B's and C's, and the pre-activation's and residual's where they hold C's dtype, are objects kept
+    # with the route's launch plan, made once from their templates, that hold this launch's buffers for the
+    # call (the launcher reads them as it launches); a new descriptor per launch cost as much host time as
+    # the rest of the route
     plan = r.launch
     b_fp8 = r.config["B_FP8"]
     b = as_codes(b) if b_fp8 else b
     kept = plan.memo
     if kept is None:
         templates = tuple(descriptor_template(t, *box) for t, box in zip((a, b, out), r.boxes))
-        kept = plan.memo = templates, tuple(descriptor_like(t, None) for t in templates)
-    (_, _, t_c), (d_a, d_b, d_c) = kept
+        kept = plan.memo = templates, tuple(descriptor_like(t, None) for t in (*templates, templates[2], templates[2]))
+    _, (d_a, d_b, d_c, d_pre, d_res) = kept
     rank = f.rank
     d_a.base, d_b.base, d_c.base = a, b, out
     try:
         launch_via(launch, r.launch, r.grid,
                    (d_a, d_b, d_c,  # inputs and output
-                    None if f.pre_out is None else _epilogue_descriptor(f.pre_out, t_c, out, r.boxes[2]),  # fusion
-                    None if f.residual is None else _epilogue_descriptor(f.residual, t_c, out, r.boxes[2]),
+                    None if f.pre_out is None else _epilogue_descriptor(f.pre_out, d_pre, out, r.boxes[2]),  # fusion
+                    None if f.residual is None else _epilogue_descriptor(f.residual, d_res, out, r.boxes[2]),
                     f.bias, f.u if rank else None, f.v if rank else None, f.b_scale if b_fp8 else None,
                     *r.args, f.bias_stride,  # sizes and strides
                     f.scale, f.rank_ratio))  # scalars
     finally:  # the kept descriptors hold no buffer between launches
-        d_a.base = d_b.base = d_c.base = None
+        d_a.base = d_b.base = d_c.base = d_pre.base = d_res.base = None
 
 
-def _epilogue_descriptor(t, template, out, box):
-    """The descriptor of a pre-activation or residual buffer ``t`` (C's box): from C's template when it
-    holds C's dtype."""
-    return descriptor_like(template, t) if t.dtype is out.dtype else descriptor(t, *box)
+def _epilogue_descriptor(t, kept, out, box):
+    """The descriptor of a pre-activation or residual buffer ``t`` (C's box): the plan's ``kept`` one (made
+    from C's template) holding ``t`` where ``t`` has C's dtype, else one of its own."""
+    if t.dtype is out.dtype:
+        kept.base = t
+        return kept
+    return descriptor(t, *box)
 
 
 def _run_gluon(p, r, out, a, b, f):
