@@ -347,10 +347,10 @@ def test_lora_linear_repeats_its_gemms_through_kept_routes(monkeypatch):
                  lambda x, w, b, a, lb: _torch_lora(x, w, b, a, lb, scale), inputs, tol=_tf32_tol)
         return len(entered)
 
-    assert step(0.75) == 6  # down and up forward; dH, dB, dA and dX backward
-    assert step(0.75) == 0
-    KM._route.cache_clear()
-    assert step(0.75) == 6
+    for _ in range(2):  # routes emptied (an earlier test may have kept these signatures): entry points, then handles
+        KM._route.cache_clear()
+        assert step(0.75) == 6  # down and up forward; dH, dB, dA and dX backward
+        assert step(0.75) == 0
     assert step(0.5) == 6
 
 def _torch_dora(leaves, g, scale, dtype):
