@@ -11,6 +11,8 @@ import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 import flame
+import flame.kernels.matmul as KM
+import flame.kernels.matmul_hopper as KH
 from flame.kernels import launch as L
 from flame.kernels import precompile
 from flame.kernels.elementwise import _map_contiguous_kernel
@@ -263,3 +265,215 @@ def test_every_shipped_line_matches_its_kernel(path):
         if len(spec["args"]) != len(runtime_args) or not set(spec["meta"]) - options <= constexprs:
             stale.append(f"{name}: {len(spec['args'])} arguments for {len(runtime_args)}")
     assert stale == []
+
+
+# ---- Gluon's host-built descriptors (the warp-specialised GEMM and convolution, matmul_hopper.py) ------------
+
+needs_gluon = pytest.mark.skipif(KH.gluon is None, reason="needs triton.experimental.gluon (its host descriptors)")
+GLUON_CASES = ["forward", "input_grad", "residual", "low_rank", "split_k", "w8a8", "gated", "conv"]
+
+
+def _gluon_launch(case, monkeypatch):
+    """(kernel, arguments, meta) of the Gluon GEMM's launch for one kind of problem, as
+    ``matmul_hopper.matmul`` makes it (host side, no GPU: the call of ``launch`` is captured, its
+    descriptors copied there, since the kept ones drop their bases after the call)."""
+    import copy
+
+    from flame.kernels.elementwise import GELU_TANH
+    monkeypatch.setattr(KH, "_launches", {})  # nothing kept past the test
+    monkeypatch.setattr(KH.autotune, "shared_memory", lambda: 232_448)  # an H200's, whatever runs the test
+    monkeypatch.setattr(KM, "split_k_sum_", lambda *args: None)  # split K's sum pass: not this kernel
+    calls = []
+    monkeypatch.setattr(KH, "launch", lambda kernel, grid, *args, sig=None, **meta: calls.append(
+        (kernel, [copy.copy(a) if isinstance(a, KH.TensorDescriptor) else a for a in args], meta)))
+
+    def empty(*shape, dtype=torch.bfloat16):
+        return torch.empty(*shape, dtype=dtype, device=DEVICE)
+
+    M, K, N = 1000, 272, 520  # rows of 16-byte multiples for fp8 codes too, as TMA needs
+    a, w, out = empty(M, K), empty(N, K), empty(M, N)
+    forward = (True, True, K, K, N)  # matmul._tma_layout's (A along K, B = W^T along K), which needs a TMA device
+    cfg = KH.config(coop=True, block_m=64, block_n=160)
+    if case == "forward":
+        KH.matmul(out, a, w.t(), M, N, K, KM.Fusion(empty(N)), forward, cfg)
+    elif case == "input_grad":  # B (K, N) read along N, ping-pong tiles, the pre-activation kept
+        f = KM.Fusion(act=GELU_TANH.value, pre_out=empty(M, N))
+        KH.matmul(out, a, empty(K, N), M, N, K, f, (True, False, K, N, N), KH.config(coop=False))
+    elif case == "residual":
+        KH.matmul(out, a, w.t(), M, N, K, KM.Fusion(alpha=0.5, residual=empty(M, N)), forward, cfg)
+    elif case == "low_rank":
+        f = KM.Fusion(alpha=0.75, low_rank=(empty(M, 16), empty(N, 16).t(), 0.5))
+        KH.matmul(out, a, w.t(), M, N, K, f, forward, cfg)
+    elif case == "split_k":  # C is the fp32 scratch of the splits' products
+        KH.matmul(out, a, w.t(), M, N, K, KM.Fusion(empty(N)), forward, KH.config(block_n=256, split_k=2))
+    elif case == "w8a8":  # e4m3 codes, 128 of K a block, scales per row of A and column of B
+        codes_a, codes_w = empty(M, K, dtype=torch.float8_e4m3fn), empty(N, K, dtype=torch.float8_e4m3fn)
+        f = KM.Fusion(b_scale=empty(N, dtype=torch.float32))
+        KH.matmul(out, codes_a, codes_w.t(), M, N, K, f, forward, cfg, a_scale=empty(M, dtype=torch.float32))
+    elif case == "gated":  # B's hidden and gate halves: one (2N, K) descriptor, passed twice
+        KH.matmul(out, a, empty(2 * N, K).t(), M, N, K, KM.Fusion(empty(2 * N)), forward,
+                  KH.config(coop=False, block_m=64, block_n=256), gated=True)
+    else:  # a 3x3 convolution's implicit GEMM: the source as a 4-D descriptor of pixel boxes
+        nb, hw, c, n = 2, 32, 200, 320
+        cl = torch.channels_last
+        src = empty(nb, c, hw, hw).contiguous(memory_format=cl)
+        weight = empty(n, c, 3, 3).contiguous(memory_format=cl)
+        y = empty(nb, n, hw, hw).contiguous(memory_format=cl)
+        conv = KH.Conv(nb, hw, hw, c, (src.stride(0), src.stride(2), src.stride(3)), hw, hw, 3, 3, -1, 1, -1, 1,
+                       KH.box_rows(64, hw, hw))
+        KH.matmul(y, src, weight, nb * hw * hw, n, 9 * c, KM.Fusion(), (True, True, 0, weight.stride(0), n), cfg,
+                  conv=conv)
+    assert len(calls) == 1
+    return calls[0]
+
+
+def _triton_specialisation(kernel, args, meta):
+    """What Triton 3.6+ compiles a launch of ``kernel`` for on an sm_90 GPU: its binder's specialisation
+    of every argument (type string and attribute, e.g. ``('*bf16', 'D')``, ``('tensordesc<bf16[64, 64],
+    NVMMASharedLayout(...)>', None)``; constexprs by value), and what ``_pack_args`` makes of it: the
+    signature, constexprs and attributes that, with the kernel's own key and the options, make up the
+    compiled kernel's cache key (``ASTSource.hash``, which needs a GPU build of the kernel's callees)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **meta)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, dict(meta), bound, specialization, options)
+    return specialization, signature, constexprs, attrs, str(options)
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_a_gluon_launch_is_recorded_and_its_stand_ins_specialise_alike(case, monkeypatch):
+    """The Gluon GEMM's launch (host-built Gluon TMA descriptors, which Triton specialises on dtype,
+    block shape and shared layout) is recorded; the stand-ins rebuilt from its JSON line describe as
+    the same line, and Triton specialises every one of them as it does the run's argument: the
+    compile-ahead worker's ``warmup`` compiles the variant (the cache key) the run will look up."""
+    kernel, args, meta = _gluon_launch(case, monkeypatch)
+    line = L.describe_variant(kernel, args, meta)
+    assert line is not None
+    spec = json.loads(line)
+    assert spec["kernel"] == "flame.kernels.matmul_hopper:_gemm_hopper_kernel"
+    described = [a for a in spec["args"] if a[0] == "gluon_descriptor"]
+    assert len(described) == sum(a is not None and not isinstance(a, (int, float, torch.Tensor)) for a in args) >= 3
+    stand_ins = [precompile._stand_in(a) for a in spec["args"]]
+    assert L.describe_variant(kernel, stand_ins, meta) == line
+    real, again = _triton_specialisation(kernel, args, meta), _triton_specialisation(kernel, stand_ins, meta)
+    types = [t for t, _ in real[0] if isinstance(t, str) and t.startswith("tensordesc<")]
+    assert len(types) == len(described) and all("NVMMASharedLayout(" in t for t in types)
+    for i, (want, got) in enumerate(zip(real[0], again[0])):
+        assert want == got, (kernel.arg_names[i], want, got)
+    assert real[1:] == again[1:]
+
+
+@needs_gluon
+def test_a_gluon_stand_in_with_another_layout_specialises_otherwise(monkeypatch):
+    """The comparison above sees the layout: a stand-in whose swizzle differs from the recorded one's
+    specialises to another kernel (so a description without the layout could not pass it)."""
+    kernel, args, meta = _gluon_launch("forward", monkeypatch)
+    spec = json.loads(L.describe_variant(kernel, args, meta))
+    spec["args"][0][4]["swizzle_byte_width"] //= 2
+    stand_ins = [precompile._stand_in(a) for a in spec["args"]]
+    assert _triton_specialisation(kernel, stand_ins, meta)[0][0] != _triton_specialisation(kernel, args, meta)[0][0]
+
+
+@needs_gluon
+def test_a_gluon_descriptor_line_names_its_layouts_fields():
+    """The JSON form of a Gluon descriptor argument: dtype, block shape, the layout's class and the
+    fields its repr shows (which Triton's type string carries); a layout that would not be rebuilt
+    from that form (not one of Gluon's) is not recorded."""
+    import dataclasses
+
+    base = torch.empty(256, 128, dtype=torch.bfloat16, device=DEVICE)
+    desc = KH.TensorDescriptor(base, [256, 128], [128, 1], [64, 64], KH._shared_layout(torch.bfloat16, (64, 64)))
+    kind, dtype, block, name, fields = json.loads(json.dumps(L._describe_arg(desc)))
+    assert (kind, dtype, block, name) == ("gluon_descriptor", "bfloat16", [64, 64], "NVMMASharedLayout")
+    assert fields["swizzle_byte_width"] == 128 and fields["element_bitwidth"] == 16 and fields["rank"] == 2
+    assert not fields["transposed"] and not fields["fp4_padded"]
+    assert repr(L.gluon_layout(name, fields)) == repr(desc.layout)
+
+    @dataclasses.dataclass(frozen=True)
+    class OtherSharedLayout:
+        width: int = 128
+
+    stray = object.__new__(KH.TensorDescriptor)
+    stray.__dict__ = {**vars(desc), "layout": OtherSharedLayout()}
+    assert L.describe_variant(KH._gemm_hopper_kernel, (stray,), {}) is None
+    with pytest.raises(ValueError, match="not a Gluon shared layout"):
+        L.gluon_layout("OtherSharedLayout", {"width": 128})
+
+
+class _Sm90Driver:
+    """Triton's active driver as an sm_90 GPU's would answer, for the host side of a launch on any machine."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+
+@needs_gluon
+@pytest.mark.parametrize("case", GLUON_CASES)
+def test_compiling_a_gluon_line_ahead_asks_for_the_runs_kernel(case, monkeypatch):
+    """``compile_variant`` of a recorded Gluon line (``GluonJITFunction.warmup`` of its stand-ins,
+    grid (1,), the recorded constexprs and options) reaches Triton's compile with the key, signature,
+    constexprs, attributes and options of the run's own first launch ``kernel[grid](*args, **meta)``
+    (``launch._through_triton``): Triton's pre-compile hook sees both and stops each short of compiling
+    (no GPU), an sm_90 target standing in for the driver's."""
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    kernel, args, meta = _gluon_launch(case, monkeypatch)
+    line = L.describe_variant(kernel, args, meta)
+    asked = []
+    monkeypatch.setattr(driver, "_active", _Sm90Driver())
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **hook: asked.append(hook["compile"]) or True)
+    assert precompile.compile_variant(json.loads(line)) is None  # the hook stopped it
+    assert kernel[(132,)](*args, **meta) is None
+    ahead, run = asked
+    assert ahead["is_warmup"] and not run["is_warmup"]
+    assert any(t.startswith("tensordesc<") for t in run["signature"].values())
+    for name in ("key", "signature", "constants", "configs", "num_warps", "specialization_data"):
+        assert ahead[name] == run[name], name
+
+
+_GLUON_GEMM = """
+import torch, flame
+import flame.kernels.matmul as KM
+import flame.kernels.matmul_hopper as KH
+M, K, N = 4608, 3072, 3072
+x, w = (torch.randn(M, K, device=flame.device).bfloat16(), torch.randn(N, K, device=flame.device).bfloat16())
+assert KH.plan(M, N, K, x, w.t(), KM.Fusion()) is not None, "not routed to the Gluon GEMM"
+KM.linear_(torch.empty(M, N, device=flame.device, dtype=torch.bfloat16), x, w)
+torch.cuda.synchronize()
+"""
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_a_gluon_gemm_compiled_ahead_is_not_compiled_again(tmp_path):
+    """End to end on an H200, in fresh processes as a trainer would run them: a Gluon GEMM's launch is
+    recorded, ``compile_ahead`` of that list fills an empty Triton cache without a failure, and the
+    same launch then compiles nothing (no cubin is added to the cache)."""
+    import os
+    if not KH.available():
+        pytest.skip("needs an sm_90 GPU")
+    path, cache = tmp_path / "kernels.jsonl", tmp_path / "cache"
+    record = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "recording"), L.RECORD_ENV: str(path)}
+    subprocess.run([sys.executable, "-c", _GLUON_GEMM], env=record, check=True)
+    assert any('"gluon_descriptor"' in line for line in precompile.read_lines(path))
+    env = {k: v for k, v in record.items() if k != L.RECORD_ENV} | {"TRITON_CACHE_DIR": str(cache)}
+    ahead = ("import sys; from flame.kernels import precompile; "
+             "s = precompile.compile_ahead(sys.argv[1], jobs=2, progress=False); assert s['failed'] == 0, s")
+    subprocess.run([sys.executable, "-c", ahead, str(path)], env=env, check=True)
+    compiled = {str(p.relative_to(cache)) for p in cache.rglob("*.cubin")}
+    assert compiled
+    subprocess.run([sys.executable, "-c", _GLUON_GEMM], env=env, check=True)
+    assert {str(p.relative_to(cache)) for p in cache.rglob("*.cubin")} == compiled

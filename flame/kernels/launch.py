@@ -29,6 +29,7 @@ the heuristic); a config short of shared memory on this GPU runs with fewer pipe
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import json
@@ -254,6 +255,9 @@ def _int_class(v: int) -> int:
     return (0 if -2**31 <= v < 2**31 else 2**32) + (16 if v % 16 == 0 else 3)
 
 
+GLUON_DESCRIPTOR_MODULE = "triton.experimental.gluon.nvidia.hopper"  # Gluon's host-built TMA descriptors
+
+
 def _describe_arg(a):
     if isinstance(a, bool) or a is None:
         return ["value", a]
@@ -265,7 +269,40 @@ def _describe_arg(a):
         return ["value", _int_class(a)]
     if isinstance(a, float):
         return ["float"]
+    gluon = sys.modules.get(GLUON_DESCRIPTOR_MODULE)  # imported wherever one of its descriptors exists
+    if gluon is not None and isinstance(a, gluon.TensorDescriptor):
+        return ["gluon_descriptor", str(a.base.dtype).removeprefix("torch."), list(a.block_shape),
+                *_describe_layout(a.layout)]
     raise TypeError(type(a).__name__)
+
+
+def _describe_layout(layout):
+    """``[class name, {field: value}]`` of a Gluon descriptor's shared layout: the fields its repr
+    shows. Triton specialises a Gluon descriptor on its dtype, block shape and ``repr(layout)``
+    (the type string ``tensordesc<bf16[64, 64],NVMMASharedLayout(swizzle_byte_width=128, ...)>``,
+    from which the compiler rebuilds the layout); a layout that ``gluon_layout`` would not rebuild
+    to the same repr from the JSON form (a field JSON cannot hold, or one that is not an argument)
+    raises TypeError: such a variant is not recorded."""
+    if not dataclasses.is_dataclass(layout) or not type(layout).__name__.endswith("SharedLayout"):
+        raise TypeError(type(layout).__name__)
+    name = type(layout).__name__
+    fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.repr}
+    try:
+        again = gluon_layout(name, json.loads(json.dumps(fields)))
+    except (TypeError, ValueError, AssertionError) as e:
+        raise TypeError(f"{name}: {e}") from e
+    if repr(again) != repr(layout):
+        raise TypeError(f"{name} is not rebuilt from its fields")
+    return [name, fields]
+
+
+def gluon_layout(name, fields):
+    """The Gluon shared layout ``gl.<name>(**fields)`` (``_describe_layout``'s form)."""
+    from triton.experimental.gluon import language as gl
+    cls = getattr(gl, name, None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls) and name.endswith("SharedLayout")):
+        raise ValueError(f"{name} is not a Gluon shared layout")
+    return cls(**fields)
 
 
 def _describe_meta(v):

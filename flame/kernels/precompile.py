@@ -3,15 +3,15 @@
 A process started with ``FLAME_RECORD_KERNELS=FILE`` appends one JSON line to ``FILE`` for every
 kernel variant it launches for the first time (``launch.note_variant``): the kernel's
 module and name, what Triton specialises each argument on (a tensor's dtype and 16-byte alignment,
-a TMA descriptor's dtype and block shape, an int's value, a float's type, a bool, None) and the
-constexprs and launch options. ``compile_ahead(FILE, jobs)`` hands the lines to ``jobs`` worker
-processes, which build stand-in arguments of those kinds on the GPU and call each kernel's
-``warmup`` (compile, no launch) and load the result (which builds its host launcher): kernels
-and launchers land in Triton's on-disk cache, where the run that follows finds them as if it had
-compiled them itself. The cache is keyed by the kernel's source, the specialisation and the
-options, so a line that no longer matches anything (a kernel edited since the file was written,
-another GPU) costs its compile and nothing else; a kernel the file lacks compiles on first use,
-as without it.
+a TMA descriptor's dtype and block shape, and a Gluon one's also its shared layout; an int's value,
+a float's type, a bool, None) and the constexprs and launch options. ``compile_ahead(FILE, jobs)``
+hands the lines to ``jobs`` worker processes, which build stand-in arguments of those kinds on the
+GPU and call each kernel's ``warmup`` (compile, no launch) and load the result (which builds its
+host launcher): kernels and launchers land in Triton's on-disk cache, where the run that follows
+finds them as if it had compiled them itself. The cache is keyed by the kernel's source, the
+specialisation and the options, so a line that no longer matches anything (a kernel edited since
+the file was written, another GPU) costs its compile and nothing else; a kernel the file lacks
+compiles on first use, as without it.
 
 The JSON lines are the whole interface; they depend on nothing but flame's kernel names, so a file
 recorded on one machine serves every machine with the same GPU and Triton. A digest of every line
@@ -56,6 +56,10 @@ def _stand_in(a):
     if kind == "descriptor":
         base = runtime.empty(tuple(a[2]), getattr(torch, a[1]))
         return descriptor(base, list(base.shape), list(base.stride()), list(a[2]))
+    if kind == "gluon_descriptor":  # a block-sized buffer, described with the recorded shared layout
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+        base = runtime.empty(tuple(a[2]), getattr(torch, a[1]))
+        return GluonDescriptor(base, list(base.shape), list(base.stride()), list(a[2]), launch.gluon_layout(a[3], a[4]))
     return 1.5 if kind == "float" else a[1]
 
 
