@@ -66,6 +66,31 @@ def test_each_variant_is_recorded_once(tmp_path, monkeypatch):
     assert len(path.read_text().splitlines()) == 2
 
 
+def test_the_trainer_records_new_variants_for_this_machine_and_every_one_into_a_named_file(tmp_path, monkeypatch):
+    """``compile_ahead: auto`` records into this machine's list only what the lists it compiles ahead do
+    not hold; a FLAME_RECORD_KERNELS file the user names gets every variant of the run (so a list
+    re-recorded with the trainer is complete)."""
+    from flame.train import preflight
+
+    listed = tmp_path / "shipped.jsonl"
+    listed.write_text('{"a": 1}\n')
+    machine = tmp_path / "cache" / "kernels" / "gpu.jsonl"
+    monkeypatch.setattr(precompile, "recorded_path", lambda: machine)
+    noted = []
+    monkeypatch.setattr(L, "note_known", lambda lines: noted.extend(lines))
+    monkeypatch.setenv(L.RECORD_ENV, "unset below; restored after the test")
+    monkeypatch.delenv(L.RECORD_ENV)
+    preflight._record_new_kernels([listed], print)
+    assert L.os.environ[L.RECORD_ENV] == str(machine) and machine.parent.is_dir() and noted == ['{"a": 1}']
+    noted.clear()
+    preflight._record_new_kernels([listed], print)  # a second run in this process: the same
+    assert noted == ['{"a": 1}']
+    noted.clear()
+    monkeypatch.setenv(L.RECORD_ENV, str(tmp_path / "mine.jsonl"))
+    preflight._record_new_kernels([listed], print)
+    assert L.os.environ[L.RECORD_ENV] == str(tmp_path / "mine.jsonl") and noted == []
+
+
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter path")
 def test_the_interpreter_compiles_nothing_ahead(tmp_path):
     path = tmp_path / "kernels.jsonl"

@@ -289,13 +289,23 @@ def compile_ahead(setting, family, mcfg, world, log):
     if setting == "auto":
         shipped = family.kernel_list(mcfg)
         paths = precompile.auto_paths(shipped=shipped is not None, model=shipped or "")
-        record = precompile.recorded_path()
-        try:
-            record.parent.mkdir(parents=True, exist_ok=True)
-            os.environ.setdefault(launch.RECORD_ENV, str(record))
-            launch.note_known(line for p in paths for line in precompile.read_lines(p))  # only new ones
-        except OSError as e:  # an unwritable cache folder: nothing recorded, nothing else changes
-            log(f"train.compile_ahead: not recording this run's kernels ({e})")
+        _record_new_kernels(paths, log)
     else:
         paths = [setting]
     return precompile.Background(paths) if paths else None
+
+
+def _record_new_kernels(paths, log):
+    """Record the kernel variants this run compiles that ``paths`` do not list into this machine's list
+    (``precompile.recorded_path``), for its next runs; unless FLAME_RECORD_KERNELS names another file:
+    that one gets every variant the run launches (a list to ship, or to compile ahead elsewhere)."""
+    record = str(precompile.recorded_path())
+    if os.environ.get(launch.RECORD_ENV, record) != record:
+        return
+    try:
+        os.makedirs(os.path.dirname(record), exist_ok=True)
+    except OSError as e:  # an unwritable cache folder: nothing recorded, nothing else changes
+        log(f"train.compile_ahead: not recording this run's kernels ({e})")
+        return
+    os.environ[launch.RECORD_ENV] = record
+    launch.note_known(line for p in paths for line in precompile.read_lines(p))  # only new ones
