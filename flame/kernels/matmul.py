@@ -1096,8 +1096,7 @@ def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale, hand
     tma = TMA and a.dtype in _TMA_DTYPES and tma_available()
     if tma and _off_alignment(out, a, b, pre_out, residual, u, v):
         return None
-    key = (signature, tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER,
-           runtime.num_sms(), FP8_ROUTE)
+    key = (signature, _device_switches(tma))
     kept = _route.calls.get(key)
     if kept is None or DEBUG_ROUTES or plan is not _PLAN:
         return key
@@ -1105,6 +1104,13 @@ def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale, hand
     if handle is not None:
         handle.keep(kept)
     return True
+
+
+def _device_switches(tma):
+    """What a kept call's route depends on besides its call signature and the route memo, as read now:
+    whether the TMA kernels take it (``tma``), the Gluon one, the interpreter, the SM count and
+    FLAME_FP8_GEMM (in ``_run_kept``'s key and ``call_stamp``, which must agree)."""
+    return tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER, runtime.num_sms(), FP8_ROUTE
 
 
 def _off_alignment(out, a, b, pre_out, residual, u, v):
@@ -1146,8 +1152,7 @@ def call_stamp():
     ``plan``). Read once per op by a caller of ``KeptCall.run``."""
     if tune._autotune or not tune.direct_entries or DEBUG_ROUTES or plan is not _PLAN:
         return None
-    return (_route.generation, TMA and tma_available(), matmul_hopper.ROUTE and _gluon_available(),
-            runtime.INTERPRETER, runtime.num_sms(), FP8_ROUTE)
+    return _route.generation, _device_switches(TMA and tma_available())
 
 
 class KeptCall:
