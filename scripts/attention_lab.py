@@ -42,6 +42,7 @@ from flame.autotune import graph_time_ms
 SHAPES = {  # (B, H, Lq, Lk, D)
     "flux": (1, 24, 4608, 4608, 128),
     "sdxl4k": (1, 10, 4096, 4096, 64),
+    "sdxl4k_b4": (4, 10, 4096, 4096, 64),  # SDXL training at batch 4
     "sdxl1k": (1, 20, 1024, 1024, 64),
     "cross4k": (1, 10, 4096, 77, 64),
 }
@@ -62,15 +63,15 @@ def gluon(stages=2, pingpong=True):
     return dict(stages=stages, pingpong=pingpong)
 
 
-def gluon_bwd(kv_stages=2, q_stages=2, q_keys=64):
-    """Options of attention_hopper.attention_bwd."""
-    return dict(kv_stages=kv_stages, q_stages=q_stages, q_keys=q_keys)
+def gluon_bwd(stages=3):
+    """Options of attention_hopper.attention_bwd (its dK/dV and dQ programs in one launch)."""
+    return dict(stages=stages)
 
 
 PORTABLE = "portable"  # a forward "config": flame's own choice with the Hopper route off
 
 # (name, shape, "fwd" | "bwd" | "gluon" | "gbwd", config or None for flame's own choice; "bwd" with
-# PORTABLE: the portable kernels); a backward variant is also timed without its dQ kernel ("dkdv")
+# PORTABLE: the portable kernels); a portable backward variant is also timed without its dQ kernel ("dkdv")
 VARIANTS = [
     ("production", "flux", "fwd", None),
     ("portable", "flux", "fwd", PORTABLE),
@@ -84,10 +85,8 @@ VARIANTS = [
     ("128x128 w8 s3 no TMA", "flux", "fwd", fwd(128, 128, 8, 3, tma=False)),
     ("production", "flux", "bwd", None),
     ("portable", "flux", "bwd", PORTABLE),
-    ("gluon bwd kv s2 dq s2 n64", "flux", "gbwd", gluon_bwd(2, 2, 64)),
-    ("gluon bwd kv s3 dq s2 n64", "flux", "gbwd", gluon_bwd(3, 2, 64)),
-    ("gluon bwd kv s3 dq s3 n64", "flux", "gbwd", gluon_bwd(3, 3, 64)),
-    ("gluon bwd kv s3 dq s2 n128", "flux", "gbwd", gluon_bwd(3, 2, 128)),
+    ("gluon bwd s2", "flux", "gbwd", gluon_bwd(2)),
+    ("gluon bwd s3", "flux", "gbwd", gluon_bwd(3)),
     ("kv32x64w4s4 dq128x64w8s4", "flux", "bwd", bwd((32, 64, 4, 4), (128, 64, 8, 4))),
     ("kv32x64w4s2 dq128x64w8s2", "flux", "bwd", bwd((32, 64, 4, 2), (128, 64, 8, 2))),
     ("kv64x64w4s3 dq128x64w8s3", "flux", "bwd", bwd((64, 64, 4, 3), (128, 64, 8, 3))),
@@ -109,8 +108,13 @@ VARIANTS = [
     ("64x128 w4 s3", "sdxl4k", "fwd", fwd(64, 128, 4, 3, d=64)),
     ("production", "sdxl4k", "bwd", None),
     ("portable", "sdxl4k", "bwd", PORTABLE),
-    ("gluon bwd kv s3 dq s2 n64", "sdxl4k", "gbwd", gluon_bwd(3, 2, 64)),
-    ("gluon bwd kv s2 dq s2 n128", "sdxl4k", "gbwd", gluon_bwd(2, 2, 128)),
+    ("gluon bwd s2", "sdxl4k", "gbwd", gluon_bwd(2)),
+    ("gluon bwd s3", "sdxl4k", "gbwd", gluon_bwd(3)),
+    ("production", "sdxl4k_b4", "fwd", None),
+    ("gluon s2 pingpong", "sdxl4k_b4", "gluon", gluon(2, True)),
+    ("production", "sdxl4k_b4", "bwd", None),
+    ("gluon bwd s3", "sdxl4k_b4", "gbwd", gluon_bwd(3)),
+    ("gluon bwd s3", "sdxl1k", "gbwd", gluon_bwd(3)),
     ("production", "sdxl1k", "fwd", None),
     ("portable", "sdxl1k", "fwd", PORTABLE),
     ("gluon s2 pingpong", "sdxl1k", "gluon", gluon(2, True)),
@@ -233,7 +237,8 @@ def _forced(kind, cfg, skip=()):
 
 def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
     """One variant's errors against the fp32 reference (and cuDNN's) and its device time; for a
-    backward, also the time without its dQ kernel (``dkdv_ms``); for a Gluon forward, the largest
+    portable backward, also the time without its dQ kernel (``dkdv_ms``; the Gluon backward's dK/dV and
+    dQ programs are one launch); for a Gluon forward, the largest
     difference of its log-sum-exp from the fp32 one (``lse_err``)."""
     p = _problem(problems, shape, timed)
     row = dict(name=name, shape=shape, kind=kind, config=_jsonable(cfg))
@@ -260,8 +265,9 @@ def run_variant(problems, name, shape, kind, cfg, rep_ms, timed=True):
                 if kind == "gluon":
                     row["lse_err"] = float((p.lse_gluon - p.lse_reference()).abs().max())
                 row["ms"] = graph_time_ms(fn, rep_ms)
-        if timed and kind in ("bwd", "gbwd"):
-            with _forced(kind, cfg, skip=("_attn_bwd_dq_kernel", "_attn_bwd_dq_hopper_kernel")):
+        gluon_bwd_routed = cfg is None and p.shape[4] in KA.HOPPER_HEAD_DIMS  # flame's own choice on sm_90
+        if timed and kind == "bwd" and not gluon_bwd_routed:
+            with _forced(kind, cfg, skip=("_attn_bwd_dq_kernel",)):
                 row["dkdv_ms"] = graph_time_ms(fn, rep_ms)
     except Exception as e:  # a config that does not compile or fit: recorded, the sweep goes on
         lines = str(e).strip().splitlines()
