@@ -9,6 +9,12 @@ with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out
     PYTHONPATH=. python3 scripts/profile_host.py --sdxl [--inference] [--resolution 1024] [--top 25]
 
     PYTHONPATH=. python3 scripts/profile_host.py --sdxl --against ../other-checkout [--rounds 6]
+    PYTHONPATH=. FLAME_DEVICE=cuda python3 scripts/profile_host.py --launcher
+
+``--launcher`` (GPU) times Triton's C launcher alone on one compiled kernel with 4 tensor arguments,
+given the tensors (it calls each one's ``data_ptr`` and asks the driver whether the address is a
+device one), their addresses as ints (neither), and addresses read in Python first (what flame's
+direct path passes it): microseconds a launch, medians of 30 rounds of 500 launches.
 
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
 and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
@@ -171,6 +177,45 @@ def sdxl_step(args):
     stats.sort_stats(args.sort).print_stats(args.top)
 
 
+def launcher_probe():
+    """``--launcher``: Triton's C launcher with tensor and with int pointer arguments (see above)."""
+    import time
+
+    import torch
+    import triton
+    import triton.language as tl
+
+    from flame.kernels import launch as L
+
+    @triton.jit
+    def add3(a, b, c, d, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        tl.store(d + i, tl.load(a + i, mask=m) + tl.load(b + i, mask=m) + tl.load(c + i, mask=m), mask=m)
+
+    x = [torch.randn(256, device="cuda") for _ in range(4)]
+    run, function, lead, consts, _ = L._entry(add3[(1,)](*x, 256, BLOCK=256), (256,), ())
+    stream = torch.cuda.current_stream().cuda_stream
+    addresses = [t.data_ptr() for t in x]
+    ways = {"tensors": lambda: run(1, 1, 1, stream, function, *lead, *x, 256, *consts),
+            "ints": lambda: run(1, 1, 1, stream, function, *lead, *addresses, 256, *consts),
+            "ints read in Python": lambda: run(1, 1, 1, stream, function, *lead, *[t.data_ptr() for t in x], 256,
+                                               *consts),
+            "torch.add(out=) (for scale: a whole torch op, its launch included)":
+                lambda: torch.add(x[0], x[1], out=x[3])}
+    for name, fn in ways.items():
+        rounds = []
+        for _ in range(30):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(500):
+                fn()
+            rounds.append((time.perf_counter() - t0) / 500 * 1e6)
+        torch.cuda.synchronize()
+        what = name if name.startswith("torch") else f"Triton's C launcher, 4 pointer arguments as {name}"
+        print(f"{what}: {statistics.median(rounds):.2f} us a launch")
+
+
 def against(args):
     """``--against DIR``: this checkout's and DIR's stubbed step, alternately (see the docstring)."""
     import re
@@ -219,7 +264,10 @@ def main():
     ap.add_argument("--against", metavar="DIR",
                     help="--sdxl: compare with the checkout in DIR, alternately in one run (see above)")
     ap.add_argument("--rounds", type=int, default=4, help="--against: rounds of the two checkouts")
+    ap.add_argument("--launcher", action="store_true", help="Triton's C launcher alone, tensors against ints (GPU)")
     args = ap.parse_args()
+    if args.launcher:
+        return launcher_probe()
     if args.against:
         if not args.sdxl:
             ap.error("--against needs --sdxl")
