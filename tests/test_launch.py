@@ -376,7 +376,8 @@ def test_group_norm_and_conv_launch_through_kept_plans(monkeypatch):
                             seen.append((kernel.fn.__name__, meta.get("sig"))) or real(kernel, grid, *a, **meta))
     x = flame.randn(2, 16, 6, 6, dtype=flame.float16, requires_grad=True)
     w, b = flame.randn(16, dtype=flame.float16, requires_grad=True), flame.randn(16, dtype=flame.float16)
-    cw = flame.from_torch(torch.randn(16, 16, 3, 3, dtype=torch.float16).contiguous(memory_format=torch.channels_last))
+    cw = flame.from_torch(torch.randn(16, 16, 3, 3, dtype=torch.float16, device=flame.runtime.device)
+                         .contiguous(memory_format=torch.channels_last))
 
     def run():
         seen.clear()
