@@ -296,9 +296,11 @@ def test_layer_norm_keeps_each_call_signature_and_reads_each_call_s_buffers():
         x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((3, 5, 6), (6,), (6,)))
         assert_close(F.layer_norm(_f(x), 6, _f(w), _f(b), 1e-3), TF.layer_norm(x, (6,), w, b, 1e-3))
         assert_close(F.rms_norm(_f(x), (6,), _f(w)), TF.rms_norm(x, (6,), w))
-    xt, wt = x.transpose(0, 1), torch.randn(12, generator=g, dtype=torch.float64)[::2]
-    for _ in range(2):
-        assert_close(F.layer_norm(_f(xt), [6], flame.from_torch(wt), _f(b)), TF.layer_norm(xt, (6,), wt, b))
+    w12 = torch.randn(12, generator=g, dtype=torch.float64)
+    xt, wt = x.transpose(0, 1), w12[::2]
+    for _ in range(2):  # the weight strided on flame's device too
+        assert_close(F.layer_norm(_f(xt), [6], flame.from_torch(w12.to(DEVICE)[::2]), _f(b)),
+                     TF.layer_norm(xt, (6,), wt, b))
     with pytest.raises(ValueError, match="weight"):
         F.layer_norm(_f(x), 6, _f(torch.randn(5, dtype=torch.float64)), _f(b), 1e-3)
 

@@ -187,8 +187,8 @@ def test_view_arguments_are_memoised_and_checked():
             x.transpose(True, 0)  # hashes as 1, yet is checked, not taken from the memo
     assert len(S._transpositions) == 1
     # the backward of reshape when the incoming gradient is transposed: no view, a copy
-    w = flame.from_torch(torch.randn(2, 3), requires_grad=True)
-    g = torch.randn(2, 3)
+    w = flame.from_torch(torch.randn(2, 3, device=DEVICE), requires_grad=True)
+    g = torch.randn(2, 3, device=DEVICE)
     gw = flame.grad(w.reshape(3, 2), w, grad_outputs=flame.from_torch(g.t()))
     assert_close(gw, g.t().reshape(2, 3))
 
