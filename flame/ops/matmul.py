@@ -444,7 +444,9 @@ def _apply_activation(y, activation):
 # (db keeps G), and dm = sum_r (G * Z) / n (kernels.dora.scale_grad_: one pass over G and Z).
 # An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
-    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2, h, b16: matrices (KM.matrix)
+    # x2, xl2, h, b16: matrices (KM.matrix); inputs_aligned: whether the buffers the forward did not allocate itself
+    # start 16-byte aligned (KM.all_aligned)
+    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale, inputs_aligned = node.saved
     need = node.needs_input_grad
     need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = need[:7]
     a = node.attrs
@@ -466,29 +468,31 @@ def _lora_linear_backward(node, g):
     calls = a["gemms"].backward_calls(gz[1:], need)
     stamp = KM.call_stamp()
     g_buf, xl = gz[0], x2 if xl2 is None else xl2
+    aligned = inputs_aligned and KM.all_aligned(g_buf)  # the rest are this backward's own buffers
     dh = runtime.empty((rows, rank), dtype)
     dhm = KM.dense_matrix(dh, rows, rank)
-    if not calls.dh.run(stamp, dh, g_buf, b16[0]):
+    if not calls.dh.run(stamp, aligned, dh, g_buf, b16[0]):
         KM.matmul_(dh, gz, b16, alpha=s, handle=calls.dh)
     if need_lb:
         dlb = runtime.empty(a["b_shape"], a["b_dtype"])
-        if not calls.db.run(stamp, dlb, g_buf, h[0]):
+        if not calls.db.run(stamp, aligned, dlb, g_buf, h[0]):
             KM.matmul_(dlb, KM.transposed(gz), h, alpha=s, handle=calls.db)
         dlb = Tensor(dlb)
     if need_a:
         da = runtime.empty(a["a_shape"], a["a_dtype"])
-        if not calls.da.run(stamp, da, dh, xl[0]):
+        if not calls.da.run(stamp, aligned, da, dh, xl[0]):
             KM.matmul_(da, KM.transposed(dhm), xl, handle=calls.da)
         da = Tensor(da)
     if need_x:
         dx = runtime.empty(a["x_shape"], dtype)
         fused = xl2 is None  # dH A16 added to dX by the same GEMM
-        if not calls.dx.run(stamp, dx, g_buf, w, u=dh if fused else None, v=a16 if fused else None, b_scale=w_scale):
+        if not calls.dx.run(stamp, aligned, dx, g_buf, w, u=dh if fused else None, v=a16 if fused else None,
+                            b_scale=w_scale):
             KM.matmul_(dx, gz, w, low_rank=(dhm, a16, 1.0) if fused else None, b_scale=w_scale, handle=calls.dx)
         dx = Tensor(dx)
     if need_xl and xl2 is not None:
         dxl = runtime.empty(a["x_shape"], dtype)
-        if not calls.dxl.run(stamp, dxl, dh, a16):
+        if not calls.dxl.run(stamp, aligned, dxl, dh, a16):
             KM.matmul_(dxl, dhm, a16, handle=calls.dxl)
         dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
@@ -593,9 +597,11 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     xl = x2 if xl2 is None else xl2
     wd, bias_d = weight._data, None if bias is None or ratio is not None else bias._data
     stamp = KM.call_stamp()
-    if not gemms.down.run(stamp, h, xl[0], a16):
+    # the buffers this call did not allocate (h and z it did) start 16-byte aligned: checked once for its GEMMs
+    inputs_aligned = KM.all_aligned(x2[0], None if xl2 is None else xl2[0], wd, a16, b16, rd)
+    if not gemms.down.run(stamp, inputs_aligned, h, xl[0], a16):
         KM.linear_(h, xl, a16, handle=gemms.down)
-    if not gemms.up.run(stamp, z, x2[0], wd, bias_d, residual=rd, u=h, v=b16, b_scale=w_scale):
+    if not gemms.up.run(stamp, inputs_aligned, z, x2[0], wd, bias_d, residual=rd, u=h, v=b16, b_scale=w_scale):
         KM.linear_(z, x2, wd, bias_d, low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale,
                    w8a8=fp8 and weight.w8a8, residual=rd, handle=gemms.up)
     out = z
@@ -609,7 +615,8 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         keep_z = ratio is not None and magnitude.requires_grad
         inputs = (x, weight, bias, lora_a, lora_b, lora_input, magnitude)
         record(y, inputs if rd is None else (*inputs, residual), _lora_linear_backward,
-               saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale),
+               saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale,
+                      inputs_aligned),
                scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
                b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype, gemms=gemms)
     return y
