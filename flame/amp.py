@@ -161,21 +161,30 @@ class ParameterCasts:
         self.params = [p for p in params if p.dtype in FLOAT_DTYPES and p.dtype != dtype and p.numel()
                        and runtime.dense_order(p._data) is not None]
         self.dtype = dtype
-        self._pointers, self._groups, self._copies, self._total = None, [], {}, 0
+        self._pointers, self._groups, self._layouts, self._total = None, [], [], 0
         self._prev = []
 
     def _plan(self):
-        """Each copy's offset in the buffer (16-byte aligned, as TMA reads need) and the launch
-        tables, one per source dtype; rebuilt when a parameter's buffer has moved."""
+        """Each copy's offset in the buffer (16-byte aligned, as TMA reads need), the launch tables,
+        one per source dtype, and the layouts of the copies' views: the parameters of one shape and
+        strides lie one after another, a view of them all (``_layouts``: its sizes, strides and first
+        offset, and their keys) unbound into theirs on entry, a torch call per layout instead of one
+        per copy. Rebuilt when a parameter's buffer has moved."""
         pointers = tuple(p._data.data_ptr() for p in self.params)
         if pointers == self._pointers:
             return
         align = 16 // self.dtype.itemsize
-        rows, self._copies, offset = {}, {}, 0
+        alike = {}
         for p in self.params:
-            rows.setdefault(p.dtype, []).append(((offset, p._data), p.numel(), 0))
-            self._copies[(p.id, self.dtype)] = (offset, tuple(p.shape), p._data.stride())
-            offset += -(-p.numel() // align) * align
+            alike.setdefault((tuple(p.shape), p._data.stride()), []).append(p)
+        rows, self._layouts, offset = {}, [], 0
+        for (shape, strides), group in alike.items():
+            step = -(-group[0].numel() // align) * align
+            self._layouts.append(((len(group), *shape), (step, *strides), offset,
+                                  [(p.id, self.dtype) for p in group]))
+            for p in group:
+                rows.setdefault(p.dtype, []).append(((offset, p._data), p.numel(), 0))
+                offset += step
         self._groups = [(dtype, KO.Tables(r)) for dtype, r in rows.items()]
         self._pointers, self._total = pointers, offset
 
@@ -184,7 +193,10 @@ class ParameterCasts:
         buf = runtime.empty((max(self._total, 1),), self.dtype)
         for src_dtype, tables in self._groups:
             KO.axpby_(tables, src_dtype, self.dtype, 1.0, 0.0, dst_base=buf)
-        self._prev.append(parameter_copies((buf, self._copies)))
+        copies = {}
+        for shape, strides, offset, keys in self._layouts:
+            copies.update(zip(keys, buf.as_strided(shape, strides, offset).unbind(0)))
+        self._prev.append(parameter_copies(copies))
         return self
 
     def __exit__(self, *exc):

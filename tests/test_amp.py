@@ -311,11 +311,13 @@ def test_autocast_casts_a_parameter_once_per_region_and_nests():
 def test_parameter_casts_give_lora_adapters_their_copies_in_one_launch():
     """Inside ``ParameterCasts`` each LoRA layer reads its adapters' copies, made on entry by one
     launch, instead of casting them (two launches a layer): same outputs and gradients, bit for bit;
-    each entry copies the current values into a fresh buffer (16-byte aligned copies, for TMA)."""
+    each entry copies the current values into a fresh buffer (16-byte aligned copies, for TMA; those of one
+    shape, here the last three layers' A and two layers' B, views of one stretch of it)."""
     from flame.kernels import launch as L
     from flame.ops.elementwise import parameter_copy
     half = torch.bfloat16 if DEVICE.type == "cuda" else torch.float16
-    layers = [nn.LoRALinear(nn.Linear(k, n).to(half), rank=3, alpha=5.0) for k, n in ((24, 40), (40, 13), (13, 24))]
+    sizes = ((24, 40), (40, 13), (13, 24), (24, 24), (24, 24))
+    layers = [nn.LoRALinear(nn.Linear(k, n).to(half), rank=3, alpha=5.0) for k, n in sizes]
     params = [p for layer in layers for p in (layer.lora_A, layer.lora_B)]
     for layer in layers:
         flame.nn.init.normal_(layer.lora_B, 0.0, 0.5)

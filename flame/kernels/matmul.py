@@ -1094,7 +1094,7 @@ def _run_kept(signature, out, a, b, bias, pre_out, residual, u, v, b_scale, hand
     the key to keep its launch under (``_keep``), None for one with a misaligned buffer on a TMA device.
     A ``KeptCall`` ``handle`` is given the kept route."""
     tma = TMA and a.dtype in _TMA_DTYPES and tma_available()
-    if tma and _off_alignment(out, a, b, pre_out, residual, u, v):
+    if tma and not all_aligned(out, a, b, pre_out, residual, u, v):
         return None
     key = (signature, _device_switches(tma))
     kept = _route.calls.get(key)
@@ -1113,11 +1113,15 @@ def _device_switches(tma):
     return tma, tma and matmul_hopper.ROUTE and _gluon_available(), runtime.INTERPRETER, runtime.num_sms(), FP8_ROUTE
 
 
-def _off_alignment(out, a, b, pre_out, residual, u, v):
-    """Whether a buffer of a GEMM call starts off 16-byte alignment (the TMA kernels' buffers, and U and V)."""
-    return (a.data_ptr() | b.data_ptr() | out.data_ptr() | (0 if pre_out is None else pre_out.data_ptr())
-            | (0 if residual is None else residual.data_ptr()) | (0 if u is None else u.data_ptr())
-            | (0 if v is None else v.data_ptr())) % 16
+def all_aligned(*bufs):
+    """Whether every buffer of ``bufs`` (None: no buffer) starts 16-byte aligned, as the TMA kernels need A, B,
+    C, the pre-activation and residual, and the rank-r term's U and V. A ``KeptCall`` caller asks it once per op
+    about the buffers it did not allocate itself (``KeptCall.run``'s ``aligned``)."""
+    pointers = 0
+    for t in bufs:
+        if t is not None:
+            pointers |= t.data_ptr()
+    return not pointers % 16
 
 
 def _run_entry(kept, out, a, b, bias, pre_out, residual, u, v, b_scale):
@@ -1160,9 +1164,10 @@ class KeptCall:
     whose own kept call signature fixes that call's signature (every argument's sizes, strides and dtypes
     and every scalar: ``ops.matmul.lora_linear``'s GEMMs). ``run`` runs the route over a call's buffers
     without the entry point's wrapper, signature and lookup (about a third of a kept call's host time);
-    where it returns False (nothing run: the handle is empty, was filled under another ``call_stamp``, or a
-    buffer starts off 16-byte alignment where a TMA kernel reads) the caller calls the entry point with
-    ``handle=`` this, which runs the call and fills the handle."""
+    where it returns False (nothing run: the handle is empty, was filled under another ``call_stamp``, or the
+    caller does not vouch for every buffer's 16-byte alignment where a TMA kernel reads) the caller calls the
+    entry point with ``handle=`` this, which runs the call and fills the handle. The caller checks its buffers'
+    alignment once per op (``run``'s ``aligned``), so a call checks none of its own."""
 
     __slots__ = ("entry", "stamp")
 
@@ -1172,11 +1177,13 @@ class KeptCall:
     def keep(self, entry):
         self.entry, self.stamp = entry, call_stamp()
 
-    def run(self, stamp, out, a, b, bias=None, pre_out=None, residual=None, u=None, v=None, b_scale=None):
+    def run(self, stamp, aligned, out, a, b, bias=None, pre_out=None, residual=None, u=None, v=None, b_scale=None):
         """The kept route over buffers ``out``, ``a``, ``b`` (the entry point's operands' buffers, not
-        matrix tuples) and the epilogue's, ``stamp`` being ``call_stamp()``: True when it ran."""
-        if stamp is None or stamp != self.stamp or (self.entry[0].tma
-                                                   and _off_alignment(out, a, b, pre_out, residual, u, v)):
+        matrix tuples) and the epilogue's, ``stamp`` being ``call_stamp()``: True when it ran. ``aligned``:
+        whether the caller knows every buffer of the call to start 16-byte aligned (those it just allocated
+        with ``runtime.empty`` are; any other it checked with ``all_aligned``); where not, a route of the TMA
+        kernels is not run here (the entry point checks each buffer)."""
+        if stamp is None or stamp != self.stamp or (not aligned and self.entry[0].tma):
             return False
         _run_entry(self.entry, out, a, b, bias, pre_out, residual, u, v, b_scale)
         return True

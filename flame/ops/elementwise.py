@@ -460,8 +460,8 @@ _copies = _Copies()  # the parameter copies of this thread's ParameterCasts regi
 
 
 def parameter_copies(copies):
-    """Make ``copies`` (``(buffer, {(tensor id, dtype): (element offset, shape, strides)})``, or
-    None) this thread's parameter copies (``flame.amp.ParameterCasts``); returns the previous ones."""
+    """Make ``copies`` (``{(tensor id, dtype): its copy}``, views of one buffer, or None) this thread's
+    parameter copies (``flame.amp.ParameterCasts``); returns the previous ones."""
     prev = _copies.current
     _copies.current = copies
     return prev
@@ -471,11 +471,7 @@ def parameter_copy(t, dtype):
     """The copy of ``t`` in ``dtype`` that the current ``ParameterCasts`` region made (a view of
     its buffer with ``t``'s shape and strides), or None."""
     copies = _copies.current
-    hit = copies[1].get((t.id, dtype)) if copies is not None else None
-    if hit is None:
-        return None
-    offset, shape, strides = hit
-    return copies[0].as_strided(shape, strides, offset)
+    return None if copies is None else copies.get((t.id, dtype))
 
 
 def to(x, *args, dtype=None, device=None, copy=False):

@@ -386,16 +386,20 @@ _signatures = KM.RouteMemo(None)
 tune.register_cache(_signatures.cache_clear)
 
 
-class _LoRAGemms:
-    """The handles on the kept routes of one ``lora_linear`` call signature's GEMMs (``KM.KeptCall``): its
-    signature fixes the forward's two calls (``down``: H = X_l A16^T; ``up``: the base GEMM with H B16^T),
-    and with the layout of the output gradient's matrix and the inputs that want gradients the backward's
-    (``_LoRABackwardCalls``, kept per such pair in ``backward``)."""
+class _LoRAKept:
+    """What one ``lora_linear`` call signature keeps for its calls: the handles on its GEMMs' kept routes
+    (``KM.KeptCall``), and the constants its backward reads (its node's attributes: the scale, the input's
+    shape, the adapters' shapes and dtypes, the magnitude's dtype or None), one object for all its nodes.
+    The signature fixes the forward's two calls (``down``: H = X_l A16^T; ``up``: the base GEMM with H
+    B16^T), and with the layout of the output gradient's matrix and the inputs that want gradients the
+    backward's (``_LoRABackwardCalls``, kept per such pair in ``backward``)."""
 
-    __slots__ = ("down", "up", "backward")
+    __slots__ = ("down", "up", "backward", "scale", "x_shape", "a_shape", "a_dtype", "b_shape", "b_dtype", "m_dtype")
 
-    def __init__(self):
+    def __init__(self, scale, x_shape, a_shape, a_dtype, b_shape, b_dtype, m_dtype):
         self.down, self.up, self.backward = KM.KeptCall(), KM.KeptCall(), {}
+        self.scale, self.x_shape, self.m_dtype = scale, x_shape, m_dtype
+        self.a_shape, self.a_dtype, self.b_shape, self.b_dtype = a_shape, a_dtype, b_shape, b_dtype
 
     def backward_calls(self, g_layout, need):
         """The backward's handles for a gradient matrix of layout ``g_layout`` (rows, columns, strides) and
@@ -444,11 +448,12 @@ def _apply_activation(y, activation):
 # (db keeps G), and dm = sum_r (G * Z) / n (kernels.dora.scale_grad_: one pass over G and Z).
 # An fp8 base (W = diag(s) Q) is read as codes, as in _linear_backward: dX = G diag(s) Q (+ dH A16).
 def _lora_linear_backward(node, g):
-    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale = node.saved  # x2, xl2, h, b16: matrices (KM.matrix)
+    # x2, xl2, h, b16: matrices (KM.matrix); inputs_aligned: whether the buffers the forward did not allocate itself
+    # start 16-byte aligned (KM.all_aligned); lora_kept: the call signature's _LoRAKept
+    x2, xl2, w, h, a16, b16, z, ratio, norm, w_scale, inputs_aligned, lora_kept = node.saved
     need = node.needs_input_grad
     need_x, need_w, need_b, need_a, need_lb, need_xl, need_m = need[:7]
-    a = node.attrs
-    s = a["scale"]
+    s = lora_kept.scale
     rows, rank = h[1], h[2]
     dtype = h[0].dtype
     gd = g._data
@@ -459,36 +464,38 @@ def _lora_linear_backward(node, g):
     if ratio is not None:
         gzb = runtime.empty(g2[1:3], dtype)
         if need_m:
-            dm = runtime.empty(ratio.shape, a["m_dtype"])
+            dm = runtime.empty(ratio.shape, lora_kept.m_dtype)
         KD.scale_grad_(gzb, dm, _torch_matrix(g2), None if z is None else z.view(gzb.shape), ratio, norm)
         gz, dm = KM.matrix(gzb), None if dm is None else Tensor(dm)
     dx = da = dlb = dxl = None
-    calls = a["gemms"].backward_calls(gz[1:], need)
+    calls = lora_kept.backward_calls(gz[1:], need)
     stamp = KM.call_stamp()
     g_buf, xl = gz[0], x2 if xl2 is None else xl2
+    aligned = inputs_aligned and KM.all_aligned(g_buf)  # the rest are this backward's own buffers
     dh = runtime.empty((rows, rank), dtype)
     dhm = KM.dense_matrix(dh, rows, rank)
-    if not calls.dh.run(stamp, dh, g_buf, b16[0]):
+    if not calls.dh.run(stamp, aligned, dh, g_buf, b16[0]):
         KM.matmul_(dh, gz, b16, alpha=s, handle=calls.dh)
     if need_lb:
-        dlb = runtime.empty(a["b_shape"], a["b_dtype"])
-        if not calls.db.run(stamp, dlb, g_buf, h[0]):
+        dlb = runtime.empty(lora_kept.b_shape, lora_kept.b_dtype)
+        if not calls.db.run(stamp, aligned, dlb, g_buf, h[0]):
             KM.matmul_(dlb, KM.transposed(gz), h, alpha=s, handle=calls.db)
         dlb = Tensor(dlb)
     if need_a:
-        da = runtime.empty(a["a_shape"], a["a_dtype"])
-        if not calls.da.run(stamp, da, dh, xl[0]):
+        da = runtime.empty(lora_kept.a_shape, lora_kept.a_dtype)
+        if not calls.da.run(stamp, aligned, da, dh, xl[0]):
             KM.matmul_(da, KM.transposed(dhm), xl, handle=calls.da)
         da = Tensor(da)
     if need_x:
-        dx = runtime.empty(a["x_shape"], dtype)
+        dx = runtime.empty(lora_kept.x_shape, dtype)
         fused = xl2 is None  # dH A16 added to dX by the same GEMM
-        if not calls.dx.run(stamp, dx, g_buf, w, u=dh if fused else None, v=a16 if fused else None, b_scale=w_scale):
+        if not calls.dx.run(stamp, aligned, dx, g_buf, w, u=dh if fused else None, v=a16 if fused else None,
+                            b_scale=w_scale):
             KM.matmul_(dx, gz, w, low_rank=(dhm, a16, 1.0) if fused else None, b_scale=w_scale, handle=calls.dx)
         dx = Tensor(dx)
     if need_xl and xl2 is not None:
-        dxl = runtime.empty(a["x_shape"], dtype)
-        if not calls.dxl.run(stamp, dxl, dh, a16):
+        dxl = runtime.empty(lora_kept.x_shape, dtype)
+        if not calls.dxl.run(stamp, aligned, dxl, dh, a16):
             KM.matmul_(dxl, dhm, a16, handle=calls.dxl)
         dxl = Tensor(dxl)
     dw = _weight_and_bias_grads(gz, x2, w, need_w, False)[0]
@@ -546,18 +553,18 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     key = (op, type(weight), xd.shape, xd.stride(), xd.dtype, wd.shape, wd.stride(), wd.dtype, ad.shape, ad.stride(),
            ad.dtype, bd.shape, bd.stride(), bd.dtype, None if bias_d is None else (bias_d.shape, bias_d.stride(),
                                                                                   bias_d.dtype),
-           magnitude is None, None if rd is None else (rd.shape, rd.stride(), rd.dtype),
+           None if magnitude is None else check_tensor(magnitude, "magnitude", op).dtype,
+           None if rd is None else (rd.shape, rd.stride(), rd.dtype),
            None if lora_input is None else lora_input._data.stride(), float(scale))
     kept = _signatures.calls.get(key)
     if kept is None:
-        kept = _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, rd)
-    out_shape, rows, degenerate, cast, fused_residual, gemms = kept
+        kept = _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, rd, float(scale))
+    out_shape, rows, degenerate, cast, fused_residual, lora_kept = kept
     if rd is not None and not fused_residual:
         return lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input, magnitude) + residual
-    dtype, n_out, a_shape, b_shape = xd.dtype, out_shape[-1], ad.shape, bd.shape
+    dtype, n_out, a_shape = xd.dtype, out_shape[-1], ad.shape
     ratio = norm = None
     if magnitude is not None:
-        check_tensor(magnitude, "magnitude", op)
         if magnitude.shape != (n_out,) or not magnitude.dtype.is_floating_point:
             raise ValueError(f"{op}: magnitude must be a floating-point ({n_out},) vector, got {magnitude.shape} "
                              f"{magnitude.dtype}")
@@ -582,7 +589,6 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         y = z * to(magnitude / Tensor(norm), z.dtype)
         return y if bias is None else y + bias
     rank = a_shape[0]
-    xs = xd.shape
     x2 = (xd, *rows) if rows is not None else _as_rows(xd)  # matrices of rows (KM.matrix): the GEMMs read them in place
     xl2 = None if lora_input is None else _as_rows(lora_input._data)
     a16, b16 = _cast_once(lora_a, dtype), _cast_once(lora_b, dtype)
@@ -593,11 +599,13 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
     xl = x2 if xl2 is None else xl2
     wd, bias_d = weight._data, None if bias is None or ratio is not None else bias._data
     stamp = KM.call_stamp()
-    if not gemms.down.run(stamp, h, xl[0], a16):
-        KM.linear_(h, xl, a16, handle=gemms.down)
-    if not gemms.up.run(stamp, z, x2[0], wd, bias_d, residual=rd, u=h, v=b16, b_scale=w_scale):
+    # the buffers this call did not allocate (h and z it did) start 16-byte aligned: checked once for its GEMMs
+    inputs_aligned = KM.all_aligned(x2[0], None if xl2 is None else xl2[0], wd, a16, b16, rd)
+    if not lora_kept.down.run(stamp, inputs_aligned, h, xl[0], a16):
+        KM.linear_(h, xl, a16, handle=lora_kept.down)
+    if not lora_kept.up.run(stamp, inputs_aligned, z, x2[0], wd, bias_d, residual=rd, u=h, v=b16, b_scale=w_scale):
         KM.linear_(z, x2, wd, bias_d, low_rank=(hm, KM.transposed(b16m), float(scale)), w_scale=w_scale,
-                   w8a8=fp8 and weight.w8a8, residual=rd, handle=gemms.up)
+                   w8a8=fp8 and weight.w8a8, residual=rd, handle=lora_kept.up)
     out = z
     if ratio is not None:
         out = runtime.empty(out_shape, dtype)
@@ -609,21 +617,20 @@ def lora_linear(x, weight, bias, lora_a, lora_b, scale, lora_input=None, magnitu
         keep_z = ratio is not None and magnitude.requires_grad
         inputs = (x, weight, bias, lora_a, lora_b, lora_input, magnitude)
         record(y, inputs if rd is None else (*inputs, residual), _lora_linear_backward,
-               saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale),
-               scale=float(scale), x_shape=xs, a_shape=a_shape, a_dtype=ad.dtype, b_shape=b_shape,
-               b_dtype=bd.dtype, m_dtype=None if magnitude is None else magnitude.dtype, gemms=gemms)
+               saved=(x2, xl2, weight._data, hm, a16, b16m, z if keep_z else None, ratio, norm, w_scale,
+                      inputs_aligned, lora_kept))
     return y
 
 
-def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, residual):
+def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, residual, scale):
     """What ``lora_linear`` takes from its call signature ``key`` (the types, shapes, strides and dtypes
-    of input, weight, bias, adapters, residual and lora_input, whether there is a magnitude, the scale),
-    after checking them: ``(out_shape, rows, degenerate, cast, fused_residual, gemms)``: ``rows`` the
+    of input, weight, bias, adapters, residual and lora_input, the magnitude's dtype or None, the scale),
+    after checking them: ``(out_shape, rows, degenerate, cast, fused_residual, lora_kept)``: ``rows`` the
     (rows, in, row stride, column stride) of the input's matrix (``KM.matrix``; None when its leading dims
     do not merge or the call is degenerate), ``degenerate`` an empty input, reduction or rank (the
     composed ops serve it), ``cast`` and ``fused_residual`` as ``_layer_signature`` says (no fused
-    residual with a magnitude or a degenerate call), ``gemms`` the handles on its GEMMs' kept routes
-    (``_LoRAGemms``: the key fixes their call signatures). Kept with ``_signatures`` under ``key``, so a
+    residual with a magnitude or a degenerate call), ``lora_kept`` the handles on its GEMMs' kept routes and
+    its nodes' constants (``_LoRAKept``: the key fixes both). Kept with ``_signatures`` under ``key``, so a
     repeated call checks nothing again (as ``_linear_signature``)."""
     op = "lora_linear"
     xd, wd, ad, bd = x._data, weight._data, lora_a._data, lora_b._data
@@ -643,6 +650,7 @@ def _lora_linear_signature(key, x, weight, bias, lora_a, lora_b, magnitude, resi
     degenerate = xd.numel() == 0 or k == 0 or a_shape[0] == 0
     m = None if degenerate else KM.matrix(xd)
     kept = (out_shape, None if m is None else m[1:], degenerate, cast,
-            fused_residual and magnitude is None and not degenerate, _LoRAGemms())
+            fused_residual and magnitude is None and not degenerate,
+            _LoRAKept(scale, xs, a_shape, ad.dtype, b_shape, bd.dtype, None if magnitude is None else magnitude.dtype))
     _signatures.keep_call(key, kept)
     return kept
