@@ -5,7 +5,16 @@ import torch
 import flame
 import flame.nn.functional as F
 from flame.testing import gradcheck
-from helpers import FLOAT_DTYPES_CPU, GPU_ONLY_DTYPES, TOL, assert_close, assert_within_torch_error, check_op, pair
+from helpers import (
+    DEVICE,
+    FLOAT_DTYPES_CPU,
+    GPU_ONLY_DTYPES,
+    TOL,
+    assert_close,
+    assert_within_torch_error,
+    check_op,
+    pair,
+)
 
 TORCH_ACT = {
     None: lambda t: t,
@@ -380,7 +389,7 @@ def test_lora_linear_sends_misaligned_buffers_through_the_entry_points(monkeypat
 
     def step(x_misaligned=False, g_misaligned=False):
         """Entry-point calls of the forward and of the backward."""
-        tx, tg = torch.randn(rows, k).half(), torch.randn(rows, n).half()
+        tx, tg = torch.randn(rows, k, device=DEVICE).half(), torch.randn(rows, n, device=DEVICE).half()
         x = flame.from_torch(one_element_in(tx, x_misaligned), requires_grad=True)
         entered.clear()
         y = F.lora_linear(x, w, b, a, lb, 0.75)
@@ -402,6 +411,7 @@ def test_lora_linear_sends_misaligned_buffers_through_the_entry_points(monkeypat
     assert step(x_misaligned=True) == (2, 4)
     assert step(g_misaligned=True) == (0, 4)
     assert step() == (0, 0)
+
 
 def _torch_dora(leaves, g, scale, dtype):
     """PEFT's DoRA (no dropout) in torch at ``dtype`` (the adapters' products in x's dtype, c rounded

@@ -165,13 +165,13 @@ def test_view_arguments_are_memoised_and_checked():
     S._shapes.clear()
     S._permutations.clear()
     S._transpositions.clear()
-    a = torch.randn(2, 3, 4)
+    a = torch.randn(2, 3, 4, device=DEVICE)
     x = flame.from_torch(a)
     for _ in range(2):
         assert_close(x.reshape(4, -1), a.reshape(4, -1))
         assert_close(x.permute(2, -3, 1), a.permute(2, 0, 1))
     assert len(S._shapes) == 1 and len(S._permutations) == 1
-    b = torch.randn(4, 5)
+    b = torch.randn(4, 5, device=DEVICE)
     assert_close(flame.from_torch(b).reshape(4, -1), b)  # the same arguments over another size: a second entry
     assert len(S._shapes) == 2
     assert_close(x.reshape([6, 4]), a.reshape(6, 4))  # a list argument: resolved, not kept
@@ -197,9 +197,9 @@ def test_split_and_merge_heads_are_one_view_each():
     """split_heads is reshape + transpose in one view of the same memory (a strided input, at a
     storage offset, too); merge_heads gives a view for heads side by side (an attention output laid
     out like its query), a copy otherwise; each records one node; bad input raises."""
-    base = torch.randn(3, 2, 7, 12)
+    base = torch.randn(3, 2, 7, 12, device=DEVICE)
     a = base[1].transpose(0, 1)  # (7, 2, 12) at an offset, strided: split as (B=7, L=2, 4 heads of 3)
-    x = flame.from_torch(a.to(DEVICE))
+    x = flame.from_torch(a)
     q = split_heads(x, 4)
     want = a.reshape(7, 2, 4, 3).transpose(1, 2)
     assert q.shape == tuple(want.shape) and q.stride() == want.stride() and q.data_ptr() == want.data_ptr()
