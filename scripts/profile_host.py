@@ -12,9 +12,10 @@ with ``--sdxl`` of one SDXL LoRA training step with every kernel launch left out
     PYTHONPATH=. FLAME_DEVICE=cuda python3 scripts/profile_host.py --launcher
 
 ``--launcher`` (GPU) times Triton's C launcher alone on one compiled kernel with 4 tensor arguments,
-given the tensors (it calls each one's ``data_ptr`` and asks the driver whether the address is a
-device one), their addresses as ints (neither), and addresses read in Python first (what flame's
-direct path passes it): microseconds a launch, medians of 30 rounds of 500 launches.
+given the tensors (what flame's direct path passes it: the launcher calls each one's ``data_ptr`` and
+asks the driver whether the address is a device one), their addresses as ints (neither), and addresses
+read in Python first, beside a whole torch op for scale: microseconds a launch, medians of 30 rounds of
+500 launches.
 
 ``--sdxl`` runs on the interpreter (no GPU needed) with the launcher stubbed out: shapes, buffers
 and the graph are real, no kernel runs (the values are garbage), routed as on a 132-SM Hopper
@@ -194,7 +195,7 @@ def launcher_probe():
         tl.store(d + i, tl.load(a + i, mask=m) + tl.load(b + i, mask=m) + tl.load(c + i, mask=m), mask=m)
 
     x = [torch.randn(256, device="cuda") for _ in range(4)]
-    run, function, lead, consts, _ = L._entry(add3[(1,)](*x, 256, BLOCK=256), (256,), ())
+    run, function, lead, consts, _ = L._entry(add3[(1,)](*x, 256, BLOCK=256), (256,))
     stream = torch.cuda.current_stream().cuda_stream
     addresses = [t.data_ptr() for t in x]
     ways = {"tensors": lambda: run(1, 1, 1, stream, function, *lead, *x, 256, *consts),

@@ -403,9 +403,9 @@ def test_direct_launches_equal_tritons_own(monkeypatch):
     import flame.kernels.matmul
     import flame.nn.functional as F
     through, expanders = [], []
-    real, real_expander = L._through_triton, L._argument_expander
+    real, real_expander = L._through_triton, L._descriptor_expander
     monkeypatch.setattr(L, "_through_triton", lambda *a: through.append(a[0]) or real(*a))
-    monkeypatch.setattr(L, "_argument_expander", lambda *a: expanders.append(a) or real_expander(*a))
+    monkeypatch.setattr(L, "_descriptor_expander", lambda *a: expanders.append(a) or real_expander(*a))
     x = flame.randn(300, 40, dtype=flame.bfloat16)
     w = flame.randn(72, 40, dtype=flame.bfloat16)
     y = flame.randn(40, dtype=flame.bfloat16)
@@ -424,20 +424,10 @@ def test_direct_launches_equal_tritons_own(monkeypatch):
     assert not through, f"launched through Triton again: {through}"
     driver = sys.modules.get("triton.backends.nvidia.driver")
     if flame.kernels.matmul.tma_available() and getattr(driver, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":
-        assert any(descriptors for _, descriptors, _ in expanders), \
-            "a kernel with host-built descriptors kept Triton's launcher"
+        assert expanders, "a kernel with host-built descriptors kept Triton's launcher"
     monkeypatch.setattr(L, "_direct", False)
     for got, want in zip(direct, step()):
         assert torch.equal(got, want)
-
-
-def test_the_direct_launcher_takes_each_tensor_as_its_address():
-    """The direct path hands Triton's C launcher each tensor argument as its address (an int: no
-    ``data_ptr`` call and no driver query there), every other argument as it is."""
-    x, y = torch.zeros(8), torch.ones(3, dtype=torch.float16)
-    expand = L._argument_expander((0, 3), (), ())
-    assert expand((x, 5, None, y, 2.5, "s")) == (x.data_ptr(), 5, None, y.data_ptr(), 2.5, "s")
-    assert L._argument_expander((), (), ()) is None  # nothing to replace: the arguments go as they are
 
 
 def test_a_pinned_plan_launches_its_first_compiled_kernel_without_a_key(monkeypatch):

@@ -500,15 +500,14 @@ def _first_launch(kernel, grid, args, meta, cache, key):
         consts = tuple(meta[name] for name in kernel.arg_names[len(args):])
         if len(cache) >= _MAX_KEYS:
             cache.clear()
-        cache[key] = _entry(compiled, consts, tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)))
+        cache[key] = _entry(compiled, consts)
     except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
         _direct = False
 
 
-def _entry(compiled, consts, tensors):
+def _entry(compiled, consts):
     """What the direct path keeps of a compiled kernel: ``(run, function, lead, consts, expand)``,
-    a launch being ``run(gx, gy, gz, stream, function, *lead, *expand(args), *consts)``; ``tensors``
-    are the positions of the launch's tensor arguments.
+    a launch being ``run(gx, gy, gz, stream, function, *lead, *expand(args), *consts)``.
 
     Triton's launcher object (``compiled.run``) allocates no scratch for flame's kernels but asks
     twice per call, and for a kernel with host-built TMA descriptors wraps its C launch function in
@@ -516,60 +515,47 @@ def _entry(compiled, consts, tensors):
     ~40% of an eager SDXL UNet forward's host time on an H200 host went to that launcher (cProfile,
     ``profile_host.py --sdxl --inference``). Where the launcher is the one this was written against
     (Triton 3.4-3.6's CUDA launcher: ``_BASE_ARGS_FORMAT``, no scratch), the entry calls its C
-    function directly, its leading arguments fixed in ``lead``, and ``expand`` passes each tensor
-    as its address and encodes the descriptors, in one generated expression (``_argument_expander``);
-    anything else keeps Triton's launcher. Given a tensor, that C function calls its ``data_ptr``
-    method and asks the driver whether the address is a device one (``cuPointerGetAttribute``); given
-    an int it takes it as is: 5.5 against 7.4 us a launch of a kernel with 4 tensors on an H200 host,
-    7.0 with the addresses read in Python as here (``scripts/profile_host.py --launcher``). flame's tensors live
-    on its device (``from_torch`` refuses others), so the driver's check has nothing to catch."""
+    function directly, its leading arguments fixed in ``lead``, and ``expand`` (None without
+    descriptors) encodes the descriptors in one generated expression (``_descriptor_expander``);
+    anything else keeps Triton's launcher."""
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
     kept = run, function, (packed, None, None, None), consts, None
     raw = getattr(run, "launch", None)
     if (raw is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
             or getattr(sys.modules.get("triton.backends.nvidia.driver"), "_BASE_ARGS_FORMAT", None) != "iiiKKppOOOOOO"):
         return kept
-    descriptors, metas = (), ()
+    expand = None
     code = getattr(raw, "__code__", None)
     if code is not None:  # wrap_handle_tensordesc's closure around the C function
         cells = dict(zip(code.co_freevars, (c.cell_contents for c in raw.__closure__ or ())))
         if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
             return kept
-        descriptors = sorted(cells["tensordesc_indices"])
-        metas = cells["tensordesc_meta"] or [None] * len(descriptors)
+        indices = sorted(cells["tensordesc_indices"])
+        expand = _descriptor_expander(indices, cells["tensordesc_meta"] or [None] * len(indices))
+        if expand is None:
+            return kept
         raw = cells["launcher"]
-    expand = _argument_expander(tensors, descriptors, metas)
-    if expand is None:
-        return kept
     return raw, function, (run.launch_cooperative_grid, run.launch_pdl, None, None, packed, None, None, None), \
         consts, expand
 
 
-def _argument_expander(tensors, descriptors, metas):
-    """``lambda a: ...``: the argument tuple ``a`` as Triton's C launcher takes it, with each tensor
-    at the positions ``tensors`` replaced by its address, and the host-built TMA descriptor at each
-    of ``descriptors`` by what that launcher takes for it (``make_tensordesc_arg``): an encoded
-    ``CUtensorMap`` (``metas``: the compiled kernel's ``tensordesc_meta``), its shape and strides;
-    or, for a descriptor the compiler lowered to a pointer (meta None), the base, shape, strides,
-    padding flag, shape and strides. None (nothing to replace) where there is neither, or where a
-    meta is of a kind this does not know."""
+def _descriptor_expander(indices, metas):
+    """``lambda a: ...``: the argument tuple ``a`` with the host-built TMA descriptor at each of
+    ``indices`` replaced by what Triton's C launcher takes for it (``make_tensordesc_arg``): an
+    encoded ``CUtensorMap`` (``metas``: the compiled kernel's ``tensordesc_meta``), its shape and
+    strides; or, for a descriptor the compiler lowered to a pointer (meta None), the base, shape,
+    strides, padding flag, shape and strides. None where a meta is of a kind this does not know."""
+    from triton.backends.nvidia import driver as nvidia
+    fill = _driver.active.utils.fill_tma_descriptor
     env, parts, start = {"_pointer": _pointer_descriptor}, [], 0
-    replaced = sorted([(i, "tensor", None) for i in tensors]
-                      + [(i, "descriptor", m) for i, m in zip(descriptors, metas)])
-    if not replaced:
-        return None
-    for j, (i, kind, meta) in enumerate(replaced):
+    for j, (i, meta) in enumerate(zip(indices, metas)):
         parts.append(f"*a[{start}:{i}]")
-        if kind == "tensor":
-            parts.append(f"a[{i}].data_ptr()")
-        elif meta is None:
+        if meta is None:
             parts.append(f"*_pointer(a[{i}])")
         else:
             if meta.get("fp4_padded"):
                 return None
-            from triton.backends.nvidia import driver as nvidia
-            env[f"_d{j}"] = functools.partial(_encoded_descriptor, _driver.active.utils.fill_tma_descriptor,
-                                              meta["swizzle"], meta["elem_size"],
+            env[f"_d{j}"] = functools.partial(_encoded_descriptor, fill, meta["swizzle"], meta["elem_size"],
                                               nvidia.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"])
             parts.append(f"*_d{j}(a[{i}])")
         start = i + 1
