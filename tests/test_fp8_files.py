@@ -79,7 +79,8 @@ def _inputs(cfg, h=4, w=4, n_txt=3):
 
 
 def _codes(t):
-    return placement.bytes_of(t.view(torch.uint8).contiguous())
+    """``t``'s bytes on the host (a loaded weight's on flame's device against a file's on the host)."""
+    return placement.bytes_of(t.view(torch.uint8).contiguous()).cpu()
 
 
 @pytest.mark.parametrize("scaled", [False, True], ids=["fp8", "fp8_scaled"])
@@ -102,7 +103,7 @@ def test_fp8_files_load_their_codes_as_they_are(tmp_path, scaled):
             assert torch.equal(p.scale.cpu(), want), key
         else:  # an fp8_skip layer: dequantised
             assert key.startswith(("img_in", "txt_in", "time_in", "vector_in", "guidance_in", "final_layer")), key
-            assert torch.equal(p._data.cpu(), values[key]), key
+            assert torch.equal(p._data.cpu(), values[key].cpu()), key  # values: from the model's device
     assert quantised == 13  # 7 Linears in a double block, 3 in a single one, 3 modulations
     ref = FluxTransformer2DModel.from_pretrained(_dequantised_file(tmp_path / "ref.safetensors", values, path),
                                                  config=CFG)

@@ -664,38 +664,40 @@ def test_matrix_operands_are_read_in_place():
     the same launch (one route memo entry) as the 2-D views they stand for."""
     import flame.kernels.matmul as KM
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 5, 12, generator=g, dtype=torch.float64)  # an activation (B, L, C)
-    w = torch.randn(10, 12, generator=g, dtype=torch.float64)
-    u, v = torch.randn(10, 3, generator=g, dtype=torch.float64), torch.randn(12, 3, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 5, 12, generator=g, dtype=torch.float64).to(DEVICE)  # an activation (B, L, C)
+    w = torch.randn(10, 12, generator=g, dtype=torch.float64).to(DEVICE)
+    u = torch.randn(10, 3, generator=g, dtype=torch.float64).to(DEVICE)
+    v = torch.randn(12, 3, generator=g, dtype=torch.float64).to(DEVICE)
     assert KM.matrix(x)[0] is x and KM.matrix(x)[1:] == (10, 12, 12, 1)
     assert KM.transposed(x)[0] is x and KM.transposed(x)[1:] == (12, 10, 1, 12)
     ref = x.reshape(10, 12) @ w.t()
-    out = torch.empty(2, 5, 10, dtype=torch.float64)
+    out = torch.empty(2, 5, 10, dtype=torch.float64, device=DEVICE)
     KM.linear_(out, x, w)
     torch.testing.assert_close(out.reshape(10, 10), ref)
     problems = len(KM._route.problems)
-    out2 = torch.empty(10, 10, dtype=torch.float64)
+    out2 = torch.empty(10, 10, dtype=torch.float64, device=DEVICE)
     KM.linear_(out2, x.view(10, 12), w)  # the 2-D view: the same problem
     assert len(KM._route.problems) == problems
     torch.testing.assert_close(out2, ref)
     # dW = G^T X from the activations as they are; a low-rank V given as U's transpose
-    dw = torch.empty(10, 12, dtype=torch.float64)
+    dw = torch.empty(10, 12, dtype=torch.float64, device=DEVICE)
     KM.matmul_(dw, KM.transposed(out), KM.matrix(x), low_rank=(u, KM.transposed(v), 0.5))
     torch.testing.assert_close(dw, out.reshape(10, 10).t() @ x.reshape(10, 12) + 0.5 * u @ v.t())
     # a size-1 dim with any stride merges, as in a view; dims that do not merge are refused
-    one = torch.randn(5, 12, dtype=torch.float64).as_strided((1, 5, 12), (7, 12, 1))
+    one = torch.randn(5, 12, dtype=torch.float64, device=DEVICE).as_strided((1, 5, 12), (7, 12, 1))
     assert KM.matrix(one)[1:] == (5, 12, 12, 1)
-    row = torch.randn(12, dtype=torch.float64)  # a vector: one row
+    row = torch.randn(12, dtype=torch.float64, device=DEVICE)  # a vector: one row
     assert KM.matrix(row)[1:] == (1, 12, 12, 1)
-    out1 = torch.empty(10, dtype=torch.float64)
+    out1 = torch.empty(10, dtype=torch.float64, device=DEVICE)
     KM.linear_(out1, row, w)
     torch.testing.assert_close(out1, w @ row)
     crossed = x.transpose(0, 1)  # (5, 2, 12): rows that no stride walks
     assert KM.matrix(crossed) is None
     with pytest.raises(ValueError, match=r"x of shape \(5, 2, 12\) .* is not a matrix"):
-        KM.linear_(torch.empty(5, 2, 10, dtype=torch.float64), crossed, w)
+        KM.linear_(torch.empty(5, 2, 10, dtype=torch.float64, device=DEVICE), crossed, w)
     with pytest.raises(ValueError, match="matrix tuples need a 2-D problem"):
-        KM.matmul_(torch.empty(2, 5, 10, dtype=torch.float64), KM.matrix(x), torch.randn(2, 12, 10))
+        KM.matmul_(torch.empty(2, 5, 10, dtype=torch.float64, device=DEVICE), KM.matrix(x),
+                   torch.randn(2, 12, 10, device=DEVICE))
 
 
 @pytest.mark.skipif(not flame.is_interpreter(), reason="the interpreter's run of the TMA kernel")
@@ -728,10 +730,11 @@ def test_gemm_plans_are_pinned_where_the_call_signature_holds_every_key(tma_in_i
     signature holds every operand's dtype and alignment: not with a bias (nor codes of B, a
     pre-activation or a residual); operands of two dtypes are refused."""
     import flame.kernels.matmul as KM
-    x, w = torch.randn(16, 32, dtype=torch.float16), torch.randn(24, 32, dtype=torch.float16)
-    out = torch.empty(16, 24, dtype=torch.float16)
+    x = torch.randn(16, 32, dtype=torch.float16, device=DEVICE)
+    w = torch.randn(24, 32, dtype=torch.float16, device=DEVICE)
+    out = torch.empty(16, 24, dtype=torch.float16, device=DEVICE)
     KM.linear_(out, x, w)
-    KM.linear_(out, x, w, torch.randn(24, dtype=torch.float16))
+    KM.linear_(out, x, w, torch.randn(24, dtype=torch.float16, device=DEVICE))
     pinned = [route.launch.pinned for route in KM._route.problems.values()]
     assert pinned == [True, False]
     with pytest.raises(TypeError, match="a and b must have one dtype"):
@@ -748,20 +751,21 @@ def test_a_kept_call_signature_runs_on_each_call_s_own_buffers(monkeypatch, tma_
     g = torch.Generator().manual_seed(2)
     relu = KE.RELU.value
     for _ in range(2):
-        x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 3, 8), (5, 8), (5,)))
-        u, v = torch.randn(6, 2, generator=g, dtype=torch.float64), torch.randn(2, 5, generator=g, dtype=torch.float64)
-        out, pre = torch.empty(2, 3, 5, dtype=torch.float64), torch.empty(2, 3, 5, dtype=torch.float64)
+        x, w, b = (torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE) for s in ((2, 3, 8), (5, 8), (5,)))
+        u, v = (torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE) for s in ((6, 2), (2, 5)))
+        out = torch.empty(2, 3, 5, dtype=torch.float64, device=DEVICE)
+        pre = torch.empty(2, 3, 5, dtype=torch.float64, device=DEVICE)
         KM.linear_(out, x, w, b, relu, pre, low_rank=(u, v, 0.5))
         want = x.reshape(6, 8) @ w.t() + 0.5 * u @ v + b
         torch.testing.assert_close(pre.reshape(6, 5), want)
         torch.testing.assert_close(out.reshape(6, 5), want.clamp_min(0))
-        res = torch.randn(5, 8, generator=g, dtype=torch.float64)
+        res = torch.randn(5, 8, generator=g, dtype=torch.float64).to(DEVICE)
         dw = res.clone()
         KM.matmul_(dw, KM.transposed(out), KM.matrix(x), alpha=2.0, residual=dw)
         torch.testing.assert_close(dw, 2.0 * out.reshape(6, 5).t() @ x.reshape(6, 8) + res)
     assert len(launched) == 2  # the first call of each signature
-    h = torch.randn(2, 65, generator=g).half()
+    h = torch.randn(2, 65, generator=g).half().to(DEVICE)  # on the device before the view is taken
     for _ in range(2):  # a view one element in: misaligned, described each call
-        out = torch.empty(2, 16, dtype=torch.float16)
-        KM.linear_(out, h[:, 1:], torch.randn(16, 64, generator=g).half())
+        out = torch.empty(2, 16, dtype=torch.float16, device=DEVICE)
+        KM.linear_(out, h[:, 1:], torch.randn(16, 64, generator=g).half().to(DEVICE))
     assert len(launched) == 4
