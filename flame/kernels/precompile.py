@@ -53,13 +53,13 @@ def _stand_in(a):
     if kind == "tensor":
         buf = runtime.empty((64,), getattr(torch, a[1]))  # the allocator's blocks are 512-byte aligned
         return buf if a[2] else buf[1:]
-    if kind == "descriptor":
+    if kind in ("descriptor", "gluon_descriptor"):  # a block-sized buffer
         base = runtime.empty(tuple(a[2]), getattr(torch, a[1]))
-        return descriptor(base, list(base.shape), list(base.stride()), list(a[2]))
-    if kind == "gluon_descriptor":  # a block-sized buffer, described with the recorded shared layout
+        shape, strides, block = list(base.shape), list(base.stride()), list(a[2])
+        if kind == "descriptor":
+            return descriptor(base, shape, strides, block)
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-        base = runtime.empty(tuple(a[2]), getattr(torch, a[1]))
-        return GluonDescriptor(base, list(base.shape), list(base.stride()), list(a[2]), launch.gluon_layout(a[3], a[4]))
+        return GluonDescriptor(base, shape, strides, block, launch.gluon_layout(a[3], a[4]))  # its shared layout
     return 1.5 if kind == "float" else a[1]
 
 
