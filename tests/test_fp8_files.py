@@ -108,7 +108,10 @@ def test_fp8_files_load_their_codes_as_they_are(tmp_path, scaled):
     ref = FluxTransformer2DModel.from_pretrained(_dequantised_file(tmp_path / "ref.safetensors", values, path),
                                                  config=CFG)
     out, want = model(*_inputs(CFG)), ref(*_inputs(CFG))
-    torch.testing.assert_close(out._data, want._data, rtol=1e-5, atol=1e-5)
+    # On a GPU fp32 products run as tf32: the reference's weights, codes x scale, are rounded to 10 mantissa
+    # bits there, while the fp8 layers take the codes exactly and scale the products (unscaled: the same values)
+    tol = dict(rtol=1e-2, atol=2e-3) if scaled and not flame.is_interpreter() else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out._data, want._data, **tol)
 
 
 @pytest.mark.parametrize("layout", ["bfl", "diffusers"])

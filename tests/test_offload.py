@@ -444,6 +444,11 @@ def _write_flux(path, layout, cfg, seed=0, dtype=None):
     return path
 
 
+def _host_bytes(p):
+    """A parameter's bytes copied to the host (a streamed block's live there, a resident one's on the device)."""
+    return placement.bytes_of(p._data).to("cpu", copy=True)
+
+
 def _host_memory(block):
     """A block's parameters lie in one packed host buffer (pinned on a GPU); the buffer's address."""
     params = list(block.named_parameters())
@@ -494,7 +499,7 @@ def test_flux_fp8_on_load_streams_like_quantize_linears_after_a_normal_load(tmp_
     model = FluxTransformer2DModel.from_pretrained(path, host_blocks=plan.streamed, **fp8)
     host = {name: _host_memory(model.get_submodule(name)) for name in plan.streamed}
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
-        assert type(p) is type(r) and torch.equal(placement.bytes_of(p._data), placement.bytes_of(r._data)), name
+        assert type(p) is type(r) and torch.equal(_host_bytes(p), _host_bytes(r)), name
         if isinstance(r, Fp8Weight):
             assert torch.equal(p.scale, r.scale) and p.scale.device == flame.device, name
     assert isinstance(model.single_blocks[0].linear1.weight, Fp8Weight)
@@ -539,7 +544,7 @@ def test_sdxl_unet_loaded_with_host_blocks_equals_the_normally_loaded_unet(tmp_p
     models, outputs = [], []
     for host_blocks in ((), plan.streamed):
         model = SDXLUNet.from_pretrained(path, host_blocks=host_blocks)
-        models.append({n: placement.bytes_of(p._data).clone() for n, p in model.named_parameters()})
+        models.append({n: _host_bytes(p) for n, p in model.named_parameters()})
         host = {name: _host_memory(model.get_submodule(name)) for name in host_blocks}
         conv = model.get_submodule(plan.streamed[0]).conv1.weight
         assert conv.stride() == (conv.shape[1] * 9, 1, conv.shape[1] * 3, conv.shape[1])  # channels-last

@@ -816,7 +816,9 @@ def test_prodigy_matches_prodigyopt(kw):
     group = fo.state_dict()["param_groups"][0]
     for name in ("d", "d_max", "d_numerator", "k"):
         assert group[name] == pytest.approx(to.param_groups[0][name], rel=1e-5), name
-    _assert_params(fp, tp, rtol=1e-5, atol=1e-6)
+    # lr 0.5 (config 2) magnifies the rounding of d's sums over 4,500 products, taken in another order
+    # than prodigyopt's on a GPU, to a few 1e-6 after 8 steps
+    _assert_params(fp, tp, rtol=1e-5, atol=1e-5)
 
 
 def test_prodigy_resumes_and_refuses_groups_with_different_lrs():

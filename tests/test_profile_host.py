@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import flame
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,11 +17,14 @@ def _run(*options):
 
 
 def test_sdxl_step_prints_its_launches_and_host_time():
+    """On the interpreter the launches are stubbed and counted; on a GPU the step's kernels run."""
     done = _run("--top", "3")
     assert done.returncode == 0, done.stderr[-2000:]
-    launches = re.search(r"one eager SDXL LoRA step, 256x256, checkpointing off: (\d+) launches", done.stdout)
-    assert launches and int(launches.group(1)) > 1000
-    assert re.search(r"host time of an eager step \(no kernel runs\), median of 1: [0-9.]+ ms", done.stdout)
+    if flame.is_interpreter():
+        launches = re.search(r"one eager SDXL LoRA step, 256x256, checkpointing off: (\d+) launches", done.stdout)
+        assert launches and int(launches.group(1)) > 1000
+    ran = "no kernel runs" if flame.is_interpreter() else "kernels run on .*, synchronised"
+    assert re.search(rf"host time of an eager step \({ran}\), median of 1: [0-9.]+ ms", done.stdout), done.stdout
     calls = re.search(r"Python and builtin calls in the profiled step: (\d+) for its (\d+) launches", done.stdout)
     assert calls and int(calls.group(1)) > 10 * int(calls.group(2)) > 0
 

@@ -121,6 +121,8 @@ def runs(tmp_path_factory):
     then on 4 ranks (a checkpoint after step 2; the ``parameters`` stage resumed from the 2 ranks'
     step 1), and the 2-rank checkpoints resumed on 4 ranks: AdamW's with other units and clipping,
     AdamW8bit's after step 1."""
+    if not flame.is_interpreter():  # one GPU per rank: the NCCL test below (torchrun) runs the stages there
+        pytest.skip("ranks forked on gloo run on the interpreter (a CUDA context cannot be forked)")
     root = tmp_path_factory.mktemp("shards")
     ck = root / "ck"
     jobs = [{"name": "optimizer", "stage": "optimizer", "steps": [1, 3]},
@@ -378,15 +380,16 @@ def test_the_ring_gathers_each_block_ahead_into_its_slot_and_trains_the_weights_
 
     step = flame.graphs.CapturedStep(loss_and_grads)
     rng = np.random.RandomState(0)
-    for _ in range(2):
-        for micro in range(2):
-            x, y = (flame.tensor(rng.randn(3, 16).astype(np.float32)) for _ in range(2))
-            shards.log.clear()
-            shards.pack(step(x, y), weight=0.5, accumulate=micro > 0)
-            whole.pack(mse_loss(W.forward(reference, x), y).backward(), weight=0.5, accumulate=micro > 0)
-            assert shards.log == RING_SCHEDULES[slots]
-        shards.step()
-        whole.step()
+    for call in range(4):
+        x, y = (flame.tensor(rng.randn(3, 16).astype(np.float32)) for _ in range(2))
+        shards.log.clear()
+        shards.pack(step(x, y), weight=0.5, accumulate=call % 2 > 0)
+        whole.pack(mse_loss(W.forward(reference, x), y).backward(), weight=0.5, accumulate=call % 2 > 0)
+        # a GPU replays the graph captured at the second call: the schedule runs without Python, unlogged
+        assert shards.log == (RING_SCHEDULES[slots] if call < 2 or flame.is_interpreter() else [])
+        if call % 2:
+            shards.step()
+            whole.step()
     assert [layer.weight._data.data_ptr() for layer in model] == where
     assert shards.memory()["parameters"] == slots * _unit_bytes([16 * 16, 16], 1) * dtype.itemsize // 4
     with shards.gathered(model):

@@ -151,16 +151,17 @@ def test_a_checkpoint_loads_its_streamed_blocks_to_the_host_and_fp8_as_it_loads(
 
 
 def test_w8a8_rounds_the_fp8_layers_inputs(tmp_path):
-    """model.fp8_gemm: w8a8 marks every fp8 weight (their forward products round the inputs to e4m3;
-    here emulated: no fp8 tensor cores on the interpreter; the numerics: test_quant.py) and says so;
-    without fp8 weights it is refused."""
+    """model.fp8_gemm: w8a8 marks every fp8 weight (their forward products round the inputs to e4m3: on a
+    Hopper GPU's fp8 tensor cores, emulated on the interpreter; the numerics: test_quant.py) and says
+    which; without fp8 weights it is refused."""
     from flame.ops.quant import Fp8Weight
     lines = []
     cfg = _config(tmp_path / "w8a8", "model.weight_dtype=fp8_e4m3", "model.fp8_gemm=w8a8", "train.steps=1")
     trainer = Trainer(cfg, model=_seeded(), progress=False, log=lines.append)
     fp8 = [w for w in trainer.model.parameters() if isinstance(w, Fp8Weight)]
     assert fp8 and all(w.w8a8 for w in fp8)
-    assert any("model.fp8_gemm: w8a8: the inputs of" in line and "emulated" in line for line in lines), lines
+    how = "emulated" if flame.is_interpreter() else "fp8 tensor cores"
+    assert any("model.fp8_gemm: w8a8: the inputs of" in line and how in line for line in lines), lines
     assert np.isfinite(trainer.train()["losses"]).all()
     with pytest.raises(ConfigError, match=r"model\.fp8_gemm w8a8: needs fp8 weights"):
         _config(tmp_path, "model.fp8_gemm=w8a8")

@@ -30,6 +30,9 @@ pytestmark = pytest.mark.slow  # minutes in all: started first by the parallel w
 
 DIMS = SimpleNamespace(in_channels=4, cross_attention_dim=32, pooled_dim=16, sample_size=4)  # the tiny encoders'
 PROMPT = "synthetic c0=+0.50 a cat"
+# embeddings against diffusers' (fp32 on the CPU) and between flame's paths; on a GPU fp32 products run as
+# tf32 (~3e-3 here); a trained adapter must move them by 10x that (its step moves them by 0.15-0.8)
+CLOSE = dict(rtol=1e-5, atol=1e-5) if flame.is_interpreter() else dict(rtol=5e-3, atol=5e-3)
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +184,9 @@ def test_diffusers_loads_the_file_peft_and_kohya(pipeline, real, tmp_path):
     save_lora(trainer.trained.models, kohya, format="kohya")
     for file in (pathlib.Path(path), kohya):
         for got, want in zip(_diffusers_embeddings(pipeline, file), trained):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=file.name)
+            np.testing.assert_allclose(got, want, **CLOSE, err_msg=file.name)
     for got, base in zip(trained, _diffusers_embeddings(pipeline)):
-        assert np.abs(got - base).max() > 1e-4
+        assert np.abs(got - base).max() > 10 * CLOSE["atol"]
 
 
 def test_flame_sample_folds_the_encoders_adapters_in(pipeline, real):
@@ -199,8 +202,8 @@ def test_flame_sample_folds_the_encoders_adapters_in(pipeline, real):
     assert "text_encoder_2.text_model.encoder.layers.1.self_attn.out_proj" in names
     after = encode_prompts(pipe.text_encoders, [PROMPT], force_zeros_for_empty_prompt=True)
     for got, want, base in zip(after[:2], _embeddings(trainer.text.encoders), before[:2]):
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
-        assert np.abs(got.numpy() - base.numpy()).max() > 1e-4
+        np.testing.assert_allclose(got.numpy(), want, **CLOSE)
+        assert np.abs(got.numpy() - base.numpy()).max() > 10 * CLOSE["atol"]
     assert np.abs(pipe.unet.get_submodule(to_k).weight.numpy() - w0).max() > 0
     assert not lora_modules(pipe.text_encoders)  # folded
 
