@@ -48,9 +48,10 @@ SHAPES = {  # (B, H, Lq, Lk, D)
 }
 
 
-def fwd(bm, bn, warps, stages, tma=True, d=128):
+def fwd(bm, bn, warps, stages, tma=True, d=128, poly=0):
+    """A portable forward config; ``poly``: one exponential in ``poly`` on the FMA units (KA._exp2_split)."""
     return dict(BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, M_GROUP=1, SINGLE_KV=False, KV_TMA=tma, num_warps=warps,
-                num_stages=stages)
+                num_stages=stages, **({"POLY_EXP2": poly} if poly else {}))
 
 
 def bwd(kv, dq, d=128):
@@ -106,6 +107,8 @@ VARIANTS = [
     ("128x128 w8 s2", "sdxl4k", "fwd", fwd(128, 128, 8, 2, d=64)),
     ("128x64 w8 s4", "sdxl4k", "fwd", fwd(128, 64, 8, 4, d=64)),
     ("64x128 w4 s3", "sdxl4k", "fwd", fwd(64, 128, 4, 3, d=64)),
+    *[(f"64x64 w4 s4{f' exp2 1/{n} fma' if n else ''}", shape, "fwd", fwd(64, 64, 4, 4, d=64, poly=n))
+      for shape in ("sdxl4k", "sdxl4k_b4", "sdxl1k") for n in (0, *KA.EXP2_EVERY)],
     ("production", "sdxl4k", "bwd", None),
     ("portable", "sdxl4k", "bwd", PORTABLE),
     ("gluon bwd s2", "sdxl4k", "gbwd", gluon_bwd(2)),

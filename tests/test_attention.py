@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -686,3 +687,33 @@ def test_gpu_hopper_route(monkeypatch):
         _gpu_rule(1, 4, 512, 512, D, torch.bfloat16, layout="blhd")
         _gpu_rule(1, 4, 512, 512, D, torch.bfloat16, causal=True)
     assert calls == [D for D in (64, 128) if D in KA.HOPPER_HEAD_DIMS]
+
+
+# ---- exponentials on the FMA units (KA._exp2_split; an experiment the lab times) --------------------
+
+def test_exp2_split_cubic_is_within_its_bound():
+    """The cubic path's steps in float32 (NumPy standing in for the PTX): 2^x within 1e-4 relative
+    from -125 up (the bound 7.5e-5 plus fp32 rounding), so 16-bit P sees no difference."""
+    x = np.concatenate([np.linspace(-125, 1, 2_000_001), -np.logspace(-8, 2, 1001)]).astype(np.float32)
+    f32 = np.float32
+    clamped = np.maximum(x, f32(-125))
+    t = clamped + f32(1.5 * 2 ** 23)  # round(x) in the low mantissa bits
+    n = t - f32(1.5 * 2 ** 23)
+    f = clamped - n
+    c0, c1, c2, c3 = (f32(c) for c in KA.EXP2_CUBIC)
+    p = ((c3 * f + c2) * f + c1) * f + c0
+    y = (p.view(np.int32) + (t.view(np.int32) << 23)).view(np.float32)
+    rel = np.abs(y.astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
+    assert rel.max() < 1e-4, (x[rel.argmax()], rel.max())
+    assert len(KA._EXP2_SPLIT_4.value.splitlines()) == 3 + 12  # three ex2.approx, the cubic's block of 12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("every", KA.EXP2_EVERY)
+@pytest.mark.parametrize("shape, causal", [((1, 10, 4096, 4096, 64), False), ((2, 3, 777, 1000, 64), True)])
+def test_gpu_forward_with_exponentials_on_the_fma_units(monkeypatch, fresh_routes, every, shape, causal):
+    """The portable forward with one exponential in ``every`` of its unmasked key blocks by the cubic:
+    within 2x PyTorch's error like the plain kernel (masked blocks keep ex2, so causal rows stay exact)."""
+    planned = KA._fwd_config
+    monkeypatch.setattr(KA, "_fwd_config", lambda *a: dict(planned(*a), POLY_EXP2=every))
+    _gpu_rule(*shape, torch.bfloat16, causal=causal)

@@ -43,6 +43,7 @@ wrong); fp32 dots use ``input_precision="ieee"``; fp64 inputs accumulate in fp64
 import dataclasses
 import functools
 import os
+import struct
 import sys
 from typing import NamedTuple
 
@@ -149,10 +150,54 @@ def _key_stages(start_m, Lk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSA
 
 # ---- forward ----------------------------------------------------------------------------------
 
+# exp2 with one element in EXP2_EVERY on the FMA units instead of the MUFU unit, whose 16 results
+# a clock per SM match the tensor cores' rate at head dim 64 (FlashAttention-4's trick, here for
+# Hopper): 2^x = 2^n * 2^f with n = round(x), f = x - n in [-0.5, 0.5]. Adding 1.5 * 2^23 rounds x
+# to n in the sum's low mantissa bits, 2^f is a cubic (minimax relative error 7.5e-5 on [-0.5, 0.5];
+# P is rounded to 16 bits after, 2^-9), and n << 23 added to the cubic's bits scales it by 2^n. x is
+# clamped at -125, so -inf gives 2^-125, not 0: unmasked key blocks only. Lab-only until measured.
+EXP2_CUBIC = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
+EXP2_EVERY = (2, 4, 8)
+
+
+def _f32_hex(v):
+    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
+
+
+def _exp2_split_asm(every):
+    """PTX for ``tl.inline_asm_elementwise`` with ``pack=every``: outputs $0.., inputs $every..; the
+    last element of each pack by the cubic, the others by ``ex2.approx``."""
+    c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_CUBIC)
+    magic = _f32_hex(1.5 * 2 ** 23)
+    mufu = [f"ex2.approx.ftz.f32 ${i}, ${every + i};" for i in range(every - 1)]
+    cubic = ["{", ".reg .b32 t, n, f, p, e;", f"max.f32 f, ${2 * every - 1}, {_f32_hex(-125.0)};",
+             f"add.rn.f32 t, f, {magic};", f"sub.rn.f32 n, t, {magic};", "sub.rn.f32 f, f, n;",
+             f"fma.rn.f32 p, f, {c3}, {c2};", f"fma.rn.f32 p, p, f, {c1};", f"fma.rn.f32 p, p, f, {c0};",
+             "shl.b32 e, t, 23;", f"add.s32 ${every - 1}, p, e;", "}"]
+    return tl.constexpr("\n".join(mufu + cubic)), tl.constexpr(",".join(["=r"] * every + ["r"] * every))
+
+
+_EXP2_SPLIT_2, _EXP2_SPLIT_2_C = _exp2_split_asm(2)
+_EXP2_SPLIT_4, _EXP2_SPLIT_4_C = _exp2_split_asm(4)
+_EXP2_SPLIT_8, _EXP2_SPLIT_8_C = _exp2_split_asm(8)
+
+
+@triton.jit
+def _exp2_split(x, EVERY: tl.constexpr):
+    if EVERY == 2:
+        y = tl.inline_asm_elementwise(_EXP2_SPLIT_2, _EXP2_SPLIT_2_C, [x], dtype=tl.float32, is_pure=True, pack=2)
+    elif EVERY == 4:
+        y = tl.inline_asm_elementwise(_EXP2_SPLIT_4, _EXP2_SPLIT_4_C, [x], dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        tl.static_assert(EVERY == 8, "EXP2_EVERY: 2, 4 or 8")
+        y = tl.inline_asm_elementwise(_EXP2_SPLIT_8, _EXP2_SPLIT_8_C, [x], dtype=tl.float32, is_pure=True, pack=8)
+    return y
+
+
 @triton.jit
 def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale, smm, smn,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                ACC: tl.constexpr, PRECISION: tl.constexpr, POS_SCALE: tl.constexpr):
+                ACC: tl.constexpr, PRECISION: tl.constexpr, POS_SCALE: tl.constexpr, POLY_EXP2: tl.constexpr):
     # One key block: the online-softmax rescale of (acc, m_i, l_i), in base 2. With a positive
     # scale the row max is taken over the raw scores QK^T and each probability costs one FMA,
     # exp2(qk * scale - m); otherwise the scores are scaled first (scale 1 afterwards).
@@ -167,7 +212,10 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
     m_use = m_new
     if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far: subtract 0 (m_i stays -inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk * scale - m_use[:, None])
+    if POLY_EXP2 > 0 and not MASKED and MASK_KIND == 0:  # fp32 scores (16-bit inputs on a GPU) only
+        p = _exp2_split(qk * scale - m_use[:, None], POLY_EXP2)
+    else:
+        p = tl.math.exp2(qk * scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -180,7 +228,8 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, lo
               skn, svn, smm, smn,
               HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr):
+              UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr,
+              POLY_EXP2: tl.constexpr):
     # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors. K is
     # read over the whole head dim (offs_d), V over this program's value columns dv0 + [0, BLOCK_DV).
     offs_dv = dv0 + tl.arange(0, BLOCK_DV)
@@ -196,7 +245,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, lo
             k = _load_rows(k_src, offs_n, offs_d, Lk, skn, HEAD_DIM, UPCAST)
             v = _load_rows(v_src, offs_n, offs_dv, Lk, svn, HEAD_DIM, UPCAST)
         acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
-                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
+                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE, POLY_EXP2)
     return acc, m_i, l_i
 
 
@@ -208,7 +257,8 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                      BLOCK_N: tl.constexpr, M_GROUP: tl.constexpr, SINGLE_KV: tl.constexpr,
                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr,
-                     POS_SCALE: tl.constexpr):
+                     POS_SCALE: tl.constexpr, POLY_EXP2: tl.constexpr = 0):
+    # POLY_EXP2: 0, or one exponential in POLY_EXP2 of the unmasked blocks' on the FMA units (_exp2_split)
     pid_g = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) first
         pid_g = tl.num_programs(0) - 1 - pid_g
@@ -247,15 +297,15 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
         if SINGLE_KV:
             acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
-                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
+                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE, POLY_EXP2)
         else:
             n_full, hi = _key_stages(start_m, Lk, BLOCK_M, BLOCK_N, CAUSAL)
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, 0, n_full,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, False,
-                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
+                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE, POLY_EXP2)
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, n_full, hi,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, True,
-                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
+                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE, POLY_EXP2)
         empty = l_i == 0.0  # every key masked out (or Lk == 0): output 0, lse +inf
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
