@@ -109,6 +109,9 @@ VARIANTS = [
     ("64x128 w4 s3", "sdxl4k", "fwd", fwd(64, 128, 4, 3, d=64)),
     *[(f"64x64 w4 s4{f' exp2 1/{n} fma' if n else ''}", shape, "fwd", fwd(64, 64, 4, 4, d=64, poly=n))
       for shape in ("sdxl4k", "sdxl4k_b4", "sdxl1k") for n in (0, *KA.EXP2_EVERY)],
+    ("64x64 w4 s4 no TMA", "sdxl4k", "fwd", fwd(64, 64, 4, 4, tma=False, d=64)),  # no CTA barriers in the loop
+    ("64x64 w4 s3", "sdxl4k", "fwd", fwd(64, 64, 4, 3, d=64)),
+    ("64x64 w4 s2", "sdxl4k", "fwd", fwd(64, 64, 4, 2, d=64)),
     ("production", "sdxl4k", "bwd", None),
     ("portable", "sdxl4k", "bwd", PORTABLE),
     ("gluon bwd s2", "sdxl4k", "gbwd", gluon_bwd(2)),
