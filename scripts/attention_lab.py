@@ -59,9 +59,9 @@ def bwd(kv, dq, d=128):
     return tuple(dict(BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (kv, dq))
 
 
-def gluon(stages=2, pingpong=True):
+def gluon(stages=2, pingpong=True, consumers=2):
     """Options of attention_hopper.attention_fwd."""
-    return dict(stages=stages, pingpong=pingpong)
+    return dict(stages=stages, pingpong=pingpong, consumers=consumers)
 
 
 def gluon_bwd(stages=3):
@@ -109,6 +109,8 @@ VARIANTS = [
     ("64x128 w4 s3", "sdxl4k", "fwd", fwd(64, 128, 4, 3, d=64)),
     *[(f"64x64 w4 s4{f' exp2 1/{n} fma' if n else ''}", shape, "fwd", fwd(64, 64, 4, 4, d=64, poly=n))
       for shape in ("sdxl4k", "sdxl4k_b4", "sdxl1k") for n in (0, *KA.EXP2_EVERY)],
+    *[(f"gluon 3 consumers s{st}", shape, "gluon", gluon(st, True, consumers=3))
+      for shape in ("sdxl4k", "sdxl4k_b4", "sdxl1k") for st in (2, 3)],
     ("64x64 w4 s4 no TMA", "sdxl4k", "fwd", fwd(64, 64, 4, 4, tma=False, d=64)),  # no CTA barriers in the loop
     ("64x64 w4 s3", "sdxl4k", "fwd", fwd(64, 64, 4, 3, d=64)),
     ("64x64 w4 s2", "sdxl4k", "fwd", fwd(64, 64, 4, 2, d=64)),

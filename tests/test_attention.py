@@ -619,10 +619,12 @@ HOPPER_CASES = [((1, 24, 4608, 4608, 128), torch.bfloat16, "blhd"),  # Flux
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype, layout", HOPPER_CASES)
-def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype, layout):
-    """The Gluon forward on sm_90: O within 2x PyTorch SDPA's error of an fp32 reference, every
-    output row written, and the log-sum-exp the backward reads equal to the portable kernel's."""
+@pytest.mark.parametrize("shape, dtype, layout, consumers", [(*case, 2) for case in HOPPER_CASES] + [
+    ((1, 10, 4096, 4096, 64), torch.bfloat16, "blhd", 3), ((2, 3, 1000, 1024, 64), torch.float16, "bhld", 3)])
+def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype, layout, consumers):
+    """The Gluon forward on sm_90 (two consumer warpgroups, or three at head dim 64): O within 2x PyTorch
+    SDPA's error of an fp32 reference, every output row written (Lq = 1000: ragged programs of 192 rows),
+    and the log-sum-exp the backward reads equal to the portable kernel's."""
     if not AH.available():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
     B, H, Lq, Lk, D = shape
@@ -636,7 +638,8 @@ def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype
         o = torch.full_like(tq, float("nan"))
         lse = torch.full((B * H, Lq), float("nan"), device=DEVICE)
         if hopper:
-            AH.attention_fwd(tq, tk, tv, o, lse, *st, o.stride()[:3], B, H, Lq, Lk, D, scale * KA.LOG2E)
+            AH.attention_fwd(tq, tk, tv, o, lse, *st, o.stride()[:3], B, H, Lq, Lk, D, scale * KA.LOG2E,
+                             consumers=consumers)
         else:
             KA.attention_fwd(tq, tk, tv, o, lse, *st, o.stride()[:3], B, H, Lq, Lk, D, scale, False)
         outs.append((o, lse))

@@ -50,30 +50,32 @@ BLOCK_M = 64  # query rows per consumer warpgroup (two per program)
 BLOCK_N = 128  # keys per block
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
+THREE_CONSUMER_REGS = 160  # with three consumer warpgroups (16 warps x 128 registers at entry)
 
 
 if gluon is not None:
     @gluon.jit
-    def _ring(STAGES: gl.constexpr):
+    def _ring(STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
         # a ring of STAGES shared-memory buffers' mbarriers: "ready" takes the loader's one arrival (with
-        # the bytes its TMA copy brings), "empty" one arrival from each of the two consumer warpgroups
+        # the bytes its TMA copy brings), "empty" one arrival from each of the CONSUMERS consumer warpgroups
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)
+            mbarrier.init(empty.index(i), count=CONSUMERS)
         return ready, empty
 
     @gluon.jit
     def _loader(q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
                 qb, kb, vb, Lq, Lk, sqm, skn, svn, start_m,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                CONSUMERS: gl.constexpr):
         layout_q: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], q_ptr.dtype.element_ty)
         layout_kv: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], k_ptr.dtype.element_ty)
         q_desc = tma.make_tensor_descriptor(q_ptr + qb, [Lq, HEAD_DIM], [sqm, 1], [BLOCK_M, HEAD_DIM], layout_q)
         k_desc = tma.make_tensor_descriptor(k_ptr + kb, [Lk, HEAD_DIM], [skn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
         v_desc = tma.make_tensor_descriptor(v_ptr + vb, [Lk, HEAD_DIM], [svn, 1], [BLOCK_N, HEAD_DIM], layout_kv)
-        for w in gl.static_range(2):
+        for w in gl.static_range(CONSUMERS):
             mbarrier.expect(q_bar.index(w), BLOCK_M * HEAD_DIM * q_ptr.dtype.element_ty.primitive_bitwidth // 8)
             tma.async_copy_global_to_shared(q_desc, [start_m + w * BLOCK_M, 0], q_bar.index(w), q_smem.index(w))
         nbytes: gl.constexpr = BLOCK_N * HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
@@ -127,11 +129,13 @@ if gluon is not None:
         return o, gl.convert_layout(p.to(p_op.dtype), p_layout), m_i, l_i
 
     @gluon.jit
-    def _consumer(WG: gl.constexpr, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                  turn, ob, lse_off, Lq, Lk, som, qk_scale, start_m,
+    def _consumer(WG: gl.constexpr, shared,
                   HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  PINGPONG: gl.constexpr):
-        # warpgroup WG (0 or 1): query rows start_m + WG * BLOCK_M + [0, BLOCK_M)
+                  PINGPONG: gl.constexpr, CONSUMERS: gl.constexpr):
+        # warpgroup WG (0 .. CONSUMERS - 1): query rows start_m + WG * BLOCK_M + [0, BLOCK_M); with PINGPONG
+        # the warpgroups take turns round the ring of ``turn`` barriers; ``shared``: what every consumer takes
+        o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, ob, lse_off, Lq, Lk, \
+            som, qk_scale, start_m = shared
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -142,9 +146,9 @@ if gluon is not None:
         dtype: gl.constexpr = o_ptr.dtype.element_ty
         q = q_smem.index(WG)
         my_turn = turn.index(WG)
-        other_turn = turn.index(1 - WG)
+        other_turn = turn.index((WG + 1) % CONSUMERS)
         n_blocks = Lk // BLOCK_N
-        if PINGPONG and WG == 1:  # warpgroup 0 issues first
+        if PINGPONG and WG == CONSUMERS - 1:  # warpgroup 0 issues first
             mbarrier.arrive(turn.index(0))
         mbarrier.wait(q_bar.index(WG), 0)
 
@@ -192,42 +196,53 @@ if gluon is not None:
         lse_rows = start_m + WG * BLOCK_M + gl.arange(0, BLOCK_M, s_rows)
         gl.store(lse_ptr + lse_off + lse_rows, m_i + gl.log2(l_i), mask=lse_rows < Lq)
 
-    # O = softmax(Q K^T * scale) V for 2 x BLOCK_M query rows of one (batch, head); lse2 per row
+    # O = softmax(Q K^T * scale) V for CONSUMERS x BLOCK_M query rows of one (batch, head); lse2 per row
     @gluon.jit
     def _attn_fwd_hopper_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, H, Lq, Lk, qk_scale,
                                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-        start_m = gl.program_id(0) * (2 * BLOCK_M)
+                                STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                                CONSUMERS: gl.constexpr = 2):
+        start_m = gl.program_id(0) * (CONSUMERS * BLOCK_M)
         pid_bh = gl.program_id(1)
         b = (pid_bh // H).to(gl.int64)
         h = (pid_bh % H).to(gl.int64)
         dtype: gl.constexpr = q_ptr.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M, HEAD_DIM],
+        q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M, HEAD_DIM],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype))
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
-        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        k_ready, k_empty = _ring(STAGES)
-        v_ready, v_empty = _ring(STAGES)
-        for w in gl.static_range(2):
+        q_bar = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+        k_ready, k_empty = _ring(STAGES, CONSUMERS)
+        v_ready, v_empty = _ring(STAGES, CONSUMERS)
+        for w in gl.static_range(CONSUMERS):
             mbarrier.init(q_bar.index(w), count=1)
             mbarrier.init(turn.index(w), count=1)
         ob = b * sob + h * soh
         lse_off = pid_bh.to(gl.int64) * Lq
-        # (the argument tuples are written out in the call: a tuple bound to a name first would turn
-        # the constexprs in it into tensors, Triton 3.6)
-        gl.warp_specialize([
-            (_consumer, (0, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         ob, lse_off, Lq, Lk, som, qk_scale, start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG)),
-            (_consumer, (1, o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn,
-                         ob, lse_off, Lq, Lk, som, qk_scale, start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG)),
-            (_loader, (q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-                       b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh, Lq, Lk, sqm, skn, svn, start_m,
-                       HEAD_DIM, BLOCK_M, BLOCK_N, STAGES)),
-        ], [4, 1], [CONSUMER_REGS, 24])
+        # (the constexprs are written out in each call: a tuple bound to a name first would turn those in
+        # it into tensors, Triton 3.6; ``shared`` holds none)
+        shared = (o_ptr, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty, turn, ob, lse_off,
+                  Lq, Lk, som, qk_scale, start_m)
+        qb, kb, vb = b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh
+        if CONSUMERS == 2:
+            gl.warp_specialize([
+                (_consumer, (0, shared, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+                (_consumer, (1, shared, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+                (_loader, (q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           qb, kb, vb, Lq, Lk, sqm, skn, svn, start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+            ], [4, 1], [CONSUMER_REGS, 24])
+        else:
+            gl.static_assert(CONSUMERS == 3, "two or three consumer warpgroups")
+            gl.warp_specialize([
+                (_consumer, (0, shared, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+                (_consumer, (1, shared, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+                (_consumer, (2, shared, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, PINGPONG, CONSUMERS)),
+                (_loader, (q_ptr, k_ptr, v_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+                           qb, kb, vb, Lq, Lk, sqm, skn, svn, start_m, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, CONSUMERS)),
+            ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, 24])
 
 
 @functools.cache
@@ -250,13 +265,15 @@ def usable(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
     return all(t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in s) for t, s in ((q, sq), (k, sk), (v, sv)))
 
 
-def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, stages=2, pingpong=True):
+def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, stages=2, pingpong=True, consumers=2):
     """O and lse2 of ``attention.attention_fwd`` (``qk_scale`` = scale * log2(e)) on a call that
-    ``usable`` accepts."""
-    grid = (-(-Lq // (2 * BLOCK_M)), B * H)
+    ``usable`` accepts; ``consumers``: 2, or 3 warpgroups of BLOCK_M query rows a program (FlashAttention-3's
+    head-dim-64 shape; 160 registers each, an experiment the lab times)."""
+    grid = (-(-Lq // (consumers * BLOCK_M)), B * H)
+    three = {} if consumers == 2 else {"CONSUMERS": consumers}  # the default's launch key: the shipped kernel lists'
     launch(_attn_fwd_hopper_kernel, grid, q, k, v, o, lse, H, Lq, Lk, float(qk_scale), *sq, *sk, *sv, *so,
            HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong,
-           CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+           CONSUMER_REGS=THREE_CONSUMER_REGS if three else CONSUMER_REGS, num_warps=4, **three)
 
 
 # ---- backward ------------------------------------------------------------------------------------
@@ -461,8 +478,8 @@ if gluon is not None:
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BLOCK, BLOCK], p_layout)
         ab_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        c_ready, c_empty = _ring(STAGES)
-        d_ready, d_empty = _ring(STAGES)
+        c_ready, c_empty = _ring(STAGES, 2)
+        d_ready, d_empty = _ring(STAGES, 2)
         for w in gl.static_range(2):
             mbarrier.init(ab_bar.index(w), count=1)
         stat_off = pid_bh.to(gl.int64) * Lq
