@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -619,12 +618,14 @@ HOPPER_CASES = [((1, 24, 4608, 4608, 128), torch.bfloat16, "blhd"),  # Flux
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, dtype, layout, consumers", [(*case, 2) for case in HOPPER_CASES] + [
-    ((1, 10, 4096, 4096, 64), torch.bfloat16, "blhd", 3), ((2, 3, 1000, 1024, 64), torch.float16, "bhld", 3)])
+@pytest.mark.parametrize("shape, dtype, layout, consumers", [(*case, None) for case in HOPPER_CASES] + [
+    ((1, 10, 4096, 4096, 64), torch.bfloat16, "blhd", None), ((2, 3, 1000, 1024, 64), torch.float16, "bhld", None),
+    ((1, 4, 777, 512, 64), torch.bfloat16, "blhd", 2)])
 def test_gpu_hopper_forward_matches_portable_and_torch(monkeypatch, shape, dtype, layout, consumers):
-    """The Gluon forward on sm_90 (two consumer warpgroups, or three at head dim 64): O within 2x PyTorch
-    SDPA's error of an fp32 reference, every output row written (Lq = 1000: ragged programs of 192 rows),
-    and the log-sum-exp the backward reads equal to the portable kernel's."""
+    """The Gluon forward on sm_90 (FWD_CONSUMERS's warpgroups for the head dim: two at 128, three at 64;
+    or the lab's two at 64): O within 2x PyTorch SDPA's error of an fp32 reference, every output row
+    written (Lq = 1000 and 777: ragged programs), and the log-sum-exp the backward reads equal to the
+    portable kernel's."""
     if not AH.available():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
     B, H, Lq, Lk, D = shape
@@ -672,15 +673,16 @@ def test_gpu_hopper_backward_matches_torch(monkeypatch, fresh_routes, shape, dty
     calls = []
     real = AH.attention_bwd
     monkeypatch.setattr(AH, "attention_bwd", lambda *a, **kw: calls.append(D) or real(*a, **kw))
-    monkeypatch.setattr(KA, "HOPPER_HEAD_DIMS", (64, 128))
+    monkeypatch.setattr(KA, "HOPPER_HEAD_DIMS", {KA.FORWARD: (64, 128), KA.BACKWARD: (64, 128)})
     _gpu_rule(B, H, Lq, Lk, D, dtype, layout=layout)
     assert calls == [D]
 
 
 @pytest.mark.gpu
 def test_gpu_hopper_route(monkeypatch):
-    """On sm_90 flame's forward takes the Gluon kernel for the head dims of KA.HOPPER_HEAD_DIMS
-    (no mask, not causal) and the portable one otherwise; gradients flow through its lse."""
+    """On sm_90 flame's forward takes the Gluon kernel for the head dims of KA.HOPPER_HEAD_DIMS[FORWARD]
+    (no mask, not causal) and the portable one otherwise; gradients flow through its lse (at head dim
+    64 into the portable backward)."""
     if not AH.available():
         pytest.skip("needs an sm_90 GPU with triton.experimental.gluon")
     calls = []
@@ -689,34 +691,4 @@ def test_gpu_hopper_route(monkeypatch):
     for D in (64, 128):
         _gpu_rule(1, 4, 512, 512, D, torch.bfloat16, layout="blhd")
         _gpu_rule(1, 4, 512, 512, D, torch.bfloat16, causal=True)
-    assert calls == [D for D in (64, 128) if D in KA.HOPPER_HEAD_DIMS]
-
-
-# ---- exponentials on the FMA units (KA._exp2_split; an experiment the lab times) --------------------
-
-def test_exp2_split_cubic_is_within_its_bound():
-    """The cubic path's steps in float32 (NumPy standing in for the PTX): 2^x within 1e-4 relative
-    from -125 up (the bound 7.5e-5 plus fp32 rounding), so 16-bit P sees no difference."""
-    x = np.concatenate([np.linspace(-125, 1, 2_000_001), -np.logspace(-8, 2, 1001)]).astype(np.float32)
-    f32 = np.float32
-    clamped = np.maximum(x, f32(-125))
-    t = clamped + f32(1.5 * 2 ** 23)  # round(x) in the low mantissa bits
-    n = t - f32(1.5 * 2 ** 23)
-    f = clamped - n
-    c0, c1, c2, c3 = (f32(c) for c in KA.EXP2_CUBIC)
-    p = ((c3 * f + c2) * f + c1) * f + c0
-    y = (p.view(np.int32) + (t.view(np.int32) << 23)).view(np.float32)
-    rel = np.abs(y.astype(np.float64) / np.exp2(x.astype(np.float64)) - 1)
-    assert rel.max() < 1e-4, (x[rel.argmax()], rel.max())
-    assert len(KA._EXP2_SPLIT_4.value.splitlines()) == 3 + 12  # three ex2.approx, the cubic's block of 12
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("every", KA.EXP2_EVERY)
-@pytest.mark.parametrize("shape, causal", [((1, 10, 4096, 4096, 64), False), ((2, 3, 777, 1000, 64), True)])
-def test_gpu_forward_with_exponentials_on_the_fma_units(monkeypatch, fresh_routes, every, shape, causal):
-    """The portable forward with one exponential in ``every`` of its unmasked key blocks by the cubic:
-    within 2x PyTorch's error like the plain kernel (masked blocks keep ex2, so causal rows stay exact)."""
-    planned = KA._fwd_config
-    monkeypatch.setattr(KA, "_fwd_config", lambda *a: dict(planned(*a), POLY_EXP2=every))
-    _gpu_rule(*shape, torch.bfloat16, causal=causal)
+    assert calls == [D for D in (64, 128) if D in KA.HOPPER_HEAD_DIMS[KA.FORWARD]]

@@ -43,7 +43,6 @@ wrong); fp32 dots use ``input_precision="ieee"``; fp64 inputs accumulate in fp64
 import dataclasses
 import functools
 import os
-import struct
 import sys
 from typing import NamedTuple
 
@@ -64,19 +63,19 @@ from .matmul import RouteMemo, tma_available
 TMA_SWITCH = os.environ.get("FLAME_ATTN_TMA", "1") != "0"
 KV_TMA = not runtime.INTERPRETER and TMA_SWITCH
 KV_TMA_MIN_KEYS = 2048
-# On an sm_90 GPU with Gluon, the forward calls that ``attention_hopper.usable`` accepts and whose
-# head dim is in HOPPER_HEAD_DIMS run the warp-specialised Gluon kernel of attention_hopper.py
-# (route "gluon", ``_gluon_refusal``);
-# FLAME_ATTN_GLUON=0 turns that off (the portable kernel below then serves every call). Measured
-# on an H200 (Triton 3.6, bf16, same process): Flux's 1x24x4608x128 0.453 ms against 0.522 here
-# (cuDNN SDPA 0.448); at head dim 64 the Gluon kernel is slower (SDXL, 4096 tokens: 0.121 against
-# 0.113; 1024 tokens: 0.027 against 0.019), so 64 stays here. Backward (scripts/attention_lab.py,
-# one process): Flux 1.52 ms against 1.73 here (cuDNN 1.31); SDXL 4096 tokens 0.394 against 0.329.
-# The backward of the same calls (dO TMA-readable too) runs attention_hopper.py's dK/dV and dQ
-# kernels (HOPPER_BWD; off with FLAME_ATTN_GLUON=0 or FLAME_ATTN_GLUON_BWD=0).
+# On an sm_90 GPU with Gluon, the calls that ``attention_hopper.usable`` accepts and whose head dim
+# is in HOPPER_HEAD_DIMS[direction] run the warp-specialised Gluon kernels of attention_hopper.py
+# (route "gluon", ``_gluon_refusal``; the backward's dO TMA-readable too); FLAME_ATTN_GLUON=0 turns
+# both off, FLAME_ATTN_GLUON_BWD=0 the backward's (the portable kernels below then serve those calls).
+# Measured on an H200 (Triton 3.6, bf16, scripts/attention_lab.py, one process): forward, Flux's
+# 1x24x4608x128 0.453 ms against 0.522 here (cuDNN SDPA 0.448); SDXL's head dim 64 with three consumer
+# warpgroups, 1x10x4096 0.101 against 0.111 here (cuDNN 0.111), 4x10x4096 0.375 against 0.411 (0.383),
+# 1x20x1024 0.018 against 0.019 (0.023). Backward: Flux 1.52 ms against 1.73 here (cuDNN 1.31); at head
+# dim 64 the Gluon backward is slower (SDXL, 4096 tokens: 0.394 against 0.329), so 64 stays here.
 HOPPER_FWD = not runtime.INTERPRETER and os.environ.get("FLAME_ATTN_GLUON", "1") != "0"
 HOPPER_BWD = HOPPER_FWD and os.environ.get("FLAME_ATTN_GLUON_BWD", "1") != "0"
-HOPPER_HEAD_DIMS = (128,)
+FORWARD, BACKWARD = "forward", "backward"  # an AttentionProblem's direction
+HOPPER_HEAD_DIMS = {FORWARD: (64, 128), BACKWARD: (128,)}
 
 # log2(e) = 1.4426950408889634 (written inline in jit code)
 LOG2E = 1.4426950408889634
@@ -150,54 +149,10 @@ def _key_stages(start_m, Lk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSA
 
 # ---- forward ----------------------------------------------------------------------------------
 
-# exp2 with one element in EXP2_EVERY on the FMA units instead of the MUFU unit, whose 16 results
-# a clock per SM match the tensor cores' rate at head dim 64 (FlashAttention-4's trick, here for
-# Hopper): 2^x = 2^n * 2^f with n = round(x), f = x - n in [-0.5, 0.5]. Adding 1.5 * 2^23 rounds x
-# to n in the sum's low mantissa bits, 2^f is a cubic (minimax relative error 7.5e-5 on [-0.5, 0.5];
-# P is rounded to 16 bits after, 2^-9), and n << 23 added to the cubic's bits scales it by 2^n. x is
-# clamped at -125, so -inf gives 2^-125, not 0: unmasked key blocks only. Lab-only until measured.
-EXP2_CUBIC = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716685295105)
-EXP2_EVERY = (2, 4, 8)
-
-
-def _f32_hex(v):
-    return f"0f{struct.unpack('<I', struct.pack('<f', v))[0]:08X}"
-
-
-def _exp2_split_asm(every):
-    """PTX for ``tl.inline_asm_elementwise`` with ``pack=every``: outputs $0.., inputs $every..; the
-    last element of each pack by the cubic, the others by ``ex2.approx``."""
-    c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_CUBIC)
-    magic = _f32_hex(1.5 * 2 ** 23)
-    mufu = [f"ex2.approx.ftz.f32 ${i}, ${every + i};" for i in range(every - 1)]
-    cubic = ["{", ".reg .b32 t, n, f, p, e;", f"max.f32 f, ${2 * every - 1}, {_f32_hex(-125.0)};",
-             f"add.rn.f32 t, f, {magic};", f"sub.rn.f32 n, t, {magic};", "sub.rn.f32 f, f, n;",
-             f"fma.rn.f32 p, f, {c3}, {c2};", f"fma.rn.f32 p, p, f, {c1};", f"fma.rn.f32 p, p, f, {c0};",
-             "shl.b32 e, t, 23;", f"add.s32 ${every - 1}, p, e;", "}"]
-    return tl.constexpr("\n".join(mufu + cubic)), tl.constexpr(",".join(["=r"] * every + ["r"] * every))
-
-
-_EXP2_SPLIT_2, _EXP2_SPLIT_2_C = _exp2_split_asm(2)
-_EXP2_SPLIT_4, _EXP2_SPLIT_4_C = _exp2_split_asm(4)
-_EXP2_SPLIT_8, _EXP2_SPLIT_8_C = _exp2_split_asm(8)
-
-
-@triton.jit
-def _exp2_split(x, EVERY: tl.constexpr):
-    if EVERY == 2:
-        y = tl.inline_asm_elementwise(_EXP2_SPLIT_2, _EXP2_SPLIT_2_C, [x], dtype=tl.float32, is_pure=True, pack=2)
-    elif EVERY == 4:
-        y = tl.inline_asm_elementwise(_EXP2_SPLIT_4, _EXP2_SPLIT_4_C, [x], dtype=tl.float32, is_pure=True, pack=4)
-    else:
-        tl.static_assert(EVERY == 8, "EXP2_EVERY: 2, 4 or 8")
-        y = tl.inline_asm_elementwise(_EXP2_SPLIT_8, _EXP2_SPLIT_8_C, [x], dtype=tl.float32, is_pure=True, pack=8)
-    return y
-
-
 @triton.jit
 def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale, smm, smn,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                ACC: tl.constexpr, PRECISION: tl.constexpr, POS_SCALE: tl.constexpr, POLY_EXP2: tl.constexpr):
+                ACC: tl.constexpr, PRECISION: tl.constexpr, POS_SCALE: tl.constexpr):
     # One key block: the online-softmax rescale of (acc, m_i, l_i), in base 2. With a positive
     # scale the row max is taken over the raw scores QK^T and each probability costs one FMA,
     # exp2(qk * scale - m); otherwise the scores are scaled first (scale 1 afterwards).
@@ -212,10 +167,7 @@ def _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_sc
     m_use = m_new
     if MASKED or MASK_KIND != 0:  # a row may have seen only -inf so far: subtract 0 (m_i stays -inf)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    if POLY_EXP2 > 0 and not MASKED and MASK_KIND == 0:  # fp32 scores (16-bit inputs on a GPU) only
-        p = _exp2_split(qk * scale - m_use[:, None], POLY_EXP2)
-    else:
-        p = tl.math.exp2(qk * scale - m_use[:, None])
+    p = tl.math.exp2(qk * scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
@@ -228,8 +180,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, lo
               skn, svn, smm, smn,
               HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
               CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr,
-              UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr,
-              POLY_EXP2: tl.constexpr):
+              UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr, POS_SCALE: tl.constexpr):
     # k_src/v_src: this head's K and V base pointers, or (KV_TMA) their tensor descriptors. K is
     # read over the whole head dim (offs_d), V over this program's value columns dv0 + [0, BLOCK_DV).
     offs_dv = dv0 + tl.arange(0, BLOCK_DV)
@@ -245,7 +196,7 @@ def _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, lo
             k = _load_rows(k_src, offs_n, offs_d, Lk, skn, HEAD_DIM, UPCAST)
             v = _load_rows(v_src, offs_n, offs_dv, Lk, svn, HEAD_DIM, UPCAST)
         acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
-                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE, POLY_EXP2)
+                                    smm, smn, MASKED, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
     return acc, m_i, l_i
 
 
@@ -257,8 +208,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
                      BLOCK_N: tl.constexpr, M_GROUP: tl.constexpr, SINGLE_KV: tl.constexpr,
                      CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, ACC: tl.constexpr,
                      PRECISION: tl.constexpr, UPCAST: tl.constexpr, WIDE: tl.constexpr, KV_TMA: tl.constexpr,
-                     POS_SCALE: tl.constexpr, POLY_EXP2: tl.constexpr = 0):
-    # POLY_EXP2: 0, or one exponential in POLY_EXP2 of the unmasked blocks' on the FMA units (_exp2_split)
+                     POS_SCALE: tl.constexpr):
     pid_g = tl.program_id(0)
     if CAUSAL:  # the longest rows (most key blocks) first
         pid_g = tl.num_programs(0) - 1 - pid_g
@@ -297,15 +247,15 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, mask_ptr,
         l_i = tl.zeros((BLOCK_M,), dtype=ACC)
         if SINGLE_KV:
             acc, m_i, l_i = _fwd_update(acc, m_i, l_i, q, k, v, offs_m, offs_n, mask_base, Lq, Lk, qk_scale,
-                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE, POLY_EXP2)
+                                        smm, smn, True, CAUSAL, MASK_KIND, ACC, PRECISION, POS_SCALE)
         else:
             n_full, hi = _key_stages(start_m, Lk, BLOCK_M, BLOCK_N, CAUSAL)
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, 0, n_full,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, False,
-                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE, POLY_EXP2)
+                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
             acc, m_i, l_i = _fwd_loop(acc, m_i, l_i, q, k_src, v_src, mask_base, offs_m, offs_d, dv0, n_full, hi,
                                       Lq, Lk, qk_scale, skn, svn, smm, smn, HEAD_DIM, BLOCK_DV, BLOCK_N, True,
-                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE, POLY_EXP2)
+                                      CAUSAL, MASK_KIND, ACC, PRECISION, UPCAST, WIDE, KV_TMA, POS_SCALE)
         empty = l_i == 0.0  # every key masked out (or Lk == 0): output 0, lse +inf
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc / l_safe[:, None]
@@ -860,7 +810,7 @@ def _bwd_fields(kv, dq, chunks):
 # TMA cannot read, and what the device runs), ask ``plan`` for its route and run it (``_RUN``).
 # Forward:
 #   "gluon"     ``attention_hopper``'s warp-specialised kernel (sm_90 with Gluon, HOPPER_FWD): 16-bit,
-#               head dim in HOPPER_HEAD_DIMS, no mask, not causal, scale > 0, Lk a positive multiple
+#               head dim in HOPPER_HEAD_DIMS[FORWARD], no mask, not causal, scale > 0, Lk a positive multiple
 #               of its 128-key block, Q, K and V readable by TMA (``_gluon_refusal``)
 #   "short_kv"  ``_attn_fwd_kernel`` with every key in one block (``short_kv``, SINGLE_KV): K and V
 #               loaded once per program for M_GROUP query blocks (cross-attention)
@@ -871,7 +821,8 @@ def _bwd_fields(kv, dq, chunks):
 #   "none"      no (batch, head) pair or no query: nothing to write
 # Backward:
 #   "gluon"     the delta preprocess, then ``attention_hopper``'s dK/dV and dQ kernels (HOPPER_BWD):
-#               the forward's "gluon" calls with queries and dO readable by TMA too
+#               the forward's "gluon" calls with head dim in HOPPER_HEAD_DIMS[BACKWARD], queries and dO
+#               readable by TMA too
 #   "fused_dq"  short K/V in one key block: ``_attn_bwd_dkdv_kernel`` computes delta and writes dQ too
 #   "dkdv_dq"   the delta preprocess, ``_attn_bwd_dkdv_kernel``, then ``_attn_bwd_dq_kernel`` (with no
 #               keys, only the dQ program: dQ = 0)
@@ -883,7 +834,6 @@ def _bwd_fields(kv, dq, chunks):
 # while a test forces blocks (FORCE_BLOCKS). ``FLAME_DEBUG_ROUTES=1`` prints each distinct
 # problem's route and why, once, to stderr.
 
-FORWARD, BACKWARD = "forward", "backward"
 ROUTES = {FORWARD: ("gluon", "short_kv", "kv_tma", "pointer", "none"),
           BACKWARD: ("gluon", "fused_dq", "dkdv_dq", "none")}
 DEBUG_ROUTES = os.environ.get("FLAME_DEBUG_ROUTES", "") == "1"
@@ -1006,8 +956,8 @@ def _plan(p):
 def _gluon_refusal(p):
     """Why attention_hopper.py's kernels do not take problem ``p`` (None: they do): its ``usable``
     (the device, 16-bit, head dim, no mask, not causal, scale > 0, Lk a positive multiple of its
-    key block, Q, K, V readable by TMA), HOPPER_HEAD_DIMS, and for a backward queries and dO
-    readable by TMA too."""
+    key block, Q, K, V readable by TMA), HOPPER_HEAD_DIMS of its direction, and for a backward
+    queries and dO readable by TMA too."""
     if not p.gluon:
         return "not an sm_90 GPU with Gluon, or FLAME_ATTN_GLUON(_BWD)=0"
     if FORCE_BLOCKS is not None:
@@ -1016,8 +966,9 @@ def _gluon_refusal(p):
         return "a mask" if p.mask else "causal"
     if not p.positive_scale:
         return "scale <= 0"
-    if p.D not in HOPPER_HEAD_DIMS or p.D not in attention_hopper.HEAD_DIMS:
-        return f"head dim {p.D} (the Gluon kernels take {HOPPER_HEAD_DIMS}: HOPPER_HEAD_DIMS)"
+    head_dims = HOPPER_HEAD_DIMS[p.direction]
+    if p.D not in head_dims or p.D not in attention_hopper.HEAD_DIMS:
+        return f"head dim {p.D} (the Gluon {p.direction} takes {head_dims}: HOPPER_HEAD_DIMS)"
     if p.dtype not in _TMA_DTYPES:
         return f"{p.dtype}"
     if p.Lk < attention_hopper.BLOCK_N or p.Lk % attention_hopper.BLOCK_N:

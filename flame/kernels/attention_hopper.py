@@ -1,5 +1,5 @@
 """Flash attention for Hopper (sm_90) in Gluon: warp-specialised forward and backward kernels
-with a TMA producer warp, two consumer warpgroups and wgmma, FlashAttention-3's structure (the
+with a TMA producer warp, two or three consumer warpgroups and wgmma, FlashAttention-3's structure (the
 backward deterministic: dQ by its own kernel, no atomics; see "backward" below).
 
 Problem and layout as ``attention.py``'s forward (``O = softmax(Q K^T * scale) V`` per (batch,
@@ -8,20 +8,21 @@ subset this kernel serves: bf16/fp16, head dim 64 or 128, no mask, not causal, a
 Lk a multiple of BLOCK_N (``usable``). It writes O and the base-2 log-sum-exp the portable backward
 reads (``lse2 = max + log2(sum)`` of the scores scaled by ``scale * log2(e)``).
 
-One program per 2 x BLOCK_M query rows of one (batch, head), in three partitions:
+One program per CONSUMERS x BLOCK_M query rows of one (batch, head) (``FWD_CONSUMERS``: two
+consumer warpgroups at head dim 128, three at 64, FlashAttention-3's shapes), in partitions:
 - the loader (1 warp, 24 registers): builds TMA descriptors for this head's Q, K and V (shape
-  (L, D): rows past L arrive as zeros), loads the two query tiles, then streams K and V blocks
+  (L, D): rows past L arrive as zeros), loads the query tiles, then streams K and V blocks
   into two rings of STAGES shared-memory buffers (``*_ready`` barriers count the bytes, ``*_empty``
   barriers take one arrival from each consumer);
-- two consumers (4 warps each, the default partition and a worker, 240 registers each): BLOCK_M
-  query rows each, online softmax in base 2. Within a warpgroup the softmax of key block j runs
-  while the wgmma of P_{j-1} V_{j-1} is in flight (S_j = Q K_j^T and P_{j-1} V_{j-1} are issued
+- the consumers (4 warps each, the default partition and workers; 240 registers each when two, 160
+  when three): BLOCK_M query rows each, online softmax in base 2. Within a warpgroup the softmax of
+  key block j runs while the wgmma of P_{j-1} V_{j-1} is in flight (S_j = Q K_j^T and P_{j-1} V_{j-1} are issued
   together, S_j is waited with one group left outstanding); P stays in registers as wgmma's A
   operand. (ptxas moves the ``wgmma.wait_group 0`` of P V above the exponentials, as the next P
   is packed into the registers the wgmma in flight reads; a wait made data-dependent on the row
-  sums kept it below them but measured no faster: notes/attention.md.) With PINGPONG the two
-  consumers take turns to issue their wgmmas (``turn`` barriers), so that one warpgroup's softmax
-  overlaps the other's matrix products.
+  sums kept it below them but measured no faster: notes/attention.md.) With PINGPONG the
+  consumers take turns to issue their wgmmas (``turn`` barriers, a ring), so that one warpgroup's
+  softmax overlaps the others' matrix products.
 """
 from __future__ import annotations
 
@@ -51,6 +52,10 @@ BLOCK_N = 128  # keys per block
 HEAD_DIMS = (64, 128)
 CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
 THREE_CONSUMER_REGS = 160  # with three consumer warpgroups (16 warps x 128 registers at entry)
+# The forward's consumer warpgroups per head dim. Measured on an H200 (scripts/attention_lab.py, one
+# process, bf16): at 64 three (a program of 192 query rows) against two, SDXL's 1x10x4096 0.101 ms against 0.122
+# (cuDNN SDPA 0.111), 4x10x4096 0.375 against 0.417 (0.383), 1x20x1024 0.018 against 0.027 (0.023)
+FWD_CONSUMERS = {64: 3, 128: 2}
 
 
 if gluon is not None:
@@ -265,12 +270,13 @@ def usable(q, k, v, sq, sk, sv, Lk, D, scale, causal, mask):
     return all(t.data_ptr() % 16 == 0 and all((st * es) % 16 == 0 for st in s) for t, s in ((q, sq), (k, sk), (v, sv)))
 
 
-def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, stages=2, pingpong=True, consumers=2):
+def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, stages=2, pingpong=True,
+                  consumers=None):
     """O and lse2 of ``attention.attention_fwd`` (``qk_scale`` = scale * log2(e)) on a call that
-    ``usable`` accepts; ``consumers``: 2, or 3 warpgroups of BLOCK_M query rows a program (FlashAttention-3's
-    head-dim-64 shape; 160 registers each, an experiment the lab times)."""
+    ``usable`` accepts; ``consumers``: 2 or 3 warpgroups of BLOCK_M query rows a program (None: FWD_CONSUMERS's)."""
+    consumers = consumers or FWD_CONSUMERS[D]
     grid = (-(-Lq // (consumers * BLOCK_M)), B * H)
-    three = {} if consumers == 2 else {"CONSUMERS": consumers}  # the default's launch key: the shipped kernel lists'
+    three = {} if consumers == 2 else {"CONSUMERS": consumers}  # two: the default's launch key (the shipped lists')
     launch(_attn_fwd_hopper_kernel, grid, q, k, v, o, lse, H, Lq, Lk, float(qk_scale), *sq, *sk, *sv, *so,
            HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong,
            CONSUMER_REGS=THREE_CONSUMER_REGS if three else CONSUMER_REGS, num_warps=4, **three)
