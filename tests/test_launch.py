@@ -391,6 +391,27 @@ def test_group_norm_and_conv_launch_through_kept_plans(monkeypatch):
     assert run() == first
 
 
+def test_no_kernel_leaves_a_parameter_to_its_default():
+    """The direct path reads a kernel's constexprs from its launch's keywords (``_first_launch``): one
+    left to a default in the signature turns the direct path off for the whole process, so every flame
+    kernel (Triton's and Gluon's) takes each parameter from its launch."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import flame.kernels
+
+    defaulted = []
+    for info in pkgutil.iter_modules(flame.kernels.__path__):
+        module = importlib.import_module(f"flame.kernels.{info.name}")
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)
+            if callable(fn) and hasattr(obj, "arg_names") and obj.__module__ == module.__name__:
+                defaulted += [f"{info.name}.{name}({p.name})" for p in inspect.signature(fn).parameters.values()
+                              if p.default is not inspect.Parameter.empty]
+    assert defaulted == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(flame.is_interpreter(), reason="the direct path runs on CUDA only")
 def test_direct_launches_equal_tritons_own(monkeypatch):

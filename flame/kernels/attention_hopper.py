@@ -207,7 +207,7 @@ if gluon is not None:
                                 sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                 STAGES: gl.constexpr, PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                                CONSUMERS: gl.constexpr = 2):
+                                CONSUMERS: gl.constexpr):
         start_m = gl.program_id(0) * (CONSUMERS * BLOCK_M)
         pid_bh = gl.program_id(1)
         b = (pid_bh // H).to(gl.int64)
@@ -276,10 +276,9 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, st
     ``usable`` accepts; ``consumers``: 2 or 3 warpgroups of BLOCK_M query rows a program (None: FWD_CONSUMERS's)."""
     consumers = consumers or FWD_CONSUMERS[D]
     grid = (-(-Lq // (consumers * BLOCK_M)), B * H)
-    three = {} if consumers == 2 else {"CONSUMERS": consumers}  # two: the default's launch key (the shipped lists')
     launch(_attn_fwd_hopper_kernel, grid, q, k, v, o, lse, H, Lq, Lk, float(qk_scale), *sq, *sk, *sv, *so,
-           HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong,
-           CONSUMER_REGS=THREE_CONSUMER_REGS if three else CONSUMER_REGS, num_warps=4, **three)
+           HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong, CONSUMERS=consumers,
+           CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS, num_warps=4)
 
 
 # ---- backward ------------------------------------------------------------------------------------
