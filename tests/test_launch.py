@@ -241,6 +241,20 @@ def test_the_direct_path_reuses_a_compiled_kernel_per_key(monkeypatch):
     assert L.launches == before + 10
 
 
+def test_a_launch_the_direct_path_cannot_keep_turns_it_off_with_a_warning(monkeypatch):
+    """A first launch whose constexprs the direct path cannot read from its keywords (here one left
+    out: a signature default) runs through Triton, then turns the direct path off for the process,
+    saying so: without the warning every later launch would pay Triton's host cost unnoticed."""
+    runs, compiles = _stub_triton(monkeypatch, lambda kernel, meta: tuple(meta.items()))
+    kernel = _fake_kernel(["x", "n", "BLOCK", "STAGES"])
+    x = torch.zeros(64)
+    with pytest.warns(RuntimeWarning, match="direct launch path is off.*STAGES"):
+        L.launch(kernel, (1,), x, 64, BLOCK=64)
+    assert not L._direct and sum(compiles.values()) == 1
+    L.launch(kernel, (1,), x, 64, BLOCK=64)
+    assert runs == [] and sum(compiles.values()) == 2  # through Triton again
+
+
 def test_plans_key_their_tensors_descriptors_and_free_ints(monkeypatch):
     """A ``Plan`` (passed as ``sig``, or to ``launch_plan`` with the arguments as a tuple) pins every
     other argument: its launches are keyed by their tensors' dtypes and alignment, their

@@ -147,14 +147,18 @@ def _through_triton(kernel, grid, args, meta):
     return compiled
 
 
+def _kernel_name(kernel):
+    return getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "a kernel")
+
+
 def _warn_fitted(kernel, error):
     global _fit_warned
     if not _fit_warned:
         _fit_warned = True
-        name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "fn", None), "__name__", "a kernel")
-        warnings.warn(f"some launch configs need more shared memory per block than this GPU has ({name}: "
-                      f"{error.required} > {error.limit} bytes); they run with fewer pipeline stages. Configs tuned "
-                      "for this card are faster: scripts/autotune.py", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"some launch configs need more shared memory per block than this GPU has "
+                      f"({_kernel_name(kernel)}: {error.required} > {error.limit} bytes); they run with fewer "
+                      "pipeline stages. Configs tuned for this card are faster: scripts/autotune.py", RuntimeWarning,
+                      stacklevel=4)
 
 
 # ---- Triton's on-disk cache across processes ----------------------------------------------------
@@ -501,8 +505,11 @@ def _first_launch(kernel, grid, args, meta, cache, key):
         if len(cache) >= _MAX_KEYS:
             cache.clear()
         cache[key] = _entry(compiled, consts)
-    except (AttributeError, KeyError, TypeError):  # an unexpected Triton: keep its own path
+    except (AttributeError, KeyError, TypeError) as e:  # an unexpected Triton, or a constexpr not passed
         _direct = False
+        warnings.warn(f"flame's direct launch path is off for this process ({_kernel_name(kernel)}: {type(e).__name__} "
+                      f"{e}); every launch now goes through Triton's, which costs more host time", RuntimeWarning,
+                      stacklevel=2)
 
 
 def _entry(compiled, consts):
