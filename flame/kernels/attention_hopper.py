@@ -47,11 +47,12 @@ try:  # Gluon (Triton >= 3.5); the API used here is Triton 3.6's
 except ImportError:  # an older Triton: the portable kernels serve every call
     gluon = None
 
-BLOCK_M = 64  # query rows per consumer warpgroup (two per program)
+BLOCK_M = 64  # query rows per consumer warpgroup (FWD_CONSUMERS of them per program)
 BLOCK_N = 128  # keys per block
 HEAD_DIMS = (64, 128)
-CONSUMER_REGS = 240  # per thread; the loader warp's group gets 24 (12 warps x 168 registers at entry)
-THREE_CONSUMER_REGS = 160  # with three consumer warpgroups (16 warps x 128 registers at entry)
+# registers per consumer thread, by consumer warpgroups; the loader warp's group gets 24 (at entry two
+# consumers are 12 warps x 168 registers, three 16 warps x 128)
+REGS_PER_CONSUMER = {2: 240, 3: 160}
 # The forward's consumer warpgroups per head dim. Measured on an H200 (scripts/attention_lab.py, one
 # process, bf16): at 64 three (a program of 192 query rows) against two, SDXL's 1x10x4096 0.101 ms against 0.122
 # (cuDNN SDPA 0.111), 4x10x4096 0.375 against 0.417 (0.383), 1x20x1024 0.018 against 0.027 (0.023)
@@ -278,7 +279,7 @@ def attention_fwd(q, k, v, o, lse, sq, sk, sv, so, B, H, Lq, Lk, D, qk_scale, st
     grid = (-(-Lq // (consumers * BLOCK_M)), B * H)
     launch(_attn_fwd_hopper_kernel, grid, q, k, v, o, lse, H, Lq, Lk, float(qk_scale), *sq, *sk, *sv, *so,
            HEAD_DIM=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=stages, PINGPONG=pingpong, CONSUMERS=consumers,
-           CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else THREE_CONSUMER_REGS, num_warps=4)
+           CONSUMER_REGS=REGS_PER_CONSUMER[consumers], num_warps=4)
 
 
 # ---- backward ------------------------------------------------------------------------------------
@@ -512,4 +513,4 @@ def attention_bwd(q, k, v, do, lse, delta, dq, dk, dv, sq, sk, sv, sdo, sdq, sdk
     programs = (Lk // (2 * BWD_BLOCK) + -(-Lq // (2 * BWD_BLOCK))) * B * H
     launch(_attn_bwd_hopper_kernel, (programs,), q, k, v, do, lse, delta, dq, dk, dv, B * H, H, Lq, Lk,
            float(qk_scale), float(sm_scale), *sq, *sk, *sv, *sdo, *sdq, *sdk, *sdv,
-           HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=stages, CONSUMER_REGS=CONSUMER_REGS, num_warps=4)
+           HEAD_DIM=D, BLOCK=BWD_BLOCK, STAGES=stages, CONSUMER_REGS=REGS_PER_CONSUMER[2], num_warps=4)
